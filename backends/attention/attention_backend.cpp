@@ -1,0 +1,335 @@
+#include "backends/attention/attention_backend.h"
+
+#include <cmath>
+#include <mutex>
+
+namespace pdsim::attn {
+
+std::string_view forward_mode_name(ForwardMode m) {
+    switch (m) {
+        case ForwardMode::kExtend: return "extend";
+        case ForwardMode::kDecode: return "decode";
+        case ForwardMode::kMixed: return "mixed";
+        case ForwardMode::kIdle: return "idle";
+        case ForwardMode::kTargetVerify: return "target_verify";
+        case ForwardMode::kDraftExtend: return "draft_extend";
+    }
+    return "unknown";
+}
+
+StatusOr<ForwardMode> parse_forward_mode(std::string_view text) {
+    for (ForwardMode m : {ForwardMode::kExtend, ForwardMode::kDecode, ForwardMode::kMixed,
+                          ForwardMode::kIdle, ForwardMode::kTargetVerify, ForwardMode::kDraftExtend}) {
+        if (forward_mode_name(m) == text) return m;
+    }
+    return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                       "unknown forward mode '{}' (extend|decode|mixed|idle|target_verify|draft_extend)",
+                       text);
+}
+
+float layer_scaling(const LayerSpec& l) {
+    return l.scaling > 0.f ? l.scaling : 1.0f / std::sqrt(static_cast<float>(l.head_dim));
+}
+
+// ---- MetadataBuffers ------------------------------------------------------------------------
+MetadataBuffers::MetadataBuffers(int max_bs, int max_pages_per_seq)
+    : max_bs_(max_bs), max_pages_(max_pages_per_seq) {
+    seq_lens_.assign(static_cast<size_t>(max_bs), 0);
+    q_lens_.assign(static_cast<size_t>(max_bs), 0);
+    q_start_.assign(static_cast<size_t>(max_bs) + 1, 0);
+    page_table_.assign(static_cast<size_t>(max_bs) * static_cast<size_t>(max_pages_per_seq), 0);
+}
+
+void MetadataBuffers::assign(ForwardMode mode, int bs, const int32_t* seq_lens, const int32_t* q_lens,
+                             const int32_t* page_table, int stride) {
+    const bool fixed = max_bs_ > 0;  // graph buffers: addresses must not change
+    const size_t ubs = static_cast<size_t>(bs);
+    if (!fixed) {
+        seq_lens_.resize(ubs);
+        q_lens_.resize(ubs);
+        q_start_.resize(ubs + 1);
+        page_table_.resize(ubs * static_cast<size_t>(stride));
+        stride_ = stride;
+    } else {
+        stride_ = max_pages_;
+    }
+    mode_ = mode;
+    bs_ = bs;
+    q_start_[0] = 0;
+    for (size_t i = 0; i < ubs; ++i) {
+        if (seq_lens != nullptr) seq_lens_[i] = seq_lens[i];
+        q_lens_[i] = q_lens != nullptr ? q_lens[i] : 1;
+        q_start_[i + 1] = q_start_[i] + q_lens_[i];
+        for (int p = 0; p < stride_; ++p) {
+            page_table_[i * static_cast<size_t>(stride_) + static_cast<size_t>(p)] =
+                p < stride ? page_table[i * static_cast<size_t>(stride) + static_cast<size_t>(p)] : 0;
+        }
+    }
+}
+
+BatchView MetadataBuffers::view() const {
+    return BatchView{mode_,
+                     bs_,
+                     q_start_.empty() ? 0 : q_start_[static_cast<size_t>(bs_)],
+                     seq_lens_ext_ != nullptr ? seq_lens_ext_ : seq_lens_.data(),
+                     q_lens_.data(),
+                     q_start_.data(),
+                     page_table_.data(),
+                     stride_,
+                     max_bs_ > 0};
+}
+
+// ---- AttentionBackend -----------------------------------------------------------------------
+AttentionBackend::AttentionBackend(const AttentionConfig& config) : config_(config) {
+    if (config_.v_head_dim == 0) config_.v_head_dim = config_.head_dim;
+}
+
+bool AttentionBackend::support_kv_cache_prewrite(std::optional<ForwardMode> /*mode*/) const {
+    return false;
+}
+
+const int32_t* AttentionBackend::select_out_cache_loc(const LayerSpec& /*layer*/,
+                                                      const int32_t* out_cache_loc,
+                                                      std::optional<ForwardMode> /*mode*/) const {
+    return out_cache_loc;
+}
+
+Status AttentionBackend::configure_runtime(const std::map<std::string, std::string>& /*options*/) {
+    return {};
+}
+
+Status AttentionBackend::validate_batch(const ForwardBatch& b, int max_bs, int max_pages) const {
+    if (b.bs < 0) return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: bs {} < 0", b.bs);
+    if (max_bs > 0 && b.bs > max_bs) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: bs {} > graph max_bs {}", b.bs, max_bs);
+    }
+    if (is_idle(b.mode) && b.bs != 0) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: idle mode with bs {}", b.bs);
+    }
+    if (b.seq_lens.size() < static_cast<size_t>(b.bs)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: seq_lens has {} entries, bs {}",
+                           b.seq_lens.size(), b.bs);
+    }
+    if (!b.extend_lens.empty() && b.extend_lens.size() < static_cast<size_t>(b.bs)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: extend_lens has {} entries, bs {}",
+                           b.extend_lens.size(), b.bs);
+    }
+    if (b.bs > 0 && b.page_table_stride < 1) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: page_table_stride {} < 1", b.page_table_stride);
+    }
+    if (max_pages > 0 && b.page_table_stride > max_pages) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: page_table_stride {} > graph max_pages_per_seq {}",
+                           b.page_table_stride, max_pages);
+    }
+    if (b.page_table.size() < static_cast<size_t>(b.bs) * static_cast<size_t>(b.page_table_stride)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: page_table has {} entries, need {} x {}",
+                           b.page_table.size(), b.bs, b.page_table_stride);
+    }
+    for (int i = 0; i < b.bs; ++i) {
+        const int32_t s = b.seq_lens[static_cast<size_t>(i)];
+        const int32_t q = b.extend_lens.empty() ? 1 : b.extend_lens[static_cast<size_t>(i)];
+        if (is_decode(b.mode) && q != 1) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: decode request {} has extend_len {}", i, q);
+        }
+        if (q < 1 || s < q) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "batch: request {} has extend_len {} and seq_len {} (need 1 <= extend_len <= seq_len)",
+                               i, q, s);
+        }
+    }
+    return {};
+}
+
+Status AttentionBackend::enqueue_assign(MetadataBuffers* dst, const ForwardBatch& b,
+                                        bool keep_aliased_seq_lens) {
+    // Stage by value: the caller's arrays may change as soon as we return.
+    struct Staged {
+        ForwardMode mode;
+        int bs;
+        int stride;
+        std::vector<int32_t> seq_lens, q_lens, page_table;
+    };
+    auto staged = std::make_shared<Staged>();
+    staged->mode = b.mode;
+    staged->bs = b.bs;
+    staged->stride = b.page_table_stride;
+    staged->seq_lens.assign(b.seq_lens.begin(), b.seq_lens.begin() + b.bs);
+    if (b.extend_lens.empty()) {
+        staged->q_lens.assign(static_cast<size_t>(b.bs), 1);
+    } else {
+        staged->q_lens.assign(b.extend_lens.begin(), b.extend_lens.begin() + b.bs);
+    }
+    staged->page_table.assign(b.page_table.begin(),
+                              b.page_table.begin() + static_cast<ptrdiff_t>(b.bs) * b.page_table_stride);
+    return stream().enqueue([dst, staged, keep_aliased_seq_lens] {
+        dst->assign(staged->mode, staged->bs,
+                    keep_aliased_seq_lens ? nullptr : staged->seq_lens.data(), staged->q_lens.data(),
+                    staged->page_table.data(), staged->stride);
+        return Status();
+    });
+}
+
+Status AttentionBackend::init_forward_metadata(const ForwardBatch& batch) {
+    if (config_.stream == nullptr) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
+    PDSIM_RETURN_IF_ERROR(validate_batch(batch, 0, 0));
+    active_ = &eager_;
+    return enqueue_assign(&eager_, batch, false);
+}
+
+std::set<std::string> AttentionBackend::accepted_graph_state_extras() const {
+    return {"max_pages_per_seq"};
+}
+
+Status AttentionBackend::init_cuda_graph_state(int max_bs, const int32_t* seq_lens_buf,
+                                               const GraphStateExtras& extras) {
+    if (max_bs < 1) return PDSIM_ERROR(StatusCode::kInvalidArgument, "init_cuda_graph_state: max_bs {} < 1", max_bs);
+    if (seq_lens_buf == nullptr) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "init_cuda_graph_state: seq_lens_buf is null");
+    }
+    const int max_pages = extras.max_pages_per_seq.value_or(1024);
+    if (max_pages < 1) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "init_cuda_graph_state: max_pages_per_seq {} < 1", max_pages);
+    }
+    PDSIM_RETURN_IF_ERROR(stream().synchronize());  // no work may still read old graph buffers
+    graph_ = std::make_unique<MetadataBuffers>(max_bs, max_pages);
+    graph_->alias_seq_lens(seq_lens_buf);
+    return {};
+}
+
+Status AttentionBackend::init_forward_metadata_capture_cuda_graph(int bs, ForwardMode mode) {
+    if (!graph_) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: capture before init_cuda_graph_state", name());
+    if (bs < 0 || bs > graph_->max_bs()) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "capture bs {} outside [0, {}]", bs, graph_->max_bs());
+    }
+    captured_bs_ = bs;
+    active_ = graph_.get();
+    (void)mode;
+    return {};
+}
+
+Status AttentionBackend::init_forward_metadata_replay_cuda_graph(const ForwardBatch& batch) {
+    if (!graph_) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: replay before init_cuda_graph_state", name());
+    PDSIM_RETURN_IF_ERROR(validate_batch(batch, graph_->max_bs(), graph_->max_pages_per_seq()));
+    active_ = graph_.get();
+    return enqueue_assign(graph_.get(), batch, /*keep_aliased_seq_lens=*/true);
+}
+
+Status init_backend_cuda_graph_state(AttentionBackend& backend, int max_bs, const int32_t* seq_lens_buf,
+                                     const GraphStateExtras& extras) {
+    std::set<std::string> accepted = backend.accepted_graph_state_extras();
+    if (accepted.count("*") != 0) return backend.init_cuda_graph_state(max_bs, seq_lens_buf, extras);
+    GraphStateExtras filtered;
+    if (accepted.count("max_pages_per_seq") != 0) filtered.max_pages_per_seq = extras.max_pages_per_seq;
+    if (accepted.count("paged_cache_group_specs") != 0) {
+        filtered.paged_cache_group_specs = extras.paged_cache_group_specs;
+    }
+    return backend.init_cuda_graph_state(max_bs, seq_lens_buf, filtered);
+}
+
+// ---- the record rule ------------------------------------------------------------------------
+AttentionBackend::RecordPdCacheStep::RecordPdCacheStep(AttentionBackend& backend, ForwardMode mode,
+                                                       bool save_kv_cache,
+                                                       std::optional<bool> record_kv_cache)
+    : backend_(backend), save_kv_cache_(save_kv_cache) {
+    bool record = record_kv_cache.has_value() ? *record_kv_cache : (!is_decode(mode) && !is_idle(mode));
+    record_ = record && backend.step_counter() != nullptr;
+}
+
+Status AttentionBackend::RecordPdCacheStep::enter() {
+    if (record_ && !save_kv_cache_) return backend_.step_counter()->record_cache();
+    return {};
+}
+
+Status AttentionBackend::RecordPdCacheStep::exit() {
+    if (record_ && save_kv_cache_) return backend_.step_counter()->record_cache();
+    return {};
+}
+
+Status AttentionBackend::forward(const float* q, const float* k, const float* v, const LayerSpec& layer,
+                                 const int32_t* out_cache_loc, kv::KVPool& pool, ForwardMode mode, int bs,
+                                 float* out, bool save_kv_cache, std::optional<bool> record_kv_cache) {
+    if (config_.stream == nullptr) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
+    if (step_counter_ != nullptr && &step_counter_->stream() != config_.stream) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "{}: the StepCounter records on stream '{}', the backend computes on '{}'",
+                           name(), step_counter_->stream().name(), config_.stream->name());
+    }
+    ForwardArgs args;
+    args.q = q;
+    args.k = k;
+    args.v = v;
+    args.layer = layer;
+    args.out_cache_loc = out_cache_loc;
+    args.pool = &pool;
+    args.mode = mode;
+    args.bs = bs;
+    args.out = out;
+    args.save_kv_cache = save_kv_cache;
+    args.meta = active_;
+    RecordPdCacheStep guard(*this, mode, save_kv_cache, record_kv_cache);
+    PDSIM_RETURN_IF_ERROR(guard.enter());
+    PDSIM_RETURN_IF_ERROR(is_decode(mode) ? forward_decode(args) : forward_extend(args));
+    return guard.exit();
+}
+
+// ---- registry -------------------------------------------------------------------------------
+void register_builtin_attention_backends();  // backends/builtin.cpp
+
+namespace {
+struct BackendRegistry {
+    std::mutex mu;
+    std::map<std::string, BackendFactory> factories;
+};
+BackendRegistry& backend_registry() {
+    static BackendRegistry* r = new BackendRegistry();
+    return *r;
+}
+void ensure_builtins() {
+    static std::once_flag once;
+    std::call_once(once, [] { register_builtin_attention_backends(); });
+}
+}  // namespace
+
+void register_attention_backend(const std::string& name, BackendFactory factory) {
+    BackendRegistry& r = backend_registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.factories[name] = std::move(factory);
+}
+
+StatusOr<std::unique_ptr<AttentionBackend>> create_attention_backend(const std::string& name,
+                                                                     const AttentionConfig& config) {
+    ensure_builtins();
+    BackendFactory f;
+    {
+        BackendRegistry& r = backend_registry();
+        std::lock_guard<std::mutex> lock(r.mu);
+        auto it = r.factories.find(name);
+        if (it == r.factories.end()) {
+            std::string known;
+            for (auto& [n, _] : r.factories) known += (known.empty() ? "" : ", ") + n;
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "unknown attention backend '{}' (available: {})",
+                               name, known);
+        }
+        f = it->second;
+    }
+    if (config.stream == nullptr) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "attention backend '{}': config.stream is null", name);
+    }
+    if (config.num_q_heads < 1 || config.num_kv_heads < 1 || config.num_q_heads % config.num_kv_heads != 0) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "attention backend '{}': num_q_heads {} must be a positive multiple of num_kv_heads {}",
+                           name, config.num_q_heads, config.num_kv_heads);
+    }
+    return f(config);
+}
+
+std::vector<std::string> attention_backend_names() {
+    ensure_builtins();
+    BackendRegistry& r = backend_registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    std::vector<std::string> out;
+    for (auto& [n, _] : r.factories) out.push_back(n);
+    return out;
+}
+
+}  // namespace pdsim::attn

@@ -1,0 +1,37 @@
+// Built-in registration of attention backends and device runtimes. This is the one place that
+// knows which optional parts were compiled in (PDSIM_HAVE_CUDA is a private definition of this
+// file, never seen by a public header).
+#include <memory>
+
+#include "backends/attention/attention_backend.h"
+#include "backends/attention/cpu_backend.h"
+#include "backends/attention/cpu_ref_backend.h"
+#include "backends/runtime/device.h"
+
+#if defined(PDSIM_HAVE_CUDA)
+#include "backends/cuda/cuda_runtime_api.h"
+#endif
+
+namespace pdsim::attn {
+
+void register_builtin_attention_backends() {
+    register_attention_backend("cpu_ref", [](const AttentionConfig& c) -> StatusOr<std::unique_ptr<AttentionBackend>> {
+        return std::unique_ptr<AttentionBackend>(std::make_unique<CpuRefBackend>(c));
+    });
+    register_attention_backend("cpu", [](const AttentionConfig& c) -> StatusOr<std::unique_ptr<AttentionBackend>> {
+        return make_cpu_backend(c);
+    });
+}
+
+}  // namespace pdsim::attn
+
+namespace pdsim::runtime {
+
+// Called once, lazily, by the device runtime registry (device.cpp).
+void register_builtin_device_runtimes() {
+#if defined(PDSIM_HAVE_CUDA)
+    register_device_runtime(cuda::make_cuda_runtime());
+#endif
+}
+
+}  // namespace pdsim::runtime

@@ -1,0 +1,19 @@
+// Entry points of the CUDA part of the backends library (compiled only when pdsim is built with
+// CUDA). Plain C++: no CUDA headers, so any translation unit may include it.
+#pragma once
+
+#include <memory>
+
+#include "backends/runtime/device.h"
+
+namespace pdsim::runtime::cuda {
+
+// The CUDA DeviceRuntime: cudaMalloc'd memory, CudaStream streams. With no GPU (or no driver) at run
+// time, device_count() is 0 and unavailable_reason() says why.
+std::unique_ptr<DeviceRuntime> make_cuda_runtime();
+
+// A CudaStream on device `index` (see backends/runtime/stream.h for the contract). Tasks enqueued
+// with enqueue() run as host functions (cudaLaunchHostFunc) in stream order.
+StatusOr<std::unique_ptr<Stream>> make_cuda_stream(int index, std::string name);
+
+}  // namespace pdsim::runtime::cuda

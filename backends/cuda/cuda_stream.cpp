@@ -1,0 +1,242 @@
+// CudaStream and the CUDA DeviceRuntime.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "backends/cuda/cuda_runtime_api.h"
+#include "common/cuda_check.h"
+
+namespace pdsim::runtime::cuda {
+
+namespace {
+
+class CudaEvent final : public Event {
+public:
+    explicit CudaEvent(cudaEvent_t ev) : ev_(ev) {}
+    ~CudaEvent() override { cudaEventDestroy(ev_); }
+    [[nodiscard]] bool query() const override { return cudaEventQuery(ev_) == cudaSuccess; }
+    [[nodiscard]] Status synchronize(std::chrono::milliseconds timeout) const override {
+        auto deadline = std::chrono::steady_clock::now() + timeout;
+        for (;;) {
+            cudaError_t rc = cudaEventQuery(ev_);
+            if (rc == cudaSuccess) return {};
+            if (rc != cudaErrorNotReady) CUDA_CHECK(rc);
+            if (std::chrono::steady_clock::now() > deadline) {
+                return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "CUDA event not reached after {} ms",
+                                   timeout.count());
+            }
+            std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
+    }
+    cudaEvent_t handle() const { return ev_; }
+
+private:
+    cudaEvent_t ev_;
+};
+
+class CudaGraph final : public Graph {
+public:
+    CudaGraph(cudaGraph_t g, cudaGraphExec_t e, size_t nodes) : graph_(g), exec_(e), nodes_(nodes) {}
+    ~CudaGraph() override {
+        cudaGraphExecDestroy(exec_);
+        cudaGraphDestroy(graph_);
+    }
+    [[nodiscard]] Status launch(Stream& stream) override;
+    [[nodiscard]] size_t num_nodes() const override { return nodes_; }
+
+private:
+    cudaGraph_t graph_;
+    cudaGraphExec_t exec_;
+    size_t nodes_;
+};
+
+struct HostTask {
+    Task task;
+    std::atomic<bool>* failed;
+    std::mutex* mu;
+    Status* error;
+};
+
+void CUDART_CB run_host_task(void* user) {
+    auto* t = static_cast<HostTask*>(user);
+    if (!t->failed->load(std::memory_order_acquire)) {
+        Status st = t->task();
+        if (!st.ok()) {
+            std::lock_guard<std::mutex> lock(*t->mu);
+            if (t->error->ok()) *t->error = st;
+            t->failed->store(true, std::memory_order_release);
+        }
+    }
+    delete t;
+}
+
+class CudaStream final : public Stream {
+public:
+    CudaStream(int device, cudaStream_t s, std::string name) : device_(device), s_(s), name_(std::move(name)) {}
+    ~CudaStream() override {
+        cudaSetDevice(device_);
+        cudaStreamSynchronize(s_);
+        cudaStreamDestroy(s_);
+    }
+    [[nodiscard]] Device device() const override { return {DeviceKind::kCuda, device_}; }
+    [[nodiscard]] std::string name() const override { return name_; }
+    cudaStream_t handle() const { return s_; }
+
+    [[nodiscard]] Status enqueue(Task task) override {
+        if (!task) return PDSIM_ERROR(StatusCode::kInvalidArgument, "empty task on stream {}", name_);
+        auto* t = new HostTask{std::move(task), &failed_, &mu_, &error_};
+        cudaError_t rc = cudaLaunchHostFunc(s_, run_host_task, t);
+        if (rc != cudaSuccess) {
+            delete t;
+            CUDA_CHECK(rc);
+        }
+        return {};
+    }
+    [[nodiscard]] std::unique_ptr<Event> create_event() override {
+        cudaEvent_t ev = nullptr;
+        cudaSetDevice(device_);
+        if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) return nullptr;
+        return std::make_unique<CudaEvent>(ev);
+    }
+    [[nodiscard]] Status record(Event& event) override {
+        auto* ev = dynamic_cast<CudaEvent*>(&event);
+        if (ev == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "not a CUDA event");
+        CUDA_CHECK(cudaEventRecord(ev->handle(), s_));
+        return {};
+    }
+    [[nodiscard]] Status wait(Event& event) override {
+        auto* ev = dynamic_cast<CudaEvent*>(&event);
+        if (ev == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "not a CUDA event");
+        CUDA_CHECK(cudaStreamWaitEvent(s_, ev->handle(), 0));
+        return {};
+    }
+    [[nodiscard]] Status synchronize(std::chrono::milliseconds timeout = kDefaultWaitTimeout) override {
+        auto deadline = std::chrono::steady_clock::now() + timeout;
+        for (;;) {
+            cudaError_t rc = cudaStreamQuery(s_);
+            if (rc == cudaSuccess) break;
+            if (rc != cudaErrorNotReady) CUDA_CHECK(rc);
+            if (std::chrono::steady_clock::now() > deadline) {
+                return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "stream {}: synchronize timed out after {} ms",
+                                   name_, timeout.count());
+            }
+            std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
+        return error();
+    }
+    [[nodiscard]] Status error() const override {
+        std::lock_guard<std::mutex> lock(mu_);
+        return error_;
+    }
+    [[nodiscard]] Status begin_capture() override {
+        CUDA_CHECK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
+        return {};
+    }
+    [[nodiscard]] StatusOr<std::unique_ptr<Graph>> end_capture() override {
+        cudaGraph_t g = nullptr;
+        CUDA_CHECK(cudaStreamEndCapture(s_, &g));
+        cudaGraphExec_t exec = nullptr;
+        cudaError_t rc = cudaGraphInstantiate(&exec, g, 0);
+        if (rc != cudaSuccess) {
+            cudaGraphDestroy(g);
+            CUDA_CHECK(rc);
+        }
+        size_t n = 0;
+        cudaGraphGetNodes(g, nullptr, &n);
+        return std::unique_ptr<Graph>(std::make_unique<CudaGraph>(g, exec, n));
+    }
+    [[nodiscard]] bool is_capturing() const override {
+        cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+        cudaStreamIsCapturing(s_, &st);
+        return st == cudaStreamCaptureStatusActive;
+    }
+
+private:
+    int device_;
+    cudaStream_t s_;
+    std::string name_;
+    mutable std::mutex mu_;
+    Status error_;
+    std::atomic<bool> failed_{false};
+};
+
+Status CudaGraph::launch(Stream& stream) {
+    auto* cs = dynamic_cast<CudaStream*>(&stream);
+    if (cs == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "CUDA graph launched on {}", stream.name());
+    CUDA_CHECK(cudaGraphLaunch(exec_, cs->handle()));
+    return {};
+}
+
+class CudaRuntime final : public DeviceRuntime {
+public:
+    CudaRuntime() {
+        int n = 0;
+        cudaError_t rc = cudaGetDeviceCount(&n);
+        if (rc != cudaSuccess) {
+            reason_ = std::string("no device: ") + cudaGetErrorString(rc);
+            n = 0;
+            cudaGetLastError();
+        } else if (n == 0) {
+            reason_ = "no device: no CUDA GPU visible";
+        }
+        count_ = n;
+    }
+    [[nodiscard]] DeviceKind kind() const override { return DeviceKind::kCuda; }
+    [[nodiscard]] int device_count() const override { return count_; }
+    [[nodiscard]] std::string unavailable_reason() const override { return reason_; }
+    [[nodiscard]] StatusOr<void*> allocate(size_t bytes, int index) override {
+        PDSIM_RETURN_IF_ERROR(check_index(index));
+        CUDA_CHECK(cudaSetDevice(index));
+        void* p = nullptr;
+        CUDA_CHECK(cudaMalloc(&p, bytes == 0 ? 1 : bytes));
+        return p;
+    }
+    void deallocate(void* ptr, int index) noexcept override {
+        cudaSetDevice(index);
+        cudaFree(ptr);
+    }
+    [[nodiscard]] Status copy(void* dst, const void* src, size_t bytes) override {
+        CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+        return {};
+    }
+    [[nodiscard]] Status fill(void* dst, int byte, size_t bytes) override {
+        CUDA_CHECK(cudaMemset(dst, byte, bytes));
+        return {};
+    }
+    [[nodiscard]] StatusOr<std::unique_ptr<Stream>> create_stream(int index, std::string name) override {
+        return make_cuda_stream(index, std::move(name));
+    }
+
+    Status check_index(int index) const {
+        if (count_ == 0) return PDSIM_ERROR(StatusCode::kUnavailable, "{}", reason_);
+        if (index < 0 || index >= count_) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "cuda device {} (have {})", index, count_);
+        }
+        return {};
+    }
+
+private:
+    int count_ = 0;
+    std::string reason_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceRuntime> make_cuda_runtime() { return std::make_unique<CudaRuntime>(); }
+
+StatusOr<std::unique_ptr<Stream>> make_cuda_stream(int index, std::string name) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        cudaGetLastError();
+        return PDSIM_ERROR(StatusCode::kUnavailable, "no device: no CUDA GPU visible");
+    }
+    CUDA_CHECK(cudaSetDevice(index));
+    cudaStream_t s = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    return std::unique_ptr<Stream>(std::make_unique<CudaStream>(index, s, std::move(name)));
+}
+
+}  // namespace pdsim::runtime::cuda

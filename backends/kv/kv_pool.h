@@ -1,0 +1,164 @@
+// Paged KV-cache pools.
+//
+// MHATokenToKVPool: per layer a K and a V buffer laid out [num_pages][page_size][kv_heads][head_dim].
+// MLATokenToKVPool: per layer one buffer [num_pages][page_size][kv_lora_rank + rope_dim].
+// Both expose buffer_count(), data(layer, buf) and page_bytes(layer, buf), so the transfer engine
+// addresses page p of a buffer as data(layer, buf) + p * page_bytes(layer, buf), and a token slot
+// `loc` (= page * page_size + offset) as data + loc * token_bytes.
+//
+// Pages are handed out by a PageAllocator; page 0 is never handed out (the null hole that padded
+// tokens write to), so the usable capacity is num_pages - 1.
+//
+// Ownership: a pool owns its buffers (on the configured device). Thread-safety: the allocator is
+// internally synchronized; buffer contents follow stream order (writers are kernels on the compute
+// stream). The host-side write/read helpers touch CPU memory directly and are meant to run inside
+// stream tasks (or after a synchronize).
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backends/runtime/device.h"
+#include "common/status.h"
+
+namespace pdsim::kv {
+
+enum class KVDtype { kF32, kBF16 };
+
+[[nodiscard]] size_t dtype_size(KVDtype dtype);
+[[nodiscard]] std::string_view dtype_name(KVDtype dtype);
+[[nodiscard]] StatusOr<KVDtype> parse_dtype(std::string_view text);  // "fp32" | "bf16"
+
+// Hands out page ids in [1, num_pages). Thread-safe.
+class PageAllocator {
+public:
+    explicit PageAllocator(int num_pages);
+
+    // n pages, or kResourceExhausted (nothing is allocated then). Lowest ids first, so a fresh
+    // allocator hands out contiguous runs.
+    [[nodiscard]] StatusOr<std::vector<int32_t>> alloc(int n);
+    // Returns pages to the pool. Freeing page 0, an out-of-range page or a page that is not
+    // allocated is kInvalidArgument and frees nothing.
+    [[nodiscard]] Status free(std::span<const int32_t> pages);
+
+    [[nodiscard]] int available() const;
+    [[nodiscard]] int capacity() const { return num_pages_ - 1; }
+    [[nodiscard]] bool is_allocated(int32_t page) const;
+
+private:
+    const int num_pages_;
+    mutable std::mutex mu_;
+    std::vector<int32_t> free_;     // stack; the lowest id on top
+    std::vector<uint8_t> in_use_;   // by page id
+};
+
+class KVPool {
+public:
+    virtual ~KVPool() = default;
+    KVPool(const KVPool&) = delete;
+    KVPool& operator=(const KVPool&) = delete;
+
+    [[nodiscard]] int num_layers() const { return num_layers_; }
+    [[nodiscard]] int num_pages() const { return num_pages_; }
+    [[nodiscard]] int page_size() const { return page_size_; }
+    [[nodiscard]] KVDtype dtype() const { return dtype_; }
+    [[nodiscard]] runtime::Device device() const { return device_; }
+    [[nodiscard]] int buffer_count() const { return buffer_count_; }
+
+    // Base address of buffer `buf` (0 = K or the MLA buffer, 1 = V) of `layer`.
+    [[nodiscard]] void* data(int layer, int buf) const;
+    // Elements (of dtype()) one token occupies in buffer `buf`.
+    [[nodiscard]] int token_elems(int buf) const { return token_elems_[buf]; }
+    [[nodiscard]] size_t token_bytes(int layer, int buf) const;
+    [[nodiscard]] size_t page_bytes(int layer, int buf) const;
+    [[nodiscard]] size_t total_bytes() const;
+
+    [[nodiscard]] PageAllocator& allocator() { return allocator_; }
+    [[nodiscard]] const PageAllocator& allocator() const { return allocator_; }
+
+    // Host helpers for CPU pools: write/read one token slot of buffer `buf` as float (converted
+    // to/from dtype()). `loc` must be in [0, num_pages * page_size).
+    void write_token(int layer, int buf, int64_t loc, const float* src);
+    void read_token(int layer, int buf, int64_t loc, float* dst) const;
+    // Fills every buffer with `byte` (poisoning in tests).
+    [[nodiscard]] Status fill(int byte);
+    // kInvalidArgument unless 0 <= loc < num_pages * page_size.
+    [[nodiscard]] Status check_loc(int64_t loc) const;
+
+protected:
+    KVPool(int num_layers, int num_pages, int page_size, KVDtype dtype, runtime::Device device,
+           std::vector<int> token_elems);
+    [[nodiscard]] Status allocate_buffers();
+
+private:
+    const int num_layers_;
+    const int num_pages_;
+    const int page_size_;
+    const KVDtype dtype_;
+    const runtime::Device device_;
+    const int buffer_count_;
+    const std::vector<int> token_elems_;
+    std::vector<runtime::DeviceBuffer> buffers_;  // [layer * buffer_count + buf]
+    PageAllocator allocator_;
+};
+
+struct MHAPoolConfig {
+    int num_layers = 1;
+    int num_pages = 2;  // including the null page 0
+    int page_size = 16;
+    int num_kv_heads = 1;
+    int head_dim = 64;
+    int v_head_dim = 0;  // 0: same as head_dim
+    KVDtype dtype = KVDtype::kF32;
+    runtime::Device device{};
+};
+
+class MHATokenToKVPool final : public KVPool {
+public:
+    [[nodiscard]] static StatusOr<std::unique_ptr<MHATokenToKVPool>> create(const MHAPoolConfig& cfg);
+
+    [[nodiscard]] int num_kv_heads() const { return cfg_.num_kv_heads; }
+    [[nodiscard]] int head_dim() const { return cfg_.head_dim; }
+    [[nodiscard]] int v_head_dim() const { return cfg_.v_head_dim; }
+    [[nodiscard]] void* k_data(int layer) const { return data(layer, 0); }
+    [[nodiscard]] void* v_data(int layer) const { return data(layer, 1); }
+
+    // Writes n tokens' K and V ([n][kv_heads][head_dim] floats) into slots locs[0..n) of `layer`
+    // (CPU pools). Returns kInvalidArgument on a bad slot, before writing anything.
+    [[nodiscard]] Status set_kv_buffer(int layer, const int32_t* locs, int n, const float* k,
+                                       const float* v);
+
+private:
+    explicit MHATokenToKVPool(const MHAPoolConfig& cfg);
+    MHAPoolConfig cfg_;
+};
+
+struct MLAPoolConfig {
+    int num_layers = 1;
+    int num_pages = 2;
+    int page_size = 64;
+    int kv_lora_rank = 512;
+    int rope_dim = 64;
+    KVDtype dtype = KVDtype::kBF16;
+    runtime::Device device{};
+};
+
+class MLATokenToKVPool final : public KVPool {
+public:
+    [[nodiscard]] static StatusOr<std::unique_ptr<MLATokenToKVPool>> create(const MLAPoolConfig& cfg);
+
+    [[nodiscard]] int kv_lora_rank() const { return cfg_.kv_lora_rank; }
+    [[nodiscard]] int rope_dim() const { return cfg_.rope_dim; }
+
+    // Writes n tokens' latent KV ([n][kv_lora_rank + rope_dim] floats) into slots locs[0..n).
+    [[nodiscard]] Status set_mla_kv_buffer(int layer, const int32_t* locs, int n, const float* kv);
+
+private:
+    explicit MLATokenToKVPool(const MLAPoolConfig& cfg);
+    MLAPoolConfig cfg_;
+};
+
+}  // namespace pdsim::kv

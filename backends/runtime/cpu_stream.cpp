@@ -1,0 +1,246 @@
+#include "backends/runtime/cpu_stream.h"
+
+#include <atomic>
+
+namespace pdsim::runtime {
+
+std::string_view device_kind_name(DeviceKind kind) {
+    switch (kind) {
+        case DeviceKind::kCpu: return "cpu";
+        case DeviceKind::kCuda: return "cuda";
+    }
+    return "unknown";
+}
+
+namespace {
+
+// Host-visible state of a CPU event. `recorded` counts record() calls made by the host;
+// `completed` is the highest record generation whose stream position has been reached.
+class CpuEvent final : public Event {
+public:
+    [[nodiscard]] bool query() const override {
+        std::lock_guard<std::mutex> lock(mu_);
+        return completed_ >= recorded_;
+    }
+    [[nodiscard]] Status synchronize(std::chrono::milliseconds timeout) const override {
+        std::unique_lock<std::mutex> lock(mu_);
+        uint64_t target = recorded_;
+        if (!cv_.wait_for(lock, timeout, [&] { return completed_ >= target; })) {
+            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                               "event not reached after {} ms", timeout.count());
+        }
+        return {};
+    }
+
+    // Host side: a new record generation.
+    uint64_t next_generation() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return ++recorded_;
+    }
+    uint64_t recorded_generation() const {
+        std::lock_guard<std::mutex> lock(mu_);
+        return recorded_;
+    }
+    // Stream side: the record point of generation `gen` was reached.
+    void complete(uint64_t gen) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (gen > completed_) completed_ = gen;
+        }
+        cv_.notify_all();
+    }
+    // Stream side: block until generation `gen` is complete.
+    bool wait_for(uint64_t gen, std::chrono::milliseconds timeout) const {
+        std::unique_lock<std::mutex> lock(mu_);
+        return cv_.wait_for(lock, timeout, [&] { return completed_ >= gen; });
+    }
+
+private:
+    mutable std::mutex mu_;
+    mutable std::condition_variable cv_;
+    uint64_t recorded_ = 0;
+    uint64_t completed_ = 0;
+};
+
+}  // namespace
+
+// Record and wait nodes are replayed through the stream API, so that each launch takes a fresh
+// event generation on the host, exactly as an eager record/wait would.
+class CpuGraph final : public Graph {
+public:
+    explicit CpuGraph(std::vector<CpuStream::Node> nodes) : nodes_(std::move(nodes)) {}
+    [[nodiscard]] Status launch(Stream& stream) override {
+        if (stream.device().kind != DeviceKind::kCpu) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "CPU graph launched on {}",
+                               stream.name());
+        }
+        for (const CpuStream::Node& n : nodes_) {
+            switch (n.kind) {
+                case CpuStream::Node::kTask: PDSIM_RETURN_IF_ERROR(stream.enqueue(n.task)); break;
+                case CpuStream::Node::kRecord: PDSIM_RETURN_IF_ERROR(stream.record(*n.event)); break;
+                case CpuStream::Node::kWait: PDSIM_RETURN_IF_ERROR(stream.wait(*n.event)); break;
+            }
+        }
+        return {};
+    }
+    [[nodiscard]] size_t num_nodes() const override { return nodes_.size(); }
+
+private:
+    std::vector<CpuStream::Node> nodes_;
+};
+
+namespace {
+
+}  // namespace
+
+CpuStream::CpuStream(std::string name, std::chrono::milliseconds wait_timeout)
+    : name_(std::move(name)), wait_timeout_(wait_timeout) {
+    worker_ = std::thread([this] { worker_loop(); });
+}
+
+CpuStream::~CpuStream() {
+    {
+        std::unique_lock<std::mutex> lock(mu_);
+        idle_cv_.wait(lock, [&] { return completed_ == enqueued_; });
+        stop_ = true;
+    }
+    work_cv_.notify_all();
+    worker_.join();
+}
+
+bool CpuStream::on_worker_thread() const { return std::this_thread::get_id() == worker_.get_id(); }
+
+void CpuStream::push(Task task) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        queue_.push_back(std::move(task));
+        ++enqueued_;
+    }
+    work_cv_.notify_one();
+}
+
+Status CpuStream::enqueue(Task task) {
+    if (!task) return PDSIM_ERROR(StatusCode::kInvalidArgument, "empty task on stream {}", name_);
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (capturing_) {
+            captured_.push_back(Node{Node::kTask, std::move(task), nullptr});
+            return {};
+        }
+    }
+    push(std::move(task));
+    return {};
+}
+
+std::unique_ptr<Event> CpuStream::create_event() { return std::make_unique<CpuEvent>(); }
+
+Status CpuStream::record(Event& event) {
+    auto* ev = dynamic_cast<CpuEvent*>(&event);
+    if (ev == nullptr) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "stream {}: event is not a CPU event", name_);
+    }
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (capturing_) {
+            captured_.push_back(Node{Node::kRecord, nullptr, &event});
+            return {};
+        }
+    }
+    uint64_t gen = ev->next_generation();
+    return enqueue([ev, gen] {
+        ev->complete(gen);
+        return Status();
+    });
+}
+
+Status CpuStream::wait(Event& event) {
+    auto* ev = dynamic_cast<CpuEvent*>(&event);
+    if (ev == nullptr) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "stream {}: event is not a CPU event", name_);
+    }
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (capturing_) {
+            captured_.push_back(Node{Node::kWait, nullptr, &event});
+            return {};
+        }
+    }
+    uint64_t gen = ev->recorded_generation();
+    auto timeout = wait_timeout_;
+    std::string name = name_;
+    return enqueue([ev, gen, timeout, name] {
+        if (!ev->wait_for(gen, timeout)) {
+            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                               "stream {}: wait on event generation {} timed out after {} ms",
+                               name, gen, timeout.count());
+        }
+        return Status();
+    });
+}
+
+Status CpuStream::synchronize(std::chrono::milliseconds timeout) {
+    if (on_worker_thread()) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "stream {}: synchronize() called from its own worker", name_);
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    uint64_t target = enqueued_;
+    if (!idle_cv_.wait_for(lock, timeout, [&] { return completed_ >= target; })) {
+        return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                           "stream {}: synchronize timed out after {} ms ({} of {} tasks done)",
+                           name_, timeout.count(), completed_, target);
+    }
+    return error_;
+}
+
+Status CpuStream::error() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+}
+
+Status CpuStream::begin_capture() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (capturing_) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "stream {}: already capturing", name_);
+    capturing_ = true;
+    captured_.clear();
+    return {};
+}
+
+StatusOr<std::unique_ptr<Graph>> CpuStream::end_capture() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!capturing_) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "stream {}: not capturing", name_);
+    capturing_ = false;
+    std::unique_ptr<Graph> graph = std::make_unique<CpuGraph>(std::move(captured_));
+    captured_.clear();
+    return graph;
+}
+
+bool CpuStream::is_capturing() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return capturing_;
+}
+
+void CpuStream::worker_loop() {
+    for (;;) {
+        Task task;
+        bool skip;
+        {
+            std::unique_lock<std::mutex> lock(mu_);
+            work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+            if (queue_.empty()) return;  // stop_ and drained
+            task = std::move(queue_.front());
+            queue_.pop_front();
+            skip = !error_.ok();
+        }
+        Status st = skip ? Status() : task();
+        task = nullptr;  // release captures before reporting completion
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (!st.ok() && error_.ok()) error_ = st.with_context("stream " + name_);
+            ++completed_;
+        }
+        idle_cv_.notify_all();
+    }
+}
+
+}  // namespace pdsim::runtime

@@ -1,0 +1,193 @@
+// pdsim attn-dump: one random paged-attention case, run through a backend, written as .npy files
+// (layout in docs and DESIGN.md) so any backend can be cross-checked against NumPy or PyTorch.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "backends/attention/attention_backend.h"
+#include "backends/kv/kv_pool.h"
+#include "backends/runtime/cpu_stream.h"
+#include "common/npy.h"
+#include "sim/cli/command.h"
+
+namespace pdsim::cli {
+
+namespace {
+
+struct AttnDumpOptions {
+    std::string out_dir;
+    uint64_t seed = 1;
+    std::string mode = "extend";
+    std::string dtype = "fp32";
+    std::string backend = "cpu";
+    int batch = 3;
+    int q_heads = 8;
+    int kv_heads = 2;
+    int head_dim = 64;
+    int page_size = 16;
+    int max_seq_len = 300;
+};
+
+Status run_attn_dump(const AttnDumpOptions& o) {
+    PDSIM_ASSIGN_OR_RETURN(kv::KVDtype dtype, kv::parse_dtype(o.dtype));
+    PDSIM_ASSIGN_OR_RETURN(attn::ForwardMode mode, attn::parse_forward_mode(o.mode));
+    if (mode != attn::ForwardMode::kExtend && mode != attn::ForwardMode::kDecode) {
+        return Status(StatusCode::kInvalidArgument, "--mode: expected decode or extend, got " + o.mode);
+    }
+    if (o.q_heads % o.kv_heads != 0) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
+    }
+    std::mt19937_64 rng(o.seed);
+    const int bs = o.batch;
+    std::vector<int32_t> seq_lens(static_cast<size_t>(bs)), q_lens(static_cast<size_t>(bs));
+    for (int i = 0; i < bs; ++i) {
+        seq_lens[static_cast<size_t>(i)] = std::uniform_int_distribution<int>(1, o.max_seq_len)(rng);
+        q_lens[static_cast<size_t>(i)] = mode == attn::ForwardMode::kDecode
+                                             ? 1
+                                             : std::uniform_int_distribution<int>(1, seq_lens[static_cast<size_t>(i)])(rng);
+    }
+    const int max_pages = (o.max_seq_len + o.page_size - 1) / o.page_size;
+    int total_pages = 1;
+    for (int s : seq_lens) total_pages += (s + o.page_size - 1) / o.page_size;
+    total_pages += 3;  // a few pages no request uses
+
+    kv::MHAPoolConfig pc;
+    pc.num_layers = 1;
+    pc.num_pages = total_pages;
+    pc.page_size = o.page_size;
+    pc.num_kv_heads = o.kv_heads;
+    pc.head_dim = o.head_dim;
+    pc.dtype = dtype;
+    PDSIM_ASSIGN_OR_RETURN(auto pool, kv::MHATokenToKVPool::create(pc));
+    PDSIM_RETURN_IF_ERROR(pool->fill(0));
+
+    // Scatter each request over a shuffled set of pages (non-contiguous page tables).
+    PDSIM_ASSIGN_OR_RETURN(std::vector<int32_t> pages, pool->allocator().alloc(pool->allocator().available()));
+    std::shuffle(pages.begin(), pages.end(), rng);
+    std::vector<int32_t> page_table(static_cast<size_t>(bs) * static_cast<size_t>(max_pages), 0);
+    size_t next = 0;
+    for (int i = 0; i < bs; ++i) {
+        int n = (seq_lens[static_cast<size_t>(i)] + o.page_size - 1) / o.page_size;
+        for (int p = 0; p < n; ++p) page_table[static_cast<size_t>(i * max_pages + p)] = pages[next++];
+    }
+
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const size_t kvw = static_cast<size_t>(o.kv_heads) * static_cast<size_t>(o.head_dim);
+    // Cached prefix: written directly into the pool.
+    std::vector<float> tok(kvw);
+    for (int i = 0; i < bs; ++i) {
+        for (int t = 0; t < seq_lens[static_cast<size_t>(i)] - q_lens[static_cast<size_t>(i)]; ++t) {
+            int64_t slot = static_cast<int64_t>(page_table[static_cast<size_t>(i * max_pages + t / o.page_size)]) *
+                               o.page_size + t % o.page_size;
+            for (int b = 0; b < 2; ++b) {
+                for (auto& x : tok) x = nd(rng);
+                pool->write_token(0, b, slot, tok.data());
+            }
+        }
+    }
+    // New tokens: written by the backend (save_kv_cache = true).
+    const int num_tokens = std::accumulate(q_lens.begin(), q_lens.end(), 0);
+    std::vector<float> q(static_cast<size_t>(num_tokens) * static_cast<size_t>(o.q_heads * o.head_dim));
+    std::vector<float> k(static_cast<size_t>(num_tokens) * kvw), v(k.size());
+    for (auto* vec : {&q, &k, &v}) for (auto& x : *vec) x = nd(rng);
+    std::vector<int32_t> locs;
+    for (int i = 0; i < bs; ++i) {
+        for (int j = 0; j < q_lens[static_cast<size_t>(i)]; ++j) {
+            int t = seq_lens[static_cast<size_t>(i)] - q_lens[static_cast<size_t>(i)] + j;
+            locs.push_back(page_table[static_cast<size_t>(i * max_pages + t / o.page_size)] * o.page_size +
+                           t % o.page_size);
+        }
+    }
+    std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN());
+
+    runtime::CpuStream stream("attn-dump");
+    attn::AttentionConfig ac;
+    ac.num_q_heads = o.q_heads;
+    ac.num_kv_heads = o.kv_heads;
+    ac.head_dim = o.head_dim;
+    ac.kv_dtype = dtype;
+    ac.stream = &stream;
+    PDSIM_ASSIGN_OR_RETURN(auto backend, attn::create_attention_backend(o.backend, ac));
+    attn::ForwardBatch fb;
+    fb.mode = mode;
+    fb.bs = bs;
+    fb.seq_lens = seq_lens;
+    fb.extend_lens = q_lens;
+    fb.page_table = page_table;
+    fb.page_table_stride = max_pages;
+    PDSIM_RETURN_IF_ERROR(backend->init_forward_metadata(fb));
+    attn::LayerSpec layer{0, o.q_heads, o.kv_heads, o.head_dim, 0, 0.f};
+    PDSIM_RETURN_IF_ERROR(backend->forward(q.data(), k.data(), v.data(), layer, locs.data(), *pool, mode, bs,
+                                           out.data()));
+    PDSIM_RETURN_IF_ERROR(stream.synchronize());
+
+    std::error_code ec;
+    std::filesystem::create_directories(o.out_dir, ec);
+    if (ec) return Status(StatusCode::kInvalidArgument, "--out " + o.out_dir + ": " + ec.message());
+    auto path = [&](const char* f) { return (std::filesystem::path(o.out_dir) / f).string(); };
+    const int64_t T = num_tokens, H = o.q_heads, D = o.head_dim;
+    PDSIM_RETURN_IF_ERROR(write_npy(path("q.npy"), "<f4", {T, H, D}, q.data(), q.size() * 4));
+    PDSIM_RETURN_IF_ERROR(write_npy(path("out.npy"), "<f4", {T, H, D}, out.data(), out.size() * 4));
+    const std::vector<int64_t> cache_shape{total_pages, o.page_size, o.kv_heads, o.head_dim};
+    const size_t cache_bytes = pool->page_bytes(0, 0) * static_cast<size_t>(total_pages);
+    const std::string cdescr = dtype == kv::KVDtype::kF32 ? "<f4" : "<u2";
+    PDSIM_RETURN_IF_ERROR(write_npy(path("k_cache.npy"), cdescr, cache_shape, pool->data(0, 0), cache_bytes));
+    PDSIM_RETURN_IF_ERROR(write_npy(path("v_cache.npy"), cdescr, cache_shape, pool->data(0, 1), cache_bytes));
+    PDSIM_RETURN_IF_ERROR(write_npy(path("page_table.npy"), "<i4", {bs, max_pages}, page_table.data(),
+                                    page_table.size() * 4));
+    PDSIM_RETURN_IF_ERROR(write_npy(path("seq_lens.npy"), "<i4", {bs}, seq_lens.data(), seq_lens.size() * 4));
+    PDSIM_RETURN_IF_ERROR(write_npy(path("q_lens.npy"), "<i4", {bs}, q_lens.data(), q_lens.size() * 4));
+    nlohmann::json meta = {{"mode", o.mode},
+                           {"dtype", o.dtype},
+                           {"backend", o.backend},
+                           {"scale", attn::layer_scaling(layer)},
+                           {"num_q_heads", o.q_heads},
+                           {"num_kv_heads", o.kv_heads},
+                           {"head_dim", o.head_dim},
+                           {"page_size", o.page_size},
+                           {"seed", o.seed}};
+    std::ofstream(path("meta.json")) << meta.dump(2) << "\n";
+    std::printf("attn-dump: %s case, %d requests, %d query tokens, backend %s, dtype %s -> %s\n",
+                o.mode.c_str(), bs, num_tokens, o.backend.c_str(), o.dtype.c_str(), o.out_dir.c_str());
+    return {};
+}
+
+}  // namespace
+
+void add_attn_dump_command(CLI::App& app, CommandSet& commands) {
+    auto opts = std::make_shared<AttnDumpOptions>();
+    CLI::App* sub = app.add_subcommand(
+        "attn-dump",
+        "Write one random paged-attention case, run through a backend, as NumPy .npy files:\n"
+        "q, out [tokens, q_heads, head_dim]; k_cache, v_cache [pages, page_size, kv_heads, head_dim]\n"
+        "(float32, or uint16 bf16 bits); page_table [batch, max_pages]; seq_lens, q_lens [batch];\n"
+        "meta.json. Query tokens of sequence i are its last q_lens[i] positions and attend causally;\n"
+        "query head h reads KV head h / (q_heads / kv_heads).");
+    sub->add_option("--out", opts->out_dir, "Output directory (created)")->required();
+    sub->add_option("--seed", opts->seed, "Random seed")->capture_default_str();
+    sub->add_option("--mode", opts->mode, "decode or extend")
+        ->check(CLI::IsMember({"decode", "extend"}))
+        ->capture_default_str();
+    sub->add_option("--dtype", opts->dtype, "KV cache dtype: fp32 or bf16")
+        ->check(CLI::IsMember({"fp32", "bf16"}))
+        ->capture_default_str();
+    sub->add_option("--backend", opts->backend, "Attention backend (cpu, cpu_ref, ...)")->capture_default_str();
+    sub->add_option("--batch", opts->batch, "Number of sequences")->check(CLI::Range(1, 256))->capture_default_str();
+    sub->add_option("--q-heads", opts->q_heads, "Query heads")->check(CLI::Range(1, 256))->capture_default_str();
+    sub->add_option("--kv-heads", opts->kv_heads, "KV heads")->check(CLI::Range(1, 256))->capture_default_str();
+    sub->add_option("--head-dim", opts->head_dim, "Head dimension")->check(CLI::Range(1, 1024))->capture_default_str();
+    sub->add_option("--page-size", opts->page_size, "Tokens per KV page")->check(CLI::Range(1, 1024))->capture_default_str();
+    sub->add_option("--max-seq-len", opts->max_seq_len, "Longest KV length drawn")
+        ->check(CLI::Range(1, 65536))
+        ->capture_default_str();
+    commands.add(sub, [opts] { return run_attn_dump(*opts); });
+}
+
+}  // namespace pdsim::cli

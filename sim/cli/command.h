@@ -1,0 +1,37 @@
+// The pdsim command line: each subcommand registers itself on the CLI11 app with a run function.
+// Exit codes: 0 success, 2 bad input (flags, files, fields: StatusCode::kInvalidArgument or
+// kNotFound), 1 any other failure.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "common/status.h"
+
+namespace pdsim::cli {
+
+using RunFn = std::function<Status()>;
+
+class CommandSet {
+public:
+    // Registers `sub` (already added to the app) with the function to run when it is selected.
+    void add(CLI::App* sub, RunFn run) { commands_.push_back({sub, std::move(run)}); }
+    // Runs the selected subcommand (deepest parsed one); kInvalidArgument if none was given.
+    [[nodiscard]] Status run_selected() const;
+
+private:
+    struct Entry {
+        CLI::App* app;
+        RunFn run;
+    };
+    std::vector<Entry> commands_;
+};
+
+[[nodiscard]] int exit_code_for(const Status& status);
+
+void add_attn_dump_command(CLI::App& app, CommandSet& commands);
+void add_bench_commands(CLI::App& app, CommandSet& commands);
+
+}  // namespace pdsim::cli
