@@ -32,6 +32,8 @@ private:
 [[nodiscard]] int exit_code_for(const Status& status);
 
 void add_attn_dump_command(CLI::App& app, CommandSet& commands);
+// `pdsim bench <what>`: creates the `bench` parent and adds each benchmark under it.
 void add_bench_commands(CLI::App& app, CommandSet& commands);
+void add_bench_attention_command(CLI::App& bench, CommandSet& commands);
 
 }  // namespace pdsim::cli
