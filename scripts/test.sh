@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds pdsim and runs its tests (ctest).
+#   scripts/test.sh                 release build, all tests except label `slow`
+#   PDSIM_TEST_ALL=1 scripts/test.sh   include `slow` tests
+#   PDSIM_SANITIZERS=1 scripts/test.sh also build the asan and tsan presets and run their suites
+#                                      (on by default when CI=true)
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+cd "$PDSIM_ROOT"
+mkdir -p build
+start=$(date +%s)
+
+pdsim_bootstrap
+pdsim_build default
+
+exclude=(-LE slow)
+[ "${PDSIM_TEST_ALL:-0}" = "1" ] && exclude=()
+echo "== ctest (default)"
+ctest --preset default "${exclude[@]}" -j "$PDSIM_JOBS"
+
+sanitizers="${PDSIM_SANITIZERS:-}"
+if [ -z "$sanitizers" ] && [ "${CI:-}" = "true" ]; then sanitizers=1; fi
+if [ "$sanitizers" = "1" ]; then
+  # Memory code under ASan/UBSan, concurrency code under TSan (tests labelled `tsan`).
+  pdsim_build asan
+  echo "== ctest (asan: unit)"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --preset asan -L unit -LE slow -j "$PDSIM_JOBS"
+  pdsim_build tsan
+  echo "== ctest (tsan: label tsan)"
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+    ctest --preset tsan -L tsan -LE slow -j "$PDSIM_JOBS"
+fi
+echo "== test.sh: all passed in $(( $(date +%s) - start )) s"
