@@ -13,7 +13,7 @@ pdsim_bootstrap() {
 pdsim_build() {
   local preset="$1"; shift
   echo "== configure ($preset)"
-  cmake --preset "$preset" -S "$PDSIM_ROOT" "$@" >"$PDSIM_ROOT/build/configure-$preset.log" 2>&1 || {
+  cmake --preset "$preset" "$@" >"$PDSIM_ROOT/build/configure-$preset.log" 2>&1 || {
     cat "$PDSIM_ROOT/build/configure-$preset.log"; return 1; }
   sed -n '/pdsim .* configuration/,/^-- $/p' "$PDSIM_ROOT/build/configure-$preset.log"
   echo "== build ($preset, -j$PDSIM_JOBS)"
