@@ -13,6 +13,8 @@ StepCounter::StepCounter(runtime::Stream& stream, int64_t initial)
       cache_step_(wrap(initial)),
       aux_step_(wrap(initial)) {}
 
+StepCounter::~StepCounter() { stream_.synchronize().ignore_error(); }
+
 Status StepCounter::record(int64_t* device_counter, std::atomic<int64_t>* mirror) {
     return stream_.enqueue([this, device_counter, mirror] {
         *device_counter = (*device_counter + 1) % kCountMax;
@@ -20,11 +22,8 @@ Status StepCounter::record(int64_t* device_counter, std::atomic<int64_t>* mirror
         // completed before this task (they happened-before it on the stream's worker thread).
         mirror->store(*device_counter, std::memory_order_release);
         published_.fetch_add(1, std::memory_order_release);
-        {
-            // Empty critical section: orders the store above before a waiter's predicate check,
-            // so a waiter cannot miss the notification.
-            std::lock_guard<std::mutex> lock(mu_);
-        }
+        // Under the lock: a waiter checks its predicate under it, so it cannot miss this wake-up.
+        std::lock_guard<std::mutex> lock(mu_);
         cv_.notify_all();
         return Status();
     });

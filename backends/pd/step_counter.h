@@ -46,6 +46,9 @@ public:
     // `stream` is the compute stream the KV writes are enqueued on; it must outlive the counter.
     // `initial` seeds both counters and the reservation counter (tests use it near the wrap).
     explicit StepCounter(runtime::Stream& stream, int64_t initial = 0);
+    // Waits (bounded by the stream's synchronize timeout) for queued records to finish: they
+    // reference this object.
+    ~StepCounter();
     StepCounter(const StepCounter&) = delete;
     StepCounter& operator=(const StepCounter&) = delete;
 

@@ -15,51 +15,58 @@ std::string_view device_kind_name(DeviceKind kind) {
 namespace {
 
 // Host-visible state of a CPU event. `recorded` counts record() calls made by the host;
-// `completed` is the highest record generation whose stream position has been reached.
+// `completed` is the highest record generation whose stream position has been reached. Stream tasks
+// hold the state by shared_ptr, so destroying the Event while a record or wait is still queued is
+// safe (as cudaEventDestroy is).
+struct CpuEventState {
+    std::mutex mu;
+    std::condition_variable cv;
+    uint64_t recorded = 0;
+    uint64_t completed = 0;
+
+    void complete(uint64_t gen) {
+        // Notify under the lock: a waiter may destroy the state as soon as it sees `completed`.
+        std::lock_guard<std::mutex> lock(mu);
+        if (gen > completed) completed = gen;
+        cv.notify_all();
+    }
+    bool wait_for(uint64_t gen, std::chrono::milliseconds timeout) {
+        std::unique_lock<std::mutex> lock(mu);
+        return cv.wait_for(lock, timeout, [&] { return completed >= gen; });
+    }
+};
+
 class CpuEvent final : public Event {
 public:
     [[nodiscard]] bool query() const override {
-        std::lock_guard<std::mutex> lock(mu_);
-        return completed_ >= recorded_;
+        std::lock_guard<std::mutex> lock(state_->mu);
+        return state_->completed >= state_->recorded;
     }
     [[nodiscard]] Status synchronize(std::chrono::milliseconds timeout) const override {
-        std::unique_lock<std::mutex> lock(mu_);
-        uint64_t target = recorded_;
-        if (!cv_.wait_for(lock, timeout, [&] { return completed_ >= target; })) {
-            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                               "event not reached after {} ms", timeout.count());
+        uint64_t target;
+        {
+            std::lock_guard<std::mutex> lock(state_->mu);
+            target = state_->recorded;
+        }
+        if (!state_->wait_for(target, timeout)) {
+            return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "event not reached after {} ms",
+                               timeout.count());
         }
         return {};
     }
-
     // Host side: a new record generation.
     uint64_t next_generation() {
-        std::lock_guard<std::mutex> lock(mu_);
-        return ++recorded_;
+        std::lock_guard<std::mutex> lock(state_->mu);
+        return ++state_->recorded;
     }
     uint64_t recorded_generation() const {
-        std::lock_guard<std::mutex> lock(mu_);
-        return recorded_;
+        std::lock_guard<std::mutex> lock(state_->mu);
+        return state_->recorded;
     }
-    // Stream side: the record point of generation `gen` was reached.
-    void complete(uint64_t gen) {
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (gen > completed_) completed_ = gen;
-        }
-        cv_.notify_all();
-    }
-    // Stream side: block until generation `gen` is complete.
-    bool wait_for(uint64_t gen, std::chrono::milliseconds timeout) const {
-        std::unique_lock<std::mutex> lock(mu_);
-        return cv_.wait_for(lock, timeout, [&] { return completed_ >= gen; });
-    }
+    const std::shared_ptr<CpuEventState>& state() const { return state_; }
 
 private:
-    mutable std::mutex mu_;
-    mutable std::condition_variable cv_;
-    uint64_t recorded_ = 0;
-    uint64_t completed_ = 0;
+    std::shared_ptr<CpuEventState> state_ = std::make_shared<CpuEventState>();
 };
 
 }  // namespace
@@ -147,8 +154,8 @@ Status CpuStream::record(Event& event) {
         }
     }
     uint64_t gen = ev->next_generation();
-    return enqueue([ev, gen] {
-        ev->complete(gen);
+    return enqueue([state = ev->state(), gen] {
+        state->complete(gen);
         return Status();
     });
 }
@@ -168,8 +175,8 @@ Status CpuStream::wait(Event& event) {
     uint64_t gen = ev->recorded_generation();
     auto timeout = wait_timeout_;
     std::string name = name_;
-    return enqueue([ev, gen, timeout, name] {
-        if (!ev->wait_for(gen, timeout)) {
+    return enqueue([state = ev->state(), gen, timeout, name] {
+        if (!state->wait_for(gen, timeout)) {
             return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
                                "stream {}: wait on event generation {} timed out after {} ms",
                                name, gen, timeout.count());

@@ -1,0 +1,82 @@
+// The CUDA runtime and CudaStream. Skips with the runtime's reason where there is no GPU (or when
+// pdsim was built without CUDA); never passes silently there.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "backends/runtime/device.h"
+
+namespace pdsim::runtime {
+namespace {
+
+using namespace std::chrono_literals;
+
+DeviceRuntime* cuda_or_skip() {
+    auto rt = device_runtime(DeviceKind::kCuda);
+    if (!rt.ok()) return nullptr;
+    if ((*rt)->device_count() == 0) return nullptr;
+    return *rt;
+}
+
+std::string skip_reason() {
+    auto rt = device_runtime(DeviceKind::kCuda);
+    if (!rt.ok()) return rt.status().to_string();
+    return (*rt)->unavailable_reason();
+}
+
+TEST(CudaRuntime, ReportsNoDeviceClearly) {
+    auto rt = device_runtime(DeviceKind::kCuda);
+    if (!rt.ok()) GTEST_SKIP() << "built without CUDA: " << rt.status().to_string();
+    if ((*rt)->device_count() > 0) GTEST_SKIP() << "a GPU is present";
+    EXPECT_NE((*rt)->unavailable_reason().find("no device"), std::string::npos);
+    auto buf = DeviceBuffer::allocate({DeviceKind::kCuda, 0}, 64);
+    EXPECT_EQ(buf.status().code(), StatusCode::kUnavailable);
+    EXPECT_FALSE((*rt)->create_stream(0, "s").ok());
+}
+
+TEST(CudaRuntime, BufferRoundTrip) {
+    DeviceRuntime* rt = cuda_or_skip();
+    if (rt == nullptr) GTEST_SKIP() << skip_reason();
+    auto buf = DeviceBuffer::allocate({DeviceKind::kCuda, 0}, 1 << 20);
+    ASSERT_TRUE(buf.ok()) << buf.status().to_string();
+    std::vector<uint8_t> src(1 << 20), dst(1 << 20, 0);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 31 + 7);
+    ASSERT_TRUE(buf->copy_from_host(src.data(), src.size()).ok());
+    ASSERT_TRUE(buf->copy_to_host(dst.data(), dst.size()).ok());
+    EXPECT_EQ(src, dst);
+    ASSERT_TRUE(buf->fill(0x5A).ok());
+    ASSERT_TRUE(buf->copy_to_host(dst.data(), dst.size()).ok());
+    EXPECT_EQ(dst[12345], 0x5A);
+}
+
+TEST(CudaStream, HostTasksRunInOrderAndErrorsAreSticky) {
+    DeviceRuntime* rt = cuda_or_skip();
+    if (rt == nullptr) GTEST_SKIP() << skip_reason();
+    auto s = rt->create_stream(0, "cuda-test");
+    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    std::vector<int> order;
+    std::atomic<bool> gate{false};
+    ASSERT_TRUE(enqueue_void(**s, [&] {
+                    while (!gate.load()) std::this_thread::yield();
+                    order.push_back(0);
+                }).ok());
+    for (int i = 1; i < 20; ++i) ASSERT_TRUE(enqueue_void(**s, [&order, i] { order.push_back(i); }).ok());
+    auto ev = (*s)->create_event();
+    ASSERT_NE(ev, nullptr);
+    ASSERT_TRUE((*s)->record(*ev).ok());
+    EXPECT_FALSE(ev->query());
+    gate = true;
+    ASSERT_TRUE(ev->synchronize(10s).ok());
+    ASSERT_EQ(order.size(), 20u);
+    for (int i = 0; i < 20; ++i) EXPECT_EQ(order[static_cast<size_t>(i)], i);
+    ASSERT_TRUE((*s)->enqueue([] { return Status(StatusCode::kDataLoss, "boom"); }).ok());
+    int ran = 0;
+    ASSERT_TRUE(enqueue_void(**s, [&] { ++ran; }).ok());
+    EXPECT_EQ((*s)->synchronize(10s).code(), StatusCode::kDataLoss);
+    EXPECT_EQ(ran, 0);
+}
+
+}  // namespace
+}  // namespace pdsim::runtime
