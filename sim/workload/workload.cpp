@@ -1,0 +1,300 @@
+#include "sim/workload/workload.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+namespace pdsim::workload {
+
+namespace {
+
+Status line_error(const std::string& source, int64_t line, const std::string& what) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("{}:{}: {}", source, line, what));
+}
+
+// Sort by arrival, rebase to the first arrival, apply caps / skip / sample, renumber.
+StatusOr<std::vector<Request>> finish(std::vector<Request> reqs, const LoadOptions& o, const std::string& source) {
+    if (o.time_scale <= 0 || !std::isfinite(o.time_scale)) {
+        return Status(StatusCode::kInvalidArgument, fmt::format("time scale {} must be > 0", o.time_scale));
+    }
+    if (o.skip < 0 || o.max_requests < 0 || o.sample < 0 || o.max_input_len < 0 || o.max_output_len < 0) {
+        return Status(StatusCode::kInvalidArgument, "skip / max requests / sample / caps must be >= 0");
+    }
+    if (reqs.empty()) return Status(StatusCode::kInvalidArgument, source + ": no requests in trace");
+    std::stable_sort(reqs.begin(), reqs.end(),
+                     [](const Request& a, const Request& b) { return a.arrival_ms < b.arrival_ms; });
+    if (o.skip > 0) reqs.erase(reqs.begin(), reqs.begin() + std::min<int64_t>(o.skip, static_cast<int64_t>(reqs.size())));
+    if (o.sample > 0 && o.sample < static_cast<int64_t>(reqs.size())) {
+        std::vector<size_t> idx(reqs.size());
+        std::iota(idx.begin(), idx.end(), size_t{0});
+        std::mt19937_64 rng(o.seed);
+        std::shuffle(idx.begin(), idx.end(), rng);
+        idx.resize(static_cast<size_t>(o.sample));
+        std::sort(idx.begin(), idx.end());
+        std::vector<Request> picked;
+        picked.reserve(idx.size());
+        for (size_t i : idx) picked.push_back(std::move(reqs[i]));
+        reqs = std::move(picked);
+    } else if (o.max_requests > 0 && o.max_requests < static_cast<int64_t>(reqs.size())) {
+        reqs.resize(static_cast<size_t>(o.max_requests));
+    }
+    if (reqs.empty()) return Status(StatusCode::kInvalidArgument, source + ": no requests left after --skip");
+    const double base = reqs.front().arrival_ms;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+        Request& r = reqs[i];
+        r.id = static_cast<int64_t>(i);
+        r.arrival_ms = (r.arrival_ms - base) * o.time_scale;
+        if (o.max_input_len > 0 && r.input_len > o.max_input_len) {
+            r.input_len = o.max_input_len;
+            const size_t blocks = static_cast<size_t>((r.input_len + kHashBlockTokens - 1) / kHashBlockTokens);
+            if (r.hash_ids.size() > blocks) r.hash_ids.resize(blocks);
+        }
+        if (o.max_output_len > 0 && r.output_len > o.max_output_len) r.output_len = o.max_output_len;
+    }
+    return reqs;
+}
+
+StatusOr<int64_t> json_int(const nlohmann::json& obj, const char* key, int64_t min, const std::string& source,
+                           int64_t line) {
+    auto it = obj.find(key);
+    if (it == obj.end()) return line_error(source, line, fmt::format("missing field '{}'", key));
+    if (!it->is_number_integer() && !it->is_number_unsigned()) {
+        if (it->is_number_float() && std::floor(it->get<double>()) == it->get<double>()) {
+            return static_cast<int64_t>(it->get<double>());
+        }
+        return line_error(source, line, fmt::format("{}: {} is not an integer", key, it->dump()));
+    }
+    int64_t v = it->get<int64_t>();
+    if (v < min) return line_error(source, line, fmt::format("{}: {} must be >= {}", key, v, min));
+    return v;
+}
+
+}  // namespace
+
+StatusOr<TraceFormat> parse_trace_format(std::string_view text) {
+    if (text == "auto") return TraceFormat::kAuto;
+    if (text == "mooncake") return TraceFormat::kMooncake;
+    if (text == "azure") return TraceFormat::kAzure;
+    return Status(StatusCode::kInvalidArgument, fmt::format("unknown trace format '{}' (auto|mooncake|azure)", text));
+}
+
+StatusOr<std::vector<Request>> parse_mooncake(std::istream& in, const std::string& source, const LoadOptions& o) {
+    std::vector<Request> reqs;
+    std::string line;
+    int64_t lineno = 0;
+    while (std::getline(in, line)) {
+        ++lineno;
+        if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+        nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+        if (j.is_discarded() || !j.is_object()) return line_error(source, lineno, "not a JSON object");
+        Request r;
+        r.source_line = lineno;
+        auto ts = j.find("timestamp");
+        if (ts == j.end()) return line_error(source, lineno, "missing field 'timestamp'");
+        if (!ts->is_number() || ts->get<double>() < 0 || !std::isfinite(ts->get<double>())) {
+            return line_error(source, lineno, fmt::format("timestamp: {} must be a number >= 0", ts->dump()));
+        }
+        r.arrival_ms = ts->get<double>();
+        PDSIM_ASSIGN_OR_RETURN(int64_t in_len, json_int(j, "input_length", 1, source, lineno));
+        PDSIM_ASSIGN_OR_RETURN(int64_t out_len, json_int(j, "output_length", 1, source, lineno));
+        if (in_len > (1 << 30) || out_len > (1 << 30)) return line_error(source, lineno, "length too large");
+        r.input_len = static_cast<int32_t>(in_len);
+        r.output_len = static_cast<int32_t>(out_len);
+        if (auto h = j.find("hash_ids"); h != j.end()) {
+            if (!h->is_array()) return line_error(source, lineno, "hash_ids: not an array");
+            for (size_t k = 0; k < h->size(); ++k) {
+                const auto& e = (*h)[k];
+                if (!e.is_number_integer()) {
+                    return line_error(source, lineno, fmt::format("hash_ids[{}]: {} is not an integer", k, e.dump()));
+                }
+                r.hash_ids.push_back(e.get<int64_t>());
+            }
+        }
+        reqs.push_back(std::move(r));
+    }
+    return finish(std::move(reqs), o, source);
+}
+
+namespace {
+// "2023-11-16 18:17:03.9799600" -> ms since the epoch (UTC; only differences matter).
+bool parse_azure_time(std::string_view s, double* ms) {
+    int Y, M, D, h, m;
+    double sec;
+    std::string buf(s);
+    if (std::sscanf(buf.c_str(), "%d-%d-%d %d:%d:%lf", &Y, &M, &D, &h, &m, &sec) != 6) return false;
+    if (M < 1 || M > 12 || D < 1 || D > 31 || h < 0 || h > 23 || m < 0 || m > 59 || sec < 0 || sec >= 61) return false;
+    std::tm tm{};
+    tm.tm_year = Y - 1900;
+    tm.tm_mon = M - 1;
+    tm.tm_mday = D;
+    tm.tm_hour = h;
+    tm.tm_min = m;
+    tm.tm_sec = 0;
+    const time_t t = timegm(&tm);
+    *ms = static_cast<double>(t) * 1000.0 + sec * 1000.0;
+    return true;
+}
+
+bool parse_int(std::string_view s, int64_t* v) {
+    while (!s.empty() && (s.back() == '\r' || s.back() == ' ')) s.remove_suffix(1);
+    while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
+    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *v);
+    return ec == std::errc() && p == s.data() + s.size();
+}
+}  // namespace
+
+StatusOr<std::vector<Request>> parse_azure(std::istream& in, const std::string& source, const LoadOptions& o) {
+    std::string line;
+    if (!std::getline(in, line)) return Status(StatusCode::kInvalidArgument, source + ": empty file");
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line != "TIMESTAMP,ContextTokens,GeneratedTokens") {
+        return line_error(source, 1, fmt::format("expected header 'TIMESTAMP,ContextTokens,GeneratedTokens', got '{}'", line));
+    }
+    std::vector<Request> reqs;
+    int64_t lineno = 1;
+    while (std::getline(in, line)) {
+        ++lineno;
+        if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+        std::vector<std::string_view> f;
+        std::string_view sv(line);
+        size_t pos = 0;
+        while (true) {
+            size_t c = sv.find(',', pos);
+            f.push_back(sv.substr(pos, c == std::string_view::npos ? std::string_view::npos : c - pos));
+            if (c == std::string_view::npos) break;
+            pos = c + 1;
+        }
+        if (f.size() != 3) return line_error(source, lineno, fmt::format("expected 3 fields, got {}", f.size()));
+        Request r;
+        r.source_line = lineno;
+        if (!parse_azure_time(f[0], &r.arrival_ms)) {
+            return line_error(source, lineno, fmt::format("TIMESTAMP: '{}' is not 'YYYY-MM-DD HH:MM:SS.f'", f[0]));
+        }
+        int64_t ctx = 0, gen = 0;
+        if (!parse_int(f[1], &ctx) || ctx < 1) {
+            return line_error(source, lineno, fmt::format("ContextTokens: '{}' must be an integer >= 1", f[1]));
+        }
+        if (!parse_int(f[2], &gen) || gen < 1) {
+            return line_error(source, lineno, fmt::format("GeneratedTokens: '{}' must be an integer >= 1", f[2]));
+        }
+        r.input_len = static_cast<int32_t>(std::min<int64_t>(ctx, 1 << 30));
+        r.output_len = static_cast<int32_t>(std::min<int64_t>(gen, 1 << 30));
+        reqs.push_back(std::move(r));
+    }
+    return finish(std::move(reqs), o, source);
+}
+
+StatusOr<std::vector<Request>> load_trace(const std::string& path, TraceFormat format, const LoadOptions& o) {
+    std::ifstream in(path);
+    if (!in) return Status(StatusCode::kInvalidArgument, fmt::format("{}: cannot open trace file", path));
+    if (format == TraceFormat::kAuto) {
+        const std::string ext = std::filesystem::path(path).extension().string();
+        if (ext == ".jsonl" || ext == ".json") {
+            format = TraceFormat::kMooncake;
+        } else if (ext == ".csv") {
+            format = TraceFormat::kAzure;
+        } else {
+            std::string first;
+            std::getline(in, first);
+            in.seekg(0);
+            format = (!first.empty() && first[0] == '{') ? TraceFormat::kMooncake : TraceFormat::kAzure;
+        }
+    }
+    return format == TraceFormat::kMooncake ? parse_mooncake(in, path, o) : parse_azure(in, path, o);
+}
+
+StatusOr<LengthDist> parse_length_dist(std::string_view text) {
+    auto bad = [&] {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("length distribution '{}': expected fixed:N, uniform:MIN:MAX or lognormal:MEDIAN:SIGMA", text));
+    };
+    std::vector<std::string> parts;
+    size_t pos = 0;
+    std::string s(text);
+    while (true) {
+        size_t c = s.find(':', pos);
+        parts.push_back(s.substr(pos, c == std::string::npos ? std::string::npos : c - pos));
+        if (c == std::string::npos) break;
+        pos = c + 1;
+    }
+    auto num = [](const std::string& p, double* out) {
+        char* end = nullptr;
+        *out = std::strtod(p.c_str(), &end);
+        return !p.empty() && *end == '\0' && std::isfinite(*out);
+    };
+    LengthDist d;
+    if (parts[0] == "fixed" && parts.size() == 2) {
+        d.kind = LengthDist::Kind::kFixed;
+        if (!num(parts[1], &d.a) || d.a < 1) return bad();
+    } else if (parts[0] == "uniform" && parts.size() == 3) {
+        d.kind = LengthDist::Kind::kUniform;
+        if (!num(parts[1], &d.a) || !num(parts[2], &d.b) || d.a < 1 || d.b < d.a) return bad();
+    } else if (parts[0] == "lognormal" && parts.size() == 3) {
+        d.kind = LengthDist::Kind::kLognormal;
+        if (!num(parts[1], &d.a) || !num(parts[2], &d.b) || d.a < 1 || d.b < 0) return bad();
+    } else {
+        return bad();
+    }
+    return d;
+}
+
+namespace {
+int32_t draw(const LengthDist& d, std::mt19937_64& rng) {
+    double v = d.a;
+    if (d.kind == LengthDist::Kind::kUniform) {
+        v = std::uniform_real_distribution<double>(d.a, d.b + 1.0)(rng);
+    } else if (d.kind == LengthDist::Kind::kLognormal) {
+        v = std::lognormal_distribution<double>(std::log(d.a), d.b)(rng);
+    }
+    return static_cast<int32_t>(std::clamp<double>(std::floor(v), d.min, d.max));
+}
+}  // namespace
+
+StatusOr<std::vector<Request>> make_synthetic(const SyntheticOptions& o) {
+    if (o.num_requests < 1) return Status(StatusCode::kInvalidArgument, "synthetic: number of requests must be >= 1");
+    if (!(o.rate_rps > 0) || !std::isfinite(o.rate_rps)) {
+        return Status(StatusCode::kInvalidArgument, "synthetic: rate must be > 0 requests/s");
+    }
+    if (o.gamma && !(o.cv > 0)) return Status(StatusCode::kInvalidArgument, "synthetic: gamma cv must be > 0");
+    std::mt19937_64 rng(o.seed);
+    std::vector<Request> reqs(static_cast<size_t>(o.num_requests));
+    double t = 0;
+    const double mean_gap_ms = 1000.0 / o.rate_rps;
+    // Gamma with shape k = 1/cv^2 and mean mean_gap has the requested coefficient of variation.
+    const double k = o.gamma ? 1.0 / (o.cv * o.cv) : 1.0;
+    std::gamma_distribution<double> gap(k, mean_gap_ms / k);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+        if (i > 0) t += gap(rng);
+        reqs[i].id = static_cast<int64_t>(i);
+        reqs[i].arrival_ms = t;
+        reqs[i].input_len = draw(o.input, rng);
+        reqs[i].output_len = draw(o.output, rng);
+    }
+    return reqs;
+}
+
+TraceStats summarize(const std::vector<Request>& r) {
+    TraceStats s;
+    s.requests = static_cast<int64_t>(r.size());
+    if (r.empty()) return s;
+    double in = 0, out = 0;
+    for (const auto& q : r) {
+        in += q.input_len;
+        out += q.output_len;
+        s.max_input = std::max(s.max_input, q.input_len);
+        s.max_output = std::max(s.max_output, q.output_len);
+    }
+    s.mean_input = in / static_cast<double>(r.size());
+    s.mean_output = out / static_cast<double>(r.size());
+    s.duration_s = (r.back().arrival_ms - r.front().arrival_ms) / 1000.0;
+    return s;
+}
+
+}  // namespace pdsim::workload
