@@ -1,0 +1,119 @@
+// SyntheticModel: a small but real transformer that drives the attention backends the way an LLM
+// engine does, so the testbed's prefill and decode ranks do real work on real KV.
+//
+// Per layer: RMSNorm -> QKV projection -> RoPE -> KV write + attention (through an
+// AttentionBackend, inside its PD record rule) -> O projection -> residual -> RMSNorm -> MLP
+// (SiLU-gated) -> residual. Then a final RMSNorm, the LM head on each request's last token and
+// greedy sampling. Weights come from ModelConfig::seed through a counter-based generator, so every
+// rank (any TP size) builds bit-identical weights without communication.
+//
+// Invariance (why the testbed can demand disaggregated tokens == colocated tokens):
+//  - batch-invariant: projections run on a kernel where every output element is one FMA chain over
+//    k in order, whatever rows it is batched with (OpenBLAS sgemm is not row-position invariant);
+//  - TP-invariant: the reductions of tensor parallelism (O projection, MLP down projection) are
+//    split into num_kv_heads canonical slices whose partial sums are gathered (TpComm::allgather)
+//    and added in slice order, so a TP-2 rank computes bit-identical hidden states to a TP-1 rank.
+//
+// Execution: forward() only enqueues work on the compute stream (the one the backend uses); the
+// sampled tokens are written, in stream order, to the caller's `next_tokens` array. Buffers are the
+// model's workspace, reused across forwards in stream order. One host thread drives a model.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "backends/attention/attention_backend.h"
+#include "backends/kv/kv_pool.h"
+#include "backends/model/model_config.h"
+#include "backends/runtime/stream.h"
+#include "common/status.h"
+
+namespace pdsim::model {
+
+// The TP group's gather, run inside a stream task: every rank contributes `count` floats and
+// receives all ranks' contributions, rank-major, in `out` (tp_size * count floats).
+class TpComm {
+public:
+    virtual ~TpComm() = default;
+    [[nodiscard]] virtual int size() const = 0;
+    [[nodiscard]] virtual int rank() const = 0;
+    [[nodiscard]] virtual Status allgather(const float* mine, size_t count, float* out) = 0;
+};
+
+// One forward: `bs` requests, each with extend_lens[i] new tokens (1 for decode) at positions
+// seq_lens[i] - extend_lens[i] .. seq_lens[i] - 1.
+struct StepBatch {
+    attn::ForwardMode mode = attn::ForwardMode::kExtend;
+    std::vector<int32_t> tokens;         // [T] token ids of the new tokens
+    std::vector<int32_t> out_cache_loc;  // [T] KV slots of the new tokens
+    std::vector<int32_t> seq_lens;       // [bs]
+    std::vector<int32_t> extend_lens;    // [bs]
+    std::vector<int32_t> page_table;     // [bs * page_table_stride]
+    int page_table_stride = 0;
+};
+
+// Observes layer boundaries on the stream (timelines); called from the stream's thread.
+using LayerHook = std::function<void(int layer, bool begin)>;
+
+class SyntheticModel {
+public:
+    // `tp` may be null for TP 1. `max_tokens` bounds T per forward.
+    [[nodiscard]] static StatusOr<std::unique_ptr<SyntheticModel>> create(const ModelConfig& config,
+                                                                          TpComm* tp, int max_tokens);
+    SyntheticModel(const SyntheticModel&) = delete;
+    SyntheticModel& operator=(const SyntheticModel&) = delete;
+
+    [[nodiscard]] const ModelConfig& config() const { return cfg_; }
+    [[nodiscard]] int tp_size() const { return tp_size_; }
+    [[nodiscard]] int local_q_heads() const { return hq_; }
+    [[nodiscard]] int local_kv_heads() const { return hkv_; }
+    [[nodiscard]] size_t weight_bytes() const;
+    // The attention layer spec of `layer` on this rank.
+    [[nodiscard]] attn::LayerSpec layer_spec(int layer) const;
+
+    // Enqueues the forward of `batch` on backend.stream(): metadata, every layer, sampling.
+    // next_tokens[i] (i < bs) receives request i's greedy next token when the stream gets there.
+    // `save_kv_cache=false` prewrites each layer's KV before the attention call (the fused-RoPE
+    // prewrite path), exercising the backend's record-before rule.
+    [[nodiscard]] Status forward(const StepBatch& batch, attn::AttentionBackend& backend,
+                                 kv::KVPool& pool, int32_t* next_tokens,
+                                 bool save_kv_cache = true);
+
+    void set_layer_hook(LayerHook hook) { hook_ = std::move(hook); }
+
+    // Deterministic weight value (exposed for tests): element `index` of tensor `tensor`.
+    [[nodiscard]] static float weight_value(uint64_t seed, uint64_t tensor, uint64_t index, float scale);
+
+private:
+    SyntheticModel(const ModelConfig& config, TpComm* tp, int max_tokens);
+    [[nodiscard]] Status init_weights();
+
+    struct Layer {
+        std::vector<float> norm1, norm2;     // [H]
+        std::vector<float> wq, wk, wv;       // [H][local heads * D]
+        std::vector<float> wo;               // [local q heads * D][H]
+        std::vector<float> w_gate, w_up;     // [H][local I]
+        std::vector<float> w_down;           // [local I][H]
+    };
+
+    ModelConfig cfg_;
+    TpComm* tp_;
+    int tp_size_ = 1;
+    int tp_rank_ = 0;
+    int hq_ = 0, hkv_ = 0, inter_ = 0;       // local sizes
+    int slices_ = 1;                         // canonical reduction slices (whole model)
+    int max_tokens_ = 0;
+    std::vector<Layer> layers_;
+    std::vector<float> embed_;               // [V][H]
+    std::vector<float> final_norm_;          // [H]
+    std::vector<float> lm_head_;             // [H][V]
+    std::vector<float> rope_inv_freq_;       // [D/2]
+
+    // Workspace (touched only by stream tasks).
+    std::vector<float> h_, x_, q_, k_, v_, attn_, gate_, up_, partial_, gathered_;
+    LayerHook hook_;
+};
+
+}  // namespace pdsim::model
