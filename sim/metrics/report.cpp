@@ -1,0 +1,155 @@
+#include "sim/metrics/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+
+namespace pdsim::metrics {
+
+Percentiles percentiles(std::vector<double> v) {
+    Percentiles p;
+    p.count = static_cast<int64_t>(v.size());
+    if (v.empty()) return p;
+    std::sort(v.begin(), v.end());
+    double sum = 0;
+    for (double x : v) sum += x;
+    p.mean = sum / static_cast<double>(v.size());
+    auto at = [&](double q) {
+        const double pos = q * static_cast<double>(v.size() - 1);
+        const size_t lo = static_cast<size_t>(std::floor(pos));
+        const size_t hi = std::min(lo + 1, v.size() - 1);
+        return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
+    };
+    p.p50 = at(0.50);
+    p.p90 = at(0.90);
+    p.p99 = at(0.99);
+    return p;
+}
+
+void summarize_requests(const std::vector<RequestRecord>& records, const Slo& slo, Report* r) {
+    r->requests_submitted = static_cast<int64_t>(records.size());
+    r->requests_completed = 0;
+    r->requests_failed = 0;
+    r->failures.clear();
+    std::vector<double> ttft, tpot, e2e;
+    double first_arrival = std::numeric_limits<double>::infinity(), last_finish = 0;
+    int64_t attained = 0, tokens = 0;
+    for (const auto& q : records) {
+        first_arrival = std::min(first_arrival, q.arrival_ms);
+        if (!q.ok) {
+            ++r->requests_failed;
+            if (r->failures.size() < 20) r->failures.push_back(fmt::format("request {}: {}", q.id, q.error));
+            continue;
+        }
+        ++r->requests_completed;
+        tokens += q.generated;
+        last_finish = std::max(last_finish, q.finish_ms);
+        ttft.push_back(q.ttft_ms());
+        e2e.push_back(q.e2e_ms());
+        const auto tp = q.tpot_ms();
+        if (tp) tpot.push_back(*tp);
+        const bool ttft_ok = slo.ttft_ms <= 0 || q.ttft_ms() <= slo.ttft_ms;
+        const bool tpot_ok = slo.tpot_ms <= 0 || !tp || *tp <= slo.tpot_ms;
+        attained += (ttft_ok && tpot_ok) ? 1 : 0;
+    }
+    r->ttft_ms = percentiles(std::move(ttft));
+    r->tpot_ms = percentiles(std::move(tpot));
+    r->e2e_ms = percentiles(std::move(e2e));
+    const double makespan_s = (r->requests_completed > 0) ? (last_finish - first_arrival) / 1000.0 : 0;
+    r->goodput_rps = makespan_s > 0 ? static_cast<double>(attained) / makespan_s : 0;
+    r->throughput_tokens_s = makespan_s > 0 ? static_cast<double>(tokens) / makespan_s : 0;
+    r->slo_attainment = records.empty() ? 0 : static_cast<double>(attained) / static_cast<double>(records.size());
+}
+
+namespace {
+nlohmann::json pj(const Percentiles& p) {
+    return {{"mean", p.mean}, {"p50", p.p50}, {"p90", p.p90}, {"p99", p.p99}, {"count", p.count}};
+}
+}  // namespace
+
+nlohmann::json to_json(const Report& r) {
+    nlohmann::json j;
+    j["schema_version"] = kReportSchemaVersion;
+    j["mode"] = r.mode;
+    j["topology"] = r.topology;
+    j["model"] = r.model;
+    j["requests_submitted"] = r.requests_submitted;
+    j["requests_completed"] = r.requests_completed;
+    j["requests_failed"] = r.requests_failed;
+    j["ttft_ms"] = pj(r.ttft_ms);
+    j["tpot_ms"] = pj(r.tpot_ms);
+    j["e2e_ms"] = pj(r.e2e_ms);
+    j["goodput_rps"] = r.goodput_rps;
+    j["slo_attainment"] = r.slo_attainment;
+    j["throughput_tokens_s"] = r.throughput_tokens_s;
+    j["transfer"] = {{"bytes", r.transfer.bytes},
+                     {"gbps", r.transfer.gbps},
+                     {"layer_latency_us", pj(r.transfer.layer_latency_us)},
+                     {"exposed_fraction", r.transfer.exposed_fraction}};
+    j["ordering"] = {{"checked_layers", r.ordering.checked_layers},
+                     {"violations", r.ordering.violations},
+                     {"details", r.ordering.details}};
+    if (r.outputs_match) j["outputs_match"] = *r.outputs_match;
+    j["wall_s"] = r.wall_s;
+    j["failures"] = r.failures;
+    for (auto it = r.extra.begin(); it != r.extra.end(); ++it) j[it.key()] = it.value();
+    if (r.colocated) j["colocated"] = to_json(*r.colocated);
+    return j;
+}
+
+Status write_report(const std::string& path, const Report& report) {
+    std::ofstream f(path);
+    if (!f) return Status(StatusCode::kInvalidArgument, fmt::format("{}: cannot open report file for writing", path));
+    f << to_json(report).dump(2) << "\n";
+    if (!f) return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path));
+    return {};
+}
+
+Status write_requests_csv(const std::string& path, const std::vector<RequestRecord>& records) {
+    std::ofstream f(path);
+    if (!f) return Status(StatusCode::kInvalidArgument, fmt::format("{}: cannot open requests file for writing", path));
+    f << "id,arrival_ms,ttft_ms,tpot_ms,e2e_ms,input_len,output_len,generated,ok,prefill_instance,decode_instance,"
+         "transfer_bytes,transfer_ms,error\n";
+    for (const auto& q : records) {
+        std::string err = q.error;
+        std::replace(err.begin(), err.end(), '"', '\'');
+        const auto tp = q.tpot_ms();
+        f << fmt::format("{},{:.3f},{},{},{},{},{},{},{},{},{},{},{:.3f},\"{}\"\n", q.id, q.arrival_ms,
+                         q.ok ? fmt::format("{:.3f}", q.ttft_ms()) : "", tp ? fmt::format("{:.3f}", *tp) : "",
+                         q.ok ? fmt::format("{:.3f}", q.e2e_ms()) : "", q.input_len, q.output_len, q.generated,
+                         q.ok ? 1 : 0, q.prefill_instance, q.decode_instance, q.transfer_bytes, q.transfer_ms, err);
+    }
+    if (!f) return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path));
+    return {};
+}
+
+std::string summary_table(const Report& r) {
+    const Report* c = r.colocated.get();
+    std::string out;
+    auto row = [&](const std::string& name, const std::string& a, const std::string& b) {
+        out += c ? fmt::format("  {:<26} {:>16} {:>16}\n", name, a, b) : fmt::format("  {:<26} {:>16}\n", name, a);
+    };
+    auto f1 = [](double v) { return fmt::format("{:.2f}", v); };
+    auto pct = [&](const Percentiles& p) { return fmt::format("{:.1f}/{:.1f}/{:.1f}", p.p50, p.p90, p.p99); };
+    out += fmt::format("pdsim {} report: topology {}, model {}\n", r.mode, r.topology, r.model);
+    row("", c ? r.mode : "", c ? c->mode : "");
+    row("requests submitted", std::to_string(r.requests_submitted), c ? std::to_string(c->requests_submitted) : "");
+    row("requests completed", std::to_string(r.requests_completed), c ? std::to_string(c->requests_completed) : "");
+    row("requests failed", std::to_string(r.requests_failed), c ? std::to_string(c->requests_failed) : "");
+    row("TTFT ms p50/p90/p99", pct(r.ttft_ms), c ? pct(c->ttft_ms) : "");
+    row("TPOT ms p50/p90/p99", pct(r.tpot_ms), c ? pct(c->tpot_ms) : "");
+    row("E2E ms p50/p90/p99", pct(r.e2e_ms), c ? pct(c->e2e_ms) : "");
+    row("goodput req/s", f1(r.goodput_rps), c ? f1(c->goodput_rps) : "");
+    row("SLO attainment", f1(r.slo_attainment), c ? f1(c->slo_attainment) : "");
+    row("transfer GB/s", fmt::format("{:.3f}", r.transfer.gbps), c ? "-" : "");
+    row("transfer exposed fraction", fmt::format("{:.3f}", r.transfer.exposed_fraction), c ? "-" : "");
+    row("ordering checked/violations",
+        fmt::format("{}/{}", r.ordering.checked_layers, r.ordering.violations), c ? "-" : "");
+    if (r.outputs_match) row("outputs match", *r.outputs_match ? "yes" : "NO", "");
+    row("wall s", f1(r.wall_s), c ? f1(c->wall_s) : "");
+    for (const auto& d : r.ordering.details) out += "  violation: " + d + "\n";
+    for (const auto& f : r.failures) out += "  failed: " + f + "\n";
+    return out;
+}
+
+}  // namespace pdsim::metrics
