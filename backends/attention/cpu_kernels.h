@@ -1,0 +1,89 @@
+// The kernels of the `cpu` attention backend: paged attention over an MHA KV pool, fp32 or bf16 KV,
+// causal over each request's last q_len positions (decode, extend, cached prefix, chunked prefill),
+// GQA (query head h reads KV head h / (num_q_heads / num_kv_heads)).
+//
+// Two kernels, chosen per request:
+//   decode (q_len == 1): memory-bound. One work item is a (request, KV-token chunk) pair that reads
+//     each token's K and V rows once for all heads (token-major, so the pool is streamed
+//     sequentially within a page) and keeps every query head's online-softmax state; long requests
+//     are split over several chunks ("split-KV") whose partial results the last chunk to finish
+//     merges.
+//   extend (q_len > 1): compute-bound. One work item is (request, KV head, tile of query tokens);
+//     all query heads of the KV group are rows of the tile, so each K/V element is loaded once per
+//     group. Flash-attention style: K/V blocks are gathered into contiguous fp32 scratch, then
+//     S^T = K Q^T and O^T += V^T P^T run as register-blocked micro-kernels whose vectors run along
+//     the query rows (so the online-softmax max/sum are lane-wise, never horizontal).
+// Both accumulate in fp32 and use exp2 with log2(e) folded into the query scale.
+//
+// ISA: AVX2+FMA kernels, plus an AVX-512 extend kernel when the CPU has AVX-512 (F/BW/DQ/VL),
+// selected at run time; a scalar fallback covers CPUs without AVX2.
+// PDSIM_CPU_ISA=scalar|avx2|avx512 lowers (never raises) the choice, e.g. to test every path on one
+// machine.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "backends/attention/attention_backend.h"
+#include "backends/kv/kv_pool.h"
+#include "common/thread_pool.h"
+
+namespace pdsim::attn::cpu {
+
+// One attention call as the kernels see it, resolved when the kernel runs (the batch comes from the
+// metadata buffers at that moment, so graph replays see the current batch).
+struct AttnProblem {
+    BatchView view{};
+    const float* q = nullptr;       // [num_tokens][num_q_heads][head_dim]
+    float* out = nullptr;           // [num_tokens][num_q_heads][v_head_dim]
+    const void* k_cache = nullptr;  // [num_pages][page_size][num_kv_heads][head_dim] (kv_dtype)
+    const void* v_cache = nullptr;  // [num_pages][page_size][num_kv_heads][v_head_dim]
+    kv::KVDtype kv_dtype = kv::KVDtype::kF32;
+    int page_size = 1;
+    int num_q_heads = 1;
+    int num_kv_heads = 1;
+    int head_dim = 0;
+    int v_head_dim = 0;
+    float scale = 1.f;  // softmax scale applied to q.k
+};
+
+// Builds the problem of one forward from its arguments and the view read at run time.
+[[nodiscard]] AttnProblem make_problem(const ForwardArgs& args, const BatchView& view);
+
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+[[nodiscard]] std::string_view isa_name(Isa isa);
+// The best ISA this CPU supports, lowered by PDSIM_CPU_ISA when set.
+[[nodiscard]] Isa detect_isa();
+
+// Runs attention problems on a thread pool. Owns the pool and the per-worker scratch (grown on
+// demand, never shrunk). Not thread-safe: one stream drives it, one run() at a time.
+class CpuAttentionKernels {
+public:
+    // num_threads <= 0: every core. isa: clamped to what the CPU supports.
+    explicit CpuAttentionKernels(int num_threads, Isa isa = detect_isa());
+    ~CpuAttentionKernels();
+    CpuAttentionKernels(const CpuAttentionKernels&) = delete;
+    CpuAttentionKernels& operator=(const CpuAttentionKernels&) = delete;
+
+    // Writes out[] for every query token of p.view. Precondition: p has been validated
+    // (cpu::validate_view: page ids in range, q_len <= seq_len, heads divide) and its pointers are
+    // valid for the shapes it states.
+    void run(const AttnProblem& p);
+
+    [[nodiscard]] ThreadPool& pool() { return *pool_; }
+    [[nodiscard]] Isa isa() const { return isa_; }
+
+    struct Scratch;  // per-worker scratch (cpu_kernels.cpp)
+
+private:
+    Isa isa_;
+    std::unique_ptr<ThreadPool> pool_;
+    std::vector<std::unique_ptr<Scratch>> scratch_;  // one per pool worker
+    std::vector<float> partials_;                    // split-KV partial results of decode chunks
+};
+
+}  // namespace pdsim::attn::cpu

@@ -1,0 +1,386 @@
+// The `cpu` attention backend (created through the registry) against the `cpu_ref` oracle.
+//
+// Metric: element-wise |cpu - cpu_ref| <= tol * max(1, |cpu_ref|), NaN never passes;
+// tol = 1e-5 with fp32 KV, 1e-2 with bf16 KV.
+//
+// The parameterized suite covers every combination of
+//   kind       decode | prefill (fresh extend) | chunked (cached prefix + new tokens, extend)
+//   q/kv ratio 1, 4, 8;  head_dim 64, 128;  page_size 1, 16, 64;  KV fp32, bf16;
+//   save_kv    true (the backend writes the new tokens' KV) | false (prewrite: the test writes it
+//              into the pool before forward and hands the backend NaN decoys for k and v)
+// and runs two or three multi-request batches per combination, with seq lens 1, page_size - 1,
+// page_size, page_size + 1, 2 * page_size + 1 and up to 4096 (decode and chunked; fresh prefill
+// up to ~300 here, 4096 in cpu_attention_slow_test). Page tables are shuffled (non-contiguous),
+// pools poisoned (see attention_test_util.h). After each run the whole pool must equal the
+// expected image: prefix + the new tokens' KV (bf16: rounded to nearest even) and nothing else.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "tests/attention_test_util.h"
+
+namespace pdsim::attn::test {
+namespace {
+
+enum class Kind { kDecode, kPrefill, kChunked };
+
+const char* kind_name(Kind k) {
+    switch (k) {
+        case Kind::kDecode: return "decode";
+        case Kind::kPrefill: return "prefill";
+        case Kind::kChunked: return "chunked";
+    }
+    return "?";
+}
+
+double tolerance(kv::KVDtype d) { return d == kv::KVDtype::kF32 ? 1e-5 : 1e-2; }
+
+// q/kv ratio -> (q heads, kv heads). More than one KV head everywhere, so a wrong head stride shows.
+Shape shape_for(int ratio, int head_dim, int page_size, kv::KVDtype dtype) {
+    Shape s;
+    s.num_kv_heads = ratio == 1 ? 3 : 2;
+    s.num_q_heads = s.num_kv_heads * ratio;
+    s.head_dim = head_dim;
+    s.page_size = page_size;
+    s.dtype = dtype;
+    return s;
+}
+
+// Runs `b` through cpu_ref and cpu (concurrently, each on its own stream and pool) and checks the
+// outputs and both pools.
+void check_batch(const Shape& s, const Batch& b, bool save_kv, const std::string& label,
+                 int cpu_threads = 0) {
+    SCOPED_TRACE(label + " | " + s.describe() + " | save_kv=" + (save_kv ? "true" : "false (prewrite)") +
+                 " | " + b.describe());
+    auto ref_pool = make_pool(s, b.num_pages);
+    auto cpu_pool = make_pool(s, b.num_pages);
+    auto want_pool = make_pool(s, b.num_pages);
+    ASSERT_TRUE(ref_pool && cpu_pool && want_pool);
+    init_pool(*ref_pool, s, b, /*with_new=*/!save_kv);
+    init_pool(*cpu_pool, s, b, /*with_new=*/!save_kv);
+    init_pool(*want_pool, s, b, /*with_new=*/true);
+
+    Runner ref("cpu_ref", s);
+    Runner cpu("cpu", s, cpu_threads);
+    ASSERT_TRUE(ref.create_status().ok()) << ref.create_status().to_string();
+    ASSERT_TRUE(cpu.create_status().ok()) << cpu.create_status().to_string();
+    Status ref_launch = ref.launch(b, *ref_pool, save_kv);
+    Status cpu_launch = cpu.launch(b, *cpu_pool, save_kv);
+    Status ref_done = ref.wait();
+    Status cpu_done = cpu.wait();
+    ASSERT_TRUE(ref_launch.ok()) << "cpu_ref: " << ref_launch.to_string();
+    ASSERT_TRUE(ref_done.ok()) << "cpu_ref: " << ref_done.to_string();
+    ASSERT_TRUE(cpu_launch.ok()) << "cpu: " << cpu_launch.to_string();
+    ASSERT_TRUE(cpu_done.ok()) << "cpu: " << cpu_done.to_string();
+    EXPECT_TRUE(outputs_close(cpu.out(), ref.out(), tolerance(s.dtype), s, b)) << "cpu vs cpu_ref";
+    EXPECT_TRUE(pools_equal(*cpu_pool, *want_pool)) << "cpu backend's KV pool after forward";
+    EXPECT_TRUE(pools_equal(*ref_pool, *want_pool)) << "cpu_ref backend's KV pool after forward";
+}
+
+std::vector<int> boundary_lens(int ps, std::vector<int> extra) {
+    std::set<int> lens(extra.begin(), extra.end());
+    for (int l : {1, ps - 1, ps, ps + 1, 2 * ps + 1}) {
+        if (l >= 1) lens.insert(l);
+    }
+    return {lens.begin(), lens.end()};
+}
+
+std::vector<Req> shuffled(std::vector<Req> reqs, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::shuffle(reqs.begin(), reqs.end(), rng);
+    return reqs;
+}
+
+using Param = std::tuple<Kind, int /*ratio*/, int /*head_dim*/, int /*page_size*/, kv::KVDtype, bool /*save_kv*/>;
+
+class CpuVsRef : public ::testing::TestWithParam<Param> {};
+
+TEST_P(CpuVsRef, MatchesOracleAndWritesKv) {
+    const auto [kind, ratio, head_dim, ps, dtype, save_kv] = GetParam();
+    const Shape s = shape_for(ratio, head_dim, ps, dtype);
+    Shape scaled = s;
+    scaled.scaling = 0.25f;
+    uint64_t seed = 1000003ull * static_cast<uint64_t>(kind) + 10007ull * static_cast<uint64_t>(ratio) +
+                    101ull * static_cast<uint64_t>(head_dim) + 7ull * static_cast<uint64_t>(ps) +
+                    (dtype == kv::KVDtype::kBF16 ? 3 : 0) + (save_kv ? 1 : 0);
+    std::mt19937_64 rng(seed);
+    auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    const std::string name = kind_name(kind);
+    switch (kind) {
+        case Kind::kDecode: {
+            std::vector<Req> reqs;
+            for (int l : boundary_lens(ps, {100, 1000, 4096})) reqs.push_back({l - 1, 1});
+            check_batch(s, make_batch(s, ForwardMode::kDecode, shuffled(reqs, seed), seed), save_kv,
+                        name + " boundary lens");
+            check_batch(scaled, make_batch(scaled, ForwardMode::kDecode, {{4095, 1}}, seed + 1), save_kv,
+                        name + " single 4096, scaling 0.25");
+            reqs.clear();
+            for (int i = 0; i < 24; ++i) reqs.push_back({uni(1, 300) - 1, 1});
+            check_batch(s, make_batch(s, ForwardMode::kDecode, reqs, seed + 2), save_kv, name + " bs 24");
+            break;
+        }
+        case Kind::kPrefill: {
+            std::vector<Req> reqs;
+            for (int l : boundary_lens(ps, {97})) reqs.push_back({0, l});
+            check_batch(s, make_batch(s, ForwardMode::kExtend, shuffled(reqs, seed), seed), save_kv,
+                        name + " boundary lens");
+            check_batch(scaled, make_batch(scaled, ForwardMode::kExtend, {{0, uni(200, 300)}}, seed + 1),
+                        save_kv, name + " single, scaling 0.25");
+            break;
+        }
+        case Kind::kChunked: {
+            std::vector<Req> reqs{{1, 1}, {0, 5}, {4093, 3}, {4095, 1}};
+            for (Req r : {Req{ps - 1, 1}, Req{ps - 1, 2}, Req{ps, ps}, Req{ps + 1, std::max(ps - 1, 1)},
+                          Req{2 * ps - 3, 7}}) {
+                if (r.prefix >= 1) reqs.push_back(r);
+            }
+            check_batch(s, make_batch(s, ForwardMode::kExtend, shuffled(reqs, seed), seed), save_kv,
+                        name + " boundary lens");
+            check_batch(scaled, make_batch(scaled, ForwardMode::kExtend, {{uni(100, 200), uni(150, 200)}}, seed + 1),
+                        save_kv, name + " single, scaling 0.25");
+            reqs.clear();
+            for (int i = 0; i < 8; ++i) reqs.push_back({uni(0, 300), uni(1, 40)});
+            check_batch(s, make_batch(s, ForwardMode::kExtend, reqs, seed + 2), save_kv, name + " bs 8");
+            break;
+        }
+    }
+}
+
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+    const auto [kind, ratio, head_dim, ps, dtype, save_kv] = info.param;
+    return std::string(kind_name(kind)) + "_ratio" + std::to_string(ratio) + "_d" + std::to_string(head_dim) +
+           "_ps" + std::to_string(ps) + "_" + std::string(kv::dtype_name(dtype)) + (save_kv ? "_save" : "_prewrite");
+}
+
+INSTANTIATE_TEST_SUITE_P(AllCombinations, CpuVsRef,
+                         ::testing::Combine(::testing::Values(Kind::kDecode, Kind::kPrefill, Kind::kChunked),
+                                            ::testing::Values(1, 4, 8), ::testing::Values(64, 128),
+                                            ::testing::Values(1, 16, 64),
+                                            ::testing::Values(kv::KVDtype::kF32, kv::KVDtype::kBF16),
+                                            ::testing::Bool()),
+                         param_name);
+
+// The comparison can fail: an element nudged just past the tolerance, or a NaN, is reported.
+TEST(CpuAttention, ComparisonRejectsPerturbedOutputs) {
+    Shape s = shape_for(4, 64, 16, kv::KVDtype::kF32);
+    Batch b = make_batch(s, ForwardMode::kExtend, {{3, 4}, {0, 2}}, 1);
+    std::vector<float> ref = naive_attention(s, b);
+    EXPECT_TRUE(outputs_close(ref, ref, 1e-5, s, b));
+    for (double tol : {1e-5, 1e-2}) {
+        std::vector<float> got = ref;
+        got[77] += static_cast<float>(2 * tol * std::max(1.0f, std::fabs(ref[77])));
+        EXPECT_FALSE(outputs_close(got, ref, tol, s, b)) << tol;
+        got = ref;
+        got[5] = kNaN;
+        EXPECT_FALSE(outputs_close(got, ref, tol, s, b)) << tol;
+        got = ref;
+        got[got.size() - 1] += static_cast<float>(0.5 * tol * std::max(1.0f, std::fabs(ref.back())));
+        EXPECT_TRUE(outputs_close(got, ref, tol, s, b)) << tol;
+    }
+}
+
+// The oracle itself against a naive fp64 computation from the logical (unpaged) data, and `cpu`
+// against the same: if cpu_ref were wrong, the suite above would compare against a wrong answer.
+TEST(CpuAttention, OracleMatchesNaiveAttention) {
+    for (auto dtype : {kv::KVDtype::kF32, kv::KVDtype::kBF16}) {
+        for (int ps : {1, 16}) {
+            Shape s = shape_for(4, 64, ps, dtype);
+            Batch b = make_batch(s, ForwardMode::kExtend, {{0, 33}, {17, 5}, {40, 1}}, 77 + ps);
+            const std::vector<float> naive = naive_attention(s, b);
+            for (const char* name : {"cpu_ref", "cpu"}) {
+                SCOPED_TRACE(std::string(name) + " | " + s.describe() + " | " + b.describe());
+                auto pool = make_pool(s, b.num_pages);
+                ASSERT_TRUE(pool);
+                init_pool(*pool, s, b, false);
+                Runner r(name, s);
+                ASSERT_TRUE(r.run(b, *pool, true).ok());
+                EXPECT_TRUE(outputs_close(r.out(), naive, tolerance(dtype), s, b)) << name << " vs naive";
+            }
+            Batch d = make_batch(s, ForwardMode::kDecode, {{0, 1}, {ps, 1}, {300, 1}}, 91 + ps);
+            const std::vector<float> naive_d = naive_attention(s, d);
+            for (const char* name : {"cpu_ref", "cpu"}) {
+                SCOPED_TRACE(std::string(name) + " | " + s.describe() + " | " + d.describe());
+                auto pool = make_pool(s, d.num_pages);
+                ASSERT_TRUE(pool);
+                init_pool(*pool, s, d, false);
+                Runner r(name, s);
+                ASSERT_TRUE(r.run(d, *pool, true).ok());
+                EXPECT_TRUE(outputs_close(r.out(), naive_d, tolerance(dtype), s, d)) << name << " vs naive";
+            }
+        }
+    }
+}
+
+// The work partition must not change the answer: 1 thread, an odd count, more threads than cores.
+TEST(CpuAttention, ThreadCountsAgree) {
+    for (int threads : {1, 3, 8}) {
+        Shape s = shape_for(4, 128, 16, kv::KVDtype::kF32);
+        std::vector<Req> dec, ext;
+        for (int i = 0; i < 13; ++i) dec.push_back({i * 97 % 1500, 1});
+        for (int i = 0; i < 5; ++i) ext.push_back({i * 53 % 200, 1 + i * 37 % 90});
+        check_batch(s, make_batch(s, ForwardMode::kDecode, dec, 5 + threads), true,
+                    "decode, threads " + std::to_string(threads), threads);
+        check_batch(s, make_batch(s, ForwardMode::kExtend, ext, 6 + threads), false,
+                    "extend, threads " + std::to_string(threads), threads);
+    }
+}
+
+// One init_forward_metadata per batch, then one forward per layer (what the model runner does):
+// every layer reads its own KV and writes its own new tokens.
+TEST(CpuAttention, LayersShareOneMetadataInit) {
+    constexpr int kLayers = 3;
+    for (auto mode : {ForwardMode::kDecode, ForwardMode::kExtend}) {
+        Shape s = shape_for(8, 64, 16, kv::KVDtype::kBF16);
+        s.num_layers = kLayers;
+        std::vector<Req> reqs = mode == ForwardMode::kDecode ? std::vector<Req>{{30, 1}, {200, 1}, {0, 1}}
+                                                             : std::vector<Req>{{30, 9}, {0, 40}, {16, 16}};
+        std::vector<Batch> per_layer;
+        std::vector<Shape> shapes;
+        for (int l = 0; l < kLayers; ++l) {
+            shapes.push_back(s);
+            shapes.back().layer_id = l;
+            per_layer.push_back(make_batch(shapes.back(), mode, reqs, 11, 2, 0, 0, 100 + l));
+        }
+        auto ref_pool = make_pool(s, per_layer[0].num_pages);
+        auto cpu_pool = make_pool(s, per_layer[0].num_pages);
+        auto want = make_pool(s, per_layer[0].num_pages);
+        ASSERT_TRUE(ref_pool && cpu_pool && want);
+        for (int l = 0; l < kLayers; ++l) {
+            init_pool(*ref_pool, shapes[static_cast<size_t>(l)], per_layer[static_cast<size_t>(l)], false, l == 0);
+            init_pool(*cpu_pool, shapes[static_cast<size_t>(l)], per_layer[static_cast<size_t>(l)], false, l == 0);
+            init_pool(*want, shapes[static_cast<size_t>(l)], per_layer[static_cast<size_t>(l)], true, l == 0);
+        }
+        Runner ref("cpu_ref", s), cpu("cpu", s);
+        std::vector<std::vector<float>> ref_out(kLayers), cpu_out(kLayers);
+        for (auto* r : {&ref, &cpu}) {
+            auto& outs = r == &ref ? ref_out : cpu_out;
+            auto& pool = r == &ref ? *ref_pool : *cpu_pool;
+            ASSERT_TRUE(r->create_status().ok());
+            ASSERT_TRUE(r->backend().init_forward_metadata(per_layer[0].forward_batch()).ok());
+            for (int l = 0; l < kLayers; ++l) {
+                const Batch& b = per_layer[static_cast<size_t>(l)];
+                outs[static_cast<size_t>(l)].assign(static_cast<size_t>(b.num_tokens) * s.q_width(), kNaN);
+                ASSERT_TRUE(r->backend()
+                                .forward(b.q.data(), b.k.data(), b.v.data(), shapes[static_cast<size_t>(l)].layer(),
+                                         b.locs.data(), pool, mode, b.bs, outs[static_cast<size_t>(l)].data())
+                                .ok());
+            }
+        }
+        ASSERT_TRUE(ref.wait().ok());
+        ASSERT_TRUE(cpu.wait().ok());
+        for (int l = 0; l < kLayers; ++l) {
+            SCOPED_TRACE("layer " + std::to_string(l) + " | " + per_layer[static_cast<size_t>(l)].describe());
+            EXPECT_TRUE(outputs_close(cpu_out[static_cast<size_t>(l)], ref_out[static_cast<size_t>(l)],
+                                      tolerance(s.dtype), s, per_layer[static_cast<size_t>(l)]));
+        }
+        EXPECT_TRUE(pools_equal(*cpu_pool, *want));
+        EXPECT_TRUE(pools_equal(*ref_pool, *want));
+    }
+}
+
+// Head dims other than 64 / 128, including ones that are not a multiple of the SIMD width
+// (the vectorized paths need tails or a fallback).
+TEST(CpuAttention, OtherHeadDims) {
+    for (int d : {8, 32, 36, 80, 96, 100, 256}) {
+        for (auto dtype : {kv::KVDtype::kF32, kv::KVDtype::kBF16}) {
+            Shape s = shape_for(4, d, 16, dtype);
+            check_batch(s, make_batch(s, ForwardMode::kDecode, {{0, 1}, {16, 1}, {700, 1}}, 40 + d), true,
+                        "decode, head_dim " + std::to_string(d));
+            check_batch(s, make_batch(s, ForwardMode::kExtend, {{0, 37}, {20, 12}, {5, 1}}, 50 + d), false,
+                        "extend, head_dim " + std::to_string(d));
+        }
+    }
+}
+
+// ---- bad inputs: an error from init_forward_metadata, forward or synchronize, never a crash ----
+struct BadCase {
+    std::string what;
+    ForwardMode meta_mode;
+    ForwardMode forward_mode;
+    std::function<void(Batch&, int pool_pages)> corrupt;  // edits the batch after it is built
+    int forward_bs_delta = 0;
+};
+
+Status run_bad(const std::string& backend, const BadCase& c) {
+    Shape s = shape_for(4, 64, 16, kv::KVDtype::kF32);
+    std::vector<Req> reqs = c.meta_mode == ForwardMode::kDecode ? std::vector<Req>{{40, 1}, {7, 1}}
+                                                                : std::vector<Req>{{40, 2}, {0, 7}};
+    Batch b = make_batch(s, c.meta_mode, reqs, 5);
+    auto pool = make_pool(s, b.num_pages);
+    if (!pool) return Status(StatusCode::kInternal, "no pool");
+    init_pool(*pool, s, b, false);
+    c.corrupt(b, b.num_pages);
+    Runner r(backend, s);
+    PDSIM_RETURN_IF_ERROR(r.create_status());
+    std::vector<float> out(static_cast<size_t>(b.num_tokens + 4) * s.q_width(), kNaN);
+    PDSIM_RETURN_IF_ERROR(r.backend().init_forward_metadata(b.forward_batch()));
+    PDSIM_RETURN_IF_ERROR(r.backend().forward(b.q.data(), b.k.data(), b.v.data(), s.layer(), b.locs.data(), *pool,
+                                              c.forward_mode, b.bs + c.forward_bs_delta, out.data()));
+    return r.wait();
+}
+
+std::vector<BadCase> bad_cases() {
+    using M = ForwardMode;
+    return {
+        {"page id == num_pages in a cached page", M::kExtend, M::kExtend,
+         [](Batch& b, int pages) { b.page_table[0] = pages; }},
+        {"negative page id", M::kDecode, M::kDecode, [](Batch& b, int) { b.page_table[1] = -1; }},
+        {"huge page id", M::kExtend, M::kExtend, [](Batch& b, int) { b.page_table[1] = 1 << 30; }},
+        {"seq_len needs more pages than the page-table row", M::kExtend, M::kExtend,
+         [](Batch& b, int) {
+             // Request 0 has 42 tokens = 3 pages of 16; squeeze every row to 2 entries.
+             std::vector<int32_t> pt;
+             for (int i = 0; i < b.bs; ++i) {
+                 for (int p = 0; p < 2; ++p) pt.push_back(b.page_table[static_cast<size_t>(i * b.stride + p)]);
+             }
+             b.page_table = pt;
+             b.stride = 2;
+         }},
+        {"q_len > seq_len", M::kExtend, M::kExtend,
+         [](Batch& b, int) { b.extend_lens[1] = b.seq_lens[1] + 1; }},
+        {"q_len 0", M::kExtend, M::kExtend, [](Batch& b, int) { b.extend_lens[1] = 0; }},
+        {"seq_len 0", M::kDecode, M::kDecode, [](Batch& b, int) { b.seq_lens[1] = 0; }},
+        {"forward extend over decode metadata", M::kDecode, M::kExtend, [](Batch&, int) {}},
+        {"forward decode over extend metadata", M::kExtend, M::kDecode, [](Batch&, int) {}},
+        {"forward bs larger than the metadata's", M::kDecode, M::kDecode, [](Batch&, int) {}, 1},
+        {"out_cache_loc out of range", M::kExtend, M::kExtend,
+         [](Batch& b, int pages) { b.locs[1] = pages * 16 + 3; }},
+        {"negative out_cache_loc", M::kDecode, M::kDecode, [](Batch& b, int) { b.locs[0] = -5; }},
+    };
+}
+
+TEST(CpuAttention, BadInputsFailWithAnError) {
+    for (const char* backend : {"cpu", "cpu_ref"}) {
+        for (const BadCase& c : bad_cases()) {
+            Status st = run_bad(backend, c);
+            EXPECT_FALSE(st.ok()) << backend << ": '" << c.what << "' was accepted";
+            if (!st.ok()) {
+                EXPECT_FALSE(st.message().empty()) << backend << ": " << c.what;
+            }
+        }
+    }
+}
+
+TEST(CpuAttention, RegistryRejectsBadConfig) {
+    runtime::CpuStream stream("s");
+    AttentionConfig c;
+    c.num_q_heads = 6;
+    c.num_kv_heads = 4;
+    c.stream = &stream;
+    EXPECT_FALSE(create_attention_backend("cpu", c).ok());
+    c.num_q_heads = 8;
+    c.stream = nullptr;
+    EXPECT_FALSE(create_attention_backend("cpu", c).ok());
+    c.stream = &stream;
+    auto b = create_attention_backend("cpu", c);
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    EXPECT_EQ((*b)->config().num_q_heads, 8);
+}
+
+}  // namespace
+}  // namespace pdsim::attn::test
