@@ -1,0 +1,141 @@
+// The "local" transport: the conformance suite (threads as ranks) plus local-only behaviour
+// (one-sided writes, attach rules, close semantics) and the registry.
+#include <gtest/gtest.h>
+
+#include "tests/transport_conformance.h"
+#include "transfer/local/local_transport.h"
+
+namespace pdsim::transfer {
+using namespace std::chrono_literals;
+
+// A fresh world per test run, shared by the ranks' endpoints.
+class LocalHarness : public conformance::Harness {
+public:
+    explicit LocalHarness(int n) : n_(n) {}
+    void run(const conformance::Body& body) override {
+        auto world = make_local_world(n_);
+        conformance::InProcessHarness inner(n_, [&](int rank) {
+            TransportOptions o;
+            o.local_world = world;
+            o.rank = rank;
+            return create_transport("local", o);
+        });
+        inner.run(body);
+    }
+    [[nodiscard]] bool in_process() const override { return true; }
+
+private:
+    int n_;
+};
+
+namespace {
+LocalHarness g_local3(3);
+LocalHarness g_local2(2);
+}  // namespace
+
+PDSIM_TRANSPORT_CONFORMANCE_TESTS(LocalConformance3, g_local3)
+PDSIM_TRANSPORT_CONFORMANCE_TESTS(LocalConformance2, g_local2)
+
+TEST(LocalTransport, RegistryKnowsBuiltins) {
+    auto names = registered_transports();
+    EXPECT_NE(std::find(names.begin(), names.end(), "local"), names.end());
+    auto bad = create_transport("carrier-pigeon", TransportOptions{});
+    EXPECT_EQ(bad.status().code(), StatusCode::kNotFound);
+    EXPECT_NE(bad.status().message().find("local"), std::string::npos) << bad.status().to_string();
+}
+
+TEST(LocalTransport, NeedsAWorldAndAValidRank) {
+    TransportOptions o;
+    EXPECT_EQ(create_transport("local", o).status().code(), StatusCode::kInvalidArgument);
+    o.local_world = make_local_world(2);
+    o.rank = 2;
+    EXPECT_EQ(create_transport("local", o).status().code(), StatusCode::kInvalidArgument);
+    o.rank = 1;
+    auto a = create_transport("local", o);
+    ASSERT_TRUE(a.ok());
+    // A second endpoint for the same rank is refused, and does not disturb the first.
+    EXPECT_EQ(create_transport("local", o).status().code(), StatusCode::kAlreadyExists);
+    o.rank = 0;
+    auto b = create_transport("local", o);
+    ASSERT_TRUE(b.ok());
+    uint8_t x = 7;
+    uint8_t y = 0;
+    auto r = (*a)->post_recv(0, 1, &y, 1);
+    auto s = (*b)->post_send(1, 1, &x, 1);
+    ASSERT_TRUE(r.ok() && s.ok());
+    ASSERT_TRUE((*a)->wait(*r, 1s).ok());
+    EXPECT_EQ(y, 7);
+    EXPECT_TRUE((*b)->wait(*s, 1s).ok());
+}
+
+TEST(LocalTransport, SendWaitsForTheMatchingRecv) {
+    auto world = make_local_world(2);
+    TransportOptions o;
+    o.local_world = world;
+    auto t0 = create_transport("local", o);
+    o.rank = 1;
+    auto t1 = create_transport("local", o);
+    ASSERT_TRUE(t0.ok() && t1.ok());
+    std::vector<uint8_t> out(1000, 3);
+    auto s = (*t0)->post_send(1, 5, out.data(), out.size());
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ((*t0)->wait(*s, 20ms).code(), StatusCode::kDeadlineExceeded);  // rendezvous
+    std::vector<uint8_t> in(1000);
+    auto r = (*t1)->post_recv(0, 5, in.data(), in.size());
+    ASSERT_TRUE(r.ok());
+    EXPECT_TRUE(r->done());  // matched and copied inside the post
+    EXPECT_TRUE((*t0)->wait(*s, 1s).ok());
+    EXPECT_EQ(in, out);
+    // A pending send can be cancelled; then the receive does not see it.
+    auto s2 = (*t0)->post_send(1, 6, out.data(), out.size());
+    ASSERT_TRUE(s2.ok());
+    EXPECT_TRUE((*t0)->cancel(*s2).ok());
+    EXPECT_EQ((*t0)->wait(*s2, 1s).code(), StatusCode::kAborted);
+    auto r2 = (*t1)->post_recv(0, 6, in.data(), in.size());
+    ASSERT_TRUE(r2.ok());
+    EXPECT_EQ((*t1)->wait(*r2, 20ms).code(), StatusCode::kDeadlineExceeded);
+    // Cancel of a completed op is OK.
+    EXPECT_TRUE((*t0)->cancel(*s).ok());
+    // Closing rank 1 fails its pending receive with "transport closed"...
+    (*t1)->close();
+    Status st = (*t1)->wait(*r2, 1s);
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+    EXPECT_NE(st.message().find("closed"), std::string::npos) << st.to_string();
+    // ...and rank 0's later posts to it fail at once, naming it.
+    auto s3 = (*t0)->post_send(1, 6, out.data(), out.size());
+    EXPECT_EQ(s3.status().code(), StatusCode::kUnavailable);
+    EXPECT_NE(s3.status().message().find("rank 1"), std::string::npos);
+}
+
+TEST(LocalTransport, OneSidedWrite) {
+    auto world = make_local_world(2);
+    TransportOptions o;
+    o.local_world = world;
+    auto t0 = create_transport("local", o);
+    o.rank = 1;
+    auto t1 = create_transport("local", o);
+    ASSERT_TRUE(t0.ok() && t1.ok());
+    EXPECT_TRUE((*t0)->capabilities().one_sided_write);
+    std::vector<uint8_t> target(4096, 0);
+    auto mr = (*t1)->register_memory(target.data(), target.size());
+    ASSERT_TRUE(mr.ok());
+    auto remote = (*t0)->import_remote(1, mr->descriptor);
+    ASSERT_TRUE(remote.ok()) << remote.status().to_string();
+    EXPECT_EQ(remote->bytes, 4096u);
+    EXPECT_EQ((*t0)->import_remote(0, mr->descriptor).status().code(),
+              StatusCode::kInvalidArgument);
+    std::vector<uint8_t> src(100, 0xAB);
+    auto w = (*t0)->post_write(*remote, 1000, src.data(), src.size());
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE((*t0)->wait(*w, 1s).ok());
+    EXPECT_EQ(target[999], 0);
+    EXPECT_EQ(target[1000], 0xAB);
+    EXPECT_EQ(target[1099], 0xAB);
+    EXPECT_EQ(target[1100], 0);
+    EXPECT_EQ((*t0)->post_write(*remote, 4000, src.data(), src.size()).status().code(),
+              StatusCode::kOutOfRange);
+    ASSERT_TRUE((*t1)->deregister_memory(mr->id).ok());
+    EXPECT_EQ((*t0)->post_write(*remote, 0, src.data(), 1).status().code(), StatusCode::kNotFound);
+}
+
+}  // namespace pdsim::transfer

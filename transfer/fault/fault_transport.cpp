@@ -1,0 +1,513 @@
+#include "transfer/fault/fault_transport.h"
+
+#include <charconv>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <random>
+#include <shared_mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace pdsim::transfer {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string_view trim(std::string_view s) {
+    while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+    while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+    return s;
+}
+
+std::vector<std::string_view> split(std::string_view s, char sep) {
+    std::vector<std::string_view> out;
+    size_t start = 0;
+    for (;;) {
+        size_t pos = s.find(sep, start);
+        out.push_back(trim(s.substr(start, pos == std::string_view::npos ? s.npos : pos - start)));
+        if (pos == std::string_view::npos) break;
+        start = pos + 1;
+    }
+    return out;
+}
+
+StatusOr<double> parse_number(std::string_view kind, std::string_view key, std::string_view v) {
+    double x = 0;
+    auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+    if (ec != std::errc() || end != v.data() + v.size() || x < 0) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "fault spec: {}:{}='{}' is not a non-negative number", kind, key, v);
+    }
+    return x;
+}
+
+uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+}  // namespace
+
+StatusOr<FaultSpec> parse_fault_spec(std::string_view text) {
+    FaultSpec spec;
+    spec.text = std::string(text);
+    if (trim(text).empty()) return spec;
+    for (std::string_view part : split(text, ';')) {
+        if (part.empty()) continue;
+        size_t colon = part.find(':');
+        std::string_view kind = trim(part.substr(0, colon));
+        std::map<std::string, double, std::less<>> kv;
+        if (colon != std::string_view::npos) {
+            for (std::string_view item : split(part.substr(colon + 1), ',')) {
+                if (item.empty()) continue;
+                size_t eq = item.find('=');
+                if (eq == std::string_view::npos) {
+                    return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                                       "fault spec: '{}' in '{}': expected key=value", item, part);
+                }
+                std::string_view key = trim(item.substr(0, eq));
+                PDSIM_ASSIGN_OR_RETURN(double v,
+                                       parse_number(kind, key, trim(item.substr(eq + 1))));
+                kv[std::string(key)] = v;
+            }
+        }
+        auto take = [&](std::string_view key, double fallback) {
+            auto it = kv.find(key);
+            if (it == kv.end()) return fallback;
+            double v = it->second;
+            kv.erase(it);
+            return v;
+        };
+        auto seed = static_cast<uint64_t>(take("seed", static_cast<double>(spec.seed)));
+        if (kind == "delay") {
+            spec.delay_ms = take("ms", 1);
+            spec.jitter_ms = take("jitter_ms", 0);
+        } else if (kind == "drop") {
+            spec.drop_p = take("p", 0.1);
+        } else if (kind == "corrupt") {
+            spec.corrupt_p = take("p", 1);
+            spec.corrupt_bytes = static_cast<int>(take("bytes", 1));
+        } else if (kind == "reorder") {
+            spec.reorder_p = take("p", 0.5);
+            spec.reorder_hold_ms = take("hold_ms", 50);
+        } else if (kind == "disconnect") {
+            spec.disconnect_after = static_cast<int64_t>(take("after", 0));
+        } else {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "fault spec: unknown fault '{}' (delay, drop, corrupt, reorder, "
+                               "disconnect)",
+                               kind);
+        }
+        spec.seed = seed;
+        if (!kv.empty()) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "fault spec: unknown key '{}' for {}",
+                               kv.begin()->first, kind);
+        }
+    }
+    for (double p : {spec.drop_p, spec.corrupt_p, spec.reorder_p}) {
+        if (p > 1) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "fault spec '{}': probabilities must be in [0, 1]", text);
+        }
+    }
+    if (spec.corrupt_bytes < 1) spec.corrupt_bytes = 1;
+    return spec;
+}
+
+namespace {
+
+// One operation held by the decorator until it is handed to the inner transport.
+struct Item {
+    enum class State : uint8_t { kQueued, kPosted, kCancelled };
+    int peer = 0;
+    std::shared_ptr<OpState> outer;
+    std::function<StatusOr<RequestHandle>()> post;  // posts it to the inner transport
+    double delay_ms = 0;
+    State state = State::kQueued;  // under Core::mu
+    RequestHandle inner;           // under Core::mu, once posted
+};
+using ItemPtr = std::shared_ptr<Item>;
+
+// State shared with completion callbacks, which may outlive a call into the decorator.
+struct Core {
+    std::mutex mu;
+    std::unordered_map<const OpState*, ItemPtr> items;  // not yet completed
+    void erase(const OpState* op) {
+        std::lock_guard<std::mutex> lock(mu);
+        items.erase(op);
+    }
+};
+
+class FaultTransport final : public Transport {
+public:
+    FaultTransport(std::unique_ptr<Transport> inner, FaultSpec spec)
+        : inner_(std::move(inner)),
+          spec_(std::move(spec)),
+          name_("fault:" + std::string(inner_->name())),
+          rng_(splitmix64(spec_.seed * 1000003u + static_cast<uint64_t>(inner_->rank()))),
+          core_(std::make_shared<Core>()) {
+        worker_ = std::thread([this] { worker_loop(); });
+        if (spec_.disconnect_after == 0) schedule(0, [this] { disconnect(); });
+    }
+    ~FaultTransport() override { close(); }
+
+    std::string_view name() const override { return name_; }
+    int rank() const override { return inner_->rank(); }
+    int world_size() const override { return inner_->world_size(); }
+    Capabilities capabilities() const override { return inner_->capabilities(); }
+
+    StatusOr<RequestHandle> post_send(int peer, Tag tag, const void* buf, size_t bytes) override {
+        PDSIM_RETURN_IF_ERROR(check_post(peer, tag, buf, bytes, /*is_send=*/true));
+        return post_outgoing(peer, OpKind::kSend, tag, bytes, [this, peer, tag, buf, bytes] {
+            return inner_->post_send(peer, tag, buf, bytes);
+        });
+    }
+
+    StatusOr<RequestHandle> post_write(const RemoteRegion& dst, size_t dst_offset, const void* src,
+                                       size_t bytes) override {
+        PDSIM_RETURN_IF_ERROR(check_post(dst.peer, 0, src, bytes, /*is_send=*/true));
+        return post_outgoing(dst.peer, OpKind::kWrite, 0, bytes,
+                             [this, dst, dst_offset, src, bytes] {
+                                 return inner_->post_write(dst, dst_offset, src, bytes);
+                             });
+    }
+
+    StatusOr<RequestHandle> post_recv(int peer, Tag tag, void* buf, size_t capacity) override {
+        bool corrupt = false;
+        uint64_t index = 0;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (disconnected_) return disconnect_status_;
+            if (spec_.corrupt_p > 0) {
+                index = recvs_++;
+                corrupt = uniform() < spec_.corrupt_p;
+            }
+        }
+        std::shared_lock<std::shared_mutex> inner_lock(inner_mu_);
+        if (!corrupt) return inner_->post_recv(peer, tag, buf, capacity);
+        PDSIM_ASSIGN_OR_RETURN(RequestHandle h, inner_->post_recv(peer, tag, buf, capacity));
+        auto outer = std::make_shared<OpState>(OpKind::kRecv, peer, tag, capacity);
+        auto item = std::make_shared<Item>();
+        item->peer = peer;
+        item->outer = outer;
+        item->state = Item::State::kPosted;
+        item->inner = h;
+        {
+            std::lock_guard<std::mutex> lock(core_->mu);
+            core_->items[outer.get()] = item;
+        }
+        uint64_t key = splitmix64(spec_.seed ^ (static_cast<uint64_t>(rank()) << 40) ^ index);
+        int nbytes = spec_.corrupt_bytes;
+        std::weak_ptr<Core> core = core_;
+        h.on_complete([outer, buf, key, nbytes, core](const Status& st, size_t n) {
+            if (st.ok() && n > 0) {
+                auto* b = static_cast<uint8_t*>(buf);
+                for (int j = 0; j < nbytes && static_cast<size_t>(j) < n; ++j) {
+                    uint64_t h2 = splitmix64(key + static_cast<uint64_t>(j));
+                    size_t pos = static_cast<size_t>(h2 % n);
+                    b[pos] ^= static_cast<uint8_t>(1 + (h2 >> 32) % 255);  // never a no-op
+                }
+            }
+            if (auto c = core.lock()) c->erase(outer.get());
+            outer->complete(st, n);
+        });
+        return RequestHandle(outer);
+    }
+
+    StatusOr<MemoryRegion> register_memory(void* base, size_t bytes) override {
+        std::shared_lock<std::shared_mutex> lock(inner_mu_);
+        return inner_->register_memory(base, bytes);
+    }
+    Status deregister_memory(uint64_t id) override {
+        std::shared_lock<std::shared_mutex> lock(inner_mu_);
+        return inner_->deregister_memory(id);
+    }
+    StatusOr<RemoteRegion> import_remote(int peer, std::span<const uint8_t> descriptor) override {
+        std::shared_lock<std::shared_mutex> lock(inner_mu_);
+        return inner_->import_remote(peer, descriptor);
+    }
+
+    Status cancel(const RequestHandle& handle) override {
+        if (!handle.valid()) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "fault: cancel of an invalid handle");
+        }
+        ItemPtr item;
+        RequestHandle inner;
+        bool withdrawn = false;
+        {
+            std::lock_guard<std::mutex> lock(core_->mu);
+            auto it = core_->items.find(handle.state().get());
+            if (it != core_->items.end()) {
+                item = it->second;
+                if (item->state == Item::State::kQueued) {
+                    item->state = Item::State::kCancelled;
+                    core_->items.erase(it);
+                    withdrawn = true;
+                } else {
+                    inner = item->inner;
+                }
+            }
+        }
+        if (withdrawn) {
+            std::lock_guard<std::mutex> lock(mu_);
+            for (auto it = held_.begin(); it != held_.end(); ++it) {
+                if (it->second == item) {
+                    held_.erase(it);
+                    break;
+                }
+            }
+        }
+        if (withdrawn) {
+            item->outer->complete(
+                Status(StatusCode::kAborted, fmt::format("{} rank {}: cancelled", name_, rank())),
+                0);
+            return {};
+        }
+        if (handle.done()) return {};
+        std::shared_lock<std::shared_mutex> lock(inner_mu_);
+        if (item) {
+            if (!inner.valid()) {
+                return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: operation in flight",
+                                   name_);
+            }
+            return inner_->cancel(inner);
+        }
+        return inner_->cancel(handle);  // a pass-through receive: the inner transport's handle
+    }
+
+    void close() override {
+        {
+            std::lock_guard<std::mutex> lock(wmu_);
+            if (wstop_) return;
+            wstop_ = true;
+        }
+        wcv_.notify_all();
+        if (worker_.joinable()) worker_.join();
+        fail_queued(Status(StatusCode::kUnavailable,
+                           fmt::format("{} rank {}: transport closed", name_, rank())));
+        std::unique_lock<std::shared_mutex> lock(inner_mu_);
+        inner_->close();
+    }
+
+private:
+    double uniform() { return std::uniform_real_distribution<double>(0.0, 1.0)(rng_); }
+
+    StatusOr<RequestHandle> post_outgoing(int peer, OpKind kind, Tag tag, size_t bytes,
+                                          std::function<StatusOr<RequestHandle>()> post) {
+        auto outer = std::make_shared<OpState>(kind, peer, tag, bytes);
+        auto item = std::make_shared<Item>();
+        item->peer = peer;
+        item->outer = outer;
+        item->post = std::move(post);
+        std::vector<ItemPtr> now;
+        bool drop = false;
+        bool last_before_disconnect = false;
+        {
+            // Every random draw happens here, in post order: same spec + same posts = same faults.
+            std::lock_guard<std::mutex> lock(mu_);
+            if (disconnected_) return disconnect_status_;
+            ++sends_;
+            if (spec_.disconnect_after >= 0 && sends_ > spec_.disconnect_after) {
+                return Status(StatusCode::kUnavailable,
+                              fmt::format("{} rank {}: disconnected after {} sends ({})", name_,
+                                          rank(), spec_.disconnect_after, spec_.text));
+            }
+            last_before_disconnect = sends_ == spec_.disconnect_after;
+            drop = spec_.drop_p > 0 && uniform() < spec_.drop_p;
+            bool hold = spec_.reorder_p > 0 && uniform() < spec_.reorder_p;
+            item->delay_ms =
+                spec_.delay_ms + (spec_.jitter_ms > 0 ? uniform() * spec_.jitter_ms : 0);
+            if (!drop) {
+                auto held = held_.find(peer);
+                if (held != held_.end()) {
+                    // This one overtakes the held one.
+                    now = {item, held->second};
+                    held_.erase(held);
+                } else if (hold) {
+                    held_[peer] = item;
+                    schedule(spec_.reorder_hold_ms, [this, item] { release_held(item); });
+                } else {
+                    now = {item};
+                }
+            }
+        }
+        if (last_before_disconnect) {
+            // Disconnect once the last allowed send has gone out (or failed).
+            outer->on_complete(
+                [this](const Status&, size_t) { schedule(0, [this] { disconnect(); }); });
+        }
+        if (drop) {
+            outer->complete({}, bytes);  // "sent": it just never arrives
+            return RequestHandle(outer);
+        }
+        {
+            std::lock_guard<std::mutex> lock(core_->mu);
+            core_->items[outer.get()] = item;
+        }
+        for (const ItemPtr& it : now) submit(it);
+        return RequestHandle(outer);
+    }
+
+    void release_held(const ItemPtr& item) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = held_.find(item->peer);
+            if (it == held_.end() || it->second != item) return;  // released by the next send
+            held_.erase(it);
+        }
+        submit(item);
+    }
+
+    void submit(const ItemPtr& item) {
+        if (item->delay_ms > 0) {
+            schedule(item->delay_ms, [this, item] { dispatch(item); });
+        } else {
+            dispatch(item);
+        }
+    }
+
+    void dispatch(const ItemPtr& item) {
+        {
+            std::lock_guard<std::mutex> lock(core_->mu);
+            if (item->state != Item::State::kQueued) return;  // cancelled or failed meanwhile
+            item->state = Item::State::kPosted;
+        }
+        StatusOr<RequestHandle> h = [&] {
+            std::shared_lock<std::shared_mutex> lock(inner_mu_);
+            return item->post();
+        }();
+        if (!h.ok()) {
+            core_->erase(item->outer.get());
+            item->outer->complete(h.status(), 0);
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> lock(core_->mu);
+            item->inner = *h;
+        }
+        std::weak_ptr<Core> core = core_;
+        std::shared_ptr<OpState> outer = item->outer;
+        h->on_complete([core, outer](const Status& st, size_t n) {
+            if (auto c = core.lock()) c->erase(outer.get());
+            outer->complete(st, n);
+        });
+    }
+
+    void fail_queued(const Status& st) {
+        std::vector<ItemPtr> failed;
+        {
+            std::lock_guard<std::mutex> lock(core_->mu);
+            for (auto it = core_->items.begin(); it != core_->items.end();) {
+                if (it->second->state == Item::State::kQueued) {
+                    it->second->state = Item::State::kCancelled;
+                    failed.push_back(it->second);
+                    it = core_->items.erase(it);
+                } else {
+                    ++it;
+                }
+            }
+        }
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            held_.clear();
+        }
+        for (auto& item : failed) item->outer->complete(st, 0);
+    }
+
+    // Worker thread.
+    void disconnect() {
+        Status st(StatusCode::kUnavailable,
+                  fmt::format("{} rank {}: disconnected after {} sends ({})", name_, rank(),
+                              spec_.disconnect_after, spec_.text));
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (disconnected_) return;
+            disconnected_ = true;
+            disconnect_status_ = st;
+        }
+        fail_queued(st);
+        // Exclusive: no post is inside the inner transport while it closes.
+        std::unique_lock<std::shared_mutex> lock(inner_mu_);
+        inner_->close();
+    }
+
+    void schedule(double delay_ms, std::function<void()> fn) {
+        auto due = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double, std::milli>(delay_ms));
+        {
+            std::lock_guard<std::mutex> lock(wmu_);
+            if (wstop_) return;
+            timers_.emplace(std::make_pair(due, timer_seq_++), std::move(fn));
+        }
+        wcv_.notify_all();
+    }
+
+    void worker_loop() {
+        std::unique_lock<std::mutex> lock(wmu_);
+        while (!wstop_) {
+            if (timers_.empty()) {
+                wcv_.wait(lock);
+                continue;
+            }
+            auto first = timers_.begin();
+            if (first->first.first > Clock::now()) {
+                wcv_.wait_until(lock, first->first.first);
+                continue;
+            }
+            std::function<void()> fn = std::move(first->second);
+            timers_.erase(first);
+            lock.unlock();
+            fn();
+            lock.lock();
+        }
+    }
+
+    std::unique_ptr<Transport> inner_;
+    // Shared by posts and dispatches; exclusive for inner_->close() (not concurrent with calls).
+    std::shared_mutex inner_mu_;
+    const FaultSpec spec_;
+    const std::string name_;
+
+    std::mutex mu_;  // decisions: rng_, counters, held sends, disconnect state
+    std::mt19937_64 rng_;
+    int64_t sends_ = 0;
+    uint64_t recvs_ = 0;
+    std::unordered_map<int, ItemPtr> held_;  // at most one held send per peer
+    bool disconnected_ = false;
+    Status disconnect_status_;
+
+    std::shared_ptr<Core> core_;
+
+    // The scheduler: delayed dispatches, reorder releases, the disconnect.
+    std::mutex wmu_;
+    std::condition_variable wcv_;
+    std::map<std::pair<Clock::time_point, uint64_t>, std::function<void()>> timers_;
+    uint64_t timer_seq_ = 0;
+    bool wstop_ = false;
+    std::thread worker_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Transport>> wrap_with_faults(std::unique_ptr<Transport> inner,
+                                                      const FaultSpec& spec) {
+    if (!inner) return PDSIM_ERROR(StatusCode::kInvalidArgument, "fault: no inner transport");
+    return std::unique_ptr<Transport>(std::make_unique<FaultTransport>(std::move(inner), spec));
+}
+
+StatusOr<std::unique_ptr<Transport>> make_fault_transport(const TransportOptions& options) {
+    if (options.fault_inner == "fault") {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "fault: cannot wrap itself");
+    }
+    PDSIM_ASSIGN_OR_RETURN(FaultSpec spec, parse_fault_spec(options.fault_spec));
+    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner,
+                           create_transport(options.fault_inner, options));
+    return wrap_with_faults(std::move(inner), spec);
+}
+
+}  // namespace pdsim::transfer

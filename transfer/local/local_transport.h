@@ -1,0 +1,29 @@
+// "local": an in-process transport for unit tests of the layers above the Transport interface.
+//
+// A LocalWorld is shared by world_size endpoints in one process; threads act as ranks. Each
+// endpoint is a real Transport with the full contract of transfer/transport.h:
+//   - two-sided: a send waits in its (src, dst, tag) queue until the matching receive is posted
+//     (or the other way round); the match copies once, directly from the send buffer into the
+//     receive buffer, on the thread whose post made the match. FIFO per (src, dst, tag).
+//   - one-sided: register_memory publishes a region in the world; post_write copies into it on the
+//     posting thread (so it is complete when the post returns).
+//   - close() (or destruction) marks the rank dead: its pending operations fail with kUnavailable
+//     "transport closed", peers' operations that involve it fail with kUnavailable naming it,
+//     and later posts to it fail at once.
+// Thread-safety: one mutex per world guards all queues; copies run outside it.
+#pragma once
+
+#include <memory>
+
+#include "transfer/transport.h"
+
+namespace pdsim::transfer {
+
+// A world of `world_size` (>= 1) in-process ranks. Each rank may attach one endpoint at a time.
+[[nodiscard]] std::shared_ptr<LocalWorld> make_local_world(int world_size);
+
+// Needs options.local_world and options.rank in [0, world size).
+[[nodiscard]] StatusOr<std::unique_ptr<Transport>> make_local_transport(
+    const TransportOptions& options);
+
+}  // namespace pdsim::transfer

@@ -1,0 +1,276 @@
+// "cuda_ipc": one-sided device-to-device writes over CUDA IPC (see gpu_transports.h).
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "common/cuda_check.h"
+#include "transfer/nccl/gpu_transports.h"
+
+namespace pdsim::transfer {
+
+Status check_cuda_device(int index) {
+    int n = 0;
+    cudaError_t rc = cudaGetDeviceCount(&n);
+    if (rc != cudaSuccess) {
+        cudaGetLastError();  // clear the sticky "no driver" error for later calls
+        return PDSIM_ERROR(StatusCode::kUnavailable, "no device: {}", cudaGetErrorString(rc));
+    }
+    if (n == 0) return PDSIM_ERROR(StatusCode::kUnavailable, "no device: no CUDA GPU visible");
+    if (index < 0 || index >= n) {
+        return PDSIM_ERROR(StatusCode::kUnavailable, "no device: GPU {} requested, {} visible",
+                           index, n);
+    }
+    return {};
+}
+
+namespace {
+
+constexpr uint32_t kDescriptorMagic = 0x43495043;  // "CPIC"
+
+struct Descriptor {
+    uint32_t magic;
+    int32_t rank;
+    int32_t pid;
+    int32_t device;
+    uint64_t id;
+    uint64_t bytes;
+    uint64_t address;  // the region's base in the owner's address space (same-process imports)
+    cudaIpcMemHandle_t handle;
+};
+
+struct Pending {
+    cudaEvent_t event;
+    std::shared_ptr<OpState> op;
+    size_t bytes;
+};
+
+class CudaIpcTransport final : public Transport {
+public:
+    CudaIpcTransport(int rank, int world, int device)
+        : rank_(rank), world_(world), device_(device) {}
+    ~CudaIpcTransport() override { close(); }
+
+    Status init() {
+        CUDA_CHECK(cudaSetDevice(device_));
+        CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+        progress_ = std::thread([this] { progress_loop(); });
+        return {};
+    }
+
+    std::string_view name() const override { return "cuda_ipc"; }
+    int rank() const override { return rank_; }
+    int world_size() const override { return world_; }
+    Capabilities capabilities() const override {
+        Capabilities c;
+        c.two_sided = false;
+        c.one_sided_write = true;
+        c.device_memory = true;
+        c.host_memory = false;
+        c.max_tag = 0;
+        c.max_message_bytes = std::numeric_limits<size_t>::max();
+        return c;
+    }
+
+    StatusOr<RequestHandle> post_send(int, Tag, const void*, size_t) override {
+        return PDSIM_ERROR(StatusCode::kUnimplemented, "cuda_ipc: one-sided only (post_write)");
+    }
+    StatusOr<RequestHandle> post_recv(int, Tag, void*, size_t) override {
+        return PDSIM_ERROR(StatusCode::kUnimplemented, "cuda_ipc: one-sided only (post_write)");
+    }
+
+    StatusOr<MemoryRegion> register_memory(void* base, size_t bytes) override {
+        cudaPointerAttributes attr{};
+        CUDA_CHECK(cudaPointerGetAttributes(&attr, base));
+        if (attr.type != cudaMemoryTypeDevice) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "cuda_ipc: region at {} is not device memory", base);
+        }
+        Descriptor d{};
+        d.magic = kDescriptorMagic;
+        d.rank = rank_;
+        d.pid = static_cast<int32_t>(::getpid());
+        d.device = attr.device;
+        d.bytes = bytes;
+        d.address = reinterpret_cast<uint64_t>(base);
+        // The handle names the whole cudaMalloc allocation: `base` must be its start.
+        CUDA_CHECK(cudaIpcGetMemHandle(&d.handle, base));
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            d.id = next_id_++;
+            local_[d.id] = base;
+        }
+        MemoryRegion mr{d.id, base, bytes, {}};
+        mr.descriptor.resize(sizeof(d));
+        std::memcpy(mr.descriptor.data(), &d, sizeof(d));
+        return mr;
+    }
+
+    Status deregister_memory(uint64_t id) override {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (local_.erase(id) == 0) {
+            return PDSIM_ERROR(StatusCode::kNotFound, "cuda_ipc: no region {}", id);
+        }
+        return {};
+    }
+
+    StatusOr<RemoteRegion> import_remote(int peer, std::span<const uint8_t> descriptor) override {
+        Descriptor d{};
+        if (descriptor.size() != sizeof(d)) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "cuda_ipc: descriptor of {} bytes",
+                               descriptor.size());
+        }
+        std::memcpy(&d, descriptor.data(), sizeof(d));
+        if (d.magic != kDescriptorMagic || d.rank != peer) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "cuda_ipc: not a cuda_ipc descriptor of rank {}", peer);
+        }
+        void* ptr = nullptr;
+        if (d.pid == static_cast<int32_t>(::getpid())) {
+            ptr = reinterpret_cast<void*>(d.address);  // CUDA refuses to open its own handles
+        } else {
+            CUDA_CHECK(cudaSetDevice(device_));
+            CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, d.handle, cudaIpcMemLazyEnablePeerAccess));
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        uint64_t key = next_remote_++;
+        remote_[key] = Remote{ptr, static_cast<size_t>(d.bytes), d.pid != ::getpid()};
+        return RemoteRegion{peer, key, static_cast<size_t>(d.bytes)};
+    }
+
+    StatusOr<RequestHandle> post_write(const RemoteRegion& dst, size_t dst_offset, const void* src,
+                                       size_t bytes) override {
+        void* target = nullptr;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (closed_) return PDSIM_ERROR(StatusCode::kUnavailable, "cuda_ipc: transport closed");
+            auto it = remote_.find(dst.id);
+            if (it == remote_.end()) {
+                return PDSIM_ERROR(StatusCode::kNotFound, "cuda_ipc: region {} not imported",
+                                   dst.id);
+            }
+            if (dst_offset > it->second.bytes || bytes > it->second.bytes - dst_offset) {
+                return PDSIM_ERROR(StatusCode::kOutOfRange,
+                                   "cuda_ipc: write of {} bytes at {} outside {} bytes", bytes,
+                                   dst_offset, it->second.bytes);
+            }
+            target = static_cast<uint8_t*>(it->second.ptr) + dst_offset;
+        }
+        auto op = std::make_shared<OpState>(OpKind::kWrite, dst.peer, 0, bytes);
+        cudaEvent_t ev = nullptr;
+        {
+            // One stream shared by all posting threads: serialize enqueue + record.
+            std::lock_guard<std::mutex> lock(stream_mu_);
+            CUDA_CHECK(cudaSetDevice(device_));
+            CUDA_CHECK(cudaMemcpyAsync(target, src, bytes, cudaMemcpyDefault, stream_));
+            CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+            CUDA_CHECK(cudaEventRecord(ev, stream_));
+        }
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            pending_.push_back(Pending{ev, op, bytes});
+        }
+        cv_.notify_one();
+        return RequestHandle(std::move(op));
+    }
+
+    Status cancel(const RequestHandle& handle) override {
+        if (!handle.valid()) return PDSIM_ERROR(StatusCode::kInvalidArgument, "cuda_ipc: cancel");
+        if (handle.done()) return {};
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "cuda_ipc: a write already on the stream cannot be cancelled");
+    }
+
+    void close() override {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (closed_) return;
+            closed_ = true;
+        }
+        cv_.notify_one();
+        if (progress_.joinable()) progress_.join();
+        if (stream_ != nullptr) {
+            cudaStreamSynchronize(stream_);
+            cudaStreamDestroy(stream_);
+            stream_ = nullptr;
+        }
+        for (auto& [k, r] : remote_) {
+            if (r.opened) cudaIpcCloseMemHandle(r.ptr);
+        }
+        remote_.clear();
+    }
+
+private:
+    struct Remote {
+        void* ptr;
+        size_t bytes;
+        bool opened;
+    };
+
+    void progress_loop() {
+        cudaSetDevice(device_);
+        std::unique_lock<std::mutex> lock(mu_);
+        for (;;) {
+            if (pending_.empty()) {
+                if (closed_) return;
+                cv_.wait(lock, [&] { return closed_ || !pending_.empty(); });
+                continue;
+            }
+            // Writes on one stream finish in order: poll the oldest.
+            Pending p = pending_.front();
+            const bool closing = closed_;
+            lock.unlock();
+            cudaError_t rc = closing ? cudaEventSynchronize(p.event) : cudaEventQuery(p.event);
+            if (rc == cudaErrorNotReady) {
+                std::this_thread::sleep_for(std::chrono::microseconds(20));
+                lock.lock();
+                continue;
+            }
+            cudaEventDestroy(p.event);
+            if (rc == cudaSuccess) {
+                p.op->complete({}, p.bytes);
+            } else {
+                p.op->complete(
+                    Status(StatusCode::kUnavailable,
+                           fmt::format("cuda_ipc: write failed: {}", cudaGetErrorString(rc))),
+                    0);
+            }
+            lock.lock();
+            pending_.pop_front();
+        }
+    }
+
+    const int rank_;
+    const int world_;
+    const int device_;
+    cudaStream_t stream_ = nullptr;
+    std::mutex stream_mu_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<Pending> pending_;        // under mu_
+    std::map<uint64_t, void*> local_;    // under mu_
+    std::map<uint64_t, Remote> remote_;  // under mu_
+    uint64_t next_id_ = 1;
+    uint64_t next_remote_ = 1;
+    bool closed_ = false;
+    std::thread progress_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Transport>> make_cuda_ipc_transport(const TransportOptions& options) {
+    PDSIM_RETURN_IF_ERROR(check_cuda_device(options.device_index));
+    auto t = std::make_unique<CudaIpcTransport>(options.rank, std::max(options.world_size, 1),
+                                                options.device_index);
+    PDSIM_RETURN_IF_ERROR(t->init());
+    return std::unique_ptr<Transport>(std::move(t));
+}
+
+}  // namespace pdsim::transfer
