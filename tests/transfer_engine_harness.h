@@ -1,0 +1,751 @@
+// Test harness for the layerwise KV transfer engine (transfer/engine/): prefill and decode "ranks"
+// with a real CpuStream, StepCounter and KV pool each, usable with threads as ranks (in-process,
+// over local/tcp) and with processes as ranks (under mpirun).
+//
+// Prefill rank: a "compute" sequence of extend forwards on its CpuStream. Per forward it reserves
+// num_layers steps (begin = advance_step(L, 1)), submits one chunk per request of the batch to the
+// KvSender, then enqueues per layer: the KV write (deterministic pseudo-random bytes, see
+// fill_kv), the ordering validator's checksum, and record_cache(); finally the sampled first token
+// and record_aux(). Faults change exactly that sequence (record before write, skip/double record,
+// late write, free/reuse before the transfer completed).
+// Decode rank: pre-allocates (scrambled, partly non-contiguous) pages, submits every request,
+// waits layer by layer, then checks every byte it holds against fill_kv -- which is what the
+// prefill side wrote -- and, in-process, the harness also compares against the prefill pages.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backends/kv/kv_pool.h"
+#include "backends/pd/step_counter.h"
+#include "backends/runtime/cpu_stream.h"
+#include "transfer/engine/kv_layout.h"
+#include "transfer/engine/kv_receiver.h"
+#include "transfer/engine/kv_sender.h"
+#include "transfer/engine/ordering_validator.h"
+#include "transfer/engine/transfer_plan.h"
+#include "transfer/transport.h"
+
+namespace pdsim::transfer::testing {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+#if defined(__SANITIZE_THREAD__)
+inline constexpr int kSlow = 8;  // TSan slows everything down
+#else
+inline constexpr int kSlow = 1;
+#endif
+
+// ---- deterministic KV content ----
+
+inline uint64_t mix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+// The bytes of head `head` (global; 0 for MLA) of token `token` of (request, layer, buffer).
+// `gen` != 0 gives different bytes (late writes, reused pages).
+inline void fill_kv(std::byte* dst, size_t n, uint64_t seed, uint64_t req, int layer, int buf,
+                    int head, int64_t token, uint32_t gen) {
+    uint64_t s = mix64(seed ^ mix64(req * 0x100000001B3ull + static_cast<uint64_t>(layer)) ^
+                       mix64((static_cast<uint64_t>(buf) << 32) | static_cast<uint32_t>(head)) ^
+                       mix64(static_cast<uint64_t>(token) * 31 + gen));
+    for (size_t i = 0; i < n; i += 8) {
+        const uint64_t v = mix64(s + i);
+        std::memcpy(dst + i, &v, std::min<size_t>(8, n - i));
+    }
+}
+
+// ---- cluster description ----
+
+struct ModelSpec {
+    KvKind kind = KvKind::kMHA;
+    int layers = 4;
+    int kv_heads = 4;   // MHA total KV heads
+    int head_dim = 8;
+    int mla_lora = 24;  // MLA: kv_lora_rank + rope_dim = mla_lora + mla_rope
+    int mla_rope = 8;
+    kv::KVDtype dtype = kv::KVDtype::kF32;
+};
+
+struct InstanceSpec {
+    int tp = 1;
+    int page_size = 16;
+    int num_pages = 256;
+};
+
+struct ClusterSpec {
+    ModelSpec model;
+    std::vector<InstanceSpec> prefill;
+    std::vector<InstanceSpec> decode;
+
+    [[nodiscard]] int world_size() const {
+        int n = 0;
+        for (const auto& i : prefill) n += i.tp;
+        for (const auto& i : decode) n += i.tp;
+        return n;
+    }
+    // World rank of (prefill?, instance, tp rank): prefill instances first, then decode.
+    [[nodiscard]] int rank_of(bool is_prefill, int instance, int tp_rank) const {
+        int r = 0;
+        if (!is_prefill) {
+            for (const auto& i : prefill) r += i.tp;
+        }
+        const auto& v = is_prefill ? prefill : decode;
+        for (int k = 0; k < instance; ++k) r += v[static_cast<size_t>(k)].tp;
+        return r + tp_rank;
+    }
+    struct Role {
+        bool is_prefill;
+        int instance;
+        int tp_rank;
+    };
+    [[nodiscard]] Role role_of(int rank) const {
+        int r = 0;
+        for (int k = 0; k < static_cast<int>(prefill.size()); ++k) {
+            if (rank < r + prefill[static_cast<size_t>(k)].tp) return {true, k, rank - r};
+            r += prefill[static_cast<size_t>(k)].tp;
+        }
+        for (int k = 0; k < static_cast<int>(decode.size()); ++k) {
+            if (rank < r + decode[static_cast<size_t>(k)].tp) return {false, k, rank - r};
+            r += decode[static_cast<size_t>(k)].tp;
+        }
+        return {false, -1, -1};
+    }
+    [[nodiscard]] std::vector<int> prefill_ranks(int instance) const {
+        std::vector<int> out;
+        for (int t = 0; t < prefill[static_cast<size_t>(instance)].tp; ++t) {
+            out.push_back(rank_of(true, instance, t));
+        }
+        return out;
+    }
+};
+
+struct RequestSpec {
+    uint64_t id = 0;
+    int64_t tokens = 1;
+    int prefill_instance = 0;
+    int decode_instance = 0;
+    int64_t chunk = 0;  // chunked prefill: tokens per forward (0: one forward)
+};
+
+struct Fault {
+    enum Kind {
+        kNone,
+        kRecordBeforeWrite,   // record(layer) enqueued before write(layer)
+        kSkipRecord,          // record(layer) never enqueued
+        kDoubleRecord,        // record(layer) enqueued twice
+        kLateWrite,           // layer rewritten after its record (before the last record)
+        kFreeBeforeTransfer,  // prefill frees the pages (through the pins) mid-transfer
+        kReuseBeforeTransfer, // prefill frees the pages behind the engine's back, reuses them
+        kDecodeFreeEarly,     // decode frees its destination pages mid-transfer
+    };
+    Kind kind = kNone;
+    uint64_t request = 0;
+    int layer = 1;
+};
+
+inline const char* fault_name(Fault::Kind k) {
+    switch (k) {
+        case Fault::kNone: return "none";
+        case Fault::kRecordBeforeWrite: return "record-before-write";
+        case Fault::kSkipRecord: return "skip-record";
+        case Fault::kDoubleRecord: return "double-record";
+        case Fault::kLateWrite: return "late-write";
+        case Fault::kFreeBeforeTransfer: return "free-before-transfer";
+        case Fault::kReuseBeforeTransfer: return "reuse-before-transfer";
+        case Fault::kDecodeFreeEarly: return "decode-free-early";
+    }
+    return "?";
+}
+
+// A one-shot host-side gate.
+class Gate {
+public:
+    void open() {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            open_ = true;
+        }
+        cv_.notify_all();
+    }
+    bool wait(std::chrono::milliseconds timeout) {
+        std::unique_lock<std::mutex> lock(mu_);
+        return cv_.wait_for(lock, timeout, [&] { return open_; });
+    }
+    bool is_open() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return open_;
+    }
+
+private:
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool open_ = false;
+};
+
+struct RunOptions {
+    uint64_t seed = 1;
+    int batch = 4;           // requests per forward
+    int layer_interval = 1;
+    Fault fault;
+    std::chrono::milliseconds wait{60'000 * kSlow};  // bound on waiting for requests
+    // Prefill compute of the first forward blocks (on its stream) before writing this layer
+    // until `hold` opens (overlap tests, kill tests).
+    Gate* hold = nullptr;
+    int hold_layer = -1;
+    // Decode: wait for every layer in order (wait_layer) before waiting for completion.
+    bool wait_layers = true;
+    bool scramble_pages = true;
+    // Decode ranks call this after submitting (e.g. to signal a test thread).
+    std::function<void(int rank)> after_submit;
+};
+
+struct RankResult {
+    int rank = -1;
+    bool is_prefill = false;
+    EngineStats stats;
+    OrderingReport report;
+    std::map<uint64_t, RequestStatus> statuses;
+    std::vector<std::string> errors;  // harness-level problems (byte mismatches, bad states)
+    uint64_t bytes_checked = 0;
+};
+
+inline std::unique_ptr<kv::KVPool> make_pool(const ModelSpec& m, const InstanceSpec& inst,
+                                             int tp_rank, KvLayout* layout) {
+    if (m.kind == KvKind::kMHA) {
+        auto slice = kv_head_slice(m.kv_heads, inst.tp, tp_rank);
+        EXPECT_TRUE(slice.ok()) << slice.status().to_string();
+        kv::MHAPoolConfig c;
+        c.num_layers = m.layers;
+        c.num_pages = inst.num_pages;
+        c.page_size = inst.page_size;
+        c.num_kv_heads = slice->count;
+        c.head_dim = m.head_dim;
+        c.dtype = m.dtype;
+        auto pool = kv::MHATokenToKVPool::create(c);
+        EXPECT_TRUE(pool.ok()) << pool.status().to_string();
+        auto l = KvLayout::from_mha_pool(**pool, inst.tp, tp_rank, m.kv_heads);
+        EXPECT_TRUE(l.ok()) << l.status().to_string();
+        *layout = *l;
+        return std::move(pool).value();
+    }
+    kv::MLAPoolConfig c;
+    c.num_layers = m.layers;
+    c.num_pages = inst.num_pages;
+    c.page_size = inst.page_size;
+    c.kv_lora_rank = m.mla_lora;
+    c.rope_dim = m.mla_rope;
+    c.dtype = m.dtype;
+    auto pool = kv::MLATokenToKVPool::create(c);
+    EXPECT_TRUE(pool.ok()) << pool.status().to_string();
+    auto l = KvLayout::from_mla_pool(**pool, inst.tp, tp_rank);
+    EXPECT_TRUE(l.ok()) << l.status().to_string();
+    *layout = *l;
+    return std::move(pool).value();
+}
+
+// Writes fill_kv bytes for tokens [t0, t1) of every buffer of `layer`.
+inline void write_layer(const KvLayout& L, const std::vector<int32_t>& pages, uint64_t seed,
+                        uint64_t req, int layer, int64_t t0, int64_t t1, uint32_t gen) {
+    for (int64_t t = t0; t < t1; ++t) {
+        const int64_t slot = token_slot(pages, L.page_size(), t);
+        for (int b = 0; b < L.buffer_count(); ++b) {
+            std::byte* tok = L.slot_addr(layer, b, slot);
+            const size_t hb = L.head_bytes(b);
+            for (int h = 0; h < L.local_heads(); ++h) {
+                fill_kv(tok + static_cast<size_t>(h) * hb, hb, seed, req, layer, b,
+                        L.head_begin() + h, t, gen);
+            }
+        }
+    }
+}
+
+// Polls `pred` until true or `timeout` (for state that settles asynchronously).
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (!pred()) {
+        if (Clock::now() >= deadline) return false;
+        std::this_thread::sleep_for(1ms);
+    }
+    return true;
+}
+
+inline int32_t first_token_of(uint64_t req) { return static_cast<int32_t>(mix64(req) % 50000); }
+
+// ---------------------------------------------------------------------------------------------
+class PrefillRank {
+public:
+    PrefillRank(Transport& t, const ClusterSpec& cluster, int instance, int tp_rank,
+                SenderOptions opts)
+        : cluster_(cluster),
+          inst_(cluster.prefill[static_cast<size_t>(instance)]),
+          instance_(instance),
+          stream_("prefill-compute"),
+          counter_(stream_),
+          validator_(t.rank()) {
+        pool_ = make_pool(cluster.model, inst_, tp_rank, &layout_);
+        // Poison: a read before the write must not find the right bytes left over from an
+        // earlier run in recycled memory.
+        EXPECT_TRUE(pool_->fill(0xA5).ok());
+        opts.validator = &validator_;
+        auto user_hook = opts.on_event;
+        opts.on_event = [this, user_hook](const TransferEvent& e) {
+            on_event(e);
+            if (user_hook) user_hook(e);
+        };
+        auto s = KvSender::create(t, layout_, counter_, opts);
+        EXPECT_TRUE(s.ok()) << s.status().to_string();
+        if (s.ok()) sender_ = std::move(s).value();
+    }
+
+    ~PrefillRank() {
+        sender_.reset();
+        stream_.synchronize().ignore_error();
+    }
+
+    KvSender& sender() { return *sender_; }
+    kv::KVPool& pool() { return *pool_; }
+    const KvLayout& layout() const { return layout_; }
+    OrderingValidator& validator() { return validator_; }
+    const std::vector<int32_t>& pages(uint64_t id) { return pages_.at(id); }
+
+    struct Piece {
+        uint64_t id;
+        int64_t t0, t1;
+        bool last;
+    };
+
+    void run(const std::vector<RequestSpec>& all, const RunOptions& o, RankResult* out) {
+        out->is_prefill = true;
+        std::vector<RequestSpec> mine;
+        for (const auto& r : all) {
+            if (r.prefill_instance == instance_) mine.push_back(r);
+        }
+        const int L = cluster_.model.layers;
+        bool first_forward = true;
+        for (size_t g = 0; g < mine.size(); g += static_cast<size_t>(o.batch)) {
+            std::vector<RequestSpec> group(
+                mine.begin() + static_cast<std::ptrdiff_t>(g),
+                mine.begin() + static_cast<std::ptrdiff_t>(
+                                   std::min(mine.size(), g + static_cast<size_t>(o.batch))));
+            std::map<uint64_t, int64_t> done;
+            for (const auto& r : group) {
+                const int64_t need = (r.tokens + inst_.page_size - 1) / inst_.page_size;
+                auto p = pool_->allocator().alloc(static_cast<int>(need));
+                if (!p.ok()) {
+                    out->errors.push_back("prefill alloc: " + p.status().to_string());
+                    return;
+                }
+                pages_[r.id] = *p;
+                auto tok = std::make_unique<int32_t>(-1);
+                tokens_[r.id] = std::move(tok);
+                Status st = sender_->add_request({r.id, r.tokens, {}});
+                if (!st.ok()) out->errors.push_back("add_request: " + st.to_string());
+                done[r.id] = 0;
+            }
+            // Forwards: each takes the next chunk of every unfinished request of the group.
+            while (true) {
+                std::vector<Piece> fwd;
+                for (const auto& r : group) {
+                    int64_t& d = done[r.id];
+                    if (d >= r.tokens) continue;
+                    const int64_t step = r.chunk > 0 ? r.chunk : r.tokens;
+                    const int64_t t1 = std::min(r.tokens, d + step);
+                    fwd.push_back({r.id, d, t1, t1 == r.tokens});
+                    d = t1;
+                }
+                if (fwd.empty()) break;
+                const int64_t aux_begin = counter_.current_aux_step();
+                const int64_t begin = counter_.advance_step(L, 1);
+                for (const Piece& p : fwd) {
+                    SendChunk c;
+                    c.request_id = p.id;
+                    c.src_pages = pages_[p.id];
+                    c.token_begin = p.t0;
+                    c.token_end = p.t1;
+                    c.begin_step = begin;
+                    c.layer_interval = o.layer_interval;
+                    c.is_last = p.last;
+                    c.first_token_src = tokens_[p.id].get();
+                    c.first_token_aux_step = aux_begin;
+                    Status st = sender_->submit_chunk(std::move(c));
+                    if (!st.ok()) out->errors.push_back("submit_chunk: " + st.to_string());
+                }
+                enqueue_forward(fwd, o, first_forward);
+                first_forward = false;
+            }
+        }
+        // Wait for every request to end (Success or Failed).
+        const auto deadline = Clock::now() + o.wait;
+        for (const auto& r : mine) {
+            auto left = std::max<Clock::duration>(deadline - Clock::now(), 0ms);
+            auto st = sender_->wait(r.id, left);
+            if (!st.ok()) {
+                out->errors.push_back("prefill wait: " + st.status().to_string());
+                continue;
+            }
+            out->statuses[r.id] = *st;
+        }
+        Status sync = stream_.synchronize();
+        if (!sync.ok()) out->errors.push_back("prefill stream: " + sync.to_string());
+        out->stats = sender_->stats();
+        out->report = validator_.report();
+    }
+
+    // Events from the sender (any thread).
+    void on_event(const TransferEvent& e) {
+        if (e.kind != TransferEvent::Kind::kLayerSent) return;
+        std::lock_guard<std::mutex> lock(mu_);
+        sent_[{e.request, e.layer}] += 1;
+        auto it = sent_gates_.find({e.request, e.layer});
+        if (it != sent_gates_.end()) it->second->open();
+    }
+
+private:
+
+    std::shared_ptr<Gate> sent_gate(uint64_t req, int layer) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto& g = sent_gates_[{req, layer}];
+        if (!g) g = std::make_shared<Gate>();
+        if (sent_[{req, layer}] > 0) g->open();
+        return g;
+    }
+
+    void check(Status st, const char* what) {
+        EXPECT_TRUE(st.ok()) << what << ": " << st.to_string();
+    }
+
+    void enqueue_forward(const std::vector<Piece>& fwd, const RunOptions& o, bool first) {
+        const int L = cluster_.model.layers;
+        const Fault& f = o.fault;
+        bool faulty = false;
+        for (const Piece& p : fwd) faulty = faulty || (f.kind != Fault::kNone && p.id == f.request);
+        // Faults apply to the forward holding the faulty request's first chunk.
+        if (faulty) {
+            bool first_chunk = false;
+            for (const Piece& p : fwd) first_chunk = first_chunk || (p.id == f.request && p.t0 == 0);
+            faulty = first_chunk;
+        }
+        auto write = [this, fwd, seed = o.seed](int l, uint32_t gen) {
+            return [this, fwd, seed, l, gen]() {
+                for (const Piece& p : fwd) {
+                    write_layer(layout_, pages_.at(p.id), seed, p.id, l, p.t0, p.t1, gen);
+                }
+                return Status();
+            };
+        };
+        for (int l = 0; l < L; ++l) {
+            if (first && o.hold != nullptr && l == o.hold_layer) {
+                Gate* g = o.hold;
+                check(stream_.enqueue([g, o] {
+                          // A bounded hold: a test that forgets to open fails, not hangs.
+                          return g->wait(o.wait) ? Status()
+                                                 : Status(StatusCode::kDeadlineExceeded, "hold");
+                      }),
+                      "hold");
+            }
+            const bool at = faulty && l == f.layer;
+            if (at && (f.kind == Fault::kRecordBeforeWrite)) {
+                check(counter_.record_cache(), "record");
+                // The write waits (bounded) until the sender has sent this layer: the engine
+                // read it before it was written.
+                auto g = sent_gate(f.request, l);
+                check(stream_.enqueue([g] {
+                          g->wait(5000ms * kSlow);
+                          return Status();
+                      }),
+                      "gate");
+                check(stream_.enqueue(write(l, 0)), "write");
+                enqueue_checksums(fwd, l);
+                continue;
+            }
+            if (faulty && f.kind == Fault::kDoubleRecord && l == f.layer + 1) {
+                // Layer f was recorded twice, so layer f+1 looks ready before it is written.
+                auto g = sent_gate(f.request, l);
+                check(stream_.enqueue([g] {
+                          g->wait(5000ms * kSlow);
+                          return Status();
+                      }),
+                      "gate");
+            }
+            if (faulty && (f.kind == Fault::kFreeBeforeTransfer ||
+                           f.kind == Fault::kReuseBeforeTransfer) &&
+                l == f.layer) {
+                // Mid-transfer: layer f-1 has been sent, layer f is not written yet.
+                auto g = sent_gate(f.request, l - 1);
+                const uint64_t id = f.request;
+                const Fault::Kind kind = f.kind;
+                check(stream_.enqueue([this, g, id, kind, seed = o.seed] {
+                          g->wait(5000ms * kSlow);
+                          free_mid_transfer(id, kind, seed);
+                          return Status();
+                      }),
+                      "free");
+            }
+            check(stream_.enqueue(write(l, 0)), "write");
+            enqueue_checksums(fwd, l);
+            if (faulty && f.kind == Fault::kLateWrite && l == L - 1) {
+                // Rewrite layer f after its record, before the last record (so the engine
+                // cannot have finished the request before the late write).
+                for (const Piece& p : fwd) {
+                    if (p.id != f.request) continue;
+                    check(stream_.enqueue([this, p, seed = o.seed, layer = f.layer] {
+                              write_layer(layout_, pages_.at(p.id), seed, p.id, layer, p.t0, p.t1,
+                                          7);
+                              return Status();
+                          }),
+                          "late write");
+                }
+            }
+            if (at && f.kind == Fault::kSkipRecord) continue;
+            check(counter_.record_cache(), "record");
+            if (at && f.kind == Fault::kDoubleRecord) check(counter_.record_cache(), "record");
+        }
+        // The sampled first token, then the aux record.
+        std::vector<std::pair<int32_t*, int32_t>> toks;
+        for (const Piece& p : fwd) {
+            if (p.last) toks.emplace_back(tokens_.at(p.id).get(), first_token_of(p.id));
+        }
+        check(stream_.enqueue([toks] {
+                  for (auto& [ptr, v] : toks) *ptr = v;
+                  return Status();
+              }),
+              "token");
+        check(counter_.record_aux(), "record_aux");
+    }
+
+    void enqueue_checksums(const std::vector<Piece>& fwd, int l) {
+        for (const Piece& p : fwd) {
+            check(enqueue_layer_checksum(stream_, validator_, layout_, p.id, l, pages_.at(p.id),
+                                         p.t0, p.t1),
+                  "checksum");
+        }
+    }
+
+    // Runs on the compute stream.
+    void free_mid_transfer(uint64_t id, Fault::Kind kind, uint64_t seed) {
+        const std::vector<int32_t>& pages = pages_.at(id);
+        if (kind == Fault::kFreeBeforeTransfer) {
+            Status st = sender_->pins().free_pages(pool_->allocator(), pages);
+            free_refused_ = st.code() == StatusCode::kFailedPrecondition;
+            return;
+        }
+        // Behind the engine's back: free, reuse for another request, overwrite layer 0 (already
+        // sent) -- the after-send verification must notice.
+        if (!pool_->allocator().free(pages).ok()) return;
+        auto again = pool_->allocator().alloc(static_cast<int>(pages.size()));
+        if (!again.ok()) return;
+        for (int l = 0; l < layout_.num_layers(); ++l) {
+            write_layer(layout_, *again, seed, id + 999'999, l, 0,
+                        static_cast<int64_t>(again->size()) * layout_.page_size(), 3);
+        }
+    }
+
+public:
+    bool free_refused() const { return free_refused_; }
+
+private:
+    const ClusterSpec& cluster_;
+    const InstanceSpec inst_;
+    const int instance_;
+    runtime::CpuStream stream_;
+    pd::StepCounter counter_;
+    std::unique_ptr<kv::KVPool> pool_;
+    KvLayout layout_;
+    OrderingValidator validator_;
+    std::unique_ptr<KvSender> sender_;
+    std::map<uint64_t, std::vector<int32_t>> pages_;
+    std::map<uint64_t, std::unique_ptr<int32_t>> tokens_;
+    std::mutex mu_;
+    std::map<std::pair<uint64_t, int>, int> sent_;
+    std::map<std::pair<uint64_t, int>, std::shared_ptr<Gate>> sent_gates_;
+    std::atomic<bool> free_refused_{false};
+};
+
+// ---------------------------------------------------------------------------------------------
+class DecodeRank {
+public:
+    DecodeRank(Transport& t, const ClusterSpec& cluster, int instance, int tp_rank,
+               ReceiverOptions opts)
+        : cluster_(cluster),
+          inst_(cluster.decode[static_cast<size_t>(instance)]),
+          instance_(instance),
+          rank_(t.rank()),
+          validator_(t.rank()) {
+        pool_ = make_pool(cluster.model, inst_, tp_rank, &layout_);
+        EXPECT_TRUE(pool_->fill(0x5A).ok());
+        opts.validator = &validator_;
+        auto r = KvReceiver::create(t, layout_, opts);
+        EXPECT_TRUE(r.ok()) << r.status().to_string();
+        if (r.ok()) receiver_ = std::move(r).value();
+    }
+
+    KvReceiver& receiver() { return *receiver_; }
+    kv::KVPool& pool() { return *pool_; }
+    const KvLayout& layout() const { return layout_; }
+    OrderingValidator& validator() { return validator_; }
+    const std::vector<int32_t>& pages(uint64_t id) { return pages_.at(id); }
+
+    void run(const std::vector<RequestSpec>& all, const RunOptions& o, RankResult* out) {
+        out->is_prefill = false;
+        std::vector<RequestSpec> mine;
+        for (const auto& r : all) {
+            if (r.decode_instance == instance_) mine.push_back(r);
+        }
+        std::mt19937_64 rng(o.seed * 7919 + static_cast<uint64_t>(rank_));
+        for (const auto& r : mine) {
+            const int64_t need = (r.tokens + inst_.page_size - 1) / inst_.page_size;
+            auto p = pool_->allocator().alloc(static_cast<int>(need));
+            if (!p.ok()) {
+                out->errors.push_back("decode alloc: " + p.status().to_string());
+                return;
+            }
+            std::vector<int32_t> pages = *p;
+            if (o.scramble_pages) {
+                // Swap some neighbours: a mix of contiguous and broken runs.
+                for (size_t i = 0; i + 1 < pages.size(); ++i) {
+                    if (rng() % 3 == 0) std::swap(pages[i], pages[i + 1]);
+                }
+            }
+            pages_[r.id] = pages;
+            ReceiveRequestSpec spec;
+            spec.request_id = r.id;
+            spec.prefill_ranks = cluster_.prefill_ranks(r.prefill_instance);
+            spec.dst_pages = pages;
+            spec.num_tokens = r.tokens;
+            Status st = receiver_->submit(spec);
+            if (!st.ok()) out->errors.push_back("submit: " + st.to_string());
+        }
+        if (o.after_submit) o.after_submit(rank_);
+        if (o.fault.kind == Fault::kDecodeFreeEarly && pages_.count(o.fault.request) != 0) {
+            Status st = receiver_->pins().free_pages(pool_->allocator(), pages_[o.fault.request]);
+            free_refused_ = st.code() == StatusCode::kFailedPrecondition;
+        }
+        const auto deadline = Clock::now() + o.wait;
+        for (const auto& r : mine) {
+            if (o.wait_layers) {
+                for (int l = 0; l < cluster_.model.layers; ++l) {
+                    auto left = std::max<Clock::duration>(deadline - Clock::now(), 0ms);
+                    Status st = receiver_->wait_layer(r.id, l, left);
+                    if (!st.ok()) break;  // the request failed or timed out; wait_done says
+                }
+            }
+            auto left = std::max<Clock::duration>(deadline - Clock::now(), 0ms);
+            auto st = receiver_->wait_done(r.id, left);
+            if (!st.ok()) {
+                out->errors.push_back("decode wait: " + st.status().to_string());
+                continue;
+            }
+            out->statuses[r.id] = *st;
+            if (st->state == RequestState::kSuccess) {
+                if (!st->has_first_token || st->first_token != first_token_of(r.id)) {
+                    out->errors.push_back(fmt::format("request {}: first token {} (has {}), want "
+                                                      "{}",
+                                                      r.id, st->first_token, st->has_first_token,
+                                                      first_token_of(r.id)));
+                }
+                verify(r, o.seed, out);
+            }
+        }
+        out->stats = receiver_->stats();
+        out->report = validator_.report();
+    }
+
+    // Every byte this rank holds for the request equals fill_kv.
+    void verify(const RequestSpec& r, uint64_t seed, RankResult* out) {
+        const std::vector<int32_t>& pages = pages_.at(r.id);
+        std::vector<std::byte> want(4096);
+        size_t bad = 0;
+        std::string first;
+        for (int l = 0; l < layout_.num_layers(); ++l) {
+            for (int b = 0; b < layout_.buffer_count(); ++b) {
+                const size_t hb = layout_.head_bytes(b);
+                if (want.size() < hb) want.resize(hb);
+                for (int64_t t = 0; t < r.tokens; ++t) {
+                    const std::byte* tok =
+                        layout_.slot_addr(l, b, token_slot(pages, layout_.page_size(), t));
+                    for (int h = 0; h < layout_.local_heads(); ++h) {
+                        fill_kv(want.data(), hb, seed, r.id, l, b, layout_.head_begin() + h, t, 0);
+                        if (std::memcmp(tok + static_cast<size_t>(h) * hb, want.data(), hb) != 0) {
+                            if (bad++ == 0) {
+                                first = fmt::format("layer {} buf {} token {} head {}", l, b, t,
+                                                    layout_.head_begin() + h);
+                            }
+                        }
+                        out->bytes_checked += hb;
+                    }
+                }
+            }
+        }
+        if (bad > 0) {
+            out->errors.push_back(fmt::format("decode rank {} request {}: {} (token, head) "
+                                              "mismatches, first at {}",
+                                              rank_, r.id, bad, first));
+        }
+    }
+
+    bool free_refused() const { return free_refused_; }
+
+private:
+    const ClusterSpec& cluster_;
+    const InstanceSpec inst_;
+    const int instance_;
+    const int rank_;
+    std::unique_ptr<kv::KVPool> pool_;
+    KvLayout layout_;
+    OrderingValidator validator_;
+    std::unique_ptr<KvReceiver> receiver_;
+    std::map<uint64_t, std::vector<int32_t>> pages_;
+    bool free_refused_ = false;
+};
+
+// Tight timeouts for tests (the defaults are for real runs).
+template <typename Opts>
+Opts test_options(Opts o) {
+    o.request_timeout = std::chrono::milliseconds(60'000 * kSlow);
+    o.peer_timeout = std::chrono::milliseconds(10'000 * kSlow);
+    o.heartbeat_interval = 100ms;
+    o.tick = 5ms;
+    return o;
+}
+
+// Random request mix: lengths 1..max_tokens (skewed towards short), some chunked.
+inline std::vector<RequestSpec> random_requests(uint64_t seed, int n, int64_t max_tokens,
+                                                int prefill_instances, int decode_instances,
+                                                bool chunked, uint64_t first_id = 1) {
+    std::mt19937_64 rng(seed);
+    std::vector<RequestSpec> out;
+    for (int i = 0; i < n; ++i) {
+        RequestSpec r;
+        r.id = first_id + static_cast<uint64_t>(i);
+        const double u = std::uniform_real_distribution<double>(0, 1)(rng);
+        r.tokens = std::max<int64_t>(1, static_cast<int64_t>(std::pow(u, 3) * max_tokens));
+        if (rng() % 8 == 0) r.tokens = std::max<int64_t>(1, max_tokens - (rng() % 7));
+        r.prefill_instance = static_cast<int>(rng() % static_cast<uint64_t>(prefill_instances));
+        r.decode_instance = static_cast<int>(rng() % static_cast<uint64_t>(decode_instances));
+        if (chunked && rng() % 2 == 0) r.chunk = 1 + static_cast<int64_t>(rng() % 700);
+        out.push_back(r);
+    }
+    return out;
+}
+
+}  // namespace pdsim::transfer::testing

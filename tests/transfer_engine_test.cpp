@@ -1,0 +1,1072 @@
+// The layerwise KV transfer engine in-process: threads as ranks over the `local` transport (and
+// `tcp` for a subset), each rank with a real CpuStream + StepCounter + KV pool. A prefill
+// "compute" writes KV layer by layer on its stream and records the step; every byte that lands on
+// the decode side is compared with what the prefill side wrote (fill_kv) and with the prefill
+// pages themselves.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <functional>
+#include <random>
+#include <thread>
+
+#include "tests/transfer_engine_harness.h"
+#include "transfer/engine/control.h"
+#include "transfer/local/local_transport.h"
+
+namespace pdsim::transfer::testing {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Building blocks
+
+TEST(KvLayoutTest, HeadSliceConvention) {
+    EXPECT_EQ(*kv_head_slice(8, 2, 1), (HeadSlice{4, 4}));
+    EXPECT_EQ(*kv_head_slice(8, 1, 0), (HeadSlice{0, 8}));
+    EXPECT_EQ(*kv_head_slice(2, 8, 5), (HeadSlice{1, 1}));  // replicated: ranks 4..7 hold head 1
+    EXPECT_FALSE(kv_head_slice(6, 4, 0).ok());
+    EXPECT_FALSE(kv_head_slice(4, 2, 2).ok());
+}
+
+KvLayoutSummary mha(int tp, int rank, int heads, int ps, size_t head_bytes = 32) {
+    KvLayoutSummary s;
+    s.kind = KvKind::kMHA;
+    s.num_layers = 2;
+    s.buffer_count = 2;
+    s.page_size = ps;
+    s.dtype_bytes = 4;
+    s.tp_size = tp;
+    s.tp_rank = rank;
+    s.total_kv_heads = heads;
+    auto slice = *kv_head_slice(heads, tp, rank);
+    s.head_begin = slice.begin;
+    s.local_heads = slice.count;
+    s.head_bytes = {head_bytes, head_bytes};
+    return s;
+}
+
+TEST(TransferPlanTest, FragmentsBetweenTpSizes) {
+    // Prefill TP2 -> decode TP1: each prefill rank sends its half, decode scatters.
+    auto f0 = make_fragment(mha(2, 0, 8, 16), mha(1, 0, 8, 16));
+    auto f1 = make_fragment(mha(2, 1, 8, 16), mha(1, 0, 8, 16));
+    ASSERT_TRUE(f0 && f1);
+    EXPECT_EQ(f0->head_begin, 0);
+    EXPECT_EQ(f1->head_begin, 4);
+    EXPECT_EQ(f1->head_count, 4);
+    EXPECT_TRUE(f1->src_contiguous[0]);
+    EXPECT_FALSE(f1->dst_contiguous[0]);
+    EXPECT_EQ(f1->dst_offset[0], 4u * 32);
+    // Prefill TP1 -> decode TP2: the prefill rank gathers each decode rank's half.
+    auto g1 = make_fragment(mha(1, 0, 8, 16), mha(2, 1, 8, 16));
+    ASSERT_TRUE(g1);
+    EXPECT_EQ(g1->head_begin, 4);
+    EXPECT_FALSE(g1->src_contiguous[1]);
+    EXPECT_TRUE(g1->dst_contiguous[1]);
+    EXPECT_EQ(g1->src_offset[1], 4u * 32);
+    // Replicated prefill heads (TP4, 2 heads) -> decode TP1: ranks 0 and 2 serve decode rank 0.
+    EXPECT_TRUE(make_fragment(mha(4, 0, 2, 16), mha(1, 0, 2, 16)));
+    EXPECT_FALSE(make_fragment(mha(4, 1, 2, 16), mha(1, 0, 2, 16)));
+    EXPECT_TRUE(make_fragment(mha(4, 2, 2, 16), mha(1, 0, 2, 16)));
+    // ... and decode TP2 rank 1 (head 1) is served by prefill rank 3 (its replica index 1).
+    EXPECT_TRUE(make_fragment(mha(4, 3, 2, 16), mha(2, 1, 2, 16)));
+    EXPECT_FALSE(make_fragment(mha(4, 2, 2, 16), mha(2, 1, 2, 16)));
+}
+
+TEST(TransferPlanTest, RunsAreContiguousOnBothSides) {
+    // Prefill pages of 4 tokens, decode pages of 8 tokens.
+    std::vector<int32_t> src = {1, 2, 3, 7, 8};  // 1-2-3 contiguous, then a jump
+    std::vector<int32_t> dst = {5, 6, 9};        // 5-6 contiguous, then a jump
+    auto runs = make_runs(src, 4, 0, dst, 8, 0, 20, 1000);
+    // Tokens 0..11 are contiguous on both sides (src 4..15, dst 40..51); token 12 jumps on the
+    // src side (page 7), token 16 jumps on the dst side (page 9).
+    ASSERT_EQ(runs.size(), 3u);
+    EXPECT_EQ(runs[0].token_begin, 0);
+    EXPECT_EQ(runs[0].count, 12);
+    EXPECT_EQ(runs[0].src_slot, 4);
+    EXPECT_EQ(runs[0].dst_slot, 40);
+    EXPECT_EQ(runs[1].token_begin, 12);
+    EXPECT_EQ(runs[1].count, 4);
+    EXPECT_EQ(runs[1].src_slot, 28);
+    EXPECT_EQ(runs[2].token_begin, 16);
+    EXPECT_EQ(runs[2].src_slot, 32);
+    EXPECT_EQ(runs[2].dst_slot, 72);
+    // The same runs from a chunk's page slice (the receiver's view).
+    std::vector<int32_t> slice(src.begin() + 3, src.end());
+    auto tail = make_runs(slice, 4, 3, dst, 8, 12, 20, 1000);
+    ASSERT_EQ(tail.size(), 2u);
+    EXPECT_EQ(tail[0].src_slot, 28);
+    EXPECT_EQ(tail[1].dst_slot, 72);
+    // Message cap.
+    auto capped = make_runs(src, 4, 0, dst, 8, 0, 12, 5);
+    ASSERT_EQ(capped.size(), 3u);
+    EXPECT_EQ(capped[2].count, 2);
+    // Middle chunks send only full prefill pages.
+    EXPECT_EQ(sendable_end(37, 16, false), 32);
+    EXPECT_EQ(sendable_end(37, 16, true), 37);
+}
+
+TEST(ControlWireTest, RoundTrips) {
+    BootstrapMsg b;
+    b.request_id = 77;
+    b.decode_rank = 3;
+    b.decode_tp_rank = 1;
+    b.decode_tp_size = 2;
+    b.data_tag = 99;
+    b.num_tokens = 1234;
+    b.max_message_bytes = 1 << 20;
+    b.layout = mha(2, 1, 8, 64);
+    b.dst_pages = {4, 5, 6};
+    auto b2 = decode_bootstrap(encode(b));
+    ASSERT_TRUE(b2.ok()) << b2.status().to_string();
+    EXPECT_EQ(b2->layout, b.layout);
+    EXPECT_EQ(b2->dst_pages, b.dst_pages);
+    EXPECT_EQ(b2->data_tag, 99u);
+    ChunkMsg c{5, 2, 32, 64, false, 2, {9, 10}};
+    auto c2 = decode_chunk(encode(c));
+    ASSERT_TRUE(c2.ok());
+    EXPECT_EQ(c2->src_pages, c.src_pages);
+    EXPECT_EQ(c2->token_end, 64);
+    CompletionMsg m;
+    m.request_id = 5;
+    m.num_layers = 2;
+    m.buffer_count = 2;
+    m.head_count = 3;
+    m.has_checksums = true;
+    m.checksums.assign(12, 42);
+    Bytes enc = encode(m);
+    EXPECT_LE(enc.size(), completion_capacity(2, 2, 3));
+    EXPECT_TRUE(decode_completion(enc).ok());
+    // Truncated and garbled messages are kDataLoss, never a crash.
+    Bytes cut(enc.begin(), enc.begin() + 20);
+    EXPECT_EQ(decode_completion(cut).status().code(), StatusCode::kDataLoss);
+    Bytes bad = encode(b);
+    bad[0] ^= 0xff;
+    EXPECT_EQ(peek_type(bad).status().code(), StatusCode::kDataLoss);
+}
+
+TEST(ChecksumTest, IndependentOfLayoutAndSplit) {
+    // The same logical KV in pools with different page sizes and TP splits sums identically.
+    ModelSpec m;
+    m.kv_heads = 4;
+    KvLayout a_layout;
+    KvLayout b_layout;
+    KvLayout c_layout;
+    auto a = make_pool(m, InstanceSpec{1, 16, 16}, 0, &a_layout);
+    auto b = make_pool(m, InstanceSpec{1, 64, 8}, 0, &b_layout);
+    auto c = make_pool(m, InstanceSpec{2, 4, 64}, 1, &c_layout);  // heads 2..3
+    std::vector<int32_t> pa = {3, 1, 2, 7, 9};
+    std::vector<int32_t> pb = {5, 2};
+    std::vector<int32_t> pc;
+    for (int i = 0; i < 20; ++i) pc.push_back(40 - i);
+    const int64_t n = 70;
+    for (int l = 0; l < m.layers; ++l) {
+        write_layer(a_layout, pa, 9, 1, l, 0, n, 0);
+        write_layer(b_layout, pb, 9, 1, l, 0, n, 0);
+        write_layer(c_layout, pc, 9, 1, l, 0, n, 0);
+    }
+    for (int buf = 0; buf < 2; ++buf) {
+        auto sa = kv_checksums(a_layout, pa, 2, buf, 0, n, 0, 4);
+        auto sb = kv_checksums(b_layout, pb, 2, buf, 0, n, 0, 4);
+        auto sc = kv_checksums(c_layout, pc, 2, buf, 0, n, 2, 2);
+        EXPECT_EQ(sa, sb);
+        EXPECT_EQ(sa[2], sc[0]);
+        EXPECT_EQ(sa[3], sc[1]);
+        // Split sums add up.
+        auto s1 = kv_checksums(a_layout, pa, 2, buf, 0, 33, 0, 4);
+        auto s2 = kv_checksums(a_layout, pa, 2, buf, 33, n, 0, 4);
+        EXPECT_EQ(s1[1] + s2[1], sa[1]);
+    }
+    // One flipped byte changes it.
+    auto before = kv_checksums(a_layout, pa, 0, 0, 0, n, 0, 4);
+    a_layout.slot_addr(0, 0, token_slot(pa, 16, 40))[5] ^= std::byte{1};
+    auto after = kv_checksums(a_layout, pa, 0, 0, 0, n, 0, 4);
+    EXPECT_NE(before[0], after[0]);
+}
+
+TEST(PagePinsTest, RefusesToFreePinnedPages) {
+    OrderingValidator v(0);
+    PagePins pins(0, &v);
+    kv::PageAllocator alloc(16);
+    auto pages = *alloc.alloc(4);
+    pins.pin(7, pages);
+    Status st = pins.free_pages(alloc, pages);
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(st.message().find("request 7"), std::string::npos) << st.to_string();
+    EXPECT_TRUE(alloc.is_allocated(pages[0]));  // nothing freed
+    EXPECT_EQ(v.violation_count(), 1u);
+    pins.unpin_request(7);
+    EXPECT_TRUE(pins.free_pages(alloc, pages).ok());
+    EXPECT_EQ(pins.pinned_pages(), 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// In-process clusters
+
+class TempDir {
+public:
+    TempDir() {
+        std::string tmpl =
+            (std::filesystem::temp_directory_path() / "pdsim-engine-XXXXXX").string();
+        char* p = mkdtemp(tmpl.data());
+        EXPECT_NE(p, nullptr);
+        path_ = tmpl;
+    }
+    ~TempDir() {
+        std::error_code ec;
+        std::filesystem::remove_all(path_, ec);
+    }
+    [[nodiscard]] const std::string& path() const { return path_; }
+
+private:
+    std::string path_;
+};
+
+struct ClusterRun {
+    TempDir dir;
+    std::vector<std::unique_ptr<Transport>> transports;
+    // Declared after the transports: the engines go first.
+    std::vector<std::unique_ptr<PrefillRank>> prefill;  // by world rank (null for decode ranks)
+    std::vector<std::unique_ptr<DecodeRank>> decode;
+    std::vector<RankResult> results;
+
+    ~ClusterRun() {
+        prefill.clear();
+        decode.clear();
+        transports.clear();
+    }
+};
+
+// `fault_spec(rank)`: non-empty wraps that rank's transport in the fault decorator.
+std::vector<std::unique_ptr<Transport>> make_transports(
+    const std::string& name, int n, const std::string& dir,
+    const std::function<std::string(int)>& fault_spec = nullptr) {
+    std::vector<std::unique_ptr<Transport>> out(static_cast<size_t>(n));
+    auto world = make_local_world(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+        threads.emplace_back([&, r] {
+            TransportOptions o;
+            o.rank = r;
+            o.world_size = n;
+            o.local_world = world;
+            o.tcp.bootstrap_dir = dir;
+            o.connect_timeout = 20s;
+            std::string spec = fault_spec ? fault_spec(r) : std::string();
+            o.fault_spec = spec;
+            o.fault_inner = name;
+            auto t = create_transport(spec.empty() ? name : std::string("fault"), o);
+            EXPECT_TRUE(t.ok()) << t.status().to_string();
+            if (t.ok()) out[static_cast<size_t>(r)] = std::move(t).value();
+        });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+}
+
+// Builds the cluster, runs every rank on its own thread, returns with all engines alive.
+std::unique_ptr<ClusterRun> start_cluster(
+    const ClusterSpec& c, const std::string& transport,
+    SenderOptions so = test_options(SenderOptions{}),
+    ReceiverOptions ro = test_options(ReceiverOptions{}),
+    const std::function<std::string(int)>& fault_spec = nullptr) {
+    auto run = std::make_unique<ClusterRun>();
+    const int n = c.world_size();
+    run->transports = make_transports(transport, n, run->dir.path(), fault_spec);
+    run->prefill.resize(static_cast<size_t>(n));
+    run->decode.resize(static_cast<size_t>(n));
+    run->results.resize(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+        if (!run->transports[static_cast<size_t>(r)]) return run;
+        auto role = c.role_of(r);
+        Transport& t = *run->transports[static_cast<size_t>(r)];
+        if (role.is_prefill) {
+            run->prefill[static_cast<size_t>(r)] =
+                std::make_unique<PrefillRank>(t, c, role.instance, role.tp_rank, so);
+        } else {
+            run->decode[static_cast<size_t>(r)] =
+                std::make_unique<DecodeRank>(t, c, role.instance, role.tp_rank, ro);
+        }
+        run->results[static_cast<size_t>(r)].rank = r;
+    }
+    return run;
+}
+
+void run_ranks(ClusterRun& run, const std::vector<RequestSpec>& reqs, const RunOptions& o) {
+    std::vector<std::thread> threads;
+    for (size_t r = 0; r < run.results.size(); ++r) {
+        threads.emplace_back([&, r] {
+            if (run.prefill[r]) run.prefill[r]->run(reqs, o, &run.results[r]);
+            if (run.decode[r]) run.decode[r]->run(reqs, o, &run.results[r]);
+        });
+    }
+    for (auto& t : threads) t.join();
+}
+
+// In-process only: every byte a decode rank holds equals the bytes at the matching slot of a
+// prefill rank that holds that head.
+void compare_with_prefill(ClusterRun& run, const ClusterSpec& c,
+                          const std::vector<RequestSpec>& reqs) {
+    for (size_t dr = 0; dr < run.decode.size(); ++dr) {
+        DecodeRank* d = run.decode[dr].get();
+        if (d == nullptr) continue;
+        const auto drole = c.role_of(static_cast<int>(dr));
+        const KvLayout& dl = d->layout();
+        for (const RequestSpec& r : reqs) {
+            if (r.decode_instance != drole.instance) continue;
+            if (run.results[dr].statuses[r.id].state != RequestState::kSuccess) continue;
+            size_t bad = 0;
+            for (int h = dl.head_begin(); h < dl.head_begin() + dl.local_heads(); ++h) {
+                // Any prefill rank of the instance that holds head h.
+                PrefillRank* p = nullptr;
+                for (int pr : c.prefill_ranks(r.prefill_instance)) {
+                    PrefillRank* cand = run.prefill[static_cast<size_t>(pr)].get();
+                    const KvLayout& pl = cand->layout();
+                    if (h >= pl.head_begin() && h < pl.head_begin() + pl.local_heads()) {
+                        p = cand;
+                        break;
+                    }
+                }
+                ASSERT_NE(p, nullptr);
+                const KvLayout& pl = p->layout();
+                for (int l = 0; l < dl.num_layers(); ++l) {
+                    for (int b = 0; b < dl.buffer_count(); ++b) {
+                        const size_t hb = dl.head_bytes(b);
+                        for (int64_t t = 0; t < r.tokens; ++t) {
+                            const std::byte* got =
+                                dl.slot_addr(l, b, token_slot(d->pages(r.id), dl.page_size(), t)) +
+                                static_cast<size_t>(h - dl.head_begin()) * hb;
+                            const std::byte* want =
+                                pl.slot_addr(l, b, token_slot(p->pages(r.id), pl.page_size(), t)) +
+                                static_cast<size_t>(h - pl.head_begin()) * hb;
+                            bad += std::memcmp(got, want, hb) != 0;
+                        }
+                    }
+                }
+            }
+            EXPECT_EQ(bad, 0u) << "request " << r.id << " on decode rank " << dr;
+        }
+    }
+}
+
+struct Totals {
+    uint64_t submitted = 0, completed = 0, failed = 0, violations = 0, checked = 0, bytes = 0;
+};
+
+Totals totals(const ClusterRun& run, bool prefill_side) {
+    Totals t;
+    for (const RankResult& r : run.results) {
+        if (r.is_prefill != prefill_side) continue;
+        t.submitted += r.stats.requests_submitted;
+        t.completed += r.stats.requests_completed;
+        t.failed += r.stats.requests_failed;
+        t.violations += r.report.violations.size();
+        t.checked += r.report.checked_layers;
+        t.bytes += r.bytes_checked;
+    }
+    return t;
+}
+
+std::string all_violations(const ClusterRun& run) {
+    OrderingReport merged;
+    for (const RankResult& r : run.results) merged.merge(r.report);
+    return merged.to_string(1000);
+}
+
+// A clean run: every request succeeded on every rank, all bytes match, no violations.
+void expect_clean(ClusterRun& run, const ClusterSpec& c, const std::vector<RequestSpec>& reqs) {
+    for (const RankResult& r : run.results) {
+        for (const std::string& e : r.errors) ADD_FAILURE() << "rank " << r.rank << ": " << e;
+        for (const auto& [id, st] : r.statuses) {
+            EXPECT_EQ(st.state, RequestState::kSuccess)
+                << "rank " << r.rank << " request " << id << ": " << st.reason;
+        }
+        EXPECT_EQ(r.stats.requests_completed, r.stats.requests_submitted) << "rank " << r.rank;
+        EXPECT_TRUE(r.report.violations.empty()) << "rank " << r.rank << ": "
+                                                 << r.report.to_string();
+    }
+    Totals d = totals(run, false);
+    EXPECT_GT(d.checked, 0u);
+    EXPECT_GT(d.bytes, 0u);
+    compare_with_prefill(run, c, reqs);
+}
+
+ClusterSpec simple(int prefill_tp, int decode_tp, int p_ps = 16, int d_ps = 16,
+                   int pages = 512) {
+    ClusterSpec c;
+    c.prefill = {InstanceSpec{prefill_tp, p_ps, pages}};
+    c.decode = {InstanceSpec{decode_tp, d_ps, pages}};
+    return c;
+}
+
+// Pages every instance needs to hold all of `reqs` at once.
+void size_pools(ClusterSpec& c, const std::vector<RequestSpec>& reqs) {
+    for (size_t i = 0; i < c.prefill.size(); ++i) {
+        int64_t need = 2;
+        for (const auto& r : reqs) {
+            if (r.prefill_instance == static_cast<int>(i)) {
+                need += (r.tokens + c.prefill[i].page_size - 1) / c.prefill[i].page_size;
+            }
+        }
+        c.prefill[i].num_pages = static_cast<int>(need);
+    }
+    for (size_t i = 0; i < c.decode.size(); ++i) {
+        int64_t need = 2;
+        for (const auto& r : reqs) {
+            if (r.decode_instance == static_cast<int>(i)) {
+                need += (r.tokens + c.decode[i].page_size - 1) / c.decode[i].page_size;
+            }
+        }
+        c.decode[i].num_pages = static_cast<int>(need);
+    }
+}
+
+// Runs `reqs` on cluster `c` over `transport` and expects a clean run.
+void run_clean(ClusterSpec c, std::vector<RequestSpec> reqs, const std::string& transport = "local",
+               RunOptions o = RunOptions{}) {
+    size_pools(c, reqs);
+    auto run = start_cluster(c, transport);
+    run_ranks(*run, reqs, o);
+    expect_clean(*run, c, reqs);
+    Totals p = totals(*run, true);
+    Totals d = totals(*run, false);
+    EXPECT_EQ(p.completed, p.submitted);
+    EXPECT_EQ(d.completed, d.submitted);
+}
+
+std::vector<RequestSpec> fixed_requests(std::initializer_list<int64_t> lengths, int64_t chunk = 0) {
+    std::vector<RequestSpec> out;
+    uint64_t id = 100;
+    for (int64_t n : lengths) out.push_back({id++, n, 0, 0, chunk});
+    return out;
+}
+
+TEST(TransferEngineLocal, OneToOne) {
+    ClusterSpec c = simple(1, 1);
+    auto reqs = fixed_requests({1, 15, 16, 17, 100, 333});
+    auto run = start_cluster(c, "local");
+    run_ranks(*run, reqs, RunOptions{});
+    expect_clean(*run, c, reqs);
+    Totals p = totals(*run, true);
+    EXPECT_EQ(p.submitted, reqs.size());
+    EXPECT_EQ(p.completed, reqs.size());
+}
+
+
+TEST(TransferEngineLocal, OneToOneChunked) {
+    // Chunks of 20 tokens with pages of 16: middle chunks hold back the partial page.
+    run_clean(simple(1, 1), fixed_requests({1, 16, 20, 21, 47, 160, 333}, 20));
+}
+
+TEST(TransferEngineLocal, LayerIntervals) {
+    RunOptions o;
+    o.layer_interval = 3;  // 4 layers: intervals [0, 3) and [3, 4)
+    run_clean(simple(1, 1), fixed_requests({5, 64, 200}), "local", o);
+}
+
+TEST(TransferEngineLocal, OnePrefillTwoDecodeInstances) {
+    ClusterSpec c = simple(1, 1);
+    c.decode.push_back(InstanceSpec{1, 16, 512});
+    auto reqs = fixed_requests({10, 40, 70, 100, 130, 160});
+    for (size_t i = 0; i < reqs.size(); ++i) reqs[i].decode_instance = static_cast<int>(i % 2);
+    run_clean(c, reqs);
+}
+
+TEST(TransferEngineLocal, TwoPrefillInstancesOneDecode) {
+    ClusterSpec c = simple(1, 1);
+    c.prefill.push_back(InstanceSpec{1, 16, 512});
+    auto reqs = fixed_requests({10, 40, 70, 100, 130, 160});
+    for (size_t i = 0; i < reqs.size(); ++i) reqs[i].prefill_instance = static_cast<int>(i % 2);
+    run_clean(c, reqs);
+}
+
+TEST(TransferEngineLocal, PrefillTp2ToDecodeTp1) {
+    // Each prefill rank sends its heads; the decode rank scatters them into [token][head][dim].
+    run_clean(simple(2, 1), fixed_requests({1, 17, 100, 250}));
+}
+
+TEST(TransferEngineLocal, PrefillTp1ToDecodeTp2) {
+    // The prefill rank gathers each decode rank's head slice.
+    run_clean(simple(1, 2), fixed_requests({1, 17, 100, 250}));
+}
+
+TEST(TransferEngineLocal, PrefillTp2ToDecodeTp4AndBack) {
+    run_clean(simple(2, 4), fixed_requests({3, 90}, 32));
+    run_clean(simple(4, 2), fixed_requests({3, 90}, 32));
+}
+
+TEST(TransferEngineLocal, PartialFragmentsOnBothSides) {
+    // 6 heads, prefill TP2 (3 heads each) -> decode TP3 (2 each): decode rank 1 takes head 2 from
+    // prefill rank 0 and head 3 from prefill rank 1 (gather on the sender, scatter on the
+    // receiver).
+    ClusterSpec c = simple(2, 3, 16, 32);
+    c.model.kv_heads = 6;
+    run_clean(c, fixed_requests({1, 40, 200}, 48));
+}
+
+TEST(TransferEngineLocal, ReplicatedHeads) {
+    // 4 KV heads over TP 8: each head is held by two prefill ranks; replicas share the sends.
+    ClusterSpec c = simple(8, 2);
+    run_clean(c, fixed_requests({7, 70}));
+}
+
+TEST(TransferEngineLocal, PageSize16To64) { run_clean(simple(1, 1, 16, 64), fixed_requests({1, 63, 64, 65, 300}, 50)); }
+
+TEST(TransferEngineLocal, PageSize64To16) { run_clean(simple(1, 1, 64, 16), fixed_requests({1, 15, 64, 65, 300}, 100)); }
+
+TEST(TransferEngineLocal, PageSizesAndTpTogether) {
+    run_clean(simple(2, 1, 64, 16), fixed_requests({33, 200}));
+    run_clean(simple(1, 2, 16, 64), fixed_requests({33, 200}, 48));
+}
+
+ClusterSpec mla(int prefill_tp, int decode_tp, int p_ps = 16, int d_ps = 16) {
+    ClusterSpec c = simple(prefill_tp, decode_tp, p_ps, d_ps);
+    c.model.kind = KvKind::kMLA;
+    c.model.dtype = kv::KVDtype::kBF16;
+    return c;
+}
+
+TEST(TransferEngineLocal, MlaOneToOne) { run_clean(mla(1, 1), fixed_requests({1, 50, 129})); }
+
+TEST(TransferEngineLocal, MlaReplicatedReceivers) {
+    // One prefill rank, every decode TP rank receives the same latent buffer.
+    run_clean(mla(1, 2, 64, 16), fixed_requests({1, 50, 129}, 40));
+}
+
+TEST(TransferEngineLocal, MlaOneSenderPerDecodeRank) {
+    // Prefill TP2: only prefill rank 0 sends to decode rank 0; with decode TP2 each prefill rank
+    // serves one decode rank.
+    run_clean(mla(2, 1), fixed_requests({1, 50, 129}));
+    run_clean(mla(2, 2, 16, 64), fixed_requests({1, 50, 129}));
+}
+
+TEST(TransferEngineLocal, RandomMixes) {
+    // Lengths 1..8192 (skewed short), chunked and not, many concurrent requests, scrambled
+    // decode pages, several cluster shapes.
+    const int n = kSlow > 1 ? 6 : 24;
+    struct Shape {
+        int ptp, dtp, pps, dps, pinst, dinst;
+        KvKind kind;
+    };
+    const std::vector<Shape> shapes = {
+        {1, 1, 16, 16, 1, 1, KvKind::kMHA}, {2, 1, 16, 64, 1, 2, KvKind::kMHA},
+        {1, 2, 64, 16, 2, 1, KvKind::kMHA}, {2, 2, 32, 16, 1, 1, KvKind::kMLA},
+    };
+    uint64_t seed = 11;
+    for (const Shape& sh : shapes) {
+        SCOPED_TRACE(::testing::Message() << "shape P" << sh.ptp << " D" << sh.dtp << " pages "
+                                          << sh.pps << "->" << sh.dps << " mla "
+                                          << (sh.kind == KvKind::kMLA));
+        ClusterSpec c;
+        c.model.kind = sh.kind;
+        c.model.layers = 3;
+        for (int i = 0; i < sh.pinst; ++i) c.prefill.push_back(InstanceSpec{sh.ptp, sh.pps, 1});
+        for (int i = 0; i < sh.dinst; ++i) c.decode.push_back(InstanceSpec{sh.dtp, sh.dps, 1});
+        auto reqs = random_requests(seed++, n, 8192, sh.pinst, sh.dinst, true);
+        RunOptions o;
+        o.seed = seed;
+        o.batch = 6;
+        run_clean(c, reqs, "local", o);
+    }
+}
+
+TEST(TransferEngineLocal, DecodeStartsALayerBeforeLaterLayersAreWritten) {
+    ClusterSpec c = simple(1, 1);
+    auto reqs = fixed_requests({300});
+    size_pools(c, reqs);
+    auto run = start_cluster(c, "local");
+    Gate hold;
+    Gate submitted;
+    RunOptions o;
+    o.hold = &hold;
+    o.hold_layer = 2;  // the prefill compute stops before writing layer 2
+    o.after_submit = [&](int) { submitted.open(); };
+    std::thread ranks([&] { run_ranks(*run, reqs, o); });
+    ASSERT_TRUE(submitted.wait(30s));
+    DecodeRank& d = *run->decode[1];
+    PrefillRank& p = *run->prefill[0];
+    // Layers 0 and 1 arrive while layer 2 is provably not written yet.
+    Status l1 = d.receiver().wait_layer(100, 1, 30s);
+    EXPECT_TRUE(l1.ok()) << l1.to_string();
+    EXPECT_TRUE(d.receiver().layer_arrived(100, 0));
+    EXPECT_FALSE(d.receiver().layer_arrived(100, 2));
+    auto written = p.validator().wait_expected(100, 2, 0, 300, 0, 4, 0ms);
+    EXPECT_EQ(written.status().code(), StatusCode::kDeadlineExceeded) << "layer 2 was written";
+    EXPECT_FALSE(hold.is_open());
+    hold.open();
+    ranks.join();
+    expect_clean(*run, c, reqs);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failure paths
+
+std::unique_ptr<kv::MHATokenToKVPool> small_pool(KvLayout* layout) {
+    kv::MHAPoolConfig pc;
+    pc.num_layers = 2;
+    pc.num_pages = 16;
+    pc.page_size = 16;
+    pc.num_kv_heads = 2;
+    pc.head_dim = 8;
+    auto pool = std::move(kv::MHATokenToKVPool::create(pc)).value();
+    *layout = *KvLayout::from_mha_pool(*pool, 1, 0, 2);
+    return pool;
+}
+
+TEST(TransferEngineFailure, SilentPrefillPeerTimesOut) {
+    // Rank 0 has a transport but no engine: it never acks, never heartbeats.
+    auto ts = make_transports("local", 2, "");
+    KvLayout layout;
+    auto pool = small_pool(&layout);
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.peer_timeout = 300ms;
+    ro.request_timeout = 60s;
+    auto recv = KvReceiver::create(*ts[1], layout, ro);
+    ASSERT_TRUE(recv.ok()) << recv.status().to_string();
+    const auto t0 = Clock::now();
+    ASSERT_TRUE((*recv)->submit({5, {0}, {1, 2}, 20, {}}).ok());
+    auto st = (*recv)->wait_done(5, 30s);
+    const auto took = Clock::now() - t0;
+    ASSERT_TRUE(st.ok()) << st.status().to_string();
+    EXPECT_EQ(st->state, RequestState::kFailed);
+    EXPECT_NE(st->reason.find("request 5"), std::string::npos) << st->reason;
+    EXPECT_NE(st->reason.find("prefill rank 0"), std::string::npos) << st->reason;
+    EXPECT_NE(st->reason.find("bootstrap ack"), std::string::npos) << st->reason;
+    EXPECT_GE(took, 300ms);
+    EXPECT_LT(took, 300ms + 2s * kSlow) << "failed late";
+    // wait_layer reports the failure instead of waiting.
+    EXPECT_EQ((*recv)->wait_layer(5, 0, 10s).code(), StatusCode::kAborted);
+    auto stats = (*recv)->stats();
+    EXPECT_EQ(stats.requests_failed + stats.requests_completed, stats.requests_submitted);
+    EXPECT_EQ(stats.tags_quarantined, 1u);
+    // The pages were pinned while the request could still receive, and are released once its
+    // receives were withdrawn.
+    EXPECT_TRUE(eventually([&] { return !(*recv)->status(5)->pages_in_use; }, 5s));
+    EXPECT_EQ((*recv)->pins().pinned_pages(), 0u);
+}
+
+TEST(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
+    // The prefill side is alive (heartbeats) but never schedules the request.
+    auto ts = make_transports("local", 2, "");
+    KvLayout pl;
+    KvLayout dl;
+    auto ppool = small_pool(&pl);
+    auto dpool = small_pool(&dl);
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    auto send = KvSender::create(*ts[0], pl, counter, test_options(SenderOptions{}));
+    ASSERT_TRUE(send.ok());
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.request_timeout = 400ms;
+    auto recv = KvReceiver::create(*ts[1], dl, ro);
+    ASSERT_TRUE(recv.ok());
+    ASSERT_TRUE((*recv)->submit({9, {0}, {1, 2}, 20, {}}).ok());
+    auto st = (*recv)->wait_done(9, 30s);
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->state, RequestState::kFailed);
+    EXPECT_NE(st->reason.find("timed out"), std::string::npos) << st->reason;
+    EXPECT_NE(st->reason.find("KV chunks from prefill rank 0"), std::string::npos) << st->reason;
+}
+
+TEST(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
+    // The prefill compute never records: the sender's StepCounter wait times out.
+    auto ts = make_transports("local", 2, "");
+    KvLayout pl;
+    KvLayout dl;
+    auto ppool = small_pool(&pl);
+    auto dpool = small_pool(&dl);
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    SenderOptions so = test_options(SenderOptions{});
+    so.request_timeout = 500ms;
+    auto send = KvSender::create(*ts[0], pl, counter, so);
+    auto recv = KvReceiver::create(*ts[1], dl, test_options(ReceiverOptions{}));
+    ASSERT_TRUE(send.ok() && recv.ok());
+    ASSERT_TRUE((*recv)->submit({3, {0}, {4, 5}, 20, {}}).ok());
+    ASSERT_TRUE((*send)->add_request({3, 20, {}}).ok());
+    SendChunk c;
+    c.request_id = 3;
+    c.src_pages = {1, 2};
+    c.token_end = 20;
+    c.begin_step = counter.advance_step(2);
+    c.is_last = true;
+    ASSERT_TRUE((*send)->submit_chunk(c).ok());
+    auto ps = (*send)->wait(3, 30s);
+    ASSERT_TRUE(ps.ok());
+    EXPECT_EQ(ps->state, RequestState::kFailed);
+    EXPECT_NE(ps->reason.find("request 3"), std::string::npos) << ps->reason;
+    EXPECT_NE(ps->reason.find("StepCounter"), std::string::npos) << ps->reason;
+    auto ds = (*recv)->wait_done(3, 30s);
+    ASSERT_TRUE(ds.ok());
+    EXPECT_EQ(ds->state, RequestState::kFailed);
+    EXPECT_NE(ds->reason.find("aborted"), std::string::npos) << ds->reason;
+    // The prefill pages are unpinned once no send can read them (the worker withdraws the task
+    // within cancel_check of the failure).
+    EXPECT_TRUE(eventually([&] { return !(*send)->status(3)->pages_in_use; }, 5s));
+    EXPECT_EQ((*send)->pins().pinned_pages(), 0u);
+}
+
+TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
+    // The decode engine bootstraps, then goes silent (stops without a word, transport open).
+    auto ts = make_transports("local", 2, "");
+    KvLayout pl;
+    KvLayout dl;
+    auto ppool = small_pool(&pl);
+    auto dpool = small_pool(&dl);
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    SenderOptions so = test_options(SenderOptions{});
+    so.peer_timeout = 300ms;
+    auto send = KvSender::create(*ts[0], pl, counter, so);
+    auto recv = KvReceiver::create(*ts[1], dl, test_options(ReceiverOptions{}));
+    ASSERT_TRUE(send.ok() && recv.ok());
+    ASSERT_TRUE((*recv)->submit({4, {0}, {4, 5}, 20, {}}).ok());
+    ASSERT_TRUE((*send)->add_request({4, 20, {}}).ok());
+    // Wait for the handshake, then silence the decode rank.
+    for (int i = 0; i < 1000; ++i) {
+        if ((*recv)->status(4)->state == RequestState::kTransferring) break;
+        std::this_thread::sleep_for(5ms);
+    }
+    ASSERT_EQ((*recv)->status(4)->state, RequestState::kTransferring);
+    (*recv)->shutdown(ShutdownMode::kAbrupt);
+    const auto t0 = Clock::now();
+    SendChunk c;
+    c.request_id = 4;
+    c.src_pages = {1, 2};
+    c.token_end = 20;
+    c.begin_step = counter.advance_step(2);
+    c.is_last = true;
+    ASSERT_TRUE((*send)->submit_chunk(c).ok());
+    for (int l = 0; l < 2; ++l) ASSERT_TRUE(counter.record_cache().ok());
+    auto ps = (*send)->wait(4, 30s);
+    ASSERT_TRUE(ps.ok());
+    EXPECT_EQ(ps->state, RequestState::kFailed);
+    EXPECT_NE(ps->reason.find("decode rank 1 silent"), std::string::npos) << ps->reason;
+    EXPECT_LT(Clock::now() - t0, 300ms + 2s * kSlow);
+}
+
+TEST(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
+    // The prefill side computes, records and submits everything before the decode side admits
+    // the request: the held chunks go out when the bootstrap arrives, all steps already ready.
+    auto ts = make_transports("local", 2, "");
+    ModelSpec m;
+    KvLayout pl;
+    KvLayout dl;
+    auto ppool = make_pool(m, InstanceSpec{1, 16, 64}, 0, &pl);
+    auto dpool = make_pool(m, InstanceSpec{1, 64, 16}, 0, &dl);
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    OrderingValidator pv(0);
+    OrderingValidator dv(1);
+    SenderOptions so = test_options(SenderOptions{});
+    so.validator = &pv;
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.validator = &dv;
+    auto send = KvSender::create(*ts[0], pl, counter, so);
+    auto recv = KvReceiver::create(*ts[1], dl, ro);
+    ASSERT_TRUE(send.ok() && recv.ok());
+    const int64_t n = 150;
+    std::vector<int32_t> src = {9, 3, 4, 5, 1, 2, 7, 8, 10, 11};
+    ASSERT_TRUE((*send)->add_request({42, n, {}}).ok());
+    // Two chunks: [0, 70) and [70, 150).
+    for (int chunk = 0; chunk < 2; ++chunk) {
+        const int64_t t0 = chunk == 0 ? 0 : 70;
+        const int64_t t1 = chunk == 0 ? 70 : n;
+        SendChunk c;
+        c.request_id = 42;
+        c.src_pages = src;
+        c.token_begin = t0;
+        c.token_end = t1;
+        c.begin_step = counter.advance_step(m.layers);
+        c.is_last = chunk == 1;
+        c.first_token = 1234;
+        ASSERT_TRUE((*send)->submit_chunk(c).ok());
+        for (int l = 0; l < m.layers; ++l) {
+            ASSERT_TRUE(runtime::enqueue_void(stream, [&, l, t0, t1] {
+                            write_layer(pl, src, 5, 42, l, t0, t1, 0);
+                        }).ok());
+            ASSERT_TRUE(enqueue_layer_checksum(stream, pv, pl, 42, l, src, t0, t1).ok());
+            ASSERT_TRUE(counter.record_cache().ok());
+        }
+    }
+    ASSERT_TRUE(stream.synchronize().ok());
+    EXPECT_EQ((*send)->status(42)->state, RequestState::kBootstrapping);
+    ASSERT_TRUE((*recv)->submit({42, {0}, {3, 1, 2}, n, {}}).ok());
+    auto ds = (*recv)->wait_done(42, 30s);
+    ASSERT_TRUE(ds.ok()) << ds.status().to_string();
+    EXPECT_EQ(ds->state, RequestState::kSuccess) << ds->reason;
+    EXPECT_EQ(ds->first_token, 1234);
+    auto ps = (*send)->wait(42, 30s);
+    ASSERT_TRUE(ps.ok());
+    EXPECT_EQ(ps->state, RequestState::kSuccess) << ps->reason;
+    EXPECT_EQ(pv.violation_count() + dv.violation_count(), 0u) << dv.report().to_string();
+    EXPECT_GT(dv.report().checked_layers, 0u);
+    std::vector<int32_t> dst = {3, 1, 2};
+    std::vector<std::byte> want(dl.head_bytes(0));
+    for (int l = 0; l < m.layers; ++l) {
+        for (int64_t t = 0; t < n; ++t) {
+            for (int h = 0; h < m.kv_heads; ++h) {
+                fill_kv(want.data(), want.size(), 5, 42, l, 1, h, t, 0);
+                ASSERT_EQ(std::memcmp(dl.slot_addr(l, 1, token_slot(dst, 64, t)) +
+                                          static_cast<size_t>(h) * want.size(),
+                                      want.data(), want.size()),
+                          0)
+                    << "layer " << l << " token " << t << " head " << h;
+            }
+        }
+    }
+}
+
+TEST(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
+    auto ts = make_transports("local", 2, "");
+    KvLayout pl;
+    KvLayout dl;
+    auto ppool = small_pool(&pl);
+    auto dpool = small_pool(&dl);
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    auto send = KvSender::create(*ts[0], pl, counter, test_options(SenderOptions{}));
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.request_timeout = 200ms;
+    auto recv = KvReceiver::create(*ts[1], dl, ro);
+    ASSERT_TRUE(send.ok() && recv.ok());
+    ASSERT_TRUE((*recv)->submit({8, {0}, {1, 2}, 20, {}}).ok());
+    auto ds = (*recv)->wait_done(8, 30s);
+    ASSERT_TRUE(ds.ok());
+    ASSERT_EQ(ds->state, RequestState::kFailed);
+    // The Abort reaches the prefill rank before it schedules the request.
+    std::this_thread::sleep_for(100ms * kSlow);
+    ASSERT_TRUE((*send)->add_request({8, 20, {}}).ok());
+    auto ps = (*send)->wait(8, 5s);
+    ASSERT_TRUE(ps.ok()) << ps.status().to_string();
+    EXPECT_EQ(ps->state, RequestState::kFailed);
+    EXPECT_NE(ps->reason.find("decode rank 1 aborted"), std::string::npos) << ps->reason;
+    EXPECT_EQ((*send)->submit_chunk(SendChunk{8, {1, 2}, 0, 20, 0, 1, true}).code(),
+              StatusCode::kAborted);
+}
+
+TEST(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
+    // P0 serves D1 and D2; D2 dies (engine stops, transport closes) mid-transfer.
+    ClusterSpec c = simple(1, 1);
+    c.decode.push_back(InstanceSpec{1, 16, 512});
+    auto reqs = fixed_requests({50, 60, 70, 80, 90, 100});
+    for (size_t i = 0; i < reqs.size(); ++i) reqs[i].decode_instance = static_cast<int>(i % 2);
+    auto run = start_cluster(c, "local");
+    Gate hold;
+    std::atomic<int> submitted{0};
+    Gate all_submitted;
+    RunOptions o;
+    o.hold = &hold;
+    o.hold_layer = 1;
+    o.batch = 6;
+    o.after_submit = [&](int) {
+        if (++submitted == 2) all_submitted.open();
+    };
+    std::thread ranks([&] { run_ranks(*run, reqs, o); });
+    ASSERT_TRUE(all_submitted.wait(30s));
+    DecodeRank& d2 = *run->decode[2];
+    // Kill D2 once its requests are transferring (layer 0 may be in flight).
+    for (const auto& r : reqs) {
+        if (r.decode_instance != 1) continue;
+        for (int i = 0; i < 2000; ++i) {
+            auto st = d2.receiver().status(r.id);
+            if (st.ok() && st->state != RequestState::kBootstrapping) break;
+            std::this_thread::sleep_for(2ms);
+        }
+    }
+    d2.receiver().shutdown(ShutdownMode::kAbrupt);
+    run->transports[2]->close();
+    hold.open();
+    ranks.join();
+    const RankResult& p = run->results[0];
+    for (const std::string& e : p.errors) ADD_FAILURE() << e;
+    EXPECT_EQ(p.stats.requests_completed + p.stats.requests_failed, p.stats.requests_submitted);
+    for (const auto& r : reqs) {
+        const RequestStatus& st = p.statuses.at(r.id);
+        if (r.decode_instance == 0) {
+            EXPECT_EQ(st.state, RequestState::kSuccess) << r.id << ": " << st.reason;
+        } else {
+            EXPECT_EQ(st.state, RequestState::kFailed) << r.id;
+            EXPECT_NE(st.reason.find("decode rank 2"), std::string::npos) << st.reason;
+        }
+    }
+    const RankResult& d1 = run->results[1];
+    for (const std::string& e : d1.errors) ADD_FAILURE() << e;
+    EXPECT_EQ(d1.stats.requests_completed, 3u);
+    EXPECT_GT(d1.bytes_checked, 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ordering faults: each must surface as a violation or a Failed request, never pass silently.
+
+struct FaultOutcome {
+    size_t violations = 0;
+    size_t failed = 0;
+    std::string report;
+    bool prefill_free_refused = false;
+    bool decode_free_refused = false;
+};
+
+FaultOutcome run_fault(Fault::Kind kind, int layer = 1) {
+    ClusterSpec c = simple(1, 1);
+    auto reqs = fixed_requests({40, 77, 120});
+    size_pools(c, reqs);
+    c.prefill[0].num_pages += 16;  // room for the "reuse" fault's other owner
+    SenderOptions so = test_options(SenderOptions{});
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    if (kind == Fault::kSkipRecord) {
+        so.request_timeout = 800ms;
+        ro.request_timeout = 3s;
+    }
+    auto run = start_cluster(c, "local", so, ro);
+    RunOptions o;
+    o.fault = {kind, 101, layer};
+    run_ranks(*run, reqs, o);
+    FaultOutcome out;
+    for (const RankResult& r : run->results) {
+        for (const std::string& e : r.errors) {
+            // Byte mismatches on the decode side are expected for some faults; anything else is
+            // a harness problem.
+            if (e.find("mismatches") == std::string::npos) ADD_FAILURE() << e;
+        }
+        EXPECT_EQ(r.stats.requests_completed + r.stats.requests_failed,
+                  r.stats.requests_submitted)
+            << "rank " << r.rank;
+        out.violations += r.report.violations.size();
+        for (const auto& [id, st] : r.statuses) out.failed += st.state == RequestState::kFailed;
+    }
+    out.report = all_violations(*run);
+    out.prefill_free_refused = run->prefill[0]->free_refused();
+    out.decode_free_refused = run->decode[1]->free_refused();
+    return out;
+}
+
+TEST(TransferEngineFaults, CleanRunHasNoViolations) {
+    FaultOutcome o = run_fault(Fault::kNone);
+    EXPECT_EQ(o.violations, 0u) << o.report;
+    EXPECT_EQ(o.failed, 0u);
+}
+
+TEST(TransferEngineFaults, RecordBeforeWrite) {
+    FaultOutcome o = run_fault(Fault::kRecordBeforeWrite);
+    EXPECT_GT(o.violations, 0u);
+    EXPECT_NE(o.report.find("request 101 layer 1"), std::string::npos) << o.report;
+    EXPECT_NE(o.report.find("sender read"), std::string::npos) << o.report;
+}
+
+TEST(TransferEngineFaults, SkipRecord) {
+    FaultOutcome o = run_fault(Fault::kSkipRecord);
+    EXPECT_GT(o.failed, 0u) << o.report;
+}
+
+TEST(TransferEngineFaults, DoubleRecord) {
+    FaultOutcome o = run_fault(Fault::kDoubleRecord);
+    EXPECT_GT(o.violations, 0u);
+    EXPECT_NE(o.report.find("request 101 layer 2"), std::string::npos) << o.report;
+}
+
+TEST(TransferEngineFaults, LateWrite) {
+    FaultOutcome o = run_fault(Fault::kLateWrite);
+    EXPECT_GT(o.violations, 0u);
+    EXPECT_NE(o.report.find("request 101 layer 1"), std::string::npos) << o.report;
+}
+
+TEST(TransferEngineFaults, FreeBeforeTransferIsRefused) {
+    FaultOutcome o = run_fault(Fault::kFreeBeforeTransfer);
+    EXPECT_TRUE(o.prefill_free_refused);
+    EXPECT_GT(o.violations, 0u);
+    EXPECT_NE(o.report.find("free-before-transfer"), std::string::npos) << o.report;
+}
+
+TEST(TransferEngineFaults, PagesReusedInFlight) {
+    FaultOutcome o = run_fault(Fault::kReuseBeforeTransfer);
+    EXPECT_GT(o.violations, 0u);
+    EXPECT_NE(o.report.find("request 101 layer 0"), std::string::npos) << o.report;
+}
+
+TEST(TransferEngineFaults, DecodeFreesDestinationEarly) {
+    FaultOutcome o = run_fault(Fault::kDecodeFreeEarly);
+    EXPECT_TRUE(o.decode_free_refused);
+    EXPECT_GT(o.violations, 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transport faults (the fault decorator): every request ends Success with every byte verified,
+// or Failed -- never a Success with wrong bytes, never a hang.
+
+struct TransportFaultCase {
+    const char* spec;
+    int rank;          // the rank whose transport is faulty (0: prefill, 1: decode)
+    bool all_succeed;  // the fault is benign (order kept)
+    bool must_show;    // the fault must surface (a Failed request or a violation)
+};
+
+TEST(TransferEngineTransportFaults, NeverPassSilently) {
+    const std::vector<TransportFaultCase> cases = {
+        {"delay:ms=2", 0, true, false},
+        {"delay:ms=1,jitter_ms=4,seed=3", 0, false, false},
+        {"drop:p=0.05,seed=3", 0, false, true},
+        {"corrupt:p=0.1,seed=5", 1, false, true},
+        {"reorder:p=0.3,seed=9,hold_ms=5", 0, false, true},
+        {"disconnect:after=60", 0, false, true},
+    };
+    for (const TransportFaultCase& fc : cases) {
+        SCOPED_TRACE(::testing::Message() << "fault '" << fc.spec << "' on rank " << fc.rank);
+        ClusterSpec c = simple(1, 1, 16, 32);
+        auto reqs = fixed_requests({30, 100, 250, 400}, 64);
+        size_pools(c, reqs);
+        SenderOptions so = test_options(SenderOptions{});
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        so.request_timeout = ro.request_timeout = std::chrono::milliseconds(2000 * kSlow);
+        so.peer_timeout = ro.peer_timeout = std::chrono::milliseconds(1500 * kSlow);
+        auto run = start_cluster(c, "local", so, ro, [&](int r) {
+            return r == fc.rank ? std::string(fc.spec) : std::string();
+        });
+        RunOptions o;
+        o.batch = 2;
+        run_ranks(*run, reqs, o);
+        size_t failed = 0;
+        size_t violations = 0;
+        for (const RankResult& r : run->results) {
+            for (const std::string& e : r.errors) {
+                // A Success whose bytes are wrong would be reported here as "mismatches".
+                ADD_FAILURE() << "rank " << r.rank << ": " << e;
+            }
+            EXPECT_EQ(r.stats.requests_completed + r.stats.requests_failed,
+                      r.stats.requests_submitted)
+                << "rank " << r.rank;
+            EXPECT_EQ(r.statuses.size(), reqs.size()) << "rank " << r.rank;
+            for (const auto& [id, st] : r.statuses) failed += st.state == RequestState::kFailed;
+            violations += r.report.violations.size();
+        }
+        if (fc.all_succeed) {
+            EXPECT_EQ(failed, 0u);
+            EXPECT_EQ(violations, 0u) << all_violations(*run);
+        }
+        if (fc.must_show) EXPECT_GT(failed + violations, 0u);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same engine over the tcp transport (real loopback sockets).
+
+TEST(TransferEngineTcp, OneToOneChunked) {
+    run_clean(simple(1, 1), fixed_requests({1, 16, 21, 160, 333}, 20), "tcp");
+}
+
+TEST(TransferEngineTcp, HeterogeneousTpAndPages) {
+    run_clean(simple(2, 1, 64, 16), fixed_requests({33, 200}), "tcp");
+    run_clean(simple(1, 2, 16, 64), fixed_requests({33, 200}, 48), "tcp");
+    run_clean(mla(1, 2), fixed_requests({5, 120}), "tcp");
+}
+
+TEST(TransferEngineTcp, RandomMix) {
+    ClusterSpec c = simple(2, 2, 16, 32);
+    c.decode.push_back(InstanceSpec{1, 64, 1});
+    auto reqs = random_requests(99, kSlow > 1 ? 8 : 20, 8192, 1, 2, true);
+    RunOptions o;
+    o.batch = 5;
+    run_clean(c, reqs, "tcp", o);
+}
+
+}  // namespace
+}  // namespace pdsim::transfer::testing

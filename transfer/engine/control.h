@@ -1,0 +1,245 @@
+// The control plane of the layerwise KV transfer engine: tags, wire messages and the
+// ControlChannel (one per engine) that carries them over the engine's Transport.
+//
+// Tags (capabilities().max_tag bounds them; the engine needs max_tag >= kDataTagBase):
+//   kControlTag (0)        every control message between two engines, in both directions.
+//                          Each engine keeps one receive per peer posted on it at all times.
+//   [1, kDataTagBase)      reserved (unused).
+//   kDataTagBase + slot    the data tag of one request at one decode rank: the KV data messages
+//                          and the completion message every prefill rank sends to that decode
+//                          rank for that request. The DECODE rank allocates the slot (it is the
+//                          receiver, so it owns the namespace of messages addressed to it) and
+//                          sends it in the bootstrap. Matching is per (source, destination, tag),
+//                          so two requests can only collide if the same decode rank handed out
+//                          the same slot twice while messages of the first could still arrive.
+//                          It never does: a slot is returned to the decode rank's free list only
+//                          when every message of its request was matched (Success, or a
+//                          checksum failure found after everything landed); the slot of a
+//                          request that failed with messages possibly still in flight is
+//                          quarantined for the lifetime of the engine (counted in stats). Slots
+//                          number max_tag - kDataTagBase + 1 (32,752 with MPI's minimum tag
+//                          bound of 32,767); submit() fails with kResourceExhausted past that.
+//
+// Control messages (all start with magic "PDKV", version, type, request id; host byte order:
+// peers run on the same architecture):
+//   Bootstrap  decode -> every prefill rank of the request's prefill instance, on admission:
+//              {request_id, decode world rank, decode tp rank/size, data tag, num tokens,
+//               max message bytes, decode layout summary, page size (in the summary), dst pages}
+//   Ack        prefill -> decode: {prefill tp rank/size, ok | refusal reason, prefill layout
+//              summary, max message bytes}. Both sides then use min(max message bytes).
+//   Chunk      prefill -> decode, before the chunk's data: {chunk index, token range, is_last,
+//              the prefill pages of that range} so the decode rank can cut the same runs and
+//              post the matching receives in the plan's order.
+//   Abort      either way: the request failed on the sender of the message {reason}.
+//   Heartbeat  either way, every heartbeat_interval to peers with active requests.
+//   Completion prefill -> decode on the request's DATA tag, after the last chunk's data:
+//              {src tp rank, first sampled token, the compute stream's checksums of the
+//               fragment's heads per (layer, buffer)}. Non-overtaking per tag puts it after
+//              every data message of the request.
+//
+// ControlChannel threading: one control thread runs every handler (incoming messages, ticks,
+// tasks posted by other threads), so engine state touched only by handlers needs no lock.
+// Transport callbacks only enqueue work for it (they never re-enter the transport or block).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "transfer/engine/kv_layout.h"
+#include "transfer/transport.h"
+
+namespace pdsim::transfer {
+
+inline constexpr Tag kControlTag = 0;
+inline constexpr Tag kDataTagBase = 16;
+
+enum class MsgType : uint16_t {
+    kBootstrap = 1,
+    kAck = 2,
+    kChunk = 3,
+    kAbort = 4,
+    kHeartbeat = 5,
+    kCompletion = 6,
+};
+std::string_view msg_type_name(MsgType type);
+
+struct BootstrapMsg {
+    uint64_t request_id = 0;
+    int32_t decode_rank = -1;  // world rank
+    int32_t decode_tp_rank = 0;
+    int32_t decode_tp_size = 1;
+    Tag data_tag = 0;
+    int64_t num_tokens = 0;
+    uint64_t max_message_bytes = 0;
+    KvLayoutSummary layout;
+    std::vector<int32_t> dst_pages;
+};
+
+struct AckMsg {
+    uint64_t request_id = 0;
+    int32_t prefill_tp_rank = 0;
+    int32_t prefill_tp_size = 1;
+    bool ok = true;
+    std::string reason;
+    uint64_t max_message_bytes = 0;
+    KvLayoutSummary layout;
+};
+
+struct ChunkMsg {
+    uint64_t request_id = 0;
+    uint32_t chunk_index = 0;
+    int64_t token_begin = 0;
+    int64_t token_end = 0;
+    bool is_last = false;
+    // The prefill pages holding [token_begin, token_end): page indices src_first_page.. of the
+    // request's prefill page table (the receiver needs them to cut the same runs).
+    int64_t src_first_page = 0;
+    std::vector<int32_t> src_pages;
+};
+
+struct AbortMsg {
+    uint64_t request_id = 0;
+    std::string reason;
+};
+
+struct CompletionMsg {
+    uint64_t request_id = 0;
+    int32_t src_tp_rank = 0;
+    bool has_first_token = false;
+    int32_t first_token = -1;
+    int32_t num_layers = 0;
+    int32_t buffer_count = 0;
+    int32_t head_begin = 0;
+    int32_t head_count = 0;
+    uint32_t chunks = 0;
+    bool has_checksums = false;
+    std::vector<uint64_t> checksums;  // [layer][buffer][head], when has_checksums
+
+    [[nodiscard]] uint64_t checksum(int layer, int buf, int head_index) const {
+        return checksums[(static_cast<size_t>(layer) * static_cast<size_t>(buffer_count) +
+                          static_cast<size_t>(buf)) *
+                             static_cast<size_t>(head_count) +
+                         static_cast<size_t>(head_index)];
+    }
+};
+
+// The largest encoded CompletionMsg for these dimensions (the receive buffer's capacity).
+[[nodiscard]] size_t completion_capacity(int num_layers, int buffer_count, int head_count);
+
+using Bytes = std::vector<uint8_t>;
+
+[[nodiscard]] Bytes encode(const BootstrapMsg& m);
+[[nodiscard]] Bytes encode(const AckMsg& m);
+[[nodiscard]] Bytes encode(const ChunkMsg& m);
+[[nodiscard]] Bytes encode(const AbortMsg& m);
+[[nodiscard]] Bytes encode_heartbeat();
+[[nodiscard]] Bytes encode(const CompletionMsg& m);
+
+// kDataLoss on a short/garbled message, a bad magic or version.
+[[nodiscard]] StatusOr<MsgType> peek_type(std::span<const uint8_t> bytes);
+[[nodiscard]] StatusOr<BootstrapMsg> decode_bootstrap(std::span<const uint8_t> bytes);
+[[nodiscard]] StatusOr<AckMsg> decode_ack(std::span<const uint8_t> bytes);
+[[nodiscard]] StatusOr<ChunkMsg> decode_chunk(std::span<const uint8_t> bytes);
+[[nodiscard]] StatusOr<AbortMsg> decode_abort(std::span<const uint8_t> bytes);
+[[nodiscard]] StatusOr<CompletionMsg> decode_completion(std::span<const uint8_t> bytes);
+
+struct ControlOptions {
+    std::chrono::milliseconds heartbeat_interval{200};
+    // Period of on_tick (timeouts are detected within one tick).
+    std::chrono::milliseconds tick{10};
+    // Capacity of each posted control receive; a larger control message is a protocol error.
+    size_t max_control_bytes = size_t{4} << 20;
+};
+
+// Implemented by the engine; every method runs on the control thread.
+class ControlListener {
+public:
+    virtual ~ControlListener() = default;
+    virtual void on_control(int peer, std::span<const uint8_t> bytes) = 0;
+    // The control link to `peer` failed (kUnavailable: peer gone or this transport closed;
+    // kDataLoss: oversized or garbled control message). No more control messages from it.
+    virtual void on_peer_failed(int peer, const Status& status) = 0;
+    virtual void on_tick(std::chrono::steady_clock::time_point now) = 0;
+};
+
+class ControlChannel : public std::enable_shared_from_this<ControlChannel> {
+public:
+    using Clock = std::chrono::steady_clock;
+
+    // Not started; `transport` must outlive the channel's operations (close the transport after
+    // stopping the channel, or destroy the channel first).
+    static std::shared_ptr<ControlChannel> create(Transport& transport, ControlOptions options);
+    ~ControlChannel();
+    ControlChannel(const ControlChannel&) = delete;
+    ControlChannel& operator=(const ControlChannel&) = delete;
+
+    // Posts a control receive for every peer and starts the control thread.
+    [[nodiscard]] Status start(ControlListener* listener);
+    // Stops the thread. drain: run the tasks already posted first (graceful shutdown; they may
+    // send Aborts). Then withdraws (cancels) the pending control receives and sends.
+    void stop(bool drain);
+
+    // Any thread. Posts `bytes` to `peer` on kControlTag; a failure is reported through
+    // on_peer_failed when it means the peer is gone.
+    void send(int peer, Bytes bytes);
+    // Any thread. Runs `fn` on the control thread (dropped once stopped).
+    void post(std::function<void()> fn);
+
+    // Control thread only.
+    [[nodiscard]] Clock::time_point last_heard(int peer) const;
+    [[nodiscard]] bool peer_failed(int peer) const;
+    // Heartbeats go to the peers flagged here (the peers of active requests; the engine
+    // recomputes the set every tick). Indexed by world rank.
+    void set_interest(std::vector<uint8_t> peers);
+
+    [[nodiscard]] Transport& transport() const { return transport_; }
+    [[nodiscard]] bool on_control_thread() const;
+
+private:
+    ControlChannel(Transport& transport, ControlOptions options);
+    void loop();
+    void post_control_recv(int peer);
+    void on_recv_done(int peer, const std::shared_ptr<Bytes>& buf, const Status& st, size_t n);
+    void send_heartbeats(Clock::time_point now);
+    void post_tracked_send(int peer, std::shared_ptr<Bytes> buf, std::function<void()> on_finished);
+
+    Transport& transport_;
+    const ControlOptions options_;
+    ControlListener* listener_ = nullptr;
+    std::thread thread_;
+
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<std::function<void()>> tasks_;  // under mu_
+    bool stop_ = false;                        // under mu_
+    bool closed_ = false;                      // under mu_: the thread is gone, drop posts
+    bool started_ = false;
+
+    // Control thread only.
+    std::vector<Clock::time_point> last_heard_;
+    std::vector<uint8_t> failed_;
+    std::vector<uint8_t> interest_;
+    std::vector<Clock::time_point> last_heartbeat_;
+    std::vector<RequestHandle> recv_handles_;
+
+    // Heartbeat in flight per peer (set by the control thread, cleared by the send's callback).
+    std::unique_ptr<std::atomic<bool>[]> heartbeat_busy_;
+
+    // Pending control sends, for withdrawal at stop.
+    std::mutex sends_mu_;
+    uint64_t next_send_id_ = 0;
+    std::unordered_map<uint64_t, RequestHandle> sends_;
+};
+
+}  // namespace pdsim::transfer

@@ -1,0 +1,110 @@
+// Types shared by the KV sender (prefill side) and receiver (decode side): request states,
+// per-request status, events for timelines and metrics, options and counters.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+
+namespace pdsim::transfer {
+
+class OrderingValidator;
+
+// Bootstrapping: waiting for the other side's handshake (decode: the acks; prefill: the
+// bootstraps of every decode rank). Transferring: the handshake is done; data may flow.
+// Success / Failed are terminal. A Failed request always has a reason naming the request, the
+// peer (or local component) and what was awaited.
+enum class RequestState : uint8_t { kBootstrapping, kTransferring, kSuccess, kFailed };
+std::string_view request_state_name(RequestState state);
+inline bool is_terminal(RequestState s) {
+    return s == RequestState::kSuccess || s == RequestState::kFailed;
+}
+
+struct RequestStatus {
+    RequestState state = RequestState::kBootstrapping;
+    std::string reason;         // Failed: why
+    bool has_first_token = false;
+    int32_t first_token = -1;   // the first sampled token (decode side, on Success)
+    uint64_t bytes = 0;         // KV bytes moved by this rank for the request
+    int layers_arrived = 0;     // decode side
+    // True while a send/receive of the request may still touch its pages (they stay pinned).
+    // A Failed request turns terminal at once; its pages are released once its operations were
+    // withdrawn or completed -- free them (pins().free_pages) after this turns false.
+    bool pages_in_use = false;
+    std::chrono::steady_clock::time_point started{};
+    std::chrono::steady_clock::time_point finished{};
+};
+
+struct TransferEvent {
+    enum class Kind : uint8_t {
+        kLayerReady,    // sender: the layer's step is ready (its KV is written)
+        kLayerPosted,   // sender: every send of the layer (this chunk, this peer) is posted
+        kLayerSent,     // sender: ... and has completed (the pages were read)
+        kLayerArrived,  // receiver: every byte of the layer (all chunks, all sources) landed
+        kRequestDone,
+        kRequestFailed,
+    };
+    Kind kind = Kind::kLayerReady;
+    uint64_t request = 0;
+    int layer = -1;
+    int peer = -1;       // world rank of the other side (-1: not about one peer)
+    uint32_t chunk = 0;
+    uint64_t bytes = 0;
+    std::chrono::steady_clock::time_point time{};
+};
+std::string_view transfer_event_name(TransferEvent::Kind kind);
+
+// Called from engine threads (workers, control thread, transport callbacks): must be quick,
+// thread-safe, and must not call back into the engine that emitted the event.
+using EventHook = std::function<void(const TransferEvent&)>;
+
+struct EngineOptions {
+    // Whole-request bound: a request not terminal this long after it was submitted fails.
+    std::chrono::milliseconds request_timeout{60'000};
+    // An awaited peer silent (no message, heartbeat included) this long fails its requests.
+    std::chrono::milliseconds peer_timeout{10'000};
+    std::chrono::milliseconds heartbeat_interval{500};
+    // Watchdog period: timeouts are detected within one tick.
+    std::chrono::milliseconds tick{10};
+    // Data messages are cut to at most this (and the transport's limit; the two sides agree on
+    // the smaller of their values in the handshake).
+    size_t max_message_bytes = size_t{64} << 20;
+    size_t max_control_bytes = size_t{4} << 20;
+    // Not owned; may be null (no checksums). Must outlive the engine.
+    OrderingValidator* validator = nullptr;
+    EventHook on_event;
+};
+
+struct SenderOptions : EngineOptions {
+    // Worker threads; destination rank r is served by worker r % num_workers.
+    int num_workers = 2;
+    // With a validator: re-hash a request's pages once all its sends completed (late writes,
+    // pages reused in flight).
+    bool verify_after_send = true;
+    // Bound of one blocking wait of a worker on the StepCounter (a condition-variable wait that
+    // wakes on every record): after it the worker re-checks shutdown, cancellation, deadlines and
+    // tasks queued meanwhile (e.g. chunks held until a late bootstrap, whose steps may be ready).
+    std::chrono::milliseconds cancel_check{20};
+};
+
+struct ReceiverOptions : EngineOptions {
+    // Threads that scatter staged fragments into the pages.
+    int num_workers = 1;
+    // A checksum mismatch in landed KV fails the request (else it is only reported).
+    bool fail_on_violation = true;
+};
+
+struct EngineStats {
+    uint64_t requests_submitted = 0;
+    uint64_t requests_completed = 0;   // Success
+    uint64_t requests_failed = 0;
+    uint64_t bytes = 0;                // KV payload bytes sent / received
+    uint64_t messages = 0;             // data messages (completions not counted)
+    uint64_t staged_bytes = 0;         // bytes copied through staging buffers (gather/scatter)
+    uint64_t layers = 0;               // (request, layer, peer) transfers completed
+    uint64_t tags_quarantined = 0;     // receiver: data tags retired after failures
+};
+
+}  // namespace pdsim::transfer

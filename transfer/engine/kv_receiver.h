@@ -1,0 +1,101 @@
+// KvReceiver: the decode side of the layerwise KV transfer engine (two-sided transports).
+//
+// Use (one decode rank):
+//   auto receiver = KvReceiver::create(transport, layout, options);
+//   pages = pool.allocator().alloc(...);                       // admission: pre-allocate
+//   receiver->submit({id, prefill world ranks (by prefill TP rank), pages, num_tokens});
+//   for each layer l: receiver->wait_layer(id, l, timeout); run decode layer l ...
+//   auto st = receiver->wait_done(id, timeout);                // first token, Success/Failed
+//   receiver->release(id); pins().free_pages(...) when the request is finished with.
+//
+// Protocol (control.h): submit() pins the pages, takes a data tag slot and sends a Bootstrap to
+// every prefill rank of the instance; each answers with an Ack carrying its layout, from which
+// the receiver computes which heads that rank sends it (transfer_plan.h). For each Chunk header
+// a source sends, the control thread posts the matching receives in the plan's order (layer,
+// buffer, run) straight into the pages, or into a staging buffer when the fragment is only
+// part of a token slot (prefill TP > decode TP with a partial slice, or any case where the
+// decode rank holds more heads than the fragment): a receiver worker then scatters it into
+// [token][head][dim] (one host copy; counted in stats().staged_bytes). After its last chunk a
+// source's Completion message (first token, the compute stream's checksums) is received on the
+// same tag.
+//
+// Arrival: a per-request per-layer bitmap. Layer l has arrived once every source has sent its
+// last chunk header and every receive (and scatter) of layer l completed; wait_layer(l) returns
+// then, so decode can start layer l while later layers are still in flight. The request is
+// Success once every layer arrived, every source's completion was received and (with a
+// validator and checksums in the completions) the landed bytes matched.
+//
+// Failure: bounded by the request timeout, the peer timeout (prefill rank silent: no ack, no
+// data, no heartbeat) and transport errors; the reason names request, peer and what was awaited.
+// The prefill ranks get an Abort. Pages stay pinned until no receive can write them any more.
+//
+// Thread-safety: all public methods may be called from any thread. Lifetime: destroy (or
+// shutdown) the receiver before closing the transport and before freeing the pool's memory.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/status.h"
+#include "transfer/engine/engine_types.h"
+#include "transfer/engine/kv_layout.h"
+#include "transfer/engine/kv_sender.h"
+#include "transfer/engine/page_pins.h"
+#include "transfer/transport.h"
+
+namespace pdsim::transfer {
+
+struct ReceiveRequestSpec {
+    uint64_t request_id = 0;
+    // World ranks of the prefill instance's TP ranks, index = prefill TP rank.
+    std::vector<int> prefill_ranks;
+    // Pre-allocated destination pages covering num_tokens tokens (copied).
+    std::vector<int32_t> dst_pages;
+    int64_t num_tokens = 0;
+    // 0: options.request_timeout.
+    std::chrono::milliseconds timeout{0};
+};
+
+class KvReceiver {
+public:
+    [[nodiscard]] static StatusOr<std::unique_ptr<KvReceiver>> create(Transport& transport,
+                                                                      KvLayout layout,
+                                                                      ReceiverOptions options);
+    ~KvReceiver();
+    KvReceiver(const KvReceiver&) = delete;
+    KvReceiver& operator=(const KvReceiver&) = delete;
+
+    // kAlreadyExists for a known id; kInvalidArgument for bad ranks/pages; kResourceExhausted
+    // when no data tag slot is free.
+    [[nodiscard]] Status submit(const ReceiveRequestSpec& spec);
+
+    // OK once layer `layer` has arrived; kAborted with the request's failure reason if it failed;
+    // kDeadlineExceeded after `timeout`; kNotFound for an unknown request.
+    [[nodiscard]] Status wait_layer(uint64_t request_id, int layer,
+                                    std::chrono::nanoseconds timeout) const;
+    // Non-blocking arrival test.
+    [[nodiscard]] bool layer_arrived(uint64_t request_id, int layer) const;
+    // Blocks until the request is terminal (Success: first_token is set); kDeadlineExceeded after
+    // `timeout`.
+    [[nodiscard]] StatusOr<RequestStatus> wait_done(uint64_t request_id,
+                                                    std::chrono::nanoseconds timeout) const;
+    [[nodiscard]] StatusOr<RequestStatus> status(uint64_t request_id) const;
+    // Forgets a terminal request. kFailedPrecondition while it is active.
+    [[nodiscard]] Status release(uint64_t request_id);
+
+    [[nodiscard]] PagePins& pins();
+    [[nodiscard]] EngineStats stats() const;
+    [[nodiscard]] const KvLayout& layout() const;
+
+    void shutdown(ShutdownMode mode = ShutdownMode::kGraceful);
+
+    class Impl;
+
+private:
+    explicit KvReceiver(std::shared_ptr<Impl> impl);
+    std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace pdsim::transfer

@@ -1,0 +1,132 @@
+// KvSender: the prefill side of the layerwise KV transfer engine.
+//
+// Use (one prefill rank; the testbed's scheduler thread drives it):
+//   auto sender = KvSender::create(transport, layout, step_counter, options);
+//   sender->add_request({id, num_tokens});            // when the request is scheduled
+//   begin = counter.advance_step(num_layers);         // per extend forward (shared by the batch)
+//   sender->submit_chunk({id, pages, t0, t1, begin, interval, is_last, first token...});
+//   ... enqueue the forward on the compute stream: per layer write KV, (checksum), record ...
+//   sender->wait(id, timeout) / status(id); sender->release(id) once terminal.
+// The decode ranks' bootstraps may arrive before or after add_request; chunks submitted before
+// every decode rank of the request bootstrapped are held until then.
+//
+// Data path. Per destination decode rank a chunk becomes a task on worker (rank % num_workers).
+// A task sends the Chunk header, then for each interval [l0, l1) of layers, once step
+// begin + l1 - 1 is ready on the StepCounter, posts for each layer, buffer and run one send
+// (address = base + page * page_bytes + offset; runs contiguous on both sides are coalesced, see
+// transfer_plan.h). A worker interleaves its tasks in step order, so every request of a batch
+// goes out layer by layer while the forward is still computing later layers; per (request,
+// destination) only the oldest unfinished task may post (chunk order on the data tag). When no
+// task can move the worker blocks in StepCounter::wait_until_ready (or wait_until_aux_ready for
+// a first token) on the soonest target -- a condition-variable wait woken by every record, no
+// sleep-polling -- bounded by cancel_check so that shutdown, cancellation, deadlines and tasks
+// dispatched meanwhile are noticed. Middle chunks send only full prefill pages; the last chunk
+// sends the rest (the partial tail page) and then the Completion message with the first token.
+// Sends complete through callbacks (no polling); a request is Success once every send of every
+// destination completed (and, with a validator, the after-send verification ran).
+//
+// Copies: none when the fragment is a whole prefill token slot (same TP, prefill TP > decode TP,
+// MLA, any page sizes): the transport reads the pages. When the decode rank needs only some of
+// this rank's heads (prefill TP < decode TP), the worker gathers the run's fragment into a
+// staging buffer first (one host copy; counted in stats().staged_bytes).
+//
+// Pins: a chunk's pages are pinned from submit_chunk until no send can read them any more;
+// pins().free_pages() refuses to free them meanwhile (see page_pins.h).
+//
+// Failure: every wait is bounded: the request's timeout (from add_request), the peer timeout
+// (decode rank silent, heartbeats included), transport errors (kUnavailable: the decode rank is
+// gone). A failed request's pending sends are cancelled, the decode ranks get an Abort, and the
+// reason names the request, the peer and what was awaited.
+//
+// Thread-safety: all public methods may be called from any thread. Lifetime: destroy (or
+// shutdown) the sender before closing the transport and before freeing the pool's memory.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backends/pd/step_counter.h"
+#include "common/status.h"
+#include "transfer/engine/engine_types.h"
+#include "transfer/engine/kv_layout.h"
+#include "transfer/engine/page_pins.h"
+#include "transfer/transport.h"
+
+namespace pdsim::transfer {
+
+struct SendRequestSpec {
+    uint64_t request_id = 0;
+    int64_t num_tokens = 0;  // >= 1
+    // 0: options.request_timeout.
+    std::chrono::milliseconds timeout{0};
+};
+
+struct SendChunk {
+    uint64_t request_id = 0;
+    // The request's page table on this rank, covering at least token_end tokens (copied).
+    std::vector<int32_t> src_pages;
+    // Tokens this forward computes: [token_begin, token_end). token_begin must equal the previous
+    // chunk's token_end (0 for the first); token_end == num_tokens exactly when is_last.
+    int64_t token_begin = 0;
+    int64_t token_end = 0;
+    // StepCounter step of layer 0 of this forward (begin = advance_step(num_layers)).
+    int64_t begin_step = 0;
+    int layer_interval = 1;
+    bool is_last = false;
+    // The first sampled token (last chunk only): a known value, or, when first_token_src is set,
+    // read from *first_token_src once the aux step first_token_aux_step is ready (the compute
+    // stream writes the token and then record_aux()s).
+    int32_t first_token = -1;
+    const int32_t* first_token_src = nullptr;
+    int64_t first_token_aux_step = 0;
+};
+
+enum class ShutdownMode {
+    kGraceful,  // fail active requests ("shutting down"), tell the peers, withdraw operations
+    // Stop the threads and send nothing (emulates a crash). Operations already posted stay with
+    // the transport: close the transport before freeing the pool's memory.
+    kAbrupt,
+};
+
+class KvSender {
+public:
+    // Needs a two-sided, tag-matching transport with max_tag >= kDataTagBase. `counter` must
+    // outlive the sender.
+    [[nodiscard]] static StatusOr<std::unique_ptr<KvSender>> create(Transport& transport,
+                                                                    KvLayout layout,
+                                                                    pd::StepCounter& counter,
+                                                                    SenderOptions options);
+    ~KvSender();
+    KvSender(const KvSender&) = delete;
+    KvSender& operator=(const KvSender&) = delete;
+
+    // kAlreadyExists for a request id that is known (until release()).
+    [[nodiscard]] Status add_request(const SendRequestSpec& spec);
+    // kInvalidArgument for a chunk that breaks the rules above; kAborted (with the reason) if the
+    // request already failed; kNotFound for an unknown request.
+    [[nodiscard]] Status submit_chunk(SendChunk chunk);
+
+    [[nodiscard]] StatusOr<RequestStatus> status(uint64_t request_id) const;
+    // Blocks until the request is terminal; kDeadlineExceeded after `timeout`.
+    [[nodiscard]] StatusOr<RequestStatus> wait(uint64_t request_id,
+                                               std::chrono::nanoseconds timeout) const;
+    // Forgets a terminal request (and its validator checksums). kFailedPrecondition if active.
+    [[nodiscard]] Status release(uint64_t request_id);
+
+    [[nodiscard]] PagePins& pins();
+    [[nodiscard]] EngineStats stats() const;
+    [[nodiscard]] const KvLayout& layout() const;
+
+    // Idempotent; the destructor runs kGraceful.
+    void shutdown(ShutdownMode mode = ShutdownMode::kGraceful);
+
+    class Impl;
+
+private:
+    explicit KvSender(std::shared_ptr<Impl> impl);
+    std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace pdsim::transfer

@@ -1,0 +1,264 @@
+#include "transfer/engine/ordering_validator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <optional>
+
+#include <fmt/chrono.h>
+#include <fmt/format.h>
+
+namespace pdsim::transfer {
+
+namespace {
+
+constexpr uint64_t kP1 = 0x9E3779B185EBCA87ull;
+constexpr uint64_t kP2 = 0xC2B2AE3D27D4EB4Full;
+constexpr uint64_t kP3 = 0x165667B19E3779F9ull;
+constexpr uint64_t kP4 = 0x85EBCA77C2B2AE63ull;
+constexpr uint64_t kP5 = 0x27D4EB2F165667C5ull;
+
+inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t read64(const unsigned char* p) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;
+}
+inline uint64_t round64(uint64_t acc, uint64_t input) {
+    acc += input * kP2;
+    acc = rotl(acc, 31);
+    return acc * kP1;
+}
+inline uint64_t merge64(uint64_t acc, uint64_t val) {
+    acc ^= round64(0, val);
+    return acc * kP1 + kP4;
+}
+
+}  // namespace
+
+uint64_t kv_hash(const void* data, size_t bytes, uint64_t seed) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    const unsigned char* end = p + bytes;
+    uint64_t h;
+    if (bytes >= 32) {
+        uint64_t v1 = seed + kP1 + kP2;
+        uint64_t v2 = seed + kP2;
+        uint64_t v3 = seed;
+        uint64_t v4 = seed - kP1;
+        const unsigned char* limit = end - 32;
+        do {
+            v1 = round64(v1, read64(p));
+            v2 = round64(v2, read64(p + 8));
+            v3 = round64(v3, read64(p + 16));
+            v4 = round64(v4, read64(p + 24));
+            p += 32;
+        } while (p <= limit);
+        h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
+        h = merge64(h, v1);
+        h = merge64(h, v2);
+        h = merge64(h, v3);
+        h = merge64(h, v4);
+    } else {
+        h = seed + kP5;
+    }
+    h += static_cast<uint64_t>(bytes);
+    while (p + 8 <= end) {
+        h ^= round64(0, read64(p));
+        h = rotl(h, 27) * kP1 + kP4;
+        p += 8;
+    }
+    if (p + 4 <= end) {
+        uint32_t v;
+        std::memcpy(&v, p, 4);
+        h ^= static_cast<uint64_t>(v) * kP1;
+        h = rotl(h, 23) * kP2 + kP3;
+        p += 4;
+    }
+    while (p < end) {
+        h ^= static_cast<uint64_t>(*p) * kP5;
+        h = rotl(h, 11) * kP1;
+        ++p;
+    }
+    h ^= h >> 33;
+    h *= kP2;
+    h ^= h >> 29;
+    h *= kP3;
+    h ^= h >> 32;
+    return h;
+}
+
+void kv_checksums_add_run(const KvLayout& layout, int layer, int buf, int64_t token_begin,
+                          int64_t count, int64_t slot0, size_t offset, int head_count,
+                          uint64_t* sums) {
+    const size_t hb = layout.head_bytes(buf);
+    for (int64_t k = 0; k < count; ++k) {
+        const std::byte* tok = layout.slot_addr(layer, buf, slot0 + k) + offset;
+        const auto seed = static_cast<uint64_t>(token_begin + k);
+        for (int h = 0; h < head_count; ++h) {
+            sums[h] += kv_hash(tok + static_cast<size_t>(h) * hb, hb, seed);
+        }
+    }
+}
+
+std::vector<uint64_t> kv_checksums(const KvLayout& layout, std::span<const int32_t> pages,
+                                   int layer, int buf, int64_t t0, int64_t t1, int head_begin,
+                                   int head_count) {
+    std::vector<uint64_t> sums(static_cast<size_t>(head_count), 0);
+    const size_t offset =
+        static_cast<size_t>(head_begin - layout.head_begin()) * layout.head_bytes(buf);
+    const int ps = layout.page_size();
+    int64_t t = t0;
+    while (t < t1) {
+        // One page segment at a time: slots are consecutive inside a page.
+        const int64_t n = std::min<int64_t>(t1 - t, ps - t % ps);
+        kv_checksums_add_run(layout, layer, buf, t, n, token_slot(pages, ps, t), offset,
+                             head_count, sums.data());
+        t += n;
+    }
+    return sums;
+}
+
+std::string Violation::to_string() const {
+    return fmt::format("request {} layer {} buffer {} rank {}: {}", request, layer, buffer, rank,
+                       what);
+}
+
+void OrderingReport::merge(const OrderingReport& other) {
+    checked_layers += other.checked_layers;
+    violations.insert(violations.end(), other.violations.begin(), other.violations.end());
+}
+
+std::string OrderingReport::to_string(size_t max_listed) const {
+    std::string out = fmt::format("{} checked layers, {} violations", checked_layers,
+                                  violations.size());
+    for (size_t i = 0; i < violations.size() && i < max_listed; ++i) {
+        out += "\n  " + violations[i].to_string();
+    }
+    if (violations.size() > max_listed) {
+        out += fmt::format("\n  ... {} more", violations.size() - max_listed);
+    }
+    return out;
+}
+
+void OrderingValidator::record_expected(uint64_t request, int layer, int buf, int head_begin,
+                                        std::span<const uint64_t> sums, int64_t t0, int64_t t1) {
+    std::optional<Violation> overlap;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        Entry& e = expected_[Key{request, layer, buf}];
+        for (const auto& [a, b] : e.ranges) {
+            if (t0 < b && a < t1) {
+                overlap = Violation{request, layer, buf, rank_,
+                                    fmt::format("compute: tokens [{}, {}) recorded again (already "
+                                                "[{}, {})): the layer was written twice",
+                                                t0, t1, a, b)};
+                break;
+            }
+        }
+        e.ranges.emplace_back(t0, t1);
+        e.covered += t1 - t0;
+        for (size_t i = 0; i < sums.size(); ++i) {
+            e.sums[head_begin + static_cast<int>(i)] += sums[i];
+        }
+        if (overlap) report_.violations.push_back(*overlap);
+    }
+    cv_.notify_all();
+}
+
+StatusOr<std::vector<uint64_t>> OrderingValidator::wait_expected(
+    uint64_t request, int layer, int buf, int64_t num_tokens, int head_begin, int head_count,
+    std::chrono::nanoseconds timeout) const {
+    std::unique_lock<std::mutex> lock(mu_);
+    const Key key{request, layer, buf};
+    auto covered = [&]() -> int64_t {
+        auto it = expected_.find(key);
+        return it == expected_.end() ? 0 : it->second.covered;
+    };
+    if (!cv_.wait_for(lock, timeout, [&] { return covered() >= num_tokens; })) {
+        return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                           "request {} layer {} buffer {}: compute checksums cover {} of {} "
+                           "tokens after {}",
+                           request, layer, buf, covered(), num_tokens,
+                           std::chrono::duration_cast<std::chrono::milliseconds>(timeout));
+    }
+    const Entry& e = expected_.at(key);
+    std::vector<uint64_t> out(static_cast<size_t>(head_count), 0);
+    for (int h = 0; h < head_count; ++h) {
+        auto it = e.sums.find(head_begin + h);
+        if (it == e.sums.end()) {
+            return PDSIM_ERROR(StatusCode::kNotFound,
+                               "request {} layer {} buffer {}: no compute checksum for head {} "
+                               "(not one of this rank's heads?)",
+                               request, layer, buf, head_begin + h);
+        }
+        out[static_cast<size_t>(h)] = it->second;
+    }
+    return out;
+}
+
+size_t OrderingValidator::compare(uint64_t request, int layer, int buf, int head_begin,
+                                  std::span<const uint64_t> observed,
+                                  std::span<const uint64_t> expected, std::string_view side) {
+    size_t bad = 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < observed.size() && i < expected.size(); ++i) {
+        if (observed[i] == expected[i]) continue;
+        ++bad;
+        report_.violations.push_back(Violation{
+            request, layer, buf, rank_,
+            fmt::format("{}: head {} checksum {:016x} != recorded {:016x}", side,
+                        head_begin + static_cast<int>(i), observed[i], expected[i])});
+    }
+    return bad;
+}
+
+void OrderingValidator::add_violation(Violation v) {
+    std::lock_guard<std::mutex> lock(mu_);
+    report_.violations.push_back(std::move(v));
+}
+
+void OrderingValidator::add_checked_layers(uint64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    report_.checked_layers += n;
+}
+
+OrderingReport OrderingValidator::report() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return report_;
+}
+
+size_t OrderingValidator::violation_count() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return report_.violations.size();
+}
+
+void OrderingValidator::forget(uint64_t request) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = expected_.lower_bound(Key{request, -1, -1});
+    while (it != expected_.end() && std::get<0>(it->first) == request) it = expected_.erase(it);
+}
+
+Status enqueue_layer_checksum(runtime::Stream& stream, OrderingValidator& validator,
+                              const KvLayout& layout, uint64_t request_id, int layer,
+                              std::vector<int32_t> pages, int64_t token_begin, int64_t token_end) {
+    if (layer < 0 || layer >= layout.num_layers() || token_begin < 0 || token_end < token_begin) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "checksum of layer {} tokens [{}, {}) (layout has {} layers)", layer,
+                           token_begin, token_end, layout.num_layers());
+    }
+    PDSIM_RETURN_IF_ERROR(layout.check_pages(pages, token_end));
+    auto shared = std::make_shared<const KvLayout>(layout);
+    return stream.enqueue([&validator, shared, request_id, layer, pages = std::move(pages),
+                           token_begin, token_end]() {
+        const KvLayout& l = *shared;
+        for (int b = 0; b < l.buffer_count(); ++b) {
+            std::vector<uint64_t> sums = kv_checksums(l, pages, layer, b, token_begin, token_end,
+                                                      l.head_begin(), l.local_heads());
+            validator.record_expected(request_id, layer, b, l.head_begin(), sums, token_begin,
+                                      token_end);
+        }
+        return Status();
+    });
+}
+
+}  // namespace pdsim::transfer
