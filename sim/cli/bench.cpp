@@ -9,6 +9,7 @@ void add_bench_commands(CLI::App& app, CommandSet& commands) {
         "ratio (attention: STREAM-style copy and OpenBLAS sgemm).");
     bench->require_subcommand(1);
     add_bench_attention_command(*bench, commands);
+    add_bench_transfer_command(*bench, commands);
 }
 
 }  // namespace pdsim::cli

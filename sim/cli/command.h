@@ -32,8 +32,13 @@ private:
 [[nodiscard]] int exit_code_for(const Status& status);
 
 void add_attn_dump_command(CLI::App& app, CommandSet& commands);
+// `pdsim topology validate|show|hostfile F` (sim/cli/topology_cmd.cpp).
+void add_topology_command(CLI::App& app, CommandSet& commands);
 // `pdsim bench <what>`: creates the `bench` parent and adds each benchmark under it.
 void add_bench_commands(CLI::App& app, CommandSet& commands);
 void add_bench_attention_command(CLI::App& bench, CommandSet& commands);
+void add_bench_transfer_command(CLI::App& bench, CommandSet& commands);
+// `pdsim testbed [...]`: the multi-rank PD serving testbed (sim/cli/testbed_cmd.cpp).
+void add_testbed_command(CLI::App& app, CommandSet& commands);
 
 }  // namespace pdsim::cli

@@ -21,7 +21,9 @@ int main(int argc, char** argv) {
 
     pdsim::cli::CommandSet commands;
     pdsim::cli::add_attn_dump_command(app, commands);
+    pdsim::cli::add_topology_command(app, commands);
     pdsim::cli::add_bench_commands(app, commands);
+    pdsim::cli::add_testbed_command(app, commands);
 
     try {
         app.parse(argc, argv);

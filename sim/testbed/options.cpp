@@ -1,0 +1,429 @@
+#include "sim/testbed/options.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "topology/loader.h"
+#include "topology/gpu_spec.h"
+#include "topology/validate.h"
+#include "transfer/transport.h"
+
+namespace pdsim::testbed {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Auto time scale: the replay is compressed so that the requests arrive about this many
+// milliseconds of (capped) prefill work apart per prefill instance: kAutoMsPerInputToken per input
+// token, a rough figure for the tiny model on one core, so the default run is short and the
+// prefill ranks are busy but not swamped.
+constexpr double kAutoMsPerInputToken = 0.6;
+
+constexpr std::string_view kEmbeddedCpu1p1d = R"(# Embedded copy of topology/examples/cpu-1p1d.yaml
+name: "cpu-1p1d"
+description: "CPU testbed on this machine: one cpu device per MPI rank"
+model: tiny
+world_size: 2
+nodes:
+  - id: node0
+    hostname: localhost
+    devices:
+      - {id: node0.cpu0, type: cpu}
+      - {id: node0.cpu1, type: cpu}
+    switches:
+      - {id: node0.shm, type: loopback}
+links:
+  - {a: node0.cpu0, b: node0.shm, type: loopback, gbps: 10, latency_us: 1}
+  - {a: node0.cpu1, b: node0.shm, type: loopback, gbps: 10, latency_us: 1}
+instances:
+  - id: prefill0
+    role: prefill
+    tp: 1
+    devices: [node0.cpu0]
+  - id: decode0
+    role: decode
+    tp: 1
+    devices: [node0.cpu1]
+)";
+
+std::vector<fs::path> search_roots() {
+    std::vector<fs::path> roots;
+#ifdef PDSIM_SOURCE_DIR
+    roots.emplace_back(PDSIM_SOURCE_DIR);
+#endif
+    std::error_code ec;
+    fs::path cwd = fs::current_path(ec);
+    if (!ec) roots.push_back(cwd);
+    fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    if (!ec) {
+        for (fs::path p = exe.parent_path(); !p.empty() && p != p.root_path(); p = p.parent_path()) {
+            roots.push_back(p);
+        }
+    }
+    return roots;
+}
+
+bool is_dir(const fs::path& p) {
+    std::error_code ec;
+    return fs::is_directory(p, ec);
+}
+
+topo::ModelShape to_model_shape(const model::ModelConfig& c) {
+    topo::ModelShape s;
+    s.name = c.name;
+    s.num_layers = c.num_layers;
+    s.num_q_heads = c.num_q_heads;
+    s.num_kv_heads = c.num_kv_heads;
+    s.head_dim = c.head_dim;
+    s.hidden = c.hidden;
+    s.attention = c.attention == model::AttentionKind::kMLA ? topo::AttentionKind::kMla
+                                                            : topo::AttentionKind::kMha;
+    s.kv_lora_rank = c.kv_lora_rank;
+    s.rope_dim = c.rope_dim;
+    return s;
+}
+
+Status bad(std::string msg) { return Status(StatusCode::kInvalidArgument, std::move(msg)); }
+
+}  // namespace
+
+std::string_view mode_name(Mode mode) {
+    switch (mode) {
+        case Mode::kDisagg: return "disagg";
+        case Mode::kColocated: return "colocated";
+        case Mode::kBoth: return "both";
+    }
+    return "?";
+}
+
+StatusOr<Mode> parse_mode(std::string_view text) {
+    if (text == "disagg") return Mode::kDisagg;
+    if (text == "colocated") return Mode::kColocated;
+    if (text == "both") return Mode::kBoth;
+    return bad(fmt::format("--mode {}: expected disagg, colocated or both", text));
+}
+
+std::string_view fault_name(Fault fault) {
+    switch (fault) {
+        case Fault::kNone: return "none";
+        case Fault::kRecordBeforeWrite: return "record-before-write";
+        case Fault::kSkipRecord: return "skip-record";
+        case Fault::kDoubleRecord: return "double-record";
+        case Fault::kStaleGraphMetadata: return "stale-graph-metadata";
+        case Fault::kFreeBeforeTransfer: return "free-before-transfer";
+        case Fault::kLateWrite: return "late-write";
+    }
+    return "?";
+}
+
+std::vector<std::string> fault_names() {
+    return {"none", "record-before-write", "skip-record", "double-record", "stale-graph-metadata",
+            "free-before-transfer", "late-write"};
+}
+
+StatusOr<Fault> parse_fault(std::string_view text) {
+    for (Fault f : {Fault::kNone, Fault::kRecordBeforeWrite, Fault::kSkipRecord, Fault::kDoubleRecord,
+                    Fault::kStaleGraphMetadata, Fault::kFreeBeforeTransfer, Fault::kLateWrite}) {
+        if (fault_name(f) == text) return f;
+    }
+    std::string known;
+    for (const auto& n : fault_names()) known += (known.empty() ? "" : ", ") + n;
+    return bad(fmt::format("--fault {}: unknown fault kind (known: {})", text, known));
+}
+
+StatusOr<std::string> find_trace_dir() {
+    std::vector<std::string> looked;
+    if (const char* env = std::getenv("PDSIM_TRACE_DIR"); env != nullptr && *env != '\0') {
+        if (is_dir(env)) return std::string(env);
+        return Status(StatusCode::kNotFound,
+                      fmt::format("PDSIM_TRACE_DIR={} is not a directory", env));
+    }
+    for (const fs::path& root : search_roots()) {
+        for (const fs::path& rel : {fs::path("../shared/data/traces"), fs::path("shared/data/traces")}) {
+            fs::path p = (root / rel).lexically_normal();
+            if (is_dir(p)) return p.string();
+            if (looked.size() < 8) looked.push_back(p.string());
+        }
+    }
+    std::string where;
+    for (const auto& l : looked) where += "\n  " + l;
+    return Status(StatusCode::kNotFound,
+                  fmt::format("the trace directory (../shared/data/traces relative to the repository "
+                              "root) was not found; set PDSIM_TRACE_DIR or pass --trace F (or "
+                              "--synthetic N). Looked in:{}",
+                              where));
+}
+
+std::string find_default_topology() {
+    for (const fs::path& root : search_roots()) {
+        fs::path p = root / "topology/examples/cpu-1p1d.yaml";
+        std::error_code ec;
+        if (fs::is_regular_file(p, ec)) return p.string();
+    }
+    return "";
+}
+
+std::string_view embedded_default_topology() { return kEmbeddedCpu1p1d; }
+
+StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
+    ResolvedConfig rc;
+    rc.options = in;
+    TestbedOptions& o = rc.options;
+
+    // ---- flags that stand alone ----
+    if (o.layers < 0) return bad(fmt::format("--layers {}: must be >= 1", o.layers));
+    if (o.chunk_size < 1) return bad(fmt::format("--chunk-size {}: must be >= 1", o.chunk_size));
+    if (o.max_batch_tokens < 1) {
+        return bad(fmt::format("--max-batch-tokens {}: must be >= 1", o.max_batch_tokens));
+    }
+    if (o.max_decode_batch < 1) {
+        return bad(fmt::format("--max-decode-batch {}: must be >= 1", o.max_decode_batch));
+    }
+    if (o.page_size < 1 || o.page_size > 4096) {
+        return bad(fmt::format("--page-size {}: must be in [1, 4096]", o.page_size));
+    }
+    if (o.kv_pool_mb < 1) return bad(fmt::format("--kv-pool-mb {}: must be >= 1", o.kv_pool_mb));
+    if (o.max_input_len < 0) return bad(fmt::format("--max-input-len {}: must be >= 0", o.max_input_len));
+    if (o.max_output_len < 0) {
+        return bad(fmt::format("--max-output-len {}: must be >= 0", o.max_output_len));
+    }
+    if (o.time_scale < 0 || !std::isfinite(o.time_scale)) {
+        return bad(fmt::format("--time-scale {}: must be > 0", o.time_scale));
+    }
+    if (o.request_timeout_s <= 0) {
+        return bad(fmt::format("--request-timeout-s {}: must be > 0", o.request_timeout_s));
+    }
+    if (o.slo_ttft_ms < 0 || o.slo_tpot_ms < 0) return bad("--slo-ttft-ms / --slo-tpot-ms must be >= 0");
+    if (o.synthetic < 0) return bad(fmt::format("--synthetic {}: must be >= 1", o.synthetic));
+    if (o.synthetic > 0 && !o.trace.empty()) return bad("--trace and --synthetic are exclusive");
+    if (o.max_requests < 0 || o.sample < 0) return bad("--max-requests / --sample must be >= 0");
+    if (o.backend != "cpu" && o.backend != "cpu_ref") {
+        return bad(fmt::format("--backend {}: the CPU testbed runs the `cpu` or `cpu_ref` attention "
+                               "backend (its KV pools are host memory)",
+                               o.backend));
+    }
+    // Transport name: known to the registry, and usable with host-memory KV pools.
+    if (!o.transport.empty()) {
+        const auto names = transfer::registered_transports();
+        if (std::find(names.begin(), names.end(), o.transport) == names.end()) {
+            std::string known;
+            for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+            return bad(fmt::format("--transport {}: unknown transport (available: {})", o.transport, known));
+        }
+        if (o.transport == "nccl" || o.transport == "cuda_ipc") {
+            return bad(fmt::format("--transport {}: moves GPU memory only, and this testbed's KV pools "
+                                   "are host memory (CPU backends); use mpi or tcp (a GPU build "
+                                   "with the cuda backend is needed for {})",
+                                   o.transport, o.transport));
+        }
+        if (o.transport == "fault") {
+            return bad("--transport fault: use --transport-fault SPEC with mpi/tcp/local instead");
+        }
+    }
+    if (o.shaping != "off") {
+        if (o.shaping == "topology") {
+            // Filled in below, once the topology is loaded.
+        } else {
+            const size_t colon = o.shaping.find(':');
+            char* end = nullptr;
+            const std::string g = o.shaping.substr(0, colon);
+            rc.shape_gbps = std::strtod(g.c_str(), &end);
+            bool ok = end != nullptr && *end == '\0' && !g.empty() && rc.shape_gbps > 0 && std::isfinite(rc.shape_gbps);
+            if (colon != std::string::npos) {
+                const std::string l = o.shaping.substr(colon + 1);
+                rc.shape_latency_us = std::strtod(l.c_str(), &end);
+                ok = ok && end != nullptr && *end == '\0' && !l.empty() && rc.shape_latency_us >= 0;
+            }
+            if (!ok) {
+                return bad(fmt::format("--shaping {}: expected off, topology or GBPS[:LATENCY_US] (e.g. 0.5:20)",
+                                       o.shaping));
+            }
+            rc.shape = true;
+            rc.shape_time_scale = 1;
+        }
+    }
+    if (!o.transport_fault.empty()) {
+        auto names = transfer::registered_transports();
+        if (std::find(names.begin(), names.end(), "fault") == names.end()) {
+            return bad("--transport-fault: the fault transport is not built");
+        }
+    }
+
+    // ---- model ----
+    // ---- topology ----
+    topo::LoadOptions lo;
+    std::string topo_path = o.topology;
+    std::optional<model::ModelConfig> model_cfg;
+    if (!o.model.empty()) {
+        auto m = model::resolve_model(o.model);
+        if (!m.ok()) return bad(fmt::format("--model {}: {}", o.model, m.status().message()));
+        model_cfg = *m;
+    }
+    auto apply_layers = [&](model::ModelConfig& m) -> Status {
+        if (o.layers > 0) m.num_layers = o.layers;
+        return model::validate_model(m).with_context("--model");
+    };
+    topo::ModelShape shape;
+    if (model_cfg) {
+        PDSIM_RETURN_IF_ERROR(apply_layers(*model_cfg));
+        shape = to_model_shape(*model_cfg);
+        lo.model = &shape;
+    }
+    if (topo_path.empty()) {
+        topo_path = find_default_topology();
+        if (topo_path.empty()) {
+            PDSIM_ASSIGN_OR_RETURN(rc.topology, topo::parse_topology(embedded_default_topology(),
+                                                                     "<built-in cpu-1p1d>",
+                                                                     topo::Format::kYaml, lo));
+            rc.topology_label = "cpu-1p1d (built-in)";
+        }
+    }
+    if (!topo_path.empty()) {
+        PDSIM_ASSIGN_OR_RETURN(rc.topology, topo::load_topology(topo_path, lo));
+        rc.topology_label = fs::path(topo_path).filename().string();
+    }
+    if (!model_cfg) {
+        const std::string name = rc.topology.model ? rc.topology.model->name : std::string("tiny");
+        auto m = model::resolve_model(name);
+        if (!m.ok()) {
+            return bad(fmt::format("{}: model: '{}' is not a model the synthetic model knows ({}); pass "
+                                   "--model NAME|F",
+                                   rc.topology_label, name, m.status().message()));
+        }
+        model_cfg = *m;
+        PDSIM_RETURN_IF_ERROR(apply_layers(*model_cfg));
+        // Re-validate TP against the model actually run (e.g. with --layers).
+        shape = to_model_shape(*model_cfg);
+        PDSIM_RETURN_IF_ERROR(topo::validate(rc.topology, &shape));
+    }
+    rc.model = *model_cfg;
+    for (const auto& inst : rc.topology.instances) {
+        if (Status st = model::check_tp(rc.model, inst.tp); !st.ok()) {
+            return bad(fmt::format("{}: instance {}: tp {}", rc.topology_label, inst.id, st.message()));
+        }
+    }
+    for (const auto& node : rc.topology.nodes) {
+        for (const auto& d : node.devices) {
+            if (!d.is_cpu()) {
+                return bad(fmt::format("{}: device {} is a {} GPU; the CPU testbed runs on `cpu` devices "
+                                       "(a GPU topology is for `pdsim simulate`, or use a cpu-* topology "
+                                       "with a `shaping` section to emulate its links)",
+                                       rc.topology_label, d.id, d.type));
+            }
+        }
+    }
+
+    if (o.shaping == "topology") {
+        if (!rc.topology.shaping) {
+            return bad(fmt::format("--shaping topology: {} has no `shaping` section", rc.topology_label));
+        }
+        const topo::ShapingSpec& sp = *rc.topology.shaping;
+        rc.shape = true;
+        rc.shape_gbps = sp.gbps;
+        rc.shape_latency_us = sp.latency_us;
+        rc.shape_time_scale = sp.time_scale;
+        rc.shape_gpu = sp.gpu;
+        if (sp.time_scale <= 0 && topo::gpu_spec(sp.gpu) == nullptr) {
+            return bad(fmt::format("--shaping topology: {}: shaping.time_scale auto needs shaping.gpu (a GPU "
+                                   "model) to measure against",
+                                   rc.topology_label));
+        }
+    }
+
+    // ---- process model vs the launcher ----
+    const int ranks = rc.topology.num_ranks();
+    if (world_size > 1) {
+        if (world_size != ranks) {
+            return bad(fmt::format("mpirun -np {} but topology {} has {} ranks (run mpirun -np {})",
+                                   world_size, rc.topology_label, ranks, ranks));
+        }
+        if (o.transport == "local") {
+            return bad(fmt::format("--transport local runs every rank as a thread of one process; "
+                                   "launch pdsim without mpirun (or with -np 1), not with -np {}",
+                                   world_size));
+        }
+        if (o.transport.empty()) o.transport = "mpi";
+    } else {
+        if (ranks > 1 && !o.transport.empty() && o.transport != "local") {
+            return bad(fmt::format("--transport {} needs one process per rank: topology {} has {} ranks "
+                                   "but pdsim runs as 1 process (run it under mpirun -np {}, or use "
+                                   "--transport local to run every rank as a thread of this process)",
+                                   o.transport, rc.topology_label, ranks, ranks));
+        }
+        o.transport = "local";
+    }
+
+    // ---- workload ----
+    workload::LoadOptions wl;
+    wl.max_input_len = o.max_input_len;
+    wl.max_output_len = o.max_output_len;
+    wl.max_requests = o.max_requests;
+    wl.sample = o.sample;
+    wl.seed = o.seed;
+    wl.time_scale = 1.0;  // scaled below (auto needs the unscaled duration)
+    if (o.synthetic > 0) {
+        workload::SyntheticOptions so;
+        so.num_requests = o.synthetic;
+        so.rate_rps = 4.0;
+        so.input = workload::LengthDist{workload::LengthDist::Kind::kUniform, 64, 1024};
+        so.output = workload::LengthDist{workload::LengthDist::Kind::kUniform, 4, 64};
+        so.seed = o.seed;
+        PDSIM_ASSIGN_OR_RETURN(rc.requests, workload::make_synthetic(so));
+        for (auto& r : rc.requests) {
+            if (o.max_input_len > 0) r.input_len = std::min(r.input_len, o.max_input_len);
+            if (o.max_output_len > 0) r.output_len = std::min(r.output_len, o.max_output_len);
+        }
+        rc.workload_label = fmt::format("synthetic {}", o.synthetic);
+    } else {
+        std::string path = o.trace;
+        if (path.empty()) {
+            PDSIM_ASSIGN_OR_RETURN(std::string dir, find_trace_dir());
+            path = (fs::path(dir) / "mooncake_conversation.jsonl").string();
+            if (o.max_requests == 0 && o.sample == 0) {
+                wl.sample = 16;
+                o.sample = 16;
+            }
+        }
+        PDSIM_ASSIGN_OR_RETURN(workload::TraceFormat fmt_kind, workload::parse_trace_format(o.trace_format));
+        PDSIM_ASSIGN_OR_RETURN(rc.requests, workload::load_trace(path, fmt_kind, wl));
+        rc.workload_label = fs::path(path).filename().string();
+        if (o.sample > 0) rc.workload_label += fmt::format(" (sample {}, seed {})", o.sample, o.seed);
+        if (o.max_requests > 0) rc.workload_label += fmt::format(" (first {})", o.max_requests);
+    }
+    if (rc.requests.empty()) return bad("the workload has no requests");
+    for (auto& r : rc.requests) {
+        r.input_len = std::max(r.input_len, 1);
+        r.output_len = std::max(r.output_len, 1);
+    }
+    const double first = rc.requests.front().arrival_ms;
+    for (auto& r : rc.requests) r.arrival_ms -= first;
+    rc.trace_duration_ms = rc.requests.back().arrival_ms;
+    if (o.time_scale == 0) {
+        int prefill_instances = 0;
+        for (const auto& inst : rc.topology.instances) prefill_instances += inst.role == topo::Role::kPrefill;
+        if (o.mode == Mode::kColocated) prefill_instances = static_cast<int>(rc.topology.instances.size());
+        double tokens = 0;
+        for (const auto& r : rc.requests) tokens += r.input_len;
+        const double target_ms = tokens * kAutoMsPerInputToken / std::max(1, prefill_instances);
+        o.time_scale = rc.trace_duration_ms > 0 ? std::min(1.0, target_ms / rc.trace_duration_ms) : 1.0;
+    }
+    for (auto& r : rc.requests) r.arrival_ms *= o.time_scale;
+    return rc;
+}
+
+std::string describe(const TestbedOptions& o) {
+    return fmt::format("--mode {} --layerwise {} --transport {} --backend {} --fault {} --chunk-size {} "
+                       "--max-batch-tokens {} --time-scale {:.6g} --max-input-len {} --max-output-len {}",
+                       mode_name(o.mode), o.layerwise ? "on" : "off", o.transport, o.backend,
+                       fault_name(o.fault), o.chunk_size, o.max_batch_tokens, o.time_scale,
+                       o.max_input_len, o.max_output_len);
+}
+
+}  // namespace pdsim::testbed

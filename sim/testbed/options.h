@@ -1,0 +1,122 @@
+// Options of `pdsim testbed` and their resolution into a runnable configuration.
+//
+// TestbedOptions is what the command line says (every rank parses the same flags). resolve()
+// turns it into a ResolvedConfig: the topology (loaded and validated against the model), the
+// model configuration, and the requests to replay (trace or synthetic, capped and sampled). Every
+// error that is the user's input (flag, file, line, field) is kInvalidArgument naming it, which
+// the CLI turns into exit status 2.
+//
+// Built-in default (no options): topology topology/examples/cpu-1p1d.yaml (found next to the
+// sources, else an embedded copy), the topology's model (`tiny`), a sample of 16 requests of
+// ../shared/data/traces/mooncake_conversation.jsonl (relative to the repository root; see
+// find_trace_dir), inputs capped to 1024 tokens and outputs to 32, --mode both.
+//
+// Thread-safety: pure functions.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "backends/model/model_config.h"
+#include "common/status.h"
+#include "sim/workload/workload.h"
+#include "topology/topology.h"
+
+namespace pdsim::testbed {
+
+enum class Mode { kDisagg, kColocated, kBoth };
+[[nodiscard]] std::string_view mode_name(Mode mode);
+[[nodiscard]] StatusOr<Mode> parse_mode(std::string_view text);
+
+// Ordering bugs the testbed can inject on the prefill side (DESIGN.md "Fault injection").
+enum class Fault {
+    kNone,
+    kRecordBeforeWrite,    // the layer's step is recorded before its KV write
+    kSkipRecord,           // one layer of every prefill forward records no step
+    kDoubleRecord,         // one layer of every prefill forward records its step twice
+    kStaleGraphMetadata,   // graph replay without the in-place metadata update
+    kFreeBeforeTransfer,   // the request's pages are freed right after its last chunk is handed over
+    kLateWrite,            // a layer's KV is overwritten after its step was recorded
+};
+[[nodiscard]] std::string_view fault_name(Fault fault);
+[[nodiscard]] StatusOr<Fault> parse_fault(std::string_view text);
+[[nodiscard]] std::vector<std::string> fault_names();
+
+struct TestbedOptions {
+    std::string topology;          // "": built-in cpu-1p1d
+    std::string model;             // "": the topology's model, else tiny
+    int layers = 0;                // > 0: override num_layers
+    std::string trace;             // "": the default Mooncake trace (unless synthetic)
+    std::string trace_format = "auto";
+    int64_t synthetic = 0;         // > 0: this many synthetic requests instead of a trace
+    int64_t max_requests = 0;      // first N (after sorting)
+    int64_t sample = 0;            // uniform random sample of N (order kept)
+    uint64_t seed = 1;
+    double time_scale = 0;         // arrival time multiplier; 0: auto (see resolve())
+    int32_t max_input_len = 1024;  // 0: no cap
+    int32_t max_output_len = 32;   // 0: no cap
+    std::string transport;         // "": mpi under mpirun, local in one process
+    std::string backend = "cpu";
+    Mode mode = Mode::kBoth;
+    bool layerwise = true;
+    Fault fault = Fault::kNone;
+    int chunk_size = 512;          // prefill tokens of one request per forward
+    int max_batch_tokens = 2048;   // tokens per extend forward
+    int max_decode_batch = 64;     // requests per decode forward
+    int page_size = 16;
+    int64_t kv_pool_mb = 512;      // KV pool per rank
+    double slo_ttft_ms = 0;
+    double slo_tpot_ms = 0;
+    double request_timeout_s = 30; // per request, prefill submit -> decode finish
+    std::string report_path;
+    std::string timeline_path;
+    std::string requests_path;
+    bool progress = false;
+    bool quiet = false;            // no summary table
+    int threads = 0;               // compute threads per rank (0: cores / ranks on the node)
+    // KV transport shaping: "off", "topology" (the topology's `shaping` section; time_scale auto
+    // is measured: a CPU prefill layer vs the roofline time of the same layer on shaping.gpu), or
+    // "GBPS[:LATENCY_US]" (the CPU-side link directly, GB/s and us).
+    std::string shaping = "off";
+    std::string transport_fault;   // FaultTransport spec applied to the KV transport
+    int transport_fault_rank = -1; // ... on this rank only (-1: every rank)
+};
+
+// Where the real traces live: $PDSIM_TRACE_DIR, else <source dir>/../shared/data/traces, else
+// ../shared/data/traces or shared/data/traces from the working directory or any ancestor of the
+// pdsim binary's directory. kNotFound (exit 2) listing where it looked.
+[[nodiscard]] StatusOr<std::string> find_trace_dir();
+// The default topology file (topology/examples/cpu-1p1d.yaml under the source dir or an
+// ancestor of the binary), or "" when not found (the embedded copy is used then).
+[[nodiscard]] std::string find_default_topology();
+// The embedded copy of topology/examples/cpu-1p1d.yaml.
+[[nodiscard]] std::string_view embedded_default_topology();
+
+struct ResolvedConfig {
+    TestbedOptions options;        // with defaults filled in (transport, time_scale, ...)
+    topo::Topology topology;
+    std::string topology_label;    // file name (or "cpu-1p1d (built-in)")
+    model::ModelConfig model;
+    std::vector<workload::Request> requests;
+    std::string workload_label;    // "mooncake_conversation.jsonl (sample 16)"
+    double trace_duration_ms = 0;  // before scaling
+    // Shaping: explicit ("GBPS[:LAT]") or from the topology; time_scale 0 = measure at start.
+    bool shape = false;
+    double shape_gbps = 0;         // emulated link (topology) or the CPU-side link (explicit)
+    double shape_latency_us = 0;
+    double shape_time_scale = 1;   // 1 for explicit; the topology's value; 0: auto
+    std::string shape_gpu;
+};
+
+// Loads and validates everything. `world_size`: the launcher's world size (1 without mpirun).
+// The process model: world_size == topology ranks (one process per rank), or world_size == 1
+// and every rank runs as a thread of this process (transport `local`).
+[[nodiscard]] StatusOr<ResolvedConfig> resolve(const TestbedOptions& options, int world_size);
+
+// The CLI flag string of the options that matter for a report ("--mode both --layerwise on ...").
+[[nodiscard]] std::string describe(const TestbedOptions& options);
+
+}  // namespace pdsim::testbed

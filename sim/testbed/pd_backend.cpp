@@ -1,0 +1,173 @@
+#include "sim/testbed/pd_backend.h"
+
+#include <thread>
+
+#include "backends/kv/kv_pool.h"
+#include "sim/testbed/comm.h"
+
+namespace pdsim::testbed {
+
+PdAttentionBackend::PdAttentionBackend(std::unique_ptr<attn::AttentionBackend> inner, PdBackendOptions options)
+    : attn::AttentionBackend(inner->config()), opts_(std::move(options)), inner_(std::move(inner)) {}
+
+PdAttentionBackend::~PdAttentionBackend() { stream().synchronize().ignore_error(); }
+
+StatusOr<std::unique_ptr<PdAttentionBackend>> PdAttentionBackend::create(
+    std::unique_ptr<attn::AttentionBackend> inner, PdBackendOptions options) {
+    if (inner == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "PdAttentionBackend: no backend");
+    std::unique_ptr<PdAttentionBackend> b(new PdAttentionBackend(std::move(inner), std::move(options)));
+    if (b->opts_.counter != nullptr && !b->owns_records()) {
+        b->inner_->register_step_counter(b->opts_.counter);
+    }
+    b->graph_seq_lens_.assign(static_cast<size_t>(b->opts_.max_bs), 0);
+    return b;
+}
+
+bool PdAttentionBackend::owns_records() const {
+    return opts_.fault == Fault::kRecordBeforeWrite || opts_.fault == Fault::kSkipRecord ||
+           opts_.fault == Fault::kDoubleRecord;
+}
+
+Status PdAttentionBackend::init_forward_metadata(const attn::ForwardBatch& batch) {
+    if (opts_.fault != Fault::kStaleGraphMetadata || attn::is_decode(batch.mode) || opts_.counter == nullptr) {
+        return inner_->init_forward_metadata(batch);
+    }
+    // The caller's half of a graph replay: refresh the aliased seq_lens buffer, in stream order.
+    auto seq = std::make_shared<std::vector<int32_t>>(batch.seq_lens.begin(), batch.seq_lens.end());
+    PDSIM_RETURN_IF_ERROR(stream().enqueue([this, seq] {
+        std::copy(seq->begin(), seq->begin() + std::min(seq->size(), graph_seq_lens_.size()),
+                  graph_seq_lens_.begin());
+        return Status();
+    }));
+    if (!graph_installed_) {
+        attn::GraphStateExtras extras;
+        extras.max_pages_per_seq = opts_.max_pages_per_seq;
+        PDSIM_RETURN_IF_ERROR(attn::init_backend_cuda_graph_state(*inner_, opts_.max_bs, graph_seq_lens_.data(), extras));
+        graph_installed_ = true;
+        return inner_->init_forward_metadata_replay_cuda_graph(batch);
+    }
+    // The bug: replay the captured graph without init_forward_metadata_replay_cuda_graph, so the
+    // kernels read the first batch's q_lens / page table / bs with this batch's seq_lens.
+    return inner_->init_forward_metadata_capture_cuda_graph(opts_.max_bs, batch.mode);
+}
+
+Status PdAttentionBackend::record(int layer) {
+    PDSIM_RETURN_IF_ERROR(opts_.counter->record_cache());
+    if (opts_.on_record) {
+        PDSIM_RETURN_IF_ERROR(stream().enqueue([cb = opts_.on_record, layer] {
+            cb(layer, now_us());
+            return Status();
+        }));
+    }
+    return {};
+}
+
+Status PdAttentionBackend::race_window() {
+    const auto window = opts_.race_window;
+    return stream().enqueue([window] {
+        std::this_thread::sleep_for(window);
+        return Status();
+    });
+}
+
+Status PdAttentionBackend::enqueue_checksums(const attn::ForwardArgs& args) {
+    if (opts_.validator == nullptr || segments_ == nullptr || segments_->empty()) return {};
+    const auto* mha = dynamic_cast<const kv::MHATokenToKVPool*>(args.pool);
+    if (mha == nullptr || mha->dtype() != kv::KVDtype::kF32) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "checksums need an fp32 MHA pool");
+    }
+    const int hkv = mha->num_kv_heads();
+    const int d = mha->head_dim();
+    const int dv = mha->v_head_dim() > 0 ? mha->v_head_dim() : d;
+    const int layer = args.layer.layer_id;
+    return stream().enqueue([validator = opts_.validator, segs = segments_, k = args.k, v = args.v, hkv, d, dv,
+                             layer, head_begin = opts_.head_begin] {
+        for (const BatchSegment& s : *segs) {
+            for (int buf = 0; buf < 2; ++buf) {
+                const float* src = buf == 0 ? k : v;
+                const int dim = buf == 0 ? d : dv;
+                std::vector<uint64_t> sums(static_cast<size_t>(hkv), 0);
+                for (int64_t j = 0; j < s.t1 - s.t0; ++j) {
+                    const float* tok = src + static_cast<size_t>(s.batch_offset + j) * hkv * dim;
+                    for (int h = 0; h < hkv; ++h) {
+                        sums[static_cast<size_t>(h)] += transfer::kv_hash(
+                            tok + static_cast<size_t>(h) * dim, sizeof(float) * static_cast<size_t>(dim),
+                            static_cast<uint64_t>(s.t0 + j));
+                    }
+                }
+                validator->record_expected(s.request, layer, buf, head_begin, sums, s.t0, s.t1);
+            }
+        }
+        return Status();
+    });
+}
+
+Status PdAttentionBackend::enqueue_late_write(const attn::ForwardArgs& args) {
+    if (segments_ == nullptr) return {};
+    int64_t n = 0;
+    for (const auto& s : *segments_) n += s.t1 - s.t0;
+    return stream().enqueue([pool = args.pool, locs = args.out_cache_loc, n] {
+        std::vector<float> row(static_cast<size_t>(pool->token_elems(0)));
+        for (int64_t t = 0; t < n; ++t) {
+            pool->read_token(0, 0, locs[t], row.data());
+            for (float& x : row) x += 1.0f;
+            pool->write_token(0, 0, locs[t], row.data());
+        }
+        return Status();
+    });
+}
+
+Status PdAttentionBackend::call_inner(const attn::ForwardArgs& args) {
+    // Records are either the inner backend's (its counter) or ours (record_kv_cache = false).
+    std::optional<bool> rec;
+    if (owns_records()) rec = false;
+    return inner_->forward(args.q, args.k, args.v, args.layer, args.out_cache_loc, *args.pool, args.mode, args.bs,
+                           args.out, args.save_kv_cache, rec);
+}
+
+Status PdAttentionBackend::forward_decode(const attn::ForwardArgs& args) { return call_inner(args); }
+
+Status PdAttentionBackend::forward_extend(const attn::ForwardArgs& args) {
+    const int layer = args.layer.layer_id;
+    const bool records = opts_.counter != nullptr;
+    PDSIM_RETURN_IF_ERROR(enqueue_checksums(args));
+    if (!records || !owns_records()) {
+        if (records && opts_.fault == Fault::kLateWrite && layer == opts_.num_layers - 1 && opts_.num_layers > 1) {
+            PDSIM_RETURN_IF_ERROR(enqueue_late_write(args));
+        }
+        PDSIM_RETURN_IF_ERROR(call_inner(args));
+        if (records && opts_.fault == Fault::kLateWrite && opts_.num_layers == 1) {
+            PDSIM_RETURN_IF_ERROR(enqueue_late_write(args));
+        }
+        if (records && opts_.on_record) {
+            // Runs right after the inner backend's record (the last task it enqueued).
+            PDSIM_RETURN_IF_ERROR(stream().enqueue([cb = opts_.on_record, layer] {
+                cb(layer, now_us());
+                return Status();
+            }));
+        }
+        return {};
+    }
+    switch (opts_.fault) {
+        case Fault::kRecordBeforeWrite:
+            PDSIM_RETURN_IF_ERROR(record(layer));
+            PDSIM_RETURN_IF_ERROR(race_window());
+            return call_inner(args);
+        case Fault::kSkipRecord:
+            PDSIM_RETURN_IF_ERROR(call_inner(args));
+            if (layer != opts_.num_layers - 1) PDSIM_RETURN_IF_ERROR(record(layer));
+            return {};
+        case Fault::kDoubleRecord:
+            PDSIM_RETURN_IF_ERROR(call_inner(args));
+            PDSIM_RETURN_IF_ERROR(record(layer));
+            if (layer == 0) {
+                PDSIM_RETURN_IF_ERROR(record(layer));
+                PDSIM_RETURN_IF_ERROR(race_window());
+            }
+            return {};
+        default:
+            return PDSIM_ERROR(StatusCode::kInternal, "unexpected fault {}", fault_name(opts_.fault));
+    }
+}
+
+}  // namespace pdsim::testbed

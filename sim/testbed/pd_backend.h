@@ -1,0 +1,106 @@
+// PdAttentionBackend: the attention backend a testbed rank runs, wrapping a real one ("cpu" or
+// "cpu_ref" from the registry) to (1) take the compute stream's checksums for the ordering
+// validator, (2) timestamp the StepCounter records for the timeline, and (3) inject the prefill
+// side's ordering faults (--fault).
+//
+// Records. Without a fault, or with a fault that keeps the records right (late-write,
+// stale-graph-metadata, free-before-transfer), the StepCounter is registered on the wrapped
+// backend itself, so its own RecordPdCacheStep rule places the records (one per layer of an
+// extend forward, after the backend's KV write). The record-order faults take the records over:
+//   record-before-write  the layer's step is recorded, then (after a race window that lets the
+//                        sender read) the KV is written;
+//   skip-record          the last layer of every extend forward records nothing;
+//   double-record        layer 0 of every extend forward records twice (then a race window).
+//
+// Checksums. Before each extend layer's KV write, a stream task hashes the K and V the model
+// produced for the layer (the bytes the write is about to store, for every request segment of
+// the batch, keyed by token position) and records them in the validator as the expected sums:
+// the truth the sender and receiver compare against. Taking them from the model's output rather
+// than from the pages means a write that misses its slots (stale metadata) is caught too. The
+// pool must be fp32 (a bf16 pool stores rounded bytes).
+//
+// Faults on the data itself:
+//   late-write            before the last layer's write, layer 0's K of every token of the
+//                         batch is overwritten (after layer 0's step was recorded);
+//   stale-graph-metadata  the first extend batch is installed in graph metadata buffers
+//                         (init_cuda_graph_state + init_forward_metadata_replay_cuda_graph);
+//                         later extend forwards only refresh the aliased seq_lens buffer and
+//                         replay without init_forward_metadata_replay_cuda_graph's in-place update.
+//
+// Thread-safety: like any backend, one host thread drives it. set_segments() must be called by
+// that thread before each forward's layers are enqueued (the segments are captured by value).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "backends/attention/attention_backend.h"
+#include "backends/pd/step_counter.h"
+#include "common/status.h"
+#include "sim/testbed/options.h"
+#include "transfer/engine/ordering_validator.h"
+
+namespace pdsim::testbed {
+
+// Tokens [batch_offset, batch_offset + (t1 - t0)) of the forward are positions [t0, t1) of
+// `request`.
+struct BatchSegment {
+    uint64_t request = 0;
+    int64_t t0 = 0;
+    int64_t t1 = 0;
+    int64_t batch_offset = 0;
+};
+using Segments = std::vector<BatchSegment>;
+
+struct PdBackendOptions {
+    Fault fault = Fault::kNone;
+    pd::StepCounter* counter = nullptr;               // prefill ranks (disaggregated)
+    transfer::OrderingValidator* validator = nullptr; // prefill ranks (disaggregated)
+    int head_begin = 0;      // global index of this rank's first KV head
+    int num_layers = 1;
+    int max_bs = 256;        // graph buffers (stale-graph-metadata)
+    int max_pages_per_seq = 1024;
+    std::chrono::microseconds race_window{3000};
+    // Called on the stream thread right after a record (layer, time in now_us()).
+    std::function<void(int layer, double t_us)> on_record;
+};
+
+class PdAttentionBackend final : public attn::AttentionBackend {
+public:
+    [[nodiscard]] static StatusOr<std::unique_ptr<PdAttentionBackend>> create(
+        std::unique_ptr<attn::AttentionBackend> inner, PdBackendOptions options);
+    ~PdAttentionBackend() override;
+
+    [[nodiscard]] std::string name() const override { return inner_->name(); }
+    [[nodiscard]] bool support_kv_cache_prewrite(std::optional<attn::ForwardMode> mode) const override {
+        return inner_->support_kv_cache_prewrite(mode);
+    }
+    [[nodiscard]] Status init_forward_metadata(const attn::ForwardBatch& batch) override;
+
+    void set_segments(std::shared_ptr<const Segments> segments) { segments_ = std::move(segments); }
+    [[nodiscard]] attn::AttentionBackend& inner() { return *inner_; }
+
+protected:
+    [[nodiscard]] Status forward_decode(const attn::ForwardArgs& args) override;
+    [[nodiscard]] Status forward_extend(const attn::ForwardArgs& args) override;
+
+private:
+    PdAttentionBackend(std::unique_ptr<attn::AttentionBackend> inner, PdBackendOptions options);
+    [[nodiscard]] bool owns_records() const;
+    [[nodiscard]] Status record(int layer);
+    [[nodiscard]] Status race_window();
+    [[nodiscard]] Status enqueue_checksums(const attn::ForwardArgs& args);
+    [[nodiscard]] Status enqueue_late_write(const attn::ForwardArgs& args);
+    [[nodiscard]] Status call_inner(const attn::ForwardArgs& args);
+
+    std::vector<int32_t> graph_seq_lens_;  // aliased by the inner backend's graph buffers
+    PdBackendOptions opts_;
+    std::unique_ptr<attn::AttentionBackend> inner_;
+    std::shared_ptr<const Segments> segments_;
+    bool graph_installed_ = false;
+};
+
+}  // namespace pdsim::testbed

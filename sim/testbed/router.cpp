@@ -1,0 +1,258 @@
+#include "sim/testbed/router.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+
+#include <fmt/format.h>
+
+#include "common/logging.h"
+
+namespace pdsim::testbed {
+
+namespace {
+
+using json = nlohmann::json;
+using std::chrono::microseconds;
+
+constexpr double kGraceMs = 5000;
+
+struct Track {
+    bool dispatched = false;
+    bool terminal = false;
+    bool first_seen = false;
+    bool prefill_done = false;
+    int p = -1, d = -1;  // instance indices
+    double deadline_us = 0;
+};
+
+// Least loaded among `candidates` (instance indices); ties round-robin after `last`.
+int pick(const std::vector<int>& candidates, const std::vector<double>& load, int* last) {
+    int best = -1;
+    double best_load = std::numeric_limits<double>::infinity();
+    const int n = static_cast<int>(candidates.size());
+    int start = 0;
+    for (int i = 0; i < n; ++i) {
+        if (candidates[static_cast<size_t>(i)] == *last) start = i + 1;
+    }
+    for (int k = 0; k < n; ++k) {
+        const int c = candidates[static_cast<size_t>((start + k) % n)];
+        if (load[static_cast<size_t>(c)] < best_load) {
+            best_load = load[static_cast<size_t>(c)];
+            best = c;
+        }
+    }
+    *last = best;
+    return best;
+}
+
+}  // namespace
+
+namespace {
+Status run_router_impl(const RouterConfig& rc, RouterResult* out);
+}  // namespace
+
+Status run_router(const RouterConfig& rc, RouterResult* out) {
+    try {
+        return run_router_impl(rc, out);
+    } catch (const std::exception& e) {
+        return PDSIM_ERROR(StatusCode::kInternal, "router: {}", e.what());
+    }
+}
+
+namespace {
+Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
+    const ResolvedConfig& cfg = *rc.config;
+    const auto& reqs = cfg.requests;
+    const size_t n = reqs.size();
+    const topo::RankMap map = cfg.topology.rank_map();
+    const int ninst = static_cast<int>(cfg.topology.instances.size());
+    std::vector<int> prefill, decode, all;
+    for (int i = 0; i < ninst; ++i) {
+        all.push_back(i);
+        (cfg.topology.instances[static_cast<size_t>(i)].role == topo::Role::kPrefill ? prefill : decode).push_back(i);
+    }
+    const bool colocated = rc.phase == Phase::kColocated;
+    std::vector<double> load_a(static_cast<size_t>(ninst), 0), load_b(static_cast<size_t>(ninst), 0);
+    int last_a = -1, last_b = -1;
+
+    out->records.assign(n, {});
+    out->prefill_start_ms.assign(n, -1);
+    out->token_ms.assign(n, {});
+    std::vector<Track> tr(n);
+    for (size_t i = 0; i < n; ++i) {
+        auto& r = out->records[i];
+        r.id = static_cast<int64_t>(i);
+        r.arrival_ms = reqs[i].arrival_ms;
+        r.input_len = reqs[i].input_len;
+        r.output_len = reqs[i].output_len;
+    }
+    const double timeout_us = cfg.options.request_timeout_s * 1e6 + kGraceMs * 1e3;
+    const double t_base = now_us() + 20'000;  // let every rank enter its loop
+    out->t_base_us = t_base;
+    auto rel_ms = [&](int src, double t_remote) {
+        const double off = src >= 0 && static_cast<size_t>(src) < rc.offsets.size() ? rc.offsets[static_cast<size_t>(src)] : 0;
+        return (t_remote - off - t_base) / 1000.0;
+    };
+    auto leader = [&](int inst) { return map.first_rank(inst); };
+
+    size_t next = 0, terminal = 0, failed = 0;
+    double last_finish_us = t_base;
+    // Load bookkeeping: what a request contributes until its first token (a) and until terminal (b).
+    auto release_a = [&](size_t i) {
+        Track& t = tr[i];
+        if (t.first_seen || t.prefill_done) return;
+        t.prefill_done = true;
+        const int inst = colocated ? t.d : t.p;
+        load_a[static_cast<size_t>(inst)] -= reqs[i].input_len;
+    };
+    auto release_b = [&](size_t i) {
+        Track& t = tr[i];
+        if (colocated) {
+            load_a[static_cast<size_t>(t.d)] -= reqs[i].output_len;
+        } else {
+            load_b[static_cast<size_t>(t.d)] -= reqs[i].input_len + reqs[i].output_len;
+        }
+    };
+    auto make_terminal = [&](size_t i, bool ok, const std::string& err, double t_ms) -> Status {
+        Track& t = tr[i];
+        if (t.terminal) return {};
+        release_a(i);
+        release_b(i);
+        t.terminal = true;
+        ++terminal;
+        auto& r = out->records[i];
+        r.ok = ok;
+        if (!ok) {
+            ++failed;
+            r.error = err;
+            r.finish_ms = -1;
+            // Tell the instances to drop it (no-op where it is already gone).
+            json c = {{"k", "cancel"}, {"id", i}};
+            PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.d), Channel::kInstance, c));
+            if (!colocated && t.p >= 0) PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.p), Channel::kInstance, c));
+        } else {
+            r.finish_ms = t_ms;
+        }
+        last_finish_us = std::max(last_finish_us, now_us());
+        return {};
+    };
+
+    const bool tty = ::isatty(2) != 0;
+    double next_progress = t_base + 1e6;
+    auto progress = [&](bool final) {
+        if (!rc.progress && !tty) return;
+        const double el = (now_us() - t_base) / 1e6;
+        std::string line = fmt::format("[pdsim testbed {}] {}/{} done ({} failed), {} submitted, {:.1f} s", rc.label,
+                                       terminal, n, failed, next, std::max(0.0, el));
+        if (tty) {
+            std::fprintf(stderr, "\r%s%s", line.c_str(), final ? "\n" : "");
+        } else {
+            std::fprintf(stderr, "%s\n", line.c_str());
+        }
+        std::fflush(stderr);
+    };
+
+    while (terminal < n) {
+        const double now = now_us();
+        // Dispatch what is due.
+        while (next < n && t_base + reqs[next].arrival_ms * 1000.0 <= now) {
+            const size_t i = next++;
+            Track& t = tr[i];
+            t.dispatched = true;
+            t.deadline_us = t_base + reqs[i].arrival_ms * 1000.0 + timeout_us;
+            json sub = {{"k", "submit"}, {"id", i}, {"in", reqs[i].input_len}, {"out", reqs[i].output_len},
+                        {"hash", reqs[i].hash_ids}};
+            if (colocated) {
+                t.d = t.p = pick(all, load_a, &last_a);
+                load_a[static_cast<size_t>(t.d)] += reqs[i].input_len + reqs[i].output_len;
+                sub["p"] = t.p;
+                sub["d"] = t.d;
+                PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.d), Channel::kInstance, sub));
+            } else {
+                t.p = pick(prefill, load_a, &last_a);
+                t.d = pick(decode, load_b, &last_b);
+                load_a[static_cast<size_t>(t.p)] += reqs[i].input_len;
+                load_b[static_cast<size_t>(t.d)] += reqs[i].input_len + reqs[i].output_len;
+                sub["p"] = t.p;
+                sub["d"] = t.d;
+                // Decode first: its bootstrap can reach the prefill side early.
+                PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.d), Channel::kInstance, sub));
+                PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.p), Channel::kInstance, sub));
+            }
+            out->records[i].prefill_instance = t.p;
+            out->records[i].decode_instance = t.d;
+        }
+        // Deadlines.
+        for (size_t i = 0; i < next; ++i) {
+            if (!tr[i].terminal && now > tr[i].deadline_us) {
+                PDSIM_RETURN_IF_ERROR(make_terminal(
+                    i, false,
+                    fmt::format("no result within {:.0f} s of its arrival (router timeout; instances {} / {})",
+                                timeout_us / 1e6, tr[i].p, tr[i].d),
+                    -1));
+            }
+        }
+        if (now >= next_progress) {
+            progress(false);
+            next_progress = now + 1e6;
+        }
+        if (terminal >= n) break;
+        // Wait for reports until the next arrival (at most 50 ms, for deadlines and progress).
+        double wait_us = 50'000;
+        if (next < n) wait_us = std::min(wait_us, std::max(0.0, t_base + reqs[next].arrival_ms * 1000.0 - now));
+        PDSIM_ASSIGN_OR_RETURN(std::optional<Message> m,
+                               rc.mbox->recv(Channel::kRouter, microseconds(static_cast<int64_t>(wait_us))));
+        while (m) {
+            const std::string k = m->kind();
+            if (m->body.value("ph", std::string()) != phase_name(rc.phase)) {  // a previous phase's straggler
+                PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));
+                continue;
+            }
+            const auto id = m->body.at("id").get<size_t>();
+            if (id >= n) return PDSIM_ERROR(StatusCode::kInternal, "router: report for unknown request {}", id);
+            auto& r = out->records[id];
+            if (m->body.contains("ps") && m->body["ps"].get<double>() > 0 && out->prefill_start_ms[id] < 0) {
+                out->prefill_start_ms[id] = rel_ms(m->src, m->body["ps"].get<double>());
+            }
+            if (k == "first") {
+                if (!tr[id].terminal) {
+                    r.first_token_ms = rel_ms(m->src, m->body.at("t").get<double>());
+                    release_a(id);
+                    tr[id].first_seen = true;
+                }
+            } else if (k == "pdone") {
+                if (!m->body.at("ok").get<bool>()) {
+                    PDSIM_RETURN_IF_ERROR(make_terminal(id, false, m->body.value("err", std::string("prefill failed")), -1));
+                } else {
+                    release_a(id);
+                }
+            } else if (k == "done") {
+                const bool ok = m->body.at("ok").get<bool>();
+                if (ok && !tr[id].terminal) {
+                    r.tokens = m->body.at("tokens").get<std::vector<int32_t>>();
+                    r.generated = static_cast<int32_t>(r.tokens.size());
+                    r.transfer_bytes = m->body.value("bytes", int64_t{0});
+                    for (double t : m->body.at("tt").get<std::vector<double>>()) out->token_ms[id].push_back(rel_ms(m->src, t));
+                    if (r.first_token_ms < 0 && !out->token_ms[id].empty()) r.first_token_ms = out->token_ms[id].front();
+                }
+                PDSIM_RETURN_IF_ERROR(make_terminal(id, ok, m->body.value("err", std::string()),
+                                                    rel_ms(m->src, m->body.at("t").get<double>())));
+            } else {
+                PDSIM_LOG_WARN("router: unexpected message '{}' from rank {}", k, m->src);
+            }
+            PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));
+        }
+    }
+    out->wall_s = (last_finish_us - t_base) / 1e6;
+    progress(true);
+    for (int i = 0; i < ninst; ++i) {
+        PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(i), Channel::kInstance, {{"k", "end"}}));
+    }
+    return {};
+}
+}  // namespace
+
+}  // namespace pdsim::testbed

@@ -1,0 +1,74 @@
+// The per-rank serving loop of the testbed: one instance's scheduler (its TP rank 0, the leader)
+// or one of its TP followers, for one phase (colocated or disaggregated).
+//
+// Roles (from the topology's rank map):
+//   colocated phase: every instance (prefill or decode in the topology) serves whole requests:
+//     chunked prefill, then continuous-batched decode, on its own ranks.
+//   disaggregated phase: prefill instances run chunked prefill and hand every chunk to the
+//     transfer engine's KvSender (layerwise: right after enqueueing the forward, the sender waits
+//     for each layer's StepCounter step; --layerwise off: after the forward completed); decode
+//     instances pre-allocate pages, submit the request to their KvReceiver (bootstrap), and once
+//     every layer arrived (and the first token came with the last chunk) batch it continuously.
+//
+// Scheduling (leader; documented in docs/testbed.md):
+//   admission FCFS; a request gets all its pages at admission (prefill: input; decode and
+//   colocated: input + output), and waits at the head of the queue while the pool is short.
+//   extend forward: requests in FCFS order, each contributing min(remaining, --chunk-size)
+//   tokens, until --max-batch-tokens; decode forward: every running request in FCFS order up to
+//   --max-decode-batch requests and kMaxDecodeKvTokensPerThread * attention threads KV tokens (the
+//   cpu backend's split-KV chunking is batch-invariant only under that bound). A forward is either
+//   extend or decode, never mixed (the kernels differ, and tokens must be bit-identical across
+//   modes); a colocated instance with both kinds of work alternates them.
+// TP: the leader decides each forward and sends the plan to its followers (mailbox, in order);
+// every TP rank runs the same forward (the model's TpComm allgather keeps them in lockstep).
+// Followers report their engine's per-request outcome to the leader.
+//
+// Requests report to the router (rank 0): "first" (first token available), "done" (generated
+// tokens, or the failure), "pdone" (prefill side finished with a request). Every engine wait is
+// bounded by --request-timeout-s; a broken compute stream fails the instance's requests.
+//
+// Thread-safety: run() runs on the rank's main thread; the engine's event hook and the model's
+// layer hook run on engine / stream threads and only append to locked buffers.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "backends/model/synthetic_model.h"
+#include "common/status.h"
+#include "sim/testbed/comm.h"
+#include "sim/testbed/options.h"
+#include "topology/topology.h"
+#include "transfer/transport.h"
+
+namespace pdsim::testbed {
+
+enum class Phase { kColocated, kDisagg };
+[[nodiscard]] std::string_view phase_name(Phase phase);
+
+// Decode batches stay under this many KV tokens per attention thread (see above).
+inline constexpr int64_t kMaxDecodeKvTokensPerThread = 2048;
+
+// What a rank needs for every phase.
+struct RankContext {
+    int rank = 0;
+    int world = 1;
+    const ResolvedConfig* config = nullptr;
+    topo::RankInfo info;
+    std::vector<int> instance_ranks;  // world ranks of this rank's instance, by TP rank
+    Mailbox* mbox = nullptr;
+    model::TpComm* tp = nullptr;      // null for TP 1
+    model::SyntheticModel* model = nullptr;
+    int threads = 1;                  // attention kernel threads
+    [[nodiscard]] bool is_leader() const { return info.tp_rank == 0; }
+    [[nodiscard]] int leader() const { return instance_ranks.front(); }
+};
+
+// Runs this rank's part of `phase` until the router ends it. `kv` is the KV transport (disagg
+// only; null for colocated). Fills `result` with what rank 0 needs for the report (timeline
+// events, engine events, ordering report, stats; times on this rank's clock).
+[[nodiscard]] Status run_server(RankContext& ctx, Phase phase, transfer::Transport* kv, nlohmann::json* result);
+
+}  // namespace pdsim::testbed

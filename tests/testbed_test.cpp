@@ -1,0 +1,286 @@
+// `pdsim testbed` end to end, as processes under mpirun (and in-process with --transport local):
+// --mode both on Mooncake and Azure samples for the cpu-1p1d, cpu-1p2d and cpu-2p1d-tp2-to-tp1
+// topologies over mpi and tcp (outputs match, no ordering violation, every request completed,
+// checked through the report JSON); every --fault kind (non-zero exit, violations or failed
+// requests in the report); a peer that disconnects (its requests fail, nothing hangs); bad input
+// (exit 2 naming the line or flag).
+//
+// Every run is bounded by coreutils `timeout`. Cases are selected with --gtest_filter by the
+// ctest entries in tests/CMakeLists.txt (label `mpi`; the 200-request replays are `slow`).
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/cli_test_util.h"
+
+namespace pdsim::test {
+namespace {
+
+using nlohmann::json;
+
+const std::string kSource = PDSIM_SOURCE_DIR;
+
+std::string topo(const std::string& name) { return kSource + "/topology/examples/" + name + ".yaml"; }
+
+std::string trace_dir() {
+    if (const char* env = std::getenv("PDSIM_TRACE_DIR")) return env;
+    return kSource + "/../shared/data/traces";
+}
+
+// Runs `pdsim testbed <args>` under mpirun -np `np` (np 0: without mpirun).
+CmdResult run_testbed(int np, const std::vector<std::string>& args, int timeout_s = 240) {
+    TempDir io("testbed");
+    std::string cmd = "timeout -k 10 " + std::to_string(timeout_s) + " ";
+    if (np > 0) {
+        cmd += shell_quote(PDSIM_MPIEXEC) + " --oversubscribe -np " + std::to_string(np) + " ";
+    }
+    cmd += shell_quote(PDSIM_BINARY) + " testbed";
+    for (const auto& a : args) cmd += " " + shell_quote(a);
+    cmd += " >" + shell_quote(io.str("out")) + " 2>" + shell_quote(io.str("err")) + " </dev/null";
+    CmdResult r;
+    const int st = std::system(cmd.c_str());
+    if (st != -1 && WIFEXITED(st)) {
+        r.rc = WEXITSTATUS(st);
+    } else if (st != -1 && WIFSIGNALED(st)) {
+        r.rc = 128 + WTERMSIG(st);
+    }
+    r.out = slurp(io.path() / "out");
+    r.err = slurp(io.path() / "err");
+    return r;
+}
+
+json load_json(const std::filesystem::path& p) {
+    std::ifstream f(p);
+    if (!f) return json();
+    return json::parse(f, nullptr, false);
+}
+
+// Small, fast replays: short prompts and outputs.
+std::vector<std::string> small(std::vector<std::string> args, int requests = 6, int timeout_s = 60) {
+    for (const std::string& a : {std::string("--sample"), std::to_string(requests), std::string("--max-input-len"),
+                                 std::string("384"), std::string("--max-output-len"), std::string("6"),
+                                 std::string("--chunk-size"), std::string("256"), std::string("--kv-pool-mb"),
+                                 std::string("128"), std::string("--request-timeout-s"),
+                                 std::to_string(timeout_s)}) {
+        args.push_back(a);
+    }
+    return args;
+}
+
+// A clean --mode both run: exit 0, every request completed in both runs, outputs match, no
+// violation, the transfer moved bytes, and the report has the DESIGN keys.
+void expect_clean_both(int np, const std::vector<std::string>& extra, int requests = 6) {
+    TempDir dir("tb_both");
+    std::vector<std::string> args = small(extra, requests);
+    for (const std::string& a : {std::string("--mode"), std::string("both"), std::string("--report"),
+                                 dir.str("report.json"), std::string("--requests"), dir.str("requests.csv"),
+                                 std::string("--timeline"), dir.str("timeline.json")}) {
+        args.push_back(a);
+    }
+    CmdResult r = run_testbed(np, args);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    json rep = load_json(dir.path() / "report.json");
+    ASSERT_TRUE(rep.is_object()) << r.describe();
+    for (const char* key : {"schema_version", "mode", "topology", "model", "requests_submitted", "requests_completed",
+                            "requests_failed", "ttft_ms", "tpot_ms", "e2e_ms", "goodput_rps", "slo_attainment",
+                            "transfer", "ordering", "outputs_match", "wall_s", "colocated"}) {
+        EXPECT_TRUE(rep.contains(key)) << key;
+    }
+    EXPECT_EQ(rep["mode"], "disagg");
+    EXPECT_EQ(rep["requests_submitted"].get<int>(), requests);
+    EXPECT_EQ(rep["requests_completed"].get<int>(), requests) << rep["failures"].dump();
+    EXPECT_EQ(rep["requests_failed"].get<int>(), 0);
+    EXPECT_EQ(rep["colocated"]["requests_completed"].get<int>(), requests);
+    EXPECT_TRUE(rep["outputs_match"].get<bool>());
+    EXPECT_EQ(rep["ordering"]["violations"].get<int>(), 0) << rep["ordering"].dump();
+    EXPECT_GT(rep["ordering"]["checked_layers"].get<int>(), 0);
+    EXPECT_GT(rep["transfer"]["bytes"].get<int64_t>(), 0);
+    EXPECT_GE(rep["transfer"]["exposed_fraction"].get<double>(), 0.0);
+    EXPECT_LE(rep["transfer"]["exposed_fraction"].get<double>(), 1.0);
+    EXPECT_GT(rep["ttft_ms"]["p50"].get<double>(), 0.0);
+    // The CSV has a row per request; the timeline is trace-event JSON with compute slices.
+    std::istringstream csv(slurp(dir.path() / "requests.csv"));
+    std::string line;
+    int rows = -1;
+    while (std::getline(csv, line)) ++rows;
+    EXPECT_EQ(rows, requests);
+    json tl = load_json(dir.path() / "timeline.json");
+    ASSERT_TRUE(tl.contains("traceEvents"));
+    bool compute = false, record = false, send = false;
+    for (const auto& e : tl["traceEvents"]) {
+        const std::string cat = e.value("cat", "");
+        compute |= cat == "compute";
+        record |= cat == "record";
+        send |= cat == "send";
+    }
+    EXPECT_TRUE(compute && record && send);
+    // Only rank 0 prints the summary.
+    EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n') > 0, true);
+    size_t pos = 0, summaries = 0;
+    while ((pos = r.out.find("pdsim disagg report", pos)) != std::string::npos) {
+        ++summaries;
+        ++pos;
+    }
+    EXPECT_EQ(summaries, 1u) << r.out;
+}
+
+const std::string kMooncake = "mooncake_conversation.jsonl";
+
+TEST(TestbedBoth, Mooncake1p1dMpi) {
+    expect_clean_both(2, {"--topology", topo("cpu-1p1d"), "--trace", trace_dir() + "/" + kMooncake});
+}
+
+TEST(TestbedBoth, Mooncake1p2dMpi) {
+    expect_clean_both(3, {"--topology", topo("cpu-1p2d"), "--trace", trace_dir() + "/" + kMooncake});
+}
+
+TEST(TestbedBoth, Mooncake2p1dTp2ToTp1Mpi) {
+    expect_clean_both(5, {"--topology", topo("cpu-2p1d-tp2-to-tp1"), "--trace", trace_dir() + "/" + kMooncake});
+}
+
+TEST(TestbedBoth, Mooncake1p1dTcp) {
+    expect_clean_both(2, {"--topology", topo("cpu-1p1d"), "--transport", "tcp"});
+}
+
+TEST(TestbedBoth, Mooncake2p1dTp2ToTp1Tcp) {
+    expect_clean_both(5, {"--topology", topo("cpu-2p1d-tp2-to-tp1"), "--transport", "tcp"});
+}
+
+TEST(TestbedBoth, Azure1p1dMpi) {
+    expect_clean_both(2, {"--trace", trace_dir() + "/azure_llm_code.csv"});
+}
+
+TEST(TestbedBoth, LayerwiseOffCpuRefBackend) {
+    expect_clean_both(2, {"--layerwise", "off", "--backend", "cpu_ref"}, 4);
+}
+
+TEST(TestbedBoth, InProcessLocalTransport) {
+    expect_clean_both(0, {"--topology", topo("cpu-2p1d-tp2-to-tp1")}, 4);
+}
+
+// Every fault is caught: non-zero exit (1, not 2), violations or failed requests in the report.
+class TestbedFault : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TestbedFault, IsCaught) {
+    TempDir dir("tb_fault");
+    std::vector<std::string> args =
+        small({"--mode", "disagg", "--fault", GetParam(), "--report", dir.str("r.json")}, 4, 8);
+    CmdResult r = run_testbed(2, args);
+    EXPECT_EQ(r.rc, 1) << r.describe();
+    json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << r.describe();
+    const int violations = rep["ordering"]["violations"].get<int>();
+    const int failed = rep["requests_failed"].get<int>();
+    EXPECT_GT(violations + failed, 0) << rep.dump(2);
+    EXPECT_EQ(rep["requests_completed"].get<int>() + failed, rep["requests_submitted"].get<int>());
+    EXPECT_NE(r.err.find("testbed:"), std::string::npos) << r.err;
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, TestbedFault,
+                         ::testing::Values("record-before-write", "skip-record", "double-record",
+                                           "stale-graph-metadata", "free-before-transfer", "late-write"),
+                         [](const auto& info) {
+                             std::string n = info.param;
+                             std::replace(n.begin(), n.end(), '-', '_');
+                             return n;
+                         });
+
+// A decode rank that disconnects mid-run: its requests fail (bounded by the peer timeout), the
+// counts add up, the run ends with exit 1.
+TEST(TestbedPeer, DisconnectFailsRequestsWithoutHanging) {
+    TempDir dir("tb_peer");
+    std::vector<std::string> args = small({"--mode", "disagg", "--transport", "tcp", "--transport-fault",
+                                           "disconnect:after=3", "--transport-fault-rank", "1", "--report",
+                                           dir.str("r.json")},
+                                          4);
+    CmdResult r = run_testbed(2, args, 120);
+    EXPECT_EQ(r.rc, 1) << r.describe();
+    json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << r.describe();
+    EXPECT_GT(rep["requests_failed"].get<int>(), 0);
+    EXPECT_EQ(rep["requests_completed"].get<int>() + rep["requests_failed"].get<int>(),
+              rep["requests_submitted"].get<int>());
+}
+
+// Bad input: exit 2, one message naming the file:line or the flag.
+TEST(TestbedBadInput, TraceLineIsNamed) {
+    TempDir dir("tb_bad");
+    {
+        std::ofstream f(dir.path() / "bad.jsonl");
+        f << R"({"timestamp": 0, "input_length": 100, "output_length": 5, "hash_ids": [1]})" << "\n";
+        f << R"({"timestamp": 5, "input_length": -3, "output_length": 5, "hash_ids": [2]})" << "\n";
+    }
+    CmdResult r = run_testbed(2, {"--trace", dir.str("bad.jsonl")});
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_NE(r.err.find("bad.jsonl:2"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("input_length"), std::string::npos) << r.err;
+}
+
+TEST(TestbedBadInput, WorldSizeContradictsTopology) {
+    CmdResult r = run_testbed(3, {"--topology", topo("cpu-1p1d"), "--sample", "2"});
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_NE(r.err.find("mpirun -np 3 but topology cpu-1p1d.yaml has 2 ranks"), std::string::npos) << r.err;
+    // Printed by rank 0 only.
+    EXPECT_EQ(r.err.find("has 2 ranks"), r.err.rfind("has 2 ranks")) << r.err;
+}
+
+TEST(TestbedBadInput, FlagsAreNamed) {
+    struct Case {
+        std::vector<std::string> args;
+        std::string expect;
+    };
+    const std::vector<Case> cases = {
+        {{"--transport", "nccl"}, "--transport nccl"},
+        {{"--fault", "bogus"}, "--fault bogus"},
+        {{"--mode", "sideways"}, "--mode sideways"},
+        {{"--layerwise", "maybe"}, "--layerwise maybe"},
+        {{"--model", "gpt-9"}, "--model gpt-9"},
+        {{"--transport", "mpi"}, "--transport mpi needs one process per rank"},
+        {{"--topology", "/nonexistent/topo.yaml"}, "/nonexistent/topo.yaml"},
+        {{"--trace", "/nonexistent/trace.jsonl"}, "/nonexistent/trace.jsonl"},
+    };
+    for (const auto& c : cases) {
+        CmdResult r = run_testbed(0, c.args, 60);
+        EXPECT_EQ(r.rc, 2) << c.expect << "\n" << r.describe();
+        EXPECT_NE(r.err.find(c.expect), std::string::npos) << r.describe();
+    }
+}
+
+// ---- slow: the 200-request replays ----
+void expect_clean_big(int np, const std::string& topology, const std::string& trace) {
+    TempDir dir("tb_big");
+    CmdResult r = run_testbed(np, {"--mode", "both", "--topology", topo(topology), "--trace", trace, "--sample", "200",
+                                   "--max-input-len", "512", "--max-output-len", "16", "--request-timeout-s", "300",
+                                   "--report", dir.str("r.json")},
+                              1700);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    json rep = load_json(dir.path() / "r.json");
+    EXPECT_EQ(rep["requests_completed"].get<int>(), 200);
+    EXPECT_EQ(rep["colocated"]["requests_completed"].get<int>(), 200);
+    EXPECT_TRUE(rep["outputs_match"].get<bool>());
+    EXPECT_EQ(rep["ordering"]["violations"].get<int>(), 0);
+}
+
+TEST(TestbedSlow, Mooncake200Requests1p1d) {
+    expect_clean_big(2, "cpu-1p1d", trace_dir() + "/" + kMooncake);
+}
+
+TEST(TestbedSlow, Mooncake200Requests2p1dTp2ToTp1) {
+    expect_clean_big(5, "cpu-2p1d-tp2-to-tp1", trace_dir() + "/" + kMooncake);
+}
+
+TEST(TestbedSlow, Azure200Requests1p2d) {
+    expect_clean_big(3, "cpu-1p2d", trace_dir() + "/azure_llm_code.csv");
+}
+
+}  // namespace
+}  // namespace pdsim::test
