@@ -10,6 +10,25 @@ pdsim_bootstrap() {
   "$PDSIM_ROOT/scripts/bootstrap.sh"
 }
 
+pdsim_configure() {
+  local preset="$1"; shift
+  echo "== configure ($preset)"
+  cmake --preset "$preset" "$@" >"$PDSIM_ROOT/build/configure-$preset.log" 2>&1 || {
+    cat "$PDSIM_ROOT/build/configure-$preset.log"; return 1; }
+}
+
+# Builds only the executables of the tests that ctest selects with the given arguments (test names
+# equal target names; variants such as cpu_attention_test_avx2 run the cpu_attention_test target).
+pdsim_build_tests() {
+  local preset="$1"; shift
+  local targets
+  targets=$(cd "$PDSIM_ROOT/build/$preset" && ctest -N "$@" | sed -n 's/^ *Test *#[0-9]*: //p' \
+            | sed -E 's/_(avx2|scalar)$//' | sort -u | tr '\n' ' ')
+  echo "== build ($preset, -j$PDSIM_JOBS): $targets"
+  # shellcheck disable=SC2086
+  cmake --build --preset "$preset" -j "$PDSIM_JOBS" --target $targets
+}
+
 pdsim_build() {
   local preset="$1"; shift
   echo "== configure ($preset)"
