@@ -12,7 +12,8 @@ int main(int argc, char** argv) {
         "discrete-event simulator. Run `pdsim <command> --help` for a command's options.",
         "pdsim"};
     app.set_version_flag("--version", std::string("pdsim ") + PDSIM_VERSION);
-    app.require_subcommand(1);
+    // (0, 1): an unknown token is reported by name; a missing one by CommandSet::run_selected.
+    app.require_subcommand(0, 1);
     app.fallthrough(false);
     std::string log_level = "info";
     app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")

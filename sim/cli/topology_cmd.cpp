@@ -133,7 +133,7 @@ void add_topology_command(CLI::App& app, CommandSet& commands) {
         "Cluster topologies (YAML/JSON; see topology/README.md): validate a file, show its\n"
         "summary (instances, rank map, prefill->decode bottlenecks), or write an OpenMPI\n"
         "hostfile and rankfile for it.");
-    topo->require_subcommand(1);
+    topo->require_subcommand(0, 1);
     add_sub(*topo, commands, "validate", "Check a topology file; print OK and a one-line summary",
             run_validate, false);
     add_sub(*topo, commands, "show", "Print a topology's summary table", run_show, false);
