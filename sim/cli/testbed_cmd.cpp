@@ -30,11 +30,12 @@ Status run(Flags& f) {
     } else {
         return Status(StatusCode::kInvalidArgument, "--layerwise " + f.layerwise + ": expected on or off");
     }
-    int rank = 0;
-    Status st = testbed::run_testbed(o, &rank);
-    if (rank != 0 && !st.ok()) {
-        // Only rank 0 prints; the others exit with the same status.
+    testbed::RunInfo info;
+    Status st = testbed::run_testbed(o, &info);
+    if (!st.ok() && (info.rank != 0 || info.error_printed)) {
+        // Only rank 0 prints, and it already has; every rank exits with the same status.
         std::fflush(stdout);
+        std::fflush(stderr);
         std::exit(exit_code_for(st));
     }
     return st;

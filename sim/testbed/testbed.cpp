@@ -77,6 +77,7 @@ struct Shared {
     bool shape = false;
     topo::LinkShaping shaping;
     json shaping_info;
+    bool error_printed = false;  // rank 0
 };
 
 struct PhaseData {
@@ -701,9 +702,11 @@ int exit_code_of(const Status& st) {
     return st.code() == StatusCode::kInvalidArgument || st.code() == StatusCode::kNotFound ? 2 : 1;
 }
 
+constexpr std::string_view kOutcomePrefix = "outcome from rank 0: ";
+
 Status status_for_code(int code, const std::string& msg) {
     if (code == 0) return {};
-    return Status(code == 2 ? StatusCode::kInvalidArgument : StatusCode::kDataLoss, msg);
+    return Status(code == 2 ? StatusCode::kInvalidArgument : StatusCode::kDataLoss, std::string(kOutcomePrefix) + msg);
 }
 
 Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model::TpComm* tp);
@@ -712,6 +715,8 @@ Status run_rank(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model::TpCo
     try {
         return run_rank_impl(sh, rank, std::move(mbox), tp);
     } catch (const std::exception& e) {
+        // Rank 0 prints the run's outcome; another rank's own failure would otherwise go unseen.
+        if (rank != 0) PDSIM_LOG_ERROR("rank {}: {}", rank, e.what());
         return PDSIM_ERROR(StatusCode::kInternal, "rank {}: {}", rank, e.what());
     }
 }
@@ -732,23 +737,31 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
     const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     ctx.threads = o.threads > 0 ? o.threads : std::max(1, hw / std::max(1, sh.local_ranks));
     const int max_tokens = std::max(o.max_batch_tokens, o.max_decode_batch);
-    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<model::SyntheticModel> model,
-                           model::SyntheticModel::create(cfg.model, ctx.tp, max_tokens));
-    ctx.model = model.get();
-
-    PDSIM_RETURN_IF_ERROR(decide_shaping(sh, ctx));
+    std::unique_ptr<model::SyntheticModel> model;
     std::vector<double> offsets(static_cast<size_t>(ctx.world), 0.0);
-    if (!sh.local) {
-        PDSIM_ASSIGN_OR_RETURN(std::vector<double> off, estimate_offsets(*mbox, 8, milliseconds(60'000)));
-        if (rank == 0) offsets = off;
-    }
     const double t_origin = now_us();
     std::vector<PhaseData> phases;
-    Status st = run_phases(sh, ctx, offsets, &phases);
+    Status st = [&]() -> Status {
+        PDSIM_ASSIGN_OR_RETURN(model, model::SyntheticModel::create(cfg.model, ctx.tp, max_tokens));
+        ctx.model = model.get();
+        PDSIM_RETURN_IF_ERROR(decide_shaping(sh, ctx));
+        if (!sh.local) {
+            PDSIM_ASSIGN_OR_RETURN(std::vector<double> off, estimate_offsets(*mbox, 8, milliseconds(60'000)));
+            if (rank == 0) offsets = off;
+        }
+        return run_phases(sh, ctx, offsets, &phases);
+    }();
+    if (!st.ok() && rank != 0) PDSIM_LOG_ERROR("rank {}: {}", rank, st.to_string());
     // Rank 0 decides; everyone returns the same outcome.
     if (rank == 0) {
         if (st.ok()) st = finish(cfg, phases, offsets, t_origin, sh.shaping_info);
         const int code = exit_code_of(st);
+        if (!st.ok()) {
+            // Print before releasing the other ranks: once one exits non-zero, mpirun kills us.
+            std::fprintf(stderr, "pdsim: error: %s\n", st.to_string().c_str());
+            std::fflush(stderr);
+            sh.error_printed = true;
+        }
         for (int r = 1; r < ctx.world; ++r) {
             mbox->send(r, Channel::kCollect, {{"k", "exit"}, {"code", code}, {"msg", st.message()}}).ignore_error();
         }
@@ -764,9 +777,9 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
 
 }  // namespace
 
-Status run_testbed(const TestbedOptions& options, int* rank_out) {
+Status run_testbed(const TestbedOptions& options, RunInfo* info) {
     const Launcher launcher = detect_launcher();
-    *rank_out = launcher.rank;
+    info->rank = launcher.rank;
     if (launcher.rank != 0) spdlog::set_level(spdlog::level::warn);
     PDSIM_ASSIGN_OR_RETURN(ResolvedConfig cfg, resolve(options, launcher.world));
     Shared sh;
@@ -798,6 +811,7 @@ Status run_testbed(const TestbedOptions& options, int* rank_out) {
             }
         }
         for (auto& t : threads) t.join();
+        info->error_printed = sh.error_printed;
         return st[0];
     }
 
@@ -818,7 +832,7 @@ Status run_testbed(const TestbedOptions& options, int* rank_out) {
         int world = 0, rank = 0;
         MPI_Comm_size(MPI_COMM_WORLD, &world);
         MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-        *rank_out = rank;
+        info->rank = rank;
         if (provided < MPI_THREAD_MULTIPLE) {
             st = Status(StatusCode::kUnavailable, "MPI does not provide MPI_THREAD_MULTIPLE (the testbed's TP "
                                                   "allgather runs on the compute stream's thread)");
@@ -840,6 +854,7 @@ Status run_testbed(const TestbedOptions& options, int* rank_out) {
         }
     }
     MPI_Finalize();
+    info->error_printed = sh.error_printed;
     return st;
 }
 

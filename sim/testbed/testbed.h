@@ -35,8 +35,13 @@
 
 namespace pdsim::testbed {
 
-// Runs the testbed. `rank` receives this process's rank (0 when in-process); every rank returns
-// the run's outcome (rank 0's decision is broadcast).
-[[nodiscard]] Status run_testbed(const TestbedOptions& options, int* rank);
+struct RunInfo {
+    int rank = 0;                // this process's rank (0 when in-process)
+    bool error_printed = false;  // rank 0 already printed "pdsim: error: ..." (before the other
+                                 // ranks were released, so mpirun cannot cut it off)
+};
+
+// Runs the testbed. Every rank returns the run's outcome (rank 0's decision is broadcast).
+[[nodiscard]] Status run_testbed(const TestbedOptions& options, RunInfo* info);
 
 }  // namespace pdsim::testbed
