@@ -120,6 +120,20 @@ Status validate_model(const ModelConfig& c) {
     return {};
 }
 
+topo::ModelShape to_model_shape(const ModelConfig& c) {
+    topo::ModelShape s;
+    s.name = c.name;
+    s.num_layers = c.num_layers;
+    s.num_q_heads = c.num_q_heads;
+    s.num_kv_heads = c.num_kv_heads;
+    s.head_dim = c.head_dim;
+    s.hidden = c.hidden;
+    s.attention = c.attention == AttentionKind::kMLA ? topo::AttentionKind::kMla : topo::AttentionKind::kMha;
+    s.kv_lora_rank = c.kv_lora_rank;
+    s.rope_dim = c.rope_dim;
+    return s;
+}
+
 Status check_tp(const ModelConfig& c, int tp) {
     if (tp < 1) return Status(StatusCode::kInvalidArgument, fmt::format("tp {} must be >= 1", tp));
     if (c.attention == AttentionKind::kMHA && c.num_kv_heads % tp != 0) {

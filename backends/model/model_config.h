@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "topology/model_shape.h"
 
 namespace pdsim::model {
 
@@ -56,5 +57,7 @@ struct ModelConfig {
 [[nodiscard]] Status validate_model(const ModelConfig& config);
 // kInvalidArgument unless tp divides the KV heads (MHA) and the query heads.
 [[nodiscard]] Status check_tp(const ModelConfig& config, int tp);
+// The shape the topology validator checks (topology sits below backends, so it has its own type).
+[[nodiscard]] topo::ModelShape to_model_shape(const ModelConfig& config);
 
 }  // namespace pdsim::model

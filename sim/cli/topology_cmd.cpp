@@ -25,29 +25,12 @@ struct TopologyOptions {
     int cpus = 0;
 };
 
-// The shape the topology validator checks, from the synthetic model's configuration (the same
-// --model resolution as the testbed's: a built-in name or a model file).
-topo::ModelShape to_model_shape(const model::ModelConfig& c) {
-    topo::ModelShape s;
-    s.name = c.name;
-    s.num_layers = c.num_layers;
-    s.num_q_heads = c.num_q_heads;
-    s.num_kv_heads = c.num_kv_heads;
-    s.head_dim = c.head_dim;
-    s.hidden = c.hidden;
-    s.attention = c.attention == model::AttentionKind::kMLA ? topo::AttentionKind::kMla
-                                                            : topo::AttentionKind::kMha;
-    s.kv_lora_rank = c.kv_lora_rank;
-    s.rope_dim = c.rope_dim;
-    return s;
-}
-
 StatusOr<topo::Topology> load(const TopologyOptions& o, topo::ModelShape* model_storage) {
     topo::LoadOptions lo;
     if (!o.model.empty()) {
         PDSIM_ASSIGN_OR_RETURN(model::ModelConfig config, model::resolve_model(o.model));
         PDSIM_RETURN_IF_ERROR(model::validate_model(config));
-        *model_storage = to_model_shape(config);
+        *model_storage = model::to_model_shape(config);
         lo.model = model_storage;
     }
     return topo::load_topology(o.file, lo);

@@ -75,21 +75,6 @@ bool is_dir(const fs::path& p) {
     return fs::is_directory(p, ec);
 }
 
-topo::ModelShape to_model_shape(const model::ModelConfig& c) {
-    topo::ModelShape s;
-    s.name = c.name;
-    s.num_layers = c.num_layers;
-    s.num_q_heads = c.num_q_heads;
-    s.num_kv_heads = c.num_kv_heads;
-    s.head_dim = c.head_dim;
-    s.hidden = c.hidden;
-    s.attention = c.attention == model::AttentionKind::kMLA ? topo::AttentionKind::kMla
-                                                            : topo::AttentionKind::kMha;
-    s.kv_lora_rank = c.kv_lora_rank;
-    s.rope_dim = c.rope_dim;
-    return s;
-}
-
 Status bad(std::string msg) { return Status(StatusCode::kInvalidArgument, std::move(msg)); }
 
 }  // namespace
@@ -273,7 +258,7 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     topo::ModelShape shape;
     if (model_cfg) {
         PDSIM_RETURN_IF_ERROR(apply_layers(*model_cfg));
-        shape = to_model_shape(*model_cfg);
+        shape = model::to_model_shape(*model_cfg);
         lo.model = &shape;
     }
     if (topo_path.empty()) {
@@ -300,7 +285,7 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
         model_cfg = *m;
         PDSIM_RETURN_IF_ERROR(apply_layers(*model_cfg));
         // Re-validate TP against the model actually run (e.g. with --layers).
-        shape = to_model_shape(*model_cfg);
+        shape = model::to_model_shape(*model_cfg);
         PDSIM_RETURN_IF_ERROR(topo::validate(rc.topology, &shape));
     }
     rc.model = *model_cfg;
