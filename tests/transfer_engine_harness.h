@@ -19,9 +19,9 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <functional>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -78,7 +78,7 @@ inline void fill_kv(std::byte* dst, size_t n, uint64_t seed, uint64_t req, int l
 struct ModelSpec {
     KvKind kind = KvKind::kMHA;
     int layers = 4;
-    int kv_heads = 4;   // MHA total KV heads
+    int kv_heads = 4;  // MHA total KV heads
     int head_dim = 8;
     int mla_lora = 24;  // MLA: kv_lora_rank + rope_dim = mla_lora + mla_rope
     int mla_rope = 8;
@@ -149,13 +149,13 @@ struct RequestSpec {
 struct Fault {
     enum Kind {
         kNone,
-        kRecordBeforeWrite,   // record(layer) enqueued before write(layer)
-        kSkipRecord,          // record(layer) never enqueued
-        kDoubleRecord,        // record(layer) enqueued twice
-        kLateWrite,           // layer rewritten after its record (before the last record)
-        kFreeBeforeTransfer,  // prefill frees the pages (through the pins) mid-transfer
-        kReuseBeforeTransfer, // prefill frees the pages behind the engine's back, reuses them
-        kDecodeFreeEarly,     // decode frees its destination pages mid-transfer
+        kRecordBeforeWrite,    // record(layer) enqueued before write(layer)
+        kSkipRecord,           // record(layer) never enqueued
+        kDoubleRecord,         // record(layer) enqueued twice
+        kLateWrite,            // layer rewritten after its record (before the last record)
+        kFreeBeforeTransfer,   // prefill frees the pages (through the pins) mid-transfer
+        kReuseBeforeTransfer,  // prefill frees the pages behind the engine's back, reuses them
+        kDecodeFreeEarly,      // decode frees its destination pages mid-transfer
     };
     Kind kind = kNone;
     uint64_t request = 0;
@@ -164,14 +164,22 @@ struct Fault {
 
 inline const char* fault_name(Fault::Kind k) {
     switch (k) {
-        case Fault::kNone: return "none";
-        case Fault::kRecordBeforeWrite: return "record-before-write";
-        case Fault::kSkipRecord: return "skip-record";
-        case Fault::kDoubleRecord: return "double-record";
-        case Fault::kLateWrite: return "late-write";
-        case Fault::kFreeBeforeTransfer: return "free-before-transfer";
-        case Fault::kReuseBeforeTransfer: return "reuse-before-transfer";
-        case Fault::kDecodeFreeEarly: return "decode-free-early";
+        case Fault::kNone:
+            return "none";
+        case Fault::kRecordBeforeWrite:
+            return "record-before-write";
+        case Fault::kSkipRecord:
+            return "skip-record";
+        case Fault::kDoubleRecord:
+            return "double-record";
+        case Fault::kLateWrite:
+            return "late-write";
+        case Fault::kFreeBeforeTransfer:
+            return "free-before-transfer";
+        case Fault::kReuseBeforeTransfer:
+            return "reuse-before-transfer";
+        case Fault::kDecodeFreeEarly:
+            return "decode-free-early";
     }
     return "?";
 }
@@ -203,7 +211,7 @@ private:
 
 struct RunOptions {
     uint64_t seed = 1;
-    int batch = 4;           // requests per forward
+    int batch = 4;  // requests per forward
     int layer_interval = 1;
     Fault fault;
     std::chrono::milliseconds wait{60'000 * kSlow};  // bound on waiting for requests
@@ -289,7 +297,9 @@ bool eventually(Pred pred, std::chrono::milliseconds timeout) {
     return true;
 }
 
-inline int32_t first_token_of(uint64_t req) { return static_cast<int32_t>(mix64(req) % 50000); }
+inline int32_t first_token_of(uint64_t req) {
+    return static_cast<int32_t>(mix64(req) % 50000);
+}
 
 // ---------------------------------------------------------------------------------------------
 class PrefillRank {
@@ -332,6 +342,8 @@ public:
         uint64_t id;
         int64_t t0, t1;
         bool last;
+        // A copy for the stream tasks: the scheduler thread keeps adding to pages_ meanwhile.
+        std::shared_ptr<const std::vector<int32_t>> pages;
     };
 
     void run(const std::vector<RequestSpec>& all, const RunOptions& o, RankResult* out) {
@@ -370,7 +382,8 @@ public:
                     if (d >= r.tokens) continue;
                     const int64_t step = r.chunk > 0 ? r.chunk : r.tokens;
                     const int64_t t1 = std::min(r.tokens, d + step);
-                    fwd.push_back({r.id, d, t1, t1 == r.tokens});
+                    fwd.push_back({r.id, d, t1, t1 == r.tokens,
+                                   std::make_shared<const std::vector<int32_t>>(pages_[r.id])});
                     d = t1;
                 }
                 if (fwd.empty()) break;
@@ -421,7 +434,6 @@ public:
     }
 
 private:
-
     std::shared_ptr<Gate> sent_gate(uint64_t req, int layer) {
         std::lock_guard<std::mutex> lock(mu_);
         auto& g = sent_gates_[{req, layer}];
@@ -442,13 +454,14 @@ private:
         // Faults apply to the forward holding the faulty request's first chunk.
         if (faulty) {
             bool first_chunk = false;
-            for (const Piece& p : fwd) first_chunk = first_chunk || (p.id == f.request && p.t0 == 0);
+            for (const Piece& p : fwd)
+                first_chunk = first_chunk || (p.id == f.request && p.t0 == 0);
             faulty = first_chunk;
         }
         auto write = [this, fwd, seed = o.seed](int l, uint32_t gen) {
             return [this, fwd, seed, l, gen]() {
                 for (const Piece& p : fwd) {
-                    write_layer(layout_, pages_.at(p.id), seed, p.id, l, p.t0, p.t1, gen);
+                    write_layer(layout_, *p.pages, seed, p.id, l, p.t0, p.t1, gen);
                 }
                 return Status();
             };
@@ -457,10 +470,10 @@ private:
             if (first && o.hold != nullptr && l == o.hold_layer) {
                 Gate* g = o.hold;
                 check(stream_.enqueue([g, o] {
-                          // A bounded hold: a test that forgets to open fails, not hangs.
-                          return g->wait(o.wait) ? Status()
-                                                 : Status(StatusCode::kDeadlineExceeded, "hold");
-                      }),
+                    // A bounded hold: a test that forgets to open fails, not hangs.
+                    return g->wait(o.wait) ? Status()
+                                           : Status(StatusCode::kDeadlineExceeded, "hold");
+                }),
                       "hold");
             }
             const bool at = faulty && l == f.layer;
@@ -470,9 +483,9 @@ private:
                 // read it before it was written.
                 auto g = sent_gate(f.request, l);
                 check(stream_.enqueue([g] {
-                          g->wait(5000ms * kSlow);
-                          return Status();
-                      }),
+                    g->wait(5000ms * kSlow);
+                    return Status();
+                }),
                       "gate");
                 check(stream_.enqueue(write(l, 0)), "write");
                 enqueue_checksums(fwd, l);
@@ -482,23 +495,27 @@ private:
                 // Layer f was recorded twice, so layer f+1 looks ready before it is written.
                 auto g = sent_gate(f.request, l);
                 check(stream_.enqueue([g] {
-                          g->wait(5000ms * kSlow);
-                          return Status();
-                      }),
+                    g->wait(5000ms * kSlow);
+                    return Status();
+                }),
                       "gate");
             }
-            if (faulty && (f.kind == Fault::kFreeBeforeTransfer ||
-                           f.kind == Fault::kReuseBeforeTransfer) &&
+            if (faulty &&
+                (f.kind == Fault::kFreeBeforeTransfer || f.kind == Fault::kReuseBeforeTransfer) &&
                 l == f.layer) {
                 // Mid-transfer: layer f-1 has been sent, layer f is not written yet.
                 auto g = sent_gate(f.request, l - 1);
                 const uint64_t id = f.request;
                 const Fault::Kind kind = f.kind;
-                check(stream_.enqueue([this, g, id, kind, seed = o.seed] {
-                          g->wait(5000ms * kSlow);
-                          free_mid_transfer(id, kind, seed);
-                          return Status();
-                      }),
+                std::shared_ptr<const std::vector<int32_t>> pages;
+                for (const Piece& p : fwd) {
+                    if (p.id == id) pages = p.pages;
+                }
+                check(stream_.enqueue([this, g, id, kind, pages, seed = o.seed] {
+                    g->wait(5000ms * kSlow);
+                    free_mid_transfer(id, kind, *pages, seed);
+                    return Status();
+                }),
                       "free");
             }
             check(stream_.enqueue(write(l, 0)), "write");
@@ -509,10 +526,9 @@ private:
                 for (const Piece& p : fwd) {
                     if (p.id != f.request) continue;
                     check(stream_.enqueue([this, p, seed = o.seed, layer = f.layer] {
-                              write_layer(layout_, pages_.at(p.id), seed, p.id, layer, p.t0, p.t1,
-                                          7);
-                              return Status();
-                          }),
+                        write_layer(layout_, *p.pages, seed, p.id, layer, p.t0, p.t1, 7);
+                        return Status();
+                    }),
                           "late write");
                 }
             }
@@ -526,24 +542,24 @@ private:
             if (p.last) toks.emplace_back(tokens_.at(p.id).get(), first_token_of(p.id));
         }
         check(stream_.enqueue([toks] {
-                  for (auto& [ptr, v] : toks) *ptr = v;
-                  return Status();
-              }),
+            for (auto& [ptr, v] : toks) *ptr = v;
+            return Status();
+        }),
               "token");
         check(counter_.record_aux(), "record_aux");
     }
 
     void enqueue_checksums(const std::vector<Piece>& fwd, int l) {
         for (const Piece& p : fwd) {
-            check(enqueue_layer_checksum(stream_, validator_, layout_, p.id, l, pages_.at(p.id),
-                                         p.t0, p.t1),
-                  "checksum");
+            check(
+                enqueue_layer_checksum(stream_, validator_, layout_, p.id, l, *p.pages, p.t0, p.t1),
+                "checksum");
         }
     }
 
     // Runs on the compute stream.
-    void free_mid_transfer(uint64_t id, Fault::Kind kind, uint64_t seed) {
-        const std::vector<int32_t>& pages = pages_.at(id);
+    void free_mid_transfer(uint64_t id, Fault::Kind kind, const std::vector<int32_t>& pages,
+                           uint64_t seed) {
         if (kind == Fault::kFreeBeforeTransfer) {
             Status st = sender_->pins().free_pages(pool_->allocator(), pages);
             free_refused_ = st.code() == StatusCode::kFailedPrecondition;
@@ -658,10 +674,10 @@ public:
             out->statuses[r.id] = *st;
             if (st->state == RequestState::kSuccess) {
                 if (!st->has_first_token || st->first_token != first_token_of(r.id)) {
-                    out->errors.push_back(fmt::format("request {}: first token {} (has {}), want "
-                                                      "{}",
-                                                      r.id, st->first_token, st->has_first_token,
-                                                      first_token_of(r.id)));
+                    out->errors.push_back(fmt::format(
+                        "request {}: first token {} (has {}), want "
+                        "{}",
+                        r.id, st->first_token, st->has_first_token, first_token_of(r.id)));
                 }
                 verify(r, o.seed, out);
             }
@@ -697,9 +713,10 @@ public:
             }
         }
         if (bad > 0) {
-            out->errors.push_back(fmt::format("decode rank {} request {}: {} (token, head) "
-                                              "mismatches, first at {}",
-                                              rank_, r.id, bad, first));
+            out->errors.push_back(
+                fmt::format("decode rank {} request {}: {} (token, head) "
+                            "mismatches, first at {}",
+                            rank_, r.id, bad, first));
         }
     }
 

@@ -8,10 +8,9 @@
 // prefill side wrote; the ranks then sum their counters (MPI_Allreduce) so every process checks
 // the global invariants: all requests Success on both sides, zero violations, checked layers.
 // Every wait inside has a timeout; ctest's TIMEOUT is the last resort.
+#include <gtest/gtest.h>
 #include <mpi.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <cstdio>
 #include <cstring>
@@ -202,9 +201,9 @@ Global run_scenario(ClusterSpec c, const std::vector<RequestSpec>& reqs, RunOpti
 }
 
 // Skips the calling test unless the world has `n` ranks.
-#define PDSIM_NEED_RANKS(n)                                                                  \
-    if (world_size() != (n)) GTEST_SKIP() << "needs " << (n) << " ranks (this run has "     \
-                                          << world_size() << ")"
+#define PDSIM_NEED_RANKS(n)  \
+    if (world_size() != (n)) \
+    GTEST_SKIP() << "needs " << (n) << " ranks (this run has " << world_size() << ")"
 
 std::vector<RequestSpec> reqs_of(std::initializer_list<int64_t> lengths, int64_t chunk = 0) {
     std::vector<RequestSpec> out;
@@ -254,16 +253,15 @@ TEST(EngineMpi2, RandomMix) {
     PDSIM_NEED_RANKS(2);
     RunOptions o;
     o.batch = 6;
-    run_scenario(cluster({{1, 16, 1}}, {{1, 32, 1}}), random_requests(5, 16, 8192, 1, 1, true),
-                 o);
+    run_scenario(cluster({{1, 16, 1}}, {{1, 32, 1}}), random_requests(5, 16, 8192, 1, 1, true), o);
 }
 
 TEST(EngineMpi2, RecordBeforeWriteIsCaughtAcrossProcesses) {
     PDSIM_NEED_RANKS(2);
     RunOptions o;
     o.fault = {Fault::kRecordBeforeWrite, 1001, 1};
-    const Global g = run_scenario(cluster({{1, 16, 1}}, {{1, 16, 1}}), reqs_of({40, 77, 120}),
-                                  o, /*clean=*/false);
+    const Global g = run_scenario(cluster({{1, 16, 1}}, {{1, 16, 1}}), reqs_of({40, 77, 120}), o,
+                                  /*clean=*/false);
     EXPECT_GT(g.violations, 0u);
     EXPECT_GT(g.d_failed, 0u);  // the decode side refuses the bad KV (fail_on_violation)
 }
@@ -351,8 +349,7 @@ public:
     void OnTestPartResult(const ::testing::TestPartResult& r) override {
         if (!r.failed()) return;
         std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
-                     r.file_name() != nullptr ? r.file_name() : "?", r.line_number(),
-                     r.message());
+                     r.file_name() != nullptr ? r.file_name() : "?", r.line_number(), r.message());
     }
 
 private:
@@ -373,8 +370,8 @@ int main(int argc, char** argv) {
     if (pdsim::transfer::testing::world_rank() != 0) {
         auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
         delete listeners.Release(listeners.default_result_printer());
-        listeners.Append(new pdsim::transfer::testing::FailurePrinter(
-            pdsim::transfer::testing::world_rank()));
+        listeners.Append(
+            new pdsim::transfer::testing::FailurePrinter(pdsim::transfer::testing::world_rank()));
     }
     int rc = RUN_ALL_TESTS();
     pdsim::transfer::testing::SharedTransport::destroy();

@@ -381,8 +381,8 @@ void expect_clean(ClusterRun& run, const ClusterSpec& c, const std::vector<Reque
                 << "rank " << r.rank << " request " << id << ": " << st.reason;
         }
         EXPECT_EQ(r.stats.requests_completed, r.stats.requests_submitted) << "rank " << r.rank;
-        EXPECT_TRUE(r.report.violations.empty()) << "rank " << r.rank << ": "
-                                                 << r.report.to_string();
+        EXPECT_TRUE(r.report.violations.empty())
+            << "rank " << r.rank << ": " << r.report.to_string();
     }
     Totals d = totals(run, false);
     EXPECT_GT(d.checked, 0u);
@@ -390,8 +390,7 @@ void expect_clean(ClusterRun& run, const ClusterSpec& c, const std::vector<Reque
     compare_with_prefill(run, c, reqs);
 }
 
-ClusterSpec simple(int prefill_tp, int decode_tp, int p_ps = 16, int d_ps = 16,
-                   int pages = 512) {
+ClusterSpec simple(int prefill_tp, int decode_tp, int p_ps = 16, int d_ps = 16, int pages = 512) {
     ClusterSpec c;
     c.prefill = {InstanceSpec{prefill_tp, p_ps, pages}};
     c.decode = {InstanceSpec{decode_tp, d_ps, pages}};
@@ -451,7 +450,6 @@ TEST(TransferEngineLocal, OneToOne) {
     EXPECT_EQ(p.completed, reqs.size());
 }
 
-
 TEST(TransferEngineLocal, OneToOneChunked) {
     // Chunks of 20 tokens with pages of 16: middle chunks hold back the partial page.
     run_clean(simple(1, 1), fixed_requests({1, 16, 20, 21, 47, 160, 333}, 20));
@@ -509,9 +507,13 @@ TEST(TransferEngineLocal, ReplicatedHeads) {
     run_clean(c, fixed_requests({7, 70}));
 }
 
-TEST(TransferEngineLocal, PageSize16To64) { run_clean(simple(1, 1, 16, 64), fixed_requests({1, 63, 64, 65, 300}, 50)); }
+TEST(TransferEngineLocal, PageSize16To64) {
+    run_clean(simple(1, 1, 16, 64), fixed_requests({1, 63, 64, 65, 300}, 50));
+}
 
-TEST(TransferEngineLocal, PageSize64To16) { run_clean(simple(1, 1, 64, 16), fixed_requests({1, 15, 64, 65, 300}, 100)); }
+TEST(TransferEngineLocal, PageSize64To16) {
+    run_clean(simple(1, 1, 64, 16), fixed_requests({1, 15, 64, 65, 300}, 100));
+}
 
 TEST(TransferEngineLocal, PageSizesAndTpTogether) {
     run_clean(simple(2, 1, 64, 16), fixed_requests({33, 200}));
@@ -525,7 +527,9 @@ ClusterSpec mla(int prefill_tp, int decode_tp, int p_ps = 16, int d_ps = 16) {
     return c;
 }
 
-TEST(TransferEngineLocal, MlaOneToOne) { run_clean(mla(1, 1), fixed_requests({1, 50, 129})); }
+TEST(TransferEngineLocal, MlaOneToOne) {
+    run_clean(mla(1, 1), fixed_requests({1, 50, 129}));
+}
 
 TEST(TransferEngineLocal, MlaReplicatedReceivers) {
     // One prefill rank, every decode TP rank receives the same latent buffer.
@@ -548,14 +552,16 @@ TEST(TransferEngineLocal, RandomMixes) {
         KvKind kind;
     };
     const std::vector<Shape> shapes = {
-        {1, 1, 16, 16, 1, 1, KvKind::kMHA}, {2, 1, 16, 64, 1, 2, KvKind::kMHA},
-        {1, 2, 64, 16, 2, 1, KvKind::kMHA}, {2, 2, 32, 16, 1, 1, KvKind::kMLA},
+        {1, 1, 16, 16, 1, 1, KvKind::kMHA},
+        {2, 1, 16, 64, 1, 2, KvKind::kMHA},
+        {1, 2, 64, 16, 2, 1, KvKind::kMHA},
+        {2, 2, 32, 16, 1, 1, KvKind::kMLA},
     };
     uint64_t seed = 11;
     for (const Shape& sh : shapes) {
-        SCOPED_TRACE(::testing::Message() << "shape P" << sh.ptp << " D" << sh.dtp << " pages "
-                                          << sh.pps << "->" << sh.dps << " mla "
-                                          << (sh.kind == KvKind::kMLA));
+        SCOPED_TRACE(::testing::Message()
+                     << "shape P" << sh.ptp << " D" << sh.dtp << " pages " << sh.pps << "->"
+                     << sh.dps << " mla " << (sh.kind == KvKind::kMLA));
         ClusterSpec c;
         c.model.kind = sh.kind;
         c.model.layers = 3;
@@ -928,8 +934,7 @@ FaultOutcome run_fault(Fault::Kind kind, int layer = 1) {
             // a harness problem.
             if (e.find("mismatches") == std::string::npos) ADD_FAILURE() << e;
         }
-        EXPECT_EQ(r.stats.requests_completed + r.stats.requests_failed,
-                  r.stats.requests_submitted)
+        EXPECT_EQ(r.stats.requests_completed + r.stats.requests_failed, r.stats.requests_submitted)
             << "rank " << r.rank;
         out.violations += r.report.violations.size();
         for (const auto& [id, st] : r.statuses) out.failed += st.state == RequestState::kFailed;
@@ -1042,7 +1047,11 @@ TEST(TransferEngineTransportFaults, NeverPassSilently) {
             EXPECT_EQ(failed, 0u);
             EXPECT_EQ(violations, 0u) << all_violations(*run);
         }
-        if (fc.must_show) EXPECT_GT(failed + violations, 0u);
+        if (fc.must_show) {
+            EXPECT_GT(failed + violations, 0u);
+        }
+        std::printf("  fault '%s' on rank %d: %zu request-sides failed, %zu violations\n", fc.spec,
+                    fc.rank, failed, violations);
     }
 }
 

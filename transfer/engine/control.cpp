@@ -1,10 +1,10 @@
 #include "transfer/engine/control.h"
 
+#include <fmt/format.h>
+
 #include <atomic>
 #include <cstring>
 #include <type_traits>
-
-#include <fmt/format.h>
 
 #include "common/logging.h"
 
@@ -12,12 +12,18 @@ namespace pdsim::transfer {
 
 std::string_view msg_type_name(MsgType type) {
     switch (type) {
-        case MsgType::kBootstrap: return "bootstrap";
-        case MsgType::kAck: return "ack";
-        case MsgType::kChunk: return "chunk";
-        case MsgType::kAbort: return "abort";
-        case MsgType::kHeartbeat: return "heartbeat";
-        case MsgType::kCompletion: return "completion";
+        case MsgType::kBootstrap:
+            return "bootstrap";
+        case MsgType::kAck:
+            return "ack";
+        case MsgType::kChunk:
+            return "chunk";
+        case MsgType::kAbort:
+            return "abort";
+        case MsgType::kHeartbeat:
+            return "heartbeat";
+        case MsgType::kCompletion:
+            return "completion";
     }
     return "?";
 }
@@ -133,8 +139,9 @@ public:
     }
     [[nodiscard]] Status finish(MsgType type) const {
         if (!ok_) {
-            return PDSIM_ERROR(StatusCode::kDataLoss, "truncated or malformed {} message ({} bytes)",
-                               msg_type_name(type), in_.size());
+            return PDSIM_ERROR(StatusCode::kDataLoss,
+                               "truncated or malformed {} message ({} bytes)", msg_type_name(type),
+                               in_.size());
         }
         return {};
     }
@@ -358,7 +365,9 @@ ControlChannel::ControlChannel(Transport& transport, ControlOptions options)
     for (size_t i = 0; i < n; ++i) heartbeat_busy_[i].store(false);
 }
 
-ControlChannel::~ControlChannel() { stop(false); }
+ControlChannel::~ControlChannel() {
+    stop(false);
+}
 
 Status ControlChannel::start(ControlListener* listener) {
     if (started_) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "control channel started");
@@ -454,7 +463,8 @@ void ControlChannel::post_control_recv(int peer) {
     // thread (or inside post_recv on this thread), where re-entering the engine is not allowed.
     h->on_complete([weak, peer, buf](const Status& st, size_t n) {
         if (auto self = weak.lock()) {
-            self->post([self = self.get(), peer, buf, st, n] { self->on_recv_done(peer, buf, st, n); });
+            self->post(
+                [self = self.get(), peer, buf, st, n] { self->on_recv_done(peer, buf, st, n); });
         }
     });
 }
@@ -464,8 +474,8 @@ void ControlChannel::on_recv_done(int peer, const std::shared_ptr<Bytes>& buf, c
     if (!st.ok()) {
         if (st.code() == StatusCode::kAborted) return;  // withdrawn at stop
         failed_[static_cast<size_t>(peer)] = 1;
-        listener_->on_peer_failed(
-            peer, st.with_context(fmt::format("control link to rank {}", peer)));
+        listener_->on_peer_failed(peer,
+                                  st.with_context(fmt::format("control link to rank {}", peer)));
         return;
     }
     last_heard_[static_cast<size_t>(peer)] = Clock::now();
@@ -539,7 +549,9 @@ ControlChannel::Clock::time_point ControlChannel::last_heard(int peer) const {
     return last_heard_[static_cast<size_t>(peer)];
 }
 
-bool ControlChannel::peer_failed(int peer) const { return failed_[static_cast<size_t>(peer)] != 0; }
+bool ControlChannel::peer_failed(int peer) const {
+    return failed_[static_cast<size_t>(peer)] != 0;
+}
 
 void ControlChannel::set_interest(std::vector<uint8_t> peers) {
     peers.resize(interest_.size(), 0);

@@ -24,11 +24,11 @@ inline bool is_terminal(RequestState s) {
 
 struct RequestStatus {
     RequestState state = RequestState::kBootstrapping;
-    std::string reason;         // Failed: why
+    std::string reason;  // Failed: why
     bool has_first_token = false;
-    int32_t first_token = -1;   // the first sampled token (decode side, on Success)
-    uint64_t bytes = 0;         // KV bytes moved by this rank for the request
-    int layers_arrived = 0;     // decode side
+    int32_t first_token = -1;  // the first sampled token (decode side, on Success)
+    uint64_t bytes = 0;        // KV bytes moved by this rank for the request
+    int layers_arrived = 0;    // decode side
     // True while a send/receive of the request may still touch its pages (they stay pinned).
     // A Failed request turns terminal at once; its pages are released once its operations were
     // withdrawn or completed -- free them (pins().free_pages) after this turns false.
@@ -49,7 +49,7 @@ struct TransferEvent {
     Kind kind = Kind::kLayerReady;
     uint64_t request = 0;
     int layer = -1;
-    int peer = -1;       // world rank of the other side (-1: not about one peer)
+    int peer = -1;  // world rank of the other side (-1: not about one peer)
     uint32_t chunk = 0;
     uint64_t bytes = 0;
     std::chrono::steady_clock::time_point time{};
@@ -98,13 +98,13 @@ struct ReceiverOptions : EngineOptions {
 
 struct EngineStats {
     uint64_t requests_submitted = 0;
-    uint64_t requests_completed = 0;   // Success
+    uint64_t requests_completed = 0;  // Success
     uint64_t requests_failed = 0;
-    uint64_t bytes = 0;                // KV payload bytes sent / received
-    uint64_t messages = 0;             // data messages (completions not counted)
-    uint64_t staged_bytes = 0;         // bytes copied through staging buffers (gather/scatter)
-    uint64_t layers = 0;               // (request, layer, peer) transfers completed
-    uint64_t tags_quarantined = 0;     // receiver: data tags retired after failures
+    uint64_t bytes = 0;             // KV payload bytes sent / received
+    uint64_t messages = 0;          // data messages (completions not counted)
+    uint64_t staged_bytes = 0;      // bytes copied through staging buffers (gather/scatter)
+    uint64_t layers = 0;            // (request, layer, peer) transfers completed
+    uint64_t tags_quarantined = 0;  // receiver: data tags retired after failures
 };
 
 }  // namespace pdsim::transfer

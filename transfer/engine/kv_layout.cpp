@@ -4,7 +4,9 @@
 
 namespace pdsim::transfer {
 
-std::string_view kv_kind_name(KvKind kind) { return kind == KvKind::kMHA ? "mha" : "mla"; }
+std::string_view kv_kind_name(KvKind kind) {
+    return kind == KvKind::kMHA ? "mha" : "mla";
+}
 
 StatusOr<HeadSlice> kv_head_slice(int total_kv_heads, int tp_size, int tp_rank) {
     if (total_kv_heads < 1 || tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size) {
@@ -47,7 +49,8 @@ Status check_compatible(const KvLayoutSummary& a, const KvLayoutSummary& b) {
     if (a.buffer_count != b.buffer_count) {
         return mismatch("buffer_count", a.buffer_count, b.buffer_count);
     }
-    if (a.dtype_bytes != b.dtype_bytes) return mismatch("dtype_bytes", a.dtype_bytes, b.dtype_bytes);
+    if (a.dtype_bytes != b.dtype_bytes)
+        return mismatch("dtype_bytes", a.dtype_bytes, b.dtype_bytes);
     if (a.total_kv_heads != b.total_kv_heads) {
         return mismatch("total_kv_heads", a.total_kv_heads, b.total_kv_heads);
     }
@@ -67,8 +70,8 @@ StatusOr<KvLayout> KvLayout::create(const KvLayoutSummary& s, int num_pages,
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "bad KV layout ({} pages): {}", num_pages,
                            s.to_string());
     }
-    if (s.kind == KvKind::kMLA && (s.buffer_count != 1 || s.total_kv_heads != 1 ||
-                                   s.local_heads != 1 || s.head_begin != 0)) {
+    if (s.kind == KvKind::kMLA &&
+        (s.buffer_count != 1 || s.total_kv_heads != 1 || s.local_heads != 1 || s.head_begin != 0)) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "MLA layout must have one buffer and one replicated head: {}",
                            s.to_string());
@@ -93,8 +96,10 @@ StatusOr<KvLayout> KvLayout::create(const KvLayoutSummary& s, int num_pages,
         }
     }
     if (bases.size() != static_cast<size_t>(s.num_layers * s.buffer_count)) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "{} base addresses for {} layers x {} "
-                           "buffers", bases.size(), s.num_layers, s.buffer_count);
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "{} base addresses for {} layers x {} "
+                           "buffers",
+                           bases.size(), s.num_layers, s.buffer_count);
     }
     for (std::byte* p : bases) {
         if (p == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "null buffer base");

@@ -53,14 +53,14 @@ struct HeadSlice {
 struct KvLayoutSummary {
     KvKind kind = KvKind::kMHA;
     int32_t num_layers = 0;
-    int32_t buffer_count = 0;   // 2 (MHA K/V) or 1 (MLA)
-    int32_t page_size = 0;      // tokens per page
+    int32_t buffer_count = 0;  // 2 (MHA K/V) or 1 (MLA)
+    int32_t page_size = 0;     // tokens per page
     int32_t dtype_bytes = 0;
     int32_t tp_size = 1;
     int32_t tp_rank = 0;
     int32_t total_kv_heads = 1;
-    int32_t head_begin = 0;     // global index of this rank's first head
-    int32_t local_heads = 1;    // heads held by this rank (MLA: 1)
+    int32_t head_begin = 0;                            // global index of this rank's first head
+    int32_t local_heads = 1;                           // heads held by this rank (MLA: 1)
     std::array<uint64_t, kMaxKvBuffers> head_bytes{};  // per buffer: one head of one token
 
     [[nodiscard]] uint64_t token_bytes(int buf) const {

@@ -1,5 +1,7 @@
 #include "transfer/engine/kv_receiver.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -8,8 +10,6 @@
 #include <optional>
 #include <thread>
 #include <unordered_map>
-
-#include <fmt/format.h>
 
 #include "common/logging.h"
 #include "transfer/engine/control.h"
@@ -33,10 +33,10 @@ struct SourceState {
     KvLayoutSummary layout;
     std::optional<Fragment> frag;  // nullopt: this prefill rank sends this decode rank nothing
     int64_t max_run = 1;
-    int64_t next_token = 0;        // the next chunk must start here
+    int64_t next_token = 0;  // the next chunk must start here
     uint32_t next_chunk = 0;
     bool last_header = false;
-    bool completed = false;        // its completion message arrived
+    bool completed = false;  // its completion message arrived
     CompletionMsg completion;
 };
 
@@ -104,8 +104,8 @@ public:
           pins_(transport.rank(), opt_.validator) {
         const Capabilities caps = transport.capabilities();
         max_msg_ = std::min(opt_.max_message_bytes, caps.max_message_bytes);
-        slot_capacity_ = static_cast<uint32_t>(std::min<uint64_t>(
-            uint64_t{caps.max_tag} - kDataTagBase + 1, uint64_t{1} << 30));
+        slot_capacity_ = static_cast<uint32_t>(
+            std::min<uint64_t>(uint64_t{caps.max_tag} - kDataTagBase + 1, uint64_t{1} << 30));
     }
 
     Status start() {
@@ -201,8 +201,9 @@ public:
         m.dst_pages = r->dst_pages;
         Bytes bytes = encode(m);
         if (bytes.size() > opt_.max_control_bytes) {
-            fail(r, fmt::format("request {}: bootstrap of {} bytes exceeds max_control_bytes {}",
-                                r->id, bytes.size(), opt_.max_control_bytes),
+            fail(r,
+                 fmt::format("request {}: bootstrap of {} bytes exceeds max_control_bytes {}",
+                             r->id, bytes.size(), opt_.max_control_bytes),
                  false);
             return {};
         }
@@ -222,21 +223,18 @@ public:
         }
         std::shared_ptr<RecvReq> r = it->second;
         const auto l = static_cast<size_t>(layer);
-        bool done = cv_.wait_for(lock, timeout, [&] {
-            return r->arrived[l] != 0 || r->state == RequestState::kFailed;
-        });
+        bool done = cv_.wait_for(
+            lock, timeout, [&] { return r->arrived[l] != 0 || r->state == RequestState::kFailed; });
         if (r->state == RequestState::kFailed) {
             return Status(StatusCode::kAborted, r->reason);
         }
         if (!done) {
-            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                               "request {}: layer {} not arrived after {} ms ({} of {} layers "
-                               "arrived; awaiting {})",
-                               id, layer,
-                               std::chrono::duration_cast<std::chrono::milliseconds>(timeout)
-                                   .count(),
-                               r->layers_arrived, layout_.num_layers(),
-                               describe_awaiting_locked(*r, -1));
+            return PDSIM_ERROR(
+                StatusCode::kDeadlineExceeded,
+                "request {}: layer {} not arrived after {} ms ({} of {} layers "
+                "arrived; awaiting {})",
+                id, layer, std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
+                r->layers_arrived, layout_.num_layers(), describe_awaiting_locked(*r, -1));
         }
         return {};
     }
@@ -256,12 +254,11 @@ public:
         }
         std::shared_ptr<RecvReq> r = it->second;
         if (!cv_.wait_for(lock, timeout, [&] { return is_terminal(r->state); })) {
-            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                               "request {} still {} after {} ms (awaiting {})", id,
-                               request_state_name(r->state),
-                               std::chrono::duration_cast<std::chrono::milliseconds>(timeout)
-                                   .count(),
-                               describe_awaiting_locked(*r, -1));
+            return PDSIM_ERROR(
+                StatusCode::kDeadlineExceeded, "request {} still {} after {} ms (awaiting {})", id,
+                request_state_name(r->state),
+                std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
+                describe_awaiting_locked(*r, -1));
         }
         return status_locked(*r);
     }
@@ -308,8 +305,9 @@ public:
         }
         const bool graceful = mode == ShutdownMode::kGraceful;
         for (auto& r : active) {
-            fail(r, fmt::format("request {}: decode rank {} shut down{}", r->id,
-                                transport_.rank(), graceful ? "" : " abruptly"),
+            fail(r,
+                 fmt::format("request {}: decode rank {} shut down{}", r->id, transport_.rank(),
+                             graceful ? "" : " abruptly"),
                  graceful);
         }
         {
@@ -349,13 +347,15 @@ public:
                 if (!m.ok()) return;
                 auto r = find(m->request_id);
                 if (r) {
-                    fail(r, fmt::format("request {}: prefill rank {} aborted it: {}", r->id, peer,
-                                        m->reason),
+                    fail(r,
+                         fmt::format("request {}: prefill rank {} aborted it: {}", r->id, peer,
+                                     m->reason),
                          true);
                 }
                 return;
             }
-            case MsgType::kHeartbeat: return;
+            case MsgType::kHeartbeat:
+                return;
             default:
                 PDSIM_LOG_WARN("receiver rank {}: unexpected {} message from rank {}",
                                transport_.rank(), msg_type_name(*type), peer);
@@ -387,10 +387,10 @@ public:
                 if (is_terminal(r->state)) continue;
                 for (int p : r->prefill_ranks) interest[static_cast<size_t>(p)] = 1;
                 if (now >= r->deadline) {
-                    to_fail.emplace_back(r, fmt::format("request {}: timed out after {} ms "
-                                                        "while awaiting {}",
-                                                        id, r->timeout.count(),
-                                                        describe_awaiting_locked(*r, -1)));
+                    to_fail.emplace_back(
+                        r, fmt::format("request {}: timed out after {} ms "
+                                       "while awaiting {}",
+                                       id, r->timeout.count(), describe_awaiting_locked(*r, -1)));
                     continue;
                 }
                 for (size_t i = 0; i < r->sources.size(); ++i) {
@@ -456,9 +456,10 @@ private:
             }
             if (!s.frag) continue;
             if (!s.last_header) {
-                return fmt::format("KV chunks from prefill rank {} ({} of {} tokens announced, "
-                                   "{} of {} layers arrived)",
-                                   s.world_rank, s.next_token, r.num_tokens, r.layers_arrived, L);
+                return fmt::format(
+                    "KV chunks from prefill rank {} ({} of {} tokens announced, "
+                    "{} of {} layers arrived)",
+                    s.world_rank, s.next_token, r.num_tokens, r.layers_arrived, L);
             }
             if (r.layers_arrived < L) {
                 return fmt::format("KV data from prefill rank {} ({} of {} layers arrived)",
@@ -468,9 +469,9 @@ private:
                 return fmt::format("the completion message from prefill rank {}", s.world_rank);
             }
         }
-        return r.layers_arrived < L ? fmt::format("KV data ({} of {} layers arrived)",
-                                                  r.layers_arrived, L)
-                                    : std::string("finalization");
+        return r.layers_arrived < L
+                   ? fmt::format("KV data ({} of {} layers arrived)", r.layers_arrived, L)
+                   : std::string("finalization");
     }
 
     void emit(TransferEvent::Kind kind, uint64_t req, int layer, int peer, uint64_t bytes) const {
@@ -552,17 +553,17 @@ private:
             const int src = source_index(*r, peer);
             if (src < 0 || m.prefill_tp_rank != src ||
                 m.prefill_tp_size != static_cast<int>(r->sources.size())) {
-                why = fmt::format("request {}: ack from rank {} as prefill TP rank {} of {} does "
-                                  "not match the request's prefill ranks",
-                                  r->id, peer, m.prefill_tp_rank, m.prefill_tp_size);
+                why = fmt::format(
+                    "request {}: ack from rank {} as prefill TP rank {} of {} does "
+                    "not match the request's prefill ranks",
+                    r->id, peer, m.prefill_tp_rank, m.prefill_tp_size);
             } else if (!m.ok) {
-                why = fmt::format("request {}: prefill rank {} refused: {}", r->id, peer,
-                                  m.reason);
+                why = fmt::format("request {}: prefill rank {} refused: {}", r->id, peer, m.reason);
             } else if (Status c = check_compatible(m.layout, layout_.summary()); !c.ok()) {
                 why = fmt::format("request {}: prefill rank {}: {}", r->id, peer, c.message());
             } else if (m.layout.tp_rank != src || m.layout.tp_size != m.prefill_tp_size) {
-                why = fmt::format("request {}: prefill rank {} layout is TP {} of {}", r->id,
-                                  peer, m.layout.tp_rank, m.layout.tp_size);
+                why = fmt::format("request {}: prefill rank {} layout is TP {} of {}", r->id, peer,
+                                  m.layout.tp_rank, m.layout.tp_size);
             } else {
                 SourceState& s = r->sources[static_cast<size_t>(src)];
                 if (s.acked) return;  // duplicate
@@ -610,10 +611,11 @@ private:
                 m.src_first_page != m.token_begin / sps ||
                 static_cast<int64_t>(m.src_pages.size()) <
                     (m.token_end + sps - 1) / sps - m.src_first_page) {
-                why = fmt::format("request {}: protocol error: unexpected chunk {} [{}, {}) "
-                                  "is_last={} ({} prefill pages from index {}) from rank {}",
-                                  m.request_id, m.chunk_index, m.token_begin, m.token_end,
-                                  m.is_last, m.src_pages.size(), m.src_first_page, peer);
+                why = fmt::format(
+                    "request {}: protocol error: unexpected chunk {} [{}, {}) "
+                    "is_last={} ({} prefill pages from index {}) from rank {}",
+                    m.request_id, m.chunk_index, m.token_begin, m.token_end, m.is_last,
+                    m.src_pages.size(), m.src_first_page, peer);
             } else {
                 frag = *s->frag;
                 s->next_chunk = m.chunk_index + 1;
@@ -740,8 +742,7 @@ private:
                           const std::shared_ptr<RecvOp>& op, const Status& st, size_t n) {
         if (!st.ok()) {
             op_done(r, op->layer, 0,
-                    fmt::format("request {}: receive of {} from prefill rank {} failed: {}",
-                                r->id,
+                    fmt::format("request {}: receive of {} from prefill rank {} failed: {}", r->id,
                                 op->layer >= 0 ? fmt::format("layer {}", op->layer)
                                                : std::string("the completion message"),
                                 peer, st.message()));
@@ -784,10 +785,11 @@ private:
         } else if (m->request_id != r->id || m->num_layers != layout_.num_layers() ||
                    m->buffer_count != layout_.buffer_count() || m->head_begin != frag.head_begin ||
                    m->head_count != frag.head_count || m->src_tp_rank != frag.src_tp_rank) {
-            why = fmt::format("request {}: completion from prefill rank {} does not match the "
-                              "plan (request {}, {} layers, {} buffers, heads [{}, +{}), tp {})",
-                              r->id, peer, m->request_id, m->num_layers, m->buffer_count,
-                              m->head_begin, m->head_count, m->src_tp_rank);
+            why = fmt::format(
+                "request {}: completion from prefill rank {} does not match the "
+                "plan (request {}, {} layers, {} buffers, heads [{}, +{}), tp {})",
+                r->id, peer, m->request_id, m->num_layers, m->buffer_count, m->head_begin,
+                m->head_count, m->src_tp_rank);
         } else {
             std::optional<Violation> token_mismatch;
             {
@@ -894,9 +896,10 @@ private:
         }
         if (checked && v != nullptr) v->add_checked_layers(static_cast<uint64_t>(L));
         if (bad > 0 && opt_.fail_on_violation) {
-            fail(r, fmt::format("request {}: {} checksum mismatches in the KV received by decode "
-                                "rank {} (first: {})",
-                                r->id, bad, transport_.rank(), first_bad),
+            fail(r,
+                 fmt::format("request {}: {} checksum mismatches in the KV received by decode "
+                             "rank {} (first: {})",
+                             r->id, bad, transport_.rank(), first_bad),
                  true);
             return;
         }
@@ -992,11 +995,10 @@ private:
     EngineStats stats_;
 };
 
-
 // ---- KvReceiver ----
 
 StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::create(Transport& transport, KvLayout layout,
-                                                          ReceiverOptions options) {
+                                                         ReceiverOptions options) {
     const Capabilities caps = transport.capabilities();
     if (!caps.two_sided || !caps.tag_matching) {
         return PDSIM_ERROR(StatusCode::kUnimplemented,
@@ -1020,24 +1022,39 @@ StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::create(Transport& transport, K
 }
 
 KvReceiver::KvReceiver(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
-KvReceiver::~KvReceiver() { impl_->shutdown(ShutdownMode::kGraceful); }
+KvReceiver::~KvReceiver() {
+    impl_->shutdown(ShutdownMode::kGraceful);
+}
 
-Status KvReceiver::submit(const ReceiveRequestSpec& spec) { return impl_->submit(spec); }
+Status KvReceiver::submit(const ReceiveRequestSpec& spec) {
+    return impl_->submit(spec);
+}
 Status KvReceiver::wait_layer(uint64_t id, int layer, std::chrono::nanoseconds timeout) const {
     return impl_->wait_layer(id, layer, timeout);
 }
 bool KvReceiver::layer_arrived(uint64_t id, int layer) const {
     return impl_->layer_arrived(id, layer);
 }
-StatusOr<RequestStatus> KvReceiver::wait_done(uint64_t id,
-                                              std::chrono::nanoseconds timeout) const {
+StatusOr<RequestStatus> KvReceiver::wait_done(uint64_t id, std::chrono::nanoseconds timeout) const {
     return impl_->wait_done(id, timeout);
 }
-StatusOr<RequestStatus> KvReceiver::status(uint64_t id) const { return impl_->status(id); }
-Status KvReceiver::release(uint64_t id) { return impl_->release(id); }
-PagePins& KvReceiver::pins() { return impl_->pins(); }
-EngineStats KvReceiver::stats() const { return impl_->stats(); }
-const KvLayout& KvReceiver::layout() const { return impl_->layout(); }
-void KvReceiver::shutdown(ShutdownMode mode) { impl_->shutdown(mode); }
+StatusOr<RequestStatus> KvReceiver::status(uint64_t id) const {
+    return impl_->status(id);
+}
+Status KvReceiver::release(uint64_t id) {
+    return impl_->release(id);
+}
+PagePins& KvReceiver::pins() {
+    return impl_->pins();
+}
+EngineStats KvReceiver::stats() const {
+    return impl_->stats();
+}
+const KvLayout& KvReceiver::layout() const {
+    return impl_->layout();
+}
+void KvReceiver::shutdown(ShutdownMode mode) {
+    impl_->shutdown(mode);
+}
 
 }  // namespace pdsim::transfer

@@ -1,5 +1,7 @@
 #include "transfer/engine/kv_sender.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -9,8 +11,6 @@
 #include <optional>
 #include <thread>
 #include <unordered_map>
-
-#include <fmt/format.h>
 
 #include "common/logging.h"
 #include "transfer/engine/control.h"
@@ -23,22 +23,32 @@ using Clock = std::chrono::steady_clock;
 
 std::string_view request_state_name(RequestState state) {
     switch (state) {
-        case RequestState::kBootstrapping: return "Bootstrapping";
-        case RequestState::kTransferring: return "Transferring";
-        case RequestState::kSuccess: return "Success";
-        case RequestState::kFailed: return "Failed";
+        case RequestState::kBootstrapping:
+            return "Bootstrapping";
+        case RequestState::kTransferring:
+            return "Transferring";
+        case RequestState::kSuccess:
+            return "Success";
+        case RequestState::kFailed:
+            return "Failed";
     }
     return "?";
 }
 
 std::string_view transfer_event_name(TransferEvent::Kind kind) {
     switch (kind) {
-        case TransferEvent::Kind::kLayerReady: return "layer_ready";
-        case TransferEvent::Kind::kLayerPosted: return "layer_posted";
-        case TransferEvent::Kind::kLayerSent: return "layer_sent";
-        case TransferEvent::Kind::kLayerArrived: return "layer_arrived";
-        case TransferEvent::Kind::kRequestDone: return "request_done";
-        case TransferEvent::Kind::kRequestFailed: return "request_failed";
+        case TransferEvent::Kind::kLayerReady:
+            return "layer_ready";
+        case TransferEvent::Kind::kLayerPosted:
+            return "layer_posted";
+        case TransferEvent::Kind::kLayerSent:
+            return "layer_sent";
+        case TransferEvent::Kind::kLayerArrived:
+            return "layer_arrived";
+        case TransferEvent::Kind::kRequestDone:
+            return "request_done";
+        case TransferEvent::Kind::kRequestFailed:
+            return "request_failed";
     }
     return "?";
 }
@@ -83,19 +93,19 @@ struct SendReq {
     Clock::time_point finished;
     int decode_tp_size = -1;
     std::map<int, std::shared_ptr<DestState>> dests;  // by decode TP rank
-    std::deque<SendChunk> held;                        // submitted before the bootstrap finished
-    int64_t computed_end = 0;                          // tokens computed by submitted chunks
-    int64_t sent_end = 0;                              // tokens handed to workers
+    std::deque<SendChunk> held;                       // submitted before the bootstrap finished
+    int64_t computed_end = 0;                         // tokens computed by submitted chunks
+    int64_t sent_end = 0;                             // tokens handed to workers
     bool last_submitted = false;
     bool last_dispatched = false;
     uint32_t next_chunk = 0;
-    std::vector<int32_t> pages;                        // the latest page table
+    std::vector<int32_t> pages;  // the latest page table
     int tasks_outstanding = 0;
     int64_t ops_outstanding = 0;
     bool finalizing = false;
     bool pins_released = false;
-    std::vector<RequestHandle> handles;                // posted sends (for cancellation)
-    std::string awaiting;                              // what a worker is blocked on
+    std::vector<RequestHandle> handles;  // posted sends (for cancellation)
+    std::string awaiting;                // what a worker is blocked on
     uint64_t bytes = 0;
 };
 
@@ -236,8 +246,7 @@ public:
             std::lock_guard<std::mutex> lock(mu_);
             auto it = reqs_.find(c.request_id);
             if (it == reqs_.end()) {
-                return PDSIM_ERROR(StatusCode::kNotFound, "request {} was not added",
-                                   c.request_id);
+                return PDSIM_ERROR(StatusCode::kNotFound, "request {} was not added", c.request_id);
             }
             SendReq& r = *it->second;
             if (r.state == RequestState::kFailed) {
@@ -288,12 +297,11 @@ public:
         }
         std::shared_ptr<SendReq> r = it->second;
         if (!cv_.wait_for(lock, timeout, [&] { return is_terminal(r->state); })) {
-            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                               "request {} still {} after {} ms (awaiting {})", id,
-                               request_state_name(r->state),
-                               std::chrono::duration_cast<std::chrono::milliseconds>(timeout)
-                                   .count(),
-                               describe_awaiting_locked(*r));
+            return PDSIM_ERROR(
+                StatusCode::kDeadlineExceeded, "request {} still {} after {} ms (awaiting {})", id,
+                request_state_name(r->state),
+                std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
+                describe_awaiting_locked(*r));
         }
         return status_locked(*r);
     }
@@ -336,8 +344,9 @@ public:
         stopping_.store(true);
         const bool graceful = mode == ShutdownMode::kGraceful;
         for (auto& r : active) {
-            fail(r, fmt::format("request {}: prefill rank {} shut down{}", r->id,
-                                transport_.rank(), graceful ? "" : " abruptly"),
+            fail(r,
+                 fmt::format("request {}: prefill rank {} shut down{}", r->id, transport_.rank(),
+                             graceful ? "" : " abruptly"),
                  graceful);
         }
         for (auto& w : workers_) {
@@ -366,8 +375,7 @@ public:
             case MsgType::kBootstrap: {
                 auto m = decode_bootstrap(bytes);
                 if (!m.ok()) {
-                    PDSIM_LOG_WARN("sender rank {}: {}", transport_.rank(),
-                                   m.status().to_string());
+                    PDSIM_LOG_WARN("sender rank {}: {}", transport_.rank(), m.status().to_string());
                     return;
                 }
                 handle_bootstrap(peer, std::move(m).value());
@@ -393,7 +401,8 @@ public:
                 if (r) fail(r, why, true);
                 return;
             }
-            case MsgType::kHeartbeat: return;
+            case MsgType::kHeartbeat:
+                return;
             default:
                 PDSIM_LOG_WARN("sender rank {}: unexpected {} message from rank {}",
                                transport_.rank(), msg_type_name(*type), peer);
@@ -416,7 +425,8 @@ public:
                 }
             }
             for (auto it = pending_bootstraps_.begin(); it != pending_bootstraps_.end();) {
-                std::erase_if(it->second, [&](const PendingBootstrap& p) { return p.peer == peer; });
+                std::erase_if(it->second,
+                              [&](const PendingBootstrap& p) { return p.peer == peer; });
                 it = it->second.empty() ? pending_bootstraps_.erase(it) : std::next(it);
             }
         }
@@ -432,10 +442,10 @@ public:
                 if (is_terminal(r->state)) continue;
                 for (auto& [tp, d] : r->dests) interest[static_cast<size_t>(d->world_rank)] = 1;
                 if (now >= r->deadline) {
-                    to_fail.emplace_back(r, fmt::format("request {}: timed out after {} ms "
-                                                        "while awaiting {}",
-                                                        id, r->timeout.count(),
-                                                        describe_awaiting_locked(*r)));
+                    to_fail.emplace_back(
+                        r, fmt::format("request {}: timed out after {} ms "
+                                       "while awaiting {}",
+                                       id, r->timeout.count(), describe_awaiting_locked(*r)));
                     continue;
                 }
                 for (auto& [tp, d] : r->dests) {
@@ -486,15 +496,15 @@ private:
 
     std::string describe_awaiting_locked(const SendReq& r) const {
         if (r.state == RequestState::kBootstrapping) {
-            return fmt::format("the bootstrap from the decode side ({} of {} decode ranks)",
-                               r.dests.size(),
-                               r.decode_tp_size < 0 ? std::string("?")
-                                                    : std::to_string(r.decode_tp_size));
+            return fmt::format(
+                "the bootstrap from the decode side ({} of {} decode ranks)", r.dests.size(),
+                r.decode_tp_size < 0 ? std::string("?") : std::to_string(r.decode_tp_size));
         }
         if (!r.last_submitted) {
-            return fmt::format("the next chunk from the prefill scheduler ({} of {} tokens "
-                               "computed)",
-                               r.computed_end, r.num_tokens);
+            return fmt::format(
+                "the next chunk from the prefill scheduler ({} of {} tokens "
+                "computed)",
+                r.computed_end, r.num_tokens);
         }
         if (r.tasks_outstanding > 0 && !r.awaiting.empty()) return r.awaiting;
         if (r.ops_outstanding > 0) {
@@ -577,8 +587,7 @@ private:
         PDSIM_RETURN_IF_ERROR(check_compatible(layout_.summary(), m.layout));
         if (m.decode_rank != peer) {
             return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "bootstrap from rank {} claims decode rank {}", peer,
-                               m.decode_rank);
+                               "bootstrap from rank {} claims decode rank {}", peer, m.decode_rank);
         }
         if (m.decode_tp_size < 1 || m.decode_tp_rank < 0 || m.decode_tp_rank >= m.decode_tp_size ||
             m.layout.tp_rank != m.decode_tp_rank || m.layout.tp_size != m.decode_tp_size) {
@@ -604,15 +613,15 @@ private:
     // and its held chunks are dispatched. Returns a failure reason, or "".
     std::string attach_locked(SendReq& r, int peer, const BootstrapMsg& m, std::vector<Task>& out) {
         if (m.num_tokens != r.num_tokens) {
-            return fmt::format("request {}: decode rank {} expects {} tokens, prefill has {}",
-                               r.id, peer, m.num_tokens, r.num_tokens);
+            return fmt::format("request {}: decode rank {} expects {} tokens, prefill has {}", r.id,
+                               peer, m.num_tokens, r.num_tokens);
         }
         if (r.decode_tp_size < 0) r.decode_tp_size = m.decode_tp_size;
         if (m.decode_tp_size != r.decode_tp_size || r.dests.count(m.decode_tp_rank) != 0) {
-            return fmt::format("request {}: inconsistent bootstrap from decode rank {} (tp {} of "
-                               "{}; already have {} of {})",
-                               r.id, peer, m.decode_tp_rank, m.decode_tp_size, r.dests.size(),
-                               r.decode_tp_size);
+            return fmt::format(
+                "request {}: inconsistent bootstrap from decode rank {} (tp {} of "
+                "{}; already have {} of {})",
+                r.id, peer, m.decode_tp_rank, m.decode_tp_size, r.dests.size(), r.decode_tp_size);
         }
         auto d = std::make_shared<DestState>();
         d->world_rank = peer;
@@ -800,9 +809,9 @@ private:
         Task t;
         std::vector<TokenRun> runs;
         std::shared_ptr<TaskProgress> progress;
-        int next_l0 = 0;           // first layer of the next interval to send
-        bool started = false;      // Chunk header sent, runs cut
-        bool data_done = false;    // every interval posted
+        int next_l0 = 0;         // first layer of the next interval to send
+        bool started = false;    // Chunk header sent, runs cut
+        bool data_done = false;  // every interval posted
         bool finished = false;
         bool has_first_token = false;
         int32_t first_token = -1;
@@ -892,8 +901,8 @@ private:
     }
 
     Clock::duration wait_slice(const Active& a) const {
-        auto left = std::max<Clock::duration>(a.t.req->deadline - Clock::now(),
-                                              Clock::duration::zero());
+        auto left =
+            std::max<Clock::duration>(a.t.req->deadline - Clock::now(), Clock::duration::zero());
         return std::min<Clock::duration>(left + std::chrono::milliseconds(1), opt_.cancel_check);
     }
 
@@ -954,7 +963,8 @@ private:
             case Progress::kDone:
                 finish_task(a);
                 return true;
-            case Progress::kWaiting: return moved;
+            case Progress::kWaiting:
+                return moved;
             case Progress::kFailed:
                 finish_task(a);
                 return true;
@@ -984,8 +994,8 @@ private:
         const Fragment& f = *d.frag;
         const int B = layout_.buffer_count();
         OrderingValidator* v = opt_.validator;
-        set_awaiting(r, fmt::format("posting layers {}..{} to decode rank {}", l0, l1 - 1,
-                                    d.world_rank));
+        set_awaiting(
+            r, fmt::format("posting layers {}..{} to decode rank {}", l0, l1 - 1, d.world_rank));
         uint64_t staged = 0;
         bool ok = true;
         for (int l = l0; ok && l < l1; ++l) {
@@ -1175,10 +1185,10 @@ private:
         }
         if (cancel_now) transport_.cancel(*h).ignore_error();
         std::weak_ptr<Impl> weak = weak_from_this();
-        h->on_complete([weak, req = t.req, progress, layer, peer, keep](const Status& st,
-                                                                          size_t n) {
-            if (auto self = weak.lock()) self->on_send_done(req, progress, layer, peer, st, n);
-        });
+        h->on_complete(
+            [weak, req = t.req, progress, layer, peer, keep](const Status& st, size_t n) {
+                if (auto self = weak.lock()) self->on_send_done(req, progress, layer, peer, st, n);
+            });
         return true;
     }
 
@@ -1249,8 +1259,8 @@ private:
 // ---- KvSender ----
 
 StatusOr<std::unique_ptr<KvSender>> KvSender::create(Transport& transport, KvLayout layout,
-                                                      pd::StepCounter& counter,
-                                                      SenderOptions options) {
+                                                     pd::StepCounter& counter,
+                                                     SenderOptions options) {
     const Capabilities caps = transport.capabilities();
     if (!caps.two_sided || !caps.tag_matching) {
         return PDSIM_ERROR(StatusCode::kUnimplemented,
@@ -1276,18 +1286,36 @@ StatusOr<std::unique_ptr<KvSender>> KvSender::create(Transport& transport, KvLay
 }
 
 KvSender::KvSender(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
-KvSender::~KvSender() { impl_->shutdown(ShutdownMode::kGraceful); }
+KvSender::~KvSender() {
+    impl_->shutdown(ShutdownMode::kGraceful);
+}
 
-Status KvSender::add_request(const SendRequestSpec& spec) { return impl_->add_request(spec); }
-Status KvSender::submit_chunk(SendChunk chunk) { return impl_->submit_chunk(std::move(chunk)); }
-StatusOr<RequestStatus> KvSender::status(uint64_t id) const { return impl_->status(id); }
+Status KvSender::add_request(const SendRequestSpec& spec) {
+    return impl_->add_request(spec);
+}
+Status KvSender::submit_chunk(SendChunk chunk) {
+    return impl_->submit_chunk(std::move(chunk));
+}
+StatusOr<RequestStatus> KvSender::status(uint64_t id) const {
+    return impl_->status(id);
+}
 StatusOr<RequestStatus> KvSender::wait(uint64_t id, std::chrono::nanoseconds timeout) const {
     return impl_->wait(id, timeout);
 }
-Status KvSender::release(uint64_t id) { return impl_->release(id); }
-PagePins& KvSender::pins() { return impl_->pins(); }
-EngineStats KvSender::stats() const { return impl_->stats(); }
-const KvLayout& KvSender::layout() const { return impl_->layout(); }
-void KvSender::shutdown(ShutdownMode mode) { impl_->shutdown(mode); }
+Status KvSender::release(uint64_t id) {
+    return impl_->release(id);
+}
+PagePins& KvSender::pins() {
+    return impl_->pins();
+}
+EngineStats KvSender::stats() const {
+    return impl_->stats();
+}
+const KvLayout& KvSender::layout() const {
+    return impl_->layout();
+}
+void KvSender::shutdown(ShutdownMode mode) {
+    impl_->shutdown(mode);
+}
 
 }  // namespace pdsim::transfer

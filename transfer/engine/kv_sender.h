@@ -31,7 +31,9 @@
 // staging buffer first (one host copy; counted in stats().staged_bytes).
 //
 // Pins: a chunk's pages are pinned from submit_chunk until no send can read them any more;
-// pins().free_pages() refuses to free them meanwhile (see page_pins.h).
+// pins().free_pages() refuses to free them meanwhile (see page_pins.h). A Failed request turns
+// terminal at once; its pages are released once its sends were withdrawn or completed
+// (RequestStatus::pages_in_use turns false).
 //
 // Failure: every wait is bounded: the request's timeout (from add_request), the peer timeout
 // (decode rank silent, heartbeats included), transport errors (kUnavailable: the decode rank is

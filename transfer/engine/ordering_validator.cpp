@@ -1,12 +1,12 @@
 #include "transfer/engine/ordering_validator.h"
 
+#include <fmt/chrono.h>
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 #include <memory>
 #include <optional>
-
-#include <fmt/chrono.h>
-#include <fmt/format.h>
 
 namespace pdsim::transfer {
 
@@ -18,7 +18,9 @@ constexpr uint64_t kP3 = 0x165667B19E3779F9ull;
 constexpr uint64_t kP4 = 0x85EBCA77C2B2AE63ull;
 constexpr uint64_t kP5 = 0x27D4EB2F165667C5ull;
 
-inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t rotl(uint64_t x, int r) {
+    return (x << r) | (x >> (64 - r));
+}
 inline uint64_t read64(const unsigned char* p) {
     uint64_t v;
     std::memcpy(&v, p, 8);
@@ -111,8 +113,8 @@ std::vector<uint64_t> kv_checksums(const KvLayout& layout, std::span<const int32
     while (t < t1) {
         // One page segment at a time: slots are consecutive inside a page.
         const int64_t n = std::min<int64_t>(t1 - t, ps - t % ps);
-        kv_checksums_add_run(layout, layer, buf, t, n, token_slot(pages, ps, t), offset,
-                             head_count, sums.data());
+        kv_checksums_add_run(layout, layer, buf, t, n, token_slot(pages, ps, t), offset, head_count,
+                             sums.data());
         t += n;
     }
     return sums;
@@ -129,8 +131,8 @@ void OrderingReport::merge(const OrderingReport& other) {
 }
 
 std::string OrderingReport::to_string(size_t max_listed) const {
-    std::string out = fmt::format("{} checked layers, {} violations", checked_layers,
-                                  violations.size());
+    std::string out =
+        fmt::format("{} checked layers, {} violations", checked_layers, violations.size());
     for (size_t i = 0; i < violations.size() && i < max_listed; ++i) {
         out += "\n  " + violations[i].to_string();
     }
@@ -204,10 +206,10 @@ size_t OrderingValidator::compare(uint64_t request, int layer, int buf, int head
     for (size_t i = 0; i < observed.size() && i < expected.size(); ++i) {
         if (observed[i] == expected[i]) continue;
         ++bad;
-        report_.violations.push_back(Violation{
-            request, layer, buf, rank_,
-            fmt::format("{}: head {} checksum {:016x} != recorded {:016x}", side,
-                        head_begin + static_cast<int>(i), observed[i], expected[i])});
+        report_.violations.push_back(
+            Violation{request, layer, buf, rank_,
+                      fmt::format("{}: head {} checksum {:016x} != recorded {:016x}", side,
+                                  head_begin + static_cast<int>(i), observed[i], expected[i])});
     }
     return bad;
 }

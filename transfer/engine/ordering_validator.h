@@ -50,8 +50,8 @@ namespace pdsim::transfer {
 // Per-head checksums of tokens [t0, t1) of (layer, buf) for heads [head_begin, head_begin + count)
 // (global indices; must be inside the layout's heads), reading slots from `pages`.
 [[nodiscard]] std::vector<uint64_t> kv_checksums(const KvLayout& layout,
-                                                 std::span<const int32_t> pages, int layer,
-                                                 int buf, int64_t t0, int64_t t1, int head_begin,
+                                                 std::span<const int32_t> pages, int layer, int buf,
+                                                 int64_t t0, int64_t t1, int head_begin,
                                                  int head_count);
 // Adds the checksum terms of `count` tokens starting at token_begin, whose slots are slot0,
 // slot0 + 1, ... on `layout`'s side, reading head_count heads from byte `offset` of each slot,
@@ -62,7 +62,7 @@ void kv_checksums_add_run(const KvLayout& layout, int layer, int buf, int64_t to
 
 struct Violation {
     uint64_t request = 0;
-    int layer = -1;   // -1: not about one layer (e.g. a pinned page freed)
+    int layer = -1;  // -1: not about one layer (e.g. a pinned page freed)
     int buffer = -1;
     int rank = -1;
     std::string what;
@@ -115,7 +115,7 @@ public:
 
 private:
     struct Entry {
-        std::map<int, uint64_t> sums;  // global head -> sum
+        std::map<int, uint64_t> sums;                     // global head -> sum
         std::vector<std::pair<int64_t, int64_t>> ranges;  // recorded token ranges
         int64_t covered = 0;
     };
@@ -133,8 +133,8 @@ private:
 // layer's KV write (before or after the step record: the sender waits for the sums, bounded by
 // its request timeout). `pages` is the request's page table (copied). Host (CPU) pools only.
 [[nodiscard]] Status enqueue_layer_checksum(runtime::Stream& stream, OrderingValidator& validator,
-                                            const KvLayout& layout, uint64_t request_id,
-                                            int layer, std::vector<int32_t> pages,
-                                            int64_t token_begin, int64_t token_end);
+                                            const KvLayout& layout, uint64_t request_id, int layer,
+                                            std::vector<int32_t> pages, int64_t token_begin,
+                                            int64_t token_end);
 
 }  // namespace pdsim::transfer

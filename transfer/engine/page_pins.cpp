@@ -1,8 +1,8 @@
 #include "transfer/engine/page_pins.h"
 
-#include <algorithm>
-
 #include <fmt/format.h>
+
+#include <algorithm>
 
 #include "transfer/engine/ordering_validator.h"
 

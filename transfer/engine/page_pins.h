@@ -48,8 +48,8 @@ private:
     const int rank_;
     OrderingValidator* const validator_;
     mutable std::mutex mu_;
-    std::unordered_map<int32_t, std::vector<uint64_t>> owners_;        // page -> requests
-    std::unordered_map<uint64_t, std::vector<int32_t>> by_request_;    // request -> pages
+    std::unordered_map<int32_t, std::vector<uint64_t>> owners_;      // page -> requests
+    std::unordered_map<uint64_t, std::vector<int32_t>> by_request_;  // request -> pages
 };
 
 }  // namespace pdsim::transfer

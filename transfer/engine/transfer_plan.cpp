@@ -105,8 +105,8 @@ void gather_run(const KvLayout& src, const Fragment& frag, int layer, int buf, c
     }
 }
 
-void scatter_run(const KvLayout& dst, const Fragment& frag, int layer, int buf,
-                 const TokenRun& run, const std::byte* src) {
+void scatter_run(const KvLayout& dst, const Fragment& frag, int layer, int buf, const TokenRun& run,
+                 const std::byte* src) {
     const auto i = static_cast<size_t>(buf);
     const size_t n = frag.bytes[i];
     for (int64_t k = 0; k < run.count; ++k) {

@@ -47,9 +47,9 @@ struct Fragment {
     int head_count = 0;
     std::array<size_t, kMaxKvBuffers> src_offset{};
     std::array<size_t, kMaxKvBuffers> dst_offset{};
-    std::array<size_t, kMaxKvBuffers> bytes{};          // per token
-    std::array<bool, kMaxKvBuffers> src_contiguous{};   // bytes == src token_bytes
-    std::array<bool, kMaxKvBuffers> dst_contiguous{};   // bytes == dst token_bytes
+    std::array<size_t, kMaxKvBuffers> bytes{};         // per token
+    std::array<bool, kMaxKvBuffers> src_contiguous{};  // bytes == src token_bytes
+    std::array<bool, kMaxKvBuffers> dst_contiguous{};  // bytes == dst token_bytes
 };
 
 // The prefill TP rank (of src.tp_size) that provides global head `head` to decode TP rank
@@ -72,11 +72,10 @@ struct TokenRun {
 // prefill page of page index src_first_page + i (the sender passes its whole table and 0; the
 // receiver gets the slice covering the chunk in the Chunk header). dst_pages starts at index 0.
 // Precondition: the tables cover [t0, t1).
-[[nodiscard]] std::vector<TokenRun> make_runs(std::span<const int32_t> src_pages,
-                                              int src_page_size, int64_t src_first_page,
-                                              std::span<const int32_t> dst_pages,
-                                              int dst_page_size, int64_t t0, int64_t t1,
-                                              int64_t max_tokens);
+[[nodiscard]] std::vector<TokenRun> make_runs(std::span<const int32_t> src_pages, int src_page_size,
+                                              int64_t src_first_page,
+                                              std::span<const int32_t> dst_pages, int dst_page_size,
+                                              int64_t t0, int64_t t1, int64_t max_tokens);
 
 // The longest run (in tokens) for which every buffer's message of `frag` stays within
 // `max_message_bytes` (at least 1).
@@ -89,11 +88,11 @@ inline size_t message_bytes(const Fragment& frag, int buf, const TokenRun& run) 
 }
 
 // Copies a run's fragment out of the prefill pages into `dst` (packed [token][fragment bytes]).
-void gather_run(const KvLayout& src, const Fragment& frag, int layer, int buf,
-                const TokenRun& run, std::byte* dst);
+void gather_run(const KvLayout& src, const Fragment& frag, int layer, int buf, const TokenRun& run,
+                std::byte* dst);
 // Copies packed [token][fragment bytes] from `src` into the decode pages.
-void scatter_run(const KvLayout& dst, const Fragment& frag, int layer, int buf,
-                 const TokenRun& run, const std::byte* src);
+void scatter_run(const KvLayout& dst, const Fragment& frag, int layer, int buf, const TokenRun& run,
+                 const std::byte* src);
 
 // For chunked prefill: the end of what a chunk that computed tokens up to `computed_end` may
 // send. Middle chunks send only full prefill pages (the partial tail page is still being
