@@ -346,4 +346,20 @@ StatusOr<DocNode> read_json_doc(std::string_view text, std::string_view source_n
     }
 }
 
+std::string quoted_for_message(std::string_view s) {
+    std::string out = "\"";
+    for (char c : s.substr(0, 64)) {
+        if (c == '"' || c == '\\') {
+            out += '\\';
+            out += c;
+        } else if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) {
+            out += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+        } else {
+            out += c;
+        }
+    }
+    if (s.size() > 64) out += "...";
+    return out + "\"";
+}
+
 }  // namespace pdsim::topo::detail

@@ -60,6 +60,10 @@ inline std::string_view DocNode::kind_name() const {
     return "?";
 }
 
+// `s` (its first 64 characters) in double quotes with quotes, backslashes and control bytes
+// escaped: safe to put a user's string into an error message.
+std::string quoted_for_message(std::string_view s);
+
 StatusOr<DocNode> read_yaml_doc(std::string_view text, std::string_view source_name);
 StatusOr<DocNode> read_json_doc(std::string_view text, std::string_view source_name);
 

@@ -29,22 +29,6 @@ std::string index_path(const std::string& path, size_t i) {
     return fmt::format("{}[{}]", path, i);
 }
 
-std::string quoted_for_message(std::string_view s) {
-    std::string out = "\"";
-    for (char c : s.substr(0, 64)) {
-        if (c == '"' || c == '\\') {
-            out += '\\';
-            out += c;
-        } else if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) {
-            out += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
-        } else {
-            out += c;
-        }
-    }
-    if (s.size() > 64) out += "...";
-    return out + "\"";
-}
-
 class Walker {
 public:
     explicit Walker(SourceInfo* src) : src_(src) {}
@@ -194,7 +178,7 @@ public:
             return error(path, n.line,
                          fmt::format("unknown link type {} (expected nvlink, pcie, ib, ethernet or "
                                      "loopback)",
-                                     quoted_for_message(s)));
+                                     detail::quoted_for_message(s)));
         }
         *out = *t;
         return ok_status();
@@ -215,7 +199,7 @@ public:
                 return error(path, n.line,
                              fmt::format("unknown model {} (built in: {}; or give a mapping with "
                                          "num_layers, num_q_heads, num_kv_heads, head_dim)",
-                                         quoted_for_message(n.scalar), builtin_model_names()));
+                                         detail::quoted_for_message(n.scalar), builtin_model_names()));
             }
             *out = *m;
             return ok_status();
@@ -233,7 +217,7 @@ public:
             base = builtin_model_shape(b);
             if (base == nullptr) {
                 return error(join(path, "base"), v->line,
-                             fmt::format("unknown model {} (built in: {})", quoted_for_message(b),
+                             fmt::format("unknown model {} (built in: {})", detail::quoted_for_message(b),
                                          builtin_model_names()));
             }
         }
@@ -257,7 +241,7 @@ public:
             } else {
                 return error(join(path, "attention"), v->line,
                              fmt::format("unknown attention {} (expected mha, gqa or mla)",
-                                         quoted_for_message(a)));
+                                         detail::quoted_for_message(a)));
             }
         }
         const bool mla = out->attention == AttentionKind::kMla;
@@ -393,7 +377,7 @@ public:
         if (!r) {
             return error(join(path, "role"), v->line,
                          fmt::format("unknown role {} (expected prefill or decode)",
-                                     quoted_for_message(role)));
+                                     detail::quoted_for_message(role)));
         }
         out->role = *r;
         PDSIM_RETURN_IF_ERROR(required(n, path, "tp", &v));
@@ -487,8 +471,8 @@ public:
 private:
     static std::string describe(const DocNode& n) {
         if (n.kind == Kind::kScalar) {
-            return n.quoted ? "the string " + quoted_for_message(n.scalar)
-                            : quoted_for_message(n.scalar);
+            return n.quoted ? "the string " + detail::quoted_for_message(n.scalar)
+                            : detail::quoted_for_message(n.scalar);
         }
         return std::string(n.kind_name());
     }

@@ -1,5 +1,7 @@
 #include "topology/validate.h"
 
+#include "topology/doc.h"
+
 #include <fmt/format.h>
 
 #include <cctype>
@@ -17,22 +19,6 @@ constexpr int kMaxRanks = 1 << 20;
 
 std::string join(std::string_view path, std::string_view key) {
     return path.empty() ? std::string(key) : fmt::format("{}.{}", path, key);
-}
-
-std::string q(std::string_view s) {
-    std::string out = "\"";
-    for (char c : s.substr(0, 64)) {
-        if (c == '"' || c == '\\') {
-            out += '\\';
-            out += c;
-        } else if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) {
-            out += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
-        } else {
-            out += c;
-        }
-    }
-    if (s.size() > 64) out += "...";
-    return out + "\"";
 }
 
 class Checker {
@@ -67,7 +53,7 @@ public:
             const auto u = static_cast<unsigned char>(c);
             if (u <= 0x20 || u == 0x7f) {
                 return bad(path,
-                           fmt::format("{} contains whitespace or control characters", q(id)));
+                           fmt::format("{} contains whitespace or control characters", detail::quoted_for_message(id)));
             }
         }
         return ok_status();
@@ -95,7 +81,7 @@ std::string check_cores(std::string_view cores, int cpus) {
                             ? num(part, &lo) && num(part, &hi)
                             : num(part.substr(0, dash), &lo) && num(part.substr(dash + 1), &hi);
         if (!ok || lo > hi) {
-            return fmt::format("{} is not a core list like \"0-13\" or \"0,2,4-7\"", q(cores));
+            return fmt::format("{} is not a core list like \"0-13\" or \"0,2,4-7\"", detail::quoted_for_message(cores));
         }
         if (cpus > 0 && hi >= cpus) {
             return fmt::format("core {} is beyond the node's {} cpus", hi, cpus);
@@ -195,7 +181,7 @@ Status validate(const Topology& t, const ModelShape* model_override) {
         auto [it, inserted] = ids.emplace(id, IdInfo{kind, path, type});
         if (!inserted) {
             return c.bad(join(path, "id"), fmt::format("duplicate id {} (already used by {})",
-                                                       q(id), c.at(it->second.path)));
+                                                       detail::quoted_for_message(id), c.at(it->second.path)));
         }
         return ok_status();
     };
@@ -220,7 +206,7 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             if (!d.is_cpu() && d.gpu() == nullptr) {
                 return c.bad(join(dp, "type"),
                              fmt::format("unknown device type {} (expected cpu or a GPU: {})",
-                                         q(d.type), gpu_spec_names()));
+                                         detail::quoted_for_message(d.type), gpu_spec_names()));
             }
             if (d.index < -1) {
                 return c.bad(join(dp, "index"), fmt::format("must be >= 0, got {}", d.index));
@@ -272,17 +258,17 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             if (it == ids.end()) {
                 return c.bad(fp, fmt::format("unknown endpoint {} (expected the id of a device, "
                                              "NIC or switch)",
-                                             q(*names[e])));
+                                             detail::quoted_for_message(*names[e])));
             }
             if (it->second.kind == EndpointKind::kNode ||
                 it->second.kind == EndpointKind::kInstance) {
                 return c.bad(fp, fmt::format("{} is {}; links join devices, NICs and switches",
-                                             q(*names[e]), kind_name(it->second.kind)));
+                                             detail::quoted_for_message(*names[e]), kind_name(it->second.kind)));
             }
             ends[e] = &it->second;
         }
         if (l.a == l.b)
-            return c.bad(join(lp, "b"), fmt::format("a link cannot join {} to itself", q(l.a)));
+            return c.bad(join(lp, "b"), fmt::format("a link cannot join {} to itself", detail::quoted_for_message(l.a)));
         PDSIM_RETURN_IF_ERROR(c.positive(join(lp, "gbps"), l.gbps));
         PDSIM_RETURN_IF_ERROR(c.non_negative(join(lp, "latency_us"), l.latency_us));
         for (int e = 0; e < 2; ++e) {
@@ -292,19 +278,19 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             if (end.kind == EndpointKind::kSwitch && l.type != end.type && !nic_attach) {
                 return c.bad(join(lp, "type"), fmt::format("{} link cannot attach to {} switch {}",
                                                            link_type_name(l.type),
-                                                           link_type_name(end.type), q(*names[e])));
+                                                           link_type_name(end.type), detail::quoted_for_message(*names[e])));
             }
             if (end.kind == EndpointKind::kNic && l.type != end.type && l.type != LinkType::kPcie) {
                 return c.bad(join(lp, "type"),
                              fmt::format("{} link cannot attach to {} NIC {} (pcie or {} only)",
                                          link_type_name(l.type), link_type_name(end.type),
-                                         q(*names[e]), link_type_name(end.type)));
+                                         detail::quoted_for_message(*names[e]), link_type_name(end.type)));
             }
         }
         const std::string key = l.a < l.b ? l.a + '\n' + l.b : l.b + '\n' + l.a;
         if (auto [it, inserted] = pairs.emplace(key, k); !inserted) {
             return c.bad(lp, fmt::format("duplicate link: links[{}] already joins {} and {}",
-                                         it->second, q(l.a), q(l.b)));
+                                         it->second, detail::quoted_for_message(l.a), detail::quoted_for_message(l.b)));
         }
     }
 
@@ -334,15 +320,15 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             const std::string dp = fmt::format("{}.devices[{}]", ip, d);
             const std::string& id = in.devices[d];
             auto it = ids.find(id);
-            if (it == ids.end()) return c.bad(dp, fmt::format("unknown device {}", q(id)));
+            if (it == ids.end()) return c.bad(dp, fmt::format("unknown device {}", detail::quoted_for_message(id)));
             if (it->second.kind != EndpointKind::kDevice) {
                 return c.bad(
-                    dp, fmt::format("{} is {}, not a device", q(id), kind_name(it->second.kind)));
+                    dp, fmt::format("{} is {}, not a device", detail::quoted_for_message(id), kind_name(it->second.kind)));
             }
             if (auto [u, inserted] = used.emplace(id, ip); !inserted) {
-                return c.bad(dp, u->second == ip ? fmt::format("device {} is listed twice", q(id))
+                return c.bad(dp, u->second == ip ? fmt::format("device {} is listed twice", detail::quoted_for_message(id))
                                                  : fmt::format("device {} is already used by {}",
-                                                               q(id), c.at(u->second)));
+                                                               detail::quoted_for_message(id), c.at(u->second)));
             }
             const Device* dev = t.find_device(id);
             if (first == nullptr) {
@@ -350,7 +336,7 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             } else if (dev->type != first->type) {
                 return c.bad(dp, fmt::format("device {} ({}) differs from devices[0] {} ({}); an "
                                              "instance's devices are of one type",
-                                             q(id), dev->type, q(first->id), first->type));
+                                             detail::quoted_for_message(id), dev->type, detail::quoted_for_message(first->id), first->type));
             }
         }
         if (model != nullptr) {
@@ -404,7 +390,7 @@ Status validate(const Topology& t, const ModelShape* model_override) {
         if (!paths.reachable(a, b)) {
             return c.bad(fmt::format("instances[{}].devices[{}]", m_to, j),
                          fmt::format("no path from {} (instances[{}].devices[{}]) to {}; add links",
-                                     q(a), m_from, i, q(b)));
+                                     detail::quoted_for_message(a), m_from, i, detail::quoted_for_message(b)));
         }
         return ok_status();
     };
@@ -432,7 +418,7 @@ Status validate(const Topology& t, const ModelShape* model_override) {
                 if (dev != nullptr && !dev->is_cpu()) {
                     return c.bad("shaping", fmt::format("only a CPU topology is shaped, but device "
                                                         "{} of {} is a {}",
-                                                        q(id), in.id, dev->type));
+                                                        detail::quoted_for_message(id), in.id, dev->type));
                 }
             }
         }
@@ -440,7 +426,7 @@ Status validate(const Topology& t, const ModelShape* model_override) {
         PDSIM_RETURN_IF_ERROR(c.non_negative("shaping.latency_us", s.latency_us));
         if (!s.gpu.empty() && gpu_spec(s.gpu) == nullptr) {
             return c.bad("shaping.gpu", fmt::format("unknown GPU {} (expected one of: {})",
-                                                    q(s.gpu), gpu_spec_names()));
+                                                    detail::quoted_for_message(s.gpu), gpu_spec_names()));
         }
         if (s.time_scale < 0 || !std::isfinite(s.time_scale)) {
             return c.bad("shaping.time_scale",
