@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdint>
 #include <thread>
 
 #include "backends/runtime/cpu_stream.h"
@@ -28,6 +29,14 @@ TEST(StepCounter, IsStepReadyIsWrapSafe) {
     // target wrapped past 0, ready just before the wrap: not ready.
     EXPECT_FALSE(StepCounter::is_step_ready(kMax - 1, 0));
     EXPECT_FALSE(StepCounter::is_step_ready(kMax - 2, 1));
+    // Targets computed as begin + l without wrapping (begin near MAX) compare as their residue;
+    // no operand combination overflows (UBSan checks this in CI).
+    EXPECT_TRUE(StepCounter::is_step_ready(1, kMax));
+    EXPECT_TRUE(StepCounter::is_step_ready(2, kMax + 1));
+    EXPECT_FALSE(StepCounter::is_step_ready(1, kMax + 1));
+    EXPECT_FALSE(StepCounter::is_step_ready(0, kMax + 1));
+    EXPECT_FALSE(StepCounter::is_step_ready(kMax - 1, INT64_MAX));
+    EXPECT_TRUE(StepCounter::is_step_ready(INT64_MIN, INT64_MAX));  // residues 0 and MAX - 1
     // Half the ring is the boundary: ready may lead target by less than MAX/2.
     EXPECT_TRUE(StepCounter::is_step_ready(kMax / 2 - 1, 0));
     EXPECT_FALSE(StepCounter::is_step_ready(kMax / 2, 0));

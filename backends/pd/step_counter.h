@@ -36,8 +36,12 @@ public:
     static constexpr int64_t kCountMax = int64_t{1} << 62;
 
     static constexpr bool is_step_ready(int64_t current_step, int64_t target_step) {
-        return target_step != current_step &&
-               (target_step + kCountMax - current_step) % kCountMax > kCountMax / 2;
+        // (target - current) mod 2^62, computed in uint64: 2^64 is a multiple of 2^62, so the
+        // unsigned wrap leaves the residue intact and nothing overflows for any int64 input.
+        const uint64_t diff =
+            (static_cast<uint64_t>(target_step) - static_cast<uint64_t>(current_step)) &
+            static_cast<uint64_t>(kCountMax - 1);
+        return target_step != current_step && diff > static_cast<uint64_t>(kCountMax / 2);
     }
     static constexpr int64_t wrap(int64_t step) {
         return ((step % kCountMax) + kCountMax) % kCountMax;
