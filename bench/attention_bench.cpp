@@ -1,8 +1,8 @@
 // Google Benchmark microbenchmarks of the `cpu` attention backend next to its baselines:
-//   BM_Decode   decode forward over long paged KV; counter GB/s = KV bytes read per second
-//   BM_Copy     STREAM-style copy on a pdsim::ThreadPool of the same size; GB/s = read + write
-//   BM_Extend   causal prefill forward; counter GFLOP/s = causal QK^T + PV work attended
-//   BM_Sgemm    OpenBLAS sgemm on the same products done densely; GFLOP/s
+//   BM_Decode   decode forward over long paged KV; counter KV_bytes/s = KV bytes read
+//   BM_Copy     STREAM-style copy on a pdsim::ThreadPool of the same size; bytes/s = read + write
+//   BM_Extend   causal prefill forward; counter FLOP/s = causal QK^T + PV work attended
+//   BM_Sgemm    OpenBLAS sgemm on the same products done densely; FLOP/s
 // Threads: PDSIM_NUM_THREADS (default: all cores), for the backend, the copy and OpenBLAS alike.
 // `pdsim bench attention` is the end-to-end measurement with targets; these are for profiling
 // and quick A/B comparisons (e.g. --benchmark_filter=Decode).
@@ -37,7 +37,8 @@ int bench_threads() {
     return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-// A paged batch (random KV, each request's pages shuffled over the pool) and a cpu backend.
+// A paged batch (random KV; each request's pages in the allocator's order, or shuffled over the
+// pool: a fragmented pool) and a cpu backend.
 struct Fixture {
     runtime::CpuStream stream{"attention-bench"};
     std::unique_ptr<attn::AttentionBackend> backend;
@@ -48,7 +49,8 @@ struct Fixture {
     attn::LayerSpec layer;
     int bs;
 
-    Fixture(attn::ForwardMode m, kv::KVDtype dtype, int kv_heads, int batch, int seq_len, int q_len)
+    Fixture(attn::ForwardMode m, kv::KVDtype dtype, int kv_heads, int batch, int seq_len, int q_len,
+            bool shuffle_pages = false)
         : mode(m), layer{0, kQHeads, kv_heads, kHeadDim, 0, 0.f}, bs(batch) {
         attn::AttentionConfig ac;
         ac.num_q_heads = kQHeads;
@@ -68,7 +70,7 @@ struct Fixture {
         pool = std::move(kv::MHATokenToKVPool::create(pc)).value();
         page_table = std::move(pool->allocator().alloc(batch * stride)).value();
         std::mt19937_64 rng(1);
-        std::shuffle(page_table.begin(), page_table.end(), rng);
+        if (shuffle_pages) std::shuffle(page_table.begin(), page_table.end(), rng);
         std::uniform_real_distribution<float> u(-1.f, 1.f);
         for (int b = 0; b < 2; ++b) {
             const size_t n =
@@ -105,24 +107,26 @@ kv::KVDtype dtype_arg(int64_t a) {
     return a == 0 ? kv::KVDtype::kF32 : kv::KVDtype::kBF16;
 }
 
-// Args: dtype (0 fp32, 1 bf16), kv heads, batch, KV length.
+// Args: dtype (0 fp32, 1 bf16), kv heads, batch, KV length, pages shuffled (0/1).
 void BM_Decode(benchmark::State& state) {
     const kv::KVDtype dtype = dtype_arg(state.range(0));
     const int kv_heads = static_cast<int>(state.range(1)), bs = static_cast<int>(state.range(2));
     const int len = static_cast<int>(state.range(3));
-    Fixture f(attn::ForwardMode::kDecode, dtype, kv_heads, bs, len, 1);
+    Fixture f(attn::ForwardMode::kDecode, dtype, kv_heads, bs, len, 1, state.range(4) != 0);
     for (auto _ : state) f.forward();
     const double bytes =
         static_cast<double>(bs) * len * kv_heads * 2.0 * kHeadDim * kv::dtype_size(dtype);
-    state.counters["GB/s"] =
-        benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["KV_bytes"] = benchmark::Counter(
+        bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_Decode)
-    ->ArgNames({"bf16", "kv_heads", "bs", "len"})
-    ->Args({0, 2, 16, 4096})
-    ->Args({1, 2, 16, 4096})
-    ->Args({0, 8, 16, 4096})
-    ->Args({1, 8, 16, 4096})
+    ->ArgNames({"bf16", "kv_heads", "bs", "len", "shuffled"})
+    ->Args({0, 2, 16, 4096, 0})
+    ->Args({0, 2, 16, 4096, 1})
+    ->Args({1, 2, 16, 4096, 0})
+    ->Args({1, 2, 16, 4096, 1})
+    ->Args({0, 8, 16, 4096, 0})
+    ->Args({1, 8, 16, 4096, 0})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
@@ -139,8 +143,9 @@ void BM_Copy(benchmark::State& state) {
         });
         benchmark::DoNotOptimize(b.data());
     }
-    state.counters["GB/s"] = benchmark::Counter(2.0 * n * sizeof(float) * 1e-9,
-                                                benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["bytes"] =
+        benchmark::Counter(2.0 * n * sizeof(float), benchmark::Counter::kIsIterationInvariantRate,
+                           benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_Copy)->Arg(256)->Unit(benchmark::kMillisecond)->UseRealTime();
 
@@ -152,8 +157,8 @@ void BM_Extend(benchmark::State& state) {
     Fixture f(attn::ForwardMode::kExtend, dtype, kv_heads, bs, len, len);
     for (auto _ : state) f.forward();
     const double flops = 4.0 * kHeadDim * kQHeads * bs * (len * (len + 1.0) / 2.0);
-    state.counters["GFLOP/s"] =
-        benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["FLOP"] = benchmark::Counter(
+        flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_Extend)
     ->ArgNames({"bf16", "kv_heads", "bs", "len"})
@@ -186,8 +191,8 @@ void BM_Sgemm(benchmark::State& state) {
         benchmark::DoNotOptimize(o);
     }
     const double flops = 4.0 * bs * kQHeads * static_cast<double>(len) * len * kHeadDim;
-    state.counters["GFLOP/s"] =
-        benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["FLOP"] = benchmark::Counter(
+        flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_Sgemm)
     ->ArgNames({"bs", "len"})

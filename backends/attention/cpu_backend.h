@@ -1,7 +1,9 @@
 // cpu: the fast CPU attention backend. Tiled online-softmax (flash-attention style) kernels,
-// vectorized, run on the compute stream and parallelized over (request, kv head, query tile) with a
-// ThreadPool. fp32 and bf16 KV; MHA and GQA (query heads of one KV group share each KV load);
-// decode and extend (causal, cached prefix, chunked); the prewrite path (save_kv_cache = false).
+// vectorized (AVX2, AVX-512 when the CPU has it), run on the compute stream and parallelized with
+// a ThreadPool of config.num_threads (0 = all cores) over (request, kv head, query tile) for
+// extend and (request, KV chunk) for decode. fp32 and bf16 KV; MHA and GQA (query heads of one KV
+// group share each KV load); decode and extend (causal, cached prefix, chunked); the prewrite path
+// (save_kv_cache = false). Kernels and their blocking: cpu_kernels.h.
 #pragma once
 
 #include <memory>

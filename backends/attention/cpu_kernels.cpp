@@ -2,10 +2,14 @@
 
 // GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsics (they start from
 // _mm512_undefined_*); the locations are in the header, so silence it for the header only.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
+#else
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -93,21 +97,36 @@ struct DecodeTask {
 // ---- ISA-specific kernels (cpu_kernels_isa.inc, once per ISA) -----------------------------------
 // The target pragmas apply to every function defined in the region and to nothing else; the
 // anonymous namespaces keep each ISA's copies internal to this file. The blocking constants are
-// per ISA: AVX2 has 16 vector registers (S tile 2x6, PV tile 2x4 vectors), AVX-512 32 (2x8, 2x8).
+// per ISA: AVX2 has 16 vector registers (S tile 3x4, PV tile 3x4 vectors), AVX-512 32 (2x8, 2x8).
+// (GCC: push_options/target. Clang ignores those and takes `#pragma clang attribute` instead.)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#endif
 namespace {
 namespace k_avx2 {
 #define PDSIM_ISA_AVX512 0
-constexpr int kMR = 2, kNR = 6, kNE = 4, kBc = 48, kPanels = 4;
+constexpr int kMR = 3, kNR = 4, kNE = 4, kBc = 48, kPanels = 3;
 #include "backends/attention/cpu_kernels_isa.inc"
 #undef PDSIM_ISA_AVX512
 }  // namespace k_avx2
 }  // namespace
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
+#if defined(__clang__)
+#pragma clang attribute push(                                                    \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl"))), \
+    apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
+#endif
 namespace {
 namespace k_avx512 {
 #define PDSIM_ISA_AVX512 1
@@ -116,7 +135,11 @@ constexpr int kMR = 2, kNR = 8, kNE = 8, kBc = 64, kPanels = 2;
 #undef PDSIM_ISA_AVX512
 }  // namespace k_avx512
 }  // namespace
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 namespace {
 
@@ -241,11 +264,11 @@ void CpuAttentionKernels::run(const AttnProblem& p) {
     const int H = p.num_q_heads, Hkv = p.num_kv_heads, G = H / Hkv;
     const int d = p.head_dim, dv = p.v_head_dim, Hp = padded_heads(H);
     const int threads = pool_->size();
-    // Decode kernel: the widest ISA whose vector pair (2 x width) divides both head dims; otherwise
-    // the extend kernel takes the q_len == 1 requests too.
+    // Decode kernel: the widest ISA whose vector width divides both head dims; otherwise the
+    // extend kernel takes the q_len == 1 requests too.
     Isa decode_isa = Isa::kScalar;
-    if (isa_ >= Isa::kAvx2 && d % 16 == 0 && dv % 16 == 0) decode_isa = Isa::kAvx2;
-    if (isa_ >= Isa::kAvx512 && d % 32 == 0 && dv % 32 == 0) decode_isa = Isa::kAvx512;
+    if (isa_ >= Isa::kAvx2 && d % 8 == 0 && dv % 8 == 0) decode_isa = Isa::kAvx2;
+    if (isa_ >= Isa::kAvx512 && d % 16 == 0 && dv % 16 == 0) decode_isa = Isa::kAvx512;
     const bool vec_decode = decode_isa != Isa::kScalar;
     const double esize = static_cast<double>(kv::dtype_size(p.kv_dtype));
 

@@ -4,21 +4,25 @@
 //
 // Two kernels, chosen per request:
 //   decode (q_len == 1): memory-bound. One work item is a (request, KV-token chunk) pair that reads
-//     each token's K and V rows once for all heads (token-major, so the pool is streamed
-//     sequentially within a page) and keeps every query head's online-softmax state; long requests
-//     are split over several chunks ("split-KV") whose partial results the last chunk to finish
-//     merges.
-//   extend (q_len > 1): compute-bound. One work item is (request, KV head, tile of query tokens);
-//     all query heads of the KV group are rows of the tile, so each K/V element is loaded once per
-//     group. Flash-attention style: K/V blocks are gathered into contiguous fp32 scratch, then
-//     S^T = K Q^T and O^T += V^T P^T run as register-blocked micro-kernels whose vectors run along
-//     the query rows (so the online-softmax max/sum are lane-wise, never horizontal).
-// Both accumulate in fp32 and use exp2 with log2(e) folded into the query scale.
+//     each token's K and V rows once for all heads (token-major: the pool's order) in blocks of 8
+//     tokens, keeps every query head's online-softmax state (lane-wise over heads), and prefetches
+//     K/V in software along the page table (the hardware prefetchers cannot follow a page table).
+//     Long requests are split over several chunks ("split-KV") whose partial states the last
+//     chunk to finish merges.
+//   extend (q_len > 1, or head dims the decode kernel's vectors do not divide): compute-bound. One
+//     work item is (request, KV head, tile of query tokens); all query heads of the KV group are
+//     rows of the tile, so each K/V element is loaded once per group. Flash-attention style: K/V
+//     blocks are gathered into contiguous fp32 scratch, then S^T = K Q^T and O^T += V^T P^T run
+//     as register-blocked micro-kernels whose vectors run along the query rows (so the
+//     online-softmax max/sum are lane-wise, never horizontal).
+// Both accumulate in fp32 (bf16 KV is widened on load: a 16-bit shift) and use exp2 with log2(e)
+// folded into the query scale. Work items are sorted by estimated cost and claimed one at a time
+// by the pool's workers.
 //
-// ISA: AVX2+FMA kernels, plus an AVX-512 extend kernel when the CPU has AVX-512 (F/BW/DQ/VL),
-// selected at run time; a scalar fallback covers CPUs without AVX2.
-// PDSIM_CPU_ISA=scalar|avx2|avx512 lowers (never raises) the choice, e.g. to test every path on one
-// machine.
+// ISA: AVX2+FMA and AVX-512 (F/BW/DQ/VL) kernels compiled side by side (whatever PDSIM_CPU_ARCH
+// the rest is built with) and selected at run time (__builtin_cpu_supports); a scalar fallback
+// covers CPUs without AVX2. PDSIM_CPU_ISA=scalar|avx2|avx512 lowers (never raises) the choice,
+// e.g. to test every path on one machine.
 #pragma once
 
 #include <cstddef>

@@ -3,17 +3,21 @@
 // targets", "bench JSON").
 //
 //   decode  GB/s = KV bytes read (sum over requests of seq_len * kv_heads * (head_dim + v_head_dim)
-//           * dtype size) / time of one decode forward (batch of long-KV requests, shuffled pages).
-//           Baseline: a STREAM-style copy (a[i] -> b[i], ordinary stores, arrays far larger than
-//           the last-level cache) run by a pdsim::ThreadPool of the same size; GB/s counts read +
-//           write bytes, as STREAM does. Target ratio >= 0.60.
+//           * dtype size) / time of one decode forward over a batch of long-KV requests. Pages
+//           in the allocator's order (what a fresh pool hands out: each request's pages
+//           consecutive); the same batch over shuffled pages (a fragmented pool) is reported too,
+//           as decode_fragmented. Baseline: a STREAM-style copy (b[i] = a[i], ordinary stores,
+//           arrays far larger than the last-level cache) run by a pdsim::ThreadPool of the same
+//           size; GB/s counts read + write bytes, as STREAM does. Target ratio >= 0.60.
 //   extend  GFLOP/s = causal work actually attended: 2 * (head_dim + v_head_dim) * num_q_heads *
 //           sum over queries of the keys they attend (QK^T and PV), / time of one extend forward
 //           (prefill, no cached prefix). Baseline: OpenBLAS cblas_sgemm on the same products done
 //           densely (per request and query head: S = Q K^T with M = q_len, N = seq_len,
 //           K = head_dim, then O = S V with M = q_len, N = v_head_dim, K = seq_len) with
 //           openblas_set_num_threads(threads); GFLOP/s counts 2*M*N*K per call. Target >= 0.40.
-// Each figure is the best of several repetitions after a warm-up (the median is in the JSON too).
+// Each figure and its baseline are timed in interleaved rounds (so a change in machine load hits
+// both; decode and copy runs start from caches holding no dirty lines); a figure is the best round
+// after warm-up (medians in the JSON).
 #include <cblas.h>
 #include <fmt/format.h>
 
@@ -22,6 +26,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -57,7 +62,7 @@ struct BenchAttentionOptions {
     int decode_len = 4096;
     int extend_batch = 4;
     int extend_len = 0;  // 0: 2048 (--quick: 512)
-    int reps = 0;        // 0: 5 (--quick: 3)
+    int reps = 0;        // 0: 7 (--quick: 3)
     int copy_mib = 256;  // per array
     uint64_t seed = 1;
 };
@@ -66,21 +71,6 @@ struct Timing {
     double best = 0;
     double median = 0;
 };
-
-// Runs f() `warmup` times, then `reps` timed times.
-template <typename F>
-StatusOr<Timing> time_reps(int warmup, int reps, F&& f) {
-    std::vector<double> s;
-    for (int i = 0; i < warmup + reps; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        PDSIM_RETURN_IF_ERROR(f());
-        const double dt =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        if (i >= warmup) s.push_back(dt);
-    }
-    std::sort(s.begin(), s.end());
-    return Timing{s.front(), s[s.size() / 2]};
-}
 
 // xorshift64*: fills large buffers quickly with values in [-1, 1).
 struct FastRng {
@@ -93,12 +83,13 @@ struct FastRng {
     }
 };
 
-// One paged batch on its own pool: random KV in every page, each request's pages drawn at random
-// (a fragmented pool, as after a while of serving), random q.
+// One paged batch on its own pool: random KV in every page, random q. page_table holds each
+// request's pages in the allocator's order (consecutive ids), shuffled_page_table the same pages
+// shuffled over the whole batch (a fragmented pool, as after a while of serving).
 struct AttnCase {
     attn::ForwardMode mode = attn::ForwardMode::kDecode;
     std::unique_ptr<kv::MHATokenToKVPool> pool;
-    std::vector<int32_t> seq_lens, q_lens, page_table;
+    std::vector<int32_t> seq_lens, q_lens, page_table, shuffled_page_table;
     int stride = 0;
     std::vector<float> q, out;
     int num_tokens = 0;
@@ -121,9 +112,10 @@ StatusOr<AttnCase> make_case(const BenchAttentionOptions& o, kv::KVDtype dtype,
     pc.dtype = dtype;
     PDSIM_ASSIGN_OR_RETURN(c.pool, kv::MHATokenToKVPool::create(pc));
     PDSIM_ASSIGN_OR_RETURN(std::vector<int32_t> pages, c.pool->allocator().alloc(bs * c.stride));
+    c.page_table = pages;
     std::mt19937_64 rng(seed);
     std::shuffle(pages.begin(), pages.end(), rng);
-    c.page_table = pages;
+    c.shuffled_page_table = pages;
     FastRng fr{seed * 0x9E3779B97F4A7C15ull + 1};
     for (int b = 0; b < 2; ++b) {
         const size_t n =
@@ -143,28 +135,31 @@ StatusOr<AttnCase> make_case(const BenchAttentionOptions& o, kv::KVDtype dtype,
     return c;
 }
 
-// Times forward() of the case through `backend` (KV already in the pool: save_kv_cache = false).
-StatusOr<Timing> time_forward(attn::AttentionBackend& backend, runtime::Stream& stream, AttnCase& c,
-                              const BenchAttentionOptions& o, int warmup, int reps) {
+// Runs forward() once for the case through `backend` (KV already in the pool, so
+// save_kv_cache = false) and waits for it. init_forward_metadata first selects the page table:
+// the allocator-order one or the shuffled one.
+Status set_batch(attn::AttentionBackend& backend, AttnCase& c, bool shuffled) {
     attn::ForwardBatch fb;
     fb.mode = c.mode;
     fb.bs = static_cast<int>(c.seq_lens.size());
     fb.seq_lens = c.seq_lens;
     fb.extend_lens = c.q_lens;
-    fb.page_table = c.page_table;
+    fb.page_table = shuffled ? c.shuffled_page_table : c.page_table;
     fb.page_table_stride = c.stride;
-    PDSIM_RETURN_IF_ERROR(backend.init_forward_metadata(fb));
-    const attn::LayerSpec layer{0, o.q_heads, o.kv_heads, o.head_dim, 0, 0.f};
-    return time_reps(warmup, reps, [&]() -> Status {
-        PDSIM_RETURN_IF_ERROR(backend.forward(c.q.data(), nullptr, nullptr, layer, nullptr, *c.pool,
-                                              c.mode, fb.bs, c.out.data(),
-                                              /*save_kv_cache=*/false));
-        return stream.synchronize();
-    });
+    return backend.init_forward_metadata(fb);
 }
 
-// STREAM "Copy" on `pool`: b[i] = a[i] in 1 MiB chunks handed out dynamically. A plain loop (the
-// compiler vectorizes it; the optimize attribute stops GCC from turning it into a memcpy call).
+Status run_forward(attn::AttentionBackend& backend, runtime::Stream& stream, AttnCase& c,
+                   const BenchAttentionOptions& o) {
+    const attn::LayerSpec layer{0, o.q_heads, o.kv_heads, o.head_dim, 0, 0.f};
+    PDSIM_RETURN_IF_ERROR(backend.forward(c.q.data(), nullptr, nullptr, layer, nullptr, *c.pool,
+                                          c.mode, static_cast<int>(c.seq_lens.size()), c.out.data(),
+                                          /*save_kv_cache=*/false));
+    return stream.synchronize();
+}
+
+// STREAM "Copy": b[i] = a[i]. A plain loop (the compiler vectorizes it; the optimize attribute
+// stops GCC from turning it into a memcpy call, which may use non-temporal stores).
 __attribute__((optimize("no-tree-loop-distribute-patterns"))) void copy_chunk(
     const float* __restrict a, float* __restrict b, size_t n) {
     for (size_t i = 0; i < n; ++i) b[i] = a[i];
@@ -178,29 +173,27 @@ struct CopyBuffers {
     size_t n = 0;
 };
 
-StatusOr<Timing> time_copy(ThreadPool& pool, CopyBuffers& buf, int warmup, int reps) {
+// One copy of the whole array on `pool`, in 1 MiB chunks handed out dynamically.
+void run_copy(ThreadPool& pool, CopyBuffers& buf) {
     constexpr size_t kChunk = (1u << 20) / sizeof(float);
-    const size_t nchunks = (buf.n + kChunk - 1) / kChunk;
     const float* a = buf.a.get();
     float* b = buf.b.get();
     const size_t n = buf.n;
-    return time_reps(warmup, reps, [&]() -> Status {
-        pool.parallel_for(nchunks, [&](size_t c0, size_t c1, int) {
-            for (size_t c = c0; c < c1; ++c) {
-                const size_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
-                copy_chunk(a + lo, b + lo, hi - lo);
-            }
-        });
-        return Status();
+    pool.parallel_for((n + kChunk - 1) / kChunk, [&](size_t c0, size_t c1, int) {
+        for (size_t c = c0; c < c1; ++c) {
+            const size_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+            copy_chunk(a + lo, b + lo, hi - lo);
+        }
     });
 }
 
 // The dense products of the extend case, through cblas_sgemm.
 struct GemmCase {
-    int bs, q_len, seq_len, heads, d, dv;
+    int bs = 0, q_len = 0, seq_len = 0, heads = 0, d = 0, dv = 0;
     std::vector<float> q, k, v, s, o;
 };
 
+// Returns the flops done.
 double run_gemms(GemmCase& g) {
     double flops = 0;
     for (int r = 0; r < g.bs; ++r) {
@@ -216,6 +209,48 @@ double run_gemms(GemmCase& g) {
     return flops;
 }
 
+// A workload of time_interleaved: `prep` runs untimed before each timed `run`.
+struct Workload {
+    std::function<Status()> run;
+    std::function<void()> prep = [] {};
+};
+
+// Times several workloads in rounds (each round runs each once), so that a change in machine
+// load during the run affects a figure and its baseline alike. After `warmup` untimed rounds,
+// returns each workload's best and median over `reps` rounds.
+StatusOr<std::vector<Timing>> time_interleaved(const std::vector<Workload>& work, int warmup,
+                                               int reps) {
+    std::vector<std::vector<double>> t(work.size());
+    for (int r = 0; r < warmup + reps; ++r) {
+        for (size_t i = 0; i < work.size(); ++i) {
+            work[i].prep();
+            const auto t0 = std::chrono::steady_clock::now();
+            PDSIM_RETURN_IF_ERROR(work[i].run());
+            const double dt =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            if (r >= warmup) t[i].push_back(dt);
+        }
+    }
+    std::vector<Timing> out;
+    for (auto& v : t) {
+        std::sort(v.begin(), v.end());
+        out.push_back({v.front(), v[v.size() / 2]});
+    }
+    return out;
+}
+
+// Reads `n` floats on `pool` (the result is kept so the reads stay).
+float read_all(ThreadPool& pool, const float* a, size_t n) {
+    constexpr size_t kChunk = (1u << 20) / sizeof(float);
+    std::vector<float> partial(static_cast<size_t>(pool.size()), 0.f);
+    pool.parallel_for((n + kChunk - 1) / kChunk, [&](size_t c0, size_t c1, int w) {
+        float acc = 0.f;
+        for (size_t i = c0 * kChunk; i < std::min(n, c1 * kChunk); i += 16) acc += a[i];
+        partial[static_cast<size_t>(w)] += acc;
+    });
+    return std::accumulate(partial.begin(), partial.end(), 0.f);
+}
+
 const char* verdict(double ratio, double target) {
     return ratio >= target ? "PASS" : "BELOW";
 }
@@ -227,12 +262,15 @@ Status run_bench_attention(BenchAttentionOptions o) {
             StatusCode::kInvalidArgument,
             fmt::format("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
     }
+    if (!o.json_path.empty() && !std::ofstream(o.json_path)) {  // fail before the long part
+        return Status(StatusCode::kInvalidArgument,
+                      "--json " + o.json_path + ": cannot open for writing");
+    }
     if (o.extend_len == 0) o.extend_len = o.quick ? 512 : 2048;
-    if (o.reps == 0) o.reps = o.quick ? 3 : 5;
+    if (o.reps == 0) o.reps = o.quick ? 3 : 7;
     const int threads = o.threads > 0
                             ? o.threads
                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const int warmup = 1;
     const double esize = static_cast<double>(kv::dtype_size(dtype));
 
     runtime::CpuStream stream("bench-attention");
@@ -248,95 +286,113 @@ Status run_bench_attention(BenchAttentionOptions o) {
     std::fprintf(stderr, "bench attention: backend %s, %d threads, KV %s, isa %s, %d reps\n",
                  o.backend.c_str(), threads, o.dtype.c_str(), isa.c_str(), o.reps);
 
-    // ---- decode vs copy ----
-    std::fprintf(stderr, "bench attention: decode %d x %d KV tokens ...\n", o.decode_batch,
-                 o.decode_len);
+    // ---- decode (allocator-order and shuffled pages) vs copy, in interleaved rounds ----
+    std::fprintf(stderr, "bench attention: decode %d x %d KV tokens vs copy 2 x %d MiB ...\n",
+                 o.decode_batch, o.decode_len, o.copy_mib);
     PDSIM_ASSIGN_OR_RETURN(AttnCase dc, make_case(o, dtype, attn::ForwardMode::kDecode,
                                                   o.decode_batch, o.decode_len, 1, o.seed));
-    PDSIM_ASSIGN_OR_RETURN(Timing dt, time_forward(*backend, stream, dc, o, warmup + 1, o.reps));
-    const double decode_bytes = static_cast<double>(o.decode_batch) * o.decode_len * o.kv_heads *
-                                (2.0 * o.head_dim) * esize;
-    dc = AttnCase();  // free the pool before the copy arrays
-
-    std::fprintf(stderr, "bench attention: copy 2 x %d MiB ...\n", o.copy_mib);
     ThreadPool copy_pool(threads);
     CopyBuffers cb;
     cb.n = static_cast<size_t>(o.copy_mib) * (1u << 20) / sizeof(float);
     cb.a.reset(static_cast<float*>(std::aligned_alloc(64, cb.n * sizeof(float))));
     cb.b.reset(static_cast<float*>(std::aligned_alloc(64, cb.n * sizeof(float))));
-    if (!cb.a || !cb.b)
+    if (!cb.a || !cb.b) {
         return Status(StatusCode::kResourceExhausted, "bench attention: copy arrays");
-    // First touch by the copying pool, so pages are faulted in before timing.
+    }
+    // First touch by the copying pool, so the pages are mapped before timing.
     copy_pool.parallel_for(cb.n, [&](size_t lo, size_t hi, int) {
         for (size_t i = lo; i < hi; ++i) {
             cb.a.get()[i] = static_cast<float>(i & 1023);
             cb.b.get()[i] = 0.f;
         }
     });
-    PDSIM_ASSIGN_OR_RETURN(Timing ct, time_copy(copy_pool, cb, warmup + 1, std::max(o.reps, 5)));
+    // Every timed run starts from caches full of clean, unrelated lines (an untimed read of
+    // 64 MiB, more than a last-level cache), so a decode never pays for writing back the dirty
+    // lines the copy left.
+    std::vector<float> scrub((64u << 20) / sizeof(float), 1.f);
+    float sink = 0.f;
+    auto clean_caches = [&] { sink += read_all(copy_pool, scrub.data(), scrub.size()); };
+    auto decode_with = [&](bool shuffled) {
+        return [&, shuffled] {
+            PDSIM_RETURN_IF_ERROR(set_batch(*backend, dc, shuffled));
+            return run_forward(*backend, stream, dc, o);
+        };
+    };
+    PDSIM_ASSIGN_OR_RETURN(std::vector<Timing> dt,
+                           time_interleaved({{decode_with(false), clean_caches},
+                                             {decode_with(true), clean_caches},
+                                             {[&] {
+                                                  run_copy(copy_pool, cb);
+                                                  return Status();
+                                              },
+                                              clean_caches}},
+                                            /*warmup=*/2, o.reps));
+    volatile float keep = sink;  // the scrub reads must not be optimized away
+    (void)keep;
+    const double decode_bytes = static_cast<double>(o.decode_batch) * o.decode_len * o.kv_heads *
+                                (2.0 * o.head_dim) * esize;
     const double copy_bytes = 2.0 * static_cast<double>(cb.n) * sizeof(float);
+    dc = AttnCase();
     cb = CopyBuffers();
-
-    const double decode_gbps = decode_bytes / dt.best / 1e9;
-    const double copy_gbps = copy_bytes / ct.best / 1e9;
+    const double decode_gbps = decode_bytes / dt[0].best / 1e9;
+    const double frag_gbps = decode_bytes / dt[1].best / 1e9;
+    const double copy_gbps = copy_bytes / dt[2].best / 1e9;
     const double decode_ratio = decode_gbps / copy_gbps;
+    const double frag_ratio = frag_gbps / copy_gbps;
 
-    // ---- extend vs sgemm ----
-    std::fprintf(stderr, "bench attention: extend %d x %d tokens (causal) ...\n", o.extend_batch,
-                 o.extend_len);
+    // ---- extend vs sgemm, in interleaved rounds ----
+    std::fprintf(stderr, "bench attention: extend %d x %d tokens (causal) vs sgemm ...\n",
+                 o.extend_batch, o.extend_len);
     PDSIM_ASSIGN_OR_RETURN(
         AttnCase ec, make_case(o, dtype, attn::ForwardMode::kExtend, o.extend_batch, o.extend_len,
                                o.extend_len, o.seed + 1));
-    PDSIM_ASSIGN_OR_RETURN(Timing et, time_forward(*backend, stream, ec, o, warmup, o.reps));
-    // Query j (0-based) of a request with no cached prefix attends j + 1 keys.
-    const double attended =
-        static_cast<double>(o.extend_batch) * o.extend_len * (o.extend_len + 1.0) / 2.0;
-    const double extend_flops = 2.0 * (o.head_dim + o.head_dim) * o.q_heads * attended;
-    ec = AttnCase();
-
-    std::fprintf(stderr, "bench attention: sgemm baseline ...\n");
+    PDSIM_RETURN_IF_ERROR(set_batch(*backend, ec, /*shuffled=*/false));
     openblas_set_num_threads(threads);
-    GemmCase g{o.extend_batch,
-               o.extend_len,
-               o.extend_len,
-               o.q_heads,
-               o.head_dim,
-               o.head_dim,
-               {},
-               {},
-               {},
-               {},
-               {}};
+    GemmCase g;
+    g.bs = o.extend_batch;
+    g.q_len = g.seq_len = o.extend_len;
+    g.heads = o.q_heads;
+    g.d = g.dv = o.head_dim;
     FastRng fr{o.seed + 7};
+    g.q.resize(static_cast<size_t>(g.q_len) * g.d);
+    g.k.resize(static_cast<size_t>(g.seq_len) * g.d);
+    g.v.resize(static_cast<size_t>(g.seq_len) * g.dv);
     for (auto* vec : {&g.q, &g.k, &g.v}) {
-        const size_t n =
-            vec == &g.q ? static_cast<size_t>(g.q_len) * g.d : static_cast<size_t>(g.seq_len) * g.d;
-        vec->resize(n);
         for (float& x : *vec) x = fr.next();
     }
     g.s.assign(static_cast<size_t>(g.q_len) * g.seq_len, 0.f);
     g.o.assign(static_cast<size_t>(g.q_len) * g.dv, 0.f);
     double gemm_flops = 0;
-    PDSIM_ASSIGN_OR_RETURN(Timing gt, time_reps(warmup, o.reps, [&]() -> Status {
-                               gemm_flops = run_gemms(g);
-                               return Status();
-                           }));
-    const double extend_gflops = extend_flops / et.best / 1e9;
-    const double sgemm_gflops = gemm_flops / gt.best / 1e9;
+    PDSIM_ASSIGN_OR_RETURN(
+        std::vector<Timing> et,
+        time_interleaved({{[&] { return run_forward(*backend, stream, ec, o); }}, {[&] {
+                              gemm_flops = run_gemms(g);
+                              return Status();
+                          }}},
+                         /*warmup=*/1, std::max(3, o.reps / 2)));
+    // Query j (0-based) of a request with no cached prefix attends j + 1 keys.
+    const double attended =
+        static_cast<double>(o.extend_batch) * o.extend_len * (o.extend_len + 1.0) / 2.0;
+    const double extend_flops = 2.0 * (o.head_dim + o.head_dim) * o.q_heads * attended;
+    const double extend_gflops = extend_flops / et[0].best / 1e9;
+    const double sgemm_gflops = gemm_flops / et[1].best / 1e9;
     const double extend_ratio = extend_gflops / sgemm_gflops;
 
     // ---- report ----
-    const std::string shape = fmt::format("{}q/{}kv heads, head_dim {}, page {}", o.q_heads,
-                                          o.kv_heads, o.head_dim, o.page_size);
-    fmt::print("pdsim bench attention: backend {}, {} threads, KV {}, isa {}, {}\n", o.backend,
-               threads, o.dtype, isa, shape);
-    fmt::print("{:<34} {:>14} {:>22} {:>7} {:>7}  {}\n", "figure", "measured", "baseline", "ratio",
-               "target", "");
-    fmt::print("{:<34} {:>9.1f} GB/s {:>9} {:>7.1f} GB/s {:>7.2f} {:>7.2f}  {}\n",
-               fmt::format("decode {}x{} KV tokens", o.decode_batch, o.decode_len), decode_gbps,
-               "copy", copy_gbps, decode_ratio, kDecodeTarget,
+    fmt::print(
+        "pdsim bench attention: backend {}, {} threads, KV {}, isa {}, {}q/{}kv heads, "
+        "head_dim {}, page {}\n",
+        o.backend, threads, o.dtype, isa, o.q_heads, o.kv_heads, o.head_dim, o.page_size);
+    fmt::print("{:<36} {:>15} {:>21} {:>6} {:>7}\n", "figure", "measured", "baseline", "ratio",
+               "target");
+    const std::string dshape = fmt::format("{}x{} KV tokens", o.decode_batch, o.decode_len);
+    fmt::print("{:<36} {:>10.1f} GB/s {:>5} {:>10.1f} GB/s {:>6.2f} {:>7.2f}  {}\n",
+               "decode " + dshape, decode_gbps, "copy", copy_gbps, decode_ratio, kDecodeTarget,
                verdict(decode_ratio, kDecodeTarget));
-    fmt::print("{:<34} {:>6.1f} GFLOP/s {:>6} {:>6.1f} GFLOP/s {:>7.2f} {:>7.2f}  {}\n",
+    fmt::print("{:<36} {:>10.1f} GB/s {:>5} {:>10.1f} GB/s {:>6.2f} {:>7}\n",
+               "  same, pages shuffled (fragmented)", frag_gbps, "copy", copy_gbps, frag_ratio,
+               "(info)");
+    fmt::print("{:<36} {:>7.1f} GFLOP/s {:>5} {:>7.1f} GFLOP/s {:>6.2f} {:>7.2f}  {}\n",
                fmt::format("extend {}x{} tokens causal", o.extend_batch, o.extend_len),
                extend_gflops, "sgemm", sgemm_gflops, extend_ratio, kExtendTarget,
                verdict(extend_ratio, kExtendTarget));
@@ -350,14 +406,22 @@ Status run_bench_attention(BenchAttentionOptions o) {
                               {"pass", decode_ratio >= kDecodeTarget},
                               {"batch", o.decode_batch},
                               {"kv_len", o.decode_len},
+                              {"pages", "allocator_order"},
                               {"kv_bytes", decode_bytes},
-                              {"seconds_best", dt.best},
-                              {"seconds_median", dt.median},
-                              {"gbps_median", decode_bytes / dt.median / 1e9},
+                              {"seconds_best", dt[0].best},
+                              {"seconds_median", dt[0].median},
+                              {"gbps_median", decode_bytes / dt[0].median / 1e9},
                               {"baseline", "stream_copy"},
                               {"baseline_bytes", copy_bytes},
-                              {"baseline_seconds_best", ct.best},
-                              {"baseline_gbps_median", copy_bytes / ct.median / 1e9}}},
+                              {"baseline_seconds_best", dt[2].best},
+                              {"baseline_gbps_median", copy_bytes / dt[2].median / 1e9}}},
+                            {"decode_fragmented",
+                             {{"gbps", frag_gbps},
+                              {"baseline_gbps", copy_gbps},
+                              {"ratio", frag_ratio},
+                              {"pages", "shuffled"},
+                              {"seconds_best", dt[1].best},
+                              {"seconds_median", dt[1].median}}},
                             {"extend",
                              {{"gflops", extend_gflops},
                               {"baseline_gflops", sgemm_gflops},
@@ -367,13 +431,13 @@ Status run_bench_attention(BenchAttentionOptions o) {
                               {"batch", o.extend_batch},
                               {"q_len", o.extend_len},
                               {"flops", extend_flops},
-                              {"seconds_best", et.best},
-                              {"seconds_median", et.median},
-                              {"gflops_median", extend_flops / et.median / 1e9},
+                              {"seconds_best", et[0].best},
+                              {"seconds_median", et[0].median},
+                              {"gflops_median", extend_flops / et[0].median / 1e9},
                               {"baseline", "openblas_sgemm"},
                               {"baseline_flops", gemm_flops},
-                              {"baseline_seconds_best", gt.best},
-                              {"baseline_gflops_median", gemm_flops / gt.median / 1e9}}},
+                              {"baseline_seconds_best", et[1].best},
+                              {"baseline_gflops_median", gemm_flops / et[1].median / 1e9}}},
                             {"backend", o.backend},
                             {"threads", threads},
                             {"dtype", o.dtype},
@@ -385,9 +449,10 @@ Status run_bench_attention(BenchAttentionOptions o) {
                             {"reps", o.reps},
                             {"quick", o.quick}};
         std::ofstream f(o.json_path);
-        if (!f)
+        if (!f) {
             return Status(StatusCode::kInvalidArgument,
                           "--json " + o.json_path + ": cannot open for writing");
+        }
         f << j.dump(2) << "\n";
         if (!f)
             return Status(StatusCode::kInvalidArgument, "--json " + o.json_path + ": write failed");
@@ -439,7 +504,7 @@ void add_bench_attention_command(CLI::App& bench, CommandSet& commands) {
                   "New tokens per prefill request (0: 2048, --quick 512)")
         ->check(CLI::Range(0, 1 << 16))
         ->capture_default_str();
-    a->add_option("--reps", o->reps, "Timed repetitions per figure (0: 5, --quick 3)")
+    a->add_option("--reps", o->reps, "Timed rounds (0: 7, --quick 3; extend uses half, at least 3)")
         ->check(CLI::Range(0, 1000))
         ->capture_default_str();
     a->add_option("--copy-mib", o->copy_mib, "MiB per array of the copy baseline")
