@@ -1,0 +1,96 @@
+// Cost models: how long one forward of one instance takes, for the discrete-event simulator.
+//
+// An instance (a prefill, decode or colocated group of `tp` ranks) runs one forward at a time:
+//   extend (prefill): a batch of requests, each adding `new_tokens` to `cached_tokens` already in
+//     its KV cache (an earlier chunk, or a prefix-cache hit); causal attention over both.
+//   decode: `batch_size` requests each adding one token, attending `kv_tokens` KV tokens in all
+//     (the sum of their context lengths, the new tokens included).
+// Both return the whole model's time (every layer, the TP collectives, the LM head); layers are
+// uniform, so layer l of an extend forward that starts at t is written at
+// t + (l + 1) * extend_s / num_layers. Times are seconds; functions are pure and deterministic.
+//
+// Kinds (make_cost_model):
+//   roofline    from the GPU spec table: per layer max(FLOPs / (peak * mfu), bytes / (HBM * mbu))
+//               for the GEMMs and attention at the instance's TP, plus the TP all-reduces over
+//               the instance's TP link (ring: 2 (tp-1)/tp * bytes / bw + 2 (tp-1) * latency).
+//   calibrated  fitted to measurements of the testbed's own backends on the machine that ran
+//               `pdsim calibrate` (a cost file, cost.json); only for `cpu` devices.
+// Thread-safety: a CostModel is immutable after creation; calls may come from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "backends/model/model_config.h"
+#include "common/status.h"
+
+namespace pdsim::cost {
+
+struct ExtendItem {
+    int64_t new_tokens = 0;
+    int64_t cached_tokens = 0;
+};
+
+// What an instance is made of, from the topology and the model.
+struct InstanceSpec {
+    model::ModelConfig model;
+    int tp = 1;
+    std::string device = "cpu";       // "cpu" or a GPU spec name (topo::gpu_spec)
+    double tp_link_gbps = 0;          // bottleneck GB/s between the instance's devices (tp > 1)
+    double tp_link_latency_us = 0;
+    int kv_dtype_bytes = 2;           // 2 (bf16) on GPUs; the CPU testbed's pools are fp32 (4)
+    int threads = 0;                  // CPU: compute threads per rank (calibrated fits are per
+                                      // thread count; 0: the cost file's default)
+};
+
+class CostModel {
+public:
+    virtual ~CostModel() = default;
+    // "roofline H100 tp8 (mfu 0.50, mbu 0.80)", "calibrated cost.json tp1 threads 1": for reports.
+    [[nodiscard]] virtual std::string describe() const = 0;
+    [[nodiscard]] virtual double extend_s(std::span<const ExtendItem> batch) const = 0;
+    [[nodiscard]] virtual double decode_s(int64_t batch_size, int64_t kv_tokens) const = 0;
+};
+
+// A measured transport between two ranks of the testbed: one message of `bytes` takes
+// latency_us + bytes / (gbps * 1e9) seconds.
+struct LinkCost {
+    double gbps = 0;
+    double latency_us = 0;
+};
+
+// The cost file written by `pdsim calibrate` (schema in docs/simulator.md). Loading validates it;
+// errors name the file and the field (exit 2 at the CLI).
+class CostFile {
+public:
+    [[nodiscard]] static StatusOr<CostFile> load(const std::string& path);
+    [[nodiscard]] static StatusOr<CostFile> from_json(const nlohmann::json& j, const std::string& source);
+    [[nodiscard]] const nlohmann::json& json() const { return json_; }
+    [[nodiscard]] const std::string& source() const { return source_; }
+    // The measured KV transport (`mpi`, `tcp`, `local`), when the file has it.
+    [[nodiscard]] std::optional<LinkCost> transport(const std::string& name) const;
+
+private:
+    nlohmann::json json_;
+    std::string source_;
+};
+
+struct RooflineOptions {
+    double mfu = 0.5;  // achieved fraction of peak FLOP/s in GEMMs and attention
+    double mbu = 0.8;  // achieved fraction of HBM bandwidth
+    double fixed_overhead_us = 0;  // per forward (launch, scheduling)
+};
+
+// kind: "roofline" (needs a GPU device) or "calibrated" (needs `file`, a cpu device, and a fit
+// for the model and TP size). kInvalidArgument naming what is missing otherwise.
+[[nodiscard]] StatusOr<std::unique_ptr<CostModel>> make_cost_model(const std::string& kind,
+                                                                   const InstanceSpec& spec,
+                                                                   const CostFile* file = nullptr,
+                                                                   const RooflineOptions& roofline = {});
+
+}  // namespace pdsim::cost
