@@ -1,33 +1,281 @@
 #!/usr/bin/env bash
-# One-shot GPU check, for a machine with an NVIDIA GPU: builds pdsim with CUDA (and NCCL when
-# found), runs the tests labelled `cuda`, and prints a short table. Writes logs under $OUT (or out/).
-# It installs nothing with apt unless PDSIM_GPU_BOOTSTRAP=1 (GPU machines are often bare).
+# One-shot GPU check, for a machine with an NVIDIA GPU, in under 5 minutes whatever hangs: runs
+# every test labelled `cuda` and `pdsim bench transfer --transport cuda_ipc`, and prints a markdown
+# table (also $OUT/summary.md). Run from anywhere: bash scripts/gpu_check.sh
+#
+# Binaries: when every build dependency is there (CMake configures), it builds pdsim and the cuda
+# tests in build/gpu; otherwise it uses the bundle .gpu/ made by scripts/gpu_bundle.sh on another
+# machine, started through the bundle's own loader so it runs on any glibc. It installs nothing.
+# It finds the driver's libcuda.so.1 and a libnccl.so.2 (pip nvidia-nccl-cu13, ldconfig, CUDA
+# dirs) itself; with no NCCL the bundle's stub stands in and the nccl tests skip.
+#
+# Writes to $OUT (default out/), at most 6 files: summary.md, env.txt (what it found),
+# build.log (when it tried to build), tests.log (all gtest output), bench.log, bench_cuda_ipc.json.
+# Env: PDSIM_GPU_MODE=auto|build|bundle (auto), PDSIM_GPU_BUILD_DIR (build/gpu),
+#      PDSIM_GPU_CHECK_BUDGET_S (270: the whole run),
+#      PDSIM_NCCL_DIR / PDSIM_CUDA_DRIVER_DIR (a folder to try first; "none": do not search),
+#      PDSIM_GPU_BENCH_ARGS (extra bench arguments, e.g. "--sizes 1M,64M --reps 3").
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-out}"
-mkdir -p "$OUT_DIR" build
-[ "${PDSIM_GPU_BOOTSTRAP:-0}" = "1" ] && scripts/bootstrap.sh
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT_DIR=${OUT:-out}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+MODE=${PDSIM_GPU_MODE:-auto}
+BUILD_DIR=${PDSIM_GPU_BUILD_DIR:-build/gpu}
+BUDGET=${PDSIM_GPU_CHECK_BUDGET_S:-270}
+START=$SECONDS
+ENV_TXT=$OUT_DIR/env.txt
+TESTS_LOG=$OUT_DIR/tests.log
+BENCH_LOG=$OUT_DIR/bench.log
+BENCH_JSON=$OUT_DIR/bench_cuda_ipc.json
+SUMMARY=$OUT_DIR/summary.md
+rm -f "$ENV_TXT" "$TESTS_LOG" "$BENCH_LOG" "$BENCH_JSON" "$SUMMARY" "$OUT_DIR/build.log"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 GTEST_COLOR=no
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/pdsim-gpu-check.XXXXXX")
+trap 'rm -rf "$SCRATCH"' EXIT
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
-  >"$OUT_DIR/gpu.txt" 2>&1 || echo "nvidia-smi failed" >"$OUT_DIR/gpu.txt"
-cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPDSIM_WITH_CUDA=ON \
-  -DPDSIM_CUDA_ARCHITECTURES=90 -DPDSIM_BUILD_BENCH=OFF >"$OUT_DIR/configure.log" 2>&1
-cfg=$?
-build=1
-if [ $cfg -eq 0 ]; then
-  cmake --build build/gpu -j"$(nproc)" >"$OUT_DIR/build.log" 2>&1; build=$?
+say() { echo "$*" | tee -a "$ENV_TXT"; }
+left() { echo $((BUDGET - (SECONDS - START))); }
+# to <seconds> cmd...: runs cmd with a timeout of min(seconds, budget left); 124 when out of time.
+to() {
+  local want=$1 l
+  shift
+  l=$(left)
+  [ "$l" -lt "$want" ] && want=$l
+  if [ "$want" -lt 2 ]; then
+    echo "(not run: the check's time budget is spent)"
+    return 124
+  fi
+  timeout -k 5 "$want" "$@"
+}
+
+# ---- the GPU and its driver ----
+gpu="nvidia-smi not found"
+driver="?"
+if command -v nvidia-smi >/dev/null; then
+  if q=$(to 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1) \
+    && [ -n "$q" ]; then
+    gpu=$(head -1 <<<"$q" | awk -F', ' '{print $1 ", " $2}')
+    driver=$(head -1 <<<"$q" | awk -F', ' '{print $3}')
+  else
+    gpu="nvidia-smi failed: $(head -1 <<<"$q")"
+  fi
+  to 20 nvidia-smi >>"$ENV_TXT" 2>&1
 fi
-tests="not run"
-if [ $build -eq 0 ]; then
-  (cd build/gpu && ctest -L cuda --output-on-failure >"../../$OUT_DIR/ctest_cuda.log" 2>&1)
-  tests=$(grep -E "tests passed|tests failed" "$OUT_DIR/ctest_cuda.log" | tail -1)
+say "== GPU: $gpu; driver: $driver"
+
+ldconfig_p() {
+  local lc
+  lc=$(command -v ldconfig || echo /sbin/ldconfig)
+  [ -x "$lc" ] && to 10 "$lc" -p 2>/dev/null | grep 'x86-64'
+}
+
+# ---- libcuda.so.1 (the driver's; never bundled) ----
+find_driver_dir() {
+  local d
+  for d in ${PDSIM_CUDA_DRIVER_DIR:-} \
+           $(ldconfig_p | awk '$1 == "libcuda.so.1" {print $NF}' | xargs -r -n1 dirname) \
+           /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu /usr/lib64 \
+           /usr/lib/wsl/lib; do
+    if [ -e "$d/libcuda.so.1" ]; then echo "$d"; return 0; fi
+  done
+  return 1
+}
+DRIVER_DIR=""
+[ "${PDSIM_CUDA_DRIVER_DIR:-}" = none ] || DRIVER_DIR=$(find_driver_dir)
+if [ -n "$DRIVER_DIR" ]; then say "== libcuda.so.1: $DRIVER_DIR/libcuda.so.1"
+else say "== libcuda.so.1: not found (the cuda tests will skip: no device)"; fi
+
+# ---- libnccl.so.2 (pip nvidia-nccl-cu13 first) ----
+find_nccl_dir() {
+  local d py
+  py=$(command -v python3 || true)
+  {
+    [ -n "${PDSIM_NCCL_DIR:-}" ] && echo "$PDSIM_NCCL_DIR"
+    [ -n "${NCCL_HOME:-}" ] && printf '%s\n' "$NCCL_HOME/lib" "$NCCL_HOME/lib64"
+    if [ -n "$py" ]; then
+      to 20 "$py" - <<'EOF' 2>/dev/null
+import os, site, sys
+try:
+    import nvidia.nccl
+    for p in nvidia.nccl.__path__:
+        print(os.path.join(p, "lib"))
+except Exception:
+    pass
+dirs = list(sys.path)
+try:
+    dirs += site.getsitepackages() + [site.getusersitepackages()]
+except Exception:
+    pass
+for p in dirs:
+    print(os.path.join(p, "nvidia", "nccl", "lib"))
+EOF
+    fi
+    ldconfig_p | awk '$1 == "libnccl.so.2" {print $NF}' | xargs -r -n1 dirname
+    printf '%s\n' /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu
+    to 20 find /opt /usr/local /usr/lib /root -maxdepth 8 -name libnccl.so.2 \
+      -path '*nvidia/nccl/lib/*' 2>/dev/null | xargs -r -n1 dirname
+  } | while read -r d; do
+    if [ -n "$d" ] && [ -e "$d/libnccl.so.2" ]; then echo "$d"; break; fi
+  done
+}
+NCCL_DIR=""
+[ "${PDSIM_NCCL_DIR:-}" = none ] || NCCL_DIR=$(find_nccl_dir)
+if [ -n "$NCCL_DIR" ]; then say "== libnccl.so.2: $NCCL_DIR/libnccl.so.2"
+else say "== libnccl.so.2: not found"; fi
+
+# ---- binaries: build them, or use the bundle ----
+BIN_PDSIM=""
+TEST_BINS=()
+RUN=()
+built=0
+have_bundle=0
+[ -x .gpu/bin/pdsim ] && [ -x .gpu/lib/ld-linux-x86-64.so.2 ] && have_bundle=1
+if [ "$MODE" = build ] || { [ "$MODE" = auto ] && command -v cmake >/dev/null; }; then
+  nccl_args=()
+  if [ -n "$NCCL_DIR" ] && [ -e "$NCCL_DIR/../include/nccl.h" ]; then
+    nccl_args=(-DNCCL_LIBRARY="$NCCL_DIR/libnccl.so.2" -DNCCL_INCLUDE_DIR="$NCCL_DIR/../include")
+  fi
+  gen=()
+  command -v ninja >/dev/null && gen=(-G Ninja)
+  say "== configure $BUILD_DIR"
+  if to 90 cmake -S . -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DPDSIM_WITH_CUDA=ON \
+    -DPDSIM_CUDA_ARCHITECTURES=90 -DPDSIM_BUILD_BENCH=OFF "${nccl_args[@]}" \
+    >"$OUT_DIR/build.log" 2>&1; then
+    mapfile -t names < <(cd "$BUILD_DIR" && ctest -N -L cuda | sed -n 's/^ *Test *#[0-9]*: //p' | sort -u)
+    say "== build: pdsim ${names[*]}"
+    if to 180 cmake --build "$BUILD_DIR" -j "$(nproc)" --target pdsim "${names[@]}" \
+      >>"$OUT_DIR/build.log" 2>&1; then
+      built=1
+      BIN_PDSIM=$BUILD_DIR/sim/pdsim
+      for n in "${names[@]}"; do TEST_BINS+=("$BUILD_DIR/tests/$n"); done
+    else
+      say "   build failed or timed out (build.log)"
+    fi
+  else
+    say "   configure failed: $(grep -m1 -iE 'error|could not find|not found' "$OUT_DIR/build.log")"
+  fi
+fi
+if [ $built -eq 1 ]; then
+  how="built here ($BUILD_DIR)"
+elif [ $have_bundle -eq 1 ] && [ "$MODE" != build ]; then
+  # The libraries stored gzip'd are unpacked into scratch (the bundle itself stays as carried).
+  unpack=$SCRATCH/lib
+  mkdir -p "$unpack"
+  libdirs=$ROOT/.gpu/lib:$unpack
+  for gz in .gpu/lib/*.gz; do
+    [ -e "$gz" ] || continue
+    dst=$unpack/$(basename "${gz%.gz}")
+    to 60 gzip -dc "$gz" >"$dst" 2>/dev/null || to 60 python3 -c 'import gzip, shutil, sys
+shutil.copyfileobj(gzip.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$gz" "$dst" \
+      || say "   could not unpack $gz"
+  done
+  nccl_path=${NCCL_DIR:-$ROOT/.gpu/nccl-stub}
+  [ -z "$NCCL_DIR" ] && say "   no libnccl.so.2: using the bundle's stub (the nccl transport reports unavailable)"
+  RUN=("$ROOT/.gpu/lib/ld-linux-x86-64.so.2" --library-path "$libdirs:$nccl_path${DRIVER_DIR:+:$DRIVER_DIR}")
+  BIN_PDSIM=.gpu/bin/pdsim
+  while read -r n; do [ -n "$n" ] && TEST_BINS+=(".gpu/bin/$n"); done <.gpu/tests.txt
+  how="bundle .gpu ($(sed -n 's/^source: //p' .gpu/MANIFEST.txt 2>/dev/null), via its loader)"
+  sed 's/^/   /' .gpu/MANIFEST.txt >>"$ENV_TXT" 2>/dev/null
+else
+  how="none: no build and no .gpu bundle (run scripts/gpu_bundle.sh on a machine with the deps)"
+fi
+say "== binaries: $how"
+[ ${#RUN[@]} -gt 0 ] && say "   launcher: ${RUN[*]}"
+if [ -n "$BIN_PDSIM" ]; then
+  say "   $(to 20 "${RUN[@]}" "$BIN_PDSIM" --version 2>&1 | head -3)"
 fi
 
-echo "| item | result |"
-echo "|---|---|"
-echo "| GPU | $(head -1 "$OUT_DIR/gpu.txt") |"
-echo "| configure | $([ $cfg -eq 0 ] && echo ok || echo FAILED) |"
-echo "| build | $([ $build -eq 0 ] && echo ok || echo FAILED) |"
-echo "| ctest -L cuda | ${tests} |"
-grep -hE "^\[  (SKIPPED|FAILED) \]" "$OUT_DIR/ctest_cuda.log" 2>/dev/null | sed 's/^/| detail | /; s/$/ |/' | head -20
+# ---- tests ----
+count() { sed -n "s/^\[  $1 *\] \([0-9]*\) tests\{0,1\}[,.].*/\1/p" "$2" | tail -1; }
+failed=0
+rows=()
+skips=()
+for bin in "${TEST_BINS[@]}"; do
+  name=$(basename "$bin")
+  log=$SCRATCH/$name.log
+  echo "== $name"
+  to 120 "${RUN[@]}" "$bin" --gtest_color=no >"$log" 2>&1
+  rc=$?
+  { echo "===== $name (exit $rc)"; cat "$log"; echo; } >>"$TESTS_LOG"
+  ran=$(sed -n 's/^\[==========\] \([0-9]*\) tests\{0,1\} from .* ran\..*/\1/p' "$log" | tail -1)
+  p=$(count PASSED "$log")
+  s=$(count SKIPPED "$log")
+  f=$(count FAILED "$log")
+  [ -z "$ran" ] || [ $rc -ne 0 ] || [ "${f:-0}" -ne 0 ] && failed=1
+  if [ -z "$ran" ]; then
+    case $rc in
+      124|137) r="TIMED OUT" ;;
+      *) r="did not run (exit $rc): $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-120)" ;;
+    esac
+  else
+    r="${p:-0} passed, ${f:-0} failed, ${s:-0} skipped$([ $rc -ne 0 ] && echo " (exit $rc)")"
+  fi
+  rows+=("| $name | $r |")
+  echo "   $r"
+  # "file:line: Skipped" is followed by the reason, then "[  SKIPPED ] Suite.Test (N ms)".
+  while IFS= read -r line; do skips+=("$line"); done < <(awk '
+    /: Skipped$/ { getline reason; next_reason = reason; have = 1; next }
+    have && /^\[  SKIPPED \] [A-Za-z_]/ { sub(/ \([0-9]+ ms\)$/, "", $0); sub(/^\[  SKIPPED \] /, "", $0);
+                                          print "| skip | " $0 ": " next_reason " |"; have = 0 }' "$log")
+done
+if [ ${#TEST_BINS[@]} -eq 0 ]; then rows+=("| tests | not run: no binaries |"); failed=1; fi
+
+# ---- benchmark: cuda_ipc vs raw cudaMemcpyAsync ----
+bench="not run: no pdsim binary"
+if [ -n "$BIN_PDSIM" ]; then
+  echo "== pdsim bench transfer --transport cuda_ipc"
+  # shellcheck disable=SC2086
+  to 150 "${RUN[@]}" "$BIN_PDSIM" bench transfer --transport cuda_ipc --json "$BENCH_JSON" \
+    ${PDSIM_GPU_BENCH_ARGS:-} >"$BENCH_LOG" 2>&1
+  rc=$?
+  cat "$BENCH_LOG"
+  if [ $rc -eq 0 ] && [ -s "$BENCH_JSON" ]; then
+    bench="ok"
+  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    bench="TIMED OUT"
+    failed=1
+  else
+    bench="exit $rc: $(grep -v '^\s*$' "$BENCH_LOG" | tail -1 | cut -c1-200)"
+    grep -q "no device" "$BENCH_LOG" || failed=1
+  fi
+fi
+
+# ---- the table ----
+{
+  echo "## pdsim GPU check"
+  echo
+  echo "| item | result |"
+  echo "|---|---|"
+  echo "| GPU | $gpu |"
+  echo "| driver | $driver |"
+  echo "| binaries | $how |"
+  echo "| libcuda.so.1 | ${DRIVER_DIR:-not found} |"
+  echo "| libnccl.so.2 | ${NCCL_DIR:-not found (stub)} |"
+  printf '%s\n' "${rows[@]}"
+  [ ${#skips[@]} -gt 0 ] && printf '%s\n' "${skips[@]}"
+  echo "| bench transfer cuda_ipc | $bench |"
+  echo "| wall | $((SECONDS - START)) s |"
+  if [ "$bench" = ok ] && command -v python3 >/dev/null; then
+    echo
+    python3 - "$BENCH_JSON" <<'EOF' || echo "(could not read $BENCH_JSON)"
+import json, sys
+j = json.load(open(sys.argv[1]))
+target, floor = j.get("target_ratio", 0), j.get("target_min_bytes", 0)
+print(f"cuda_ipc vs {j.get('baseline', 'baseline')}; target {target:.2f}x at >= {floor >> 20} MiB")
+print()
+print("| size | GB/s | baseline GB/s | ratio | meets target |")
+print("|---|---|---|---|---|")
+for r in j["rows"]:
+    b = r["bytes"]
+    size = f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+    meets = "-" if b < floor or not target else ("yes" if r["ratio"] >= target else "NO")
+    print(f"| {size} | {r['gbps']:.1f} | {r['baseline_gbps']:.1f} | {r['ratio']:.3f} | {meets} |")
+EOF
+  fi
+} >"$SUMMARY"
+echo
+cat "$SUMMARY"
+# 0: everything ran and nothing failed (skips and "no device" included); 1 otherwise.
+exit $failed

@@ -198,12 +198,17 @@ public:
         cudaSetDevice(index);
         cudaFree(ptr);
     }
+    // cudaMemcpy may return before a device-to-device or pageable host-to-device copy has
+    // landed, and cudaMemset before the fill has run; CudaStreams are non-blocking streams that
+    // do not order against the legacy stream, so wait here to keep these calls synchronous.
     [[nodiscard]] Status copy(void* dst, const void* src, size_t bytes) override {
         CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+        CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
         return {};
     }
     [[nodiscard]] Status fill(void* dst, int byte, size_t bytes) override {
         CUDA_CHECK(cudaMemset(dst, byte, bytes));
+        CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
         return {};
     }
     [[nodiscard]] StatusOr<std::unique_ptr<Stream>> create_stream(int index, std::string name) override {

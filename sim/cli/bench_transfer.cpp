@@ -8,6 +8,12 @@
 //          loopback TCP stream (TCP_NODELAY, plain blocking send()/recv(MSG_WAITALL) of the same
 //          messages, one thread per side). Target >= 0.80x at >= 1 MiB.
 //   local  one process, two endpoints on two threads. Baseline: memcpy of the same messages.
+//   cuda_ipc  one process, one GPU: one-sided post_write from a device buffer into a registered
+//          device region of W slots (the transport takes its own pointer for a same-process
+//          import). Baseline: raw cudaMemcpyAsync device-to-device on one stream with the same
+//          rolling window (an event per copy, the host waits on slot k - W before copy k).
+//          Target >= 0.90x at >= 1 MiB. Defaults: sizes 64K..256M, 32 GiB but at most 16384
+//          messages per round. Exits with "no device" where no GPU can be used.
 //
 // Per size, a round moves max(--mib-per-round MiB, 2 windows) of messages with a rolling window of
 // W messages in flight on each side (as soon as one completes the next is posted; the receiver
@@ -37,8 +43,10 @@
 #include <thread>
 #include <vector>
 
+#include "backends/runtime/device.h"
 #include "common/mpi_check.h"
 #include "sim/cli/command.h"
+#include "sim/cli/raw_device_copy.h"
 #include "transfer/local/local_transport.h"
 #include "transfer/transport.h"
 
@@ -52,6 +60,9 @@ using transfer::TransportOptions;
 using Clock = std::chrono::steady_clock;
 
 constexpr auto kTimeout = std::chrono::seconds(120);
+constexpr const char* kGpuSizes = "64K,256K,1M,4M,16M,64M,256M";
+constexpr int kGpuMibPerRound = 32768;
+constexpr size_t kGpuMaxMessages = 16384;
 
 struct BenchTransferOptions {
     std::string transport = "tcp";
@@ -59,7 +70,8 @@ struct BenchTransferOptions {
     std::string sizes = "64K,256K,1M,4M,16M,64M";
     int reps = 5;
     int mib_per_round = 256;
-    int window = 0;  // 0: auto
+    int window = 0;           // 0: auto
+    size_t max_messages = 0;  // per round; 0: no cap (cuda_ipc: kGpuMaxMessages)
 };
 
 StatusOr<size_t> parse_size(std::string_view text) {
@@ -503,6 +515,157 @@ private:
     Buffers buf_;
 };
 
+// ---- cuda_ipc: one process, one GPU ----
+
+// pump() for one-sided writes: write k goes to slot k % W of `dst`; its completion callback posts
+// write k + W into the same slot.
+Status write_pump(Transport& t, const transfer::RemoteRegion& dst, const Plan& p, const void* src) {
+    struct Shared {
+        Transport* t;
+        transfer::RemoteRegion dst;
+        Plan p;
+        const void* src;
+        std::mutex mu;
+        std::condition_variable cv;
+        size_t done = 0;
+        Status error;
+
+        void fail(const Status& st) {
+            {
+                std::lock_guard<std::mutex> lock(mu);
+                if (error.ok()) error = st;
+            }
+            cv.notify_all();
+        }
+        static void post(const std::shared_ptr<Shared>& sh, size_t k) {
+            const auto w = static_cast<size_t>(sh->p.window);
+            auto h = sh->t->post_write(sh->dst, (k % w) * sh->p.bytes, sh->src, sh->p.bytes);
+            if (!h.ok()) {
+                sh->fail(h.status());
+                return;
+            }
+            h->on_complete([sh, k, w](const Status& st, size_t) {
+                if (!st.ok()) {
+                    sh->fail(st);
+                    return;
+                }
+                if (k + w < sh->p.messages) post(sh, k + w);
+                {
+                    std::lock_guard<std::mutex> lock(sh->mu);
+                    ++sh->done;
+                }
+                sh->cv.notify_all();
+            });
+        }
+    };
+    auto sh = std::make_shared<Shared>();
+    sh->t = &t;
+    sh->dst = dst;
+    sh->p = p;
+    sh->src = src;
+    for (size_t k = 0; k < std::min(static_cast<size_t>(p.window), p.messages); ++k) {
+        Shared::post(sh, k);
+    }
+    std::unique_lock<std::mutex> lock(sh->mu);
+    if (!sh->cv.wait_for(lock, kTimeout,
+                         [&] { return sh->done == p.messages || !sh->error.ok(); })) {
+        return Status(StatusCode::kDeadlineExceeded, "bench: transfer did not finish");
+    }
+    return sh->error;
+}
+
+class CudaIpcRunner : public Runner {
+public:
+    static StatusOr<std::unique_ptr<CudaIpcRunner>> create() {
+        auto r = std::unique_ptr<CudaIpcRunner>(new CudaIpcRunner());
+        PDSIM_RETURN_IF_ERROR(r->init());
+        return r;
+    }
+    ~CudaIpcRunner() override {
+        t_.reset();  // close the transport (it drains its stream) before the buffers go
+        copy_.reset();
+    }
+
+    StatusOr<double> baseline(const Plan& p) override {
+        PDSIM_RETURN_IF_ERROR(prepare(p));
+        return copy_->run(dst_.data(), src_.data(), p.bytes, p.messages, p.window);
+    }
+
+    StatusOr<double> transport(const Plan& p) override {
+        PDSIM_RETURN_IF_ERROR(prepare(p));
+        PDSIM_RETURN_IF_ERROR(dst_.fill(0));  // so the check below sees this round's writes
+        auto t0 = Clock::now();
+        PDSIM_RETURN_IF_ERROR(write_pump(*t_, remote_, p, src_.data()));
+        double s = std::chrono::duration<double>(Clock::now() - t0).count();
+        PDSIM_RETURN_IF_ERROR(check_landed(p));
+        return s;
+    }
+
+    [[nodiscard]] std::string description() const override {
+        return "cuda_ipc: one process, one-sided writes from a cuda:0 buffer into a registered "
+               "cuda:0 region of W slots";
+    }
+    [[nodiscard]] std::string baseline_name() const override {
+        return "raw cudaMemcpyAsync device-to-device, same rolling window (an event per copy)";
+    }
+
+private:
+    CudaIpcRunner() = default;
+
+    Status init() {
+        TransportOptions o;  // rank 0 of a world of 1: it writes into its own registered region
+        auto t = transfer::create_transport("cuda_ipc", o);
+        if (!t.ok()) return t.status().with_context("bench transfer --transport cuda_ipc");
+        t_ = std::move(t).value();
+        PDSIM_ASSIGN_OR_RETURN(copy_, make_raw_device_copy(o.device_index));
+        return {};
+    }
+
+    Status prepare(const Plan& p) {
+        const runtime::Device gpu{runtime::DeviceKind::kCuda, 0};
+        if (src_.size() != p.bytes) {
+            src_ = {};
+            PDSIM_ASSIGN_OR_RETURN(src_, runtime::DeviceBuffer::allocate(gpu, p.bytes));
+            pattern_.resize(p.bytes);
+            for (size_t i = 0; i < p.bytes; ++i) pattern_[i] = static_cast<uint8_t>(i * 131 + 7);
+            PDSIM_RETURN_IF_ERROR(src_.copy_from_host(pattern_.data(), p.bytes));
+        }
+        const size_t dst_bytes = p.bytes * static_cast<size_t>(p.window);
+        if (dst_.size() != dst_bytes) {
+            if (region_id_ != 0) PDSIM_RETURN_IF_ERROR(t_->deregister_memory(region_id_));
+            region_id_ = 0;
+            dst_ = {};
+            PDSIM_ASSIGN_OR_RETURN(dst_, runtime::DeviceBuffer::allocate(gpu, dst_bytes));
+            PDSIM_ASSIGN_OR_RETURN(transfer::MemoryRegion mr,
+                                   t_->register_memory(dst_.data(), dst_bytes));
+            region_id_ = mr.id;
+            PDSIM_ASSIGN_OR_RETURN(remote_, t_->import_remote(0, mr.descriptor));
+        }
+        return {};
+    }
+
+    Status check_landed(const Plan& p) {
+        back_.resize(dst_.size());
+        PDSIM_RETURN_IF_ERROR(dst_.copy_to_host(back_.data(), back_.size()));
+        for (size_t slot = 0; slot < static_cast<size_t>(p.window); ++slot) {
+            if (std::memcmp(back_.data() + slot * p.bytes, pattern_.data(), p.bytes) != 0) {
+                return Status(StatusCode::kDataLoss,
+                              fmt::format("bench: a {}-byte write landed corrupted", p.bytes));
+            }
+        }
+        return {};
+    }
+
+    runtime::DeviceBuffer src_;
+    runtime::DeviceBuffer dst_;
+    std::vector<uint8_t> pattern_;
+    std::vector<uint8_t> back_;
+    uint64_t region_id_ = 0;
+    transfer::RemoteRegion remote_;
+    std::unique_ptr<RawDeviceCopy> copy_;
+    std::unique_ptr<Transport> t_;
+};
+
 struct Timing {
     double best = 0;
     double median = 0;
@@ -523,10 +686,13 @@ Status run_bench_transfer(const BenchTransferOptions& o) {
     } else if (o.transport == "tcp" || o.transport == "local") {
         PDSIM_ASSIGN_OR_RETURN(runner, InProcessRunner::create(o.transport));
         target = o.transport == "tcp" ? 0.80 : 0.0;
+    } else if (o.transport == "cuda_ipc") {
+        PDSIM_ASSIGN_OR_RETURN(runner, CudaIpcRunner::create());
+        target = 0.90;
     } else {
-        return Status(
-            StatusCode::kInvalidArgument,
-            fmt::format("--transport {}: the bench supports mpi, tcp, local", o.transport));
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("--transport {}: the bench supports mpi, tcp, local, cuda_ipc",
+                                  o.transport));
     }
     const bool print = runner->reports();
     if (print) {
@@ -543,6 +709,7 @@ Status run_bench_transfer(const BenchTransferOptions& o) {
                        ? o.window
                        : static_cast<int>(std::clamp<size_t>((size_t{256} << 20) / bytes, 2, 16));
         size_t want = (static_cast<size_t>(o.mib_per_round) << 20) / bytes;
+        if (o.max_messages > 0) want = std::min(want, o.max_messages);
         size_t w = static_cast<size_t>(p.window);
         p.messages = std::max<size_t>(2 * w, (want + w - 1) / w * w);
         // Warm-up (connection buffers, page faults in fresh buffers), then alternate.
@@ -605,23 +772,39 @@ void add_bench_transfer_command(CLI::App& bench, CommandSet& commands) {
         "transfer",
         "Transport bandwidth at layer-sized messages vs an in-run baseline: mpi (under mpirun -np\n"
         "2) vs raw MPI_Isend/Irecv (target >= 0.90x at >= 1 MiB), tcp (in-process, two endpoints\n"
-        "over loopback) vs a raw loopback socket stream (target >= 0.80x), local vs memcpy.");
-    a->add_option("--transport", o->transport, "mpi | tcp | local")
-        ->check(CLI::IsMember({"mpi", "tcp", "local"}))
+        "over loopback) vs a raw loopback socket stream (target >= 0.80x), local vs memcpy,\n"
+        "cuda_ipc (one GPU) vs raw cudaMemcpyAsync device-to-device (target >= 0.90x).");
+    a->add_option("--transport", o->transport, "mpi | tcp | local | cuda_ipc")
+        ->check(CLI::IsMember({"mpi", "tcp", "local", "cuda_ipc"}))
         ->capture_default_str();
     a->add_option("--json", o->json_path, "Write the results as JSON to this file");
-    a->add_option("--sizes", o->sizes, "Comma-separated message sizes (65536, 64K, 1M, ...)")
-        ->capture_default_str();
+    CLI::Option* sizes =
+        a->add_option("--sizes", o->sizes,
+                      "Comma-separated message sizes (65536, 64K, 1M, ...; cuda_ipc: " +
+                          std::string(kGpuSizes) + ")")
+            ->capture_default_str();
     a->add_option("--reps", o->reps, "Timed rounds per size and side")
         ->check(CLI::Range(1, 1000))
         ->capture_default_str();
-    a->add_option("--mib-per-round", o->mib_per_round, "Payload MiB per timed round")
-        ->check(CLI::Range(1, 1 << 16))
-        ->capture_default_str();
+    CLI::Option* mib =
+        a->add_option(
+             "--mib-per-round", o->mib_per_round,
+             "Payload MiB per timed round (cuda_ipc: " + std::to_string(kGpuMibPerRound) + ")")
+            ->check(CLI::Range(1, 1 << 16))
+            ->capture_default_str();
     a->add_option("--window", o->window, "Messages in flight (0: 256 MiB / size, in [2, 16])")
         ->check(CLI::Range(0, 1024))
         ->capture_default_str();
-    commands.add(a, [o] { return run_bench_transfer(*o); });
+    commands.add(a, [o, sizes, mib] {
+        BenchTransferOptions run = *o;
+        // A GPU copies a round of the CPU defaults in well under a millisecond.
+        if (run.transport == "cuda_ipc") {
+            if (sizes->count() == 0) run.sizes = kGpuSizes;
+            if (mib->count() == 0) run.mib_per_round = kGpuMibPerRound;
+            run.max_messages = kGpuMaxMessages;
+        }
+        return run_bench_transfer(run);
+    });
 }
 
 }  // namespace pdsim::cli
