@@ -48,21 +48,28 @@ public:
 
     // Starts a flow now. `path` may be empty (then only the cap limits it; with no cap either, it
     // completes after `latency_s`). Preconditions: bytes >= 0, latency_s >= 0, rate_cap >= 0
-    // (0: uncapped), every link id valid. `on_done` runs on the loop; the flow is gone by then.
+    // (0: uncapped), all finite; every link id valid and no link twice in `path`. `on_done` (may
+    // be empty) runs on the loop, never inside this call even when latency_s is 0; the flow is
+    // gone by then. A flow counts as finished once remaining <= 1e-9 * max(1, its total bytes);
+    // flows finishing at the same instant schedule their on_done in start order.
     FlowId start_flow(std::span<const LinkId> path, double bytes, double latency_s,
                       std::function<void()> on_done, double rate_cap = 0);
-    // Adds bytes to a flow that has not completed; false when the flow is unknown or done.
+    // Adds bytes to a flow that has not completed; false when the flow is unknown or done (a flow
+    // whose last byte leaves at exactly now() is done, even if its completion event has not run).
+    // Precondition: bytes >= 0 and finite.
     bool add_bytes(FlowId flow, double bytes);
-    // Changes a flow's cap (0 removes it); false when unknown or done.
+    // Changes a flow's cap (0 removes it); false when unknown or done (as for add_bytes).
+    // Precondition: rate_cap >= 0 and finite.
     bool set_rate_cap(FlowId flow, double rate_cap);
 
-    // Current state of an active flow (0 when unknown or done).
+    // Current state of an active flow (0 when unknown or done); remaining_bytes is projected to
+    // now().
     [[nodiscard]] double rate(FlowId flow) const;
     [[nodiscard]] double remaining_bytes(FlowId flow) const;
     [[nodiscard]] size_t active_flows() const;
 
-    // Totals since construction, for reports: bytes carried by each link, and the time-integral
-    // of its utilisation (busy seconds; a link at half capacity for 2 s counts 1 s).
+    // Totals since construction up to now(), for reports: bytes carried by each link, and the
+    // time-integral of its utilisation (busy seconds; a link at half capacity for 2 s counts 1 s).
     [[nodiscard]] double link_bytes(LinkId link) const;
     [[nodiscard]] double link_busy_s(LinkId link) const;
 
