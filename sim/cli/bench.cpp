@@ -11,6 +11,7 @@ void add_bench_commands(CLI::App& app, CommandSet& commands) {
     bench->require_subcommand(0, 1);
     add_bench_attention_command(*bench, commands);
     add_bench_transfer_command(*bench, commands);
+    add_bench_simulate_command(*bench, commands);
 }
 
 }  // namespace pdsim::cli

@@ -38,7 +38,13 @@ void add_topology_command(CLI::App& app, CommandSet& commands);
 void add_bench_commands(CLI::App& app, CommandSet& commands);
 void add_bench_attention_command(CLI::App& bench, CommandSet& commands);
 void add_bench_transfer_command(CLI::App& bench, CommandSet& commands);
+// `pdsim bench simulate`: simulator speed on the full Mooncake trace (sim/cli/simulate_cmd.cpp).
+void add_bench_simulate_command(CLI::App& bench, CommandSet& commands);
 // `pdsim testbed [...]`: the multi-rank PD serving testbed (sim/cli/testbed_cmd.cpp).
 void add_testbed_command(CLI::App& app, CommandSet& commands);
+// `pdsim simulate [...]`: the discrete-event simulator (sim/cli/simulate_cmd.cpp).
+void add_simulate_command(CLI::App& app, CommandSet& commands);
+// `pdsim calibrate [...]`: measures the CPU testbed, writes a cost file (sim/cli/calibrate_cmd.cpp).
+void add_calibrate_command(CLI::App& app, CommandSet& commands);
 
 }  // namespace pdsim::cli

@@ -64,7 +64,7 @@ struct LinkCost {
     double latency_us = 0;
 };
 
-// The cost file written by `pdsim calibrate` (schema in docs/simulator.md). Loading validates it;
+// The cost file written by `pdsim calibrate` (schema in docs/cost-models.md). Loading validates it;
 // errors name the file and the field (exit 2 at the CLI).
 class CostFile {
 public:

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
+#include "sim/policy/routing.h"
 
 namespace pdsim::testbed {
 
@@ -30,22 +31,7 @@ struct Track {
 
 // Least loaded among `candidates` (instance indices); ties round-robin after `last`.
 int pick(const std::vector<int>& candidates, const std::vector<double>& load, int* last) {
-    int best = -1;
-    double best_load = std::numeric_limits<double>::infinity();
-    const int n = static_cast<int>(candidates.size());
-    int start = 0;
-    for (int i = 0; i < n; ++i) {
-        if (candidates[static_cast<size_t>(i)] == *last) start = i + 1;
-    }
-    for (int k = 0; k < n; ++k) {
-        const int c = candidates[static_cast<size_t>((start + k) % n)];
-        if (load[static_cast<size_t>(c)] < best_load) {
-            best_load = load[static_cast<size_t>(c)];
-            best = c;
-        }
-    }
-    *last = best;
-    return best;
+    return policy::pick_least_loaded(candidates, load, last);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "backends/pd/step_counter.h"
 #include "backends/runtime/cpu_stream.h"
 #include "common/logging.h"
+#include "sim/policy/batching.h"
 #include "sim/testbed/pd_backend.h"
 #include "sim/testbed/prompt.h"
 #include "transfer/engine/kv_layout.h"
@@ -184,6 +185,9 @@ private:
     Status try_free(Req& r);
     Status report_first(Req& r);
     int64_t decode_kv_cap() const { return kMaxDecodeKvTokensPerThread * std::max(1, ctx_.threads); }
+    policy::BatchingOptions batching() const {
+        return {o_.chunk_size, o_.max_batch_tokens, o_.max_decode_batch, decode_kv_cap()};
+    }
 
     // ---- follower ----
     Status follower_loop();
@@ -598,12 +602,12 @@ Status Server::schedule_extend(bool* did) {
     *did = false;
     Plan plan;
     plan.mode = attn::ForwardMode::kExtend;
-    int64_t budget = o_.max_batch_tokens;
+    policy::ExtendPlanner planner(batching());
     for (uint64_t id : prefill_q_) {
-        if (budget <= 0) break;
+        if (planner.full()) break;
         Req& r = reqs_.at(id);
         if (r.terminal) continue;
-        const int64_t n = std::min<int64_t>({r.in - r.prefilled, o_.chunk_size, budget});
+        const int64_t n = planner.take(r.in - r.prefilled);
         if (n <= 0) continue;
         PlanEntry e;
         e.id = id;
@@ -614,7 +618,6 @@ Status Server::schedule_extend(bool* did) {
         e.first = e.t0 == 0;
         e.last = e.t1 == r.in;
         e.input_len = r.in;
-        budget -= n;
         plan.entries.push_back(std::move(e));
     }
     if (plan.entries.empty()) return {};
@@ -676,14 +679,12 @@ Status Server::schedule_decode(bool* did) {
     *did = false;
     Plan plan;
     plan.mode = attn::ForwardMode::kDecode;
-    int64_t kv_tokens = 0;
+    policy::DecodePlanner planner(batching());
     for (uint64_t id : running_) {
-        if (static_cast<int>(plan.entries.size()) >= o_.max_decode_batch) break;
         Req& r = reqs_.at(id);
         if (r.terminal) continue;
         const int64_t pos = r.in + static_cast<int64_t>(r.tokens.size()) - 1;
-        if (!plan.entries.empty() && kv_tokens + pos + 1 > decode_kv_cap()) break;
-        kv_tokens += pos + 1;
+        if (!planner.take(pos + 1)) break;
         PlanEntry e;
         e.id = id;
         e.t0 = pos;
@@ -837,7 +838,8 @@ Status Server::leader_loop() {
         bool did = false;
         const bool want_extend = !prefill_q_.empty();
         const bool want_decode = !running_.empty();
-        if (want_extend && (!want_decode || !last_was_extend_)) {
+        if (policy::choose_forward(want_extend, want_decode, last_was_extend_) ==
+            policy::ForwardKind::kExtend) {
             PDSIM_RETURN_IF_ERROR(schedule_extend(&did));
             last_was_extend_ = did;
         }

@@ -1,0 +1,555 @@
+// pdsim simulate: the discrete-event simulator (sim/des/simulator.h) on a topology, a model and a
+// trace, with the testbed's report, per-request CSV and timeline; and `pdsim bench simulate`, its
+// speed on the whole Mooncake conversation trace against the 20,000 requests per second target.
+// The trace flags mean what `pdsim testbed`'s flags of the same name mean (sim/testbed/options.h);
+// only the defaults differ (no length caps, the trace's own time scale).
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+
+#include "sim/cli/command.h"
+#include "sim/des/simulator.h"
+#include "sim/testbed/options.h"
+#include "topology/loader.h"
+#include "topology/validate.h"
+
+namespace pdsim::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr double kTargetRequestsPerWallS = 20000;
+constexpr int64_t kTimelineRequests = 1000;  // --timeline-sample auto: about this many lifecycles
+
+struct SimulateFlags {
+    std::string topology, model, trace;
+    std::string trace_format = "auto";
+    std::string cost_model = "roofline";
+    int layers = 0;
+    int64_t max_requests = 0, sample = 0;
+    uint64_t seed = 1;
+    double time_scale = 1;
+    int32_t max_input_len = 0, max_output_len = 0;
+    std::string mode = "disagg", layerwise = "on", prefix_cache = "on", kv_admission = "prompt";
+    int64_t chunk_size = 512, max_batch_tokens = 2048, max_decode_batch = 64;
+    int64_t max_decode_kv_tokens = 0;
+    int page_size = 16;
+    int64_t kv_pool_mb = 512;
+    double mem_fraction = 0.9;
+    double slo_ttft_ms = 0, slo_tpot_ms = 0;
+    std::string report, timeline, requests;
+    int64_t timeline_sample = 0;
+    bool progress = false, quiet = false;
+};
+
+// Everything a run needs, loaded and validated.
+struct Prepared {
+    topo::Topology topology;
+    std::string topology_label;
+    model::ModelConfig model;
+    std::optional<cost::CostFile> cost_file;
+    std::string cost_kind;
+    std::vector<des::InstanceSetup> setups;
+    std::vector<workload::Request> requests;
+    std::string workload_label;
+    double load_s = 0;
+};
+
+Status bad(std::string msg) {
+    return Status(StatusCode::kInvalidArgument, std::move(msg));
+}
+
+StatusOr<bool> on_off(const std::string& flag, const std::string& v) {
+    if (v == "on") return true;
+    if (v == "off") return false;
+    return bad(fmt::format("{} {}: expected on or off", flag, v));
+}
+
+Status check_flags(const SimulateFlags& f) {
+    if (f.topology.empty()) return bad("--topology: required");
+    if (f.trace.empty()) return bad("--trace: required");
+    if (f.layers < 0) return bad(fmt::format("--layers {}: must be >= 1", f.layers));
+    if (f.chunk_size < 1) return bad(fmt::format("--chunk-size {}: must be >= 1", f.chunk_size));
+    if (f.max_batch_tokens < 1) {
+        return bad(fmt::format("--max-batch-tokens {}: must be >= 1", f.max_batch_tokens));
+    }
+    if (f.max_decode_batch < 1) {
+        return bad(fmt::format("--max-decode-batch {}: must be >= 1", f.max_decode_batch));
+    }
+    if (f.max_decode_kv_tokens < 0) {
+        return bad(fmt::format("--max-decode-kv-tokens {}: must be >= 0", f.max_decode_kv_tokens));
+    }
+    if (f.page_size < 1 || f.page_size > 4096) {
+        return bad(fmt::format("--page-size {}: must be in [1, 4096]", f.page_size));
+    }
+    if (f.kv_pool_mb < 1) return bad(fmt::format("--kv-pool-mb {}: must be >= 1", f.kv_pool_mb));
+    if (!(f.mem_fraction > 0 && f.mem_fraction <= 1)) {
+        return bad(fmt::format("--mem-fraction {}: must be in (0, 1]", f.mem_fraction));
+    }
+    if (f.max_input_len < 0) {
+        return bad(fmt::format("--max-input-len {}: must be >= 0", f.max_input_len));
+    }
+    if (f.max_output_len < 0) {
+        return bad(fmt::format("--max-output-len {}: must be >= 0", f.max_output_len));
+    }
+    if (!(f.time_scale > 0) || !std::isfinite(f.time_scale)) {
+        return bad(fmt::format("--time-scale {}: must be > 0", f.time_scale));
+    }
+    if (f.max_requests < 0 || f.sample < 0) return bad("--max-requests / --sample must be >= 0");
+    if (f.slo_ttft_ms < 0 || f.slo_tpot_ms < 0) {
+        return bad("--slo-ttft-ms / --slo-tpot-ms must be >= 0");
+    }
+    if (f.timeline_sample < 0) {
+        return bad(fmt::format("--timeline-sample {}: must be >= 0", f.timeline_sample));
+    }
+    if (f.mode != "disagg" && f.mode != "colocated" && f.mode != "both") {
+        return bad(fmt::format("--mode {}: expected disagg, colocated or both", f.mode));
+    }
+    PDSIM_RETURN_IF_ERROR(on_off("--layerwise", f.layerwise).status());
+    PDSIM_RETURN_IF_ERROR(on_off("--prefix-cache", f.prefix_cache).status());
+    if (f.kv_admission != "prompt" && f.kv_admission != "full") {
+        return bad(fmt::format("--kv-admission {}: expected prompt or full", f.kv_admission));
+    }
+    return {};
+}
+
+// Model and topology as `pdsim testbed` resolves them (sim/testbed/options.cpp), minus its
+// CPU-only checks.
+Status load_model_and_topology(const SimulateFlags& f, Prepared* p) {
+    topo::LoadOptions lo;
+    topo::ModelShape shape;
+    std::optional<model::ModelConfig> m;
+    auto finish_model = [&](model::ModelConfig& cfg) -> Status {
+        if (f.layers > 0) cfg.num_layers = f.layers;
+        return model::validate_model(cfg).with_context("--model");
+    };
+    if (!f.model.empty()) {
+        auto r = model::resolve_model(f.model);
+        if (!r.ok()) return bad(fmt::format("--model {}: {}", f.model, r.status().message()));
+        m = *r;
+        PDSIM_RETURN_IF_ERROR(finish_model(*m));
+        shape = model::to_model_shape(*m);
+        lo.model = &shape;
+    }
+    PDSIM_ASSIGN_OR_RETURN(p->topology, topo::load_topology(f.topology, lo));
+    p->topology_label = fs::path(f.topology).filename().string();
+    if (!m) {
+        if (!p->topology.model) {
+            return bad(
+                fmt::format("{}: no model in the topology; pass --model NAME|F", f.topology));
+        }
+        const std::string name = p->topology.model->name;
+        auto r = model::resolve_model(name);
+        if (!r.ok()) {
+            return bad(
+                fmt::format("{}: model: '{}' is not a model pdsim knows ({}); pass --model "
+                            "NAME|F",
+                            f.topology, name, r.status().message()));
+        }
+        m = *r;
+        PDSIM_RETURN_IF_ERROR(finish_model(*m));
+        shape = model::to_model_shape(*m);
+        PDSIM_RETURN_IF_ERROR(topo::validate(p->topology, &shape));
+    }
+    p->model = *m;
+    for (const auto& inst : p->topology.instances) {
+        if (Status st = model::check_tp(p->model, inst.tp); !st.ok()) {
+            return bad(fmt::format("{}: instance {}: tp {}", f.topology, inst.id, st.message()));
+        }
+    }
+    return {};
+}
+
+// The trace as `pdsim testbed` reads it: caps, first N or a sample, arrivals from the first
+// request, lengths at least 1, times scaled.
+Status load_requests(const SimulateFlags& f, Prepared* p) {
+    workload::LoadOptions wl;
+    wl.max_input_len = f.max_input_len;
+    wl.max_output_len = f.max_output_len;
+    wl.max_requests = f.max_requests;
+    wl.sample = f.sample;
+    wl.seed = f.seed;
+    wl.time_scale = 1.0;
+    PDSIM_ASSIGN_OR_RETURN(workload::TraceFormat kind,
+                           workload::parse_trace_format(f.trace_format));
+    PDSIM_ASSIGN_OR_RETURN(p->requests, workload::load_trace(f.trace, kind, wl));
+    if (p->requests.empty()) return bad(fmt::format("{}: the trace has no requests", f.trace));
+    const double first = p->requests.front().arrival_ms;
+    for (auto& r : p->requests) {
+        r.input_len = std::max(r.input_len, 1);
+        r.output_len = std::max(r.output_len, 1);
+        r.arrival_ms = (r.arrival_ms - first) * f.time_scale;
+    }
+    p->workload_label = fs::path(f.trace).filename().string();
+    if (f.sample > 0) p->workload_label += fmt::format(" (sample {}, seed {})", f.sample, f.seed);
+    if (f.max_requests > 0) p->workload_label += fmt::format(" (first {})", f.max_requests);
+    return {};
+}
+
+StatusOr<Prepared> prepare(const SimulateFlags& f) {
+    PDSIM_RETURN_IF_ERROR(check_flags(f));
+    Prepared p;
+    PDSIM_RETURN_IF_ERROR(load_model_and_topology(f, &p));
+    if (f.cost_model == "roofline") {
+        p.cost_kind = "roofline";
+    } else {
+        StatusOr<cost::CostFile> cf = cost::CostFile::load(f.cost_model);
+        if (!cf.ok()) return cf.status().with_context("--cost-model");
+        p.cost_file = std::move(*cf);
+        p.cost_kind = "calibrated";
+    }
+    des::KvCapacityOptions kv;
+    kv.page_size = f.page_size;
+    kv.kv_pool_mb = f.kv_pool_mb;
+    kv.mem_fraction = f.mem_fraction;
+    StatusOr<std::vector<des::InstanceSetup>> setups = des::make_instance_setups(
+        p.topology, p.model, p.cost_kind, p.cost_file ? &*p.cost_file : nullptr, kv);
+    if (!setups.ok()) {
+        return Status(setups.status().code(),
+                      fmt::format("--cost-model {}: {}", f.cost_model, setups.status().message()));
+    }
+    p.setups = std::move(*setups);
+    const auto t0 = std::chrono::steady_clock::now();
+    PDSIM_RETURN_IF_ERROR(load_requests(f, &p));
+    p.load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return p;
+}
+
+des::SimConfig make_config(const Prepared& p, const SimulateFlags& f, des::SimMode mode) {
+    des::SimConfig c;
+    c.topology = p.topology;
+    c.topology_label = p.topology_label;
+    c.model = p.model;
+    c.instances = p.setups;
+    c.mode = mode;
+    c.layerwise = f.layerwise == "on";
+    c.prefix_cache = f.prefix_cache == "on";
+    c.reserve_output = f.kv_admission == "full";
+    c.page_size = f.page_size;
+    c.batching.chunk_size = f.chunk_size;
+    c.batching.max_batch_tokens = f.max_batch_tokens;
+    c.batching.max_decode_batch = f.max_decode_batch;
+    c.batching.max_decode_kv_tokens = f.max_decode_kv_tokens;
+    c.slo.ttft_ms = f.slo_ttft_ms;
+    c.slo.tpot_ms = f.slo_tpot_ms;
+    return c;
+}
+
+// Rows as metrics::write_requests_csv writes them, streamed as requests finish.
+class CsvStream {
+public:
+    Status open(const std::string& path) {
+        path_ = path;
+        f_.open(path);
+        if (!f_) return bad(fmt::format("{}: cannot open requests file for writing", path));
+        f_ << "id,arrival_ms,ttft_ms,tpot_ms,e2e_ms,input_len,output_len,generated,ok,"
+              "prefill_instance,decode_instance,transfer_bytes,transfer_ms,error\n";
+        return {};
+    }
+    void row(const metrics::RequestRecord& q) {
+        std::string err = q.error;
+        std::replace(err.begin(), err.end(), '"', '\'');
+        const auto tp = q.tpot_ms();
+        f_ << fmt::format("{},{:.3f},{},{},{},{},{},{},{},{},{},{},{:.3f},\"{}\"\n", q.id,
+                          q.arrival_ms, q.ok ? fmt::format("{:.3f}", q.ttft_ms()) : "",
+                          tp ? fmt::format("{:.3f}", *tp) : "",
+                          q.ok ? fmt::format("{:.3f}", q.e2e_ms()) : "", q.input_len, q.output_len,
+                          q.generated, q.ok ? 1 : 0, q.prefill_instance, q.decode_instance,
+                          q.transfer_bytes, q.transfer_ms, err);
+    }
+    Status close() {
+        f_.close();
+        if (!f_) return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path_));
+        return {};
+    }
+
+private:
+    std::string path_;
+    std::ofstream f_;
+};
+
+Status run_simulate(const SimulateFlags& f) {
+    PDSIM_ASSIGN_OR_RETURN(Prepared p, prepare(f));
+    // Outputs are opened before the run so a bad path fails fast.
+    std::unique_ptr<CsvStream> csv;
+    if (!f.requests.empty()) {
+        csv = std::make_unique<CsvStream>();
+        PDSIM_RETURN_IF_ERROR(csv->open(f.requests));
+    }
+    std::unique_ptr<metrics::Timeline> timeline;
+    if (!f.timeline.empty()) timeline = std::make_unique<metrics::Timeline>();
+    const int64_t n = static_cast<int64_t>(p.requests.size());
+    const int64_t sample =
+        f.timeline_sample > 0 ? f.timeline_sample : std::max<int64_t>(1, n / kTimelineRequests);
+
+    std::vector<des::SimMode> modes;
+    if (f.mode != "colocated") modes.push_back(des::SimMode::kDisagg);
+    if (f.mode != "disagg") modes.push_back(des::SimMode::kColocated);
+    std::vector<des::SimResult> results;
+    for (size_t k = 0; k < modes.size(); ++k) {
+        des::SimConfig c = make_config(p, f, modes[k]);
+        c.timeline = timeline.get();
+        c.timeline_pid_base = static_cast<int>(k) * 1000;
+        c.timeline_sample = sample;
+        if (csv && k == 0)
+            c.on_request_done = [&](const metrics::RequestRecord& q) { csv->row(q); };
+        if (f.progress) {
+            const std::string label(des::sim_mode_name(modes[k]));
+            c.on_progress = [label](const des::SimProgress& s) {
+                const bool done = s.finished >= s.total;
+                std::fprintf(
+                    stderr,
+                    "\r[pdsim simulate %s] %lld/%lld requests, simulated %.1f s, wall %.2f s%s",
+                    label.c_str(), static_cast<long long>(s.finished),
+                    static_cast<long long>(s.total), s.sim_s, s.wall_s, done ? "\n" : "");
+                std::fflush(stderr);
+            };
+        }
+        PDSIM_ASSIGN_OR_RETURN(des::SimResult r, des::run_simulation(c, p.requests));
+        results.push_back(std::move(r));
+    }
+    metrics::Report report = results.front().report;
+    auto annotate = [&](metrics::Report& r) {
+        r.extra["workload"] = p.workload_label;
+        r.extra["config"]["cost_model"] = f.cost_model;
+        r.extra["config"]["time_scale"] = f.time_scale;
+        r.extra["config"]["max_input_len"] = f.max_input_len;
+        r.extra["config"]["max_output_len"] = f.max_output_len;
+        r.extra["simulator"]["trace_load_s"] = p.load_s;
+    };
+    annotate(report);
+    if (results.size() > 1) {
+        report.colocated = std::make_shared<metrics::Report>(results[1].report);
+        annotate(*report.colocated);
+    }
+    if (csv) PDSIM_RETURN_IF_ERROR(csv->close());
+    if (!f.report.empty()) PDSIM_RETURN_IF_ERROR(metrics::write_report(f.report, report));
+    if (timeline) PDSIM_RETURN_IF_ERROR(timeline->write(f.timeline));
+    if (!f.quiet) {
+        std::string s = metrics::summary_table(report);
+        s += fmt::format("  workload: {}, {} requests\n", p.workload_label, n);
+        for (const auto& r : results) {
+            const des::SimStats& st = r.stats;
+            s += fmt::format(
+                "  simulator ({}): {:.3f} s wall ({:.0f} requests/s, {} events), {:.1f} s "
+                "simulated, {} preemptions, {} prefix-hit tokens\n",
+                r.report.mode, st.wall_s, st.wall_s > 0 ? static_cast<double>(n) / st.wall_s : 0,
+                st.events, st.sim_s, st.preemptions, st.prefix_hit_tokens);
+        }
+        s +=
+            fmt::format("  cost model: {}\n",
+                        results.front().report.extra["simulator"]["cost_model"].get<std::string>());
+        for (const auto& [path, what] :
+             {std::pair{f.report, "report"}, std::pair{f.timeline, "timeline"},
+              std::pair{f.requests, "requests"}}) {
+            if (!path.empty()) s += fmt::format("  wrote {} {}\n", what, path);
+        }
+        std::fputs(s.c_str(), stdout);
+        std::fflush(stdout);
+    }
+    int64_t failed = 0;
+    for (const auto& r : results) failed += r.report.requests_failed;
+    if (failed > 0) {
+        return Status(
+            StatusCode::kResourceExhausted,
+            fmt::format("simulate: {} failed requests (see the report's failures)", failed));
+    }
+    return {};
+}
+
+void add_common_flags(CLI::App* sub, SimulateFlags& f) {
+    sub->add_option("--model", f.model,
+                    "built-in model name or model YAML/JSON file (default: the "
+                    "topology's model)");
+    sub->add_option("--layers", f.layers, "override the model's number of layers");
+    sub->add_option("--trace-format", f.trace_format, "auto|mooncake|azure")->capture_default_str();
+    sub->add_option("--cost-model", f.cost_model,
+                    "roofline (from the GPU spec table) or a cost.json written by pdsim calibrate")
+        ->capture_default_str();
+}
+
+// ---- bench ----
+
+struct BenchFlags {
+    SimulateFlags sim;
+    int reps = 1;
+    std::string json_path;
+};
+
+Status run_bench(BenchFlags& b) {
+    SimulateFlags f = b.sim;
+    if (b.reps < 1) return bad(fmt::format("--reps {}: must be >= 1", b.reps));
+    if (f.trace.empty()) {
+        PDSIM_ASSIGN_OR_RETURN(std::string dir, testbed::find_trace_dir());
+        f.trace = (fs::path(dir) / "mooncake_conversation.jsonl").string();
+    }
+    if (f.topology.empty()) {
+        const std::string cpu = testbed::find_default_topology();
+        if (cpu.empty()) {
+            return Status(StatusCode::kNotFound,
+                          "topology/examples/ not found next to the sources or the binary; pass "
+                          "--topology F");
+        }
+        f.topology = (fs::path(cpu).parent_path() / "dgx-h100-2node-1p1d-tp8.yaml").string();
+    }
+    PDSIM_ASSIGN_OR_RETURN(Prepared p, prepare(f));
+    const des::SimConfig c = make_config(p, f, des::SimMode::kDisagg);
+    const double n = static_cast<double>(p.requests.size());
+    json runs = json::array();
+    double best_wall = 0;
+    des::SimResult best;
+    for (int i = 0; i < b.reps; ++i) {
+        PDSIM_ASSIGN_OR_RETURN(des::SimResult r, des::run_simulation(c, p.requests));
+        const des::SimStats& s = r.stats;
+        runs.push_back({{"wall_s", s.wall_s},
+                        {"cpu_s", s.cpu_s},
+                        {"requests_per_wall_s", n / s.wall_s},
+                        {"events", s.events},
+                        {"events_per_s", static_cast<double>(s.events) / s.wall_s}});
+        std::printf(
+            "  run %d: %.3f s wall (%.3f s CPU), %.0f requests/s, %llu events (%.2fM "
+            "events/s)\n",
+            i + 1, s.wall_s, s.cpu_s, n / s.wall_s, static_cast<unsigned long long>(s.events),
+            static_cast<double>(s.events) / s.wall_s / 1e6);
+        if (i == 0 || s.wall_s < best_wall) {
+            best_wall = s.wall_s;
+            best = std::move(r);
+        }
+    }
+    const des::SimStats& s = best.stats;
+    const double rps = n / s.wall_s;
+    const double eps = static_cast<double>(s.events) / s.wall_s;
+    const metrics::Report& rep = best.report;
+    std::printf(
+        "pdsim bench simulate: %lld requests of %s on %s, %s, %s cost model\n"
+        "  %.0f simulated requests per wall second (best of %d), %.2fM events per second: %.2fx "
+        "the %.0f target\n"
+        "  (%.0f requests per CPU second: the wall figure is lower when other processes share "
+        "the core)\n"
+        "  (trace loading %.3f s, not counted; simulated %.0f s; %lld completed, %lld failed; TTFT "
+        "p50 %.1f ms, TPOT p50 %.2f ms)\n",
+        static_cast<long long>(n), p.workload_label.c_str(), p.topology_label.c_str(),
+        p.model.name.c_str(), f.cost_model.c_str(), rps, b.reps, eps / 1e6,
+        rps / kTargetRequestsPerWallS, kTargetRequestsPerWallS, n / s.cpu_s, p.load_s, s.sim_s,
+        static_cast<long long>(rep.requests_completed), static_cast<long long>(rep.requests_failed),
+        rep.ttft_ms.p50, rep.tpot_ms.p50);
+    std::fflush(stdout);
+    if (!b.json_path.empty()) {
+        json j = {{"requests", static_cast<int64_t>(n)},
+                  {"wall_s", s.wall_s},
+                  {"cpu_s", s.cpu_s},
+                  {"requests_per_wall_s", rps},
+                  {"requests_per_cpu_s", n / s.cpu_s},
+                  {"events", s.events},
+                  {"events_per_s", eps},
+                  {"target_requests_per_wall_s", kTargetRequestsPerWallS},
+                  {"ratio", rps / kTargetRequestsPerWallS},
+                  {"runs", runs},
+                  {"trace", f.trace},
+                  {"trace_load_s", p.load_s},
+                  {"topology", f.topology},
+                  {"model", p.model.name},
+                  {"cost_model", rep.extra["simulator"]["cost_model"]},
+                  {"sim_s", s.sim_s},
+                  {"requests_completed", rep.requests_completed},
+                  {"requests_failed", rep.requests_failed}};
+        std::ofstream out(b.json_path);
+        if (!out) return bad(fmt::format("--json {}: cannot open for writing", b.json_path));
+        out << j.dump(2) << "\n";
+        if (!out)
+            return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", b.json_path));
+    }
+    return {};
+}
+
+}  // namespace
+
+void add_simulate_command(CLI::App& app, CommandSet& commands) {
+    auto f = std::make_shared<SimulateFlags>();
+    CLI::App* sub = app.add_subcommand(
+        "simulate",
+        "Discrete-event simulation of PD serving on a topology (any size, GPU or CPU): the\n"
+        "testbed's routing and batching, forward times from a cost model, KV transfer as max-min\n"
+        "fair flows over the topology's links. Writes the testbed's report keys. Exit 0 when "
+        "every\n"
+        "request completed; 2 on bad input; else 1.");
+    sub->add_option("--topology", f->topology, "topology file (YAML or JSON)")->required();
+    sub->add_option("--trace", f->trace, "trace file: Mooncake .jsonl or Azure .csv")->required();
+    add_common_flags(sub, *f);
+    sub->add_option("--max-requests", f->max_requests, "simulate the first N requests");
+    sub->add_option("--sample", f->sample, "a uniform random sample of N requests (order kept)");
+    sub->add_option("--seed", f->seed, "seed for --sample")->capture_default_str();
+    sub->add_option("--time-scale", f->time_scale, "multiply arrival times by X")
+        ->capture_default_str();
+    sub->add_option("--max-input-len", f->max_input_len, "cap prompt lengths (0: none)")
+        ->capture_default_str();
+    sub->add_option("--max-output-len", f->max_output_len, "cap output lengths (0: none)")
+        ->capture_default_str();
+    sub->add_option("--mode", f->mode, "disagg|colocated|both")->capture_default_str();
+    sub->add_option("--layerwise", f->layerwise,
+                    "on: each chunk's KV streams while its forward computes; off: after it")
+        ->capture_default_str();
+    sub->add_option("--prefix-cache", f->prefix_cache,
+                    "on|off: prefix cache of 512-token blocks keyed by the trace's hash_ids")
+        ->capture_default_str();
+    sub->add_option("--kv-admission", f->kv_admission,
+                    "prompt: decode pages for the prompt, growing per token (the newest request is "
+                    "preempted when short); full: prompt + output reserved at admission (the "
+                    "testbed's rule)")
+        ->capture_default_str();
+    sub->add_option("--chunk-size", f->chunk_size, "prefill tokens of one request per forward")
+        ->capture_default_str();
+    sub->add_option("--max-batch-tokens", f->max_batch_tokens, "tokens per prefill forward")
+        ->capture_default_str();
+    sub->add_option("--max-decode-batch", f->max_decode_batch, "requests per decode forward")
+        ->capture_default_str();
+    sub->add_option("--max-decode-kv-tokens", f->max_decode_kv_tokens,
+                    "KV tokens per decode forward (0: no bound; the CPU testbed's is 2048 x "
+                    "attention threads)")
+        ->capture_default_str();
+    sub->add_option("--page-size", f->page_size, "KV page size in tokens")->capture_default_str();
+    sub->add_option("--kv-pool-mb", f->kv_pool_mb, "cpu devices: KV pool per rank, MiB")
+        ->capture_default_str();
+    sub->add_option("--mem-fraction", f->mem_fraction, "GPUs: share of HBM for weights + KV")
+        ->capture_default_str();
+    sub->add_option("--slo-ttft-ms", f->slo_ttft_ms, "TTFT SLO for goodput/attainment (0: none)");
+    sub->add_option("--slo-tpot-ms", f->slo_tpot_ms, "TPOT SLO for goodput/attainment (0: none)");
+    sub->add_option("--report", f->report, "write the report JSON here");
+    sub->add_option("--timeline", f->timeline, "write a Chrome/Perfetto trace-event timeline here");
+    sub->add_option("--timeline-sample", f->timeline_sample,
+                    "record every Nth request's lifecycle (0: about 1000 requests in all)");
+    sub->add_option("--requests", f->requests,
+                    "write the per-request CSV here (rows as requests "
+                    "finish)");
+    sub->add_flag("--progress", f->progress, "print a progress line on stderr");
+    sub->add_flag("--quiet", f->quiet, "no summary table");
+    commands.add(sub, [f] { return run_simulate(*f); });
+}
+
+void add_bench_simulate_command(CLI::App& bench, CommandSet& commands) {
+    auto b = std::make_shared<BenchFlags>();
+    CLI::App* sub = bench.add_subcommand(
+        "simulate",
+        "Simulator speed: the whole Mooncake conversation trace on dgx-h100-2node-1p1d-tp8 with\n"
+        "llama3-70b and roofline costs (by default), in simulated requests per wall second "
+        "against\n"
+        "the 20,000 target (one core; trace loading not counted).");
+    sub->add_option("--topology", b->sim.topology,
+                    "topology file (default: topology/examples/dgx-h100-2node-1p1d-tp8.yaml)");
+    sub->add_option("--trace", b->sim.trace,
+                    "trace file (default: ../shared/data/traces/mooncake_conversation.jsonl)");
+    add_common_flags(sub, b->sim);
+    sub->add_option("--reps", b->reps, "runs; the fastest counts")->capture_default_str();
+    sub->add_option("--json", b->json_path, "write the figures as JSON here");
+    commands.add(sub, [b] { return run_bench(*b); });
+}
+
+}  // namespace pdsim::cli

@@ -1,0 +1,196 @@
+#include "sim/cost/cost_model.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "sim/cost/calibrated.h"
+#include "sim/cost/roofline.h"
+
+namespace pdsim::cost {
+
+namespace {
+
+using json = nlohmann::json;
+
+std::string type_name(const json& v) {
+    if (v.is_number_integer()) return "an integer";
+    if (v.is_number()) return "a number";
+    return std::string("a ") + v.type_name();
+}
+
+// Validation of the cost file: every error names the source and the field path.
+class Checker {
+public:
+    explicit Checker(std::string source) : source_(std::move(source)) {}
+
+    [[nodiscard]] Status error(const std::string& path, const std::string& what) const {
+        return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}: {}", source_, path, what));
+    }
+
+    [[nodiscard]] StatusOr<const json*> field(const json& obj, const std::string& path,
+                                              const std::string& key) const {
+        if (!obj.contains(key)) return error(join(path, key), "missing");
+        return &obj.at(key);
+    }
+
+    [[nodiscard]] Status object(const json& obj, const std::string& path,
+                                const std::string& key) const {
+        PDSIM_ASSIGN_OR_RETURN(const json* v, field(obj, path, key));
+        if (!v->is_object())
+            return error(join(path, key), "expected an object, got " + type_name(*v));
+        return {};
+    }
+
+    [[nodiscard]] StatusOr<int64_t> integer(const json& obj, const std::string& path,
+                                            const std::string& key, int64_t min) const {
+        PDSIM_ASSIGN_OR_RETURN(const json* v, field(obj, path, key));
+        if (!v->is_number_integer()) {
+            return error(join(path, key), "expected an integer, got " + type_name(*v));
+        }
+        const auto n = v->get<int64_t>();
+        if (n < min) return error(join(path, key), fmt::format("{} must be >= {}", n, min));
+        return n;
+    }
+
+    // A finite number >= 0 (> 0 when `positive`).
+    [[nodiscard]] StatusOr<double> number(const json& obj, const std::string& path,
+                                          const std::string& key, bool positive) const {
+        PDSIM_ASSIGN_OR_RETURN(const json* v, field(obj, path, key));
+        if (!v->is_number())
+            return error(join(path, key), "expected a number, got " + type_name(*v));
+        const auto x = v->get<double>();
+        if (!std::isfinite(x) || x < 0 || (positive && x == 0)) {
+            return error(join(path, key),
+                         fmt::format("{} must be {}", x, positive ? "> 0" : ">= 0"));
+        }
+        return x;
+    }
+
+    [[nodiscard]] static std::string join(const std::string& path, const std::string& key) {
+        return path.empty() ? key : path + "." + key;
+    }
+
+private:
+    std::string source_;
+};
+
+Status validate(const json& j, const std::string& source) {
+    Checker c(source);
+    if (!j.is_object())
+        return c.error("(root)", "a cost file is a JSON object, got " + type_name(j));
+    PDSIM_ASSIGN_OR_RETURN(int64_t version, c.integer(j, "", "schema_version", 1));
+    if (version != kCostSchemaVersion) {
+        return c.error("schema_version", fmt::format("{} is not supported (this pdsim reads {})",
+                                                     version, kCostSchemaVersion));
+    }
+    PDSIM_ASSIGN_OR_RETURN(const json* model, c.field(j, "", "model"));
+    if (!model->is_string() || model->get<std::string>().empty()) {
+        return c.error("model", "expected a model name (string), got " + type_name(*model));
+    }
+    if (j.contains("model_config")) {
+        if (!j["model_config"].is_object()) {
+            return c.error("model_config",
+                           "expected an object, got " + type_name(j["model_config"]));
+        }
+        for (const char* key : {"num_layers", "hidden", "num_q_heads", "num_kv_heads", "head_dim",
+                                "intermediate", "vocab"}) {
+            if (!j["model_config"].contains(key)) continue;
+            PDSIM_RETURN_IF_ERROR(c.integer(j["model_config"], "model_config", key, 1).status());
+        }
+    }
+    PDSIM_ASSIGN_OR_RETURN(const json* fits, c.field(j, "", "fits"));
+    if (!fits->is_array()) return c.error("fits", "expected an array, got " + type_name(*fits));
+    if (fits->empty()) return c.error("fits", "empty (no calibrated TP size)");
+    std::set<std::pair<int64_t, int64_t>> seen;
+    for (size_t i = 0; i < fits->size(); ++i) {
+        const json& f = (*fits)[i];
+        const std::string path = fmt::format("fits[{}]", i);
+        if (!f.is_object()) return c.error(path, "expected an object, got " + type_name(f));
+        PDSIM_ASSIGN_OR_RETURN(int64_t tp, c.integer(f, path, "tp", 1));
+        PDSIM_ASSIGN_OR_RETURN(int64_t threads, c.integer(f, path, "threads", 1));
+        if (!seen.insert({tp, threads}).second) {
+            return c.error(path, fmt::format("a second fit for tp {} threads {}", tp, threads));
+        }
+        PDSIM_RETURN_IF_ERROR(c.object(f, path, "extend"));
+        for (const char* key : kExtendKeys) {
+            PDSIM_RETURN_IF_ERROR(c.number(f["extend"], path + ".extend", key, false).status());
+        }
+        PDSIM_RETURN_IF_ERROR(c.object(f, path, "decode"));
+        for (size_t k = 0; k < kDecodeKeys.size(); ++k) {
+            if (!kDecodeKeyRequired[k] && !f["decode"].contains(kDecodeKeys[k])) continue;
+            PDSIM_RETURN_IF_ERROR(
+                c.number(f["decode"], path + ".decode", kDecodeKeys[k], false).status());
+        }
+        if (f.contains("points") && !f["points"].is_array()) {
+            return c.error(path + ".points", "expected an array, got " + type_name(f["points"]));
+        }
+    }
+    if (j.contains("transports")) {
+        const json& t = j["transports"];
+        if (!t.is_object()) return c.error("transports", "expected an object, got " + type_name(t));
+        for (const auto& [name, v] : t.items()) {
+            const std::string path = "transports." + name;
+            if (!v.is_object()) return c.error(path, "expected an object, got " + type_name(v));
+            PDSIM_RETURN_IF_ERROR(c.number(v, path, "gbps", true).status());
+            PDSIM_RETURN_IF_ERROR(c.number(v, path, "latency_us", false).status());
+        }
+    }
+    return {};
+}
+
+}  // namespace
+
+StatusOr<CostFile> CostFile::load(const std::string& path) {
+    std::ifstream in(path);
+    if (!in) {
+        return Status(
+            StatusCode::kInvalidArgument,
+            fmt::format("{}: cannot open the cost file (write one with pdsim calibrate)", path));
+    }
+    std::stringstream ss;
+    ss << in.rdbuf();
+    nlohmann::json j;
+    try {
+        j = nlohmann::json::parse(ss.str());
+    } catch (const nlohmann::json::parse_error& e) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{}: not valid JSON (byte {}): {}", path, e.byte, e.what()));
+    }
+    return from_json(j, path);
+}
+
+StatusOr<CostFile> CostFile::from_json(const nlohmann::json& j, const std::string& source) {
+    PDSIM_RETURN_IF_ERROR(validate(j, source));
+    CostFile f;
+    f.json_ = j;
+    f.source_ = source;
+    return f;
+}
+
+std::optional<LinkCost> CostFile::transport(const std::string& name) const {
+    if (!json_.contains("transports") || !json_["transports"].contains(name)) return std::nullopt;
+    const nlohmann::json& t = json_["transports"][name];
+    return LinkCost{t.at("gbps").get<double>(), t.at("latency_us").get<double>()};
+}
+
+StatusOr<std::unique_ptr<CostModel>> make_cost_model(const std::string& kind,
+                                                     const InstanceSpec& spec, const CostFile* file,
+                                                     const RooflineOptions& roofline) {
+    if (kind == "roofline") return make_roofline_model(spec, roofline);
+    if (kind == "calibrated") {
+        if (file == nullptr) {
+            return Status(StatusCode::kInvalidArgument,
+                          "calibrated cost model: no cost file (write one with pdsim calibrate, "
+                          "pass it with --cost-model F)");
+        }
+        return make_calibrated_model(spec, *file);
+    }
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("unknown cost model kind '{}' (roofline, calibrated)", kind));
+}
+
+}  // namespace pdsim::cost

@@ -1,0 +1,485 @@
+// Cost models (sim/cost): the roofline against numbers worked out by hand from the formulas of
+// docs/cost-models.md, its monotonicity and TP scaling; the cost file's validation; the calibrated
+// model against a hand-written file; the non-negative fit on data with known coefficients; and
+// `pdsim calibrate --quick` end to end (a file that loads, sane fits, bad flags exit 2).
+#include "sim/cost/cost_model.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "backends/model/model_config.h"
+#include "sim/cost/calibrated.h"
+#include "tests/cli_test_util.h"
+
+namespace pdsim::cost {
+namespace {
+
+using json = nlohmann::json;
+
+model::ModelConfig named(const std::string& name) {
+    auto m = model::resolve_model(name);
+    EXPECT_TRUE(m.ok()) << m.status().to_string();
+    return *m;
+}
+
+InstanceSpec h100(const std::string& model, int tp) {
+    InstanceSpec s;
+    s.model = named(model);
+    s.tp = tp;
+    s.device = "H100";
+    s.tp_link_gbps = 450;
+    s.tp_link_latency_us = 3;
+    s.kv_dtype_bytes = 2;
+    return s;
+}
+
+std::unique_ptr<CostModel> roofline(const InstanceSpec& s, RooflineOptions o = {}) {
+    auto m = make_cost_model("roofline", s, nullptr, o);
+    EXPECT_TRUE(m.ok()) << m.status().to_string();
+    return m.ok() ? std::move(*m) : nullptr;
+}
+
+// llama3-70b (80 layers, hidden 8192, 64 q / 8 kv heads of 128, intermediate 28672, vocab 128256)
+// on H100 (989 TFLOP/s bf16, 3350 GB/s HBM) at TP 8, mfu 0.5, mbu 0.8, NVLink 450 GB/s + 3 us.
+constexpr double kPeak = 989e12 * 0.5;  // FLOP/s
+constexpr double kHbm = 3350e9 * 0.8;   // B/s
+// Weights of one layer: QKV 8192*(64+2*8)*128 = 83,886,080; O 64*128*8192 = 67,108,864;
+// MLP 3*8192*28672 = 704,643,072; total 855,638,016.
+constexpr double kLayerParams = 855638016.0;
+constexpr double kHv = 8192.0 * 128256.0;  // LM head weights, 1,050,673,152
+
+TEST(Roofline, Llama70bH100Tp8ExtendByHand) {
+    // Two requests: 1024 new tokens with nothing cached, 512 new on top of 1024 cached. T = 1536.
+    // GEMMs: 2 * 1536 * P / 8 = 328,564,998,144 FLOP -> 6.6444e-4 s; bytes 2P/8 = 213,909,504 ->
+    //   7.98e-5 s: compute bound.
+    const double gemm =
+        std::max(2.0 * 1536 * kLayerParams / 8 / kPeak, 2.0 * kLayerParams / 8 / kHbm);
+    EXPECT_NEAR(gemm, 6.64439e-4, 1e-8);
+    // Attention pairs: 1024*1025/2 + 512*1024 + 512*513/2 = 524,800 + 655,616 = 1,180,416.
+    // FLOPs 4 * 64 * 128 * 1,180,416 / 8 = 4,834,983,936 -> 9.777e-6 s. KV bytes per token per
+    // rank: 2 * (8/8) * 128 * 2 B = 512; read 1024 + 1536 tokens, write 1536: 2,097,152 B.
+    const double attn =
+        std::max(4.0 * 64 * 128 * 1180416 / 8 / kPeak, (2560.0 + 1536) * 512 / kHbm);
+    EXPECT_NEAR(attn, 9.7775e-6, 1e-9);
+    // Two ring all-reduces per layer of 1536 * 8192 * 2 = 25,165,824 B:
+    //   2*7/8 * 25,165,824 / 450e9 + 2*7*3e-6 = 1.39867e-4 s each.
+    const double ar = 2 * 7.0 / 8 * 25165824 / 450e9 + 2 * 7 * 3e-6;
+    EXPECT_NEAR(ar, 1.39867e-4, 1e-9);
+    // LM head, 2 sampled tokens: 2 * H * V * 2 / 8 FLOP (1.06e-6 s) vs 2 * H * V / 8 B (9.80e-5 s).
+    const double lm = std::max(2 * kHv * 2 / 8 / kPeak, 2 * kHv / 8 / kHbm);
+    EXPECT_NEAR(lm, 9.8010e-5, 1e-8);
+    const double expected = 80 * (gemm + attn) + 80 * 2 * ar + lm + 25e-6;  // ~0.076439 s
+    EXPECT_NEAR(expected, 0.076439, 1e-5);
+
+    RooflineOptions o;
+    o.fixed_overhead_us = 25;
+    auto m = roofline(h100("llama3-70b", 8), o);
+    ASSERT_NE(m, nullptr);
+    const std::vector<ExtendItem> batch = {{1024, 0}, {512, 1024}};
+    EXPECT_NEAR(m->extend_s(batch), expected, expected * 1e-9);
+    EXPECT_NE(m->describe().find("H100"), std::string::npos) << m->describe();
+    EXPECT_NE(m->describe().find("tp8"), std::string::npos) << m->describe();
+}
+
+TEST(Roofline, Llama70bH100Tp8DecodeByHand) {
+    // 32 requests, 64,000 KV tokens in all. GEMMs: weights 2P/8 B dominate (7.98e-5 s vs 1.38e-5).
+    const double gemm =
+        std::max(2.0 * 32 * kLayerParams / 8 / kPeak, 2.0 * kLayerParams / 8 / kHbm);
+    EXPECT_NEAR(gemm, 7.98170e-5, 1e-9);
+    // Attention: 4*64*128*64000/8 FLOP (5.3e-7 s) vs (64000 read + 32 written) * 512 B (1.2233e-5).
+    const double attn = std::max(4.0 * 64 * 128 * 64000 / 8 / kPeak, (64000.0 + 32) * 512 / kHbm);
+    EXPECT_NEAR(attn, 1.22330e-5, 1e-9);
+    const double ar = 2 * 7.0 / 8 * (32 * 8192 * 2) / 450e9 + 2 * 7 * 3e-6;    // 4.40389e-5
+    const double lm = std::max(2 * kHv * 32 / 8 / kPeak, 2 * kHv / 8 / kHbm);  // 9.8010e-5
+    const double expected = 80 * (gemm + attn) + 160 * ar + lm;                // ~0.014508 s
+    EXPECT_NEAR(expected, 0.014508, 2e-6);
+    auto m = roofline(h100("llama3-70b", 8));
+    ASSERT_NE(m, nullptr);
+    EXPECT_NEAR(m->decode_s(32, 64000), expected, expected * 1e-9);
+}
+
+TEST(Roofline, MlaDeepseekV3Tp8DecodeByHand) {
+    // deepseek-v3: 61 layers, hidden 7168, 128 q heads, head_dim 128, kv_lora_rank 512, rope 64,
+    // intermediate 18432, vocab 129280. Weights per layer: 7168*576 + 512*128*256 +
+    // 7168*128*192 + 128*128*7168 = 314,507,264 attention + 3*7168*18432 = 396,361,728 MLP.
+    const double p = 314507264.0 + 396361728.0;
+    // One request: the GEMMs read their weights (2P/8 B: 6.63e-5 s, far above 2P/8 FLOPs).
+    const double gemm = std::max(2 * p / 8 / kPeak, 2 * p / 8 / kHbm);
+    // Absorbed MLA attention over 100,000 KV tokens: 2 * 128 * (2*512 + 64) * 1e5 / 8 FLOP
+    // (7.04e-6 s) vs the latent (512 + 64) * 2 B per token, NOT divided by TP (4.30e-5 s).
+    const double attn =
+        std::max(2.0 * 128 * (2 * 512 + 64) * 1e5 / 8 / kPeak, (1e5 + 1) * (512 + 64) * 2 / kHbm);
+    EXPECT_NEAR(attn, 4.29855e-5, 1e-9);
+    const double ar = 2 * 7.0 / 8 * (7168 * 2) / 450e9 + 2 * 7 * 3e-6;
+    const double hv = 7168.0 * 129280;
+    const double lm = std::max(2 * hv / 8 / kPeak, 2 * hv / 8 / kHbm);
+    const double expected = 61 * (gemm + attn) + 61 * 2 * ar + lm;  // ~0.0118845 s
+    EXPECT_NEAR(expected, 0.0118845, 1e-6);
+    auto m = roofline(h100("deepseek-v3", 8));
+    ASSERT_NE(m, nullptr);
+    EXPECT_NEAR(m->decode_s(1, 100000), expected, expected * 1e-9);
+}
+
+TEST(Roofline, DecodeMonotoneInBatchAndKvTokens) {
+    for (int tp : {1, 8}) {
+        auto m = roofline(h100("llama3-70b", tp));
+        ASSERT_NE(m, nullptr);
+        double prev = 0;
+        for (int64_t b : {1, 2, 8, 32, 128, 512}) {
+            const double s = m->decode_s(b, b * 1000);
+            EXPECT_GT(s, prev) << "tp " << tp << " batch " << b;
+            prev = s;
+        }
+        prev = 0;
+        for (int64_t kv : {1000, 10000, 100000, 1000000, 4000000}) {
+            const double s = m->decode_s(16, kv);
+            EXPECT_GT(s, prev) << "tp " << tp << " kv " << kv;
+            prev = s;
+        }
+    }
+}
+
+TEST(Roofline, TpScaling) {
+    // With a free link every term divides by t (the 8 KV heads split evenly up to TP 8).
+    const std::vector<ExtendItem> batch = {{4096, 0}};
+    double prev = 0;
+    for (int tp : {8, 4, 2, 1}) {
+        InstanceSpec s = h100("llama3-8b", tp);
+        s.tp_link_gbps = 1e12;
+        s.tp_link_latency_us = 0;
+        auto m = roofline(s);
+        ASSERT_NE(m, nullptr);
+        const double t = m->extend_s(batch);
+        if (prev > 0) {
+            EXPECT_NEAR(t / prev, 2.0, 1e-6) << "tp " << tp;
+        }
+        prev = t;
+    }
+    // A real link: TP 8 is faster than TP 1, but less than 8x (the all-reduces).
+    auto t1 = roofline(h100("llama3-8b", 1))->extend_s(batch);
+    auto t8 = roofline(h100("llama3-8b", 8))->extend_s(batch);
+    EXPECT_LT(t8, t1);
+    EXPECT_GT(t8, t1 / 8);
+}
+
+TEST(Roofline, RejectsBadSpecs) {
+    InstanceSpec cpu = h100("tiny", 1);
+    cpu.device = "cpu";
+    auto r = make_cost_model("roofline", cpu);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("'cpu'"), std::string::npos) << r.status().message();
+
+    InstanceSpec nolink = h100("llama3-8b", 8);
+    nolink.tp_link_gbps = 0;
+    r = make_cost_model("roofline", nolink);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("tp_link_gbps"), std::string::npos) << r.status().message();
+
+    r = make_cost_model("roofline", h100("llama3-8b", 3));
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+
+    r = make_cost_model("guesswork", h100("llama3-8b", 1));
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("guesswork"), std::string::npos);
+}
+
+// ---- the cost file and the calibrated model ----
+
+json hand_written() {
+    return json::parse(R"({
+      "schema_version": 1,
+      "model": "tiny",
+      "fits": [
+        {"tp": 1, "threads": 1,
+         "extend": {"const_s": 0.001, "per_token_s": 2e-5, "per_attn_pair_s": 3e-9,
+                    "per_request_s": 4e-4, "r2": 0.99, "max_rel_err": 0.03},
+         "decode": {"const_s": 5e-4, "per_request_s": 1e-5, "per_weight_pass_s": 3e-4,
+                    "per_kv_token_s": 2e-8}},
+        {"tp": 2, "threads": 1,
+         "extend": {"const_s": 0.002, "per_token_s": 1e-5, "per_attn_pair_s": 2e-9,
+                    "per_request_s": 4e-4},
+         "decode": {"const_s": 9e-4, "per_request_s": 1e-5, "per_kv_token_s": 1e-8}}
+      ],
+      "transports": {"tcp": {"gbps": 2.5, "latency_us": 30}}
+    })");
+}
+
+InstanceSpec cpu_spec(const std::string& model, int tp, int threads) {
+    InstanceSpec s;
+    s.model = named(model);
+    s.tp = tp;
+    s.device = "cpu";
+    s.kv_dtype_bytes = 4;
+    s.threads = threads;
+    return s;
+}
+
+TEST(Calibrated, HandWrittenFileGivesTheLinearValue) {
+    auto f = CostFile::from_json(hand_written(), "hand.json");
+    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*f);
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    // tokens 120; pairs 100*(50 + 101/2) + 20*(0 + 21/2) = 10050 + 210 = 10260; 2 requests:
+    // 0.001 + 120*2e-5 + 10260*3e-9 + 2*4e-4 = 0.00423078 s.
+    const std::vector<ExtendItem> batch = {{100, 50}, {20, 0}};
+    EXPECT_NEAR((*m)->extend_s(batch), 0.00423078, 1e-12);
+    // 8 rows: 2 weight passes (blocks of 4): 5e-4 + 8*1e-5 + 2*3e-4 + 4000*2e-8 = 1.26e-3 s.
+    EXPECT_NEAR((*m)->decode_s(8, 4000), 1.26e-3, 1e-12);
+    // 3 rows stream the weights 3 times, 4 rows once, 7 rows 1 + 3 times.
+    EXPECT_NEAR((*m)->decode_s(3, 0), 5e-4 + 3e-5 + 9e-4, 1e-12);
+    EXPECT_NEAR((*m)->decode_s(4, 0), 5e-4 + 4e-5 + 3e-4, 1e-12);
+    EXPECT_NEAR((*m)->decode_s(7, 0), 5e-4 + 7e-5 + 12e-4, 1e-12);
+    // TP 2 (no per_weight_pass_s: 0) and threads 0 (the only thread count calibrated for TP 2).
+    auto m2 = make_cost_model("calibrated", cpu_spec("tiny", 2, 0), &*f);
+    ASSERT_TRUE(m2.ok()) << m2.status().to_string();
+    EXPECT_NEAR((*m2)->decode_s(1, 1000), 9e-4 + 1e-5 + 1e-5, 1e-12);
+    EXPECT_NE((*m2)->describe().find("hand.json"), std::string::npos);
+    // The measured transport.
+    auto tcp = f->transport("tcp");
+    ASSERT_TRUE(tcp.has_value());
+    EXPECT_DOUBLE_EQ(tcp->gbps, 2.5);
+    EXPECT_DOUBLE_EQ(tcp->latency_us, 30);
+    EXPECT_FALSE(f->transport("mpi").has_value());
+}
+
+TEST(Calibrated, MonotoneInBatchAndKvTokens) {
+    auto f = CostFile::from_json(hand_written(), "hand.json");
+    ASSERT_TRUE(f.ok());
+    auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*f);
+    ASSERT_TRUE(m.ok());
+    double prev = 0;
+    for (int64_t kv : {0, 100, 1000, 100000}) {
+        EXPECT_GT((*m)->decode_s(2, kv), prev) << kv;
+        prev = (*m)->decode_s(2, kv);
+    }
+    // In batch: monotone between equal numbers of weight passes (1, 2, 3 rows; 4 rows is one
+    // 4-row block, cheaper than 3 single rows on the testbed's kernel).
+    EXPECT_LT((*m)->decode_s(1, 1000), (*m)->decode_s(2, 1000));
+    EXPECT_LT((*m)->decode_s(2, 1000), (*m)->decode_s(3, 1000));
+    EXPECT_LT((*m)->decode_s(4, 1000), (*m)->decode_s(8, 1000));
+    EXPECT_LT((*m)->decode_s(8, 1000), (*m)->decode_s(64, 1000));
+}
+
+void expect_invalid(const json& j, const std::vector<std::string>& mentions) {
+    auto f = CostFile::from_json(j, "bad.json");
+    ASSERT_FALSE(f.ok()) << j.dump();
+    EXPECT_EQ(f.status().code(), StatusCode::kInvalidArgument);
+    for (const auto& s : mentions) {
+        EXPECT_NE(f.status().message().find(s), std::string::npos)
+            << "'" << s << "' not in: " << f.status().message();
+    }
+}
+
+TEST(CostFile, ValidationNamesTheFileAndField) {
+    json j = hand_written();
+    j["fits"][0]["extend"].erase("per_token_s");
+    expect_invalid(j, {"bad.json", "fits[0].extend.per_token_s", "missing"});
+
+    j = hand_written();
+    j["fits"][1]["tp"] = "two";
+    expect_invalid(j, {"bad.json", "fits[1].tp", "integer"});
+
+    j = hand_written();
+    j["fits"][0]["decode"]["per_kv_token_s"] = -1e-9;
+    expect_invalid(j, {"fits[0].decode.per_kv_token_s", ">= 0"});
+
+    j = hand_written();
+    j.erase("schema_version");
+    expect_invalid(j, {"schema_version", "missing"});
+
+    j = hand_written();
+    j["schema_version"] = 7;
+    expect_invalid(j, {"schema_version", "7"});
+
+    j = hand_written();
+    j["transports"]["tcp"]["gbps"] = "fast";
+    expect_invalid(j, {"transports.tcp.gbps", "number"});
+
+    j = hand_written();
+    j["fits"] = json::array();
+    expect_invalid(j, {"fits", "empty"});
+
+    j = hand_written();
+    j["fits"][1]["tp"] = 1;
+    expect_invalid(j, {"fits[1]", "second fit"});
+}
+
+TEST(CostFile, UnknownModelTpOrThreadsListsWhatItHas) {
+    auto f = CostFile::from_json(hand_written(), "hand.json");
+    ASSERT_TRUE(f.ok());
+    auto m = make_cost_model("calibrated", cpu_spec("hybrid-tiny", 1, 1), &*f);
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(m.status().message().find("hand.json"), std::string::npos) << m.status().message();
+    EXPECT_NE(m.status().message().find("hybrid-tiny"), std::string::npos) << m.status().message();
+    EXPECT_NE(m.status().message().find("tp 1 threads 1, tp 2 threads 1"), std::string::npos)
+        << m.status().message();
+
+    m = make_cost_model("calibrated", cpu_spec("tiny", 4, 1), &*f);
+    ASSERT_FALSE(m.ok());
+    EXPECT_NE(m.status().message().find("tp 4"), std::string::npos) << m.status().message();
+    EXPECT_NE(m.status().message().find("tp 1 threads 1, tp 2 threads 1"), std::string::npos);
+
+    m = make_cost_model("calibrated", cpu_spec("tiny", 1, 2), &*f);
+    ASSERT_FALSE(m.ok());
+    EXPECT_NE(m.status().message().find("threads 2"), std::string::npos) << m.status().message();
+
+    // No file; a GPU device.
+    m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), nullptr);
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+    InstanceSpec gpu = cpu_spec("tiny", 1, 1);
+    gpu.device = "H100";
+    m = make_cost_model("calibrated", gpu, &*f);
+    ASSERT_FALSE(m.ok());
+    EXPECT_NE(m.status().message().find("H100"), std::string::npos);
+
+    // A model of the same name but another shape.
+    json j = hand_written();
+    j["model_config"] = {{"num_layers", 8}, {"hidden", 256}};
+    auto g = CostFile::from_json(j, "shape.json");
+    ASSERT_TRUE(g.ok()) << g.status().to_string();
+    m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*g);
+    ASSERT_FALSE(m.ok());
+    EXPECT_NE(m.status().message().find("model_config.num_layers"), std::string::npos)
+        << m.status().message();
+}
+
+TEST(CostFile, LoadReportsUnreadableAndMalformedFiles) {
+    test::TempDir dir("cost");
+    auto f = CostFile::load(dir.str("none.json"));
+    ASSERT_FALSE(f.ok());
+    EXPECT_EQ(f.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(f.status().message().find("none.json"), std::string::npos);
+    {
+        std::ofstream out(dir.str("broken.json"));
+        out << "{\"schema_version\": 1,";
+    }
+    f = CostFile::load(dir.str("broken.json"));
+    ASSERT_FALSE(f.ok());
+    EXPECT_NE(f.status().message().find("broken.json"), std::string::npos);
+}
+
+// ---- the fit ----
+
+TEST(Fit, RecoversKnownCoefficientsAndClampsNegativeOnes) {
+    // y = 0.002 + 3e-5 x1 + 4e-9 x2, exactly.
+    std::vector<std::vector<double>> x;
+    std::vector<double> y;
+    for (double a : {16.0, 128.0, 512.0, 2048.0}) {
+        for (double b : {0.0, 1e4, 1e6, 3e6}) {
+            x.push_back({1, a, b});
+            y.push_back(0.002 + 3e-5 * a + 4e-9 * b);
+        }
+    }
+    auto f = fit_nonnegative(x, y);
+    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    EXPECT_NEAR(f->coef[0], 0.002, 1e-12);
+    EXPECT_NEAR(f->coef[1], 3e-5, 1e-15);
+    EXPECT_NEAR(f->coef[2], 4e-9, 1e-18);
+    EXPECT_NEAR(f->r2, 1.0, 1e-12);
+    EXPECT_LT(f->max_rel_err, 1e-9);
+    // A falling trend in x1 cannot be followed with coef >= 0: x1 gets 0, the rest is the mean.
+    x = {{1, 1}, {1, 2}, {1, 3}};
+    y = {3, 2, 1};
+    f = fit_nonnegative(x, y);
+    ASSERT_TRUE(f.ok());
+    EXPECT_EQ(f->coef[1], 0.0);
+    // Relative weighting: minimizes sum ((c - y) / y)^2 -> c = sum(1/y) / sum(1/y^2) = 18/11.
+    EXPECT_NEAR(f->coef[0], (1.0 / 3 + 0.5 + 1) / (1.0 / 9 + 0.25 + 1), 1e-12);
+    EXPECT_GE(f->max_rel_err, 0.5);
+
+    EXPECT_FALSE(fit_nonnegative({{1, 2}}, {1.0}).ok());         // fewer points than features
+    EXPECT_FALSE(fit_nonnegative({{1}, {1}}, {1.0, 0.0}).ok());  // a zero time
+}
+
+// ---- pdsim calibrate ----
+
+TEST(CalibrateCli, QuickRunWritesALoadableFileWithSaneFits) {
+    test::TempDir dir("calibrate");
+    const std::string out = dir.str("cost.json");
+    // TP 2 runs its two ranks as threads over a LocalTpGroup.
+    test::CmdResult r = test::run_pdsim(
+        {"calibrate", "--quick", "--model", "tiny", "--tp", "1,2", "--threads", "1", "--out", out},
+        240);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    EXPECT_NE(r.out.find("R^2"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("wrote"), std::string::npos) << r.out;
+
+    auto f = CostFile::load(out);
+    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    const json& j = f->json();
+    EXPECT_EQ(j["schema_version"], 1);
+    EXPECT_EQ(j["model"], "tiny");
+    EXPECT_TRUE(j["machine"]["cpu"].is_string());
+    EXPECT_GE(j["machine"]["cores"].get<int>(), 1);
+    EXPECT_TRUE(j["created"].is_string());
+    ASSERT_EQ(j["fits"].size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+        const json& fit = j["fits"][i];
+        EXPECT_EQ(fit["tp"], static_cast<int>(i) + 1);
+        EXPECT_EQ(fit["threads"], 1);
+        for (const char* kind : {"extend", "decode"}) {
+            ASSERT_TRUE(fit[kind]["r2"].is_number()) << kind;
+            EXPECT_LE(fit[kind]["r2"].get<double>(), 1.0) << kind;
+            ASSERT_TRUE(fit[kind]["max_rel_err"].is_number()) << kind;
+        }
+        // Extend times span 16 to 1024 tokens: a linear model must explain most of that.
+        EXPECT_GT(fit["extend"]["r2"].get<double>(), 0.8) << fit.dump();
+        ASSERT_FALSE(fit["points"].empty());
+        for (const auto& p : fit["points"]) EXPECT_GT(p["s"].get<double>(), 0) << p.dump();
+    }
+    // Transports: local and tcp measured, mpi skipped (not under mpirun) with a note.
+    ASSERT_TRUE(f->transport("local").has_value());
+    ASSERT_TRUE(f->transport("tcp").has_value());
+    EXPECT_GT(f->transport("tcp")->gbps, 0);
+    EXPECT_FALSE(f->transport("mpi").has_value());
+    EXPECT_NE(j["notes"].dump().find("mpi"), std::string::npos) << j["notes"].dump();
+
+    // The simulator's view: positive, growing times.
+    auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 0), &*f);
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    const std::vector<ExtendItem> small = {{64, 0}};
+    const std::vector<ExtendItem> large = {{512, 512}};
+    EXPECT_GT((*m)->extend_s(small), 0);
+    EXPECT_GT((*m)->extend_s(large), (*m)->extend_s(small));
+    EXPECT_GT((*m)->decode_s(1, 100), 0);
+    EXPECT_GE((*m)->decode_s(8, 2000), (*m)->decode_s(1, 100));
+}
+
+TEST(CalibrateCli, BadFlagsExit2NamingTheFlag) {
+    test::TempDir dir("calibrate");
+    const std::string out = dir.str("cost.json");
+    struct Case {
+        std::vector<std::string> args;
+        std::string mention;
+    };
+    const std::vector<Case> cases = {
+        {{"calibrate", "--model", "tiny", "--out", out, "--bogus"}, "--bogus"},
+        {{"calibrate", "--model", "tiny"}, "--out"},
+        {{"calibrate", "--model", "tiny", "--out", out, "--tp", "3"}, "--tp"},
+        {{"calibrate", "--model", "tiny", "--out", out, "--tp", "x"}, "--tp"},
+        {{"calibrate", "--model", "tiny", "--out", out, "--threads", "0"}, "--threads"},
+        {{"calibrate", "--model", "tiny", "--out", out, "--transport", "pigeon"}, "--transport"},
+        {{"calibrate", "--model", "tiny", "--out", out, "--backend", "gpu"}, "--backend"},
+        {{"calibrate", "--model", "no-such-model", "--out", out}, "--model"},
+        {{"calibrate", "--model", "tiny", "--out", dir.str("no/such/dir/cost.json")}, "--out"},
+    };
+    for (const auto& c : cases) {
+        test::CmdResult r = test::run_pdsim(c.args, 60);
+        EXPECT_EQ(r.rc, 2) << r.describe();
+        EXPECT_NE(r.err.find(c.mention), std::string::npos)
+            << "stderr does not name " << c.mention << "\n"
+            << r.describe();
+    }
+}
+
+}  // namespace
+}  // namespace pdsim::cost

@@ -1,0 +1,141 @@
+// `pdsim simulate` and `pdsim bench simulate` as processes: a small run writes the report (the
+// testbed's keys, both modes), the per-request CSV and the timeline; bad input exits 2 naming the
+// flag or file.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/cli_test_util.h"
+
+namespace pdsim::test {
+namespace {
+
+using json = nlohmann::json;
+
+const std::string kDgx =
+    std::string(PDSIM_SOURCE_DIR) + "/topology/examples/dgx-h100-2node-1p1d-tp8.yaml";
+const std::string kCpu = std::string(PDSIM_SOURCE_DIR) + "/topology/examples/cpu-1p1d.yaml";
+
+// 40 Mooncake-format requests, 100 ms apart, sharing a first prefix block.
+std::string write_trace(const TempDir& dir) {
+    const std::string path = dir.str("trace.jsonl");
+    std::ofstream f(path);
+    for (int i = 0; i < 40; ++i) {
+        const int in = 600 + 97 * i;
+        f << "{\"timestamp\": " << i * 100 << ", \"input_length\": " << in
+          << ", \"output_length\": " << 5 + i % 7 << ", \"hash_ids\": [0";
+        for (int b = 1; b < (in + 511) / 512; ++b) f << ", " << 1000 * i + b;
+        f << "]}\n";
+    }
+    return path;
+}
+
+void expect_report_keys(const json& r) {
+    for (const char* k : {"schema_version", "mode", "topology", "model", "requests_submitted",
+                          "requests_completed", "requests_failed", "ttft_ms", "tpot_ms", "e2e_ms",
+                          "goodput_rps", "slo_attainment", "transfer", "ordering", "wall_s"}) {
+        EXPECT_TRUE(r.contains(k)) << k;
+    }
+    for (const char* k : {"ttft_ms", "tpot_ms", "e2e_ms"}) {
+        for (const char* p : {"mean", "p50", "p90", "p99"}) EXPECT_TRUE(r[k].contains(p)) << k << p;
+    }
+    for (const char* k : {"bytes", "gbps", "layer_latency_us", "exposed_fraction"}) {
+        EXPECT_TRUE(r["transfer"].contains(k)) << k;
+    }
+    for (const char* k : {"events", "wall_s", "requests_per_wall_s", "cost_model"}) {
+        EXPECT_TRUE(r["simulator"].contains(k)) << k;
+    }
+}
+
+TEST(SimulateCli, SmallRunWritesReportCsvAndTimeline) {
+    TempDir dir("simulate");
+    const std::string trace = write_trace(dir);
+    CmdResult r = run_pdsim(
+        {"simulate", "--topology", kDgx, "--trace", trace, "--mode", "both", "--slo-ttft-ms",
+         "2000", "--slo-tpot-ms", "50", "--report", dir.str("report.json"), "--requests",
+         dir.str("requests.csv"), "--timeline", dir.str("timeline.json"), "--progress"},
+        120);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    EXPECT_NE(r.out.find("TTFT ms"), std::string::npos) << r.out;
+    const json rep = json::parse(slurp(dir.path() / "report.json"));
+    expect_report_keys(rep);
+    EXPECT_EQ(rep["mode"], "disagg");
+    EXPECT_EQ(rep["model"], "llama3-70b");
+    EXPECT_EQ(rep["requests_submitted"], 40);
+    EXPECT_EQ(rep["requests_completed"], 40);
+    EXPECT_GT(rep["transfer"]["bytes"].get<double>(), 0);
+    EXPECT_NE(rep["simulator"]["cost_model"].get<std::string>().find("roofline"),
+              std::string::npos);
+    ASSERT_TRUE(rep.contains("colocated"));
+    expect_report_keys(rep["colocated"]);
+    EXPECT_EQ(rep["colocated"]["mode"], "colocated");
+    EXPECT_EQ(rep["colocated"]["requests_completed"], 40);
+
+    std::istringstream csv(slurp(dir.path() / "requests.csv"));
+    std::string line;
+    std::vector<std::string> lines;
+    while (std::getline(csv, line)) lines.push_back(line);
+    ASSERT_EQ(lines.size(), 41u);
+    EXPECT_EQ(lines[0].rfind("id,arrival_ms,ttft_ms,tpot_ms,e2e_ms", 0), 0u) << lines[0];
+
+    const json tl = json::parse(slurp(dir.path() / "timeline.json"));
+    ASSERT_TRUE(tl.contains("traceEvents"));
+    int forwards = 0;
+    for (const auto& e : tl["traceEvents"]) forwards += e.value("cat", "") == "forward";
+    EXPECT_GT(forwards, 0);
+}
+
+TEST(SimulateCli, BadInputExitsTwoNamingTheFlagOrFile) {
+    TempDir dir("simulate_bad");
+    const std::string trace = write_trace(dir);
+    struct Case {
+        std::vector<std::string> args;
+        std::string needle;
+    };
+    const std::string bad_trace = dir.str("bad.jsonl");
+    std::ofstream(bad_trace) << "{\"timestamp\": 0, \"input_length\": -3, \"output_length\": 2}\n";
+    const std::vector<Case> cases = {
+        {{"simulate", "--topology", kDgx}, "--trace"},
+        {{"simulate", "--topology", dir.str("nope.yaml"), "--trace", trace}, "nope.yaml"},
+        {{"simulate", "--topology", kDgx, "--trace", dir.str("nope.jsonl")}, "nope.jsonl"},
+        {{"simulate", "--topology", kDgx, "--trace", bad_trace}, "bad.jsonl:1"},
+        {{"simulate", "--topology", kDgx, "--trace", trace, "--chunk-size", "0"}, "--chunk-size"},
+        {{"simulate", "--topology", kDgx, "--trace", trace, "--mode", "sideways"}, "--mode"},
+        {{"simulate", "--topology", kDgx, "--trace", trace, "--layerwise", "maybe"}, "--layerwise"},
+        {{"simulate", "--topology", kDgx, "--trace", trace, "--time-scale", "0"}, "--time-scale"},
+        {{"simulate", "--topology", kDgx, "--trace", trace, "--model", "gpt-9"}, "--model"},
+        {{"simulate", "--topology", kDgx, "--trace", trace, "--cost-model", dir.str("c.json")},
+         "c.json"},
+        // The roofline needs GPUs; a CPU topology needs a calibrated cost file.
+        {{"simulate", "--topology", kCpu, "--trace", trace}, "--cost-model"},
+    };
+    for (const auto& c : cases) {
+        CmdResult r = run_pdsim(c.args, 60);
+        EXPECT_EQ(r.rc, 2) << r.describe();
+        EXPECT_NE(r.err.find(c.needle), std::string::npos) << c.needle << "\n" << r.describe();
+    }
+}
+
+TEST(SimulateCli, BenchReportsRequestsPerWallSecond) {
+    TempDir dir("bench_simulate");
+    const std::string trace = write_trace(dir);
+    CmdResult r = run_pdsim({"bench", "simulate", "--trace", trace, "--topology", kDgx, "--reps",
+                             "2", "--json", dir.str("bench.json")},
+                            120);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    EXPECT_NE(r.out.find("requests per wall second"), std::string::npos) << r.out;
+    const json j = json::parse(slurp(dir.path() / "bench.json"));
+    EXPECT_EQ(j["requests"], 40);
+    EXPECT_GT(j["requests_per_wall_s"].get<double>(), 0);
+    EXPECT_GT(j["events_per_s"].get<double>(), 0);
+    EXPECT_EQ(j["target_requests_per_wall_s"], 20000);
+    EXPECT_NEAR(j["ratio"].get<double>(), j["requests_per_wall_s"].get<double>() / 20000, 1e-9);
+    EXPECT_EQ(j["runs"].size(), 2u);
+}
+
+}  // namespace
+}  // namespace pdsim::test
