@@ -34,6 +34,7 @@
 #include <charconv>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -187,15 +188,13 @@ Status recv_loop(Transport& t, int peer, const Plan& p, std::vector<std::vector<
 // completes, its callback (on the transport's own thread) posts message k + W into it. This is how
 // the layerwise engine drives a transport (no thread wake-up per message). The calling thread only
 // waits for the last completion. All state lives in a shared block, so a late callback after an
-// error return still finds it alive.
-Status pump(Transport& t, int peer, const Plan& p, const uint8_t* src,
-            std::vector<std::vector<uint8_t>>* dst) {
+// error return still finds it alive. Message k is posted by `post_one(k)`.
+using PostOne = std::function<StatusOr<transfer::RequestHandle>(size_t k)>;
+Status pump_window(const Plan& p, PostOne post_one) {
     struct Shared {
-        Transport* t;
-        int peer;
-        Plan p;
-        const uint8_t* src;
-        std::vector<std::vector<uint8_t>>* dst;
+        PostOne post_one;
+        size_t messages = 0;
+        size_t window = 0;
         std::mutex mu;
         std::condition_variable cv;
         size_t done = 0;
@@ -209,21 +208,17 @@ Status pump(Transport& t, int peer, const Plan& p, const uint8_t* src,
             cv.notify_all();
         }
         static void post(const std::shared_ptr<Shared>& sh, size_t k) {
-            const auto w = static_cast<size_t>(sh->p.window);
-            const auto tag = static_cast<transfer::Tag>(k % w);
-            auto h = sh->src != nullptr
-                         ? sh->t->post_send(sh->peer, tag, sh->src, sh->p.bytes)
-                         : sh->t->post_recv(sh->peer, tag, (*sh->dst)[k % w].data(), sh->p.bytes);
+            auto h = sh->post_one(k);
             if (!h.ok()) {
                 sh->fail(h.status());
                 return;
             }
-            h->on_complete([sh, k, w](const Status& st, size_t) {
+            h->on_complete([sh, k](const Status& st, size_t) {
                 if (!st.ok()) {
                     sh->fail(st);
                     return;
                 }
-                if (k + w < sh->p.messages) post(sh, k + w);
+                if (k + sh->window < sh->messages) post(sh, k + sh->window);
                 {
                     std::lock_guard<std::mutex> lock(sh->mu);
                     ++sh->done;
@@ -233,20 +228,26 @@ Status pump(Transport& t, int peer, const Plan& p, const uint8_t* src,
         }
     };
     auto sh = std::make_shared<Shared>();
-    sh->t = &t;
-    sh->peer = peer;
-    sh->p = p;
-    sh->src = src;
-    sh->dst = dst;
-    for (size_t k = 0; k < std::min(static_cast<size_t>(p.window), p.messages); ++k) {
-        Shared::post(sh, k);
-    }
+    sh->post_one = std::move(post_one);
+    sh->messages = p.messages;
+    sh->window = static_cast<size_t>(p.window);
+    for (size_t k = 0; k < std::min(sh->window, p.messages); ++k) Shared::post(sh, k);
     std::unique_lock<std::mutex> lock(sh->mu);
     if (!sh->cv.wait_for(lock, kTimeout,
                          [&] { return sh->done == p.messages || !sh->error.ok(); })) {
         return Status(StatusCode::kDeadlineExceeded, "bench: transfer did not finish");
     }
     return sh->error;
+}
+
+Status pump(Transport& t, int peer, const Plan& p, const uint8_t* src,
+            std::vector<std::vector<uint8_t>>* dst) {
+    const auto w = static_cast<size_t>(p.window);
+    return pump_window(p, [&t, peer, bytes = p.bytes, src, dst, w](size_t k) {
+        const auto tag = static_cast<transfer::Tag>(k % w);
+        return src != nullptr ? t.post_send(peer, tag, src, bytes)
+                              : t.post_recv(peer, tag, (*dst)[k % w].data(), bytes);
+    });
 }
 
 Status check_landed(const Buffers& b, const Plan& p) {
@@ -520,58 +521,10 @@ private:
 // pump() for one-sided writes: write k goes to slot k % W of `dst`; its completion callback posts
 // write k + W into the same slot.
 Status write_pump(Transport& t, const transfer::RemoteRegion& dst, const Plan& p, const void* src) {
-    struct Shared {
-        Transport* t;
-        transfer::RemoteRegion dst;
-        Plan p;
-        const void* src;
-        std::mutex mu;
-        std::condition_variable cv;
-        size_t done = 0;
-        Status error;
-
-        void fail(const Status& st) {
-            {
-                std::lock_guard<std::mutex> lock(mu);
-                if (error.ok()) error = st;
-            }
-            cv.notify_all();
-        }
-        static void post(const std::shared_ptr<Shared>& sh, size_t k) {
-            const auto w = static_cast<size_t>(sh->p.window);
-            auto h = sh->t->post_write(sh->dst, (k % w) * sh->p.bytes, sh->src, sh->p.bytes);
-            if (!h.ok()) {
-                sh->fail(h.status());
-                return;
-            }
-            h->on_complete([sh, k, w](const Status& st, size_t) {
-                if (!st.ok()) {
-                    sh->fail(st);
-                    return;
-                }
-                if (k + w < sh->p.messages) post(sh, k + w);
-                {
-                    std::lock_guard<std::mutex> lock(sh->mu);
-                    ++sh->done;
-                }
-                sh->cv.notify_all();
-            });
-        }
-    };
-    auto sh = std::make_shared<Shared>();
-    sh->t = &t;
-    sh->dst = dst;
-    sh->p = p;
-    sh->src = src;
-    for (size_t k = 0; k < std::min(static_cast<size_t>(p.window), p.messages); ++k) {
-        Shared::post(sh, k);
-    }
-    std::unique_lock<std::mutex> lock(sh->mu);
-    if (!sh->cv.wait_for(lock, kTimeout,
-                         [&] { return sh->done == p.messages || !sh->error.ok(); })) {
-        return Status(StatusCode::kDeadlineExceeded, "bench: transfer did not finish");
-    }
-    return sh->error;
+    const auto w = static_cast<size_t>(p.window);
+    return pump_window(p, [&t, dst, bytes = p.bytes, src, w](size_t k) {
+        return t.post_write(dst, (k % w) * bytes, src, bytes);
+    });
 }
 
 class CudaIpcRunner : public Runner {
