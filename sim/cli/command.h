@@ -46,5 +46,7 @@ void add_testbed_command(CLI::App& app, CommandSet& commands);
 void add_simulate_command(CLI::App& app, CommandSet& commands);
 // `pdsim calibrate [...]`: measures the CPU testbed, writes a cost file (sim/cli/calibrate_cmd.cpp).
 void add_calibrate_command(CLI::App& app, CommandSet& commands);
+// `pdsim search [...]`: placement search over a GPU budget (sim/cli/search_cmd.cpp).
+void add_search_command(CLI::App& app, CommandSet& commands);
 
 }  // namespace pdsim::cli
