@@ -41,6 +41,8 @@ struct SimulateFlags {
     std::string mode = "disagg", layerwise = "on", prefix_cache = "on", kv_admission = "prompt";
     int64_t chunk_size = 512, max_batch_tokens = 2048, max_decode_batch = 64;
     int64_t max_decode_kv_tokens = 0;
+    std::string cpu_contention = "on";
+    double cpu_cores = 0;
     int page_size = 16;
     int64_t kv_pool_mb = 512;
     double mem_fraction = 0.9;
@@ -115,6 +117,10 @@ Status check_flags(const SimulateFlags& f) {
     }
     PDSIM_RETURN_IF_ERROR(on_off("--layerwise", f.layerwise).status());
     PDSIM_RETURN_IF_ERROR(on_off("--prefix-cache", f.prefix_cache).status());
+    PDSIM_RETURN_IF_ERROR(on_off("--cpu-contention", f.cpu_contention).status());
+    if (!(f.cpu_cores >= 0) || !std::isfinite(f.cpu_cores)) {
+        return bad(fmt::format("--cpu-cores {}: must be >= 0", f.cpu_cores));
+    }
     if (f.kv_admission != "prompt" && f.kv_admission != "full") {
         return bad(fmt::format("--kv-admission {}: expected prompt or full", f.kv_admission));
     }
@@ -233,6 +239,8 @@ des::SimConfig make_config(const Prepared& p, const SimulateFlags& f, des::SimMo
     c.layerwise = f.layerwise == "on";
     c.prefix_cache = f.prefix_cache == "on";
     c.reserve_output = f.kv_admission == "full";
+    c.cpu_contention = f.cpu_contention == "on";
+    c.node_cpus = f.cpu_cores;
     c.page_size = f.page_size;
     c.batching.chunk_size = f.chunk_size;
     c.batching.max_batch_tokens = f.max_batch_tokens;
@@ -514,6 +522,12 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
     sub->add_option("--max-decode-kv-tokens", f->max_decode_kv_tokens,
                     "KV tokens per decode forward (0: no bound; the CPU testbed's is 2048 x "
                     "attention threads)")
+        ->capture_default_str();
+    sub->add_option("--cpu-contention", f->cpu_contention,
+                    "on|off: forwards of cpu instances on one node share its cores")
+        ->capture_default_str();
+    sub->add_option("--cpu-cores", f->cpu_cores,
+                    "cores per node for --cpu-contention (0: the node's cpus, else this machine's)")
         ->capture_default_str();
     sub->add_option("--page-size", f->page_size, "KV page size in tokens")->capture_default_str();
     sub->add_option("--kv-pool-mb", f->kv_pool_mb, "cpu devices: KV pool per rank, MiB")

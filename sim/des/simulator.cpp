@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <thread>
 #include <unordered_map>
 
 #include "common/check.h"
@@ -124,6 +125,18 @@ StatusOr<std::vector<InstanceSetup>> make_instance_setups(const topo::Topology& 
         s.cost = std::shared_ptr<const cost::CostModel>(std::move(*cm));
         PDSIM_ASSIGN_OR_RETURN(s.kv_pages, kv_capacity_pages(topology, model, i, kv));
         s.kv_dtype_bytes = spec.kv_dtype_bytes;
+        if (spec.device == "cpu") {
+            // The fit's thread count for this tp (calibrated fits are per (tp, threads)).
+            int threads = 0;
+            if (file != nullptr && file->json().contains("fits")) {
+                for (const auto& f : file->json().at("fits")) {
+                    if (f.value("tp", 0) != spec.tp) continue;
+                    const int th = f.value("threads", 1);
+                    threads = threads == 0 || threads == th ? th : -1;
+                }
+            }
+            s.cpu_cores = spec.tp * std::max(1, threads);
+        }
         out.push_back(std::move(s));
     }
     return out;
@@ -194,6 +207,14 @@ struct Inst {
     size_t decode_n = 0;                            // decode in flight: running[0, decode_n)
     std::vector<std::pair<FlowId, double>> capped;  // layerwise flows of the forward, and bytes
     double t_start = 0;
+    // CPU core contention (cpu_node >= 0): the forward in flight has `work` core-seconds left at
+    // t_rate and progresses at `rate` cores (at most `cores`, its isolated rate).
+    int cpu_node = -1;
+    double cores = 0, work = 0, rate = 0, t_rate = 0, iso_s = 0;
+    EventLoop::EventId end_ev = 0;
+    bool slowed = false;
+    int64_t tl_tokens = 0;  // timeline: the forward's tokens, written when it ends
+    size_t tl_n = 0;
     Inst(int i, Role r, const cost::CostModel* c, KvCache k)
         : index(i), role(r), cost(c), kv(std::move(k)) {}
 };
@@ -251,9 +272,18 @@ private:
     void end_decode(Inst& x);
     void preempt(Inst& x);
     void deliver(uint32_t slot);
+    // Schedules the end of x's forward of isolated duration `dur` (under contention: adds it to
+    // its node's running forwards and re-shares the cores).
+    void schedule_forward_end(Inst& x, double dur);
+    // Brings the node's forwards' work up to now, shares the cores equally among their compute
+    // threads (at most one core each) and moves the end (and the layerwise caps) of those whose
+    // rate changed; `fresh` was just added and has no end event yet.
+    void reshare(int node, Inst* fresh);
+    void set_caps(Inst& x);
 
     // ---- transfer ----
     Status build_routes();
+    Status setup_cpu_nodes();
     const Route& route(const Req& r) const {
         return routes_[static_cast<size_t>(r.asg.prefill) * insts_.size() +
                        static_cast<size_t>(r.asg.decode)];
@@ -272,7 +302,7 @@ private:
     void on_flow_done(uint32_t group);
     void maybe_kv_complete(uint32_t slot);
 
-    void timeline_forward(const Inst& x, double dur, size_t n, int64_t tokens);
+    void timeline_forward(const Inst& x, double start, double dur, size_t n, int64_t tokens);
     int pid(int i) const { return cfg_.timeline_pid_base + i; }
 
     const SimConfig& cfg_;
@@ -298,6 +328,12 @@ private:
     std::vector<uint32_t> free_groups_;
     std::vector<std::pair<uint32_t, double>> flow_items_;
     std::vector<uint32_t> members_;
+    struct CpuNode {
+        double cores = 1;
+        std::vector<int> active;  // instances whose forward is in flight
+    };
+    std::vector<CpuNode> cpu_nodes_;
+    std::vector<std::pair<double, int>> share_;  // reshare scratch: (cores, instance)
     size_t next_arrival_ = 0;
     int64_t in_flight_ = 0;
     int64_t finished_ = 0;
@@ -361,6 +397,7 @@ Status Simulation::setup() {
         return bad(fmt::format("{}: the disaggregated mode needs a prefill and a decode instance",
                                cfg_.topology_label));
     }
+    if (cfg_.cpu_contention) PDSIM_RETURN_IF_ERROR(setup_cpu_nodes());
     lb_ = std::make_unique<policy::LoadBalancer>(is_prefill, colocated_);
     if (!colocated_) PDSIM_RETURN_IF_ERROR(build_routes());
     records_.resize(requests_.size());
@@ -736,8 +773,9 @@ void Simulation::start_extend(Inst& x) {
         }
         start_batch_flows(flow_items_, dur, &x);
     }
-    if (cfg_.timeline != nullptr) timeline_forward(x, dur, x.entries.size(), plan.tokens());
-    loop_.schedule(dur, [this, i = x.index] { on_forward_end(i); });
+    x.tl_n = x.entries.size();
+    x.tl_tokens = plan.tokens();
+    schedule_forward_end(x, dur);
 }
 
 bool Simulation::start_decode(Inst& x) {
@@ -779,8 +817,9 @@ bool Simulation::start_decode(Inst& x) {
     x.decode_n = n;
     x.t_start = loop_.now();
     ++stats_.decode_forwards;
-    if (cfg_.timeline != nullptr) timeline_forward(x, dur, n, 0);
-    loop_.schedule(dur, [this, i = x.index] { on_forward_end(i); });
+    x.tl_n = n;
+    x.tl_tokens = 0;
+    schedule_forward_end(x, dur);
     return true;
 }
 
@@ -805,6 +844,16 @@ void Simulation::preempt(Inst& x) {
 
 void Simulation::on_forward_end(int i) {
     Inst& x = inst(i);
+    if (x.cpu_node >= 0) {
+        std::vector<int>& act = cpu_nodes_[static_cast<size_t>(x.cpu_node)].active;
+        act.erase(std::find(act.begin(), act.end(), i));
+        if (x.slowed) ++stats_.contended_forwards;
+        // Its real duration is known only now.
+        if (cfg_.timeline != nullptr) {
+            timeline_forward(x, x.t_start, loop_.now() - x.t_start, x.tl_n, x.tl_tokens);
+        }
+        reshare(x.cpu_node, nullptr);
+    }
     x.busy = false;
     if (x.extend) {
         end_extend(x);
@@ -915,6 +964,91 @@ void Simulation::deliver(uint32_t slot) {
         finish(slot);
     } else {
         inst(r.asg.decode).running.push_back(slot);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// CPU core contention
+
+// Nodes whose CPU instances could together want more cores than the node has; the others never
+// contend and keep the plain one-event-per-forward path.
+Status Simulation::setup_cpu_nodes() {
+    const topo::Topology& t = cfg_.topology;
+    std::vector<double> demand(t.nodes.size(), 0);
+    std::vector<int> node_of(insts_.size(), -1);
+    for (size_t i = 0; i < insts_.size(); ++i) {
+        const int k = cfg_.instances[i].cpu_cores;
+        if (k <= 0 || t.instances[i].devices.empty()) continue;
+        const int nd = t.node_index_of(t.instances[i].devices.front());
+        if (nd < 0) continue;
+        node_of[i] = nd;
+        demand[static_cast<size_t>(nd)] += k;
+    }
+    std::vector<int> index(t.nodes.size(), -1);
+    for (size_t i = 0; i < insts_.size(); ++i) {
+        const int nd = node_of[i];
+        if (nd < 0) continue;
+        const size_t n = static_cast<size_t>(nd);
+        double cores = cfg_.node_cpus > 0 ? cfg_.node_cpus : t.nodes[n].cpus;
+        if (cores <= 0) cores = std::max(1u, std::thread::hardware_concurrency());
+        if (demand[n] <= cores) continue;
+        if (index[n] < 0) {
+            index[n] = static_cast<int>(cpu_nodes_.size());
+            cpu_nodes_.push_back(CpuNode{cores, {}});
+        }
+        insts_[i].cpu_node = index[n];
+        insts_[i].cores = cfg_.instances[i].cpu_cores;
+    }
+    return {};
+}
+
+void Simulation::schedule_forward_end(Inst& x, double dur) {
+    if (x.cpu_node < 0) {
+        if (cfg_.timeline != nullptr) timeline_forward(x, loop_.now(), dur, x.tl_n, x.tl_tokens);
+        loop_.schedule(dur, [this, i = x.index] { on_forward_end(i); });
+        return;
+    }
+    x.iso_s = dur;
+    x.work = x.cores * dur;
+    x.rate = 0;
+    x.t_rate = loop_.now();
+    x.slowed = false;
+    cpu_nodes_[static_cast<size_t>(x.cpu_node)].active.push_back(x.index);
+    reshare(x.cpu_node, &x);
+}
+
+void Simulation::reshare(int node, Inst* fresh) {
+    const CpuNode& nd = cpu_nodes_[static_cast<size_t>(node)];
+    const double now = loop_.now();
+    // The kernel shares cores per runnable thread: every compute thread gets the same share, at
+    // most one core, and a TP instance runs at its ranks' common pace.
+    double threads = 0;
+    for (int i : nd.active) threads += inst(i).cores;
+    const double per_thread = std::min(1.0, nd.cores / threads);
+    share_.clear();
+    for (int i : nd.active) share_.emplace_back(inst(i).cores * per_thread, i);
+    for (const auto& [r, i] : share_) {
+        Inst& y = inst(i);
+        if (&y != fresh) {
+            if (r == y.rate) continue;
+            y.work = std::max(0.0, y.work - y.rate * (now - y.t_rate));
+            loop_.cancel(y.end_ev);
+        }
+        y.t_rate = now;
+        y.rate = r;
+        if (r < y.cores) y.slowed = true;
+        y.end_ev = loop_.schedule(y.work / r, [this, i] { on_forward_end(i); });
+        if (&y != fresh || r < y.cores) set_caps(y);
+    }
+}
+
+// A layerwise flow may not overtake its forward: its cap follows the forward's progress rate.
+void Simulation::set_caps(Inst& x) {
+    if (x.iso_s <= 0) return;
+    for (auto [f, bytes] : x.capped) {
+        if (net_.remaining_bytes(f) > 1e-9 * bytes) {
+            net_.set_rate_cap(f, bytes / x.iso_s * (x.rate / x.cores));
+        }
     }
 }
 
@@ -1030,12 +1164,13 @@ void Simulation::maybe_kv_complete(uint32_t slot) {
     kick(d);
 }
 
-void Simulation::timeline_forward(const Inst& x, double dur, size_t n, int64_t tokens) {
+void Simulation::timeline_forward(const Inst& x, double start, double dur, size_t n,
+                                  int64_t tokens) {
     if (timeline_forwards_++ >= cfg_.timeline_max_forwards) return;
     cfg_.timeline->add_slice(
         pid(x.index), 0,
         x.extend ? fmt::format("extend bs={} T={}", n, tokens) : fmt::format("decode bs={}", n),
-        "forward", loop_.now() * 1e6, dur * 1e6);
+        "forward", start * 1e6, dur * 1e6);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1142,6 +1277,7 @@ SimResult Simulation::result() {
         {"flows", s.flows},
         {"max_in_flight", s.max_in_flight},
         {"bundled_lanes", s.bundled_lanes},
+        {"contended_forwards", s.contended_forwards},
     };
     nlohmann::json kv = nlohmann::json::array();
     for (const Inst& x : insts_) {
@@ -1152,6 +1288,8 @@ SimResult Simulation::result() {
     }
     rep.extra["simulator"]["instances"] = std::move(kv);
     const policy::BatchingOptions& b = cfg_.batching;
+    nlohmann::json contended_cores = nlohmann::json::array();
+    for (const CpuNode& nd : cpu_nodes_) contended_cores.push_back(nd.cores);
     rep.extra["config"] = {{"mode", rep.mode},
                            {"layerwise", cfg_.layerwise},
                            {"prefix_cache", cfg_.prefix_cache},
@@ -1161,6 +1299,8 @@ SimResult Simulation::result() {
                            {"max_batch_tokens", b.max_batch_tokens},
                            {"max_decode_batch", b.max_decode_batch},
                            {"max_decode_kv_tokens", b.max_decode_kv_tokens},
+                           {"cpu_contention", cfg_.cpu_contention},
+                           {"contended_node_cores", contended_cores},
                            {"slo_ttft_ms", cfg_.slo.ttft_ms},
                            {"slo_tpot_ms", cfg_.slo.tpot_ms}};
     res.records = std::move(records_);

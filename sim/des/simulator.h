@@ -64,6 +64,9 @@ struct InstanceSetup {
     std::shared_ptr<const cost::CostModel> cost;  // required
     int64_t kv_pages = 0;                         // KV pool of the instance, pages (>= 0)
     int kv_dtype_bytes = 2;                       // bytes per KV element (transfer sizes)
+    // CPU instances: cores one forward keeps busy when it runs alone (tp ranks x compute threads
+    // per rank, what the cost model was calibrated with); 0: not a CPU instance (no contention).
+    int cpu_cores = 0;
 };
 
 struct KvCapacityOptions {
@@ -86,7 +89,8 @@ struct KvCapacityOptions {
                                                   const model::ModelConfig& model, int instance,
                                                   const KvCapacityOptions& options);
 // Every instance's setup: cost::make_cost_model(cost_kind, instance_spec(...), file, roofline)
-// and kv_capacity_pages(...). Errors name the instance.
+// and kv_capacity_pages(...); cpu_cores = tp x the thread count of the file's fit for that tp
+// (1 when absent or ambiguous). Errors name the instance.
 [[nodiscard]] StatusOr<std::vector<InstanceSetup>> make_instance_setups(
     const topo::Topology& topology, const model::ModelConfig& model, const std::string& cost_kind,
     const cost::CostFile* file, const KvCapacityOptions& kv,
@@ -114,6 +118,15 @@ struct SimConfig {
     bool reserve_output = false;
     int page_size = 16;
     policy::BatchingOptions batching;  // the testbed's defaults
+    // CPU core contention (docs/simulator.md section 1): the forwards of instances with
+    // cpu_cores > 0 on one node share its cores as processor sharing per compute thread (each of
+    // an instance's cpu_cores threads gets min(1, cores / threads running on the node), as the
+    // kernel's scheduler shares them); a forward's isolated duration T is cpu_cores x T
+    // core-seconds of work.
+    // node_cpus: cores of every node (> 0), else the node's `cpus`, else
+    // std::thread::hardware_concurrency() (the testbed runs a cpu topology on this machine).
+    bool cpu_contention = true;
+    double node_cpus = 0;
     metrics::Slo slo;
     // Optional outputs. The timeline gets one track per instance (forwards, sampled transfers) and
     // the lifecycle of every `timeline_sample`-th request (by position in the trace); forward
@@ -142,6 +155,7 @@ struct SimStats {
     int64_t flows = 0;
     int64_t max_in_flight = 0;   // most requests admitted-but-unfinished at once
     bool bundled_lanes = false;  // one flow per chunk (symmetric lanes) instead of one per lane
+    int64_t contended_forwards = 0;  // forwards that ran slower than alone (CPU core sharing)
 };
 
 struct SimResult {
