@@ -14,6 +14,7 @@
 #include <optional>
 
 #include "sim/cli/command.h"
+#include "sim/des/setup.h"
 #include "sim/des/simulator.h"
 #include "sim/testbed/options.h"
 #include "topology/loader.h"
@@ -133,15 +134,8 @@ Status load_model_and_topology(const SimulateFlags& f, Prepared* p) {
     topo::LoadOptions lo;
     topo::ModelShape shape;
     std::optional<model::ModelConfig> m;
-    auto finish_model = [&](model::ModelConfig& cfg) -> Status {
-        if (f.layers > 0) cfg.num_layers = f.layers;
-        return model::validate_model(cfg).with_context("--model");
-    };
     if (!f.model.empty()) {
-        auto r = model::resolve_model(f.model);
-        if (!r.ok()) return bad(fmt::format("--model {}: {}", f.model, r.status().message()));
-        m = *r;
-        PDSIM_RETURN_IF_ERROR(finish_model(*m));
+        PDSIM_ASSIGN_OR_RETURN(m, des::load_model(f.model, f.layers));
         shape = model::to_model_shape(*m);
         lo.model = &shape;
     }
@@ -153,15 +147,11 @@ Status load_model_and_topology(const SimulateFlags& f, Prepared* p) {
                 fmt::format("{}: no model in the topology; pass --model NAME|F", f.topology));
         }
         const std::string name = p->topology.model->name;
-        auto r = model::resolve_model(name);
+        auto r = des::load_model(name, f.layers, "model");
         if (!r.ok()) {
-            return bad(
-                fmt::format("{}: model: '{}' is not a model pdsim knows ({}); pass --model "
-                            "NAME|F",
-                            f.topology, name, r.status().message()));
+            return bad(fmt::format("{}: {}; pass --model NAME|F", f.topology, r.status().message()));
         }
-        m = *r;
-        PDSIM_RETURN_IF_ERROR(finish_model(*m));
+        m = *std::move(r);
         shape = model::to_model_shape(*m);
         PDSIM_RETURN_IF_ERROR(topo::validate(p->topology, &shape));
     }
@@ -177,23 +167,16 @@ Status load_model_and_topology(const SimulateFlags& f, Prepared* p) {
 // The trace as `pdsim testbed` reads it: caps, first N or a sample, arrivals from the first
 // request, lengths at least 1, times scaled.
 Status load_requests(const SimulateFlags& f, Prepared* p) {
-    workload::LoadOptions wl;
-    wl.max_input_len = f.max_input_len;
-    wl.max_output_len = f.max_output_len;
-    wl.max_requests = f.max_requests;
-    wl.sample = f.sample;
-    wl.seed = f.seed;
-    wl.time_scale = 1.0;
-    PDSIM_ASSIGN_OR_RETURN(workload::TraceFormat kind,
-                           workload::parse_trace_format(f.trace_format));
-    PDSIM_ASSIGN_OR_RETURN(p->requests, workload::load_trace(f.trace, kind, wl));
-    if (p->requests.empty()) return bad(fmt::format("{}: the trace has no requests", f.trace));
-    const double first = p->requests.front().arrival_ms;
-    for (auto& r : p->requests) {
-        r.input_len = std::max(r.input_len, 1);
-        r.output_len = std::max(r.output_len, 1);
-        r.arrival_ms = (r.arrival_ms - first) * f.time_scale;
-    }
+    des::RequestSource src;
+    src.trace = f.trace;
+    src.trace_format = f.trace_format;
+    src.max_input_len = f.max_input_len;
+    src.max_output_len = f.max_output_len;
+    src.max_requests = f.max_requests;
+    src.sample = f.sample;
+    src.seed = f.seed;
+    src.time_scale = f.time_scale;
+    PDSIM_ASSIGN_OR_RETURN(p->requests, des::load_requests(src));
     p->workload_label = fs::path(f.trace).filename().string();
     if (f.sample > 0) p->workload_label += fmt::format(" (sample {}, seed {})", f.sample, f.seed);
     if (f.max_requests > 0) p->workload_label += fmt::format(" (first {})", f.max_requests);
