@@ -439,13 +439,23 @@ inline void callbacks_and_polling(Transport& t) {
 // In-process only: rank 1 closes while rank 0 has a receive pending from it; that receive fails
 // with kUnavailable naming rank 1, later posts to rank 1 fail, and traffic between the other ranks
 // (world >= 3) still flows.
+// peer_close_fails_pending: tells rank 1 that this rank is past its barrier. The send may
+// complete or fail (rank 1 may close before its completion handler runs); either is fine.
+inline void release_closer(Transport& t) {
+    auto s = t.post_send(1, 904, nullptr, 0);
+    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    Status st = t.wait(*s, kWait);
+    EXPECT_TRUE(st.ok() || st.code() == StatusCode::kUnavailable) << st.to_string();
+}
+
 inline void peer_close_fails_pending(Transport& t) {
     if (!t.capabilities().detects_peer_failure) GTEST_SKIP() << "transport cannot detect it";
     std::vector<uint8_t> in(1 << 16);
     if (t.rank() == 0) {
         auto r = t.post_recv(1, 901, in.data(), in.size());
         ASSERT_TRUE(r.ok());
-        barrier(t);  // rank 1 closes after this
+        barrier(t);
+        release_closer(t);  // rank 1 closes after this
         Status st = t.wait(*r, kWait);
         EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
         EXPECT_NE(st.message().find("rank 1"), std::string::npos) << st.to_string();
@@ -463,10 +473,23 @@ inline void peer_close_fails_pending(Transport& t) {
         }
     } else if (t.rank() == 1) {
         barrier(t);
+        // Close only once every other rank has finished its barrier: a send whose completion
+        // handler has not run yet when the peer's close arrives fails as "peer closed", which
+        // would fail that rank's barrier (seen on a loaded 2-core CI machine).
+        std::vector<RequestHandle> go;
+        for (int p = 0; p < t.world_size(); ++p) {
+            if (p == 1) continue;
+            auto g = t.post_recv(p, 904, nullptr, 0);
+            ASSERT_TRUE(g.ok()) << g.status().to_string();
+            go.push_back(*g);
+        }
+        Status gs = wait_all(t, go, kWait);
+        ASSERT_TRUE(gs.ok()) << gs.to_string();
         t.close();
         return;
     } else {
         barrier(t);
+        release_closer(t);
     }
     if (t.world_size() >= 3 && t.rank() != 1) {
         // Ranks 0 and 2 still talk.

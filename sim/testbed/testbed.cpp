@@ -800,9 +800,9 @@ Status run_testbed(const TestbedOptions& options, RunInfo* info) {
         std::vector<std::thread> threads;
         for (int r = ranks - 1; r >= 0; --r) {
             auto body = [&, r] {
-                const auto& info = map.at(r);
+                const auto& ri = map.at(r);
                 st[static_cast<size_t>(r)] =
-                    run_rank(sh, r, sh.hub->mailbox(r), sh.tp[static_cast<size_t>(info.instance)]->member(info.tp_rank));
+                    run_rank(sh, r, sh.hub->mailbox(r), sh.tp[static_cast<size_t>(ri.instance)]->member(ri.tp_rank));
             };
             if (r == 0) {
                 body();
@@ -841,8 +841,8 @@ Status run_testbed(const TestbedOptions& options, RunInfo* info) {
                         fmt::format("mpirun -np {} but topology {} has {} ranks", world, cfg.topology_label, ranks));
         } else {
             auto mbox = MpiMailbox::create();
-            const auto& info = map.at(rank);
-            auto tp = MpiTpComm::create(info.instance, info.tp_rank,
+            const auto& ri = map.at(rank);
+            auto tp = MpiTpComm::create(ri.instance, ri.tp_rank,
                                         milliseconds(static_cast<int64_t>(cfg.options.request_timeout_s * 1000) + 5000));
             if (!mbox.ok()) {
                 st = mbox.status();
@@ -851,6 +851,17 @@ Status run_testbed(const TestbedOptions& options, RunInfo* info) {
             } else {
                 st = run_rank(sh, rank, std::move(*mbox), tp->get());
             }
+        }
+        if (provided < MPI_THREAD_MULTIPLE || world != ranks) {
+            // Every rank takes this branch (same MPI, same world size, same topology). Rank 0
+            // prints, then all meet: once any rank exits non-zero, mpirun kills the others, and
+            // rank 0's message would be lost.
+            if (rank == 0) {
+                std::fprintf(stderr, "pdsim: error: %s\n", st.to_string().c_str());
+                std::fflush(stderr);
+                sh.error_printed = true;
+            }
+            MPI_Barrier(MPI_COMM_WORLD);
         }
     }
     MPI_Finalize();
