@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -38,8 +39,10 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -85,6 +88,9 @@ struct CalibrateOptions {
     int page_size = 16;
     int repeats = 0;     // 0: 7, --quick 3
     std::string worker;  // hidden: "TP:THREADS" (a worker process)
+    std::string from_timeline;  // comma-separated testbed timelines: fit those forwards instead
+    std::string base;           // a cost file for the (tp, kind) the timelines have no forwards of
+    bool include_overlapped = false;
 };
 
 int cores() {
@@ -734,6 +740,231 @@ std::string iso_now() {
     return buf;
 }
 
+
+// ---- --from-timeline: the testbed's own forwards ----
+
+// A fit needs several distinct batches, not just as many points as features.
+constexpr size_t kMinTimelinePoints = 8;
+
+struct TimelineGroup {
+    std::vector<std::vector<double>> ex, dx;
+    std::vector<double> ey, dy;
+};
+
+std::vector<std::string> split_paths(const std::string& text) {
+    std::vector<std::string> out;
+    std::stringstream ss(text);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+        if (!item.empty()) out.push_back(item);
+    }
+    return out;
+}
+
+// Adds the forward slices of `path` run by an instance's leader (tp_rank 0: a TP follower times
+// the same forward again) to `groups`, keyed by (tp, threads); returns how many it added.
+StatusOr<size_t> read_timeline(const std::string& path, bool include_overlapped,
+                               std::map<std::pair<int, int>, TimelineGroup>* groups,
+                               size_t* skipped) {
+    std::ifstream in(path);
+    if (!in) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("--from-timeline {}: cannot open", path));
+    }
+    json doc;
+    try {
+        in >> doc;
+    } catch (const json::exception& e) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("--from-timeline {}: not JSON: {}", path, e.what()));
+    }
+    const json* events = doc.is_array() ? &doc : nullptr;
+    if (doc.is_object() && doc.contains("traceEvents") && doc["traceEvents"].is_array()) {
+        events = &doc["traceEvents"];
+    }
+    if (events == nullptr) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("--from-timeline {}: no traceEvents array (expected the "
+                                  "timeline of pdsim testbed --timeline)",
+                                  path));
+    }
+    // Forward slices with batch args, every TP rank's (a follower's forward overlapping another
+    // instance's leader counts as that instance computing).
+    struct Slice {
+        double begin, end;
+        int instance;
+        const json* e;
+    };
+    std::vector<Slice> slices;
+    for (const json& e : *events) {
+        if (!e.is_object() || e.value("ph", "") != "X" || e.value("cat", "") != "forward") continue;
+        const json& a = e.contains("args") ? e["args"] : json();
+        if (!a.is_object() || !a.contains("tp") || !a.contains("tp_rank") ||
+            !a.contains("threads") || !a.contains("instance")) {
+            continue;  // an older timeline's slice: no batch to fit
+        }
+        try {
+            const double ts = e.at("ts").get<double>(), dur = e.at("dur").get<double>();
+            slices.push_back({ts, ts + dur, a.at("instance").get<int>(), &e});
+        } catch (const json::exception& ex) {
+            return Status(StatusCode::kInvalidArgument,
+                          fmt::format("--from-timeline {}: forward slice: {}", path, ex.what()));
+        }
+    }
+    std::sort(slices.begin(), slices.end(),
+              [](const Slice& x, const Slice& y) { return x.begin < y.begin; });
+    double longest = 0;
+    for (const Slice& x : slices) longest = std::max(longest, x.end - x.begin);
+    // The simulator's CPU contention model slows forwards of instances that compute at the same
+    // time; fitting such forwards would count that slowdown twice.
+    auto overlapped = [&](size_t i) {
+        const Slice& x = slices[i];
+        for (size_t j = i + 1; j < slices.size() && slices[j].begin < x.end; ++j) {
+            if (slices[j].instance != x.instance) return true;
+        }
+        for (size_t j = i; j-- > 0 && slices[j].begin > x.begin - longest;) {
+            if (slices[j].instance != x.instance && slices[j].end > x.begin) return true;
+        }
+        return false;
+    };
+    size_t added = 0;
+    for (size_t i = 0; i < slices.size(); ++i) {
+        const json& e = *slices[i].e;
+        const json& a = e["args"];
+        try {
+            if (a.at("tp_rank").get<int>() != 0) continue;
+            const double s = e.at("dur").get<double>() * 1e-6;
+            if (!(s > 0)) continue;
+            if (!include_overlapped && overlapped(i)) {
+                ++*skipped;
+                continue;
+            }
+            TimelineGroup& g = (*groups)[{a.at("tp").get<int>(), a.at("threads").get<int>()}];
+            if (a.contains("kv_tokens")) {
+                const auto f = cost::decode_features(a.at("batch").get<int64_t>(),
+                                                     a.at("kv_tokens").get<int64_t>());
+                g.dx.emplace_back(f.begin(), f.end());
+                g.dy.push_back(s);
+            } else {
+                std::vector<cost::ExtendItem> items;
+                for (const json& it : a.at("items")) {
+                    items.push_back({it.at(0).get<int64_t>(), it.at(1).get<int64_t>()});
+                }
+                const auto f = cost::extend_features(items);
+                if (f[1] <= 0) continue;
+                g.ex.emplace_back(f.begin(), f.end());
+                g.ey.push_back(s);
+            }
+            ++added;
+        } catch (const json::exception& ex) {
+            return Status(StatusCode::kInvalidArgument,
+                          fmt::format("--from-timeline {}: forward slice at ts {}: {}", path,
+                                      e.value("ts", 0.0), ex.what()));
+        }
+    }
+    if (added == 0) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("--from-timeline {}: no forward slices with batch args (a "
+                                  "timeline written by pdsim testbed --timeline){}",
+                                  path, *skipped > 0 ? fmt::format(" that no other instance's "
+                                                                   "forward overlaps ({} did)",
+                                                                   *skipped)
+                                                     : ""));
+    }
+    return added;
+}
+
+json fit_json(const auto& keys, const cost::LinearFit& f, size_t n, const std::string& source) {
+    json j;
+    for (size_t i = 0; i < keys.size(); ++i) j[keys[i]] = f.coef[i];
+    j["r2"] = f.r2;
+    j["max_rel_err"] = f.max_rel_err;
+    j["mean_rel_err"] = f.mean_rel_err;
+    j["num_points"] = n;
+    j["source"] = source;
+    return j;
+}
+
+StatusOr<json> calibrate_from_timelines(const CalibrateOptions& o, const model::ModelConfig& m) {
+    const std::vector<std::string> paths = split_paths(o.from_timeline);
+    if (paths.empty()) return Status(StatusCode::kInvalidArgument, "--from-timeline: empty list");
+    std::map<std::pair<int, int>, TimelineGroup> groups;
+    json files = json::array();
+    for (const std::string& p : paths) {
+        size_t skipped = 0;
+        PDSIM_ASSIGN_OR_RETURN(size_t n,
+                               read_timeline(p, o.include_overlapped, &groups, &skipped));
+        files.push_back({{"path", p}, {"forwards", n}, {"overlapped_skipped", skipped}});
+    }
+    std::optional<cost::CostFile> base;
+    if (!o.base.empty()) {
+        auto b = cost::CostFile::load(o.base);
+        if (!b.ok()) return b.status().with_context("--base");
+        if (b->json().at("model").get<std::string>() != m.name) {
+            return Status(StatusCode::kInvalidArgument,
+                          fmt::format("--base {}: calibrated for model '{}', not '{}'", o.base,
+                                      b->json().at("model").get<std::string>(), m.name));
+        }
+        base = std::move(*b);
+    }
+    auto from_base = [&](int tp, int threads, const char* kind) -> const json* {
+        if (!base) return nullptr;
+        for (const json& f : base->json().at("fits")) {
+            if (f.at("tp").get<int>() == tp && f.at("threads").get<int>() == threads) {
+                return &f.at(kind);
+            }
+        }
+        return nullptr;
+    };
+    json fits = json::array();
+    for (const auto& [key, g] : groups) {
+        const auto [tp, threads] = key;
+        json fit = {{"tp", tp}, {"threads", threads}};
+        for (const bool decode : {false, true}) {
+            const char* kind = decode ? "decode" : "extend";
+            const auto& x = decode ? g.dx : g.ex;
+            const auto& y = decode ? g.dy : g.ey;
+            if (y.empty()) {
+                if (const json* b = from_base(tp, threads, kind)) {
+                    fit[kind] = *b;
+                    fit[kind]["source"] = "base " + o.base;
+                    continue;
+                }
+                return Status(
+                    StatusCode::kInvalidArgument,
+                    fmt::format("--from-timeline {}: tp {} threads {} has no {} forwards; give "
+                                "--base COST.json with a tp {} threads {} fit to take them from",
+                                o.from_timeline, tp, threads, kind, tp, threads));
+            }
+            if (y.size() < kMinTimelinePoints) {
+                return Status(StatusCode::kInvalidArgument,
+                              fmt::format("--from-timeline {}: tp {} threads {} has {} {} "
+                                          "forwards, too few to fit (at least {})",
+                                          o.from_timeline, tp, threads, y.size(), kind,
+                                          kMinTimelinePoints));
+            }
+            auto f = cost::fit_nonnegative(x, y);
+            if (!f.ok()) {
+                return f.status().with_context(fmt::format(
+                    "--from-timeline {}: tp {} threads {} {}", o.from_timeline, tp, threads, kind));
+            }
+            fit[kind] = decode ? fit_json(cost::kDecodeKeys, *f, y.size(), "timeline")
+                               : fit_json(cost::kExtendKeys, *f, y.size(), "timeline");
+        }
+        fits.push_back(std::move(fit));
+    }
+    json out = {{"fits", fits},
+                {"source",
+                 {{"kind", "testbed timelines"},
+                  {"files", files},
+                  {"leaders_only", true},
+                  {"overlapped_included", o.include_overlapped},
+                  {"base", o.base.empty() ? json() : json(o.base)}}},
+                {"transports", base ? base->json().value("transports", json::object())
+                                    : json::object()}};
+    return out;
+}
+
 Status run_calibrate(const CalibrateOptions& o) {
     auto resolved = model::resolve_model(o.model);
     if (!resolved.ok()) return resolved.status().with_context("--model");
@@ -773,50 +1004,59 @@ Status run_calibrate(const CalibrateOptions& o) {
         if (!existed) std::filesystem::remove(o.out, ec);
     }
     const auto t_start = Clock::now();
-    const Launcher launcher = detect_launcher();
-    const auto sizes = message_sizes(o, m);
+    json fits = json::array();
     json transport_json = json::object();
     json notes = json::array();
-    const bool want_mpi =
-        std::find(transports.begin(), transports.end(), "mpi") != transports.end();
-    if (want_mpi && launcher.under_mpirun && launcher.world == 2) {
-        PDSIM_ASSIGN_OR_RETURN(json mpi, measure_mpi(sizes, message_reps(o)));
-        if (launcher.rank != 0) return {};  // rank 1 only took part in the MPI measurement
-        transport_json["mpi"] = mpi;
-    } else if (want_mpi) {
-        notes.push_back(
-            launcher.under_mpirun
-                ? fmt::format("mpi: skipped (launched with {} ranks; measuring it needs "
-                              "mpirun -np 2)",
-                              launcher.world)
-                : "mpi: skipped (not launched under mpirun -np 2)");
-    }
-    if (launcher.under_mpirun && launcher.rank != 0) return {};
-
-    json fits = json::array();
-    const std::string tmp = (std::filesystem::temp_directory_path() /
-                             fmt::format("pdsim-calibrate-{}.json", ::getpid()))
-                                .string();
-    for (int tp : tps) {
-        std::vector<int> ths =
-            thread_list.empty() ? std::vector<int>{default_threads(tp)} : thread_list;
-        for (int threads : ths) {
-            std::fprintf(stderr, "calibrate: model %s tp %d threads %d: %zu points x %d rounds\n",
-                         m.name.c_str(), tp, threads, make_grid(o.quick, threads).size(),
-                         repeats_of(o));
-            auto w = spawn_worker(o, tp, threads, tmp);
-            std::error_code ec;
-            std::filesystem::remove(tmp, ec);
-            if (!w.ok()) return w.status();
-            PDSIM_ASSIGN_OR_RETURN(json fit, fit_points(*w));
-            fits.push_back(std::move(fit));
+    json source = {{"kind", "microbenchmark"}};
+    if (!o.from_timeline.empty()) {
+        PDSIM_ASSIGN_OR_RETURN(json part, calibrate_from_timelines(o, m));
+        fits = part["fits"];
+        transport_json = part["transports"];
+        source = part["source"];
+    } else {
+        const Launcher launcher = detect_launcher();
+        const auto sizes = message_sizes(o, m);
+        const bool want_mpi =
+            std::find(transports.begin(), transports.end(), "mpi") != transports.end();
+        if (want_mpi && launcher.under_mpirun && launcher.world == 2) {
+            PDSIM_ASSIGN_OR_RETURN(json mpi, measure_mpi(sizes, message_reps(o)));
+            if (launcher.rank != 0) return {};  // rank 1 only took part in the MPI measurement
+            transport_json["mpi"] = mpi;
+        } else if (want_mpi) {
+            notes.push_back(
+                launcher.under_mpirun
+                    ? fmt::format("mpi: skipped (launched with {} ranks; measuring it needs "
+                                  "mpirun -np 2)",
+                                  launcher.world)
+                    : "mpi: skipped (not launched under mpirun -np 2)");
         }
-    }
-    for (const auto& name : transports) {
-        if (name == "mpi") continue;
-        std::fprintf(stderr, "calibrate: transport %s\n", name.c_str());
-        PDSIM_ASSIGN_OR_RETURN(json t, measure_in_process(name, sizes, message_reps(o)));
-        transport_json[name] = t;
+        if (launcher.under_mpirun && launcher.rank != 0) return {};
+
+        const std::string tmp = (std::filesystem::temp_directory_path() /
+                                 fmt::format("pdsim-calibrate-{}.json", ::getpid()))
+                                    .string();
+        for (int tp : tps) {
+            std::vector<int> ths =
+                thread_list.empty() ? std::vector<int>{default_threads(tp)} : thread_list;
+            for (int threads : ths) {
+                std::fprintf(stderr,
+                             "calibrate: model %s tp %d threads %d: %zu points x %d rounds\n",
+                             m.name.c_str(), tp, threads, make_grid(o.quick, threads).size(),
+                             repeats_of(o));
+                auto w = spawn_worker(o, tp, threads, tmp);
+                std::error_code ec;
+                std::filesystem::remove(tmp, ec);
+                if (!w.ok()) return w.status();
+                PDSIM_ASSIGN_OR_RETURN(json fit, fit_points(*w));
+                fits.push_back(std::move(fit));
+            }
+        }
+        for (const auto& name : transports) {
+            if (name == "mpi") continue;
+            std::fprintf(stderr, "calibrate: transport %s\n", name.c_str());
+            PDSIM_ASSIGN_OR_RETURN(json t, measure_in_process(name, sizes, message_reps(o)));
+            transport_json[name] = t;
+        }
     }
     const double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
     json out = {{"schema_version", cost::kCostSchemaVersion},
@@ -834,8 +1074,9 @@ Status run_calibrate(const CalibrateOptions& o) {
                 {"backend", o.backend},
                 {"kv_dtype", "fp32"},
                 {"page_size", o.page_size},
-                {"grid", o.quick ? "quick" : "default"},
-                {"repeats", repeats_of(o)},
+                {"source", source},
+                {"grid", !o.from_timeline.empty() ? "testbed" : o.quick ? "quick" : "default"},
+                {"repeats", o.from_timeline.empty() ? json(repeats_of(o)) : json()},
                 {"fits", fits},
                 {"transports", transport_json},
                 {"notes", notes},
@@ -859,19 +1100,24 @@ Status run_calibrate(const CalibrateOptions& o) {
         "{:>6} {:>6} {:>7}\n",
         "tp", "threads", "ext ms", "us/tok", "ns/pr", "us/req", "R^2", "max err", "dec ms",
         "us/req", "us/pas", "ns/kvt", "R^2", "max err");
+    // A part taken from --base may lack the fit statistics (nan) or optional keys (0).
+    auto num = [](const json& j, const char* key) {
+        const bool stat = std::strcmp(key, "r2") == 0 || std::strcmp(key, "max_rel_err") == 0;
+        return j.contains(key) && j[key].is_number() ? j[key].get<double>()
+                                                     : (stat ? std::nan("") : 0.0);
+    };
     for (const auto& f : fits) {
         const json& e = f["extend"];
         const json& d = f["decode"];
         s += fmt::format(
             "  {:>2} {:>7} | {:>6.3f} {:>6.1f} {:>6.2f} {:>6.1f} {:>6.4f} {:>6.1f}% | {:>6.3f} "
             "{:>6.1f} {:>6.1f} {:>6.1f} {:>6.4f} {:>6.1f}%\n",
-            f["tp"].get<int>(), f["threads"].get<int>(), e["const_s"].get<double>() * 1e3,
-            e["per_token_s"].get<double>() * 1e6, e["per_attn_pair_s"].get<double>() * 1e9,
-            e["per_request_s"].get<double>() * 1e6, e["r2"].get<double>(),
-            e["max_rel_err"].get<double>() * 100, d["const_s"].get<double>() * 1e3,
-            d["per_request_s"].get<double>() * 1e6, d["per_weight_pass_s"].get<double>() * 1e6,
-            d["per_kv_token_s"].get<double>() * 1e9, d["r2"].get<double>(),
-            d["max_rel_err"].get<double>() * 100);
+            f["tp"].get<int>(), f["threads"].get<int>(), num(e, "const_s") * 1e3,
+            num(e, "per_token_s") * 1e6, num(e, "per_attn_pair_s") * 1e9,
+            num(e, "per_request_s") * 1e6, num(e, "r2"), num(e, "max_rel_err") * 100,
+            num(d, "const_s") * 1e3, num(d, "per_request_s") * 1e6,
+            num(d, "per_weight_pass_s") * 1e6, num(d, "per_kv_token_s") * 1e9, num(d, "r2"),
+            num(d, "max_rel_err") * 100);
     }
     std::string ts;
     for (const auto& [name, t] : transport_json.items()) {
@@ -880,6 +1126,15 @@ Status run_calibrate(const CalibrateOptions& o) {
     }
     for (const auto& n : notes) ts += (ts.empty() ? "" : "; ") + n.get<std::string>();
     s += "  transports: " + (ts.empty() ? std::string("none") : ts) + "\n";
+    if (!o.from_timeline.empty()) {
+        for (const auto& f : source["files"]) {
+            s += fmt::format("  from {} leader forwards of {} ({} overlapping another "
+                             "instance's left out)\n",
+                             f["forwards"].get<size_t>(), f["path"].get<std::string>(),
+                             f["overlapped_skipped"].get<size_t>());
+        }
+        if (!o.base.empty()) s += "  missing parts from " + o.base + "\n";
+    }
     s += "  wrote " + o.out + "\n";
     std::fputs(s.c_str(), stdout);
     std::fflush(stdout);
@@ -917,6 +1172,16 @@ void add_calibrate_command(CLI::App& app, CommandSet& commands) {
         ->check(CLI::Range(0, 100))
         ->capture_default_str();
     a->add_option("--out", o->out, "Cost file to write (JSON)")->required();
+    a->add_option("--from-timeline", o->from_timeline,
+                  "Comma-separated timelines of `pdsim testbed --timeline` runs: fit the forwards "
+                  "the testbed's instance leaders ran (keyed by their tp and threads) instead of "
+                  "microbenchmarking; --tp, --threads, --transport, --repeats are not used");
+    a->add_flag("--include-overlapped", o->include_overlapped,
+                "With --from-timeline: also fit forwards that overlap another instance's forward "
+                "(by default left out: the simulator's CPU contention model adds that slowdown)");
+    a->add_option("--base", o->base,
+                  "With --from-timeline: a cost file whose fits supply the (tp, threads, extend | "
+                  "decode) the timelines have no forwards of, and whose transports are copied");
     a->add_option("--worker", o->worker, "internal: measure one TP:THREADS group")->group("");
     commands.add(a, [o] { return run_calibrate(*o); });
 }

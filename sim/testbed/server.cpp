@@ -159,6 +159,7 @@ public:
 private:
     // ---- shared ----
     Status execute(const Plan& plan, std::vector<int32_t>* next);
+    json forward_args(const Plan& plan) const;
     void on_engine_event(const transfer::TransferEvent& ev);
     void poll_engine(std::vector<std::tuple<uint64_t, bool, std::string, int32_t, uint64_t>>* out);
     Status send_router(json j) {
@@ -336,6 +337,36 @@ void Server::mark_broken(const Status& st) {
     PDSIM_LOG_ERROR("{}", broken_reason_);
 }
 
+// The batch a forward slice describes, in the calibrated model's features (sim/cost/calibrated.h),
+// so that `pdsim calibrate --from-timeline` can fit the testbed's own forwards; tp_rank tells a
+// TP follower's copy of the forward from its leader's.
+json Server::forward_args(const Plan& plan) const {
+    json a = {{"instance", ctx_.info.instance}, {"tp", ctx_.info.tp_size},
+              {"tp_rank", ctx_.info.tp_rank}, {"threads", ctx_.threads}};
+    if (attn::is_decode(plan.mode)) {
+        int64_t kv = 0;
+        for (const auto& e : plan.entries) kv += e.t1;
+        a["batch"] = plan.entries.size();
+        a["kv_tokens"] = kv;
+        return a;
+    }
+    int64_t tokens = 0;
+    double pairs = 0;
+    json items = json::array();
+    for (const auto& e : plan.entries) {
+        const int64_t n = e.t1 - e.t0;
+        tokens += n;
+        const double nd = static_cast<double>(n);
+        pairs += nd * (static_cast<double>(e.t0) + (nd + 1) / 2);
+        items.push_back({n, e.t0});
+    }
+    a["num_requests"] = plan.entries.size();
+    a["new_tokens"] = tokens;
+    a["attn_pairs"] = pairs;
+    a["items"] = std::move(items);  // [new, cached] per request
+    return a;
+}
+
 // One forward of `plan` on this rank; `next` receives the sampled token of each entry.
 Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
     const int ps = o_.page_size;
@@ -431,7 +462,7 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
     ++forwards_;
     forward_tokens_ += off;
     compute_us_ += t_done - t_start;
-    timeline_.slice(kTidSched, label, "forward", t_start, t_done - t_start);
+    timeline_.slice(kTidSched, label, "forward", t_start, t_done - t_start, forward_args(plan));
     if (!st.ok()) {
         mark_broken(st);
         return st;
