@@ -1,4 +1,5 @@
 #include "common/thread_pool.h"
+#include "common/thread_info.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -16,7 +17,10 @@ inline void cpu_relax() {
 
 ThreadPool::ThreadPool(int num_threads) {
     if (num_threads <= 0) num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this, i] {
+        set_thread_name("pdsim-pool");
+        worker_loop(i);
+    });
 }
 
 ThreadPool::~ThreadPool() {

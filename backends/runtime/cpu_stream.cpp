@@ -1,4 +1,5 @@
 #include "backends/runtime/cpu_stream.h"
+#include "common/thread_info.h"
 
 #include <atomic>
 
@@ -102,7 +103,10 @@ namespace {
 
 CpuStream::CpuStream(std::string name, std::chrono::milliseconds wait_timeout)
     : name_(std::move(name)), wait_timeout_(wait_timeout) {
-    worker_ = std::thread([this] { worker_loop(); });
+    worker_ = std::thread([this] {
+        set_thread_name("pdsim-stream");
+        worker_loop();
+    });
 }
 
 CpuStream::~CpuStream() {

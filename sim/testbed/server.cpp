@@ -12,6 +12,7 @@
 #include "backends/pd/step_counter.h"
 #include "backends/runtime/cpu_stream.h"
 #include "common/logging.h"
+#include "common/thread_info.h"
 #include "sim/policy/batching.h"
 #include "sim/testbed/pd_backend.h"
 #include "sim/testbed/prompt.h"
@@ -234,6 +235,10 @@ private:
     int64_t forwards_ = 0, forward_tokens_ = 0;
     double compute_us_ = 0;
     int64_t record_violations_ = 0;
+    // CPU seconds per thread name over run() (the testbed's own threads compete with the compute
+    // threads for the node's cores: the report shows how much).
+    std::vector<ThreadCpu> cpu_at_start_;
+    std::map<std::string, double> thread_cpu_s_;
 };
 
 Status Server::setup() {
@@ -945,7 +950,12 @@ Status Server::follower_loop() {
     }
 }
 
-Status Server::run() { return ctx_.is_leader() ? leader_loop() : follower_loop(); }
+Status Server::run() {
+    cpu_at_start_ = thread_cpu_times();
+    Status st = ctx_.is_leader() ? leader_loop() : follower_loop();
+    thread_cpu_s_ = cpu_by_name(cpu_at_start_, thread_cpu_times());
+    return st;
+}
 
 json Server::result() {
     json r;
@@ -978,6 +988,9 @@ json Server::result() {
     };
     if (sender_) stats["sender"] = engine_stats(sender_->stats());
     if (receiver_) stats["receiver"] = engine_stats(receiver_->stats());
+    json threads = json::object();
+    for (const auto& [name, cpu] : thread_cpu_s_) threads[name] = cpu;
+    stats["thread_cpu_s"] = std::move(threads);
     r["stats"] = std::move(stats);
     return r;
 }

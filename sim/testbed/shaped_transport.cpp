@@ -1,4 +1,5 @@
 #include "sim/testbed/shaped_transport.h"
+#include "common/thread_info.h"
 
 #include <condition_variable>
 #include <map>
@@ -18,7 +19,10 @@ class ShapedTransport final : public transfer::Transport {
 public:
     ShapedTransport(std::unique_ptr<transfer::Transport> inner, const topo::LinkShaping& shaping)
         : inner_(std::move(inner)), shaping_(shaping), free_at_(static_cast<size_t>(inner_->world_size())) {
-        thread_ = std::thread([this] { loop(); });
+        thread_ = std::thread([this] {
+            set_thread_name("pdsim-shaper");
+            loop();
+        });
     }
     ~ShapedTransport() override { close(); }
 

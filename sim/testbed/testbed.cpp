@@ -29,6 +29,7 @@
 #include "topology/shaping.h"
 #include "transfer/local/local_transport.h"
 #include "transfer/transport.h"
+#include "common/thread_info.h"
 
 namespace pdsim::testbed {
 
@@ -565,6 +566,7 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
         std::thread router;
         if (ctx.rank == 0) {
             router = std::thread([&] {
+                set_thread_name("pdsim-router");
                 RouterConfig rc;
                 rc.phase = phase;
                 rc.config = &cfg;

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "common/logging.h"
+#include "common/thread_info.h"
 
 namespace pdsim::transfer {
 
@@ -378,7 +379,10 @@ Status ControlChannel::start(ControlListener* listener) {
     for (int p = 0; p < transport_.world_size(); ++p) {
         if (p != transport_.rank()) post_control_recv(p);
     }
-    thread_ = std::thread([this] { loop(); });
+    thread_ = std::thread([this] {
+        set_thread_name("pdsim-control");
+        loop();
+    });
     return {};
 }
 

@@ -16,6 +16,7 @@
 #include "transfer/engine/control.h"
 #include "transfer/engine/ordering_validator.h"
 #include "transfer/engine/transfer_plan.h"
+#include "common/thread_info.h"
 
 namespace pdsim::transfer {
 
@@ -175,7 +176,10 @@ public:
         const int n = std::max(1, opt_.num_workers);
         for (int i = 0; i < n; ++i) workers_.push_back(std::make_unique<Worker>());
         for (int i = 0; i < n; ++i) {
-            workers_[static_cast<size_t>(i)]->thread = std::thread([this, i] { worker_loop(i); });
+            workers_[static_cast<size_t>(i)]->thread = std::thread([this, i] {
+                set_thread_name("pdsim-kvsend");
+                worker_loop(i);
+            });
         }
         return {};
     }

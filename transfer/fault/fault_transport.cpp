@@ -1,4 +1,5 @@
 #include "transfer/fault/fault_transport.h"
+#include "common/thread_info.h"
 
 #include <charconv>
 #include <condition_variable>
@@ -151,7 +152,10 @@ public:
           name_("fault:" + std::string(inner_->name())),
           rng_(splitmix64(spec_.seed * 1000003u + static_cast<uint64_t>(inner_->rank()))),
           core_(std::make_shared<Core>()) {
-        worker_ = std::thread([this] { worker_loop(); });
+        worker_ = std::thread([this] {
+            set_thread_name("pdsim-fault");
+            worker_loop();
+        });
         if (spec_.disconnect_after == 0) schedule(0, [this] { disconnect(); });
     }
     ~FaultTransport() override { close(); }

@@ -12,6 +12,7 @@
 
 #include "common/logging.h"
 #include "common/mpi_check.h"
+#include "common/thread_info.h"
 
 namespace pdsim::transfer {
 
@@ -101,7 +102,10 @@ public:
         int flag = 0;
         MPI_CHECK(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &attr, &flag));
         tag_ub_ = flag && attr != nullptr ? *static_cast<int*>(attr) : 32767;
-        progress_ = std::thread([this] { progress_loop(); });
+        progress_ = std::thread([this] {
+            set_thread_name("pdsim-mpi-prog");
+            progress_loop();
+        });
         return {};
     }
 

@@ -14,6 +14,7 @@
 
 #include "common/cuda_check.h"
 #include "transfer/nccl/gpu_transports.h"
+#include "common/thread_info.h"
 
 namespace pdsim::transfer {
 
@@ -62,7 +63,10 @@ public:
     Status init() {
         CUDA_CHECK(cudaSetDevice(device_));
         CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-        progress_ = std::thread([this] { progress_loop(); });
+        progress_ = std::thread([this] {
+            set_thread_name("pdsim-ipc-prog");
+            progress_loop();
+        });
         return {};
     }
 

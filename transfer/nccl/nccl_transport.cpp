@@ -18,6 +18,7 @@
 #include "common/mpi_check.h"
 #include "common/nccl_check.h"
 #include "transfer/nccl/gpu_transports.h"
+#include "common/thread_info.h"
 
 namespace pdsim::transfer {
 
@@ -89,7 +90,10 @@ public:
         PDSIM_RETURN_IF_ERROR(exchange_unique_id(o, rank_, use_mpi, &id));
         NCCL_CHECK(ncclCommInitRank(&comm_, world_, id, rank_));
         CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-        progress_ = std::thread([this] { progress_loop(); });
+        progress_ = std::thread([this] {
+            set_thread_name("pdsim-nccl-prog");
+            progress_loop();
+        });
         return {};
     }
 

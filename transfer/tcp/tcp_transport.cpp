@@ -18,6 +18,7 @@
 
 #include "common/logging.h"
 #include "transfer/tcp/frame.h"
+#include "common/thread_info.h"
 
 namespace pdsim::transfer {
 
@@ -368,6 +369,7 @@ Status TcpTransport::start(std::chrono::milliseconds connect_timeout) {
 
     std::future<Status> setup = setup_promise_.get_future();
     io_thread_ = std::thread([this] {
+        set_thread_name("pdsim-tcp-io");
         try {
             io_.run();
         } catch (const std::exception& e) {

@@ -1,0 +1,76 @@
+#include "common/thread_info.h"
+
+#include <dirent.h>
+#include <pthread.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <unordered_map>
+
+namespace pdsim {
+
+void set_thread_name(std::string_view name) {
+#ifdef __linux__
+    char buf[16];
+    const size_t n = std::min(name.size(), sizeof(buf) - 1);
+    std::memcpy(buf, name.data(), n);
+    buf[n] = '\0';
+    pthread_setname_np(pthread_self(), buf);
+#else
+    (void)name;
+#endif
+}
+
+std::vector<ThreadCpu> thread_cpu_times() {
+    std::vector<ThreadCpu> out;
+#ifdef __linux__
+    DIR* dir = opendir("/proc/self/task");
+    if (dir == nullptr) return out;
+    const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
+    while (const dirent* e = readdir(dir)) {
+        if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+        char path[300];
+        std::snprintf(path, sizeof(path), "/proc/self/task/%s/stat", e->d_name);
+        FILE* f = std::fopen(path, "r");
+        if (f == nullptr) continue;  // the thread exited meanwhile
+        char line[1024];
+        const size_t len = std::fread(line, 1, sizeof(line) - 1, f);
+        std::fclose(f);
+        line[len] = '\0';
+        // "tid (comm) state ppid ..." - comm may hold spaces and ')', so split at the last ')'.
+        char* open = std::strchr(line, '(');
+        char* close = std::strrchr(line, ')');
+        if (open == nullptr || close == nullptr || close < open) continue;
+        ThreadCpu t;
+        t.tid = std::atoi(line);
+        t.name.assign(open + 1, close);
+        // Fields after ')': 3 state, 4 ppid, ... 14 utime, 15 stime (1-based over the whole line).
+        char* p = close + 1;
+        unsigned long long utime = 0, stime = 0;
+        if (std::sscanf(p, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
+                        &stime) != 2) {
+            continue;
+        }
+        t.cpu_s = static_cast<double>(utime + stime) / tick;
+        out.push_back(std::move(t));
+    }
+    closedir(dir);
+#endif
+    return out;
+}
+
+std::map<std::string, double> cpu_by_name(const std::vector<ThreadCpu>& before,
+                                          const std::vector<ThreadCpu>& after) {
+    std::unordered_map<int, double> base;
+    for (const auto& t : before) base[t.tid] = t.cpu_s;
+    std::map<std::string, double> out;
+    for (const auto& t : after) {
+        auto it = base.find(t.tid);
+        out[t.name] += t.cpu_s - (it == base.end() ? 0.0 : it->second);
+    }
+    return out;
+}
+
+}  // namespace pdsim

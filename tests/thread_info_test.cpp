@@ -1,0 +1,61 @@
+#include "common/thread_info.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+namespace pdsim {
+namespace {
+
+void burn(std::chrono::milliseconds d) {
+    const auto end = std::chrono::steady_clock::now() + d;
+    volatile uint64_t x = 0;
+    while (std::chrono::steady_clock::now() < end) x = x + 1;
+}
+
+TEST(ThreadInfo, NamedThreadAndItsCpuAreListed) {
+#ifndef __linux__
+    GTEST_SKIP() << "thread names and per-thread CPU come from /proc (Linux only)";
+#endif
+    std::atomic<bool> named{false}, go{false}, burned{false}, quit{false};
+    std::thread t([&] {
+        set_thread_name("pdsim-test-burner-long-name");  // cut to 15 bytes by the kernel
+        named = true;
+        while (!go) std::this_thread::yield();
+        burn(std::chrono::milliseconds(150));
+        burned = true;
+        while (!quit) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+    while (!named) std::this_thread::yield();
+    const auto before = thread_cpu_times();
+    go = true;
+    while (!burned) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const auto after = thread_cpu_times();
+    quit = true;
+    t.join();
+
+    int found = 0;
+    for (const auto& x : after) found += x.name == "pdsim-test-burn" ? 1 : 0;
+    EXPECT_EQ(found, 1) << "the named thread is listed once, its name cut to 15 bytes";
+    const auto used = cpu_by_name(before, after);
+    ASSERT_TRUE(used.count("pdsim-test-burn"));
+    // 150 ms of spinning; clock ticks are 10 ms and a loaded machine may deschedule it.
+    EXPECT_GE(used.at("pdsim-test-burn"), 0.05);
+    EXPECT_LE(used.at("pdsim-test-burn"), 1.0);
+    // The main thread mostly slept meanwhile.
+    EXPECT_GE(after.size(), 2u);
+}
+
+TEST(ThreadInfo, CpuByNameSumsThreadsOfOneNameAndCountsNewOnesFromZero) {
+    const std::vector<ThreadCpu> before = {{1, "a", 1.0}, {2, "a", 2.0}, {3, "b", 5.0}};
+    const std::vector<ThreadCpu> after = {{1, "a", 1.5}, {2, "a", 2.25}, {4, "c", 0.5}};
+    const auto d = cpu_by_name(before, after);
+    EXPECT_DOUBLE_EQ(d.at("a"), 0.75);
+    EXPECT_DOUBLE_EQ(d.at("c"), 0.5);
+    EXPECT_EQ(d.count("b"), 0u) << "a thread gone before the second snapshot is not listed";
+}
+
+}  // namespace
+}  // namespace pdsim
