@@ -614,6 +614,98 @@ TEST(CalibrateTimeline, RecoversTheCoefficientsFromLeadersOnly) {
     EXPECT_NEAR((*m)->extend_s(one), want, 1e-9);
 }
 
+// Interference: the synthetic timeline's forwards (exact) plus pairs of one TP-1 extend and one
+// TP-1 decode of two instances that overlap, timed as the simulator's model says for interference
+// x_e (extend) and x_d (decode) on 2 cores (no core sharing): the decode runs inside the extend,
+// (1 + x_d) slower all along; the extend is (1 + x_e) slower while the decode runs.
+TEST(CalibrateTimeline, MeasuresInterferenceAndNoise) {
+    constexpr double kXe = 0.1, kXd = 0.25;
+    test::TempDir dir("calibrate-timeline");
+    const std::string tl = dir.str("tl.json"), out = dir.str("cost.json");
+    json t = synthetic_timeline(false);
+    json& ev = t["traceEvents"];
+    ev.erase(ev.end() - 2, ev.end());  // the overlapped pair of synthetic_timeline
+    double ts = 1e9;
+    for (int k = 0; k < 12; ++k) {
+        const std::vector<ExtendItem> items = {{100 + 40 * k, 0}};
+        const auto fe = extend_features(items);
+        double e = 0;
+        for (size_t i = 0; i < fe.size(); ++i) e += kTimelineExtend[i] * fe[i];
+        const auto fd = decode_features(2, 600);
+        double d = 0;
+        for (size_t i = 0; i < fd.size(); ++i) d += kTimelineDecode[i] * fd[i];
+        const double d_obs = d * (1 + kXd);
+        // iso e = alone + shared / (1 + x_e), shared = d_obs.
+        const double e_obs = e - d_obs / (1 + kXe) + d_obs;
+        ASSERT_GT(e_obs, d_obs);
+        ts += 1e6;
+        ev.push_back(forward_slice(0, ts, e_obs * 1e6,
+                                   {{"instance", 0}, {"tp", 1}, {"tp_rank", 0}, {"threads", 1},
+                                    {"num_requests", 1}, {"items", {{items[0].new_tokens, 0}}}}));
+        ev.push_back(forward_slice(1, ts + 10, d_obs * 1e6,
+                                   {{"instance", 1}, {"tp", 1}, {"tp_rank", 0}, {"threads", 1},
+                                    {"batch", 2}, {"kv_tokens", 600}}));
+    }
+    write_json(tl, t);
+    test::CmdResult r = test::run_pdsim({"calibrate", "--from-timeline", tl, "--node-cpus", "2",
+                                         "--model", "tiny", "--out", out},
+                                        60);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    auto f = CostFile::load(out);
+    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    const json& j = f->json();
+    EXPECT_NEAR(j["interference"]["extend"].get<double>(), kXe, 1e-6) << j["interference"].dump();
+    EXPECT_NEAR(j["interference"]["decode"].get<double>(), kXd, 1e-6) << j["interference"].dump();
+    EXPECT_EQ(j["interference"]["overlapped_forwards"]["decode"], 12);
+    EXPECT_NE(r.out.find("interference"), std::string::npos) << r.out;
+    // The fitted forwards are exact: no noise, every quantile 1.
+    for (const char* kind : {"extend", "decode"}) {
+        const json& n = j["noise"][kind];
+        EXPECT_NEAR(n["fast_cv"].get<double>(), 0, 1e-6) << kind;
+        EXPECT_EQ(n["slow_cv"].get<double>(), 0) << kind;
+        ASSERT_EQ(n["fast_quantiles"].size(), 33u) << kind;
+        for (const auto& q : n["fast_quantiles"]) EXPECT_NEAR(q.get<double>(), 1, 1e-6) << kind;
+    }
+    auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*f);
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_NEAR((*m)->interference(false), kXe, 1e-6);
+    EXPECT_NEAR((*m)->interference(true), kXd, 1e-6);
+    EXPECT_EQ((*m)->noise(true).fast_quantiles.size(), 33u);
+
+    // Decode forwards alternately 0.8x and 1.2x: fast noise of cv 0.2, spread 0.8 .. 1.2 (the
+    // points are 1 s apart, so no window holds 3 of them: no slow part).
+    json t2 = synthetic_timeline(false);
+    int k = 0;
+    for (json& e : t2["traceEvents"]) {
+        if (!e.contains("args") || !e["args"].contains("kv_tokens")) continue;
+        e["dur"] = e["dur"].get<double>() * (k++ % 2 ? 1.2 : 0.8);
+    }
+    t2["traceEvents"].erase(t2["traceEvents"].end() - 2, t2["traceEvents"].end());
+    write_json(tl, t2);
+    r = test::run_pdsim({"calibrate", "--from-timeline", tl, "--model", "tiny", "--out", out}, 60);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    auto f2 = CostFile::load(out);
+    ASSERT_TRUE(f2.ok()) << f2.status().to_string();
+    const json& n = f2->json()["noise"]["decode"];
+    EXPECT_NEAR(n["fast_cv"].get<double>(), 0.2, 0.05) << n.dump();
+    EXPECT_EQ(n["slow_cv"].get<double>(), 0);
+    EXPECT_NEAR(n["fast_quantiles"].front().get<double>(), 0.8, 0.1) << n.dump();
+    EXPECT_NEAR(n["fast_quantiles"].back().get<double>(), 1.2, 0.1) << n.dump();
+}
+
+// The fit of the mean (testbed timelines) against the relative fit (microbenchmarks) on skewed
+// times of one shape: 1, 1, 1, 1, 5.
+TEST(CalibratedFit, MeanTargetFitsTheMeanOfSkewedTimes) {
+    const std::vector<std::vector<double>> x(5, std::vector<double>{1.0});
+    const std::vector<double> y = {1, 1, 1, 1, 5};
+    auto rel = fit_nonnegative(x, y, FitTarget::kRelative);
+    auto mean = fit_nonnegative(x, y, FitTarget::kMean);
+    ASSERT_TRUE(rel.ok() && mean.ok());
+    // Relative: sum (c / y - 1)^2 is least at c = sum(1 / y) / sum(1 / y^2) = 4.2 / 4.04.
+    EXPECT_NEAR(rel->coef[0], 4.2 / 4.04, 1e-12);
+    EXPECT_NEAR(mean->coef[0], 1.8, 1e-12);
+}
+
 TEST(CalibrateTimeline, BadTimelinesExit2NamingTheFile) {
     test::TempDir dir("calibrate-timeline");
     const std::string out = dir.str("cost.json");

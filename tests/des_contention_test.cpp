@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
@@ -164,6 +165,104 @@ TEST(CpuContention, DecodeAndLayerwisePrefillShareACore) {
     EXPECT_NEAR(r.records[1].exposed_transfer_ms, kLatencyMs, kEps);
     EXPECT_NEAR(r.records[1].transfer_ms, 120 + kLatencyMs, kEps);
     EXPECT_EQ(r.stats.contended_forwards, 3);
+}
+
+// ---- interference (cost::CostModel::interference) ----
+
+// ConstCost plus interference and noise.
+class InterferingCost : public ConstCost {
+public:
+    InterferingCost(double e0, double d0, double extend_x, double decode_x,
+                    cost::CostNoise decode_noise = {})
+        : ConstCost(e0, d0), x_{extend_x, decode_x}, noise_(std::move(decode_noise)) {}
+    [[nodiscard]] double interference(bool decode) const override { return x_[decode ? 1 : 0]; }
+    [[nodiscard]] cost::CostNoise noise(bool decode) const override {
+        return decode ? noise_ : cost::CostNoise{};
+    }
+
+private:
+    double x_[2];
+    cost::CostNoise noise_;
+};
+
+SimConfig interfering_config(double extend_x) {
+    // Two TP-1 instances on 2 cores: never oversubscribed, so only interference slows them.
+    SimConfig c = make_config(1, 2, SimMode::kColocated, 0.1, 0.01);
+    auto cost = std::make_shared<InterferingCost>(0.1, 0.01, extend_x, 0.0);
+    for (auto& i : c.instances) i.cost = cost;
+    return c;
+}
+
+TEST(CpuInterference, OverlappingForwardsRunSlowerByTheFactor) {
+    const SimResult r = run(interfering_config(0.5), {req(0, 0, 100, 1), req(1, 0, 100, 1)});
+    ASSERT_EQ(r.report.requests_completed, 2);
+    // A whole core each, but 1.5x slower while both run: 100 ms of work take 150 ms.
+    const std::vector<double> t = sorted_ttfts(r);
+    EXPECT_NEAR(t[0], 150, kEps);
+    EXPECT_NEAR(t[1], 150, kEps);
+    EXPECT_EQ(r.stats.contended_forwards, 2);
+}
+
+TEST(CpuInterference, OnlyWhileAnotherInstanceComputes) {
+    // Request 0 alone for 50 ms (half done); then both at 1/1.5: request 0's last 50 ms of work
+    // take 75 ms (ends at 125 ms), during which request 1 does 50 ms of its work; its rest runs
+    // alone: ends at 175 ms, TTFT 125 ms.
+    const SimResult r = run(interfering_config(0.5), {req(0, 0, 100, 1), req(1, 50, 100, 1)});
+    EXPECT_NEAR(r.records[0].ttft_ms(), 125, kEps);
+    EXPECT_NEAR(r.records[1].ttft_ms(), 125, kEps);
+    // Alone, nothing changes; with contention off, neither.
+    const SimResult alone = run(interfering_config(0.5), {req(0, 0, 100, 1)});
+    EXPECT_NEAR(alone.records[0].ttft_ms(), 100, kEps);
+    SimConfig off = interfering_config(0.5);
+    off.cpu_contention = false;
+    const std::vector<double> t = sorted_ttfts(run(off, {req(0, 0, 100, 1), req(1, 0, 100, 1)}));
+    EXPECT_NEAR(t[1], 100, kEps);
+}
+
+// ---- noise (cost::CostNoise) ----
+
+SimConfig noisy_config(cost::CostNoise decode_noise) {
+    SimConfig c = make_config(1, 2, SimMode::kDisagg, 0.1, 0.01);
+    auto cost = std::make_shared<InterferingCost>(0.1, 0.01, 0.0, 0.0, std::move(decode_noise));
+    for (auto& i : c.instances) i.cost = cost;
+    return c;
+}
+
+double one_tpot(const SimConfig& c) {
+    // One request, 2001 tokens: TPOT is the mean of 2000 decode steps.
+    const SimResult r = run(c, {req(0, 0, 100, 2001)});
+    PDSIM_CHECK(r.report.requests_completed == 1);
+    return *r.records[0].tpot_ms();
+}
+
+TEST(CostNoise, FastQuantilesKeepTheMeanAndVaryTheSteps) {
+    // Uniform on [0.5, 1.5]: mean 1, sd 0.29; the mean of 2000 draws is within 3% (>10 sd).
+    cost::CostNoise n;
+    n.fast_quantiles = {0.5, 1.5};
+    SimConfig c = noisy_config(n);
+    const double a = one_tpot(c);
+    EXPECT_NEAR(a, 10, 0.3);
+    EXPECT_NE(a, 10) << "the steps must vary";
+    EXPECT_EQ(one_tpot(c), a) << "a seed gives one run";
+    c.noise_seed = 2;
+    EXPECT_NE(one_tpot(c), a) << "another seed, another run";
+    c.cost_noise = false;
+    EXPECT_NEAR(one_tpot(c), 10, 1e-9);
+}
+
+TEST(CostNoise, SlowFactorHoldsForItsPeriod) {
+    // Slow only, redrawn every 10 s of simulated time: all 2000 steps (20 s at most 2x) see at
+    // most 3 factors, so the TPOT is far from 10 ms for most seeds, unlike fast noise.
+    cost::CostNoise n;
+    n.slow_cv = 0.5;
+    n.slow_period_s = 10;
+    SimConfig c = noisy_config(n);
+    int far = 0;
+    for (uint64_t seed = 1; seed <= 8; ++seed) {
+        c.noise_seed = seed;
+        far += std::abs(one_tpot(c) - 10) > 1 ? 1 : 0;
+    }
+    EXPECT_GE(far, 4);
 }
 
 }  // namespace

@@ -91,6 +91,7 @@ struct CalibrateOptions {
     std::string from_timeline;  // comma-separated testbed timelines: fit those forwards instead
     std::string base;           // a cost file for the (tp, kind) the timelines have no forwards of
     bool include_overlapped = false;
+    double node_cpus = 0;  // --from-timeline: cores of the machine the timelines ran on (0: this)
 };
 
 int cores() {
@@ -749,6 +750,31 @@ constexpr size_t kMinTimelinePoints = 8;
 struct TimelineGroup {
     std::vector<std::vector<double>> ex, dx;
     std::vector<double> ey, dy;
+    // Where each point ran (for the noise fit's windows): timeline file, instance, start (s).
+    struct Where {
+        size_t file;
+        int instance;
+        double t;
+    };
+    std::vector<Where> ew, dw;
+};
+
+// The slow part of forward-time variation is measured over windows of this much testbed time.
+constexpr double kNoiseWindowS = 0.05;
+// The fast part's distribution is written as this many + 1 quantiles.
+constexpr size_t kNoiseQuantiles = 32;
+
+// A leader forward that overlapped other instances' forwards, reduced to what the interference
+// fit needs: with iso its fitted isolated time, the simulator's model says
+//   iso = alone_s + shared_core_s / (1 + interference)
+// where alone_s is the time no other instance computed and shared_core_s integrates, over the
+// rest, the share of a core per compute thread that the contention model gives
+// (min(1, node cpus / compute threads running)).
+struct OverlappedForward {
+    std::pair<int, int> key;  // (tp, threads)
+    bool decode = false;
+    std::vector<double> features;
+    double alone_s = 0, shared_core_s = 0;
 };
 
 std::vector<std::string> split_paths(const std::string& text) {
@@ -763,9 +789,10 @@ std::vector<std::string> split_paths(const std::string& text) {
 
 // Adds the forward slices of `path` run by an instance's leader (tp_rank 0: a TP follower times
 // the same forward again) to `groups`, keyed by (tp, threads); returns how many it added.
-StatusOr<size_t> read_timeline(const std::string& path, bool include_overlapped,
+StatusOr<size_t> read_timeline(const std::string& path, size_t file_index, bool include_overlapped,
+                               double node_cpus,
                                std::map<std::pair<int, int>, TimelineGroup>* groups,
-                               size_t* skipped) {
+                               std::vector<OverlappedForward>* overlapped_out, size_t* skipped) {
     std::ifstream in(path);
     if (!in) {
         return Status(StatusCode::kInvalidArgument,
@@ -794,6 +821,8 @@ StatusOr<size_t> read_timeline(const std::string& path, bool include_overlapped,
         double begin, end;
         int instance;
         const json* e;
+        bool leader = false;
+        double cores = 0;  // a leader's: compute threads of its instance (tp x threads)
     };
     std::vector<Slice> slices;
     for (const json& e : *events) {
@@ -805,7 +834,9 @@ StatusOr<size_t> read_timeline(const std::string& path, bool include_overlapped,
         }
         try {
             const double ts = e.at("ts").get<double>(), dur = e.at("dur").get<double>();
-            slices.push_back({ts, ts + dur, a.at("instance").get<int>(), &e});
+            const bool leader = a.at("tp_rank").get<int>() == 0;
+            slices.push_back({ts, ts + dur, a.at("instance").get<int>(), &e, leader,
+                              a.at("tp").get<double>() * std::max(1, a.at("threads").get<int>())});
         } catch (const json::exception& ex) {
             return Status(StatusCode::kInvalidArgument,
                           fmt::format("--from-timeline {}: forward slice: {}", path, ex.what()));
@@ -827,6 +858,36 @@ StatusOr<size_t> read_timeline(const std::string& path, bool include_overlapped,
         }
         return false;
     };
+    // Alone and shared time of leader forward i (see OverlappedForward), from the other
+    // instances' leader forwards.
+    std::vector<std::pair<double, double>> edges;  // (time, +-cores)
+    auto split_overlap = [&](size_t i, OverlappedForward* o) {
+        const Slice& x = slices[i];
+        edges.clear();
+        for (size_t j = 0; j < slices.size() && slices[j].begin < x.end; ++j) {
+            const Slice& y = slices[j];
+            if (!y.leader || y.instance == x.instance || y.end <= x.begin) continue;
+            edges.emplace_back(std::max(x.begin, y.begin), y.cores);
+            edges.emplace_back(std::min(x.end, y.end), -y.cores);
+        }
+        std::sort(edges.begin(), edges.end());
+        double others = 0, t = x.begin, shared = 0;
+        auto account = [&](double until) {
+            if (until <= t) return;
+            if (others > 1e-9) {
+                shared += until - t;
+                o->shared_core_s += (until - t) * std::min(1.0, node_cpus / (x.cores + others));
+            }
+            t = until;
+        };
+        for (const auto& [at, d] : edges) {
+            account(at);
+            others += d;
+        }
+        account(x.end);
+        o->alone_s = (x.end - x.begin - shared) * 1e-6;
+        o->shared_core_s *= 1e-6;
+    };
     size_t added = 0;
     for (size_t i = 0; i < slices.size(); ++i) {
         const json& e = *slices[i].e;
@@ -835,16 +896,13 @@ StatusOr<size_t> read_timeline(const std::string& path, bool include_overlapped,
             if (a.at("tp_rank").get<int>() != 0) continue;
             const double s = e.at("dur").get<double>() * 1e-6;
             if (!(s > 0)) continue;
-            if (!include_overlapped && overlapped(i)) {
-                ++*skipped;
-                continue;
-            }
-            TimelineGroup& g = (*groups)[{a.at("tp").get<int>(), a.at("threads").get<int>()}];
-            if (a.contains("kv_tokens")) {
+            const std::pair<int, int> key{a.at("tp").get<int>(), a.at("threads").get<int>()};
+            std::vector<double> features;
+            const bool decode = a.contains("kv_tokens");
+            if (decode) {
                 const auto f = cost::decode_features(a.at("batch").get<int64_t>(),
                                                      a.at("kv_tokens").get<int64_t>());
-                g.dx.emplace_back(f.begin(), f.end());
-                g.dy.push_back(s);
+                features.assign(f.begin(), f.end());
             } else {
                 std::vector<cost::ExtendItem> items;
                 for (const json& it : a.at("items")) {
@@ -852,9 +910,19 @@ StatusOr<size_t> read_timeline(const std::string& path, bool include_overlapped,
                 }
                 const auto f = cost::extend_features(items);
                 if (f[1] <= 0) continue;
-                g.ex.emplace_back(f.begin(), f.end());
-                g.ey.push_back(s);
+                features.assign(f.begin(), f.end());
             }
+            if (!include_overlapped && overlapped(i)) {
+                ++*skipped;
+                OverlappedForward o{key, decode, std::move(features)};
+                split_overlap(i, &o);
+                if (o.shared_core_s > 0) overlapped_out->push_back(std::move(o));
+                continue;
+            }
+            TimelineGroup& g = (*groups)[key];
+            (decode ? g.dx : g.ex).push_back(std::move(features));
+            (decode ? g.dy : g.ey).push_back(s);
+            (decode ? g.dw : g.ew).push_back({file_index, slices[i].instance, slices[i].begin * 1e-6});
             ++added;
         } catch (const json::exception& ex) {
             return Status(StatusCode::kInvalidArgument,
@@ -889,11 +957,15 @@ StatusOr<json> calibrate_from_timelines(const CalibrateOptions& o, const model::
     const std::vector<std::string> paths = split_paths(o.from_timeline);
     if (paths.empty()) return Status(StatusCode::kInvalidArgument, "--from-timeline: empty list");
     std::map<std::pair<int, int>, TimelineGroup> groups;
+    std::vector<OverlappedForward> overlapped;
+    const double node_cpus = o.node_cpus > 0
+                                 ? o.node_cpus
+                                 : static_cast<double>(std::max(1u, std::thread::hardware_concurrency()));
     json files = json::array();
     for (const std::string& p : paths) {
         size_t skipped = 0;
-        PDSIM_ASSIGN_OR_RETURN(size_t n,
-                               read_timeline(p, o.include_overlapped, &groups, &skipped));
+        PDSIM_ASSIGN_OR_RETURN(size_t n, read_timeline(p, files.size(), o.include_overlapped,
+                                                       node_cpus, &groups, &overlapped, &skipped));
         files.push_back({{"path", p}, {"forwards", n}, {"overlapped_skipped", skipped}});
     }
     std::optional<cost::CostFile> base;
@@ -917,6 +989,7 @@ StatusOr<json> calibrate_from_timelines(const CalibrateOptions& o, const model::
         return nullptr;
     };
     json fits = json::array();
+    std::map<std::pair<std::pair<int, int>, bool>, std::vector<double>> coef;  // fitted here
     for (const auto& [key, g] : groups) {
         const auto [tp, threads] = key;
         json fit = {{"tp", tp}, {"threads", threads}};
@@ -943,17 +1016,124 @@ StatusOr<json> calibrate_from_timelines(const CalibrateOptions& o, const model::
                                           o.from_timeline, tp, threads, y.size(), kind,
                                           kMinTimelinePoints));
             }
-            auto f = cost::fit_nonnegative(x, y);
+            auto f = cost::fit_nonnegative(x, y, cost::FitTarget::kMean);
             if (!f.ok()) {
                 return f.status().with_context(fmt::format(
                     "--from-timeline {}: tp {} threads {} {}", o.from_timeline, tp, threads, kind));
             }
+            coef[{key, decode}] = f->coef;
             fit[kind] = decode ? fit_json(cost::kDecodeKeys, *f, y.size(), "timeline")
                                : fit_json(cost::kExtendKeys, *f, y.size(), "timeline");
         }
         fits.push_back(std::move(fit));
     }
+    // Interference, per kind: 1 + x = sum shared_core_s / sum (iso - alone_s) over the overlapped
+    // forwards whose (tp, threads, kind) was fitted here (a ratio of sums: long forwards weigh
+    // more, as they do in a request's latency).
+    json interference = json::object();
+    if (!o.include_overlapped) {
+        json counts = json::object();
+        for (const bool decode : {false, true}) {
+            const char* kind = decode ? "decode" : "extend";
+            double num = 0, den = 0;
+            size_t n = 0;
+            for (const OverlappedForward& f : overlapped) {
+                auto c = coef.find({f.key, decode});
+                if (f.decode != decode || c == coef.end()) continue;
+                double iso = 0;
+                for (size_t k = 0; k < f.features.size(); ++k) iso += c->second[k] * f.features[k];
+                num += f.shared_core_s;
+                den += iso - f.alone_s;
+                ++n;
+            }
+            // Too few, or faster than the contention model already predicts: none measured.
+            interference[kind] = n >= kMinTimelinePoints && den > 0 ? std::max(0.0, num / den - 1) : 0.0;
+            counts[kind] = n;
+        }
+        interference["node_cpus"] = node_cpus;
+        interference["overlapped_forwards"] = std::move(counts);
+    }
+    // Noise, per kind, from the fitted points' residual ratios r = measured / fitted: total
+    // cv^2 = var(r); slow cv^2 = var of the window means of r less what the fast part leaves in
+    // a mean of n points (cv^2 / n); fast cv^2 = the rest. Windows with fewer than 3 points (long
+    // extends) cannot tell slow from fast: then all of it is fast.
+    json noise = json::object();
+    for (const bool decode : {false, true}) {
+        std::vector<double> r;
+        std::vector<std::tuple<size_t, int, int64_t>> r_window;
+        std::map<std::tuple<size_t, int, int64_t>, std::pair<double, int>> windows;
+        for (const auto& [key, g] : groups) {
+            auto c = coef.find({key, decode});
+            if (c == coef.end()) continue;
+            const auto& x = decode ? g.dx : g.ex;
+            const auto& y = decode ? g.dy : g.ey;
+            const auto& w = decode ? g.dw : g.ew;
+            for (size_t i = 0; i < y.size(); ++i) {
+                double pred = 0;
+                for (size_t k = 0; k < x[i].size(); ++k) pred += c->second[k] * x[i][k];
+                if (!(pred > 0)) continue;
+                r.push_back(y[i] / pred);
+                r_window.emplace_back(w[i].file, w[i].instance,
+                                      static_cast<int64_t>(std::floor(w[i].t / kNoiseWindowS)));
+                auto& win = windows[r_window.back()];
+                win.first += y[i] / pred;
+                ++win.second;
+            }
+        }
+        if (r.size() < kMinTimelinePoints) continue;
+        auto mean_var = [](const std::vector<double>& v) {
+            double mu = 0, q = 0;
+            for (double a : v) mu += a;
+            mu /= static_cast<double>(v.size());
+            for (double a : v) q += (a - mu) * (a - mu);
+            return std::pair<double, double>{mu, q / static_cast<double>(v.size())};
+        };
+        const auto [mr, vr] = mean_var(r);
+        const double cv2 = vr / (mr * mr);
+        std::vector<double> means;
+        double points = 0;
+        for (const auto& [k, win] : windows) {
+            if (win.second < 3) continue;
+            means.push_back(win.first / win.second);
+            points += win.second;
+        }
+        double slow2 = 0;
+        if (means.size() >= kMinTimelinePoints) {
+            const auto [mw, vw] = mean_var(means);
+            const double per_window = points / static_cast<double>(means.size());
+            slow2 = std::clamp(vw / (mw * mw) - cv2 / per_window, 0.0, cv2);
+        }
+        // The fast part's distribution: each point relative to its window's mean where the slow
+        // part was measured, else relative to the overall mean; normalised to mean 1.
+        std::vector<double> fast;
+        for (size_t i = 0; i < r.size(); ++i) {
+            const auto& win = windows[r_window[i]];
+            fast.push_back(slow2 > 0 && win.second >= 3 ? r[i] / (win.first / win.second)
+                                                        : r[i] / mr);
+        }
+        std::sort(fast.begin(), fast.end());
+        double fm = 0;
+        for (double v : fast) fm += v;
+        fm /= static_cast<double>(fast.size());
+        json quantiles = json::array();
+        for (size_t q = 0; q <= kNoiseQuantiles; ++q) {
+            const double pos = static_cast<double>(q) / kNoiseQuantiles *
+                               static_cast<double>(fast.size() - 1);
+            const auto lo = static_cast<size_t>(pos);
+            const size_t hi = std::min(lo + 1, fast.size() - 1);
+            const double v = fast[lo] + (fast[hi] - fast[lo]) * (pos - static_cast<double>(lo));
+            quantiles.push_back(v / fm);
+        }
+        noise[decode ? "decode" : "extend"] = {{"fast_cv", std::sqrt(cv2 - slow2)},
+                                               {"fast_quantiles", quantiles},
+                                               {"slow_cv", std::sqrt(slow2)},
+                                               {"slow_period_s", slow2 > 0 ? kNoiseWindowS : 0.0},
+                                               {"points", r.size()},
+                                               {"windows", means.size()}};
+    }
     json out = {{"fits", fits},
+                {"interference", interference},
+                {"noise", noise},
                 {"source",
                  {{"kind", "testbed timelines"},
                   {"files", files},
@@ -1008,11 +1188,15 @@ Status run_calibrate(const CalibrateOptions& o) {
     json transport_json = json::object();
     json notes = json::array();
     json source = {{"kind", "microbenchmark"}};
+    json interference = json::object();
+    json noise = json::object();
     if (!o.from_timeline.empty()) {
         PDSIM_ASSIGN_OR_RETURN(json part, calibrate_from_timelines(o, m));
         fits = part["fits"];
         transport_json = part["transports"];
         source = part["source"];
+        interference = part["interference"];
+        noise = part["noise"];
     } else {
         const Launcher launcher = detect_launcher();
         const auto sizes = message_sizes(o, m);
@@ -1081,6 +1265,8 @@ Status run_calibrate(const CalibrateOptions& o) {
                 {"transports", transport_json},
                 {"notes", notes},
                 {"wall_s", wall}};
+    if (!interference.empty()) out["interference"] = interference;
+    if (!noise.empty()) out["noise"] = noise;
     // What we write must load.
     PDSIM_RETURN_IF_ERROR(cost::CostFile::from_json(out, o.out).status().with_context("internal"));
     {
@@ -1134,6 +1320,23 @@ Status run_calibrate(const CalibrateOptions& o) {
                              f["overlapped_skipped"].get<size_t>());
         }
         if (!o.base.empty()) s += "  missing parts from " + o.base + "\n";
+        if (!interference.empty()) {
+            s += fmt::format(
+                "  interference (slower than their core share while another instance computes, "
+                "{} cpus): extend +{:.1f}% ({} forwards), decode +{:.1f}% ({} forwards)\n",
+                interference["node_cpus"].get<double>(),
+                interference["extend"].get<double>() * 100,
+                interference["overlapped_forwards"]["extend"].get<size_t>(),
+                interference["decode"].get<double>() * 100,
+                interference["overlapped_forwards"]["decode"].get<size_t>());
+        }
+        for (const auto& [kind, n] : noise.items()) {
+            s += fmt::format("  {} noise: slow cv {:.1f}% (redrawn every {:.0f} ms), fast cv {:.1f}% "
+                             "({} forwards, {} windows)\n",
+                             kind, n["slow_cv"].get<double>() * 100, kNoiseWindowS * 1e3,
+                             n["fast_cv"].get<double>() * 100, n["points"].get<size_t>(),
+                             n["windows"].get<size_t>());
+        }
     }
     s += "  wrote " + o.out + "\n";
     std::fputs(s.c_str(), stdout);
@@ -1179,6 +1382,11 @@ void add_calibrate_command(CLI::App& app, CommandSet& commands) {
     a->add_flag("--include-overlapped", o->include_overlapped,
                 "With --from-timeline: also fit forwards that overlap another instance's forward "
                 "(by default left out: the simulator's CPU contention model adds that slowdown)");
+    a->add_option("--node-cpus", o->node_cpus,
+                  "With --from-timeline: cores of the machine the timelines were recorded on (default: "
+                  "this machine's), for the interference fit: how much slower than their share of "
+                  "the cores forwards ran while another instance computed")
+        ->check(CLI::NonNegativeNumber);
     a->add_option("--base", o->base,
                   "With --from-timeline: a cost file whose fits supply the (tp, threads, extend | "
                   "decode) the timelines have no forwards of, and whose transports are copied");

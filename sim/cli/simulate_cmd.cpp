@@ -43,6 +43,8 @@ struct SimulateFlags {
     int64_t chunk_size = 512, max_batch_tokens = 2048, max_decode_batch = 64;
     int64_t max_decode_kv_tokens = 0;
     std::string cpu_contention = "on";
+    std::string cost_noise = "on";
+    uint64_t noise_seed = 1;
     double cpu_cores = 0;
     int page_size = 16;
     int64_t kv_pool_mb = 512;
@@ -119,6 +121,7 @@ Status check_flags(const SimulateFlags& f) {
     PDSIM_RETURN_IF_ERROR(on_off("--layerwise", f.layerwise).status());
     PDSIM_RETURN_IF_ERROR(on_off("--prefix-cache", f.prefix_cache).status());
     PDSIM_RETURN_IF_ERROR(on_off("--cpu-contention", f.cpu_contention).status());
+    PDSIM_RETURN_IF_ERROR(on_off("--cost-noise", f.cost_noise).status());
     if (!(f.cpu_cores >= 0) || !std::isfinite(f.cpu_cores)) {
         return bad(fmt::format("--cpu-cores {}: must be >= 0", f.cpu_cores));
     }
@@ -223,6 +226,8 @@ des::SimConfig make_config(const Prepared& p, const SimulateFlags& f, des::SimMo
     c.prefix_cache = f.prefix_cache == "on";
     c.reserve_output = f.kv_admission == "full";
     c.cpu_contention = f.cpu_contention == "on";
+    c.cost_noise = f.cost_noise == "on";
+    c.noise_seed = f.noise_seed;
     c.node_cpus = f.cpu_cores;
     c.page_size = f.page_size;
     c.batching.chunk_size = f.chunk_size;
@@ -509,6 +514,12 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
     sub->add_option("--cpu-contention", f->cpu_contention,
                     "on|off: forwards of cpu instances on one node share its cores")
         ->capture_default_str();
+    sub->add_option("--cost-noise", f->cost_noise,
+                    "on|off: forward times vary as a calibrated cost file measured them on the "
+                    "testbed (pdsim calibrate --from-timeline: slow and fast log-normal factors); "
+                    "off: every forward takes the model's mean")
+        ->capture_default_str();
+    sub->add_option("--noise-seed", f->noise_seed, "seed of --cost-noise")->capture_default_str();
     sub->add_option("--cpu-cores", f->cpu_cores,
                     "cores per node for --cpu-contention (0: the node's cpus, else this machine's)")
         ->capture_default_str();

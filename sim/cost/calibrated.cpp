@@ -42,8 +42,24 @@ bool solve(std::vector<double> a, std::vector<double> b, size_t n, std::vector<d
 
 class CalibratedModel final : public CostModel {
 public:
-    CalibratedModel(std::string label, std::array<double, 4> extend, std::array<double, 4> decode)
-        : label_(std::move(label)), extend_(extend), decode_(decode) {}
+    CalibratedModel(std::string label, std::array<double, 4> extend, std::array<double, 4> decode,
+                    double interference_extend, double interference_decode,
+                    CostNoise noise_extend, CostNoise noise_decode)
+        : label_(std::move(label)),
+          extend_(extend),
+          decode_(decode),
+          interference_extend_(interference_extend),
+          interference_decode_(interference_decode),
+          noise_extend_(noise_extend),
+          noise_decode_(noise_decode) {}
+
+    [[nodiscard]] CostNoise noise(bool decode) const override {
+        return decode ? noise_decode_ : noise_extend_;
+    }
+
+    [[nodiscard]] double interference(bool decode) const override {
+        return decode ? interference_decode_ : interference_extend_;
+    }
 
     [[nodiscard]] std::string describe() const override { return label_; }
 
@@ -67,6 +83,8 @@ private:
     std::string label_;
     std::array<double, 4> extend_;
     std::array<double, 4> decode_;
+    double interference_extend_, interference_decode_;
+    CostNoise noise_extend_, noise_decode_;
 };
 
 std::string list_fits(const json& fits) {
@@ -109,8 +127,62 @@ std::array<double, 4> decode_features(int64_t batch_size, int64_t kv_tokens) {
             static_cast<double>(kv_tokens)};
 }
 
+namespace {
+
+// Non-negative least squares of (x_i . coef - y_i) / w_i.
+StatusOr<std::vector<double>> fit_weighted(const std::vector<std::vector<double>>& x,
+                                           const std::vector<double>& y,
+                                           const std::vector<double>& w) {
+    const size_t m = y.size(), p = x[0].size();
+    // Columns scaled to unit max for conditioning.
+    std::vector<double> scale(p, 0);
+    for (size_t i = 0; i < m; ++i) {
+        for (size_t j = 0; j < p; ++j) scale[j] = std::max(scale[j], std::abs(x[i][j] / w[i]));
+    }
+    for (double& s : scale) s = s > 0 ? s : 1;
+    auto row = [&](size_t i, size_t j) { return x[i][j] / w[i] / scale[j]; };
+
+    double best_sse = std::numeric_limits<double>::infinity();
+    std::vector<double> best(p, 0);
+    for (uint32_t mask = 1; mask < (1u << p); ++mask) {
+        std::vector<size_t> cols;
+        for (size_t j = 0; j < p; ++j) {
+            if (mask & (1u << j)) cols.push_back(j);
+        }
+        const size_t k = cols.size();
+        std::vector<double> ata(k * k, 0), atb(k, 0), sol;
+        for (size_t i = 0; i < m; ++i) {
+            const double t = y[i] / w[i];
+            for (size_t a = 0; a < k; ++a) {
+                const double va = row(i, cols[a]);
+                atb[a] += va * t;
+                for (size_t b = 0; b < k; ++b) ata[a * k + b] += va * row(i, cols[b]);
+            }
+        }
+        if (!solve(ata, atb, k, &sol)) continue;
+        if (std::any_of(sol.begin(), sol.end(), [](double v) { return v < 0; })) continue;
+        double sse = 0;
+        for (size_t i = 0; i < m; ++i) {
+            double r = -y[i] / w[i];
+            for (size_t a = 0; a < k; ++a) r += row(i, cols[a]) * sol[a];
+            sse += r * r;
+        }
+        if (sse < best_sse) {
+            best_sse = sse;
+            std::fill(best.begin(), best.end(), 0);
+            for (size_t a = 0; a < k; ++a) best[cols[a]] = sol[a] / scale[cols[a]];
+        }
+    }
+    if (!std::isfinite(best_sse)) {
+        return Status(StatusCode::kInvalidArgument, "fit: no non-negative solution");
+    }
+    return best;
+}
+
+}  // namespace
+
 StatusOr<LinearFit> fit_nonnegative(const std::vector<std::vector<double>>& x,
-                                    const std::vector<double>& y) {
+                                    const std::vector<double>& y, FitTarget target) {
     const size_t m = y.size();
     if (m == 0 || x.size() != m) {
         return Status(StatusCode::kInvalidArgument,
@@ -128,46 +200,15 @@ StatusOr<LinearFit> fit_nonnegative(const std::vector<std::vector<double>>& x,
                           fmt::format("fit: time {} of point {} is not positive", y[i], i));
         }
     }
-    // Weighted rows (divide by y: relative residuals), columns scaled to unit max for conditioning.
-    std::vector<double> scale(p, 0);
-    for (size_t i = 0; i < m; ++i) {
-        for (size_t j = 0; j < p; ++j) scale[j] = std::max(scale[j], std::abs(x[i][j] / y[i]));
-    }
-    for (double& s : scale) s = s > 0 ? s : 1;
-    auto row = [&](size_t i, size_t j) { return x[i][j] / y[i] / scale[j]; };
-
-    double best_sse = std::numeric_limits<double>::infinity();
-    std::vector<double> best(p, 0);
-    for (uint32_t mask = 1; mask < (1u << p); ++mask) {
-        std::vector<size_t> cols;
-        for (size_t j = 0; j < p; ++j) {
-            if (mask & (1u << j)) cols.push_back(j);
-        }
-        const size_t k = cols.size();
-        std::vector<double> ata(k * k, 0), atb(k, 0), sol;
+    PDSIM_ASSIGN_OR_RETURN(std::vector<double> best, fit_weighted(x, y, y));
+    if (target == FitTarget::kMean) {
+        std::vector<double> w(m);
         for (size_t i = 0; i < m; ++i) {
-            for (size_t a = 0; a < k; ++a) {
-                const double va = row(i, cols[a]);
-                atb[a] += va;  // the weighted target is y / y = 1
-                for (size_t b = 0; b < k; ++b) ata[a * k + b] += va * row(i, cols[b]);
-            }
+            double pred = 0;
+            for (size_t j = 0; j < p; ++j) pred += best[j] * x[i][j];
+            w[i] = pred > 0 ? pred : y[i];
         }
-        if (!solve(ata, atb, k, &sol)) continue;
-        if (std::any_of(sol.begin(), sol.end(), [](double v) { return v < 0; })) continue;
-        double sse = 0;
-        for (size_t i = 0; i < m; ++i) {
-            double r = -1;
-            for (size_t a = 0; a < k; ++a) r += row(i, cols[a]) * sol[a];
-            sse += r * r;
-        }
-        if (sse < best_sse) {
-            best_sse = sse;
-            std::fill(best.begin(), best.end(), 0);
-            for (size_t a = 0; a < k; ++a) best[cols[a]] = sol[a] / scale[cols[a]];
-        }
-    }
-    if (!std::isfinite(best_sse)) {
-        return Status(StatusCode::kInvalidArgument, "fit: no non-negative solution");
+        PDSIM_ASSIGN_OR_RETURN(best, fit_weighted(x, y, w));
     }
     LinearFit fit;
     fit.coef = best;
@@ -262,7 +303,17 @@ StatusOr<std::unique_ptr<CostModel>> make_calibrated_model(const InstanceSpec& s
     }
     const std::string label = fmt::format("calibrated {} tp{} threads {}", src, spec.tp,
                                           chosen->at("threads").get<int>());
-    return std::unique_ptr<CostModel>(new CalibratedModel(label, e, d));
+    const json ix = j.value("interference", json::object());
+    const json nz = j.value("noise", json::object());
+    auto noise = [&](const char* kind) {
+        const json k = nz.value(kind, json::object());
+        return CostNoise{k.value("fast_cv", 0.0),
+                         k.value("fast_quantiles", std::vector<double>()),
+                         k.value("slow_cv", 0.0), k.value("slow_period_s", 0.0)};
+    };
+    return std::unique_ptr<CostModel>(new CalibratedModel(label, e, d, ix.value("extend", 0.0),
+                                                          ix.value("decode", 0.0),
+                                                          noise("extend"), noise("decode")));
 }
 
 }  // namespace pdsim::cost

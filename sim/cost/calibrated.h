@@ -48,13 +48,24 @@ struct LinearFit {
     double mean_rel_err = 0;
 };
 
-// Minimizes sum_i ((x_i . coef - y_i) / y_i)^2 (relative error: forwards span three orders of
-// magnitude and the simulator needs each within a few percent) subject to coef >= 0, exactly, by
-// solving the unconstrained problem on every subset of the features and keeping the best
-// non-negative one (fine for a handful of features). kInvalidArgument when there are fewer points
-// than features or a time is not positive.
+// What a fit estimates.
+//   kRelative: minimizes sum_i ((x_i . coef - y_i) / y_i)^2 (relative error: microbenchmark points,
+//     each a median of repeats, span three orders of magnitude and the simulator needs each within
+//     a few percent);
+//   kMean: the conditional mean, for many noisy single measurements of few shapes (a testbed
+//     timeline's forwards, whose slow tail the simulator must keep: a request's TPOT is the mean
+//     of its steps). Relative residuals are biased low on right-skewed noise, so this fits twice:
+//     kRelative, then sum_i ((x_i . coef - y_i) / p_i)^2 with p_i the first fit's prediction
+//     (noise proportional to the time, mean x_i . coef).
+enum class FitTarget { kRelative, kMean };
+
+// Minimizes the target's weighted squares subject to coef >= 0, exactly, by solving the
+// unconstrained problem on every subset of the features and keeping the best non-negative one
+// (fine for a handful of features). kInvalidArgument when there are fewer points than features or
+// a time is not positive.
 [[nodiscard]] StatusOr<LinearFit> fit_nonnegative(const std::vector<std::vector<double>>& x,
-                                                  const std::vector<double>& y);
+                                                  const std::vector<double>& y,
+                                                  FitTarget target = FitTarget::kRelative);
 
 // The calibrated model for `spec`, from `file` (see make_cost_model).
 [[nodiscard]] StatusOr<std::unique_ptr<CostModel>> make_calibrated_model(const InstanceSpec& spec,

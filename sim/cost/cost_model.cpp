@@ -129,6 +129,50 @@ Status validate(const json& j, const std::string& source) {
             return c.error(path + ".points", "expected an array, got " + type_name(f["points"]));
         }
     }
+    if (j.contains("interference")) {
+        const json& x = j["interference"];
+        if (!x.is_object()) {
+            return c.error("interference", "expected an object, got " + type_name(x));
+        }
+        for (const char* kind : {"extend", "decode"}) {
+            if (x.contains(kind)) {
+                PDSIM_RETURN_IF_ERROR(c.number(x, "interference", kind, false).status());
+            }
+        }
+    }
+    if (j.contains("noise")) {
+        const json& x = j["noise"];
+        if (!x.is_object()) return c.error("noise", "expected an object, got " + type_name(x));
+        for (const char* kind : {"extend", "decode"}) {
+            if (!x.contains(kind)) continue;
+            const std::string path = std::string("noise.") + kind;
+            if (!x[kind].is_object()) {
+                return c.error(path, "expected an object, got " + type_name(x[kind]));
+            }
+            for (const char* key : {"fast_cv", "slow_cv", "slow_period_s"}) {
+                if (x[kind].contains(key)) {
+                    PDSIM_RETURN_IF_ERROR(c.number(x[kind], path, key, false).status());
+                }
+            }
+            if (x[kind].contains("fast_quantiles")) {
+                const json& q = x[kind]["fast_quantiles"];
+                const std::string qp = path + ".fast_quantiles";
+                if (!q.is_array() || q.size() < 2) {
+                    return c.error(qp, "expected an array of at least 2 numbers");
+                }
+                double prev = 0;
+                for (size_t i = 0; i < q.size(); ++i) {
+                    const bool ok = q[i].is_number() && std::isfinite(q[i].get<double>()) &&
+                                    q[i].get<double>() >= prev;
+                    if (!ok) {
+                        return c.error(fmt::format("{}[{}]", qp, i),
+                                       "expected a finite number >= 0 and >= the one before");
+                    }
+                    prev = q[i].get<double>();
+                }
+            }
+        }
+    }
     if (j.contains("transports")) {
         const json& t = j["transports"];
         if (!t.is_object()) return c.error("transports", "expected an object, got " + type_name(t));

@@ -23,6 +23,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -48,6 +49,26 @@ struct InstanceSpec {
                                       // thread count; 0: the cost file's default)
 };
 
+// Variation of a forward's time around the model's mean, as measured on the CPU testbed (pdsim
+// calibrate --from-timeline): a forward takes mean x slow x fast, both with mean 1.
+//   slow: per instance, log-normal (coefficient of variation slow_cv), redrawn every
+//     slow_period_s of simulated time: the testbed's forwards run slow or fast for tens of
+//     milliseconds at a time (its host's other load, frequency), which is what spreads one
+//     request's TPOT from the next;
+//   fast: per forward, from the measured distribution when fast_quantiles is given (its quantile
+//     function at probabilities 0, 1/K, ..., 1, linearly interpolated: a tight body and the rare
+//     descheduled forward that is twice as long), else log-normal with fast_cv.
+// All zero / empty: deterministic.
+struct CostNoise {
+    double fast_cv = 0;
+    std::vector<double> fast_quantiles;
+    double slow_cv = 0;
+    double slow_period_s = 0;
+    [[nodiscard]] bool any() const {
+        return fast_cv > 0 || fast_quantiles.size() >= 2 || (slow_cv > 0 && slow_period_s > 0);
+    }
+};
+
 class CostModel {
 public:
     virtual ~CostModel() = default;
@@ -55,6 +76,20 @@ public:
     [[nodiscard]] virtual std::string describe() const = 0;
     [[nodiscard]] virtual double extend_s(std::span<const ExtendItem> batch) const = 0;
     [[nodiscard]] virtual double decode_s(int64_t batch_size, int64_t kv_tokens) const = 0;
+    // CPU instances only: how much slower a forward runs while another instance's forward runs on
+    // the same node, beyond the share of cores that the simulator's contention model gives it
+    // (shared caches and memory bandwidth, the testbed's transfer and polling threads, TP ranks
+    // that wait for a descheduled peer): the forward progresses at share / (1 + interference).
+    // Measured by `pdsim calibrate --from-timeline`; 0 where unknown.
+    [[nodiscard]] virtual double interference(bool decode) const {
+        (void)decode;
+        return 0.0;
+    }
+    // CPU instances only: the measured variation of extend (decode) forwards; none by default.
+    [[nodiscard]] virtual CostNoise noise(bool decode) const {
+        (void)decode;
+        return {};
+    }
 };
 
 // A measured transport between two ranks of the testbed: one message of `bytes` takes

@@ -9,6 +9,7 @@
 #include <deque>
 #include <limits>
 #include <map>
+#include <random>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -211,6 +212,12 @@ struct Inst {
     // t_rate and progresses at `rate` cores (at most `cores`, its isolated rate).
     int cpu_node = -1;
     double cores = 0, work = 0, rate = 0, t_rate = 0, iso_s = 0;
+    double interference[2] = {0, 0};  // extend, decode: the cost model's (cost::CostModel)
+    // Forward-time variation (SimConfig::cost_noise): per kind (extend, decode), the spec, the
+    // current slow factor and when it is redrawn.
+    cost::CostNoise noise[2];
+    double slow[2] = {1, 1}, slow_until[2] = {-1, -1};
+    std::mt19937_64 rng;
     EventLoop::EventId end_ev = 0;
     bool slowed = false;
     int64_t tl_tokens = 0;  // timeline: the forward's tokens, written when it ends
@@ -263,6 +270,8 @@ private:
             if (!y.busy) start_next(y);
         });
     }
+    // dur x the instance's slow and fast factors (cost::CostNoise) for a forward starting now.
+    double with_noise(Inst& x, bool decode, double dur);
     void start_next(Inst& x);
     void admit(Inst& x);
     void start_extend(Inst& x);
@@ -310,6 +319,7 @@ private:
     EventLoop loop_;
     FlowNetwork net_;
     bool colocated_ = false;
+    bool noisy_ = false;  // some instance draws forward-time variation
     std::vector<Inst> insts_;
     std::unique_ptr<policy::LoadBalancer> lb_;
     std::vector<Route> routes_;            // [prefill * n + decode]
@@ -398,6 +408,16 @@ Status Simulation::setup() {
                                cfg_.topology_label));
     }
     if (cfg_.cpu_contention) PDSIM_RETURN_IF_ERROR(setup_cpu_nodes());
+    if (cfg_.cost_noise) {
+        for (Inst& x : insts_) {
+            x.noise[0] = x.cost->noise(false);
+            x.noise[1] = x.cost->noise(true);
+            if (x.noise[0].any() || x.noise[1].any()) {
+                x.rng.seed(cfg_.noise_seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(x.index));
+                noisy_ = true;
+            }
+        }
+    }
     lb_ = std::make_unique<policy::LoadBalancer>(is_prefill, colocated_);
     if (!colocated_) PDSIM_RETURN_IF_ERROR(build_routes());
     records_.resize(requests_.size());
@@ -739,8 +759,9 @@ void Simulation::start_extend(Inst& x) {
         x.entries.push_back(Inst::Entry{s, n, false, 0});
     }
     PDSIM_CHECK(!x.entries.empty());
-    const double dur = x.cost->extend_s(items_);
+    double dur = x.cost->extend_s(items_);
     PDSIM_CHECK_MSG(dur >= 0 && std::isfinite(dur), "cost model: extend time {}", dur);
+    if (noisy_) dur = with_noise(x, false, dur);
     const double now = loop_.now();
     x.busy = true;
     x.extend = true;
@@ -810,8 +831,9 @@ bool Simulation::start_decode(Inst& x) {
         const Req& r = reqs_[x.running[j]];
         kv += int64_t{r.in} + r.generated;
     }
-    const double dur = x.cost->decode_s(static_cast<int64_t>(n), kv);
+    double dur = x.cost->decode_s(static_cast<int64_t>(n), kv);
     PDSIM_CHECK_MSG(dur >= 0 && std::isfinite(dur), "cost model: decode time {}", dur);
+    if (noisy_) dur = with_noise(x, true, dur);
     x.busy = true;
     x.extend = false;
     x.decode_n = n;
@@ -968,6 +990,40 @@ void Simulation::deliver(uint32_t slot) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Forward-time variation
+
+namespace {
+// Log-normal with mean 1 and coefficient of variation cv.
+double lognormal_mean1(std::mt19937_64& rng, double cv) {
+    if (cv <= 0) return 1;
+    const double s2 = std::log1p(cv * cv);
+    std::normal_distribution<double> n(-s2 / 2, std::sqrt(s2));
+    return std::exp(n(rng));
+}
+}  // namespace
+
+double Simulation::with_noise(Inst& x, bool decode, double dur) {
+    const cost::CostNoise& nz = x.noise[decode ? 1 : 0];
+    if (!nz.any()) return dur;
+    const int k = decode ? 1 : 0;
+    if (nz.slow_cv > 0 && nz.slow_period_s > 0 && loop_.now() >= x.slow_until[k]) {
+        x.slow[k] = lognormal_mean1(x.rng, nz.slow_cv);
+        x.slow_until[k] = loop_.now() + nz.slow_period_s;
+    }
+    double fast;
+    if (nz.fast_quantiles.size() >= 2) {
+        const double u = std::uniform_real_distribution<double>(0, 1)(x.rng);
+        const double pos = u * static_cast<double>(nz.fast_quantiles.size() - 1);
+        const auto i = std::min(static_cast<size_t>(pos), nz.fast_quantiles.size() - 2);
+        const double f = pos - static_cast<double>(i);
+        fast = nz.fast_quantiles[i] * (1 - f) + nz.fast_quantiles[i + 1] * f;
+    } else {
+        fast = lognormal_mean1(x.rng, nz.fast_cv);
+    }
+    return dur * x.slow[k] * fast;
+}
+
+// ------------------------------------------------------------------------------------------------
 // CPU core contention
 
 // Nodes whose CPU instances could together want more cores than the node has; the others never
@@ -975,6 +1031,8 @@ void Simulation::deliver(uint32_t slot) {
 Status Simulation::setup_cpu_nodes() {
     const topo::Topology& t = cfg_.topology;
     std::vector<double> demand(t.nodes.size(), 0);
+    std::vector<int> count(t.nodes.size(), 0);
+    std::vector<bool> interferes(t.nodes.size(), false);
     std::vector<int> node_of(insts_.size(), -1);
     for (size_t i = 0; i < insts_.size(); ++i) {
         const int k = cfg_.instances[i].cpu_cores;
@@ -982,7 +1040,13 @@ Status Simulation::setup_cpu_nodes() {
         const int nd = t.node_index_of(t.instances[i].devices.front());
         if (nd < 0) continue;
         node_of[i] = nd;
-        demand[static_cast<size_t>(nd)] += k;
+        const auto n = static_cast<size_t>(nd);
+        demand[n] += k;
+        ++count[n];
+        const cost::CostModel& cm = *cfg_.instances[i].cost;
+        insts_[i].interference[0] = cm.interference(false);
+        insts_[i].interference[1] = cm.interference(true);
+        if (insts_[i].interference[0] > 0 || insts_[i].interference[1] > 0) interferes[n] = true;
     }
     std::vector<int> index(t.nodes.size(), -1);
     for (size_t i = 0; i < insts_.size(); ++i) {
@@ -991,7 +1055,8 @@ Status Simulation::setup_cpu_nodes() {
         const size_t n = static_cast<size_t>(nd);
         double cores = cfg_.node_cpus > 0 ? cfg_.node_cpus : t.nodes[n].cpus;
         if (cores <= 0) cores = std::max(1u, std::thread::hardware_concurrency());
-        if (demand[n] <= cores) continue;
+        // Neither oversubscribed nor slowed by each other's forwards: no contention to model.
+        if (demand[n] <= cores && !(interferes[n] && count[n] > 1)) continue;
         if (index[n] < 0) {
             index[n] = static_cast<int>(cpu_nodes_.size());
             cpu_nodes_.push_back(CpuNode{cores, {}});
@@ -1025,8 +1090,13 @@ void Simulation::reshare(int node, Inst* fresh) {
     double threads = 0;
     for (int i : nd.active) threads += inst(i).cores;
     const double per_thread = std::min(1.0, nd.cores / threads);
+    const bool shared = nd.active.size() > 1;
     share_.clear();
-    for (int i : nd.active) share_.emplace_back(inst(i).cores * per_thread, i);
+    for (int i : nd.active) {
+        const Inst& y = inst(i);
+        const double slow = shared ? 1 + y.interference[y.extend ? 0 : 1] : 1;
+        share_.emplace_back(y.cores * per_thread / slow, i);
+    }
     for (const auto& [r, i] : share_) {
         Inst& y = inst(i);
         if (&y != fresh) {
@@ -1300,6 +1370,8 @@ SimResult Simulation::result() {
                            {"max_decode_batch", b.max_decode_batch},
                            {"max_decode_kv_tokens", b.max_decode_kv_tokens},
                            {"cpu_contention", cfg_.cpu_contention},
+                           {"cost_noise", noisy_},
+                           {"noise_seed", cfg_.noise_seed},
                            {"contended_node_cores", contended_cores},
                            {"slo_ttft_ms", cfg_.slo.ttft_ms},
                            {"slo_tpot_ms", cfg_.slo.tpot_ms}};

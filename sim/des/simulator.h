@@ -127,6 +127,10 @@ struct SimConfig {
     // std::thread::hardware_concurrency() (the testbed runs a cpu topology on this machine).
     bool cpu_contention = true;
     double node_cpus = 0;
+    // Forward-time variation (cost::CostNoise) where an instance's cost model measured it; drawn
+    // from a generator seeded with noise_seed and the instance index (a run is reproducible).
+    bool cost_noise = true;
+    uint64_t noise_seed = 1;
     metrics::Slo slo;
     // Optional outputs. The timeline gets one track per instance (forwards, sampled transfers) and
     // the lifecycle of every `timeline_sample`-th request (by position in the trace); forward
