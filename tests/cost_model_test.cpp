@@ -693,6 +693,47 @@ TEST(CalibrateTimeline, MeasuresInterferenceAndNoise) {
     EXPECT_NEAR(n["fast_quantiles"].back().get<double>(), 1.2, 0.1) << n.dump();
 }
 
+// Three runs of the same forwards, the third 30% slower throughout (a slow host): the fit follows
+// the median run, and the source reports each run's level.
+TEST(CalibrateTimeline, FitsTheMedianRunLevel) {
+    test::TempDir dir("calibrate-timeline");
+    std::vector<std::string> files;
+    for (double level : {1.0, 1.0, 1.3}) {
+        json t = synthetic_timeline(false);
+        for (json& e : t["traceEvents"]) {
+            if (e.contains("dur")) e["dur"] = e["dur"].get<double>() * level;
+        }
+        files.push_back(dir.str("tl" + std::to_string(files.size()) + ".json"));
+        write_json(files.back(), t);
+    }
+    const std::string out = dir.str("cost.json");
+    test::CmdResult r = test::run_pdsim({"calibrate", "--from-timeline",
+                                         files[0] + "," + files[1] + "," + files[2], "--model",
+                                         "tiny", "--out", out},
+                                        60);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    auto f = CostFile::load(out);
+    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    const json& j = f->json();
+    const json& fit = j["fits"][0];
+    for (size_t i = 0; i < kExtendKeys.size(); ++i) {
+        EXPECT_NEAR(fit["extend"][kExtendKeys[i]].get<double>(), kTimelineExtend[i],
+                    1e-6 * kTimelineExtend[i])
+            << kExtendKeys[i];
+    }
+    for (size_t i = 0; i < kDecodeKeys.size(); ++i) {
+        EXPECT_NEAR(fit["decode"][kDecodeKeys[i]].get<double>(), kTimelineDecode[i],
+                    1e-6 * kTimelineDecode[i])
+            << kDecodeKeys[i];
+    }
+    const json& levels = j["source"]["run_levels"];
+    ASSERT_EQ(levels.size(), 3u) << j["source"].dump();
+    EXPECT_NEAR(levels[0]["decode"].get<double>(), 1.0, 1e-6);
+    EXPECT_NEAR(levels[2]["decode"].get<double>(), 1.3, 1e-6);
+    EXPECT_NEAR(levels[2]["extend"].get<double>(), 1.3, 1e-6);
+    EXPECT_NE(r.out.find("run level"), std::string::npos) << r.out;
+}
+
 // The fit of the mean (testbed timelines) against the relative fit (microbenchmarks) on skewed
 // times of one shape: 1, 1, 1, 1, 5.
 TEST(CalibratedFit, MeanTargetFitsTheMeanOfSkewedTimes) {

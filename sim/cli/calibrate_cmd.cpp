@@ -771,6 +771,7 @@ constexpr size_t kNoiseQuantiles = 32;
 // rest, the share of a core per compute thread that the contention model gives
 // (min(1, node cpus / compute threads running)).
 struct OverlappedForward {
+    size_t file = 0;
     std::pair<int, int> key;  // (tp, threads)
     bool decode = false;
     std::vector<double> features;
@@ -914,7 +915,7 @@ StatusOr<size_t> read_timeline(const std::string& path, size_t file_index, bool 
             }
             if (!include_overlapped && overlapped(i)) {
                 ++*skipped;
-                OverlappedForward o{key, decode, std::move(features)};
+                OverlappedForward o{file_index, key, decode, std::move(features)};
                 split_overlap(i, &o);
                 if (o.shared_core_s > 0) overlapped_out->push_back(std::move(o));
                 continue;
@@ -988,6 +989,65 @@ StatusOr<json> calibrate_from_timelines(const CalibrateOptions& o, const model::
         }
         return nullptr;
     };
+    // Run levels. The testbed's runs differ as a whole (a run of the same command may be 10%
+    // slower than the next: the host), and the comparison takes the median of runs; so the fit
+    // follows the median run. Per (file, kind): level = sum measured / sum fitted over that
+    // file's points, with fits of all points; each file's times are divided by its level over
+    // the median level before the fits below, and its overlapped forwards are compared with
+    // fitted times at its level.
+    std::map<std::pair<size_t, bool>, double> level;  // (file, decode) -> level / median level
+    json levels = json::array();
+    if (paths.size() >= 2) {
+        std::map<std::pair<size_t, bool>, std::pair<double, double>> sums;  // measured, fitted
+        for (const auto& [key, g] : groups) {
+            for (const bool decode : {false, true}) {
+                const auto& x = decode ? g.dx : g.ex;
+                const auto& y = decode ? g.dy : g.ey;
+                const auto& w = decode ? g.dw : g.ew;
+                if (y.size() < kMinTimelinePoints) continue;
+                auto f = cost::fit_nonnegative(x, y, cost::FitTarget::kMean);
+                if (!f.ok()) continue;  // reported by the fit below
+                for (size_t i = 0; i < y.size(); ++i) {
+                    double pred = 0;
+                    for (size_t k = 0; k < x[i].size(); ++k) pred += f->coef[k] * x[i][k];
+                    auto& sm = sums[{w[i].file, decode}];
+                    sm.first += y[i];
+                    sm.second += pred;
+                }
+            }
+        }
+        for (const bool decode : {false, true}) {
+            std::vector<double> v;
+            for (const auto& [fk, sm] : sums) {
+                if (fk.second == decode && sm.second > 0) v.push_back(sm.first / sm.second);
+            }
+            if (v.size() < 2) continue;
+            std::sort(v.begin(), v.end());
+            const double med = v.size() % 2 ? v[v.size() / 2]
+                                             : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+            for (const auto& [fk, sm] : sums) {
+                if (fk.second == decode && sm.second > 0) level[fk] = sm.first / sm.second / med;
+            }
+        }
+        for (auto& [key, g] : groups) {
+            for (const bool decode : {false, true}) {
+                auto& y = decode ? g.dy : g.ey;
+                const auto& w = decode ? g.dw : g.ew;
+                for (size_t i = 0; i < y.size(); ++i) {
+                    auto it = level.find({w[i].file, decode});
+                    if (it != level.end()) y[i] /= it->second;
+                }
+            }
+        }
+        for (size_t fi = 0; fi < paths.size(); ++fi) {
+            json l = {{"path", paths[fi]}};
+            for (const bool decode : {false, true}) {
+                auto it = level.find({fi, decode});
+                l[decode ? "decode" : "extend"] = it == level.end() ? json() : json(it->second);
+            }
+            levels.push_back(std::move(l));
+        }
+    }
     json fits = json::array();
     std::map<std::pair<std::pair<int, int>, bool>, std::vector<double>> coef;  // fitted here
     for (const auto& [key, g] : groups) {
@@ -1042,6 +1102,7 @@ StatusOr<json> calibrate_from_timelines(const CalibrateOptions& o, const model::
                 if (f.decode != decode || c == coef.end()) continue;
                 double iso = 0;
                 for (size_t k = 0; k < f.features.size(); ++k) iso += c->second[k] * f.features[k];
+                if (auto l = level.find({f.file, decode}); l != level.end()) iso *= l->second;
                 num += f.shared_core_s;
                 den += iso - f.alone_s;
                 ++n;
@@ -1139,6 +1200,7 @@ StatusOr<json> calibrate_from_timelines(const CalibrateOptions& o, const model::
                   {"files", files},
                   {"leaders_only", true},
                   {"overlapped_included", o.include_overlapped},
+                  {"run_levels", levels},
                   {"base", o.base.empty() ? json() : json(o.base)}}},
                 {"transports", base ? base->json().value("transports", json::object())
                                     : json::object()}};
@@ -1320,6 +1382,14 @@ Status run_calibrate(const CalibrateOptions& o) {
                              f["overlapped_skipped"].get<size_t>());
         }
         if (!o.base.empty()) s += "  missing parts from " + o.base + "\n";
+        for (const auto& l : source.value("run_levels", json::array())) {
+            auto pct = [](const json& v) {
+                return v.is_number() ? fmt::format("{:+.1f}%", (v.get<double>() - 1) * 100)
+                                     : std::string("-");
+            };
+            s += fmt::format("  run level of {} (vs the median run): extend {}, decode {}\n",
+                             l["path"].get<std::string>(), pct(l["extend"]), pct(l["decode"]));
+        }
         if (!interference.empty()) {
             s += fmt::format(
                 "  interference (slower than their core share while another instance computes, "
