@@ -680,6 +680,14 @@ TEST(CalibrateTimeline, MeasuresInterferenceAndNoise) {
         if (!e.contains("args") || !e["args"].contains("kv_tokens")) continue;
         e["dur"] = e["dur"].get<double>() * (k++ % 2 ? 1.2 : 0.8);
     }
+    // The distribution the simulator draws from (linear between the quantiles) has mean 1.
+    auto drawn_mean = [](const json& q) {
+        double sum = 0;
+        for (size_t i = 0; i + 1 < q.size(); ++i) {
+            sum += (q[i].get<double>() + q[i + 1].get<double>()) / 2;
+        }
+        return sum / static_cast<double>(q.size() - 1);
+    };
     t2["traceEvents"].erase(t2["traceEvents"].end() - 2, t2["traceEvents"].end());
     write_json(tl, t2);
     r = test::run_pdsim({"calibrate", "--from-timeline", tl, "--model", "tiny", "--out", out}, 60);
@@ -691,6 +699,26 @@ TEST(CalibrateTimeline, MeasuresInterferenceAndNoise) {
     EXPECT_EQ(n["slow_cv"].get<double>(), 0);
     EXPECT_NEAR(n["fast_quantiles"].front().get<double>(), 0.8, 0.1) << n.dump();
     EXPECT_NEAR(n["fast_quantiles"].back().get<double>(), 1.2, 0.1) << n.dump();
+    EXPECT_NEAR(drawn_mean(n["fast_quantiles"]), 1.0, 1e-9) << n.dump();
+
+    // One extend forward 8x slow among 24 exact ones: the maximum alone, interpolated, would
+    // make the drawn mean far above the sample's; the highest quantile is set to keep it at 1.
+    json t3 = synthetic_timeline(false);
+    t3["traceEvents"].erase(t3["traceEvents"].end() - 2, t3["traceEvents"].end());
+    for (json& e : t3["traceEvents"]) {
+        if (e.contains("args") && e["args"].contains("items")) {
+            e["dur"] = e["dur"].get<double>() * 8;
+            break;
+        }
+    }
+    write_json(tl, t3);
+    r = test::run_pdsim({"calibrate", "--from-timeline", tl, "--model", "tiny", "--out", out}, 60);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    auto f3 = CostFile::load(out);
+    ASSERT_TRUE(f3.ok()) << f3.status().to_string();
+    const json& q3 = f3->json()["noise"]["extend"]["fast_quantiles"];
+    EXPECT_NEAR(drawn_mean(q3), 1.0, 1e-9) << q3.dump();
+    EXPECT_GT(q3.back().get<double>(), 2.0) << q3.dump();
 }
 
 // Three runs of the same forwards, the third 30% slower throughout (a slow host): the fit follows

@@ -1176,15 +1176,30 @@ StatusOr<json> calibrate_from_timelines(const CalibrateOptions& o, const model::
         double fm = 0;
         for (double v : fast) fm += v;
         fm /= static_cast<double>(fast.size());
-        json quantiles = json::array();
+        std::vector<double> qv;
         for (size_t q = 0; q <= kNoiseQuantiles; ++q) {
             const double pos = static_cast<double>(q) / kNoiseQuantiles *
                                static_cast<double>(fast.size() - 1);
             const auto lo = static_cast<size_t>(pos);
             const size_t hi = std::min(lo + 1, fast.size() - 1);
-            const double v = fast[lo] + (fast[hi] - fast[lo]) * (pos - static_cast<double>(lo));
-            quantiles.push_back(v / fm);
+            qv.push_back((fast[lo] + (fast[hi] - fast[lo]) * (pos - static_cast<double>(lo))) / fm);
         }
+        // The simulator interpolates linearly between quantiles, so the distribution it draws
+        // from has mean sum (q_i + q_i+1) / 2K. Between the two highest quantiles that misstates
+        // the slowest 1/K of the forwards (one 5x outlier as the maximum made the mean 1.05): set
+        // the highest quantile so that the mean is the sample's, 1.
+        auto pl_mean = [&] {
+            double sum = 0;
+            for (size_t i = 0; i + 1 < qv.size(); ++i) sum += (qv[i] + qv[i + 1]) / 2;
+            return sum / kNoiseQuantiles;
+        };
+        qv.back() -= 2.0 * kNoiseQuantiles * (pl_mean() - 1);
+        if (qv.back() < qv[qv.size() - 2]) {
+            qv.back() = qv[qv.size() - 2];
+            const double mean = pl_mean();
+            for (double& v : qv) v /= mean;
+        }
+        json quantiles = qv;
         noise[decode ? "decode" : "extend"] = {{"fast_cv", std::sqrt(cv2 - slow2)},
                                                {"fast_quantiles", quantiles},
                                                {"slow_cv", std::sqrt(slow2)},
