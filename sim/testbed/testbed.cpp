@@ -1,5 +1,6 @@
 #include "sim/testbed/testbed.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -44,6 +45,7 @@ struct Launcher {
     int world = 1;
     int rank = 0;
     int local_size = 1;
+    int local_rank = 0;
 };
 
 int env_int(const char* name, int dflt) {
@@ -57,12 +59,27 @@ Launcher detect_launcher() {
         l.world = env_int("OMPI_COMM_WORLD_SIZE", 1);
         l.rank = env_int("OMPI_COMM_WORLD_RANK", 0);
         l.local_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", l.world);
+        l.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", 0);
     } else if (std::getenv("PMI_SIZE") != nullptr) {
         l.world = env_int("PMI_SIZE", 1);
         l.rank = env_int("PMI_RANK", 0);
         l.local_size = env_int("MPI_LOCALNRANKS", l.world);
+        l.local_rank = env_int("MPI_LOCALRANKID", 0);
     }
     return l;
+}
+
+// Whether this process may run on fewer than all of the host's cores (mpirun bound it).
+bool bound_to_some_cores(int host_cores) {
+#ifdef __linux__
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) != 0) return false;
+    return CPU_COUNT(&set) < host_cores;
+#else
+    (void)host_cores;
+    return false;
+#endif
 }
 
 // What every rank thread of this process shares.
@@ -819,6 +836,18 @@ Status run_testbed(const TestbedOptions& options, RunInfo* info) {
 
     // One process per rank.
     sh.local_ranks = std::max(1, launcher.local_size);
+    {
+        // More ranks than cores on this host, free to run anywhere: the kernel places them
+        // differently from run to run, and a TP rank that loses its core stalls its peers.
+        const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+        if (launcher.local_rank == 0 && sh.local_ranks > hw && !bound_to_some_cores(hw)) {
+            PDSIM_LOG_WARN(
+                "{} ranks on this host's {} cores and they are not bound: timings will vary from "
+                "run to run; add `--map-by core --bind-to core:overload-allowed` to mpirun "
+                "(docs/testbed.md, 'More ranks than cores')",
+                sh.local_ranks, hw);
+        }
+    }
     if (std::getenv("PDSIM_NUM_THREADS") == nullptr) {
         const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
         const int per = cfg.options.threads > 0 ? cfg.options.threads : std::max(1, hw / sh.local_ranks);
