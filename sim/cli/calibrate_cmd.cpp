@@ -495,6 +495,19 @@ StatusOr<json> spawn_worker(const CalibrateOptions& o, int tp, int threads,
     return j;
 }
 
+// One fit as the cost file stores it; `source` (a --from-timeline fit's origin) when given.
+json fit_json(const auto& keys, const cost::LinearFit& f, size_t n,
+              const std::string& source = "") {
+    json j;
+    for (size_t i = 0; i < keys.size(); ++i) j[keys[i]] = f.coef[i];
+    j["r2"] = f.r2;
+    j["max_rel_err"] = f.max_rel_err;
+    j["mean_rel_err"] = f.mean_rel_err;
+    j["num_points"] = n;
+    if (!source.empty()) j["source"] = source;
+    return j;
+}
+
 StatusOr<json> fit_points(const json& worker) {
     std::vector<std::vector<double>> ex, dx;
     std::vector<double> ey, dy;
@@ -515,19 +528,10 @@ StatusOr<json> fit_points(const json& worker) {
     }
     PDSIM_ASSIGN_OR_RETURN(cost::LinearFit e, cost::fit_nonnegative(ex, ey));
     PDSIM_ASSIGN_OR_RETURN(cost::LinearFit d, cost::fit_nonnegative(dx, dy));
-    auto to_json = [](const auto& keys, const cost::LinearFit& f, size_t n) {
-        json j;
-        for (size_t i = 0; i < keys.size(); ++i) j[keys[i]] = f.coef[i];
-        j["r2"] = f.r2;
-        j["max_rel_err"] = f.max_rel_err;
-        j["mean_rel_err"] = f.mean_rel_err;
-        j["num_points"] = n;
-        return j;
-    };
     return json{{"tp", worker.at("tp")},
                 {"threads", worker.at("threads")},
-                {"extend", to_json(cost::kExtendKeys, e, ey.size())},
-                {"decode", to_json(cost::kDecodeKeys, d, dy.size())},
+                {"extend", fit_json(cost::kExtendKeys, e, ey.size())},
+                {"decode", fit_json(cost::kDecodeKeys, d, dy.size())},
                 {"points", worker.at("points")}};
 }
 
@@ -865,7 +869,12 @@ StatusOr<size_t> read_timeline(const std::string& path, size_t file_index, bool 
     auto split_overlap = [&](size_t i, OverlappedForward* o) {
         const Slice& x = slices[i];
         edges.clear();
-        for (size_t j = 0; j < slices.size() && slices[j].begin < x.end; ++j) {
+        // Slices are sorted by begin and none is longer than `longest`: only those that begin
+        // after x.begin - longest can reach into x.
+        auto first = std::lower_bound(slices.begin(), slices.end(), x.begin - longest,
+                                      [](const Slice& a, double t) { return a.begin < t; });
+        for (size_t j = static_cast<size_t>(first - slices.begin());
+             j < slices.size() && slices[j].begin < x.end; ++j) {
             const Slice& y = slices[j];
             if (!y.leader || y.instance == x.instance || y.end <= x.begin) continue;
             edges.emplace_back(std::max(x.begin, y.begin), y.cores);
@@ -941,17 +950,6 @@ StatusOr<size_t> read_timeline(const std::string& path, size_t file_index, bool 
                                                      : ""));
     }
     return added;
-}
-
-json fit_json(const auto& keys, const cost::LinearFit& f, size_t n, const std::string& source) {
-    json j;
-    for (size_t i = 0; i < keys.size(); ++i) j[keys[i]] = f.coef[i];
-    j["r2"] = f.r2;
-    j["max_rel_err"] = f.max_rel_err;
-    j["mean_rel_err"] = f.mean_rel_err;
-    j["num_points"] = n;
-    j["source"] = source;
-    return j;
 }
 
 StatusOr<json> calibrate_from_timelines(const CalibrateOptions& o, const model::ModelConfig& m) {
