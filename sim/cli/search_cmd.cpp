@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "sim/cli/command.h"
+#include "sim/cli/sim_flags.h"
 #include "sim/des/search.h"
 #include "sim/des/setup.h"
 #include "topology/loader.h"
@@ -23,21 +24,18 @@ namespace {
 using json = nlohmann::json;
 
 struct SearchFlags {
-    std::string topology, gpu, model, trace, trace_format = "auto";
+    std::string topology, gpu, model;
+    // A trace, its caps, first N or sample, time scale; or (no trace) the synthetic workload
+    // of the flags below, seeded by req.seed.
+    des::RequestSource req;
     int gpus = 0, layers = 0, min_gpus = 1;
-    int64_t synthetic = 0, max_requests = 0, sample = 0;
+    int64_t synthetic = 0;
     double rate = 1.0, cv = 0;  // cv > 0: gamma arrivals
     std::string input_len = "lognormal:8192:0.5", output_len = "lognormal:256:0.5";
-    uint64_t seed = 1;
-    int32_t max_input_len = 0, max_output_len = 0;
-    double time_scale = 1.0;
     double slo_ttft_ms = 0, slo_tpot_ms = 0, attainment = 0.9;
     std::string modes = "disagg,colocated", tp;
     int64_t max_candidates = 2000, top = 15;
-    int64_t chunk_size = 512, max_batch_tokens = 2048, max_decode_batch = 64;
-    int page_size = 16;
-    double mem_fraction = 0.9;
-    std::string prefix_cache = "on", kv_admission = "prompt";
+    SchedulingFlags sched;
     std::string json_path;
     bool quiet = false;
 };
@@ -71,11 +69,11 @@ StatusOr<std::vector<int>> parse_int_list(const std::string& flag, const std::st
 Status check_flags(const SearchFlags& f) {
     if (f.topology.empty() && f.gpus == 0) return bad("--gpus: required (or --topology F)");
     if (f.gpus < 0) return bad(fmt::format("--gpus {}: must be >= 1", f.gpus));
-    if (f.trace.empty() == (f.synthetic == 0)) {
+    if (f.req.trace.empty() == (f.synthetic == 0)) {
         return bad("--trace F or --synthetic N: exactly one is required");
     }
     if (f.synthetic < 0) return bad(fmt::format("--synthetic {}: must be >= 1", f.synthetic));
-    if (f.synthetic > 0 && (f.max_requests != 0 || f.sample != 0)) {
+    if (f.synthetic > 0 && (f.req.max_requests != 0 || f.req.sample != 0)) {
         return bad("--max-requests / --sample: for --trace (--synthetic N sets the count)");
     }
     if (!(f.rate > 0)) return bad(fmt::format("--rate {}: must be > 0", f.rate));
@@ -91,26 +89,7 @@ Status check_flags(const SearchFlags& f) {
         return bad(fmt::format("--max-candidates {}: must be >= 1", f.max_candidates));
     }
     if (f.top < 0) return bad(fmt::format("--top {}: must be >= 0", f.top));
-    if (f.chunk_size < 1) return bad(fmt::format("--chunk-size {}: must be >= 1", f.chunk_size));
-    if (f.max_batch_tokens < 1) {
-        return bad(fmt::format("--max-batch-tokens {}: must be >= 1", f.max_batch_tokens));
-    }
-    if (f.max_decode_batch < 1) {
-        return bad(fmt::format("--max-decode-batch {}: must be >= 1", f.max_decode_batch));
-    }
-    if (f.page_size < 1 || f.page_size > 4096) {
-        return bad(fmt::format("--page-size {}: must be in [1, 4096]", f.page_size));
-    }
-    if (!(f.mem_fraction > 0 && f.mem_fraction <= 1)) {
-        return bad(fmt::format("--mem-fraction {}: must be in (0, 1]", f.mem_fraction));
-    }
-    if (f.prefix_cache != "on" && f.prefix_cache != "off") {
-        return bad(fmt::format("--prefix-cache {}: expected on or off", f.prefix_cache));
-    }
-    if (f.kv_admission != "prompt" && f.kv_admission != "full") {
-        return bad(fmt::format("--kv-admission {}: expected prompt or full", f.kv_admission));
-    }
-    return {};
+    return check_scheduling_flags(f.sched);
 }
 
 StatusOr<des::SearchSpace> make_space(const SearchFlags& f, std::string* model_from_topology) {
@@ -225,22 +204,14 @@ Status run_search_cmd(const SearchFlags& f) {
     if (model_name.empty()) return bad("--model: required (the topology names no model)");
     PDSIM_ASSIGN_OR_RETURN(model::ModelConfig model, des::load_model(model_name, f.layers));
 
-    des::RequestSource src;
-    src.trace = f.trace;
-    src.trace_format = f.trace_format;
-    src.max_input_len = f.max_input_len;
-    src.max_output_len = f.max_output_len;
-    src.max_requests = f.max_requests;
-    src.sample = f.sample;
-    src.seed = f.seed;
-    src.time_scale = f.time_scale;
-    if (f.trace.empty()) {
+    des::RequestSource src = f.req;
+    if (src.trace.empty()) {
         workload::SyntheticOptions& so = src.synthetic;
         so.num_requests = f.synthetic;
         so.rate_rps = f.rate;
         so.gamma = f.cv > 0;
         so.cv = f.cv > 0 ? f.cv : 1.0;
-        so.seed = f.seed;
+        so.seed = src.seed;
         StatusOr<workload::LengthDist> in = workload::parse_length_dist(f.input_len);
         if (!in.ok()) return bad(fmt::format("--input-len: {}", in.status().message()));
         StatusOr<workload::LengthDist> out = workload::parse_length_dist(f.output_len);
@@ -254,16 +225,10 @@ Status run_search_cmd(const SearchFlags& f) {
     des::SearchOptions o;
     o.space = space;
     o.base.model = model;
-    o.base.prefix_cache = f.prefix_cache == "on";
-    o.base.reserve_output = f.kv_admission == "full";
-    o.base.page_size = f.page_size;
-    o.base.batching.chunk_size = f.chunk_size;
-    o.base.batching.max_batch_tokens = f.max_batch_tokens;
-    o.base.batching.max_decode_batch = f.max_decode_batch;
+    apply_scheduling_flags(f.sched, &o.base);
     o.base.slo.ttft_ms = f.slo_ttft_ms;
     o.base.slo.tpot_ms = f.slo_tpot_ms;
-    o.kv.page_size = f.page_size;
-    o.kv.mem_fraction = f.mem_fraction;
+    o.kv = kv_capacity_options(f.sched);
     o.attainment_target = f.attainment;
     const bool tty = isatty(fileno(stderr)) != 0;
     if (!f.quiet) {
@@ -388,8 +353,8 @@ void add_search_command(CLI::App& app, CommandSet& commands) {
                     "file; its instances are not used");
     sub->add_option("--model", f->model, "built-in model name or model YAML/JSON file");
     sub->add_option("--layers", f->layers, "override the model's number of layers");
-    sub->add_option("--trace", f->trace, "trace file: Mooncake .jsonl or Azure .csv");
-    sub->add_option("--trace-format", f->trace_format, "auto|mooncake|azure")
+    sub->add_option("--trace", f->req.trace, "trace file: Mooncake .jsonl or Azure .csv");
+    sub->add_option("--trace-format", f->req.trace_format, "auto|mooncake|azure")
         ->capture_default_str();
     sub->add_option("--synthetic", f->synthetic, "N synthetic requests instead of a trace");
     sub->add_option("--rate", f->rate, "synthetic: mean arrival rate, requests/s")
@@ -403,12 +368,13 @@ void add_search_command(CLI::App& app, CommandSet& commands) {
         ->capture_default_str();
     sub->add_option("--output-len", f->output_len, "synthetic output lengths (as --input-len)")
         ->capture_default_str();
-    sub->add_option("--seed", f->seed, "seed for --synthetic and --sample")->capture_default_str();
-    sub->add_option("--max-requests", f->max_requests, "trace: the first N requests");
-    sub->add_option("--sample", f->sample, "trace: a uniform random sample of N requests");
-    sub->add_option("--max-input-len", f->max_input_len, "cap prompt lengths (0: none)");
-    sub->add_option("--max-output-len", f->max_output_len, "cap output lengths (0: none)");
-    sub->add_option("--time-scale", f->time_scale,
+    sub->add_option("--seed", f->req.seed, "seed for --synthetic and --sample")
+        ->capture_default_str();
+    sub->add_option("--max-requests", f->req.max_requests, "trace: the first N requests");
+    sub->add_option("--sample", f->req.sample, "trace: a uniform random sample of N requests");
+    sub->add_option("--max-input-len", f->req.max_input_len, "cap prompt lengths (0: none)");
+    sub->add_option("--max-output-len", f->req.max_output_len, "cap output lengths (0: none)");
+    sub->add_option("--time-scale", f->req.time_scale,
                     "multiply arrival times by X (0.5: twice the request rate)")
         ->capture_default_str();
     sub->add_option("--slo-ttft-ms", f->slo_ttft_ms, "TTFT SLO, ms")->required();
@@ -426,18 +392,7 @@ void add_search_command(CLI::App& app, CommandSet& commands) {
         ->capture_default_str();
     sub->add_option("--top", f->top, "rows of the table (--json has all)")->capture_default_str();
     sub->add_option("--json", f->json_path, "write every row as JSON here");
-    sub->add_option("--chunk-size", f->chunk_size, "prefill tokens of one request per forward")
-        ->capture_default_str();
-    sub->add_option("--max-batch-tokens", f->max_batch_tokens, "tokens per prefill forward")
-        ->capture_default_str();
-    sub->add_option("--max-decode-batch", f->max_decode_batch, "requests per decode forward")
-        ->capture_default_str();
-    sub->add_option("--page-size", f->page_size, "KV page size in tokens")->capture_default_str();
-    sub->add_option("--mem-fraction", f->mem_fraction, "share of HBM for weights + KV")
-        ->capture_default_str();
-    sub->add_option("--prefix-cache", f->prefix_cache, "on|off")->capture_default_str();
-    sub->add_option("--kv-admission", f->kv_admission, "prompt|full (as pdsim simulate's flag)")
-        ->capture_default_str();
+    add_scheduling_flags(sub, f->sched);
     sub->add_flag("--quiet", f->quiet, "no progress line");
     commands.add(sub, [f] { return run_search_cmd(*f); });
 }

@@ -14,6 +14,7 @@
 #include <optional>
 
 #include "sim/cli/command.h"
+#include "sim/cli/sim_flags.h"
 #include "sim/des/setup.h"
 #include "sim/des/simulator.h"
 #include "sim/testbed/options.h"
@@ -31,24 +32,18 @@ constexpr double kTargetRequestsPerWallS = 20000;
 constexpr int64_t kTimelineRequests = 1000;  // --timeline-sample auto: about this many lifecycles
 
 struct SimulateFlags {
-    std::string topology, model, trace;
-    std::string trace_format = "auto";
+    std::string topology, model;
+    des::RequestSource req;  // a trace (required), its caps, first N or sample, time scale
     std::string cost_model = "roofline";
     int layers = 0;
-    int64_t max_requests = 0, sample = 0;
-    uint64_t seed = 1;
-    double time_scale = 1;
-    int32_t max_input_len = 0, max_output_len = 0;
-    std::string mode = "disagg", layerwise = "on", prefix_cache = "on", kv_admission = "prompt";
-    int64_t chunk_size = 512, max_batch_tokens = 2048, max_decode_batch = 64;
+    std::string mode = "disagg", layerwise = "on";
+    SchedulingFlags sched;
     int64_t max_decode_kv_tokens = 0;
     std::string cpu_contention = "on";
     std::string cost_noise = "on";
     uint64_t noise_seed = 1;
     double cpu_cores = 0;
-    int page_size = 16;
     int64_t kv_pool_mb = 512;
-    double mem_fraction = 0.9;
     double slo_ttft_ms = 0, slo_tpot_ms = 0;
     std::string report, timeline, requests;
     int64_t timeline_sample = 0;
@@ -80,35 +75,24 @@ StatusOr<bool> on_off(const std::string& flag, const std::string& v) {
 
 Status check_flags(const SimulateFlags& f) {
     if (f.topology.empty()) return bad("--topology: required");
-    if (f.trace.empty()) return bad("--trace: required");
+    if (f.req.trace.empty()) return bad("--trace: required");
     if (f.layers < 0) return bad(fmt::format("--layers {}: must be >= 1", f.layers));
-    if (f.chunk_size < 1) return bad(fmt::format("--chunk-size {}: must be >= 1", f.chunk_size));
-    if (f.max_batch_tokens < 1) {
-        return bad(fmt::format("--max-batch-tokens {}: must be >= 1", f.max_batch_tokens));
-    }
-    if (f.max_decode_batch < 1) {
-        return bad(fmt::format("--max-decode-batch {}: must be >= 1", f.max_decode_batch));
-    }
+    PDSIM_RETURN_IF_ERROR(check_scheduling_flags(f.sched));
     if (f.max_decode_kv_tokens < 0) {
         return bad(fmt::format("--max-decode-kv-tokens {}: must be >= 0", f.max_decode_kv_tokens));
     }
-    if (f.page_size < 1 || f.page_size > 4096) {
-        return bad(fmt::format("--page-size {}: must be in [1, 4096]", f.page_size));
-    }
     if (f.kv_pool_mb < 1) return bad(fmt::format("--kv-pool-mb {}: must be >= 1", f.kv_pool_mb));
-    if (!(f.mem_fraction > 0 && f.mem_fraction <= 1)) {
-        return bad(fmt::format("--mem-fraction {}: must be in (0, 1]", f.mem_fraction));
+    const des::RequestSource& r = f.req;
+    if (r.max_input_len < 0) {
+        return bad(fmt::format("--max-input-len {}: must be >= 0", r.max_input_len));
     }
-    if (f.max_input_len < 0) {
-        return bad(fmt::format("--max-input-len {}: must be >= 0", f.max_input_len));
+    if (r.max_output_len < 0) {
+        return bad(fmt::format("--max-output-len {}: must be >= 0", r.max_output_len));
     }
-    if (f.max_output_len < 0) {
-        return bad(fmt::format("--max-output-len {}: must be >= 0", f.max_output_len));
+    if (!(r.time_scale > 0) || !std::isfinite(r.time_scale)) {
+        return bad(fmt::format("--time-scale {}: must be > 0", r.time_scale));
     }
-    if (!(f.time_scale > 0) || !std::isfinite(f.time_scale)) {
-        return bad(fmt::format("--time-scale {}: must be > 0", f.time_scale));
-    }
-    if (f.max_requests < 0 || f.sample < 0) return bad("--max-requests / --sample must be >= 0");
+    if (r.max_requests < 0 || r.sample < 0) return bad("--max-requests / --sample must be >= 0");
     if (f.slo_ttft_ms < 0 || f.slo_tpot_ms < 0) {
         return bad("--slo-ttft-ms / --slo-tpot-ms must be >= 0");
     }
@@ -119,14 +103,10 @@ Status check_flags(const SimulateFlags& f) {
         return bad(fmt::format("--mode {}: expected disagg, colocated or both", f.mode));
     }
     PDSIM_RETURN_IF_ERROR(on_off("--layerwise", f.layerwise).status());
-    PDSIM_RETURN_IF_ERROR(on_off("--prefix-cache", f.prefix_cache).status());
     PDSIM_RETURN_IF_ERROR(on_off("--cpu-contention", f.cpu_contention).status());
     PDSIM_RETURN_IF_ERROR(on_off("--cost-noise", f.cost_noise).status());
     if (!(f.cpu_cores >= 0) || !std::isfinite(f.cpu_cores)) {
         return bad(fmt::format("--cpu-cores {}: must be >= 0", f.cpu_cores));
-    }
-    if (f.kv_admission != "prompt" && f.kv_admission != "full") {
-        return bad(fmt::format("--kv-admission {}: expected prompt or full", f.kv_admission));
     }
     return {};
 }
@@ -170,19 +150,11 @@ Status load_model_and_topology(const SimulateFlags& f, Prepared* p) {
 // The trace as `pdsim testbed` reads it: caps, first N or a sample, arrivals from the first
 // request, lengths at least 1, times scaled.
 Status load_requests(const SimulateFlags& f, Prepared* p) {
-    des::RequestSource src;
-    src.trace = f.trace;
-    src.trace_format = f.trace_format;
-    src.max_input_len = f.max_input_len;
-    src.max_output_len = f.max_output_len;
-    src.max_requests = f.max_requests;
-    src.sample = f.sample;
-    src.seed = f.seed;
-    src.time_scale = f.time_scale;
-    PDSIM_ASSIGN_OR_RETURN(p->requests, des::load_requests(src));
-    p->workload_label = fs::path(f.trace).filename().string();
-    if (f.sample > 0) p->workload_label += fmt::format(" (sample {}, seed {})", f.sample, f.seed);
-    if (f.max_requests > 0) p->workload_label += fmt::format(" (first {})", f.max_requests);
+    const des::RequestSource& r = f.req;
+    PDSIM_ASSIGN_OR_RETURN(p->requests, des::load_requests(r));
+    p->workload_label = fs::path(r.trace).filename().string();
+    if (r.sample > 0) p->workload_label += fmt::format(" (sample {}, seed {})", r.sample, r.seed);
+    if (r.max_requests > 0) p->workload_label += fmt::format(" (first {})", r.max_requests);
     return {};
 }
 
@@ -198,10 +170,8 @@ StatusOr<Prepared> prepare(const SimulateFlags& f) {
         p.cost_file = std::move(*cf);
         p.cost_kind = "calibrated";
     }
-    des::KvCapacityOptions kv;
-    kv.page_size = f.page_size;
+    des::KvCapacityOptions kv = kv_capacity_options(f.sched);
     kv.kv_pool_mb = f.kv_pool_mb;
-    kv.mem_fraction = f.mem_fraction;
     StatusOr<std::vector<des::InstanceSetup>> setups = des::make_instance_setups(
         p.topology, p.model, p.cost_kind, p.cost_file ? &*p.cost_file : nullptr, kv);
     if (!setups.ok()) {
@@ -223,16 +193,11 @@ des::SimConfig make_config(const Prepared& p, const SimulateFlags& f, des::SimMo
     c.instances = p.setups;
     c.mode = mode;
     c.layerwise = f.layerwise == "on";
-    c.prefix_cache = f.prefix_cache == "on";
-    c.reserve_output = f.kv_admission == "full";
+    apply_scheduling_flags(f.sched, &c);
     c.cpu_contention = f.cpu_contention == "on";
     c.cost_noise = f.cost_noise == "on";
     c.noise_seed = f.noise_seed;
     c.node_cpus = f.cpu_cores;
-    c.page_size = f.page_size;
-    c.batching.chunk_size = f.chunk_size;
-    c.batching.max_batch_tokens = f.max_batch_tokens;
-    c.batching.max_decode_batch = f.max_decode_batch;
     c.batching.max_decode_kv_tokens = f.max_decode_kv_tokens;
     c.slo.ttft_ms = f.slo_ttft_ms;
     c.slo.tpot_ms = f.slo_tpot_ms;
@@ -316,9 +281,9 @@ Status run_simulate(const SimulateFlags& f) {
     auto annotate = [&](metrics::Report& r) {
         r.extra["workload"] = p.workload_label;
         r.extra["config"]["cost_model"] = f.cost_model;
-        r.extra["config"]["time_scale"] = f.time_scale;
-        r.extra["config"]["max_input_len"] = f.max_input_len;
-        r.extra["config"]["max_output_len"] = f.max_output_len;
+        r.extra["config"]["time_scale"] = f.req.time_scale;
+        r.extra["config"]["max_input_len"] = f.req.max_input_len;
+        r.extra["config"]["max_output_len"] = f.req.max_output_len;
         r.extra["simulator"]["trace_load_s"] = p.load_s;
     };
     annotate(report);
@@ -366,7 +331,8 @@ void add_common_flags(CLI::App* sub, SimulateFlags& f) {
                     "built-in model name or model YAML/JSON file (default: the "
                     "topology's model)");
     sub->add_option("--layers", f.layers, "override the model's number of layers");
-    sub->add_option("--trace-format", f.trace_format, "auto|mooncake|azure")->capture_default_str();
+    sub->add_option("--trace-format", f.req.trace_format, "auto|mooncake|azure")
+        ->capture_default_str();
     sub->add_option("--cost-model", f.cost_model,
                     "roofline (from the GPU spec table) or a cost.json written by pdsim calibrate")
         ->capture_default_str();
@@ -383,9 +349,9 @@ struct BenchFlags {
 Status run_bench(BenchFlags& b) {
     SimulateFlags f = b.sim;
     if (b.reps < 1) return bad(fmt::format("--reps {}: must be >= 1", b.reps));
-    if (f.trace.empty()) {
+    if (f.req.trace.empty()) {
         PDSIM_ASSIGN_OR_RETURN(std::string dir, testbed::find_trace_dir());
-        f.trace = (fs::path(dir) / "mooncake_conversation.jsonl").string();
+        f.req.trace = (fs::path(dir) / "mooncake_conversation.jsonl").string();
     }
     if (f.topology.empty()) {
         const std::string cpu = testbed::find_default_topology();
@@ -449,7 +415,7 @@ Status run_bench(BenchFlags& b) {
                   {"target_requests_per_wall_s", kTargetRequestsPerWallS},
                   {"ratio", rps / kTargetRequestsPerWallS},
                   {"runs", runs},
-                  {"trace", f.trace},
+                  {"trace", f.req.trace},
                   {"trace_load_s", p.load_s},
                   {"topology", f.topology},
                   {"model", p.model.name},
@@ -478,35 +444,24 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
         "every\n"
         "request completed; 2 on bad input; else 1.");
     sub->add_option("--topology", f->topology, "topology file (YAML or JSON)")->required();
-    sub->add_option("--trace", f->trace, "trace file: Mooncake .jsonl or Azure .csv")->required();
+    sub->add_option("--trace", f->req.trace, "trace file: Mooncake .jsonl or Azure .csv")
+        ->required();
     add_common_flags(sub, *f);
-    sub->add_option("--max-requests", f->max_requests, "simulate the first N requests");
-    sub->add_option("--sample", f->sample, "a uniform random sample of N requests (order kept)");
-    sub->add_option("--seed", f->seed, "seed for --sample")->capture_default_str();
-    sub->add_option("--time-scale", f->time_scale, "multiply arrival times by X")
+    sub->add_option("--max-requests", f->req.max_requests, "simulate the first N requests");
+    sub->add_option("--sample", f->req.sample,
+                    "a uniform random sample of N requests (order kept)");
+    sub->add_option("--seed", f->req.seed, "seed for --sample")->capture_default_str();
+    sub->add_option("--time-scale", f->req.time_scale, "multiply arrival times by X")
         ->capture_default_str();
-    sub->add_option("--max-input-len", f->max_input_len, "cap prompt lengths (0: none)")
+    sub->add_option("--max-input-len", f->req.max_input_len, "cap prompt lengths (0: none)")
         ->capture_default_str();
-    sub->add_option("--max-output-len", f->max_output_len, "cap output lengths (0: none)")
+    sub->add_option("--max-output-len", f->req.max_output_len, "cap output lengths (0: none)")
         ->capture_default_str();
     sub->add_option("--mode", f->mode, "disagg|colocated|both")->capture_default_str();
     sub->add_option("--layerwise", f->layerwise,
                     "on: each chunk's KV streams while its forward computes; off: after it")
         ->capture_default_str();
-    sub->add_option("--prefix-cache", f->prefix_cache,
-                    "on|off: prefix cache of 512-token blocks keyed by the trace's hash_ids")
-        ->capture_default_str();
-    sub->add_option("--kv-admission", f->kv_admission,
-                    "prompt: decode pages for the prompt, growing per token (the newest request is "
-                    "preempted when short); full: prompt + output reserved at admission (the "
-                    "testbed's rule)")
-        ->capture_default_str();
-    sub->add_option("--chunk-size", f->chunk_size, "prefill tokens of one request per forward")
-        ->capture_default_str();
-    sub->add_option("--max-batch-tokens", f->max_batch_tokens, "tokens per prefill forward")
-        ->capture_default_str();
-    sub->add_option("--max-decode-batch", f->max_decode_batch, "requests per decode forward")
-        ->capture_default_str();
+    add_scheduling_flags(sub, f->sched);
     sub->add_option("--max-decode-kv-tokens", f->max_decode_kv_tokens,
                     "KV tokens per decode forward (0: no bound; the CPU testbed's is 2048 x "
                     "attention threads)")
@@ -523,10 +478,7 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
     sub->add_option("--cpu-cores", f->cpu_cores,
                     "cores per node for --cpu-contention (0: the node's cpus, else this machine's)")
         ->capture_default_str();
-    sub->add_option("--page-size", f->page_size, "KV page size in tokens")->capture_default_str();
     sub->add_option("--kv-pool-mb", f->kv_pool_mb, "cpu devices: KV pool per rank, MiB")
-        ->capture_default_str();
-    sub->add_option("--mem-fraction", f->mem_fraction, "GPUs: share of HBM for weights + KV")
         ->capture_default_str();
     sub->add_option("--slo-ttft-ms", f->slo_ttft_ms, "TTFT SLO for goodput/attainment (0: none)");
     sub->add_option("--slo-tpot-ms", f->slo_tpot_ms, "TPOT SLO for goodput/attainment (0: none)");
@@ -552,7 +504,7 @@ void add_bench_simulate_command(CLI::App& bench, CommandSet& commands) {
         "the 20,000 target (one core; trace loading not counted).");
     sub->add_option("--topology", b->sim.topology,
                     "topology file (default: topology/examples/dgx-h100-2node-1p1d-tp8.yaml)");
-    sub->add_option("--trace", b->sim.trace,
+    sub->add_option("--trace", b->sim.req.trace,
                     "trace file (default: ../shared/data/traces/mooncake_conversation.jsonl)");
     add_common_flags(sub, b->sim);
     sub->add_option("--reps", b->reps, "runs; the fastest counts")->capture_default_str();
