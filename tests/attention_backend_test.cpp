@@ -3,7 +3,7 @@
 // backends; one record per layer per extend forward; the StepCounter stream check; and
 // init_backend_cuda_graph_state's extras filtering.
 //
-// Expected rule (../shared/reference/attention_backend_base.py, record_pd_cache_step):
+// Expected rule (tokenspeed's record_pd_cache_step; docs/design.md "AttentionBackend"):
 //   record = (record_kv_cache set ? *record_kv_cache : mode is neither decode nor idle)
 //            && a StepCounter is registered;
 //   save_kv_cache == false -> the record is enqueued BEFORE the attention work, else AFTER it.

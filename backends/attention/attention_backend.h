@@ -1,5 +1,6 @@
 // AttentionBackend: the base class of pdsim's attention backends, mirroring tokenspeed's
-// (../shared/reference/attention_backend_base.py), with the PD layerwise record rule.
+// (lightseekorg/tokenspeed, python/tokenspeed/runtime/layers/attention/backends/base.py), with the
+// PD layerwise record rule. The contract is restated in docs/design.md "AttentionBackend".
 //
 // Execution model. A backend owns no thread: forward() validates on the host and enqueues its work
 // (the KV write, then the attention kernel) on the compute stream given in AttentionConfig. q, k,

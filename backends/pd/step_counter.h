@@ -1,6 +1,7 @@
 // StepCounter: proves to a host thread that a layer's KV is fully written.
 //
-// Mirrors tokenspeed's StepCounter (../shared/reference/step_counter.py):
+// Mirrors tokenspeed's StepCounter (lightseekorg/tokenspeed, python/tokenspeed/runtime/pd/utils.py;
+// docs/design.md "StepCounter"):
 //  - a device-side counter `d` and a host-visible mirror. record_cache() is stream-ordered: it is
 //    enqueued on the compute stream, runs after everything enqueued before it, does
 //    d = (d + 1) mod 2^62 and publishes d to the mirror with release semantics. So the host sees
