@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "backends/cuda/cuda_runtime_api.h"
+#include "backends/cuda/cuda_stream.h"
 #include "common/cuda_check.h"
 
 namespace pdsim::runtime::cuda {
@@ -242,6 +243,21 @@ StatusOr<std::unique_ptr<Stream>> make_cuda_stream(int index, std::string name) 
     cudaStream_t s = nullptr;
     CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     return std::unique_ptr<Stream>(std::make_unique<CudaStream>(index, s, std::move(name)));
+}
+
+StatusOr<cudaStream_t> native_stream(Stream& stream) {
+    auto* cs = dynamic_cast<CudaStream*>(&stream);
+    if (cs == nullptr) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "stream {} is not a CUDA stream ({})",
+                           stream.name(), device_kind_name(stream.device().kind));
+    }
+    return cs->handle();
+}
+
+StatusOr<cudaEvent_t> native_event(Event& event) {
+    auto* ev = dynamic_cast<CudaEvent*>(&event);
+    if (ev == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "not a CUDA event");
+    return ev->handle();
 }
 
 }  // namespace pdsim::runtime::cuda
