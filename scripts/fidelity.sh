@@ -35,7 +35,7 @@ CALIBRATE=${CALIBRATE:-testbed}
 CAL_REPEATS=${CAL_REPEATS:-3}
 CAL_RUNS=${CAL_RUNS:-3}
 CAL_SEED=${CAL_SEED:-2}
-TRACE=${TRACE:-../shared/data/traces/mooncake_conversation.jsonl}
+TRACE=${TRACE:-data/traces/mooncake_conversation.jsonl}
 mkdir -p "$OUT"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # The same requests on both sides: sample, seed, caps (the testbed's defaults), time scale.

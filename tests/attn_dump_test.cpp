@@ -1,5 +1,5 @@
 // `pdsim attn-dump`: runs the real binary, reads the .npy files back and recomputes the attention
-// with an oracle written here from the documented layout only (DESIGN.md "attn-dump"):
+// with an oracle written here from the documented layout only (docs/design.md "attn-dump"):
 //   q, out      float32 [T, Hq, D]
 //   k/v_cache   [P, page_size, Hkv, D], float32 or uint16 bf16 bits
 //   page_table  int32 [B, max_pages]; seq_lens, q_lens int32 [B]

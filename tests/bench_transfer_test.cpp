@@ -1,5 +1,6 @@
 // `pdsim bench transfer` end to end (the real binary, tiny sizes): it runs, prints the table and
-// writes the JSON keys DESIGN.md promises. Figures are not checked here (machine-dependent).
+// writes the JSON keys docs/design.md "bench JSON" promises. Figures are not checked here
+// (machine-dependent).
 #include <unistd.h>
 
 #include <gtest/gtest.h>

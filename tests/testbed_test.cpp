@@ -31,10 +31,7 @@ const std::string kSource = PDSIM_SOURCE_DIR;
 
 std::string topo(const std::string& name) { return kSource + "/topology/examples/" + name + ".yaml"; }
 
-std::string trace_dir() {
-    if (const char* env = std::getenv("PDSIM_TRACE_DIR")) return env;
-    return kSource + "/../shared/data/traces";
-}
+std::string trace_dir() { return kSource + "/data/traces"; }
 
 // Runs `pdsim testbed <args>` under mpirun -np `np` (np 0: without mpirun).
 CmdResult run_testbed(int np, const std::vector<std::string>& args, int timeout_s = 240) {

@@ -8,7 +8,7 @@
 namespace pdsim::workload {
 namespace {
 
-const std::string kTraces = PDSIM_SOURCE_DIR "/../shared/data/traces/";
+const std::string kTraces = PDSIM_SOURCE_DIR "/data/traces/";
 
 StatusOr<std::vector<Request>> mooncake(const std::string& text, LoadOptions o = {}) {
     std::istringstream in(text);

@@ -11,6 +11,7 @@
 #include <limits>
 #include <sstream>
 
+#include "common/data_dir.h"
 #include "topology/doc.h"
 #include "topology/validate.h"
 
@@ -550,7 +551,8 @@ StatusOr<Topology> parse_topology(std::string_view text, std::string_view source
     return t;
 }
 
-StatusOr<Topology> load_topology(const std::string& path, const LoadOptions& options) {
+StatusOr<Topology> load_topology(const std::string& path_or_name, const LoadOptions& options) {
+    const std::string path = data::resolve_data_file(data::DataKind::kTopologies, path_or_name);
     PDSIM_ASSIGN_OR_RETURN(std::string text, read_file(path));
     LoadOptions parse_options = options;
     parse_options.validate = false;

@@ -40,9 +40,11 @@ struct LoadOptions {
 StatusOr<Topology> parse_topology(std::string_view text, std::string_view source_name,
                                   Format format = Format::kAuto, const LoadOptions& options = {});
 
-// Reads and parses the file at `path` (an unreadable file is kInvalidArgument too). A topology
-// without a `name` is named after the file's stem.
-StatusOr<Topology> load_topology(const std::string& path, const LoadOptions& options = {});
+// Reads and parses the file at `path_or_name` (an unreadable file is kInvalidArgument too). A bare
+// name that is not a file here (`cpu-1p1d`, `dgx-h100-2node-1p1d-tp8.yaml`) is looked up among the
+// shipped topologies (common/data_dir.h). A topology without a `name` is named after the file's
+// stem.
+StatusOr<Topology> load_topology(const std::string& path_or_name, const LoadOptions& options = {});
 
 // The topology as YAML that parse_topology() reads back to an equal Topology.
 std::string to_yaml(const Topology& topology);

@@ -1,9 +1,12 @@
 #include "backends/model/model_config.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 
 #include <yaml-cpp/yaml.h>
+
+#include "common/data_dir.h"
 
 namespace pdsim::model {
 
@@ -60,6 +63,21 @@ std::map<std::string, ModelConfig> builtin_models() {
 Status field_error(const std::string& src, const YAML::Node& n, const std::string& key, const std::string& what) {
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("{}:{}: {}: {}", src, n.Mark().line + 1, key, what));
+}
+
+// The model files shipped in data/models (or share/pdsim/models), as "a, b", or "none found".
+std::string shipped_model_names() {
+    auto dir = data::find_data_dir(data::DataKind::kModels);
+    if (!dir.ok()) return "none found";
+    std::vector<std::string> names;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(*dir, ec)) {
+        if (e.path().extension() == ".yaml") names.push_back(e.path().stem().string());
+    }
+    std::sort(names.begin(), names.end());
+    std::string out;
+    for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+    return out.empty() ? "none found" : out;
 }
 
 }  // namespace
@@ -146,14 +164,18 @@ Status check_tp(const ModelConfig& c, int tp) {
     return {};
 }
 
-StatusOr<ModelConfig> resolve_model(const std::string& name_or_path) {
+StatusOr<ModelConfig> resolve_model(const std::string& name_or_file) {
     auto models = builtin_models();
-    if (auto it = models.find(name_or_path); it != models.end()) return it->second;
+    if (auto it = models.find(name_or_file); it != models.end()) return it->second;
+    // A shipped model file by name (data/models/NAME.yaml, common/data_dir.h), else a path.
+    const std::string name_or_path = data::resolve_data_file(data::DataKind::kModels, name_or_file);
     if (!std::filesystem::exists(name_or_path)) {
         std::string known;
         for (auto& [k, v] : models) known += (known.empty() ? "" : ", ") + k;
         return Status(StatusCode::kInvalidArgument,
-                      fmt::format("unknown model '{}' (built-in: {}; or a YAML/JSON file)", name_or_path, known));
+                      fmt::format("unknown model '{}' (built-in: {}; a shipped model file: {}; or a YAML/JSON "
+                                  "file)",
+                                  name_or_path, known, shipped_model_names()));
     }
     YAML::Node root;
     try {

@@ -50,9 +50,11 @@ struct ModelConfig {
 
 // Names of the built-in configurations.
 [[nodiscard]] std::vector<std::string> model_names();
-// A built-in configuration by name, or a YAML/JSON file path (any field above; `base: NAME` starts
-// from a named config). Unknown names/keys are kInvalidArgument naming the file and key.
-[[nodiscard]] StatusOr<ModelConfig> resolve_model(const std::string& name_or_path);
+// A built-in configuration by name, else a shipped model file by name (NAME.yaml in data/models or
+// share/pdsim/models, common/data_dir.h), else a YAML/JSON file path (any field above;
+// `base: NAME` starts from a built-in config). Unknown names/keys are kInvalidArgument naming the
+// file, line and key.
+[[nodiscard]] StatusOr<ModelConfig> resolve_model(const std::string& name_or_file);
 // Checks internal consistency (heads divide, dims positive). The message names the field.
 [[nodiscard]] Status validate_model(const ModelConfig& config);
 // kInvalidArgument unless tp divides the KV heads (MHA) and the query heads.

@@ -1,5 +1,5 @@
 // pdsim bench transfer: point-to-point bandwidth of a Transport at layer-sized messages, each size
-// against a baseline measured in the same run (DESIGN.md "Performance targets", "bench JSON").
+// against a baseline measured in the same run (docs/design.md "Performance targets", "bench JSON").
 //
 //   mpi    run under `mpirun -np 2`: rank 0 sends, rank 1 receives. Baseline: raw MPI_Isend /
 //          MPI_Irecv on a duplicated MPI_COMM_WORLD with the same rolling window of messages in

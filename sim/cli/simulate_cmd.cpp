@@ -13,11 +13,11 @@
 #include <memory>
 #include <optional>
 
+#include "common/data_dir.h"
 #include "sim/cli/command.h"
 #include "sim/cli/sim_flags.h"
 #include "sim/des/setup.h"
 #include "sim/des/simulator.h"
-#include "sim/testbed/options.h"
 #include "topology/loader.h"
 #include "topology/validate.h"
 
@@ -350,17 +350,12 @@ Status run_bench(BenchFlags& b) {
     SimulateFlags f = b.sim;
     if (b.reps < 1) return bad(fmt::format("--reps {}: must be >= 1", b.reps));
     if (f.req.trace.empty()) {
-        PDSIM_ASSIGN_OR_RETURN(std::string dir, testbed::find_trace_dir());
-        f.req.trace = (fs::path(dir) / "mooncake_conversation.jsonl").string();
+        PDSIM_ASSIGN_OR_RETURN(f.req.trace, data::find_data_file(data::DataKind::kTraces,
+                                                                 "mooncake_conversation.jsonl"));
     }
     if (f.topology.empty()) {
-        const std::string cpu = testbed::find_default_topology();
-        if (cpu.empty()) {
-            return Status(StatusCode::kNotFound,
-                          "topology/examples/ not found next to the sources or the binary; pass "
-                          "--topology F");
-        }
-        f.topology = (fs::path(cpu).parent_path() / "dgx-h100-2node-1p1d-tp8.yaml").string();
+        PDSIM_ASSIGN_OR_RETURN(f.topology, data::find_data_file(data::DataKind::kTopologies,
+                                                                "dgx-h100-2node-1p1d-tp8.yaml"));
     }
     PDSIM_ASSIGN_OR_RETURN(Prepared p, prepare(f));
     const des::SimConfig c = make_config(p, f, des::SimMode::kDisagg);
@@ -503,9 +498,9 @@ void add_bench_simulate_command(CLI::App& bench, CommandSet& commands) {
         "against\n"
         "the 20,000 target (one core; trace loading not counted).");
     sub->add_option("--topology", b->sim.topology,
-                    "topology file (default: topology/examples/dgx-h100-2node-1p1d-tp8.yaml)");
+                    "topology file or shipped name (default: dgx-h100-2node-1p1d-tp8)");
     sub->add_option("--trace", b->sim.req.trace,
-                    "trace file (default: ../shared/data/traces/mooncake_conversation.jsonl)");
+                    "trace file (default: the shipped traces/mooncake_conversation.jsonl)");
     add_common_flags(sub, b->sim);
     sub->add_option("--reps", b->reps, "runs; the fastest counts")->capture_default_str();
     sub->add_option("--json", b->json_path, "write the figures as JSON here");

@@ -53,12 +53,14 @@ void add_testbed_command(CLI::App& app, CommandSet& commands) {
         "replaying a real trace. With no options: topology cpu-1p1d, model tiny, 16 requests of\n"
         "the Mooncake conversation trace, --mode both. Exit 0 when every request completed with\n"
         "no ordering violation (and, with --mode both, outputs match); 2 on bad input; else 1.");
-    sub->add_option("--topology", o.topology, "topology file (default: topology/examples/cpu-1p1d.yaml)");
-    sub->add_option("--model", o.model, "built-in model name (tiny, ...) or model YAML/JSON file (default: the "
-                                        "topology's model)");
+    sub->add_option("--topology", o.topology,
+                    "topology file, or a shipped one by name, e.g. cpu-1p2d (default: cpu-1p1d)");
+    sub->add_option("--model", o.model,
+                    "built-in model (tiny, llama3-8b, ...), a shipped model file by name, or a "
+                    "model YAML/JSON file (default: the topology's model)");
     sub->add_option("--layers", o.layers, "override the model's number of layers");
-    sub->add_option("--trace", o.trace, "trace file: Mooncake .jsonl or Azure .csv (default: a sample of "
-                                        "../shared/data/traces/mooncake_conversation.jsonl)");
+    sub->add_option("--trace", o.trace, "trace file: Mooncake .jsonl or Azure .csv (default: a sample of the "
+                                        "shipped traces/mooncake_conversation.jsonl)");
     sub->add_option("--trace-format", o.trace_format, "auto|mooncake|azure")->capture_default_str();
     sub->add_option("--synthetic", o.synthetic, "N synthetic requests instead of a trace");
     sub->add_option("--max-requests", o.max_requests, "replay the first N requests");

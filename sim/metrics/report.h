@@ -1,4 +1,4 @@
-// Metrics and the report JSON shared by the testbed and the simulator (DESIGN.md "Report JSON").
+// Metrics and the report JSON shared by the testbed and the simulator (docs/design.md "Report JSON").
 //
 // Top-level keys: schema_version, mode, topology, model, requests_submitted, requests_completed,
 // requests_failed, ttft_ms, tpot_ms, e2e_ms ({mean, p50, p90, p99}), goodput_rps, slo_attainment,

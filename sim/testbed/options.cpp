@@ -1,7 +1,5 @@
 #include "sim/testbed/options.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -9,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "common/data_dir.h"
 #include "topology/loader.h"
 #include "topology/gpu_spec.h"
 #include "topology/validate.h"
@@ -52,28 +51,6 @@ instances:
     tp: 1
     devices: [node0.cpu1]
 )";
-
-std::vector<fs::path> search_roots() {
-    std::vector<fs::path> roots;
-#ifdef PDSIM_SOURCE_DIR
-    roots.emplace_back(PDSIM_SOURCE_DIR);
-#endif
-    std::error_code ec;
-    fs::path cwd = fs::current_path(ec);
-    if (!ec) roots.push_back(cwd);
-    fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-    if (!ec) {
-        for (fs::path p = exe.parent_path(); !p.empty() && p != p.root_path(); p = p.parent_path()) {
-            roots.push_back(p);
-        }
-    }
-    return roots;
-}
-
-bool is_dir(const fs::path& p) {
-    std::error_code ec;
-    return fs::is_directory(p, ec);
-}
 
 Status bad(std::string msg) { return Status(StatusCode::kInvalidArgument, std::move(msg)); }
 
@@ -123,36 +100,11 @@ StatusOr<Fault> parse_fault(std::string_view text) {
     return bad(fmt::format("--fault {}: unknown fault kind (known: {})", text, known));
 }
 
-StatusOr<std::string> find_trace_dir() {
-    std::vector<std::string> looked;
-    if (const char* env = std::getenv("PDSIM_TRACE_DIR"); env != nullptr && *env != '\0') {
-        if (is_dir(env)) return std::string(env);
-        return Status(StatusCode::kNotFound,
-                      fmt::format("PDSIM_TRACE_DIR={} is not a directory", env));
-    }
-    for (const fs::path& root : search_roots()) {
-        for (const fs::path& rel : {fs::path("../shared/data/traces"), fs::path("shared/data/traces")}) {
-            fs::path p = (root / rel).lexically_normal();
-            if (is_dir(p)) return p.string();
-            if (looked.size() < 8) looked.push_back(p.string());
-        }
-    }
-    std::string where;
-    for (const auto& l : looked) where += "\n  " + l;
-    return Status(StatusCode::kNotFound,
-                  fmt::format("the trace directory (../shared/data/traces relative to the repository "
-                              "root) was not found; set PDSIM_TRACE_DIR or pass --trace F (or "
-                              "--synthetic N). Looked in:{}",
-                              where));
-}
+StatusOr<std::string> find_trace_dir() { return data::find_data_dir(data::DataKind::kTraces); }
 
 std::string find_default_topology() {
-    for (const fs::path& root : search_roots()) {
-        fs::path p = root / "topology/examples/cpu-1p1d.yaml";
-        std::error_code ec;
-        if (fs::is_regular_file(p, ec)) return p.string();
-    }
-    return "";
+    auto path = data::find_data_file(data::DataKind::kTopologies, "cpu-1p1d.yaml");
+    return path.ok() ? *path : std::string();
 }
 
 std::string_view embedded_default_topology() { return kEmbeddedCpu1p1d; }

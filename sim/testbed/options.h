@@ -6,10 +6,10 @@
 // error that is the user's input (flag, file, line, field) is kInvalidArgument naming it, which
 // the CLI turns into exit status 2.
 //
-// Built-in default (no options): topology topology/examples/cpu-1p1d.yaml (found next to the
-// sources, else an embedded copy), the topology's model (`tiny`), a sample of 16 requests of
-// ../shared/data/traces/mooncake_conversation.jsonl (relative to the repository root; see
-// find_trace_dir), inputs capped to 1024 tokens and outputs to 32, --mode both.
+// Built-in default (no options): topology cpu-1p1d.yaml from the shipped topologies (else an
+// embedded copy), the topology's model (`tiny`), a sample of 16 requests of the shipped
+// traces/mooncake_conversation.jsonl (see find_trace_dir), inputs capped to 1024 tokens and
+// outputs to 32, --mode both.
 //
 // Thread-safety: pure functions.
 #pragma once
@@ -31,7 +31,7 @@ enum class Mode { kDisagg, kColocated, kBoth };
 [[nodiscard]] std::string_view mode_name(Mode mode);
 [[nodiscard]] StatusOr<Mode> parse_mode(std::string_view text);
 
-// Ordering bugs the testbed can inject on the prefill side (DESIGN.md "Fault injection").
+// Ordering bugs the testbed can inject on the prefill side (docs/design.md "Fault injection").
 enum class Fault {
     kNone,
     kRecordBeforeWrite,    // the layer's step is recorded before its KV write
@@ -85,12 +85,12 @@ struct TestbedOptions {
     int transport_fault_rank = -1; // ... on this rank only (-1: every rank)
 };
 
-// Where the real traces live: $PDSIM_TRACE_DIR, else <source dir>/../shared/data/traces, else
-// ../shared/data/traces or shared/data/traces from the working directory or any ancestor of the
-// pdsim binary's directory. kNotFound (exit 2) listing where it looked.
+// Where the real traces live: data::find_data_dir(kTraces) (common/data_dir.h: $PDSIM_DATA_DIR,
+// the source tree's data/traces, the install prefix's share/pdsim/traces). kNotFound (exit 2)
+// listing where it looked; kInvalidArgument when $PDSIM_DATA_DIR is set but lacks traces/.
 [[nodiscard]] StatusOr<std::string> find_trace_dir();
-// The default topology file (topology/examples/cpu-1p1d.yaml under the source dir or an
-// ancestor of the binary), or "" when not found (the embedded copy is used then).
+// The default topology file (cpu-1p1d.yaml among the shipped topologies, common/data_dir.h), or
+// "" when not found (the embedded copy is used then).
 [[nodiscard]] std::string find_default_topology();
 // The embedded copy of topology/examples/cpu-1p1d.yaml.
 [[nodiscard]] std::string_view embedded_default_topology();

@@ -1,4 +1,4 @@
-// `pdsim testbed`: the multi-rank PD serving testbed (DESIGN.md "The pdsim command line").
+// `pdsim testbed`: the multi-rank PD serving testbed (docs/design.md "The pdsim command line").
 //
 // Process model: under mpirun every MPI rank is one topology rank (the world size must equal the
 // topology's rank count); without a launcher (world size 1) every rank runs as a thread of this

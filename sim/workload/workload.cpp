@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/data_dir.h"
+
 namespace pdsim::workload {
 
 namespace {
@@ -191,7 +193,9 @@ StatusOr<std::vector<Request>> parse_azure(std::istream& in, const std::string& 
     return finish(std::move(reqs), o, source);
 }
 
-StatusOr<std::vector<Request>> load_trace(const std::string& path, TraceFormat format, const LoadOptions& o) {
+StatusOr<std::vector<Request>> load_trace(const std::string& path_or_name, TraceFormat format,
+                                          const LoadOptions& o) {
+    const std::string path = data::resolve_data_file(data::DataKind::kTraces, path_or_name);
     std::ifstream in(path);
     if (!in) return Status(StatusCode::kInvalidArgument, fmt::format("{}: cannot open trace file", path));
     if (format == TraceFormat::kAuto) {

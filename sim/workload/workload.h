@@ -48,9 +48,12 @@ struct LoadOptions {
     uint64_t seed = 1;             // for `sample`
 };
 
-// Reads a trace file; kAuto picks the format from the extension (.jsonl / .json -> Mooncake,
-// .csv -> Azure) or, failing that, from the first line.
-[[nodiscard]] StatusOr<std::vector<Request>> load_trace(const std::string& path, TraceFormat format,
+// Reads a trace file; a bare name that is not a file here (`mooncake_conversation`,
+// `azure_llm_code.csv`) is looked up among the shipped traces (common/data_dir.h). kAuto picks the
+// format from the extension (.jsonl / .json -> Mooncake, .csv -> Azure) or, failing that, from the
+// first line.
+[[nodiscard]] StatusOr<std::vector<Request>> load_trace(const std::string& path_or_name,
+                                                        TraceFormat format,
                                                         const LoadOptions& options);
 [[nodiscard]] StatusOr<std::vector<Request>> parse_mooncake(std::istream& in, const std::string& source,
                                                             const LoadOptions& options);
