@@ -107,10 +107,13 @@ std::string located(const char* file, int line, std::string message);
 #define PDSIM_STATUS_CONCAT(a, b) PDSIM_STATUS_CONCAT_INNER(a, b)
 
 // Evaluates expr (a Status); returns it from the enclosing function if it is not OK.
+// The temporary's name is unique per expansion, so the macro nests (inside a lambda in `expr`).
 #define PDSIM_RETURN_IF_ERROR(expr)                                                  \
+    PDSIM_RETURN_IF_ERROR_IMPL(PDSIM_STATUS_CONCAT(pdsim_status_tmp_, __COUNTER__), expr)
+#define PDSIM_RETURN_IF_ERROR_IMPL(tmp, expr)                                        \
     do {                                                                             \
-        ::pdsim::Status pdsim_status_tmp_ = (expr);                                  \
-        if (!pdsim_status_tmp_.ok()) return pdsim_status_tmp_;                       \
+        ::pdsim::Status tmp = (expr);                                                \
+        if (!tmp.ok()) return tmp;                                                   \
     } while (0)
 
 // PDSIM_ASSIGN_OR_RETURN(auto x, expr): expr is a StatusOr<T>; on error returns its Status.
