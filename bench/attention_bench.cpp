@@ -93,9 +93,12 @@ struct Fixture {
     }
 
     void forward() {
+        const int64_t n = static_cast<int64_t>(q.size()) / (kQHeads * kHeadDim);
         if (!backend
-                 ->forward(q.data(), nullptr, nullptr, layer, nullptr, *pool, mode, bs, out.data(),
-                           false)
+                 ->forward(runtime::host_view(static_cast<const float*>(q.data()),
+                                              {n, kQHeads, kHeadDim}),
+                           {}, {}, layer, {}, *pool, mode, bs,
+                           runtime::host_view(out.data(), {n, kQHeads, kHeadDim}), false)
                  .ok() ||
             !stream.synchronize().ok()) {
             std::abort();

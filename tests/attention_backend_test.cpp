@@ -1,15 +1,21 @@
 // The AttentionBackend base class: the PD record rule (RecordPdCacheStep) and its ordering against
 // the KV write, on a test double (FakeRecordingBackend) and on the real `cpu` and `cpu_ref`
-// backends; one record per layer per extend forward; the StepCounter stream check; and
-// init_backend_cuda_graph_state's extras filtering.
+// backends; one record per layer per extend forward; the StepCounter stream check;
+// init_backend_cuda_graph_state's extras filtering; and forward()'s argument checks: views of the
+// wrong dtype, device or shape, and what a backend's declared capabilities exclude, are rejected
+// with kInvalidArgument naming the argument before anything is enqueued or recorded.
 //
 // Expected rule (tokenspeed's record_pd_cache_step; docs/design.md "AttentionBackend"):
 //   record = (record_kv_cache set ? *record_kv_cache : mode is neither decode nor idle)
 //            && a StepCounter is registered;
 //   save_kv_cache == false -> the record is enqueued BEFORE the attention work, else AFTER it.
+#include "backends/attention/attention_backend.h"
+
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
 #include <optional>
 #include <set>
 #include <string>
@@ -17,7 +23,6 @@
 #include <tuple>
 #include <vector>
 
-#include "backends/attention/attention_backend.h"
 #include "backends/pd/step_counter.h"
 #include "backends/runtime/cpu_stream.h"
 #include "tests/attention_test_util.h"
@@ -27,6 +32,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using pd::StepCounter;
+using ::testing::HasSubstr;
 
 constexpr ForwardMode kAllModes[] = {ForwardMode::kExtend,  ForwardMode::kDecode,       ForwardMode::kMixed,
                                      ForwardMode::kIdle,    ForwardMode::kTargetVerify, ForwardMode::kDraftExtend};
@@ -57,6 +63,7 @@ public:
     ~FakeRecordingBackend() override { stream().synchronize(kSyncTimeout).ignore_error(); }
 
     [[nodiscard]] std::string name() const override { return "fake_recording"; }
+    [[nodiscard]] BackendCapabilities capabilities() const override { return caps; }
     [[nodiscard]] std::set<std::string> accepted_graph_state_extras() const override { return accepted_; }
     [[nodiscard]] Status init_cuda_graph_state(int max_bs, const int32_t* seq_lens_buf,
                                                const GraphStateExtras& extras) override {
@@ -79,6 +86,10 @@ public:
     int graph_state_calls = 0;
     GraphStateExtras received;
     Status graph_state_result;
+    // What the fake declares it accepts (forward() enforces it).
+    BackendCapabilities caps{{runtime::DType::kF32},
+                             {runtime::DType::kF32, runtime::DType::kBF16},
+                             {runtime::DeviceKind::kCpu}};
 
 protected:
     [[nodiscard]] Status forward_decode(const ForwardArgs& args) override { return write("decode", args); }
@@ -104,11 +115,37 @@ private:
     std::vector<WriteLog> log_;
 };
 
-// The fake never touches its pool; forward() still wants one.
+// The fake never touches its pool; forward() still checks one (layers 0..3).
 kv::KVPool& dummy_pool() {
-    static std::unique_ptr<kv::MHATokenToKVPool> pool = make_pool(Shape{}, 2);
+    static std::unique_ptr<kv::MHATokenToKVPool> pool = [] {
+        Shape s;
+        s.num_q_heads = 4;
+        s.num_kv_heads = 2;
+        s.num_layers = 4;
+        return make_pool(s, 2);
+    }();
     return *pool;
 }
+
+// Well-formed host tensors of `tokens` tokens for LayerSpec{l, 4, 2, 64} (the fake reads none).
+struct FakeTensors {
+    explicit FakeTensors(int tokens)
+        : n(tokens),
+          q(static_cast<size_t>(tokens) * 4 * 64),
+          k(static_cast<size_t>(tokens) * 2 * 64),
+          v(k.size()),
+          out(q.size()),
+          locs(static_cast<size_t>(tokens), 1) {}
+    [[nodiscard]] Status forward(AttentionBackend& b, int layer, ForwardMode mode, int bs,
+                                 bool save_kv = true,
+                                 std::optional<bool> record_kv = std::nullopt) {
+        return forward_host(b, q.data(), k.data(), v.data(), LayerSpec{layer, 4, 2, 64},
+                            locs.data(), n, dummy_pool(), mode, bs, out.data(), save_kv, record_kv);
+    }
+    int n;
+    std::vector<float> q, k, v, out;
+    std::vector<int32_t> locs;
+};
 
 // Joins threads on scope exit, so an early ASSERT return never leaves a joinable std::thread.
 struct JoinAll {
@@ -150,9 +187,8 @@ TEST_P(RecordRule, FakeBackendRecordsAtTheRightTime) {
     fake.hold = &during;
     ASSERT_TRUE(before.enqueue(stream).ok());
     const int bs = mode == ForwardMode::kIdle ? 0 : 2;
-    ASSERT_TRUE(fake.forward(nullptr, nullptr, nullptr, LayerSpec{0, 4, 2, 64}, nullptr, dummy_pool(),
-                             mode, bs, nullptr, save_kv, record_kv)
-                    .ok());
+    FakeTensors t(bs);
+    ASSERT_TRUE(t.forward(fake, 0, mode, bs, save_kv, record_kv).ok());
     // Nothing has run yet: forward only enqueued.
     EXPECT_EQ(counter.records_published(), 0u);
     EXPECT_TRUE(fake.log().empty());
@@ -228,9 +264,8 @@ TEST(RecordPdCacheStep, CompositeRecordsOncePerLayer) {
         AttentionBackend::RecordPdCacheStep g(full, ForwardMode::kExtend, true, std::nullopt);
         ASSERT_TRUE(g.enter().ok());
         for (auto* child : {&full, &other}) {
-            ASSERT_TRUE(child->forward(nullptr, nullptr, nullptr, LayerSpec{l, 4, 2, 64}, nullptr,
-                                       dummy_pool(), ForwardMode::kExtend, 1, nullptr, true, false)
-                            .ok());
+            FakeTensors t(1);
+            ASSERT_TRUE(t.forward(*child, l, ForwardMode::kExtend, 1, true, false).ok());
         }
         ASSERT_TRUE(g.exit().ok());
     }
@@ -250,8 +285,8 @@ TEST(AttentionBackendBase, StepCounterOnAnotherStreamIsRejected) {
     FakeRecordingBackend fake(config_on(compute));
     fake.register_step_counter(&counter);
     fake.observe = &counter;
-    Status st = fake.forward(nullptr, nullptr, nullptr, LayerSpec{0, 4, 2, 64}, nullptr,
-                             dummy_pool(), ForwardMode::kExtend, 1, nullptr);
+    FakeTensors t(1);
+    Status st = t.forward(fake, 0, ForwardMode::kExtend, 1);
     EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
     EXPECT_NE(st.message().find("other"), std::string::npos) << st.message();
     EXPECT_NE(st.message().find("compute"), std::string::npos) << st.message();
@@ -491,10 +526,10 @@ TEST_P(PerLayerRecords, LayerLIsReadyIffItsKvIsWritten) {
     for (int l = 0; l < kLayers; ++l) {
         const Batch& b = batches[l];
         outs[l].assign(static_cast<size_t>(b.num_tokens) * base.q_width(), kNaN);
-        ASSERT_TRUE(r.backend()
-                        .forward(b.q.data(), save_kv ? b.k.data() : decoy.data(), save_kv ? b.v.data() : decoy.data(),
-                                 shapes[l].layer(), b.locs.data(), *pool, mode, b.bs, outs[l].data(), save_kv,
-                                 record_kv)
+        ASSERT_TRUE(forward_host(r.backend(), b.q.data(), save_kv ? b.k.data() : decoy.data(),
+                                 save_kv ? b.v.data() : decoy.data(), shapes[l].layer(),
+                                 b.locs.data(), b.num_tokens, *pool, mode, b.bs, outs[l].data(),
+                                 save_kv, record_kv)
                         .ok());
         gates.push_back(std::make_unique<Gate>());
         ASSERT_TRUE(gates.back()->enqueue(r.stream()).ok());
@@ -538,6 +573,267 @@ TEST_P(PerLayerRecords, LayerLIsReadyIffItsKvIsWritten) {
 INSTANTIATE_TEST_SUITE_P(Backends, PerLayerRecords,
                          ::testing::Combine(::testing::Values("cpu", "cpu_ref"), ::testing::Bool(), ::testing::Bool()),
                          per_layer_name);
+
+// ---- forward() checks its arguments before anything is enqueued ---------------------------------
+// Well-formed views of 2 tokens for LayerSpec{0, 4, 2, 64} on the dummy pool, which a case edits.
+struct ViewSet {
+    std::vector<float> q = std::vector<float>(2 * 4 * 64), k = std::vector<float>(2 * 2 * 64),
+                       v = std::vector<float>(2 * 2 * 64), out = std::vector<float>(2 * 4 * 64);
+    std::vector<int32_t> locs = {1, 2};
+    std::vector<int64_t> locs64 = {1, 2};
+    runtime::ConstTensorView qv = rows_view(q.data(), 2, 4, 64), kv = rows_view(k.data(), 2, 2, 64),
+                             vv = rows_view(v.data(), 2, 2, 64), lv = locs_view(locs.data(), 2);
+    runtime::TensorView ov = rows_view(out.data(), 2, 4, 64);
+    LayerSpec layer{0, 4, 2, 64};
+    int bs = 2;
+    bool save_kv = true;
+
+    [[nodiscard]] Status forward(AttentionBackend& b, kv::KVPool& pool = dummy_pool()) const {
+        return b.forward(qv, kv, vv, layer, lv, pool, ForwardMode::kExtend, bs, ov, save_kv);
+    }
+};
+
+struct ViewCase {
+    std::string what;
+    std::function<void(ViewSet&)> edit;
+    std::string message;  // what the error must say
+};
+
+std::vector<ViewCase> view_cases() {
+    using runtime::DeviceKind;
+    using runtime::DType;
+    return {
+        {"q bf16, fake declares fp32", [](ViewSet& s) { s.qv.dtype = DType::kBF16; },
+         "q: dtype bf16, backend 'fake_recording' accepts fp32"},
+        {"k dtype differs from q", [](ViewSet& s) { s.kv.dtype = DType::kBF16; },
+         "k: dtype bf16, expected fp32 (the dtype of q)"},
+        {"out dtype differs from q", [](ViewSet& s) { s.ov.dtype = DType::kF16; },
+         "out: dtype fp16, expected fp32 (the dtype of q)"},
+        {"q with the KV head count", [](ViewSet& s) { s.qv = rows_view(s.q.data(), 4, 2, 64); },
+         "q: shape [4, 2, 64], expected [*, 4, 64]"},
+        {"q flattened to [tokens][heads * dim]",
+         [](ViewSet& s) {
+             s.qv = runtime::host_view(s.q.data(), {2, 4 * 64});
+         },
+         "q: shape [2, 256], expected [*, 4, 64]"},
+        {"v head dim", [](ViewSet& s) { s.vv = rows_view(s.v.data(), 2, 2, 32); },
+         "v: shape [2, 2, 32], expected [2, 2, 64]"},
+        {"out has fewer rows than q", [](ViewSet& s) { s.ov = rows_view(s.out.data(), 1, 4, 64); },
+         "out: shape [1, 4, 64], expected [2, 4, 64]"},
+        {"k has fewer rows than q", [](ViewSet& s) { s.kv = rows_view(s.k.data(), 1, 2, 64); },
+         "k: shape [1, 2, 64], expected [2, 2, 64]"},
+        {"out_cache_loc int64",
+         [](ViewSet& s) { s.lv = runtime::make_view(s.locs64.data(), DType::kI64, {}, {2}); },
+         "out_cache_loc: dtype int64, expected int32"},
+        {"out_cache_loc length", [](ViewSet& s) { s.lv = locs_view(s.locs.data(), 1); },
+         "out_cache_loc: shape [1], expected [2]"},
+        {"q strided", [](ViewSet& s) { s.qv.strides[1] = 128; }, "q: not contiguous"},
+        {"k on a CUDA device",
+         [](ViewSet& s) {
+             s.kv.device = {DeviceKind::kCuda, 0};
+         },
+         "k: memory on cuda, expected cpu"},
+        {"q on another device index", [](ViewSet& s) { s.qv.device.index = 1; },
+         "q: memory on cpu:1, the pool is on cpu:0"},
+        {"null q", [](ViewSet& s) { s.qv.data = nullptr; },
+         "q: null data pointer (the forward has tokens)"},
+        {"null out", [](ViewSet& s) { s.ov.data = nullptr; }, "out: null data pointer"},
+        {"null k with save_kv_cache", [](ViewSet& s) { s.kv.data = nullptr; },
+         "k: null data pointer (save_kv_cache is set and the forward has tokens)"},
+        {"null out_cache_loc with save_kv_cache", [](ViewSet& s) { s.lv.data = nullptr; },
+         "out_cache_loc: null data pointer"},
+        {"layer not in the pool", [](ViewSet& s) { s.layer.layer_id = 4; },
+         "layer: layer_id 4 out of range [0, 4) of the pool"},
+        {"q heads not a multiple of kv heads", [](ViewSet& s) { s.layer.num_q_heads = 3; },
+         "layer 0: num_q_heads 3 must be a positive multiple of num_kv_heads 2"},
+        {"negative bs", [](ViewSet& s) { s.bs = -1; }, "bs: -1 < 0"},
+    };
+}
+
+TEST(ForwardChecks, BadViewsAreRejectedBeforeAnythingIsEnqueued) {
+    runtime::CpuStream stream("compute");
+    StepCounter counter(stream);
+    FakeRecordingBackend fake(config_on(stream));
+    fake.register_step_counter(&counter);
+    fake.observe = &counter;
+    {
+        ViewSet good;
+        ASSERT_TRUE(good.forward(fake).ok()) << "the unedited views must pass";
+        ASSERT_TRUE(stream.synchronize(10s).ok());
+        ASSERT_EQ(fake.log().size(), 1u);
+        ASSERT_EQ(counter.records_published(), 1u);
+    }
+    for (const ViewCase& c : view_cases()) {
+        ViewSet s;
+        c.edit(s);
+        Status st = s.forward(fake);
+        EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.what << ": " << st.to_string();
+        EXPECT_THAT(st.message(), HasSubstr(c.message)) << c.what;
+        ASSERT_TRUE(stream.synchronize(10s).ok());
+        EXPECT_EQ(fake.log().size(), 1u) << c.what << ": attention work was enqueued";
+        EXPECT_EQ(counter.records_published(), 1u) << c.what << ": a record was enqueued";
+    }
+}
+
+TEST(ForwardChecks, NullViewsWhereTheForwardDoesNotNeedThem) {
+    runtime::CpuStream stream("compute");
+    FakeRecordingBackend fake(config_on(stream));
+    ViewSet prewrite;  // KV pre-written: no k, v or slots needed
+    prewrite.save_kv = false;
+    prewrite.kv = {};
+    prewrite.vv = {};
+    prewrite.lv = {};
+    EXPECT_TRUE(prewrite.forward(fake).ok());
+    ViewSet idle;  // no tokens: nothing needed
+    idle.bs = 0;
+    idle.qv = {};
+    idle.kv = {};
+    idle.vv = {};
+    idle.ov = {};
+    idle.lv = {};
+    EXPECT_TRUE(fake.forward(idle.qv, idle.kv, idle.vv, idle.layer, idle.lv, dummy_pool(),
+                             ForwardMode::kIdle, 0, idle.ov)
+                    .ok());
+    // Still checked when given: a malformed k is an error even though it will not be read.
+    ViewSet bad = prewrite;
+    bad.kv = rows_view(bad.k.data(), 2, 1, 64);
+    EXPECT_THAT(bad.forward(fake).message(), HasSubstr("k: shape [2, 1, 64], expected [2, 2, 64]"));
+    ASSERT_TRUE(stream.synchronize(10s).ok());
+    EXPECT_EQ(fake.log().size(), 2u);
+}
+
+// Eager metadata fixes num_tokens: views of another length are rejected on the real backends, and
+// neither the pool nor out is touched, nothing is recorded.
+TEST(ForwardChecks, EagerViewsMustHoldTheBatchsTokens) {
+    for (const char* name : {"cpu", "cpu_ref"}) {
+        SCOPED_TRACE(name);
+        Shape s;
+        s.num_q_heads = 8;
+        s.num_kv_heads = 2;
+        Batch b = make_batch(s, ForwardMode::kExtend, {{3, 2}, {0, 3}}, 9);  // 5 new tokens
+        auto pool = make_pool(s, b.num_pages);
+        auto want = make_pool(s, b.num_pages);
+        ASSERT_TRUE(pool && want);
+        init_pool(*pool, s, b, false);
+        init_pool(*want, s, b, false);
+        Runner r(name, s);
+        ASSERT_TRUE(r.create_status().ok());
+        StepCounter counter(r.stream());
+        r.backend().register_step_counter(&counter);
+        ASSERT_TRUE(r.backend().init_forward_metadata(b.forward_batch()).ok());
+        std::vector<float> out(static_cast<size_t>(b.num_tokens) * s.q_width(), kNaN);
+        Status st = forward_host(r.backend(), b.q.data(), b.k.data(), b.v.data(), s.layer(),
+                                 b.locs.data(), b.num_tokens - 1, *pool, b.mode, b.bs, out.data());
+        EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+        EXPECT_THAT(st.message(), HasSubstr("q: shape [4, 8, 64], expected [5, 8, 64]"));
+        ASSERT_TRUE(r.wait().ok());
+        EXPECT_EQ(counter.records_published(), 0u);
+        EXPECT_TRUE(pools_equal(*pool, *want)) << "a rejected forward wrote KV";
+        for (float x : out) ASSERT_TRUE(std::isnan(x)) << "a rejected forward wrote out";
+        // The right length runs.
+        st = forward_host(r.backend(), b.q.data(), b.k.data(), b.v.data(), s.layer(), b.locs.data(),
+                          b.num_tokens, *pool, b.mode, b.bs, out.data());
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        ASSERT_TRUE(r.wait().ok());
+        EXPECT_EQ(counter.records_published(), 1u);
+        EXPECT_TRUE(outputs_close(out, naive_attention(s, b), 1e-5, s, b));
+    }
+}
+
+// ---- capabilities: declared by the backend, enforced by the base class --------------------------
+TEST(Capabilities, DeclaredDtypesAndDevicesAreEnforced) {
+    using runtime::DeviceKind;
+    using runtime::DType;
+    runtime::CpuStream stream("compute");
+    FakeRecordingBackend fake(config_on(stream));
+
+    // Activations: bf16 only.
+    fake.caps.activation_dtypes = {DType::kBF16};
+    ViewSet fp32;
+    EXPECT_THAT(fp32.forward(fake).message(),
+                HasSubstr("q: dtype fp32, backend 'fake_recording' accepts bf16"));
+    ViewSet bf16;
+    for (auto* v : {&bf16.qv, &bf16.kv, &bf16.vv})
+        v->dtype = DType::kBF16;  // (the fake reads nothing)
+    bf16.ov.dtype = DType::kBF16;
+    EXPECT_TRUE(bf16.forward(fake).ok());
+
+    // KV: bf16 only; the dummy pool is fp32.
+    fake.caps = {{DType::kF32}, {DType::kBF16}, {DeviceKind::kCpu}};
+    EXPECT_THAT(fp32.forward(fake).message(),
+                HasSubstr("pool: dtype fp32, backend 'fake_recording' accepts bf16"));
+
+    // Devices: CUDA only. A host pool is rejected; a (host-backed) CUDA pool with host views too;
+    // with views on the pool's device it runs.
+    fake.caps = {{DType::kF32}, {DType::kF32}, {DeviceKind::kCuda}};
+    EXPECT_THAT(fp32.forward(fake).message(),
+                HasSubstr("pool: memory on cpu, backend 'fake_recording' accepts cuda"));
+    install_host_backed_cuda_runtime();
+    kv::MHAPoolConfig pc;
+    pc.num_layers = 1;
+    pc.num_pages = 2;
+    pc.num_kv_heads = 2;
+    pc.head_dim = 64;
+    pc.device = {DeviceKind::kCuda, 0};
+    auto cuda_pool = kv::MHATokenToKVPool::create(pc);
+    ASSERT_TRUE(cuda_pool.ok()) << cuda_pool.status().to_string();
+    EXPECT_THAT(fp32.forward(fake, **cuda_pool).message(),
+                HasSubstr("q: memory on cpu, expected cuda"));
+    ViewSet on_cuda;
+    for (auto* v : {&on_cuda.qv, &on_cuda.kv, &on_cuda.vv, &on_cuda.lv})
+        v->device = (*cuda_pool)->device();
+    on_cuda.ov.device = (*cuda_pool)->device();
+    EXPECT_TRUE(on_cuda.forward(fake, **cuda_pool).ok());
+    on_cuda.lv.device.index = 1;
+    EXPECT_THAT(on_cuda.forward(fake, **cuda_pool).message(),
+                HasSubstr("out_cache_loc: memory on cuda:1, the pool is on cuda:0"));
+    ASSERT_TRUE(stream.synchronize(10s).ok());
+    EXPECT_EQ(fake.log().size(), 2u) << "only the two accepted forwards enqueued work";
+}
+
+TEST(Capabilities, CpuBackendsAcceptFp32AndBf16OnTheHost) {
+    using runtime::DType;
+    install_host_backed_cuda_runtime();
+    for (const char* name : {"cpu", "cpu_ref"}) {
+        SCOPED_TRACE(name);
+        Shape s;
+        s.num_q_heads = 4;
+        s.num_kv_heads = 2;
+        Runner r(name, s);
+        ASSERT_TRUE(r.create_status().ok());
+        const BackendCapabilities caps = r.backend().capabilities();
+        EXPECT_EQ(caps.activation_dtypes, (std::vector<DType>{DType::kF32, DType::kBF16}));
+        EXPECT_EQ(caps.kv_dtypes, (std::vector<DType>{DType::kF32, DType::kBF16}));
+        EXPECT_EQ(caps.devices, (std::vector<runtime::DeviceKind>{runtime::DeviceKind::kCpu}));
+
+        // A pool on a CUDA device is rejected by the declaration, before the kernel-time checks.
+        kv::MHAPoolConfig pc;
+        pc.num_layers = 1;
+        pc.num_pages = 2;
+        pc.num_kv_heads = 2;
+        pc.head_dim = 64;
+        pc.device = {runtime::DeviceKind::kCuda, 0};
+        auto cuda_pool = kv::MHATokenToKVPool::create(pc);
+        ASSERT_TRUE(cuda_pool.ok());
+        ViewSet views;
+        Status st = views.forward(r.backend(), **cuda_pool);
+        EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+        EXPECT_THAT(st.message(), HasSubstr(std::string("pool: memory on cuda, backend '") + name +
+                                            "' accepts cpu"));
+        ASSERT_TRUE(r.wait().ok());
+
+        // The registry rejects a KV dtype the backend does not declare.
+        AttentionConfig c;
+        c.num_q_heads = 4;
+        c.num_kv_heads = 2;
+        c.kv_dtype = DType::kF16;
+        c.stream = &r.stream();
+        auto made = create_attention_backend(name, c);
+        EXPECT_EQ(made.status().code(), StatusCode::kInvalidArgument);
+        EXPECT_THAT(made.status().message(),
+                    HasSubstr("config.kv_dtype fp16, it accepts fp32 or bf16"));
+    }
+}
 
 }  // namespace
 }  // namespace pdsim::attn::test

@@ -7,8 +7,10 @@
 //  - a negative control: skipping the replay metadata update (stale metadata) gives an output
 //    that differs from B's oracle, so the comparison above can fail;
 //  - eager init_forward_metadata for batch 2 while batch 1's forward is still queued (a gate task
-//    holds the stream) must not change what batch 1 computes (metadata is stream-ordered).
+//    holds the stream) must not change what batch 1 computes (metadata is stream-ordered);
+//  - a replay of more new tokens than the captured views hold fails at run time, naming the view.
 // Metric: |got - ref| <= tol * max(1, |ref|), tol 1e-5 (fp32 KV) / 1e-2 (bf16 KV).
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -79,9 +81,9 @@ Oracle eager_oracle(const Shape& base, const std::vector<Batch>& bs, bool save_k
     for (int l = 0; l < kLayers; ++l) {
         const Batch& b = bs[static_cast<size_t>(l)];
         o.out[static_cast<size_t>(l)].assign(static_cast<size_t>(b.num_tokens) * base.q_width(), kNaN);
-        EXPECT_TRUE(r.backend()
-                        .forward(b.q.data(), save_kv ? b.k.data() : decoy.data(), save_kv ? b.v.data() : decoy.data(),
-                                 layer_shape(base, l).layer(), b.locs.data(), *o.pool, b.mode, b.bs,
+        EXPECT_TRUE(forward_host(r.backend(), b.q.data(), save_kv ? b.k.data() : decoy.data(),
+                                 save_kv ? b.v.data() : decoy.data(), layer_shape(base, l).layer(),
+                                 b.locs.data(), b.num_tokens, *o.pool, b.mode, b.bs,
                                  o.out[static_cast<size_t>(l)].data(), save_kv)
                         .ok());
     }
@@ -112,7 +114,8 @@ public:
     GraphHarness(const GraphHarness&) = delete;
     GraphHarness& operator=(const GraphHarness&) = delete;
 
-    [[nodiscard]] Status capture(int capture_bs) {
+    // Captures one forward per layer over the first `rows` rows of the static buffers.
+    [[nodiscard]] Status capture(int capture_bs, int rows = kMaxTokens) {
         PDSIM_RETURN_IF_ERROR(runner_.create_status());
         GraphStateExtras extras;
         extras.max_pages_per_seq = kMaxPagesPerSeq;
@@ -120,9 +123,11 @@ public:
         PDSIM_RETURN_IF_ERROR(runner_.stream().begin_capture());
         PDSIM_RETURN_IF_ERROR(backend().init_forward_metadata_capture_cuda_graph(capture_bs, mode_));
         for (int l = 0; l < kLayers; ++l) {
-            PDSIM_RETURN_IF_ERROR(backend().forward(q_[l].data(), k_[l].data(), v_[l].data(),
-                                                    layer_shape(base_, l).layer(), locs_.data(), *pool_, mode_,
-                                                    capture_bs, out_[l].data(), save_kv_));
+            // The static buffers (kMaxTokens rows): graph metadata decides how many rows each
+            // replay uses.
+            PDSIM_RETURN_IF_ERROR(forward_host(
+                backend(), q_[l].data(), k_[l].data(), v_[l].data(), layer_shape(base_, l).layer(),
+                locs_.data(), rows, *pool_, mode_, capture_bs, out_[l].data(), save_kv_));
         }
         PDSIM_ASSIGN_OR_RETURN(graph_, runner_.stream().end_capture());
         if (graph_->num_nodes() == 0) return Status(StatusCode::kInternal, "captured an empty graph");
@@ -320,6 +325,23 @@ TEST(GraphState, ReplayValidatesAgainstTheGraphBuffers) {
     }
 }
 
+// The views a graph captured are its static buffers: a replay whose batch has more new tokens
+// than they hold fails when it runs, naming the view, instead of reading or writing past them.
+TEST(GraphState, ReplayOfMoreTokensThanTheViewsHoldFails) {
+    for (const char* name : {"cpu", "cpu_ref"}) {
+        const Shape base = base_shape(kv::KVDtype::kF32);
+        GraphHarness g(name, base, ForwardMode::kExtend, true);
+        ASSERT_TRUE(g.capture(kMaxBs, /*rows=*/8).ok()) << name;
+        const auto a = layered(base, ForwardMode::kExtend, {{10, 5}, {0, 6}}, 13);  // 11 new tokens
+        g.stage(a);
+        Status st = g.replay(a);
+        EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << name << ": " << st.to_string();
+        EXPECT_THAT(st.message(),
+                    ::testing::HasSubstr("q: 8 rows, but the metadata describes 11 new tokens"))
+            << name;
+    }
+}
+
 // ---- eager metadata is stream-ordered ----------------------------------------------------------
 TEST(EagerMetadata, NextBatchInitDoesNotCorruptAQueuedForward) {
     for (const char* name : {"cpu", "cpu_ref"}) {
@@ -355,11 +377,11 @@ TEST(EagerMetadata, NextBatchInitDoesNotCorruptAQueuedForward) {
                 for (int l = 0; l < kLayers; ++l) {
                     const Batch& b = bs[static_cast<size_t>(l)];
                     out[static_cast<size_t>(l)].assign(static_cast<size_t>(b.num_tokens) * base.q_width(), kNaN);
-                    ASSERT_TRUE(r.backend()
-                                    .forward(b.q.data(), save_kv ? b.k.data() : decoy.data(),
-                                             save_kv ? b.v.data() : decoy.data(), layer_shape(base, l).layer(),
-                                             b.locs.data(), pool, b.mode, b.bs, out[static_cast<size_t>(l)].data(),
-                                             save_kv)
+                    ASSERT_TRUE(forward_host(
+                                    r.backend(), b.q.data(), save_kv ? b.k.data() : decoy.data(),
+                                    save_kv ? b.v.data() : decoy.data(),
+                                    layer_shape(base, l).layer(), b.locs.data(), b.num_tokens, pool,
+                                    b.mode, b.bs, out[static_cast<size_t>(l)].data(), save_kv)
                                     .ok());
                 }
             };

@@ -1,7 +1,8 @@
 // Shared helpers of the attention backend tests (cpu_attention_test, attention_backend_test,
-// attention_graph_test): random paged batches, KV pools poisoned with NaN, a runner that drives a
-// backend from the registry on its own CpuStream, output and pool comparisons with readable
-// failure messages, a naive fp64 oracle independent of every backend, and a stream gate.
+// attention_graph_test): random paged batches, KV pools poisoned with NaN, fp32 host views of test
+// buffers (forward_host), a runner that drives a backend from the registry on its own CpuStream,
+// output and pool comparisons with readable failure messages, a naive fp64 oracle independent of
+// every backend, and a stream gate.
 //
 // Poisoning. Pools are filled with 0xFF bytes (NaN in fp32 and bf16) and then only the KV a batch
 // legitimately owns is written, into layer Shape::layer_id; the other layers, page 0, a "trap"
@@ -18,10 +19,12 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -30,6 +33,8 @@
 #include "backends/attention/attention_backend.h"
 #include "backends/kv/kv_pool.h"
 #include "backends/runtime/cpu_stream.h"
+#include "backends/runtime/device.h"
+#include "backends/runtime/tensor.h"
 #include "common/bf16.h"
 
 namespace pdsim::attn::test {
@@ -176,6 +181,68 @@ inline Batch make_batch(const Shape& s, ForwardMode mode, const std::vector<Req>
         }
     }
     return b;
+}
+
+// Makes runtime::DeviceKind::kCuda allocate host memory in this process (no GPU needed), so tests
+// can build pools that claim to be on a CUDA device and check that host paths reject them. The
+// built-in runtimes are registered first, so the fake is never replaced. Idempotent.
+class HostBackedCudaRuntime final : public runtime::DeviceRuntime {
+public:
+    [[nodiscard]] runtime::DeviceKind kind() const override { return runtime::DeviceKind::kCuda; }
+    [[nodiscard]] int device_count() const override { return 1; }
+    [[nodiscard]] std::string unavailable_reason() const override { return {}; }
+    [[nodiscard]] StatusOr<void*> allocate(size_t bytes, int /*index*/) override {
+        return runtime::make_cpu_runtime()->allocate(bytes, 0);
+    }
+    void deallocate(void* ptr, int /*index*/) noexcept override { std::free(ptr); }
+    [[nodiscard]] Status copy(void* dst, const void* src, size_t bytes) override {
+        if (bytes != 0) std::memcpy(dst, src, bytes);
+        return {};
+    }
+    [[nodiscard]] Status fill(void* dst, int byte, size_t bytes) override {
+        if (bytes != 0) std::memset(dst, byte, bytes);
+        return {};
+    }
+    [[nodiscard]] StatusOr<std::unique_ptr<runtime::Stream>> create_stream(
+        int /*index*/, std::string name) override {
+        return std::unique_ptr<runtime::Stream>(
+            std::make_unique<runtime::CpuStream>(std::move(name)));
+    }
+};
+
+inline void install_host_backed_cuda_runtime() {
+    static const bool installed = [] {
+        (void)runtime::device_runtime(runtime::DeviceKind::kCpu);  // built-ins first
+        runtime::register_device_runtime(std::make_unique<HostBackedCudaRuntime>());
+        return true;
+    }();
+    (void)installed;
+}
+
+// fp32 host views [tokens][heads][dim] of test buffers (a null pointer gives a null view).
+inline runtime::ConstTensorView rows_view(const float* p, int64_t tokens, int heads, int dim) {
+    return runtime::host_view(p, {tokens, heads, dim});
+}
+inline runtime::TensorView rows_view(float* p, int64_t tokens, int heads, int dim) {
+    return runtime::host_view(p, {tokens, heads, dim});
+}
+inline runtime::ConstTensorView locs_view(const int32_t* p, int64_t tokens) {
+    return runtime::host_view(p, {tokens});
+}
+
+// forward() over fp32 host buffers of `tokens` rows shaped by `layer` (q, k, v, out as in
+// attention_backend.h; null pointers become null views).
+inline Status forward_host(AttentionBackend& backend, const float* q, const float* k,
+                           const float* v, const LayerSpec& layer, const int32_t* locs,
+                           int64_t tokens, kv::KVPool& pool, ForwardMode mode, int bs, float* out,
+                           bool save_kv_cache = true,
+                           std::optional<bool> record_kv_cache = std::nullopt) {
+    const int dv = v_dim(layer);
+    return backend.forward(
+        rows_view(q, tokens, layer.num_q_heads, layer.head_dim),
+        rows_view(k, tokens, layer.num_kv_heads, layer.head_dim),
+        rows_view(v, tokens, layer.num_kv_heads, dv), layer, locs_view(locs, tokens), pool, mode,
+        bs, rows_view(out, tokens, layer.num_q_heads, dv), save_kv_cache, record_kv_cache);
 }
 
 inline std::unique_ptr<kv::MHATokenToKVPool> make_pool(const Shape& s, int num_pages) {
@@ -329,9 +396,9 @@ public:
         decoy_k_.assign(b.k.size(), kNaN);
         decoy_v_.assign(b.v.size(), kNaN);
         PDSIM_RETURN_IF_ERROR(backend_->init_forward_metadata(b.forward_batch()));
-        return backend_->forward(b.q.data(), save_kv ? b.k.data() : decoy_k_.data(),
-                                 save_kv ? b.v.data() : decoy_v_.data(), shape_.layer(), b.locs.data(), pool,
-                                 b.mode, b.bs, out_.data(), save_kv, record);
+        return forward_host(*backend_, b.q.data(), save_kv ? b.k.data() : decoy_k_.data(),
+                            save_kv ? b.v.data() : decoy_v_.data(), shape_.layer(), b.locs.data(),
+                            b.num_tokens, pool, b.mode, b.bs, out_.data(), save_kv, record);
     }
     [[nodiscard]] Status wait() { return stream_.synchronize(kSyncTimeout); }
     [[nodiscard]] Status run(const Batch& b, kv::MHATokenToKVPool& pool, bool save_kv) {

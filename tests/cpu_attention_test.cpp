@@ -13,6 +13,7 @@
 // up to ~300 here, 4096 in cpu_attention_slow_test). Page tables are shuffled (non-contiguous),
 // pools poisoned (see attention_test_util.h). After each run the whole pool must equal the
 // expected image: prefix + the new tokens' KV (bf16: rounded to nearest even) and nothing else.
+// bf16 activations (q, k, v, out as bf16 views) are checked against the fp32 path on their own.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -265,9 +266,10 @@ TEST(CpuAttention, LayersShareOneMetadataInit) {
             for (int l = 0; l < kLayers; ++l) {
                 const Batch& b = per_layer[static_cast<size_t>(l)];
                 outs[static_cast<size_t>(l)].assign(static_cast<size_t>(b.num_tokens) * s.q_width(), kNaN);
-                ASSERT_TRUE(r->backend()
-                                .forward(b.q.data(), b.k.data(), b.v.data(), shapes[static_cast<size_t>(l)].layer(),
-                                         b.locs.data(), pool, mode, b.bs, outs[static_cast<size_t>(l)].data())
+                ASSERT_TRUE(forward_host(r->backend(), b.q.data(), b.k.data(), b.v.data(),
+                                         shapes[static_cast<size_t>(l)].layer(), b.locs.data(),
+                                         b.num_tokens, pool, mode, b.bs,
+                                         outs[static_cast<size_t>(l)].data())
                                 .ok());
             }
         }
@@ -297,6 +299,78 @@ TEST(CpuAttention, OtherHeadDims) {
     }
 }
 
+// bf16 activations (q, k, v in, out back): the CPU backends widen q to fp32, write k and v into the
+// pool (bits into a bf16 pool, widened into an fp32 one) and round the output to bf16. On inputs
+// that bf16 represents exactly, that is the fp32 path's output rounded to bf16 (bit for bit on the
+// deterministic cpu_ref), and the pools are byte-identical.
+TEST(CpuAttention, Bf16ActivationsMatchTheFp32PathRounded) {
+    auto to_bf16 = [](std::vector<float>& x) {
+        std::vector<bf16_t> bits;
+        for (float& f : x) {
+            f = round_bf16(f);
+            bits.push_back(float_to_bf16(f));
+        }
+        return bits;
+    };
+    for (const char* name : {"cpu_ref", "cpu"}) {
+        for (auto dtype : {kv::KVDtype::kF32, kv::KVDtype::kBF16}) {
+            for (auto mode : {ForwardMode::kDecode, ForwardMode::kExtend}) {
+                Shape s = shape_for(4, 64, 16, dtype);
+                Batch b = make_batch(s, mode,
+                                     mode == ForwardMode::kDecode
+                                         ? std::vector<Req>{{0, 1}, {40, 1}, {300, 1}}
+                                         : std::vector<Req>{{0, 33}, {17, 5}, {40, 1}},
+                                     123);
+                SCOPED_TRACE(std::string(name) + " | " + s.describe() + " | " + b.describe());
+                for (auto& rk : b.req_k) to_bf16(rk);
+                for (auto& rv : b.req_v) to_bf16(rv);
+                const std::vector<bf16_t> qb = to_bf16(b.q), kb = to_bf16(b.k), vb = to_bf16(b.v);
+
+                auto ref_pool = make_pool(s, b.num_pages);
+                auto pool = make_pool(s, b.num_pages);
+                ASSERT_TRUE(ref_pool && pool);
+                init_pool(*ref_pool, s, b, false);
+                init_pool(*pool, s, b, false);
+                Runner ref(name, s);
+                ASSERT_TRUE(ref.run(b, *ref_pool, true).ok());
+                ASSERT_TRUE(
+                    outputs_close(ref.out(), naive_attention(s, b), tolerance(dtype), s, b));
+
+                Runner r(name, s);
+                ASSERT_TRUE(r.create_status().ok());
+                const int64_t n = b.num_tokens;
+                std::vector<bf16_t> out(static_cast<size_t>(n) * s.q_width(), 0xFFFF);  // NaN
+                ASSERT_TRUE(r.backend().init_forward_metadata(b.forward_batch()).ok());
+                using runtime::DType;
+                const LayerSpec L = s.layer();
+                Status st = r.backend().forward(
+                    runtime::make_view(qb.data(), DType::kBF16, {}, {n, L.num_q_heads, L.head_dim}),
+                    runtime::make_view(kb.data(), DType::kBF16, {},
+                                       {n, L.num_kv_heads, L.head_dim}),
+                    runtime::make_view(vb.data(), DType::kBF16, {},
+                                       {n, L.num_kv_heads, L.head_dim}),
+                    L, locs_view(b.locs.data(), n), *pool, b.mode, b.bs,
+                    runtime::make_view(out.data(), DType::kBF16, {},
+                                       {n, L.num_q_heads, L.head_dim}));
+                ASSERT_TRUE(st.ok()) << st.to_string();
+                ASSERT_TRUE(r.wait().ok());
+                std::vector<float> got(out.size());
+                for (size_t i = 0; i < out.size(); ++i) got[i] = bf16_to_float(out[i]);
+                if (std::string(name) == "cpu_ref") {
+                    size_t differ = 0;
+                    for (size_t i = 0; i < got.size(); ++i)
+                        differ += got[i] == round_bf16(ref.out()[i]) ? 0 : 1;
+                    EXPECT_EQ(differ, 0u) << "bf16 output != the fp32 output rounded to bf16";
+                }
+                EXPECT_TRUE(outputs_close(got, ref.out(), 8e-3, s, b))
+                    << "bf16 output vs the fp32 path";
+                EXPECT_TRUE(pools_equal(*pool, *ref_pool))
+                    << "KV written from bf16 k/v vs from their fp32 values";
+            }
+        }
+    }
+}
+
 // ---- bad inputs: an error from init_forward_metadata, forward or synchronize, never a crash ----
 struct BadCase {
     std::string what;
@@ -319,8 +393,9 @@ Status run_bad(const std::string& backend, const BadCase& c) {
     PDSIM_RETURN_IF_ERROR(r.create_status());
     std::vector<float> out(static_cast<size_t>(b.num_tokens + 4) * s.q_width(), kNaN);
     PDSIM_RETURN_IF_ERROR(r.backend().init_forward_metadata(b.forward_batch()));
-    PDSIM_RETURN_IF_ERROR(r.backend().forward(b.q.data(), b.k.data(), b.v.data(), s.layer(), b.locs.data(), *pool,
-                                              c.forward_mode, b.bs + c.forward_bs_delta, out.data()));
+    PDSIM_RETURN_IF_ERROR(forward_host(r.backend(), b.q.data(), b.k.data(), b.v.data(), s.layer(),
+                                       b.locs.data(), b.num_tokens, *pool, c.forward_mode,
+                                       b.bs + c.forward_bs_delta, out.data()));
     return r.wait();
 }
 

@@ -1,5 +1,8 @@
 #include "backends/attention/attention_backend.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 
@@ -88,9 +91,9 @@ bool AttentionBackend::support_kv_cache_prewrite(std::optional<ForwardMode> /*mo
     return false;
 }
 
-const int32_t* AttentionBackend::select_out_cache_loc(const LayerSpec& /*layer*/,
-                                                      const int32_t* out_cache_loc,
-                                                      std::optional<ForwardMode> /*mode*/) const {
+runtime::ConstTensorView AttentionBackend::select_out_cache_loc(
+    const LayerSpec& /*layer*/, const runtime::ConstTensorView& out_cache_loc,
+    std::optional<ForwardMode> /*mode*/) const {
     return out_cache_loc;
 }
 
@@ -173,7 +176,13 @@ Status AttentionBackend::init_forward_metadata(const ForwardBatch& batch) {
     if (config_.stream == nullptr) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
     PDSIM_RETURN_IF_ERROR(validate_batch(batch, 0, 0));
     active_ = &eager_;
-    return enqueue_assign(&eager_, batch, false);
+    PDSIM_RETURN_IF_ERROR(enqueue_assign(&eager_, batch, false));
+    int64_t tokens = 0;
+    for (int i = 0; i < batch.bs; ++i) {
+        tokens += batch.extend_lens.empty() ? 1 : batch.extend_lens[static_cast<size_t>(i)];
+    }
+    eager_num_tokens_ = tokens;
+    return {};
 }
 
 std::set<std::string> AttentionBackend::accepted_graph_state_extras() const {
@@ -245,15 +254,137 @@ Status AttentionBackend::RecordPdCacheStep::exit() {
     return {};
 }
 
-Status AttentionBackend::forward(const float* q, const float* k, const float* v, const LayerSpec& layer,
-                                 const int32_t* out_cache_loc, kv::KVPool& pool, ForwardMode mode, int bs,
-                                 float* out, bool save_kv_cache, std::optional<bool> record_kv_cache) {
+namespace {
+
+template <typename T>
+std::string join(const std::vector<T>& items, std::string_view sep, auto&& name) {
+    std::string out;
+    for (const T& i : items) out += fmt::format("{}{}", out.empty() ? "" : sep, name(i));
+    return out.empty() ? "nothing" : out;
+}
+
+std::string dtype_list(const std::vector<runtime::DType>& dtypes) {
+    return join(dtypes, " or ", [](runtime::DType d) { return runtime::dtype_name(d); });
+}
+
+template <typename T>
+bool contains(const std::vector<T>& items, const T& x) {
+    return std::find(items.begin(), items.end(), x) != items.end();
+}
+
+}  // namespace
+
+Status AttentionBackend::validate_forward(const ForwardArgs& a) const {
+    const BackendCapabilities caps = capabilities();
+    const kv::KVPool& pool = *a.pool;
+    const runtime::Device device = pool.device();
+    if (!contains(caps.devices, device.kind)) {
+        return PDSIM_ERROR(
+            StatusCode::kInvalidArgument, "pool: memory on {}, backend '{}' accepts {}",
+            runtime::device_kind_name(device.kind), name(),
+            join(caps.devices, " or ",
+                 [](runtime::DeviceKind k) { return runtime::device_kind_name(k); }));
+    }
+    if (!contains(caps.kv_dtypes, pool.dtype())) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "pool: dtype {}, backend '{}' accepts {}",
+                           runtime::dtype_name(pool.dtype()), name(), dtype_list(caps.kv_dtypes));
+    }
+    const LayerSpec& L = a.layer;
+    if (L.num_q_heads < 1 || L.num_kv_heads < 1 || L.num_q_heads % L.num_kv_heads != 0 ||
+        L.head_dim < 1 || L.v_head_dim < 0) {
+        return PDSIM_ERROR(
+            StatusCode::kInvalidArgument,
+            "layer {}: num_q_heads {} must be a positive multiple of num_kv_heads {}, head_dim {} "
+            "positive, v_head_dim {} >= 0",
+            L.layer_id, L.num_q_heads, L.num_kv_heads, L.head_dim, L.v_head_dim);
+    }
+    if (L.layer_id < 0 || L.layer_id >= pool.num_layers()) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "layer: layer_id {} out of range [0, {}) of the pool", L.layer_id,
+                           pool.num_layers());
+    }
+    // Eager metadata: the batch's token count is known here; graph metadata: the views agree.
+    int64_t tokens = active_ == &eager_ && eager_num_tokens_.has_value() ? *eager_num_tokens_ : -1;
+    const bool no_tokens = a.bs == 0 || tokens == 0;
+    const bool kv_optional = no_tokens || !a.save_kv_cache;
+
+    struct Arg {
+        const char* name;
+        runtime::ConstTensorView view;
+        int heads;
+        int dim;           // 0: out_cache_loc (rank 1, int32)
+        bool optional;     // a null view is accepted
+        const char* need;  // why it is required otherwise
+    };
+    const char* kHasTokens = "the forward has tokens";
+    const char* kSaves = "save_kv_cache is set and the forward has tokens";
+    const Arg args[] = {
+        {"q", a.q, L.num_q_heads, L.head_dim, no_tokens, kHasTokens},
+        {"k", a.k, L.num_kv_heads, L.head_dim, kv_optional, kSaves},
+        {"v", a.v, L.num_kv_heads, v_dim(L), kv_optional, kSaves},
+        {"out", a.out, L.num_q_heads, v_dim(L), no_tokens, kHasTokens},
+        {"out_cache_loc", a.out_cache_loc, 0, 0, kv_optional, kSaves},
+    };
+    std::optional<runtime::DType> act;  // the activation dtype: the first non-null activation's
+    const char* act_from = nullptr;
+    for (const Arg& arg : args) {
+        const bool is_loc = arg.dim == 0;
+        if (arg.view.empty()) {
+            if (arg.optional) continue;
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "{}: null data pointer ({})", arg.name,
+                               arg.need);
+        }
+        runtime::DType want = runtime::DType::kI32;
+        if (!is_loc) {
+            if (!act.has_value()) {
+                if (!contains(caps.activation_dtypes, arg.view.dtype)) {
+                    return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                                       "{}: dtype {}, backend '{}' accepts {}", arg.name,
+                                       runtime::dtype_name(arg.view.dtype), name(),
+                                       dtype_list(caps.activation_dtypes));
+                }
+                act = arg.view.dtype;
+                act_from = arg.name;
+            } else if (arg.view.dtype != *act) {
+                return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                                   "{}: dtype {}, expected {} (the dtype of {})", arg.name,
+                                   runtime::dtype_name(arg.view.dtype), runtime::dtype_name(*act),
+                                   act_from);
+            }
+            want = *act;
+        }
+        if (is_loc) {
+            PDSIM_RETURN_IF_ERROR(runtime::check_view(
+                arg.view, arg.name, {.dtypes = {want}, .device = device.kind, .shape = {tokens}}));
+        } else {
+            PDSIM_RETURN_IF_ERROR(runtime::check_view(
+                arg.view, arg.name,
+                {.dtypes = {want}, .device = device.kind, .shape = {tokens, arg.heads, arg.dim}}));
+        }
+        if (arg.view.device.index != device.index) {
+            return PDSIM_ERROR(
+                StatusCode::kInvalidArgument, "{}: memory on {}:{}, the pool is on {}:{}", arg.name,
+                runtime::device_kind_name(arg.view.device.kind), arg.view.device.index,
+                runtime::device_kind_name(device.kind), device.index);
+        }
+        if (tokens < 0) tokens = arg.view.size(0);  // the first view sets num_tokens for the rest
+    }
+    return {};
+}
+
+Status AttentionBackend::forward(const runtime::ConstTensorView& q,
+                                 const runtime::ConstTensorView& k,
+                                 const runtime::ConstTensorView& v, const LayerSpec& layer,
+                                 const runtime::ConstTensorView& out_cache_loc, kv::KVPool& pool,
+                                 ForwardMode mode, int bs, const runtime::TensorView& out,
+                                 bool save_kv_cache, std::optional<bool> record_kv_cache) {
     if (config_.stream == nullptr) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
     if (step_counter_ != nullptr && &step_counter_->stream() != config_.stream) {
         return PDSIM_ERROR(StatusCode::kFailedPrecondition,
                            "{}: the StepCounter records on stream '{}', the backend computes on '{}'",
                            name(), step_counter_->stream().name(), config_.stream->name());
     }
+    if (bs < 0) return PDSIM_ERROR(StatusCode::kInvalidArgument, "bs: {} < 0", bs);
     ForwardArgs args;
     args.q = q;
     args.k = k;
@@ -266,6 +397,7 @@ Status AttentionBackend::forward(const float* q, const float* k, const float* v,
     args.out = out;
     args.save_kv_cache = save_kv_cache;
     args.meta = active_;
+    PDSIM_RETURN_IF_ERROR(validate_forward(args));
     RecordPdCacheStep guard(*this, mode, save_kv_cache, record_kv_cache);
     PDSIM_RETURN_IF_ERROR(guard.enter());
     PDSIM_RETURN_IF_ERROR(is_decode(mode) ? forward_decode(args) : forward_extend(args));
@@ -320,7 +452,14 @@ StatusOr<std::unique_ptr<AttentionBackend>> create_attention_backend(const std::
                            "attention backend '{}': num_q_heads {} must be a positive multiple of num_kv_heads {}",
                            name, config.num_q_heads, config.num_kv_heads);
     }
-    return f(config);
+    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<AttentionBackend> backend, f(config));
+    const BackendCapabilities caps = backend->capabilities();
+    if (!contains(caps.kv_dtypes, config.kv_dtype)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "attention backend '{}': config.kv_dtype {}, it accepts {}", name,
+                           runtime::dtype_name(config.kv_dtype), dtype_list(caps.kv_dtypes));
+    }
+    return backend;
 }
 
 std::vector<std::string> attention_backend_names() {

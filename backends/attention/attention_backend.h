@@ -3,9 +3,32 @@
 // PD layerwise record rule. The contract is restated in docs/design.md "AttentionBackend".
 //
 // Execution model. A backend owns no thread: forward() validates on the host and enqueues its work
-// (the KV write, then the attention kernel) on the compute stream given in AttentionConfig. q, k,
-// v, out and out_cache_loc are host pointers that must stay valid until that work has run (until
-// the stream is synchronized, or an event recorded after it has completed).
+// (the KV write, then the attention kernel) on the compute stream given in AttentionConfig.
+//
+// Tensors. forward() takes typed, device-tagged views (backends/runtime/tensor.h), all contiguous
+// and row-major, with one row per new token of the batch (num_tokens = sum of its extend lens):
+//   q              [num_tokens][layer.num_q_heads][layer.head_dim]       activation dtype
+//   k              [num_tokens][layer.num_kv_heads][layer.head_dim]      activation dtype
+//   v              [num_tokens][layer.num_kv_heads][v_dim(layer)]        activation dtype
+//   out            [num_tokens][layer.num_q_heads][v_dim(layer)]         activation dtype (written)
+//   out_cache_loc  [num_tokens]                                          int32 KV slots
+// q, k, v and out share one activation dtype; every view lives on the pool's device. k, v and
+// out_cache_loc may be null views when save_kv_cache is false (the KV was pre-written); any view
+// may be null when the forward has no tokens (bs 0, e.g. idle). A view does not own its memory:
+// it must stay valid, and the inputs unchanged, until the enqueued work has run (until the stream
+// is synchronized, or an event recorded after it has completed); out is written when it runs.
+//
+// Capabilities. Each backend declares, in capabilities(), the activation dtypes, KV (pool) dtypes
+// and device kinds it accepts. forward() checks every call against that declaration, the layer
+// spec and the batch before anything is enqueued (nothing is recorded or enqueued on a mismatch):
+//   - the pool's device kind and dtype are declared ones; the layer's heads are positive, query
+//     heads a multiple of KV heads, layer_id a layer of the pool;
+//   - q's dtype is a declared activation dtype and k, v, out have the same one;
+//   - every view is on the pool's device (kind and index), of the shape above, contiguous;
+//   - eager metadata (init_forward_metadata): num_tokens is the batch's; graph metadata (capture
+//     or replay): the views share one num_tokens, which must cover every batch replayed.
+// A mismatch is kInvalidArgument naming the argument ("q: dtype bf16, expected fp32").
+// create_attention_backend also rejects a config.kv_dtype the backend does not declare.
 //
 // Metadata. init_forward_metadata(batch) copies the batch description into the backend's eager
 // metadata buffers *in stream order* (the copy is a stream task), so it may be called for the
@@ -18,10 +41,10 @@
 // updates seq_lens_buf itself, in stream order (or with the stream idle).
 //
 // Record rule (RecordPdCacheStep), applied by forward() around forward_decode/forward_extend:
-//   record_kv_cache unset -> record iff mode is neither decode nor idle; set -> forced to its value;
-//   no StepCounter registered -> no record;
-//   save_kv_cache == false (KV was pre-written, e.g. fused RoPE prewrite) -> record BEFORE the
-//   attention work; otherwise record AFTER it (after the backend's own KV write).
+//   record_kv_cache unset -> record iff mode is neither decode nor idle; set -> forced to its
+//   value; no StepCounter registered -> no record; save_kv_cache == false (KV was pre-written, e.g.
+//   fused RoPE prewrite) -> record BEFORE the attention work; otherwise record AFTER it (after the
+//   backend's own KV write).
 // Exactly one record per model layer per extend forward; composite backends record once per model
 // layer themselves (they call their children with record_kv_cache = false).
 //
@@ -41,6 +64,7 @@
 #include "backends/kv/kv_pool.h"
 #include "backends/pd/step_counter.h"
 #include "backends/runtime/stream.h"
+#include "backends/runtime/tensor.h"
 #include "common/status.h"
 
 namespace pdsim::attn {
@@ -121,19 +145,27 @@ private:
     std::vector<int32_t> seq_lens_, q_lens_, q_start_, page_table_;
 };
 
-// Everything forward() hands to forward_decode / forward_extend.
+// Everything forward() hands to forward_decode / forward_extend: the views as the caller passed
+// them (checked; shapes in the file comment), so a view's size(0) is the forward's num_tokens.
 struct ForwardArgs {
-    const float* q = nullptr;              // [num_tokens][num_q_heads][head_dim]
-    const float* k = nullptr;              // [num_tokens][num_kv_heads][head_dim] (new tokens)
-    const float* v = nullptr;              // [num_tokens][num_kv_heads][v_head_dim]
+    runtime::ConstTensorView q;  // [num_tokens][num_q_heads][head_dim]
+    runtime::ConstTensorView k;  // [num_tokens][num_kv_heads][head_dim] (new tokens)
+    runtime::ConstTensorView v;  // [num_tokens][num_kv_heads][v_head_dim]
     LayerSpec layer;
-    const int32_t* out_cache_loc = nullptr;  // [num_tokens] KV slots of the new tokens
+    runtime::ConstTensorView out_cache_loc;  // int32 [num_tokens] KV slots of the new tokens
     kv::KVPool* pool = nullptr;
     ForwardMode mode = ForwardMode::kExtend;
     int bs = 0;
-    float* out = nullptr;                  // [num_tokens][num_q_heads][v_head_dim]
+    runtime::TensorView out;  // [num_tokens][num_q_heads][v_head_dim]
     bool save_kv_cache = true;
-    const MetadataBuffers* meta = nullptr; // the active buffers (eager or graph)
+    const MetadataBuffers* meta = nullptr;  // the active buffers (eager or graph)
+};
+
+// What a backend accepts (AttentionBackend::capabilities()); forward() enforces it.
+struct BackendCapabilities {
+    std::vector<runtime::DType> activation_dtypes;  // q, k, v, out (one dtype per forward)
+    std::vector<runtime::DType> kv_dtypes;          // the pool's dtype
+    std::vector<runtime::DeviceKind> devices;       // where the pool and every view live
 };
 
 // Extra arguments of init_cuda_graph_state; a backend declares which it accepts.
@@ -150,6 +182,9 @@ public:
     AttentionBackend& operator=(const AttentionBackend&) = delete;
 
     [[nodiscard]] virtual std::string name() const = 0;
+    // The dtypes and device kinds this backend accepts: declared by each backend (a wrapper
+    // forwards its inner backend's), checked by forward() and create_attention_backend.
+    [[nodiscard]] virtual BackendCapabilities capabilities() const = 0;
     [[nodiscard]] const AttentionConfig& config() const { return config_; }
     [[nodiscard]] runtime::Stream& stream() const { return *config_.stream; }
 
@@ -160,9 +195,9 @@ public:
     [[nodiscard]] virtual bool uses_padded_decode_token_mask() const { return false; }
     [[nodiscard]] virtual bool support_kv_cache_prewrite(std::optional<ForwardMode> mode) const;
     // Identity for backends without flat cache groups.
-    [[nodiscard]] virtual const int32_t* select_out_cache_loc(const LayerSpec& layer,
-                                                              const int32_t* out_cache_loc,
-                                                              std::optional<ForwardMode> mode) const;
+    [[nodiscard]] virtual runtime::ConstTensorView select_out_cache_loc(
+        const LayerSpec& layer, const runtime::ConstTensorView& out_cache_loc,
+        std::optional<ForwardMode> mode) const;
     virtual Status configure_runtime(const std::map<std::string, std::string>& options);
 
     // Eager metadata for the next forward(s). Validates, then copies in stream order.
@@ -187,10 +222,15 @@ public:
     void register_step_counter(pd::StepCounter* counter) { step_counter_ = counter; }
     [[nodiscard]] pd::StepCounter* step_counter() const { return step_counter_; }
 
-    // Dispatches to forward_decode / forward_extend inside the record rule (see the file comment).
-    [[nodiscard]] Status forward(const float* q, const float* k, const float* v,
-                                 const LayerSpec& layer, const int32_t* out_cache_loc,
-                                 kv::KVPool& pool, ForwardMode mode, int bs, float* out,
+    // Checks the call (see "Capabilities" in the file comment), then dispatches to
+    // forward_decode / forward_extend inside the record rule. Errors: kFailedPrecondition without
+    // a compute stream or with a StepCounter on another stream; kInvalidArgument for a bad view,
+    // layer or pool (nothing enqueued); then whatever forward_decode / forward_extend return.
+    [[nodiscard]] Status forward(const runtime::ConstTensorView& q,
+                                 const runtime::ConstTensorView& k,
+                                 const runtime::ConstTensorView& v, const LayerSpec& layer,
+                                 const runtime::ConstTensorView& out_cache_loc, kv::KVPool& pool,
+                                 ForwardMode mode, int bs, const runtime::TensorView& out,
                                  bool save_kv_cache = true,
                                  std::optional<bool> record_kv_cache = std::nullopt);
 
@@ -218,6 +258,7 @@ protected:
     [[nodiscard]] const MetadataBuffers* active_metadata() const { return active_; }
 
 private:
+    [[nodiscard]] Status validate_forward(const ForwardArgs& args) const;
     [[nodiscard]] Status validate_batch(const ForwardBatch& batch, int max_bs, int max_pages) const;
     [[nodiscard]] Status enqueue_assign(MetadataBuffers* dst, const ForwardBatch& batch,
                                         bool keep_aliased_seq_lens);
@@ -228,6 +269,9 @@ private:
     std::unique_ptr<MetadataBuffers> graph_;
     const MetadataBuffers* active_ = &eager_;
     int captured_bs_ = 0;
+    // Tokens of the batch last given to init_forward_metadata (what the eager buffers will hold
+    // when the next forward runs); unset before the first.
+    std::optional<int64_t> eager_num_tokens_;
 };
 
 // Calls backend.init_cuda_graph_state with only the extras it accepts.
@@ -247,5 +291,14 @@ void register_attention_backend(const std::string& name, BackendFactory factory)
 // Shape helpers.
 [[nodiscard]] inline int v_dim(const LayerSpec& l) { return l.v_head_dim > 0 ? l.v_head_dim : l.head_dim; }
 [[nodiscard]] float layer_scaling(const LayerSpec& l);
+
+// The first `n` rows (dim 0) of a contiguous view, e.g. the tokens a graph replay's batch uses of
+// static buffers sized for the captured batch. Precondition: 0 <= n <= view.size(0), rank >= 1.
+template <bool kConst>
+[[nodiscard]] runtime::BasicTensorView<kConst> leading_rows(runtime::BasicTensorView<kConst> view,
+                                                            int64_t n) {
+    view.shape[0] = n;
+    return view;
+}
 
 }  // namespace pdsim::attn

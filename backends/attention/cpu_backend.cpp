@@ -14,6 +14,9 @@ public:
           kernels_(std::make_shared<cpu::CpuAttentionKernels>(config.num_threads)) {}
 
     [[nodiscard]] std::string name() const override { return "cpu"; }
+    [[nodiscard]] BackendCapabilities capabilities() const override {
+        return cpu::cpu_capabilities();
+    }
     [[nodiscard]] bool support_kv_cache_prewrite(std::optional<ForwardMode>) const override {
         return true;
     }
@@ -25,7 +28,8 @@ protected:
 private:
     // The stream task reads the metadata when it runs (a graph replay sees the current batch),
     // checks it against the forward's mode and bs (graph buffers may hold fewer requests than
-    // captured) and the pool, writes the new KV unless it was pre-written, then attends. It holds
+    // captured), the pool and the views' rows, writes the new KV unless it was pre-written, then
+    // attends (bf16 activations through fp32 copies). It holds
     // the kernels by shared_ptr, so queued or captured work outlives the backend safely.
     [[nodiscard]] Status enqueue(const ForwardArgs& args) {
         return stream().enqueue([args, kernels = kernels_] {
@@ -40,11 +44,11 @@ private:
                                    "forward bs {} but the metadata has bs {}", args.bs, view.bs);
             }
             PDSIM_RETURN_IF_ERROR(cpu::validate_view(view, *args.pool, args.layer));
+            PDSIM_RETURN_IF_ERROR(cpu::check_rows(args, view));
             if (args.save_kv_cache) PDSIM_RETURN_IF_ERROR(cpu::write_kv(args, view));
-            if (view.num_tokens > 0 && (args.q == nullptr || args.out == nullptr)) {
-                return PDSIM_ERROR(StatusCode::kInvalidArgument, "null q or out");
-            }
-            kernels->run(cpu::make_problem(args, view));
+            cpu::with_fp32_activations(args, view.num_tokens, [&](const ForwardArgs& f) {
+                kernels->run(cpu::make_problem(f, view));
+            });
             return Status();
         });
     }

@@ -2,6 +2,12 @@
 
 namespace pdsim::attn::cpu {
 
+BackendCapabilities cpu_capabilities() {
+    using runtime::DType;
+    return BackendCapabilities{
+        {DType::kF32, DType::kBF16}, {DType::kF32, DType::kBF16}, {runtime::DeviceKind::kCpu}};
+}
+
 Status validate_view(const BatchView& view, const kv::KVPool& pool, const LayerSpec& layer) {
     const auto* mha = dynamic_cast<const kv::MHATokenToKVPool*>(&pool);
     if (mha == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "CPU attention needs an MHA KV pool");
@@ -49,14 +55,62 @@ Status validate_view(const BatchView& view, const kv::KVPool& pool, const LayerS
     return {};
 }
 
+Status check_rows(const ForwardArgs& args, const BatchView& view) {
+    const int64_t n = view.num_tokens;
+    if (n == 0) return {};
+    if (args.q.empty() || args.out.empty()) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "null q or out");
+    }
+    struct Rows {
+        const char* name;
+        runtime::ConstTensorView view;
+        bool used;
+    };
+    const bool save = args.save_kv_cache;
+    for (const Rows& r :
+         {Rows{"q", args.q, true}, Rows{"out", args.out, true}, Rows{"k", args.k, save},
+          Rows{"v", args.v, save}, Rows{"out_cache_loc", args.out_cache_loc, save}}) {
+        if (r.used && !r.view.empty() && r.view.size(0) < n) {
+            return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                               "{}: {} rows, but the metadata describes {} new tokens", r.name,
+                               r.view.size(0), n);
+        }
+    }
+    return {};
+}
+
 Status write_kv(const ForwardArgs& args, const BatchView& view) {
     auto* mha = dynamic_cast<kv::MHATokenToKVPool*>(args.pool);
     if (mha == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "CPU attention needs an MHA KV pool");
     if (view.num_tokens == 0) return {};
-    if (args.k == nullptr || args.v == nullptr || args.out_cache_loc == nullptr) {
+    if (args.k.empty() || args.v.empty() || args.out_cache_loc.empty()) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "save_kv_cache with null k, v or out_cache_loc");
     }
-    return mha->set_kv_buffer(args.layer.layer_id, args.out_cache_loc, view.num_tokens, args.k, args.v);
+    const int64_t n = view.num_tokens;  // <= every view's rows (check_rows)
+    return mha->set_kv_buffer(args.layer.layer_id, leading_rows(args.out_cache_loc, n),
+                              leading_rows(args.k, n), leading_rows(args.v, n));
+}
+
+void widen_q(const ForwardArgs& args, int64_t num_tokens, Fp32Activations& staged) {
+    const int hq = args.layer.num_q_heads;
+    const size_t q_elems = static_cast<size_t>(num_tokens) * static_cast<size_t>(hq) *
+                           static_cast<size_t>(args.layer.head_dim);
+    const size_t out_elems = static_cast<size_t>(num_tokens) * static_cast<size_t>(hq) *
+                             static_cast<size_t>(v_dim(args.layer));
+    staged.q_buf.resize(q_elems);
+    staged.out_buf.assign(out_elems, 0.f);
+    const bf16_t* q = args.q.as<bf16_t>();
+    for (size_t i = 0; i < q_elems; ++i) staged.q_buf[i] = bf16_to_float(q[i]);
+    staged.args = args;
+    staged.args.q = runtime::host_view(static_cast<const float*>(staged.q_buf.data()),
+                                       {num_tokens, hq, args.layer.head_dim});
+    staged.args.out =
+        runtime::host_view(staged.out_buf.data(), {num_tokens, hq, v_dim(args.layer)});
+}
+
+void narrow_out(const Fp32Activations& staged, const ForwardArgs& args) {
+    bf16_t* out = args.out.as<bf16_t>();
+    for (size_t i = 0; i < staged.out_buf.size(); ++i) out[i] = float_to_bf16(staged.out_buf[i]);
 }
 
 }  // namespace pdsim::attn::cpu

@@ -60,8 +60,8 @@ AttnProblem make_problem(const ForwardArgs& args, const BatchView& view) {
     const kv::KVPool& pool = *args.pool;
     AttnProblem p;
     p.view = view;
-    p.q = args.q;
-    p.out = args.out;
+    p.q = args.q.as<float>();
+    p.out = args.out.as<float>();
     p.k_cache = pool.data(args.layer.layer_id, 0);
     p.v_cache = pool.data(args.layer.layer_id, 1);
     p.kv_dtype = pool.dtype();

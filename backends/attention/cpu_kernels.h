@@ -55,6 +55,7 @@ struct AttnProblem {
 };
 
 // Builds the problem of one forward from its arguments and the view read at run time.
+// Precondition: args.q and args.out are fp32 host views (cpu::with_fp32_activations).
 [[nodiscard]] AttnProblem make_problem(const ForwardArgs& args, const BatchView& view);
 
 enum class Isa { kScalar, kAvx2, kAvx512 };

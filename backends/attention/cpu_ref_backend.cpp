@@ -8,6 +8,10 @@
 
 namespace pdsim::attn {
 
+BackendCapabilities CpuRefBackend::capabilities() const {
+    return cpu::cpu_capabilities();
+}
+
 void CpuRefBackend::attend(const ForwardArgs& args, const BatchView& view) {
     const auto& pool = *args.pool;
     const LayerSpec& L = args.layer;
@@ -27,7 +31,7 @@ void CpuRefBackend::attend(const ForwardArgs& args, const BatchView& view) {
             scores.assign(static_cast<size_t>(pos) + 1, 0.0);
             for (int h = 0; h < hq; ++h) {
                 const int kh = h / group;
-                const float* qv = args.q + (static_cast<size_t>(token) * hq + h) * d;
+                const float* qv = args.q.as<float>() + (static_cast<size_t>(token) * hq + h) * d;
                 double mx = -std::numeric_limits<double>::infinity();
                 for (int t = 0; t <= pos; ++t) {
                     const int64_t slot = cpu::kv_slot(view, i, t, ps);
@@ -52,7 +56,7 @@ void CpuRefBackend::attend(const ForwardArgs& args, const BatchView& view) {
                         acc[static_cast<size_t>(e)] += p * cpu::kv_elem(vbase, pool.dtype(), slot, hkv, dv, kh, e);
                     }
                 }
-                float* o = args.out + (static_cast<size_t>(token) * hq + h) * dv;
+                float* o = args.out.as<float>() + (static_cast<size_t>(token) * hq + h) * dv;
                 for (int e = 0; e < dv; ++e) o[e] = static_cast<float>(acc[static_cast<size_t>(e)] / sum);
             }
         }
@@ -72,11 +76,10 @@ Status CpuRefBackend::enqueue(const ForwardArgs& args) {
                                args.bs, view.bs);
         }
         PDSIM_RETURN_IF_ERROR(cpu::validate_view(view, *args.pool, args.layer));
+        PDSIM_RETURN_IF_ERROR(cpu::check_rows(args, view));
         if (args.save_kv_cache) PDSIM_RETURN_IF_ERROR(cpu::write_kv(args, view));
-        if (view.num_tokens > 0 && (args.q == nullptr || args.out == nullptr)) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument, "null q or out");
-        }
-        attend(args, view);
+        cpu::with_fp32_activations(args, view.num_tokens,
+                                   [&view](const ForwardArgs& f) { attend(f, view); });
         return Status();
     });
 }

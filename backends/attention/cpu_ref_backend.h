@@ -1,5 +1,7 @@
 // cpu_ref: the oracle attention backend. Plain loops, fp64 accumulation, no tiling, no threads:
-// slow and obviously correct. Every other backend is tested against it.
+// slow and obviously correct. Every other backend is tested against it. Accepts what
+// cpu::cpu_capabilities() declares: fp32 or bf16 activations (bf16 q is widened to fp32, the
+// output rounded to bf16), fp32 or bf16 KV, host memory.
 #pragma once
 
 #include "backends/attention/attention_backend.h"
@@ -10,10 +12,12 @@ class CpuRefBackend final : public AttentionBackend {
 public:
     explicit CpuRefBackend(const AttentionConfig& config) : AttentionBackend(config) {}
     [[nodiscard]] std::string name() const override { return "cpu_ref"; }
+    [[nodiscard]] BackendCapabilities capabilities() const override;
     [[nodiscard]] bool support_kv_cache_prewrite(std::optional<ForwardMode>) const override { return true; }
 
     // The kernel itself, runnable inline (the oracle for tests): attention of every query of `view`
-    // over the paged KV of args.pool, written to args.out. No KV write, no validation.
+    // over the paged KV of args.pool, written to args.out. No KV write, no validation; q and out
+    // must be fp32 host views of at least view.num_tokens rows.
     static void attend(const ForwardArgs& args, const BatchView& view);
 
 protected:

@@ -8,9 +8,9 @@
 
 namespace pdsim::kv {
 
-size_t dtype_size(KVDtype dtype) { return dtype == KVDtype::kF32 ? 4 : 2; }
-
-std::string_view dtype_name(KVDtype dtype) { return dtype == KVDtype::kF32 ? "fp32" : "bf16"; }
+bool is_pool_dtype(runtime::DType dtype) {
+    return dtype == KVDtype::kF32 || dtype == KVDtype::kBF16;
+}
 
 StatusOr<KVDtype> parse_dtype(std::string_view text) {
     if (text == "fp32" || text == "float32") return KVDtype::kF32;
@@ -77,14 +77,19 @@ bool PageAllocator::is_allocated(int32_t page) const {
 
 // ---------------------------------------------------------------------------------------------
 KVPool::KVPool(int num_layers, int num_pages, int page_size, KVDtype dtype, runtime::Device device,
-               std::vector<int> token_elems)
+               std::vector<BufferShape> buffers)
     : num_layers_(num_layers),
       num_pages_(num_pages),
       page_size_(page_size),
       dtype_(dtype),
       device_(device),
-      buffer_count_(static_cast<int>(token_elems.size())),
-      token_elems_(std::move(token_elems)),
+      buffer_count_(static_cast<int>(buffers.size())),
+      shapes_(std::move(buffers)),
+      token_elems_([this] {
+          std::vector<int> elems;
+          for (const BufferShape& b : shapes_) elems.push_back(b.heads * b.dim);
+          return elems;
+      }()),
       allocator_(std::max(num_pages, 1)) {}
 
 Status KVPool::allocate_buffers() {
@@ -102,6 +107,34 @@ Status KVPool::allocate_buffers() {
 void* KVPool::data(int layer, int buf) const {
     PDSIM_CHECK(layer >= 0 && layer < num_layers_ && buf >= 0 && buf < buffer_count_);
     return buffers_[static_cast<size_t>(layer * buffer_count_ + buf)].data();
+}
+
+StatusOr<runtime::TensorView> KVPool::buffer_view(int layer, int buf) const {
+    if (layer < 0 || layer >= num_layers_) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "layer {} out of range [0, {})", layer,
+                           num_layers_);
+    }
+    if (buf < 0 || buf >= buffer_count_) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "buf {} out of range [0, {})", buf,
+                           buffer_count_);
+    }
+    const BufferShape& bs = shapes_[static_cast<size_t>(buf)];
+    return runtime::make_view(data(layer, buf), dtype_, device_,
+                              {num_pages_, page_size_, bs.heads, bs.dim});
+}
+
+StatusOr<KVLayerView> KVPool::layer_view(int layer) const {
+    KVLayerView v;
+    v.layer = layer;
+    v.dtype = dtype_;
+    v.device = device_;
+    v.num_pages = num_pages_;
+    v.page_size = page_size_;
+    PDSIM_ASSIGN_OR_RETURN(v.k, buffer_view(layer, 0));
+    if (buffer_count_ > 1) {
+        PDSIM_ASSIGN_OR_RETURN(v.v, buffer_view(layer, 1));
+    }
+    return v;
 }
 
 size_t KVPool::token_bytes(int /*layer*/, int buf) const {
@@ -124,6 +157,62 @@ Status KVPool::check_loc(int64_t loc) const {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "KV slot {} out of range [0, {})", loc, slots);
     }
     return {};
+}
+
+StatusOr<int64_t> KVPool::check_host_write(std::string_view op, int layer,
+                                           const runtime::ConstTensorView& locs) const {
+    if (device_.kind != runtime::DeviceKind::kCpu) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{} on a {} pool from the host", op,
+                           runtime::device_kind_name(device_.kind));
+    }
+    if (layer < 0 || layer >= num_layers_) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "layer {} out of range [0, {})", layer,
+                           num_layers_);
+    }
+    PDSIM_RETURN_IF_ERROR(runtime::check_view(
+        locs, "locs", {.dtypes = {runtime::DType::kI32}, .shape = {-1}, .allow_null = true}));
+    if (locs.empty()) {
+        if (locs.rank == 1 && locs.size(0) == 0) return int64_t{0};
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "locs: null data pointer");
+    }
+    const int32_t* l = locs.as<int32_t>();
+    for (int64_t i = 0; i < locs.size(0); ++i) {
+        Status st = check_loc(l[i]);
+        if (!st.ok()) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "locs[{}]: KV slot {} out of range [0, {})", i, l[i],
+                               static_cast<int64_t>(num_pages_) * page_size_);
+        }
+    }
+    return locs.size(0);
+}
+
+void KVPool::write_rows(int layer, int buf, const runtime::ConstTensorView& locs,
+                        const runtime::ConstTensorView& src) {
+    const int64_t n = locs.size(0);
+    if (n == 0) return;
+    const int32_t* l = locs.as<int32_t>();
+    const size_t elems = static_cast<size_t>(token_elems_[static_cast<size_t>(buf)]);
+    const size_t tb = token_bytes(layer, buf);
+    char* base = static_cast<char*>(data(layer, buf));
+    if (src.dtype == dtype_) {  // same type: bits copied (fp32 -> fp32, bf16 -> bf16)
+        const char* from = static_cast<const char*>(src.data);
+        for (int64_t i = 0; i < n; ++i) {
+            std::memcpy(base + static_cast<size_t>(l[i]) * tb, from + static_cast<size_t>(i) * tb,
+                        tb);
+        }
+    } else if (src.dtype == KVDtype::kF32) {  // fp32 -> bf16 pool
+        const float* from = src.as<float>();
+        for (int64_t i = 0; i < n; ++i)
+            write_token(layer, buf, l[i], from + static_cast<size_t>(i) * elems);
+    } else {  // bf16 -> fp32 pool
+        const bf16_t* from = src.as<bf16_t>();
+        for (int64_t i = 0; i < n; ++i) {
+            auto* dst = reinterpret_cast<float*>(base + static_cast<size_t>(l[i]) * tb);
+            const bf16_t* row = from + static_cast<size_t>(i) * elems;
+            for (size_t e = 0; e < elems; ++e) dst[e] = bf16_to_float(row[e]);
+        }
+    }
 }
 
 void KVPool::write_token(int layer, int buf, int64_t loc, const float* src) {
@@ -156,7 +245,12 @@ Status KVPool::fill(int byte) {
 
 // ---------------------------------------------------------------------------------------------
 namespace {
-Status validate_common(int num_layers, int num_pages, int page_size) {
+Status validate_common(int num_layers, int num_pages, int page_size, KVDtype dtype) {
+    if (!is_pool_dtype(dtype)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "dtype {} is not a KV pool dtype (expected fp32 or bf16)",
+                           runtime::dtype_name(dtype));
+    }
     if (num_layers < 1) return PDSIM_ERROR(StatusCode::kInvalidArgument, "num_layers {} < 1", num_layers);
     if (num_pages < 2) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "num_pages {} < 2 (page 0 is the null page)", num_pages);
@@ -168,13 +262,13 @@ Status validate_common(int num_layers, int num_pages, int page_size) {
 
 MHATokenToKVPool::MHATokenToKVPool(const MHAPoolConfig& cfg)
     : KVPool(cfg.num_layers, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device,
-             {cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.v_head_dim}),
+             {{cfg.num_kv_heads, cfg.head_dim}, {cfg.num_kv_heads, cfg.v_head_dim}}),
       cfg_(cfg) {}
 
 StatusOr<std::unique_ptr<MHATokenToKVPool>> MHATokenToKVPool::create(const MHAPoolConfig& in) {
     MHAPoolConfig cfg = in;
     if (cfg.v_head_dim == 0) cfg.v_head_dim = cfg.head_dim;
-    PDSIM_RETURN_IF_ERROR(validate_common(cfg.num_layers, cfg.num_pages, cfg.page_size));
+    PDSIM_RETURN_IF_ERROR(validate_common(cfg.num_layers, cfg.num_pages, cfg.page_size, cfg.dtype));
     if (cfg.num_kv_heads < 1 || cfg.head_dim < 1 || cfg.v_head_dim < 1) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "num_kv_heads {} / head_dim {} / v_head_dim {} must be >= 1",
                            cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim);
@@ -184,32 +278,31 @@ StatusOr<std::unique_ptr<MHATokenToKVPool>> MHATokenToKVPool::create(const MHAPo
     return pool;
 }
 
-Status MHATokenToKVPool::set_kv_buffer(int layer, const int32_t* locs, int n, const float* k,
-                                       const float* v) {
-    if (device().kind != runtime::DeviceKind::kCpu) {
-        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "set_kv_buffer on a {} pool from the host",
-                           runtime::device_kind_name(device().kind));
-    }
-    if (layer < 0 || layer >= num_layers()) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "layer {} out of range [0, {})", layer, num_layers());
-    }
-    for (int i = 0; i < n; ++i) PDSIM_RETURN_IF_ERROR(check_loc(locs[i]));
-    const size_t ke = static_cast<size_t>(token_elems(0));
-    const size_t ve = static_cast<size_t>(token_elems(1));
-    for (int i = 0; i < n; ++i) {
-        write_token(layer, 0, locs[i], k + static_cast<size_t>(i) * ke);
-        write_token(layer, 1, locs[i], v + static_cast<size_t>(i) * ve);
-    }
+Status MHATokenToKVPool::set_kv_buffer(int layer, const runtime::ConstTensorView& locs,
+                                       const runtime::ConstTensorView& k,
+                                       const runtime::ConstTensorView& v) {
+    PDSIM_ASSIGN_OR_RETURN(const int64_t n, check_host_write("set_kv_buffer", layer, locs));
+    const bool none = n == 0;  // zero tokens: k and v may be null
+    PDSIM_RETURN_IF_ERROR(runtime::check_view(k, "k",
+                                              {.dtypes = {KVDtype::kF32, KVDtype::kBF16},
+                                               .shape = {n, cfg_.num_kv_heads, cfg_.head_dim},
+                                               .allow_null = none}));
+    PDSIM_RETURN_IF_ERROR(runtime::check_view(v, "v",
+                                              {.dtypes = {KVDtype::kF32, KVDtype::kBF16},
+                                               .shape = {n, cfg_.num_kv_heads, cfg_.v_head_dim},
+                                               .allow_null = none}));
+    write_rows(layer, 0, locs, k);
+    write_rows(layer, 1, locs, v);
     return {};
 }
 
 MLATokenToKVPool::MLATokenToKVPool(const MLAPoolConfig& cfg)
     : KVPool(cfg.num_layers, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device,
-             {cfg.kv_lora_rank + cfg.rope_dim}),
+             {{1, cfg.kv_lora_rank + cfg.rope_dim}}),
       cfg_(cfg) {}
 
 StatusOr<std::unique_ptr<MLATokenToKVPool>> MLATokenToKVPool::create(const MLAPoolConfig& cfg) {
-    PDSIM_RETURN_IF_ERROR(validate_common(cfg.num_layers, cfg.num_pages, cfg.page_size));
+    PDSIM_RETURN_IF_ERROR(validate_common(cfg.num_layers, cfg.num_pages, cfg.page_size, cfg.dtype));
     if (cfg.kv_lora_rank < 1 || cfg.rope_dim < 0) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "kv_lora_rank {} / rope_dim {} invalid",
                            cfg.kv_lora_rank, cfg.rope_dim);
@@ -219,16 +312,14 @@ StatusOr<std::unique_ptr<MLATokenToKVPool>> MLATokenToKVPool::create(const MLAPo
     return pool;
 }
 
-Status MLATokenToKVPool::set_mla_kv_buffer(int layer, const int32_t* locs, int n, const float* kv) {
-    if (device().kind != runtime::DeviceKind::kCpu) {
-        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "set_mla_kv_buffer on a non-CPU pool from the host");
-    }
-    if (layer < 0 || layer >= num_layers()) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "layer {} out of range [0, {})", layer, num_layers());
-    }
-    for (int i = 0; i < n; ++i) PDSIM_RETURN_IF_ERROR(check_loc(locs[i]));
-    const size_t e = static_cast<size_t>(token_elems(0));
-    for (int i = 0; i < n; ++i) write_token(layer, 0, locs[i], kv + static_cast<size_t>(i) * e);
+Status MLATokenToKVPool::set_mla_kv_buffer(int layer, const runtime::ConstTensorView& locs,
+                                           const runtime::ConstTensorView& kv) {
+    PDSIM_ASSIGN_OR_RETURN(const int64_t n, check_host_write("set_mla_kv_buffer", layer, locs));
+    PDSIM_RETURN_IF_ERROR(runtime::check_view(kv, "kv",
+                                              {.dtypes = {KVDtype::kF32, KVDtype::kBF16},
+                                               .shape = {n, cfg_.kv_lora_rank + cfg_.rope_dim},
+                                               .allow_null = n == 0}));
+    write_rows(layer, 0, locs, kv);
     return {};
 }
 

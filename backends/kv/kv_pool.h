@@ -1,18 +1,30 @@
 // Paged KV-cache pools.
 //
-// MHATokenToKVPool: per layer a K and a V buffer laid out [num_pages][page_size][kv_heads][head_dim].
-// MLATokenToKVPool: per layer one buffer [num_pages][page_size][kv_lora_rank + rope_dim].
-// Both expose buffer_count(), data(layer, buf) and page_bytes(layer, buf), so the transfer engine
-// addresses page p of a buffer as data(layer, buf) + p * page_bytes(layer, buf), and a token slot
-// `loc` (= page * page_size + offset) as data + loc * token_bytes.
+// MHATokenToKVPool: per layer a K and a V buffer laid out
+// [num_pages][page_size][kv_heads][head_dim]. MLATokenToKVPool: per layer one buffer
+// [num_pages][page_size][kv_lora_rank + rope_dim]. Both expose buffer_count(), data(layer, buf) and
+// page_bytes(layer, buf), so the transfer engine addresses page p of a buffer as data(layer, buf) +
+// p * page_bytes(layer, buf), and a token slot `loc` (= page * page_size + offset) as data + loc *
+// token_bytes.
+//
+// Kernels. layer_view(layer) describes one layer's buffers as typed views (runtime::TensorView:
+// base pointer, dtype, device, shape and element strides), so a device kernel addresses the pool
+// without reaching into it: element e of head h of slot `loc` of K is at
+// k.data + (loc / page_size) * k.stride(0) + (loc % page_size) * k.stride(1) + h * k.stride(2) + e.
+//
+// Dtype. A pool's element type is a runtime::DType (kv::KVDtype is the same type); pools support
+// fp32 and bf16. The host write helpers take typed views (fp32 or bf16 sources, converted to the
+// pool's dtype with round-to-nearest-even) and an int32 view of the slots.
 //
 // Pages are handed out by a PageAllocator; page 0 is never handed out (the null hole that padded
 // tokens write to), so the usable capacity is num_pages - 1.
 //
-// Ownership: a pool owns its buffers (on the configured device). Thread-safety: the allocator is
-// internally synchronized; buffer contents follow stream order (writers are kernels on the compute
-// stream). The host-side write/read helpers touch CPU memory directly and are meant to run inside
-// stream tasks (or after a synchronize).
+// Ownership: a pool owns its buffers (on the configured device); views from layer_view() borrow
+// them and are valid while the pool lives. Thread-safety: the allocator is internally
+// synchronized; buffer contents follow stream order (writers are kernels on the compute stream).
+// The host-side write/read helpers touch CPU memory directly and are meant to run inside stream
+// tasks (or after a synchronize); on a pool in device memory they fail with kFailedPrecondition
+// (a device backend writes its KV with a kernel).
 #pragma once
 
 #include <cstdint>
@@ -22,15 +34,35 @@
 #include <vector>
 
 #include "backends/runtime/device.h"
+#include "backends/runtime/tensor.h"
 #include "common/status.h"
 
 namespace pdsim::kv {
 
-enum class KVDtype { kF32, kBF16 };
+// The pool's element type: a runtime::DType, of which pools support kF32 and kBF16.
+using KVDtype = runtime::DType;
 
-[[nodiscard]] size_t dtype_size(KVDtype dtype);
-[[nodiscard]] std::string_view dtype_name(KVDtype dtype);
-[[nodiscard]] StatusOr<KVDtype> parse_dtype(std::string_view text);  // "fp32" | "bf16"
+using runtime::dtype_name;  // "fp32", "bf16", ...
+using runtime::dtype_size;  // bytes per element
+// "fp32" | "float32" | "bf16" | "bfloat16"; anything else (including dtypes that are valid
+// runtime::DTypes but not pool dtypes, e.g. "fp16") is kInvalidArgument.
+[[nodiscard]] StatusOr<KVDtype> parse_dtype(std::string_view text);
+// True for the dtypes a pool can hold (kF32, kBF16).
+[[nodiscard]] bool is_pool_dtype(runtime::DType dtype);
+
+// One layer of a pool as a kernel addresses it (see the file comment). Borrowed views.
+struct KVLayerView {
+    int layer = 0;
+    runtime::DType dtype = runtime::DType::kF32;
+    runtime::Device device{};
+    int num_pages = 0;
+    int page_size = 0;
+    // MHA: K [num_pages][page_size][num_kv_heads][head_dim].
+    // MLA: the latent buffer [num_pages][page_size][1][kv_lora_rank + rope_dim].
+    runtime::TensorView k;
+    // MHA: V [num_pages][page_size][num_kv_heads][v_head_dim]. MLA: a null view.
+    runtime::TensorView v;
+};
 
 // Hands out page ids in [1, num_pages). Thread-safe.
 class PageAllocator {
@@ -70,6 +102,11 @@ public:
 
     // Base address of buffer `buf` (0 = K or the MLA buffer, 1 = V) of `layer`.
     [[nodiscard]] void* data(int layer, int buf) const;
+    // Buffer `buf` of `layer` as a view [num_pages][page_size][heads][dim] (MLA: heads 1), or
+    // kInvalidArgument naming `layer` / `buf` when out of range.
+    [[nodiscard]] StatusOr<runtime::TensorView> buffer_view(int layer, int buf) const;
+    // Both buffers of `layer` (see KVLayerView), or kInvalidArgument naming `layer`.
+    [[nodiscard]] StatusOr<KVLayerView> layer_view(int layer) const;
     // Elements (of dtype()) one token occupies in buffer `buf`.
     [[nodiscard]] int token_elems(int buf) const { return token_elems_[buf]; }
     [[nodiscard]] size_t token_bytes(int layer, int buf) const;
@@ -80,7 +117,8 @@ public:
     [[nodiscard]] const PageAllocator& allocator() const { return allocator_; }
 
     // Host helpers for CPU pools: write/read one token slot of buffer `buf` as float (converted
-    // to/from dtype()). `loc` must be in [0, num_pages * page_size).
+    // to/from dtype()). `loc` must be in [0, num_pages * page_size). No validation (callers have
+    // checked layer, buf, loc and that the pool is in host memory).
     void write_token(int layer, int buf, int64_t loc, const float* src);
     void read_token(int layer, int buf, int64_t loc, float* dst) const;
     // Fills every buffer with `byte` (poisoning in tests).
@@ -89,9 +127,23 @@ public:
     [[nodiscard]] Status check_loc(int64_t loc) const;
 
 protected:
+    // Per buffer: heads x dim elements per token.
+    struct BufferShape {
+        int heads = 1;
+        int dim = 0;
+    };
     KVPool(int num_layers, int num_pages, int page_size, KVDtype dtype, runtime::Device device,
-           std::vector<int> token_elems);
+           std::vector<BufferShape> buffers);
     [[nodiscard]] Status allocate_buffers();
+    // The checks every host write helper makes before writing anything: the pool is in host
+    // memory (else kFailedPrecondition naming `op`), `layer` in range, `locs` an int32 host view
+    // [n] of valid slots (kInvalidArgument naming the argument). Returns n.
+    [[nodiscard]] StatusOr<int64_t> check_host_write(std::string_view op, int layer,
+                                                     const runtime::ConstTensorView& locs) const;
+    // Writes row i of `src` (n rows of token_elems(buf) elements, fp32 or bf16, contiguous,
+    // checked) to slot locs[i], for every i (bf16 into a bf16 pool: bits copied; else converted).
+    void write_rows(int layer, int buf, const runtime::ConstTensorView& locs,
+                    const runtime::ConstTensorView& src);
 
 private:
     const int num_layers_;
@@ -100,6 +152,7 @@ private:
     const KVDtype dtype_;
     const runtime::Device device_;
     const int buffer_count_;
+    const std::vector<BufferShape> shapes_;
     const std::vector<int> token_elems_;
     std::vector<runtime::DeviceBuffer> buffers_;  // [layer * buffer_count + buf]
     PageAllocator allocator_;
@@ -112,7 +165,7 @@ struct MHAPoolConfig {
     int num_kv_heads = 1;
     int head_dim = 64;
     int v_head_dim = 0;  // 0: same as head_dim
-    KVDtype dtype = KVDtype::kF32;
+    KVDtype dtype = KVDtype::kF32;  // kF32 or kBF16
     runtime::Device device{};
 };
 
@@ -126,10 +179,15 @@ public:
     [[nodiscard]] void* k_data(int layer) const { return data(layer, 0); }
     [[nodiscard]] void* v_data(int layer) const { return data(layer, 1); }
 
-    // Writes n tokens' K and V ([n][kv_heads][head_dim] floats) into slots locs[0..n) of `layer`
-    // (CPU pools). Returns kInvalidArgument on a bad slot, before writing anything.
-    [[nodiscard]] Status set_kv_buffer(int layer, const int32_t* locs, int n, const float* k,
-                                       const float* v);
+    // Writes n tokens' K and V into slots locs[0..n) of `layer`, converting to dtype():
+    //   locs  int32 [n]
+    //   k     fp32 or bf16 [n][num_kv_heads][head_dim], contiguous
+    //   v     fp32 or bf16 [n][num_kv_heads][v_head_dim], contiguous
+    // all in host memory. A pool in device memory is kFailedPrecondition; a bad layer, slot or
+    // view is kInvalidArgument naming it. Nothing is written unless every check passes.
+    [[nodiscard]] Status set_kv_buffer(int layer, const runtime::ConstTensorView& locs,
+                                       const runtime::ConstTensorView& k,
+                                       const runtime::ConstTensorView& v);
 
 private:
     explicit MHATokenToKVPool(const MHAPoolConfig& cfg);
@@ -142,7 +200,7 @@ struct MLAPoolConfig {
     int page_size = 64;
     int kv_lora_rank = 512;
     int rope_dim = 64;
-    KVDtype dtype = KVDtype::kBF16;
+    KVDtype dtype = KVDtype::kBF16;  // kF32 or kBF16
     runtime::Device device{};
 };
 
@@ -153,8 +211,11 @@ public:
     [[nodiscard]] int kv_lora_rank() const { return cfg_.kv_lora_rank; }
     [[nodiscard]] int rope_dim() const { return cfg_.rope_dim; }
 
-    // Writes n tokens' latent KV ([n][kv_lora_rank + rope_dim] floats) into slots locs[0..n).
-    [[nodiscard]] Status set_mla_kv_buffer(int layer, const int32_t* locs, int n, const float* kv);
+    // Writes n tokens' latent KV into slots locs[0..n) of `layer`, converting to dtype():
+    //   locs  int32 [n];   kv  fp32 or bf16 [n][kv_lora_rank + rope_dim], contiguous;
+    // in host memory. Errors as set_kv_buffer's.
+    [[nodiscard]] Status set_mla_kv_buffer(int layer, const runtime::ConstTensorView& locs,
+                                           const runtime::ConstTensorView& kv);
 
 private:
     explicit MLATokenToKVPool(const MLAPoolConfig& cfg);

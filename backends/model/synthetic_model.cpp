@@ -346,16 +346,25 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
             return Status();
         }));
         const attn::LayerSpec spec = layer_spec(l);
+        // This forward's rows of the workspace, as the backend's views ([T][heads][D], fp32, host).
+        const runtime::ConstTensorView q =
+            runtime::host_view(static_cast<const float*>(q_.data()), {T, hq_, D});
+        const runtime::ConstTensorView k =
+            runtime::host_view(static_cast<const float*>(k_.data()), {T, hkv_, D});
+        const runtime::ConstTensorView v =
+            runtime::host_view(static_cast<const float*>(v_.data()), {T, hkv_, D});
+        const runtime::TensorView out = runtime::host_view(attn_.data(), {T, hq_, D});
+        const runtime::ConstTensorView locs =
+            runtime::host_view(static_cast<const int32_t*>(staged->out_cache_loc.data()), {T});
         if (!save_kv_cache) {
             // Fused-prewrite path: the KV lands before the attention call, which then records first.
             auto* mha = dynamic_cast<kv::MHATokenToKVPool*>(&pool);
             if (mha == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "prewrite needs an MHA pool");
-            PDSIM_RETURN_IF_ERROR(stream.enqueue([this, mha, l, T, staged] {
-                return mha->set_kv_buffer(l, staged->out_cache_loc.data(), T, k_.data(), v_.data());
-            }));
+            PDSIM_RETURN_IF_ERROR(stream.enqueue(
+                [mha, l, locs, k, v, staged] { return mha->set_kv_buffer(l, locs, k, v); }));
         }
-        PDSIM_RETURN_IF_ERROR(backend.forward(q_.data(), k_.data(), v_.data(), spec, staged->out_cache_loc.data(), pool,
-                                              batch.mode, bs, attn_.data(), save_kv_cache));
+        PDSIM_RETURN_IF_ERROR(
+            backend.forward(q, k, v, spec, locs, pool, batch.mode, bs, out, save_kv_cache));
         PDSIM_RETURN_IF_ERROR(stream.enqueue([this, l, T, H, D, qs, is, ns, reduce_into_h] {
             const Layer& L = layers_[static_cast<size_t>(l)];
             const size_t pstride = static_cast<size_t>(max_tokens_) * H;

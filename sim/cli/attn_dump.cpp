@@ -1,5 +1,6 @@
 // pdsim attn-dump: one random paged-attention case, run through a backend, written as .npy files
-// (layout in docs and DESIGN.md) so any backend can be cross-checked against NumPy or PyTorch.
+// (layout: docs/design.md "attn-dump") so any backend can be cross-checked against NumPy or
+// PyTorch.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -124,8 +125,13 @@ Status run_attn_dump(const AttnDumpOptions& o) {
     fb.page_table_stride = max_pages;
     PDSIM_RETURN_IF_ERROR(backend->init_forward_metadata(fb));
     attn::LayerSpec layer{0, o.q_heads, o.kv_heads, o.head_dim, 0, 0.f};
-    PDSIM_RETURN_IF_ERROR(backend->forward(q.data(), k.data(), v.data(), layer, locs.data(), *pool, mode, bs,
-                                           out.data()));
+    const int64_t n = num_tokens;
+    PDSIM_RETURN_IF_ERROR(backend->forward(
+        runtime::host_view(static_cast<const float*>(q.data()), {n, o.q_heads, o.head_dim}),
+        runtime::host_view(static_cast<const float*>(k.data()), {n, o.kv_heads, o.head_dim}),
+        runtime::host_view(static_cast<const float*>(v.data()), {n, o.kv_heads, o.head_dim}), layer,
+        runtime::host_view(static_cast<const int32_t*>(locs.data()), {n}), *pool, mode, bs,
+        runtime::host_view(out.data(), {n, o.q_heads, o.head_dim})));
     PDSIM_RETURN_IF_ERROR(stream.synchronize());
 
     std::error_code ec;

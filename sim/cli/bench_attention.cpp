@@ -1,5 +1,5 @@
 // pdsim bench attention: the `cpu` attention backend's decode and extend throughput, each against a
-// baseline measured in the same run, on the same number of threads (DESIGN.md "Performance
+// baseline measured in the same run, on the same number of threads (docs/design.md "Performance
 // targets", "bench JSON").
 //
 //   decode  GB/s = KV bytes read (sum over requests of seq_len * kv_heads * (head_dim + v_head_dim)
@@ -152,9 +152,12 @@ Status set_batch(attn::AttentionBackend& backend, AttnCase& c, bool shuffled) {
 Status run_forward(attn::AttentionBackend& backend, runtime::Stream& stream, AttnCase& c,
                    const BenchAttentionOptions& o) {
     const attn::LayerSpec layer{0, o.q_heads, o.kv_heads, o.head_dim, 0, 0.f};
-    PDSIM_RETURN_IF_ERROR(backend.forward(c.q.data(), nullptr, nullptr, layer, nullptr, *c.pool,
-                                          c.mode, static_cast<int>(c.seq_lens.size()), c.out.data(),
-                                          /*save_kv_cache=*/false));
+    const int64_t n = c.num_tokens;
+    PDSIM_RETURN_IF_ERROR(backend.forward(
+        runtime::host_view(static_cast<const float*>(c.q.data()), {n, o.q_heads, o.head_dim}), {},
+        {}, layer, {}, *c.pool, c.mode, static_cast<int>(c.seq_lens.size()),
+        runtime::host_view(c.out.data(), {n, o.q_heads, o.head_dim}),
+        /*save_kv_cache=*/false));
     return stream.synchronize();
 }
 

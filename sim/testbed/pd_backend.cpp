@@ -79,9 +79,15 @@ Status PdAttentionBackend::enqueue_checksums(const attn::ForwardArgs& args) {
     const int hkv = mha->num_kv_heads();
     const int d = mha->head_dim();
     const int dv = mha->v_head_dim() > 0 ? mha->v_head_dim() : d;
+    if (args.k.dtype != runtime::DType::kF32 || args.v.dtype != runtime::DType::kF32 ||
+        args.k.empty() || args.v.empty()) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "checksums need the layer's K and V as fp32 views");
+    }
     const int layer = args.layer.layer_id;
-    return stream().enqueue([validator = opts_.validator, segs = segments_, k = args.k, v = args.v, hkv, d, dv,
-                             layer, head_begin = opts_.head_begin] {
+    return stream().enqueue([validator = opts_.validator, segs = segments_, k = args.k.as<float>(),
+                             v = args.v.as<float>(), hkv, d, dv, layer,
+                             head_begin = opts_.head_begin] {
         for (const BatchSegment& s : *segs) {
             for (int buf = 0; buf < 2; ++buf) {
                 const float* src = buf == 0 ? k : v;
@@ -106,7 +112,7 @@ Status PdAttentionBackend::enqueue_late_write(const attn::ForwardArgs& args) {
     if (segments_ == nullptr) return {};
     int64_t n = 0;
     for (const auto& s : *segments_) n += s.t1 - s.t0;
-    return stream().enqueue([pool = args.pool, locs = args.out_cache_loc, n] {
+    return stream().enqueue([pool = args.pool, locs = args.out_cache_loc.as<int32_t>(), n] {
         std::vector<float> row(static_cast<size_t>(pool->token_elems(0)));
         for (int64_t t = 0; t < n; ++t) {
             pool->read_token(0, 0, locs[t], row.data());

@@ -17,7 +17,7 @@
 // the batch, keyed by token position) and records them in the validator as the expected sums:
 // the truth the sender and receiver compare against. Taking them from the model's output rather
 // than from the pages means a write that misses its slots (stale metadata) is caught too. The
-// pool must be fp32 (a bf16 pool stores rounded bytes).
+// pool and the K/V activations must be fp32 (a bf16 pool stores rounded bytes).
 //
 // Faults on the data itself:
 //   late-write            before the last layer's write, layer 0's K of every token of the
@@ -75,6 +75,9 @@ public:
     ~PdAttentionBackend() override;
 
     [[nodiscard]] std::string name() const override { return inner_->name(); }
+    [[nodiscard]] attn::BackendCapabilities capabilities() const override {
+        return inner_->capabilities();
+    }
     [[nodiscard]] bool support_kv_cache_prewrite(std::optional<attn::ForwardMode> mode) const override {
         return inner_->support_kv_cache_prewrite(mode);
     }
