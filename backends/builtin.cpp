@@ -2,14 +2,18 @@
 // knows which optional parts were compiled in (PDSIM_HAVE_CUDA is a private definition of this
 // file, never seen by a public header).
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "backends/attention/attention_backend.h"
 #include "backends/attention/cpu_backend.h"
 #include "backends/attention/cpu_ref_backend.h"
+#include "backends/pd/step_counter.h"
 #include "backends/runtime/device.h"
 
 #if defined(PDSIM_HAVE_CUDA)
 #include "backends/cuda/cuda_runtime_api.h"
+#include "backends/cuda/device_step_counter.h"
 #endif
 
 namespace pdsim::attn {
@@ -35,3 +39,17 @@ void register_builtin_device_runtimes() {
 }
 
 }  // namespace pdsim::runtime
+
+namespace pdsim::pd {
+
+// The optional StepCounter implementations, installed by its registry on first use
+// (step_counter.cpp; the CPU one is always there).
+std::vector<std::pair<runtime::DeviceKind, StepCounterImplFactory>> builtin_step_counter_impls() {
+    std::vector<std::pair<runtime::DeviceKind, StepCounterImplFactory>> impls;
+#if defined(PDSIM_HAVE_CUDA)
+    impls.emplace_back(runtime::DeviceKind::kCuda, &cuda::make_device_step_counter_impl);
+#endif
+    return impls;
+}
+
+}  // namespace pdsim::pd

@@ -11,12 +11,16 @@
 #                    Libraries above 8 MiB are stored gzip'd (*.gz); gpu_check.sh unpacks them.
 #   .gpu/nccl-stub/  a stand-in libnccl.so.2 for a machine that has none (scripts/nccl_stub.cpp)
 #   .gpu/tests.txt   the cuda test binaries; .gpu/MANIFEST.txt what was built from what
-# Left out on purpose: the driver (libcuda.so.1, libnvidia-*: must be the GPU machine's) and
-# libnccl.so.2 (over 200 MiB: the GPU machine's pip package nvidia-nccl-cu13 provides it).
+#   .gpu/cublas.txt  the cuBLAS libraries the binaries load and the bundle leaves out (sonames)
+# Left out on purpose: the driver (libcuda.so.1, libnvidia-*: must be the GPU machine's),
+# libnccl.so.2 (over 200 MiB: the GPU machine's pip package nvidia-nccl-cu13 provides it) and
+# cuBLAS (libcublas*.so*, about 600 MiB: pip's nvidia-cublas there; gpu_check.sh finds it).
 #
 # Then it checks the bundle here: every binary, run through the bundled loader inside a chroot that
 # holds nothing but the bundle (no /lib, no /usr), must load; the cuda tests must pass or skip
-# (no GPU here: they skip) with the real NCCL and with the stub. Skip that with PDSIM_BUNDLE_VERIFY=0.
+# (no GPU here: they skip) with the real NCCL and with the stub, and with this machine's cuBLAS in
+# its own folder of the chroot (as the GPU machine's comes from outside the bundle). Skip that with
+# PDSIM_BUNDLE_VERIFY=0.
 #
 # Env: PDSIM_JOBS (default 2), CUDA_HOME (default /usr/local/cuda).
 set -euo pipefail
@@ -47,6 +51,7 @@ for t in "${tests[@]}"; do bins+=("$BUILD/tests/$t"); done
 printf '%s\n' "${tests[@]}" >"$BUNDLE/tests.txt"
 
 declare -A libs=()
+declare -A cublas_libs=()  # left out of the bundle: name -> path on this machine
 loader=""
 for b in "${bins[@]}"; do
   install -m 755 "$b" "$BUNDLE/bin/"
@@ -70,6 +75,7 @@ done
 for name in "${!libs[@]}"; do
   case "$name" in
     libcuda.so*|libnvidia-*|libnccl.so*) continue ;;
+    libcublas*.so*) cublas_libs[$name]=${libs[$name]}; continue ;;
   esac
   cp -L "${libs[$name]}" "$BUNDLE/lib/$name"
   if [ "$(stat -c %s "$BUNDLE/lib/$name")" -gt $big ]; then
@@ -80,6 +86,7 @@ done
 c++ -shared -fPIC -O2 -std=c++17 -I"$CUDA_HOME/include" -Wl,--as-needed \
   -Wl,-soname,libnccl.so.2 -o "$BUNDLE/nccl-stub/libnccl.so.2" scripts/nccl_stub.cpp
 strip --strip-unneeded "$BUNDLE/nccl-stub/libnccl.so.2"
+for name in "${!cublas_libs[@]}"; do echo "$name"; done | sort >"$BUNDLE/cublas.txt"
 
 {
   echo "pdsim GPU bundle"
@@ -88,6 +95,7 @@ strip --strip-unneeded "$BUNDLE/nccl-stub/libnccl.so.2"
   echo "cuda: $("$CUDA_HOME/bin/nvcc" --version | tail -1); archs: 90"
   grep -E "^-- +(CUDA|NCCL) +:" "$BUILD/configure.log" | sed 's/^-- *//'
   echo "tests: ${tests[*]}"
+  echo "left out, from the GPU machine: libcuda.so.1, libnccl.so.2$(sed 's/^/, /' "$BUNDLE/cublas.txt" | tr -d '\n')"
   echo "files:"
   (cd "$BUNDLE" && find . -type f ! -name MANIFEST.txt -printf '  %p %s\n' | sort)
 } >"$BUNDLE/MANIFEST.txt"
@@ -99,17 +107,23 @@ echo "== verify: each binary in a chroot holding only the bundle"
 jail=$(mktemp -d /tmp/pdsim-gpu-jail.XXXXXX)
 trap 'rm -rf "$jail"' EXIT
 cp -a "$BUNDLE" "$jail/gpu"
-mkdir -p "$jail/tmp" "$jail/nccl"
+mkdir -p "$jail/tmp" "$jail/nccl" "$jail/cublas"
 for f in "$jail"/gpu/lib/*.gz; do
   if [ -e "$f" ]; then gzip -d "$f"; fi
 done
 nccl_real=$(ldd "$BUILD/sim/pdsim" | sed -n 's/.*libnccl.so.2 => \([^ ]*\).*/\1/p')
 if [ -n "$nccl_real" ]; then cp -L "$nccl_real" "$jail/nccl/libnccl.so.2"; fi
+# This machine's cuBLAS stands in for the GPU machine's: a hard link where the jail shares the
+# file system (cuBLASLt alone is over 500 MiB), else a copy.
+for name in "${!cublas_libs[@]}"; do
+  real=$(readlink -f "${cublas_libs[$name]}")
+  ln "$real" "$jail/cublas/$name" 2>/dev/null || cp -L "$real" "$jail/cublas/$name"
+done
 fail=0
 jrun() {  # jrun <nccl dir in the jail> <binary> [args...]: run in the jail via the bundled loader
   local nccl=$1; shift
   chroot "$jail" /gpu/lib/ld-linux-x86-64.so.2 --inhibit-cache \
-    --library-path "/gpu/lib:$nccl" "/gpu/bin/$1" "${@:2}"
+    --library-path "/gpu/lib:$nccl:/cublas" "/gpu/bin/$1" "${@:2}"
 }
 for nccl in /nccl /gpu/nccl-stub; do
   [ "$nccl" = /nccl ] && [ -z "$nccl_real" ] && continue
@@ -135,11 +149,12 @@ for nccl in /nccl /gpu/nccl-stub; do
   done
 done
 # Outside the jail: which files the loader actually opened must all be the bundle's.
+# (cuBLAS comes from the jail's /cublas, the stand-in for the GPU machine's.)
 stray=$(LD_DEBUG=libs "$BUNDLE/lib/ld-linux-x86-64.so.2" --inhibit-cache \
-          --library-path "$jail/gpu/lib:$BUNDLE/nccl-stub" "$BUNDLE/bin/${tests[0]}" \
+          --library-path "$jail/gpu/lib:$BUNDLE/nccl-stub:$jail/cublas" "$BUNDLE/bin/${tests[0]}" \
           --gtest_list_tests 2>&1 >/dev/null | sed -n 's/.*calling init: //p' \
-          | grep -v -e "^$jail/gpu/lib/" -e "^$BUNDLE/" || true)
+          | grep -v -e "^$jail/gpu/lib/" -e "^$BUNDLE/" -e "^$jail/cublas/" || true)
 if [ -n "$stray" ]; then echo "FAIL loaded from outside the bundle: $stray"; fail=1
-else echo "ok   LD_DEBUG: every library ${tests[0]} loads comes from the bundle"; fi
+else echo "ok   LD_DEBUG: every library ${tests[0]} loads comes from the bundle (cuBLAS: its stand-in)"; fi
 if [ $fail -ne 0 ]; then echo "== bundle verification FAILED"; exit 1; fi
 echo "== bundle verified"

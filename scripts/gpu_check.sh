@@ -7,13 +7,17 @@
 # tests in build/gpu; otherwise it uses the bundle .gpu/ made by scripts/gpu_bundle.sh on another
 # machine, started through the bundle's own loader so it runs on any glibc. It installs nothing.
 # It finds the driver's libcuda.so.1 and a libnccl.so.2 (pip nvidia-nccl-cu13, ldconfig, CUDA
-# dirs) itself; with no NCCL the bundle's stub stands in and the nccl tests skip.
+# dirs) itself; with no NCCL the bundle's stub stands in and the nccl tests skip. The bundle leaves
+# cuBLAS out too (.gpu/cublas.txt names what its binaries load, e.g. libcublasLt.so.13): it is
+# found in pip's nvidia-cublas (nvidia/cu13/lib, nvidia/cublas/lib), ldconfig or /usr/local/cuda*;
+# without it the binaries that link cuBLAS do not load, and the table says so.
 #
 # Writes to $OUT (default out/), at most 6 files: summary.md, env.txt (what it found),
 # build.log (when it tried to build), tests.log (all gtest output), bench.log, bench_cuda_ipc.json.
 # Env: PDSIM_GPU_MODE=auto|build|bundle (auto), PDSIM_GPU_BUILD_DIR (build/gpu),
 #      PDSIM_GPU_CHECK_BUDGET_S (270: the whole run),
-#      PDSIM_NCCL_DIR / PDSIM_CUDA_DRIVER_DIR (a folder to try first; "none": do not search),
+#      PDSIM_NCCL_DIR / PDSIM_CUDA_DRIVER_DIR / PDSIM_CUBLAS_DIR (a folder to try first; "none":
+#      do not search),
 #      PDSIM_GPU_BENCH_ARGS (extra bench arguments, e.g. "--sizes 1M,64M --reps 3").
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -125,6 +129,59 @@ NCCL_DIR=""
 if [ -n "$NCCL_DIR" ]; then say "== libnccl.so.2: $NCCL_DIR/libnccl.so.2"
 else say "== libnccl.so.2: not found"; fi
 
+# ---- cuBLAS (pip nvidia-cublas first; the bundle leaves it out) ----
+# The sonames the bundle's binaries load (.gpu/cublas.txt; empty: none links cuBLAS), else the
+# toolkit's libcublasLt.
+CUBLAS_LIBS=()
+cublas_needed=1
+if [ -f .gpu/cublas.txt ]; then
+  mapfile -t CUBLAS_LIBS < <(grep -v '^\s*$' .gpu/cublas.txt)
+  [ ${#CUBLAS_LIBS[@]} -gt 0 ] || cublas_needed=0
+fi
+[ ${#CUBLAS_LIBS[@]} -gt 0 ] || CUBLAS_LIBS=(libcublasLt.so.13)
+find_cublas_dir() {
+  local d py first=${CUBLAS_LIBS[0]}
+  py=$(command -v python3 || true)
+  {
+    [ -n "${PDSIM_CUBLAS_DIR:-}" ] && echo "$PDSIM_CUBLAS_DIR"
+    if [ -n "$py" ]; then
+      to 20 "$py" - <<'EOF' 2>/dev/null
+import importlib, os, site, sys
+for mod in ("nvidia.cu13", "nvidia.cublas"):
+    try:
+        for p in importlib.import_module(mod).__path__:
+            print(os.path.join(p, "lib"))
+    except Exception:
+        pass
+dirs = list(sys.path)
+try:
+    dirs += site.getsitepackages() + [site.getusersitepackages()]
+except Exception:
+    pass
+for p in dirs:
+    for sub in ("cu13", "cublas"):
+        print(os.path.join(p, "nvidia", sub, "lib"))
+EOF
+    fi
+    ldconfig_p | awk -v n="$first" '$1 == n {print $NF}' | xargs -r -n1 dirname
+    for d in /usr/local/cuda /usr/local/cuda-*; do
+      printf '%s\n' "$d/lib64" "$d/targets/x86_64-linux/lib"
+    done
+    echo /usr/lib/x86_64-linux-gnu
+    to 20 find /opt /usr/local /usr/lib /root -maxdepth 8 -name "$first" -path '*nvidia/*' \
+      2>/dev/null | xargs -r -n1 dirname
+  } | while read -r d; do
+    [ -n "$d" ] || continue
+    local n ok=1
+    for n in "${CUBLAS_LIBS[@]}"; do [ -e "$d/$n" ] || ok=0; done
+    if [ $ok -eq 1 ]; then echo "$d"; break; fi
+  done
+}
+CUBLAS_DIR=""
+[ "${PDSIM_CUBLAS_DIR:-}" = none ] || CUBLAS_DIR=$(find_cublas_dir)
+if [ -n "$CUBLAS_DIR" ]; then say "== ${CUBLAS_LIBS[*]}: $CUBLAS_DIR"
+else say "== ${CUBLAS_LIBS[*]}: not found (pip install nvidia-cublas; the binaries that link cuBLAS will not load)"; fi
+
 # ---- binaries: build them, or use the bundle ----
 BIN_PDSIM=""
 TEST_BINS=()
@@ -173,7 +230,10 @@ shutil.copyfileobj(gzip.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$gz" "$dst
   done
   nccl_path=${NCCL_DIR:-$ROOT/.gpu/nccl-stub}
   [ -z "$NCCL_DIR" ] && say "   no libnccl.so.2: using the bundle's stub (the nccl transport reports unavailable)"
-  RUN=("$ROOT/.gpu/lib/ld-linux-x86-64.so.2" --library-path "$libdirs:$nccl_path${DRIVER_DIR:+:$DRIVER_DIR}")
+  [ -z "$CUBLAS_DIR" ] && [ $cublas_needed -eq 1 ] \
+    && say "   no ${CUBLAS_LIBS[*]}: the bundle's binaries that link cuBLAS will not load"
+  RUN=("$ROOT/.gpu/lib/ld-linux-x86-64.so.2" --library-path \
+       "$libdirs:$nccl_path${CUBLAS_DIR:+:$CUBLAS_DIR}${DRIVER_DIR:+:$DRIVER_DIR}")
   BIN_PDSIM=.gpu/bin/pdsim
   while read -r n; do [ -n "$n" ] && TEST_BINS+=(".gpu/bin/$n"); done <.gpu/tests.txt
   how="bundle .gpu ($(sed -n 's/^source: //p' .gpu/MANIFEST.txt 2>/dev/null), via its loader)"
@@ -253,6 +313,16 @@ fi
   echo "| binaries | $how |"
   echo "| libcuda.so.1 | ${DRIVER_DIR:-not found} |"
   echo "| libnccl.so.2 | ${NCCL_DIR:-not found (stub)} |"
+  if [ $built -eq 1 ]; then
+    cublas_row="${CUBLAS_DIR:-not found} (unused: binaries built here load the toolkit's, by RPATH)"
+  elif [ -n "$CUBLAS_DIR" ]; then
+    cublas_row=$CUBLAS_DIR
+  elif [ $cublas_needed -eq 0 ]; then
+    cublas_row="not found (not needed: no bundled binary links cuBLAS)"
+  else
+    cublas_row="NOT FOUND: the binaries that link cuBLAS cannot load (pip install nvidia-cublas, or set PDSIM_CUBLAS_DIR)"
+  fi
+  echo "| ${CUBLAS_LIBS[*]} | $cublas_row |"
   printf '%s\n' "${rows[@]}"
   [ ${#skips[@]} -gt 0 ] && printf '%s\n' "${skips[@]}"
   echo "| bench transfer cuda_ipc | $bench |"
