@@ -1,6 +1,7 @@
 // Built-in registration of attention backends and device runtimes. This is the one place that
 // knows which optional parts were compiled in (PDSIM_HAVE_CUDA is a private definition of this
-// file, never seen by a public header).
+// file, never seen by a public header; PDSIM_HAVE_FLASHINFER comes with pdsim_flashinfer, and
+// PDSIM_CUDA_ATTENTION_UNAVAILABLE, set by backends/CMakeLists.txt when it is not built, says why).
 #include <memory>
 #include <utility>
 #include <vector>
@@ -15,6 +16,9 @@
 #include "backends/cuda/cuda_runtime_api.h"
 #include "backends/cuda/device_step_counter.h"
 #endif
+#if defined(PDSIM_HAVE_FLASHINFER)
+#include "backends/cuda/cuda_attention_backend.h"
+#endif
 
 namespace pdsim::attn {
 
@@ -25,6 +29,21 @@ void register_builtin_attention_backends() {
     register_attention_backend("cpu", [](const AttentionConfig& c) -> StatusOr<std::unique_ptr<AttentionBackend>> {
         return make_cpu_backend(c);
     });
+#if defined(PDSIM_HAVE_FLASHINFER)
+    register_attention_backend("cuda", &cuda::CudaAttentionBackend::create);
+#else
+    // Registered anyway, so that asking for it says why it is missing rather than "unknown".
+    register_attention_backend(
+        "cuda", [](const AttentionConfig&) -> StatusOr<std::unique_ptr<AttentionBackend>> {
+#if defined(PDSIM_CUDA_ATTENTION_UNAVAILABLE)
+            return PDSIM_ERROR(StatusCode::kUnavailable,
+                               "attention backend 'cuda' was not built: {}",
+                               PDSIM_CUDA_ATTENTION_UNAVAILABLE);
+#else
+            return PDSIM_ERROR(StatusCode::kUnavailable, "attention backend 'cuda' was not built");
+#endif
+        });
+#endif
 }
 
 }  // namespace pdsim::attn

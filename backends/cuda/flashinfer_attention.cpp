@@ -11,8 +11,8 @@
 #include <cstring>
 #include <limits>
 #include <string>
-#include <thread>
 
+#include "backends/cuda/cuda_pinned_memory.h"
 #include "backends/cuda/flashinfer_kernels.h"
 
 namespace pdsim::attn::cuda {
@@ -85,54 +85,8 @@ Status check_stride(int64_t stride, std::string_view name) {
     return ok_status();
 }
 
-class CudaPinnedMemory final : public PinnedMemory {
-public:
-    [[nodiscard]] StatusOr<void*> allocate_pinned(size_t bytes) override {
-        void* p = nullptr;
-        PDSIM_RETURN_IF_ERROR(cuda_status(cudaHostAlloc(&p, bytes, cudaHostAllocDefault),
-                                          fmt::format("cudaHostAlloc({} bytes)", bytes)));
-        return p;
-    }
-    void free_pinned(void* ptr) noexcept override { cudaFreeHost(ptr); }
-    [[nodiscard]] StatusOr<void*> create_event() override {
-        cudaEvent_t ev = nullptr;
-        PDSIM_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
-                                          "cudaEventCreateWithFlags"));
-        return static_cast<void*>(ev);
-    }
-    void destroy_event(void* event) noexcept override {
-        cudaEventDestroy(static_cast<cudaEvent_t>(event));
-    }
-    [[nodiscard]] Status record_event(void* event, void* stream) override {
-        return cuda_status(
-            cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)),
-            "cudaEventRecord");
-    }
-    [[nodiscard]] StatusOr<bool> query_event(void* event) override {
-        const cudaError_t rc = cudaEventQuery(static_cast<cudaEvent_t>(event));
-        if (rc == cudaSuccess) return true;
-        if (rc == cudaErrorNotReady) return false;
-        return cuda_status(rc, "cudaEventQuery");
-    }
-    [[nodiscard]] Status wait_event(void* event, std::chrono::milliseconds timeout) override {
-        const auto deadline = std::chrono::steady_clock::now() + timeout;
-        for (;;) {
-            PDSIM_ASSIGN_OR_RETURN(bool done, query_event(event));
-            if (done) return ok_status();
-            if (std::chrono::steady_clock::now() >= deadline) {
-                return Status(StatusCode::kDeadlineExceeded,
-                              fmt::format("CUDA event not reached after {} ms", timeout.count()));
-            }
-            std::this_thread::sleep_for(std::chrono::microseconds(20));
-        }
-    }
-};
 
 }  // namespace
-
-std::unique_ptr<PinnedMemory> make_cuda_pinned_memory() {
-    return std::make_unique<CudaPinnedMemory>();
-}
 
 FlashInferAttention::FlashInferAttention(const FlashInferConfig& config,
                                          const MetadataLayout& layout)

@@ -81,6 +81,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "backends/cuda/cuda_pinned_memory.h"
 #include "backends/cuda/flashinfer_plan.h"
 #include "backends/cuda/flashinfer_staging.h"
 #include "backends/runtime/stream.h"
@@ -122,7 +123,7 @@ class FlashInferAttention {
 public:
     // Validates `config` (check_shape, check_capacity, staging_slots >= 1), allocates the device
     // workspace (zeroed; blocks until it is) and the staging ring. `pinned` defaults to
-    // make_cuda_pinned_memory().
+    // make_cuda_pinned_memory() (backends/cuda/cuda_pinned_memory.h).
     [[nodiscard]] static StatusOr<std::unique_ptr<FlashInferAttention>> create(
         const FlashInferConfig& config, std::unique_ptr<PinnedMemory> pinned = nullptr);
     // Waits for the staging copies in flight (PinnedStagingRing's destructor), then frees the
@@ -158,8 +159,5 @@ private:
     bool planned_ = false;
 };
 
-// The PinnedMemory of CUDA builds: cudaHostAlloc'd memory and cudaEvent_t events (timing
-// disabled) on the current device; wait_event polls cudaEventQuery until the timeout.
-[[nodiscard]] std::unique_ptr<PinnedMemory> make_cuda_pinned_memory();
 
 }  // namespace pdsim::attn::cuda

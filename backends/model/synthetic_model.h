@@ -26,6 +26,7 @@
 
 #include "backends/attention/attention_backend.h"
 #include "backends/kv/kv_pool.h"
+#include "backends/model/model.h"
 #include "backends/model/model_config.h"
 #include "backends/runtime/stream.h"
 #include "common/status.h"
@@ -42,22 +43,12 @@ public:
     [[nodiscard]] virtual Status allgather(const float* mine, size_t count, float* out) = 0;
 };
 
-// One forward: `bs` requests, each with extend_lens[i] new tokens (1 for decode) at positions
-// seq_lens[i] - extend_lens[i] .. seq_lens[i] - 1.
-struct StepBatch {
-    attn::ForwardMode mode = attn::ForwardMode::kExtend;
-    std::vector<int32_t> tokens;         // [T] token ids of the new tokens
-    std::vector<int32_t> out_cache_loc;  // [T] KV slots of the new tokens
-    std::vector<int32_t> seq_lens;       // [bs]
-    std::vector<int32_t> extend_lens;    // [bs]
-    std::vector<int32_t> page_table;     // [bs * page_table_stride]
-    int page_table_stride = 0;
-};
+// StepBatch (one forward) is declared in backends/model/model.h.
 
 // Observes layer boundaries on the stream (timelines); called from the stream's thread.
 using LayerHook = std::function<void(int layer, bool begin)>;
 
-class SyntheticModel {
+class SyntheticModel : public Model {
 public:
     // `tp` may be null for TP 1. `max_tokens` bounds T per forward.
     [[nodiscard]] static StatusOr<std::unique_ptr<SyntheticModel>> create(const ModelConfig& config,
@@ -65,13 +56,13 @@ public:
     SyntheticModel(const SyntheticModel&) = delete;
     SyntheticModel& operator=(const SyntheticModel&) = delete;
 
-    [[nodiscard]] const ModelConfig& config() const { return cfg_; }
-    [[nodiscard]] int tp_size() const { return tp_size_; }
-    [[nodiscard]] int local_q_heads() const { return hq_; }
-    [[nodiscard]] int local_kv_heads() const { return hkv_; }
-    [[nodiscard]] size_t weight_bytes() const;
+    [[nodiscard]] const ModelConfig& config() const override { return cfg_; }
+    [[nodiscard]] int tp_size() const override { return tp_size_; }
+    [[nodiscard]] int local_q_heads() const override { return hq_; }
+    [[nodiscard]] int local_kv_heads() const override { return hkv_; }
+    [[nodiscard]] size_t weight_bytes() const override;
     // The attention layer spec of `layer` on this rank.
-    [[nodiscard]] attn::LayerSpec layer_spec(int layer) const;
+    [[nodiscard]] attn::LayerSpec layer_spec(int layer) const override;
 
     // Enqueues the forward of `batch` on backend.stream(): metadata, every layer, sampling.
     // next_tokens[i] (i < bs) receives request i's greedy next token when the stream gets there.
@@ -79,7 +70,7 @@ public:
     // prewrite path), exercising the backend's record-before rule.
     [[nodiscard]] Status forward(const StepBatch& batch, attn::AttentionBackend& backend,
                                  kv::KVPool& pool, int32_t* next_tokens,
-                                 bool save_kv_cache = true);
+                                 bool save_kv_cache = true) override;
 
     void set_layer_hook(LayerHook hook) { hook_ = std::move(hook); }
 
