@@ -101,10 +101,11 @@ Status AttentionBackend::configure_runtime(const std::map<std::string, std::stri
     return {};
 }
 
-Status AttentionBackend::validate_batch(const ForwardBatch& b, int max_bs, int max_pages) const {
+Status validate_forward_batch(const ForwardBatch& b, int max_bs, int max_pages) {
     if (b.bs < 0) return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: bs {} < 0", b.bs);
     if (max_bs > 0 && b.bs > max_bs) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: bs {} > graph max_bs {}", b.bs, max_bs);
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: bs {} > graph max_bs {}", b.bs,
+                           max_bs);
     }
     if (is_idle(b.mode) && b.bs != 0) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: idle mode with bs {}", b.bs);
@@ -118,29 +119,35 @@ Status AttentionBackend::validate_batch(const ForwardBatch& b, int max_bs, int m
                            b.extend_lens.size(), b.bs);
     }
     if (b.bs > 0 && b.page_table_stride < 1) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: page_table_stride {} < 1", b.page_table_stride);
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: page_table_stride {} < 1",
+                           b.page_table_stride);
     }
     if (max_pages > 0 && b.page_table_stride > max_pages) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: page_table_stride {} > graph max_pages_per_seq {}",
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "batch: page_table_stride {} > graph max_pages_per_seq {}",
                            b.page_table_stride, max_pages);
     }
-    if (b.page_table.size() < static_cast<size_t>(b.bs) * static_cast<size_t>(b.page_table_stride)) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: page_table has {} entries, need {} x {}",
-                           b.page_table.size(), b.bs, b.page_table_stride);
+    if (b.page_table.size() <
+        static_cast<size_t>(b.bs) * static_cast<size_t>(std::max(b.page_table_stride, 0))) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "batch: page_table has {} entries, need {} x {}", b.page_table.size(),
+                           b.bs, b.page_table_stride);
     }
     for (int i = 0; i < b.bs; ++i) {
         const int32_t s = b.seq_lens[static_cast<size_t>(i)];
         const int32_t q = b.extend_lens.empty() ? 1 : b.extend_lens[static_cast<size_t>(i)];
         if (is_decode(b.mode) && q != 1) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: decode request {} has extend_len {}", i, q);
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "batch: decode request {} has extend_len {}", i, q);
         }
         if (q < 1 || s < q) {
             return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "batch: request {} has extend_len {} and seq_len {} (need 1 <= extend_len <= seq_len)",
+                               "batch: request {} has extend_len {} and seq_len {} (need 1 <= "
+                               "extend_len <= seq_len)",
                                i, q, s);
         }
     }
-    return {};
+    return ok_status();
 }
 
 Status AttentionBackend::enqueue_assign(MetadataBuffers* dst, const ForwardBatch& b,
@@ -174,7 +181,7 @@ Status AttentionBackend::enqueue_assign(MetadataBuffers* dst, const ForwardBatch
 
 Status AttentionBackend::init_forward_metadata(const ForwardBatch& batch) {
     if (config_.stream == nullptr) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
-    PDSIM_RETURN_IF_ERROR(validate_batch(batch, 0, 0));
+    PDSIM_RETURN_IF_ERROR(validate_forward_batch(batch, 0, 0));
     active_ = &eager_;
     PDSIM_RETURN_IF_ERROR(enqueue_assign(&eager_, batch, false));
     int64_t tokens = 0;
@@ -218,7 +225,7 @@ Status AttentionBackend::init_forward_metadata_capture_cuda_graph(int bs, Forwar
 
 Status AttentionBackend::init_forward_metadata_replay_cuda_graph(const ForwardBatch& batch) {
     if (!graph_) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: replay before init_cuda_graph_state", name());
-    PDSIM_RETURN_IF_ERROR(validate_batch(batch, graph_->max_bs(), graph_->max_pages_per_seq()));
+    PDSIM_RETURN_IF_ERROR(validate_forward_batch(batch, graph_->max_bs(), graph_->max_pages_per_seq()));
     active_ = graph_.get();
     return enqueue_assign(graph_.get(), batch, /*keep_aliased_seq_lens=*/true);
 }

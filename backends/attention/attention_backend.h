@@ -259,7 +259,6 @@ protected:
 
 private:
     [[nodiscard]] Status validate_forward(const ForwardArgs& args) const;
-    [[nodiscard]] Status validate_batch(const ForwardBatch& batch, int max_bs, int max_pages) const;
     [[nodiscard]] Status enqueue_assign(MetadataBuffers* dst, const ForwardBatch& batch,
                                         bool keep_aliased_seq_lens);
 
@@ -273,6 +272,14 @@ private:
     // when the next forward runs); unset before the first.
     std::optional<int64_t> eager_num_tokens_;
 };
+
+// The batch checks of init_forward_metadata (max_bs = max_pages_per_seq = 0) and of the graph
+// replay (the graph's limits), for backends that override those methods too: bs >= 0 (and <=
+// max_bs when max_bs > 0), idle only with bs 0, seq_lens and extend_lens of at least bs entries,
+// page_table_stride >= 1 (and <= max_pages_per_seq when that is > 0), bs * stride page-table
+// entries, 1 <= extend_len <= seq_len, decode extend_len 1. kInvalidArgument naming the field.
+[[nodiscard]] Status validate_forward_batch(const ForwardBatch& batch, int max_bs,
+                                            int max_pages_per_seq);
 
 // Calls backend.init_cuda_graph_state with only the extras it accepts.
 [[nodiscard]] Status init_backend_cuda_graph_state(AttentionBackend& backend, int max_bs,

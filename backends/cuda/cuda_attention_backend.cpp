@@ -20,39 +20,12 @@ namespace pdsim::attn::cuda {
 
 namespace {
 
+using runtime::cuda::ScopedDevice;
+
 // Pinned metadata slots per adapter: batches planned ahead of the GPU.
 constexpr int kStagingSlots = 4;
 // The graph default of the base class (AttentionBackend::init_cuda_graph_state).
 constexpr int kDefaultMaxPagesPerSeq = 1024;
-
-// Makes `device` current for a scope (kernel launches go to the current device) and restores the
-// caller's afterwards.
-class ScopedDevice {
-public:
-    explicit ScopedDevice(int device) {
-        if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-        if (previous_ != device) {
-            const cudaError_t rc = cudaSetDevice(device);
-            if (rc != cudaSuccess) {
-                status_ = PDSIM_ERROR(StatusCode::kUnavailable, "cudaSetDevice({}) failed: {} ({})",
-                                      device, cudaGetErrorString(rc), cudaGetErrorName(rc));
-            } else {
-                switched_ = previous_ >= 0;
-            }
-        }
-    }
-    ~ScopedDevice() {
-        if (switched_) cudaSetDevice(previous_);
-    }
-    ScopedDevice(const ScopedDevice&) = delete;
-    ScopedDevice& operator=(const ScopedDevice&) = delete;
-    [[nodiscard]] const Status& status() const { return status_; }
-
-private:
-    int previous_ = -1;
-    bool switched_ = false;
-    Status status_;
-};
 
 // Row `row` of a contiguous [rows][heads][dim] view (bytes: the view's dtype).
 template <typename Pointer>

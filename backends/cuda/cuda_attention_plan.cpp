@@ -33,55 +33,6 @@ std::string shape_text(const runtime::ConstTensorView& v) {
 
 }  // namespace
 
-Status validate_forward_batch(const ForwardBatch& b, int max_bs, int max_pages) {
-    if (b.bs < 0) return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: bs {} < 0", b.bs);
-    if (max_bs > 0 && b.bs > max_bs) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: bs {} > graph max_bs {}", b.bs,
-                           max_bs);
-    }
-    if (is_idle(b.mode) && b.bs != 0) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: idle mode with bs {}", b.bs);
-    }
-    if (b.seq_lens.size() < static_cast<size_t>(b.bs)) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: seq_lens has {} entries, bs {}",
-                           b.seq_lens.size(), b.bs);
-    }
-    if (!b.extend_lens.empty() && b.extend_lens.size() < static_cast<size_t>(b.bs)) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: extend_lens has {} entries, bs {}",
-                           b.extend_lens.size(), b.bs);
-    }
-    if (b.bs > 0 && b.page_table_stride < 1) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: page_table_stride {} < 1",
-                           b.page_table_stride);
-    }
-    if (max_pages > 0 && b.page_table_stride > max_pages) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                           "batch: page_table_stride {} > graph max_pages_per_seq {}",
-                           b.page_table_stride, max_pages);
-    }
-    if (b.page_table.size() <
-        static_cast<size_t>(b.bs) * static_cast<size_t>(std::max(b.page_table_stride, 0))) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                           "batch: page_table has {} entries, need {} x {}", b.page_table.size(),
-                           b.bs, b.page_table_stride);
-    }
-    for (int i = 0; i < b.bs; ++i) {
-        const int32_t s = b.seq_lens[static_cast<size_t>(i)];
-        const int32_t q = b.extend_lens.empty() ? 1 : b.extend_lens[static_cast<size_t>(i)];
-        if (is_decode(b.mode) && q != 1) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "batch: decode request {} has extend_len {}", i, q);
-        }
-        if (q < 1 || s < q) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "batch: request {} has extend_len {} and seq_len {} (need 1 <= "
-                               "extend_len <= seq_len)",
-                               i, q, s);
-        }
-    }
-    return ok_status();
-}
-
 StagedBatch stage_batch(const ForwardBatch& b) {
     StagedBatch s;
     s.mode = b.mode;

@@ -72,14 +72,7 @@ struct BatchSplit {
     std::optional<SubBatch> extend;
 };
 
-// The base class's batch checks (AttentionBackend::init_forward_metadata and the graph replay),
-// with its messages: bs >= 0 (and <= max_bs when max_bs > 0), idle only with bs 0, seq_lens and
-// extend_lens of at least bs entries, page_table_stride >= 1 (and <= max_pages_per_seq when that
-// is > 0), bs * stride page-table entries, 1 <= extend_len <= seq_len, decode extend_len 1.
-[[nodiscard]] Status validate_forward_batch(const ForwardBatch& batch, int max_bs,
-                                            int max_pages_per_seq);
-
-// Copies a validated batch (validate_forward_batch) by value.
+// Copies a validated batch (attn::validate_forward_batch, attention_backend.h) by value.
 [[nodiscard]] StagedBatch stage_batch(const ForwardBatch& batch);
 
 // The split described in the file comment.

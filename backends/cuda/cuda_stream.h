@@ -18,4 +18,33 @@ namespace pdsim::runtime::cuda {
 // The cudaEvent_t behind an event created by a CudaStream; kInvalidArgument otherwise.
 [[nodiscard]] StatusOr<cudaEvent_t> native_event(Event& event);
 
+// Makes `device` current for a scope (kernel launches, allocations and events go to the current
+// device) and restores the caller's device afterwards. status() is kUnavailable with the CUDA
+// error when the switch failed (nothing is restored then). Header-only: usable from any library.
+class ScopedDevice {
+public:
+    explicit ScopedDevice(int device) {
+        if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+        if (previous_ == device) return;
+        const cudaError_t rc = cudaSetDevice(device);
+        if (rc != cudaSuccess) {
+            status_ = PDSIM_ERROR(StatusCode::kUnavailable, "cudaSetDevice({}) failed: {} ({})",
+                                  device, cudaGetErrorString(rc), cudaGetErrorName(rc));
+        } else {
+            switched_ = previous_ >= 0;
+        }
+    }
+    ~ScopedDevice() {
+        if (switched_) cudaSetDevice(previous_);
+    }
+    ScopedDevice(const ScopedDevice&) = delete;
+    ScopedDevice& operator=(const ScopedDevice&) = delete;
+    [[nodiscard]] const Status& status() const { return status_; }
+
+private:
+    int previous_ = -1;
+    bool switched_ = false;
+    Status status_;
+};
+
 }  // namespace pdsim::runtime::cuda

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "backends/cuda/cuda_pinned_memory.h"
+#include "backends/cuda/cuda_stream.h"
 #include "backends/cuda/flashinfer_kernels.h"
 
 namespace pdsim::attn::cuda {
@@ -22,6 +23,8 @@ static_assert(detail::kExtendKernelCtaTileQ == kExtendCtaTileQ,
 
 namespace {
 
+using runtime::cuda::ScopedDevice;
+
 Status cuda_status(cudaError_t rc, std::string_view what) {
     if (rc == cudaSuccess) return ok_status();
     const StatusCode code =
@@ -29,29 +32,6 @@ Status cuda_status(cudaError_t rc, std::string_view what) {
     return Status(code, fmt::format("{} failed: {} ({})", what, cudaGetErrorString(rc),
                                     cudaGetErrorName(rc)));
 }
-
-// Makes `device` current for a scope and restores the caller's device after it.
-class ScopedDevice {
-public:
-    explicit ScopedDevice(int device) {
-        if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-        if (previous_ != device) {
-            status_ = cuda_status(cudaSetDevice(device), fmt::format("cudaSetDevice({})", device));
-            switched_ = status_.ok() && previous_ >= 0;
-        }
-    }
-    ~ScopedDevice() {
-        if (switched_) cudaSetDevice(previous_);
-    }
-    ScopedDevice(const ScopedDevice&) = delete;
-    ScopedDevice& operator=(const ScopedDevice&) = delete;
-    [[nodiscard]] const Status& status() const { return status_; }
-
-private:
-    int previous_ = -1;
-    bool switched_ = false;
-    Status status_;
-};
 
 Status launch_status(const std::string& error, std::string_view what) {
     if (error.empty()) return ok_status();
