@@ -18,6 +18,9 @@
 // Each figure and its baseline are timed in interleaved rounds (so a change in machine load hits
 // both; decode and copy runs start from caches holding no dirty lines); a figure is the best round
 // after warm-up (medians in the JSON).
+//
+// --backend cuda is another bench with its own defaults (llama3-8b shapes, bf16, on one GPU):
+// sim/cli/bench_attention_cuda.h. This file only maps the flags onto it.
 #include <cblas.h>
 #include <fmt/format.h>
 
@@ -39,6 +42,7 @@
 #include "backends/runtime/cpu_stream.h"
 #include "common/bf16.h"
 #include "common/thread_pool.h"
+#include "sim/cli/bench_attention_cuda.h"
 #include "sim/cli/command.h"
 
 namespace pdsim::cli {
@@ -463,58 +467,159 @@ Status run_bench_attention(BenchAttentionOptions o) {
     return {};
 }
 
+// The flags whose defaults differ for --backend cuda (or that it refuses), and those that only it
+// reads: what was given on the command line decides.
+struct AttentionFlags {
+    CLI::Option *dtype, *threads, *q_heads, *kv_heads, *head_dim, *page_size, *decode_batch,
+        *decode_len, *extend_batch, *extend_len, *reps, *copy_mib;
+    CLI::Option *layers, *model, *model_prefill, *warmup;
+};
+
+struct CudaOnlyFlags {
+    std::string model = "llama3-8b";
+    int layers = 4;
+    int model_prefill = 4096;
+    int warmup = 3;
+};
+
+// The cuda bench's options: each flag given on the command line, else the cuda default
+// (bench_attention_cuda.h). --dtype other than bf16 and --threads are refused (exit 2).
+StatusOr<CudaBenchOptions> cuda_options(const BenchAttentionOptions& o, const CudaOnlyFlags& c,
+                                        const AttentionFlags& f) {
+    if (f.dtype->count() > 0 && o.dtype != "bf16") {
+        return Status(StatusCode::kInvalidArgument,
+                      "--dtype " + o.dtype +
+                          ": --backend cuda measures bf16 KV only (FlashInfer has no fp32-KV "
+                          "kernels)");
+    }
+    if (f.threads->count() > 0) {
+        return Status(StatusCode::kInvalidArgument,
+                      "--threads: the cpu backends' kernel threads; --backend cuda has none");
+    }
+    CudaBenchOptions g;
+    g.json_path = o.json_path;
+    auto take = [](const CLI::Option* flag, int given, int& field) {
+        if (flag->count() > 0 && given > 0) field = given;
+    };
+    take(f.q_heads, o.q_heads, g.q_heads);
+    take(f.kv_heads, o.kv_heads, g.kv_heads);
+    take(f.head_dim, o.head_dim, g.head_dim);
+    take(f.page_size, o.page_size, g.page_size);
+    take(f.decode_batch, o.decode_batch, g.decode_batch);
+    take(f.decode_len, o.decode_len, g.decode_len);
+    take(f.extend_batch, o.extend_batch, g.extend_batch);
+    take(f.extend_len, o.extend_len, g.extend_len);
+    if (o.quick) {
+        g.reps = 5;
+        g.warmup = 1;
+    }
+    take(f.reps, o.reps, g.reps);
+    if (f.warmup->count() > 0) g.warmup = c.warmup;
+    if (f.copy_mib->count() > 0) g.copy_bytes = int64_t{o.copy_mib} << 20;
+    g.model = c.model;
+    g.layers = c.layers;
+    g.model_prefill = c.model_prefill;
+    g.seed = o.seed;
+    PDSIM_RETURN_IF_ERROR(check_cuda_bench_options(g));
+    return g;
+}
+
 }  // namespace
 
 void add_bench_attention_command(CLI::App& bench, CommandSet& commands) {
     auto o = std::make_shared<BenchAttentionOptions>();
+    auto c = std::make_shared<CudaOnlyFlags>();
+    AttentionFlags f{};
     CLI::App* a = bench.add_subcommand(
         "attention",
         "CPU attention throughput vs in-run baselines on the same threads: decode GB/s vs a\n"
         "STREAM-style copy (target >= 0.60x), causal extend GFLOP/s vs OpenBLAS sgemm on the same\n"
-        "products (target >= 0.40x). Prints a table; exits 0 whether or not targets are met.");
+        "products (target >= 0.40x). Prints a table; exits 0 whether or not targets are met.\n"
+        "--backend cuda (one GPU, llama3-8b shapes by default, bf16): decode GB/s vs a\n"
+        "device-to-device cudaMemcpyAsync (target >= 0.75x), causal extend FLOP/s vs a cuBLASLt\n"
+        "bf16 GEMM of the same FLOPs (target >= 0.40x), and the GPU model's time per layer vs the\n"
+        "roofline cost model; medians of --reps rounds; \"no device\" (exit 1) without a GPU.");
     a->add_option("--json", o->json_path, "Write the results as JSON to this file");
-    a->add_option("--threads", o->threads,
-                  "Threads for the backend and the baselines (0 = all cores)")
-        ->check(CLI::Range(0, 1024))
+    f.threads = a->add_option("--threads", o->threads,
+                              "Threads for the backend and the baselines (0 = all cores; cpu "
+                              "backends only)")
+                    ->check(CLI::Range(0, 1024))
+                    ->capture_default_str();
+    a->add_flag("--quick", o->quick,
+                "Fewer repetitions and a shorter extend (for CI; cuda: 5 rounds, 1 warm-up)");
+    f.dtype = a->add_option("--dtype", o->dtype, "KV cache dtype: fp32 or bf16 (cuda: bf16)")
+                  ->check(CLI::IsMember({"fp32", "bf16"}))
+                  ->capture_default_str();
+    a->add_option("--backend", o->backend, "Attention backend to measure: cpu, cpu_ref or cuda")
         ->capture_default_str();
-    a->add_flag("--quick", o->quick, "Fewer repetitions and a shorter extend (for CI)");
-    a->add_option("--dtype", o->dtype, "KV cache dtype: fp32 or bf16")
-        ->check(CLI::IsMember({"fp32", "bf16"}))
-        ->capture_default_str();
-    a->add_option("--backend", o->backend, "Attention backend to measure")->capture_default_str();
-    a->add_option("--q-heads", o->q_heads, "Query heads")
-        ->check(CLI::Range(1, 256))
-        ->capture_default_str();
-    a->add_option("--kv-heads", o->kv_heads, "KV heads")
-        ->check(CLI::Range(1, 256))
-        ->capture_default_str();
-    a->add_option("--head-dim", o->head_dim, "Head dimension (K and V)")
-        ->check(CLI::Range(1, 1024))
-        ->capture_default_str();
-    a->add_option("--page-size", o->page_size, "Tokens per KV page")
-        ->check(CLI::Range(1, 1024))
-        ->capture_default_str();
-    a->add_option("--decode-batch", o->decode_batch, "Decode requests")
-        ->check(CLI::Range(1, 4096))
-        ->capture_default_str();
-    a->add_option("--decode-len", o->decode_len, "KV tokens per decode request")
-        ->check(CLI::Range(1, 1 << 20))
-        ->capture_default_str();
-    a->add_option("--extend-batch", o->extend_batch, "Prefill requests")
-        ->check(CLI::Range(1, 4096))
-        ->capture_default_str();
-    a->add_option("--extend-len", o->extend_len,
-                  "New tokens per prefill request (0: 2048, --quick 512)")
-        ->check(CLI::Range(0, 1 << 16))
-        ->capture_default_str();
-    a->add_option("--reps", o->reps, "Timed rounds (0: 7, --quick 3; extend uses half, at least 3)")
-        ->check(CLI::Range(0, 1000))
-        ->capture_default_str();
-    a->add_option("--copy-mib", o->copy_mib, "MiB per array of the copy baseline")
-        ->check(CLI::Range(64, 1 << 16))
-        ->capture_default_str();
+    f.q_heads = a->add_option("--q-heads", o->q_heads, "Query heads (cuda: 32)")
+                    ->check(CLI::Range(1, 256))
+                    ->capture_default_str();
+    f.kv_heads = a->add_option("--kv-heads", o->kv_heads, "KV heads (cuda: 8)")
+                     ->check(CLI::Range(1, 256))
+                     ->capture_default_str();
+    f.head_dim = a->add_option("--head-dim", o->head_dim, "Head dimension (K and V)")
+                     ->check(CLI::Range(1, 1024))
+                     ->capture_default_str();
+    f.page_size = a->add_option("--page-size", o->page_size, "Tokens per KV page")
+                      ->check(CLI::Range(1, 1024))
+                      ->capture_default_str();
+    f.decode_batch =
+        a->add_option("--decode-batch", o->decode_batch, "Decode requests (cuda: 64)")
+            ->check(CLI::Range(1, 4096))
+            ->capture_default_str();
+    f.decode_len = a->add_option("--decode-len", o->decode_len, "KV tokens per decode request")
+                       ->check(CLI::Range(1, 1 << 20))
+                       ->capture_default_str();
+    f.extend_batch = a->add_option("--extend-batch", o->extend_batch, "Prefill requests")
+                         ->check(CLI::Range(1, 4096))
+                         ->capture_default_str();
+    f.extend_len = a->add_option("--extend-len", o->extend_len,
+                                 "New tokens per prefill request (0: 2048, --quick 512; cuda: "
+                                 "4096)")
+                       ->check(CLI::Range(0, 1 << 16))
+                       ->capture_default_str();
+    f.reps = a->add_option("--reps", o->reps,
+                           "Timed rounds (0: 7, --quick 3; extend uses half, at least 3; cuda: "
+                           "20, --quick 5)")
+                 ->check(CLI::Range(0, 1000))
+                 ->capture_default_str();
+    f.copy_mib = a->add_option("--copy-mib", o->copy_mib,
+                               "MiB per array of the copy baseline (cuda: the decode's bytes, at "
+                               "least 256)")
+                     ->check(CLI::Range(64, 1 << 16))
+                     ->capture_default_str();
     a->add_option("--seed", o->seed, "Random seed")->capture_default_str();
-    commands.add(a, [o] { return run_bench_attention(*o); });
+    // --backend cuda only.
+    f.model = a->add_option("--model", c->model,
+                            "cuda: the GPU model to time per layer (a name or a model file)")
+                  ->capture_default_str();
+    f.layers = a->add_option("--layers", c->layers, "cuda: layers of the GPU model")
+                   ->check(CLI::Range(1, 256))
+                   ->capture_default_str();
+    f.model_prefill = a->add_option("--model-prefill", c->model_prefill,
+                                    "cuda: tokens of the model's prefill (one request; its decode "
+                                    "step is --decode-batch x --decode-len)")
+                          ->check(CLI::Range(1, 1 << 16))
+                          ->capture_default_str();
+    f.warmup = a->add_option("--warmup", c->warmup,
+                             "cuda: rounds run and dropped before the timed ones (after one "
+                             "synchronized run)")
+                   ->check(CLI::Range(0, 100))
+                   ->capture_default_str();
+    commands.add(a, [o, c, f]() -> Status {
+        if (o->backend == "cuda") {
+            PDSIM_ASSIGN_OR_RETURN(const CudaBenchOptions g, cuda_options(*o, *c, f));
+            return run_bench_attention_cuda(g);
+        }
+        for (const CLI::Option* only : {f.model, f.layers, f.model_prefill, f.warmup}) {
+            if (only->count() > 0) {
+                return Status(StatusCode::kInvalidArgument,
+                              only->get_name() + ": only with --backend cuda");
+            }
+        }
+        return run_bench_attention(*o);
+    });
 }
 
 }  // namespace pdsim::cli
