@@ -14,13 +14,16 @@
 #   .gpu/cublas.txt  the cuBLAS libraries the binaries load and the bundle leaves out (sonames)
 # Left out on purpose: the driver (libcuda.so.1, libnvidia-*: must be the GPU machine's),
 # libnccl.so.2 (over 200 MiB: the GPU machine's pip package nvidia-nccl-cu13 provides it) and
-# cuBLAS (libcublas*.so*, about 600 MiB: pip's nvidia-cublas there; gpu_check.sh finds it).
+# cuBLAS (libcublas*.so*, about 600 MiB: pip's nvidia-cublas there; gpu_check.sh finds it). pdsim
+# itself links cuBLASLt when built with FlashInfer (`bench attention --backend cuda`: the GEMM
+# baseline and the GPU model), so it needs that cuBLAS too. FlashInfer is header-only: compiled
+# into the binaries, nothing to bundle.
 #
 # Then it checks the bundle here: every binary, run through the bundled loader inside a chroot that
-# holds nothing but the bundle (no /lib, no /usr), must load; the cuda tests must pass or skip
-# (no GPU here: they skip) with the real NCCL and with the stub, and with this machine's cuBLAS in
-# its own folder of the chroot (as the GPU machine's comes from outside the bundle). Skip that with
-# PDSIM_BUNDLE_VERIFY=0.
+# holds nothing but the bundle (no /lib, no /usr), must load; both GPU benches must exit 1 with
+# "no device"; the cuda tests must pass or skip (no GPU here: they skip) with the real NCCL and with
+# the stub, and with this machine's cuBLAS in its own folder of the chroot (as the GPU machine's
+# comes from outside the bundle). Skip that with PDSIM_BUNDLE_VERIFY=0.
 #
 # Env: PDSIM_JOBS (default 2), CUDA_HOME (default /usr/local/cuda).
 set -euo pipefail
@@ -137,6 +140,12 @@ for nccl in /nccl /gpu/nccl-stub; do
     echo "ok   pdsim bench transfer --transport cuda_ipc: exit 1, $(grep -o 'no device.*' <<<"$out")"
   else
     echo "FAIL pdsim bench transfer --transport cuda_ipc: rc=$rc: $out"; fail=1
+  fi
+  rc=0; out=$(jrun "$nccl" pdsim bench attention --backend cuda 2>&1) || rc=$?
+  if [ $rc -eq 1 ] && grep -q "no device" <<<"$out"; then
+    echo "ok   pdsim bench attention --backend cuda: exit 1, $(grep -o 'no device.*' <<<"$out")"
+  else
+    echo "FAIL pdsim bench attention --backend cuda: rc=$rc: $out"; fail=1
   fi
   for t in "${tests[@]}"; do
     rc=0; out=$(jrun "$nccl" "$t" --gtest_color=no 2>&1) || rc=$?

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One-shot GPU check, for a machine with an NVIDIA GPU, in under 5 minutes whatever hangs: runs
-# every test labelled `cuda` and `pdsim bench transfer --transport cuda_ipc`, and prints a markdown
-# table (also $OUT/summary.md). Run from anywhere: bash scripts/gpu_check.sh
+# every test labelled `cuda`, `pdsim bench transfer --transport cuda_ipc` (the cuda_ipc transport's
+# completion poller vs raw cudaMemcpyAsync) and `pdsim bench attention --backend cuda` (decode vs a
+# device-to-device copy, causal extend vs a cuBLASLt GEMM, the GPU model per layer vs the roofline
+# cost model), and prints a markdown table (also $OUT/summary.md). Run from anywhere:
+# bash scripts/gpu_check.sh
 #
 # Binaries: when every build dependency is there (CMake configures), it builds pdsim and the cuda
 # tests in build/gpu; otherwise it uses the bundle .gpu/ made by scripts/gpu_bundle.sh on another
@@ -12,13 +15,19 @@
 # found in pip's nvidia-cublas (nvidia/cu13/lib, nvidia/cublas/lib), ldconfig or /usr/local/cuda*;
 # without it the binaries that link cuBLAS do not load, and the table says so.
 #
-# Writes to $OUT (default out/), at most 6 files: summary.md, env.txt (what it found),
-# build.log (when it tried to build), tests.log (all gtest output), bench.log, bench_cuda_ipc.json.
+# Writes to $OUT (default out/), at most 7 files: summary.md, env.txt (what it found),
+# build.log (when it tried to build), tests.log (all gtest output), bench.log (both benches'
+# output), bench_cuda_ipc.json, bench_attention_cuda.json.
+# Time: each test binary gets at most 120 s, and the tests together leave PDSIM_GPU_BENCH_RESERVE_S
+# of the budget to the benchmarks (bench transfer at most 100 s, bench attention at most 120 s).
+# The cuda tests that run pdsim (bench_attention_cuda_gpu_test) get it through
+# $PDSIM_GPU_TEST_PDSIM (the bundle's pdsim behind its loader, or the one built here).
 # Env: PDSIM_GPU_MODE=auto|build|bundle (auto), PDSIM_GPU_BUILD_DIR (build/gpu),
-#      PDSIM_GPU_CHECK_BUDGET_S (270: the whole run),
+#      PDSIM_GPU_CHECK_BUDGET_S (270: the whole run), PDSIM_GPU_BENCH_RESERVE_S (90),
 #      PDSIM_NCCL_DIR / PDSIM_CUDA_DRIVER_DIR / PDSIM_CUBLAS_DIR (a folder to try first; "none":
 #      do not search),
-#      PDSIM_GPU_BENCH_ARGS (extra bench arguments, e.g. "--sizes 1M,64M --reps 3").
+#      PDSIM_GPU_BENCH_ARGS (extra bench transfer arguments, e.g. "--sizes 1M,64M --reps 3"),
+#      PDSIM_GPU_ATTN_ARGS (extra bench attention arguments, e.g. "--reps 50 --layers 8").
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -28,13 +37,15 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 MODE=${PDSIM_GPU_MODE:-auto}
 BUILD_DIR=${PDSIM_GPU_BUILD_DIR:-build/gpu}
 BUDGET=${PDSIM_GPU_CHECK_BUDGET_S:-270}
+BENCH_RESERVE=${PDSIM_GPU_BENCH_RESERVE_S:-90}
 START=$SECONDS
 ENV_TXT=$OUT_DIR/env.txt
 TESTS_LOG=$OUT_DIR/tests.log
 BENCH_LOG=$OUT_DIR/bench.log
 BENCH_JSON=$OUT_DIR/bench_cuda_ipc.json
+ATTN_JSON=$OUT_DIR/bench_attention_cuda.json
 SUMMARY=$OUT_DIR/summary.md
-rm -f "$ENV_TXT" "$TESTS_LOG" "$BENCH_LOG" "$BENCH_JSON" "$SUMMARY" "$OUT_DIR/build.log"
+rm -f "$ENV_TXT" "$TESTS_LOG" "$BENCH_LOG" "$BENCH_JSON" "$ATTN_JSON" "$SUMMARY" "$OUT_DIR/build.log"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 GTEST_COLOR=no
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/pdsim-gpu-check.XXXXXX")
 trap 'rm -rf "$SCRATCH"' EXIT
@@ -49,6 +60,18 @@ to() {
   [ "$l" -lt "$want" ] && want=$l
   if [ "$want" -lt 2 ]; then
     echo "(not run: the check's time budget is spent)"
+    return 124
+  fi
+  timeout -k 5 "$want" "$@"
+}
+# to_tests <seconds> cmd...: `to`, but leaving BENCH_RESERVE seconds of the budget to the benches.
+to_tests() {
+  local want=$1 l
+  shift
+  l=$(( $(left) - BENCH_RESERVE ))
+  [ "$l" -lt "$want" ] && want=$l
+  if [ "$want" -lt 2 ]; then
+    echo "(not run: the tests' share of the time budget is spent)"
     return 124
   fi
   timeout -k 5 "$want" "$@"
@@ -245,6 +268,12 @@ say "== binaries: $how"
 [ ${#RUN[@]} -gt 0 ] && say "   launcher: ${RUN[*]}"
 if [ -n "$BIN_PDSIM" ]; then
   say "   $(to 20 "${RUN[@]}" "$BIN_PDSIM" --version 2>&1 | head -3)"
+  # The command (shell words, the launcher included) the cuda tests that run pdsim use.
+  case $BIN_PDSIM in
+    /*) printf -v PDSIM_GPU_TEST_PDSIM '%q ' "${RUN[@]}" "$BIN_PDSIM" ;;
+    *) printf -v PDSIM_GPU_TEST_PDSIM '%q ' "${RUN[@]}" "$ROOT/$BIN_PDSIM" ;;
+  esac
+  export PDSIM_GPU_TEST_PDSIM
 fi
 
 # ---- tests ----
@@ -256,7 +285,7 @@ for bin in "${TEST_BINS[@]}"; do
   name=$(basename "$bin")
   log=$SCRATCH/$name.log
   echo "== $name"
-  to 120 "${RUN[@]}" "$bin" --gtest_color=no >"$log" 2>&1
+  to_tests 120 "${RUN[@]}" "$bin" --gtest_color=no >"$log" 2>&1
   rc=$?
   { echo "===== $name (exit $rc)"; cat "$log"; echo; } >>"$TESTS_LOG"
   ran=$(sed -n 's/^\[==========\] \([0-9]*\) tests\{0,1\} from .* ran\..*/\1/p' "$log" | tail -1)
@@ -282,25 +311,44 @@ for bin in "${TEST_BINS[@]}"; do
 done
 if [ ${#TEST_BINS[@]} -eq 0 ]; then rows+=("| tests | not run: no binaries |"); failed=1; fi
 
-# ---- benchmark: cuda_ipc vs raw cudaMemcpyAsync ----
-bench="not run: no pdsim binary"
-if [ -n "$BIN_PDSIM" ]; then
-  echo "== pdsim bench transfer --transport cuda_ipc"
-  # shellcheck disable=SC2086
-  to 150 "${RUN[@]}" "$BIN_PDSIM" bench transfer --transport cuda_ipc --json "$BENCH_JSON" \
-    ${PDSIM_GPU_BENCH_ARGS:-} >"$BENCH_LOG" 2>&1
+# ---- benchmarks ----
+# run_bench <json> <seconds> args...: runs pdsim with args, appending its output to bench.log;
+# sets $bench to ok, "no device (exit 1): ..." (not a failure), TIMED OUT or "exit N: <last line>".
+run_bench() {
+  local json=$1 secs=$2 log=$SCRATCH/bench.out rc
+  shift 2
+  echo "== pdsim $*" | tee -a "$BENCH_LOG"
+  to "$secs" "${RUN[@]}" "$BIN_PDSIM" "$@" >"$log" 2>&1
   rc=$?
-  cat "$BENCH_LOG"
-  if [ $rc -eq 0 ] && [ -s "$BENCH_JSON" ]; then
+  tee -a "$BENCH_LOG" <"$log"
+  if [ $rc -eq 0 ] && [ -s "$json" ]; then
     bench="ok"
   elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
     bench="TIMED OUT"
     failed=1
+  elif [ $rc -eq 1 ] && grep -q "no device" "$log"; then
+    bench="no device (exit 1): $(grep -m1 -o 'no device.*' "$log" | cut -c1-160)"
   else
-    bench="exit $rc: $(grep -v '^\s*$' "$BENCH_LOG" | tail -1 | cut -c1-200)"
-    grep -q "no device" "$BENCH_LOG" || failed=1
+    bench="exit $rc: $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-200)"
+    failed=1
   fi
+}
+# cuda_ipc vs raw cudaMemcpyAsync: this is the measurement of the transport's completion poller.
+bench="not run: no pdsim binary"
+if [ -n "$BIN_PDSIM" ]; then
+  # shellcheck disable=SC2086
+  run_bench "$BENCH_JSON" 100 bench transfer --transport cuda_ipc --json "$BENCH_JSON" \
+    ${PDSIM_GPU_BENCH_ARGS:-}
 fi
+bench_ipc=$bench
+# The cuda attention backend and the GPU model (llama3-8b shapes, one GPU).
+bench="not run: no pdsim binary"
+if [ -n "$BIN_PDSIM" ]; then
+  # shellcheck disable=SC2086
+  run_bench "$ATTN_JSON" 120 bench attention --backend cuda --json "$ATTN_JSON" \
+    ${PDSIM_GPU_ATTN_ARGS:-}
+fi
+bench_attn=$bench
 
 # ---- the table ----
 {
@@ -325,15 +373,72 @@ fi
   echo "| ${CUBLAS_LIBS[*]} | $cublas_row |"
   printf '%s\n' "${rows[@]}"
   [ ${#skips[@]} -gt 0 ] && printf '%s\n' "${skips[@]}"
-  echo "| bench transfer cuda_ipc | $bench |"
+  echo "| bench transfer cuda_ipc | $bench_ipc |"
+  # That bench is the measurement of the cuda_ipc completion poller (spin for 200 us, then sleep):
+  # its 1 and 4 MiB rows were 0.889x and 0.807x before it (H200, docs/gpu-results.md 2026-11-30).
+  if [ "$bench_ipc" = ok ] && command -v python3 >/dev/null; then
+    python3 - "$BENCH_JSON" <<'EOF' || echo "| cuda_ipc poller | (could not read $BENCH_JSON) |"
+import json, sys
+j = json.load(open(sys.argv[1]))
+t = j.get("target_ratio", 0.9)
+by = {r["bytes"]: r["ratio"] for r in j["rows"]}
+got = [f"{b >> 20} MiB {by[b]:.3f}x {'meets' if by[b] >= t else 'BELOW'} {t:.2f}"
+       for b in (1 << 20, 4 << 20) if b in by]
+print("| cuda_ipc poller (spin, then sleep): the cuda_ipc table below | "
+      + ("; ".join(got) if got else "no 1 or 4 MiB rows")
+      + " (before the change: 0.889x, 0.807x) |")
+EOF
+  elif [[ $bench_ipc == "no device"* ]]; then
+    echo "| cuda_ipc poller (spin, then sleep): the cuda_ipc table below | not measured: no device |"
+  else
+    echo "| cuda_ipc poller (spin, then sleep): the cuda_ipc table below | not measured |"
+  fi
+  echo "| bench attention cuda | $bench_attn |"
   echo "| wall | $((SECONDS - START)) s |"
-  if [ "$bench" = ok ] && command -v python3 >/dev/null; then
+  if [ "$bench_attn" = ok ] && command -v python3 >/dev/null; then
+    echo
+    python3 - "$ATTN_JSON" <<'EOF' || echo "(could not read $ATTN_JSON)"
+import json, sys
+j = json.load(open(sys.argv[1]))
+d, e, m, dev = j["decode"], j["extend"], j["model"], j["device"]
+print(f"bench attention --backend cuda on {dev['name']}: bf16 KV, {j['num_q_heads']}q/"
+      f"{j['num_kv_heads']}kv heads x {j['head_dim']}, page {j['page_size']}; median of "
+      f"{j['reps']} rounds; outputs finite and within the fp64 oracle's tolerance "
+      f"(max abs error decode {d['max_abs_error']:.2g}, extend {e['max_abs_error']:.2g})")
+print()
+print("| figure | measured | baseline | ratio | target |")
+print("|---|---|---|---|---|")
+def target(r, t):
+    return f"{t:.2f} {'PASS' if r >= t else 'BELOW'}"
+print(f"| decode {d['batch']}x{d['kv_len']} KV tokens | {d['gbps']:.0f} GB/s | "
+      f"{d['baseline_gbps']:.0f} GB/s (device-to-device copy, read + write) | "
+      f"{d['ratio']:.3f} | {target(d['ratio'], d['target'])} |")
+print(f"| extend {e['batch']}x{e['q_len']} causal | {e['gflops'] / 1e3:.1f} TFLOP/s | "
+      f"{e['baseline_gflops'] / 1e3:.1f} TFLOP/s (cuBLASLt bf16 GEMM {e['baseline_m']}x"
+      f"{e['baseline_n']}x{e['baseline_k']}) | {e['ratio']:.3f} | "
+      f"{target(e['ratio'], e['target'])} |")
+for phase in ("prefill", "decode"):
+    p = m[phase]
+    what = (f"prefill {p['tokens']} tokens" if phase == "prefill"
+            else f"decode {p['batch']}x{p['kv_len']}")
+    if p["ratio"] is None:
+        base, ratio = m["roofline_note"], "-"
+    else:
+        base = (f"{p['roofline_per_layer_ms']:.3f} ms ({m['roofline']}; at peak "
+                f"{p['roofline_peak_per_layer_ms']:.3f} ms)")
+        ratio = f"{p['ratio']:.2f}"
+    print(f"| {m['name']} {what}, per layer ({m['layers']} layers) | "
+          f"{p['per_layer_ms']:.3f} ms | {base} | {ratio} | - (measured / roofline) |")
+EOF
+  fi
+  if [ "$bench_ipc" = ok ] && command -v python3 >/dev/null; then
     echo
     python3 - "$BENCH_JSON" <<'EOF' || echo "(could not read $BENCH_JSON)"
 import json, sys
 j = json.load(open(sys.argv[1]))
 target, floor = j.get("target_ratio", 0), j.get("target_min_bytes", 0)
-print(f"cuda_ipc vs {j.get('baseline', 'baseline')}; target {target:.2f}x at >= {floor >> 20} MiB")
+print(f"cuda_ipc vs {j.get('baseline', 'baseline')}; target {target:.2f}x at >= {floor >> 20} MiB"
+      " (the measurement of the completion poller: spin, then sleep)")
 print()
 print("| size | GB/s | baseline GB/s | ratio | meets target |")
 print("|---|---|---|---|---|")
