@@ -11,12 +11,13 @@ mkdir -p build
 start=$(date +%s)
 
 pdsim_bootstrap
-pdsim_build default
+# BUILD_TESTING=ON explicitly: scripts/run.sh configures the same build folder without tests.
+pdsim_build default -DBUILD_TESTING=ON
 
 exclude=(-LE slow)
 [ "${PDSIM_TEST_ALL:-0}" = "1" ] && exclude=()
 echo "== ctest (default)"
-ctest --preset default "${exclude[@]}" -j "$PDSIM_JOBS"
+ctest --preset default --no-tests=error "${exclude[@]}" -j "$PDSIM_JOBS"
 
 sanitizers="${PDSIM_SANITIZERS:-}"
 if [ -z "$sanitizers" ] && [ "${CI:-}" = "true" ]; then sanitizers=1; fi
@@ -30,16 +31,16 @@ if [ "$sanitizers" = "1" ]; then
   # 250 s of CPU for the largest translation unit, 96 s at -O1 -g1; -g1 keeps the line tables the
   # reports print.
   asan_sel=(-L unit -LE slow -E '(_(avx2|scalar)|^transport_.*|^transfer_engine_.*|^fault_transport_test|^bench_transfer_test)$')
-  pdsim_configure asan
+  pdsim_configure asan -DBUILD_TESTING=ON
   pdsim_build_tests asan "${asan_sel[@]}"
   echo "== ctest (asan: unit)"
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --preset asan "${asan_sel[@]}" -j "$PDSIM_JOBS"
+    ctest --preset asan --no-tests=error "${asan_sel[@]}" -j "$PDSIM_JOBS"
   tsan_sel=(-L tsan -LE slow)
-  pdsim_configure tsan
+  pdsim_configure tsan -DBUILD_TESTING=ON
   pdsim_build_tests tsan "${tsan_sel[@]}"
   echo "== ctest (tsan: label tsan)"
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
-    ctest --preset tsan "${tsan_sel[@]}" -j "$PDSIM_JOBS"
+    ctest --preset tsan --no-tests=error "${tsan_sel[@]}" -j "$PDSIM_JOBS"
 fi
 echo "== test.sh: all passed in $(( $(date +%s) - start )) s"
