@@ -34,7 +34,12 @@ if [ "$sanitizers" = "1" ]; then
   pdsim_configure asan -DBUILD_TESTING=ON
   pdsim_build_tests asan "${asan_sel[@]}"
   echo "== ctest (asan: unit)"
-  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  # Under ASan (ten times slower) the cpu_attention_test matrix runs at page size 16 only (the ISA
+  # variants' cut, tests/CMakeLists.txt) and calibrate's quick run (93 s: the attention benchmarks
+  # it fits, already checked by cpu_attention_test) is left to the release suite.
+  asan_filter="-AllCombinations/CpuVsRef.*_ps1_*:AllCombinations/CpuVsRef.*_ps64_*"
+  asan_filter+=":CalibrateCli.QuickRunWritesALoadableFileWithSaneFits"
+  GTEST_FILTER="$asan_filter" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --preset asan --no-tests=error "${asan_sel[@]}" -j "$PDSIM_JOBS"
   tsan_sel=(-L tsan -LE slow)
   pdsim_configure tsan -DBUILD_TESTING=ON
