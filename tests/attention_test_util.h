@@ -245,7 +245,10 @@ inline Status forward_host(AttentionBackend& backend, const float* q, const floa
         bs, rows_view(out, tokens, layer.num_q_heads, dv), save_kv_cache, record_kv_cache);
 }
 
-inline std::unique_ptr<kv::MHATokenToKVPool> make_pool(const Shape& s, int num_pages) {
+// A pool of shape `s` on `device` (host memory by default); null, with a test failure, when the
+// pool cannot be created.
+inline std::unique_ptr<kv::MHATokenToKVPool> make_pool(const Shape& s, int num_pages,
+                                                       runtime::Device device = {}) {
     kv::MHAPoolConfig pc;
     pc.num_layers = s.num_layers;
     pc.num_pages = num_pages;
@@ -253,6 +256,7 @@ inline std::unique_ptr<kv::MHATokenToKVPool> make_pool(const Shape& s, int num_p
     pc.num_kv_heads = s.num_kv_heads;
     pc.head_dim = s.head_dim;
     pc.dtype = s.dtype;
+    pc.device = device;
     auto pool = kv::MHATokenToKVPool::create(pc);
     if (!pool.ok()) {
         ADD_FAILURE() << "pool: " << pool.status().to_string();

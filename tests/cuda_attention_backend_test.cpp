@@ -131,20 +131,7 @@ AttentionConfig config_for(const Shape& s, runtime::Stream& stream) {
 }
 
 std::unique_ptr<kv::MHATokenToKVPool> make_device_pool(const Shape& s, int num_pages) {
-    kv::MHAPoolConfig pc;
-    pc.num_layers = s.num_layers;
-    pc.num_pages = num_pages;
-    pc.page_size = s.page_size;
-    pc.num_kv_heads = s.num_kv_heads;
-    pc.head_dim = s.head_dim;
-    pc.dtype = s.dtype;
-    pc.device = kGpu;
-    auto pool = kv::MHATokenToKVPool::create(pc);
-    if (!pool.ok()) {
-        ADD_FAILURE() << "device pool: " << pool.status().to_string();
-        return nullptr;
-    }
-    return std::move(pool).value();
+    return make_pool(s, num_pages, kGpu);
 }
 
 size_t buffer_bytes(const kv::KVPool& p, int layer, int buf) {
