@@ -34,14 +34,23 @@ std::string topo(const std::string& name) { return kSource + "/topology/examples
 std::string trace_dir() { return kSource + "/data/traces"; }
 
 // Runs `pdsim testbed <args>` under mpirun -np `np` (np 0: without mpirun).
-CmdResult run_testbed(int np, const std::vector<std::string>& args, int timeout_s = 240) {
+// `rank0_delay_s` > 0 starts rank 0 that many seconds after the others (an MPMD launch: the
+// first app context sleeps, then execs pdsim), as a loaded host may.
+CmdResult run_testbed(int np, const std::vector<std::string>& args, int timeout_s = 240,
+                      int rank0_delay_s = 0) {
     TempDir io("testbed");
+    std::string pdsim_cmd = shell_quote(PDSIM_BINARY) + " testbed";
+    for (const auto& a : args) pdsim_cmd += " " + shell_quote(a);
     std::string cmd = "timeout -k 10 " + std::to_string(timeout_s) + " ";
-    if (np > 0) {
-        cmd += shell_quote(PDSIM_MPIEXEC) + " --oversubscribe -np " + std::to_string(np) + " ";
+    if (np > 0) cmd += shell_quote(PDSIM_MPIEXEC) + " --oversubscribe ";
+    if (np > 1 && rank0_delay_s > 0) {
+        cmd += "-np 1 sh -c " + shell_quote("sleep " + std::to_string(rank0_delay_s) + "; exec \"$@\"") +
+               " sh " + pdsim_cmd + " : -np " + std::to_string(np - 1) + " " + pdsim_cmd;
+    } else if (np > 0) {
+        cmd += "-np " + std::to_string(np) + " " + pdsim_cmd;
+    } else {
+        cmd += pdsim_cmd;
     }
-    cmd += shell_quote(PDSIM_BINARY) + " testbed";
-    for (const auto& a : args) cmd += " " + shell_quote(a);
     cmd += " >" + shell_quote(io.str("out")) + " 2>" + shell_quote(io.str("err")) + " </dev/null";
     CmdResult r;
     const int st = std::system(cmd.c_str());
@@ -220,6 +229,22 @@ TEST(TestbedBadInput, TraceLineIsNamed) {
     EXPECT_EQ(r.rc, 2) << r.describe();
     EXPECT_NE(r.err.find("bad.jsonl:2"), std::string::npos) << r.err;
     EXPECT_NE(r.err.find("input_length"), std::string::npos) << r.err;
+}
+
+// Every rank reads the trace and fails; the others must not exit before rank 0 printed: once
+// one process exits non-zero mpirun kills the rest about a second later, and a rank 0 that a
+// loaded host started late lost its message (seen in CI). Here rank 0 starts 3 s late.
+TEST(TestbedBadInput, LateRankZeroStillPrints) {
+    TempDir dir("tb_bad_late");
+    {
+        std::ofstream f(dir.path() / "bad.jsonl");
+        f << R"({"timestamp": 0, "input_length": 0, "output_length": 5, "hash_ids": [1]})" << "\n";
+    }
+    CmdResult r = run_testbed(2, {"--trace", dir.str("bad.jsonl")}, 120, 3);
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_NE(r.err.find("bad.jsonl:1"), std::string::npos) << r.describe();
+    // Printed once (by rank 0), not once per rank.
+    EXPECT_EQ(r.err.find("bad.jsonl:1"), r.err.rfind("bad.jsonl:1")) << r.err;
 }
 
 TEST(TestbedBadInput, WorldSizeContradictsTopology) {

@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -354,6 +355,7 @@ public:
         }
         const int L = cluster_.model.layers;
         bool first_forward = true;
+        std::set<uint64_t> aborted_submits;  // requests whose submit_chunk said kAborted
         for (size_t g = 0; g < mine.size(); g += static_cast<size_t>(o.batch)) {
             std::vector<RequestSpec> group(
                 mine.begin() + static_cast<std::ptrdiff_t>(g),
@@ -401,7 +403,14 @@ public:
                     c.first_token_src = tokens_[p.id].get();
                     c.first_token_aux_step = aux_begin;
                     Status st = sender_->submit_chunk(std::move(c));
-                    if (!st.ok()) out->errors.push_back("submit_chunk: " + st.to_string());
+                    // kAborted is the contract for a request that already failed (a dead or
+                    // faulty peer can fail it between two chunks); its wait below must then
+                    // report Failed. Any other error is the harness's or the engine's bug.
+                    if (st.code() == StatusCode::kAborted) {
+                        aborted_submits.insert(p.id);
+                    } else if (!st.ok()) {
+                        out->errors.push_back("submit_chunk: " + st.to_string());
+                    }
                 }
                 enqueue_forward(fwd, o, first_forward);
                 first_forward = false;
@@ -415,6 +424,11 @@ public:
             if (!st.ok()) {
                 out->errors.push_back("prefill wait: " + st.status().to_string());
                 continue;
+            }
+            if (aborted_submits.count(r.id) > 0 && st->state != RequestState::kFailed) {
+                out->errors.push_back(fmt::format(
+                    "request {}: submit_chunk said kAborted but the request ended {}", r.id,
+                    request_state_name(st->state)));
             }
             out->statuses[r.id] = *st;
         }

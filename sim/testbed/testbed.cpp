@@ -794,110 +794,136 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
     return status_for_code((*m)->body.at("code").get<int>(), (*m)->body.value("msg", std::string()));
 }
 
-}  // namespace
-
-Status run_testbed(const TestbedOptions& options, RunInfo* info) {
-    const Launcher launcher = detect_launcher();
-    info->rank = launcher.rank;
-    if (launcher.rank != 0) spdlog::set_level(spdlog::level::warn);
-    PDSIM_ASSIGN_OR_RETURN(ResolvedConfig cfg, resolve(options, launcher.world));
-    Shared sh;
-    sh.cfg = &cfg;
-    const int ranks = cfg.topology.num_ranks();
-    sh.local = launcher.world == 1;
-    const topo::RankMap map = cfg.topology.rank_map();
-
-    if (sh.local) {
-        sh.local_ranks = ranks;
-        sh.hub = std::make_unique<LocalHub>(ranks);
-        for (const auto& inst : cfg.topology.instances) {
-            sh.tp.push_back(std::make_unique<LocalTpGroup>(
-                inst.tp, milliseconds(static_cast<int64_t>(cfg.options.request_timeout_s * 1000) + 5000)));
-        }
-        sh.kv_world = transfer::make_local_world(ranks);
-        std::vector<Status> st(static_cast<size_t>(ranks));
-        std::vector<std::thread> threads;
-        for (int r = ranks - 1; r >= 0; --r) {
-            auto body = [&, r] {
-                const auto& ri = map.at(r);
-                st[static_cast<size_t>(r)] =
-                    run_rank(sh, r, sh.hub->mailbox(r), sh.tp[static_cast<size_t>(ri.instance)]->member(ri.tp_rank));
-            };
-            if (r == 0) {
-                body();
-            } else {
-                threads.emplace_back(body);
-            }
-        }
-        for (auto& t : threads) t.join();
-        info->error_printed = sh.error_printed;
-        return st[0];
-    }
-
-    // One process per rank.
-    sh.local_ranks = std::max(1, launcher.local_size);
-    {
+// One process per rank (launcher.world > 1). Every rank resolved the same options on its own;
+// before any rank may exit they agree (one MPI_Allreduce) on whether all of them could read
+// their input and whether mpirun's world fits the topology. When not, rank 0 prints the error,
+// then all meet at a barrier and return it: once one rank exits non-zero mpirun kills the
+// others, and a rank 0 still printing would lose its message.
+Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved, RunInfo* info) {
+    if (resolved.ok()) {
+        const ResolvedConfig& cfg = *resolved;
+        const int local_ranks = std::max(1, launcher.local_size);
         // More ranks than cores on this host, free to run anywhere: the kernel places them
         // differently from run to run, and a TP rank that loses its core stalls its peers.
         const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-        if (launcher.local_rank == 0 && sh.local_ranks > hw && !bound_to_some_cores(hw)) {
+        if (launcher.local_rank == 0 && local_ranks > hw && !bound_to_some_cores(hw)) {
             PDSIM_LOG_WARN(
                 "{} ranks on this host's {} cores and they are not bound: timings will vary from "
                 "run to run; add `--map-by core --bind-to core:overload-allowed` to mpirun "
                 "(docs/testbed.md, 'More ranks than cores')",
-                sh.local_ranks, hw);
+                local_ranks, hw);
         }
-    }
-    if (std::getenv("PDSIM_NUM_THREADS") == nullptr) {
-        const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-        const int per = cfg.options.threads > 0 ? cfg.options.threads : std::max(1, hw / sh.local_ranks);
-        ::setenv("PDSIM_NUM_THREADS", std::to_string(per).c_str(), 1);
+        if (std::getenv("PDSIM_NUM_THREADS") == nullptr) {
+            const int per = cfg.options.threads > 0 ? cfg.options.threads : std::max(1, hw / local_ranks);
+            ::setenv("PDSIM_NUM_THREADS", std::to_string(per).c_str(), 1);
+        }
     }
     int initialized = 0;
     MPI_CHECK(MPI_Initialized(&initialized));
     int provided = 0;
     if (!initialized) MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
     else MPI_CHECK(MPI_Query_thread(&provided));
-    Status st;
-    {
-        int world = 0, rank = 0;
-        MPI_Comm_size(MPI_COMM_WORLD, &world);
-        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-        info->rank = rank;
-        if (provided < MPI_THREAD_MULTIPLE) {
-            st = Status(StatusCode::kUnavailable, "MPI does not provide MPI_THREAD_MULTIPLE (the testbed's TP "
-                                                  "allgather runs on the compute stream's thread)");
-        } else if (world != ranks) {
+    int world = 0, rank = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    info->rank = rank;
+
+    Status st = resolved.status();
+    if (st.ok() && provided < MPI_THREAD_MULTIPLE) {
+        st = Status(StatusCode::kUnavailable, "MPI does not provide MPI_THREAD_MULTIPLE (the testbed's TP "
+                                              "allgather runs on the compute stream's thread)");
+    } else if (st.ok() && world != resolved->topology.num_ranks()) {
+        st = Status(StatusCode::kInvalidArgument, fmt::format("mpirun -np {} but topology {} has {} ranks", world,
+                                                              resolved->topology_label,
+                                                              resolved->topology.num_ranks()));
+    }
+    // The agreement: the lowest rank whose set-up failed (world if none).
+    const int mine = st.ok() ? world : rank;
+    int first_failed = world;
+    MPI_Allreduce(&mine, &first_failed, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (first_failed < world) {
+        // Rank 0's message stands for all when it failed too (the same options, read the same
+        // way); else the ranks that failed print theirs.
+        if (!st.ok() && rank != 0 && first_failed != 0) PDSIM_LOG_ERROR("rank {}: {}", rank, st.to_string());
+        if (st.ok()) {
+            // This rank read its input but another could not (a file missing on its host...).
             st = Status(StatusCode::kInvalidArgument,
-                        fmt::format("mpirun -np {} but topology {} has {} ranks", world, cfg.topology_label, ranks));
-        } else {
-            auto mbox = MpiMailbox::create();
-            const auto& ri = map.at(rank);
-            auto tp = MpiTpComm::create(ri.instance, ri.tp_rank,
-                                        milliseconds(static_cast<int64_t>(cfg.options.request_timeout_s * 1000) + 5000));
-            if (!mbox.ok()) {
-                st = mbox.status();
-            } else if (!tp.ok()) {
-                st = tp.status();
-            } else {
-                st = run_rank(sh, rank, std::move(*mbox), tp->get());
-            }
+                        fmt::format("rank {} could not set up (its error is printed above)", first_failed));
         }
-        if (provided < MPI_THREAD_MULTIPLE || world != ranks) {
-            // Every rank takes this branch (same MPI, same world size, same topology). Rank 0
-            // prints, then all meet: once any rank exits non-zero, mpirun kills the others, and
-            // rank 0's message would be lost.
-            if (rank == 0) {
-                std::fprintf(stderr, "pdsim: error: %s\n", st.to_string().c_str());
-                std::fflush(stderr);
-                sh.error_printed = true;
-            }
-            MPI_Barrier(MPI_COMM_WORLD);
+        if (rank == 0) {
+            std::fprintf(stderr, "pdsim: error: %s\n", st.to_string().c_str());
+            std::fflush(stderr);
+            info->error_printed = true;
+        }
+        MPI_Barrier(MPI_COMM_WORLD);
+        MPI_Finalize();
+        return st;
+    }
+
+    ResolvedConfig& cfg = *resolved;
+    Shared sh;
+    sh.cfg = &cfg;
+    sh.local = false;
+    sh.local_ranks = std::max(1, launcher.local_size);
+    {
+        auto mbox = MpiMailbox::create();
+        const topo::RankInfo ri = cfg.topology.rank_map().at(rank);
+        auto tp = MpiTpComm::create(ri.instance, ri.tp_rank,
+                                    milliseconds(static_cast<int64_t>(cfg.options.request_timeout_s * 1000) + 5000));
+        if (!mbox.ok()) {
+            st = mbox.status();
+        } else if (!tp.ok()) {
+            st = tp.status();
+        } else {
+            st = run_rank(sh, rank, std::move(*mbox), tp->get());
         }
     }
     MPI_Finalize();
     info->error_printed = sh.error_printed;
     return st;
+}
+
+}  // namespace
+
+Status run_testbed(const TestbedOptions& options, RunInfo* info) {
+    const Launcher launcher = detect_launcher();
+    info->rank = launcher.rank;
+    if (launcher.rank != 0) spdlog::set_level(spdlog::level::warn);
+    StatusOr<ResolvedConfig> resolved = resolve(options, launcher.world);
+    if (launcher.world > 1) return run_mpi_ranks(launcher, std::move(resolved), info);
+
+    // Every rank a thread of this process.
+    PDSIM_RETURN_IF_ERROR(resolved.status());
+    ResolvedConfig& cfg = *resolved;
+    Shared sh;
+    sh.cfg = &cfg;
+    const int ranks = cfg.topology.num_ranks();
+    sh.local = true;
+    const topo::RankMap map = cfg.topology.rank_map();
+    sh.local_ranks = ranks;
+    sh.hub = std::make_unique<LocalHub>(ranks);
+    for (const auto& inst : cfg.topology.instances) {
+        sh.tp.push_back(std::make_unique<LocalTpGroup>(
+            inst.tp, milliseconds(static_cast<int64_t>(cfg.options.request_timeout_s * 1000) + 5000)));
+    }
+    sh.kv_world = transfer::make_local_world(ranks);
+    std::vector<Status> st(static_cast<size_t>(ranks));
+    std::vector<std::thread> threads;
+    for (int r = ranks - 1; r >= 0; --r) {
+        auto body = [&, r] {
+            const auto& ri = map.at(r);
+            st[static_cast<size_t>(r)] =
+                run_rank(sh, r, sh.hub->mailbox(r), sh.tp[static_cast<size_t>(ri.instance)]->member(ri.tp_rank));
+        };
+        if (r == 0) {
+            body();
+        } else {
+            threads.emplace_back(body);
+        }
+    }
+    for (auto& t : threads) t.join();
+    info->error_printed = sh.error_printed;
+    return st[0];
 }
 
 }  // namespace pdsim::testbed
