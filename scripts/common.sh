@@ -18,12 +18,13 @@ pdsim_configure() {
 }
 
 # Builds only the executables of the tests that ctest selects with the given arguments (test names
-# equal target names; variants such as cpu_attention_test_avx2 run the cpu_attention_test target).
+# equal target names; variants such as cpu_attention_test_avx2 and the gtest shards
+# cpu_attention_test_shard0, _shard1 run the cpu_attention_test target).
 pdsim_build_tests() {
   local preset="$1"; shift
   local targets
   targets=$(cd "$PDSIM_ROOT/build/$preset" && ctest -N "$@" | sed -n 's/^ *Test *#[0-9]*: //p' \
-            | sed -E 's/_(avx2|scalar)$//' | sort -u | tr '\n' ' ')
+            | sed -E 's/_(avx2|scalar|shard[0-9]+)$//' | sort -u | tr '\n' ' ')
   echo "== build ($preset, -j$PDSIM_JOBS): $targets"
   # shellcheck disable=SC2086
   cmake --build --preset "$preset" -j "$PDSIM_JOBS" --target $targets
