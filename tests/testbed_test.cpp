@@ -44,8 +44,9 @@ CmdResult run_testbed(int np, const std::vector<std::string>& args, int timeout_
     std::string cmd = "timeout -k 10 " + std::to_string(timeout_s) + " ";
     if (np > 0) cmd += shell_quote(PDSIM_MPIEXEC) + " --oversubscribe ";
     if (np > 1 && rank0_delay_s > 0) {
-        cmd += "-np 1 sh -c " + shell_quote("sleep " + std::to_string(rank0_delay_s) + "; exec \"$@\"") +
-               " sh " + pdsim_cmd + " : -np " + std::to_string(np - 1) + " " + pdsim_cmd;
+        cmd += "-np 1 sh -c " +
+               shell_quote("sleep " + std::to_string(rank0_delay_s) + "; exec \"$@\"") + " sh " +
+               pdsim_cmd + " : -np " + std::to_string(np - 1) + " " + pdsim_cmd;
     } else if (np > 0) {
         cmd += "-np " + std::to_string(np) + " " + pdsim_cmd;
     } else {
@@ -238,7 +239,8 @@ TEST(TestbedBadInput, LateRankZeroStillPrints) {
     TempDir dir("tb_bad_late");
     {
         std::ofstream f(dir.path() / "bad.jsonl");
-        f << R"({"timestamp": 0, "input_length": 0, "output_length": 5, "hash_ids": [1]})" << "\n";
+        f << R"({"timestamp": 0, "input_length": 0, "output_length": 5, "hash_ids": [1]})"
+          << "\n";
     }
     CmdResult r = run_testbed(2, {"--trace", dir.str("bad.jsonl")}, 120, 3);
     EXPECT_EQ(r.rc, 2) << r.describe();

@@ -426,9 +426,9 @@ public:
                 continue;
             }
             if (aborted_submits.count(r.id) > 0 && st->state != RequestState::kFailed) {
-                out->errors.push_back(fmt::format(
-                    "request {}: submit_chunk said kAborted but the request ended {}", r.id,
-                    request_state_name(st->state)));
+                out->errors.push_back(
+                    fmt::format("request {}: submit_chunk said kAborted but the request ended {}",
+                                r.id, request_state_name(st->state)));
             }
             out->statuses[r.id] = *st;
         }

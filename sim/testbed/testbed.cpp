@@ -794,15 +794,20 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
     return status_for_code((*m)->body.at("code").get<int>(), (*m)->body.value("msg", std::string()));
 }
 
+// How long a TP collective may wait for its peers: the request timeout, plus slack.
+milliseconds tp_timeout(const ResolvedConfig& cfg) {
+    return milliseconds(static_cast<int64_t>(cfg.options.request_timeout_s * 1000) + 5000);
+}
+
 // One process per rank (launcher.world > 1). Every rank resolved the same options on its own;
 // before any rank may exit they agree (one MPI_Allreduce) on whether all of them could read
 // their input and whether mpirun's world fits the topology. When not, rank 0 prints the error,
 // then all meet at a barrier and return it: once one rank exits non-zero mpirun kills the
 // others, and a rank 0 still printing would lose its message.
 Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved, RunInfo* info) {
+    const int local_ranks = std::max(1, launcher.local_size);
     if (resolved.ok()) {
         const ResolvedConfig& cfg = *resolved;
-        const int local_ranks = std::max(1, launcher.local_size);
         // More ranks than cores on this host, free to run anywhere: the kernel places them
         // differently from run to run, and a TP rank that loses its core stalls its peers.
         const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -814,7 +819,8 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
                 local_ranks, hw);
         }
         if (std::getenv("PDSIM_NUM_THREADS") == nullptr) {
-            const int per = cfg.options.threads > 0 ? cfg.options.threads : std::max(1, hw / local_ranks);
+            const int per =
+                cfg.options.threads > 0 ? cfg.options.threads : std::max(1, hw / local_ranks);
             ::setenv("PDSIM_NUM_THREADS", std::to_string(per).c_str(), 1);
         }
     }
@@ -830,12 +836,13 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
 
     Status st = resolved.status();
     if (st.ok() && provided < MPI_THREAD_MULTIPLE) {
-        st = Status(StatusCode::kUnavailable, "MPI does not provide MPI_THREAD_MULTIPLE (the testbed's TP "
-                                              "allgather runs on the compute stream's thread)");
+        st = Status(StatusCode::kUnavailable,
+                    "MPI does not provide MPI_THREAD_MULTIPLE (the testbed's TP "
+                    "allgather runs on the compute stream's thread)");
     } else if (st.ok() && world != resolved->topology.num_ranks()) {
-        st = Status(StatusCode::kInvalidArgument, fmt::format("mpirun -np {} but topology {} has {} ranks", world,
-                                                              resolved->topology_label,
-                                                              resolved->topology.num_ranks()));
+        st = Status(StatusCode::kInvalidArgument,
+                    fmt::format("mpirun -np {} but topology {} has {} ranks", world,
+                                resolved->topology_label, resolved->topology.num_ranks()));
     }
     // The agreement: the lowest rank whose set-up failed (world if none).
     const int mine = st.ok() ? world : rank;
@@ -844,11 +851,13 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
     if (first_failed < world) {
         // Rank 0's message stands for all when it failed too (the same options, read the same
         // way); else the ranks that failed print theirs.
-        if (!st.ok() && rank != 0 && first_failed != 0) PDSIM_LOG_ERROR("rank {}: {}", rank, st.to_string());
+        if (!st.ok() && rank != 0 && first_failed != 0)
+            PDSIM_LOG_ERROR("rank {}: {}", rank, st.to_string());
         if (st.ok()) {
             // This rank read its input but another could not (a file missing on its host...).
-            st = Status(StatusCode::kInvalidArgument,
-                        fmt::format("rank {} could not set up (its error is printed above)", first_failed));
+            st =
+                Status(StatusCode::kInvalidArgument,
+                       fmt::format("rank {} could not set up (it logged its error)", first_failed));
         }
         if (rank == 0) {
             std::fprintf(stderr, "pdsim: error: %s\n", st.to_string().c_str());
@@ -864,12 +873,11 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
     Shared sh;
     sh.cfg = &cfg;
     sh.local = false;
-    sh.local_ranks = std::max(1, launcher.local_size);
+    sh.local_ranks = local_ranks;
     {
         auto mbox = MpiMailbox::create();
         const topo::RankInfo ri = cfg.topology.rank_map().at(rank);
-        auto tp = MpiTpComm::create(ri.instance, ri.tp_rank,
-                                    milliseconds(static_cast<int64_t>(cfg.options.request_timeout_s * 1000) + 5000));
+        auto tp = MpiTpComm::create(ri.instance, ri.tp_rank, tp_timeout(cfg));
         if (!mbox.ok()) {
             st = mbox.status();
         } else if (!tp.ok()) {
@@ -903,8 +911,7 @@ Status run_testbed(const TestbedOptions& options, RunInfo* info) {
     sh.local_ranks = ranks;
     sh.hub = std::make_unique<LocalHub>(ranks);
     for (const auto& inst : cfg.topology.instances) {
-        sh.tp.push_back(std::make_unique<LocalTpGroup>(
-            inst.tp, milliseconds(static_cast<int64_t>(cfg.options.request_timeout_s * 1000) + 5000)));
+        sh.tp.push_back(std::make_unique<LocalTpGroup>(inst.tp, tp_timeout(cfg)));
     }
     sh.kv_world = transfer::make_local_world(ranks);
     std::vector<Status> st(static_cast<size_t>(ranks));
@@ -913,7 +920,8 @@ Status run_testbed(const TestbedOptions& options, RunInfo* info) {
         auto body = [&, r] {
             const auto& ri = map.at(r);
             st[static_cast<size_t>(r)] =
-                run_rank(sh, r, sh.hub->mailbox(r), sh.tp[static_cast<size_t>(ri.instance)]->member(ri.tp_rank));
+                run_rank(sh, r, sh.hub->mailbox(r),
+                         sh.tp[static_cast<size_t>(ri.instance)]->member(ri.tp_rank));
         };
         if (r == 0) {
             body();
