@@ -121,7 +121,7 @@ TEST(CudaModelDims, RejectsShapesTheKernelsCannotRun) {
     c = tiny();
     EXPECT_EQ(make_model_dims(c, 3).status().code(), StatusCode::kInvalidArgument);  // check_tp
     EXPECT_THAT(make_model_dims(c, 2, 2).status().message(), HasSubstr("tp_rank 2"));
-    c.attention = AttentionKind::kMLA;
+    c.attention = AttentionKind::kMla;
     c.kv_lora_rank = 64;
     c.rope_dim = 16;
     EXPECT_EQ(make_model_dims(c).status().code(), StatusCode::kUnimplemented);

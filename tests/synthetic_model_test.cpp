@@ -14,6 +14,7 @@
 #include "backends/attention/attention_backend.h"
 #include "backends/kv/kv_pool.h"
 #include "backends/runtime/cpu_stream.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::model {
 namespace {
@@ -118,11 +119,37 @@ TEST(ModelConfig, NamedConfigsAndOverrides) {
     EXPECT_EQ(l70->num_kv_heads, 8);
     EXPECT_EQ(l70->kv_elems_per_token_per_layer(8), 2 * 1 * 128);
     EXPECT_EQ(check_tp(*l70, 3).code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(check_tp(*l70, 3).message().find("3 does not divide num_kv_heads 8"), std::string::npos);
+    EXPECT_THAT(check_tp(*l70, 3).message(), HasSubstr("3 does not divide num_kv_heads 8"));
     EXPECT_TRUE(check_tp(*l70, 8).ok());
     EXPECT_EQ(resolve_model("gpt-9").status().code(), StatusCode::kInvalidArgument);
     // ~70.6B parameters.
     EXPECT_NEAR(static_cast<double>(l70->num_params()) / 1e9, 70.6, 0.5);
+}
+
+// One model table (topology/model_shape.h): every built-in name resolves to exactly the topology
+// layer's entry, the default ModelConfig is `tiny`, and one TP rule serves both layers.
+TEST(ModelConfig, OneTableForTopologyAndBackends) {
+    ASSERT_EQ(model_names().size(), topo::builtin_model_shapes().size());
+    for (const topo::ModelShape& shape : topo::builtin_model_shapes()) {
+        auto config = resolve_model(shape.name);
+        ASSERT_THAT(config, IsOk()) << shape.name;
+        EXPECT_TRUE(static_cast<const topo::ModelShape&>(*config) == shape) << shape.name;
+        EXPECT_TRUE(validate_model(*config).ok()) << shape.name;
+        for (int tp : {0, 1, 2, 3, 4, 8, 16}) {
+            const std::string topology_rule = topo::check_tp(shape, tp);
+            EXPECT_THAT(check_tp(*config, tp),
+                        topology_rule.empty()
+                            ? IsOk()
+                            : StatusIs(StatusCode::kInvalidArgument, ::testing::Eq(topology_rule)))
+                << shape.name << " tp " << tp;
+        }
+    }
+    const ModelConfig defaults;
+    EXPECT_TRUE(static_cast<const topo::ModelShape&>(defaults) == *topo::builtin_model_shape("tiny"));
+    EXPECT_EQ(defaults.num_layers, 4);
+    EXPECT_EQ(defaults.intermediate, 512);
+    EXPECT_EQ(resolve_model("hybrid-tiny")->layer_kind(1), LayerKind::kSlidingWindow);
+    EXPECT_EQ(resolve_model("deepseek-v3")->attention, AttentionKind::kMla);
 }
 
 TEST(SyntheticModel, WeightsAreDeterministicAndScaled) {
@@ -143,8 +170,7 @@ TEST(SyntheticModel, WeightsAreDeterministicAndScaled) {
 TEST(SyntheticModel, RejectsBadBatchesAndHugeModels) {
     auto big = resolve_model("llama3-70b");
     auto st = SyntheticModel::create(*big, nullptr, 16);
-    EXPECT_EQ(st.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(st.status().message().find("GiB"), std::string::npos);
+    EXPECT_THAT(st, StatusIs(StatusCode::kInvalidArgument, HasSubstr("GiB")));
     Rank r(test_config(), "cpu_ref");
     Seq s{random_tokens(5, 256, 1), {1}};
     s.tokens[2] = 9999;

@@ -1,9 +1,10 @@
-// ModelShape: the few numbers of a model that constrain a topology (tensor parallelism must
-// split the attention heads) and size its KV transfers. A small built-in table holds the
-// models the testbed and the examples use; a topology file may also spell a shape out. Names,
-// shapes and field names match backends/model/model_config.h (the synthetic model's
-// ModelConfig), which the testbed converts to a ModelShape for validate(); the topology layer
-// sits below backends and cannot include it.
+// ModelShape: pdsim's one description of a model, and the one table of built-in models (tiny,
+// hybrid-tiny, llama3-8b, llama3-70b, deepseek-v3) that topology, the backends and the simulator
+// all read. Its first fields (layers, heads, dims, attention kind) constrain a topology (tensor
+// parallelism must split the heads) and size its KV transfers; the rest (intermediate, vocab,
+// RoPE, norms, layer kinds, seed) are what a rank needs to build the synthetic model
+// (backends/model/model_config.h: model::ModelConfig is a ModelShape that defaults to `tiny`).
+// A topology file may spell a shape out; fields it does not give stay 0 (unknown) here.
 //
 // Thread-safety: the built-in table is immutable; every function here may be called from any
 // thread.
@@ -13,6 +14,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace pdsim::topo {
 
@@ -20,6 +22,7 @@ enum class AttentionKind : uint8_t {
     kMha,  // multi-head / grouped-query attention: K and V per KV head
     kMla,  // multi-head latent attention: one latent buffer per token, replicated on TP ranks
 };
+enum class LayerKind : uint8_t { kFullAttention, kSlidingWindow };
 
 struct ModelShape {
     std::string name;
@@ -31,19 +34,40 @@ struct ModelShape {
     AttentionKind attention = AttentionKind::kMha;
     int kv_lora_rank = 0;  // MLA only
     int rope_dim = 0;      // MLA only
+    // What the synthetic model needs besides the shape (0: not given).
+    int intermediate = 0;  // MLP width
+    int vocab = 0;
+    double rope_theta = 10000.0;
+    float rms_eps = 1e-5f;
+    // Per-layer kind for hybrid models (empty: all full attention), repeating; a sliding-window
+    // layer attends to the last `sliding_window` positions only.
+    std::vector<LayerKind> layer_kinds;
+    int sliding_window = 0;
+    uint64_t seed = 1234;  // the synthetic model's weights
 
+    [[nodiscard]] LayerKind layer_kind(int layer) const {
+        return layer_kinds.empty() ? LayerKind::kFullAttention
+                                   : layer_kinds[static_cast<size_t>(layer) % layer_kinds.size()];
+    }
     // KV bytes one token occupies in one layer, over all TP ranks (before any replication):
     // 2 * num_kv_heads * head_dim * dtype_bytes for MHA, (kv_lora_rank + rope_dim) *
     // dtype_bytes for MLA.
     [[nodiscard]] int64_t kv_bytes_per_token_layer(int dtype_bytes) const;
+    // Elements of KV one token occupies in one layer on one rank of a TP group of `tp` (MLA: the
+    // latent buffer, replicated on every rank).
+    [[nodiscard]] int64_t kv_elems_per_token_per_layer(int tp) const;
+    // Bytes of KV per token (all layers) for `dtype_bytes` per element, whole model (tp = 1).
+    [[nodiscard]] int64_t kv_bytes_per_token(int dtype_bytes) const;
+    // Parameters (for roofline costs): attention + MLP + embeddings.
+    [[nodiscard]] int64_t num_params() const;
 
     friend bool operator==(const ModelShape&, const ModelShape&) = default;
 };
 
-// The tensor-parallel rule (the same as model::check_tp, which the testbed's synthetic model
-// needs): for MHA tp must divide num_kv_heads (no KV-head replication), and it must divide
-// num_q_heads; MLA's latent buffer is replicated on every rank. Returns "" when tp is fine,
-// else what is wrong ("3 does not divide num_kv_heads 8").
+// The tensor-parallel rule (model::check_tp is this, as a Status): for MHA tp must divide
+// num_kv_heads (no KV-head replication), and it must divide num_q_heads; MLA's latent buffer is
+// replicated on every rank. Returns "" when tp is fine, else what is wrong ("3 does not divide
+// num_kv_heads 8").
 std::string check_tp(const ModelShape& model, int tp);
 
 // tiny, hybrid-tiny, llama3-8b, llama3-70b, deepseek-v3; nullptr when unknown (case-sensitive).

@@ -42,7 +42,7 @@ Status check_option(const char* name, int64_t value, int64_t min) {
 
 Status check_cuda_model_config(const ModelConfig& c, int tp_size, const CudaModelOptions& o) {
     PDSIM_RETURN_IF_ERROR(validate_model(c));
-    if (c.attention != AttentionKind::kMHA) {
+    if (c.attention != AttentionKind::kMha) {
         return PDSIM_ERROR(StatusCode::kUnimplemented,
                            "model {}: the GPU synthetic model runs MHA/GQA attention only (MLA is "
                            "not built yet)",

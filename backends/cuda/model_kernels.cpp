@@ -96,7 +96,7 @@ WeightBlock block(uint64_t tensor, float scale, int64_t rows, int64_t cols, int6
 
 StatusOr<ModelDims> make_model_dims(const ModelConfig& config, int tp_size, int tp_rank) {
     PDSIM_RETURN_IF_ERROR(validate_model(config));
-    if (config.attention != AttentionKind::kMHA) {
+    if (config.attention != AttentionKind::kMha) {
         return PDSIM_ERROR(StatusCode::kUnimplemented,
                            "model {}: the GPU synthetic model runs MHA/GQA attention only",
                            config.name);

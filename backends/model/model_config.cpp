@@ -12,51 +12,10 @@ namespace pdsim::model {
 
 namespace {
 
+// The built-in models, by name: topology's table (topology/model_shape.h).
 std::map<std::string, ModelConfig> builtin_models() {
     std::map<std::string, ModelConfig> m;
-    ModelConfig tiny;
-    tiny.name = "tiny";
-    m["tiny"] = tiny;
-
-    ModelConfig l8;
-    l8.name = "llama3-8b";
-    l8.num_layers = 32;
-    l8.hidden = 4096;
-    l8.num_q_heads = 32;
-    l8.num_kv_heads = 8;
-    l8.head_dim = 128;
-    l8.intermediate = 14336;
-    l8.vocab = 128256;
-    l8.rope_theta = 500000.0;
-    m[l8.name] = l8;
-
-    ModelConfig l70 = l8;
-    l70.name = "llama3-70b";
-    l70.num_layers = 80;
-    l70.hidden = 8192;
-    l70.num_q_heads = 64;
-    l70.intermediate = 28672;
-    m[l70.name] = l70;
-
-    ModelConfig ds;
-    ds.name = "deepseek-v3";
-    ds.num_layers = 61;
-    ds.hidden = 7168;
-    ds.num_q_heads = 128;
-    ds.num_kv_heads = 1;
-    ds.head_dim = 128;  // v head dim; qk = 128 nope + 64 rope
-    ds.intermediate = 18432;
-    ds.vocab = 129280;
-    ds.attention = AttentionKind::kMLA;
-    ds.kv_lora_rank = 512;
-    ds.rope_dim = 64;
-    m[ds.name] = ds;
-
-    ModelConfig hy = tiny;
-    hy.name = "hybrid-tiny";
-    hy.layer_kinds = {LayerKind::kFullAttention, LayerKind::kSlidingWindow};
-    hy.sliding_window = 128;
-    m[hy.name] = hy;
+    for (const topo::ModelShape& shape : topo::builtin_model_shapes()) m.emplace(shape.name, shape);
     return m;
 }
 
@@ -88,30 +47,7 @@ std::vector<std::string> model_names() {
     return out;
 }
 
-int64_t ModelConfig::kv_elems_per_token_per_layer(int tp) const {
-    if (attention == AttentionKind::kMLA) return kv_lora_rank + rope_dim;  // replicated on every rank
-    const int heads = std::max(1, num_kv_heads / std::max(1, tp));
-    return 2LL * heads * head_dim;
-}
-
-int64_t ModelConfig::kv_bytes_per_token(int dtype_bytes) const {
-    return kv_elems_per_token_per_layer(1) * num_layers * dtype_bytes;
-}
-
-int64_t ModelConfig::num_params() const {
-    int64_t attn;
-    if (attention == AttentionKind::kMLA) {
-        attn = static_cast<int64_t>(hidden) * (kv_lora_rank + rope_dim) +
-               static_cast<int64_t>(kv_lora_rank) * num_q_heads * (head_dim * 2) +
-               static_cast<int64_t>(hidden) * num_q_heads * (head_dim + rope_dim) +
-               static_cast<int64_t>(num_q_heads) * head_dim * hidden;
-    } else {
-        attn = static_cast<int64_t>(hidden) * (num_q_heads + 2 * num_kv_heads) * head_dim +
-               static_cast<int64_t>(num_q_heads) * head_dim * hidden;
-    }
-    const int64_t mlp = 3LL * hidden * intermediate;
-    return num_layers * (attn + mlp) + 2LL * vocab * hidden;
-}
+ModelConfig::ModelConfig() : topo::ModelShape(*topo::builtin_model_shape("tiny")) {}
 
 Status validate_model(const ModelConfig& c) {
     auto bad = [&](const char* field, const std::string& what) {
@@ -124,10 +60,10 @@ Status validate_model(const ModelConfig& c) {
     if (c.head_dim < 1) return bad("head_dim", fmt::format("{} must be >= 1", c.head_dim));
     if (c.intermediate < 1) return bad("intermediate", fmt::format("{} must be >= 1", c.intermediate));
     if (c.vocab < 2) return bad("vocab", fmt::format("{} must be >= 2", c.vocab));
-    if (c.attention == AttentionKind::kMHA && c.num_q_heads % c.num_kv_heads != 0) {
+    if (c.attention == AttentionKind::kMha && c.num_q_heads % c.num_kv_heads != 0) {
         return bad("num_q_heads", fmt::format("{} is not a multiple of num_kv_heads {}", c.num_q_heads, c.num_kv_heads));
     }
-    if (c.attention == AttentionKind::kMLA && (c.kv_lora_rank < 1 || c.rope_dim < 0)) {
+    if (c.attention == AttentionKind::kMla && (c.kv_lora_rank < 1 || c.rope_dim < 0)) {
         return bad("kv_lora_rank", "MLA needs kv_lora_rank >= 1 and rope_dim >= 0");
     }
     for (LayerKind k : c.layer_kinds) {
@@ -138,28 +74,9 @@ Status validate_model(const ModelConfig& c) {
     return {};
 }
 
-topo::ModelShape to_model_shape(const ModelConfig& c) {
-    topo::ModelShape s;
-    s.name = c.name;
-    s.num_layers = c.num_layers;
-    s.num_q_heads = c.num_q_heads;
-    s.num_kv_heads = c.num_kv_heads;
-    s.head_dim = c.head_dim;
-    s.hidden = c.hidden;
-    s.attention = c.attention == AttentionKind::kMLA ? topo::AttentionKind::kMla : topo::AttentionKind::kMha;
-    s.kv_lora_rank = c.kv_lora_rank;
-    s.rope_dim = c.rope_dim;
-    return s;
-}
-
 Status check_tp(const ModelConfig& c, int tp) {
-    if (tp < 1) return Status(StatusCode::kInvalidArgument, fmt::format("tp {} must be >= 1", tp));
-    if (c.attention == AttentionKind::kMHA && c.num_kv_heads % tp != 0) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("{} does not divide num_kv_heads {}", tp, c.num_kv_heads));
-    }
-    if (c.num_q_heads % tp != 0) {
-        return Status(StatusCode::kInvalidArgument, fmt::format("{} does not divide num_q_heads {}", tp, c.num_q_heads));
+    if (std::string error = topo::check_tp(c, tp); !error.empty()) {
+        return Status(StatusCode::kInvalidArgument, error);
     }
     return {};
 }
@@ -221,8 +138,8 @@ StatusOr<ModelConfig> resolve_model(const std::string& name_or_file) {
             else if (key == "seed") c.seed = v.as<uint64_t>();
             else if (key == "attention") {
                 std::string a = v.as<std::string>();
-                if (a == "mha" || a == "gqa") c.attention = AttentionKind::kMHA;
-                else if (a == "mla") c.attention = AttentionKind::kMLA;
+                if (a == "mha" || a == "gqa") c.attention = AttentionKind::kMha;
+                else if (a == "mla") c.attention = AttentionKind::kMla;
                 else return field_error(name_or_path, v, key, "expected mha, gqa or mla, got '" + a + "'");
             } else if (key == "layer_kinds") {
                 c.layer_kinds.clear();

@@ -146,7 +146,7 @@ attn::LayerSpec SyntheticModel::layer_spec(int layer) const {
 StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::create(const ModelConfig& config, TpComm* tp,
                                                                  int max_tokens) {
     PDSIM_RETURN_IF_ERROR(validate_model(config));
-    if (config.attention != AttentionKind::kMHA) {
+    if (config.attention != AttentionKind::kMha) {
         return Status(StatusCode::kUnimplemented,
                       fmt::format("model {}: the synthetic model runs MHA/GQA attention only (MLA is not built yet)",
                                   config.name));

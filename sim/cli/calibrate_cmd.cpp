@@ -1224,7 +1224,7 @@ Status run_calibrate(const CalibrateOptions& o) {
     auto resolved = model::resolve_model(o.model);
     if (!resolved.ok()) return resolved.status().with_context("--model");
     const model::ModelConfig m = *resolved;
-    if (m.attention != model::AttentionKind::kMHA || !m.layer_kinds.empty()) {
+    if (m.attention != model::AttentionKind::kMha || !m.layer_kinds.empty()) {
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("--model {}: the CPU testbed runs MHA/GQA full-attention models "
                                   "only (no MLA or sliding-window layers)",

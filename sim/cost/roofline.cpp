@@ -48,7 +48,7 @@ public:
         const double H = m.hidden, HQ = m.num_q_heads, HKV = m.num_kv_heads, D = m.head_dim;
         const double I = m.intermediate, R = m.kv_lora_rank, r = m.rope_dim;
         double attn_params = 0;
-        if (m.attention == AttentionKind::kMLA) {
+        if (m.attention == AttentionKind::kMla) {
             attn_params = H * (R + r) + R * HQ * 2 * D + H * HQ * (D + r) + HQ * D * H;
             qk_plus_v_ = (R + r) + R;
         } else {

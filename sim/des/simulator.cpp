@@ -453,7 +453,7 @@ Status Simulation::build_routes() {
             if (insts_[d].role != Role::kDecode) continue;
             const topo::Instance& id = t.instances[d];
             std::vector<std::tuple<int, int, double>> pairs;  // (src rank, dst rank, share)
-            if (m.attention == model::AttentionKind::kMLA) {
+            if (m.attention == model::AttentionKind::kMla) {
                 for (int j = 0; j < id.tp; ++j) pairs.emplace_back(0, j, 1.0);
             } else {
                 const double heads = m.num_kv_heads;
