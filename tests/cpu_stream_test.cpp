@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backends/runtime/device.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::runtime {
 namespace {
@@ -36,8 +37,7 @@ TEST(CpuStream, ErrorIsStickyAndSkipsLaterWork) {
     ASSERT_TRUE(s.enqueue([] { return Status(StatusCode::kDataLoss, "boom"); }).ok());
     ASSERT_TRUE(enqueue_void(s, [&] { ++ran; }).ok());
     Status st = s.synchronize();
-    EXPECT_EQ(st.code(), StatusCode::kDataLoss);
-    EXPECT_NE(st.message().find("boom"), std::string::npos);
+    EXPECT_THAT(st, StatusIs(StatusCode::kDataLoss, HasSubstr("boom")));
     EXPECT_EQ(ran, 0);
     EXPECT_EQ(s.error().code(), StatusCode::kDataLoss);
 }
@@ -101,8 +101,7 @@ TEST(CpuStream, StreamWaitTimesOutWithAMessage) {
     ASSERT_TRUE(producer.record(*ev).ok());
     ASSERT_TRUE(consumer.wait(*ev).ok());
     Status st = consumer.synchronize();
-    EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded);
-    EXPECT_NE(st.message().find("timed out"), std::string::npos);
+    EXPECT_THAT(st, StatusIs(StatusCode::kDeadlineExceeded, HasSubstr("timed out")));
     gate = true;
     EXPECT_TRUE(producer.synchronize().ok());
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backends/runtime/device.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::runtime {
 namespace {
@@ -30,7 +31,7 @@ TEST(CudaRuntime, ReportsNoDeviceClearly) {
     auto rt = device_runtime(DeviceKind::kCuda);
     if (!rt.ok()) GTEST_SKIP() << "built without CUDA: " << rt.status().to_string();
     if ((*rt)->device_count() > 0) GTEST_SKIP() << "a GPU is present";
-    EXPECT_NE((*rt)->unavailable_reason().find("no device"), std::string::npos);
+    EXPECT_THAT((*rt)->unavailable_reason(), HasSubstr("no device"));
     auto buf = DeviceBuffer::allocate({DeviceKind::kCuda, 0}, 64);
     EXPECT_EQ(buf.status().code(), StatusCode::kUnavailable);
     EXPECT_FALSE((*rt)->create_stream(0, "s").ok());

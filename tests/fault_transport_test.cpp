@@ -10,6 +10,7 @@
 
 #include "tests/transport_conformance.h"
 #include "transfer/local/local_transport.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::transfer {
 namespace {
@@ -77,9 +78,8 @@ TEST(FaultSpec, Parses) {
         auto b = parse_fault_spec(bad);
         EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument) << bad;
     }
-    EXPECT_NE(parse_fault_spec("explode:p=1").status().message().find("explode"),
-              std::string::npos);
-    EXPECT_NE(parse_fault_spec("drop:q=1").status().message().find("'q'"), std::string::npos);
+    EXPECT_THAT(parse_fault_spec("explode:p=1").status().message(), HasSubstr("explode"));
+    EXPECT_THAT(parse_fault_spec("drop:q=1").status().message(), HasSubstr("'q'"));
 }
 
 TEST(FaultTransport, RegistryAndName) {
@@ -242,8 +242,7 @@ TEST(FaultTransport, DisconnectAfterN) {
         ASSERT_TRUE(p.t[0]->wait(*s, kWait).ok());
     }
     auto fourth = p.t[0]->post_send(1, 1, out.back().data(), 32);
-    EXPECT_EQ(fourth.status().code(), StatusCode::kUnavailable);
-    EXPECT_NE(fourth.status().message().find("disconnected after 3"), std::string::npos);
+    EXPECT_THAT(fourth, StatusIs(StatusCode::kUnavailable, HasSubstr("disconnected after 3")));
     for (int k = 0; k < 3; ++k) {
         ASSERT_TRUE(p.t[1]->wait(recvs[k], kWait).ok());
         EXPECT_EQ(compare_message(in[k].data(), 32, 0, 1, k), "");
@@ -251,7 +250,7 @@ TEST(FaultTransport, DisconnectAfterN) {
     // The peer sees the rank go away: its pending receives fail, naming rank 0.
     Status st = p.t[1]->wait(recvs[3], kWait);
     EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
-    EXPECT_NE(st.message().find("rank 0"), std::string::npos) << st.to_string();
+    EXPECT_THAT(st.message(), HasSubstr("rank 0")) << st.to_string();
     EXPECT_EQ(p.t[0]->post_recv(1, 1, in[4].data(), 32).status().code(), StatusCode::kUnavailable);
 }
 
@@ -290,7 +289,7 @@ TEST(FaultTransport, DisconnectOverTcp) {
     EXPECT_TRUE(t[0]->wait(*sa, kWait).ok());
     Status st = t[1]->wait(*r2, kWait);
     EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
-    EXPECT_NE(st.message().find("rank 0"), std::string::npos) << st.to_string();
+    EXPECT_THAT(st.message(), HasSubstr("rank 0")) << st.to_string();
     std::filesystem::remove_all(dir);
 }
 

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "sim/metrics/timeline.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::metrics {
 namespace {
@@ -59,7 +60,7 @@ TEST(Summarize, CountsLatenciesSloAndGoodput) {
     EXPECT_DOUBLE_EQ(rep.slo_attainment, 0.25);
     EXPECT_NEAR(rep.goodput_rps, 1 / 2.05, 1e-12);  // makespan 0 .. 2050 ms
     ASSERT_EQ(rep.failures.size(), 1u);
-    EXPECT_NE(rep.failures[0].find("transfer timed out"), std::string::npos);
+    EXPECT_THAT(rep.failures[0], HasSubstr("transfer timed out"));
 }
 
 TEST(ReportJson, HasTheDesignKeys) {
@@ -80,7 +81,7 @@ TEST(ReportJson, HasTheDesignKeys) {
     for (const char* k : {"checked_layers", "violations", "details"}) EXPECT_TRUE(j["ordering"].contains(k)) << k;
     EXPECT_EQ(j["colocated"]["mode"], "colocated");
     EXPECT_FALSE(j["colocated"].contains("colocated"));
-    EXPECT_NE(summary_table(rep).find("requests failed"), std::string::npos);
+    EXPECT_THAT(summary_table(rep), HasSubstr("requests failed"));
 }
 
 TEST(RequestsCsv, OneLinePerRequest) {

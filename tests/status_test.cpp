@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <numeric>
+#include "tests/status_matchers.h"
 
 namespace pdsim {
 namespace {
@@ -41,9 +42,8 @@ TEST(Status, OkByDefault) {
 TEST(Status, ErrorCarriesFileLineAndCode) {
     Status s = fails_at_line();
     EXPECT_FALSE(s.ok());
-    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(s.message().find("tests/status_test.cpp:"), std::string::npos) << s.message();
-    EXPECT_NE(s.message().find("bad value 42"), std::string::npos);
+    EXPECT_THAT(s, StatusIs(StatusCode::kInvalidArgument, HasSubstr("tests/status_test.cpp:"))) << s.message();
+    EXPECT_THAT(s.message(), HasSubstr("bad value 42"));
     EXPECT_EQ(s.to_string().rfind("INVALID_ARGUMENT: ", 0), 0u);
 }
 
@@ -120,6 +120,51 @@ TEST(Npy, WriteReadRoundTrip) {
     ASSERT_TRUE(rb.ok());
     EXPECT_EQ(rb->shape, (std::vector<int64_t>{1}));
     EXPECT_EQ(write_npy(p, "<f4", {5}, a.data(), 8).code(), StatusCode::kInvalidArgument);
+}
+
+// The matchers of tests/status_matchers.h: each must reject what it should (a matcher that accepts
+// everything would let every test that uses it pass).
+TEST(StatusMatchers, StatusIsChecksCodeAndMessage) {
+    const Status bad(StatusCode::kInvalidArgument, "topo.yaml:3: nodes: expected a list");
+    EXPECT_THAT(bad, StatusIs(StatusCode::kInvalidArgument));
+    EXPECT_THAT(bad, StatusIs(StatusCode::kInvalidArgument, HasSubstr("topo.yaml:3")));
+    EXPECT_THAT(bad, ::testing::Not(StatusIs(StatusCode::kNotFound)));
+    EXPECT_THAT(bad, ::testing::Not(StatusIs(StatusCode::kInvalidArgument, HasSubstr("line 4"))));
+    EXPECT_THAT(bad, ::testing::Not(IsOk()));
+    EXPECT_THAT(Status(), IsOk());
+    EXPECT_THAT(Status(), ::testing::Not(StatusIs(StatusCode::kInvalidArgument)));
+}
+
+TEST(StatusMatchers, StatusIsMatchesStatusOr) {
+    const StatusOr<int> value = 7;
+    const StatusOr<int> missing = Status(StatusCode::kNotFound, "no such rank");
+    EXPECT_THAT(value, IsOk());
+    EXPECT_THAT(missing, StatusIs(StatusCode::kNotFound, HasSubstr("rank")));
+    EXPECT_THAT(missing, ::testing::Not(IsOk()));
+    EXPECT_THAT(value, ::testing::Not(StatusIs(StatusCode::kNotFound)));
+}
+
+TEST(StatusMatchers, FailuresExplainWhatDiffered) {
+    const Status bad(StatusCode::kDeadlineExceeded, "waited 5 s for layer 3");
+    const ::testing::Matcher<const Status&> wrong_code = StatusIs(StatusCode::kAborted);
+    ::testing::StringMatchResultListener listener;
+    EXPECT_FALSE(wrong_code.MatchAndExplain(bad, &listener));
+    EXPECT_THAT(listener.str(), HasSubstr("DEADLINE_EXCEEDED"));
+    const ::testing::Matcher<const Status&> wrong_message =
+        StatusIs(StatusCode::kDeadlineExceeded, HasSubstr("layer 4"));
+    ::testing::StringMatchResultListener message_listener;
+    EXPECT_FALSE(wrong_message.MatchAndExplain(bad, &message_listener));
+    EXPECT_THAT(message_listener.str(), HasSubstr("waited 5 s for layer 3"));
+}
+
+TEST(StatusMatchers, AssertOkAndAssignTakesTheValue) {
+    auto make = [](bool ok) -> StatusOr<std::string> {
+        if (!ok) return Status(StatusCode::kInternal, "no");
+        return std::string("value");
+    };
+    ASSERT_OK_AND_ASSIGN(std::string got, make(true));
+    EXPECT_EQ(got, "value");
+    EXPECT_OK(Status());
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include "tests/topology_process.h"
 #include "topology/loader.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::topo {
 namespace {
@@ -69,7 +70,7 @@ TEST_P(MalformedTopology, LibraryRejectsWithPath) {
     EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << t.status().to_string();
     const std::string msg = t.status().message();
     EXPECT_EQ(msg.rfind(b.path + ":", 0), 0u) << "message does not start with the file: " << msg;
-    EXPECT_NE(msg.find(b.expect), std::string::npos) << "expected '" << b.expect << "' in: " << msg;
+    EXPECT_THAT(msg, HasSubstr(b.expect)) << "expected '" << b.expect << "' in: " << msg;
     if (b.line > 0) {
         EXPECT_EQ(msg.rfind(b.path + ":" + std::to_string(b.line) + ": ", 0), 0u)
             << "expected line " << b.line << " in: " << msg;
@@ -81,10 +82,10 @@ TEST_P(MalformedTopology, BinaryExitsTwoWithPath) {
     const test::RunResult r = test::run_command(test::shell_quote(PDSIM_BINARY) +
                                                 " topology validate " + test::shell_quote(b.path));
     EXPECT_EQ(r.rc, 2) << r.out << r.err;
-    EXPECT_NE(r.err.find(b.expect), std::string::npos)
+    EXPECT_THAT(r.err, HasSubstr(b.expect))
         << "expected '" << b.expect << "' in: " << r.err;
-    EXPECT_NE(r.err.find(b.path + ":"), std::string::npos) << r.err;
-    EXPECT_EQ(r.out.find("OK"), std::string::npos) << r.out;
+    EXPECT_THAT(r.err, HasSubstr(b.path + ":"));
+    EXPECT_THAT(r.out, ::testing::Not(HasSubstr("OK"))) << r.out;
 }
 
 INSTANTIATE_TEST_SUITE_P(BadFiles, MalformedTopology, ::testing::ValuesIn(bad_files()), name_of);
@@ -99,7 +100,7 @@ TEST(MalformedTopologyCli, UsageErrorsExitTwo) {
     EXPECT_EQ(test::run_command(bin + " topology").rc, 2);
     const test::RunResult missing = test::run_command(bin + " topology validate /nonexistent.yaml");
     EXPECT_EQ(missing.rc, 2);
-    EXPECT_NE(missing.err.find("/nonexistent.yaml: cannot open"), std::string::npos) << missing.err;
+    EXPECT_THAT(missing.err, HasSubstr("/nonexistent.yaml: cannot open"));
     const test::RunResult model = test::run_command(
         bin + " topology validate --model llama9 " +
         test::shell_quote(std::string(PDSIM_SOURCE_DIR) + "/topology/examples/cpu-1p1d.yaml"));

@@ -9,6 +9,7 @@
 
 #include "tests/topology_process.h"
 #include "topology/loader.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::topo {
 namespace {
@@ -42,8 +43,8 @@ void check_with_binary(const std::string& file, const fs::path& out_dir) {
     EXPECT_EQ(v.out.rfind("OK ", 0), 0u) << v.out;
     const RunResult s = run_command(bin + " topology show " + shell_quote(file));
     EXPECT_EQ(s.rc, 0) << s.err;
-    EXPECT_NE(s.out.find("prefill -> decode KV paths"), std::string::npos) << s.out;
-    EXPECT_EQ(s.out.find("no path"), std::string::npos) << s.out;
+    EXPECT_THAT(s.out, HasSubstr("prefill -> decode KV paths"));
+    EXPECT_THAT(s.out, ::testing::Not(HasSubstr("no path"))) << s.out;
     const RunResult h = run_command(bin + " topology hostfile " + shell_quote(file) +
                                     " --out-dir " + shell_quote(out_dir.string()));
     EXPECT_EQ(h.rc, 0) << h.err;
@@ -51,7 +52,7 @@ void check_with_binary(const std::string& file, const fs::path& out_dir) {
     ASSERT_TRUE(t.ok()) << t.status().to_string();
     const std::string hostfile = test::slurp(out_dir / (t->name + ".hostfile"));
     const std::string rankfile = test::slurp(out_dir / (t->name + ".rankfile"));
-    EXPECT_NE(hostfile.find(" slots="), std::string::npos) << hostfile;
+    EXPECT_THAT(hostfile, HasSubstr(" slots="));
     int ranks = 0;
     for (size_t p = rankfile.find("\nrank "); p != std::string::npos;
          p = rankfile.find("\nrank ", p + 1)) {
@@ -135,7 +136,7 @@ TEST(TopologyScripts, GeneratorRejectsWhatDoesNotFit) {
     const std::string gen = shell_quote(python()) + " " + shell_quote(kGenerator);
     RunResult r = run_command(gen + " dgx-h100 --nodes 1 --pd 1:1 --tp 8");
     EXPECT_EQ(r.rc, 2);
-    EXPECT_NE(r.err.find("do not fit"), std::string::npos) << r.err;
+    EXPECT_THAT(r.err, HasSubstr("do not fit"));
     EXPECT_EQ(run_command(gen + " dgx-h100 --nodes 4 --tp 12").rc, 2);
     EXPECT_EQ(run_command(gen + " dgx-h100 --pd 1-1").rc, 2);
     EXPECT_EQ(run_command(gen + " cpu --emulate nowhere").rc, 2);

@@ -15,6 +15,7 @@
 #include "topology/report.h"
 #include "topology/shaping.h"
 #include "topology/validate.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::topo {
 namespace {
@@ -200,22 +201,18 @@ TEST(Loader, JsonErrorsCarryPathAndLine) {
 
     auto dup = parse_topology("{\"nodes\": [{\"id\": \"a\", \"id\": \"b\"}]}", "d.json");
     ASSERT_FALSE(dup.ok());
-    EXPECT_NE(dup.status().message().find("nodes[0].id: duplicate key"), std::string::npos)
-        << dup.status().message();
+    EXPECT_THAT(dup.status().message(), HasSubstr("nodes[0].id: duplicate key"));
 
     auto unknown = parse_topology("{\"nodes\": [], \"instancez\": []}", "u.json");
     ASSERT_FALSE(unknown.ok());
-    EXPECT_NE(unknown.status().message().find("u.json:1: instancez: unknown key"),
-              std::string::npos)
-        << unknown.status().message();
+    EXPECT_THAT(unknown.status().message(), HasSubstr("u.json:1: instancez: unknown key"));
 }
 
 TEST(Loader, TypeErrors) {
     auto expect_error = [](const std::string& text, const std::string& what) {
         auto t = parse_topology(text, "t.yaml");
         ASSERT_FALSE(t.ok()) << text;
-        EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
-        EXPECT_NE(t.status().message().find(what), std::string::npos) << t.status().message();
+        EXPECT_THAT(t, StatusIs(StatusCode::kInvalidArgument, HasSubstr(what))) << t.status().message();
     };
     expect_error("[1, 2]", "t.yaml:1: (document): expected a mapping, got a list");
     expect_error("just a string", "(document): expected a mapping");
@@ -244,8 +241,7 @@ TEST(Loader, LoadTopologyNamesFromStemAndRejectsMissingFiles) {
     EXPECT_EQ(t->name, "unnamed");
     auto missing = load_topology((dir / "nope.yaml").string());
     ASSERT_FALSE(missing.ok());
-    EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(missing.status().message().find("cannot open"), std::string::npos);
+    EXPECT_THAT(missing, StatusIs(StatusCode::kInvalidArgument, HasSubstr("cannot open")));
     auto is_dir = load_topology(dir.string());
     ASSERT_FALSE(is_dir.ok());
 }
@@ -276,7 +272,8 @@ TEST(Validate, ModelOverride) {
     auto t = parse_topology(kSmallYaml, "small.yaml");
     ASSERT_TRUE(t.ok());
     EXPECT_TRUE(validate(*t, builtin_model_shape("llama3-70b")).ok());
-    ModelShape odd{"odd", 2, 3, 3, 64, 0, AttentionKind::kMha, 0, 0};
+    ModelShape odd{.name = "odd", .num_layers = 2, .num_q_heads = 3, .num_kv_heads = 3,
+                   .head_dim = 64, .hidden = 0, .attention = AttentionKind::kMha};
     Status st = validate(*t, &odd);
     ASSERT_FALSE(st.ok());
     EXPECT_EQ(st.message(),
@@ -289,8 +286,7 @@ TEST(Validate, ModelOverride) {
     broken.num_layers = 0;
     st = validate(*t, &broken);
     ASSERT_FALSE(st.ok());
-    EXPECT_NE(st.message().find("--model odd: num_layers: must be positive"), std::string::npos)
-        << st.message();
+    EXPECT_THAT(st.message(), HasSubstr("--model odd: num_layers: must be positive"));
     // No model at all: the head rule is skipped.
     Topology no_model = *t;
     no_model.model.reset();
@@ -439,10 +435,8 @@ TEST(RankMap, DeclaredRanksAndWorldSizeAreChecked) {
     replace(bad, "ranks: [0, 1]", "ranks: [1, 2]");
     auto b = parse_topology(bad, "r.yaml");
     ASSERT_FALSE(b.ok());
-    EXPECT_NE(b.status().message().find("r.yaml:23: instances[1].ranks: [1, 2] does not match the "
-                                        "rank rule, which gives [0, 1]"),
-              std::string::npos)
-        << b.status().message();
+    EXPECT_THAT(b.status().message(), HasSubstr("r.yaml:23: instances[1].ranks: [1, 2] does not match the "
+                                        "rank rule, which gives [0, 1]"));
 }
 
 TEST(RankMap, DgxH200ThreeToOne) {
@@ -504,7 +498,7 @@ TEST(Shaping, FromCpuTopologyAndPaths) {
     // auto needs a measured scale.
     auto none = shaping_for(*t);
     ASSERT_FALSE(none.ok());
-    EXPECT_NE(none.status().message().find("shaping.time_scale is auto"), std::string::npos);
+    EXPECT_THAT(none.status().message(), HasSubstr("shaping.time_scale is auto"));
     auto s = shaping_for(*t, 40.0);
     ASSERT_TRUE(s.ok());
     EXPECT_DOUBLE_EQ(s->bytes_per_s, 50e9 / 40.0);
@@ -552,7 +546,7 @@ TEST(Builders, DgxPlacementAndErrors) {
     o.decode = 2;  // needs a fourth node
     auto no_fit = make_dgx("B200", 3, o);
     ASSERT_FALSE(no_fit.ok());
-    EXPECT_NE(no_fit.status().message().find("do not fit"), std::string::npos);
+    EXPECT_THAT(no_fit.status().message(), HasSubstr("do not fit"));
     EXPECT_FALSE(make_dgx("V100", 1, ClusterOptions{}).ok());
     EXPECT_FALSE(make_dgx("H100", 0, ClusterOptions{}).ok());
     o = ClusterOptions{};
@@ -681,7 +675,8 @@ TEST(RoundTrip, ToYamlParsesBackEqual) {
     t->description = "has: colons, \"quotes\", # hashes\nand a newline";
     t->nodes[0].hostname = "123";
     t->nodes[0].devices[0].cores = "0-1";
-    t->model = ModelShape{"custom", 3, 8, 2, 32, 0, AttentionKind::kMha, 0, 0};
+    t->model = ModelShape{.name = "custom", .num_layers = 3, .num_q_heads = 8, .num_kv_heads = 2,
+                          .head_dim = 32, .hidden = 0, .attention = AttentionKind::kMha};
     t->world_size = 3;
     t->shaping = ShapingSpec{"x", LinkType::kEthernet, 12.5, 7, "B200", 33};
     ASSERT_TRUE(validate(*t).ok()) << validate(*t).to_string();
@@ -694,27 +689,25 @@ TEST(Report, SummaryHostfileRankfile) {
     auto t = load_topology(kExamples + "/dgx-h100-2node-1p1d-tp8.yaml");
     ASSERT_TRUE(t.ok());
     const std::string s = summary_text(*t);
-    EXPECT_NE(s.find("prefill0  decode0  8->8  8      50.0  3.00        pcie > ib > ib > pcie"),
-              std::string::npos)
-        << s;
-    EXPECT_NE(s.find("ranks     16: prefill 0-7, decode 8-15"), std::string::npos) << s;
+    EXPECT_THAT(s, HasSubstr("prefill0  decode0  8->8  8      50.0  3.00        pcie > ib > ib > pcie"));
+    EXPECT_THAT(s, HasSubstr("ranks     16: prefill 0-7, decode 8-15"));
     EXPECT_EQ(one_line_summary(*t),
               "dgx-h100-2node-1p1d-tp8: 2 nodes, 16 devices (16x H100), 2 instances (1 prefill, 1 "
               "decode), 16 ranks, model llama3-70b");
     const std::string h = hostfile_text(*t);
-    EXPECT_NE(h.find("\nn0 slots=8\nn1 slots=8\n"), std::string::npos) << h;
+    EXPECT_THAT(h, HasSubstr("\nn0 slots=8\nn1 slots=8\n"));
     const std::string r = rankfile_text(*t);
-    EXPECT_NE(r.find("rank 0=n0 slot=0-13\n"), std::string::npos) << r;
-    EXPECT_NE(r.find("rank 15=n1 slot=98-111\n"), std::string::npos) << r;
+    EXPECT_THAT(r, HasSubstr("rank 0=n0 slot=0-13\n"));
+    EXPECT_THAT(r, HasSubstr("rank 15=n1 slot=98-111\n"));
 
     auto cpu = load_topology(kExamples + "/cpu-1p2d.yaml");
     ASSERT_TRUE(cpu.ok());
-    EXPECT_NE(hostfile_text(*cpu).find("localhost slots=3\n"), std::string::npos);
+    EXPECT_THAT(hostfile_text(*cpu), HasSubstr("localhost slots=3\n"));
     // No cpu count in the file: the fallback splits cores, or core d without one.
-    EXPECT_NE(rankfile_text(*cpu, 6).find("rank 2=localhost slot=4-5\n"), std::string::npos);
-    EXPECT_NE(rankfile_text(*cpu, 2).find("rank 2=localhost slot=0\n"), std::string::npos);
-    EXPECT_NE(rankfile_text(*cpu, 0).find("rank 2=localhost slot=2\n"), std::string::npos);
-    EXPECT_NE(summary_text(*cpu).find("shaping   emulates dgx-h100"), std::string::npos);
+    EXPECT_THAT(rankfile_text(*cpu, 6), HasSubstr("rank 2=localhost slot=4-5\n"));
+    EXPECT_THAT(rankfile_text(*cpu, 2), HasSubstr("rank 2=localhost slot=0\n"));
+    EXPECT_THAT(rankfile_text(*cpu, 0), HasSubstr("rank 2=localhost slot=2\n"));
+    EXPECT_THAT(summary_text(*cpu), HasSubstr("shaping   emulates dgx-h100"));
 }
 
 // ---- robustness ----
@@ -745,7 +738,7 @@ TEST(Robustness, DeepNestingAndAliasBombs) {
     }
     auto t = parse_topology(bomb, "<fuzz>", Format::kYaml);
     ASSERT_FALSE(t.ok());
-    EXPECT_NE(t.status().message().find("too large"), std::string::npos) << t.status().message();
+    EXPECT_THAT(t.status().message(), HasSubstr("too large"));
     expect_clean_error_or_ok("a: &a [*a]\n", Format::kYaml);
     expect_clean_error_or_ok(std::string("nodes: [\0\xff\xfe]\n", 14), Format::kYaml);
     expect_clean_error_or_ok(std::string("{\"nodes\": \"\xff\"}", 14), Format::kJson);

@@ -11,6 +11,7 @@
 
 #include "backends/runtime/device.h"
 #include "transfer/transport.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::transfer {
 namespace {
@@ -35,11 +36,8 @@ TEST(GpuTransports, UnavailableIsReportedWithAReason) {
         o.tcp.bootstrap_dir = temp_dir(name);
         auto t = create_transport(name, o);
         if (t.ok()) continue;  // a GPU is present: the functional tests below cover it
-        EXPECT_EQ(t.status().code(), StatusCode::kUnavailable) << t.status().to_string();
-        const std::string m = t.status().message();
-        EXPECT_TRUE(m.find("no device") != std::string::npos ||
-                    m.find("not built") != std::string::npos)
-            << m;
+        EXPECT_THAT(t, StatusIs(StatusCode::kUnavailable,
+                                ::testing::AnyOf(HasSubstr("no device"), HasSubstr("not built"))));
     }
 }
 

@@ -4,6 +4,7 @@
 
 #include "tests/transport_conformance.h"
 #include "transfer/local/local_transport.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::transfer {
 using namespace std::chrono_literals;
@@ -40,8 +41,7 @@ TEST(LocalTransport, RegistryKnowsBuiltins) {
     auto names = registered_transports();
     EXPECT_NE(std::find(names.begin(), names.end(), "local"), names.end());
     auto bad = create_transport("carrier-pigeon", TransportOptions{});
-    EXPECT_EQ(bad.status().code(), StatusCode::kNotFound);
-    EXPECT_NE(bad.status().message().find("local"), std::string::npos) << bad.status().to_string();
+    EXPECT_THAT(bad, StatusIs(StatusCode::kNotFound, HasSubstr("local"))) << bad.status().to_string();
 }
 
 TEST(LocalTransport, NeedsAWorldAndAValidRank) {
@@ -99,12 +99,10 @@ TEST(LocalTransport, SendWaitsForTheMatchingRecv) {
     // Closing rank 1 fails its pending receive with "transport closed"...
     (*t1)->close();
     Status st = (*t1)->wait(*r2, 1s);
-    EXPECT_EQ(st.code(), StatusCode::kUnavailable);
-    EXPECT_NE(st.message().find("closed"), std::string::npos) << st.to_string();
+    EXPECT_THAT(st, StatusIs(StatusCode::kUnavailable, HasSubstr("closed"))) << st.to_string();
     // ...and rank 0's later posts to it fail at once, naming it.
     auto s3 = (*t0)->post_send(1, 6, out.data(), out.size());
-    EXPECT_EQ(s3.status().code(), StatusCode::kUnavailable);
-    EXPECT_NE(s3.status().message().find("rank 1"), std::string::npos);
+    EXPECT_THAT(s3, StatusIs(StatusCode::kUnavailable, HasSubstr("rank 1")));
 }
 
 TEST(LocalTransport, OneSidedWrite) {

@@ -16,6 +16,7 @@
 #include "tests/transport_conformance.h"
 #include "transfer/tcp/frame.h"
 #include "transfer/tcp/tcp_transport.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::transfer {
 namespace {
@@ -173,16 +174,13 @@ TEST(TcpFrame, HeaderRoundTripAndValidation) {
     EXPECT_EQ(h->tag, 77u);
     EXPECT_EQ(h->length, 12345u);
     auto over = frame::decode_header(hb, 1000);
-    EXPECT_EQ(over.status().code(), StatusCode::kDataLoss);
-    EXPECT_NE(over.status().message().find("exceeds max_frame_bytes"), std::string::npos);
+    EXPECT_THAT(over, StatusIs(StatusCode::kDataLoss, HasSubstr("exceeds max_frame_bytes")));
     auto bad = hb;
     bad[0] ^= 0xff;
-    EXPECT_NE(frame::decode_header(bad, 1 << 20).status().message().find("magic"),
-              std::string::npos);
+    EXPECT_THAT(frame::decode_header(bad, 1 << 20).status().message(), HasSubstr("magic"));
     bad = hb;
     bad[6] = 99;
-    EXPECT_NE(frame::decode_header(bad, 1 << 20).status().message().find("type"),
-              std::string::npos);
+    EXPECT_THAT(frame::decode_header(bad, 1 << 20).status().message(), HasSubstr("type"));
     auto hello = frame::decode_hello(frame::encode_hello(frame::Hello{4, "secret"}));
     ASSERT_TRUE(hello.ok());
     EXPECT_EQ(hello->world_size, 4);
@@ -209,8 +207,7 @@ TEST(TcpTransport, NeedsARendezvous) {
     ::unsetenv("PDSIM_TCP_ENDPOINTS");
     ::unsetenv("PDSIM_TCP_BOOTSTRAP_DIR");
     auto t = create_transport("tcp", o);
-    EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(t.status().message().find("rendezvous"), std::string::npos);
+    EXPECT_THAT(t, StatusIs(StatusCode::kInvalidArgument, HasSubstr("rendezvous")));
     o.tcp.endpoints = {"127.0.0.1:1"};
     EXPECT_EQ(create_transport("tcp", o).status().code(), StatusCode::kInvalidArgument);
 }
@@ -257,8 +254,7 @@ TEST(TcpTransport, ConnectTimeoutNamesTheMissingRank) {
     o.connect_timeout = 300ms;
     auto t0 = std::chrono::steady_clock::now();
     auto t = create_transport("tcp", o);
-    EXPECT_EQ(t.status().code(), StatusCode::kDeadlineExceeded);
-    EXPECT_NE(t.status().message().find("rank(s) 1"), std::string::npos) << t.status().to_string();
+    EXPECT_THAT(t, StatusIs(StatusCode::kDeadlineExceeded, HasSubstr("rank(s) 1"))) << t.status().to_string();
     EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
 }
 
@@ -273,15 +269,13 @@ TEST(TcpTransport, WrongSessionTokenIsRejectedOnBothSides) {
     auto ts = make_world(opts);
     // The connecting side is told at once, with the reason.
     ASSERT_FALSE(ts[1].ok());
-    EXPECT_EQ(ts[1].status().code(), StatusCode::kFailedPrecondition);
-    EXPECT_NE(ts[1].status().message().find("rejected"), std::string::npos);
-    EXPECT_NE(ts[1].status().message().find("session token mismatch"), std::string::npos)
+    EXPECT_THAT(ts[1], StatusIs(StatusCode::kFailedPrecondition, HasSubstr("rejected")));
+    EXPECT_THAT(ts[1].status().message(), HasSubstr("session token mismatch"))
         << ts[1].status().to_string();
     // The accepting side keeps waiting for the right peer, then names it and the rejection.
     ASSERT_FALSE(ts[0].ok());
-    EXPECT_EQ(ts[0].status().code(), StatusCode::kFailedPrecondition);
-    EXPECT_NE(ts[0].status().message().find("rank(s) 1"), std::string::npos);
-    EXPECT_NE(ts[0].status().message().find("session token mismatch"), std::string::npos)
+    EXPECT_THAT(ts[0], StatusIs(StatusCode::kFailedPrecondition, HasSubstr("rank(s) 1")));
+    EXPECT_THAT(ts[0].status().message(), HasSubstr("session token mismatch"))
         << ts[0].status().to_string();
 }
 
@@ -332,11 +326,11 @@ TEST(TcpTransport, TruncatedFrameFailsThePendingReceive) {
         raw.close_socket();
         Status st = t.wait(*r, kWait);
         EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
-        EXPECT_NE(st.message().find("rank 1"), std::string::npos) << st.to_string();
+        EXPECT_THAT(st.message(), HasSubstr("rank 1")) << st.to_string();
         if (header_only) {
-            EXPECT_NE(st.message().find("truncated frame"), std::string::npos) << st.to_string();
+            EXPECT_THAT(st.message(), HasSubstr("truncated frame")) << st.to_string();
         } else {
-            EXPECT_NE(st.message().find("1000 of 4096"), std::string::npos) << st.to_string();
+            EXPECT_THAT(st.message(), HasSubstr("1000 of 4096")) << st.to_string();
         }
         // Later posts to the dead peer fail at once.
         EXPECT_EQ(t.post_send(1, 1, in.data(), 1).status().code(), StatusCode::kUnavailable);
@@ -371,11 +365,11 @@ TEST(TcpTransport, OversizedFrameFailsTheConnection) {
     ASSERT_TRUE(s0.ok());
     Status st = t1.wait(*r1, kWait);
     EXPECT_EQ(st.code(), StatusCode::kDataLoss) << st.to_string();
-    EXPECT_NE(st.message().find("exceeds max_frame_bytes"), std::string::npos) << st.to_string();
-    EXPECT_NE(st.message().find("rank 0"), std::string::npos) << st.to_string();
+    EXPECT_THAT(st.message(), HasSubstr("exceeds max_frame_bytes")) << st.to_string();
+    EXPECT_THAT(st.message(), HasSubstr("rank 0")) << st.to_string();
     st = t0.wait(*r0, kWait);
     EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
-    EXPECT_NE(st.message().find("rank 1"), std::string::npos) << st.to_string();
+    EXPECT_THAT(st.message(), HasSubstr("rank 1")) << st.to_string();
     // The send either made it into the socket before the drop or failed with the connection.
     st = t0.wait(*s0, kWait);
     EXPECT_TRUE(st.ok() || st.code() == StatusCode::kUnavailable) << st.to_string();
@@ -438,7 +432,7 @@ TEST(TcpTransport, PeerDisconnectMidTransfer) {
     auto t_start = std::chrono::steady_clock::now();
     Status st = a.wait(*send, 10s);
     EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
-    EXPECT_NE(st.message().find("rank 2"), std::string::npos) << st.to_string();
+    EXPECT_THAT(st.message(), HasSubstr("rank 2")) << st.to_string();
     st = a.wait(*recv, 10s);
     EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
     EXPECT_LT(std::chrono::steady_clock::now() - t_start, 10s);

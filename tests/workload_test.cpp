@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <sstream>
+#include "tests/status_matchers.h"
 
 namespace pdsim::workload {
 namespace {
@@ -66,8 +67,7 @@ TEST(Mooncake, ErrorsNameFileLineAndField) {
     for (const auto& c : cases) {
         auto r = mooncake(c.text);
         ASSERT_FALSE(r.ok()) << c.text;
-        EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-        EXPECT_NE(r.status().message().find(c.expect), std::string::npos)
+        EXPECT_THAT(r, StatusIs(StatusCode::kInvalidArgument, HasSubstr(c.expect)))
             << "got: " << r.status().message() << "\nexpected: " << c.expect;
     }
 }
@@ -87,7 +87,7 @@ TEST(Azure, ErrorsNameFileLineAndField) {
     for (const auto& c : cases) {
         auto r = azure(c.text);
         ASSERT_FALSE(r.ok()) << c.text;
-        EXPECT_NE(r.status().message().find(c.expect), std::string::npos)
+        EXPECT_THAT(r.status().message(), HasSubstr(c.expect))
             << "got: " << r.status().message() << "\nexpected: " << c.expect;
     }
 }
@@ -135,7 +135,9 @@ TEST(LoadOptions, SampleKeepsOrderAndIsDeterministic) {
     ASSERT_EQ(a->size(), 200u);
     for (size_t i = 0; i < 200; ++i) {
         EXPECT_EQ((*a)[i].source_line, (*b)[i].source_line);
-        if (i > 0) EXPECT_LT((*a)[i - 1].source_line, (*a)[i].source_line);
+        if (i > 0) {
+            EXPECT_LT((*a)[i - 1].source_line, (*a)[i].source_line);
+        }
     }
     o.seed = 43;
     auto c = load_trace(kTraces + "mooncake_conversation.jsonl", TraceFormat::kMooncake, o);
