@@ -14,6 +14,7 @@ PACKAGES=(
   libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-matplotlib
+  clang-format clang
 )
 
 missing=()

@@ -10,13 +10,13 @@
 #include <fstream>
 #include <future>
 #include <limits>
-#include <mutex>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "common/logging.h"
+#include "common/mutex.h"
 #include "transfer/tcp/frame.h"
 #include "common/thread_info.h"
 
@@ -125,19 +125,20 @@ struct Peer {
 
     // Send side. Posting threads append; the io thread writes the first `in_flight` entries.
     // unique_ptr keeps each SendOp's header at a stable address while it is being written.
-    std::mutex send_mu;
-    std::deque<std::unique_ptr<SendOp>> send_q;
-    size_t in_flight = 0;
-    bool writing = false;  // a write is in progress or a kick is queued
-    bool send_dead = false;
-    Status send_status;
+    Mutex send_mu;
+    std::deque<std::unique_ptr<SendOp>> send_q PDSIM_GUARDED_BY(send_mu);
+    size_t in_flight PDSIM_GUARDED_BY(send_mu) = 0;
+    bool writing PDSIM_GUARDED_BY(send_mu) = false;  // a write is in progress or a kick queued
+    bool send_dead PDSIM_GUARDED_BY(send_mu) = false;
+    Status send_status PDSIM_GUARDED_BY(send_mu);
 
     // Receive side: matching between posted receives and arrived messages.
-    std::mutex recv_mu;
-    std::unordered_map<Tag, std::deque<RecvOp>> posted;
-    std::unordered_map<Tag, std::deque<std::shared_ptr<Unexpected>>> unexpected;
-    bool recv_dead = false;
-    Status recv_status;
+    Mutex recv_mu;
+    std::unordered_map<Tag, std::deque<RecvOp>> posted PDSIM_GUARDED_BY(recv_mu);
+    std::unordered_map<Tag, std::deque<std::shared_ptr<Unexpected>>> unexpected
+        PDSIM_GUARDED_BY(recv_mu);
+    bool recv_dead PDSIM_GUARDED_BY(recv_mu) = false;
+    Status recv_status PDSIM_GUARDED_BY(recv_mu);
 
     // io thread only.
     bool connected = false;
@@ -713,7 +714,7 @@ StatusOr<RequestHandle> TcpTransport::post_send(int peer, Tag tag, const void* b
     Peer* p = peers_[peer].get();
     bool kick = false;
     {
-        std::lock_guard<std::mutex> lock(p->send_mu);
+        MutexLock lock(p->send_mu);
         if (p->send_dead) return p->send_status;
         p->send_q.push_back(std::move(s));
         if (!p->writing) {
@@ -750,7 +751,7 @@ StatusOr<RequestHandle> TcpTransport::post_recv(int peer, Tag tag, void* buf, si
     Peer* p = peers_[peer].get();
     std::shared_ptr<Unexpected> u;
     {
-        std::lock_guard<std::mutex> lock(p->recv_mu);
+        MutexLock lock(p->recv_mu);
         auto it = p->unexpected.find(tag);
         if (it != p->unexpected.end() && !it->second.empty()) {
             u = std::move(it->second.front());
@@ -784,7 +785,7 @@ Status TcpTransport::cancel(const RequestHandle& handle) {
     Peer* p = peers_[op->peer()].get();
     bool removed = false;
     if (op->kind() == OpKind::kRecv) {
-        std::lock_guard<std::mutex> lock(p->recv_mu);
+        MutexLock lock(p->recv_mu);
         auto it = p->posted.find(op->tag());
         if (it != p->posted.end()) {
             auto& q = it->second;
@@ -796,7 +797,7 @@ Status TcpTransport::cancel(const RequestHandle& handle) {
             }
         }
     } else if (op->kind() == OpKind::kSend) {
-        std::lock_guard<std::mutex> lock(p->send_mu);
+        MutexLock lock(p->send_mu);
         // Entries before in_flight are being written; the rest are only queued.
         for (size_t i = p->in_flight; i < p->send_q.size(); ++i) {
             if (p->send_q[i]->op == op) {
@@ -824,7 +825,7 @@ Status TcpTransport::cancel(const RequestHandle& handle) {
 
 void TcpTransport::start_write(Peer* p) {
     {
-        std::lock_guard<std::mutex> lock(p->send_mu);
+        MutexLock lock(p->send_mu);
         if (p->failed || p->send_q.empty()) {
             p->writing = false;
             return;
@@ -854,7 +855,7 @@ void TcpTransport::on_written(Peer* p, const error_code& ec) {
     std::vector<std::unique_ptr<SendOp>> done;
     bool more = false;
     {
-        std::lock_guard<std::mutex> lock(p->send_mu);
+        MutexLock lock(p->send_mu);
         for (size_t i = 0; i < p->in_flight; ++i) {
             done.push_back(std::move(p->send_q.front()));
             p->send_q.pop_front();
@@ -987,7 +988,7 @@ bool TcpTransport::start_data(Peer* p) {
     RecvOp r;
     std::shared_ptr<Unexpected> u;
     {
-        std::lock_guard<std::mutex> lock(p->recv_mu);
+        MutexLock lock(p->recv_mu);
         auto it = p->posted.find(tag);
         if (it != p->posted.end() && !it->second.empty()) {
             r = std::move(it->second.front());
@@ -1049,7 +1050,7 @@ void TcpTransport::finish_body(Peer* p) {
             p->cur_unexpected.reset();
             RecvOp waiter;
             {
-                std::lock_guard<std::mutex> lock(p->recv_mu);
+                MutexLock lock(p->recv_mu);
                 u->complete = true;
                 waiter = std::move(u->waiter);
                 u->waiter = {};
@@ -1078,7 +1079,7 @@ Status TcpTransport::lost(const Peer* p, const error_code& ec, const std::string
 bool TcpTransport::try_send_control(Peer* p, tcp_frame type, std::span<const uint8_t> payload) {
     {
         // A frame may only go out between frames: not while a gather write is in progress.
-        std::lock_guard<std::mutex> lock(p->send_mu);
+        MutexLock lock(p->send_mu);
         if (p->in_flight > 0) return false;
     }
     std::vector<uint8_t> frame = frame::make_frame(type, static_cast<Tag>(rank_), payload);
@@ -1113,7 +1114,7 @@ void TcpTransport::fail_peer(Peer* p, Status st) {
     p->sock.close(ignored);
     std::vector<std::shared_ptr<OpState>> ops;
     {
-        std::lock_guard<std::mutex> lock(p->send_mu);
+        MutexLock lock(p->send_mu);
         p->send_dead = true;
         p->send_status = st;
         for (auto& s : p->send_q) ops.push_back(s->op);
@@ -1122,7 +1123,7 @@ void TcpTransport::fail_peer(Peer* p, Status st) {
         p->writing = false;
     }
     {
-        std::lock_guard<std::mutex> lock(p->recv_mu);
+        MutexLock lock(p->recv_mu);
         p->recv_dead = true;
         p->recv_status = st;
         for (auto& [tag, q] : p->posted) {
