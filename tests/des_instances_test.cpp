@@ -24,12 +24,15 @@ struct Fixture {
         x.waiting.push_back(slot);
         return slot;
     }
-    Admission admit(std::span<const int64_t> hashes = {}, bool reserve_output = false) {
-        int64_t hit = -1;
+    // Admits the front, whose trace entry has block hashes `hashes`.
+    Admission admit(std::vector<int64_t> hashes = {}, bool reserve_output = false) {
         const uint32_t slot = x.waiting.front();
+        std::vector<workload::Request> trace(slots[slot].trace_index + 1);
+        trace.back().hash_ids = std::move(hashes);
+        int64_t hit = 100;  // added to
         const Admission a =
-            admit_front(x, slots[slot], hashes, AdmissionOptions{reserve_output}, &hit);
-        last_hit_tokens = hit;
+            admit_front(x, slots[slot], trace, AdmissionOptions{reserve_output}, &hit);
+        last_hit_tokens = hit - 100;
         return a;
     }
     Instance x;

@@ -12,12 +12,15 @@
 // queues and scratch vectors have grown.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <span>
 #include <utility>
 #include <vector>
 
+#include "common/check.h"
 #include "sim/cost/cost_model.h"
 #include "sim/des/flow_network.h"
 #include "sim/des/kv_cache.h"
@@ -124,12 +127,13 @@ enum class Admission : uint8_t {
     kDecodeSide,  // a disaggregated decode instance took the receiver's pages
     kCompute,     // pages for computing its KV (prompt, or a preempted request's recompute)
 };
-// Admits the front of x.waiting (request `r`, its trace block hashes `hashes`) if its pages fit:
-// pops it; kCompute also pins its prefix-cache hits, sets its target and computed tokens and
-// queues it on x.extend_q; *hit_tokens gets the prefix-hit tokens (0 otherwise).
+// Admits the front of x.waiting (request `r`; its prefix-cache block hashes are
+// trace[r.trace_index].hash_ids) if its pages fit: pops it; kCompute also pins its prefix-cache
+// hits, sets its target and computed tokens, queues it on x.extend_q and adds the prefix-hit
+// tokens to *prefix_hit_tokens.
 // Precondition: !x.waiting.empty() and r is the request in x.waiting.front()'s slot.
-Admission admit_front(Instance& x, SimRequest& r, std::span<const int64_t> hashes,
-                      const AdmissionOptions& options, int64_t* hit_tokens);
+Admission admit_front(Instance& x, SimRequest& r, std::span<const workload::Request> trace,
+                      const AdmissionOptions& options, int64_t* prefix_hit_tokens);
 
 // Fills x.extend_batch (and `items`, the cost model's view) with the chunks of the next extend
 // forward, FCFS from x.extend_q under `batching`; returns the forward's tokens.
@@ -159,5 +163,153 @@ void retire_extend_batch(Instance& x, const RequestSlots& requests, std::vector<
 // After a decode forward: each request of the batch generated a token; those that reached their
 // output length leave x.running (into *finished, in batch order), the others keep their order.
 void retire_decode_batch(Instance& x, RequestSlots& requests, std::vector<uint32_t>* finished);
+
+// ---- The calls made per admission attempt and per forward, defined here so that the
+// simulator's loop can inline them (the hot path) ----
+
+namespace instances_detail {
+inline constexpr int64_t kBlock = workload::kHashBlockTokens;
+}  // namespace instances_detail
+
+inline Admission admit_front(Instance& x, SimRequest& r, std::span<const workload::Request> trace,
+                             const AdmissionOptions& options, int64_t* prefix_hit_tokens) {
+    if (x.role == InstanceRole::kDecode && !r.needs_recompute) {
+        const int64_t need =
+            x.kv.pages_for(int64_t{r.input_len} + (options.reserve_output ? r.output_len : 0));
+        if (!x.kv.alloc(need)) return Admission::kBlocked;
+        x.waiting.pop_front();
+        r.decode_pages = need;
+        r.decode_admitted = true;
+        return Admission::kDecodeSide;
+    }
+    // A new prompt (prefill / colocated) or a preempted request's recompute.
+    const int64_t tokens =
+        r.needs_recompute ? int64_t{r.input_len} + r.generated : int64_t{r.input_len};
+    int64_t hit_blocks = 0;
+    const std::span<const int64_t> hashes = trace[r.trace_index].hash_ids;
+    if (x.kv.prefix_cache()) {
+        // Whole blocks of the prompt only, and at least one token left to compute.
+        const int64_t max_blocks = std::min<int64_t>({r.input_len / instances_detail::kBlock,
+                                                      (tokens - 1) / instances_detail::kBlock,
+                                                      static_cast<int64_t>(hashes.size())});
+        hit_blocks = x.kv.match(hashes.first(static_cast<size_t>(max_blocks)));
+        x.kv.pin(hashes, hit_blocks);
+    }
+    const int64_t held = options.reserve_output && x.role != InstanceRole::kPrefill
+                             ? int64_t{r.input_len} + r.output_len
+                             : tokens;
+    const int64_t need = x.kv.pages_for(held - hit_blocks * instances_detail::kBlock);
+    if (!x.kv.alloc(need)) {
+        x.kv.unpin(hashes, hit_blocks);
+        return Admission::kBlocked;
+    }
+    const uint32_t slot = x.waiting.front();
+    x.waiting.pop_front();
+    if (x.role == InstanceRole::kDecode) {
+        r.decode_pages = need;
+    } else {
+        r.compute_pages = need;
+        r.pinned_blocks = hit_blocks;
+    }
+    r.target_tokens = tokens;
+    r.computed_tokens = hit_blocks * instances_detail::kBlock;
+    if (x.role == InstanceRole::kPrefill)
+        r.unsent_hit_tokens = hit_blocks * instances_detail::kBlock;
+    *prefix_hit_tokens += hit_blocks * instances_detail::kBlock;
+    x.extend_q.push_back(slot);
+    return Admission::kCompute;
+}
+
+inline int64_t plan_extend(Instance& x, const RequestSlots& requests,
+                           const policy::BatchingOptions& batching,
+                           std::vector<cost::ExtendItem>* items) {
+    policy::ExtendPlanner plan(batching);
+    items->clear();
+    x.extend_batch.clear();
+    for (uint32_t slot : x.extend_q) {
+        if (plan.full()) break;
+        const SimRequest& r = requests[slot];
+        const int64_t tokens = plan.take(r.target_tokens - r.computed_tokens);
+        if (tokens == 0) continue;
+        items->push_back(cost::ExtendItem{tokens, r.computed_tokens});
+        x.extend_batch.push_back(ExtendEntry{slot, tokens, false, 0});
+    }
+    PDSIM_CHECK(!x.extend_batch.empty());
+    return plan.tokens();
+}
+
+inline size_t plan_decode(Instance& x, RequestSlots& requests,
+                          const policy::BatchingOptions& batching, bool colocated,
+                          std::span<const workload::Request> trace, int64_t* preemptions) {
+    policy::DecodePlanner plan(batching);
+    size_t n = 0;
+    for (uint32_t slot : x.running) {
+        const SimRequest& r = requests[slot];
+        if (!plan.take(int64_t{r.input_len} + r.generated)) break;
+        ++n;
+    }
+    // Pages for the token each request writes in this step; preempt the newest when short.
+    for (size_t j = 0; j < n; ++j) {
+        const uint32_t slot = x.running[j];
+        SimRequest& r = requests[slot];
+        int64_t& held = colocated ? r.compute_pages : r.decode_pages;
+        const int64_t pinned_tokens = colocated ? r.pinned_blocks * instances_detail::kBlock : 0;
+        const int64_t need =
+            x.kv.pages_for(int64_t{r.input_len} + r.generated - pinned_tokens) - held;
+        if (need <= 0) continue;
+        bool preempted_itself = false;
+        while (!x.kv.alloc(need)) {
+            preempted_itself = x.running.back() == slot;
+            preempt_newest(x, requests, colocated, trace);
+            ++*preemptions;
+            n = std::min(n, x.running.size());
+            if (preempted_itself) break;
+        }
+        if (preempted_itself) break;
+        held += need;
+    }
+    return n;
+}
+
+inline int64_t decode_kv_tokens(const Instance& x, const RequestSlots& requests, size_t n) {
+    int64_t kv_tokens = 0;
+    for (size_t j = 0; j < n; ++j) {
+        const SimRequest& r = requests[x.running[j]];
+        kv_tokens += int64_t{r.input_len} + r.generated;
+    }
+    return kv_tokens;
+}
+
+inline void retire_extend_batch(Instance& x, const RequestSlots& requests,
+                                std::vector<uint32_t>* scratch) {
+    scratch->clear();
+    for (const ExtendEntry& e : x.extend_batch) {
+        const SimRequest& r = requests[e.slot];
+        if (r.computed_tokens + e.tokens < r.target_tokens) scratch->push_back(e.slot);
+        x.extend_q.pop_front();
+    }
+    for (auto it = scratch->rbegin(); it != scratch->rend(); ++it) x.extend_q.push_front(*it);
+}
+
+inline void retire_decode_batch(Instance& x, RequestSlots& requests,
+                                std::vector<uint32_t>* finished) {
+    const size_t n = x.decode_batch_size;
+    finished->clear();
+    size_t kept = 0;
+    for (size_t j = 0; j < n; ++j) {
+        const uint32_t slot = x.running[j];
+        SimRequest& r = requests[slot];
+        if (++r.generated >= r.output_len) {
+            finished->push_back(slot);
+        } else {
+            x.running[kept++] = slot;
+        }
+    }
+    if (kept < n) {
+        // The requests behind the batch keep their order.
+        x.running.erase(x.running.begin() + static_cast<std::ptrdiff_t>(kept),
+                        x.running.begin() + static_cast<std::ptrdiff_t>(n));
+    }
+}
 
 }  // namespace pdsim::des

@@ -66,17 +66,16 @@ void SimTimeline::name_tracks(const topo::Topology& topology, SimMode mode,
                             fmt::format("{}: requests (every {})", sim_mode_name(mode), sample_));
 }
 
-void SimTimeline::forward(int instance, bool extend, double start_s, double duration_s,
-                          size_t batch_size, int64_t tokens) {
-    if (timeline_ == nullptr || forwards_++ >= max_forwards_) return;
+void SimTimeline::write_forward(int instance, bool extend, double start_s, double duration_s,
+                                size_t batch_size, int64_t tokens) {
+    if (forwards_++ >= max_forwards_) return;
     timeline_->add_slice(pid_base_ + instance, 0,
                          extend ? fmt::format("extend bs={} T={}", batch_size, tokens)
                                 : fmt::format("decode bs={}", batch_size),
                          "forward", start_s * 1e6, duration_s * 1e6);
 }
 
-void SimTimeline::request(size_t trace_index, const metrics::RequestRecord& rec) {
-    if (!sampled(trace_index)) return;
+void SimTimeline::write_request(const metrics::RequestRecord& rec) {
     const int tid = static_cast<int>(rec.id % 16);
     const double arrival_us = rec.arrival_ms * 1000;
     if (rec.ok) {
@@ -92,10 +91,8 @@ void SimTimeline::request(size_t trace_index, const metrics::RequestRecord& rec)
     }
 }
 
-void SimTimeline::transfer(size_t trace_index, int prefill_instance,
-                           const metrics::RequestRecord& rec, double first_flow_s,
-                           const KvTransferFigures& figures) {
-    if (!sampled(trace_index)) return;
+void SimTimeline::write_transfer(int prefill_instance, const metrics::RequestRecord& rec,
+                                 double first_flow_s, const KvTransferFigures& figures) {
     timeline_->add_slice(pid_base_ + prefill_instance, 1, fmt::format("kv r{}", rec.id), "transfer",
                          first_flow_s * 1e6, figures.transfer_s * 1e6,
                          {{"bytes", rec.transfer_bytes}, {"exposed_ms", figures.exposed_s * 1000}});

@@ -76,16 +76,28 @@ public:
                      std::span<const InstanceRole> roles);
     // A forward slice of `instance`, until timeline_max_forwards slices were written.
     void forward(int instance, bool extend, double start_s, double duration_s, size_t batch_size,
-                 int64_t tokens);
+                 int64_t tokens) {
+        if (timeline_ != nullptr)
+            write_forward(instance, extend, start_s, duration_s, batch_size, tokens);
+    }
     // Request `trace_index` (its position in the trace) became terminal: its lifecycle, when
     // sampled.
-    void request(size_t trace_index, const metrics::RequestRecord& record);
+    void request(size_t trace_index, const metrics::RequestRecord& record) {
+        if (sampled(trace_index)) write_request(record);
+    }
     // Its KV transfer from `prefill_instance` completed (rec's transfer fields are set), when
     // sampled.
     void transfer(size_t trace_index, int prefill_instance, const metrics::RequestRecord& record,
-                  double first_flow_s, const KvTransferFigures& figures);
+                  double first_flow_s, const KvTransferFigures& figures) {
+        if (sampled(trace_index)) write_transfer(prefill_instance, record, first_flow_s, figures);
+    }
 
 private:
+    void write_forward(int instance, bool extend, double start_s, double duration_s,
+                       size_t batch_size, int64_t tokens);
+    void write_request(const metrics::RequestRecord& record);
+    void write_transfer(int prefill_instance, const metrics::RequestRecord& record,
+                        double first_flow_s, const KvTransferFigures& figures);
     [[nodiscard]] bool sampled(size_t trace_index) const {
         return timeline_ != nullptr && sample_ > 0 &&
                trace_index % static_cast<uint64_t>(sample_) == 0;

@@ -355,10 +355,8 @@ void Simulation::admit(Instance& x) {
     while (!x.waiting.empty()) {
         const uint32_t s = x.waiting.front();
         SimRequest& r = reqs_[s];
-        int64_t hit_tokens = 0;
-        const Admission a = admit_front(x, r, hashes(r), admission_, &hit_tokens);
+        const Admission a = admit_front(x, r, trace_, admission_, &stats_.prefix_hit_tokens);
         if (a == Admission::kBlocked) return;
-        stats_.prefix_hit_tokens += hit_tokens;
         if (a == Admission::kDecodeSide && r.pending_bytes > 0) {
             // KV computed before this admission: it goes now, uncapped.
             const double b = r.pending_bytes;
