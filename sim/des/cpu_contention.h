@@ -1,0 +1,102 @@
+// CPU core contention between simulated CPU instances on one node (SimConfig::cpu_contention,
+// docs/simulator.md section 1): processor sharing per compute thread.
+//
+// An instance with cpu_cores = k > 0 runs k compute threads; a forward of isolated duration T is
+// k x T core-seconds of work. While the forwards of a node's instances run together, every compute
+// thread gets min(1, node cores / threads running on the node) cores, and a forward that shares
+// the node with another also runs 1 + interference times slower (the cost model's
+// CostModel::interference for its kind). A forward's rate therefore changes only when a forward
+// on its node starts or ends; between those instants it progresses linearly.
+//
+// Only nodes that can contend are modelled (CpuContention::plan): where the CPU instances'
+// threads together exceed the cores, or where two of them share the node and one's cost model
+// reports interference. The other instances keep the simulator's one-event-per-forward path.
+//
+// The simulator owns the events: share() returns the new rates and CpuForward keeps the state
+// (work left, rate, end event) that the simulator moves forward with retime().
+//
+// Thread-safety: none (the simulator's thread). Cost: share() is O(forwards on the node), no
+// allocation once the scratch has grown.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "sim/des/event_loop.h"
+#include "topology/topology.h"
+
+namespace pdsim::cost {
+class CostModel;
+}
+
+namespace pdsim::des {
+
+// The forward in flight of one contended instance.
+struct CpuForward {
+    int node = -1;     // index into CpuContention's nodes; -1: not contended
+    double cores = 0;  // its compute threads: the rate (cores) at which it runs alone
+    double interference[2] = {0, 0};  // extend, decode (cost::CostModel::interference)
+    double isolated_s = 0;            // the forward's duration alone
+    double work_core_s = 0;           // core-seconds left at rate_since_s
+    double rate_cores = 0;            // current rate
+    double rate_since_s = 0;          // when work_core_s was last brought up to date
+    bool decode = false;              // the forward's kind
+    bool slowed = false;              // it ran below `cores` at some point
+    EventLoop::EventId end_event = 0;
+
+    // Brings the work left up to `now_s` at the current rate (never below 0).
+    void advance(double now_s) {
+        work_core_s = std::max(0.0, work_core_s - rate_cores * (now_s - rate_since_s));
+    }
+    // Runs at `rate` from `now_s` on (rate > 0); returns the time left until the forward ends.
+    double retime(double rate, double now_s) {
+        rate_since_s = now_s;
+        rate_cores = rate;
+        if (rate < cores) slowed = true;
+        return work_core_s / rate;
+    }
+};
+
+class CpuContention {
+public:
+    struct Node {
+        double cores = 1;
+        std::vector<int> active;  // instances whose forward is in flight, in start order
+    };
+
+    CpuContention() = default;
+    // Which instances contend (see the file comment). `cpu_cores[i]` and `costs[i]` are instance
+    // i's InstanceSetup::cpu_cores and cost model (non-null); a node's cores are `node_cpus` when
+    // > 0, else the topology node's `cpus`, else std::thread::hardware_concurrency().
+    // Precondition: cpu_cores.size() == costs.size() == topology.instances.size().
+    static CpuContention plan(const topo::Topology& topology, std::span<const int> cpu_cores,
+                              std::span<const cost::CostModel* const> costs, double node_cpus);
+
+    [[nodiscard]] bool contended(int instance) const { return forward(instance).node >= 0; }
+    [[nodiscard]] CpuForward& forward(int instance) {
+        return forwards_[static_cast<size_t>(instance)];
+    }
+    [[nodiscard]] const CpuForward& forward(int instance) const {
+        return forwards_[static_cast<size_t>(instance)];
+    }
+    [[nodiscard]] const std::vector<Node>& nodes() const { return nodes_; }
+
+    // A forward of isolated duration `isolated_s` starts at `now_s` on contended `instance`: it is
+    // added to its node with all its work left and rate 0 (the caller then calls share()).
+    void start_forward(int instance, double isolated_s, bool decode, double now_s);
+    // The forward of contended `instance` ended: removed from its node; returns the node.
+    int end_forward(int instance);
+    // The rate (cores) of every forward in flight on `node`, as (rate, instance) in start order.
+    // Valid until the next call.
+    [[nodiscard]] std::span<const std::pair<double, int>> share(int node);
+
+private:
+    std::vector<CpuForward> forwards_;  // per instance
+    std::vector<Node> nodes_;
+    std::vector<std::pair<double, int>> rates_;  // share() scratch
+};
+
+}  // namespace pdsim::des
