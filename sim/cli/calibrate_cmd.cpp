@@ -56,6 +56,7 @@
 #include "common/mpi_check.h"
 #include "sim/cli/command.h"
 #include "sim/cost/calibrated.h"
+#include "sim/cost/timeline_fit.h"
 #include "sim/testbed/comm.h"
 #include "sim/testbed/pd_backend.h"
 #include "sim/testbed/server.h"
@@ -495,19 +496,6 @@ StatusOr<json> spawn_worker(const CalibrateOptions& o, int tp, int threads,
     return j;
 }
 
-// One fit as the cost file stores it; `source` (a --from-timeline fit's origin) when given.
-json fit_json(const auto& keys, const cost::LinearFit& f, size_t n,
-              const std::string& source = "") {
-    json j;
-    for (size_t i = 0; i < keys.size(); ++i) j[keys[i]] = f.coef[i];
-    j["r2"] = f.r2;
-    j["max_rel_err"] = f.max_rel_err;
-    j["mean_rel_err"] = f.mean_rel_err;
-    j["num_points"] = n;
-    if (!source.empty()) j["source"] = source;
-    return j;
-}
-
 StatusOr<json> fit_points(const json& worker) {
     std::vector<std::vector<double>> ex, dx;
     std::vector<double> ey, dy;
@@ -530,8 +518,8 @@ StatusOr<json> fit_points(const json& worker) {
     PDSIM_ASSIGN_OR_RETURN(cost::LinearFit d, cost::fit_nonnegative(dx, dy));
     return json{{"tp", worker.at("tp")},
                 {"threads", worker.at("threads")},
-                {"extend", fit_json(cost::kExtendKeys, e, ey.size())},
-                {"decode", fit_json(cost::kDecodeKeys, d, dy.size())},
+                {"extend", cost::fit_to_json(cost::kExtendKeys, e, ey.size())},
+                {"decode", cost::fit_to_json(cost::kDecodeKeys, d, dy.size())},
                 {"points", worker.at("points")}};
 }
 
@@ -745,42 +733,7 @@ std::string iso_now() {
     return buf;
 }
 
-
-// ---- --from-timeline: the testbed's own forwards ----
-
-// A fit needs several distinct batches, not just as many points as features.
-constexpr size_t kMinTimelinePoints = 8;
-
-struct TimelineGroup {
-    std::vector<std::vector<double>> ex, dx;
-    std::vector<double> ey, dy;
-    // Where each point ran (for the noise fit's windows): timeline file, instance, start (s).
-    struct Where {
-        size_t file;
-        int instance;
-        double t;
-    };
-    std::vector<Where> ew, dw;
-};
-
-// The slow part of forward-time variation is measured over windows of this much testbed time.
-constexpr double kNoiseWindowS = 0.05;
-// The fast part's distribution is written as this many + 1 quantiles.
-constexpr size_t kNoiseQuantiles = 32;
-
-// A leader forward that overlapped other instances' forwards, reduced to what the interference
-// fit needs: with iso its fitted isolated time, the simulator's model says
-//   iso = alone_s + shared_core_s / (1 + interference)
-// where alone_s is the time no other instance computed and shared_core_s integrates, over the
-// rest, the share of a core per compute thread that the contention model gives
-// (min(1, node cpus / compute threads running)).
-struct OverlappedForward {
-    size_t file = 0;
-    std::pair<int, int> key;  // (tp, threads)
-    bool decode = false;
-    std::vector<double> features;
-    double alone_s = 0, shared_core_s = 0;
-};
+// ---- --from-timeline: the testbed's own forwards (the fit: sim/cost/timeline_fit.h) ----
 
 std::vector<std::string> split_paths(const std::string& text) {
     std::vector<std::string> out;
@@ -792,432 +745,35 @@ std::vector<std::string> split_paths(const std::string& text) {
     return out;
 }
 
-// Adds the forward slices of `path` run by an instance's leader (tp_rank 0: a TP follower times
-// the same forward again) to `groups`, keyed by (tp, threads); returns how many it added.
-StatusOr<size_t> read_timeline(const std::string& path, size_t file_index, bool include_overlapped,
-                               double node_cpus,
-                               std::map<std::pair<int, int>, TimelineGroup>* groups,
-                               std::vector<OverlappedForward>* overlapped_out, size_t* skipped) {
-    std::ifstream in(path);
-    if (!in) {
+StatusOr<std::optional<cost::CostFile>> load_base(const CalibrateOptions& o,
+                                                  const model::ModelConfig& m) {
+    if (o.base.empty()) return std::optional<cost::CostFile>();
+    auto b = cost::CostFile::load(o.base);
+    if (!b.ok()) return b.status().with_context("--base");
+    if (b->json().at("model").get<std::string>() != m.name) {
         return Status(StatusCode::kInvalidArgument,
-                      fmt::format("--from-timeline {}: cannot open", path));
+                      fmt::format("--base {}: calibrated for model '{}', not '{}'", o.base,
+                                  b->json().at("model").get<std::string>(), m.name));
     }
-    json doc;
-    try {
-        in >> doc;
-    } catch (const json::exception& e) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("--from-timeline {}: not JSON: {}", path, e.what()));
-    }
-    const json* events = doc.is_array() ? &doc : nullptr;
-    if (doc.is_object() && doc.contains("traceEvents") && doc["traceEvents"].is_array()) {
-        events = &doc["traceEvents"];
-    }
-    if (events == nullptr) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("--from-timeline {}: no traceEvents array (expected the "
-                                  "timeline of pdsim testbed --timeline)",
-                                  path));
-    }
-    // Forward slices with batch args, every TP rank's (a follower's forward overlapping another
-    // instance's leader counts as that instance computing).
-    struct Slice {
-        double begin, end;
-        int instance;
-        const json* e;
-        bool leader = false;
-        double cores = 0;  // a leader's: compute threads of its instance (tp x threads)
-    };
-    std::vector<Slice> slices;
-    for (const json& e : *events) {
-        if (!e.is_object() || e.value("ph", "") != "X" || e.value("cat", "") != "forward") continue;
-        const json& a = e.contains("args") ? e["args"] : json();
-        if (!a.is_object() || !a.contains("tp") || !a.contains("tp_rank") ||
-            !a.contains("threads") || !a.contains("instance")) {
-            continue;  // an older timeline's slice: no batch to fit
-        }
-        try {
-            const double ts = e.at("ts").get<double>(), dur = e.at("dur").get<double>();
-            const bool leader = a.at("tp_rank").get<int>() == 0;
-            slices.push_back({ts, ts + dur, a.at("instance").get<int>(), &e, leader,
-                              a.at("tp").get<double>() * std::max(1, a.at("threads").get<int>())});
-        } catch (const json::exception& ex) {
-            return Status(StatusCode::kInvalidArgument,
-                          fmt::format("--from-timeline {}: forward slice: {}", path, ex.what()));
-        }
-    }
-    std::sort(slices.begin(), slices.end(),
-              [](const Slice& x, const Slice& y) { return x.begin < y.begin; });
-    double longest = 0;
-    for (const Slice& x : slices) longest = std::max(longest, x.end - x.begin);
-    // The simulator's CPU contention model slows forwards of instances that compute at the same
-    // time; fitting such forwards would count that slowdown twice.
-    auto overlapped = [&](size_t i) {
-        const Slice& x = slices[i];
-        for (size_t j = i + 1; j < slices.size() && slices[j].begin < x.end; ++j) {
-            if (slices[j].instance != x.instance) return true;
-        }
-        for (size_t j = i; j-- > 0 && slices[j].begin > x.begin - longest;) {
-            if (slices[j].instance != x.instance && slices[j].end > x.begin) return true;
-        }
-        return false;
-    };
-    // Alone and shared time of leader forward i (see OverlappedForward), from the other
-    // instances' leader forwards.
-    std::vector<std::pair<double, double>> edges;  // (time, +-cores)
-    auto split_overlap = [&](size_t i, OverlappedForward* o) {
-        const Slice& x = slices[i];
-        edges.clear();
-        // Slices are sorted by begin and none is longer than `longest`: only those that begin
-        // after x.begin - longest can reach into x.
-        auto first = std::lower_bound(slices.begin(), slices.end(), x.begin - longest,
-                                      [](const Slice& a, double t) { return a.begin < t; });
-        for (size_t j = static_cast<size_t>(first - slices.begin());
-             j < slices.size() && slices[j].begin < x.end; ++j) {
-            const Slice& y = slices[j];
-            if (!y.leader || y.instance == x.instance || y.end <= x.begin) continue;
-            edges.emplace_back(std::max(x.begin, y.begin), y.cores);
-            edges.emplace_back(std::min(x.end, y.end), -y.cores);
-        }
-        std::sort(edges.begin(), edges.end());
-        double others = 0, t = x.begin, shared = 0;
-        auto account = [&](double until) {
-            if (until <= t) return;
-            if (others > 1e-9) {
-                shared += until - t;
-                o->shared_core_s += (until - t) * std::min(1.0, node_cpus / (x.cores + others));
-            }
-            t = until;
-        };
-        for (const auto& [at, d] : edges) {
-            account(at);
-            others += d;
-        }
-        account(x.end);
-        o->alone_s = (x.end - x.begin - shared) * 1e-6;
-        o->shared_core_s *= 1e-6;
-    };
-    size_t added = 0;
-    for (size_t i = 0; i < slices.size(); ++i) {
-        const json& e = *slices[i].e;
-        const json& a = e["args"];
-        try {
-            if (a.at("tp_rank").get<int>() != 0) continue;
-            const double s = e.at("dur").get<double>() * 1e-6;
-            if (!(s > 0)) continue;
-            const std::pair<int, int> key{a.at("tp").get<int>(), a.at("threads").get<int>()};
-            std::vector<double> features;
-            const bool decode = a.contains("kv_tokens");
-            if (decode) {
-                const auto f = cost::decode_features(a.at("batch").get<int64_t>(),
-                                                     a.at("kv_tokens").get<int64_t>());
-                features.assign(f.begin(), f.end());
-            } else {
-                std::vector<cost::ExtendItem> items;
-                for (const json& it : a.at("items")) {
-                    items.push_back({it.at(0).get<int64_t>(), it.at(1).get<int64_t>()});
-                }
-                const auto f = cost::extend_features(items);
-                if (f[1] <= 0) continue;
-                features.assign(f.begin(), f.end());
-            }
-            if (!include_overlapped && overlapped(i)) {
-                ++*skipped;
-                OverlappedForward o{file_index, key, decode, std::move(features)};
-                split_overlap(i, &o);
-                if (o.shared_core_s > 0) overlapped_out->push_back(std::move(o));
-                continue;
-            }
-            TimelineGroup& g = (*groups)[key];
-            (decode ? g.dx : g.ex).push_back(std::move(features));
-            (decode ? g.dy : g.ey).push_back(s);
-            (decode ? g.dw : g.ew).push_back({file_index, slices[i].instance, slices[i].begin * 1e-6});
-            ++added;
-        } catch (const json::exception& ex) {
-            return Status(StatusCode::kInvalidArgument,
-                          fmt::format("--from-timeline {}: forward slice at ts {}: {}", path,
-                                      e.value("ts", 0.0), ex.what()));
-        }
-    }
-    if (added == 0) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("--from-timeline {}: no forward slices with batch args (a "
-                                  "timeline written by pdsim testbed --timeline){}",
-                                  path, *skipped > 0 ? fmt::format(" that no other instance's "
-                                                                   "forward overlaps ({} did)",
-                                                                   *skipped)
-                                                     : ""));
-    }
-    return added;
+    return std::optional<cost::CostFile>(std::move(*b));
 }
 
 StatusOr<json> calibrate_from_timelines(const CalibrateOptions& o, const model::ModelConfig& m) {
     const std::vector<std::string> paths = split_paths(o.from_timeline);
     if (paths.empty()) return Status(StatusCode::kInvalidArgument, "--from-timeline: empty list");
-    std::map<std::pair<int, int>, TimelineGroup> groups;
-    std::vector<OverlappedForward> overlapped;
-    const double node_cpus = o.node_cpus > 0
-                                 ? o.node_cpus
-                                 : static_cast<double>(std::max(1u, std::thread::hardware_concurrency()));
-    json files = json::array();
+    cost::TimelineFitOptions fo;
+    fo.include_overlapped = o.include_overlapped;
+    fo.node_cpus = o.node_cpus > 0 ? o.node_cpus : static_cast<double>(cores());
+    fo.timelines_label = o.from_timeline;
+    fo.base_path = o.base;
+    cost::TimelineFitter fitter(fo);
     for (const std::string& p : paths) {
-        size_t skipped = 0;
-        PDSIM_ASSIGN_OR_RETURN(size_t n, read_timeline(p, files.size(), o.include_overlapped,
-                                                       node_cpus, &groups, &overlapped, &skipped));
-        files.push_back({{"path", p}, {"forwards", n}, {"overlapped_skipped", skipped}});
+        PDSIM_ASSIGN_OR_RETURN(std::vector<cost::TimelineForward> forwards,
+                               cost::read_timeline_forwards(p));
+        PDSIM_RETURN_IF_ERROR(fitter.add_timeline(p, forwards).status());
     }
-    std::optional<cost::CostFile> base;
-    if (!o.base.empty()) {
-        auto b = cost::CostFile::load(o.base);
-        if (!b.ok()) return b.status().with_context("--base");
-        if (b->json().at("model").get<std::string>() != m.name) {
-            return Status(StatusCode::kInvalidArgument,
-                          fmt::format("--base {}: calibrated for model '{}', not '{}'", o.base,
-                                      b->json().at("model").get<std::string>(), m.name));
-        }
-        base = std::move(*b);
-    }
-    auto from_base = [&](int tp, int threads, const char* kind) -> const json* {
-        if (!base) return nullptr;
-        for (const json& f : base->json().at("fits")) {
-            if (f.at("tp").get<int>() == tp && f.at("threads").get<int>() == threads) {
-                return &f.at(kind);
-            }
-        }
-        return nullptr;
-    };
-    // Run levels. The testbed's runs differ as a whole (a run of the same command may be 10%
-    // slower than the next: the host), and the comparison takes the median of runs; so the fit
-    // follows the median run. Per (file, kind): level = sum measured / sum fitted over that
-    // file's points, with fits of all points; each file's times are divided by its level over
-    // the median level before the fits below, and its overlapped forwards are compared with
-    // fitted times at its level.
-    std::map<std::pair<size_t, bool>, double> level;  // (file, decode) -> level / median level
-    json levels = json::array();
-    if (paths.size() >= 2) {
-        std::map<std::pair<size_t, bool>, std::pair<double, double>> sums;  // measured, fitted
-        for (const auto& [key, g] : groups) {
-            for (const bool decode : {false, true}) {
-                const auto& x = decode ? g.dx : g.ex;
-                const auto& y = decode ? g.dy : g.ey;
-                const auto& w = decode ? g.dw : g.ew;
-                if (y.size() < kMinTimelinePoints) continue;
-                auto f = cost::fit_nonnegative(x, y, cost::FitTarget::kMean);
-                if (!f.ok()) continue;  // reported by the fit below
-                for (size_t i = 0; i < y.size(); ++i) {
-                    double pred = 0;
-                    for (size_t k = 0; k < x[i].size(); ++k) pred += f->coef[k] * x[i][k];
-                    auto& sm = sums[{w[i].file, decode}];
-                    sm.first += y[i];
-                    sm.second += pred;
-                }
-            }
-        }
-        for (const bool decode : {false, true}) {
-            std::vector<double> v;
-            for (const auto& [fk, sm] : sums) {
-                if (fk.second == decode && sm.second > 0) v.push_back(sm.first / sm.second);
-            }
-            if (v.size() < 2) continue;
-            std::sort(v.begin(), v.end());
-            const double med = v.size() % 2 ? v[v.size() / 2]
-                                             : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-            for (const auto& [fk, sm] : sums) {
-                if (fk.second == decode && sm.second > 0) level[fk] = sm.first / sm.second / med;
-            }
-        }
-        for (auto& [key, g] : groups) {
-            for (const bool decode : {false, true}) {
-                auto& y = decode ? g.dy : g.ey;
-                const auto& w = decode ? g.dw : g.ew;
-                for (size_t i = 0; i < y.size(); ++i) {
-                    auto it = level.find({w[i].file, decode});
-                    if (it != level.end()) y[i] /= it->second;
-                }
-            }
-        }
-        for (size_t fi = 0; fi < paths.size(); ++fi) {
-            json l = {{"path", paths[fi]}};
-            for (const bool decode : {false, true}) {
-                auto it = level.find({fi, decode});
-                l[decode ? "decode" : "extend"] = it == level.end() ? json() : json(it->second);
-            }
-            levels.push_back(std::move(l));
-        }
-    }
-    json fits = json::array();
-    std::map<std::pair<std::pair<int, int>, bool>, std::vector<double>> coef;  // fitted here
-    for (const auto& [key, g] : groups) {
-        const auto [tp, threads] = key;
-        json fit = {{"tp", tp}, {"threads", threads}};
-        for (const bool decode : {false, true}) {
-            const char* kind = decode ? "decode" : "extend";
-            const auto& x = decode ? g.dx : g.ex;
-            const auto& y = decode ? g.dy : g.ey;
-            if (y.empty()) {
-                if (const json* b = from_base(tp, threads, kind)) {
-                    fit[kind] = *b;
-                    fit[kind]["source"] = "base " + o.base;
-                    continue;
-                }
-                return Status(
-                    StatusCode::kInvalidArgument,
-                    fmt::format("--from-timeline {}: tp {} threads {} has no {} forwards; give "
-                                "--base COST.json with a tp {} threads {} fit to take them from",
-                                o.from_timeline, tp, threads, kind, tp, threads));
-            }
-            if (y.size() < kMinTimelinePoints) {
-                return Status(StatusCode::kInvalidArgument,
-                              fmt::format("--from-timeline {}: tp {} threads {} has {} {} "
-                                          "forwards, too few to fit (at least {})",
-                                          o.from_timeline, tp, threads, y.size(), kind,
-                                          kMinTimelinePoints));
-            }
-            auto f = cost::fit_nonnegative(x, y, cost::FitTarget::kMean);
-            if (!f.ok()) {
-                return f.status().with_context(fmt::format(
-                    "--from-timeline {}: tp {} threads {} {}", o.from_timeline, tp, threads, kind));
-            }
-            coef[{key, decode}] = f->coef;
-            fit[kind] = decode ? fit_json(cost::kDecodeKeys, *f, y.size(), "timeline")
-                               : fit_json(cost::kExtendKeys, *f, y.size(), "timeline");
-        }
-        fits.push_back(std::move(fit));
-    }
-    // Interference, per kind: 1 + x = sum shared_core_s / sum (iso - alone_s) over the overlapped
-    // forwards whose (tp, threads, kind) was fitted here (a ratio of sums: long forwards weigh
-    // more, as they do in a request's latency).
-    json interference = json::object();
-    if (!o.include_overlapped) {
-        json counts = json::object();
-        for (const bool decode : {false, true}) {
-            const char* kind = decode ? "decode" : "extend";
-            double num = 0, den = 0;
-            size_t n = 0;
-            for (const OverlappedForward& f : overlapped) {
-                auto c = coef.find({f.key, decode});
-                if (f.decode != decode || c == coef.end()) continue;
-                double iso = 0;
-                for (size_t k = 0; k < f.features.size(); ++k) iso += c->second[k] * f.features[k];
-                if (auto l = level.find({f.file, decode}); l != level.end()) iso *= l->second;
-                num += f.shared_core_s;
-                den += iso - f.alone_s;
-                ++n;
-            }
-            // Too few, or faster than the contention model already predicts: none measured.
-            interference[kind] = n >= kMinTimelinePoints && den > 0 ? std::max(0.0, num / den - 1) : 0.0;
-            counts[kind] = n;
-        }
-        interference["node_cpus"] = node_cpus;
-        interference["overlapped_forwards"] = std::move(counts);
-    }
-    // Noise, per kind, from the fitted points' residual ratios r = measured / fitted: total
-    // cv^2 = var(r); slow cv^2 = var of the window means of r less what the fast part leaves in
-    // a mean of n points (cv^2 / n); fast cv^2 = the rest. Windows with fewer than 3 points (long
-    // extends) cannot tell slow from fast: then all of it is fast.
-    json noise = json::object();
-    for (const bool decode : {false, true}) {
-        std::vector<double> r;
-        std::vector<std::tuple<size_t, int, int64_t>> r_window;
-        std::map<std::tuple<size_t, int, int64_t>, std::pair<double, int>> windows;
-        for (const auto& [key, g] : groups) {
-            auto c = coef.find({key, decode});
-            if (c == coef.end()) continue;
-            const auto& x = decode ? g.dx : g.ex;
-            const auto& y = decode ? g.dy : g.ey;
-            const auto& w = decode ? g.dw : g.ew;
-            for (size_t i = 0; i < y.size(); ++i) {
-                double pred = 0;
-                for (size_t k = 0; k < x[i].size(); ++k) pred += c->second[k] * x[i][k];
-                if (!(pred > 0)) continue;
-                r.push_back(y[i] / pred);
-                r_window.emplace_back(w[i].file, w[i].instance,
-                                      static_cast<int64_t>(std::floor(w[i].t / kNoiseWindowS)));
-                auto& win = windows[r_window.back()];
-                win.first += y[i] / pred;
-                ++win.second;
-            }
-        }
-        if (r.size() < kMinTimelinePoints) continue;
-        auto mean_var = [](const std::vector<double>& v) {
-            double mu = 0, q = 0;
-            for (double a : v) mu += a;
-            mu /= static_cast<double>(v.size());
-            for (double a : v) q += (a - mu) * (a - mu);
-            return std::pair<double, double>{mu, q / static_cast<double>(v.size())};
-        };
-        const auto [mr, vr] = mean_var(r);
-        const double cv2 = vr / (mr * mr);
-        std::vector<double> means;
-        double points = 0;
-        for (const auto& [k, win] : windows) {
-            if (win.second < 3) continue;
-            means.push_back(win.first / win.second);
-            points += win.second;
-        }
-        double slow2 = 0;
-        if (means.size() >= kMinTimelinePoints) {
-            const auto [mw, vw] = mean_var(means);
-            const double per_window = points / static_cast<double>(means.size());
-            slow2 = std::clamp(vw / (mw * mw) - cv2 / per_window, 0.0, cv2);
-        }
-        // The fast part's distribution: each point relative to its window's mean where the slow
-        // part was measured, else relative to the overall mean; normalised to mean 1.
-        std::vector<double> fast;
-        for (size_t i = 0; i < r.size(); ++i) {
-            const auto& win = windows[r_window[i]];
-            fast.push_back(slow2 > 0 && win.second >= 3 ? r[i] / (win.first / win.second)
-                                                        : r[i] / mr);
-        }
-        std::sort(fast.begin(), fast.end());
-        double fm = 0;
-        for (double v : fast) fm += v;
-        fm /= static_cast<double>(fast.size());
-        std::vector<double> qv;
-        for (size_t q = 0; q <= kNoiseQuantiles; ++q) {
-            const double pos = static_cast<double>(q) / kNoiseQuantiles *
-                               static_cast<double>(fast.size() - 1);
-            const auto lo = static_cast<size_t>(pos);
-            const size_t hi = std::min(lo + 1, fast.size() - 1);
-            qv.push_back((fast[lo] + (fast[hi] - fast[lo]) * (pos - static_cast<double>(lo))) / fm);
-        }
-        // The simulator interpolates linearly between quantiles, so the distribution it draws
-        // from has mean sum (q_i + q_i+1) / 2K. Between the two highest quantiles that misstates
-        // the slowest 1/K of the forwards (one 5x outlier as the maximum made the mean 1.05): set
-        // the highest quantile so that the mean is the sample's, 1.
-        auto pl_mean = [&] {
-            double sum = 0;
-            for (size_t i = 0; i + 1 < qv.size(); ++i) sum += (qv[i] + qv[i + 1]) / 2;
-            return sum / kNoiseQuantiles;
-        };
-        qv.back() -= 2.0 * kNoiseQuantiles * (pl_mean() - 1);
-        if (qv.back() < qv[qv.size() - 2]) {
-            qv.back() = qv[qv.size() - 2];
-            const double mean = pl_mean();
-            for (double& v : qv) v /= mean;
-        }
-        json quantiles = qv;
-        noise[decode ? "decode" : "extend"] = {{"fast_cv", std::sqrt(cv2 - slow2)},
-                                               {"fast_quantiles", quantiles},
-                                               {"slow_cv", std::sqrt(slow2)},
-                                               {"slow_period_s", slow2 > 0 ? kNoiseWindowS : 0.0},
-                                               {"points", r.size()},
-                                               {"windows", means.size()}};
-    }
-    json out = {{"fits", fits},
-                {"interference", interference},
-                {"noise", noise},
-                {"source",
-                 {{"kind", "testbed timelines"},
-                  {"files", files},
-                  {"leaders_only", true},
-                  {"overlapped_included", o.include_overlapped},
-                  {"run_levels", levels},
-                  {"base", o.base.empty() ? json() : json(o.base)}}},
-                {"transports", base ? base->json().value("transports", json::object())
-                                    : json::object()}};
-    return out;
+    PDSIM_ASSIGN_OR_RETURN(std::optional<cost::CostFile> base, load_base(o, m));
+    return fitter.fit(base ? &*base : nullptr);
 }
 
 Status run_calibrate(const CalibrateOptions& o) {
@@ -1414,11 +970,12 @@ Status run_calibrate(const CalibrateOptions& o) {
                 interference["overlapped_forwards"]["decode"].get<size_t>());
         }
         for (const auto& [kind, n] : noise.items()) {
-            s += fmt::format("  {} noise: slow cv {:.1f}% (redrawn every {:.0f} ms), fast cv {:.1f}% "
-                             "({} forwards, {} windows)\n",
-                             kind, n["slow_cv"].get<double>() * 100, kNoiseWindowS * 1e3,
-                             n["fast_cv"].get<double>() * 100, n["points"].get<size_t>(),
-                             n["windows"].get<size_t>());
+            s += fmt::format(
+                "  {} noise: slow cv {:.1f}% (redrawn every {:.0f} ms), fast cv {:.1f}% "
+                "({} forwards, {} windows)\n",
+                kind, n["slow_cv"].get<double>() * 100, cost::kNoiseWindowS * 1e3,
+                n["fast_cv"].get<double>() * 100, n["points"].get<size_t>(),
+                n["windows"].get<size_t>());
         }
     }
     s += "  wrote " + o.out + "\n";
