@@ -59,6 +59,7 @@
 #include "sim/cost/timeline_fit.h"
 #include "sim/testbed/comm.h"
 #include "sim/testbed/pd_backend.h"
+#include "sim/testbed/rank_builder.h"
 #include "sim/testbed/server.h"
 #include "transfer/engine/ordering_validator.h"
 #include "transfer/local/local_transport.h"
@@ -229,13 +230,11 @@ private:
     bool aborted_ = false;
 };
 
-// What one testbed rank builds (sim/testbed/server.cpp, Server::setup). Declaration order is the
-// reverse of destruction: the stream outlives everything that enqueues on it.
+// What one testbed rank builds (sim/testbed/rank_builder.h, as Server::setup uses it), with
+// both sides' backends: extend forwards run on the prefill side's (StepCounter and ordering
+// checksums), decode forwards on one without. Declaration order is the reverse of destruction.
 struct Rig {
-    std::unique_ptr<runtime::CpuStream> stream;
-    std::unique_ptr<kv::MHATokenToKVPool> pool;
-    std::unique_ptr<pd::StepCounter> counter;
-    std::unique_ptr<transfer::OrderingValidator> validator;
+    testbed::RankParts parts;
     std::unique_ptr<testbed::PdAttentionBackend> prefill;
     std::unique_ptr<testbed::PdAttentionBackend> decode;
     std::unique_ptr<model::SyntheticModel> model;
@@ -245,34 +244,25 @@ StatusOr<std::unique_ptr<Rig>> make_rig(const CalibrateOptions& o, const model::
                                         model::TpComm* tp_comm, int tp, int tp_rank, int threads,
                                         int num_pages, int max_tokens, int max_pages_per_seq) {
     auto rig = std::make_unique<Rig>();
-    const int hkv = m.num_kv_heads / tp;
-    rig->stream = std::make_unique<runtime::CpuStream>(fmt::format("calibrate-r{}", tp_rank));
-    kv::MHAPoolConfig pc;
-    pc.num_layers = m.num_layers;
-    pc.page_size = o.page_size;
-    pc.num_kv_heads = hkv;
-    pc.head_dim = m.head_dim;
-    pc.num_pages = num_pages;
-    PDSIM_ASSIGN_OR_RETURN(rig->pool, kv::MHATokenToKVPool::create(pc));
-    rig->counter = std::make_unique<pd::StepCounter>(*rig->stream);
-    rig->validator = std::make_unique<transfer::OrderingValidator>(tp_rank);
-    attn::AttentionConfig ac;
-    ac.num_q_heads = m.num_q_heads / tp;
-    ac.num_kv_heads = hkv;
-    ac.head_dim = m.head_dim;
-    ac.stream = rig->stream.get();
-    ac.num_threads = threads;
+    testbed::RankBuildOptions ro;
+    ro.model = &m;
+    ro.tp_size = tp;
+    ro.tp_rank = tp_rank;
+    ro.threads = threads;
+    ro.backend = o.backend;
+    ro.page_size = o.page_size;
+    ro.num_pages = num_pages;
+    ro.stream_name = fmt::format("calibrate-r{}", tp_rank);
+    ro.step_counter = true;
+    ro.validator = true;
+    ro.validator_rank = tp_rank;
+    PDSIM_ASSIGN_OR_RETURN(rig->parts, testbed::build_rank_parts(ro));
     for (bool prefill : {true, false}) {
-        PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<attn::AttentionBackend> inner,
-                               attn::create_attention_backend(o.backend, ac));
-        testbed::PdBackendOptions bo;
-        bo.counter = prefill ? rig->counter.get() : nullptr;
-        bo.validator = prefill ? rig->validator.get() : nullptr;
-        bo.head_begin = tp_rank * hkv;
-        bo.num_layers = m.num_layers;
-        bo.max_bs = max_tokens;
-        bo.max_pages_per_seq = max_pages_per_seq;
-        PDSIM_ASSIGN_OR_RETURN(auto b, testbed::PdAttentionBackend::create(std::move(inner), bo));
+        testbed::PdBackendSide side;
+        side.prefill = prefill;
+        side.max_bs = max_tokens;
+        side.max_pages_per_seq = max_pages_per_seq;
+        PDSIM_ASSIGN_OR_RETURN(auto b, testbed::build_pd_backend(ro, rig->parts, side));
         (prefill ? rig->prefill : rig->decode) = std::move(b);
     }
     PDSIM_ASSIGN_OR_RETURN(
@@ -284,25 +274,23 @@ StatusOr<std::unique_ptr<Rig>> make_rig(const CalibrateOptions& o, const model::
 // pages after request i - 1's.
 model::StepBatch make_batch(const Point& p, int ps, int vocab, uint64_t first_id,
                             testbed::Segments* segs) {
-    model::StepBatch b;
-    b.mode = p.decode ? attn::ForwardMode::kDecode : attn::ForwardMode::kExtend;
     const int pages_per_req = (p.seq_len() + ps - 1) / ps;
-    b.page_table_stride = pages_per_req;
-    int64_t off = 0;
+    const int t0 = p.seq_len() - p.new_len();
+    std::vector<std::vector<int32_t>> tokens(static_cast<size_t>(p.requests));
+    std::vector<std::vector<int32_t>> pages(static_cast<size_t>(p.requests));
+    std::vector<testbed::ForwardEntry> entries;
     for (int i = 0; i < p.requests; ++i) {
-        const int base = 1 + i * pages_per_req;
-        const int t0 = p.seq_len() - p.new_len();
+        const auto r = static_cast<size_t>(i);
         for (int t = t0; t < p.seq_len(); ++t) {
-            b.out_cache_loc.push_back((base + t / ps) * ps + t % ps);
-            b.tokens.push_back(static_cast<int32_t>((7919LL * i + 31LL * t + 11) % vocab));
+            tokens[r].push_back(static_cast<int32_t>((7919LL * i + 31LL * t + 11) % vocab));
         }
-        b.seq_lens.push_back(p.seq_len());
-        b.extend_lens.push_back(p.new_len());
-        for (int k = 0; k < pages_per_req; ++k) b.page_table.push_back(base + k);
-        segs->push_back({first_id + static_cast<uint64_t>(i), t0, p.seq_len(), off});
-        off += p.new_len();
+        const int base = 1 + i * pages_per_req;
+        for (int k = 0; k < pages_per_req; ++k) pages[r].push_back(base + k);
+        entries.push_back(
+            {first_id + static_cast<uint64_t>(i), t0, p.seq_len(), tokens[r], pages[r]});
     }
-    return b;
+    return testbed::build_step_batch(
+        p.decode ? attn::ForwardMode::kDecode : attn::ForwardMode::kExtend, entries, ps, segs);
 }
 
 struct Shared {
@@ -355,20 +343,20 @@ Status run_rank(const CalibrateOptions& o, const model::ModelConfig& m, Shared& 
             for (int k = -untimed; k < samples; ++k) {
                 // The untimed forward records no checksums (its tokens would be recorded twice).
                 backend.set_segments(p.decode || k < 0 ? nullptr : segs);
-                if (!p.decode) rig.counter->advance_step(m.num_layers, 0);
+                if (!p.decode) rig.parts.counter->advance_step(m.num_layers, 0);
                 std::vector<int32_t> next(static_cast<size_t>(p.requests), -1);
                 sh.barrier->wait();
                 if (sh.failed) return Status(StatusCode::kAborted, "another TP rank failed");
                 const auto t0 = Clock::now();
-                Status st = rig.model->forward(b, backend, *rig.pool, next.data());
-                if (st.ok()) st = rig.stream->synchronize();
+                Status st = rig.model->forward(b, backend, *rig.parts.pool, next.data());
+                if (st.ok()) st = rig.parts.stream->synchronize();
                 const double s = std::chrono::duration<double>(Clock::now() - t0).count();
                 if (!st.ok()) {
                     return fail(st.with_context(fmt::format("{} rank {}", sh.label, rank)));
                 }
                 if (rank == 0 && round > 0 && k >= 0) sh.samples[i].push_back(s);
             }
-            for (const auto& seg : *segs) rig.validator->forget(seg.request);
+            for (const auto& seg : *segs) rig.parts.validator->forget(seg.request);
         }
         if (rank == 0) {
             const double el = std::chrono::duration<double>(Clock::now() - t_start).count();
