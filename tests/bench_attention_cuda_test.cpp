@@ -94,13 +94,6 @@ TEST(BenchAttentionCudaCounts, GemmDimsHaveTheFlopsSquareishAndAligned) {
     EXPECT_EQ(gemm_dims_for_flops(1e40).status().code(), StatusCode::kInvalidArgument);
 }
 
-TEST(BenchAttentionCudaCounts, MedianIsTheUpperMiddle) {
-    EXPECT_EQ(median_of({}), 0);
-    EXPECT_EQ(median_of({3}), 3);
-    EXPECT_EQ(median_of({5, 1, 3}), 3);
-    EXPECT_EQ(median_of({4, 1, 3, 2}), 3);
-}
-
 // ---- the GPU spec of a device name --------------------------------------------------------------
 
 TEST(BenchAttentionCudaGpuSpec, MatchesTheNamesTheRuntimeReports) {

@@ -41,6 +41,7 @@
 #include "backends/kv/kv_pool.h"
 #include "backends/runtime/cpu_stream.h"
 #include "common/bf16.h"
+#include "common/stats.h"
 #include "common/thread_pool.h"
 #include "sim/cli/bench_attention_cuda.h"
 #include "sim/cli/command.h"
@@ -241,7 +242,7 @@ StatusOr<std::vector<Timing>> time_interleaved(const std::vector<Workload>& work
     std::vector<Timing> out;
     for (auto& v : t) {
         std::sort(v.begin(), v.end());
-        out.push_back({v.front(), v[v.size() / 2]});
+        out.push_back({v.front(), stats::median_sorted(v)});
     }
     return out;
 }

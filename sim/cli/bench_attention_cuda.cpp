@@ -1,6 +1,8 @@
 // The GPU run of `pdsim bench attention --backend cuda` (what it measures and how: the file
 // comment of sim/cli/bench_attention_cuda.h). Compiled only when pdsim is built with CUDA and
 // FlashInfer; plain C++ against cudart (g++), no kernels of its own.
+#include "sim/cli/bench_attention_cuda.h"
+
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -24,8 +26,8 @@
 #include "backends/runtime/device.h"
 #include "common/bf16.h"
 #include "common/cuda_check.h"
+#include "common/stats.h"
 #include "common/thread_pool.h"
-#include "sim/cli/bench_attention_cuda.h"
 
 namespace pdsim::cli {
 
@@ -448,9 +450,9 @@ StatusOr<DecodeResult> bench_decode(const CudaBenchOptions& o, runtime::Stream& 
     // the timed decode would otherwise write back; a decode leaves clean ones for the copy.
     PDSIM_ASSIGN_OR_RETURN(Samples t,
                            time_rounds(stream, {{decode, decode}, {copy, {}}}, o.warmup, o.reps));
-    r.seconds_median = median_of(t[0]);
+    r.seconds_median = stats::median(t[0]);
     r.seconds_best = best_of(t[0]);
-    r.copy_seconds_median = median_of(t[1]);
+    r.copy_seconds_median = stats::median(t[1]);
     r.copy_seconds_best = best_of(t[1]);
     r.gbps = r.bytes / r.seconds_median / 1e9;
     r.baseline_gbps = r.copy_bytes / r.copy_seconds_median / 1e9;
@@ -506,9 +508,9 @@ StatusOr<ExtendResult> bench_extend(const CudaBenchOptions& o, runtime::Stream& 
     auto matmul = [&]() { return gemm->run(x.as<bf16_t>(), w.as<bf16_t>(), y.data(), stream); };
     PDSIM_ASSIGN_OR_RETURN(Samples t,
                            time_rounds(stream, {{extend, {}}, {matmul, {}}}, o.warmup, o.reps));
-    r.seconds_median = median_of(t[0]);
+    r.seconds_median = stats::median(t[0]);
     r.seconds_best = best_of(t[0]);
-    r.gemm_seconds_median = median_of(t[1]);
+    r.gemm_seconds_median = stats::median(t[1]);
     r.gemm_seconds_best = best_of(t[1]);
     r.gflops = r.flops / r.seconds_median / 1e9;
     r.baseline_gflops = gemm->flops() / r.gemm_seconds_median / 1e9;
@@ -603,8 +605,8 @@ StatusOr<ModelPhase> time_model(model::cuda::CudaSyntheticModel& m, const model:
         }
     }
     ModelPhase p;
-    p.per_layer_ms = median_of(per_layer);
-    p.forward_ms = median_of(forward);
+    p.per_layer_ms = stats::median(per_layer);
+    p.forward_ms = stats::median(forward);
     const auto at = std::find(per_layer.begin(), per_layer.end(), p.per_layer_ms);
     p.layer_ms = layers[static_cast<size_t>(at - per_layer.begin())];
     return p;

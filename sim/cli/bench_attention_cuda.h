@@ -147,9 +147,6 @@ struct LayerRoofline {
                                                          int64_t decode_kv_tokens,
                                                          double mfu = 0.5, double mbu = 0.8);
 
-// The median of `v` (the upper one of an even count, as the CPU bench); 0 when empty.
-[[nodiscard]] double median_of(std::vector<double> v);
-
 // Runs the bench (see the file comment); prints the table to stdout, progress to stderr, and
 // writes o.json_path when set. Precondition: check_cuda_bench_options(o) passed.
 [[nodiscard]] Status run_bench_attention_cuda(const CudaBenchOptions& o);

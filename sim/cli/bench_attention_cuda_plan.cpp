@@ -204,10 +204,4 @@ StatusOr<LayerRoofline> roofline_per_layer(const model::ModelConfig& config, std
     return r;
 }
 
-double median_of(std::vector<double> v) {
-    if (v.empty()) return 0;
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
 }  // namespace pdsim::cli

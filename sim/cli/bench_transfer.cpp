@@ -34,10 +34,10 @@
 #include <charconv>
 #include <chrono>
 #include <condition_variable>
-#include <functional>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -46,6 +46,7 @@
 
 #include "backends/runtime/device.h"
 #include "common/mpi_check.h"
+#include "common/stats.h"
 #include "sim/cli/command.h"
 #include "sim/cli/raw_device_copy.h"
 #include "transfer/local/local_transport.h"
@@ -626,7 +627,7 @@ struct Timing {
 
 Timing summarize(std::vector<double> v) {
     std::sort(v.begin(), v.end());
-    return {v.front(), v[v.size() / 2]};
+    return {v.front(), stats::median_sorted(v)};
 }
 
 Status run_bench_transfer(const BenchTransferOptions& o) {

@@ -54,6 +54,7 @@
 #include "backends/pd/step_counter.h"
 #include "backends/runtime/cpu_stream.h"
 #include "common/mpi_check.h"
+#include "common/stats.h"
 #include "sim/cli/command.h"
 #include "sim/cost/calibrated.h"
 #include "sim/cost/timeline_fit.h"
@@ -403,10 +404,7 @@ Status run_worker(const CalibrateOptions& o, const model::ModelConfig& m, int tp
     json points = json::array();
     for (size_t i = 0; i < sh.grid.size(); ++i) {
         const Point& p = sh.grid[i];
-        std::vector<double> v = sh.samples[i];
-        std::sort(v.begin(), v.end());
-        const double med =
-            v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+        const std::vector<double>& v = sh.samples[i];
         json j;
         if (p.decode) {
             j = {{"kind", "decode"},
@@ -420,8 +418,8 @@ Status run_worker(const CalibrateOptions& o, const model::ModelConfig& m, int tp
                  {"cached_tokens", p.cached},
                  {"tokens", p.tokens()}};
         }
-        j["s"] = med;
-        j["min_s"] = v.front();
+        j["s"] = stats::median(v);
+        j["min_s"] = *std::min_element(v.begin(), v.end());
         j["samples_s"] = sh.samples[i];
         points.push_back(std::move(j));
     }
@@ -528,11 +526,6 @@ int message_reps(const CalibrateOptions& o) {
     return o.quick ? 10 : 30;
 }
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
-
 StatusOr<json> link_fit(const std::vector<size_t>& sizes, const std::vector<double>& secs) {
     std::vector<std::vector<double>> x;
     json pts = json::array();
@@ -614,7 +607,7 @@ StatusOr<json> measure_in_process(const std::string& name, const std::vector<siz
             if (i >= 3) v.push_back(el);
         }
         if (!st.ok()) break;
-        secs.push_back(median(v));
+        secs.push_back(stats::median(v));
     }
     tx.close();
     rx.close();
@@ -685,7 +678,7 @@ StatusOr<json> measure_mpi(const std::vector<size_t>& sizes, int reps) {
                     if (i >= 3) v.push_back(el / 2);
                 }
                 if (!st.ok()) break;
-                secs.push_back(median(v));
+                secs.push_back(stats::median(v));
             }
             MPI_Barrier(MPI_COMM_WORLD);
             tr.close();
