@@ -94,11 +94,35 @@ TEST(BenchAttentionCudaCounts, GemmDimsHaveTheFlopsSquareishAndAligned) {
     EXPECT_EQ(gemm_dims_for_flops(1e40).status().code(), StatusCode::kInvalidArgument);
 }
 
-TEST(BenchAttentionCudaCounts, MedianIsTheUpperMiddle) {
-    EXPECT_EQ(median_of({}), 0);
-    EXPECT_EQ(median_of({3}), 3);
-    EXPECT_EQ(median_of({5, 1, 3}), 3);
-    EXPECT_EQ(median_of({4, 1, 3, 2}), 3);
+// The report of a run (host logic): the JSON's derived figures from made-up results, against
+// values worked out here.
+TEST(BenchAttentionCudaReport, JsonDerivesTheFiguresFromTheResults) {
+    CudaBenchOptions o;
+    CudaBenchResults r;
+    r.device.name = "NVIDIA Test GPU";
+    r.device.cc_major = 9;
+    r.decode.bytes = 4e9;
+    r.decode.seconds_best = 0.5;
+    r.decode.ratio = 0.80;  // above the 0.75 target
+    r.extend.flops = 6e12;
+    r.extend.seconds_best = 2.0;
+    r.extend.ratio = 0.30;  // below the 0.40 target
+    r.extend.gemm = {8, 256, 256};
+    r.model.config.name = "tiny";
+    r.model.prefill.per_layer_ms = 3;
+    r.model.prefill.roofline_ms = 2;
+    r.model.prefill.roofline_peak_ms = 1;
+    const nlohmann::json j = cuda_bench_json(o, r);
+    EXPECT_EQ(j["decode"]["pass"], true);
+    EXPECT_EQ(j["extend"]["pass"], false);
+    EXPECT_DOUBLE_EQ(j["decode"]["gbps_best"].get<double>(), 4e9 / 0.5 / 1e9);
+    EXPECT_DOUBLE_EQ(j["extend"]["gflops_best"].get<double>(), 6e12 / 2.0 / 1e9);
+    EXPECT_DOUBLE_EQ(j["extend"]["baseline_flops"].get<double>(), 2.0 * 8 * 256 * 256);
+    EXPECT_DOUBLE_EQ(j["model"]["prefill"]["ratio"].get<double>(), 1.5);
+    EXPECT_TRUE(j["model"]["decode"]["ratio"].is_null());  // no roofline for the decode phase
+    EXPECT_EQ(j["model"]["decode"]["batch"], o.decode_batch);
+    EXPECT_EQ(j["device"]["compute_capability"], "9.0");
+    EXPECT_TRUE(j["device"]["gpu_spec"].is_null());
 }
 
 // ---- the GPU spec of a device name --------------------------------------------------------------

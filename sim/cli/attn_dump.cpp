@@ -4,17 +4,17 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <limits>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
-
-#include <nlohmann/json.hpp>
 
 #include "backends/attention/attention_backend.h"
 #include "backends/kv/kv_pool.h"
 #include "backends/runtime/cpu_stream.h"
 #include "common/npy.h"
+#include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
 
 namespace pdsim::cli {
@@ -35,79 +35,104 @@ struct AttnDumpOptions {
     int max_seq_len = 300;
 };
 
-Status run_attn_dump(const AttnDumpOptions& o) {
-    PDSIM_ASSIGN_OR_RETURN(kv::KVDtype dtype, kv::parse_dtype(o.dtype));
-    PDSIM_ASSIGN_OR_RETURN(attn::ForwardMode mode, attn::parse_forward_mode(o.mode));
-    if (mode != attn::ForwardMode::kExtend && mode != attn::ForwardMode::kDecode) {
-        return Status(StatusCode::kInvalidArgument, "--mode: expected decode or extend, got " + o.mode);
-    }
-    if (o.q_heads % o.kv_heads != 0) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
-    }
-    std::mt19937_64 rng(o.seed);
-    const int bs = o.batch;
-    std::vector<int32_t> seq_lens(static_cast<size_t>(bs)), q_lens(static_cast<size_t>(bs));
-    for (int i = 0; i < bs; ++i) {
-        seq_lens[static_cast<size_t>(i)] = std::uniform_int_distribution<int>(1, o.max_seq_len)(rng);
-        q_lens[static_cast<size_t>(i)] = mode == attn::ForwardMode::kDecode
-                                             ? 1
-                                             : std::uniform_int_distribution<int>(1, seq_lens[static_cast<size_t>(i)])(rng);
-    }
-    const int max_pages = (o.max_seq_len + o.page_size - 1) / o.page_size;
-    int total_pages = 1;
-    for (int s : seq_lens) total_pages += (s + o.page_size - 1) / o.page_size;
-    total_pages += 3;  // a few pages no request uses
+// One random case: the requests' lengths, the pool with their pages scattered and their cached
+// prefixes written, and the new tokens' q, k, v and KV slots.
+struct DumpCase {
+    int bs = 0;
+    std::vector<int32_t> seq_lens, q_lens;
+    int max_pages = 0;    // page table stride
+    int total_pages = 0;  // pages in the pool
+    std::vector<int32_t> page_table;
+    std::unique_ptr<kv::MHATokenToKVPool> pool;
+    int num_tokens = 0;
+    std::vector<float> q, k, v;
+    std::vector<int32_t> locs;
+};
 
+void draw_lengths(const AttnDumpOptions& o, attn::ForwardMode mode, std::mt19937_64& rng,
+                  DumpCase* c) {
+    const int bs = o.batch;
+    c->bs = bs;
+    c->seq_lens.resize(static_cast<size_t>(bs));
+    c->q_lens.resize(static_cast<size_t>(bs));
+    for (size_t i = 0; i < static_cast<size_t>(bs); ++i) {
+        c->seq_lens[i] = std::uniform_int_distribution<int>(1, o.max_seq_len)(rng);
+        c->q_lens[i] = mode == attn::ForwardMode::kDecode
+                           ? 1
+                           : std::uniform_int_distribution<int>(1, c->seq_lens[i])(rng);
+    }
+    c->max_pages = (o.max_seq_len + o.page_size - 1) / o.page_size;
+    c->total_pages = 1;
+    for (int s : c->seq_lens) c->total_pages += (s + o.page_size - 1) / o.page_size;
+    c->total_pages += 3;  // a few pages no request uses
+}
+
+// The pool, zeroed, with each request scattered over a shuffled set of pages (non-contiguous
+// page tables) and its cached prefix written directly into the pool.
+Status fill_pool(const AttnDumpOptions& o, kv::KVDtype dtype, std::mt19937_64& rng,
+                 std::normal_distribution<float>& nd, DumpCase* c) {
     kv::MHAPoolConfig pc;
     pc.num_layers = 1;
-    pc.num_pages = total_pages;
+    pc.num_pages = c->total_pages;
     pc.page_size = o.page_size;
     pc.num_kv_heads = o.kv_heads;
     pc.head_dim = o.head_dim;
     pc.dtype = dtype;
-    PDSIM_ASSIGN_OR_RETURN(auto pool, kv::MHATokenToKVPool::create(pc));
-    PDSIM_RETURN_IF_ERROR(pool->fill(0));
-
-    // Scatter each request over a shuffled set of pages (non-contiguous page tables).
-    PDSIM_ASSIGN_OR_RETURN(std::vector<int32_t> pages, pool->allocator().alloc(pool->allocator().available()));
+    PDSIM_ASSIGN_OR_RETURN(c->pool, kv::MHATokenToKVPool::create(pc));
+    PDSIM_RETURN_IF_ERROR(c->pool->fill(0));
+    PDSIM_ASSIGN_OR_RETURN(std::vector<int32_t> pages,
+                           c->pool->allocator().alloc(c->pool->allocator().available()));
     std::shuffle(pages.begin(), pages.end(), rng);
-    std::vector<int32_t> page_table(static_cast<size_t>(bs) * static_cast<size_t>(max_pages), 0);
+    const auto stride = static_cast<size_t>(c->max_pages);
+    c->page_table.assign(static_cast<size_t>(c->bs) * stride, 0);
     size_t next = 0;
-    for (int i = 0; i < bs; ++i) {
-        int n = (seq_lens[static_cast<size_t>(i)] + o.page_size - 1) / o.page_size;
-        for (int p = 0; p < n; ++p) page_table[static_cast<size_t>(i * max_pages + p)] = pages[next++];
+    for (size_t i = 0; i < static_cast<size_t>(c->bs); ++i) {
+        const int n = (c->seq_lens[i] + o.page_size - 1) / o.page_size;
+        for (int p = 0; p < n; ++p)
+            c->page_table[i * stride + static_cast<size_t>(p)] = pages[next++];
     }
-
-    std::normal_distribution<float> nd(0.f, 1.f);
-    const size_t kvw = static_cast<size_t>(o.kv_heads) * static_cast<size_t>(o.head_dim);
-    // Cached prefix: written directly into the pool.
-    std::vector<float> tok(kvw);
-    for (int i = 0; i < bs; ++i) {
-        for (int t = 0; t < seq_lens[static_cast<size_t>(i)] - q_lens[static_cast<size_t>(i)]; ++t) {
-            int64_t slot = static_cast<int64_t>(page_table[static_cast<size_t>(i * max_pages + t / o.page_size)]) *
-                               o.page_size + t % o.page_size;
+    std::vector<float> tok(static_cast<size_t>(o.kv_heads) * static_cast<size_t>(o.head_dim));
+    for (size_t i = 0; i < static_cast<size_t>(c->bs); ++i) {
+        for (int t = 0; t < c->seq_lens[i] - c->q_lens[i]; ++t) {
+            const int64_t slot =
+                static_cast<int64_t>(
+                    c->page_table[i * stride + static_cast<size_t>(t / o.page_size)]) *
+                    o.page_size +
+                t % o.page_size;
             for (int b = 0; b < 2; ++b) {
                 for (auto& x : tok) x = nd(rng);
-                pool->write_token(0, b, slot, tok.data());
+                c->pool->write_token(0, b, slot, tok.data());
             }
         }
     }
-    // New tokens: written by the backend (save_kv_cache = true).
-    const int num_tokens = std::accumulate(q_lens.begin(), q_lens.end(), 0);
-    std::vector<float> q(static_cast<size_t>(num_tokens) * static_cast<size_t>(o.q_heads * o.head_dim));
-    std::vector<float> k(static_cast<size_t>(num_tokens) * kvw), v(k.size());
-    for (auto* vec : {&q, &k, &v}) for (auto& x : *vec) x = nd(rng);
-    std::vector<int32_t> locs;
-    for (int i = 0; i < bs; ++i) {
-        for (int j = 0; j < q_lens[static_cast<size_t>(i)]; ++j) {
-            int t = seq_lens[static_cast<size_t>(i)] - q_lens[static_cast<size_t>(i)] + j;
-            locs.push_back(page_table[static_cast<size_t>(i * max_pages + t / o.page_size)] * o.page_size +
-                           t % o.page_size);
+    return {};
+}
+
+// New tokens (written by the backend: save_kv_cache = true): q, k, v and their KV slots.
+void draw_new_tokens(const AttnDumpOptions& o, std::mt19937_64& rng,
+                     std::normal_distribution<float>& nd, DumpCase* c) {
+    const size_t kvw = static_cast<size_t>(o.kv_heads) * static_cast<size_t>(o.head_dim);
+    c->num_tokens = std::accumulate(c->q_lens.begin(), c->q_lens.end(), 0);
+    c->q.resize(static_cast<size_t>(c->num_tokens) * static_cast<size_t>(o.q_heads * o.head_dim));
+    c->k.resize(static_cast<size_t>(c->num_tokens) * kvw);
+    c->v.resize(c->k.size());
+    for (auto* vec : {&c->q, &c->k, &c->v})
+        for (auto& x : *vec) x = nd(rng);
+    const auto stride = static_cast<size_t>(c->max_pages);
+    for (size_t i = 0; i < static_cast<size_t>(c->bs); ++i) {
+        for (int j = 0; j < c->q_lens[i]; ++j) {
+            const int t = c->seq_lens[i] - c->q_lens[i] + j;
+            c->locs.push_back(c->page_table[i * stride + static_cast<size_t>(t / o.page_size)] *
+                                  o.page_size +
+                              t % o.page_size);
         }
     }
-    std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN());
+}
 
+// Runs the case's layer through --backend; `out` gets the attention output.
+Status run_backend(const AttnDumpOptions& o, kv::KVDtype dtype, attn::ForwardMode mode,
+                   const attn::LayerSpec& layer, DumpCase& c, std::vector<float>* out) {
+    out->assign(c.q.size(), std::numeric_limits<float>::quiet_NaN());
     runtime::CpuStream stream("attn-dump");
     attn::AttentionConfig ac;
     ac.num_q_heads = o.q_heads;
@@ -118,38 +143,45 @@ Status run_attn_dump(const AttnDumpOptions& o) {
     PDSIM_ASSIGN_OR_RETURN(auto backend, attn::create_attention_backend(o.backend, ac));
     attn::ForwardBatch fb;
     fb.mode = mode;
-    fb.bs = bs;
-    fb.seq_lens = seq_lens;
-    fb.extend_lens = q_lens;
-    fb.page_table = page_table;
-    fb.page_table_stride = max_pages;
+    fb.bs = c.bs;
+    fb.seq_lens = c.seq_lens;
+    fb.extend_lens = c.q_lens;
+    fb.page_table = c.page_table;
+    fb.page_table_stride = c.max_pages;
     PDSIM_RETURN_IF_ERROR(backend->init_forward_metadata(fb));
-    attn::LayerSpec layer{0, o.q_heads, o.kv_heads, o.head_dim, 0, 0.f};
-    const int64_t n = num_tokens;
+    const int64_t n = c.num_tokens;
     PDSIM_RETURN_IF_ERROR(backend->forward(
-        runtime::host_view(static_cast<const float*>(q.data()), {n, o.q_heads, o.head_dim}),
-        runtime::host_view(static_cast<const float*>(k.data()), {n, o.kv_heads, o.head_dim}),
-        runtime::host_view(static_cast<const float*>(v.data()), {n, o.kv_heads, o.head_dim}), layer,
-        runtime::host_view(static_cast<const int32_t*>(locs.data()), {n}), *pool, mode, bs,
-        runtime::host_view(out.data(), {n, o.q_heads, o.head_dim})));
-    PDSIM_RETURN_IF_ERROR(stream.synchronize());
+        runtime::host_view(static_cast<const float*>(c.q.data()), {n, o.q_heads, o.head_dim}),
+        runtime::host_view(static_cast<const float*>(c.k.data()), {n, o.kv_heads, o.head_dim}),
+        runtime::host_view(static_cast<const float*>(c.v.data()), {n, o.kv_heads, o.head_dim}),
+        layer, runtime::host_view(static_cast<const int32_t*>(c.locs.data()), {n}), *c.pool, mode,
+        c.bs, runtime::host_view(out->data(), {n, o.q_heads, o.head_dim})));
+    return stream.synchronize();
+}
 
+Status write_dump(const AttnDumpOptions& o, kv::KVDtype dtype, const attn::LayerSpec& layer,
+                  const DumpCase& c, const std::vector<float>& out) {
     std::error_code ec;
     std::filesystem::create_directories(o.out_dir, ec);
     if (ec) return Status(StatusCode::kInvalidArgument, "--out " + o.out_dir + ": " + ec.message());
     auto path = [&](const char* f) { return (std::filesystem::path(o.out_dir) / f).string(); };
-    const int64_t T = num_tokens, H = o.q_heads, D = o.head_dim;
-    PDSIM_RETURN_IF_ERROR(write_npy(path("q.npy"), "<f4", {T, H, D}, q.data(), q.size() * 4));
+    const int64_t T = c.num_tokens, H = o.q_heads, D = o.head_dim;
+    const int bs = c.bs;
+    PDSIM_RETURN_IF_ERROR(write_npy(path("q.npy"), "<f4", {T, H, D}, c.q.data(), c.q.size() * 4));
     PDSIM_RETURN_IF_ERROR(write_npy(path("out.npy"), "<f4", {T, H, D}, out.data(), out.size() * 4));
-    const std::vector<int64_t> cache_shape{total_pages, o.page_size, o.kv_heads, o.head_dim};
-    const size_t cache_bytes = pool->page_bytes(0, 0) * static_cast<size_t>(total_pages);
+    const std::vector<int64_t> cache_shape{c.total_pages, o.page_size, o.kv_heads, o.head_dim};
+    const size_t cache_bytes = c.pool->page_bytes(0, 0) * static_cast<size_t>(c.total_pages);
     const std::string cdescr = dtype == kv::KVDtype::kF32 ? "<f4" : "<u2";
-    PDSIM_RETURN_IF_ERROR(write_npy(path("k_cache.npy"), cdescr, cache_shape, pool->data(0, 0), cache_bytes));
-    PDSIM_RETURN_IF_ERROR(write_npy(path("v_cache.npy"), cdescr, cache_shape, pool->data(0, 1), cache_bytes));
-    PDSIM_RETURN_IF_ERROR(write_npy(path("page_table.npy"), "<i4", {bs, max_pages}, page_table.data(),
-                                    page_table.size() * 4));
-    PDSIM_RETURN_IF_ERROR(write_npy(path("seq_lens.npy"), "<i4", {bs}, seq_lens.data(), seq_lens.size() * 4));
-    PDSIM_RETURN_IF_ERROR(write_npy(path("q_lens.npy"), "<i4", {bs}, q_lens.data(), q_lens.size() * 4));
+    PDSIM_RETURN_IF_ERROR(
+        write_npy(path("k_cache.npy"), cdescr, cache_shape, c.pool->data(0, 0), cache_bytes));
+    PDSIM_RETURN_IF_ERROR(
+        write_npy(path("v_cache.npy"), cdescr, cache_shape, c.pool->data(0, 1), cache_bytes));
+    PDSIM_RETURN_IF_ERROR(write_npy(path("page_table.npy"), "<i4", {bs, c.max_pages},
+                                    c.page_table.data(), c.page_table.size() * 4));
+    PDSIM_RETURN_IF_ERROR(
+        write_npy(path("seq_lens.npy"), "<i4", {bs}, c.seq_lens.data(), c.seq_lens.size() * 4));
+    PDSIM_RETURN_IF_ERROR(
+        write_npy(path("q_lens.npy"), "<i4", {bs}, c.q_lens.data(), c.q_lens.size() * 4));
     nlohmann::json meta = {{"mode", o.mode},
                            {"dtype", o.dtype},
                            {"backend", o.backend},
@@ -159,9 +191,34 @@ Status run_attn_dump(const AttnDumpOptions& o) {
                            {"head_dim", o.head_dim},
                            {"page_size", o.page_size},
                            {"seed", o.seed}};
-    std::ofstream(path("meta.json")) << meta.dump(2) << "\n";
+    return write_json_file("--out", path("meta.json"), meta);
+}
+
+Status run_attn_dump(const AttnDumpOptions& o) {
+    PDSIM_ASSIGN_OR_RETURN(kv::KVDtype dtype, kv::parse_dtype(o.dtype));
+    PDSIM_ASSIGN_OR_RETURN(attn::ForwardMode mode, attn::parse_forward_mode(o.mode));
+    if (mode != attn::ForwardMode::kExtend && mode != attn::ForwardMode::kDecode) {
+        return Status(StatusCode::kInvalidArgument,
+                      "--mode: expected decode or extend, got " + o.mode);
+    }
+    if (o.q_heads % o.kv_heads != 0) {
+        return Status(
+            StatusCode::kInvalidArgument,
+            fmt::format("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
+    }
+    std::mt19937_64 rng(o.seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    DumpCase c;
+    draw_lengths(o, mode, rng, &c);
+    PDSIM_RETURN_IF_ERROR(fill_pool(o, dtype, rng, nd, &c));
+    draw_new_tokens(o, rng, nd, &c);
+    const attn::LayerSpec layer{0, o.q_heads, o.kv_heads, o.head_dim, 0, 0.f};
+    std::vector<float> out;
+    PDSIM_RETURN_IF_ERROR(run_backend(o, dtype, mode, layer, c, &out));
+    PDSIM_RETURN_IF_ERROR(write_dump(o, dtype, layer, c, out));
     std::printf("attn-dump: %s case, %d requests, %d query tokens, backend %s, dtype %s -> %s\n",
-                o.mode.c_str(), bs, num_tokens, o.backend.c_str(), o.dtype.c_str(), o.out_dir.c_str());
+                o.mode.c_str(), c.bs, c.num_tokens, o.backend.c_str(), o.dtype.c_str(),
+                o.out_dir.c_str());
     return {};
 }
 

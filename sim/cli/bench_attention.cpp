@@ -41,8 +41,10 @@
 #include "backends/kv/kv_pool.h"
 #include "backends/runtime/cpu_stream.h"
 #include "common/bf16.h"
+#include "common/stats.h"
 #include "common/thread_pool.h"
 #include "sim/cli/bench_attention_cuda.h"
+#include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
 
 namespace pdsim::cli {
@@ -241,7 +243,7 @@ StatusOr<std::vector<Timing>> time_interleaved(const std::vector<Workload>& work
     std::vector<Timing> out;
     for (auto& v : t) {
         std::sort(v.begin(), v.end());
-        out.push_back({v.front(), v[v.size() / 2]});
+        out.push_back({v.front(), stats::median_sorted(v)});
     }
     return out;
 }
@@ -262,38 +264,17 @@ const char* verdict(double ratio, double target) {
     return ratio >= target ? "PASS" : "BELOW";
 }
 
-Status run_bench_attention(BenchAttentionOptions o) {
-    PDSIM_ASSIGN_OR_RETURN(kv::KVDtype dtype, kv::parse_dtype(o.dtype));
-    if (o.q_heads % o.kv_heads != 0) {
-        return Status(
-            StatusCode::kInvalidArgument,
-            fmt::format("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
-    }
-    if (!o.json_path.empty() && !std::ofstream(o.json_path)) {  // fail before the long part
-        return Status(StatusCode::kInvalidArgument,
-                      "--json " + o.json_path + ": cannot open for writing");
-    }
-    if (o.extend_len == 0) o.extend_len = o.quick ? 512 : 2048;
-    if (o.reps == 0) o.reps = o.quick ? 3 : 7;
-    const int threads = o.threads > 0
-                            ? o.threads
-                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const double esize = static_cast<double>(kv::dtype_size(dtype));
+// Decode over allocator-order and shuffled pages, and the copy baseline, in interleaved rounds.
+struct DecodeFigures {
+    std::vector<Timing> t;  // decode, decode over shuffled pages, copy
+    double decode_bytes = 0, copy_bytes = 0;
+    [[nodiscard]] double gbps() const { return decode_bytes / t[0].best / 1e9; }
+    [[nodiscard]] double fragmented_gbps() const { return decode_bytes / t[1].best / 1e9; }
+    [[nodiscard]] double copy_gbps() const { return copy_bytes / t[2].best / 1e9; }
+};
 
-    runtime::CpuStream stream("bench-attention");
-    attn::AttentionConfig ac;
-    ac.num_q_heads = o.q_heads;
-    ac.num_kv_heads = o.kv_heads;
-    ac.head_dim = o.head_dim;
-    ac.kv_dtype = dtype;
-    ac.stream = &stream;
-    ac.num_threads = threads;
-    PDSIM_ASSIGN_OR_RETURN(auto backend, attn::create_attention_backend(o.backend, ac));
-    const std::string isa(attn::cpu::isa_name(attn::cpu::detect_isa()));
-    std::fprintf(stderr, "bench attention: backend %s, %d threads, KV %s, isa %s, %d reps\n",
-                 o.backend.c_str(), threads, o.dtype.c_str(), isa.c_str(), o.reps);
-
-    // ---- decode (allocator-order and shuffled pages) vs copy, in interleaved rounds ----
+StatusOr<DecodeFigures> bench_decode(const BenchAttentionOptions& o, kv::KVDtype dtype, int threads,
+                                     attn::AttentionBackend& backend, runtime::CpuStream& stream) {
     std::fprintf(stderr, "bench attention: decode %d x %d KV tokens vs copy 2 x %d MiB ...\n",
                  o.decode_batch, o.decode_len, o.copy_mib);
     PDSIM_ASSIGN_OR_RETURN(AttnCase dc, make_case(o, dtype, attn::ForwardMode::kDecode,
@@ -321,39 +302,43 @@ Status run_bench_attention(BenchAttentionOptions o) {
     auto clean_caches = [&] { sink += read_all(copy_pool, scrub.data(), scrub.size()); };
     auto decode_with = [&](bool shuffled) {
         return [&, shuffled] {
-            PDSIM_RETURN_IF_ERROR(set_batch(*backend, dc, shuffled));
-            return run_forward(*backend, stream, dc, o);
+            PDSIM_RETURN_IF_ERROR(set_batch(backend, dc, shuffled));
+            return run_forward(backend, stream, dc, o);
         };
     };
-    PDSIM_ASSIGN_OR_RETURN(std::vector<Timing> dt,
-                           time_interleaved({{decode_with(false), clean_caches},
-                                             {decode_with(true), clean_caches},
-                                             {[&] {
-                                                  run_copy(copy_pool, cb);
-                                                  return Status();
-                                              },
-                                              clean_caches}},
-                                            /*warmup=*/2, o.reps));
+    DecodeFigures d;
+    PDSIM_ASSIGN_OR_RETURN(d.t, time_interleaved({{decode_with(false), clean_caches},
+                                                  {decode_with(true), clean_caches},
+                                                  {[&] {
+                                                       run_copy(copy_pool, cb);
+                                                       return Status();
+                                                   },
+                                                   clean_caches}},
+                                                 /*warmup=*/2, o.reps));
     volatile float keep = sink;  // the scrub reads must not be optimized away
     (void)keep;
-    const double decode_bytes = static_cast<double>(o.decode_batch) * o.decode_len * o.kv_heads *
-                                (2.0 * o.head_dim) * esize;
-    const double copy_bytes = 2.0 * static_cast<double>(cb.n) * sizeof(float);
-    dc = AttnCase();
-    cb = CopyBuffers();
-    const double decode_gbps = decode_bytes / dt[0].best / 1e9;
-    const double frag_gbps = decode_bytes / dt[1].best / 1e9;
-    const double copy_gbps = copy_bytes / dt[2].best / 1e9;
-    const double decode_ratio = decode_gbps / copy_gbps;
-    const double frag_ratio = frag_gbps / copy_gbps;
+    d.decode_bytes = static_cast<double>(o.decode_batch) * o.decode_len * o.kv_heads *
+                     (2.0 * o.head_dim) * kv::dtype_size(dtype);
+    d.copy_bytes = 2.0 * static_cast<double>(cb.n) * sizeof(float);
+    return d;
+}
 
-    // ---- extend vs sgemm, in interleaved rounds ----
+// Extend (causal, no cached prefix) and the dense sgemm baseline, in interleaved rounds.
+struct ExtendFigures {
+    std::vector<Timing> t;  // extend, sgemm
+    double flops = 0, gemm_flops = 0;
+    [[nodiscard]] double gflops() const { return flops / t[0].best / 1e9; }
+    [[nodiscard]] double sgemm_gflops() const { return gemm_flops / t[1].best / 1e9; }
+};
+
+StatusOr<ExtendFigures> bench_extend(const BenchAttentionOptions& o, kv::KVDtype dtype, int threads,
+                                     attn::AttentionBackend& backend, runtime::CpuStream& stream) {
     std::fprintf(stderr, "bench attention: extend %d x %d tokens (causal) vs sgemm ...\n",
                  o.extend_batch, o.extend_len);
     PDSIM_ASSIGN_OR_RETURN(
         AttnCase ec, make_case(o, dtype, attn::ForwardMode::kExtend, o.extend_batch, o.extend_len,
                                o.extend_len, o.seed + 1));
-    PDSIM_RETURN_IF_ERROR(set_batch(*backend, ec, /*shuffled=*/false));
+    PDSIM_RETURN_IF_ERROR(set_batch(backend, ec, /*shuffled=*/false));
     openblas_set_num_threads(threads);
     GemmCase g;
     g.bs = o.extend_batch;
@@ -369,23 +354,24 @@ Status run_bench_attention(BenchAttentionOptions o) {
     }
     g.s.assign(static_cast<size_t>(g.q_len) * g.seq_len, 0.f);
     g.o.assign(static_cast<size_t>(g.q_len) * g.dv, 0.f);
-    double gemm_flops = 0;
+    ExtendFigures e;
     PDSIM_ASSIGN_OR_RETURN(
-        std::vector<Timing> et,
-        time_interleaved({{[&] { return run_forward(*backend, stream, ec, o); }}, {[&] {
-                              gemm_flops = run_gemms(g);
-                              return Status();
-                          }}},
-                         /*warmup=*/1, std::max(3, o.reps / 2)));
+        e.t, time_interleaved({{[&] { return run_forward(backend, stream, ec, o); }}, {[&] {
+                                   e.gemm_flops = run_gemms(g);
+                                   return Status();
+                               }}},
+                              /*warmup=*/1, std::max(3, o.reps / 2)));
     // Query j (0-based) of a request with no cached prefix attends j + 1 keys.
     const double attended =
         static_cast<double>(o.extend_batch) * o.extend_len * (o.extend_len + 1.0) / 2.0;
-    const double extend_flops = 2.0 * (o.head_dim + o.head_dim) * o.q_heads * attended;
-    const double extend_gflops = extend_flops / et[0].best / 1e9;
-    const double sgemm_gflops = gemm_flops / et[1].best / 1e9;
-    const double extend_ratio = extend_gflops / sgemm_gflops;
+    e.flops = 2.0 * (o.head_dim + o.head_dim) * o.q_heads * attended;
+    return e;
+}
 
-    // ---- report ----
+void print_attention_table(const BenchAttentionOptions& o, int threads, const std::string& isa,
+                           const DecodeFigures& d, const ExtendFigures& e) {
+    const double decode_ratio = d.gbps() / d.copy_gbps();
+    const double extend_ratio = e.gflops() / e.sgemm_gflops();
     fmt::print(
         "pdsim bench attention: backend {}, {} threads, KV {}, isa {}, {}q/{}kv heads, "
         "head_dim {}, page {}\n",
@@ -394,75 +380,109 @@ Status run_bench_attention(BenchAttentionOptions o) {
                "target");
     const std::string dshape = fmt::format("{}x{} KV tokens", o.decode_batch, o.decode_len);
     fmt::print("{:<36} {:>10.1f} GB/s {:>5} {:>10.1f} GB/s {:>6.2f} {:>7.2f}  {}\n",
-               "decode " + dshape, decode_gbps, "copy", copy_gbps, decode_ratio, kDecodeTarget,
+               "decode " + dshape, d.gbps(), "copy", d.copy_gbps(), decode_ratio, kDecodeTarget,
                verdict(decode_ratio, kDecodeTarget));
     fmt::print("{:<36} {:>10.1f} GB/s {:>5} {:>10.1f} GB/s {:>6.2f} {:>7}\n",
-               "  same, pages shuffled (fragmented)", frag_gbps, "copy", copy_gbps, frag_ratio,
-               "(info)");
+               "  same, pages shuffled (fragmented)", d.fragmented_gbps(), "copy", d.copy_gbps(),
+               d.fragmented_gbps() / d.copy_gbps(), "(info)");
     fmt::print("{:<36} {:>7.1f} GFLOP/s {:>5} {:>7.1f} GFLOP/s {:>6.2f} {:>7.2f}  {}\n",
-               fmt::format("extend {}x{} tokens causal", o.extend_batch, o.extend_len),
-               extend_gflops, "sgemm", sgemm_gflops, extend_ratio, kExtendTarget,
+               fmt::format("extend {}x{} tokens causal", o.extend_batch, o.extend_len), e.gflops(),
+               "sgemm", e.sgemm_gflops(), extend_ratio, kExtendTarget,
                verdict(extend_ratio, kExtendTarget));
+}
 
+nlohmann::json attention_json(const BenchAttentionOptions& o, int threads, const std::string& isa,
+                              const DecodeFigures& d, const ExtendFigures& e) {
+    const std::vector<Timing>& dt = d.t;
+    const std::vector<Timing>& et = e.t;
+    const double decode_ratio = d.gbps() / d.copy_gbps();
+    const double extend_ratio = e.gflops() / e.sgemm_gflops();
+    return {{"decode",
+             {{"gbps", d.gbps()},
+              {"baseline_gbps", d.copy_gbps()},
+              {"ratio", decode_ratio},
+              {"target", kDecodeTarget},
+              {"pass", decode_ratio >= kDecodeTarget},
+              {"batch", o.decode_batch},
+              {"kv_len", o.decode_len},
+              {"pages", "allocator_order"},
+              {"kv_bytes", d.decode_bytes},
+              {"seconds_best", dt[0].best},
+              {"seconds_median", dt[0].median},
+              {"gbps_median", d.decode_bytes / dt[0].median / 1e9},
+              {"baseline", "stream_copy"},
+              {"baseline_bytes", d.copy_bytes},
+              {"baseline_seconds_best", dt[2].best},
+              {"baseline_gbps_median", d.copy_bytes / dt[2].median / 1e9}}},
+            {"decode_fragmented",
+             {{"gbps", d.fragmented_gbps()},
+              {"baseline_gbps", d.copy_gbps()},
+              {"ratio", d.fragmented_gbps() / d.copy_gbps()},
+              {"pages", "shuffled"},
+              {"seconds_best", dt[1].best},
+              {"seconds_median", dt[1].median}}},
+            {"extend",
+             {{"gflops", e.gflops()},
+              {"baseline_gflops", e.sgemm_gflops()},
+              {"ratio", extend_ratio},
+              {"target", kExtendTarget},
+              {"pass", extend_ratio >= kExtendTarget},
+              {"batch", o.extend_batch},
+              {"q_len", o.extend_len},
+              {"flops", e.flops},
+              {"seconds_best", et[0].best},
+              {"seconds_median", et[0].median},
+              {"gflops_median", e.flops / et[0].median / 1e9},
+              {"baseline", "openblas_sgemm"},
+              {"baseline_flops", e.gemm_flops},
+              {"baseline_seconds_best", et[1].best},
+              {"baseline_gflops_median", e.gemm_flops / et[1].median / 1e9}}},
+            {"backend", o.backend},
+            {"threads", threads},
+            {"dtype", o.dtype},
+            {"isa", isa},
+            {"num_q_heads", o.q_heads},
+            {"num_kv_heads", o.kv_heads},
+            {"head_dim", o.head_dim},
+            {"page_size", o.page_size},
+            {"reps", o.reps},
+            {"quick", o.quick}};
+}
+
+Status run_bench_attention(BenchAttentionOptions o) {
+    PDSIM_ASSIGN_OR_RETURN(kv::KVDtype dtype, kv::parse_dtype(o.dtype));
+    if (o.q_heads % o.kv_heads != 0) {
+        return Status(
+            StatusCode::kInvalidArgument,
+            fmt::format("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
+    }
+    if (!o.json_path.empty() && !std::ofstream(o.json_path)) {  // fail before the long part
+        return Status(StatusCode::kInvalidArgument,
+                      "--json " + o.json_path + ": cannot open for writing");
+    }
+    if (o.extend_len == 0) o.extend_len = o.quick ? 512 : 2048;
+    if (o.reps == 0) o.reps = o.quick ? 3 : 7;
+    const int threads = o.threads > 0
+                            ? o.threads
+                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    runtime::CpuStream stream("bench-attention");
+    attn::AttentionConfig ac;
+    ac.num_q_heads = o.q_heads;
+    ac.num_kv_heads = o.kv_heads;
+    ac.head_dim = o.head_dim;
+    ac.kv_dtype = dtype;
+    ac.stream = &stream;
+    ac.num_threads = threads;
+    PDSIM_ASSIGN_OR_RETURN(auto backend, attn::create_attention_backend(o.backend, ac));
+    const std::string isa(attn::cpu::isa_name(attn::cpu::detect_isa()));
+    std::fprintf(stderr, "bench attention: backend %s, %d threads, KV %s, isa %s, %d reps\n",
+                 o.backend.c_str(), threads, o.dtype.c_str(), isa.c_str(), o.reps);
+    PDSIM_ASSIGN_OR_RETURN(DecodeFigures d, bench_decode(o, dtype, threads, *backend, stream));
+    PDSIM_ASSIGN_OR_RETURN(ExtendFigures e, bench_extend(o, dtype, threads, *backend, stream));
+    print_attention_table(o, threads, isa, d, e);
     if (!o.json_path.empty()) {
-        nlohmann::json j = {{"decode",
-                             {{"gbps", decode_gbps},
-                              {"baseline_gbps", copy_gbps},
-                              {"ratio", decode_ratio},
-                              {"target", kDecodeTarget},
-                              {"pass", decode_ratio >= kDecodeTarget},
-                              {"batch", o.decode_batch},
-                              {"kv_len", o.decode_len},
-                              {"pages", "allocator_order"},
-                              {"kv_bytes", decode_bytes},
-                              {"seconds_best", dt[0].best},
-                              {"seconds_median", dt[0].median},
-                              {"gbps_median", decode_bytes / dt[0].median / 1e9},
-                              {"baseline", "stream_copy"},
-                              {"baseline_bytes", copy_bytes},
-                              {"baseline_seconds_best", dt[2].best},
-                              {"baseline_gbps_median", copy_bytes / dt[2].median / 1e9}}},
-                            {"decode_fragmented",
-                             {{"gbps", frag_gbps},
-                              {"baseline_gbps", copy_gbps},
-                              {"ratio", frag_ratio},
-                              {"pages", "shuffled"},
-                              {"seconds_best", dt[1].best},
-                              {"seconds_median", dt[1].median}}},
-                            {"extend",
-                             {{"gflops", extend_gflops},
-                              {"baseline_gflops", sgemm_gflops},
-                              {"ratio", extend_ratio},
-                              {"target", kExtendTarget},
-                              {"pass", extend_ratio >= kExtendTarget},
-                              {"batch", o.extend_batch},
-                              {"q_len", o.extend_len},
-                              {"flops", extend_flops},
-                              {"seconds_best", et[0].best},
-                              {"seconds_median", et[0].median},
-                              {"gflops_median", extend_flops / et[0].median / 1e9},
-                              {"baseline", "openblas_sgemm"},
-                              {"baseline_flops", gemm_flops},
-                              {"baseline_seconds_best", et[1].best},
-                              {"baseline_gflops_median", gemm_flops / et[1].median / 1e9}}},
-                            {"backend", o.backend},
-                            {"threads", threads},
-                            {"dtype", o.dtype},
-                            {"isa", isa},
-                            {"num_q_heads", o.q_heads},
-                            {"num_kv_heads", o.kv_heads},
-                            {"head_dim", o.head_dim},
-                            {"page_size", o.page_size},
-                            {"reps", o.reps},
-                            {"quick", o.quick}};
-        std::ofstream f(o.json_path);
-        if (!f) {
-            return Status(StatusCode::kInvalidArgument,
-                          "--json " + o.json_path + ": cannot open for writing");
-        }
-        f << j.dump(2) << "\n";
-        if (!f)
-            return Status(StatusCode::kInvalidArgument, "--json " + o.json_path + ": write failed");
+        PDSIM_RETURN_IF_ERROR(
+            write_json_file("--json", o.json_path, attention_json(o, threads, isa, d, e)));
     }
     return {};
 }
@@ -524,6 +544,71 @@ StatusOr<CudaBenchOptions> cuda_options(const BenchAttentionOptions& o, const Cu
     return g;
 }
 
+// The attention shape, as the backends see it.
+void add_shape_flags(CLI::App* a, BenchAttentionOptions& o, AttentionFlags* f) {
+    f->q_heads = a->add_option("--q-heads", o.q_heads, "Query heads (cuda: 32)")
+                     ->check(CLI::Range(1, 256))
+                     ->capture_default_str();
+    f->kv_heads = a->add_option("--kv-heads", o.kv_heads, "KV heads (cuda: 8)")
+                      ->check(CLI::Range(1, 256))
+                      ->capture_default_str();
+    f->head_dim = a->add_option("--head-dim", o.head_dim, "Head dimension (K and V)")
+                      ->check(CLI::Range(1, 1024))
+                      ->capture_default_str();
+    f->page_size = a->add_option("--page-size", o.page_size, "Tokens per KV page")
+                       ->check(CLI::Range(1, 1024))
+                       ->capture_default_str();
+}
+
+// The decode and extend batches, the rounds and the copy baseline.
+void add_workload_flags(CLI::App* a, BenchAttentionOptions& o, AttentionFlags* f) {
+    f->decode_batch = a->add_option("--decode-batch", o.decode_batch, "Decode requests (cuda: 64)")
+                          ->check(CLI::Range(1, 4096))
+                          ->capture_default_str();
+    f->decode_len = a->add_option("--decode-len", o.decode_len, "KV tokens per decode request")
+                        ->check(CLI::Range(1, 1 << 20))
+                        ->capture_default_str();
+    f->extend_batch = a->add_option("--extend-batch", o.extend_batch, "Prefill requests")
+                          ->check(CLI::Range(1, 4096))
+                          ->capture_default_str();
+    f->extend_len = a->add_option("--extend-len", o.extend_len,
+                                  "New tokens per prefill request (0: 2048, --quick 512; cuda: "
+                                  "4096)")
+                        ->check(CLI::Range(0, 1 << 16))
+                        ->capture_default_str();
+    f->reps = a->add_option("--reps", o.reps,
+                            "Timed rounds (0: 7, --quick 3; extend uses half, at least 3; cuda: "
+                            "20, --quick 5)")
+                  ->check(CLI::Range(0, 1000))
+                  ->capture_default_str();
+    f->copy_mib = a->add_option("--copy-mib", o.copy_mib,
+                                "MiB per array of the copy baseline (cuda: the decode's bytes, at "
+                                "least 256)")
+                      ->check(CLI::Range(64, 1 << 16))
+                      ->capture_default_str();
+    a->add_option("--seed", o.seed, "Random seed")->capture_default_str();
+}
+
+// --backend cuda only.
+void add_cuda_only_flags(CLI::App* a, CudaOnlyFlags& c, AttentionFlags* f) {
+    f->model = a->add_option("--model", c.model,
+                             "cuda: the GPU model to time per layer (a name or a model file)")
+                   ->capture_default_str();
+    f->layers = a->add_option("--layers", c.layers, "cuda: layers of the GPU model")
+                    ->check(CLI::Range(1, 256))
+                    ->capture_default_str();
+    f->model_prefill = a->add_option("--model-prefill", c.model_prefill,
+                                     "cuda: tokens of the model's prefill (one request; its decode "
+                                     "step is --decode-batch x --decode-len)")
+                           ->check(CLI::Range(1, 1 << 16))
+                           ->capture_default_str();
+    f->warmup = a->add_option("--warmup", c.warmup,
+                              "cuda: rounds run and dropped before the timed ones (after one "
+                              "synchronized run)")
+                    ->check(CLI::Range(0, 100))
+                    ->capture_default_str();
+}
+
 }  // namespace
 
 void add_bench_attention_command(CLI::App& bench, CommandSet& commands) {
@@ -552,61 +637,9 @@ void add_bench_attention_command(CLI::App& bench, CommandSet& commands) {
                   ->capture_default_str();
     a->add_option("--backend", o->backend, "Attention backend to measure: cpu, cpu_ref or cuda")
         ->capture_default_str();
-    f.q_heads = a->add_option("--q-heads", o->q_heads, "Query heads (cuda: 32)")
-                    ->check(CLI::Range(1, 256))
-                    ->capture_default_str();
-    f.kv_heads = a->add_option("--kv-heads", o->kv_heads, "KV heads (cuda: 8)")
-                     ->check(CLI::Range(1, 256))
-                     ->capture_default_str();
-    f.head_dim = a->add_option("--head-dim", o->head_dim, "Head dimension (K and V)")
-                     ->check(CLI::Range(1, 1024))
-                     ->capture_default_str();
-    f.page_size = a->add_option("--page-size", o->page_size, "Tokens per KV page")
-                      ->check(CLI::Range(1, 1024))
-                      ->capture_default_str();
-    f.decode_batch =
-        a->add_option("--decode-batch", o->decode_batch, "Decode requests (cuda: 64)")
-            ->check(CLI::Range(1, 4096))
-            ->capture_default_str();
-    f.decode_len = a->add_option("--decode-len", o->decode_len, "KV tokens per decode request")
-                       ->check(CLI::Range(1, 1 << 20))
-                       ->capture_default_str();
-    f.extend_batch = a->add_option("--extend-batch", o->extend_batch, "Prefill requests")
-                         ->check(CLI::Range(1, 4096))
-                         ->capture_default_str();
-    f.extend_len = a->add_option("--extend-len", o->extend_len,
-                                 "New tokens per prefill request (0: 2048, --quick 512; cuda: "
-                                 "4096)")
-                       ->check(CLI::Range(0, 1 << 16))
-                       ->capture_default_str();
-    f.reps = a->add_option("--reps", o->reps,
-                           "Timed rounds (0: 7, --quick 3; extend uses half, at least 3; cuda: "
-                           "20, --quick 5)")
-                 ->check(CLI::Range(0, 1000))
-                 ->capture_default_str();
-    f.copy_mib = a->add_option("--copy-mib", o->copy_mib,
-                               "MiB per array of the copy baseline (cuda: the decode's bytes, at "
-                               "least 256)")
-                     ->check(CLI::Range(64, 1 << 16))
-                     ->capture_default_str();
-    a->add_option("--seed", o->seed, "Random seed")->capture_default_str();
-    // --backend cuda only.
-    f.model = a->add_option("--model", c->model,
-                            "cuda: the GPU model to time per layer (a name or a model file)")
-                  ->capture_default_str();
-    f.layers = a->add_option("--layers", c->layers, "cuda: layers of the GPU model")
-                   ->check(CLI::Range(1, 256))
-                   ->capture_default_str();
-    f.model_prefill = a->add_option("--model-prefill", c->model_prefill,
-                                    "cuda: tokens of the model's prefill (one request; its decode "
-                                    "step is --decode-batch x --decode-len)")
-                          ->check(CLI::Range(1, 1 << 16))
-                          ->capture_default_str();
-    f.warmup = a->add_option("--warmup", c->warmup,
-                             "cuda: rounds run and dropped before the timed ones (after one "
-                             "synchronized run)")
-                   ->check(CLI::Range(0, 100))
-                   ->capture_default_str();
+    add_shape_flags(a, *o, &f);
+    add_workload_flags(a, *o, &f);
+    add_cuda_only_flags(a, *c, &f);
     commands.add(a, [o, c, f]() -> Status {
         if (o->backend == "cuda") {
             PDSIM_ASSIGN_OR_RETURN(const CudaBenchOptions g, cuda_options(*o, *c, f));

@@ -1,6 +1,8 @@
 // The GPU run of `pdsim bench attention --backend cuda` (what it measures and how: the file
 // comment of sim/cli/bench_attention_cuda.h). Compiled only when pdsim is built with CUDA and
 // FlashInfer; plain C++ against cudart (g++), no kernels of its own.
+#include "sim/cli/bench_attention_cuda.h"
+
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -24,8 +26,9 @@
 #include "backends/runtime/device.h"
 #include "common/bf16.h"
 #include "common/cuda_check.h"
+#include "common/stats.h"
 #include "common/thread_pool.h"
-#include "sim/cli/bench_attention_cuda.h"
+#include "sim/cli/cli_util.h"
 
 namespace pdsim::cli {
 
@@ -44,10 +47,6 @@ constexpr double kOracleRelTol = 0.03;
 // Value streams of the generated inputs (each element is a pure function of seed, stream, index).
 enum ValueStream : uint64_t { kDecodeK = 1, kDecodeV, kDecodeQ, kExtendK, kExtendV, kExtendQ,
                               kGemmX, kGemmW, kTokens };
-
-const char* verdict(double ratio, double target) {
-    return ratio >= target ? "PASS" : "BELOW";
-}
 
 // ---- generated values ---------------------------------------------------------------------------
 
@@ -95,18 +94,7 @@ bool finite_bits(bf16_t b) {
 
 // ---- device and timing --------------------------------------------------------------------------
 
-struct DeviceInfo {
-    int index = 0;
-    std::string name;
-    int cc_major = 0, cc_minor = 0;
-    int sms = 0;
-    double memory_gib = 0;
-    double l2_mib = 0;
-    int driver = 0, runtime = 0;
-    GpuSpecMatch spec;
-};
-
-StatusOr<DeviceInfo> open_device(int index) {
+StatusOr<CudaBenchDevice> open_device(int index) {
     PDSIM_ASSIGN_OR_RETURN(runtime::DeviceRuntime * rt,
                            runtime::device_runtime(runtime::DeviceKind::kCuda));
     const int count = rt->device_count();
@@ -123,7 +111,7 @@ StatusOr<DeviceInfo> open_device(int index) {
     CUDA_CHECK(cudaSetDevice(index));
     cudaDeviceProp prop{};
     CUDA_CHECK(cudaGetDeviceProperties(&prop, index));
-    DeviceInfo d;
+    CudaBenchDevice d;
     d.index = index;
     d.name = prop.name;
     d.cc_major = prop.major;
@@ -409,21 +397,15 @@ StatusOr<std::unique_ptr<attn::AttentionBackend>> make_backend(runtime::Stream& 
 
 // ---- the three figures --------------------------------------------------------------------------
 
-struct DecodeResult {
-    double bytes = 0, kv_bytes = 0, seconds_median = 0, seconds_best = 0;
-    double copy_bytes = 0, copy_seconds_median = 0, copy_seconds_best = 0;
-    double gbps = 0, baseline_gbps = 0, ratio = 0, max_abs_error = 0;
-};
-
-StatusOr<DecodeResult> bench_decode(const CudaBenchOptions& o, runtime::Stream& stream,
-                                    ThreadPool& threads) {
+StatusOr<CudaDecodeResult> bench_decode(const CudaBenchOptions& o, runtime::Stream& stream,
+                                        ThreadPool& threads) {
     const runtime::Device gpu{runtime::DeviceKind::kCuda, o.device};
     std::fprintf(stderr, "bench attention: decode %d x %d KV tokens vs a device-to-device copy\n",
                  o.decode_batch, o.decode_len);
     PDSIM_ASSIGN_OR_RETURN(PagedCase c, make_paged_case(o, attn::ForwardMode::kDecode,
                                                         o.decode_batch, o.decode_len, 1, kDecodeK,
                                                         kDecodeV, kDecodeQ, threads));
-    DecodeResult r;
+    CudaDecodeResult r;
     r.bytes = decode_traffic_bytes(o.decode_batch, o.decode_len, o.q_heads, o.kv_heads,
                                    o.head_dim, o.head_dim);
     r.kv_bytes = static_cast<double>(o.decode_batch) * o.decode_len * o.kv_heads *
@@ -448,9 +430,9 @@ StatusOr<DecodeResult> bench_decode(const CudaBenchOptions& o, runtime::Stream& 
     // the timed decode would otherwise write back; a decode leaves clean ones for the copy.
     PDSIM_ASSIGN_OR_RETURN(Samples t,
                            time_rounds(stream, {{decode, decode}, {copy, {}}}, o.warmup, o.reps));
-    r.seconds_median = median_of(t[0]);
+    r.seconds_median = stats::median(t[0]);
     r.seconds_best = best_of(t[0]);
-    r.copy_seconds_median = median_of(t[1]);
+    r.copy_seconds_median = stats::median(t[1]);
     r.copy_seconds_best = best_of(t[1]);
     r.gbps = r.bytes / r.seconds_median / 1e9;
     r.baseline_gbps = r.copy_bytes / r.copy_seconds_median / 1e9;
@@ -461,18 +443,10 @@ StatusOr<DecodeResult> bench_decode(const CudaBenchOptions& o, runtime::Stream& 
     return r;
 }
 
-struct ExtendResult {
-    double flops = 0, seconds_median = 0, seconds_best = 0;
-    GemmDims gemm;
-    std::string gemm_algo;
-    double gemm_seconds_median = 0, gemm_seconds_best = 0;
-    double gflops = 0, baseline_gflops = 0, ratio = 0, max_abs_error = 0;
-};
-
-StatusOr<ExtendResult> bench_extend(const CudaBenchOptions& o, runtime::Stream& stream,
-                                    ThreadPool& threads) {
+StatusOr<CudaExtendResult> bench_extend(const CudaBenchOptions& o, runtime::Stream& stream,
+                                        ThreadPool& threads) {
     const runtime::Device gpu{runtime::DeviceKind::kCuda, o.device};
-    ExtendResult r;
+    CudaExtendResult r;
     r.flops = extend_causal_flops(o.extend_batch, o.extend_len, o.q_heads, o.head_dim, o.head_dim);
     PDSIM_ASSIGN_OR_RETURN(r.gemm, gemm_dims_for_flops(r.flops));
     std::fprintf(stderr,
@@ -506,9 +480,9 @@ StatusOr<ExtendResult> bench_extend(const CudaBenchOptions& o, runtime::Stream& 
     auto matmul = [&]() { return gemm->run(x.as<bf16_t>(), w.as<bf16_t>(), y.data(), stream); };
     PDSIM_ASSIGN_OR_RETURN(Samples t,
                            time_rounds(stream, {{extend, {}}, {matmul, {}}}, o.warmup, o.reps));
-    r.seconds_median = median_of(t[0]);
+    r.seconds_median = stats::median(t[0]);
     r.seconds_best = best_of(t[0]);
-    r.gemm_seconds_median = median_of(t[1]);
+    r.gemm_seconds_median = stats::median(t[1]);
     r.gemm_seconds_best = best_of(t[1]);
     r.gflops = r.flops / r.seconds_median / 1e9;
     r.baseline_gflops = gemm->flops() / r.gemm_seconds_median / 1e9;
@@ -519,21 +493,6 @@ StatusOr<ExtendResult> bench_extend(const CudaBenchOptions& o, runtime::Stream& 
     PDSIM_ASSIGN_OR_RETURN(r.max_abs_error, check_output(c, o, "extend", rows));
     return r;
 }
-
-struct ModelPhase {
-    double per_layer_ms = 0;       // median over rounds of the mean layer time
-    double forward_ms = 0;         // median whole-forward time (LM head and sampling included)
-    std::vector<double> layer_ms;  // each layer's time, in the round of the median
-    std::optional<double> roofline_ms, roofline_peak_ms;
-};
-
-struct ModelResult {
-    model::ModelConfig config;
-    size_t weight_bytes = 0;
-    ModelPhase prefill, decode;
-    std::string roofline;  // the cost model's description, or why there is none
-    bool have_roofline = false;
-};
 
 // `bs` requests of `len` tokens each on `pool`, of which the last `new_tokens` are this forward's:
 // fresh pages, random tokens, their slots, and the page table.
@@ -562,9 +521,10 @@ StatusOr<model::StepBatch> make_step_batch(kv::MHATokenToKVPool& pool, attn::For
 
 // Times `batch` with layer timing: per round a lead forward then the timed one, back to back, so
 // the timed forward is fully enqueued before the device reaches it.
-StatusOr<ModelPhase> time_model(model::cuda::CudaSyntheticModel& m, const model::StepBatch& batch,
-                                attn::AttentionBackend& backend, kv::KVPool& pool,
-                                runtime::Stream& stream, const CudaBenchOptions& o) {
+StatusOr<CudaModelPhase> time_model(model::cuda::CudaSyntheticModel& m,
+                                    const model::StepBatch& batch, attn::AttentionBackend& backend,
+                                    kv::KVPool& pool, runtime::Stream& stream,
+                                    const CudaBenchOptions& o) {
     std::vector<int32_t> next(batch.seq_lens.size(), -1);
     m.set_layer_timing(true);
     std::vector<double> per_layer, forward;
@@ -602,17 +562,17 @@ StatusOr<ModelPhase> time_model(model::cuda::CudaSyntheticModel& m, const model:
                                       tok, vocab));
         }
     }
-    ModelPhase p;
-    p.per_layer_ms = median_of(per_layer);
-    p.forward_ms = median_of(forward);
+    CudaModelPhase p;
+    p.per_layer_ms = stats::median(per_layer);
+    p.forward_ms = stats::median(forward);
     const auto at = std::find(per_layer.begin(), per_layer.end(), p.per_layer_ms);
     p.layer_ms = layers[static_cast<size_t>(at - per_layer.begin())];
     return p;
 }
 
-StatusOr<ModelResult> bench_model(const CudaBenchOptions& o, const DeviceInfo& dev,
-                                  runtime::Stream& stream) {
-    ModelResult r;
+StatusOr<CudaModelResult> bench_model(const CudaBenchOptions& o, const CudaBenchDevice& dev,
+                                      runtime::Stream& stream) {
+    CudaModelResult r;
     PDSIM_ASSIGN_OR_RETURN(r.config, bench_model_config(o));
     const model::ModelConfig& cfg = r.config;
     std::fprintf(stderr,
@@ -666,167 +626,28 @@ StatusOr<ModelResult> bench_model(const CudaBenchOptions& o, const DeviceInfo& d
     return r;
 }
 
-// ---- report -------------------------------------------------------------------------------------
-
-nlohmann::json phase_json(const ModelPhase& p) {
-    nlohmann::json j = {{"per_layer_ms", p.per_layer_ms},
-                        {"forward_ms", p.forward_ms},
-                        {"layer_ms", p.layer_ms}};
-    if (p.roofline_ms) {
-        j["roofline_per_layer_ms"] = *p.roofline_ms;
-        j["roofline_peak_per_layer_ms"] = *p.roofline_peak_ms;
-        j["ratio"] = p.per_layer_ms / *p.roofline_ms;
-    } else {
-        j["roofline_per_layer_ms"] = nullptr;
-        j["roofline_peak_per_layer_ms"] = nullptr;
-        j["ratio"] = nullptr;
-    }
-    return j;
-}
-
-void print_model_row(const std::string& figure, const ModelPhase& p) {
-    if (p.roofline_ms) {
-        fmt::print("{:<36} {:>10.3f} ms   {:>5} {:>10.3f} ms   {:>6.2f} {:>7}  (measured/roofline)\n",
-                   figure, p.per_layer_ms, "roof", *p.roofline_ms, p.per_layer_ms / *p.roofline_ms,
-                   "-");
-    } else {
-        fmt::print("{:<36} {:>10.3f} ms   {:>5} {:>13} {:>6} {:>7}\n", figure, p.per_layer_ms,
-                   "roof", "-", "-", "-");
-    }
-}
-
 }  // namespace
 
 Status run_bench_attention_cuda(const CudaBenchOptions& o) {
-    PDSIM_ASSIGN_OR_RETURN(const DeviceInfo dev, open_device(o.device));
+    CudaBenchResults r;
+    PDSIM_ASSIGN_OR_RETURN(r.device, open_device(o.device));
     if (!o.json_path.empty() && !std::ofstream(o.json_path)) {  // fail before the long part
         return Status(StatusCode::kInvalidArgument,
                       "--json " + o.json_path + ": cannot open for writing");
     }
     std::fprintf(stderr, "bench attention: backend cuda on %s (cuda:%d), %d rounds (+%d warm-up)\n",
-                 dev.name.c_str(), dev.index, o.reps, o.warmup);
+                 r.device.name.c_str(), r.device.index, o.reps, o.warmup);
     PDSIM_ASSIGN_OR_RETURN(runtime::DeviceRuntime * rt,
                            runtime::device_runtime(runtime::DeviceKind::kCuda));
     PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<runtime::Stream> stream,
                            rt->create_stream(o.device, "bench-attention"));
     ThreadPool threads(0);
-    PDSIM_ASSIGN_OR_RETURN(const DecodeResult dec, bench_decode(o, *stream, threads));
-    PDSIM_ASSIGN_OR_RETURN(const ExtendResult ext, bench_extend(o, *stream, threads));
-    PDSIM_ASSIGN_OR_RETURN(const ModelResult mod, bench_model(o, dev, *stream));
-
-    fmt::print(
-        "pdsim bench attention: backend cuda on {} (sm {}.{}, {} SMs, {:.0f} GiB), KV bf16, "
-        "{}q/{}kv heads, head_dim {}, page {}; median of {} rounds\n",
-        dev.name, dev.cc_major, dev.cc_minor, dev.sms, dev.memory_gib, o.q_heads, o.kv_heads,
-        o.head_dim, o.page_size, o.reps);
-    fmt::print("{:<36} {:>15} {:>21} {:>6} {:>7}\n", "figure", "measured", "baseline", "ratio",
-               "target");
-    fmt::print("{:<36} {:>10.1f} GB/s {:>5} {:>10.1f} GB/s {:>6.2f} {:>7.2f}  {}\n",
-               fmt::format("decode {}x{} KV tokens", o.decode_batch, o.decode_len), dec.gbps,
-               "copy", dec.baseline_gbps, dec.ratio, kCudaDecodeTarget,
-               verdict(dec.ratio, kCudaDecodeTarget));
-    fmt::print("{:<36} {:>7.1f} TFLOP/s {:>5} {:>7.1f} TFLOP/s {:>6.2f} {:>7.2f}  {}\n",
-               fmt::format("extend {}x{} tokens causal", o.extend_batch, o.extend_len),
-               ext.gflops / 1e3, "gemm", ext.baseline_gflops / 1e3, ext.ratio, kCudaExtendTarget,
-               verdict(ext.ratio, kCudaExtendTarget));
-    print_model_row(fmt::format("{} prefill {} tok, per layer", mod.config.name, o.model_prefill),
-                    mod.prefill);
-    print_model_row(fmt::format("{} decode {}x{}, per layer", mod.config.name, o.decode_batch,
-                                o.decode_len),
-                    mod.decode);
-    fmt::print("baselines: cudaMemcpyAsync device-to-device of {} MiB (read + write bytes); "
-               "cuBLASLt bf16 GEMM {}x{}x{} ({}); model: {}\n",
-               static_cast<int64_t>(dec.copy_bytes / 2) >> 20, ext.gemm.m, ext.gemm.n, ext.gemm.k, ext.gemm_algo,
-               mod.roofline);
-    fmt::print("outputs checked: finite, and against an fp64 host oracle (max abs error: decode "
-               "{:.2g}, extend {:.2g})\n",
-               dec.max_abs_error, ext.max_abs_error);
-
+    PDSIM_ASSIGN_OR_RETURN(r.decode, bench_decode(o, *stream, threads));
+    PDSIM_ASSIGN_OR_RETURN(r.extend, bench_extend(o, *stream, threads));
+    PDSIM_ASSIGN_OR_RETURN(r.model, bench_model(o, r.device, *stream));
+    print_cuda_bench(o, r);
     if (o.json_path.empty()) return {};
-    nlohmann::json spec_name = nullptr;
-    if (dev.spec.spec != nullptr) spec_name = std::string(dev.spec.spec->name);
-    nlohmann::json j = {
-        {"decode",
-         {{"gbps", dec.gbps},
-          {"baseline_gbps", dec.baseline_gbps},
-          {"ratio", dec.ratio},
-          {"target", kCudaDecodeTarget},
-          {"pass", dec.ratio >= kCudaDecodeTarget},
-          {"batch", o.decode_batch},
-          {"kv_len", o.decode_len},
-          {"pages", "allocator_order"},
-          {"kv_bytes", dec.kv_bytes},
-          {"bytes", dec.bytes},
-          {"seconds_median", dec.seconds_median},
-          {"seconds_best", dec.seconds_best},
-          {"gbps_best", dec.bytes / dec.seconds_best / 1e9},
-          {"baseline", "cuda_memcpy_d2d"},
-          {"baseline_bytes", dec.copy_bytes},
-          {"baseline_seconds_median", dec.copy_seconds_median},
-          {"baseline_seconds_best", dec.copy_seconds_best},
-          {"max_abs_error", dec.max_abs_error}}},
-        {"extend",
-         {{"gflops", ext.gflops},
-          {"baseline_gflops", ext.baseline_gflops},
-          {"ratio", ext.ratio},
-          {"target", kCudaExtendTarget},
-          {"pass", ext.ratio >= kCudaExtendTarget},
-          {"batch", o.extend_batch},
-          {"q_len", o.extend_len},
-          {"flops", ext.flops},
-          {"seconds_median", ext.seconds_median},
-          {"seconds_best", ext.seconds_best},
-          {"gflops_best", ext.flops / ext.seconds_best / 1e9},
-          {"baseline", "cublaslt_bf16_gemm"},
-          {"baseline_flops", ext.gemm.flops()},
-          {"baseline_m", ext.gemm.m},
-          {"baseline_n", ext.gemm.n},
-          {"baseline_k", ext.gemm.k},
-          {"baseline_algo", ext.gemm_algo},
-          {"baseline_seconds_median", ext.gemm_seconds_median},
-          {"baseline_seconds_best", ext.gemm_seconds_best},
-          {"max_abs_error", ext.max_abs_error}}},
-        {"model",
-         {{"name", mod.config.name},
-          {"layers", mod.config.num_layers},
-          {"weight_bytes", mod.weight_bytes},
-          {"roofline", mod.have_roofline ? nlohmann::json(mod.roofline) : nlohmann::json(nullptr)},
-          {"roofline_note", mod.have_roofline ? "per layer: the cost model at 2L minus at L "
-                                                "layers, over L; peak: mfu = mbu = 1"
-                                              : mod.roofline},
-          {"prefill", phase_json(mod.prefill)},
-          {"decode", phase_json(mod.decode)}}},
-        {"device",
-         {{"name", dev.name},
-          {"index", dev.index},
-          {"compute_capability", fmt::format("{}.{}", dev.cc_major, dev.cc_minor)},
-          {"sms", dev.sms},
-          {"memory_gib", dev.memory_gib},
-          {"l2_mib", dev.l2_mib},
-          {"driver_version", dev.driver},
-          {"runtime_version", dev.runtime},
-          {"gpu_spec", spec_name},
-          {"gpu_spec_reason", dev.spec.reason}}},
-        {"backend", "cuda"},
-        {"dtype", "bf16"},
-        {"num_q_heads", o.q_heads},
-        {"num_kv_heads", o.kv_heads},
-        {"head_dim", o.head_dim},
-        {"page_size", o.page_size},
-        {"reps", o.reps},
-        {"warmup", o.warmup},
-        {"model_prefill", o.model_prefill}};
-    j["model"]["decode"]["batch"] = o.decode_batch;
-    j["model"]["decode"]["kv_len"] = o.decode_len;
-    j["model"]["prefill"]["tokens"] = o.model_prefill;
-    std::ofstream f(o.json_path);
-    if (!f) {
-        return Status(StatusCode::kInvalidArgument,
-                      "--json " + o.json_path + ": cannot open for writing");
-    }
-    f << j.dump(2) << "\n";
-    if (!f) return Status(StatusCode::kInvalidArgument, "--json " + o.json_path + ": write failed");
-    return {};
+    return write_json_file("--json", o.json_path, cuda_bench_json(o, r));
 }
 
 }  // namespace pdsim::cli

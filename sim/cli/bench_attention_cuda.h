@@ -40,7 +40,10 @@
 // owns the device for its duration).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -147,8 +150,60 @@ struct LayerRoofline {
                                                          int64_t decode_kv_tokens,
                                                          double mfu = 0.5, double mbu = 0.8);
 
-// The median of `v` (the upper one of an even count, as the CPU bench); 0 when empty.
-[[nodiscard]] double median_of(std::vector<double> v);
+// ---- the run's results and their report (host logic, bench_attention_cuda_plan.cpp) ----
+
+// The device the bench ran on, as the CUDA runtime reports it.
+struct CudaBenchDevice {
+    int index = 0;
+    std::string name;
+    int cc_major = 0, cc_minor = 0;
+    int sms = 0;
+    double memory_gib = 0;
+    double l2_mib = 0;
+    int driver = 0, runtime = 0;
+    GpuSpecMatch spec;
+};
+
+struct CudaDecodeResult {
+    double bytes = 0, kv_bytes = 0, seconds_median = 0, seconds_best = 0;
+    double copy_bytes = 0, copy_seconds_median = 0, copy_seconds_best = 0;
+    double gbps = 0, baseline_gbps = 0, ratio = 0, max_abs_error = 0;
+};
+
+struct CudaExtendResult {
+    double flops = 0, seconds_median = 0, seconds_best = 0;
+    GemmDims gemm;
+    std::string gemm_algo;
+    double gemm_seconds_median = 0, gemm_seconds_best = 0;
+    double gflops = 0, baseline_gflops = 0, ratio = 0, max_abs_error = 0;
+};
+
+struct CudaModelPhase {
+    double per_layer_ms = 0;       // median over rounds of the mean layer time
+    double forward_ms = 0;         // median whole-forward time (LM head and sampling included)
+    std::vector<double> layer_ms;  // each layer's time, in the round of the median
+    std::optional<double> roofline_ms, roofline_peak_ms;
+};
+
+struct CudaModelResult {
+    model::ModelConfig config;
+    size_t weight_bytes = 0;
+    CudaModelPhase prefill, decode;
+    std::string roofline;  // the cost model's description, or why there is none
+    bool have_roofline = false;
+};
+
+struct CudaBenchResults {
+    CudaBenchDevice device;
+    CudaDecodeResult decode;
+    CudaExtendResult extend;
+    CudaModelResult model;
+};
+
+// The table on stdout (header, decode, extend, the model's prefill and decode rows, baselines).
+void print_cuda_bench(const CudaBenchOptions& o, const CudaBenchResults& r);
+// The bench JSON (docs/design.md "bench JSON").
+[[nodiscard]] nlohmann::json cuda_bench_json(const CudaBenchOptions& o, const CudaBenchResults& r);
 
 // Runs the bench (see the file comment); prints the table to stdout, progress to stderr, and
 // writes o.json_path when set. Precondition: check_cuda_bench_options(o) passed.

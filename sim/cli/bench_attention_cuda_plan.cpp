@@ -204,10 +204,155 @@ StatusOr<LayerRoofline> roofline_per_layer(const model::ModelConfig& config, std
     return r;
 }
 
-double median_of(std::vector<double> v) {
-    if (v.empty()) return 0;
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
+namespace {
+
+const char* verdict(double ratio, double target) {
+    return ratio >= target ? "PASS" : "BELOW";
+}
+
+// ---- the report
+// -------------------------------------------------------------------------------------
+
+nlohmann::json phase_json(const CudaModelPhase& p) {
+    nlohmann::json j = {
+        {"per_layer_ms", p.per_layer_ms}, {"forward_ms", p.forward_ms}, {"layer_ms", p.layer_ms}};
+    if (p.roofline_ms) {
+        j["roofline_per_layer_ms"] = *p.roofline_ms;
+        j["roofline_peak_per_layer_ms"] = *p.roofline_peak_ms;
+        j["ratio"] = p.per_layer_ms / *p.roofline_ms;
+    } else {
+        j["roofline_per_layer_ms"] = nullptr;
+        j["roofline_peak_per_layer_ms"] = nullptr;
+        j["ratio"] = nullptr;
+    }
+    return j;
+}
+
+void print_model_row(const std::string& figure, const CudaModelPhase& p) {
+    if (p.roofline_ms) {
+        fmt::print(
+            "{:<36} {:>10.3f} ms   {:>5} {:>10.3f} ms   {:>6.2f} {:>7}  (measured/roofline)\n",
+            figure, p.per_layer_ms, "roof", *p.roofline_ms, p.per_layer_ms / *p.roofline_ms, "-");
+    } else {
+        fmt::print("{:<36} {:>10.3f} ms   {:>5} {:>13} {:>6} {:>7}\n", figure, p.per_layer_ms,
+                   "roof", "-", "-", "-");
+    }
+}
+
+}  // namespace
+
+void print_cuda_bench(const CudaBenchOptions& o, const CudaBenchResults& r) {
+    fmt::print(
+        "pdsim bench attention: backend cuda on {} (sm {}.{}, {} SMs, {:.0f} GiB), KV bf16, "
+        "{}q/{}kv heads, head_dim {}, page {}; median of {} rounds\n",
+        r.device.name, r.device.cc_major, r.device.cc_minor, r.device.sms, r.device.memory_gib,
+        o.q_heads, o.kv_heads, o.head_dim, o.page_size, o.reps);
+    fmt::print("{:<36} {:>15} {:>21} {:>6} {:>7}\n", "figure", "measured", "baseline", "ratio",
+               "target");
+    fmt::print("{:<36} {:>10.1f} GB/s {:>5} {:>10.1f} GB/s {:>6.2f} {:>7.2f}  {}\n",
+               fmt::format("decode {}x{} KV tokens", o.decode_batch, o.decode_len), r.decode.gbps,
+               "copy", r.decode.baseline_gbps, r.decode.ratio, kCudaDecodeTarget,
+               verdict(r.decode.ratio, kCudaDecodeTarget));
+    fmt::print("{:<36} {:>7.1f} TFLOP/s {:>5} {:>7.1f} TFLOP/s {:>6.2f} {:>7.2f}  {}\n",
+               fmt::format("extend {}x{} tokens causal", o.extend_batch, o.extend_len),
+               r.extend.gflops / 1e3, "gemm", r.extend.baseline_gflops / 1e3, r.extend.ratio,
+               kCudaExtendTarget, verdict(r.extend.ratio, kCudaExtendTarget));
+    print_model_row(
+        fmt::format("{} prefill {} tok, per layer", r.model.config.name, o.model_prefill),
+        r.model.prefill);
+    print_model_row(fmt::format("{} decode {}x{}, per layer", r.model.config.name, o.decode_batch,
+                                o.decode_len),
+                    r.model.decode);
+    fmt::print(
+        "baselines: cudaMemcpyAsync device-to-device of {} MiB (read + write bytes); "
+        "cuBLASLt bf16 GEMM {}x{}x{} ({}); model: {}\n",
+        static_cast<int64_t>(r.decode.copy_bytes / 2) >> 20, r.extend.gemm.m, r.extend.gemm.n,
+        r.extend.gemm.k, r.extend.gemm_algo, r.model.roofline);
+    fmt::print(
+        "outputs checked: finite, and against an fp64 host oracle (max abs error: decode "
+        "{:.2g}, extend {:.2g})\n",
+        r.decode.max_abs_error, r.extend.max_abs_error);
+}
+
+nlohmann::json cuda_bench_json(const CudaBenchOptions& o, const CudaBenchResults& r) {
+    nlohmann::json spec_name = nullptr;
+    if (r.device.spec.spec != nullptr) spec_name = std::string(r.device.spec.spec->name);
+    nlohmann::json j = {
+        {"decode",
+         {{"gbps", r.decode.gbps},
+          {"baseline_gbps", r.decode.baseline_gbps},
+          {"ratio", r.decode.ratio},
+          {"target", kCudaDecodeTarget},
+          {"pass", r.decode.ratio >= kCudaDecodeTarget},
+          {"batch", o.decode_batch},
+          {"kv_len", o.decode_len},
+          {"pages", "allocator_order"},
+          {"kv_bytes", r.decode.kv_bytes},
+          {"bytes", r.decode.bytes},
+          {"seconds_median", r.decode.seconds_median},
+          {"seconds_best", r.decode.seconds_best},
+          {"gbps_best", r.decode.bytes / r.decode.seconds_best / 1e9},
+          {"baseline", "cuda_memcpy_d2d"},
+          {"baseline_bytes", r.decode.copy_bytes},
+          {"baseline_seconds_median", r.decode.copy_seconds_median},
+          {"baseline_seconds_best", r.decode.copy_seconds_best},
+          {"max_abs_error", r.decode.max_abs_error}}},
+        {"extend",
+         {{"gflops", r.extend.gflops},
+          {"baseline_gflops", r.extend.baseline_gflops},
+          {"ratio", r.extend.ratio},
+          {"target", kCudaExtendTarget},
+          {"pass", r.extend.ratio >= kCudaExtendTarget},
+          {"batch", o.extend_batch},
+          {"q_len", o.extend_len},
+          {"flops", r.extend.flops},
+          {"seconds_median", r.extend.seconds_median},
+          {"seconds_best", r.extend.seconds_best},
+          {"gflops_best", r.extend.flops / r.extend.seconds_best / 1e9},
+          {"baseline", "cublaslt_bf16_gemm"},
+          {"baseline_flops", r.extend.gemm.flops()},
+          {"baseline_m", r.extend.gemm.m},
+          {"baseline_n", r.extend.gemm.n},
+          {"baseline_k", r.extend.gemm.k},
+          {"baseline_algo", r.extend.gemm_algo},
+          {"baseline_seconds_median", r.extend.gemm_seconds_median},
+          {"baseline_seconds_best", r.extend.gemm_seconds_best},
+          {"max_abs_error", r.extend.max_abs_error}}},
+        {"model",
+         {{"name", r.model.config.name},
+          {"layers", r.model.config.num_layers},
+          {"weight_bytes", r.model.weight_bytes},
+          {"roofline",
+           r.model.have_roofline ? nlohmann::json(r.model.roofline) : nlohmann::json(nullptr)},
+          {"roofline_note", r.model.have_roofline ? "per layer: the cost model at 2L minus at L "
+                                                    "layers, over L; peak: mfu = mbu = 1"
+                                                  : r.model.roofline},
+          {"prefill", phase_json(r.model.prefill)},
+          {"decode", phase_json(r.model.decode)}}},
+        {"device",
+         {{"name", r.device.name},
+          {"index", r.device.index},
+          {"compute_capability", fmt::format("{}.{}", r.device.cc_major, r.device.cc_minor)},
+          {"sms", r.device.sms},
+          {"memory_gib", r.device.memory_gib},
+          {"l2_mib", r.device.l2_mib},
+          {"driver_version", r.device.driver},
+          {"runtime_version", r.device.runtime},
+          {"gpu_spec", spec_name},
+          {"gpu_spec_reason", r.device.spec.reason}}},
+        {"backend", "cuda"},
+        {"dtype", "bf16"},
+        {"num_q_heads", o.q_heads},
+        {"num_kv_heads", o.kv_heads},
+        {"head_dim", o.head_dim},
+        {"page_size", o.page_size},
+        {"reps", o.reps},
+        {"warmup", o.warmup},
+        {"model_prefill", o.model_prefill}};
+    j["model"]["decode"]["batch"] = o.decode_batch;
+    j["model"]["decode"]["kv_len"] = o.decode_len;
+    j["model"]["prefill"]["tokens"] = o.model_prefill;
+    return j;
 }
 
 }  // namespace pdsim::cli

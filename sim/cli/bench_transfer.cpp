@@ -34,10 +34,10 @@
 #include <charconv>
 #include <chrono>
 #include <condition_variable>
-#include <functional>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -46,6 +46,8 @@
 
 #include "backends/runtime/device.h"
 #include "common/mpi_check.h"
+#include "common/stats.h"
+#include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
 #include "sim/cli/raw_device_copy.h"
 #include "transfer/local/local_transport.h"
@@ -626,27 +628,86 @@ struct Timing {
 
 Timing summarize(std::vector<double> v) {
     std::sort(v.begin(), v.end());
-    return {v.front(), v[v.size() / 2]};
+    return {v.front(), stats::median_sorted(v)};
+}
+
+// The runner of --transport and the GB/s ratio it must reach (0: none).
+StatusOr<std::unique_ptr<Runner>> make_runner(const std::string& transport, double* target) {
+    std::unique_ptr<Runner> runner;
+    if (transport == "mpi") {
+        PDSIM_ASSIGN_OR_RETURN(runner, MpiRunner::create());
+        *target = 0.90;
+    } else if (transport == "tcp" || transport == "local") {
+        PDSIM_ASSIGN_OR_RETURN(runner, InProcessRunner::create(transport));
+        *target = transport == "tcp" ? 0.80 : 0.0;
+    } else if (transport == "cuda_ipc") {
+        PDSIM_ASSIGN_OR_RETURN(runner, CudaIpcRunner::create());
+        *target = 0.90;
+    } else {
+        return Status(
+            StatusCode::kInvalidArgument,
+            fmt::format("--transport {}: the bench supports mpi, tcp, local, cuda_ipc", transport));
+    }
+    return runner;
+}
+
+// Messages of `bytes` each: a window that keeps about 256 MiB in flight (2 .. 16), and about
+// --mib-per-round MiB per round (whole windows, at least two).
+Plan plan_for(const BenchTransferOptions& o, size_t bytes) {
+    Plan p;
+    p.bytes = bytes;
+    p.window = o.window > 0
+                   ? o.window
+                   : static_cast<int>(std::clamp<size_t>((size_t{256} << 20) / bytes, 2, 16));
+    size_t want = (static_cast<size_t>(o.mib_per_round) << 20) / bytes;
+    if (o.max_messages > 0) want = std::min(want, o.max_messages);
+    size_t w = static_cast<size_t>(p.window);
+    p.messages = std::max<size_t>(2 * w, (want + w - 1) / w * w);
+    return p;
+}
+
+// One size: a warm-up of each (connection buffers, page faults in fresh buffers), then --reps
+// alternating rounds of the baseline and the transport. Prints its row (when `print`), returns
+// its JSON row.
+StatusOr<nlohmann::json> bench_size(const BenchTransferOptions& o, Runner& runner, size_t bytes,
+                                    double target, bool print) {
+    const Plan p = plan_for(o, bytes);
+    PDSIM_RETURN_IF_ERROR(runner.baseline(p).status());
+    PDSIM_RETURN_IF_ERROR(runner.transport(p).status());
+    std::vector<double> base;
+    std::vector<double> ours;
+    for (int r = 0; r < o.reps; ++r) {
+        PDSIM_ASSIGN_OR_RETURN(double b, runner.baseline(p));
+        PDSIM_ASSIGN_OR_RETURN(double t, runner.transport(p));
+        base.push_back(b);
+        ours.push_back(t);
+    }
+    Timing bt = summarize(base);
+    Timing tt = summarize(ours);
+    double total = static_cast<double>(bytes) * static_cast<double>(p.messages);
+    double gbps = total / tt.best / 1e9;
+    double base_gbps = total / bt.best / 1e9;
+    double ratio = gbps / base_gbps;
+    bool counts = bytes >= (size_t{1} << 20) && target > 0;
+    if (print) {
+        fmt::print("{:>10} {:>7} {:>9} {:>10.2f} {:>14.2f} {:>7.3f} {:>7}\n", bytes, p.window,
+                   p.messages, gbps, base_gbps, ratio,
+                   counts ? fmt::format("{:.2f}{}", target, ratio >= target ? "" : "!") : "-");
+    }
+    return nlohmann::json{{"bytes", bytes},
+                          {"gbps", gbps},
+                          {"baseline_gbps", base_gbps},
+                          {"ratio", ratio},
+                          {"gbps_median", total / tt.median / 1e9},
+                          {"baseline_gbps_median", total / bt.median / 1e9},
+                          {"window", p.window},
+                          {"messages", p.messages}};
 }
 
 Status run_bench_transfer(const BenchTransferOptions& o) {
     PDSIM_ASSIGN_OR_RETURN(std::vector<size_t> sizes, parse_sizes(o.sizes));
-    std::unique_ptr<Runner> runner;
     double target = 0;
-    if (o.transport == "mpi") {
-        PDSIM_ASSIGN_OR_RETURN(runner, MpiRunner::create());
-        target = 0.90;
-    } else if (o.transport == "tcp" || o.transport == "local") {
-        PDSIM_ASSIGN_OR_RETURN(runner, InProcessRunner::create(o.transport));
-        target = o.transport == "tcp" ? 0.80 : 0.0;
-    } else if (o.transport == "cuda_ipc") {
-        PDSIM_ASSIGN_OR_RETURN(runner, CudaIpcRunner::create());
-        target = 0.90;
-    } else {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("--transport {}: the bench supports mpi, tcp, local, cuda_ipc",
-                                  o.transport));
-    }
+    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Runner> runner, make_runner(o.transport, &target));
     const bool print = runner->reports();
     if (print) {
         fmt::print("pdsim bench transfer: {}\nbaseline: {}; best of {} rounds\n",
@@ -656,46 +717,8 @@ Status run_bench_transfer(const BenchTransferOptions& o) {
     }
     nlohmann::json rows = nlohmann::json::array();
     for (size_t bytes : sizes) {
-        Plan p;
-        p.bytes = bytes;
-        p.window = o.window > 0
-                       ? o.window
-                       : static_cast<int>(std::clamp<size_t>((size_t{256} << 20) / bytes, 2, 16));
-        size_t want = (static_cast<size_t>(o.mib_per_round) << 20) / bytes;
-        if (o.max_messages > 0) want = std::min(want, o.max_messages);
-        size_t w = static_cast<size_t>(p.window);
-        p.messages = std::max<size_t>(2 * w, (want + w - 1) / w * w);
-        // Warm-up (connection buffers, page faults in fresh buffers), then alternate.
-        PDSIM_RETURN_IF_ERROR(runner->baseline(p).status());
-        PDSIM_RETURN_IF_ERROR(runner->transport(p).status());
-        std::vector<double> base;
-        std::vector<double> ours;
-        for (int r = 0; r < o.reps; ++r) {
-            PDSIM_ASSIGN_OR_RETURN(double b, runner->baseline(p));
-            PDSIM_ASSIGN_OR_RETURN(double t, runner->transport(p));
-            base.push_back(b);
-            ours.push_back(t);
-        }
-        Timing bt = summarize(base);
-        Timing tt = summarize(ours);
-        double total = static_cast<double>(bytes) * static_cast<double>(p.messages);
-        double gbps = total / tt.best / 1e9;
-        double base_gbps = total / bt.best / 1e9;
-        double ratio = gbps / base_gbps;
-        bool counts = bytes >= (size_t{1} << 20) && target > 0;
-        if (print) {
-            fmt::print("{:>10} {:>7} {:>9} {:>10.2f} {:>14.2f} {:>7.3f} {:>7}\n", bytes, p.window,
-                       p.messages, gbps, base_gbps, ratio,
-                       counts ? fmt::format("{:.2f}{}", target, ratio >= target ? "" : "!") : "-");
-        }
-        rows.push_back({{"bytes", bytes},
-                        {"gbps", gbps},
-                        {"baseline_gbps", base_gbps},
-                        {"ratio", ratio},
-                        {"gbps_median", total / tt.median / 1e9},
-                        {"baseline_gbps_median", total / bt.median / 1e9},
-                        {"window", p.window},
-                        {"messages", p.messages}});
+        PDSIM_ASSIGN_OR_RETURN(nlohmann::json row, bench_size(o, *runner, bytes, target, print));
+        rows.push_back(std::move(row));
     }
     if (print && !o.json_path.empty()) {
         nlohmann::json j = {{"transport", o.transport},
@@ -705,14 +728,7 @@ Status run_bench_transfer(const BenchTransferOptions& o) {
                             {"target_ratio", target},
                             {"target_min_bytes", size_t{1} << 20},
                             {"reps", o.reps}};
-        std::ofstream f(o.json_path);
-        if (!f) {
-            return Status(StatusCode::kInvalidArgument,
-                          "--json " + o.json_path + ": cannot open for writing");
-        }
-        f << j.dump(2) << "\n";
-        if (!f)
-            return Status(StatusCode::kInvalidArgument, "--json " + o.json_path + ": write failed");
+        PDSIM_RETURN_IF_ERROR(write_json_file("--json", o.json_path, j));
     }
     return {};
 }

@@ -23,76 +23,45 @@
 // trip); otherwise skipped with a note. Messages are KV-sized (page runs of one layer's K buffer);
 // latency and bandwidth come from a fit of time = latency + bytes / bandwidth.
 #include <fmt/format.h>
-#include <mpi.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
-#include <map>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
+#include <string_view>
 #include <thread>
 #include <vector>
 
-#include "backends/attention/attention_backend.h"
-#include "backends/kv/kv_pool.h"
 #include "backends/model/model_config.h"
-#include "backends/model/synthetic_model.h"
-#include "backends/pd/step_counter.h"
-#include "backends/runtime/cpu_stream.h"
-#include "common/mpi_check.h"
+#include "sim/cli/calibrate.h"
+#include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
 #include "sim/cost/calibrated.h"
-#include "sim/testbed/comm.h"
-#include "sim/testbed/pd_backend.h"
-#include "sim/testbed/server.h"
-#include "transfer/engine/ordering_validator.h"
-#include "transfer/local/local_transport.h"
-#include "transfer/transport.h"
+#include "sim/cost/timeline_fit.h"
 
 extern char** environ;
 
 namespace pdsim::cli {
+
+namespace calibration {
 
 namespace {
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-// The testbed's defaults (sim/testbed/options.h) that bound the grid.
-constexpr int kMaxBatchTokens = 2048;
-constexpr int kMaxDecodeBatch = 64;
-constexpr int kDecodeSamplesPerRound = 3;
-
-struct CalibrateOptions {
-    std::string backend = "cpu";
-    std::string model;
-    std::string tp = "1";
-    std::string threads;  // "": per TP size, max(1, cores / (2 tp))
-    std::string transport = "local,tcp,mpi";
-    bool quick = false;
-    std::string out;
-    int page_size = 16;
-    int repeats = 0;     // 0: 7, --quick 3
-    std::string worker;  // hidden: "TP:THREADS" (a worker process)
-    std::string from_timeline;  // comma-separated testbed timelines: fit those forwards instead
-    std::string base;           // a cost file for the (tp, kind) the timelines have no forwards of
-    bool include_overlapped = false;
-    double node_cpus = 0;  // --from-timeline: cores of the machine the timelines ran on (0: this)
-};
+}  // namespace
 
 int cores() {
     return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -106,28 +75,7 @@ int repeats_of(const CalibrateOptions& o) {
     return o.repeats > 0 ? o.repeats : (o.quick ? 3 : 7);
 }
 
-StatusOr<std::vector<int>> parse_int_list(const std::string& flag, const std::string& text) {
-    std::vector<int> out;
-    std::stringstream ss(text);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-        if (item.empty()) continue;
-        size_t used = 0;
-        int v = 0;
-        try {
-            v = std::stoi(item, &used);
-        } catch (const std::exception&) {
-            used = 0;
-        }
-        if (used != item.size() || v < 1) {
-            return Status(StatusCode::kInvalidArgument,
-                          fmt::format("{}: '{}' is not a positive integer", flag, item));
-        }
-        if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
-    }
-    if (out.empty()) return Status(StatusCode::kInvalidArgument, flag + ": empty list");
-    return out;
-}
+namespace {
 
 StatusOr<std::vector<std::string>> parse_transports(const std::string& text) {
     std::vector<std::string> out;
@@ -145,301 +93,6 @@ StatusOr<std::vector<std::string>> parse_transports(const std::string& text) {
         if (std::find(out.begin(), out.end(), item) == out.end()) out.push_back(item);
     }
     return out;
-}
-
-// ---- the grid ----
-
-struct Point {
-    bool decode = false;
-    int requests = 1;
-    int new_tokens = 1;  // extend: per request
-    int cached = 0;      // extend: per request
-    int kv_per_req = 0;  // decode: KV tokens of each request (the new one included)
-
-    [[nodiscard]] int seq_len() const { return decode ? kv_per_req : cached + new_tokens; }
-    [[nodiscard]] int new_len() const { return decode ? 1 : new_tokens; }
-    [[nodiscard]] int tokens() const { return requests * new_len(); }
-};
-
-std::vector<Point> make_grid(bool quick, int threads) {
-    std::vector<Point> g;
-    auto extend = [&](int r, std::initializer_list<int> ns, std::initializer_list<int> cs) {
-        for (int n : ns) {
-            for (int c : cs) {
-                if (r * n <= kMaxBatchTokens) g.push_back({false, r, n, c, 0});
-            }
-        }
-    };
-    // Decode batches stay under the testbed's KV cap, except that one request always fits.
-    const int64_t cap = testbed::kMaxDecodeKvTokensPerThread * threads;
-    auto decode = [&](std::initializer_list<int> bs, std::initializer_list<int> ks) {
-        for (int b : bs) {
-            for (int k : ks) {
-                if (b == 1 || static_cast<int64_t>(b) * k <= cap) g.push_back({true, b, 1, 0, k});
-            }
-        }
-    };
-    if (quick) {
-        extend(1, {16, 128, 512}, {0, 512});
-        extend(2, {64, 256}, {0});
-        extend(4, {128}, {0});
-        decode({1, 2, 3, 4, 16}, {32, 256, 1024});
-        return g;
-    }
-    extend(1, {16, 64, 128, 256, 512, 1024, 2048}, {0, 512, 1536});
-    extend(2, {32, 256, 512, 1024}, {0, 512});
-    extend(4, {16, 128, 512}, {0, 512});
-    extend(8, {64, 256}, {0});
-    decode({1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64}, {16, 64, 256, 1024, 2048});
-    return g;
-}
-
-// ---- worker: one TP group of `tp` rank threads ----
-
-// A reusable barrier for the TP rank threads; abort() releases every waiter for good (a rank
-// that failed never arrives again).
-class Barrier {
-public:
-    explicit Barrier(int n) : n_(n) {}
-    void wait() {
-        std::unique_lock<std::mutex> lock(mu_);
-        if (aborted_) return;
-        const uint64_t gen = gen_;
-        if (++arrived_ == n_) {
-            arrived_ = 0;
-            ++gen_;
-            cv_.notify_all();
-        } else {
-            cv_.wait(lock, [&] { return gen_ != gen || aborted_; });
-        }
-    }
-    void abort() {
-        std::lock_guard<std::mutex> lock(mu_);
-        aborted_ = true;
-        cv_.notify_all();
-    }
-
-private:
-    std::mutex mu_;
-    std::condition_variable cv_;
-    int n_;
-    int arrived_ = 0;
-    uint64_t gen_ = 0;
-    bool aborted_ = false;
-};
-
-// What one testbed rank builds (sim/testbed/server.cpp, Server::setup). Declaration order is the
-// reverse of destruction: the stream outlives everything that enqueues on it.
-struct Rig {
-    std::unique_ptr<runtime::CpuStream> stream;
-    std::unique_ptr<kv::MHATokenToKVPool> pool;
-    std::unique_ptr<pd::StepCounter> counter;
-    std::unique_ptr<transfer::OrderingValidator> validator;
-    std::unique_ptr<testbed::PdAttentionBackend> prefill;
-    std::unique_ptr<testbed::PdAttentionBackend> decode;
-    std::unique_ptr<model::SyntheticModel> model;
-};
-
-StatusOr<std::unique_ptr<Rig>> make_rig(const CalibrateOptions& o, const model::ModelConfig& m,
-                                        model::TpComm* tp_comm, int tp, int tp_rank, int threads,
-                                        int num_pages, int max_tokens, int max_pages_per_seq) {
-    auto rig = std::make_unique<Rig>();
-    const int hkv = m.num_kv_heads / tp;
-    rig->stream = std::make_unique<runtime::CpuStream>(fmt::format("calibrate-r{}", tp_rank));
-    kv::MHAPoolConfig pc;
-    pc.num_layers = m.num_layers;
-    pc.page_size = o.page_size;
-    pc.num_kv_heads = hkv;
-    pc.head_dim = m.head_dim;
-    pc.num_pages = num_pages;
-    PDSIM_ASSIGN_OR_RETURN(rig->pool, kv::MHATokenToKVPool::create(pc));
-    rig->counter = std::make_unique<pd::StepCounter>(*rig->stream);
-    rig->validator = std::make_unique<transfer::OrderingValidator>(tp_rank);
-    attn::AttentionConfig ac;
-    ac.num_q_heads = m.num_q_heads / tp;
-    ac.num_kv_heads = hkv;
-    ac.head_dim = m.head_dim;
-    ac.stream = rig->stream.get();
-    ac.num_threads = threads;
-    for (bool prefill : {true, false}) {
-        PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<attn::AttentionBackend> inner,
-                               attn::create_attention_backend(o.backend, ac));
-        testbed::PdBackendOptions bo;
-        bo.counter = prefill ? rig->counter.get() : nullptr;
-        bo.validator = prefill ? rig->validator.get() : nullptr;
-        bo.head_begin = tp_rank * hkv;
-        bo.num_layers = m.num_layers;
-        bo.max_bs = max_tokens;
-        bo.max_pages_per_seq = max_pages_per_seq;
-        PDSIM_ASSIGN_OR_RETURN(auto b, testbed::PdAttentionBackend::create(std::move(inner), bo));
-        (prefill ? rig->prefill : rig->decode) = std::move(b);
-    }
-    PDSIM_ASSIGN_OR_RETURN(
-        rig->model, model::SyntheticModel::create(m, tp > 1 ? tp_comm : nullptr, max_tokens));
-    return rig;
-}
-
-// The forward of `p` as the testbed's scheduler builds it: request i owns a contiguous run of
-// pages after request i - 1's.
-model::StepBatch make_batch(const Point& p, int ps, int vocab, uint64_t first_id,
-                            testbed::Segments* segs) {
-    model::StepBatch b;
-    b.mode = p.decode ? attn::ForwardMode::kDecode : attn::ForwardMode::kExtend;
-    const int pages_per_req = (p.seq_len() + ps - 1) / ps;
-    b.page_table_stride = pages_per_req;
-    int64_t off = 0;
-    for (int i = 0; i < p.requests; ++i) {
-        const int base = 1 + i * pages_per_req;
-        const int t0 = p.seq_len() - p.new_len();
-        for (int t = t0; t < p.seq_len(); ++t) {
-            b.out_cache_loc.push_back((base + t / ps) * ps + t % ps);
-            b.tokens.push_back(static_cast<int32_t>((7919LL * i + 31LL * t + 11) % vocab));
-        }
-        b.seq_lens.push_back(p.seq_len());
-        b.extend_lens.push_back(p.new_len());
-        for (int k = 0; k < pages_per_req; ++k) b.page_table.push_back(base + k);
-        segs->push_back({first_id + static_cast<uint64_t>(i), t0, p.seq_len(), off});
-        off += p.new_len();
-    }
-    return b;
-}
-
-struct Shared {
-    std::vector<Point> grid;
-    int rounds = 0;  // timed rounds (plus one warm-up)
-    Barrier* barrier = nullptr;
-    std::mutex mu;
-    Status error;
-    std::atomic<bool> failed{false};
-    std::vector<std::vector<double>> samples;  // rank 0, per point
-    std::string label;
-};
-
-Status run_rank(const CalibrateOptions& o, const model::ModelConfig& m, Shared& sh,
-                testbed::LocalTpGroup* group, int tp, int rank, int threads, int num_pages,
-                int max_tokens, int max_pages) {
-    auto fail = [&](const Status& st) {
-        {
-            std::lock_guard<std::mutex> lock(sh.mu);
-            if (sh.error.ok()) sh.error = st;
-            sh.failed = true;
-        }
-        sh.barrier->abort();
-        return st;
-    };
-    auto rig_or = make_rig(o, m, group != nullptr ? group->member(rank) : nullptr, tp, rank,
-                           threads, num_pages, max_tokens, max_pages);
-    if (!rig_or.ok()) return fail(rig_or.status());
-    sh.barrier->wait();
-    if (sh.failed) return Status(StatusCode::kAborted, "another TP rank failed");
-    Rig& rig = **rig_or;
-    uint64_t next_id = 1;
-    const auto t_start = Clock::now();
-    for (int round = 0; round <= sh.rounds; ++round) {
-        for (size_t i = 0; i < sh.grid.size(); ++i) {
-            const Point& p = sh.grid[i];
-            auto segs = std::make_shared<testbed::Segments>();
-            model::StepBatch b = make_batch(p, o.page_size, m.vocab, next_id, segs.get());
-            next_id += static_cast<uint64_t>(p.requests);
-            testbed::PdAttentionBackend& backend = p.decode ? *rig.decode : *rig.prefill;
-            // Decode forwards are milliseconds: more samples of them per round. The first forwards
-            // after a switch between extend and decode are not timed (a testbed rank in the
-            // disaggregated phase runs one kind only): after a large extend, the first decodes
-            // read the weights from memory rather than cache, measured ~2x slower for 2-3 of them.
-            const size_t n = sh.grid.size();
-            const bool switched =
-                (round > 0 || i > 0) && sh.grid[(i + n - 1) % n].decode != p.decode;
-            const int samples = p.decode ? kDecodeSamplesPerRound : 1;
-            const int untimed = !switched ? 0 : (p.decode ? kDecodeSamplesPerRound : 1);
-            for (int k = -untimed; k < samples; ++k) {
-                // The untimed forward records no checksums (its tokens would be recorded twice).
-                backend.set_segments(p.decode || k < 0 ? nullptr : segs);
-                if (!p.decode) rig.counter->advance_step(m.num_layers, 0);
-                std::vector<int32_t> next(static_cast<size_t>(p.requests), -1);
-                sh.barrier->wait();
-                if (sh.failed) return Status(StatusCode::kAborted, "another TP rank failed");
-                const auto t0 = Clock::now();
-                Status st = rig.model->forward(b, backend, *rig.pool, next.data());
-                if (st.ok()) st = rig.stream->synchronize();
-                const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-                if (!st.ok()) {
-                    return fail(st.with_context(fmt::format("{} rank {}", sh.label, rank)));
-                }
-                if (rank == 0 && round > 0 && k >= 0) sh.samples[i].push_back(s);
-            }
-            for (const auto& seg : *segs) rig.validator->forget(seg.request);
-        }
-        if (rank == 0) {
-            const double el = std::chrono::duration<double>(Clock::now() - t_start).count();
-            if (round == 0) {
-                std::fprintf(stderr, "calibrate: %s: warm-up round %.1f s, %d timed rounds to go\n",
-                             sh.label.c_str(), el, sh.rounds);
-            } else {
-                std::fprintf(stderr, "calibrate: %s: round %d/%d (%.1f s)\n", sh.label.c_str(),
-                             round, sh.rounds, el);
-            }
-        }
-    }
-    return {};
-}
-
-Status run_worker(const CalibrateOptions& o, const model::ModelConfig& m, int tp, int threads) {
-    Shared sh;
-    sh.grid = make_grid(o.quick, threads);
-    sh.rounds = repeats_of(o);
-    sh.samples.resize(sh.grid.size());
-    sh.label = fmt::format("tp {} threads {}", tp, threads);
-    int max_pages = 1, num_pages = 2, max_tokens = std::max(kMaxBatchTokens, kMaxDecodeBatch);
-    for (const Point& p : sh.grid) {
-        const int per = (p.seq_len() + o.page_size - 1) / o.page_size;
-        max_pages = std::max(max_pages, per);
-        num_pages = std::max(num_pages, 1 + per * p.requests);
-        max_tokens = std::max(max_tokens, p.tokens());
-    }
-    Barrier barrier(tp);
-    sh.barrier = &barrier;
-    std::unique_ptr<testbed::LocalTpGroup> group;
-    if (tp > 1) group = std::make_unique<testbed::LocalTpGroup>(tp, std::chrono::seconds(120));
-    std::vector<std::thread> others;
-    std::vector<Status> st(static_cast<size_t>(tp));
-    for (int r = 1; r < tp; ++r) {
-        others.emplace_back([&, r] {
-            st[static_cast<size_t>(r)] =
-                run_rank(o, m, sh, group.get(), tp, r, threads, num_pages, max_tokens, max_pages);
-        });
-    }
-    st[0] = run_rank(o, m, sh, group.get(), tp, 0, threads, num_pages, max_tokens, max_pages);
-    for (auto& t : others) t.join();
-    if (!sh.error.ok()) return sh.error;
-    json points = json::array();
-    for (size_t i = 0; i < sh.grid.size(); ++i) {
-        const Point& p = sh.grid[i];
-        std::vector<double> v = sh.samples[i];
-        std::sort(v.begin(), v.end());
-        const double med =
-            v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-        json j;
-        if (p.decode) {
-            j = {{"kind", "decode"},
-                 {"batch", p.requests},
-                 {"kv_per_request", p.kv_per_req},
-                 {"kv_tokens", static_cast<int64_t>(p.requests) * p.kv_per_req}};
-        } else {
-            j = {{"kind", "extend"},
-                 {"requests", p.requests},
-                 {"new_tokens", p.new_tokens},
-                 {"cached_tokens", p.cached},
-                 {"tokens", p.tokens()}};
-        }
-        j["s"] = med;
-        j["min_s"] = v.front();
-        j["samples_s"] = sh.samples[i];
-        points.push_back(std::move(j));
-    }
-    std::ofstream f(o.out);
-    f << json{{"tp", tp}, {"threads", threads}, {"points", points}}.dump() << "\n";
-    if (!f) return Status(StatusCode::kInvalidArgument, "--out " + o.out + ": cannot write");
-    return {};
 }
 
 // ---- parent: spawns the workers, fits, measures transports, writes the file ----
@@ -495,19 +148,6 @@ StatusOr<json> spawn_worker(const CalibrateOptions& o, int tp, int threads,
     return j;
 }
 
-// One fit as the cost file stores it; `source` (a --from-timeline fit's origin) when given.
-json fit_json(const auto& keys, const cost::LinearFit& f, size_t n,
-              const std::string& source = "") {
-    json j;
-    for (size_t i = 0; i < keys.size(); ++i) j[keys[i]] = f.coef[i];
-    j["r2"] = f.r2;
-    j["max_rel_err"] = f.max_rel_err;
-    j["mean_rel_err"] = f.mean_rel_err;
-    j["num_points"] = n;
-    if (!source.empty()) j["source"] = source;
-    return j;
-}
-
 StatusOr<json> fit_points(const json& worker) {
     std::vector<std::vector<double>> ex, dx;
     std::vector<double> ey, dy;
@@ -530,195 +170,9 @@ StatusOr<json> fit_points(const json& worker) {
     PDSIM_ASSIGN_OR_RETURN(cost::LinearFit d, cost::fit_nonnegative(dx, dy));
     return json{{"tp", worker.at("tp")},
                 {"threads", worker.at("threads")},
-                {"extend", fit_json(cost::kExtendKeys, e, ey.size())},
-                {"decode", fit_json(cost::kDecodeKeys, d, dy.size())},
+                {"extend", cost::fit_to_json(cost::kExtendKeys, e, ey.size())},
+                {"decode", cost::fit_to_json(cost::kDecodeKeys, d, dy.size())},
                 {"points", worker.at("points")}};
-}
-
-// ---- transports ----
-
-std::vector<size_t> message_sizes(const CalibrateOptions& o, const model::ModelConfig& m) {
-    // One layer's K buffer for a run of pages (fp32 pool, TP 1), as the KV sender moves it.
-    const size_t page = static_cast<size_t>(o.page_size) * m.num_kv_heads * m.head_dim * 4;
-    std::vector<size_t> out;
-    for (size_t pages :
-         o.quick ? std::vector<size_t>{1, 16, 64} : std::vector<size_t>{1, 4, 16, 64, 256}) {
-        out.push_back(page * pages);
-    }
-    return out;
-}
-
-int message_reps(const CalibrateOptions& o) {
-    return o.quick ? 10 : 30;
-}
-
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
-
-StatusOr<json> link_fit(const std::vector<size_t>& sizes, const std::vector<double>& secs) {
-    std::vector<std::vector<double>> x;
-    json pts = json::array();
-    for (size_t i = 0; i < sizes.size(); ++i) {
-        x.push_back({1.0, static_cast<double>(sizes[i])});
-        pts.push_back({{"bytes", sizes[i]}, {"s", secs[i]}});
-    }
-    PDSIM_ASSIGN_OR_RETURN(cost::LinearFit f, cost::fit_nonnegative(x, secs));
-    // A zero slope (latency-bound at every size) would mean infinite bandwidth: take the
-    // largest message's throughput instead.
-    const double gbps = f.coef[1] > 0 ? 1.0 / f.coef[1] / 1e9
-                                      : static_cast<double>(sizes.back()) / secs.back() / 1e9;
-    return json{{"gbps", gbps},
-                {"latency_us", f.coef[0] * 1e6},
-                {"r2", f.r2},
-                {"max_rel_err", f.max_rel_err},
-                {"points", pts}};
-}
-
-constexpr auto kWait = std::chrono::seconds(60);
-
-StatusOr<json> measure_in_process(const std::string& name, const std::vector<size_t>& sizes,
-                                  int reps) {
-    transfer::TransportOptions to;
-    to.world_size = 2;
-    to.connect_timeout = std::chrono::seconds(20);
-    std::string dir;
-    if (name == "local") {
-        to.local_world = transfer::make_local_world(2);
-    } else {
-        dir = (std::filesystem::temp_directory_path() /
-               fmt::format("pdsim-calibrate-{}-{}", ::getpid(), name))
-                  .string();
-        std::error_code ec;
-        std::filesystem::remove_all(dir, ec);
-        to.tcp.bootstrap_dir = dir;
-    }
-    StatusOr<std::unique_ptr<transfer::Transport>> made[2] = {Status(StatusCode::kInternal, ""),
-                                                              Status(StatusCode::kInternal, "")};
-    std::thread other([&] {
-        transfer::TransportOptions o1 = to;
-        o1.rank = 1;
-        made[1] = transfer::create_transport(name, o1);
-    });
-    made[0] = transfer::create_transport(name, to);
-    other.join();
-    auto cleanup = [&] {
-        std::error_code ec;
-        if (!dir.empty()) std::filesystem::remove_all(dir, ec);
-    };
-    for (auto& t : made) {
-        if (!t.ok()) {
-            cleanup();
-            return t.status().with_context("calibrate transport " + name);
-        }
-    }
-    transfer::Transport& tx = **made[0];
-    transfer::Transport& rx = **made[1];
-    std::vector<double> secs;
-    Status st;
-    for (size_t bytes : sizes) {
-        std::vector<uint8_t> src(bytes, 0x5a), dst(bytes);
-        std::vector<double> v;
-        for (int i = 0; i < reps + 3 && st.ok(); ++i) {
-            auto r = rx.post_recv(0, 1, dst.data(), bytes);
-            if (!r.ok()) {
-                st = r.status();
-                break;
-            }
-            const auto t0 = Clock::now();
-            auto s = tx.post_send(1, 1, src.data(), bytes);
-            if (!s.ok()) {
-                st = s.status();
-                break;
-            }
-            st = rx.wait(*r, kWait);
-            const double el = std::chrono::duration<double>(Clock::now() - t0).count();
-            if (st.ok()) st = tx.wait(*s, kWait);
-            if (i >= 3) v.push_back(el);
-        }
-        if (!st.ok()) break;
-        secs.push_back(median(v));
-    }
-    tx.close();
-    rx.close();
-    cleanup();
-    PDSIM_RETURN_IF_ERROR(st.with_context("calibrate transport " + name));
-    return link_fit(sizes, secs);
-}
-
-struct Launcher {
-    bool under_mpirun = false;
-    int world = 1;
-    int rank = 0;
-};
-
-Launcher detect_launcher() {
-    Launcher l;
-    auto env_int = [](const char* n) {
-        const char* v = std::getenv(n);
-        return v != nullptr && *v != '\0' ? std::atoi(v) : -1;
-    };
-    if (env_int("OMPI_COMM_WORLD_SIZE") > 0) {
-        l = {true, env_int("OMPI_COMM_WORLD_SIZE"), std::max(0, env_int("OMPI_COMM_WORLD_RANK"))};
-    } else if (env_int("PMI_SIZE") > 0) {
-        l = {true, env_int("PMI_SIZE"), std::max(0, env_int("PMI_RANK"))};
-    }
-    return l;
-}
-
-// Both ranks of `mpirun -np 2`: rank 0 ping-pongs each size with rank 1. Returns the fit on rank
-// 0, null on rank 1.
-StatusOr<json> measure_mpi(const std::vector<size_t>& sizes, int reps) {
-    int initialized = 0;
-    MPI_CHECK(MPI_Initialized(&initialized));
-    if (!initialized) {
-        int provided = 0;
-        MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
-    }
-    int rank = 0;
-    MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
-    std::vector<double> secs;
-    Status st;
-    {
-        auto t = transfer::create_transport("mpi", transfer::TransportOptions{});
-        if (!t.ok()) {
-            st = t.status();
-        } else {
-            transfer::Transport& tr = **t;
-            const int peer = 1 - rank;
-            for (size_t bytes : sizes) {
-                std::vector<uint8_t> src(bytes, 0x5a), dst(bytes);
-                std::vector<double> v;
-                for (int i = 0; i < reps + 3 && st.ok(); ++i) {
-                    const auto t0 = Clock::now();
-                    if (rank == 0) {
-                        auto r = tr.post_recv(peer, 1, dst.data(), bytes);
-                        auto s = tr.post_send(peer, 1, src.data(), bytes);
-                        st = !s.ok() ? s.status() : tr.wait(*s, kWait);
-                        if (st.ok()) st = !r.ok() ? r.status() : tr.wait(*r, kWait);
-                    } else {
-                        auto r = tr.post_recv(peer, 1, dst.data(), bytes);
-                        st = !r.ok() ? r.status() : tr.wait(*r, kWait);
-                        if (st.ok()) {
-                            auto s = tr.post_send(peer, 1, src.data(), bytes);
-                            st = !s.ok() ? s.status() : tr.wait(*s, kWait);
-                        }
-                    }
-                    const double el = std::chrono::duration<double>(Clock::now() - t0).count();
-                    if (i >= 3) v.push_back(el / 2);
-                }
-                if (!st.ok()) break;
-                secs.push_back(median(v));
-            }
-            MPI_Barrier(MPI_COMM_WORLD);
-            tr.close();
-        }
-    }
-    MPI_Finalize();
-    PDSIM_RETURN_IF_ERROR(st.with_context("calibrate transport mpi"));
-    if (rank != 0) return json();
-    return link_fit(sizes, secs);
 }
 
 std::string cpu_model_name() {
@@ -745,42 +199,7 @@ std::string iso_now() {
     return buf;
 }
 
-
-// ---- --from-timeline: the testbed's own forwards ----
-
-// A fit needs several distinct batches, not just as many points as features.
-constexpr size_t kMinTimelinePoints = 8;
-
-struct TimelineGroup {
-    std::vector<std::vector<double>> ex, dx;
-    std::vector<double> ey, dy;
-    // Where each point ran (for the noise fit's windows): timeline file, instance, start (s).
-    struct Where {
-        size_t file;
-        int instance;
-        double t;
-    };
-    std::vector<Where> ew, dw;
-};
-
-// The slow part of forward-time variation is measured over windows of this much testbed time.
-constexpr double kNoiseWindowS = 0.05;
-// The fast part's distribution is written as this many + 1 quantiles.
-constexpr size_t kNoiseQuantiles = 32;
-
-// A leader forward that overlapped other instances' forwards, reduced to what the interference
-// fit needs: with iso its fitted isolated time, the simulator's model says
-//   iso = alone_s + shared_core_s / (1 + interference)
-// where alone_s is the time no other instance computed and shared_core_s integrates, over the
-// rest, the share of a core per compute thread that the contention model gives
-// (min(1, node cpus / compute threads running)).
-struct OverlappedForward {
-    size_t file = 0;
-    std::pair<int, int> key;  // (tp, threads)
-    bool decode = false;
-    std::vector<double> features;
-    double alone_s = 0, shared_core_s = 0;
-};
+// ---- --from-timeline: the testbed's own forwards (the fit: sim/cost/timeline_fit.h) ----
 
 std::vector<std::string> split_paths(const std::string& text) {
     std::vector<std::string> out;
@@ -792,532 +211,136 @@ std::vector<std::string> split_paths(const std::string& text) {
     return out;
 }
 
-// Adds the forward slices of `path` run by an instance's leader (tp_rank 0: a TP follower times
-// the same forward again) to `groups`, keyed by (tp, threads); returns how many it added.
-StatusOr<size_t> read_timeline(const std::string& path, size_t file_index, bool include_overlapped,
-                               double node_cpus,
-                               std::map<std::pair<int, int>, TimelineGroup>* groups,
-                               std::vector<OverlappedForward>* overlapped_out, size_t* skipped) {
-    std::ifstream in(path);
-    if (!in) {
+StatusOr<std::optional<cost::CostFile>> load_base(const CalibrateOptions& o,
+                                                  const model::ModelConfig& m) {
+    if (o.base.empty()) return std::optional<cost::CostFile>();
+    auto b = cost::CostFile::load(o.base);
+    if (!b.ok()) return b.status().with_context("--base");
+    if (b->json().at("model").get<std::string>() != m.name) {
         return Status(StatusCode::kInvalidArgument,
-                      fmt::format("--from-timeline {}: cannot open", path));
+                      fmt::format("--base {}: calibrated for model '{}', not '{}'", o.base,
+                                  b->json().at("model").get<std::string>(), m.name));
     }
-    json doc;
-    try {
-        in >> doc;
-    } catch (const json::exception& e) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("--from-timeline {}: not JSON: {}", path, e.what()));
-    }
-    const json* events = doc.is_array() ? &doc : nullptr;
-    if (doc.is_object() && doc.contains("traceEvents") && doc["traceEvents"].is_array()) {
-        events = &doc["traceEvents"];
-    }
-    if (events == nullptr) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("--from-timeline {}: no traceEvents array (expected the "
-                                  "timeline of pdsim testbed --timeline)",
-                                  path));
-    }
-    // Forward slices with batch args, every TP rank's (a follower's forward overlapping another
-    // instance's leader counts as that instance computing).
-    struct Slice {
-        double begin, end;
-        int instance;
-        const json* e;
-        bool leader = false;
-        double cores = 0;  // a leader's: compute threads of its instance (tp x threads)
-    };
-    std::vector<Slice> slices;
-    for (const json& e : *events) {
-        if (!e.is_object() || e.value("ph", "") != "X" || e.value("cat", "") != "forward") continue;
-        const json& a = e.contains("args") ? e["args"] : json();
-        if (!a.is_object() || !a.contains("tp") || !a.contains("tp_rank") ||
-            !a.contains("threads") || !a.contains("instance")) {
-            continue;  // an older timeline's slice: no batch to fit
-        }
-        try {
-            const double ts = e.at("ts").get<double>(), dur = e.at("dur").get<double>();
-            const bool leader = a.at("tp_rank").get<int>() == 0;
-            slices.push_back({ts, ts + dur, a.at("instance").get<int>(), &e, leader,
-                              a.at("tp").get<double>() * std::max(1, a.at("threads").get<int>())});
-        } catch (const json::exception& ex) {
-            return Status(StatusCode::kInvalidArgument,
-                          fmt::format("--from-timeline {}: forward slice: {}", path, ex.what()));
-        }
-    }
-    std::sort(slices.begin(), slices.end(),
-              [](const Slice& x, const Slice& y) { return x.begin < y.begin; });
-    double longest = 0;
-    for (const Slice& x : slices) longest = std::max(longest, x.end - x.begin);
-    // The simulator's CPU contention model slows forwards of instances that compute at the same
-    // time; fitting such forwards would count that slowdown twice.
-    auto overlapped = [&](size_t i) {
-        const Slice& x = slices[i];
-        for (size_t j = i + 1; j < slices.size() && slices[j].begin < x.end; ++j) {
-            if (slices[j].instance != x.instance) return true;
-        }
-        for (size_t j = i; j-- > 0 && slices[j].begin > x.begin - longest;) {
-            if (slices[j].instance != x.instance && slices[j].end > x.begin) return true;
-        }
-        return false;
-    };
-    // Alone and shared time of leader forward i (see OverlappedForward), from the other
-    // instances' leader forwards.
-    std::vector<std::pair<double, double>> edges;  // (time, +-cores)
-    auto split_overlap = [&](size_t i, OverlappedForward* o) {
-        const Slice& x = slices[i];
-        edges.clear();
-        // Slices are sorted by begin and none is longer than `longest`: only those that begin
-        // after x.begin - longest can reach into x.
-        auto first = std::lower_bound(slices.begin(), slices.end(), x.begin - longest,
-                                      [](const Slice& a, double t) { return a.begin < t; });
-        for (size_t j = static_cast<size_t>(first - slices.begin());
-             j < slices.size() && slices[j].begin < x.end; ++j) {
-            const Slice& y = slices[j];
-            if (!y.leader || y.instance == x.instance || y.end <= x.begin) continue;
-            edges.emplace_back(std::max(x.begin, y.begin), y.cores);
-            edges.emplace_back(std::min(x.end, y.end), -y.cores);
-        }
-        std::sort(edges.begin(), edges.end());
-        double others = 0, t = x.begin, shared = 0;
-        auto account = [&](double until) {
-            if (until <= t) return;
-            if (others > 1e-9) {
-                shared += until - t;
-                o->shared_core_s += (until - t) * std::min(1.0, node_cpus / (x.cores + others));
-            }
-            t = until;
-        };
-        for (const auto& [at, d] : edges) {
-            account(at);
-            others += d;
-        }
-        account(x.end);
-        o->alone_s = (x.end - x.begin - shared) * 1e-6;
-        o->shared_core_s *= 1e-6;
-    };
-    size_t added = 0;
-    for (size_t i = 0; i < slices.size(); ++i) {
-        const json& e = *slices[i].e;
-        const json& a = e["args"];
-        try {
-            if (a.at("tp_rank").get<int>() != 0) continue;
-            const double s = e.at("dur").get<double>() * 1e-6;
-            if (!(s > 0)) continue;
-            const std::pair<int, int> key{a.at("tp").get<int>(), a.at("threads").get<int>()};
-            std::vector<double> features;
-            const bool decode = a.contains("kv_tokens");
-            if (decode) {
-                const auto f = cost::decode_features(a.at("batch").get<int64_t>(),
-                                                     a.at("kv_tokens").get<int64_t>());
-                features.assign(f.begin(), f.end());
-            } else {
-                std::vector<cost::ExtendItem> items;
-                for (const json& it : a.at("items")) {
-                    items.push_back({it.at(0).get<int64_t>(), it.at(1).get<int64_t>()});
-                }
-                const auto f = cost::extend_features(items);
-                if (f[1] <= 0) continue;
-                features.assign(f.begin(), f.end());
-            }
-            if (!include_overlapped && overlapped(i)) {
-                ++*skipped;
-                OverlappedForward o{file_index, key, decode, std::move(features)};
-                split_overlap(i, &o);
-                if (o.shared_core_s > 0) overlapped_out->push_back(std::move(o));
-                continue;
-            }
-            TimelineGroup& g = (*groups)[key];
-            (decode ? g.dx : g.ex).push_back(std::move(features));
-            (decode ? g.dy : g.ey).push_back(s);
-            (decode ? g.dw : g.ew).push_back({file_index, slices[i].instance, slices[i].begin * 1e-6});
-            ++added;
-        } catch (const json::exception& ex) {
-            return Status(StatusCode::kInvalidArgument,
-                          fmt::format("--from-timeline {}: forward slice at ts {}: {}", path,
-                                      e.value("ts", 0.0), ex.what()));
-        }
-    }
-    if (added == 0) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("--from-timeline {}: no forward slices with batch args (a "
-                                  "timeline written by pdsim testbed --timeline){}",
-                                  path, *skipped > 0 ? fmt::format(" that no other instance's "
-                                                                   "forward overlaps ({} did)",
-                                                                   *skipped)
-                                                     : ""));
-    }
-    return added;
+    return std::optional<cost::CostFile>(std::move(*b));
 }
 
 StatusOr<json> calibrate_from_timelines(const CalibrateOptions& o, const model::ModelConfig& m) {
     const std::vector<std::string> paths = split_paths(o.from_timeline);
     if (paths.empty()) return Status(StatusCode::kInvalidArgument, "--from-timeline: empty list");
-    std::map<std::pair<int, int>, TimelineGroup> groups;
-    std::vector<OverlappedForward> overlapped;
-    const double node_cpus = o.node_cpus > 0
-                                 ? o.node_cpus
-                                 : static_cast<double>(std::max(1u, std::thread::hardware_concurrency()));
-    json files = json::array();
+    cost::TimelineFitOptions fo;
+    fo.include_overlapped = o.include_overlapped;
+    fo.node_cpus = o.node_cpus > 0 ? o.node_cpus : static_cast<double>(cores());
+    fo.timelines_label = o.from_timeline;
+    fo.base_path = o.base;
+    cost::TimelineFitter fitter(fo);
     for (const std::string& p : paths) {
-        size_t skipped = 0;
-        PDSIM_ASSIGN_OR_RETURN(size_t n, read_timeline(p, files.size(), o.include_overlapped,
-                                                       node_cpus, &groups, &overlapped, &skipped));
-        files.push_back({{"path", p}, {"forwards", n}, {"overlapped_skipped", skipped}});
+        PDSIM_ASSIGN_OR_RETURN(std::vector<cost::TimelineForward> forwards,
+                               cost::read_timeline_forwards(p));
+        PDSIM_RETURN_IF_ERROR(fitter.add_timeline(p, forwards).status());
     }
-    std::optional<cost::CostFile> base;
-    if (!o.base.empty()) {
-        auto b = cost::CostFile::load(o.base);
-        if (!b.ok()) return b.status().with_context("--base");
-        if (b->json().at("model").get<std::string>() != m.name) {
-            return Status(StatusCode::kInvalidArgument,
-                          fmt::format("--base {}: calibrated for model '{}', not '{}'", o.base,
-                                      b->json().at("model").get<std::string>(), m.name));
-        }
-        base = std::move(*b);
-    }
-    auto from_base = [&](int tp, int threads, const char* kind) -> const json* {
-        if (!base) return nullptr;
-        for (const json& f : base->json().at("fits")) {
-            if (f.at("tp").get<int>() == tp && f.at("threads").get<int>() == threads) {
-                return &f.at(kind);
-            }
-        }
-        return nullptr;
-    };
-    // Run levels. The testbed's runs differ as a whole (a run of the same command may be 10%
-    // slower than the next: the host), and the comparison takes the median of runs; so the fit
-    // follows the median run. Per (file, kind): level = sum measured / sum fitted over that
-    // file's points, with fits of all points; each file's times are divided by its level over
-    // the median level before the fits below, and its overlapped forwards are compared with
-    // fitted times at its level.
-    std::map<std::pair<size_t, bool>, double> level;  // (file, decode) -> level / median level
-    json levels = json::array();
-    if (paths.size() >= 2) {
-        std::map<std::pair<size_t, bool>, std::pair<double, double>> sums;  // measured, fitted
-        for (const auto& [key, g] : groups) {
-            for (const bool decode : {false, true}) {
-                const auto& x = decode ? g.dx : g.ex;
-                const auto& y = decode ? g.dy : g.ey;
-                const auto& w = decode ? g.dw : g.ew;
-                if (y.size() < kMinTimelinePoints) continue;
-                auto f = cost::fit_nonnegative(x, y, cost::FitTarget::kMean);
-                if (!f.ok()) continue;  // reported by the fit below
-                for (size_t i = 0; i < y.size(); ++i) {
-                    double pred = 0;
-                    for (size_t k = 0; k < x[i].size(); ++k) pred += f->coef[k] * x[i][k];
-                    auto& sm = sums[{w[i].file, decode}];
-                    sm.first += y[i];
-                    sm.second += pred;
-                }
-            }
-        }
-        for (const bool decode : {false, true}) {
-            std::vector<double> v;
-            for (const auto& [fk, sm] : sums) {
-                if (fk.second == decode && sm.second > 0) v.push_back(sm.first / sm.second);
-            }
-            if (v.size() < 2) continue;
-            std::sort(v.begin(), v.end());
-            const double med = v.size() % 2 ? v[v.size() / 2]
-                                             : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-            for (const auto& [fk, sm] : sums) {
-                if (fk.second == decode && sm.second > 0) level[fk] = sm.first / sm.second / med;
-            }
-        }
-        for (auto& [key, g] : groups) {
-            for (const bool decode : {false, true}) {
-                auto& y = decode ? g.dy : g.ey;
-                const auto& w = decode ? g.dw : g.ew;
-                for (size_t i = 0; i < y.size(); ++i) {
-                    auto it = level.find({w[i].file, decode});
-                    if (it != level.end()) y[i] /= it->second;
-                }
-            }
-        }
-        for (size_t fi = 0; fi < paths.size(); ++fi) {
-            json l = {{"path", paths[fi]}};
-            for (const bool decode : {false, true}) {
-                auto it = level.find({fi, decode});
-                l[decode ? "decode" : "extend"] = it == level.end() ? json() : json(it->second);
-            }
-            levels.push_back(std::move(l));
-        }
-    }
-    json fits = json::array();
-    std::map<std::pair<std::pair<int, int>, bool>, std::vector<double>> coef;  // fitted here
-    for (const auto& [key, g] : groups) {
-        const auto [tp, threads] = key;
-        json fit = {{"tp", tp}, {"threads", threads}};
-        for (const bool decode : {false, true}) {
-            const char* kind = decode ? "decode" : "extend";
-            const auto& x = decode ? g.dx : g.ex;
-            const auto& y = decode ? g.dy : g.ey;
-            if (y.empty()) {
-                if (const json* b = from_base(tp, threads, kind)) {
-                    fit[kind] = *b;
-                    fit[kind]["source"] = "base " + o.base;
-                    continue;
-                }
-                return Status(
-                    StatusCode::kInvalidArgument,
-                    fmt::format("--from-timeline {}: tp {} threads {} has no {} forwards; give "
-                                "--base COST.json with a tp {} threads {} fit to take them from",
-                                o.from_timeline, tp, threads, kind, tp, threads));
-            }
-            if (y.size() < kMinTimelinePoints) {
-                return Status(StatusCode::kInvalidArgument,
-                              fmt::format("--from-timeline {}: tp {} threads {} has {} {} "
-                                          "forwards, too few to fit (at least {})",
-                                          o.from_timeline, tp, threads, y.size(), kind,
-                                          kMinTimelinePoints));
-            }
-            auto f = cost::fit_nonnegative(x, y, cost::FitTarget::kMean);
-            if (!f.ok()) {
-                return f.status().with_context(fmt::format(
-                    "--from-timeline {}: tp {} threads {} {}", o.from_timeline, tp, threads, kind));
-            }
-            coef[{key, decode}] = f->coef;
-            fit[kind] = decode ? fit_json(cost::kDecodeKeys, *f, y.size(), "timeline")
-                               : fit_json(cost::kExtendKeys, *f, y.size(), "timeline");
-        }
-        fits.push_back(std::move(fit));
-    }
-    // Interference, per kind: 1 + x = sum shared_core_s / sum (iso - alone_s) over the overlapped
-    // forwards whose (tp, threads, kind) was fitted here (a ratio of sums: long forwards weigh
-    // more, as they do in a request's latency).
-    json interference = json::object();
-    if (!o.include_overlapped) {
-        json counts = json::object();
-        for (const bool decode : {false, true}) {
-            const char* kind = decode ? "decode" : "extend";
-            double num = 0, den = 0;
-            size_t n = 0;
-            for (const OverlappedForward& f : overlapped) {
-                auto c = coef.find({f.key, decode});
-                if (f.decode != decode || c == coef.end()) continue;
-                double iso = 0;
-                for (size_t k = 0; k < f.features.size(); ++k) iso += c->second[k] * f.features[k];
-                if (auto l = level.find({f.file, decode}); l != level.end()) iso *= l->second;
-                num += f.shared_core_s;
-                den += iso - f.alone_s;
-                ++n;
-            }
-            // Too few, or faster than the contention model already predicts: none measured.
-            interference[kind] = n >= kMinTimelinePoints && den > 0 ? std::max(0.0, num / den - 1) : 0.0;
-            counts[kind] = n;
-        }
-        interference["node_cpus"] = node_cpus;
-        interference["overlapped_forwards"] = std::move(counts);
-    }
-    // Noise, per kind, from the fitted points' residual ratios r = measured / fitted: total
-    // cv^2 = var(r); slow cv^2 = var of the window means of r less what the fast part leaves in
-    // a mean of n points (cv^2 / n); fast cv^2 = the rest. Windows with fewer than 3 points (long
-    // extends) cannot tell slow from fast: then all of it is fast.
-    json noise = json::object();
-    for (const bool decode : {false, true}) {
-        std::vector<double> r;
-        std::vector<std::tuple<size_t, int, int64_t>> r_window;
-        std::map<std::tuple<size_t, int, int64_t>, std::pair<double, int>> windows;
-        for (const auto& [key, g] : groups) {
-            auto c = coef.find({key, decode});
-            if (c == coef.end()) continue;
-            const auto& x = decode ? g.dx : g.ex;
-            const auto& y = decode ? g.dy : g.ey;
-            const auto& w = decode ? g.dw : g.ew;
-            for (size_t i = 0; i < y.size(); ++i) {
-                double pred = 0;
-                for (size_t k = 0; k < x[i].size(); ++k) pred += c->second[k] * x[i][k];
-                if (!(pred > 0)) continue;
-                r.push_back(y[i] / pred);
-                r_window.emplace_back(w[i].file, w[i].instance,
-                                      static_cast<int64_t>(std::floor(w[i].t / kNoiseWindowS)));
-                auto& win = windows[r_window.back()];
-                win.first += y[i] / pred;
-                ++win.second;
-            }
-        }
-        if (r.size() < kMinTimelinePoints) continue;
-        auto mean_var = [](const std::vector<double>& v) {
-            double mu = 0, q = 0;
-            for (double a : v) mu += a;
-            mu /= static_cast<double>(v.size());
-            for (double a : v) q += (a - mu) * (a - mu);
-            return std::pair<double, double>{mu, q / static_cast<double>(v.size())};
-        };
-        const auto [mr, vr] = mean_var(r);
-        const double cv2 = vr / (mr * mr);
-        std::vector<double> means;
-        double points = 0;
-        for (const auto& [k, win] : windows) {
-            if (win.second < 3) continue;
-            means.push_back(win.first / win.second);
-            points += win.second;
-        }
-        double slow2 = 0;
-        if (means.size() >= kMinTimelinePoints) {
-            const auto [mw, vw] = mean_var(means);
-            const double per_window = points / static_cast<double>(means.size());
-            slow2 = std::clamp(vw / (mw * mw) - cv2 / per_window, 0.0, cv2);
-        }
-        // The fast part's distribution: each point relative to its window's mean where the slow
-        // part was measured, else relative to the overall mean; normalised to mean 1.
-        std::vector<double> fast;
-        for (size_t i = 0; i < r.size(); ++i) {
-            const auto& win = windows[r_window[i]];
-            fast.push_back(slow2 > 0 && win.second >= 3 ? r[i] / (win.first / win.second)
-                                                        : r[i] / mr);
-        }
-        std::sort(fast.begin(), fast.end());
-        double fm = 0;
-        for (double v : fast) fm += v;
-        fm /= static_cast<double>(fast.size());
-        std::vector<double> qv;
-        for (size_t q = 0; q <= kNoiseQuantiles; ++q) {
-            const double pos = static_cast<double>(q) / kNoiseQuantiles *
-                               static_cast<double>(fast.size() - 1);
-            const auto lo = static_cast<size_t>(pos);
-            const size_t hi = std::min(lo + 1, fast.size() - 1);
-            qv.push_back((fast[lo] + (fast[hi] - fast[lo]) * (pos - static_cast<double>(lo))) / fm);
-        }
-        // The simulator interpolates linearly between quantiles, so the distribution it draws
-        // from has mean sum (q_i + q_i+1) / 2K. Between the two highest quantiles that misstates
-        // the slowest 1/K of the forwards (one 5x outlier as the maximum made the mean 1.05): set
-        // the highest quantile so that the mean is the sample's, 1.
-        auto pl_mean = [&] {
-            double sum = 0;
-            for (size_t i = 0; i + 1 < qv.size(); ++i) sum += (qv[i] + qv[i + 1]) / 2;
-            return sum / kNoiseQuantiles;
-        };
-        qv.back() -= 2.0 * kNoiseQuantiles * (pl_mean() - 1);
-        if (qv.back() < qv[qv.size() - 2]) {
-            qv.back() = qv[qv.size() - 2];
-            const double mean = pl_mean();
-            for (double& v : qv) v /= mean;
-        }
-        json quantiles = qv;
-        noise[decode ? "decode" : "extend"] = {{"fast_cv", std::sqrt(cv2 - slow2)},
-                                               {"fast_quantiles", quantiles},
-                                               {"slow_cv", std::sqrt(slow2)},
-                                               {"slow_period_s", slow2 > 0 ? kNoiseWindowS : 0.0},
-                                               {"points", r.size()},
-                                               {"windows", means.size()}};
-    }
-    json out = {{"fits", fits},
-                {"interference", interference},
-                {"noise", noise},
-                {"source",
-                 {{"kind", "testbed timelines"},
-                  {"files", files},
-                  {"leaders_only", true},
-                  {"overlapped_included", o.include_overlapped},
-                  {"run_levels", levels},
-                  {"base", o.base.empty() ? json() : json(o.base)}}},
-                {"transports", base ? base->json().value("transports", json::object())
-                                    : json::object()}};
-    return out;
+    PDSIM_ASSIGN_OR_RETURN(std::optional<cost::CostFile> base, load_base(o, m));
+    return fitter.fit(base ? &*base : nullptr);
 }
 
-Status run_calibrate(const CalibrateOptions& o) {
+StatusOr<model::ModelConfig> calibrate_model(const CalibrateOptions& o) {
     auto resolved = model::resolve_model(o.model);
     if (!resolved.ok()) return resolved.status().with_context("--model");
-    const model::ModelConfig m = *resolved;
+    const model::ModelConfig& m = *resolved;
     if (m.attention != model::AttentionKind::kMha || !m.layer_kinds.empty()) {
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("--model {}: the CPU testbed runs MHA/GQA full-attention models "
                                   "only (no MLA or sliding-window layers)",
                                   o.model));
     }
-    if (!o.worker.empty()) {
-        int tp = 0, threads = 0;
-        if (std::sscanf(o.worker.c_str(), "%d:%d", &tp, &threads) != 2 || tp < 1 || threads < 1) {
-            return Status(StatusCode::kInvalidArgument, "--worker: expected TP:THREADS");
-        }
-        return run_worker(o, m, tp, threads);
-    }
-    PDSIM_ASSIGN_OR_RETURN(std::vector<int> tps, parse_int_list("--tp", o.tp));
-    for (int tp : tps) {
-        PDSIM_RETURN_IF_ERROR(
-            model::check_tp(m, tp).with_context(fmt::format("--tp {}: model {}", tp, m.name)));
-    }
-    std::vector<int> thread_list;
-    if (!o.threads.empty()) {
-        PDSIM_ASSIGN_OR_RETURN(thread_list, parse_int_list("--threads", o.threads));
-    }
-    PDSIM_ASSIGN_OR_RETURN(std::vector<std::string> transports, parse_transports(o.transport));
-    {
-        const bool existed = std::filesystem::exists(o.out);
-        std::ofstream probe(o.out, std::ios::app);
-        if (!probe) {
-            return Status(StatusCode::kInvalidArgument,
-                          fmt::format("--out {}: cannot open for writing", o.out));
-        }
-        probe.close();
-        std::error_code ec;
-        if (!existed) std::filesystem::remove(o.out, ec);
-    }
-    const auto t_start = Clock::now();
+    return resolved;
+}
+
+// What the run measured or fitted, as the cost file stores it.
+struct CalibrateParts {
     json fits = json::array();
-    json transport_json = json::object();
+    json transports = json::object();
     json notes = json::array();
     json source = {{"kind", "microbenchmark"}};
     json interference = json::object();
     json noise = json::object();
-    if (!o.from_timeline.empty()) {
-        PDSIM_ASSIGN_OR_RETURN(json part, calibrate_from_timelines(o, m));
-        fits = part["fits"];
-        transport_json = part["transports"];
-        source = part["source"];
-        interference = part["interference"];
-        noise = part["noise"];
-    } else {
-        const Launcher launcher = detect_launcher();
-        const auto sizes = message_sizes(o, m);
-        const bool want_mpi =
-            std::find(transports.begin(), transports.end(), "mpi") != transports.end();
-        if (want_mpi && launcher.under_mpirun && launcher.world == 2) {
-            PDSIM_ASSIGN_OR_RETURN(json mpi, measure_mpi(sizes, message_reps(o)));
-            if (launcher.rank != 0) return {};  // rank 1 only took part in the MPI measurement
-            transport_json["mpi"] = mpi;
-        } else if (want_mpi) {
-            notes.push_back(
-                launcher.under_mpirun
-                    ? fmt::format("mpi: skipped (launched with {} ranks; measuring it needs "
-                                  "mpirun -np 2)",
-                                  launcher.world)
-                    : "mpi: skipped (not launched under mpirun -np 2)");
-        }
-        if (launcher.under_mpirun && launcher.rank != 0) return {};
+};
 
-        const std::string tmp = (std::filesystem::temp_directory_path() /
-                                 fmt::format("pdsim-calibrate-{}.json", ::getpid()))
-                                    .string();
-        for (int tp : tps) {
-            std::vector<int> ths =
-                thread_list.empty() ? std::vector<int>{default_threads(tp)} : thread_list;
-            for (int threads : ths) {
-                std::fprintf(stderr,
-                             "calibrate: model %s tp %d threads %d: %zu points x %d rounds\n",
-                             m.name.c_str(), tp, threads, make_grid(o.quick, threads).size(),
-                             repeats_of(o));
-                auto w = spawn_worker(o, tp, threads, tmp);
-                std::error_code ec;
-                std::filesystem::remove(tmp, ec);
-                if (!w.ok()) return w.status();
-                PDSIM_ASSIGN_OR_RETURN(json fit, fit_points(*w));
-                fits.push_back(std::move(fit));
-            }
-        }
-        for (const auto& name : transports) {
-            if (name == "mpi") continue;
-            std::fprintf(stderr, "calibrate: transport %s\n", name.c_str());
-            PDSIM_ASSIGN_OR_RETURN(json t, measure_in_process(name, sizes, message_reps(o)));
-            transport_json[name] = t;
+// The flags of a microbenchmark run, checked.
+struct MicrobenchPlan {
+    std::vector<int> tps;
+    std::vector<int> threads;  // empty: default_threads(tp) per TP size
+    std::vector<std::string> transports;
+};
+
+StatusOr<MicrobenchPlan> microbench_plan(const CalibrateOptions& o, const model::ModelConfig& m) {
+    MicrobenchPlan plan;
+    PDSIM_ASSIGN_OR_RETURN(plan.tps, parse_int_list("--tp", o.tp));
+    for (int tp : plan.tps) {
+        PDSIM_RETURN_IF_ERROR(
+            model::check_tp(m, tp).with_context(fmt::format("--tp {}: model {}", tp, m.name)));
+    }
+    if (!o.threads.empty()) {
+        PDSIM_ASSIGN_OR_RETURN(plan.threads, parse_int_list("--threads", o.threads));
+    }
+    PDSIM_ASSIGN_OR_RETURN(plan.transports, parse_transports(o.transport));
+    return plan;
+}
+
+// Spawns one worker per (tp, threads) and fits its points.
+Status measure_compute(const CalibrateOptions& o, const model::ModelConfig& m,
+                       const MicrobenchPlan& plan, CalibrateParts* parts) {
+    const std::string tmp = (std::filesystem::temp_directory_path() /
+                             fmt::format("pdsim-calibrate-{}.json", ::getpid()))
+                                .string();
+    for (int tp : plan.tps) {
+        std::vector<int> ths =
+            plan.threads.empty() ? std::vector<int>{default_threads(tp)} : plan.threads;
+        for (int threads : ths) {
+            std::fprintf(stderr, "calibrate: model %s tp %d threads %d: %zu points x %d rounds\n",
+                         m.name.c_str(), tp, threads, grid_points(o.quick, threads), repeats_of(o));
+            auto w = spawn_worker(o, tp, threads, tmp);
+            std::error_code ec;
+            std::filesystem::remove(tmp, ec);
+            if (!w.ok()) return w.status();
+            PDSIM_ASSIGN_OR_RETURN(json fit, fit_points(*w));
+            parts->fits.push_back(std::move(fit));
         }
     }
-    const double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
+    return {};
+}
+
+// The microbenchmarks: MPI (both ranks, under mpirun -np 2), the compute grid, the in-process
+// transports. Returns false on a rank other than 0 of mpirun (it writes nothing).
+StatusOr<bool> measure_microbenchmarks(const CalibrateOptions& o, const model::ModelConfig& m,
+                                       const MicrobenchPlan& plan, CalibrateParts* parts) {
+    const Launcher launcher = detect_launcher();
+    const auto sizes = message_sizes(o, m);
+    const bool want_mpi =
+        std::find(plan.transports.begin(), plan.transports.end(), "mpi") != plan.transports.end();
+    if (want_mpi && launcher.under_mpirun && launcher.world == 2) {
+        PDSIM_ASSIGN_OR_RETURN(json mpi, measure_mpi(sizes, message_reps(o)));
+        if (launcher.rank != 0) return false;  // rank 1 only took part in the MPI measurement
+        parts->transports["mpi"] = mpi;
+    } else if (want_mpi) {
+        parts->notes.push_back(launcher.under_mpirun
+                                   ? fmt::format("mpi: skipped (launched with {} ranks; measuring "
+                                                 "it needs mpirun -np 2)",
+                                                 launcher.world)
+                                   : "mpi: skipped (not launched under mpirun -np 2)");
+    }
+    if (launcher.under_mpirun && launcher.rank != 0) return false;
+    PDSIM_RETURN_IF_ERROR(measure_compute(o, m, plan, parts));
+    for (const auto& name : plan.transports) {
+        if (name == "mpi") continue;
+        std::fprintf(stderr, "calibrate: transport %s\n", name.c_str());
+        PDSIM_ASSIGN_OR_RETURN(json t, measure_in_process(name, sizes, message_reps(o)));
+        parts->transports[name] = t;
+    }
+    return true;
+}
+
+json cost_file_json(const CalibrateOptions& o, const model::ModelConfig& m,
+                    const CalibrateParts& parts, double wall) {
     json out = {{"schema_version", cost::kCostSchemaVersion},
                 {"machine", {{"cpu", cpu_model_name()}, {"cores", cores()}}},
                 {"created", iso_now()},
@@ -1333,26 +356,23 @@ Status run_calibrate(const CalibrateOptions& o) {
                 {"backend", o.backend},
                 {"kv_dtype", "fp32"},
                 {"page_size", o.page_size},
-                {"source", source},
-                {"grid", !o.from_timeline.empty() ? "testbed" : o.quick ? "quick" : "default"},
+                {"source", parts.source},
+                {"grid", !o.from_timeline.empty() ? "testbed"
+                         : o.quick                ? "quick"
+                                                  : "default"},
                 {"repeats", o.from_timeline.empty() ? json(repeats_of(o)) : json()},
-                {"fits", fits},
-                {"transports", transport_json},
-                {"notes", notes},
+                {"fits", parts.fits},
+                {"transports", parts.transports},
+                {"notes", parts.notes},
                 {"wall_s", wall}};
-    if (!interference.empty()) out["interference"] = interference;
-    if (!noise.empty()) out["noise"] = noise;
-    // What we write must load.
-    PDSIM_RETURN_IF_ERROR(cost::CostFile::from_json(out, o.out).status().with_context("internal"));
-    {
-        std::ofstream f(o.out, std::ios::trunc);
-        f << out.dump(2) << "\n";
-        if (!f) return Status(StatusCode::kInvalidArgument, "--out " + o.out + ": write failed");
-    }
+    if (!parts.interference.empty()) out["interference"] = parts.interference;
+    if (!parts.noise.empty()) out["noise"] = parts.noise;
+    return out;
+}
+
+// The table of fits, one row per (tp, threads).
+std::string fits_table(const json& fits) {
     std::string s = fmt::format(
-        "pdsim calibrate: model {}, backend {}, fp32 KV, page size {}; {} ({} cores); {:.1f} s\n",
-        m.name, o.backend, o.page_size, cpu_model_name(), cores(), wall);
-    s += fmt::format(
         "  extend_s = const + per_token * tokens + per_pair * attn_pairs + per_req * "
         "requests\n  decode_s = const + per_req * batch + per_pass * weight_passes + "
         "per_kvtok * kv_tokens\n");
@@ -1380,48 +400,97 @@ Status run_calibrate(const CalibrateOptions& o) {
             num(d, "per_weight_pass_s") * 1e6, num(d, "per_kv_token_s") * 1e9, num(d, "r2"),
             num(d, "max_rel_err") * 100);
     }
+    return s;
+}
+
+// What a --from-timeline fit used: files, base, run levels, interference, noise.
+std::string timeline_summary(const CalibrateOptions& o, const CalibrateParts& parts) {
+    std::string s;
+    for (const auto& f : parts.source["files"]) {
+        s += fmt::format(
+            "  from {} leader forwards of {} ({} overlapping another "
+            "instance's left out)\n",
+            f["forwards"].get<size_t>(), f["path"].get<std::string>(),
+            f["overlapped_skipped"].get<size_t>());
+    }
+    if (!o.base.empty()) s += "  missing parts from " + o.base + "\n";
+    for (const auto& l : parts.source.value("run_levels", json::array())) {
+        auto pct = [](const json& v) {
+            return v.is_number() ? fmt::format("{:+.1f}%", (v.get<double>() - 1) * 100)
+                                 : std::string("-");
+        };
+        s += fmt::format("  run level of {} (vs the median run): extend {}, decode {}\n",
+                         l["path"].get<std::string>(), pct(l["extend"]), pct(l["decode"]));
+    }
+    const json& interference = parts.interference;
+    if (!interference.empty()) {
+        s += fmt::format(
+            "  interference (slower than their core share while another instance computes, "
+            "{} cpus): extend +{:.1f}% ({} forwards), decode +{:.1f}% ({} forwards)\n",
+            interference["node_cpus"].get<double>(), interference["extend"].get<double>() * 100,
+            interference["overlapped_forwards"]["extend"].get<size_t>(),
+            interference["decode"].get<double>() * 100,
+            interference["overlapped_forwards"]["decode"].get<size_t>());
+    }
+    for (const auto& [kind, n] : parts.noise.items()) {
+        s += fmt::format(
+            "  {} noise: slow cv {:.1f}% (redrawn every {:.0f} ms), fast cv {:.1f}% "
+            "({} forwards, {} windows)\n",
+            kind, n["slow_cv"].get<double>() * 100, cost::kNoiseWindowS * 1e3,
+            n["fast_cv"].get<double>() * 100, n["points"].get<size_t>(),
+            n["windows"].get<size_t>());
+    }
+    return s;
+}
+
+std::string calibrate_summary(const CalibrateOptions& o, const model::ModelConfig& m,
+                              const CalibrateParts& parts, double wall) {
+    std::string s = fmt::format(
+        "pdsim calibrate: model {}, backend {}, fp32 KV, page size {}; {} ({} cores); {:.1f} s\n",
+        m.name, o.backend, o.page_size, cpu_model_name(), cores(), wall);
+    s += fits_table(parts.fits);
     std::string ts;
-    for (const auto& [name, t] : transport_json.items()) {
+    for (const auto& [name, t] : parts.transports.items()) {
         ts += fmt::format("{}{} {:.2f} GB/s + {:.1f} us", ts.empty() ? "" : "; ", name,
                           t["gbps"].get<double>(), t["latency_us"].get<double>());
     }
-    for (const auto& n : notes) ts += (ts.empty() ? "" : "; ") + n.get<std::string>();
+    for (const auto& n : parts.notes) ts += (ts.empty() ? "" : "; ") + n.get<std::string>();
     s += "  transports: " + (ts.empty() ? std::string("none") : ts) + "\n";
-    if (!o.from_timeline.empty()) {
-        for (const auto& f : source["files"]) {
-            s += fmt::format("  from {} leader forwards of {} ({} overlapping another "
-                             "instance's left out)\n",
-                             f["forwards"].get<size_t>(), f["path"].get<std::string>(),
-                             f["overlapped_skipped"].get<size_t>());
-        }
-        if (!o.base.empty()) s += "  missing parts from " + o.base + "\n";
-        for (const auto& l : source.value("run_levels", json::array())) {
-            auto pct = [](const json& v) {
-                return v.is_number() ? fmt::format("{:+.1f}%", (v.get<double>() - 1) * 100)
-                                     : std::string("-");
-            };
-            s += fmt::format("  run level of {} (vs the median run): extend {}, decode {}\n",
-                             l["path"].get<std::string>(), pct(l["extend"]), pct(l["decode"]));
-        }
-        if (!interference.empty()) {
-            s += fmt::format(
-                "  interference (slower than their core share while another instance computes, "
-                "{} cpus): extend +{:.1f}% ({} forwards), decode +{:.1f}% ({} forwards)\n",
-                interference["node_cpus"].get<double>(),
-                interference["extend"].get<double>() * 100,
-                interference["overlapped_forwards"]["extend"].get<size_t>(),
-                interference["decode"].get<double>() * 100,
-                interference["overlapped_forwards"]["decode"].get<size_t>());
-        }
-        for (const auto& [kind, n] : noise.items()) {
-            s += fmt::format("  {} noise: slow cv {:.1f}% (redrawn every {:.0f} ms), fast cv {:.1f}% "
-                             "({} forwards, {} windows)\n",
-                             kind, n["slow_cv"].get<double>() * 100, kNoiseWindowS * 1e3,
-                             n["fast_cv"].get<double>() * 100, n["points"].get<size_t>(),
-                             n["windows"].get<size_t>());
-        }
-    }
+    if (!o.from_timeline.empty()) s += timeline_summary(o, parts);
     s += "  wrote " + o.out + "\n";
+    return s;
+}
+
+Status run_calibrate(const CalibrateOptions& o) {
+    PDSIM_ASSIGN_OR_RETURN(const model::ModelConfig m, calibrate_model(o));
+    if (!o.worker.empty()) {
+        int tp = 0, threads = 0;
+        if (std::sscanf(o.worker.c_str(), "%d:%d", &tp, &threads) != 2 || tp < 1 || threads < 1) {
+            return Status(StatusCode::kInvalidArgument, "--worker: expected TP:THREADS");
+        }
+        return run_worker(o, m, tp, threads);
+    }
+    PDSIM_ASSIGN_OR_RETURN(MicrobenchPlan plan, microbench_plan(o, m));
+    PDSIM_RETURN_IF_ERROR(check_writable("--out", o.out));
+    const auto t_start = Clock::now();
+    CalibrateParts parts;
+    if (!o.from_timeline.empty()) {
+        PDSIM_ASSIGN_OR_RETURN(json part, calibrate_from_timelines(o, m));
+        parts.fits = part["fits"];
+        parts.transports = part["transports"];
+        parts.source = part["source"];
+        parts.interference = part["interference"];
+        parts.noise = part["noise"];
+    } else {
+        PDSIM_ASSIGN_OR_RETURN(bool writes, measure_microbenchmarks(o, m, plan, &parts));
+        if (!writes) return {};
+    }
+    const double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
+    const json out = cost_file_json(o, m, parts, wall);
+    // What we write must load.
+    PDSIM_RETURN_IF_ERROR(cost::CostFile::from_json(out, o.out).status().with_context("internal"));
+    PDSIM_RETURN_IF_ERROR(write_json_file("--out", o.out, out));
+    const std::string s = calibrate_summary(o, m, parts, wall);
     std::fputs(s.c_str(), stdout);
     std::fflush(stdout);
     return {};
@@ -1429,8 +498,10 @@ Status run_calibrate(const CalibrateOptions& o) {
 
 }  // namespace
 
+}  // namespace calibration
+
 void add_calibrate_command(CLI::App& app, CommandSet& commands) {
-    auto o = std::make_shared<CalibrateOptions>();
+    auto o = std::make_shared<calibration::CalibrateOptions>();
     CLI::App* a = app.add_subcommand(
         "calibrate",
         "Measure this machine's CPU testbed forwards (the synthetic model on the testbed's\n"
@@ -1474,7 +545,7 @@ void add_calibrate_command(CLI::App& app, CommandSet& commands) {
                   "With --from-timeline: a cost file whose fits supply the (tp, threads, extend | "
                   "decode) the timelines have no forwards of, and whose transports are copied");
     a->add_option("--worker", o->worker, "internal: measure one TP:THREADS group")->group("");
-    commands.add(a, [o] { return run_calibrate(*o); });
+    commands.add(a, [o] { return calibration::run_calibrate(*o); });
 }
 
 }  // namespace pdsim::cli

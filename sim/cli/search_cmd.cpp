@@ -6,11 +6,11 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
 #include "sim/cli/sim_flags.h"
 #include "sim/des/search.h"
@@ -42,28 +42,6 @@ struct SearchFlags {
 
 Status bad(std::string msg) {
     return Status(StatusCode::kInvalidArgument, std::move(msg));
-}
-
-StatusOr<std::vector<int>> parse_int_list(const std::string& flag, const std::string& text) {
-    std::vector<int> out;
-    std::stringstream ss(text);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-        size_t used = 0;
-        int v = 0;
-        try {
-            v = std::stoi(item, &used);
-        } catch (const std::exception&) {
-            used = 0;
-        }
-        if (item.empty() || used != item.size()) {
-            return bad(
-                fmt::format("{} {}: expected a comma-separated list of integers", flag, text));
-        }
-        out.push_back(v);
-    }
-    if (out.empty()) return bad(fmt::format("{} {}: empty list", flag, text));
-    return out;
 }
 
 Status check_flags(const SearchFlags& f) {
@@ -196,22 +174,17 @@ std::string table_row(const std::string& rank, const des::CandidateResult& r) {
                        pct(r.tpot_ms, "{:.1f}"));
 }
 
-Status run_search_cmd(const SearchFlags& f) {
-    PDSIM_RETURN_IF_ERROR(check_flags(f));
-    std::string topo_model;
-    PDSIM_ASSIGN_OR_RETURN(des::SearchSpace space, make_space(f, &topo_model));
-    const std::string model_name = f.model.empty() ? topo_model : f.model;
-    if (model_name.empty()) return bad("--model: required (the topology names no model)");
-    PDSIM_ASSIGN_OR_RETURN(model::ModelConfig model, des::load_model(model_name, f.layers));
-
-    des::RequestSource src = f.req;
-    if (src.trace.empty()) {
-        workload::SyntheticOptions& so = src.synthetic;
+// The requests to search on: the trace of --trace, or the synthetic workload of the flags.
+StatusOr<std::vector<workload::Request>> search_requests(const SearchFlags& f,
+                                                         des::RequestSource* src) {
+    *src = f.req;
+    if (src->trace.empty()) {
+        workload::SyntheticOptions& so = src->synthetic;
         so.num_requests = f.synthetic;
         so.rate_rps = f.rate;
         so.gamma = f.cv > 0;
         so.cv = f.cv > 0 ? f.cv : 1.0;
-        so.seed = src.seed;
+        so.seed = src->seed;
         StatusOr<workload::LengthDist> in = workload::parse_length_dist(f.input_len);
         if (!in.ok()) return bad(fmt::format("--input-len: {}", in.status().message()));
         StatusOr<workload::LengthDist> out = workload::parse_length_dist(f.output_len);
@@ -219,9 +192,30 @@ Status run_search_cmd(const SearchFlags& f) {
         so.input = *in;
         so.output = *out;
     }
-    PDSIM_ASSIGN_OR_RETURN(std::vector<workload::Request> requests, des::load_requests(src));
-    const workload::TraceStats ts = workload::summarize(requests);
+    return des::load_requests(*src);
+}
 
+// Progress on stderr: on a terminal one line rewritten in place; in a log one line per tenth.
+void print_progress(bool tty, const des::SearchProgress& p) {
+    const des::CandidateResult& r = *p.result;
+    const std::string what = r.ran
+                                 ? fmt::format("attainment {:.3f}, goodput {:.3f} req/s ({:.2f} s)",
+                                               r.slo_attainment, r.goodput_rps, r.wall_s)
+                                 : std::string("not run");
+    const bool last = p.index == p.total;
+    if (tty) {
+        std::fprintf(stderr, "\r\033[K[pdsim search] %lld/%lld %s: %s%s",
+                     static_cast<long long>(p.index), static_cast<long long>(p.total),
+                     r.layout.name().c_str(), what.c_str(), last ? "\n" : "");
+    } else if (last || p.index % std::max<int64_t>(1, p.total / 10) == 0) {
+        std::fprintf(stderr, "[pdsim search] %lld/%lld candidates simulated\n",
+                     static_cast<long long>(p.index), static_cast<long long>(p.total));
+    }
+    std::fflush(stderr);
+}
+
+des::SearchOptions search_options(const SearchFlags& f, const des::SearchSpace& space,
+                                  const model::ModelConfig& model) {
     des::SearchOptions o;
     o.space = space;
     o.base.model = model;
@@ -231,87 +225,52 @@ Status run_search_cmd(const SearchFlags& f) {
     o.kv = kv_capacity_options(f.sched);
     o.attainment_target = f.attainment;
     const bool tty = isatty(fileno(stderr)) != 0;
-    if (!f.quiet) {
-        o.on_candidate = [tty](const des::SearchProgress& p) {
-            const des::CandidateResult& r = *p.result;
-            const std::string what =
-                r.ran ? fmt::format("attainment {:.3f}, goodput {:.3f} req/s ({:.2f} s)",
-                                    r.slo_attainment, r.goodput_rps, r.wall_s)
-                      : std::string("not run");
-            const bool last = p.index == p.total;
-            // On a terminal one line rewritten in place; in a log one line per tenth.
-            if (tty) {
-                std::fprintf(stderr, "\r\033[K[pdsim search] %lld/%lld %s: %s%s",
-                             static_cast<long long>(p.index), static_cast<long long>(p.total),
-                             r.layout.name().c_str(), what.c_str(), last ? "\n" : "");
-            } else if (last || p.index % std::max<int64_t>(1, p.total / 10) == 0) {
-                std::fprintf(stderr, "[pdsim search] %lld/%lld candidates simulated\n",
-                             static_cast<long long>(p.index), static_cast<long long>(p.total));
-            }
-            std::fflush(stderr);
-        };
-    }
-    PDSIM_ASSIGN_OR_RETURN(des::SearchResult res, des::run_search(o, requests));
+    if (!f.quiet) o.on_candidate = [tty](const des::SearchProgress& p) { print_progress(tty, p); };
+    return o;
+}
 
-    const std::string workload_label = des::describe_requests(src);
-    int64_t meeting = 0;
-    for (const auto& r : res.ranked) meeting += r.meets ? 1 : 0;
-    if (!f.json_path.empty()) {
-        json rows = json::array();
-        for (size_t i = 0; i < res.ranked.size(); ++i) {
-            rows.push_back(row_json(static_cast<int64_t>(i) + 1, res.ranked[i]));
-        }
-        json j = {{"schema_version", 1},
-                  {"gpu", space.gpu},
-                  {"gpus", space.gpus},
-                  {"model", model.name},
-                  {"workload", workload_label},
-                  {"requests", ts.requests},
-                  {"mean_input", ts.mean_input},
-                  {"mean_output", ts.mean_output},
-                  {"offered_rps", ts.duration_s > 0 ? (ts.requests - 1) / ts.duration_s : 0.0},
-                  {"slo",
-                   {{"ttft_ms", f.slo_ttft_ms},
-                    {"tpot_ms", f.slo_tpot_ms},
-                    {"attainment", f.attainment}}},
-                  {"tp_sizes", res.tp_sizes},
-                  {"notes", res.notes},
-                  {"candidates", res.candidates},
-                  {"meeting_target", meeting},
-                  {"wall_s", res.wall_s},
-                  {"rows", rows}};
-        std::ofstream out(f.json_path);
-        if (!out) return bad(fmt::format("--json {}: cannot open for writing", f.json_path));
-        out << j.dump(2) << "\n";
-        if (!out) {
-            return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", f.json_path));
-        }
-    }
+// What one search printed and wrote is about.
+struct SearchRun {
+    const SearchFlags& flags;
+    const des::SearchSpace& space;
+    const model::ModelConfig& model;
+    const std::string& workload_label;
+    const workload::TraceStats& stats;
+    const des::SearchResult& result;
+    int64_t meeting = 0;  // candidates meeting the attainment target
+};
 
-    std::string s = fmt::format(
-        "pdsim search: {} on {} x {}, {}\n"
-        "  {} requests, mean input {:.0f}, mean output {:.0f}, offered {:.3f} req/s over {:.1f} "
-        "s\n"
-        "  SLO: TTFT <= {:g} ms and TPOT <= {:g} ms, attainment >= {:g}; TP sizes {{{}}}; {} "
-        "candidates, {} meet the target ({:.1f} s)\n",
-        model.name, space.gpus, space.gpu, workload_label, ts.requests, ts.mean_input,
-        ts.mean_output,
-        ts.duration_s > 0 ? static_cast<double>(ts.requests - 1) / ts.duration_s : 0, ts.duration_s,
-        f.slo_ttft_ms, f.slo_tpot_ms, f.attainment, fmt::join(res.tp_sizes, ","), res.candidates,
-        meeting, res.wall_s);
-    for (const auto& n : res.notes) s += "  note: " + n + "\n";
-    s += fmt::format("  {:>4}  {:<22} {:>4} {:>9} {:>9} {:>8} {:>17} {:>13}\n", "rank", "layout",
-                     "GPUs", "goodput", "gput/GPU", "attain", "TTFT p50/p90 ms", "TPOT p50/p90");
-    const size_t shown = std::min(res.ranked.size(), static_cast<size_t>(f.top));
-    for (size_t i = 0; i < shown; ++i) {
-        s += table_row(std::to_string(i + 1), res.ranked[i]);
+json search_json(const SearchRun& run) {
+    const SearchFlags& f = run.flags;
+    const workload::TraceStats& ts = run.stats;
+    const des::SearchResult& res = run.result;
+    json rows = json::array();
+    for (size_t i = 0; i < res.ranked.size(); ++i) {
+        rows.push_back(row_json(static_cast<int64_t>(i) + 1, res.ranked[i]));
     }
-    if (shown < res.ranked.size()) {
-        s +=
-            fmt::format("  ... {} more{}\n", res.ranked.size() - shown,
-                        f.json_path.empty() ? " (--top N or --json F shows them)" : " (in --json)");
-    }
-    // The best of each mode, even when it ranks below --top: the disagg-vs-colocated answer.
+    return {
+        {"schema_version", 1},
+        {"gpu", run.space.gpu},
+        {"gpus", run.space.gpus},
+        {"model", run.model.name},
+        {"workload", run.workload_label},
+        {"requests", ts.requests},
+        {"mean_input", ts.mean_input},
+        {"mean_output", ts.mean_output},
+        {"offered_rps", ts.duration_s > 0 ? (ts.requests - 1) / ts.duration_s : 0.0},
+        {"slo",
+         {{"ttft_ms", f.slo_ttft_ms}, {"tpot_ms", f.slo_tpot_ms}, {"attainment", f.attainment}}},
+        {"tp_sizes", res.tp_sizes},
+        {"notes", res.notes},
+        {"candidates", res.candidates},
+        {"meeting_target", run.meeting},
+        {"wall_s", res.wall_s},
+        {"rows", rows}};
+}
+
+// The best of each mode, even when it ranks below --top: the disagg-vs-colocated answer.
+std::string best_of_each_mode(const des::SearchResult& res) {
+    std::string s;
     for (des::SimMode m : {des::SimMode::kDisagg, des::SimMode::kColocated}) {
         for (size_t i = 0; i < res.ranked.size(); ++i) {
             const des::CandidateResult& r = res.ranked[i];
@@ -325,10 +284,63 @@ Status run_search_cmd(const SearchFlags& f) {
             break;
         }
     }
+    return s;
+}
+
+std::string search_report(const SearchRun& run) {
+    const SearchFlags& f = run.flags;
+    const workload::TraceStats& ts = run.stats;
+    const des::SearchResult& res = run.result;
+    std::string s = fmt::format(
+        "pdsim search: {} on {} x {}, {}\n"
+        "  {} requests, mean input {:.0f}, mean output {:.0f}, offered {:.3f} req/s over {:.1f} "
+        "s\n"
+        "  SLO: TTFT <= {:g} ms and TPOT <= {:g} ms, attainment >= {:g}; TP sizes {{{}}}; {} "
+        "candidates, {} meet the target ({:.1f} s)\n",
+        run.model.name, run.space.gpus, run.space.gpu, run.workload_label, ts.requests,
+        ts.mean_input, ts.mean_output,
+        ts.duration_s > 0 ? static_cast<double>(ts.requests - 1) / ts.duration_s : 0, ts.duration_s,
+        f.slo_ttft_ms, f.slo_tpot_ms, f.attainment, fmt::join(res.tp_sizes, ","), res.candidates,
+        run.meeting, res.wall_s);
+    for (const auto& n : res.notes) s += "  note: " + n + "\n";
+    s += fmt::format("  {:>4}  {:<22} {:>4} {:>9} {:>9} {:>8} {:>17} {:>13}\n", "rank", "layout",
+                     "GPUs", "goodput", "gput/GPU", "attain", "TTFT p50/p90 ms", "TPOT p50/p90");
+    const size_t shown = std::min(res.ranked.size(), static_cast<size_t>(f.top));
+    for (size_t i = 0; i < shown; ++i) {
+        s += table_row(std::to_string(i + 1), res.ranked[i]);
+    }
+    if (shown < res.ranked.size()) {
+        s +=
+            fmt::format("  ... {} more{}\n", res.ranked.size() - shown,
+                        f.json_path.empty() ? " (--top N or --json F shows them)" : " (in --json)");
+    }
+    s += best_of_each_mode(res);
     s += "  goodput: requests meeting both SLOs per second of makespan; * = below the attainment "
          "target\n";
-    if (meeting == 0) s += "  no candidate meets the attainment target at this load\n";
+    if (run.meeting == 0) s += "  no candidate meets the attainment target at this load\n";
     if (!f.json_path.empty()) s += fmt::format("  wrote {}\n", f.json_path);
+    return s;
+}
+
+Status run_search_cmd(const SearchFlags& f) {
+    PDSIM_RETURN_IF_ERROR(check_flags(f));
+    std::string topo_model;
+    PDSIM_ASSIGN_OR_RETURN(des::SearchSpace space, make_space(f, &topo_model));
+    const std::string model_name = f.model.empty() ? topo_model : f.model;
+    if (model_name.empty()) return bad("--model: required (the topology names no model)");
+    PDSIM_ASSIGN_OR_RETURN(model::ModelConfig model, des::load_model(model_name, f.layers));
+    des::RequestSource src;
+    PDSIM_ASSIGN_OR_RETURN(std::vector<workload::Request> requests, search_requests(f, &src));
+    const workload::TraceStats ts = workload::summarize(requests);
+    PDSIM_ASSIGN_OR_RETURN(des::SearchResult res,
+                           des::run_search(search_options(f, space, model), requests));
+    const std::string workload_label = des::describe_requests(src);
+    SearchRun run{f, space, model, workload_label, ts, res};
+    for (const auto& r : res.ranked) run.meeting += r.meets ? 1 : 0;
+    if (!f.json_path.empty()) {
+        PDSIM_RETURN_IF_ERROR(write_json_file("--json", f.json_path, search_json(run)));
+    }
+    const std::string s = search_report(run);
     std::fputs(s.c_str(), stdout);
     std::fflush(stdout);
     return {};

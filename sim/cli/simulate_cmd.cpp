@@ -14,6 +14,7 @@
 #include <optional>
 
 #include "common/data_dir.h"
+#include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
 #include "sim/cli/sim_flags.h"
 #include "sim/des/setup.h"
@@ -237,46 +238,46 @@ private:
     std::ofstream f_;
 };
 
-Status run_simulate(const SimulateFlags& f) {
-    PDSIM_ASSIGN_OR_RETURN(Prepared p, prepare(f));
-    // Outputs are opened before the run so a bad path fails fast.
-    std::unique_ptr<CsvStream> csv;
-    if (!f.requests.empty()) {
-        csv = std::make_unique<CsvStream>();
-        PDSIM_RETURN_IF_ERROR(csv->open(f.requests));
-    }
-    std::unique_ptr<metrics::Timeline> timeline;
-    if (!f.timeline.empty()) timeline = std::make_unique<metrics::Timeline>();
+void print_progress(const std::string& label, const des::SimProgress& s) {
+    const bool done = s.finished >= s.total;
+    std::fprintf(stderr,
+                 "\r[pdsim simulate %s] %lld/%lld requests, simulated %.1f s, wall %.2f s%s",
+                 label.c_str(), static_cast<long long>(s.finished), static_cast<long long>(s.total),
+                 s.sim_s, s.wall_s, done ? "\n" : "");
+    std::fflush(stderr);
+}
+
+// Simulates each mode of --mode in turn (disagg first); the first one streams its requests to
+// `csv`, all of them write into `timeline` (when given).
+StatusOr<std::vector<des::SimResult>> simulate_modes(const Prepared& p, const SimulateFlags& f,
+                                                     CsvStream* csv, metrics::Timeline* timeline) {
     const int64_t n = static_cast<int64_t>(p.requests.size());
     const int64_t sample =
         f.timeline_sample > 0 ? f.timeline_sample : std::max<int64_t>(1, n / kTimelineRequests);
-
     std::vector<des::SimMode> modes;
     if (f.mode != "colocated") modes.push_back(des::SimMode::kDisagg);
     if (f.mode != "disagg") modes.push_back(des::SimMode::kColocated);
     std::vector<des::SimResult> results;
     for (size_t k = 0; k < modes.size(); ++k) {
         des::SimConfig c = make_config(p, f, modes[k]);
-        c.timeline = timeline.get();
+        c.timeline = timeline;
         c.timeline_pid_base = static_cast<int>(k) * 1000;
         c.timeline_sample = sample;
-        if (csv && k == 0)
-            c.on_request_done = [&](const metrics::RequestRecord& q) { csv->row(q); };
+        if (csv != nullptr && k == 0)
+            c.on_request_done = [csv](const metrics::RequestRecord& q) { csv->row(q); };
         if (f.progress) {
             const std::string label(des::sim_mode_name(modes[k]));
-            c.on_progress = [label](const des::SimProgress& s) {
-                const bool done = s.finished >= s.total;
-                std::fprintf(
-                    stderr,
-                    "\r[pdsim simulate %s] %lld/%lld requests, simulated %.1f s, wall %.2f s%s",
-                    label.c_str(), static_cast<long long>(s.finished),
-                    static_cast<long long>(s.total), s.sim_s, s.wall_s, done ? "\n" : "");
-                std::fflush(stderr);
-            };
+            c.on_progress = [label](const des::SimProgress& s) { print_progress(label, s); };
         }
         PDSIM_ASSIGN_OR_RETURN(des::SimResult r, des::run_simulation(c, p.requests));
         results.push_back(std::move(r));
     }
+    return results;
+}
+
+// The report of the first mode, the second's (colocated) inside it, both annotated with the run.
+metrics::Report simulate_report(const Prepared& p, const SimulateFlags& f,
+                                const std::vector<des::SimResult>& results) {
     metrics::Report report = results.front().report;
     auto annotate = [&](metrics::Report& r) {
         r.extra["workload"] = p.workload_label;
@@ -291,28 +292,51 @@ Status run_simulate(const SimulateFlags& f) {
         report.colocated = std::make_shared<metrics::Report>(results[1].report);
         annotate(*report.colocated);
     }
+    return report;
+}
+
+std::string simulate_summary(const Prepared& p, const SimulateFlags& f,
+                             const metrics::Report& report,
+                             const std::vector<des::SimResult>& results) {
+    const int64_t n = static_cast<int64_t>(p.requests.size());
+    std::string s = metrics::summary_table(report);
+    s += fmt::format("  workload: {}, {} requests\n", p.workload_label, n);
+    for (const auto& r : results) {
+        const des::SimStats& st = r.stats;
+        s += fmt::format(
+            "  simulator ({}): {:.3f} s wall ({:.0f} requests/s, {} events), {:.1f} s "
+            "simulated, {} preemptions, {} prefix-hit tokens\n",
+            r.report.mode, st.wall_s, st.wall_s > 0 ? static_cast<double>(n) / st.wall_s : 0,
+            st.events, st.sim_s, st.preemptions, st.prefix_hit_tokens);
+    }
+    s += fmt::format("  cost model: {}\n",
+                     results.front().report.extra["simulator"]["cost_model"].get<std::string>());
+    for (const auto& [path, what] :
+         {std::pair{f.report, "report"}, std::pair{f.timeline, "timeline"},
+          std::pair{f.requests, "requests"}}) {
+        if (!path.empty()) s += fmt::format("  wrote {} {}\n", what, path);
+    }
+    return s;
+}
+
+Status run_simulate(const SimulateFlags& f) {
+    PDSIM_ASSIGN_OR_RETURN(Prepared p, prepare(f));
+    // Outputs are opened before the run so a bad path fails fast.
+    std::unique_ptr<CsvStream> csv;
+    if (!f.requests.empty()) {
+        csv = std::make_unique<CsvStream>();
+        PDSIM_RETURN_IF_ERROR(csv->open(f.requests));
+    }
+    std::unique_ptr<metrics::Timeline> timeline;
+    if (!f.timeline.empty()) timeline = std::make_unique<metrics::Timeline>();
+    PDSIM_ASSIGN_OR_RETURN(std::vector<des::SimResult> results,
+                           simulate_modes(p, f, csv.get(), timeline.get()));
+    const metrics::Report report = simulate_report(p, f, results);
     if (csv) PDSIM_RETURN_IF_ERROR(csv->close());
     if (!f.report.empty()) PDSIM_RETURN_IF_ERROR(metrics::write_report(f.report, report));
     if (timeline) PDSIM_RETURN_IF_ERROR(timeline->write(f.timeline));
     if (!f.quiet) {
-        std::string s = metrics::summary_table(report);
-        s += fmt::format("  workload: {}, {} requests\n", p.workload_label, n);
-        for (const auto& r : results) {
-            const des::SimStats& st = r.stats;
-            s += fmt::format(
-                "  simulator ({}): {:.3f} s wall ({:.0f} requests/s, {} events), {:.1f} s "
-                "simulated, {} preemptions, {} prefix-hit tokens\n",
-                r.report.mode, st.wall_s, st.wall_s > 0 ? static_cast<double>(n) / st.wall_s : 0,
-                st.events, st.sim_s, st.preemptions, st.prefix_hit_tokens);
-        }
-        s +=
-            fmt::format("  cost model: {}\n",
-                        results.front().report.extra["simulator"]["cost_model"].get<std::string>());
-        for (const auto& [path, what] :
-             {std::pair{f.report, "report"}, std::pair{f.timeline, "timeline"},
-              std::pair{f.requests, "requests"}}) {
-            if (!path.empty()) s += fmt::format("  wrote {} {}\n", what, path);
-        }
+        const std::string s = simulate_summary(p, f, report, results);
         std::fputs(s.c_str(), stdout);
         std::fflush(stdout);
     }
@@ -418,11 +442,7 @@ Status run_bench(BenchFlags& b) {
                   {"sim_s", s.sim_s},
                   {"requests_completed", rep.requests_completed},
                   {"requests_failed", rep.requests_failed}};
-        std::ofstream out(b.json_path);
-        if (!out) return bad(fmt::format("--json {}: cannot open for writing", b.json_path));
-        out << j.dump(2) << "\n";
-        if (!out)
-            return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", b.json_path));
+        PDSIM_RETURN_IF_ERROR(write_json_file("--json", b.json_path, j));
     }
     return {};
 }

@@ -1,11 +1,11 @@
 #include "sim/testbed/server.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <deque>
 #include <map>
 #include <set>
-
-#include <fmt/format.h>
 
 #include "backends/attention/attention_backend.h"
 #include "backends/kv/kv_pool.h"
@@ -16,6 +16,7 @@
 #include "sim/policy/batching.h"
 #include "sim/testbed/pd_backend.h"
 #include "sim/testbed/prompt.h"
+#include "sim/testbed/rank_builder.h"
 #include "transfer/engine/kv_layout.h"
 #include "transfer/engine/kv_receiver.h"
 #include "transfer/engine/kv_sender.h"
@@ -244,43 +245,38 @@ private:
 Status Server::setup() {
     const model::ModelConfig& m = cfg_.model;
     const int tp = ctx_.info.tp_size;
-    const int hkv = m.num_kv_heads / tp, hq = m.num_q_heads / tp;
-    stream_ = std::make_unique<runtime::CpuStream>(fmt::format("compute-r{}", ctx_.rank), timeout_ + milliseconds(5000));
-
-    kv::MHAPoolConfig pc;
-    pc.num_layers = m.num_layers;
-    pc.page_size = o_.page_size;
-    pc.num_kv_heads = hkv;
-    pc.head_dim = m.head_dim;
+    const int hkv = m.num_kv_heads / tp;
     const int64_t page_bytes = static_cast<int64_t>(m.num_layers) * 2 * hkv * m.head_dim * 4 * o_.page_size;
     const int64_t pages = std::max<int64_t>(2, (o_.kv_pool_mb << 20) / std::max<int64_t>(1, page_bytes) + 1);
-    pc.num_pages = static_cast<int>(std::min<int64_t>(pages, 1 << 24));
-    PDSIM_ASSIGN_OR_RETURN(pool_, kv::MHATokenToKVPool::create(pc));
-
-    if (role_ == Role::kPrefill) {
-        counter_ = std::make_unique<pd::StepCounter>(*stream_);
-    }
-    if (role_ != Role::kColocated) validator_ = std::make_unique<transfer::OrderingValidator>(ctx_.rank);
-
-    attn::AttentionConfig ac;
-    ac.num_q_heads = hq;
-    ac.num_kv_heads = hkv;
-    ac.head_dim = m.head_dim;
-    ac.stream = stream_.get();
-    ac.num_threads = ctx_.threads;
-    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<attn::AttentionBackend> inner,
-                           attn::create_attention_backend(o_.backend, ac));
-    PdBackendOptions bo;
-    bo.fault = role_ == Role::kPrefill ? o_.fault : Fault::kNone;
-    bo.counter = counter_.get();
-    bo.validator = role_ == Role::kPrefill ? validator_.get() : nullptr;
-    PDSIM_ASSIGN_OR_RETURN(transfer::HeadSlice slice, transfer::kv_head_slice(m.num_kv_heads, tp, ctx_.info.tp_rank));
-    bo.head_begin = slice.begin;
-    bo.num_layers = m.num_layers;
-    bo.max_bs = std::max(o_.max_batch_tokens, o_.max_decode_batch);
-    bo.max_pages_per_seq = pc.num_pages;
-    bo.on_record = [this](int layer, double t) { timeline_.instant(kTidRecord, fmt::format("record L{}", layer), "record", t); };
-    PDSIM_ASSIGN_OR_RETURN(backend_, PdAttentionBackend::create(std::move(inner), bo));
+    RankBuildOptions build;
+    build.model = &m;
+    build.tp_size = tp;
+    build.tp_rank = ctx_.info.tp_rank;
+    build.threads = ctx_.threads;
+    build.backend = o_.backend;
+    build.page_size = o_.page_size;
+    build.num_pages = static_cast<int>(std::min<int64_t>(pages, 1 << 24));
+    build.stream_name = fmt::format("compute-r{}", ctx_.rank);
+    build.stream_timeout = timeout_ + milliseconds(5000);
+    build.step_counter = role_ == Role::kPrefill;
+    build.validator = role_ != Role::kColocated;
+    build.validator_rank = ctx_.rank;
+    PDSIM_ASSIGN_OR_RETURN(RankParts parts, build_rank_parts(build));
+    PdBackendSide side;
+    side.prefill = role_ == Role::kPrefill;
+    side.fault = role_ == Role::kPrefill ? o_.fault : Fault::kNone;
+    side.max_bs = std::max(o_.max_batch_tokens, o_.max_decode_batch);
+    side.max_pages_per_seq = build.num_pages;
+    side.on_record = [this](int layer, double t) {
+        timeline_.instant(kTidRecord, fmt::format("record L{}", layer), "record", t);
+    };
+    auto backend = build_pd_backend(build, parts, side);
+    // Members in the parts' order (the stream outlives what enqueues on it), built or not.
+    stream_ = std::move(parts.stream);
+    pool_ = std::move(parts.pool);
+    counter_ = std::move(parts.counter);
+    validator_ = std::move(parts.validator);
+    PDSIM_ASSIGN_OR_RETURN(backend_, std::move(backend));
 
     layer_t0_.assign(static_cast<size_t>(m.num_layers), 0.0);
     ctx_.model->set_layer_hook([this](int layer, bool begin) {
@@ -374,27 +370,12 @@ json Server::forward_args(const Plan& plan) const {
 
 // One forward of `plan` on this rank; `next` receives the sampled token of each entry.
 Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
-    const int ps = o_.page_size;
-    model::StepBatch b;
-    b.mode = plan.mode;
-    int stride = 1;
-    for (const auto& e : plan.entries) stride = std::max<int>(stride, static_cast<int>(e.pages.size()));
-    b.page_table_stride = stride;
+    std::vector<ForwardEntry> entries;
+    entries.reserve(plan.entries.size());
+    for (const auto& e : plan.entries) entries.push_back({e.id, e.t0, e.t1, e.tokens, e.pages});
     auto segs = std::make_shared<Segments>();
-    int64_t off = 0;
-    for (const auto& e : plan.entries) {
-        for (int64_t t = e.t0; t < e.t1; ++t) {
-            b.out_cache_loc.push_back(e.pages[static_cast<size_t>(t / ps)] * ps + static_cast<int32_t>(t % ps));
-        }
-        b.tokens.insert(b.tokens.end(), e.tokens.begin(), e.tokens.end());
-        b.seq_lens.push_back(static_cast<int32_t>(e.t1));
-        b.extend_lens.push_back(static_cast<int32_t>(e.t1 - e.t0));
-        for (int p = 0; p < stride; ++p) {
-            b.page_table.push_back(p < static_cast<int>(e.pages.size()) ? e.pages[static_cast<size_t>(p)] : 0);
-        }
-        segs->push_back({e.id, e.t0, e.t1, off});
-        off += e.t1 - e.t0;
-    }
+    model::StepBatch b = build_step_batch(plan.mode, entries, o_.page_size, segs.get());
+    const auto off = static_cast<int64_t>(b.out_cache_loc.size());
     const bool prefill = role_ == Role::kPrefill && !attn::is_decode(plan.mode);
     backend_->set_segments(prefill ? segs : nullptr);
 

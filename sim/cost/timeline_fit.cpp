@@ -1,0 +1,523 @@
+#include "sim/cost/timeline_fit.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <tuple>
+
+#include "common/stats.h"
+
+namespace pdsim::cost {
+
+namespace {
+
+using json = nlohmann::json;
+using GroupKey = std::pair<int, int>;  // (tp, threads)
+
+Status bad_timeline(const std::string& flag, const std::string& path, const std::string& what) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("{} {}: {}", flag, path, what));
+}
+
+StatusOr<json> load_timeline_json(const std::string& path, const std::string& flag) {
+    std::ifstream in(path);
+    if (!in) return bad_timeline(flag, path, "cannot open");
+    json doc;
+    try {
+        in >> doc;
+    } catch (const json::exception& e) {
+        return bad_timeline(flag, path, fmt::format("not JSON: {}", e.what()));
+    }
+    return doc;
+}
+
+// The forward slices of `events` with batch args, in file order: times, instance and TP place
+// (every TP rank's: a follower's forward overlapping another instance's leader counts as that
+// instance computing); `args` gets each one's args, for its batch.
+StatusOr<std::vector<TimelineForward>> read_slices(const json& events, const std::string& path,
+                                                   const std::string& flag,
+                                                   std::vector<const json*>* args) {
+    std::vector<TimelineForward> slices;
+    for (const json& e : events) {
+        if (!e.is_object() || e.value("ph", "") != "X" || e.value("cat", "") != "forward") continue;
+        if (!e.contains("args")) continue;
+        const json& a = e["args"];
+        if (!a.is_object() || !a.contains("tp") || !a.contains("tp_rank") ||
+            !a.contains("threads") || !a.contains("instance")) {
+            continue;  // an older timeline's slice: no batch to fit
+        }
+        try {
+            TimelineForward f;
+            f.begin_us = e.at("ts").get<double>();
+            f.duration_us = e.at("dur").get<double>();
+            f.end_us = f.begin_us + f.duration_us;
+            f.tp_rank = a.at("tp_rank").get<int>();
+            f.instance = a.at("instance").get<int>();
+            f.compute_threads = a.at("tp").get<double>() * std::max(1, a.at("threads").get<int>());
+            f.tp = a.at("tp").get<int>();
+            f.threads = a.at("threads").get<int>();
+            slices.push_back(std::move(f));
+            args->push_back(&a);
+        } catch (const json::exception& ex) {
+            return bad_timeline(flag, path, fmt::format("forward slice: {}", ex.what()));
+        }
+    }
+    return slices;
+}
+
+// Reads the batch of a leader forward from its slice's args.
+void read_batch(const json& args, TimelineForward* f) {
+    f->decode = args.contains("kv_tokens");
+    if (f->decode) {
+        f->batch = args.at("batch").get<int64_t>();
+        f->kv_tokens = args.at("kv_tokens").get<int64_t>();
+        return;
+    }
+    for (const json& it : args.at("items")) {
+        f->items.push_back({it.at(0).get<int64_t>(), it.at(1).get<int64_t>()});
+    }
+}
+
+double predict(const std::vector<double>& coef, const std::vector<double>& features) {
+    double pred = 0;
+    for (size_t k = 0; k < features.size(); ++k) pred += coef[k] * features[k];
+    return pred;
+}
+
+// Tells, for a timeline's forwards sorted by begin, which overlap another instance's, and how a
+// leader forward's time splits into alone and shared (see OverlappedForward).
+class OverlapIndex {
+public:
+    explicit OverlapIndex(std::span<const TimelineForward> slices) : slices_(slices) {
+        for (const TimelineForward& x : slices_)
+            longest_ = std::max(longest_, x.end_us - x.begin_us);
+    }
+
+    // The simulator's CPU contention model slows forwards of instances that compute at the same
+    // time; fitting such forwards would count that slowdown twice.
+    [[nodiscard]] bool overlapped(size_t i) const {
+        const TimelineForward& x = slices_[i];
+        for (size_t j = i + 1; j < slices_.size() && slices_[j].begin_us < x.end_us; ++j) {
+            if (slices_[j].instance != x.instance) return true;
+        }
+        for (size_t j = i; j-- > 0 && slices_[j].begin_us > x.begin_us - longest_;) {
+            if (slices_[j].instance != x.instance && slices_[j].end_us > x.begin_us) return true;
+        }
+        return false;
+    }
+
+    // Alone and shared time of leader forward i, from the other instances' leader forwards.
+    void split(size_t i, double node_cpus, TimelineFitter::OverlappedForward* o) {
+        const TimelineForward& x = slices_[i];
+        edges_.clear();
+        // Slices are sorted by begin and none is longer than `longest_`: only those that begin
+        // after x.begin - longest_ can reach into x.
+        auto first =
+            std::lower_bound(slices_.begin(), slices_.end(), x.begin_us - longest_,
+                             [](const TimelineForward& a, double t) { return a.begin_us < t; });
+        for (size_t j = static_cast<size_t>(first - slices_.begin());
+             j < slices_.size() && slices_[j].begin_us < x.end_us; ++j) {
+            const TimelineForward& y = slices_[j];
+            if (y.tp_rank != 0 || y.instance == x.instance || y.end_us <= x.begin_us) continue;
+            edges_.emplace_back(std::max(x.begin_us, y.begin_us), y.compute_threads);
+            edges_.emplace_back(std::min(x.end_us, y.end_us), -y.compute_threads);
+        }
+        std::sort(edges_.begin(), edges_.end());
+        double others = 0, t = x.begin_us, shared = 0;
+        auto account = [&](double until) {
+            if (until <= t) return;
+            if (others > 1e-9) {
+                shared += until - t;
+                o->shared_core_s +=
+                    (until - t) * std::min(1.0, node_cpus / (x.compute_threads + others));
+            }
+            t = until;
+        };
+        for (const auto& [at, d] : edges_) {
+            account(at);
+            others += d;
+        }
+        account(x.end_us);
+        o->alone_s = (x.end_us - x.begin_us - shared) * 1e-6;
+        o->shared_core_s *= 1e-6;
+    }
+
+private:
+    std::span<const TimelineForward> slices_;
+    double longest_ = 0;
+    std::vector<std::pair<double, double>> edges_;  // (time, +-cores)
+};
+
+// The noise of one kind from residual ratios r = measured / fitted: total cv^2 = var(r); slow
+// cv^2 = var of the window means of r less what the fast part leaves in a mean of n points
+// (cv^2 / n); fast cv^2 = the rest. Windows with fewer than 3 points (long extends) cannot tell
+// slow from fast: then all of it is fast.
+struct Residuals {
+    std::vector<double> r;
+    std::vector<std::tuple<size_t, int, int64_t>> r_window;
+    std::map<std::tuple<size_t, int, int64_t>, std::pair<double, int>> windows;
+};
+
+std::pair<double, double> mean_var(const std::vector<double>& v) {
+    double mu = 0, q = 0;
+    for (double a : v) mu += a;
+    mu /= static_cast<double>(v.size());
+    for (double a : v) q += (a - mu) * (a - mu);
+    return {mu, q / static_cast<double>(v.size())};
+}
+
+// The fast part's quantiles: `fast` sorted, normalised to mean 1. The simulator interpolates
+// linearly between quantiles, so the distribution it draws from has mean sum (q_i + q_i+1) / 2K.
+// Between the two highest quantiles that misstates the slowest 1/K of the forwards (one 5x
+// outlier as the maximum made the mean 1.05): the highest quantile is set so that the mean is
+// the sample's, 1.
+std::vector<double> fast_quantiles(const std::vector<double>& fast) {
+    double fm = 0;
+    for (double v : fast) fm += v;
+    fm /= static_cast<double>(fast.size());
+    std::vector<double> qv;
+    for (size_t q = 0; q <= kNoiseQuantiles; ++q) {
+        qv.push_back(stats::quantile_sorted(fast, static_cast<double>(q) / kNoiseQuantiles) / fm);
+    }
+    auto pl_mean = [&] {
+        double sum = 0;
+        for (size_t i = 0; i + 1 < qv.size(); ++i) sum += (qv[i] + qv[i + 1]) / 2;
+        return sum / kNoiseQuantiles;
+    };
+    qv.back() -= 2.0 * kNoiseQuantiles * (pl_mean() - 1);
+    if (qv.back() < qv[qv.size() - 2]) {
+        qv.back() = qv[qv.size() - 2];
+        const double mean = pl_mean();
+        for (double& v : qv) v /= mean;
+    }
+    return qv;
+}
+
+json noise_of(Residuals& res) {
+    const std::vector<double>& r = res.r;
+    const auto [mr, vr] = mean_var(r);
+    const double cv2 = vr / (mr * mr);
+    std::vector<double> means;
+    double points = 0;
+    for (const auto& [k, win] : res.windows) {
+        if (win.second < 3) continue;
+        means.push_back(win.first / win.second);
+        points += win.second;
+    }
+    double slow2 = 0;
+    if (means.size() >= kMinTimelinePoints) {
+        const auto [mw, vw] = mean_var(means);
+        const double per_window = points / static_cast<double>(means.size());
+        slow2 = std::clamp(vw / (mw * mw) - cv2 / per_window, 0.0, cv2);
+    }
+    // Each point relative to its window's mean where the slow part was measured, else relative
+    // to the overall mean.
+    std::vector<double> fast;
+    for (size_t i = 0; i < r.size(); ++i) {
+        const auto& win = res.windows[res.r_window[i]];
+        fast.push_back(slow2 > 0 && win.second >= 3 ? r[i] / (win.first / win.second) : r[i] / mr);
+    }
+    std::sort(fast.begin(), fast.end());
+    json quantiles = fast_quantiles(fast);
+    return {{"fast_cv", std::sqrt(cv2 - slow2)},
+            {"fast_quantiles", quantiles},
+            {"slow_cv", std::sqrt(slow2)},
+            {"slow_period_s", slow2 > 0 ? kNoiseWindowS : 0.0},
+            {"points", r.size()},
+            {"windows", means.size()}};
+}
+
+}  // namespace
+
+StatusOr<std::vector<TimelineForward>> read_timeline_forwards(const std::string& path,
+                                                              const std::string& flag) {
+    PDSIM_ASSIGN_OR_RETURN(json doc, load_timeline_json(path, flag));
+    const json* events = doc.is_array() ? &doc : nullptr;
+    if (doc.is_object() && doc.contains("traceEvents") && doc["traceEvents"].is_array()) {
+        events = &doc["traceEvents"];
+    }
+    if (events == nullptr) {
+        return bad_timeline(flag, path,
+                            "no traceEvents array (expected the timeline of pdsim testbed "
+                            "--timeline)");
+    }
+    std::vector<const json*> args;
+    PDSIM_ASSIGN_OR_RETURN(std::vector<TimelineForward> slices,
+                           read_slices(*events, path, flag, &args));
+    // Sorted by begin as the fit needs them; the batches are read in that order, so that the
+    // first bad one is the earliest.
+    std::vector<size_t> order(slices.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](size_t x, size_t y) { return slices[x].begin_us < slices[y].begin_us; });
+    std::vector<TimelineForward> sorted;
+    sorted.reserve(slices.size());
+    for (size_t i : order) {
+        TimelineForward f = std::move(slices[i]);
+        if (f.tp_rank == 0 && f.duration_us * 1e-6 > 0) {
+            try {
+                read_batch(*args[i], &f);
+            } catch (const json::exception& ex) {
+                return bad_timeline(
+                    flag, path, fmt::format("forward slice at ts {}: {}", f.begin_us, ex.what()));
+            }
+        }
+        sorted.push_back(std::move(f));
+    }
+    return sorted;
+}
+
+json fit_to_json(std::span<const char* const> keys, const LinearFit& fit, size_t num_points,
+                 const std::string& source) {
+    json j;
+    for (size_t i = 0; i < keys.size(); ++i) j[keys[i]] = fit.coef[i];
+    j["r2"] = fit.r2;
+    j["max_rel_err"] = fit.max_rel_err;
+    j["mean_rel_err"] = fit.mean_rel_err;
+    j["num_points"] = num_points;
+    if (!source.empty()) j["source"] = source;
+    return j;
+}
+
+TimelineFitter::TimelineFitter(TimelineFitOptions options) : options_(std::move(options)) {}
+
+StatusOr<TimelineFileSummary> TimelineFitter::add_timeline(
+    const std::string& path, std::span<const TimelineForward> forwards) {
+    const size_t file_index = files_.size();
+    OverlapIndex index(forwards);
+    TimelineFileSummary summary{path, 0, 0};
+    for (size_t i = 0; i < forwards.size(); ++i) {
+        const TimelineForward& x = forwards[i];
+        if (x.tp_rank != 0) continue;
+        const double s = x.duration_us * 1e-6;
+        if (!(s > 0)) continue;
+        const GroupKey key{x.tp, x.threads};
+        std::vector<double> features;
+        if (x.decode) {
+            const auto f = decode_features(x.batch, x.kv_tokens);
+            features.assign(f.begin(), f.end());
+        } else {
+            const auto f = extend_features(x.items);
+            if (f[1] <= 0) continue;
+            features.assign(f.begin(), f.end());
+        }
+        if (!options_.include_overlapped && index.overlapped(i)) {
+            ++summary.overlapped_skipped;
+            OverlappedForward o{file_index, key, x.decode, std::move(features)};
+            index.split(i, options_.node_cpus, &o);
+            if (o.shared_core_s > 0) overlapped_.push_back(std::move(o));
+            continue;
+        }
+        Group& g = groups_[key];
+        (x.decode ? g.dx : g.ex).push_back(std::move(features));
+        (x.decode ? g.dy : g.ey).push_back(s);
+        (x.decode ? g.dw : g.ew).push_back({file_index, x.instance, x.begin_us * 1e-6});
+        ++summary.forwards;
+    }
+    if (summary.forwards == 0) {
+        const size_t skipped = summary.overlapped_skipped;
+        return bad_timeline(
+            options_.flag, path,
+            fmt::format("no forward slices with batch args (a timeline written by pdsim testbed "
+                        "--timeline){}",
+                        skipped > 0 ? fmt::format(" that no other instance's forward overlaps "
+                                                  "({} did)",
+                                                  skipped)
+                                    : ""));
+    }
+    files_.push_back(summary);
+    return summary;
+}
+
+// Run levels. The testbed's runs differ as a whole (a run of the same command may be 10% slower
+// than the next: the host), and the comparison takes the median of runs; so the fit follows the
+// median run. Per (file, kind): level = sum measured / sum fitted over that file's points, with
+// fits of all points; each file's times are divided by its level over the median level before
+// the fits, and its overlapped forwards are compared with fitted times at its level.
+TimelineFitter::Levels TimelineFitter::run_levels(std::map<GroupKey, Group>* groups,
+                                                  json* levels) const {
+    Levels level;
+    std::map<std::pair<size_t, bool>, std::pair<double, double>> sums;  // measured, fitted
+    for (const auto& [key, g] : *groups) {
+        for (const bool decode : {false, true}) {
+            const auto& x = decode ? g.dx : g.ex;
+            const auto& y = decode ? g.dy : g.ey;
+            const auto& w = decode ? g.dw : g.ew;
+            if (y.size() < kMinTimelinePoints) continue;
+            auto f = fit_nonnegative(x, y, FitTarget::kMean);
+            if (!f.ok()) continue;  // reported by the fit of the groups
+            for (size_t i = 0; i < y.size(); ++i) {
+                auto& sm = sums[{w[i].file, decode}];
+                sm.first += y[i];
+                sm.second += predict(f->coef, x[i]);
+            }
+        }
+    }
+    for (const bool decode : {false, true}) {
+        std::vector<double> v;
+        for (const auto& [fk, sm] : sums) {
+            if (fk.second == decode && sm.second > 0) v.push_back(sm.first / sm.second);
+        }
+        if (v.size() < 2) continue;
+        const double med = stats::median(v);
+        for (const auto& [fk, sm] : sums) {
+            if (fk.second == decode && sm.second > 0) level[fk] = sm.first / sm.second / med;
+        }
+    }
+    for (auto& [key, g] : *groups) {
+        for (const bool decode : {false, true}) {
+            auto& y = decode ? g.dy : g.ey;
+            const auto& w = decode ? g.dw : g.ew;
+            for (size_t i = 0; i < y.size(); ++i) {
+                auto it = level.find({w[i].file, decode});
+                if (it != level.end()) y[i] /= it->second;
+            }
+        }
+    }
+    for (size_t fi = 0; fi < files_.size(); ++fi) {
+        json l = {{"path", files_[fi].path}};
+        for (const bool decode : {false, true}) {
+            auto it = level.find({fi, decode});
+            l[decode ? "decode" : "extend"] = it == level.end() ? json() : json(it->second);
+        }
+        levels->push_back(std::move(l));
+    }
+    return level;
+}
+
+StatusOr<json> TimelineFitter::fit_groups(const std::map<GroupKey, Group>& groups,
+                                          const CostFile* base, Coefficients* coef) const {
+    auto from_base = [&](int tp, int threads, const char* kind) -> const json* {
+        if (base == nullptr) return nullptr;
+        for (const json& f : base->json().at("fits")) {
+            if (f.at("tp").get<int>() == tp && f.at("threads").get<int>() == threads) {
+                return &f.at(kind);
+            }
+        }
+        return nullptr;
+    };
+    const std::string& label = options_.timelines_label;
+    json fits = json::array();
+    for (const auto& [key, g] : groups) {
+        const auto [tp, threads] = key;
+        json fit = {{"tp", tp}, {"threads", threads}};
+        for (const bool decode : {false, true}) {
+            const char* kind = decode ? "decode" : "extend";
+            const auto& x = decode ? g.dx : g.ex;
+            const auto& y = decode ? g.dy : g.ey;
+            if (y.empty()) {
+                if (const json* b = from_base(tp, threads, kind)) {
+                    fit[kind] = *b;
+                    fit[kind]["source"] = "base " + options_.base_path;
+                    continue;
+                }
+                return Status(StatusCode::kInvalidArgument,
+                              fmt::format("{} {}: tp {} threads {} has no {} forwards; give --base "
+                                          "COST.json with a tp {} threads {} fit to take them from",
+                                          options_.flag, label, tp, threads, kind, tp, threads));
+            }
+            if (y.size() < kMinTimelinePoints) {
+                return Status(StatusCode::kInvalidArgument,
+                              fmt::format("{} {}: tp {} threads {} has {} {} forwards, too few "
+                                          "to fit (at least {})",
+                                          options_.flag, label, tp, threads, y.size(), kind,
+                                          kMinTimelinePoints));
+            }
+            auto f = fit_nonnegative(x, y, FitTarget::kMean);
+            if (!f.ok()) {
+                return f.status().with_context(fmt::format(
+                    "{} {}: tp {} threads {} {}", options_.flag, label, tp, threads, kind));
+            }
+            (*coef)[{key, decode}] = f->coef;
+            fit[kind] = decode ? fit_to_json(kDecodeKeys, *f, y.size(), "timeline")
+                               : fit_to_json(kExtendKeys, *f, y.size(), "timeline");
+        }
+        fits.push_back(std::move(fit));
+    }
+    return fits;
+}
+
+// Interference, per kind: 1 + x = sum shared_core_s / sum (iso - alone_s) over the overlapped
+// forwards whose (tp, threads, kind) was fitted here (a ratio of sums: long forwards weigh more,
+// as they do in a request's latency).
+json TimelineFitter::fit_interference(const Coefficients& coef, const Levels& level) const {
+    json interference = json::object();
+    json counts = json::object();
+    for (const bool decode : {false, true}) {
+        const char* kind = decode ? "decode" : "extend";
+        double num = 0, den = 0;
+        size_t n = 0;
+        for (const OverlappedForward& f : overlapped_) {
+            auto c = coef.find({f.key, decode});
+            if (f.decode != decode || c == coef.end()) continue;
+            double iso = predict(c->second, f.features);
+            if (auto l = level.find({f.file, decode}); l != level.end()) iso *= l->second;
+            num += f.shared_core_s;
+            den += iso - f.alone_s;
+            ++n;
+        }
+        // Too few, or faster than the contention model already predicts: none measured.
+        interference[kind] =
+            n >= kMinTimelinePoints && den > 0 ? std::max(0.0, num / den - 1) : 0.0;
+        counts[kind] = n;
+    }
+    interference["node_cpus"] = options_.node_cpus;
+    interference["overlapped_forwards"] = std::move(counts);
+    return interference;
+}
+
+StatusOr<json> TimelineFitter::fit(const CostFile* base) const {
+    std::map<GroupKey, Group> groups = groups_;  // the run levels rescale the times
+    Levels level;
+    json levels = json::array();
+    if (files_.size() >= 2) level = run_levels(&groups, &levels);
+    Coefficients coef;
+    PDSIM_ASSIGN_OR_RETURN(json fits, fit_groups(groups, base, &coef));
+    json interference = json::object();
+    if (!options_.include_overlapped) interference = fit_interference(coef, level);
+    json noise = json::object();
+    for (const bool decode : {false, true}) {
+        Residuals res;
+        for (const auto& [key, g] : groups) {
+            auto c = coef.find({key, decode});
+            if (c == coef.end()) continue;
+            const auto& x = decode ? g.dx : g.ex;
+            const auto& y = decode ? g.dy : g.ey;
+            const auto& w = decode ? g.dw : g.ew;
+            for (size_t i = 0; i < y.size(); ++i) {
+                const double pred = predict(c->second, x[i]);
+                if (!(pred > 0)) continue;
+                res.r.push_back(y[i] / pred);
+                res.r_window.emplace_back(w[i].file, w[i].instance,
+                                          static_cast<int64_t>(std::floor(w[i].t / kNoiseWindowS)));
+                auto& win = res.windows[res.r_window.back()];
+                win.first += y[i] / pred;
+                ++win.second;
+            }
+        }
+        if (res.r.size() < kMinTimelinePoints) continue;
+        noise[decode ? "decode" : "extend"] = noise_of(res);
+    }
+    json files = json::array();
+    for (const TimelineFileSummary& f : files_) {
+        files.push_back({{"path", f.path},
+                         {"forwards", f.forwards},
+                         {"overlapped_skipped", f.overlapped_skipped}});
+    }
+    const std::string& base_path = options_.base_path;
+    return json{{"fits", fits},
+                {"interference", interference},
+                {"noise", noise},
+                {"source",
+                 {{"kind", "testbed timelines"},
+                  {"files", files},
+                  {"leaders_only", true},
+                  {"overlapped_included", options_.include_overlapped},
+                  {"run_levels", levels},
+                  {"base", base_path.empty() ? json() : json(base_path)}}},
+                {"transports", base != nullptr ? base->json().value("transports", json::object())
+                                               : json::object()}};
+}
+
+}  // namespace pdsim::cost

@@ -1,0 +1,83 @@
+#include "sim/testbed/rank_builder.h"
+
+#include <algorithm>
+
+#include "backends/attention/attention_backend.h"
+#include "transfer/engine/kv_layout.h"
+
+namespace pdsim::testbed {
+
+StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options) {
+    const model::ModelConfig& m = *options.model;
+    RankParts parts;
+    parts.stream =
+        std::make_unique<runtime::CpuStream>(options.stream_name, options.stream_timeout);
+    kv::MHAPoolConfig pc;
+    pc.num_layers = m.num_layers;
+    pc.page_size = options.page_size;
+    pc.num_kv_heads = m.num_kv_heads / options.tp_size;
+    pc.head_dim = m.head_dim;
+    pc.num_pages = options.num_pages;
+    PDSIM_ASSIGN_OR_RETURN(parts.pool, kv::MHATokenToKVPool::create(pc));
+    if (options.step_counter) parts.counter = std::make_unique<pd::StepCounter>(*parts.stream);
+    if (options.validator) {
+        parts.validator = std::make_unique<transfer::OrderingValidator>(options.validator_rank);
+    }
+    return parts;
+}
+
+StatusOr<std::unique_ptr<PdAttentionBackend>> build_pd_backend(const RankBuildOptions& options,
+                                                               const RankParts& parts,
+                                                               PdBackendSide side) {
+    const model::ModelConfig& m = *options.model;
+    attn::AttentionConfig ac;
+    ac.num_q_heads = m.num_q_heads / options.tp_size;
+    ac.num_kv_heads = m.num_kv_heads / options.tp_size;
+    ac.head_dim = m.head_dim;
+    ac.stream = parts.stream.get();
+    ac.num_threads = options.threads;
+    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<attn::AttentionBackend> inner,
+                           attn::create_attention_backend(options.backend, ac));
+    PdBackendOptions bo;
+    bo.fault = side.fault;
+    bo.counter = side.prefill ? parts.counter.get() : nullptr;
+    bo.validator = side.prefill ? parts.validator.get() : nullptr;
+    PDSIM_ASSIGN_OR_RETURN(
+        transfer::HeadSlice slice,
+        transfer::kv_head_slice(m.num_kv_heads, options.tp_size, options.tp_rank));
+    bo.head_begin = slice.begin;
+    bo.num_layers = m.num_layers;
+    bo.max_bs = side.max_bs;
+    bo.max_pages_per_seq = side.max_pages_per_seq;
+    bo.on_record = std::move(side.on_record);
+    return PdAttentionBackend::create(std::move(inner), bo);
+}
+
+model::StepBatch build_step_batch(attn::ForwardMode mode, std::span<const ForwardEntry> entries,
+                                  int page_size, Segments* segments) {
+    const int ps = page_size;
+    model::StepBatch b;
+    b.mode = mode;
+    int stride = 1;
+    for (const auto& e : entries) stride = std::max<int>(stride, static_cast<int>(e.pages.size()));
+    b.page_table_stride = stride;
+    int64_t off = 0;
+    for (const auto& e : entries) {
+        for (int64_t t = e.t0; t < e.t1; ++t) {
+            b.out_cache_loc.push_back(e.pages[static_cast<size_t>(t / ps)] * ps +
+                                      static_cast<int32_t>(t % ps));
+        }
+        b.tokens.insert(b.tokens.end(), e.tokens.begin(), e.tokens.end());
+        b.seq_lens.push_back(static_cast<int32_t>(e.t1));
+        b.extend_lens.push_back(static_cast<int32_t>(e.t1 - e.t0));
+        for (int p = 0; p < stride; ++p) {
+            b.page_table.push_back(
+                p < static_cast<int>(e.pages.size()) ? e.pages[static_cast<size_t>(p)] : 0);
+        }
+        segments->push_back({e.request, e.t0, e.t1, off});
+        off += e.t1 - e.t0;
+    }
+    return b;
+}
+
+}  // namespace pdsim::testbed

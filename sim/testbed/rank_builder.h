@@ -1,0 +1,98 @@
+// What one testbed rank builds to run forwards, in one place for the testbed server
+// (sim/testbed/server.cpp, Server::setup and Server::execute) and `pdsim calibrate`, which times
+// the same forwards on the same objects (sim/cli/calibrate_cmd.cpp):
+//   build_rank_parts: the rank's compute stream, its fp32 MHA KV pool (this rank's KV heads),
+//     and, when asked, the prefill side's StepCounter and the ordering validator;
+//   build_pd_backend: the attention backend (`backend`, `threads` kernel threads) wrapped in the
+//     testbed's PdAttentionBackend, for the prefill side (records into the StepCounter, ordering
+//     checksums) or not;
+//   build_step_batch: the model batch of one forward from its requests' positions, tokens and
+//     page tables, and the segments that tell the backend which tokens are whose.
+// Ownership: the caller owns what is returned; a RankParts' stream must outlive everything that
+// enqueues on it (its members are declared in reverse destruction order; keep that order when
+// moving them into other members). Thread-safety: the functions are reentrant; the objects they
+// return have their own contracts (backends/runtime/cpu_stream.h, sim/testbed/pd_backend.h).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "backends/kv/kv_pool.h"
+#include "backends/model/model.h"
+#include "backends/model/model_config.h"
+#include "backends/pd/step_counter.h"
+#include "backends/runtime/cpu_stream.h"
+#include "common/status.h"
+#include "sim/testbed/options.h"
+#include "sim/testbed/pd_backend.h"
+#include "transfer/engine/ordering_validator.h"
+
+namespace pdsim::testbed {
+
+struct RankBuildOptions {
+    const model::ModelConfig* model = nullptr;  // required; outlives the call
+    int tp_size = 1;
+    int tp_rank = 0;
+    int threads = 1;              // attention kernel threads
+    std::string backend = "cpu";  // attn::create_attention_backend's name
+    int page_size = 16;           // KV page size (tokens)
+    int num_pages = 2;            // KV pool pages
+    std::string stream_name = "cpu";
+    // The stream's bound on waits (CpuStream's wait_timeout).
+    std::chrono::milliseconds stream_timeout = runtime::kDefaultWaitTimeout;
+    bool step_counter = false;  // build the prefill side's StepCounter
+    bool validator = false;     // build an ordering validator
+    int validator_rank = 0;     // the rank the validator reports violations as
+};
+
+// Declaration order is the reverse of destruction: the stream outlives everything that enqueues
+// on it.
+struct RankParts {
+    std::unique_ptr<runtime::CpuStream> stream;
+    std::unique_ptr<kv::MHATokenToKVPool> pool;
+    std::unique_ptr<pd::StepCounter> counter;                // null unless step_counter
+    std::unique_ptr<transfer::OrderingValidator> validator;  // null unless validator
+};
+
+// Builds the stream, then the pool (num_kv_heads / tp_size heads of head_dim), then the counter
+// and the validator. Errors: the pool's (kInvalidArgument for a bad shape, kResourceExhausted).
+[[nodiscard]] StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options);
+
+struct PdBackendSide {
+    // The prefill side: the backend advances `parts.counter` and records ordering checksums into
+    // `parts.validator` (both must have been built); otherwise it uses neither.
+    bool prefill = false;
+    Fault fault = Fault::kNone;
+    int max_bs = 256;  // graph buffers: the most tokens (extend) or requests (decode) a forward has
+    int max_pages_per_seq = 1024;
+    std::function<void(int layer, double t_us)> on_record;  // see PdBackendOptions
+};
+
+// The attention backend `options.backend` on `parts.stream` with this rank's heads (the KV head
+// slice of transfer/engine/kv_layout.h), wrapped in a PdAttentionBackend. Errors: an unknown
+// backend or a TP size the heads do not divide (kInvalidArgument), the backend's own.
+[[nodiscard]] StatusOr<std::unique_ptr<PdAttentionBackend>> build_pd_backend(
+    const RankBuildOptions& options, const RankParts& parts, PdBackendSide side);
+
+// One request's part of a forward: positions [t0, t1) computed, their token ids (t1 - t0 of
+// them), and the request's page table (pages[t / page_size] holds position t).
+struct ForwardEntry {
+    uint64_t request = 0;
+    int64_t t0 = 0;
+    int64_t t1 = 0;
+    std::span<const int32_t> tokens;
+    std::span<const int32_t> pages;
+};
+
+// The batch of a forward of `entries` in order: every entry's new tokens and their KV slots,
+// seq_len t1, extend_len t1 - t0, and its page table padded with page 0 to the longest one's.
+// `segments` (not null) gets each entry's (request, t0, t1, offset in the batch).
+[[nodiscard]] model::StepBatch build_step_batch(attn::ForwardMode mode,
+                                                std::span<const ForwardEntry> entries,
+                                                int page_size, Segments* segments);
+
+}  // namespace pdsim::testbed

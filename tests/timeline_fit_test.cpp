@@ -1,0 +1,371 @@
+// sim/cost/timeline_fit.h without a subprocess: forward records generated from known cost
+// coefficients (the features computed here by hand from docs/cost-models.md's forms, not with
+// the library's), fitted, and the coefficients recovered; the overlap and interference rules; and
+// the parser's errors, which name the file and the field.
+#include "sim/cost/timeline_fit.h"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdint>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "tests/cli_test_util.h"
+
+namespace pdsim::cost {
+namespace {
+
+using json = nlohmann::json;
+
+// const, per token, per attention pair, per request (extend); const, per request, per weight
+// pass, per KV token (decode).
+constexpr std::array<double, 4> kExtend = {1.5e-3, 8.0e-5, 4.0e-8, 3.0e-4};
+constexpr std::array<double, 4> kDecode = {3.0e-4, 2.0e-5, 2.5e-4, 2.0e-8};
+
+double extend_seconds(const std::vector<ExtendItem>& items) {
+    double tokens = 0, pairs = 0;
+    for (const ExtendItem& it : items) {
+        const double n = static_cast<double>(it.new_tokens);
+        tokens += n;
+        pairs += n * (static_cast<double>(it.cached_tokens) + (n + 1) / 2);
+    }
+    return kExtend[0] + kExtend[1] * tokens + kExtend[2] * pairs +
+           kExtend[3] * static_cast<double>(items.size());
+}
+
+double decode_seconds(int64_t batch, int64_t kv_tokens) {
+    const double passes = static_cast<double>(batch / 4 + batch % 4);
+    return kDecode[0] + kDecode[1] * static_cast<double>(batch) + kDecode[2] * passes +
+           kDecode[3] * static_cast<double>(kv_tokens);
+}
+
+// Deterministic multiplicative noise in [1 - amplitude, 1 + amplitude].
+class Noise {
+public:
+    explicit Noise(double amplitude) : amplitude_(amplitude) {}
+    double next() {
+        state_ = state_ * 6364136223846793005ULL + 1442695040888963407ULL;
+        const double u = static_cast<double>(state_ >> 11) / 9007199254740992.0;  // [0, 1)
+        return 1 + amplitude_ * (2 * u - 1);
+    }
+
+private:
+    double amplitude_;
+    uint64_t state_ = 42;
+};
+
+// Appends forwards one after another, 10 s apart: none overlaps another (not even a TP
+// follower's copy 3x as long).
+struct Recorder {
+    std::vector<TimelineForward> forwards;
+    double now_us = 0;
+
+    void extend(int instance, int tp_rank, std::vector<ExtendItem> items, double seconds) {
+        TimelineForward f = place(instance, tp_rank, seconds);
+        f.items = std::move(items);
+        forwards.push_back(std::move(f));
+    }
+    void decode(int instance, int64_t batch, int64_t kv_tokens, double seconds) {
+        TimelineForward f = place(instance, 0, seconds);
+        f.decode = true;
+        f.batch = batch;
+        f.kv_tokens = kv_tokens;
+        forwards.push_back(std::move(f));
+    }
+    TimelineForward place(int instance, int tp_rank, double seconds) {
+        now_us += 1e7;
+        TimelineForward f;
+        f.begin_us = now_us;
+        f.duration_us = seconds * 1e6;
+        f.end_us = f.begin_us + f.duration_us;
+        f.instance = instance;
+        f.tp_rank = tp_rank;
+        f.compute_threads = 1;
+        return f;
+    }
+};
+
+// A TP-1 instance's extend forwards over (requests, new, cached) and decode forwards over
+// (batch, KV per request), each time scaled by noise.next().
+Recorder grid_of_forwards(Noise& noise) {
+    Recorder rec;
+    for (int requests : {1, 2, 3, 6}) {
+        for (int new_tokens : {8, 64, 300, 900}) {
+            for (int cached : {0, 256, 1024}) {
+                std::vector<ExtendItem> items(static_cast<size_t>(requests), {new_tokens, cached});
+                items.back().new_tokens += 5;  // unequal requests
+                rec.extend(0, 0, items, extend_seconds(items) * noise.next());
+            }
+        }
+    }
+    for (int64_t batch : {1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 24}) {
+        for (int64_t kv : {32, 400, 2000}) {
+            rec.decode(1, batch, batch * kv, decode_seconds(batch, batch * kv) * noise.next());
+        }
+    }
+    return rec;
+}
+
+const json* fit_of(const json& part, int tp, int threads) {
+    for (const json& f : part.at("fits")) {
+        if (f.at("tp") == tp && f.at("threads") == threads) return &f;
+    }
+    return nullptr;
+}
+
+void expect_coefficients(const json& fit, double relative_tolerance) {
+    for (size_t i = 0; i < kExtendKeys.size(); ++i) {
+        EXPECT_NEAR(fit["extend"][kExtendKeys[i]].get<double>(), kExtend[i],
+                    relative_tolerance * kExtend[i])
+            << kExtendKeys[i];
+    }
+    for (size_t i = 0; i < kDecodeKeys.size(); ++i) {
+        EXPECT_NEAR(fit["decode"][kDecodeKeys[i]].get<double>(), kDecode[i],
+                    relative_tolerance * kDecode[i])
+            << kDecodeKeys[i];
+    }
+}
+
+TEST(TimelineFit, RecoversExactCoefficients) {
+    Noise none(0);
+    Recorder rec = grid_of_forwards(none);
+    TimelineFitter fitter({});
+    auto summary = fitter.add_timeline("run.json", rec.forwards);
+    ASSERT_TRUE(summary.ok()) << summary.status().to_string();
+    EXPECT_EQ(summary->forwards, rec.forwards.size());
+    EXPECT_EQ(summary->overlapped_skipped, 0u);
+    auto part = fitter.fit(nullptr);
+    ASSERT_TRUE(part.ok()) << part.status().to_string();
+    const json* fit = fit_of(*part, 1, 1);
+    ASSERT_NE(fit, nullptr) << part->dump();
+    expect_coefficients(*fit, 1e-6);
+    EXPECT_EQ((*fit)["extend"]["num_points"], 48);
+    EXPECT_EQ((*fit)["decode"]["num_points"], 33);
+    EXPECT_EQ((*fit)["extend"]["source"], "timeline");
+    EXPECT_EQ((*part)["source"]["files"][0]["path"], "run.json");
+    // Exact times: no noise in any quantile.
+    for (const auto& q : (*part)["noise"]["decode"]["fast_quantiles"]) {
+        EXPECT_NEAR(q.get<double>(), 1, 1e-9);
+    }
+}
+
+TEST(TimelineFit, RecoversCoefficientsUnderSmallNoise) {
+    Noise noise(0.01);  // +-1%
+    Recorder rec = grid_of_forwards(noise);
+    TimelineFitter fitter({});
+    ASSERT_TRUE(fitter.add_timeline("run.json", rec.forwards).ok());
+    auto part = fitter.fit(nullptr);
+    ASSERT_TRUE(part.ok()) << part.status().to_string();
+    const json* fit = fit_of(*part, 1, 1);
+    ASSERT_NE(fit, nullptr);
+    expect_coefficients(*fit, 0.1);
+    EXPECT_GT((*fit)["extend"]["r2"].get<double>(), 0.999);
+    // Uniform noise of +-1% has cv 0.01 / sqrt(3).
+    EXPECT_NEAR((*part)["noise"]["extend"]["fast_cv"].get<double>(), 0.01 / std::sqrt(3.0), 0.003);
+}
+
+TEST(TimelineFit, FollowersAreNotFittedAndOverlappedForwardsAreSetAside) {
+    Noise none(0);
+    Recorder rec = grid_of_forwards(none);
+    // A follower's copy of every extend, 3x slow: counted, it would show in the fit.
+    const size_t leaders = rec.forwards.size();
+    for (size_t i = 0; i < leaders; ++i) {
+        if (rec.forwards[i].decode) continue;
+        TimelineForward follower = rec.forwards[i];
+        follower.tp_rank = 1;
+        follower.duration_us *= 3;
+        follower.end_us = follower.begin_us + follower.duration_us;
+        follower.items.clear();
+        rec.forwards.push_back(follower);
+    }
+    // A 10x slow extend of instance 0 with a decode of instance 1 inside it: both overlapped.
+    rec.extend(0, 0, {{300, 0}}, extend_seconds({{300, 0}}) * 10);
+    TimelineForward inside = rec.forwards.back();
+    inside.instance = 1;
+    inside.begin_us += 10;
+    inside.duration_us = 100;
+    inside.end_us = inside.begin_us + inside.duration_us;
+    inside.items.clear();
+    inside.decode = true;
+    inside.batch = 2;
+    inside.kv_tokens = 100;
+    rec.forwards.push_back(inside);
+    std::stable_sort(
+        rec.forwards.begin(), rec.forwards.end(),
+        [](const TimelineForward& a, const TimelineForward& b) { return a.begin_us < b.begin_us; });
+    TimelineFitter fitter({});
+    auto summary = fitter.add_timeline("run.json", rec.forwards);
+    ASSERT_TRUE(summary.ok()) << summary.status().to_string();
+    EXPECT_EQ(summary->forwards, leaders);
+    EXPECT_EQ(summary->overlapped_skipped, 2u);
+    auto part = fitter.fit(nullptr);
+    ASSERT_TRUE(part.ok()) << part.status().to_string();
+    expect_coefficients(*fit_of(*part, 1, 1), 1e-6);
+}
+
+// An extend of instance 0 and a decode of instance 1 that overlap, timed as the simulator's model
+// says for interference x_e, x_d on 2 cores (no core sharing): the decode runs inside the extend,
+// (1 + x_d) slower all along; the extend is (1 + x_e) slower while the decode runs.
+TEST(TimelineFit, MeasuresInterference) {
+    constexpr double kXe = 0.2, kXd = 0.3;
+    Noise none(0);
+    Recorder rec = grid_of_forwards(none);
+    for (int k = 0; k < 10; ++k) {
+        const std::vector<ExtendItem> items = {{200 + 50 * k, 0}};
+        const double d_obs = decode_seconds(2, 600) * (1 + kXd);
+        const double e_obs = extend_seconds(items) - d_obs / (1 + kXe) + d_obs;
+        rec.extend(0, 0, items, e_obs);
+        const double begin = rec.forwards.back().begin_us + 10;
+        rec.decode(1, 2, 600, d_obs);
+        rec.forwards.back().begin_us = begin;
+        rec.forwards.back().end_us = begin + d_obs * 1e6;
+    }
+    TimelineFitOptions options;
+    options.node_cpus = 2;
+    TimelineFitter fitter(options);
+    auto summary = fitter.add_timeline("run.json", rec.forwards);
+    ASSERT_TRUE(summary.ok()) << summary.status().to_string();
+    EXPECT_EQ(summary->overlapped_skipped, 20u);
+    auto part = fitter.fit(nullptr);
+    ASSERT_TRUE(part.ok()) << part.status().to_string();
+    const json& interference = (*part)["interference"];
+    EXPECT_NEAR(interference["extend"].get<double>(), kXe, 1e-6) << interference.dump();
+    EXPECT_NEAR(interference["decode"].get<double>(), kXd, 1e-6) << interference.dump();
+    EXPECT_EQ(interference["overlapped_forwards"]["decode"], 10);
+    EXPECT_EQ(interference["node_cpus"], 2.0);
+}
+
+TEST(TimelineFit, FitErrorsNameTheTimelinesAndWhatIsMissing) {
+    Noise none(0);
+    Recorder few;
+    for (int n = 1; n <= 3; ++n) few.extend(0, 0, {{64 * n, 0}}, extend_seconds({{64 * n, 0}}));
+    TimelineFitOptions options;
+    options.timelines_label = "a.json,b.json";
+    TimelineFitter fitter(options);
+    ASSERT_TRUE(fitter.add_timeline("a.json", few.forwards).ok());
+    auto part = fitter.fit(nullptr);
+    ASSERT_FALSE(part.ok());
+    EXPECT_EQ(part.status().code(), StatusCode::kInvalidArgument);
+    // The extend forwards are too few; decode is missing altogether and reported first.
+    EXPECT_NE(part.status().message().find("a.json,b.json"), std::string::npos);
+    EXPECT_NE(part.status().message().find("too few"), std::string::npos)
+        << part.status().message();
+
+    // A file whose only leader forward overlaps another instance's: nothing to fit.
+    Recorder overlapping;
+    overlapping.extend(0, 0, {{64, 0}}, 0.01);
+    TimelineForward other = overlapping.forwards.back();
+    other.instance = 1;
+    overlapping.forwards.push_back(other);
+    TimelineFitter second({});
+    auto added = second.add_timeline("c.json", overlapping.forwards);
+    ASSERT_FALSE(added.ok());
+    EXPECT_NE(added.status().message().find("--from-timeline c.json"), std::string::npos);
+    EXPECT_NE(added.status().message().find("(2 did)"), std::string::npos)
+        << added.status().message();
+}
+
+// ---- the parser ----
+
+json slice(double ts, double dur, json args) {
+    return {{"name", "forward"}, {"cat", "forward"}, {"ph", "X"},  {"pid", 0},
+            {"tid", 0},          {"ts", ts},         {"dur", dur}, {"args", std::move(args)}};
+}
+
+std::string write(const test::TempDir& dir, const std::string& name, const std::string& text) {
+    const std::string path = dir.str(name);
+    std::ofstream(path) << text;
+    return path;
+}
+
+TEST(TimelineParser, ReadsForwardsSortedByBegin) {
+    test::TempDir dir("timeline-fit");
+    json events = json::array();
+    events.push_back({{"name", "L0"}, {"cat", "compute"}, {"ph", "X"}, {"ts", 0}, {"dur", 5}});
+    events.push_back(slice(300, 40,
+                           {{"instance", 1},
+                            {"tp", 2},
+                            {"tp_rank", 0},
+                            {"threads", 3},
+                            {"batch", 4},
+                            {"kv_tokens", 800}}));
+    events.push_back(slice(100, 50,
+                           {{"instance", 0},
+                            {"tp", 1},
+                            {"tp_rank", 0},
+                            {"threads", 1},
+                            {"items", {{16, 0}, {32, 64}}}}));
+    events.push_back(slice(200, 50, {{"instance", 1}, {"tp", 2}, {"tp_rank", 1}, {"threads", 3}}));
+    events.push_back(slice(250, 50, {{"tp", 1}}));  // an older timeline's slice: skipped
+    const std::string path = write(dir, "tl.json", json{{"traceEvents", events}}.dump());
+    auto forwards = read_timeline_forwards(path);
+    ASSERT_TRUE(forwards.ok()) << forwards.status().to_string();
+    ASSERT_EQ(forwards->size(), 3u);
+    const TimelineForward& extend = (*forwards)[0];
+    EXPECT_EQ(extend.begin_us, 100);
+    EXPECT_EQ(extend.end_us, 150);
+    EXPECT_FALSE(extend.decode);
+    ASSERT_EQ(extend.items.size(), 2u);
+    EXPECT_EQ(extend.items[1].new_tokens, 32);
+    EXPECT_EQ(extend.items[1].cached_tokens, 64);
+    const TimelineForward& follower = (*forwards)[1];
+    EXPECT_EQ(follower.tp_rank, 1);
+    EXPECT_EQ(follower.compute_threads, 6);
+    const TimelineForward& decode = (*forwards)[2];
+    EXPECT_TRUE(decode.decode);
+    EXPECT_EQ(decode.batch, 4);
+    EXPECT_EQ(decode.kv_tokens, 800);
+    EXPECT_EQ(decode.tp, 2);
+    EXPECT_EQ(decode.threads, 3);
+    // A bare array of events reads the same.
+    auto bare = read_timeline_forwards(write(dir, "bare.json", events.dump()));
+    ASSERT_TRUE(bare.ok()) << bare.status().to_string();
+    EXPECT_EQ(bare->size(), 3u);
+}
+
+TEST(TimelineParser, ErrorsNameTheFileAndTheField) {
+    test::TempDir dir("timeline-fit");
+    const json leader = {{"instance", 0}, {"tp", 1}, {"tp_rank", 0}, {"threads", 1}};
+    json no_items = leader;
+    json bad_dur = slice(7, 1, leader);
+    bad_dur["dur"] = "long";
+    json bad_batch = leader;
+    bad_batch["kv_tokens"] = 10;
+    struct Case {
+        std::string name, text, mention;
+    };
+    const std::vector<Case> cases = {
+        {"notjson.json", "{\"traceEvents\": [\n  {\"ph\": \"X\",,}\n]}", "line 2"},
+        {"noevents.json", json{{"other", 1}}.dump(), "no traceEvents array"},
+        {"baddur.json", json{{"traceEvents", {bad_dur}}}.dump(), "forward slice: "},
+        {"noitems.json", json{{"traceEvents", {slice(5, 2, no_items)}}}.dump(),
+         "forward slice at ts 5: "},
+        {"nobatch.json", json{{"traceEvents", {slice(9, 2, bad_batch)}}}.dump(), "'batch'"},
+    };
+    for (const Case& c : cases) {
+        const std::string path = write(dir, c.name, c.text);
+        auto r = read_timeline_forwards(path);
+        ASSERT_FALSE(r.ok()) << c.name;
+        EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << c.name;
+        EXPECT_NE(r.status().message().find("--from-timeline " + path + ": "), std::string::npos)
+            << r.status().message();
+        EXPECT_NE(r.status().message().find(c.mention), std::string::npos) << r.status().message();
+    }
+    EXPECT_NE(read_timeline_forwards(dir.str("items_of_follower_unread.json"))
+                  .status()
+                  .message()
+                  .find("cannot open"),
+              std::string::npos);
+    // A follower's batch is not read: no items is no error.
+    json follower = leader;
+    follower["tp_rank"] = 1;
+    auto ok = read_timeline_forwards(
+        write(dir, "follower.json", json{{"traceEvents", {slice(5, 2, follower)}}}.dump()));
+    EXPECT_TRUE(ok.ok()) << ok.status().to_string();
+}
+
+}  // namespace
+}  // namespace pdsim::cost
