@@ -1,15 +1,15 @@
 #include "sim/testbed/router.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <limits>
 
-#include <fmt/format.h>
-
 #include "common/logging.h"
 #include "sim/policy/routing.h"
+#include "sim/testbed/protocol.h"
 
 namespace pdsim::testbed {
 
@@ -116,13 +116,72 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             r.error = err;
             r.finish_ms = -1;
             // Tell the instances to drop it (no-op where it is already gone).
-            json c = {{"k", "cancel"}, {"id", i}};
+            const json c = encode_message(CancelMsg{.id = i});
             PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.d), Channel::kInstance, c));
             if (!colocated && t.p >= 0) PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.p), Channel::kInstance, c));
         } else {
             r.finish_ms = t_ms;
         }
         last_finish_us = std::max(last_finish_us, now_us());
+        return {};
+    };
+
+    // A report is for this phase's request `id` (a previous phase's stragglers are dropped).
+    auto for_request = [&](const std::string& phase, uint64_t id, bool* current) -> Status {
+        *current = phase == phase_name(rc.phase);
+        if (*current && id >= n) {
+            return PDSIM_ERROR(StatusCode::kInternal, "router: report for unknown request {}", id);
+        }
+        return {};
+    };
+    auto note_prefill_start = [&](size_t id, int src, double prefill_start_us) {
+        if (prefill_start_us > 0 && out->prefill_start_ms[id] < 0) {
+            out->prefill_start_ms[id] = rel_ms(src, prefill_start_us);
+        }
+    };
+    auto on_report = [&](const Message& m) -> Status {
+        const std::string k = m.kind();
+        bool current = false;
+        if (k == FirstTokenReport::kKind) {
+            PDSIM_ASSIGN_OR_RETURN(FirstTokenReport rep, decode_message<FirstTokenReport>(m.body));
+            PDSIM_RETURN_IF_ERROR(for_request(rep.phase, rep.id, &current));
+            if (!current) return {};
+            const auto id = static_cast<size_t>(rep.id);
+            note_prefill_start(id, m.src, rep.prefill_start_us);
+            if (!tr[id].terminal) {
+                out->records[id].first_token_ms = rel_ms(m.src, rep.t_us);
+                release_a(id);
+                tr[id].first_seen = true;
+            }
+        } else if (k == PrefillDoneReport::kKind) {
+            PDSIM_ASSIGN_OR_RETURN(PrefillDoneReport rep,
+                                   decode_message<PrefillDoneReport>(m.body));
+            PDSIM_RETURN_IF_ERROR(for_request(rep.phase, rep.id, &current));
+            if (!current) return {};
+            const auto id = static_cast<size_t>(rep.id);
+            note_prefill_start(id, m.src, rep.prefill_start_us);
+            if (!rep.ok) return make_terminal(id, false, rep.error, -1);
+            release_a(id);
+        } else if (k == RequestDoneReport::kKind) {
+            PDSIM_ASSIGN_OR_RETURN(RequestDoneReport rep,
+                                   decode_message<RequestDoneReport>(m.body));
+            PDSIM_RETURN_IF_ERROR(for_request(rep.phase, rep.id, &current));
+            if (!current) return {};
+            const auto id = static_cast<size_t>(rep.id);
+            auto& r = out->records[id];
+            if (rep.ok && !tr[id].terminal) {
+                r.tokens = std::move(rep.tokens);
+                r.generated = static_cast<int32_t>(r.tokens.size());
+                r.transfer_bytes = static_cast<int64_t>(rep.bytes);
+                for (double t : rep.token_t_us) out->token_ms[id].push_back(rel_ms(m.src, t));
+                if (r.first_token_ms < 0 && !out->token_ms[id].empty()) {
+                    r.first_token_ms = out->token_ms[id].front();
+                }
+            }
+            return make_terminal(id, rep.ok, rep.error, rel_ms(m.src, rep.t_us));
+        } else {
+            PDSIM_LOG_WARN("router: unexpected message '{}' from rank {}", k, m.src);
+        }
         return {};
     };
 
@@ -149,24 +208,29 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             Track& t = tr[i];
             t.dispatched = true;
             t.deadline_us = t_base + reqs[i].arrival_ms * 1000.0 + timeout_us;
-            json sub = {{"k", "submit"}, {"id", i}, {"in", reqs[i].input_len}, {"out", reqs[i].output_len},
-                        {"hash", reqs[i].hash_ids}};
+            SubmitMsg sub;
+            sub.id = i;
+            sub.input_len = reqs[i].input_len;
+            sub.output_len = reqs[i].output_len;
+            sub.hash = reqs[i].hash_ids;
             if (colocated) {
                 t.d = t.p = pick(all, load_a, &last_a);
                 load_a[static_cast<size_t>(t.d)] += reqs[i].input_len + reqs[i].output_len;
-                sub["p"] = t.p;
-                sub["d"] = t.d;
-                PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.d), Channel::kInstance, sub));
+                sub.prefill_instance = t.p;
+                sub.decode_instance = t.d;
+                PDSIM_RETURN_IF_ERROR(
+                    rc.mbox->send(leader(t.d), Channel::kInstance, encode_message(sub)));
             } else {
                 t.p = pick(prefill, load_a, &last_a);
                 t.d = pick(decode, load_b, &last_b);
                 load_a[static_cast<size_t>(t.p)] += reqs[i].input_len;
                 load_b[static_cast<size_t>(t.d)] += reqs[i].input_len + reqs[i].output_len;
-                sub["p"] = t.p;
-                sub["d"] = t.d;
+                sub.prefill_instance = t.p;
+                sub.decode_instance = t.d;
+                const json wire = encode_message(sub);
                 // Decode first: its bootstrap can reach the prefill side early.
-                PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.d), Channel::kInstance, sub));
-                PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.p), Channel::kInstance, sub));
+                PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.d), Channel::kInstance, wire));
+                PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.p), Channel::kInstance, wire));
             }
             out->records[i].prefill_instance = t.p;
             out->records[i].decode_instance = t.d;
@@ -192,50 +256,15 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         PDSIM_ASSIGN_OR_RETURN(std::optional<Message> m,
                                rc.mbox->recv(Channel::kRouter, microseconds(static_cast<int64_t>(wait_us))));
         while (m) {
-            const std::string k = m->kind();
-            if (m->body.value("ph", std::string()) != phase_name(rc.phase)) {  // a previous phase's straggler
-                PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));
-                continue;
-            }
-            const auto id = m->body.at("id").get<size_t>();
-            if (id >= n) return PDSIM_ERROR(StatusCode::kInternal, "router: report for unknown request {}", id);
-            auto& r = out->records[id];
-            if (m->body.contains("ps") && m->body["ps"].get<double>() > 0 && out->prefill_start_ms[id] < 0) {
-                out->prefill_start_ms[id] = rel_ms(m->src, m->body["ps"].get<double>());
-            }
-            if (k == "first") {
-                if (!tr[id].terminal) {
-                    r.first_token_ms = rel_ms(m->src, m->body.at("t").get<double>());
-                    release_a(id);
-                    tr[id].first_seen = true;
-                }
-            } else if (k == "pdone") {
-                if (!m->body.at("ok").get<bool>()) {
-                    PDSIM_RETURN_IF_ERROR(make_terminal(id, false, m->body.value("err", std::string("prefill failed")), -1));
-                } else {
-                    release_a(id);
-                }
-            } else if (k == "done") {
-                const bool ok = m->body.at("ok").get<bool>();
-                if (ok && !tr[id].terminal) {
-                    r.tokens = m->body.at("tokens").get<std::vector<int32_t>>();
-                    r.generated = static_cast<int32_t>(r.tokens.size());
-                    r.transfer_bytes = m->body.value("bytes", int64_t{0});
-                    for (double t : m->body.at("tt").get<std::vector<double>>()) out->token_ms[id].push_back(rel_ms(m->src, t));
-                    if (r.first_token_ms < 0 && !out->token_ms[id].empty()) r.first_token_ms = out->token_ms[id].front();
-                }
-                PDSIM_RETURN_IF_ERROR(make_terminal(id, ok, m->body.value("err", std::string()),
-                                                    rel_ms(m->src, m->body.at("t").get<double>())));
-            } else {
-                PDSIM_LOG_WARN("router: unexpected message '{}' from rank {}", k, m->src);
-            }
+            PDSIM_RETURN_IF_ERROR(on_report(*m));
             PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));
         }
     }
     out->wall_s = (last_finish_us - t_base) / 1e6;
     progress(true);
     for (int i = 0; i < ninst; ++i) {
-        PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(i), Channel::kInstance, {{"k", "end"}}));
+        PDSIM_RETURN_IF_ERROR(
+            rc.mbox->send(leader(i), Channel::kInstance, encode_message(EndMsg{})));
     }
     return {};
 }

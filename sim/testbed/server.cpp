@@ -16,6 +16,7 @@
 #include "sim/policy/batching.h"
 #include "sim/testbed/pd_backend.h"
 #include "sim/testbed/prompt.h"
+#include "sim/testbed/protocol.h"
 #include "sim/testbed/rank_builder.h"
 #include "transfer/engine/kv_layout.h"
 #include "transfer/engine/kv_receiver.h"
@@ -44,66 +45,24 @@ public:
     void slice(int tid, std::string name, const char* cat, double ts, double dur, json args = json()) {
         std::lock_guard<std::mutex> lock(mu_);
         if (events_.size() >= kMaxTimelineEvents) return;
-        events_.push_back(json::array({tid, std::move(name), cat, ts, std::max(0.0, dur), std::move(args)}));
+        events_.push_back({tid, std::move(name), cat, ts, std::max(0.0, dur), std::move(args)});
     }
     void instant(int tid, std::string name, const char* cat, double ts) {
         std::lock_guard<std::mutex> lock(mu_);
         if (events_.size() >= kMaxTimelineEvents) return;
-        events_.push_back(json::array({tid, std::move(name), cat, ts, -1.0, json()}));
+        events_.push_back({tid, std::move(name), cat, ts, -1.0, json()});
     }
-    json take() {
+    std::vector<TimelineRecord> take() {
         std::lock_guard<std::mutex> lock(mu_);
-        json out = json(std::move(events_));
+        std::vector<TimelineRecord> out = std::move(events_);
         events_.clear();
         return out;
     }
 
 private:
     std::mutex mu_;
-    std::vector<json> events_;
+    std::vector<TimelineRecord> events_;
 };
-
-struct PlanEntry {
-    uint64_t id = 0;
-    int64_t t0 = 0, t1 = 0;          // positions computed by this forward
-    std::vector<int32_t> tokens;     // t1 - t0 token ids
-    std::vector<int32_t> pages;      // the request's page table
-    bool first = false;              // first chunk (prefill: add_request)
-    bool last = false;               // last prefill chunk (samples the first token)
-    int32_t input_len = 0;
-};
-
-struct Plan {
-    attn::ForwardMode mode = attn::ForwardMode::kExtend;
-    std::vector<PlanEntry> entries;
-};
-
-json plan_to_json(const Plan& p) {
-    json e = json::array();
-    for (const auto& x : p.entries) {
-        e.push_back({{"id", x.id}, {"t0", x.t0}, {"t1", x.t1}, {"tok", x.tokens}, {"pg", x.pages},
-                     {"f", x.first}, {"l", x.last}, {"n", x.input_len}});
-    }
-    return {{"k", "step"}, {"m", attn::is_decode(p.mode) ? "d" : "e"}, {"e", std::move(e)}};
-}
-
-Plan plan_from_json(const json& j) {
-    Plan p;
-    p.mode = j.at("m").get<std::string>() == "d" ? attn::ForwardMode::kDecode : attn::ForwardMode::kExtend;
-    for (const auto& x : j.at("e")) {
-        PlanEntry e;
-        e.id = x.at("id").get<uint64_t>();
-        e.t0 = x.at("t0").get<int64_t>();
-        e.t1 = x.at("t1").get<int64_t>();
-        e.tokens = x.at("tok").get<std::vector<int32_t>>();
-        e.pages = x.at("pg").get<std::vector<int32_t>>();
-        e.first = x.at("f").get<bool>();
-        e.last = x.at("l").get<bool>();
-        e.input_len = x.at("n").get<int32_t>();
-        p.entries.push_back(std::move(e));
-    }
-    return p;
-}
 
 struct Req {
     uint64_t id = 0;
@@ -152,7 +111,7 @@ public:
 
     Status setup();
     Status run();
-    json result();
+    RankResult result();
     void shutdown_engines() {
         if (sender_) sender_->shutdown(transfer::ShutdownMode::kGraceful);
         if (receiver_) receiver_->shutdown(transfer::ShutdownMode::kGraceful);
@@ -164,11 +123,14 @@ private:
     json forward_args(const Plan& plan) const;
     void on_engine_event(const transfer::TransferEvent& ev);
     void poll_engine(std::vector<std::tuple<uint64_t, bool, std::string, int32_t, uint64_t>>* out);
-    Status send_router(json j) {
-        j["ph"] = phase_name(phase_);
-        return ctx_.mbox->send(0, Channel::kRouter, j);
+    template <class Report>
+    Status send_router(Report report) {
+        report.phase = phase_name(phase_);
+        return ctx_.mbox->send(0, Channel::kRouter, encode_message(report));
     }
-    Status send_followers(const json& j) {
+    template <class Msg>
+    Status send_followers(const Msg& msg) {
+        const json j = encode_message(msg);
         for (size_t i = 1; i < ctx_.instance_ranks.size(); ++i) {
             PDSIM_RETURN_IF_ERROR(ctx_.mbox->send(ctx_.instance_ranks[i], Channel::kInstance, j));
         }
@@ -178,7 +140,8 @@ private:
 
     // ---- leader ----
     Status leader_loop();
-    Status on_submit(const json& j);
+    Status on_submit(const SubmitMsg& msg);
+    void on_follower_outcome(const EngineOutcomeFields& outcome, bool sent, int src);
     Status admit();
     Status schedule_extend(bool* did);
     Status schedule_decode(bool* did);
@@ -229,7 +192,7 @@ private:
     // Metrics.
     LocalTimeline timeline_;
     std::mutex ev_mu_;
-    json engine_events_ = json::array();
+    std::vector<EngineEventRecord> engine_events_;
     std::map<uint64_t, double> prefill_end_;
     std::vector<double> layer_t0_;
     std::string hook_label_;
@@ -319,8 +282,8 @@ void Server::on_engine_event(const transfer::TransferEvent& ev) {
     {
         std::lock_guard<std::mutex> lock(ev_mu_);
         if (engine_events_.size() < kMaxEngineEvents) {
-            engine_events_.push_back(json::array({static_cast<int>(ev.kind), ev.request, ev.layer, ev.peer, ev.chunk,
-                                                  ev.bytes, t}));
+            engine_events_.push_back(
+                {ev.kind, ev.request, ev.layer, ev.peer, ev.chunk, ev.bytes, t});
         }
     }
     if (ev.kind == K::kLayerArrived) {
@@ -497,14 +460,14 @@ void Server::poll_engine(std::vector<std::tuple<uint64_t, bool, std::string, int
 
 // ---------------------------------------------------------------------------------------------
 // Leader
-Status Server::on_submit(const json& j) {
+Status Server::on_submit(const SubmitMsg& msg) {
     Req r;
-    r.id = j.at("id").get<uint64_t>();
-    r.in = j.at("in").get<int32_t>();
-    r.out = j.at("out").get<int32_t>();
-    r.hash = j.at("hash").get<std::vector<int64_t>>();
-    r.p_inst = j.at("p").get<int>();
-    r.d_inst = j.at("d").get<int>();
+    r.id = msg.id;
+    r.in = msg.input_len;
+    r.out = msg.output_len;
+    r.hash = msg.hash;
+    r.p_inst = msg.prefill_instance;
+    r.d_inst = msg.decode_instance;
     auto [it, inserted] = reqs_.emplace(r.id, std::move(r));
     Req& q = it->second;
     if (!inserted) return PDSIM_ERROR(StatusCode::kInternal, "request {} submitted twice", q.id);
@@ -519,10 +482,20 @@ Status Server::fail_request(Req& r, const std::string& why) {
     r.terminal = true;
     r.error = why;
     if (role_ == Role::kPrefill) {
-        PDSIM_RETURN_IF_ERROR(send_router({{"k", "pdone"}, {"id", r.id}, {"ok", false}, {"err", why},
-                                           {"t", now_us()}, {"ps", r.t_prefill_start}}));
+        PrefillDoneReport report;
+        report.id = r.id;
+        report.ok = false;
+        report.error = why;
+        report.t_us = now_us();
+        report.prefill_start_us = r.t_prefill_start;
+        PDSIM_RETURN_IF_ERROR(send_router(std::move(report)));
     } else {
-        PDSIM_RETURN_IF_ERROR(send_router({{"k", "done"}, {"id", r.id}, {"ok", false}, {"err", why}, {"t", now_us()}}));
+        RequestDoneReport report;
+        report.id = r.id;
+        report.ok = false;
+        report.error = why;
+        report.t_us = now_us();
+        PDSIM_RETURN_IF_ERROR(send_router(std::move(report)));
     }
     return try_free(r);
 }
@@ -548,25 +521,30 @@ Status Server::try_free(Req& r) {
     }
     r.pages_freed = true;
     if (role_ == Role::kDecode && ctx_.instance_ranks.size() > 1) {
-        PDSIM_RETURN_IF_ERROR(send_followers({{"k", "release"}, {"id", r.id}}));
+        PDSIM_RETURN_IF_ERROR(send_followers(ReleaseMsg{.id = r.id}));
     }
     return {};
 }
 
 Status Server::report_first(Req& r) {
     r.t_first = now_us();
-    return send_router({{"k", "first"}, {"id", r.id}, {"t", r.t_first}, {"ps", r.t_prefill_start}});
+    FirstTokenReport report;
+    report.id = r.id;
+    report.t_us = r.t_first;
+    report.prefill_start_us = r.t_prefill_start;
+    return send_router(std::move(report));
 }
 
 Status Server::finish_request(Req& r) {
     r.terminal = true;
-    PDSIM_RETURN_IF_ERROR(send_router({{"k", "done"},
-                                       {"id", r.id},
-                                       {"ok", true},
-                                       {"t", r.token_t.empty() ? now_us() : r.token_t.back()},
-                                       {"tokens", r.tokens},
-                                       {"tt", r.token_t},
-                                       {"bytes", r.bytes}}));
+    RequestDoneReport report;
+    report.id = r.id;
+    report.ok = true;
+    report.t_us = r.token_t.empty() ? now_us() : r.token_t.back();
+    report.tokens = r.tokens;
+    report.token_t_us = r.token_t;
+    report.bytes = r.bytes;
+    PDSIM_RETURN_IF_ERROR(send_router(std::move(report)));
     return try_free(r);
 }
 
@@ -593,8 +571,8 @@ Status Server::admit() {
             std::vector<int> pranks;
             const int first = cfg_.topology.rank_map().first_rank(r.p_inst);
             for (int i = 0; i < cfg_.topology.instances[static_cast<size_t>(r.p_inst)].tp; ++i) pranks.push_back(first + i);
-            json adm = {{"k", "admit"}, {"id", r.id}, {"pg", r.pages}, {"n", r.in}, {"pr", pranks}};
-            PDSIM_RETURN_IF_ERROR(send_followers(adm));
+            PDSIM_RETURN_IF_ERROR(send_followers(AdmitMsg{
+                .id = r.id, .pages = r.pages, .input_len = r.in, .prefill_ranks = pranks}));
             transfer::ReceiveRequestSpec spec;
             spec.request_id = r.id;
             spec.prefill_ranks = pranks;
@@ -644,7 +622,7 @@ Status Server::schedule_extend(bool* did) {
         Req& r = reqs_.at(e.id);
         if (r.t_prefill_start < 0) r.t_prefill_start = t0;
     }
-    PDSIM_RETURN_IF_ERROR(send_followers(plan_to_json(plan)));
+    PDSIM_RETURN_IF_ERROR(send_followers(plan));
     std::vector<int32_t> next;
     Status st = execute(plan, &next);
     if (!st.ok()) {
@@ -713,7 +691,7 @@ Status Server::schedule_decode(bool* did) {
     }
     if (plan.entries.empty()) return {};
     *did = true;
-    PDSIM_RETURN_IF_ERROR(send_followers(plan_to_json(plan)));
+    PDSIM_RETURN_IF_ERROR(send_followers(plan));
     std::vector<int32_t> next;
     Status st = execute(plan, &next);
     if (!st.ok()) {
@@ -747,8 +725,12 @@ Status Server::after_engine_poll() {
             }
             if (r.last_submitted && static_cast<int>(r.sent.size()) == tp) {
                 r.terminal = true;
-                PDSIM_RETURN_IF_ERROR(send_router({{"k", "pdone"}, {"id", r.id}, {"ok", true}, {"t", now_us()},
-                                                   {"ps", r.t_prefill_start}}));
+                PrefillDoneReport report;
+                report.id = r.id;
+                report.ok = true;
+                report.t_us = now_us();
+                report.prefill_start_us = r.t_prefill_start;
+                PDSIM_RETURN_IF_ERROR(send_router(std::move(report)));
                 PDSIM_RETURN_IF_ERROR(try_free(r));
             }
         } else if (role_ == Role::kDecode) {
@@ -772,6 +754,32 @@ Status Server::after_engine_poll() {
     return {};
 }
 
+// A TP follower's engine outcome (`sent`: its sender's, else its receiver's) from world rank src.
+void Server::on_follower_outcome(const EngineOutcomeFields& outcome, bool sent, int src) {
+    auto it = reqs_.find(outcome.id);
+    if (it == reqs_.end()) return;
+    Req& r = it->second;
+    const int from =
+        static_cast<int>(std::find(ctx_.instance_ranks.begin(), ctx_.instance_ranks.end(), src) -
+                         ctx_.instance_ranks.begin());
+    if (!outcome.ok) {
+        (sent ? r.send_failed : r.receive_failed) = true;
+        if (r.error.empty()) r.error = fmt::format("rank {}: {}", src, outcome.error);
+    } else if (sent) {
+        r.sent.insert(from);
+    } else {
+        const int32_t tok = outcome.first_token;
+        if (!r.ready.empty() && tok != r.first_token) {
+            r.receive_failed = true;
+            r.error = fmt::format("first token differs across decode TP ranks ({} vs {})", tok,
+                                  r.first_token);
+        }
+        r.first_token = tok;
+        r.bytes += outcome.bytes;
+        r.ready.insert(from);
+    }
+}
+
 Status Server::leader_loop() {
     const int self = ctx_.info.tp_rank;
     std::vector<std::tuple<uint64_t, bool, std::string, int32_t, uint64_t>> outcomes;
@@ -787,38 +795,24 @@ Status Server::leader_loop() {
             first_msg = false;
             if (!m) break;
             const std::string k = m->kind();
-            if (k == "submit") {
-                PDSIM_RETURN_IF_ERROR(on_submit(m->body));
-            } else if (k == "cancel") {
-                auto it = reqs_.find(m->body.at("id").get<uint64_t>());
+            if (k == SubmitMsg::kKind) {
+                PDSIM_ASSIGN_OR_RETURN(SubmitMsg submit, decode_message<SubmitMsg>(m->body));
+                PDSIM_RETURN_IF_ERROR(on_submit(submit));
+            } else if (k == CancelMsg::kKind) {
+                PDSIM_ASSIGN_OR_RETURN(CancelMsg cancel, decode_message<CancelMsg>(m->body));
+                auto it = reqs_.find(cancel.id);
                 if (it != reqs_.end() && !it->second.terminal) {
                     it->second.terminal = true;
                     it->second.cancelled = true;
                     PDSIM_RETURN_IF_ERROR(try_free(it->second));
                 }
-            } else if (k == "fsent" || k == "fready") {
-                auto it = reqs_.find(m->body.at("id").get<uint64_t>());
-                if (it == reqs_.end()) continue;
-                Req& r = it->second;
-                const bool ok = m->body.at("ok").get<bool>();
-                const int from = static_cast<int>(std::find(ctx_.instance_ranks.begin(), ctx_.instance_ranks.end(), m->src) -
-                                                  ctx_.instance_ranks.begin());
-                if (!ok) {
-                    (k == "fsent" ? r.send_failed : r.receive_failed) = true;
-                    if (r.error.empty()) r.error = fmt::format("rank {}: {}", m->src, m->body.value("err", std::string()));
-                } else if (k == "fsent") {
-                    r.sent.insert(from);
-                } else {
-                    const int32_t tok = m->body.at("tok").get<int32_t>();
-                    if (!r.ready.empty() && tok != r.first_token) {
-                        r.receive_failed = true;
-                        r.error = fmt::format("first token differs across decode TP ranks ({} vs {})", tok, r.first_token);
-                    }
-                    r.first_token = tok;
-                    r.bytes += m->body.value("bytes", uint64_t{0});
-                    r.ready.insert(from);
-                }
-            } else if (k == "end") {
+            } else if (k == SentReport::kKind) {
+                PDSIM_ASSIGN_OR_RETURN(SentReport sent, decode_message<SentReport>(m->body));
+                on_follower_outcome(sent, true, m->src);
+            } else if (k == ReadyReport::kKind) {
+                PDSIM_ASSIGN_OR_RETURN(ReadyReport ready, decode_message<ReadyReport>(m->body));
+                on_follower_outcome(ready, false, m->src);
+            } else if (k == EndMsg::kKind) {
                 ended_ = true;
             } else {
                 PDSIM_LOG_WARN("rank {}: unexpected message '{}' from rank {}", ctx_.rank, k, m->src);
@@ -873,7 +867,7 @@ Status Server::leader_loop() {
             admit_q_.clear();
         }
     }
-    return send_followers({{"k", "end"}});
+    return send_followers(EndMsg{});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -886,32 +880,38 @@ Status Server::follower_loop() {
         PDSIM_ASSIGN_OR_RETURN(std::optional<Message> m, ctx_.mbox->recv(Channel::kInstance, wait));
         if (m) {
             const std::string k = m->kind();
-            if (k == "step") {
+            if (k == Plan::kKind) {
+                PDSIM_ASSIGN_OR_RETURN(Plan plan, decode_message<Plan>(m->body));
                 if (!broken_) {
-                    Status st = execute(plan_from_json(m->body), &next);
+                    Status st = execute(plan, &next);
                     if (!st.ok()) PDSIM_LOG_WARN("rank {}: forward failed: {}", ctx_.rank, st.to_string());
                 }
-            } else if (k == "admit") {
+            } else if (k == AdmitMsg::kKind) {
+                PDSIM_ASSIGN_OR_RETURN(AdmitMsg admit, decode_message<AdmitMsg>(m->body));
                 transfer::ReceiveRequestSpec spec;
-                spec.request_id = m->body.at("id").get<uint64_t>();
-                spec.prefill_ranks = m->body.at("pr").get<std::vector<int>>();
-                spec.dst_pages = m->body.at("pg").get<std::vector<int32_t>>();
-                spec.num_tokens = m->body.at("n").get<int64_t>();
+                spec.request_id = admit.id;
+                spec.prefill_ranks = std::move(admit.prefill_ranks);
+                spec.dst_pages = std::move(admit.pages);
+                spec.num_tokens = admit.input_len;
                 spec.timeout = timeout_;
                 Status st = receiver_->submit(spec);
                 if (st.ok()) {
                     engine_active_.insert(spec.request_id);
                 } else {
-                    PDSIM_RETURN_IF_ERROR(ctx_.mbox->send(ctx_.leader(), Channel::kInstance,
-                                                          {{"k", "fready"}, {"id", spec.request_id}, {"ok", false},
-                                                           {"err", "receiver submit: " + st.message()}}));
+                    ReadyReport report;
+                    report.id = spec.request_id;
+                    report.ok = false;
+                    report.error = "receiver submit: " + st.message();
+                    PDSIM_RETURN_IF_ERROR(
+                        ctx_.mbox->send(ctx_.leader(), Channel::kInstance, encode_message(report)));
                 }
-            } else if (k == "release") {
-                const auto id = m->body.at("id").get<uint64_t>();
+            } else if (k == ReleaseMsg::kKind) {
+                PDSIM_ASSIGN_OR_RETURN(ReleaseMsg release, decode_message<ReleaseMsg>(m->body));
+                const uint64_t id = release.id;
                 if (receiver_) receiver_->release(id).ignore_error();
                 if (sender_) sender_->release(id).ignore_error();
                 first_slots_.erase(id);
-            } else if (k == "end") {
+            } else if (k == EndMsg::kKind) {
                 return {};
             }
         }
@@ -919,9 +919,15 @@ Status Server::follower_loop() {
             outcomes.clear();
             poll_engine(&outcomes);
             for (auto& [id, ok, err, tok, bytes] : outcomes) {
-                json rep = {{"k", sender_ ? "fsent" : "fready"}, {"id", id}, {"ok", ok}, {"err", err},
-                            {"tok", tok}, {"bytes", bytes}};
-                PDSIM_RETURN_IF_ERROR(ctx_.mbox->send(ctx_.leader(), Channel::kInstance, rep));
+                EngineOutcomeFields outcome;
+                outcome.id = id;
+                outcome.ok = ok;
+                outcome.error = err;
+                outcome.first_token = tok;
+                outcome.bytes = bytes;
+                const json report = sender_ ? encode_message(SentReport{outcome})
+                                            : encode_message(ReadyReport{outcome});
+                PDSIM_RETURN_IF_ERROR(ctx_.mbox->send(ctx_.leader(), Channel::kInstance, report));
                 if (sender_) {
                     sender_->release(id).ignore_error();
                     first_slots_.erase(id);
@@ -938,27 +944,22 @@ Status Server::run() {
     return st;
 }
 
-json Server::result() {
-    json r;
-    r["k"] = "result";
-    r["rank"] = ctx_.rank;
-    r["phase"] = phase_name(phase_);
-    r["timeline"] = timeline_.take();
+RankResult Server::result() {
+    RankResult r;
+    r.rank = ctx_.rank;
+    r.phase = phase_name(phase_);
+    r.timeline = timeline_.take();
     {
         std::lock_guard<std::mutex> lock(ev_mu_);
-        r["xfer"] = std::move(engine_events_);
-        engine_events_ = json::array();
+        r.engine_events = std::move(engine_events_);
+        engine_events_.clear();
     }
-    json pend = json::object();
-    for (auto& [id, t] : prefill_end_) pend[std::to_string(id)] = t;
-    r["pend"] = std::move(pend);
-    json ord = {{"checked", 0}, {"violations", json::array()}};
+    r.prefill_end_us = prefill_end_;
     if (validator_) {
         transfer::OrderingReport rep = validator_->report();
-        ord["checked"] = rep.checked_layers;
-        for (const auto& v : rep.violations) ord["violations"].push_back(v.to_string());
+        r.ordering.checked_layers = rep.checked_layers;
+        for (const auto& v : rep.violations) r.ordering.violations.push_back(v.to_string());
     }
-    r["ordering"] = std::move(ord);
     json stats = {{"forwards", forwards_}, {"forward_tokens", forward_tokens_}, {"compute_us", compute_us_},
                   {"record_violations", record_violations_}, {"broken", broken_ ? broken_reason_ : ""}};
     auto engine_stats = [](const transfer::EngineStats& s) {
@@ -972,25 +973,26 @@ json Server::result() {
     json threads = json::object();
     for (const auto& [name, cpu] : thread_cpu_s_) threads[name] = cpu;
     stats["thread_cpu_s"] = std::move(threads);
-    r["stats"] = std::move(stats);
+    r.stats = std::move(stats);
     return r;
 }
 
 }  // namespace
 
-Status run_server(RankContext& ctx, Phase phase, transfer::Transport* kv, nlohmann::json* result) {
+Status run_server(RankContext& ctx, Phase phase, transfer::Transport* kv, RankResult* result) {
     auto server = std::make_unique<Server>(ctx, phase, kv);
     Status st;
     try {
         st = server->setup();
         if (st.ok()) st = server->run();
     } catch (const std::exception& e) {
-        // Message decoding (nlohmann::json) is the only thing here that throws.
+        // Messages are decoded without exceptions (protocol.h); what is left is nlohmann::json's
+        // own (e.g. the forward arguments).
         st = PDSIM_ERROR(StatusCode::kInternal, "rank {}: {}", ctx.rank, e.what());
     }
     server->shutdown_engines();
     *result = server->result();
-    if (!st.ok()) (*result)["error"] = st.to_string();
+    if (!st.ok()) result->error = st.to_string();
     return st;
 }
 

@@ -32,14 +32,14 @@
 #pragma once
 
 #include <memory>
-#include <vector>
-
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "backends/model/synthetic_model.h"
 #include "common/status.h"
 #include "sim/testbed/comm.h"
 #include "sim/testbed/options.h"
+#include "sim/testbed/protocol.h"
 #include "topology/topology.h"
 #include "transfer/transport.h"
 
@@ -69,6 +69,7 @@ struct RankContext {
 // Runs this rank's part of `phase` until the router ends it. `kv` is the KV transport (disagg
 // only; null for colocated). Fills `result` with what rank 0 needs for the report (timeline
 // events, engine events, ordering report, stats; times on this rank's clock).
-[[nodiscard]] Status run_server(RankContext& ctx, Phase phase, transfer::Transport* kv, nlohmann::json* result);
+[[nodiscard]] Status run_server(RankContext& ctx, Phase phase, transfer::Transport* kv,
+                                RankResult* result);
 
 }  // namespace pdsim::testbed

@@ -1,5 +1,6 @@
 #include "sim/testbed/testbed.h"
 
+#include <fmt/format.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -11,26 +12,25 @@
 #include <random>
 #include <thread>
 
-#include <fmt/format.h>
-
+#include "backends/attention/attention_backend.h"
+#include "backends/kv/kv_pool.h"
 #include "backends/model/synthetic_model.h"
+#include "backends/runtime/cpu_stream.h"
 #include "common/logging.h"
 #include "common/mpi_check.h"
+#include "common/thread_info.h"
 #include "sim/metrics/report.h"
 #include "sim/metrics/timeline.h"
 #include "sim/testbed/comm.h"
+#include "sim/testbed/prompt.h"
+#include "sim/testbed/protocol.h"
 #include "sim/testbed/router.h"
 #include "sim/testbed/server.h"
-#include "backends/attention/attention_backend.h"
-#include "backends/kv/kv_pool.h"
-#include "backends/runtime/cpu_stream.h"
-#include "sim/testbed/prompt.h"
 #include "sim/testbed/shaped_transport.h"
 #include "topology/gpu_spec.h"
 #include "topology/shaping.h"
 #include "transfer/local/local_transport.h"
 #include "transfer/transport.h"
-#include "common/thread_info.h"
 
 namespace pdsim::testbed {
 
@@ -102,7 +102,7 @@ struct PhaseData {
     Phase phase;
     RouterResult router;
     std::map<uint64_t, double> prefill_end_ms;  // disagg: end of the request's last prefill forward
-    std::vector<json> results;  // by rank
+    std::vector<std::optional<RankResult>> results;  // by rank (nullopt: none came)
     metrics::Report report;
 };
 
@@ -129,15 +129,21 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
                                                       (uint64_t{rd()} << 32) | rd());
                 *tcp_dir = tmpl;
                 for (int r = 1; r < mbox.size(); ++r) {
-                    PDSIM_RETURN_IF_ERROR(mbox.send(r, Channel::kCollect, {{"k", "tcp"}, {"dir", tmpl}, {"tok", token}}));
+                    PDSIM_RETURN_IF_ERROR(
+                        mbox.send(r, Channel::kCollect,
+                                  encode_message(TcpBootstrapMsg{.dir = tmpl, .token = token})));
                 }
                 to.tcp.bootstrap_dir = tmpl;
                 to.tcp.session_token = token;
             } else {
-                PDSIM_ASSIGN_OR_RETURN(auto m, mbox.recv_kind(Channel::kCollect, "tcp", std::chrono::seconds(60)));
+                PDSIM_ASSIGN_OR_RETURN(auto m,
+                                       mbox.recv_kind(Channel::kCollect, TcpBootstrapMsg::kKind,
+                                                      std::chrono::seconds(60)));
                 if (!m) return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "tcp: no bootstrap directory from rank 0");
-                to.tcp.bootstrap_dir = m->body.at("dir").get<std::string>();
-                to.tcp.session_token = m->body.at("tok").get<std::string>();
+                PDSIM_ASSIGN_OR_RETURN(TcpBootstrapMsg boot,
+                                       decode_message<TcpBootstrapMsg>(m->body));
+                to.tcp.bootstrap_dir = std::move(boot.dir);
+                to.tcp.session_token = std::move(boot.token);
             }
         }
     }
@@ -190,8 +196,8 @@ void add_timeline(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<do
     const int pid_base = both && pd.phase == Phase::kColocated ? kPidColocatedOffset : 0;
     static const char* kTids[] = {"scheduler", "compute stream", "record", "send", "receive"};
     for (size_t r = 0; r < pd.results.size(); ++r) {
-        const json& res = pd.results[r];
-        if (res.is_null()) continue;
+        if (!pd.results[r]) continue;
+        const RankResult& res = *pd.results[r];
         const auto& info = map.at(static_cast<int>(r));
         const auto& inst = cfg.topology.instances[static_cast<size_t>(info.instance)];
         const int pid = pid_base + static_cast<int>(r);
@@ -199,15 +205,13 @@ void add_timeline(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<do
                                           pd.phase == Phase::kColocated ? "colocated" : std::string(topo::role_name(info.role))));
         for (int t = 0; t < 5; ++t) tl->name_thread(pid, t, kTids[t]);
         const double off = offsets[r] + t_origin;
-        for (const auto& e : res.value("timeline", json::array())) {
-            const int tid = e[0].get<int>();
-            const double ts = e[3].get<double>() - off;
-            const double dur = e[4].get<double>();
-            if (dur < 0) {
-                tl->add_instant(pid, tid, e[1].get<std::string>(), e[2].get<std::string>(), ts);
+        for (const TimelineRecord& e : res.timeline) {
+            const double ts = e.ts_us - off;
+            if (e.dur_us < 0) {
+                tl->add_instant(pid, e.tid, e.name, e.category, ts);
             } else {
-                tl->add_slice(pid, tid, e[1].get<std::string>(), e[2].get<std::string>(), ts, dur,
-                              e[5].is_null() ? json::object() : e[5]);
+                tl->add_slice(pid, e.tid, e.name, e.category, ts, e.dur_us,
+                              e.args.is_null() ? json::object() : e.args);
             }
         }
     }
@@ -234,7 +238,9 @@ void add_timeline(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<do
 // Transfer metrics from every rank's engine events (disaggregated phase).
 void summarize_transfer(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<double>& offsets,
                         double t_origin, metrics::Timeline* tl) {
-    enum { kReady = 0, kPosted = 1, kSent = 2, kArrived = 3 };
+    using Kind = transfer::TransferEvent::Kind;
+    constexpr Kind kReady = Kind::kLayerReady, kPosted = Kind::kLayerPosted,
+                   kSent = Kind::kLayerSent, kArrived = Kind::kLayerArrived;
     const topo::RankMap map = cfg.topology.rank_map();
     struct Key {
         uint64_t req;
@@ -256,38 +262,32 @@ void summarize_transfer(const ResolvedConfig& cfg, PhaseData& pd, const std::vec
     std::map<Key, int> arrival_rank;
     int64_t bytes = 0;
     for (size_t r = 0; r < pd.results.size(); ++r) {
-        const json& res = pd.results[r];
-        if (res.is_null()) continue;
+        if (!pd.results[r]) continue;
+        const RankResult& res = *pd.results[r];
         const double off = offsets[r];
-        const json pend = res.value("pend", json::object());
-        for (auto& [id, t] : pend.items()) {
-            const uint64_t rid = std::stoull(id);
-            const double tt = t.get<double>() - off;
+        for (const auto& [rid, t] : res.prefill_end_us) {
+            const double tt = t - off;
             prefill_end[rid] = std::max(prefill_end.count(rid) ? prefill_end[rid] : tt, tt);
         }
-        if (res.contains("stats") && res["stats"].contains("receiver")) {
-            bytes += res["stats"]["receiver"].value("bytes", int64_t{0});
-        }
-        for (const auto& e : res.value("xfer", json::array())) {
-            const int kind = e[0].get<int>();
-            const auto req = e[1].get<uint64_t>();
-            if (kind == kReady || kind == kPosted || kind == kSent) {
-                const auto chunk = e[4].get<uint32_t>();
-                last_chunk[req] = std::max(last_chunk.count(req) ? last_chunk[req] : chunk, chunk);
+        if (res.stats.contains("receiver"))
+            bytes += res.stats["receiver"].value("bytes", int64_t{0});
+        for (const EngineEventRecord& e : res.engine_events) {
+            if (e.kind == kReady || e.kind == kPosted || e.kind == kSent) {
+                last_chunk[e.request] = std::max(
+                    last_chunk.count(e.request) ? last_chunk[e.request] : e.chunk, e.chunk);
             }
         }
     }
     for (size_t r = 0; r < pd.results.size(); ++r) {
-        const json& res = pd.results[r];
-        if (res.is_null()) continue;
+        if (!pd.results[r]) continue;
         const double off = offsets[r];
-        for (const auto& e : res.value("xfer", json::array())) {
-            const int kind = e[0].get<int>();
-            const auto req = e[1].get<uint64_t>();
-            const int layer = e[2].get<int>();
-            const int peer = e[3].get<int>();
-            const auto chunk = e[4].get<uint32_t>();
-            const double t = e[6].get<double>() - off;
+        for (const EngineEventRecord& e : pd.results[r]->engine_events) {
+            const Kind kind = e.kind;
+            const uint64_t req = e.request;
+            const int layer = e.layer;
+            const int peer = e.peer;
+            const uint32_t chunk = e.chunk;
+            const double t = e.t_us - off;
             const Key k{req, layer};
             if (kind == kReady && chunk == last_chunk[req]) {
                 ready_last[k] = std::max(ready_last.count(k) ? ready_last[k] : t, t);
@@ -390,24 +390,23 @@ void build_report(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<do
     json ranks = json::array();
     const topo::RankMap map = cfg.topology.rank_map();
     for (size_t r = 0; r < pd.results.size(); ++r) {
-        const json& res = pd.results[r];
+        const std::optional<RankResult>& res = pd.results[r];
         const auto& info = map.at(static_cast<int>(r));
         json j = {{"rank", r},
                   {"instance", cfg.topology.instances[static_cast<size_t>(info.instance)].id},
                   {"role", topo::role_name(info.role)},
                   {"tp_rank", info.tp_rank},
                   {"clock_offset_us", offsets[r]}};
-        if (res.is_null()) {
+        if (!res) {
             j["error"] = "no result from this rank";
             rep.ordering.details.push_back(fmt::format("rank {}: no result (its checks are missing)", r));
         } else {
-            j["stats"] = res.value("stats", json::object());
-            if (res.contains("error")) j["error"] = res["error"];
-            const json& ord = res.value("ordering", json::object());
-            rep.ordering.checked_layers += ord.value("checked", int64_t{0});
-            for (const auto& v : ord.value("violations", json::array())) {
+            j["stats"] = res->stats;
+            if (!res->error.empty()) j["error"] = res->error;
+            rep.ordering.checked_layers += res->ordering.checked_layers;
+            for (const std::string& v : res->ordering.violations) {
                 ++rep.ordering.violations;
-                if (rep.ordering.details.size() < 50) rep.ordering.details.push_back(v.get<std::string>());
+                if (rep.ordering.details.size() < 50) rep.ordering.details.push_back(v);
             }
         }
         ranks.push_back(std::move(j));
@@ -538,12 +537,15 @@ Status decide_shaping(Shared& sh, RankContext& ctx) {
                     {"gpu", cfg.shape_gpu}};
         }
         for (int r = 1; r < ctx.world; ++r) {
-            PDSIM_RETURN_IF_ERROR(ctx.mbox->send(r, Channel::kCollect, {{"k", "shape"}, {"ts", ts}}));
+            PDSIM_RETURN_IF_ERROR(
+                ctx.mbox->send(r, Channel::kCollect, encode_message(ShapeMsg{.time_scale = ts})));
         }
     } else {
-        PDSIM_ASSIGN_OR_RETURN(auto m, ctx.mbox->recv_kind(Channel::kCollect, "shape", std::chrono::seconds(300)));
+        PDSIM_ASSIGN_OR_RETURN(auto m, ctx.mbox->recv_kind(Channel::kCollect, ShapeMsg::kKind,
+                                                           std::chrono::seconds(300)));
         if (!m) return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "no shaping decision from rank 0");
-        ts = m->body.at("ts").get<double>();
+        PDSIM_ASSIGN_OR_RETURN(ShapeMsg shape, decode_message<ShapeMsg>(m->body));
+        ts = shape.time_scale;
     }
     std::lock_guard<std::mutex> lock(sh.shape_mu);
     sh.shape = true;
@@ -595,30 +597,33 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
                 if (!router_st.ok()) {
                     // Never leave the instances waiting for an end.
                     for (size_t i = 0; i < cfg.topology.instances.size(); ++i) {
-                        mbox.send(cfg.topology.rank_map().first_rank(static_cast<int>(i)), Channel::kInstance,
-                                  {{"k", "end"}}).ignore_error();
+                        mbox.send(cfg.topology.rank_map().first_rank(static_cast<int>(i)),
+                                  Channel::kInstance, encode_message(EndMsg{}))
+                            .ignore_error();
                     }
                 }
             });
         }
-        json result;
+        RankResult result;
         Status st = run_server(ctx, phase, kv.get(), &result);
         if (!st.ok()) PDSIM_LOG_ERROR("rank {}: {} phase: {}", ctx.rank, phase_name(phase), st.to_string());
         if (ctx.rank != 0) {
-            PDSIM_RETURN_IF_ERROR(mbox.send(0, Channel::kCollect, result));
+            PDSIM_RETURN_IF_ERROR(mbox.send(0, Channel::kCollect, encode_message(result)));
         } else {
             router.join();
             PDSIM_RETURN_IF_ERROR(router_st.with_context("router"));
-            pd.results.assign(static_cast<size_t>(ctx.world), json());
+            pd.results.assign(static_cast<size_t>(ctx.world), std::nullopt);
             pd.results[0] = std::move(result);
             const auto deadline = std::chrono::steady_clock::now() + collect_timeout;
             for (int got = 1; got < ctx.world;) {
                 const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - std::chrono::steady_clock::now());
                 if (left.count() <= 0) break;
-                PDSIM_ASSIGN_OR_RETURN(auto m, mbox.recv_kind(Channel::kCollect, "result", left));
+                PDSIM_ASSIGN_OR_RETURN(auto m,
+                                       mbox.recv_kind(Channel::kCollect, RankResult::kKind, left));
                 if (!m) break;
-                if (m->body.value("phase", std::string()) != phase_name(phase)) continue;
-                pd.results[static_cast<size_t>(m->src)] = std::move(m->body);
+                PDSIM_ASSIGN_OR_RETURN(RankResult res, decode_message<RankResult>(m->body));
+                if (res.phase != phase_name(phase)) continue;
+                pd.results[static_cast<size_t>(m->src)] = std::move(res);
                 ++got;
             }
         }
@@ -782,16 +787,19 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
             sh.error_printed = true;
         }
         for (int r = 1; r < ctx.world; ++r) {
-            mbox->send(r, Channel::kCollect, {{"k", "exit"}, {"code", code}, {"msg", st.message()}}).ignore_error();
+            mbox->send(r, Channel::kCollect,
+                       encode_message(ExitMsg{.code = code, .message = st.message()}))
+                .ignore_error();
         }
         if (auto* m = dynamic_cast<MpiMailbox*>(mbox.get())) m->drain(milliseconds(5000));
         return st;
     }
     const auto wait = milliseconds(static_cast<int64_t>(o.request_timeout_s * 1000) * 2 + 120'000);
-    auto m = mbox->recv_kind(Channel::kCollect, "exit", wait);
+    auto m = mbox->recv_kind(Channel::kCollect, ExitMsg::kKind, wait);
     if (!m.ok()) return m.status();
     if (!m->has_value()) return st.ok() ? Status(StatusCode::kDeadlineExceeded, "no outcome from rank 0") : st;
-    return status_for_code((*m)->body.at("code").get<int>(), (*m)->body.value("msg", std::string()));
+    PDSIM_ASSIGN_OR_RETURN(ExitMsg exit_msg, decode_message<ExitMsg>((*m)->body));
+    return status_for_code(exit_msg.code, exit_msg.message);
 }
 
 // How long a TP collective may wait for its peers: the request timeout, plus slack.

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <type_traits>
@@ -36,107 +37,130 @@ constexpr uint16_t kVersion = 1;
 constexpr size_t kHeaderBytes = 8;
 constexpr uint32_t kMaxStringBytes = 1 << 16;
 
+// The layout summary's fields, in wire order (Writer and Reader walk this one list).
+template <class Self, class V>
+void layout_fields(Self& s, V& v) {
+    v(s.kind);
+    v(s.num_layers);
+    v(s.buffer_count);
+    v(s.page_size);
+    v(s.dtype_bytes);
+    v(s.tp_size);
+    v(s.tp_rank);
+    v(s.total_kv_heads);
+    v(s.head_begin);
+    v(s.local_heads);
+    v(s.head_bytes);
+}
+
+// The heartbeat's body: one unused word (request id 0).
+struct HeartbeatMsg {
+    static constexpr MsgType kType = MsgType::kHeartbeat;
+    uint64_t request_id = 0;
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v(m.request_id);
+    }
+};
+
+template <class T>
+struct IsVector : std::false_type {};
+template <class T>
+struct IsVector<std::vector<T>> : std::true_type {};
+template <class T>
+struct IsArray : std::false_type {};
+template <class T, size_t N>
+struct IsArray<std::array<T, N>> : std::true_type {};
+
+// Wire forms (host byte order): scalars as their bytes, bool as one byte (0 / 1), a string as a
+// uint32 length and its bytes (at most kMaxStringBytes: longer strings are cut), a vector as a
+// uint32 count and its elements, a fixed array as its elements, KvKind as one byte.
 class Writer {
 public:
     explicit Writer(MsgType type) {
-        put(kMagic);
-        put(kVersion);
-        put(static_cast<uint16_t>(type));
+        (*this)(kMagic);
+        (*this)(kVersion);
+        (*this)(static_cast<uint16_t>(type));
     }
     template <typename T>
-    void put(T v) {
-        static_assert(std::is_trivially_copyable_v<T>);
-        const auto* p = reinterpret_cast<const uint8_t*>(&v);
-        out_.insert(out_.end(), p, p + sizeof(T));
-    }
-    void put_bool(bool b) { put<uint8_t>(b ? 1 : 0); }
-    void put_string(const std::string& s) {
-        const auto n = static_cast<uint32_t>(std::min<size_t>(s.size(), kMaxStringBytes));
-        put(n);
-        out_.insert(out_.end(), s.begin(), s.begin() + n);
-    }
-    template <typename T>
-    void put_vector(const std::vector<T>& v) {
-        put(static_cast<uint32_t>(v.size()));
-        const auto* p = reinterpret_cast<const uint8_t*>(v.data());
-        out_.insert(out_.end(), p, p + v.size() * sizeof(T));
-    }
-    void put_layout(const KvLayoutSummary& s) {
-        put(static_cast<uint8_t>(s.kind));
-        put(s.num_layers);
-        put(s.buffer_count);
-        put(s.page_size);
-        put(s.dtype_bytes);
-        put(s.tp_size);
-        put(s.tp_rank);
-        put(s.total_kv_heads);
-        put(s.head_begin);
-        put(s.local_heads);
-        for (uint64_t hb : s.head_bytes) put(hb);
+    void operator()(const T& v) {
+        if constexpr (std::is_same_v<T, bool>) {
+            put<uint8_t>(v ? 1 : 0);
+        } else if constexpr (std::is_same_v<T, std::string>) {
+            const auto n = static_cast<uint32_t>(std::min<size_t>(v.size(), kMaxStringBytes));
+            put(n);
+            out_.insert(out_.end(), v.begin(), v.begin() + n);
+        } else if constexpr (IsVector<T>::value) {
+            static_assert(std::is_trivially_copyable_v<typename T::value_type>);
+            put(static_cast<uint32_t>(v.size()));
+            const auto* p = reinterpret_cast<const uint8_t*>(v.data());
+            out_.insert(out_.end(), p, p + v.size() * sizeof(typename T::value_type));
+        } else if constexpr (IsArray<T>::value) {
+            for (const auto& x : v) (*this)(x);
+        } else if constexpr (std::is_same_v<T, KvLayoutSummary>) {
+            layout_fields(v, *this);
+        } else if constexpr (std::is_same_v<T, KvKind>) {
+            put(static_cast<uint8_t>(v));
+        } else {
+            put(v);
+        }
     }
     Bytes take() { return std::move(out_); }
 
 private:
+    template <typename T>
+    void put(T v) {
+        static_assert(std::is_arithmetic_v<T>);
+        const auto* p = reinterpret_cast<const uint8_t*>(&v);
+        out_.insert(out_.end(), p, p + sizeof(T));
+    }
     Bytes out_;
 };
 
+// Reads what Writer wrote; any shortfall or invalid value makes finish() fail (the fields read
+// after it are left default).
 class Reader {
 public:
     explicit Reader(std::span<const uint8_t> in) : in_(in), pos_(kHeaderBytes) {}
     template <typename T>
-    T get() {
-        T v{};
-        if (!ok_ || in_.size() - pos_ < sizeof(T)) {
-            ok_ = false;
-            return v;
+    void operator()(T& v) {
+        if constexpr (std::is_same_v<T, bool>) {
+            v = get<uint8_t>() != 0;
+        } else if constexpr (std::is_same_v<T, std::string>) {
+            const auto n = get<uint32_t>();
+            if (!ok_ || n > kMaxStringBytes || in_.size() - pos_ < n) {
+                ok_ = false;
+                v.clear();
+                return;
+            }
+            v.assign(reinterpret_cast<const char*>(in_.data() + pos_), n);
+            pos_ += n;
+        } else if constexpr (IsVector<T>::value) {
+            using E = typename T::value_type;
+            const auto n = get<uint32_t>();
+            if (!ok_ || (in_.size() - pos_) / sizeof(E) < n) {
+                ok_ = false;
+                v.clear();
+                return;
+            }
+            v.resize(n);
+            std::memcpy(v.data(), in_.data() + pos_, n * sizeof(E));
+            pos_ += n * sizeof(E);
+        } else if constexpr (IsArray<T>::value) {
+            for (auto& x : v) (*this)(x);
+        } else if constexpr (std::is_same_v<T, KvLayoutSummary>) {
+            layout_fields(v, *this);
+            if (v.buffer_count < 1 || v.buffer_count > kMaxKvBuffers || v.page_size < 1 ||
+                v.num_layers < 1 || v.tp_size < 1 || v.local_heads < 1) {
+                ok_ = false;
+            }
+        } else if constexpr (std::is_same_v<T, KvKind>) {
+            const auto kind = get<uint8_t>();
+            if (kind > 1) ok_ = false;
+            v = static_cast<KvKind>(kind);
+        } else {
+            v = get<T>();
         }
-        std::memcpy(&v, in_.data() + pos_, sizeof(T));
-        pos_ += sizeof(T);
-        return v;
-    }
-    bool get_bool() { return get<uint8_t>() != 0; }
-    std::string get_string() {
-        const auto n = get<uint32_t>();
-        if (!ok_ || n > kMaxStringBytes || in_.size() - pos_ < n) {
-            ok_ = false;
-            return {};
-        }
-        std::string s(reinterpret_cast<const char*>(in_.data() + pos_), n);
-        pos_ += n;
-        return s;
-    }
-    template <typename T>
-    std::vector<T> get_vector() {
-        const auto n = get<uint32_t>();
-        if (!ok_ || (in_.size() - pos_) / sizeof(T) < n) {
-            ok_ = false;
-            return {};
-        }
-        std::vector<T> v(n);
-        std::memcpy(v.data(), in_.data() + pos_, n * sizeof(T));
-        pos_ += n * sizeof(T);
-        return v;
-    }
-    KvLayoutSummary get_layout() {
-        KvLayoutSummary s;
-        const auto kind = get<uint8_t>();
-        if (kind > 1) ok_ = false;
-        s.kind = static_cast<KvKind>(kind);
-        s.num_layers = get<int32_t>();
-        s.buffer_count = get<int32_t>();
-        s.page_size = get<int32_t>();
-        s.dtype_bytes = get<int32_t>();
-        s.tp_size = get<int32_t>();
-        s.tp_rank = get<int32_t>();
-        s.total_kv_heads = get<int32_t>();
-        s.head_begin = get<int32_t>();
-        s.local_heads = get<int32_t>();
-        for (uint64_t& hb : s.head_bytes) hb = get<uint64_t>();
-        if (s.buffer_count < 1 || s.buffer_count > kMaxKvBuffers || s.page_size < 1 ||
-            s.num_layers < 1 || s.tp_size < 1 || s.local_heads < 1) {
-            ok_ = false;
-        }
-        return s;
     }
     [[nodiscard]] Status finish(MsgType type) const {
         if (!ok_) {
@@ -148,6 +172,18 @@ public:
     }
 
 private:
+    template <typename T>
+    T get() {
+        static_assert(std::is_arithmetic_v<T>);
+        T v{};
+        if (!ok_ || in_.size() - pos_ < sizeof(T)) {
+            ok_ = false;
+            return v;
+        }
+        std::memcpy(&v, in_.data() + pos_, sizeof(T));
+        pos_ += sizeof(T);
+        return v;
+    }
     std::span<const uint8_t> in_;
     size_t pos_;
     bool ok_ = true;
@@ -160,6 +196,24 @@ Status expect_type(std::span<const uint8_t> bytes, MsgType want) {
                            msg_type_name(want), msg_type_name(got));
     }
     return {};
+}
+
+// The one encoder and the one decoder: both walk Msg::fields.
+template <class Msg>
+Bytes encode_message(const Msg& m) {
+    Writer w(Msg::kType);
+    Msg::fields(m, w);
+    return w.take();
+}
+
+template <class Msg>
+StatusOr<Msg> decode_message(std::span<const uint8_t> bytes) {
+    PDSIM_RETURN_IF_ERROR(expect_type(bytes, Msg::kType));
+    Reader r(bytes);
+    Msg m;
+    Msg::fields(m, r);
+    PDSIM_RETURN_IF_ERROR(r.finish(Msg::kType));
+    return m;
 }
 
 }  // namespace
@@ -188,111 +242,35 @@ StatusOr<MsgType> peek_type(std::span<const uint8_t> bytes) {
 }
 
 Bytes encode(const BootstrapMsg& m) {
-    Writer w(MsgType::kBootstrap);
-    w.put(m.request_id);
-    w.put(m.decode_rank);
-    w.put(m.decode_tp_rank);
-    w.put(m.decode_tp_size);
-    w.put(m.data_tag);
-    w.put(m.num_tokens);
-    w.put(m.max_message_bytes);
-    w.put_layout(m.layout);
-    w.put_vector(m.dst_pages);
-    return w.take();
+    return encode_message(m);
+}
+Bytes encode(const AckMsg& m) {
+    return encode_message(m);
+}
+Bytes encode(const ChunkMsg& m) {
+    return encode_message(m);
+}
+Bytes encode(const AbortMsg& m) {
+    return encode_message(m);
+}
+Bytes encode_heartbeat() {
+    return encode_message(HeartbeatMsg{});
+}
+Bytes encode(const CompletionMsg& m) {
+    return encode_message(m);
 }
 
 StatusOr<BootstrapMsg> decode_bootstrap(std::span<const uint8_t> bytes) {
-    PDSIM_RETURN_IF_ERROR(expect_type(bytes, MsgType::kBootstrap));
-    Reader r(bytes);
-    BootstrapMsg m;
-    m.request_id = r.get<uint64_t>();
-    m.decode_rank = r.get<int32_t>();
-    m.decode_tp_rank = r.get<int32_t>();
-    m.decode_tp_size = r.get<int32_t>();
-    m.data_tag = r.get<Tag>();
-    m.num_tokens = r.get<int64_t>();
-    m.max_message_bytes = r.get<uint64_t>();
-    m.layout = r.get_layout();
-    m.dst_pages = r.get_vector<int32_t>();
-    PDSIM_RETURN_IF_ERROR(r.finish(MsgType::kBootstrap));
-    return m;
+    return decode_message<BootstrapMsg>(bytes);
 }
-
-Bytes encode(const AckMsg& m) {
-    Writer w(MsgType::kAck);
-    w.put(m.request_id);
-    w.put(m.prefill_tp_rank);
-    w.put(m.prefill_tp_size);
-    w.put_bool(m.ok);
-    w.put_string(m.reason);
-    w.put(m.max_message_bytes);
-    w.put_layout(m.layout);
-    return w.take();
-}
-
 StatusOr<AckMsg> decode_ack(std::span<const uint8_t> bytes) {
-    PDSIM_RETURN_IF_ERROR(expect_type(bytes, MsgType::kAck));
-    Reader r(bytes);
-    AckMsg m;
-    m.request_id = r.get<uint64_t>();
-    m.prefill_tp_rank = r.get<int32_t>();
-    m.prefill_tp_size = r.get<int32_t>();
-    m.ok = r.get_bool();
-    m.reason = r.get_string();
-    m.max_message_bytes = r.get<uint64_t>();
-    m.layout = r.get_layout();
-    PDSIM_RETURN_IF_ERROR(r.finish(MsgType::kAck));
-    return m;
+    return decode_message<AckMsg>(bytes);
 }
-
-Bytes encode(const ChunkMsg& m) {
-    Writer w(MsgType::kChunk);
-    w.put(m.request_id);
-    w.put(m.chunk_index);
-    w.put(m.token_begin);
-    w.put(m.token_end);
-    w.put_bool(m.is_last);
-    w.put(m.src_first_page);
-    w.put_vector(m.src_pages);
-    return w.take();
-}
-
 StatusOr<ChunkMsg> decode_chunk(std::span<const uint8_t> bytes) {
-    PDSIM_RETURN_IF_ERROR(expect_type(bytes, MsgType::kChunk));
-    Reader r(bytes);
-    ChunkMsg m;
-    m.request_id = r.get<uint64_t>();
-    m.chunk_index = r.get<uint32_t>();
-    m.token_begin = r.get<int64_t>();
-    m.token_end = r.get<int64_t>();
-    m.is_last = r.get_bool();
-    m.src_first_page = r.get<int64_t>();
-    m.src_pages = r.get_vector<int32_t>();
-    PDSIM_RETURN_IF_ERROR(r.finish(MsgType::kChunk));
-    return m;
+    return decode_message<ChunkMsg>(bytes);
 }
-
-Bytes encode(const AbortMsg& m) {
-    Writer w(MsgType::kAbort);
-    w.put(m.request_id);
-    w.put_string(m.reason);
-    return w.take();
-}
-
 StatusOr<AbortMsg> decode_abort(std::span<const uint8_t> bytes) {
-    PDSIM_RETURN_IF_ERROR(expect_type(bytes, MsgType::kAbort));
-    Reader r(bytes);
-    AbortMsg m;
-    m.request_id = r.get<uint64_t>();
-    m.reason = r.get_string();
-    PDSIM_RETURN_IF_ERROR(r.finish(MsgType::kAbort));
-    return m;
-}
-
-Bytes encode_heartbeat() {
-    Writer w(MsgType::kHeartbeat);
-    w.put(uint64_t{0});
-    return w.take();
+    return decode_message<AbortMsg>(bytes);
 }
 
 size_t completion_capacity(int num_layers, int buffer_count, int head_count) {
@@ -302,38 +280,8 @@ size_t completion_capacity(int num_layers, int buffer_count, int head_count) {
                static_cast<size_t>(head_count) * 8;
 }
 
-Bytes encode(const CompletionMsg& m) {
-    Writer w(MsgType::kCompletion);
-    w.put(m.request_id);
-    w.put(m.src_tp_rank);
-    w.put_bool(m.has_first_token);
-    w.put(m.first_token);
-    w.put(m.num_layers);
-    w.put(m.buffer_count);
-    w.put(m.head_begin);
-    w.put(m.head_count);
-    w.put(m.chunks);
-    w.put_bool(m.has_checksums);
-    w.put_vector(m.checksums);
-    return w.take();
-}
-
 StatusOr<CompletionMsg> decode_completion(std::span<const uint8_t> bytes) {
-    PDSIM_RETURN_IF_ERROR(expect_type(bytes, MsgType::kCompletion));
-    Reader r(bytes);
-    CompletionMsg m;
-    m.request_id = r.get<uint64_t>();
-    m.src_tp_rank = r.get<int32_t>();
-    m.has_first_token = r.get_bool();
-    m.first_token = r.get<int32_t>();
-    m.num_layers = r.get<int32_t>();
-    m.buffer_count = r.get<int32_t>();
-    m.head_begin = r.get<int32_t>();
-    m.head_count = r.get<int32_t>();
-    m.chunks = r.get<uint32_t>();
-    m.has_checksums = r.get_bool();
-    m.checksums = r.get_vector<uint64_t>();
-    PDSIM_RETURN_IF_ERROR(r.finish(MsgType::kCompletion));
+    PDSIM_ASSIGN_OR_RETURN(CompletionMsg m, decode_message<CompletionMsg>(bytes));
     if (m.has_checksums &&
         m.checksums.size() != static_cast<size_t>(m.num_layers) *
                                   static_cast<size_t>(std::max(m.buffer_count, 0)) *

@@ -21,7 +21,10 @@
 //                          bound of 32,767); submit() fails with kResourceExhausted past that.
 //
 // Control messages (all start with magic "PDKV", version, type, request id; host byte order:
-// peers run on the same architecture):
+// peers run on the same architecture). Each message struct declares its fields once, in wire
+// order, in `fields(Self&, Visitor&)`: control.cpp's one encoder and one decoder both walk that
+// list, so the two directions cannot disagree (tests/transfer_control_wire_test.cpp pins the
+// bytes):
 //   Bootstrap  decode -> every prefill rank of the request's prefill instance, on admission:
 //              {request_id, decode world rank, decode tp rank/size, data tag, num tokens,
 //               max message bytes, decode layout summary, page size (in the summary), dst pages}
@@ -75,6 +78,7 @@ enum class MsgType : uint16_t {
 std::string_view msg_type_name(MsgType type);
 
 struct BootstrapMsg {
+    static constexpr MsgType kType = MsgType::kBootstrap;
     uint64_t request_id = 0;
     int32_t decode_rank = -1;  // world rank
     int32_t decode_tp_rank = 0;
@@ -84,9 +88,22 @@ struct BootstrapMsg {
     uint64_t max_message_bytes = 0;
     KvLayoutSummary layout;
     std::vector<int32_t> dst_pages;
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v(m.request_id);
+        v(m.decode_rank);
+        v(m.decode_tp_rank);
+        v(m.decode_tp_size);
+        v(m.data_tag);
+        v(m.num_tokens);
+        v(m.max_message_bytes);
+        v(m.layout);
+        v(m.dst_pages);
+    }
 };
 
 struct AckMsg {
+    static constexpr MsgType kType = MsgType::kAck;
     uint64_t request_id = 0;
     int32_t prefill_tp_rank = 0;
     int32_t prefill_tp_size = 1;
@@ -94,9 +111,20 @@ struct AckMsg {
     std::string reason;
     uint64_t max_message_bytes = 0;
     KvLayoutSummary layout;
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v(m.request_id);
+        v(m.prefill_tp_rank);
+        v(m.prefill_tp_size);
+        v(m.ok);
+        v(m.reason);
+        v(m.max_message_bytes);
+        v(m.layout);
+    }
 };
 
 struct ChunkMsg {
+    static constexpr MsgType kType = MsgType::kChunk;
     uint64_t request_id = 0;
     uint32_t chunk_index = 0;
     int64_t token_begin = 0;
@@ -106,14 +134,31 @@ struct ChunkMsg {
     // request's prefill page table (the receiver needs them to cut the same runs).
     int64_t src_first_page = 0;
     std::vector<int32_t> src_pages;
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v(m.request_id);
+        v(m.chunk_index);
+        v(m.token_begin);
+        v(m.token_end);
+        v(m.is_last);
+        v(m.src_first_page);
+        v(m.src_pages);
+    }
 };
 
 struct AbortMsg {
+    static constexpr MsgType kType = MsgType::kAbort;
     uint64_t request_id = 0;
     std::string reason;
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v(m.request_id);
+        v(m.reason);
+    }
 };
 
 struct CompletionMsg {
+    static constexpr MsgType kType = MsgType::kCompletion;
     uint64_t request_id = 0;
     int32_t src_tp_rank = 0;
     bool has_first_token = false;
@@ -125,6 +170,20 @@ struct CompletionMsg {
     uint32_t chunks = 0;
     bool has_checksums = false;
     std::vector<uint64_t> checksums;  // [layer][buffer][head], when has_checksums
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v(m.request_id);
+        v(m.src_tp_rank);
+        v(m.has_first_token);
+        v(m.first_token);
+        v(m.num_layers);
+        v(m.buffer_count);
+        v(m.head_begin);
+        v(m.head_count);
+        v(m.chunks);
+        v(m.has_checksums);
+        v(m.checksums);
+    }
 
     [[nodiscard]] uint64_t checksum(int layer, int buf, int head_index) const {
         return checksums[(static_cast<size_t>(layer) * static_cast<size_t>(buffer_count) +
@@ -146,7 +205,9 @@ using Bytes = std::vector<uint8_t>;
 [[nodiscard]] Bytes encode_heartbeat();
 [[nodiscard]] Bytes encode(const CompletionMsg& m);
 
-// kDataLoss on a short/garbled message, a bad magic or version.
+// kDataLoss on a short/garbled message, a bad magic or version, or (decode_*) a message of
+// another type, an invalid layout summary or (completion) a checksum count that disagrees with
+// the dimensions.
 [[nodiscard]] StatusOr<MsgType> peek_type(std::span<const uint8_t> bytes);
 [[nodiscard]] StatusOr<BootstrapMsg> decode_bootstrap(std::span<const uint8_t> bytes);
 [[nodiscard]] StatusOr<AckMsg> decode_ack(std::span<const uint8_t> bytes);

@@ -1,0 +1,311 @@
+// The testbed's messages (sim/testbed/protocol.h): every kind encodes to the wire form the ranks
+// exchanged before the messages were typed (written out here by hand, key by key), decodes back
+// to the same struct (also through CBOR, as the Mailbox sends it), and a missing, mistyped or
+// out-of-range field is refused with the kind and the field named.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "sim/testbed/protocol.h"
+
+namespace pdsim::testbed {
+namespace {
+
+using json = nlohmann::json;
+using Kind = transfer::TransferEvent::Kind;
+
+template <class Msg>
+void expect_round_trip(const Msg& msg, const json& wire) {
+    SCOPED_TRACE(std::string(Msg::kKind));
+    EXPECT_EQ(encode_message(msg), wire);
+    StatusOr<Msg> back = decode_message<Msg>(wire);
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_TRUE(*back == msg);
+    StatusOr<Msg> via_cbor = decode_message<Msg>(json::from_cbor(json::to_cbor(wire)));
+    ASSERT_TRUE(via_cbor.ok()) << via_cbor.status().to_string();
+    EXPECT_TRUE(*via_cbor == msg);
+}
+
+// The decode error of `wire` as Msg: must fail with kInvalidArgument.
+template <class Msg>
+std::string decode_error(const json& wire) {
+    StatusOr<Msg> got = decode_message<Msg>(wire);
+    EXPECT_FALSE(got.ok()) << wire.dump();
+    if (got.ok()) return {};
+    EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+    return got.status().message();
+}
+
+SubmitMsg sample_submit() {
+    SubmitMsg m;
+    m.id = 7;
+    m.input_len = 1200;
+    m.output_len = 33;
+    m.hash = {11, -2, 40000000000};
+    m.prefill_instance = 1;
+    m.decode_instance = 3;
+    return m;
+}
+
+Plan sample_plan() {
+    Plan p;
+    p.mode = attn::ForwardMode::kDecode;
+    PlanEntry a;
+    a.id = 4;
+    a.t0 = 0;
+    a.t1 = 3;
+    a.tokens = {5, 6, 7};
+    a.pages = {9};
+    a.first = true;
+    a.last = false;
+    a.input_len = 20;
+    PlanEntry b = a;
+    b.id = 5;
+    b.t0 = 19;
+    b.t1 = 20;
+    b.tokens = {8};
+    b.pages = {1, 2};
+    b.first = false;
+    b.last = true;
+    p.entries = {a, b};
+    return p;
+}
+
+TEST(TestbedProtocol, RouterToLeaderMessages) {
+    expect_round_trip(sample_submit(), json{{"k", "submit"},
+                                            {"id", 7},
+                                            {"in", 1200},
+                                            {"out", 33},
+                                            {"hash", {11, -2, 40000000000}},
+                                            {"p", 1},
+                                            {"d", 3}});
+    expect_round_trip(CancelMsg{.id = 12}, json{{"k", "cancel"}, {"id", 12}});
+    expect_round_trip(EndMsg{}, json{{"k", "end"}});
+}
+
+TEST(TestbedProtocol, LeaderToFollowerMessages) {
+    const json entry_a = {{"id", 4},   {"t0", 0},   {"t1", 3},    {"tok", {5, 6, 7}},
+                          {"pg", {9}}, {"f", true}, {"l", false}, {"n", 20}};
+    const json entry_b = {{"id", 5},      {"t0", 19},   {"t1", 20},  {"tok", {8}},
+                          {"pg", {1, 2}}, {"f", false}, {"l", true}, {"n", 20}};
+    expect_round_trip(sample_plan(), json{{"k", "step"}, {"m", "d"}, {"e", {entry_a, entry_b}}});
+    Plan extend = sample_plan();
+    extend.mode = attn::ForwardMode::kExtend;
+    extend.entries.clear();
+    expect_round_trip(extend, json{{"k", "step"}, {"m", "e"}, {"e", json::array()}});
+    expect_round_trip(AdmitMsg{.id = 3, .pages = {4, 5}, .input_len = 17, .prefill_ranks = {0, 1}},
+                      json{{"k", "admit"}, {"id", 3}, {"pg", {4, 5}}, {"n", 17}, {"pr", {0, 1}}});
+    expect_round_trip(ReleaseMsg{.id = 99}, json{{"k", "release"}, {"id", 99}});
+}
+
+TEST(TestbedProtocol, FollowerReports) {
+    SentReport sent;
+    sent.id = 2;
+    sent.ok = true;
+    expect_round_trip(
+        sent,
+        json{{"k", "fsent"}, {"id", 2}, {"ok", true}, {"err", ""}, {"tok", -1}, {"bytes", 0}});
+    ReadyReport ready;
+    ready.id = 8;
+    ready.ok = false;
+    ready.error = "receiver submit: busy";
+    ready.first_token = 41;
+    ready.bytes = 1ULL << 40;
+    expect_round_trip(ready, json{{"k", "fready"},
+                                  {"id", 8},
+                                  {"ok", false},
+                                  {"err", "receiver submit: busy"},
+                                  {"tok", 41},
+                                  {"bytes", 1ULL << 40}});
+    // The two kinds share fields but not their kind.
+    EXPECT_NE(decode_error<SentReport>(encode_message(ready)).find("'k'"), std::string::npos);
+}
+
+TEST(TestbedProtocol, LeaderToRouterReports) {
+    expect_round_trip(
+        FirstTokenReport{.phase = "disagg", .id = 1, .t_us = 12.5, .prefill_start_us = 3.25},
+        json{{"k", "first"}, {"ph", "disagg"}, {"id", 1}, {"t", 12.5}, {"ps", 3.25}});
+    expect_round_trip(PrefillDoneReport{.phase = "disagg",
+                                        .id = 2,
+                                        .ok = false,
+                                        .error = "send failed",
+                                        .t_us = 100.0,
+                                        .prefill_start_us = -1},
+                      json{{"k", "pdone"},
+                           {"ph", "disagg"},
+                           {"id", 2},
+                           {"ok", false},
+                           {"err", "send failed"},
+                           {"t", 100.0},
+                           {"ps", -1.0}});
+    expect_round_trip(RequestDoneReport{.phase = "colocated",
+                                        .id = 3,
+                                        .ok = true,
+                                        .error = "",
+                                        .t_us = 50.0,
+                                        .tokens = {1, 2},
+                                        .token_t_us = {40.0, 50.0},
+                                        .bytes = 4096},
+                      json{{"k", "done"},
+                           {"ph", "colocated"},
+                           {"id", 3},
+                           {"ok", true},
+                           {"err", ""},
+                           {"t", 50.0},
+                           {"tokens", {1, 2}},
+                           {"tt", {40.0, 50.0}},
+                           {"bytes", 4096}});
+}
+
+TEST(TestbedProtocol, CollectMessages) {
+    expect_round_trip(TcpBootstrapMsg{.dir = "/tmp/pdsim-tcp-abc", .token = "00ff"},
+                      json{{"k", "tcp"}, {"dir", "/tmp/pdsim-tcp-abc"}, {"tok", "00ff"}});
+    expect_round_trip(ShapeMsg{.time_scale = 0.125}, json{{"k", "shape"}, {"ts", 0.125}});
+    expect_round_trip(ExitMsg{.code = 2, .message = "bad flag"},
+                      json{{"k", "exit"}, {"code", 2}, {"msg", "bad flag"}});
+}
+
+RankResult sample_result() {
+    RankResult r;
+    r.rank = 3;
+    r.phase = "disagg";
+    r.timeline = {TimelineRecord{.tid = 1,
+                                 .name = "L0 e",
+                                 .category = "compute",
+                                 .ts_us = 5,
+                                 .dur_us = 2,
+                                 .args = {{"batch", 4}}},
+                  TimelineRecord{.tid = 2,
+                                 .name = "record L0",
+                                 .category = "record",
+                                 .ts_us = 7,
+                                 .dur_us = -1,
+                                 .args = nullptr}};
+    r.engine_events = {EngineEventRecord{.kind = Kind::kLayerPosted,
+                                         .request = 9,
+                                         .layer = 2,
+                                         .peer = 1,
+                                         .chunk = 3,
+                                         .bytes = 512,
+                                         .t_us = 77.5},
+                       EngineEventRecord{.kind = Kind::kRequestFailed,
+                                         .request = 10,
+                                         .layer = -1,
+                                         .peer = -1,
+                                         .chunk = 0,
+                                         .bytes = 0,
+                                         .t_us = 80}};
+    r.prefill_end_us = {{9, 70.0}, {12, 71.5}};
+    r.ordering = OrderingResult{.checked_layers = 40, .violations = {"layer 3 before layer 2"}};
+    r.stats = {{"forwards", 6}, {"receiver", {{"bytes", 1024}}}};
+    r.error = "";
+    return r;
+}
+
+TEST(TestbedProtocol, RankResultWithPositionalRecords) {
+    const json wire = {
+        {"k", "result"},
+        {"rank", 3},
+        {"phase", "disagg"},
+        {"timeline",
+         {json::array({1, "L0 e", "compute", 5.0, 2.0, {{"batch", 4}}}),
+          json::array({2, "record L0", "record", 7.0, -1.0, nullptr})}},
+        // [kind, request, layer, peer, chunk, bytes, t]: kind is TransferEvent::Kind's value.
+        {"xfer",
+         {json::array({static_cast<int>(Kind::kLayerPosted), 9, 2, 1, 3, 512, 77.5}),
+          json::array({static_cast<int>(Kind::kRequestFailed), 10, -1, -1, 0, 0, 80.0})}},
+        {"pend", {{"9", 70.0}, {"12", 71.5}}},
+        {"ordering", {{"checked", 40}, {"violations", {"layer 3 before layer 2"}}}},
+        {"stats", {{"forwards", 6}, {"receiver", {{"bytes", 1024}}}}},
+        {"error", ""}};
+    expect_round_trip(sample_result(), wire);
+    // The positional kinds are the engine's enum, 1 for kLayerPosted and 5 for kRequestFailed.
+    EXPECT_EQ(wire["xfer"][0][0], 1);
+    EXPECT_EQ(wire["xfer"][1][0], 5);
+}
+
+TEST(TestbedProtocol, MissingFieldIsNamed) {
+    json submit = encode_message(sample_submit());
+    submit.erase("out");
+    const std::string err = decode_error<SubmitMsg>(submit);
+    EXPECT_NE(err.find("'submit'"), std::string::npos) << err;
+    EXPECT_NE(err.find("field 'out': missing"), std::string::npos) << err;
+
+    json plan = encode_message(sample_plan());
+    plan["e"][1].erase("t0");
+    const std::string nested = decode_error<Plan>(plan);
+    EXPECT_NE(nested.find("'step'"), std::string::npos) << nested;
+    EXPECT_NE(nested.find("field 'e[1].t0': missing"), std::string::npos) << nested;
+
+    json result = encode_message(sample_result());
+    result["xfer"][1].erase(6);  // t
+    const std::string positional = decode_error<RankResult>(result);
+    EXPECT_NE(positional.find("field 'xfer[1][6] (t)': missing"), std::string::npos) << positional;
+
+    json no_kind = encode_message(CancelMsg{.id = 1});
+    no_kind.erase("k");
+    EXPECT_NE(decode_error<CancelMsg>(no_kind).find("'k' is missing"), std::string::npos);
+    EXPECT_NE(decode_error<CancelMsg>(json::array()).find("expected an object"), std::string::npos);
+}
+
+TEST(TestbedProtocol, MistypedFieldIsNamed) {
+    json submit = encode_message(sample_submit());
+    submit["in"] = "1200";
+    std::string err = decode_error<SubmitMsg>(submit);
+    EXPECT_NE(err.find("field 'in': expected an integer"), std::string::npos) << err;
+    EXPECT_NE(err.find("got string"), std::string::npos) << err;
+
+    submit = encode_message(sample_submit());
+    submit["in"] = 12.5;  // a float is not an integer
+    EXPECT_NE(decode_error<SubmitMsg>(submit).find("field 'in'"), std::string::npos);
+
+    submit = encode_message(sample_submit());
+    submit["in"] = int64_t{1} << 40;  // out of int32_t's range
+    err = decode_error<SubmitMsg>(submit);
+    EXPECT_NE(err.find("field 'in': expected an integer in [-2147483648, 2147483647]"),
+              std::string::npos)
+        << err;
+
+    submit = encode_message(sample_submit());
+    submit["id"] = -1;  // ids are unsigned
+    EXPECT_NE(decode_error<SubmitMsg>(submit).find("field 'id'"), std::string::npos);
+
+    submit = encode_message(sample_submit());
+    submit["hash"][2] = "x";
+    EXPECT_NE(decode_error<SubmitMsg>(submit).find("field 'hash[2]'"), std::string::npos);
+
+    json plan = encode_message(sample_plan());
+    plan["m"] = "x";
+    EXPECT_NE(decode_error<Plan>(plan).find("field 'm'"), std::string::npos);
+    plan = encode_message(sample_plan());
+    plan["e"][0]["f"] = 1;
+    EXPECT_NE(decode_error<Plan>(plan).find("field 'e[0].f': expected a boolean"),
+              std::string::npos);
+
+    json done = encode_message(RequestDoneReport{.phase = "disagg", .id = 1, .ok = true});
+    done["tt"] = 3.0;
+    EXPECT_NE(decode_error<RequestDoneReport>(done).find("field 'tt': expected an array"),
+              std::string::npos);
+
+    json result = encode_message(sample_result());
+    result["xfer"][0][0] = 6;  // past kRequestFailed
+    err = decode_error<RankResult>(result);
+    EXPECT_NE(err.find("field 'xfer[0][0] (kind)': expected an engine event kind"),
+              std::string::npos)
+        << err;
+    result = encode_message(sample_result());
+    result["pend"]["x1"] = 3.0;
+    EXPECT_NE(decode_error<RankResult>(result).find("field 'pend.x1'"), std::string::npos);
+    result = encode_message(sample_result());
+    result["ordering"]["violations"] = {1};
+    EXPECT_NE(decode_error<RankResult>(result).find("field 'ordering.violations[0]'"),
+              std::string::npos);
+
+    json shape = encode_message(ShapeMsg{.time_scale = 1});
+    shape["ts"] = true;
+    EXPECT_NE(decode_error<ShapeMsg>(shape).find("'shape': field 'ts': expected a number"),
+              std::string::npos);
+}
+
+}  // namespace
+}  // namespace pdsim::testbed
