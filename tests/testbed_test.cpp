@@ -195,8 +195,8 @@ TEST_P(TestbedFault, IsCaught) {
 INSTANTIATE_TEST_SUITE_P(Kinds, TestbedFault,
                          ::testing::Values("record-before-write", "skip-record", "double-record",
                                            "stale-graph-metadata", "free-before-transfer", "late-write"),
-                         [](const auto& info) {
-                             std::string n = info.param;
+                         [](const auto& param_info) {
+                             std::string n = param_info.param;
                              std::replace(n.begin(), n.end(), '-', '_');
                              return n;
                          });
