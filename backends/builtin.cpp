@@ -23,12 +23,14 @@
 namespace pdsim::attn {
 
 void register_builtin_attention_backends() {
-    register_attention_backend("cpu_ref", [](const AttentionConfig& c) -> StatusOr<std::unique_ptr<AttentionBackend>> {
-        return std::unique_ptr<AttentionBackend>(std::make_unique<CpuRefBackend>(c));
-    });
-    register_attention_backend("cpu", [](const AttentionConfig& c) -> StatusOr<std::unique_ptr<AttentionBackend>> {
-        return make_cpu_backend(c);
-    });
+    register_attention_backend(
+        "cpu_ref", [](const AttentionConfig& c) -> StatusOr<std::unique_ptr<AttentionBackend>> {
+            return std::unique_ptr<AttentionBackend>(std::make_unique<CpuRefBackend>(c));
+        });
+    register_attention_backend(
+        "cpu", [](const AttentionConfig& c) -> StatusOr<std::unique_ptr<AttentionBackend>> {
+            return make_cpu_backend(c);
+        });
 #if defined(PDSIM_HAVE_FLASHINFER)
     register_attention_backend("cuda", &cuda::CudaAttentionBackend::create);
 #else

@@ -9,7 +9,9 @@ namespace pdsim {
 
 using bf16_t = uint16_t;
 
-inline float bf16_to_float(bf16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+inline float bf16_to_float(bf16_t h) {
+    return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
 
 inline bf16_t float_to_bf16(float f) {
     uint32_t u = std::bit_cast<uint32_t>(f);

@@ -8,11 +8,11 @@
 
 #include "common/status.h"
 
-#define CUDA_CHECK(call)                                                                   \
-    do {                                                                                   \
-        cudaError_t pdsim_cuda_rc_ = (call);                                               \
-        if (pdsim_cuda_rc_ != cudaSuccess) [[unlikely]]                                    \
-            return PDSIM_ERROR(::pdsim::StatusCode::kUnavailable, "{} failed: {} ({})",    \
-                               #call, cudaGetErrorString(pdsim_cuda_rc_),                  \
-                               cudaGetErrorName(pdsim_cuda_rc_));                          \
+#define CUDA_CHECK(call)                                                                       \
+    do {                                                                                       \
+        cudaError_t pdsim_cuda_rc_ = (call);                                                   \
+        if (pdsim_cuda_rc_ != cudaSuccess) [[unlikely]]                                        \
+            return PDSIM_ERROR(::pdsim::StatusCode::kUnavailable, "{} failed: {} ({})", #call, \
+                               cudaGetErrorString(pdsim_cuda_rc_),                             \
+                               cudaGetErrorName(pdsim_cuda_rc_));                              \
     } while (0)

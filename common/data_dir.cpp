@@ -1,9 +1,9 @@
 #include "common/data_dir.h"
 
+#include <fmt/format.h>
+
 #include <cstdlib>
 #include <filesystem>
-
-#include <fmt/format.h>
 
 namespace pdsim::data {
 
@@ -24,9 +24,12 @@ bool is_file(const fs::path& p) {
 // Where `kind` sits in the source tree.
 fs::path source_subdir(DataKind kind) {
     switch (kind) {
-        case DataKind::kTraces: return "data/traces";
-        case DataKind::kTopologies: return "topology/examples";
-        case DataKind::kModels: return "data/models";
+        case DataKind::kTraces:
+            return "data/traces";
+        case DataKind::kTopologies:
+            return "topology/examples";
+        case DataKind::kModels:
+            return "data/models";
     }
     return "data";
 }
@@ -40,9 +43,12 @@ const char* data_dir_env() {
 
 std::string_view data_kind_name(DataKind kind) {
     switch (kind) {
-        case DataKind::kTraces: return "traces";
-        case DataKind::kTopologies: return "topologies";
-        case DataKind::kModels: return "models";
+        case DataKind::kTraces:
+            return "traces";
+        case DataKind::kTopologies:
+            return "topologies";
+        case DataKind::kModels:
+            return "models";
     }
     return "?";
 }
@@ -60,11 +66,13 @@ std::vector<DataCandidate> data_search_path(DataKind kind) {
     std::error_code ec;
     const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
     if (!ec) {
-        out.push_back({(exe.parent_path() / ".." / "share" / "pdsim" / sub).lexically_normal().string(),
-                       "install prefix"});
+        out.push_back(
+            {(exe.parent_path() / ".." / "share" / "pdsim" / sub).lexically_normal().string(),
+             "install prefix"});
     }
 #ifdef PDSIM_INSTALL_DATADIR
-    const std::string configured = (fs::path(PDSIM_INSTALL_DATADIR) / sub).lexically_normal().string();
+    const std::string configured =
+        (fs::path(PDSIM_INSTALL_DATADIR) / sub).lexically_normal().string();
     if (out.empty() || out.back().path != configured) out.push_back({configured, "install prefix"});
 #endif
     return out;
@@ -110,9 +118,9 @@ std::string resolve_data_file(DataKind kind, const std::string& text) {
     if (text.empty() || is_file(text) || text.find('/') != std::string::npos) return text;
     auto dir = find_data_dir(kind);
     if (!dir.ok()) return text;
-    const std::vector<const char*> exts = kind == DataKind::kTraces
-                                              ? std::vector<const char*>{"", ".jsonl", ".csv"}
-                                              : std::vector<const char*>{"", ".yaml", ".yml", ".json"};
+    const std::vector<const char*> exts =
+        kind == DataKind::kTraces ? std::vector<const char*>{"", ".jsonl", ".csv"}
+                                  : std::vector<const char*>{"", ".yaml", ".yml", ".json"};
     for (const char* ext : exts) {
         const fs::path p = fs::path(*dir) / (text + ext);
         if (is_file(p)) return p.string();

@@ -3,9 +3,9 @@
 // (they fall back to spdlog's default logger). Under MPI the rank is part of the pattern.
 #pragma once
 
-#include <string_view>
-
 #include <spdlog/spdlog.h>
+
+#include <string_view>
 
 namespace pdsim {
 

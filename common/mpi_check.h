@@ -11,10 +11,10 @@ namespace pdsim::detail {
 std::string mpi_error_string(int code);
 }  // namespace pdsim::detail
 
-#define MPI_CHECK(call)                                                                    \
-    do {                                                                                   \
-        int pdsim_mpi_rc_ = (call);                                                        \
-        if (pdsim_mpi_rc_ != MPI_SUCCESS) [[unlikely]]                                     \
-            return PDSIM_ERROR(::pdsim::StatusCode::kUnavailable, "{} failed: {}", #call,  \
-                               ::pdsim::detail::mpi_error_string(pdsim_mpi_rc_));          \
+#define MPI_CHECK(call)                                                                   \
+    do {                                                                                  \
+        int pdsim_mpi_rc_ = (call);                                                       \
+        if (pdsim_mpi_rc_ != MPI_SUCCESS) [[unlikely]]                                    \
+            return PDSIM_ERROR(::pdsim::StatusCode::kUnavailable, "{} failed: {}", #call, \
+                               ::pdsim::detail::mpi_error_string(pdsim_mpi_rc_));         \
     } while (0)

@@ -6,10 +6,10 @@
 
 #include "common/status.h"
 
-#define NCCL_CHECK(call)                                                                   \
-    do {                                                                                   \
-        ncclResult_t pdsim_nccl_rc_ = (call);                                              \
-        if (pdsim_nccl_rc_ != ncclSuccess) [[unlikely]]                                    \
-            return PDSIM_ERROR(::pdsim::StatusCode::kUnavailable, "{} failed: {}", #call,  \
-                               ncclGetErrorString(pdsim_nccl_rc_));                        \
+#define NCCL_CHECK(call)                                                                  \
+    do {                                                                                  \
+        ncclResult_t pdsim_nccl_rc_ = (call);                                             \
+        if (pdsim_nccl_rc_ != ncclSuccess) [[unlikely]]                                   \
+            return PDSIM_ERROR(::pdsim::StatusCode::kUnavailable, "{} failed: {}", #call, \
+                               ncclGetErrorString(pdsim_nccl_rc_));                       \
     } while (0)

@@ -11,9 +11,9 @@
 namespace pdsim {
 
 struct NpyArray {
-    std::string descr;             // "<f4", "<i4", "<u2"
+    std::string descr;  // "<f4", "<i4", "<u2"
     std::vector<int64_t> shape;
-    std::vector<uint8_t> data;     // raw little-endian bytes
+    std::vector<uint8_t> data;  // raw little-endian bytes
     [[nodiscard]] int64_t count() const;
     template <typename T>
     [[nodiscard]] const T* as() const {

@@ -8,6 +8,8 @@
 // Thread-safety: a Status is an immutable value; copies may be used from any thread.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -15,13 +17,11 @@
 #include <utility>
 #include <variant>
 
-#include <fmt/format.h>
-
 namespace pdsim {
 
 enum class StatusCode : uint8_t {
     kOk = 0,
-    kInvalidArgument,     // bad input: flag, file, field, frame (the CLI maps this to exit 2)
+    kInvalidArgument,  // bad input: flag, file, field, frame (the CLI maps this to exit 2)
     kNotFound,
     kAlreadyExists,
     kOutOfRange,
@@ -65,13 +65,15 @@ private:
     std::string message_;
 };
 
-inline Status ok_status() { return {}; }
+inline Status ok_status() {
+    return {};
+}
 
 // StatusOr<T>: a T or a non-OK Status.
 template <typename T>
 class [[nodiscard]] StatusOr {
 public:
-    StatusOr(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+    StatusOr(T value) : v_(std::move(value)) {}        // NOLINT(google-explicit-constructor)
     StatusOr(Status status) : v_(std::move(status)) {  // NOLINT(google-explicit-constructor)
         if (std::get<Status>(v_).ok()) {
             v_ = Status(StatusCode::kInternal, "StatusOr constructed from an OK Status");
@@ -99,27 +101,27 @@ std::string located(const char* file, int line, std::string message);
 }  // namespace pdsim
 
 // PDSIM_ERROR(code, fmt, args...): a Status whose message is "file:line: <formatted>".
-#define PDSIM_ERROR(code, ...)                                                       \
-    ::pdsim::Status((code), ::pdsim::detail::located(__FILE__, __LINE__,             \
-                                                     ::fmt::format(__VA_ARGS__)))
+#define PDSIM_ERROR(code, ...) \
+    ::pdsim::Status((code),    \
+                    ::pdsim::detail::located(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__)))
 
 #define PDSIM_STATUS_CONCAT_INNER(a, b) a##b
 #define PDSIM_STATUS_CONCAT(a, b) PDSIM_STATUS_CONCAT_INNER(a, b)
 
 // Evaluates expr (a Status); returns it from the enclosing function if it is not OK.
 // The temporary's name is unique per expansion, so the macro nests (inside a lambda in `expr`).
-#define PDSIM_RETURN_IF_ERROR(expr)                                                  \
+#define PDSIM_RETURN_IF_ERROR(expr) \
     PDSIM_RETURN_IF_ERROR_IMPL(PDSIM_STATUS_CONCAT(pdsim_status_tmp_, __COUNTER__), expr)
-#define PDSIM_RETURN_IF_ERROR_IMPL(tmp, expr)                                        \
-    do {                                                                             \
-        ::pdsim::Status tmp = (expr);                                                \
-        if (!tmp.ok()) return tmp;                                                   \
+#define PDSIM_RETURN_IF_ERROR_IMPL(tmp, expr) \
+    do {                                      \
+        ::pdsim::Status tmp = (expr);         \
+        if (!tmp.ok()) return tmp;            \
     } while (0)
 
 // PDSIM_ASSIGN_OR_RETURN(auto x, expr): expr is a StatusOr<T>; on error returns its Status.
-#define PDSIM_ASSIGN_OR_RETURN(lhs, expr)                                            \
+#define PDSIM_ASSIGN_OR_RETURN(lhs, expr) \
     PDSIM_ASSIGN_OR_RETURN_IMPL(PDSIM_STATUS_CONCAT(pdsim_statusor_, __LINE__), lhs, expr)
-#define PDSIM_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr)                                  \
-    auto tmp = (expr);                                                               \
-    if (!tmp.ok()) return tmp.status();                                              \
+#define PDSIM_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
+    auto tmp = (expr);                              \
+    if (!tmp.ok()) return tmp.status();             \
     lhs = std::move(tmp).value()

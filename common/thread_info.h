@@ -27,6 +27,6 @@ struct ThreadCpu {
 // CPU seconds per thread name used between two snapshots (threads of one name are summed; a
 // thread that is only in `after` counts from zero; one that exited before `after` is lost).
 [[nodiscard]] std::map<std::string, double> cpu_by_name(const std::vector<ThreadCpu>& before,
-                                                       const std::vector<ThreadCpu>& after);
+                                                        const std::vector<ThreadCpu>& after);
 
 }  // namespace pdsim

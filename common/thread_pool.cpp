@@ -1,9 +1,10 @@
 #include "common/thread_pool.h"
-#include "common/thread_info.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+
+#include "common/thread_info.h"
 
 namespace pdsim {
 
@@ -16,11 +17,13 @@ inline void cpu_relax() {
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
-    if (num_threads <= 0) num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this, i] {
-        set_thread_name("pdsim-pool");
-        worker_loop(i);
-    });
+    if (num_threads <= 0)
+        num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    for (int i = 1; i < num_threads; ++i)
+        workers_.emplace_back([this, i] {
+            set_thread_name("pdsim-pool");
+            worker_loop(i);
+        });
 }
 
 ThreadPool::~ThreadPool() {

@@ -35,15 +35,20 @@ using namespace std::chrono_literals;
 using pd::StepCounter;
 using ::testing::HasSubstr;
 
-constexpr ForwardMode kAllModes[] = {ForwardMode::kExtend,  ForwardMode::kDecode,       ForwardMode::kMixed,
-                                     ForwardMode::kIdle,    ForwardMode::kTargetVerify, ForwardMode::kDraftExtend};
+constexpr ForwardMode kAllModes[] = {ForwardMode::kExtend,       ForwardMode::kDecode,
+                                     ForwardMode::kMixed,        ForwardMode::kIdle,
+                                     ForwardMode::kTargetVerify, ForwardMode::kDraftExtend};
 
 bool expect_record(ForwardMode mode, std::optional<bool> record_kv, bool registered) {
-    const bool want = record_kv.has_value() ? *record_kv : (mode != ForwardMode::kDecode && mode != ForwardMode::kIdle);
+    const bool want = record_kv.has_value()
+                          ? *record_kv
+                          : (mode != ForwardMode::kDecode && mode != ForwardMode::kIdle);
     return want && registered;
 }
 
-std::string opt_name(std::optional<bool> o) { return !o.has_value() ? "unset" : (*o ? "true" : "false"); }
+std::string opt_name(std::optional<bool> o) {
+    return !o.has_value() ? "unset" : (*o ? "true" : "false");
+}
 
 // A test double for the base-class rule. Its "attention work" is one stream task that logs the
 // StepCounter's ready step at the moment it runs (the moment the backend's KV write would
@@ -52,20 +57,23 @@ std::string opt_name(std::optional<bool> o) { return !o.has_value() ? "unset" : 
 class FakeRecordingBackend final : public AttentionBackend {
 public:
     struct WriteLog {
-        std::string path;       // "decode" or "extend": which forward_* ran
+        std::string path;  // "decode" or "extend": which forward_* ran
         bool save_kv_cache;
         int64_t ready_at_write;  // query_ready_cache_step() when the write task ran
         uint64_t published_at_write;
     };
 
-    FakeRecordingBackend(const AttentionConfig& c, std::set<std::string> accepted = {"max_pages_per_seq"})
+    FakeRecordingBackend(const AttentionConfig& c,
+                         std::set<std::string> accepted = {"max_pages_per_seq"})
         : AttentionBackend(c), accepted_(std::move(accepted)) {}
     // Queued write tasks point at this object: drain them first (an early test exit).
     ~FakeRecordingBackend() override { stream().synchronize(kSyncTimeout).ignore_error(); }
 
     [[nodiscard]] std::string name() const override { return "fake_recording"; }
     [[nodiscard]] BackendCapabilities capabilities() const override { return caps; }
-    [[nodiscard]] std::set<std::string> accepted_graph_state_extras() const override { return accepted_; }
+    [[nodiscard]] std::set<std::string> accepted_graph_state_extras() const override {
+        return accepted_;
+    }
     [[nodiscard]] Status init_cuda_graph_state(int max_bs, const int32_t* seq_lens_buf,
                                                const GraphStateExtras& extras) override {
         ++graph_state_calls;
@@ -93,8 +101,12 @@ public:
                              {runtime::DeviceKind::kCpu}};
 
 protected:
-    [[nodiscard]] Status forward_decode(const ForwardArgs& args) override { return write("decode", args); }
-    [[nodiscard]] Status forward_extend(const ForwardArgs& args) override { return write("extend", args); }
+    [[nodiscard]] Status forward_decode(const ForwardArgs& args) override {
+        return write("decode", args);
+    }
+    [[nodiscard]] Status forward_extend(const ForwardArgs& args) override {
+        return write("extend", args);
+    }
 
 private:
     [[nodiscard]] Status write(const char* path, const ForwardArgs& args) {
@@ -104,7 +116,8 @@ private:
         bool save = args.save_kv_cache;
         PDSIM_RETURN_IF_ERROR(stream().enqueue([this, c, p, save] {
             std::lock_guard<std::mutex> lock(mu_);
-            log_.push_back({p, save, c ? c->query_ready_cache_step() : -1, c ? c->records_published() : 0});
+            log_.push_back(
+                {p, save, c ? c->query_ready_cache_step() : -1, c ? c->records_published() : 0});
             return Status();
         }));
         if (hold_gate != nullptr) PDSIM_RETURN_IF_ERROR(hold_gate->enqueue(stream()));
@@ -167,8 +180,10 @@ AttentionConfig config_on(runtime::Stream& s) {
     return c;
 }
 
-// ---- the rule on the fake: every branch, and its timing against the write -------------------------
-using RuleParam = std::tuple<ForwardMode, bool /*save_kv*/, std::optional<bool> /*record_kv*/, bool /*registered*/>;
+// ---- the rule on the fake: every branch, and its timing against the write
+// -------------------------
+using RuleParam = std::tuple<ForwardMode, bool /*save_kv*/, std::optional<bool> /*record_kv*/,
+                             bool /*registered*/>;
 
 class RecordRule : public ::testing::TestWithParam<RuleParam> {};
 
@@ -219,7 +234,8 @@ std::string rule_name(const ::testing::TestParamInfo<RuleParam>& info) {
 
 INSTANTIATE_TEST_SUITE_P(AllBranches, RecordRule,
                          ::testing::Combine(::testing::ValuesIn(kAllModes), ::testing::Bool(),
-                                            ::testing::Values(std::optional<bool>(), std::optional<bool>(true),
+                                            ::testing::Values(std::optional<bool>(),
+                                                              std::optional<bool>(true),
                                                               std::optional<bool>(false)),
                                             ::testing::Bool()),
                          rule_name);
@@ -232,15 +248,18 @@ TEST(RecordPdCacheStep, WillRecordFollowsTheRule) {
     for (bool registered : {false, true}) {
         fake.register_step_counter(registered ? &counter : nullptr);
         for (ForwardMode mode : kAllModes) {
-            for (std::optional<bool> rec : {std::optional<bool>(), std::optional<bool>(true), std::optional<bool>(false)}) {
+            for (std::optional<bool> rec :
+                 {std::optional<bool>(), std::optional<bool>(true), std::optional<bool>(false)}) {
                 for (bool save : {false, true}) {
                     AttentionBackend::RecordPdCacheStep g(fake, mode, save, rec);
                     EXPECT_EQ(g.will_record(), expect_record(mode, rec, registered))
-                        << forward_mode_name(mode) << " record " << opt_name(rec) << " registered " << registered;
+                        << forward_mode_name(mode) << " record " << opt_name(rec) << " registered "
+                        << registered;
                     const uint64_t before = counter.records_published();
                     ASSERT_TRUE(g.enter().ok());
                     ASSERT_TRUE(stream.synchronize(10s).ok());
-                    EXPECT_EQ(counter.records_published() - before, g.will_record() && !save ? 1u : 0u);
+                    EXPECT_EQ(counter.records_published() - before,
+                              g.will_record() && !save ? 1u : 0u);
                     ASSERT_TRUE(g.exit().ok());
                     ASSERT_TRUE(stream.synchronize(10s).ok());
                     EXPECT_EQ(counter.records_published() - before, g.will_record() ? 1u : 0u);
@@ -272,12 +291,14 @@ TEST(RecordPdCacheStep, CompositeRecordsOncePerLayer) {
     }
     ASSERT_TRUE(stream.synchronize(10s).ok());
     EXPECT_EQ(counter.records_published(), static_cast<uint64_t>(kLayers));
-    for (int l = 0; l < kLayers; ++l) EXPECT_TRUE(StepCounter::is_step_ready(counter.query_ready_cache_step(), begin + l));
+    for (int l = 0; l < kLayers; ++l)
+        EXPECT_TRUE(StepCounter::is_step_ready(counter.query_ready_cache_step(), begin + l));
     EXPECT_FALSE(StepCounter::is_step_ready(counter.query_ready_cache_step(), begin + kLayers));
     // Each layer's two child writes ran before that layer's record.
     const auto log = full.log();
     ASSERT_EQ(log.size(), static_cast<size_t>(kLayers));
-    for (int l = 0; l < kLayers; ++l) EXPECT_EQ(log[static_cast<size_t>(l)].published_at_write, static_cast<uint64_t>(l));
+    for (int l = 0; l < kLayers; ++l)
+        EXPECT_EQ(log[static_cast<size_t>(l)].published_at_write, static_cast<uint64_t>(l));
 }
 
 TEST(AttentionBackendBase, StepCounterOnAnotherStreamIsRejected) {
@@ -339,7 +360,8 @@ TEST(InitBackendCudaGraphState, PassesOnlyAcceptedExtras) {
         std::string acc;
         for (const auto& a : e.accepted) acc += a + " ";
         EXPECT_EQ(fake.received.max_pages_per_seq.has_value(), e.pages) << "accepted: " << acc;
-        EXPECT_EQ(fake.received.paged_cache_group_specs.has_value(), e.specs) << "accepted: " << acc;
+        EXPECT_EQ(fake.received.paged_cache_group_specs.has_value(), e.specs)
+            << "accepted: " << acc;
         if (e.pages) {
             EXPECT_EQ(fake.received.max_pages_per_seq.value_or(0), 32);
         }
@@ -356,9 +378,11 @@ TEST(InitBackendCudaGraphState, ErrorFromTheBackendPropagatesWithoutRetry) {
     GraphStateExtras all;
     all.max_pages_per_seq = 8;
     all.paged_cache_group_specs = std::vector<std::string>{"full"};
-    for (std::set<std::string> accepted : {std::set<std::string>{"*"}, std::set<std::string>{"paged_cache_group_specs"}}) {
+    for (std::set<std::string> accepted :
+         {std::set<std::string>{"*"}, std::set<std::string>{"paged_cache_group_specs"}}) {
         FakeRecordingBackend fake(config_on(stream), accepted);
-        fake.graph_state_result = Status(StatusCode::kInvalidArgument, "bad paged_cache_group_specs");
+        fake.graph_state_result =
+            Status(StatusCode::kInvalidArgument, "bad paged_cache_group_specs");
         Status st = init_backend_cuda_graph_state(fake, 4, seq_lens.data(), all);
         EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
         EXPECT_EQ(st.message(), "bad paged_cache_group_specs");
@@ -377,10 +401,13 @@ TEST(InitBackendCudaGraphState, RealBackendsAcceptTheirExtras) {
         Runner r(name, s);
         ASSERT_TRUE(r.create_status().ok());
         EXPECT_FALSE(r.backend().graph_state_initialized());
-        EXPECT_TRUE(init_backend_cuda_graph_state(r.backend(), 4, seq_lens.data(), all).ok()) << name;
+        EXPECT_TRUE(init_backend_cuda_graph_state(r.backend(), 4, seq_lens.data(), all).ok())
+            << name;
         EXPECT_TRUE(r.backend().graph_state_initialized()) << name;
-        EXPECT_FALSE(init_backend_cuda_graph_state(r.backend(), 0, seq_lens.data(), all).ok()) << name << ": max_bs 0";
-        EXPECT_FALSE(init_backend_cuda_graph_state(r.backend(), 4, nullptr, all).ok()) << name << ": null seq_lens";
+        EXPECT_FALSE(init_backend_cuda_graph_state(r.backend(), 0, seq_lens.data(), all).ok())
+            << name << ": max_bs 0";
+        EXPECT_FALSE(init_backend_cuda_graph_state(r.backend(), 4, nullptr, all).ok())
+            << name << ": null seq_lens";
     }
 }
 
@@ -443,7 +470,8 @@ TEST_P(RealBackendRecordRule, RecordsOnceAfterTheKvIsInThePool) {
     std::thread observer;
     if (record) {
         observer = std::thread([&] {
-            if (counter.wait_until_ready(begin, 30s).ok()) observer_result = new_kv_in_pool(*pool, s, b) ? 1 : 0;
+            if (counter.wait_until_ready(begin, 30s).ok())
+                observer_result = new_kv_in_pool(*pool, s, b) ? 1 : 0;
         });
     }
     gate.release();
@@ -453,7 +481,8 @@ TEST_P(RealBackendRecordRule, RecordsOnceAfterTheKvIsInThePool) {
     EXPECT_EQ(counter.records_published(), record ? 1u : 0u);
     EXPECT_EQ(counter.query_ready_cache_step(), record ? 1001 : 1000);
     if (record) {
-        EXPECT_EQ(observer_result.load(), 1) << "a host woken by the record must see the layer's KV";
+        EXPECT_EQ(observer_result.load(), 1)
+            << "a host woken by the record must see the layer's KV";
     }
     EXPECT_TRUE(new_kv_in_pool(*pool, s, b));
     if (b.num_tokens > 0) {
@@ -463,19 +492,20 @@ TEST_P(RealBackendRecordRule, RecordsOnceAfterTheKvIsInThePool) {
 
 std::string real_name(const ::testing::TestParamInfo<RealParam>& info) {
     const auto [name, mode, save_kv, record_kv, registered] = info.param;
-    return name + "_" + std::string(forward_mode_name(mode)) + (save_kv ? "_save" : "_prewrite") + "_record_" +
-           opt_name(record_kv) + (registered ? "_counter" : "_nocounter");
+    return name + "_" + std::string(forward_mode_name(mode)) + (save_kv ? "_save" : "_prewrite") +
+           "_record_" + opt_name(record_kv) + (registered ? "_counter" : "_nocounter");
 }
 
-INSTANTIATE_TEST_SUITE_P(AllBranches, RealBackendRecordRule,
-                         ::testing::Combine(::testing::Values("cpu", "cpu_ref"),
-                                            ::testing::Values(ForwardMode::kExtend, ForwardMode::kDecode,
-                                                              ForwardMode::kIdle),
-                                            ::testing::Bool(),
-                                            ::testing::Values(std::optional<bool>(), std::optional<bool>(true),
-                                                              std::optional<bool>(false)),
-                                            ::testing::Bool()),
-                         real_name);
+INSTANTIATE_TEST_SUITE_P(
+    AllBranches, RealBackendRecordRule,
+    ::testing::Combine(::testing::Values("cpu", "cpu_ref"),
+                       ::testing::Values(ForwardMode::kExtend, ForwardMode::kDecode,
+                                         ForwardMode::kIdle),
+                       ::testing::Bool(),
+                       ::testing::Values(std::optional<bool>(), std::optional<bool>(true),
+                                         std::optional<bool>(false)),
+                       ::testing::Bool()),
+    real_name);
 
 // ---- one record per layer per extend forward ----------------------------------------------------
 // L layers after begin = advance_step(L): a gate after each layer's forward holds the stream, and
@@ -500,7 +530,8 @@ TEST_P(PerLayerRecords, LayerLIsReadyIffItsKvIsWritten) {
     base.num_kv_heads = 2;
     base.page_size = 16;
     base.num_layers = kLayers;
-    std::vector<Req> reqs = decode_forced ? std::vector<Req>{{50, 1}, {9, 1}} : std::vector<Req>{{50, 30}, {0, 9}};
+    std::vector<Req> reqs =
+        decode_forced ? std::vector<Req>{{50, 1}, {9, 1}} : std::vector<Req>{{50, 30}, {0, 9}};
     std::vector<Shape> shapes;
     std::vector<Batch> batches;
     for (int l = 0; l < kLayers; ++l) {
@@ -541,7 +572,8 @@ TEST_P(PerLayerRecords, LayerLIsReadyIffItsKvIsWritten) {
     for (int l = 0; l < kLayers; ++l) {
         seen[l] = -1;
         observers.emplace_back([&, l] {
-            if (counter.wait_until_ready(begin + l, 30s).ok()) seen[l] = new_kv_in_pool(*pool, shapes[l], batches[l]);
+            if (counter.wait_until_ready(begin + l, 30s).ok())
+                seen[l] = new_kv_in_pool(*pool, shapes[l], batches[l]);
         });
     }
     EXPECT_FALSE(StepCounter::is_step_ready(counter.query_ready_cache_step(), begin));
@@ -566,13 +598,15 @@ TEST_P(PerLayerRecords, LayerLIsReadyIffItsKvIsWritten) {
     EXPECT_EQ(counter.query_ready_cache_step(), StepCounter::wrap(begin + kLayers));
     for (int l = 0; l < kLayers; ++l) {
         EXPECT_EQ(seen[l].load(), 1) << "observer of layer " << l;
-        EXPECT_TRUE(outputs_close(outs[l], naive_attention(shapes[l], batches[l]), 1e-5, shapes[l], batches[l]))
+        EXPECT_TRUE(outputs_close(outs[l], naive_attention(shapes[l], batches[l]), 1e-5, shapes[l],
+                                  batches[l]))
             << "layer " << l;
     }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, PerLayerRecords,
-                         ::testing::Combine(::testing::Values("cpu", "cpu_ref"), ::testing::Bool(), ::testing::Bool()),
+                         ::testing::Combine(::testing::Values("cpu", "cpu_ref"), ::testing::Bool(),
+                                            ::testing::Bool()),
                          per_layer_name);
 
 // ---- forward() checks its arguments before anything is enqueued ---------------------------------
@@ -818,8 +852,9 @@ TEST(Capabilities, CpuBackendsAcceptFp32AndBf16OnTheHost) {
         ASSERT_TRUE(cuda_pool.ok());
         ViewSet views;
         Status st = views.forward(r.backend(), **cuda_pool);
-        EXPECT_THAT(st, StatusIs(StatusCode::kInvalidArgument, HasSubstr(std::string("pool: memory on cuda, backend '") + name +
-                                            "' accepts cpu")));
+        EXPECT_THAT(st, StatusIs(StatusCode::kInvalidArgument,
+                                 HasSubstr(std::string("pool: memory on cuda, backend '") + name +
+                                           "' accepts cpu")));
         ASSERT_TRUE(r.wait().ok());
 
         // The registry rejects a KV dtype the backend does not declare.

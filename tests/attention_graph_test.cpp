@@ -31,7 +31,9 @@ constexpr int kMaxPagesPerSeq = 24;  // page_size 16: up to 384 tokens
 constexpr int kMaxTokens = 64;       // static q/k/v/out rows
 constexpr int kPoolPages = 160;
 
-double tolerance(kv::KVDtype d) { return d == kv::KVDtype::kF32 ? 1e-5 : 1e-2; }
+double tolerance(kv::KVDtype d) {
+    return d == kv::KVDtype::kF32 ? 1e-5 : 1e-2;
+}
 
 Shape base_shape(kv::KVDtype dtype) {
     Shape s;
@@ -51,16 +53,20 @@ Shape layer_shape(const Shape& base, int l) {
 }
 
 // One batch per layer: the same layout (lengths, page table), different q/k/v.
-std::vector<Batch> layered(const Shape& base, ForwardMode mode, const std::vector<Req>& reqs, uint64_t seed) {
+std::vector<Batch> layered(const Shape& base, ForwardMode mode, const std::vector<Req>& reqs,
+                           uint64_t seed) {
     std::vector<Batch> out;
     for (int l = 0; l < kLayers; ++l) {
-        out.push_back(make_batch(layer_shape(base, l), mode, reqs, seed, 2, kPoolPages, 0, seed * 100 + l));
+        out.push_back(
+            make_batch(layer_shape(base, l), mode, reqs, seed, 2, kPoolPages, 0, seed * 100 + l));
     }
     return out;
 }
 
-void init_layers(kv::MHATokenToKVPool& pool, const Shape& base, const std::vector<Batch>& bs, bool with_new) {
-    for (int l = 0; l < kLayers; ++l) init_pool(pool, layer_shape(base, l), bs[static_cast<size_t>(l)], with_new, l == 0);
+void init_layers(kv::MHATokenToKVPool& pool, const Shape& base, const std::vector<Batch>& bs,
+                 bool with_new) {
+    for (int l = 0; l < kLayers; ++l)
+        init_pool(pool, layer_shape(base, l), bs[static_cast<size_t>(l)], with_new, l == 0);
 }
 
 // The oracle: eager cpu_ref over every layer, on its own pool.
@@ -80,7 +86,8 @@ Oracle eager_oracle(const Shape& base, const std::vector<Batch>& bs, bool save_k
     o.out.resize(kLayers);
     for (int l = 0; l < kLayers; ++l) {
         const Batch& b = bs[static_cast<size_t>(l)];
-        o.out[static_cast<size_t>(l)].assign(static_cast<size_t>(b.num_tokens) * base.q_width(), kNaN);
+        o.out[static_cast<size_t>(l)].assign(static_cast<size_t>(b.num_tokens) * base.q_width(),
+                                             kNaN);
         EXPECT_TRUE(forward_host(r.backend(), b.q.data(), save_kv ? b.k.data() : decoy.data(),
                                  save_kv ? b.v.data() : decoy.data(), layer_shape(base, l).layer(),
                                  b.locs.data(), b.num_tokens, *o.pool, b.mode, b.bs,
@@ -119,9 +126,11 @@ public:
         PDSIM_RETURN_IF_ERROR(runner_.create_status());
         GraphStateExtras extras;
         extras.max_pages_per_seq = kMaxPagesPerSeq;
-        PDSIM_RETURN_IF_ERROR(init_backend_cuda_graph_state(backend(), kMaxBs, seq_lens_buf_.data(), extras));
+        PDSIM_RETURN_IF_ERROR(
+            init_backend_cuda_graph_state(backend(), kMaxBs, seq_lens_buf_.data(), extras));
         PDSIM_RETURN_IF_ERROR(runner_.stream().begin_capture());
-        PDSIM_RETURN_IF_ERROR(backend().init_forward_metadata_capture_cuda_graph(capture_bs, mode_));
+        PDSIM_RETURN_IF_ERROR(
+            backend().init_forward_metadata_capture_cuda_graph(capture_bs, mode_));
         for (int l = 0; l < kLayers; ++l) {
             // The static buffers (kMaxTokens rows): graph metadata decides how many rows each
             // replay uses.
@@ -130,7 +139,8 @@ public:
                 locs_.data(), rows, *pool_, mode_, capture_bs, out_[l].data(), save_kv_));
         }
         PDSIM_ASSIGN_OR_RETURN(graph_, runner_.stream().end_capture());
-        if (graph_->num_nodes() == 0) return Status(StatusCode::kInternal, "captured an empty graph");
+        if (graph_->num_nodes() == 0)
+            return Status(StatusCode::kInternal, "captured an empty graph");
         return {};
     }
 
@@ -158,14 +168,18 @@ public:
     }
 
     [[nodiscard]] Status replay(const std::vector<Batch>& bs, bool update_metadata = true) {
-        if (update_metadata) PDSIM_RETURN_IF_ERROR(backend().init_forward_metadata_replay_cuda_graph(bs[0].forward_batch()));
+        if (update_metadata)
+            PDSIM_RETURN_IF_ERROR(
+                backend().init_forward_metadata_replay_cuda_graph(bs[0].forward_batch()));
         PDSIM_RETURN_IF_ERROR(graph_->launch(runner_.stream()));
         return runner_.stream().synchronize(kSyncTimeout);
     }
 
     // Output rows of the batch (the static buffer may be larger).
     [[nodiscard]] std::vector<float> out(int l, const Batch& b) const {
-        return {out_[l].begin(), out_[l].begin() + static_cast<ptrdiff_t>(static_cast<size_t>(b.num_tokens) * base_.q_width())};
+        return {out_[l].begin(),
+                out_[l].begin() +
+                    static_cast<ptrdiff_t>(static_cast<size_t>(b.num_tokens) * base_.q_width())};
     }
 
     AttentionBackend& backend() { return runner_.backend(); }
@@ -190,8 +204,9 @@ void expect_matches(GraphHarness& g, const Shape& base, const std::vector<Batch>
                     const std::string& what) {
     Oracle o = eager_oracle(base, bs, save_kv);
     for (int l = 0; l < kLayers; ++l) {
-        EXPECT_TRUE(outputs_close(g.out(l, bs[static_cast<size_t>(l)]), o.out[static_cast<size_t>(l)],
-                                  tolerance(base.dtype), base, bs[static_cast<size_t>(l)]))
+        EXPECT_TRUE(outputs_close(g.out(l, bs[static_cast<size_t>(l)]),
+                                  o.out[static_cast<size_t>(l)], tolerance(base.dtype), base,
+                                  bs[static_cast<size_t>(l)]))
             << what << ", layer " << l << ": graph replay vs eager cpu_ref | " << bs[0].describe();
     }
     EXPECT_TRUE(pools_equal(g.pool(), *o.pool)) << what << ": pool after the replay";
@@ -214,7 +229,10 @@ TEST_P(GraphReplay, ReplaySeesTheCurrentBatch) {
     GraphHarness g(name, base, mode, save_kv);
     ASSERT_TRUE(g.capture(kMaxBs).ok());
 
-    const auto a = layered(base, mode, reqs_for(mode, {{40, 9}, {0, 17}, {15, 1}, {16, 16}, {200, 3}}, {1, 16, 17, 300, 64, 2}), 1);
+    const auto a = layered(
+        base, mode,
+        reqs_for(mode, {{40, 9}, {0, 17}, {15, 1}, {16, 16}, {200, 3}}, {1, 16, 17, 300, 64, 2}),
+        1);
     const auto b = layered(base, mode, reqs_for(mode, {{100, 20}, {31, 2}}, {33, 250, 5}), 2);
     ASSERT_GT(a[0].bs, b[0].bs);
 
@@ -222,7 +240,8 @@ TEST_P(GraphReplay, ReplaySeesTheCurrentBatch) {
     const std::vector<int32_t> staged_seq_lens = g.seq_lens_buf();
     Status st = g.replay(a);
     ASSERT_TRUE(st.ok()) << st.to_string();
-    EXPECT_EQ(g.seq_lens_buf(), staged_seq_lens) << "the backend must not write the aliased seq_lens";
+    EXPECT_EQ(g.seq_lens_buf(), staged_seq_lens)
+        << "the backend must not write the aliased seq_lens";
     expect_matches(g, base, a, save_kv, "batch A");
 
     g.stage(b);
@@ -245,8 +264,10 @@ TEST_P(GraphReplay, StaleMetadataIsDetected) {
     const Shape base = base_shape(dtype);
     GraphHarness g(name, base, mode, save_kv);
     ASSERT_TRUE(g.capture(4).ok());
-    const auto a = layered(base, mode, reqs_for(mode, {{40, 9}, {0, 17}, {15, 1}, {16, 16}}, {20, 16, 17, 200}), 3);
-    const auto b = layered(base, mode, reqs_for(mode, {{60, 10}, {20, 5}, {30, 2}, {16, 1}}, {90, 40, 7, 150}), 4);
+    const auto a = layered(
+        base, mode, reqs_for(mode, {{40, 9}, {0, 17}, {15, 1}, {16, 16}}, {20, 16, 17, 200}), 3);
+    const auto b = layered(
+        base, mode, reqs_for(mode, {{60, 10}, {20, 5}, {30, 2}, {16, 1}}, {90, 40, 7, 150}), 4);
     g.stage(a);
     ASSERT_TRUE(g.replay(a).ok());
     expect_matches(g, base, a, save_kv, "batch A");
@@ -257,7 +278,8 @@ TEST_P(GraphReplay, StaleMetadataIsDetected) {
     // Either the stale replay fails, or it computes something other than B.
     if (st.ok()) {
         EXPECT_FALSE(outputs_close(g.out(0, b[0]), ob.out[0], tolerance(dtype), base, b[0]))
-            << "stale metadata produced B's answer: the graph tests could not catch a missing replay update";
+            << "stale metadata produced B's answer: the graph tests could not catch a missing "
+               "replay update";
     }
     // A fresh harness (the stale run may have poisoned the stream) with the update: matches.
     GraphHarness g2(name, base, mode, save_kv);
@@ -272,16 +294,16 @@ TEST_P(GraphReplay, StaleMetadataIsDetected) {
 
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
     const auto [name, mode, dtype, save_kv] = info.param;
-    return name + "_" + std::string(forward_mode_name(mode)) + "_" + std::string(kv::dtype_name(dtype)) +
-           (save_kv ? "_save" : "_prewrite");
+    return name + "_" + std::string(forward_mode_name(mode)) + "_" +
+           std::string(kv::dtype_name(dtype)) + (save_kv ? "_save" : "_prewrite");
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, GraphReplay,
-                         ::testing::Combine(::testing::Values("cpu", "cpu_ref"),
-                                            ::testing::Values(ForwardMode::kDecode, ForwardMode::kExtend),
-                                            ::testing::Values(kv::KVDtype::kF32, kv::KVDtype::kBF16),
-                                            ::testing::Bool()),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(
+    Backends, GraphReplay,
+    ::testing::Combine(::testing::Values("cpu", "cpu_ref"),
+                       ::testing::Values(ForwardMode::kDecode, ForwardMode::kExtend),
+                       ::testing::Values(kv::KVDtype::kF32, kv::KVDtype::kBF16), ::testing::Bool()),
+    param_name);
 
 // Records are stream work too: a captured extend forward records once per layer per launch.
 TEST(GraphRecords, EachLaunchRecordsOncePerLayer) {
@@ -297,9 +319,12 @@ TEST(GraphRecords, EachLaunchRecordsOncePerLayer) {
             const int64_t begin = counter.advance_step(kLayers);
             g.stage(a);
             ASSERT_TRUE(g.replay(a).ok());
-            EXPECT_EQ(counter.records_published(), static_cast<uint64_t>((launch + 1) * kLayers)) << name;
-            EXPECT_TRUE(pd::StepCounter::is_step_ready(counter.query_ready_cache_step(), begin + kLayers - 1));
-            EXPECT_FALSE(pd::StepCounter::is_step_ready(counter.query_ready_cache_step(), begin + kLayers));
+            EXPECT_EQ(counter.records_published(), static_cast<uint64_t>((launch + 1) * kLayers))
+                << name;
+            EXPECT_TRUE(pd::StepCounter::is_step_ready(counter.query_ready_cache_step(),
+                                                       begin + kLayers - 1));
+            EXPECT_FALSE(
+                pd::StepCounter::is_step_ready(counter.query_ready_cache_step(), begin + kLayers));
         }
         expect_matches(g, base, a, true, std::string(name) + " recorded graph");
     }
@@ -311,16 +336,25 @@ TEST(GraphState, ReplayValidatesAgainstTheGraphBuffers) {
         GraphHarness g(name, base, ForwardMode::kDecode, true);
         // Before init_cuda_graph_state: capture and replay are errors.
         const auto a = layered(base, ForwardMode::kDecode, {{3, 1}}, 6);
-        EXPECT_FALSE(g.backend().init_forward_metadata_capture_cuda_graph(1, ForwardMode::kDecode).ok()) << name;
-        EXPECT_FALSE(g.backend().init_forward_metadata_replay_cuda_graph(a[0].forward_batch()).ok()) << name;
+        EXPECT_FALSE(
+            g.backend().init_forward_metadata_capture_cuda_graph(1, ForwardMode::kDecode).ok())
+            << name;
+        EXPECT_FALSE(g.backend().init_forward_metadata_replay_cuda_graph(a[0].forward_batch()).ok())
+            << name;
         ASSERT_TRUE(g.capture(kMaxBs).ok());
         // bs over max_bs, page-table rows wider than max_pages_per_seq: rejected on the host.
         std::vector<Req> many(kMaxBs + 1, Req{3, 1});
         const auto big = layered(base, ForwardMode::kDecode, many, 7);
-        EXPECT_FALSE(g.backend().init_forward_metadata_replay_cuda_graph(big[0].forward_batch()).ok()) << name;
-        Batch wide = make_batch(base, ForwardMode::kDecode, {{3, 1}}, 8, 2, kPoolPages, kMaxPagesPerSeq + 1);
-        EXPECT_FALSE(g.backend().init_forward_metadata_replay_cuda_graph(wide.forward_batch()).ok()) << name;
-        EXPECT_FALSE(g.backend().init_forward_metadata_capture_cuda_graph(kMaxBs + 1, ForwardMode::kDecode).ok());
+        EXPECT_FALSE(
+            g.backend().init_forward_metadata_replay_cuda_graph(big[0].forward_batch()).ok())
+            << name;
+        Batch wide =
+            make_batch(base, ForwardMode::kDecode, {{3, 1}}, 8, 2, kPoolPages, kMaxPagesPerSeq + 1);
+        EXPECT_FALSE(g.backend().init_forward_metadata_replay_cuda_graph(wide.forward_batch()).ok())
+            << name;
+        EXPECT_FALSE(g.backend()
+                         .init_forward_metadata_capture_cuda_graph(kMaxBs + 1, ForwardMode::kDecode)
+                         .ok());
         ASSERT_TRUE(g.runner().stream().synchronize(kSyncTimeout).ok());
     }
 }
@@ -363,9 +397,10 @@ TEST(EagerMetadata, NextBatchInitDoesNotCorruptAQueuedForward) {
             ASSERT_TRUE(gate.enqueue(r.stream()).ok());
             auto issue = [&](const std::vector<Batch>& bs, kv::MHATokenToKVPool& pool,
                              std::vector<std::vector<float>>& out) {
-                // The host arrays handed to init_forward_metadata are scribbled over right after the
-                // call: the backend must have taken its own copy.
-                std::vector<int32_t> seq = bs[0].seq_lens, ext = bs[0].extend_lens, pt = bs[0].page_table;
+                // The host arrays handed to init_forward_metadata are scribbled over right after
+                // the call: the backend must have taken its own copy.
+                std::vector<int32_t> seq = bs[0].seq_lens, ext = bs[0].extend_lens,
+                                     pt = bs[0].page_table;
                 ForwardBatch fb = bs[0].forward_batch();
                 fb.seq_lens = seq;
                 if (!fb.extend_lens.empty()) fb.extend_lens = ext;
@@ -376,7 +411,8 @@ TEST(EagerMetadata, NextBatchInitDoesNotCorruptAQueuedForward) {
                 std::fill(pt.begin(), pt.end(), -1);
                 for (int l = 0; l < kLayers; ++l) {
                     const Batch& b = bs[static_cast<size_t>(l)];
-                    out[static_cast<size_t>(l)].assign(static_cast<size_t>(b.num_tokens) * base.q_width(), kNaN);
+                    out[static_cast<size_t>(l)].assign(
+                        static_cast<size_t>(b.num_tokens) * base.q_width(), kNaN);
                     ASSERT_TRUE(forward_host(
                                     r.backend(), b.q.data(), save_kv ? b.k.data() : decoy.data(),
                                     save_kv ? b.v.data() : decoy.data(),
@@ -388,16 +424,19 @@ TEST(EagerMetadata, NextBatchInitDoesNotCorruptAQueuedForward) {
             issue(b1, *pool1, out1);
             issue(b2, *pool2, out2);  // while batch 1 is still queued behind the gate
             ASSERT_TRUE(gate.wait_reached());
-            for (const auto& o : out1) EXPECT_TRUE(std::isnan(o[0])) << "nothing may run before the gate opens";
+            for (const auto& o : out1)
+                EXPECT_TRUE(std::isnan(o[0])) << "nothing may run before the gate opens";
             gate.release();
             Status st = r.wait();
             ASSERT_TRUE(st.ok()) << st.to_string();
             Oracle o1 = eager_oracle(base, b1, save_kv), o2 = eager_oracle(base, b2, save_kv);
             for (int l = 0; l < kLayers; ++l) {
-                EXPECT_TRUE(outputs_close(out1[static_cast<size_t>(l)], o1.out[static_cast<size_t>(l)], 1e-5, base,
+                EXPECT_TRUE(outputs_close(out1[static_cast<size_t>(l)],
+                                          o1.out[static_cast<size_t>(l)], 1e-5, base,
                                           b1[static_cast<size_t>(l)]))
                     << "batch 1 layer " << l;
-                EXPECT_TRUE(outputs_close(out2[static_cast<size_t>(l)], o2.out[static_cast<size_t>(l)], 1e-5, base,
+                EXPECT_TRUE(outputs_close(out2[static_cast<size_t>(l)],
+                                          o2.out[static_cast<size_t>(l)], 1e-5, base,
                                           b2[static_cast<size_t>(l)]))
                     << "batch 2 layer " << l;
             }

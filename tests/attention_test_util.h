@@ -110,8 +110,9 @@ struct Batch {
         std::ostringstream os;
         os << forward_mode_name(mode) << " bs=" << bs << " (prefix+new):";
         for (int i = 0; i < bs; ++i) {
-            os << (i ? "," : " ") << seq_lens[static_cast<size_t>(i)] - extend_lens[static_cast<size_t>(i)]
-               << "+" << extend_lens[static_cast<size_t>(i)];
+            os << (i ? "," : " ")
+               << seq_lens[static_cast<size_t>(i)] - extend_lens[static_cast<size_t>(i)] << "+"
+               << extend_lens[static_cast<size_t>(i)];
         }
         return os.str();
     }
@@ -122,8 +123,8 @@ struct Batch {
 // trap page. pool_pages = 0: just enough for this batch (+ spares).
 // data_seed (0: seed) draws q, k, v only, so batches that share `seed` share their layout.
 inline Batch make_batch(const Shape& s, ForwardMode mode, const std::vector<Req>& reqs,
-                        uint64_t seed, int extra_stride = 2, int pool_pages = 0,
-                        int min_stride = 0, uint64_t data_seed = 0) {
+                        uint64_t seed, int extra_stride = 2, int pool_pages = 0, int min_stride = 0,
+                        uint64_t data_seed = 0) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> nd(0.f, 1.f);
     Batch b;
@@ -151,8 +152,8 @@ inline Batch make_batch(const Shape& s, ForwardMode mode, const std::vector<Req>
     for (int i = 0; i < b.bs; ++i) {
         const int n = (b.seq_lens[static_cast<size_t>(i)] + ps - 1) / ps;
         for (int p = 0; p < n; ++p) {
-            b.page_table[static_cast<size_t>(i) * static_cast<size_t>(b.stride) + static_cast<size_t>(p)] =
-                perm.at(next++);
+            b.page_table[static_cast<size_t>(i) * static_cast<size_t>(b.stride) +
+                         static_cast<size_t>(p)] = perm.at(next++);
         }
     }
     const size_t kvw = s.kv_width();
@@ -279,8 +280,10 @@ inline void init_pool(kv::MHATokenToKVPool& pool, const Shape& s, const Batch& b
         const int end = with_new ? seq : seq - b.extend_lens[static_cast<size_t>(i)];
         for (int t = 0; t < end; ++t) {
             const int64_t slot = b.slot(i, t, s.page_size);
-            pool.write_token(s.layer_id, 0, slot, b.req_k[static_cast<size_t>(i)].data() + static_cast<size_t>(t) * kvw);
-            pool.write_token(s.layer_id, 1, slot, b.req_v[static_cast<size_t>(i)].data() + static_cast<size_t>(t) * kvw);
+            pool.write_token(s.layer_id, 0, slot,
+                             b.req_k[static_cast<size_t>(i)].data() + static_cast<size_t>(t) * kvw);
+            pool.write_token(s.layer_id, 1, slot,
+                             b.req_v[static_cast<size_t>(i)].data() + static_cast<size_t>(t) * kvw);
         }
     }
 }
@@ -291,7 +294,8 @@ inline ::testing::AssertionResult pools_equal(const kv::MHATokenToKVPool& got,
     for (int l = 0; l < want.num_layers(); ++l) {
         for (int buf = 0; buf < 2; ++buf) {
             const size_t tb = want.token_bytes(l, buf);
-            const size_t slots = static_cast<size_t>(want.num_pages()) * static_cast<size_t>(want.page_size());
+            const size_t slots =
+                static_cast<size_t>(want.num_pages()) * static_cast<size_t>(want.page_size());
             const auto* g = static_cast<const uint8_t*>(got.data(l, buf));
             const auto* w = static_cast<const uint8_t*>(want.data(l, buf));
             if (std::memcmp(g, w, tb * slots) == 0) continue;
@@ -305,8 +309,9 @@ inline ::testing::AssertionResult pools_equal(const kv::MHATokenToKVPool& got,
                     while (e < gv.size() && std::memcmp(&gv[e], &wv[e], 4) == 0) ++e;
                     return ::testing::AssertionFailure()
                            << "KV pool differs: layer " << l << " " << (buf == 0 ? "K" : "V")
-                           << " slot " << sl << " (page " << sl / static_cast<size_t>(want.page_size())
-                           << " offset " << sl % static_cast<size_t>(want.page_size()) << ") element " << e
+                           << " slot " << sl << " (page "
+                           << sl / static_cast<size_t>(want.page_size()) << " offset "
+                           << sl % static_cast<size_t>(want.page_size()) << ") element " << e
                            << ": got " << (e < gv.size() ? gv[e] : 0.f) << ", want "
                            << (e < wv.size() ? wv[e] : 0.f) << " (NaN = poison, never written)";
                 }
@@ -318,10 +323,12 @@ inline ::testing::AssertionResult pools_equal(const kv::MHATokenToKVPool& got,
 
 // Element-wise: |got - ref| <= tol * max(1, |ref|), NaN never passes. Names the first few
 // mismatching (request, query position, head, element) and the worst error.
-inline ::testing::AssertionResult outputs_close(const std::vector<float>& got, const std::vector<float>& ref,
-                                                double tol, const Shape& s, const Batch& b) {
+inline ::testing::AssertionResult outputs_close(const std::vector<float>& got,
+                                                const std::vector<float>& ref, double tol,
+                                                const Shape& s, const Batch& b) {
     if (got.size() != ref.size()) {
-        return ::testing::AssertionFailure() << "output sizes differ: " << got.size() << " vs " << ref.size();
+        return ::testing::AssertionFailure()
+               << "output sizes differ: " << got.size() << " vs " << ref.size();
     }
     const size_t d = static_cast<size_t>(s.head_dim);
     const size_t hq = static_cast<size_t>(s.num_q_heads);
@@ -329,7 +336,8 @@ inline ::testing::AssertionResult outputs_close(const std::vector<float>& got, c
     for (int i = 0; i < b.bs; ++i) {
         for (int j = 0; j < b.extend_lens[static_cast<size_t>(i)]; ++j) {
             req_of_token.push_back(i);
-            pos_of_token.push_back(b.seq_lens[static_cast<size_t>(i)] - b.extend_lens[static_cast<size_t>(i)] + j);
+            pos_of_token.push_back(b.seq_lens[static_cast<size_t>(i)] -
+                                   b.extend_lens[static_cast<size_t>(i)] + j);
         }
     }
     size_t bad = 0;
@@ -338,13 +346,14 @@ inline ::testing::AssertionResult outputs_close(const std::vector<float>& got, c
     for (size_t idx = 0; idx < got.size(); ++idx) {
         const double g = got[idx], r = ref[idx];
         const double err = std::fabs(g - r);
-        const bool ok = std::isfinite(g) && std::isfinite(r) && err <= tol * std::max(1.0, std::fabs(r));
+        const bool ok =
+            std::isfinite(g) && std::isfinite(r) && err <= tol * std::max(1.0, std::fabs(r));
         if (!ok) {
             if (bad < 5) {
                 const size_t token = idx / (hq * d);
                 const size_t h = (idx / d) % hq;
-                first << "\n  token " << token << " (request " << req_of_token.at(token) << ", position "
-                      << pos_of_token.at(token) << " of seq_len "
+                first << "\n  token " << token << " (request " << req_of_token.at(token)
+                      << ", position " << pos_of_token.at(token) << " of seq_len "
                       << b.seq_lens[static_cast<size_t>(req_of_token.at(token))] << ") head " << h
                       << " elem " << idx % d << ": got " << g << ", ref " << r;
             }
@@ -357,9 +366,9 @@ inline ::testing::AssertionResult outputs_close(const std::vector<float>& got, c
         }
     }
     if (bad == 0) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure() << bad << " of " << got.size()
-                                         << " output elements outside |got-ref| <= " << tol
-                                         << " * max(1, |ref|); worst " << worst << first.str();
+    return ::testing::AssertionFailure()
+           << bad << " of " << got.size() << " output elements outside |got-ref| <= " << tol
+           << " * max(1, |ref|); worst " << worst << first.str();
 }
 
 // Drives one backend from the registry on its own CpuStream.
@@ -439,7 +448,8 @@ inline std::vector<float> naive_attention(const Shape& s, const Batch& b) {
     std::vector<float> out(static_cast<size_t>(b.num_tokens) * s.q_width());
     int token = 0;
     for (int i = 0; i < b.bs; ++i) {
-        const int seq = b.seq_lens[static_cast<size_t>(i)], ql = b.extend_lens[static_cast<size_t>(i)];
+        const int seq = b.seq_lens[static_cast<size_t>(i)],
+                  ql = b.extend_lens[static_cast<size_t>(i)];
         auto kv_at = [&](const std::vector<float>& a, int t, int h, int e) -> double {
             const float x = a[(static_cast<size_t>(t) * hkv + h) * d + e];
             return bf ? round_bf16(x) : x;
@@ -453,7 +463,8 @@ inline std::vector<float> naive_attention(const Shape& s, const Batch& b) {
                 double mx = -1e300;
                 for (int t = 0; t <= pos; ++t) {
                     double dot = 0;
-                    for (int e = 0; e < d; ++e) dot += qv[e] * kv_at(b.req_k[static_cast<size_t>(i)], t, kh, e);
+                    for (int e = 0; e < d; ++e)
+                        dot += qv[e] * kv_at(b.req_k[static_cast<size_t>(i)], t, kh, e);
                     sc[static_cast<size_t>(t)] = dot * scale;
                     mx = std::max(mx, sc[static_cast<size_t>(t)]);
                 }
@@ -462,9 +473,11 @@ inline std::vector<float> naive_attention(const Shape& s, const Batch& b) {
                 for (int e = 0; e < d; ++e) {
                     double acc = 0;
                     for (int t = 0; t <= pos; ++t) {
-                        acc += sc[static_cast<size_t>(t)] * kv_at(b.req_v[static_cast<size_t>(i)], t, kh, e);
+                        acc += sc[static_cast<size_t>(t)] *
+                               kv_at(b.req_v[static_cast<size_t>(i)], t, kh, e);
                     }
-                    out[(static_cast<size_t>(token) * hq + h) * d + e] = static_cast<float>(acc / sum);
+                    out[(static_cast<size_t>(token) * hq + h) * d + e] =
+                        static_cast<float>(acc / sum);
                 }
             }
         }
@@ -504,7 +517,8 @@ public:
         st_->cv.notify_all();
     }
     // True once the stream has reached the gate (waits up to `timeout`).
-    [[nodiscard]] bool wait_reached(std::chrono::milliseconds timeout = std::chrono::milliseconds(30'000)) {
+    [[nodiscard]] bool wait_reached(
+        std::chrono::milliseconds timeout = std::chrono::milliseconds(30'000)) {
         std::unique_lock<std::mutex> lock(st_->mu);
         return st_->cv.wait_for(lock, timeout, [&] { return st_->reached; });
     }

@@ -14,11 +14,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "common/npy.h"
 #include "tests/cli_test_util.h"
@@ -36,11 +35,13 @@ struct Dump {
         const char* file;
         NpyArray* dst;
     };
-    for (Item it : {Item{"q.npy", &d->q}, Item{"out.npy", &d->out}, Item{"k_cache.npy", &d->k_cache},
-                    Item{"v_cache.npy", &d->v_cache}, Item{"page_table.npy", &d->page_table},
-                    Item{"seq_lens.npy", &d->seq_lens}, Item{"q_lens.npy", &d->q_lens}}) {
+    for (Item it :
+         {Item{"q.npy", &d->q}, Item{"out.npy", &d->out}, Item{"k_cache.npy", &d->k_cache},
+          Item{"v_cache.npy", &d->v_cache}, Item{"page_table.npy", &d->page_table},
+          Item{"seq_lens.npy", &d->seq_lens}, Item{"q_lens.npy", &d->q_lens}}) {
         auto a = read_npy(dir.str(it.file));
-        if (!a.ok()) return ::testing::AssertionFailure() << it.file << ": " << a.status().to_string();
+        if (!a.ok())
+            return ::testing::AssertionFailure() << it.file << ": " << a.status().to_string();
         *it.dst = std::move(a).value();
     }
     std::ifstream f(dir.str("meta.json"));
@@ -61,7 +62,8 @@ float bf16_bits_to_float(uint16_t h) {
 }
 
 // Checks the layout, then the attention, of one dump.
-void check_dump(const Dump& d, const std::string& mode, const std::string& dtype, const std::string& backend) {
+void check_dump(const Dump& d, const std::string& mode, const std::string& dtype,
+                const std::string& backend) {
     // meta.json
     ASSERT_EQ(d.meta.value("mode", ""), mode);
     ASSERT_EQ(d.meta.value("dtype", ""), dtype);
@@ -159,15 +161,17 @@ void check_dump(const Dump& d, const std::string& mode, const std::string& dtype
                 for (int e = 0; e < dim; ++e) {
                     double acc = 0;
                     for (int t = 0; t <= pos; ++t) {
-                        acc += sc[static_cast<size_t>(t)] * kv(d.v_cache, pt[i * maxp + t / ps], t % ps, kh, e);
+                        acc += sc[static_cast<size_t>(t)] *
+                               kv(d.v_cache, pt[i * maxp + t / ps], t % ps, kh, e);
                     }
                     const double want = acc / sum;
                     const double got = out[(static_cast<size_t>(token) * hq + h) * dim + e];
                     const double err = std::fabs(got - want) / std::max(1.0, std::fabs(want));
                     if (!(err <= tol)) {
                         if (bad++ < 5) {
-                            ADD_FAILURE() << "request " << i << " position " << pos << " of " << seq[i] << " head "
-                                          << h << " elem " << e << ": out " << got << ", oracle " << want;
+                            ADD_FAILURE() << "request " << i << " position " << pos << " of "
+                                          << seq[i] << " head " << h << " elem " << e << ": out "
+                                          << got << ", oracle " << want;
                         }
                     }
                     if (std::isfinite(err)) worst = std::max(worst, err);
@@ -190,8 +194,9 @@ class AttnDump : public ::testing::TestWithParam<DumpCase> {};
 TEST_P(AttnDump, OutputMatchesIndependentOracle) {
     const DumpCase& c = GetParam();
     TempDir dir("attn_dump");
-    std::vector<std::string> args{"attn-dump", "--out", dir.str(), "--mode", c.mode, "--dtype", c.dtype,
-                                  "--seed", std::to_string(c.seed)};
+    std::vector<std::string> args{"attn-dump", "--out",  dir.str(),
+                                  "--mode",    c.mode,   "--dtype",
+                                  c.dtype,     "--seed", std::to_string(c.seed)};
     if (c.backend != "cpu") {
         args.push_back("--backend");
         args.push_back(c.backend);
@@ -211,12 +216,21 @@ std::vector<DumpCase> dump_cases() {
             for (uint64_t seed : {1, 7, 12345}) v.push_back({mode, dtype, seed, {}});
         }
     }
-    v.push_back({"extend", "fp32", 3, {"--page-size", "1", "--q-heads", "4", "--kv-heads", "4", "--head-dim", "128",
-                                        "--batch", "5", "--max-seq-len", "100"}});
-    v.push_back({"decode", "bf16", 4, {"--page-size", "64", "--q-heads", "16", "--kv-heads", "2", "--batch", "4",
-                                        "--max-seq-len", "2000"}});
-    v.push_back({"extend", "bf16", 5, {"--page-size", "16", "--q-heads", "8", "--kv-heads", "1", "--head-dim", "128",
-                                        "--batch", "1", "--max-seq-len", "1"}});
+    v.push_back({"extend",
+                 "fp32",
+                 3,
+                 {"--page-size", "1", "--q-heads", "4", "--kv-heads", "4", "--head-dim", "128",
+                  "--batch", "5", "--max-seq-len", "100"}});
+    v.push_back({"decode",
+                 "bf16",
+                 4,
+                 {"--page-size", "64", "--q-heads", "16", "--kv-heads", "2", "--batch", "4",
+                  "--max-seq-len", "2000"}});
+    v.push_back({"extend",
+                 "bf16",
+                 5,
+                 {"--page-size", "16", "--q-heads", "8", "--kv-heads", "1", "--head-dim", "128",
+                  "--batch", "1", "--max-seq-len", "1"}});
     v.push_back({"extend", "fp32", 6, {}, "cpu_ref"});
     v.push_back({"decode", "bf16", 6, {}, "cpu_ref"});
     return v;
@@ -224,7 +238,8 @@ std::vector<DumpCase> dump_cases() {
 
 std::string case_name(const ::testing::TestParamInfo<DumpCase>& info) {
     return info.param.mode + "_" + info.param.dtype + "_seed" + std::to_string(info.param.seed) +
-           (info.param.extra.empty() ? "" : "_shape" + std::to_string(info.index)) + "_" + info.param.backend;
+           (info.param.extra.empty() ? "" : "_shape" + std::to_string(info.index)) + "_" +
+           info.param.backend;
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, AttnDump, ::testing::ValuesIn(dump_cases()), case_name);
@@ -232,7 +247,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, AttnDump, ::testing::ValuesIn(dump_cases()), cas
 TEST(AttnDumpCli, SameSeedSameCaseOtherSeedOtherCase) {
     TempDir a("attn_dump_a"), b("attn_dump_b"), c("attn_dump_c");
     for (const TempDir* d : {&a, &b}) {
-        CmdResult r = run_pdsim({"attn-dump", "--out", d->str(), "--seed", "42", "--mode", "decode"});
+        CmdResult r =
+            run_pdsim({"attn-dump", "--out", d->str(), "--seed", "42", "--mode", "decode"});
         ASSERT_EQ(r.rc, 0) << r.describe();
     }
     CmdResult r = run_pdsim({"attn-dump", "--out", c.str(), "--seed", "43", "--mode", "decode"});
@@ -240,7 +256,8 @@ TEST(AttnDumpCli, SameSeedSameCaseOtherSeedOtherCase) {
     for (const char* f : {"q.npy", "k_cache.npy", "page_table.npy", "seq_lens.npy", "out.npy"}) {
         EXPECT_EQ(slurp(a.path() / f), slurp(b.path() / f)) << f << ": same seed, different bytes";
     }
-    EXPECT_NE(slurp(a.path() / "q.npy"), slurp(c.path() / "q.npy")) << "seeds 42 and 43 drew the same q";
+    EXPECT_NE(slurp(a.path() / "q.npy"), slurp(c.path() / "q.npy"))
+        << "seeds 42 and 43 drew the same q";
 }
 
 // The oracle can fail: a dump with one output element nudged past the tolerance, or with a
@@ -258,7 +275,8 @@ int failures_of(const Dump& d, const std::string& mode, const std::string& dtype
 TEST(AttnDumpCli, OracleRejectsACorruptedDump) {
     for (const char* dtype : {"fp32", "bf16"}) {
         TempDir dir("attn_dump_corrupt");
-        CmdResult r = run_pdsim({"attn-dump", "--out", dir.str(), "--mode", "extend", "--dtype", dtype, "--seed", "9"});
+        CmdResult r = run_pdsim(
+            {"attn-dump", "--out", dir.str(), "--mode", "extend", "--dtype", dtype, "--seed", "9"});
         ASSERT_EQ(r.rc, 0) << r.describe();
         Dump d;
         ASSERT_TRUE(load(dir, &d));
@@ -269,23 +287,26 @@ TEST(AttnDumpCli, OracleRejectsACorruptedDump) {
         auto* out = reinterpret_cast<float*>(nudged.out.data.data());
         const size_t idx = static_cast<size_t>(nudged.out.count() / 2);
         out[idx] += static_cast<float>(3 * tol * std::max(1.0f, std::fabs(out[idx])));
-        EXPECT_GT(failures_of(nudged, "extend", dtype), 0) << dtype << ": a nudged output element passed";
+        EXPECT_GT(failures_of(nudged, "extend", dtype), 0)
+            << dtype << ": a nudged output element passed";
 
-        // Attention is invariant under permuting keys, so swapping a request's pages proves nothing:
-        // point its first page at a spare page no request uses (attn-dump leaves a few).
+        // Attention is invariant under permuting keys, so swapping a request's pages proves
+        // nothing: point its first page at a spare page no request uses (attn-dump leaves a few).
         Dump swapped = d;
         auto* pt = reinterpret_cast<int32_t*>(swapped.page_table.data.data());
         const int ps = d.meta.at("page_size").get<int>();
         const int64_t maxp = d.page_table.shape[1];
         std::set<int32_t> used;
         for (int64_t i = 0; i < d.seq_lens.shape[0]; ++i) {
-            for (int p = 0; p < (d.seq_lens.as<int32_t>()[i] + ps - 1) / ps; ++p) used.insert(pt[i * maxp + p]);
+            for (int p = 0; p < (d.seq_lens.as<int32_t>()[i] + ps - 1) / ps; ++p)
+                used.insert(pt[i * maxp + p]);
         }
         int32_t spare = 1;
         while (used.count(spare) != 0) ++spare;
         ASSERT_LT(spare, d.k_cache.shape[0]);
         pt[0] = spare;
-        EXPECT_GT(failures_of(swapped, "extend", dtype), 0) << dtype << ": a dump with a wrong page passed";
+        EXPECT_GT(failures_of(swapped, "extend", dtype), 0)
+            << dtype << ": a dump with a wrong page passed";
     }
 }
 
@@ -298,10 +319,12 @@ void expect_bad(const std::vector<std::string>& args, const std::vector<std::str
     EXPECT_FALSE(r.err.empty()) << "pdsim " << joined << ": no message on stderr";
     for (const auto& m : must_mention) {
         EXPECT_NE(r.err.find(m), std::string::npos)
-            << "pdsim " << joined << ": stderr does not mention '" << m << "'\n" << r.err;
+            << "pdsim " << joined << ": stderr does not mention '" << m << "'\n"
+            << r.err;
     }
     if (dir != nullptr) {
-        EXPECT_FALSE(std::filesystem::exists(dir->path() / "out.npy")) << "pdsim " << joined << " wrote output";
+        EXPECT_FALSE(std::filesystem::exists(dir->path() / "out.npy"))
+            << "pdsim " << joined << " wrote output";
     }
 }
 
@@ -309,9 +332,11 @@ TEST(AttnDumpCli, BadFlagsExit2WithAMessage) {
     TempDir dir("attn_dump_bad");
     expect_bad({"attn-dump", "--out", dir.str(), "--mode", "foo"}, {"--mode", "foo"}, &dir);
     expect_bad({"attn-dump", "--mode", "decode"}, {"--out"});
-    expect_bad({"attn-dump", "--out", dir.str(), "--q-heads", "6", "--kv-heads", "4"}, {"6", "4"}, &dir);
+    expect_bad({"attn-dump", "--out", dir.str(), "--q-heads", "6", "--kv-heads", "4"}, {"6", "4"},
+               &dir);
     expect_bad({"attn-dump", "--out", dir.str(), "--dtype", "fp16"}, {"--dtype", "fp16"}, &dir);
-    expect_bad({"attn-dump", "--out", dir.str(), "--backend", "no_such_backend"}, {"no_such_backend"}, &dir);
+    expect_bad({"attn-dump", "--out", dir.str(), "--backend", "no_such_backend"},
+               {"no_such_backend"}, &dir);
     expect_bad({"attn-dump", "--out", dir.str(), "--seed", "banana"}, {"--seed"}, &dir);
     expect_bad({"attn-dump", "--out", dir.str(), "--batch", "0"}, {"--batch"}, &dir);
 }

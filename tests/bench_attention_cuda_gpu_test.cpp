@@ -13,10 +13,9 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "backends/runtime/device.h"
 #include "tests/cli_test_util.h"
@@ -80,9 +79,10 @@ TEST(BenchAttentionCudaGpu, TinyRunWritesTheReport) {
     test::TempDir dir("bench_attention_cuda_gpu");
     const std::string json = dir.str("bench.json");
     const test::CmdResult r =
-        run({"bench", "attention", "--backend", "cuda", "--decode-batch", "4", "--decode-len",
-             "200", "--extend-batch", "2", "--extend-len", "100", "--layers", "1",
-             "--model-prefill", "64", "--reps", "3", "--warmup", "1", "--json", json},
+        run({"bench",        "attention", "--backend",       "cuda", "--decode-batch", "4",
+             "--decode-len", "200",       "--extend-batch",  "2",    "--extend-len",   "100",
+             "--layers",     "1",         "--model-prefill", "64",   "--reps",         "3",
+             "--warmup",     "1",         "--json",          json},
             240);
     ASSERT_EQ(r.rc, 0) << r.describe();
     EXPECT_THAT(r.out, HasSubstr("pdsim bench attention: backend cuda on"));
@@ -92,8 +92,8 @@ TEST(BenchAttentionCudaGpu, TinyRunWritesTheReport) {
     EXPECT_THAT(r.out, HasSubstr("outputs checked: finite, and against an fp64 host oracle"));
 
     const nlohmann::json j = nlohmann::json::parse(test::slurp(json));
-    for (const char* key : {"gbps", "baseline_gbps", "ratio", "kv_bytes", "bytes",
-                            "seconds_median", "seconds_best", "baseline_bytes"}) {
+    for (const char* key : {"gbps", "baseline_gbps", "ratio", "kv_bytes", "bytes", "seconds_median",
+                            "seconds_best", "baseline_bytes"}) {
         expect_positive(j, "decode", key);
     }
     EXPECT_EQ(j["decode"]["target"], 0.75);

@@ -6,6 +6,8 @@
 // build, "--backend cuda: pdsim was built without ..." (exit 2) otherwise. On a machine with a GPU
 // the binary runs the bench instead; that case skips here (bench_attention_cuda_gpu_test covers
 // it).
+#include "sim/cli/bench_attention_cuda.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -14,7 +16,6 @@
 #include <string>
 #include <vector>
 
-#include "sim/cli/bench_attention_cuda.h"
 #include "tests/cli_test_util.h"
 
 namespace pdsim::cli {
@@ -151,12 +152,11 @@ TEST(BenchAttentionCudaGpuSpec, RefusesOtherPartsAndSaysWhy) {
         EXPECT_EQ(m.spec, nullptr) << name;
         EXPECT_THAT(m.reason, AllOf(HasSubstr(name), HasSubstr("SXM parts"))) << name;
     }
-    for (const std::string name : {"NVIDIA GeForce RTX 4090", "NVIDIA GH200 480GB", "Tesla T4",
-                                   "NVIDIA L40S", ""}) {
+    for (const std::string name :
+         {"NVIDIA GeForce RTX 4090", "NVIDIA GH200 480GB", "Tesla T4", "NVIDIA L40S", ""}) {
         const GpuSpecMatch m = match_gpu_spec(name);
         EXPECT_EQ(m.spec, nullptr) << name;
-        EXPECT_THAT(m.reason, HasSubstr("is not in the GPU spec table (A100, H100, H200"))
-            << name;
+        EXPECT_THAT(m.reason, HasSubstr("is not in the GPU spec table (A100, H100, H200")) << name;
     }
 }
 
@@ -242,7 +242,8 @@ TEST(BenchAttentionCudaOptions, BadOptionsNameTheFlag) {
         {"--layers 0", [](CudaBenchOptions& o) { o.layers = 0; }},
         {"--model no-such-model", [](CudaBenchOptions& o) { o.model = "no-such-model"; }},
         {"--model deepseek-v3", [](CudaBenchOptions& o) { o.model = "deepseek-v3"; }},  // MLA
-        {"more KV slots than int32", [](CudaBenchOptions& o) {
+        {"more KV slots than int32",
+         [](CudaBenchOptions& o) {
              o.decode_batch = 4096;
              o.decode_len = 1 << 20;
          }},
@@ -258,11 +259,11 @@ TEST(BenchAttentionCudaOptions, BadOptionsNameTheFlag) {
 
 // ---- the binary ---------------------------------------------------------------------------------
 
-const std::vector<std::string> kTiny{"bench",          "attention",    "--backend", "cuda",
-                                     "--decode-batch", "2",            "--decode-len", "64",
-                                     "--extend-batch", "1",            "--extend-len", "64",
-                                     "--model",        "tiny",         "--layers",     "1",
-                                     "--model-prefill", "32",          "--reps",       "2"};
+const std::vector<std::string> kTiny{"bench",           "attention", "--backend",    "cuda",
+                                     "--decode-batch",  "2",         "--decode-len", "64",
+                                     "--extend-batch",  "1",         "--extend-len", "64",
+                                     "--model",         "tiny",      "--layers",     "1",
+                                     "--model-prefill", "32",        "--reps",       "2"};
 
 TEST(BenchAttentionCudaCli, FailsCleanlyWithoutAGpu) {
     test::TempDir dir("bench_attention_cuda");
@@ -271,8 +272,7 @@ TEST(BenchAttentionCudaCli, FailsCleanlyWithoutAGpu) {
     const test::CmdResult r = test::run_pdsim(args, 300);
     if (r.rc == 0) GTEST_SKIP() << "a GPU ran the bench (bench_attention_cuda_gpu_test checks it)";
     if (r.rc == 1) {  // built with CUDA and FlashInfer: no device here
-        EXPECT_THAT(r.err, HasSubstr("bench attention --backend cuda: no device"))
-            << r.describe();
+        EXPECT_THAT(r.err, HasSubstr("bench attention --backend cuda: no device")) << r.describe();
     } else {
         EXPECT_EQ(r.rc, 2) << r.describe();
         EXPECT_THAT(r.err, HasSubstr("--backend cuda: pdsim was built without")) << r.describe();

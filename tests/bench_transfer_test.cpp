@@ -1,16 +1,14 @@
 // `pdsim bench transfer` end to end (the real binary, tiny sizes): it runs, prints the table and
 // writes the JSON keys docs/design.md "bench JSON" promises. Figures are not checked here
 // (machine-dependent).
-#include <unistd.h>
-
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace {
 

@@ -44,18 +44,19 @@ std::vector<std::string> subcommands_in(const std::string& help) {
 // Every subcommand path ({"attn-dump"}, {"bench"}, {"bench", "attention"}, ...).
 std::vector<std::vector<std::string>> all_subcommands() {
     std::vector<std::vector<std::string>> out;
-    std::function<void(const std::vector<std::string>&)> walk = [&](const std::vector<std::string>& path) {
-        std::vector<std::string> args = path;
-        args.push_back("--help");
-        CmdResult r = run_pdsim(args, 60);
-        EXPECT_EQ(r.rc, 0) << "pdsim " << join(args) << "\n" << r.describe();
-        for (const auto& name : subcommands_in(r.out)) {
-            std::vector<std::string> sub = path;
-            sub.push_back(name);
-            out.push_back(sub);
-            walk(sub);
-        }
-    };
+    std::function<void(const std::vector<std::string>&)> walk =
+        [&](const std::vector<std::string>& path) {
+            std::vector<std::string> args = path;
+            args.push_back("--help");
+            CmdResult r = run_pdsim(args, 60);
+            EXPECT_EQ(r.rc, 0) << "pdsim " << join(args) << "\n" << r.describe();
+            for (const auto& name : subcommands_in(r.out)) {
+                std::vector<std::string> sub = path;
+                sub.push_back(name);
+                out.push_back(sub);
+                walk(sub);
+            }
+        };
     walk({});
     return out;
 }
@@ -86,22 +87,27 @@ TEST(Cli, EverySubcommandHasHelp) {
         CmdResult r = run_pdsim(args, 60);
         EXPECT_EQ(r.rc, 0) << "pdsim " << join(args) << "\n" << r.describe();
         EXPECT_NE(r.out.find("Usage: pdsim " + join(path)), std::string::npos)
-            << "pdsim " << join(args) << " does not print its usage\n" << r.out;
+            << "pdsim " << join(args) << " does not print its usage\n"
+            << r.out;
         EXPECT_NE(r.out.find("--help"), std::string::npos) << "pdsim " << join(args);
     }
 }
 
-void expect_usage_error(const std::vector<std::string>& args, const std::string& must_mention = "") {
+void expect_usage_error(const std::vector<std::string>& args,
+                        const std::string& must_mention = "") {
     CmdResult r = run_pdsim(args, 60);
     EXPECT_EQ(r.rc, 2) << "pdsim " << join(args) << "\n" << r.describe();
     EXPECT_FALSE(r.err.empty()) << "pdsim " << join(args) << ": no message on stderr";
     if (!must_mention.empty()) {
         EXPECT_NE(r.err.find(must_mention), std::string::npos)
-            << "pdsim " << join(args) << ": stderr does not mention '" << must_mention << "'\n" << r.err;
+            << "pdsim " << join(args) << ": stderr does not mention '" << must_mention << "'\n"
+            << r.err;
     }
 }
 
-TEST(Cli, NoSubcommandExits2) { expect_usage_error({}); }
+TEST(Cli, NoSubcommandExits2) {
+    expect_usage_error({});
+}
 
 TEST(Cli, UnknownSubcommandExits2) {
     expect_usage_error({"frobnicate"});

@@ -34,8 +34,9 @@ class TempDir {
 public:
     explicit TempDir(const std::string& tag) {
         static std::atomic<int> counter{0};
-        path_ = std::filesystem::temp_directory_path() /
-                ("pdsim_" + tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+        path_ =
+            std::filesystem::temp_directory_path() /
+            ("pdsim_" + tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
         std::filesystem::remove_all(path_);
         std::filesystem::create_directories(path_);
     }
@@ -46,7 +47,9 @@ public:
     TempDir(const TempDir&) = delete;
     TempDir& operator=(const TempDir&) = delete;
     [[nodiscard]] const std::filesystem::path& path() const { return path_; }
-    [[nodiscard]] std::string str(const std::string& sub = "") const { return (path_ / sub).string(); }
+    [[nodiscard]] std::string str(const std::string& sub = "") const {
+        return (path_ / sub).string();
+    }
 
 private:
     std::filesystem::path path_;

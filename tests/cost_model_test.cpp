@@ -483,14 +483,13 @@ TEST(CalibrateCli, BadFlagsExit2NamingTheFlag) {
     }
 }
 
-
 // ---- pdsim calibrate --from-timeline ----
 
 constexpr std::array<double, 4> kTimelineExtend = {1.0e-3, 1.0e-4, 5.0e-8, 2.0e-4};
 constexpr std::array<double, 4> kTimelineDecode = {2.0e-4, 1.0e-5, 3.0e-4, 1.0e-8};
 
 json forward_slice(int pid, double ts, double dur_us, json args) {
-    return {{"name", "forward"}, {"cat", "forward"}, {"ph", "X"},  {"pid", pid},
+    return {{"name", "forward"}, {"cat", "forward"}, {"ph", "X"},     {"pid", pid},
             {"tid", 0},          {"ts", ts},         {"dur", dur_us}, {"args", std::move(args)}};
 }
 
@@ -510,8 +509,11 @@ json synthetic_timeline(bool with_tp2) {
         json it = json::array();
         for (const auto& x : items) it.push_back({x.new_tokens, x.cached_tokens});
         ev.push_back(forward_slice(pid, ts, s * 1e6 * scale,
-                                   {{"instance", instance}, {"tp", tp}, {"tp_rank", tp_rank},
-                                    {"threads", 1}, {"num_requests", items.size()},
+                                   {{"instance", instance},
+                                    {"tp", tp},
+                                    {"tp_rank", tp_rank},
+                                    {"threads", 1},
+                                    {"num_requests", items.size()},
                                     {"items", it}}));
     };
     auto add_decode = [&](int b, int kv) {
@@ -519,8 +521,12 @@ json synthetic_timeline(bool with_tp2) {
         double s = 0;
         for (size_t i = 0; i < f.size(); ++i) s += kTimelineDecode[i] * f[i];
         ev.push_back(forward_slice(1, ts, s * 1e6,
-                                   {{"instance", 1}, {"tp", 1}, {"tp_rank", 0}, {"threads", 1},
-                                    {"batch", b}, {"kv_tokens", static_cast<int64_t>(b) * kv}}));
+                                   {{"instance", 1},
+                                    {"tp", 1},
+                                    {"tp_rank", 0},
+                                    {"threads", 1},
+                                    {"batch", b},
+                                    {"kv_tokens", static_cast<int64_t>(b) * kv}}));
     };
     for (int r : {1, 2, 3, 5}) {
         for (int n : {16, 100, 512}) {
@@ -560,21 +566,18 @@ TEST(CalibrateTimeline, RecoversTheCoefficientsFromLeadersOnly) {
     const std::string out = dir.str("cost.json");
     write_json(tl, synthetic_timeline(true));
     // TP 2 has no decode forwards: they come from --base, marked as such.
-    json b = {{"schema_version", 1},
-              {"model", "tiny"},
-              {"fits",
-               {{{"tp", 2},
-                 {"threads", 1},
-                 {"extend",
-                  {{"const_s", 9},
-                   {"per_token_s", 9},
-                   {"per_attn_pair_s", 9},
-                   {"per_request_s", 9}}},
-                 {"decode", {{"const_s", 0.5}, {"per_request_s", 0}, {"per_kv_token_s", 0}}}}}}};
+    json b = {
+        {"schema_version", 1},
+        {"model", "tiny"},
+        {"fits",
+         {{{"tp", 2},
+           {"threads", 1},
+           {"extend",
+            {{"const_s", 9}, {"per_token_s", 9}, {"per_attn_pair_s", 9}, {"per_request_s", 9}}},
+           {"decode", {{"const_s", 0.5}, {"per_request_s", 0}, {"per_kv_token_s", 0}}}}}}};
     write_json(base, b);
-    test::CmdResult r = test::run_pdsim({"calibrate", "--from-timeline", tl, "--base", base,
-                                         "--model", "tiny", "--out", out},
-                                        60);
+    test::CmdResult r = test::run_pdsim(
+        {"calibrate", "--from-timeline", tl, "--base", base, "--model", "tiny", "--out", out}, 60);
     ASSERT_EQ(r.rc, 0) << r.describe();
     auto f = CostFile::load(out);
     ASSERT_TRUE(f.ok()) << f.status().to_string();
@@ -640,16 +643,24 @@ TEST(CalibrateTimeline, MeasuresInterferenceAndNoise) {
         ASSERT_GT(e_obs, d_obs);
         ts += 1e6;
         ev.push_back(forward_slice(0, ts, e_obs * 1e6,
-                                   {{"instance", 0}, {"tp", 1}, {"tp_rank", 0}, {"threads", 1},
-                                    {"num_requests", 1}, {"items", {{items[0].new_tokens, 0}}}}));
+                                   {{"instance", 0},
+                                    {"tp", 1},
+                                    {"tp_rank", 0},
+                                    {"threads", 1},
+                                    {"num_requests", 1},
+                                    {"items", {{items[0].new_tokens, 0}}}}));
         ev.push_back(forward_slice(1, ts + 10, d_obs * 1e6,
-                                   {{"instance", 1}, {"tp", 1}, {"tp_rank", 0}, {"threads", 1},
-                                    {"batch", 2}, {"kv_tokens", 600}}));
+                                   {{"instance", 1},
+                                    {"tp", 1},
+                                    {"tp_rank", 0},
+                                    {"threads", 1},
+                                    {"batch", 2},
+                                    {"kv_tokens", 600}}));
     }
     write_json(tl, t);
-    test::CmdResult r = test::run_pdsim({"calibrate", "--from-timeline", tl, "--node-cpus", "2",
-                                         "--model", "tiny", "--out", out},
-                                        60);
+    test::CmdResult r = test::run_pdsim(
+        {"calibrate", "--from-timeline", tl, "--node-cpus", "2", "--model", "tiny", "--out", out},
+        60);
     ASSERT_EQ(r.rc, 0) << r.describe();
     auto f = CostFile::load(out);
     ASSERT_TRUE(f.ok()) << f.status().to_string();
@@ -735,10 +746,10 @@ TEST(CalibrateTimeline, FitsTheMedianRunLevel) {
         write_json(files.back(), t);
     }
     const std::string out = dir.str("cost.json");
-    test::CmdResult r = test::run_pdsim({"calibrate", "--from-timeline",
-                                         files[0] + "," + files[1] + "," + files[2], "--model",
-                                         "tiny", "--out", out},
-                                        60);
+    test::CmdResult r =
+        test::run_pdsim({"calibrate", "--from-timeline", files[0] + "," + files[1] + "," + files[2],
+                         "--model", "tiny", "--out", out},
+                        60);
     ASSERT_EQ(r.rc, 0) << r.describe();
     auto f = CostFile::load(out);
     ASSERT_TRUE(f.ok()) << f.status().to_string();
@@ -782,8 +793,13 @@ TEST(CalibrateTimeline, BadTimelinesExit2NamingTheFile) {
     const std::string few = dir.str("few.json");
     // A timeline with other slices but no forward slices.
     write_json(empty, {{"traceEvents",
-                        {{{"name", "L0"}, {"cat", "compute"}, {"ph", "X"}, {"pid", 0},
-                          {"tid", 1}, {"ts", 0}, {"dur", 5}}}}});
+                        {{{"name", "L0"},
+                          {"cat", "compute"},
+                          {"ph", "X"},
+                          {"pid", 0},
+                          {"tid", 1},
+                          {"ts", 0},
+                          {"dur", 5}}}}});
     write_json(tp2, synthetic_timeline(true));  // tp 2 without decode forwards, no --base
     json t = synthetic_timeline(false);
     json& ev = t["traceEvents"];

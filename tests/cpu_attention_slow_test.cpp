@@ -13,10 +13,13 @@
 namespace pdsim::attn::test {
 namespace {
 
-double tolerance(kv::KVDtype d) { return d == kv::KVDtype::kF32 ? 1e-5 : 1e-2; }
+double tolerance(kv::KVDtype d) {
+    return d == kv::KVDtype::kF32 ? 1e-5 : 1e-2;
+}
 
 void check(const Shape& s, const Batch& b, bool save_kv) {
-    SCOPED_TRACE(s.describe() + " | save_kv=" + (save_kv ? "true" : "false") + " | " + b.describe());
+    SCOPED_TRACE(s.describe() + " | save_kv=" + (save_kv ? "true" : "false") + " | " +
+                 b.describe());
     auto ref_pool = make_pool(s, b.num_pages);
     auto cpu_pool = make_pool(s, b.num_pages);
     auto want = make_pool(s, b.num_pages);
@@ -45,8 +48,8 @@ Shape shape(int hq, int hkv, int d, int ps, kv::KVDtype dtype) {
 }
 
 TEST(CpuAttentionSlow, FreshPrefill4096) {
-    check(shape(1, 1, 64, 16, kv::KVDtype::kF32), make_batch(shape(1, 1, 64, 16, kv::KVDtype::kF32),
-                                                             ForwardMode::kExtend, {{0, 4096}}, 1),
+    check(shape(1, 1, 64, 16, kv::KVDtype::kF32),
+          make_batch(shape(1, 1, 64, 16, kv::KVDtype::kF32), ForwardMode::kExtend, {{0, 4096}}, 1),
           true);
     const Shape b = shape(4, 1, 128, 1, kv::KVDtype::kBF16);
     check(b, make_batch(b, ForwardMode::kExtend, {{0, 4096}}, 2), false);
@@ -64,7 +67,8 @@ TEST(CpuAttentionSlow, LongChunkOverLongPrefix) {
 TEST(CpuAttentionSlow, LargeDecodeBatch) {
     std::mt19937_64 rng(6);
     std::vector<Req> reqs;
-    for (int i = 0; i < 96; ++i) reqs.push_back({std::uniform_int_distribution<int>(0, 4095)(rng), 1});
+    for (int i = 0; i < 96; ++i)
+        reqs.push_back({std::uniform_int_distribution<int>(0, 4095)(rng), 1});
     for (auto dtype : {kv::KVDtype::kF32, kv::KVDtype::kBF16}) {
         const Shape s = shape(32, 4, 128, 16, dtype);
         check(s, make_batch(s, ForwardMode::kDecode, reqs, 7), dtype == kv::KVDtype::kF32);

@@ -32,16 +32,22 @@ enum class Kind { kDecode, kPrefill, kChunked };
 
 const char* kind_name(Kind k) {
     switch (k) {
-        case Kind::kDecode: return "decode";
-        case Kind::kPrefill: return "prefill";
-        case Kind::kChunked: return "chunked";
+        case Kind::kDecode:
+            return "decode";
+        case Kind::kPrefill:
+            return "prefill";
+        case Kind::kChunked:
+            return "chunked";
     }
     return "?";
 }
 
-double tolerance(kv::KVDtype d) { return d == kv::KVDtype::kF32 ? 1e-5 : 1e-2; }
+double tolerance(kv::KVDtype d) {
+    return d == kv::KVDtype::kF32 ? 1e-5 : 1e-2;
+}
 
-// q/kv ratio -> (q heads, kv heads). More than one KV head everywhere, so a wrong head stride shows.
+// q/kv ratio -> (q heads, kv heads). More than one KV head everywhere, so a wrong head stride
+// shows.
 Shape shape_for(int ratio, int head_dim, int page_size, kv::KVDtype dtype) {
     Shape s;
     s.num_kv_heads = ratio == 1 ? 3 : 2;
@@ -56,8 +62,8 @@ Shape shape_for(int ratio, int head_dim, int page_size, kv::KVDtype dtype) {
 // outputs and both pools.
 void check_batch(const Shape& s, const Batch& b, bool save_kv, const std::string& label,
                  int cpu_threads = 0) {
-    SCOPED_TRACE(label + " | " + s.describe() + " | save_kv=" + (save_kv ? "true" : "false (prewrite)") +
-                 " | " + b.describe());
+    SCOPED_TRACE(label + " | " + s.describe() +
+                 " | save_kv=" + (save_kv ? "true" : "false (prewrite)") + " | " + b.describe());
     auto ref_pool = make_pool(s, b.num_pages);
     auto cpu_pool = make_pool(s, b.num_pages);
     auto want_pool = make_pool(s, b.num_pages);
@@ -97,7 +103,8 @@ std::vector<Req> shuffled(std::vector<Req> reqs, uint64_t seed) {
     return reqs;
 }
 
-using Param = std::tuple<Kind, int /*ratio*/, int /*head_dim*/, int /*page_size*/, kv::KVDtype, bool /*save_kv*/>;
+using Param = std::tuple<Kind, int /*ratio*/, int /*head_dim*/, int /*page_size*/, kv::KVDtype,
+                         bool /*save_kv*/>;
 
 class CpuVsRef : public ::testing::TestWithParam<Param> {};
 
@@ -106,7 +113,8 @@ TEST_P(CpuVsRef, MatchesOracleAndWritesKv) {
     const Shape s = shape_for(ratio, head_dim, ps, dtype);
     Shape scaled = s;
     scaled.scaling = 0.25f;
-    uint64_t seed = 1000003ull * static_cast<uint64_t>(kind) + 10007ull * static_cast<uint64_t>(ratio) +
+    uint64_t seed = 1000003ull * static_cast<uint64_t>(kind) +
+                    10007ull * static_cast<uint64_t>(ratio) +
                     101ull * static_cast<uint64_t>(head_dim) + 7ull * static_cast<uint64_t>(ps) +
                     (dtype == kv::KVDtype::kBF16 ? 3 : 0) + (save_kv ? 1 : 0);
     std::mt19937_64 rng(seed);
@@ -118,11 +126,12 @@ TEST_P(CpuVsRef, MatchesOracleAndWritesKv) {
             for (int l : boundary_lens(ps, {100, 1000, 4096})) reqs.push_back({l - 1, 1});
             check_batch(s, make_batch(s, ForwardMode::kDecode, shuffled(reqs, seed), seed), save_kv,
                         name + " boundary lens");
-            check_batch(scaled, make_batch(scaled, ForwardMode::kDecode, {{4095, 1}}, seed + 1), save_kv,
-                        name + " single 4096, scaling 0.25");
+            check_batch(scaled, make_batch(scaled, ForwardMode::kDecode, {{4095, 1}}, seed + 1),
+                        save_kv, name + " single 4096, scaling 0.25");
             reqs.clear();
             for (int i = 0; i < 24; ++i) reqs.push_back({uni(1, 300) - 1, 1});
-            check_batch(s, make_batch(s, ForwardMode::kDecode, reqs, seed + 2), save_kv, name + " bs 24");
+            check_batch(s, make_batch(s, ForwardMode::kDecode, reqs, seed + 2), save_kv,
+                        name + " bs 24");
             break;
         }
         case Kind::kPrefill: {
@@ -130,23 +139,27 @@ TEST_P(CpuVsRef, MatchesOracleAndWritesKv) {
             for (int l : boundary_lens(ps, {97})) reqs.push_back({0, l});
             check_batch(s, make_batch(s, ForwardMode::kExtend, shuffled(reqs, seed), seed), save_kv,
                         name + " boundary lens");
-            check_batch(scaled, make_batch(scaled, ForwardMode::kExtend, {{0, uni(200, 300)}}, seed + 1),
+            check_batch(scaled,
+                        make_batch(scaled, ForwardMode::kExtend, {{0, uni(200, 300)}}, seed + 1),
                         save_kv, name + " single, scaling 0.25");
             break;
         }
         case Kind::kChunked: {
             std::vector<Req> reqs{{1, 1}, {0, 5}, {4093, 3}, {4095, 1}};
-            for (Req r : {Req{ps - 1, 1}, Req{ps - 1, 2}, Req{ps, ps}, Req{ps + 1, std::max(ps - 1, 1)},
-                          Req{2 * ps - 3, 7}}) {
+            for (Req r : {Req{ps - 1, 1}, Req{ps - 1, 2}, Req{ps, ps},
+                          Req{ps + 1, std::max(ps - 1, 1)}, Req{2 * ps - 3, 7}}) {
                 if (r.prefix >= 1) reqs.push_back(r);
             }
             check_batch(s, make_batch(s, ForwardMode::kExtend, shuffled(reqs, seed), seed), save_kv,
                         name + " boundary lens");
-            check_batch(scaled, make_batch(scaled, ForwardMode::kExtend, {{uni(100, 200), uni(150, 200)}}, seed + 1),
+            check_batch(scaled,
+                        make_batch(scaled, ForwardMode::kExtend, {{uni(100, 200), uni(150, 200)}},
+                                   seed + 1),
                         save_kv, name + " single, scaling 0.25");
             reqs.clear();
             for (int i = 0; i < 8; ++i) reqs.push_back({uni(0, 300), uni(1, 40)});
-            check_batch(s, make_batch(s, ForwardMode::kExtend, reqs, seed + 2), save_kv, name + " bs 8");
+            check_batch(s, make_batch(s, ForwardMode::kExtend, reqs, seed + 2), save_kv,
+                        name + " bs 8");
             break;
         }
     }
@@ -154,17 +167,18 @@ TEST_P(CpuVsRef, MatchesOracleAndWritesKv) {
 
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
     const auto [kind, ratio, head_dim, ps, dtype, save_kv] = info.param;
-    return std::string(kind_name(kind)) + "_ratio" + std::to_string(ratio) + "_d" + std::to_string(head_dim) +
-           "_ps" + std::to_string(ps) + "_" + std::string(kv::dtype_name(dtype)) + (save_kv ? "_save" : "_prewrite");
+    return std::string(kind_name(kind)) + "_ratio" + std::to_string(ratio) + "_d" +
+           std::to_string(head_dim) + "_ps" + std::to_string(ps) + "_" +
+           std::string(kv::dtype_name(dtype)) + (save_kv ? "_save" : "_prewrite");
 }
 
-INSTANTIATE_TEST_SUITE_P(AllCombinations, CpuVsRef,
-                         ::testing::Combine(::testing::Values(Kind::kDecode, Kind::kPrefill, Kind::kChunked),
-                                            ::testing::Values(1, 4, 8), ::testing::Values(64, 128),
-                                            ::testing::Values(1, 16, 64),
-                                            ::testing::Values(kv::KVDtype::kF32, kv::KVDtype::kBF16),
-                                            ::testing::Bool()),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(
+    AllCombinations, CpuVsRef,
+    ::testing::Combine(::testing::Values(Kind::kDecode, Kind::kPrefill, Kind::kChunked),
+                       ::testing::Values(1, 4, 8), ::testing::Values(64, 128),
+                       ::testing::Values(1, 16, 64),
+                       ::testing::Values(kv::KVDtype::kF32, kv::KVDtype::kBF16), ::testing::Bool()),
+    param_name);
 
 // The comparison can fail: an element nudged just past the tolerance, or a NaN, is reported.
 TEST(CpuAttention, ComparisonRejectsPerturbedOutputs) {
@@ -180,7 +194,8 @@ TEST(CpuAttention, ComparisonRejectsPerturbedOutputs) {
         got[5] = kNaN;
         EXPECT_FALSE(outputs_close(got, ref, tol, s, b)) << tol;
         got = ref;
-        got[got.size() - 1] += static_cast<float>(0.5 * tol * std::max(1.0f, std::fabs(ref.back())));
+        got[got.size() - 1] +=
+            static_cast<float>(0.5 * tol * std::max(1.0f, std::fabs(ref.back())));
         EXPECT_TRUE(outputs_close(got, ref, tol, s, b)) << tol;
     }
 }
@@ -200,7 +215,8 @@ TEST(CpuAttention, OracleMatchesNaiveAttention) {
                 init_pool(*pool, s, b, false);
                 Runner r(name, s);
                 ASSERT_TRUE(r.run(b, *pool, true).ok());
-                EXPECT_TRUE(outputs_close(r.out(), naive, tolerance(dtype), s, b)) << name << " vs naive";
+                EXPECT_TRUE(outputs_close(r.out(), naive, tolerance(dtype), s, b))
+                    << name << " vs naive";
             }
             Batch d = make_batch(s, ForwardMode::kDecode, {{0, 1}, {ps, 1}, {300, 1}}, 91 + ps);
             const std::vector<float> naive_d = naive_attention(s, d);
@@ -211,7 +227,8 @@ TEST(CpuAttention, OracleMatchesNaiveAttention) {
                 init_pool(*pool, s, d, false);
                 Runner r(name, s);
                 ASSERT_TRUE(r.run(d, *pool, true).ok());
-                EXPECT_TRUE(outputs_close(r.out(), naive_d, tolerance(dtype), s, d)) << name << " vs naive";
+                EXPECT_TRUE(outputs_close(r.out(), naive_d, tolerance(dtype), s, d))
+                    << name << " vs naive";
             }
         }
     }
@@ -238,8 +255,9 @@ TEST(CpuAttention, LayersShareOneMetadataInit) {
     for (auto mode : {ForwardMode::kDecode, ForwardMode::kExtend}) {
         Shape s = shape_for(8, 64, 16, kv::KVDtype::kBF16);
         s.num_layers = kLayers;
-        std::vector<Req> reqs = mode == ForwardMode::kDecode ? std::vector<Req>{{30, 1}, {200, 1}, {0, 1}}
-                                                             : std::vector<Req>{{30, 9}, {0, 40}, {16, 16}};
+        std::vector<Req> reqs = mode == ForwardMode::kDecode
+                                    ? std::vector<Req>{{30, 1}, {200, 1}, {0, 1}}
+                                    : std::vector<Req>{{30, 9}, {0, 40}, {16, 16}};
         std::vector<Batch> per_layer;
         std::vector<Shape> shapes;
         for (int l = 0; l < kLayers; ++l) {
@@ -252,9 +270,12 @@ TEST(CpuAttention, LayersShareOneMetadataInit) {
         auto want = make_pool(s, per_layer[0].num_pages);
         ASSERT_TRUE(ref_pool && cpu_pool && want);
         for (int l = 0; l < kLayers; ++l) {
-            init_pool(*ref_pool, shapes[static_cast<size_t>(l)], per_layer[static_cast<size_t>(l)], false, l == 0);
-            init_pool(*cpu_pool, shapes[static_cast<size_t>(l)], per_layer[static_cast<size_t>(l)], false, l == 0);
-            init_pool(*want, shapes[static_cast<size_t>(l)], per_layer[static_cast<size_t>(l)], true, l == 0);
+            init_pool(*ref_pool, shapes[static_cast<size_t>(l)], per_layer[static_cast<size_t>(l)],
+                      false, l == 0);
+            init_pool(*cpu_pool, shapes[static_cast<size_t>(l)], per_layer[static_cast<size_t>(l)],
+                      false, l == 0);
+            init_pool(*want, shapes[static_cast<size_t>(l)], per_layer[static_cast<size_t>(l)],
+                      true, l == 0);
         }
         Runner ref("cpu_ref", s), cpu("cpu", s);
         std::vector<std::vector<float>> ref_out(kLayers), cpu_out(kLayers);
@@ -265,7 +286,8 @@ TEST(CpuAttention, LayersShareOneMetadataInit) {
             ASSERT_TRUE(r->backend().init_forward_metadata(per_layer[0].forward_batch()).ok());
             for (int l = 0; l < kLayers; ++l) {
                 const Batch& b = per_layer[static_cast<size_t>(l)];
-                outs[static_cast<size_t>(l)].assign(static_cast<size_t>(b.num_tokens) * s.q_width(), kNaN);
+                outs[static_cast<size_t>(l)].assign(static_cast<size_t>(b.num_tokens) * s.q_width(),
+                                                    kNaN);
                 ASSERT_TRUE(forward_host(r->backend(), b.q.data(), b.k.data(), b.v.data(),
                                          shapes[static_cast<size_t>(l)].layer(), b.locs.data(),
                                          b.num_tokens, pool, mode, b.bs,
@@ -276,9 +298,11 @@ TEST(CpuAttention, LayersShareOneMetadataInit) {
         ASSERT_TRUE(ref.wait().ok());
         ASSERT_TRUE(cpu.wait().ok());
         for (int l = 0; l < kLayers; ++l) {
-            SCOPED_TRACE("layer " + std::to_string(l) + " | " + per_layer[static_cast<size_t>(l)].describe());
-            EXPECT_TRUE(outputs_close(cpu_out[static_cast<size_t>(l)], ref_out[static_cast<size_t>(l)],
-                                      tolerance(s.dtype), s, per_layer[static_cast<size_t>(l)]));
+            SCOPED_TRACE("layer " + std::to_string(l) + " | " +
+                         per_layer[static_cast<size_t>(l)].describe());
+            EXPECT_TRUE(outputs_close(cpu_out[static_cast<size_t>(l)],
+                                      ref_out[static_cast<size_t>(l)], tolerance(s.dtype), s,
+                                      per_layer[static_cast<size_t>(l)]));
         }
         EXPECT_TRUE(pools_equal(*cpu_pool, *want));
         EXPECT_TRUE(pools_equal(*ref_pool, *want));
@@ -291,10 +315,10 @@ TEST(CpuAttention, OtherHeadDims) {
     for (int d : {8, 32, 36, 80, 96, 100, 256}) {
         for (auto dtype : {kv::KVDtype::kF32, kv::KVDtype::kBF16}) {
             Shape s = shape_for(4, d, 16, dtype);
-            check_batch(s, make_batch(s, ForwardMode::kDecode, {{0, 1}, {16, 1}, {700, 1}}, 40 + d), true,
-                        "decode, head_dim " + std::to_string(d));
-            check_batch(s, make_batch(s, ForwardMode::kExtend, {{0, 37}, {20, 12}, {5, 1}}, 50 + d), false,
-                        "extend, head_dim " + std::to_string(d));
+            check_batch(s, make_batch(s, ForwardMode::kDecode, {{0, 1}, {16, 1}, {700, 1}}, 40 + d),
+                        true, "decode, head_dim " + std::to_string(d));
+            check_batch(s, make_batch(s, ForwardMode::kExtend, {{0, 37}, {20, 12}, {5, 1}}, 50 + d),
+                        false, "extend, head_dim " + std::to_string(d));
         }
     }
 }
@@ -411,7 +435,8 @@ std::vector<BadCase> bad_cases() {
              // Request 0 has 42 tokens = 3 pages of 16; squeeze every row to 2 entries.
              std::vector<int32_t> pt;
              for (int i = 0; i < b.bs; ++i) {
-                 for (int p = 0; p < 2; ++p) pt.push_back(b.page_table[static_cast<size_t>(i * b.stride + p)]);
+                 for (int p = 0; p < 2; ++p)
+                     pt.push_back(b.page_table[static_cast<size_t>(i * b.stride + p)]);
              }
              b.page_table = pt;
              b.stride = 2;

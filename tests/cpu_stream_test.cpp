@@ -22,7 +22,8 @@ TEST(CpuStream, RunsInOrderAsynchronously) {
                     while (!gate.load()) std::this_thread::yield();
                     order.push_back(0);
                 }).ok());
-    for (int i = 1; i < 100; ++i) ASSERT_TRUE(enqueue_void(s, [&order, i] { order.push_back(i); }).ok());
+    for (int i = 1; i < 100; ++i)
+        ASSERT_TRUE(enqueue_void(s, [&order, i] { order.push_back(i); }).ok());
     // enqueue returned while the first task is still blocked: asynchronous to the host.
     EXPECT_TRUE(order.empty());
     gate = true;

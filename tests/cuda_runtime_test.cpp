@@ -63,7 +63,8 @@ TEST(CudaStream, HostTasksRunInOrderAndErrorsAreSticky) {
                     while (!gate.load()) std::this_thread::yield();
                     order.push_back(0);
                 }).ok());
-    for (int i = 1; i < 20; ++i) ASSERT_TRUE(enqueue_void(**s, [&order, i] { order.push_back(i); }).ok());
+    for (int i = 1; i < 20; ++i)
+        ASSERT_TRUE(enqueue_void(**s, [&order, i] { order.push_back(i); }).ok());
     auto ev = (*s)->create_event();
     ASSERT_NE(ev, nullptr);
     ASSERT_TRUE((*s)->record(*ev).ok());

@@ -45,7 +45,8 @@ private:
 };
 
 fs::path fresh_dir(const std::string& name) {
-    fs::path d = fs::temp_directory_path() / fmt::format("pdsim-data-dir-test-{}-{}", name, ::getpid());
+    fs::path d =
+        fs::temp_directory_path() / fmt::format("pdsim-data-dir-test-{}-{}", name, ::getpid());
     fs::remove_all(d);
     fs::create_directories(d);
     return d;
@@ -95,7 +96,8 @@ TEST(DataDir, EnvironmentOverridesAndIsStrict) {
         ASSERT_FALSE(missing.ok());
         EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
         EXPECT_THAT(missing.status().message(), HasSubstr("mooncake_conversation.jsonl"));
-        EXPECT_EQ(resolve_data_file(DataKind::kTraces, "mine"), (root / "traces/mine.csv").string());
+        EXPECT_EQ(resolve_data_file(DataKind::kTraces, "mine"),
+                  (root / "traces/mine.csv").string());
     }
     {
         ScopedDataDir env((root / "no-such-dir").c_str());
@@ -127,8 +129,8 @@ TEST(DataDir, BareNamesResolveToShippedFiles) {
     ASSERT_FALSE(missing.ok());
     EXPECT_THAT(missing.status().message(), HasSubstr("no-such-topology"));
 
-    auto trace = workload::load_trace("azure_llm_code", workload::TraceFormat::kAuto,
-                                      {.max_requests = 10});
+    auto trace =
+        workload::load_trace("azure_llm_code", workload::TraceFormat::kAuto, {.max_requests = 10});
     ASSERT_TRUE(trace.ok()) << trace.status().to_string();
     EXPECT_EQ(trace->size(), 10u);
 

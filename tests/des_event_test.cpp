@@ -1,9 +1,9 @@
-#include "sim/des/event_loop.h"
-
 #include <gtest/gtest.h>
 
 #include <random>
 #include <vector>
+
+#include "sim/des/event_loop.h"
 
 namespace pdsim::des {
 namespace {

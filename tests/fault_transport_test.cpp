@@ -8,9 +8,9 @@
 #include <filesystem>
 #include <set>
 
+#include "tests/status_matchers.h"
 #include "tests/transport_conformance.h"
 #include "transfer/local/local_transport.h"
-#include "tests/status_matchers.h"
 
 namespace pdsim::transfer {
 namespace {

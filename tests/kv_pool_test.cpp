@@ -54,8 +54,9 @@ TEST(PageAllocator, RejectsBadFreesAtomically) {
     ASSERT_TRUE(p.ok());
     EXPECT_EQ(a.free(std::vector<int32_t>{0}).code(), StatusCode::kInvalidArgument);
     EXPECT_EQ(a.free(std::vector<int32_t>{10}).code(), StatusCode::kInvalidArgument);
-    EXPECT_EQ(a.free(std::vector<int32_t>{(*p)[0], 7}).code(), StatusCode::kInvalidArgument);  // 7 not allocated
-    EXPECT_TRUE(a.is_allocated((*p)[0]));  // nothing was freed by the failed call
+    EXPECT_EQ(a.free(std::vector<int32_t>{(*p)[0], 7}).code(),
+              StatusCode::kInvalidArgument);  // 7 not allocated
+    EXPECT_TRUE(a.is_allocated((*p)[0]));     // nothing was freed by the failed call
     EXPECT_EQ(a.free(std::vector<int32_t>{(*p)[1], (*p)[1]}).code(), StatusCode::kInvalidArgument);
     EXPECT_TRUE(a.free(*p).ok());
     EXPECT_EQ(a.available(), 9);
@@ -85,8 +86,8 @@ TEST(MHATokenToKVPool, LayoutAndAddressing) {
     const int32_t loc = 3 * 4 + 2;  // page 3, slot 2
     ASSERT_TRUE(p.set_kv_buffer(1, locs_of(&loc), kv_rows(k, 2, 8), kv_rows(v, 2, 8)).ok());
     // The transfer engine's addressing: base + page * page_bytes + slot * token_bytes.
-    auto* kb = reinterpret_cast<const float*>(static_cast<const char*>(p.data(1, 0)) + 3 * p.page_bytes(1, 0) +
-                                              2 * p.token_bytes(1, 0));
+    auto* kb = reinterpret_cast<const float*>(static_cast<const char*>(p.data(1, 0)) +
+                                              3 * p.page_bytes(1, 0) + 2 * p.token_bytes(1, 0));
     EXPECT_EQ(kb[5], 5.f);
     std::vector<float> back(16);
     p.read_token(1, 1, loc, back.data());

@@ -1,11 +1,10 @@
-#include "sim/metrics/report.h"
-
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "sim/metrics/report.h"
 #include "sim/metrics/timeline.h"
 #include "tests/status_matchers.h"
 
@@ -38,8 +37,8 @@ std::vector<RequestRecord> sample_records() {
         q.output_len = g;
         q.ok = ok;
     };
-    set(r[0], 0, 0, 100, 1100, 11, true);    // ttft 100, tpot 100
-    set(r[1], 1, 500, 800, 800, 1, true);    // ttft 300, single token
+    set(r[0], 0, 0, 100, 1100, 11, true);      // ttft 100, tpot 100
+    set(r[1], 1, 500, 800, 800, 1, true);      // ttft 300, single token
     set(r[2], 2, 1000, 1050, 2050, 21, true);  // ttft 50, tpot 50
     set(r[3], 3, 1500, -1, -1, 0, false);
     r[3].error = "transfer timed out";
@@ -71,14 +70,17 @@ TEST(ReportJson, HasTheDesignKeys) {
     rep.colocated = std::make_shared<Report>(rep);
     rep.colocated->mode = "colocated";
     auto j = to_json(rep);
-    for (const char* k : {"schema_version", "mode", "topology", "model", "requests_submitted", "requests_completed",
-                          "requests_failed", "ttft_ms", "tpot_ms", "e2e_ms", "goodput_rps", "slo_attainment",
-                          "transfer", "ordering", "outputs_match", "wall_s", "colocated"}) {
+    for (const char* k :
+         {"schema_version", "mode", "topology", "model", "requests_submitted", "requests_completed",
+          "requests_failed", "ttft_ms", "tpot_ms", "e2e_ms", "goodput_rps", "slo_attainment",
+          "transfer", "ordering", "outputs_match", "wall_s", "colocated"}) {
         EXPECT_TRUE(j.contains(k)) << k;
     }
     for (const char* k : {"mean", "p50", "p90", "p99"}) EXPECT_TRUE(j["ttft_ms"].contains(k)) << k;
-    for (const char* k : {"bytes", "gbps", "layer_latency_us", "exposed_fraction"}) EXPECT_TRUE(j["transfer"].contains(k)) << k;
-    for (const char* k : {"checked_layers", "violations", "details"}) EXPECT_TRUE(j["ordering"].contains(k)) << k;
+    for (const char* k : {"bytes", "gbps", "layer_latency_us", "exposed_fraction"})
+        EXPECT_TRUE(j["transfer"].contains(k)) << k;
+    for (const char* k : {"checked_layers", "violations", "details"})
+        EXPECT_TRUE(j["ordering"].contains(k)) << k;
     EXPECT_EQ(j["colocated"]["mode"], "colocated");
     EXPECT_FALSE(j["colocated"].contains("colocated"));
     EXPECT_THAT(summary_table(rep), HasSubstr("requests failed"));
@@ -94,7 +96,8 @@ TEST(RequestsCsv, OneLinePerRequest) {
     EXPECT_EQ(line.rfind("id,arrival_ms,ttft_ms", 0), 0u);
     while (std::getline(f, line)) ++n;
     EXPECT_EQ(n, 4);
-    EXPECT_EQ(write_requests_csv("/nonexistent/dir/x.csv", {}).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(write_requests_csv("/nonexistent/dir/x.csv", {}).code(),
+              StatusCode::kInvalidArgument);
 }
 
 TEST(Timeline, WritesTraceEvents) {

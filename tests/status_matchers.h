@@ -23,8 +23,12 @@
 namespace pdsim {
 
 // gtest prints a value through PrintTo when one is declared in the value's namespace.
-inline void PrintTo(const Status& status, std::ostream* os) { *os << status.to_string(); }
-inline void PrintTo(StatusCode code, std::ostream* os) { *os << status_code_name(code); }
+inline void PrintTo(const Status& status, std::ostream* os) {
+    *os << status.to_string();
+}
+inline void PrintTo(StatusCode code, std::ostream* os) {
+    *os << status_code_name(code);
+}
 template <typename T>
 void PrintTo(const StatusOr<T>& status_or, std::ostream* os) {
     if (status_or.ok()) {
@@ -36,7 +40,9 @@ void PrintTo(const StatusOr<T>& status_or, std::ostream* os) {
 
 namespace testing_internal {
 
-inline const Status& status_of(const Status& status) { return status; }
+inline const Status& status_of(const Status& status) {
+    return status;
+}
 template <typename T>
 Status status_of(const StatusOr<T>& status_or) {
     return status_or.status();
@@ -102,7 +108,9 @@ inline testing_internal::StatusIsPolymorphic StatusIs(
 }
 
 // Matches an OK Status or a StatusOr<T> holding a value.
-inline testing_internal::StatusIsPolymorphic IsOk() { return StatusIs(StatusCode::kOk); }
+inline testing_internal::StatusIsPolymorphic IsOk() {
+    return StatusIs(StatusCode::kOk);
+}
 
 }  // namespace pdsim
 
@@ -115,7 +123,7 @@ using ::testing::HasSubstr;
 #define PDSIM_TEST_CONCAT_INNER(a, b) a##b
 #define PDSIM_TEST_CONCAT(a, b) PDSIM_TEST_CONCAT_INNER(a, b)
 // ASSERT_OK_AND_ASSIGN(lhs, expr): asserts that `expr` (a StatusOr) holds a value and assigns it.
-#define ASSERT_OK_AND_ASSIGN(lhs, expr)                                                     \
-    auto PDSIM_TEST_CONCAT(status_or_, __LINE__) = (expr);                                  \
-    ASSERT_THAT(PDSIM_TEST_CONCAT(status_or_, __LINE__), ::pdsim::IsOk());                  \
+#define ASSERT_OK_AND_ASSIGN(lhs, expr)                                    \
+    auto PDSIM_TEST_CONCAT(status_or_, __LINE__) = (expr);                 \
+    ASSERT_THAT(PDSIM_TEST_CONCAT(status_or_, __LINE__), ::pdsim::IsOk()); \
     lhs = std::move(PDSIM_TEST_CONCAT(status_or_, __LINE__)).value()

@@ -2,20 +2,22 @@
 
 #include <gtest/gtest.h>
 
-#include "common/bf16.h"
-#include "common/npy.h"
-#include "common/thread_pool.h"
-
 #include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <numeric>
+
+#include "common/bf16.h"
+#include "common/npy.h"
+#include "common/thread_pool.h"
 #include "tests/status_matchers.h"
 
 namespace pdsim {
 namespace {
 
-Status fails_at_line() { return PDSIM_ERROR(StatusCode::kInvalidArgument, "bad value {}", 42); }
+Status fails_at_line() {
+    return PDSIM_ERROR(StatusCode::kInvalidArgument, "bad value {}", 42);
+}
 
 Status propagates() {
     PDSIM_RETURN_IF_ERROR(fails_at_line());
@@ -42,7 +44,8 @@ TEST(Status, OkByDefault) {
 TEST(Status, ErrorCarriesFileLineAndCode) {
     Status s = fails_at_line();
     EXPECT_FALSE(s.ok());
-    EXPECT_THAT(s, StatusIs(StatusCode::kInvalidArgument, HasSubstr("tests/status_test.cpp:"))) << s.message();
+    EXPECT_THAT(s, StatusIs(StatusCode::kInvalidArgument, HasSubstr("tests/status_test.cpp:")))
+        << s.message();
     EXPECT_THAT(s.message(), HasSubstr("bad value 42"));
     EXPECT_EQ(s.to_string().rfind("INVALID_ARGUMENT: ", 0), 0u);
 }

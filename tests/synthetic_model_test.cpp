@@ -33,7 +33,8 @@ struct Rank {
     std::unique_ptr<kv::MHATokenToKVPool> pool;
     std::unique_ptr<SyntheticModel> model;
 
-    Rank(const ModelConfig& cfg, const std::string& backend_name, TpComm* tp = nullptr, int page_size = 16) {
+    Rank(const ModelConfig& cfg, const std::string& backend_name, TpComm* tp = nullptr,
+         int page_size = 16) {
         const int tp_size = tp ? tp->size() : 1;
         model = std::move(SyntheticModel::create(cfg, tp, 1024).value());
         attn::AttentionConfig ac;
@@ -66,7 +67,8 @@ std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
     return t;
 }
 
-// Builds the StepBatch for tokens [begin, end) of each sequence (extend), or the last token (decode).
+// Builds the StepBatch for tokens [begin, end) of each sequence (extend), or the last token
+// (decode).
 StepBatch make_batch(const std::vector<Seq*>& seqs, const std::vector<std::pair<int, int>>& ranges,
                      attn::ForwardMode mode, int page_size, int stride) {
     StepBatch b;
@@ -76,12 +78,15 @@ StepBatch make_batch(const std::vector<Seq*>& seqs, const std::vector<std::pair<
         auto [begin, end] = ranges[i];
         for (int t = begin; t < end; ++t) {
             b.tokens.push_back(seqs[i]->tokens[static_cast<size_t>(t)]);
-            b.out_cache_loc.push_back(seqs[i]->pages[static_cast<size_t>(t / page_size)] * page_size + t % page_size);
+            b.out_cache_loc.push_back(
+                seqs[i]->pages[static_cast<size_t>(t / page_size)] * page_size + t % page_size);
         }
         b.seq_lens.push_back(end);
         b.extend_lens.push_back(end - begin);
         for (int p = 0; p < stride; ++p) {
-            b.page_table.push_back(p < static_cast<int>(seqs[i]->pages.size()) ? seqs[i]->pages[static_cast<size_t>(p)] : 0);
+            b.page_table.push_back(p < static_cast<int>(seqs[i]->pages.size())
+                                       ? seqs[i]->pages[static_cast<size_t>(p)]
+                                       : 0);
         }
     }
     return b;
@@ -100,9 +105,12 @@ std::vector<uint8_t> kv_bytes(const kv::KVPool& pool, const Seq& s, int n, int l
     std::vector<uint8_t> out;
     const size_t tb = pool.token_bytes(l, b);
     for (int t = 0; t < n; ++t) {
-        const int64_t slot = static_cast<int64_t>(s.pages[static_cast<size_t>(t / pool.page_size())]) * pool.page_size() +
-                             t % pool.page_size();
-        const auto* p = static_cast<const uint8_t*>(pool.data(l, b)) + static_cast<size_t>(slot) * tb;
+        const int64_t slot =
+            static_cast<int64_t>(s.pages[static_cast<size_t>(t / pool.page_size())]) *
+                pool.page_size() +
+            t % pool.page_size();
+        const auto* p =
+            static_cast<const uint8_t*>(pool.data(l, b)) + static_cast<size_t>(slot) * tb;
         out.insert(out.end(), p, p + tb);
     }
     return out;
@@ -145,7 +153,8 @@ TEST(ModelConfig, OneTableForTopologyAndBackends) {
         }
     }
     const ModelConfig defaults;
-    EXPECT_TRUE(static_cast<const topo::ModelShape&>(defaults) == *topo::builtin_model_shape("tiny"));
+    EXPECT_TRUE(static_cast<const topo::ModelShape&>(defaults) ==
+                *topo::builtin_model_shape("tiny"));
     EXPECT_EQ(defaults.num_layers, 4);
     EXPECT_EQ(defaults.intermediate, 512);
     EXPECT_EQ(resolve_model("hybrid-tiny")->layer_kind(1), LayerKind::kSlidingWindow);
@@ -153,8 +162,10 @@ TEST(ModelConfig, OneTableForTopologyAndBackends) {
 }
 
 TEST(SyntheticModel, WeightsAreDeterministicAndScaled) {
-    EXPECT_EQ(SyntheticModel::weight_value(1, 2, 3, 1.f), SyntheticModel::weight_value(1, 2, 3, 1.f));
-    EXPECT_NE(SyntheticModel::weight_value(1, 2, 3, 1.f), SyntheticModel::weight_value(2, 2, 3, 1.f));
+    EXPECT_EQ(SyntheticModel::weight_value(1, 2, 3, 1.f),
+              SyntheticModel::weight_value(1, 2, 3, 1.f));
+    EXPECT_NE(SyntheticModel::weight_value(1, 2, 3, 1.f),
+              SyntheticModel::weight_value(2, 2, 3, 1.f));
     double sum = 0, sq = 0;
     for (uint64_t i = 0; i < 100000; ++i) {
         float w = SyntheticModel::weight_value(7, 1, i, 1.f);
@@ -176,7 +187,8 @@ TEST(SyntheticModel, RejectsBadBatchesAndHugeModels) {
     s.tokens[2] = 9999;
     auto b = make_batch({&s}, {{0, 5}}, attn::ForwardMode::kExtend, 16, 1);
     std::vector<int32_t> next(1);
-    EXPECT_EQ(r.model->forward(b, *r.backend, *r.pool, next.data()).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(r.model->forward(b, *r.backend, *r.pool, next.data()).code(),
+              StatusCode::kInvalidArgument);
 }
 
 class ModelInvariance : public ::testing::TestWithParam<std::string> {};
@@ -192,21 +204,26 @@ TEST_P(ModelInvariance, BatchChunkAndPrewriteInvariant) {
     auto nb = run(solo, make_batch({&b}, {{0, 33}}, attn::ForwardMode::kExtend, ps, 8));
     // Batched together.
     Rank batched(cfg, GetParam());
-    auto nab = run(batched, make_batch({&a, &b}, {{0, 70}, {0, 33}}, attn::ForwardMode::kExtend, ps, 8));
+    auto nab =
+        run(batched, make_batch({&a, &b}, {{0, 70}, {0, 33}}, attn::ForwardMode::kExtend, ps, 8));
     EXPECT_EQ(nab[0], na[0]);
     EXPECT_EQ(nab[1], nb[0]);
     // Chunked prefill (chunks of 29 tokens), with the prewrite path.
     Rank chunked(cfg, GetParam());
     std::vector<int32_t> nc;
     for (int begin = 0; begin < 70; begin += 29) {
-        nc = run(chunked, make_batch({&a}, {{begin, std::min(70, begin + 29)}}, attn::ForwardMode::kExtend, ps, 8),
+        nc = run(chunked,
+                 make_batch({&a}, {{begin, std::min(70, begin + 29)}}, attn::ForwardMode::kExtend,
+                            ps, 8),
                  /*save=*/false);
     }
     EXPECT_EQ(nc[0], na[0]);
     for (int l = 0; l < cfg.num_layers; ++l) {
         for (int buf = 0; buf < 2; ++buf) {
-            EXPECT_EQ(kv_bytes(*batched.pool, a, 70, l, buf), kv_bytes(*solo.pool, a, 70, l, buf)) << l << "/" << buf;
-            EXPECT_EQ(kv_bytes(*chunked.pool, a, 70, l, buf), kv_bytes(*solo.pool, a, 70, l, buf)) << l << "/" << buf;
+            EXPECT_EQ(kv_bytes(*batched.pool, a, 70, l, buf), kv_bytes(*solo.pool, a, 70, l, buf))
+                << l << "/" << buf;
+            EXPECT_EQ(kv_bytes(*chunked.pool, a, 70, l, buf), kv_bytes(*solo.pool, a, 70, l, buf))
+                << l << "/" << buf;
         }
     }
 }
@@ -239,7 +256,9 @@ public:
         Member(InProcessTpGroup* g, int r) : g_(g), r_(r) {}
         int size() const override { return g_->n_; }
         int rank() const override { return r_; }
-        Status allgather(const float* mine, size_t count, float* out) override { return g_->gather(r_, mine, count, out); }
+        Status allgather(const float* mine, size_t count, float* out) override {
+            return g_->gather(r_, mine, count, out);
+        }
 
     private:
         InProcessTpGroup* g_;
@@ -259,7 +278,9 @@ private:
         } else if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return gen_ != gen; })) {
             return Status(StatusCode::kDeadlineExceeded, "allgather timed out");
         }
-        for (int k = 0; k < n_; ++k) std::memcpy(out + static_cast<size_t>(k) * count, slots_[static_cast<size_t>(k)], count * 4);
+        for (int k = 0; k < n_; ++k)
+            std::memcpy(out + static_cast<size_t>(k) * count, slots_[static_cast<size_t>(k)],
+                        count * 4);
         // Nobody may leave (and overwrite its input) before everyone has copied.
         if (--readers_ == 0) cv_.notify_all();
         cv_.wait_for(lock, std::chrono::seconds(60), [&] { return readers_ == 0; });
@@ -293,11 +314,13 @@ TEST(SyntheticModel, TensorParallelIsBitIdenticalToTp1) {
         for (int r = 0; r < tp; ++r) {
             threads.emplace_back([&, r] {
                 outs[static_cast<size_t>(r)] =
-                    run(*ranks[static_cast<size_t>(r)], make_batch({&a, &b}, {{0, 40}, {0, 9}}, attn::ForwardMode::kExtend, ps, 3));
+                    run(*ranks[static_cast<size_t>(r)],
+                        make_batch({&a, &b}, {{0, 40}, {0, 9}}, attn::ForwardMode::kExtend, ps, 3));
             });
         }
         for (auto& t : threads) t.join();
-        for (int r = 0; r < tp; ++r) EXPECT_EQ(outs[static_cast<size_t>(r)], ref) << "tp " << tp << " rank " << r;
+        for (int r = 0; r < tp; ++r)
+            EXPECT_EQ(outs[static_cast<size_t>(r)], ref) << "tp " << tp << " rank " << r;
         // Each rank's KV is exactly its head slice of the TP-1 KV.
         const int heads = cfg.num_kv_heads / tp;
         for (int r = 0; r < tp; ++r) {
@@ -305,9 +328,12 @@ TEST(SyntheticModel, TensorParallelIsBitIdenticalToTp1) {
             auto mine = kv_bytes(*ranks[static_cast<size_t>(r)]->pool, a, 40, 1, 0);
             const size_t head_bytes = static_cast<size_t>(cfg.head_dim) * 4;
             for (int t = 0; t < 40; ++t) {
-                const size_t off_full = (static_cast<size_t>(t) * cfg.num_kv_heads + static_cast<size_t>(r * heads)) * head_bytes;
+                const size_t off_full =
+                    (static_cast<size_t>(t) * cfg.num_kv_heads + static_cast<size_t>(r * heads)) *
+                    head_bytes;
                 const size_t off_mine = static_cast<size_t>(t) * heads * head_bytes;
-                ASSERT_EQ(0, std::memcmp(&full[off_full], &mine[off_mine], heads * head_bytes)) << "tp " << tp << " t " << t;
+                ASSERT_EQ(0, std::memcmp(&full[off_full], &mine[off_mine], heads * head_bytes))
+                    << "tp " << tp << " t " << t;
             }
         }
     }

@@ -11,8 +11,8 @@ namespace {
 using ::testing::HasSubstr;
 
 TEST(DType, NamesRoundTripAndSizes) {
-    for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kFP8E4M3, DType::kI32,
-                    DType::kI64}) {
+    for (DType d :
+         {DType::kF32, DType::kBF16, DType::kF16, DType::kFP8E4M3, DType::kI32, DType::kI64}) {
         auto parsed = parse_dtype(dtype_name(d));
         ASSERT_TRUE(parsed.ok()) << dtype_name(d);
         EXPECT_EQ(*parsed, d);

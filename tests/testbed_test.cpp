@@ -8,17 +8,15 @@
 // Every run is bounded by coreutils `timeout`. Cases are selected with --gtest_filter by the
 // ctest entries in tests/CMakeLists.txt (label `mpi`; the 200-request replays are `slow`).
 #include <gtest/gtest.h>
-
 #include <sys/wait.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "tests/cli_test_util.h"
 
@@ -29,9 +27,13 @@ using nlohmann::json;
 
 const std::string kSource = PDSIM_SOURCE_DIR;
 
-std::string topo(const std::string& name) { return kSource + "/topology/examples/" + name + ".yaml"; }
+std::string topo(const std::string& name) {
+    return kSource + "/topology/examples/" + name + ".yaml";
+}
 
-std::string trace_dir() { return kSource + "/data/traces"; }
+std::string trace_dir() {
+    return kSource + "/data/traces";
+}
 
 // Runs `pdsim testbed <args>` under mpirun -np `np` (np 0: without mpirun).
 // `rank0_delay_s` > 0 starts rank 0 that many seconds after the others (an MPMD launch: the
@@ -72,12 +74,13 @@ json load_json(const std::filesystem::path& p) {
 }
 
 // Small, fast replays: short prompts and outputs.
-std::vector<std::string> small(std::vector<std::string> args, int requests = 6, int timeout_s = 60) {
-    for (const std::string& a : {std::string("--sample"), std::to_string(requests), std::string("--max-input-len"),
-                                 std::string("384"), std::string("--max-output-len"), std::string("6"),
-                                 std::string("--chunk-size"), std::string("256"), std::string("--kv-pool-mb"),
-                                 std::string("128"), std::string("--request-timeout-s"),
-                                 std::to_string(timeout_s)}) {
+std::vector<std::string> small(std::vector<std::string> args, int requests = 6,
+                               int timeout_s = 60) {
+    for (const std::string& a :
+         {std::string("--sample"), std::to_string(requests), std::string("--max-input-len"),
+          std::string("384"), std::string("--max-output-len"), std::string("6"),
+          std::string("--chunk-size"), std::string("256"), std::string("--kv-pool-mb"),
+          std::string("128"), std::string("--request-timeout-s"), std::to_string(timeout_s)}) {
         args.push_back(a);
     }
     return args;
@@ -88,18 +91,20 @@ std::vector<std::string> small(std::vector<std::string> args, int requests = 6, 
 void expect_clean_both(int np, const std::vector<std::string>& extra, int requests = 6) {
     TempDir dir("tb_both");
     std::vector<std::string> args = small(extra, requests);
-    for (const std::string& a : {std::string("--mode"), std::string("both"), std::string("--report"),
-                                 dir.str("report.json"), std::string("--requests"), dir.str("requests.csv"),
-                                 std::string("--timeline"), dir.str("timeline.json")}) {
+    for (const std::string& a :
+         {std::string("--mode"), std::string("both"), std::string("--report"),
+          dir.str("report.json"), std::string("--requests"), dir.str("requests.csv"),
+          std::string("--timeline"), dir.str("timeline.json")}) {
         args.push_back(a);
     }
     CmdResult r = run_testbed(np, args);
     ASSERT_EQ(r.rc, 0) << r.describe();
     json rep = load_json(dir.path() / "report.json");
     ASSERT_TRUE(rep.is_object()) << r.describe();
-    for (const char* key : {"schema_version", "mode", "topology", "model", "requests_submitted", "requests_completed",
-                            "requests_failed", "ttft_ms", "tpot_ms", "e2e_ms", "goodput_rps", "slo_attainment",
-                            "transfer", "ordering", "outputs_match", "wall_s", "colocated"}) {
+    for (const char* key :
+         {"schema_version", "mode", "topology", "model", "requests_submitted", "requests_completed",
+          "requests_failed", "ttft_ms", "tpot_ms", "e2e_ms", "goodput_rps", "slo_attainment",
+          "transfer", "ordering", "outputs_match", "wall_s", "colocated"}) {
         EXPECT_TRUE(rep.contains(key)) << key;
     }
     EXPECT_EQ(rep["mode"], "disagg");
@@ -143,15 +148,18 @@ void expect_clean_both(int np, const std::vector<std::string>& extra, int reques
 const std::string kMooncake = "mooncake_conversation.jsonl";
 
 TEST(TestbedBoth, Mooncake1p1dMpi) {
-    expect_clean_both(2, {"--topology", topo("cpu-1p1d"), "--trace", trace_dir() + "/" + kMooncake});
+    expect_clean_both(2,
+                      {"--topology", topo("cpu-1p1d"), "--trace", trace_dir() + "/" + kMooncake});
 }
 
 TEST(TestbedBoth, Mooncake1p2dMpi) {
-    expect_clean_both(3, {"--topology", topo("cpu-1p2d"), "--trace", trace_dir() + "/" + kMooncake});
+    expect_clean_both(3,
+                      {"--topology", topo("cpu-1p2d"), "--trace", trace_dir() + "/" + kMooncake});
 }
 
 TEST(TestbedBoth, Mooncake2p1dTp2ToTp1Mpi) {
-    expect_clean_both(5, {"--topology", topo("cpu-2p1d-tp2-to-tp1"), "--trace", trace_dir() + "/" + kMooncake});
+    expect_clean_both(
+        5, {"--topology", topo("cpu-2p1d-tp2-to-tp1"), "--trace", trace_dir() + "/" + kMooncake});
 }
 
 TEST(TestbedBoth, Mooncake1p1dTcp) {
@@ -194,7 +202,8 @@ TEST_P(TestbedFault, IsCaught) {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, TestbedFault,
                          ::testing::Values("record-before-write", "skip-record", "double-record",
-                                           "stale-graph-metadata", "free-before-transfer", "late-write"),
+                                           "stale-graph-metadata", "free-before-transfer",
+                                           "late-write"),
                          [](const auto& param_info) {
                              std::string n = param_info.param;
                              std::replace(n.begin(), n.end(), '-', '_');
@@ -205,10 +214,10 @@ INSTANTIATE_TEST_SUITE_P(Kinds, TestbedFault,
 // counts add up, the run ends with exit 1.
 TEST(TestbedPeer, DisconnectFailsRequestsWithoutHanging) {
     TempDir dir("tb_peer");
-    std::vector<std::string> args = small({"--mode", "disagg", "--transport", "tcp", "--transport-fault",
-                                           "disconnect:after=3", "--transport-fault-rank", "1", "--report",
-                                           dir.str("r.json")},
-                                          4);
+    std::vector<std::string> args =
+        small({"--mode", "disagg", "--transport", "tcp", "--transport-fault", "disconnect:after=3",
+               "--transport-fault-rank", "1", "--report", dir.str("r.json")},
+              4);
     CmdResult r = run_testbed(2, args, 120);
     EXPECT_EQ(r.rc, 1) << r.describe();
     json rep = load_json(dir.path() / "r.json");
@@ -223,8 +232,10 @@ TEST(TestbedBadInput, TraceLineIsNamed) {
     TempDir dir("tb_bad");
     {
         std::ofstream f(dir.path() / "bad.jsonl");
-        f << R"({"timestamp": 0, "input_length": 100, "output_length": 5, "hash_ids": [1]})" << "\n";
-        f << R"({"timestamp": 5, "input_length": -3, "output_length": 5, "hash_ids": [2]})" << "\n";
+        f << R"({"timestamp": 0, "input_length": 100, "output_length": 5, "hash_ids": [1]})"
+          << "\n";
+        f << R"({"timestamp": 5, "input_length": -3, "output_length": 5, "hash_ids": [2]})"
+          << "\n";
     }
     CmdResult r = run_testbed(2, {"--trace", dir.str("bad.jsonl")});
     EXPECT_EQ(r.rc, 2) << r.describe();
@@ -252,7 +263,8 @@ TEST(TestbedBadInput, LateRankZeroStillPrints) {
 TEST(TestbedBadInput, WorldSizeContradictsTopology) {
     CmdResult r = run_testbed(3, {"--topology", topo("cpu-1p1d"), "--sample", "2"});
     EXPECT_EQ(r.rc, 2) << r.describe();
-    EXPECT_NE(r.err.find("mpirun -np 3 but topology cpu-1p1d.yaml has 2 ranks"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("mpirun -np 3 but topology cpu-1p1d.yaml has 2 ranks"), std::string::npos)
+        << r.err;
     // Printed by rank 0 only.
     EXPECT_EQ(r.err.find("has 2 ranks"), r.err.rfind("has 2 ranks")) << r.err;
 }
@@ -282,9 +294,10 @@ TEST(TestbedBadInput, FlagsAreNamed) {
 // ---- slow: the 200-request replays ----
 void expect_clean_big(int np, const std::string& topology, const std::string& trace) {
     TempDir dir("tb_big");
-    CmdResult r = run_testbed(np, {"--mode", "both", "--topology", topo(topology), "--trace", trace, "--sample", "200",
-                                   "--max-input-len", "512", "--max-output-len", "16", "--request-timeout-s", "300",
-                                   "--report", dir.str("r.json")},
+    CmdResult r = run_testbed(np,
+                              {"--mode", "both", "--topology", topo(topology), "--trace", trace,
+                               "--sample", "200", "--max-input-len", "512", "--max-output-len",
+                               "16", "--request-timeout-s", "300", "--report", dir.str("r.json")},
                               1700);
     ASSERT_EQ(r.rc, 0) << r.describe();
     json rep = load_json(dir.path() / "r.json");

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "tests/status_matchers.h"
 #include "tests/topology_process.h"
 #include "topology/loader.h"
-#include "tests/status_matchers.h"
 
 namespace pdsim::topo {
 namespace {
@@ -82,8 +82,7 @@ TEST_P(MalformedTopology, BinaryExitsTwoWithPath) {
     const test::RunResult r = test::run_command(test::shell_quote(PDSIM_BINARY) +
                                                 " topology validate " + test::shell_quote(b.path));
     EXPECT_EQ(r.rc, 2) << r.out << r.err;
-    EXPECT_THAT(r.err, HasSubstr(b.expect))
-        << "expected '" << b.expect << "' in: " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(b.expect)) << "expected '" << b.expect << "' in: " << r.err;
     EXPECT_THAT(r.err, HasSubstr(b.path + ":"));
     EXPECT_THAT(r.out, ::testing::Not(HasSubstr("OK"))) << r.out;
 }

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "tests/status_matchers.h"
 #include "tests/topology_process.h"
 #include "topology/loader.h"
-#include "tests/status_matchers.h"
 
 namespace pdsim::topo {
 namespace {

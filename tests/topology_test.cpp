@@ -10,12 +10,12 @@
 #include <random>
 #include <sstream>
 
+#include "tests/status_matchers.h"
 #include "topology/builders.h"
 #include "topology/loader.h"
 #include "topology/report.h"
 #include "topology/shaping.h"
 #include "topology/validate.h"
-#include "tests/status_matchers.h"
 
 namespace pdsim::topo {
 namespace {
@@ -212,7 +212,8 @@ TEST(Loader, TypeErrors) {
     auto expect_error = [](const std::string& text, const std::string& what) {
         auto t = parse_topology(text, "t.yaml");
         ASSERT_FALSE(t.ok()) << text;
-        EXPECT_THAT(t, StatusIs(StatusCode::kInvalidArgument, HasSubstr(what))) << t.status().message();
+        EXPECT_THAT(t, StatusIs(StatusCode::kInvalidArgument, HasSubstr(what)))
+            << t.status().message();
     };
     expect_error("[1, 2]", "t.yaml:1: (document): expected a mapping, got a list");
     expect_error("just a string", "(document): expected a mapping");
@@ -272,8 +273,13 @@ TEST(Validate, ModelOverride) {
     auto t = parse_topology(kSmallYaml, "small.yaml");
     ASSERT_TRUE(t.ok());
     EXPECT_TRUE(validate(*t, builtin_model_shape("llama3-70b")).ok());
-    ModelShape odd{.name = "odd", .num_layers = 2, .num_q_heads = 3, .num_kv_heads = 3,
-                   .head_dim = 64, .hidden = 0, .attention = AttentionKind::kMha};
+    ModelShape odd{.name = "odd",
+                   .num_layers = 2,
+                   .num_q_heads = 3,
+                   .num_kv_heads = 3,
+                   .head_dim = 64,
+                   .hidden = 0,
+                   .attention = AttentionKind::kMha};
     Status st = validate(*t, &odd);
     ASSERT_FALSE(st.ok());
     EXPECT_EQ(st.message(),
@@ -435,8 +441,9 @@ TEST(RankMap, DeclaredRanksAndWorldSizeAreChecked) {
     replace(bad, "ranks: [0, 1]", "ranks: [1, 2]");
     auto b = parse_topology(bad, "r.yaml");
     ASSERT_FALSE(b.ok());
-    EXPECT_THAT(b.status().message(), HasSubstr("r.yaml:23: instances[1].ranks: [1, 2] does not match the "
-                                        "rank rule, which gives [0, 1]"));
+    EXPECT_THAT(b.status().message(),
+                HasSubstr("r.yaml:23: instances[1].ranks: [1, 2] does not match the "
+                          "rank rule, which gives [0, 1]"));
 }
 
 TEST(RankMap, DgxH200ThreeToOne) {
@@ -675,8 +682,13 @@ TEST(RoundTrip, ToYamlParsesBackEqual) {
     t->description = "has: colons, \"quotes\", # hashes\nand a newline";
     t->nodes[0].hostname = "123";
     t->nodes[0].devices[0].cores = "0-1";
-    t->model = ModelShape{.name = "custom", .num_layers = 3, .num_q_heads = 8, .num_kv_heads = 2,
-                          .head_dim = 32, .hidden = 0, .attention = AttentionKind::kMha};
+    t->model = ModelShape{.name = "custom",
+                          .num_layers = 3,
+                          .num_q_heads = 8,
+                          .num_kv_heads = 2,
+                          .head_dim = 32,
+                          .hidden = 0,
+                          .attention = AttentionKind::kMha};
     t->world_size = 3;
     t->shaping = ShapingSpec{"x", LinkType::kEthernet, 12.5, 7, "B200", 33};
     ASSERT_TRUE(validate(*t).ok()) << validate(*t).to_string();
@@ -689,7 +701,8 @@ TEST(Report, SummaryHostfileRankfile) {
     auto t = load_topology(kExamples + "/dgx-h100-2node-1p1d-tp8.yaml");
     ASSERT_TRUE(t.ok());
     const std::string s = summary_text(*t);
-    EXPECT_THAT(s, HasSubstr("prefill0  decode0  8->8  8      50.0  3.00        pcie > ib > ib > pcie"));
+    EXPECT_THAT(
+        s, HasSubstr("prefill0  decode0  8->8  8      50.0  3.00        pcie > ib > ib > pcie"));
     EXPECT_THAT(s, HasSubstr("ranks     16: prefill 0-7, decode 8-15"));
     EXPECT_EQ(one_line_summary(*t),
               "dgx-h100-2node-1p1d-tp8: 2 nodes, 16 devices (16x H100), 2 instances (1 prefill, 1 "

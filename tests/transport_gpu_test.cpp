@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "backends/runtime/device.h"
-#include "transfer/transport.h"
 #include "tests/status_matchers.h"
+#include "transfer/transport.h"
 
 namespace pdsim::transfer {
 namespace {

@@ -2,9 +2,9 @@
 // (one-sided writes, attach rules, close semantics) and the registry.
 #include <gtest/gtest.h>
 
+#include "tests/status_matchers.h"
 #include "tests/transport_conformance.h"
 #include "transfer/local/local_transport.h"
-#include "tests/status_matchers.h"
 
 namespace pdsim::transfer {
 using namespace std::chrono_literals;
@@ -41,7 +41,8 @@ TEST(LocalTransport, RegistryKnowsBuiltins) {
     auto names = registered_transports();
     EXPECT_NE(std::find(names.begin(), names.end(), "local"), names.end());
     auto bad = create_transport("carrier-pigeon", TransportOptions{});
-    EXPECT_THAT(bad, StatusIs(StatusCode::kNotFound, HasSubstr("local"))) << bad.status().to_string();
+    EXPECT_THAT(bad, StatusIs(StatusCode::kNotFound, HasSubstr("local")))
+        << bad.status().to_string();
 }
 
 TEST(LocalTransport, NeedsAWorldAndAValidRank) {

@@ -13,10 +13,10 @@
 #include <fstream>
 #include <random>
 
+#include "tests/status_matchers.h"
 #include "tests/transport_conformance.h"
 #include "transfer/tcp/frame.h"
 #include "transfer/tcp/tcp_transport.h"
-#include "tests/status_matchers.h"
 
 namespace pdsim::transfer {
 namespace {
@@ -254,7 +254,8 @@ TEST(TcpTransport, ConnectTimeoutNamesTheMissingRank) {
     o.connect_timeout = 300ms;
     auto t0 = std::chrono::steady_clock::now();
     auto t = create_transport("tcp", o);
-    EXPECT_THAT(t, StatusIs(StatusCode::kDeadlineExceeded, HasSubstr("rank(s) 1"))) << t.status().to_string();
+    EXPECT_THAT(t, StatusIs(StatusCode::kDeadlineExceeded, HasSubstr("rank(s) 1")))
+        << t.status().to_string();
     EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
 }
 

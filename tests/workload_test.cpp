@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <sstream>
+
 #include "tests/status_matchers.h"
 
 namespace pdsim::workload {
@@ -33,7 +34,8 @@ TEST(Mooncake, ParsesTheRealTrace) {
     for (size_t i = 1; i < r->size(); ++i) ASSERT_LE((*r)[i - 1].arrival_ms, (*r)[i].arrival_ms);
     // Every request's prefix blocks cover its input: ceil(input / 512) ids.
     for (const auto& q : *r) {
-        ASSERT_EQ(q.hash_ids.size(), static_cast<size_t>((q.input_len + 511) / 512)) << "line " << q.source_line;
+        ASSERT_EQ(q.hash_ids.size(), static_cast<size_t>((q.input_len + 511) / 512))
+            << "line " << q.source_line;
     }
 }
 
@@ -54,13 +56,18 @@ TEST(Mooncake, ErrorsNameFileLineAndField) {
         std::string text;
         std::string expect;
     } cases[] = {
-        {"{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1}\nnot json\n", "t.jsonl:2: not a JSON object"},
+        {"{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1}\nnot json\n",
+         "t.jsonl:2: not a JSON object"},
         {"{\"timestamp\": 0, \"output_length\": 1}\n", "t.jsonl:1: missing field 'input_length'"},
-        {"{\"timestamp\": 0, \"input_length\": -3, \"output_length\": 1}\n", "t.jsonl:1: input_length: -3 must be >= 1"},
-        {"{\"timestamp\": 0, \"input_length\": 3, \"output_length\": \"x\"}\n", "t.jsonl:1: output_length: \"x\" is not an integer"},
-        {"{\"timestamp\": -1, \"input_length\": 3, \"output_length\": 2}\n", "t.jsonl:1: timestamp"},
+        {"{\"timestamp\": 0, \"input_length\": -3, \"output_length\": 1}\n",
+         "t.jsonl:1: input_length: -3 must be >= 1"},
+        {"{\"timestamp\": 0, \"input_length\": 3, \"output_length\": \"x\"}\n",
+         "t.jsonl:1: output_length: \"x\" is not an integer"},
+        {"{\"timestamp\": -1, \"input_length\": 3, \"output_length\": 2}\n",
+         "t.jsonl:1: timestamp"},
         {"{\"input_length\": 3, \"output_length\": 2}\n", "t.jsonl:1: missing field 'timestamp'"},
-        {"\n\n{\"timestamp\": 1, \"input_length\": 3, \"output_length\": 2, \"hash_ids\": [1, \"a\"]}\n",
+        {"\n\n{\"timestamp\": 1, \"input_length\": 3, \"output_length\": 2, \"hash_ids\": [1, "
+         "\"a\"]}\n",
          "t.jsonl:3: hash_ids[1]"},
         {"", "no requests"},
     };
@@ -79,7 +86,8 @@ TEST(Azure, ErrorsNameFileLineAndField) {
         std::string expect;
     } cases[] = {
         {"a,b,c\n", "t.csv:1: expected header"},
-        {hdr + "2023-11-16 18:17:03.97,10,2\n2023-11-16 18:17:04,10\n", "t.csv:3: expected 3 fields"},
+        {hdr + "2023-11-16 18:17:03.97,10,2\n2023-11-16 18:17:04,10\n",
+         "t.csv:3: expected 3 fields"},
         {hdr + "yesterday,10,2\n", "t.csv:2: TIMESTAMP"},
         {hdr + "2023-11-16 18:17:03.97,ten,2\n", "t.csv:2: ContextTokens"},
         {hdr + "2023-11-16 18:17:03.97,10,0\n", "t.csv:2: GeneratedTokens"},
@@ -94,7 +102,8 @@ TEST(Azure, ErrorsNameFileLineAndField) {
 
 TEST(LoadOptions, SortsRebasesScalesAndCaps) {
     const std::string text =
-        "{\"timestamp\": 300, \"input_length\": 1500, \"output_length\": 90, \"hash_ids\": [7, 8, 9]}\n"
+        "{\"timestamp\": 300, \"input_length\": 1500, \"output_length\": 90, \"hash_ids\": [7, 8, "
+        "9]}\n"
         "{\"timestamp\": 100, \"input_length\": 10, \"output_length\": 5}\n"
         "{\"timestamp\": 200, \"input_length\": 20, \"output_length\": 6}\n";
     LoadOptions o;
@@ -180,7 +189,8 @@ TEST(Synthetic, GammaBurstiness) {
     auto r = make_synthetic(o);
     ASSERT_TRUE(r.ok());
     std::vector<double> gaps;
-    for (size_t i = 1; i < r->size(); ++i) gaps.push_back((*r)[i].arrival_ms - (*r)[i - 1].arrival_ms);
+    for (size_t i = 1; i < r->size(); ++i)
+        gaps.push_back((*r)[i].arrival_ms - (*r)[i - 1].arrival_ms);
     double mean = 0, var = 0;
     for (double g : gaps) mean += g;
     mean /= static_cast<double>(gaps.size());

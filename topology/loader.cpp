@@ -197,10 +197,11 @@ public:
         if (n.kind == Kind::kScalar) {
             const ModelShape* m = builtin_model_shape(n.scalar);
             if (m == nullptr) {
-                return error(path, n.line,
-                             fmt::format("unknown model {} (built in: {}; or give a mapping with "
-                                         "num_layers, num_q_heads, num_kv_heads, head_dim)",
-                                         detail::quoted_for_message(n.scalar), builtin_model_names()));
+                return error(
+                    path, n.line,
+                    fmt::format("unknown model {} (built in: {}; or give a mapping with "
+                                "num_layers, num_q_heads, num_kv_heads, head_dim)",
+                                detail::quoted_for_message(n.scalar), builtin_model_names()));
             }
             *out = *m;
             return ok_status();
@@ -218,8 +219,8 @@ public:
             base = builtin_model_shape(b);
             if (base == nullptr) {
                 return error(join(path, "base"), v->line,
-                             fmt::format("unknown model {} (built in: {})", detail::quoted_for_message(b),
-                                         builtin_model_names()));
+                             fmt::format("unknown model {} (built in: {})",
+                                         detail::quoted_for_message(b), builtin_model_names()));
             }
         }
         std::string name;

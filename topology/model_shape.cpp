@@ -10,11 +10,16 @@ namespace pdsim::topo {
 
 namespace {
 
-ModelShape llama3(std::string name, int num_layers, int num_q_heads, int hidden,
-                  int intermediate) {
-    return {.name = std::move(name), .num_layers = num_layers, .num_q_heads = num_q_heads,
-            .num_kv_heads = 8, .head_dim = 128, .hidden = hidden,
-            .attention = AttentionKind::kMha, .intermediate = intermediate, .vocab = 128256,
+ModelShape llama3(std::string name, int num_layers, int num_q_heads, int hidden, int intermediate) {
+    return {.name = std::move(name),
+            .num_layers = num_layers,
+            .num_q_heads = num_q_heads,
+            .num_kv_heads = 8,
+            .head_dim = 128,
+            .hidden = hidden,
+            .attention = AttentionKind::kMha,
+            .intermediate = intermediate,
+            .vocab = 128256,
             .rope_theta = 500000.0};
 }
 
@@ -22,9 +27,14 @@ const std::vector<ModelShape>& table() {
     static const std::vector<ModelShape> kTable = [] {
         std::vector<ModelShape> t;
         // The testbed's default model: small enough for two CPU ranks.
-        const ModelShape tiny{.name = "tiny", .num_layers = 4, .num_q_heads = 8,
-                              .num_kv_heads = 4, .head_dim = 64, .hidden = 256,
-                              .intermediate = 512, .vocab = 512};
+        const ModelShape tiny{.name = "tiny",
+                              .num_layers = 4,
+                              .num_q_heads = 8,
+                              .num_kv_heads = 4,
+                              .head_dim = 64,
+                              .hidden = 256,
+                              .intermediate = 512,
+                              .vocab = 512};
         t.push_back(tiny);
         ModelShape hybrid = tiny;
         hybrid.name = "hybrid-tiny";
@@ -34,10 +44,17 @@ const std::vector<ModelShape>& table() {
         t.push_back(llama3("llama3-8b", 32, 32, 4096, 14336));
         t.push_back(llama3("llama3-70b", 80, 64, 8192, 28672));
         // head_dim: the value head dim (qk = 128 nope + 64 rope).
-        t.push_back({.name = "deepseek-v3", .num_layers = 61, .num_q_heads = 128,
-                     .num_kv_heads = 1, .head_dim = 128, .hidden = 7168,
-                     .attention = AttentionKind::kMla, .kv_lora_rank = 512, .rope_dim = 64,
-                     .intermediate = 18432, .vocab = 129280});
+        t.push_back({.name = "deepseek-v3",
+                     .num_layers = 61,
+                     .num_q_heads = 128,
+                     .num_kv_heads = 1,
+                     .head_dim = 128,
+                     .hidden = 7168,
+                     .attention = AttentionKind::kMla,
+                     .kv_lora_rank = 512,
+                     .rope_dim = 64,
+                     .intermediate = 18432,
+                     .vocab = 129280});
         return t;
     }();
     return kTable;

@@ -1,7 +1,5 @@
 #include "topology/validate.h"
 
-#include "topology/doc.h"
-
 #include <fmt/format.h>
 
 #include <cctype>
@@ -10,6 +8,8 @@
 #include <limits>
 #include <unordered_map>
 #include <unordered_set>
+
+#include "topology/doc.h"
 
 namespace pdsim::topo {
 
@@ -52,8 +52,8 @@ public:
         for (char c : id) {
             const auto u = static_cast<unsigned char>(c);
             if (u <= 0x20 || u == 0x7f) {
-                return bad(path,
-                           fmt::format("{} contains whitespace or control characters", detail::quoted_for_message(id)));
+                return bad(path, fmt::format("{} contains whitespace or control characters",
+                                             detail::quoted_for_message(id)));
             }
         }
         return ok_status();
@@ -81,7 +81,8 @@ std::string check_cores(std::string_view cores, int cpus) {
                             ? num(part, &lo) && num(part, &hi)
                             : num(part.substr(0, dash), &lo) && num(part.substr(dash + 1), &hi);
         if (!ok || lo > hi) {
-            return fmt::format("{} is not a core list like \"0-13\" or \"0,2,4-7\"", detail::quoted_for_message(cores));
+            return fmt::format("{} is not a core list like \"0-13\" or \"0,2,4-7\"",
+                               detail::quoted_for_message(cores));
         }
         if (cpus > 0 && hi >= cpus) {
             return fmt::format("core {} is beyond the node's {} cpus", hi, cpus);
@@ -180,8 +181,9 @@ Status validate(const Topology& t, const ModelShape* model_override) {
         PDSIM_RETURN_IF_ERROR(c.identifier(join(path, "id"), id));
         auto [it, inserted] = ids.emplace(id, IdInfo{kind, path, type});
         if (!inserted) {
-            return c.bad(join(path, "id"), fmt::format("duplicate id {} (already used by {})",
-                                                       detail::quoted_for_message(id), c.at(it->second.path)));
+            return c.bad(join(path, "id"),
+                         fmt::format("duplicate id {} (already used by {})",
+                                     detail::quoted_for_message(id), c.at(it->second.path)));
         }
         return ok_status();
     };
@@ -263,12 +265,14 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             if (it->second.kind == EndpointKind::kNode ||
                 it->second.kind == EndpointKind::kInstance) {
                 return c.bad(fp, fmt::format("{} is {}; links join devices, NICs and switches",
-                                             detail::quoted_for_message(*names[e]), kind_name(it->second.kind)));
+                                             detail::quoted_for_message(*names[e]),
+                                             kind_name(it->second.kind)));
             }
             ends[e] = &it->second;
         }
         if (l.a == l.b)
-            return c.bad(join(lp, "b"), fmt::format("a link cannot join {} to itself", detail::quoted_for_message(l.a)));
+            return c.bad(join(lp, "b"), fmt::format("a link cannot join {} to itself",
+                                                    detail::quoted_for_message(l.a)));
         PDSIM_RETURN_IF_ERROR(c.positive(join(lp, "gbps"), l.gbps));
         PDSIM_RETURN_IF_ERROR(c.non_negative(join(lp, "latency_us"), l.latency_us));
         for (int e = 0; e < 2; ++e) {
@@ -276,21 +280,24 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             const bool nic_attach = l.type == LinkType::kPcie &&
                                     ends[1 - e]->kind == EndpointKind::kNic;  // host side of a NIC
             if (end.kind == EndpointKind::kSwitch && l.type != end.type && !nic_attach) {
-                return c.bad(join(lp, "type"), fmt::format("{} link cannot attach to {} switch {}",
-                                                           link_type_name(l.type),
-                                                           link_type_name(end.type), detail::quoted_for_message(*names[e])));
+                return c.bad(
+                    join(lp, "type"),
+                    fmt::format("{} link cannot attach to {} switch {}", link_type_name(l.type),
+                                link_type_name(end.type), detail::quoted_for_message(*names[e])));
             }
             if (end.kind == EndpointKind::kNic && l.type != end.type && l.type != LinkType::kPcie) {
-                return c.bad(join(lp, "type"),
-                             fmt::format("{} link cannot attach to {} NIC {} (pcie or {} only)",
-                                         link_type_name(l.type), link_type_name(end.type),
-                                         detail::quoted_for_message(*names[e]), link_type_name(end.type)));
+                return c.bad(
+                    join(lp, "type"),
+                    fmt::format("{} link cannot attach to {} NIC {} (pcie or {} only)",
+                                link_type_name(l.type), link_type_name(end.type),
+                                detail::quoted_for_message(*names[e]), link_type_name(end.type)));
             }
         }
         const std::string key = l.a < l.b ? l.a + '\n' + l.b : l.b + '\n' + l.a;
         if (auto [it, inserted] = pairs.emplace(key, k); !inserted) {
-            return c.bad(lp, fmt::format("duplicate link: links[{}] already joins {} and {}",
-                                         it->second, detail::quoted_for_message(l.a), detail::quoted_for_message(l.b)));
+            return c.bad(
+                lp, fmt::format("duplicate link: links[{}] already joins {} and {}", it->second,
+                                detail::quoted_for_message(l.a), detail::quoted_for_message(l.b)));
         }
     }
 
@@ -320,15 +327,19 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             const std::string dp = fmt::format("{}.devices[{}]", ip, d);
             const std::string& id = in.devices[d];
             auto it = ids.find(id);
-            if (it == ids.end()) return c.bad(dp, fmt::format("unknown device {}", detail::quoted_for_message(id)));
+            if (it == ids.end())
+                return c.bad(dp, fmt::format("unknown device {}", detail::quoted_for_message(id)));
             if (it->second.kind != EndpointKind::kDevice) {
-                return c.bad(
-                    dp, fmt::format("{} is {}, not a device", detail::quoted_for_message(id), kind_name(it->second.kind)));
+                return c.bad(dp,
+                             fmt::format("{} is {}, not a device", detail::quoted_for_message(id),
+                                         kind_name(it->second.kind)));
             }
             if (auto [u, inserted] = used.emplace(id, ip); !inserted) {
-                return c.bad(dp, u->second == ip ? fmt::format("device {} is listed twice", detail::quoted_for_message(id))
+                return c.bad(dp, u->second == ip ? fmt::format("device {} is listed twice",
+                                                               detail::quoted_for_message(id))
                                                  : fmt::format("device {} is already used by {}",
-                                                               detail::quoted_for_message(id), c.at(u->second)));
+                                                               detail::quoted_for_message(id),
+                                                               c.at(u->second)));
             }
             const Device* dev = t.find_device(id);
             if (first == nullptr) {
@@ -336,7 +347,8 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             } else if (dev->type != first->type) {
                 return c.bad(dp, fmt::format("device {} ({}) differs from devices[0] {} ({}); an "
                                              "instance's devices are of one type",
-                                             detail::quoted_for_message(id), dev->type, detail::quoted_for_message(first->id), first->type));
+                                             detail::quoted_for_message(id), dev->type,
+                                             detail::quoted_for_message(first->id), first->type));
             }
         }
         if (model != nullptr) {
@@ -390,7 +402,8 @@ Status validate(const Topology& t, const ModelShape* model_override) {
         if (!paths.reachable(a, b)) {
             return c.bad(fmt::format("instances[{}].devices[{}]", m_to, j),
                          fmt::format("no path from {} (instances[{}].devices[{}]) to {}; add links",
-                                     detail::quoted_for_message(a), m_from, i, detail::quoted_for_message(b)));
+                                     detail::quoted_for_message(a), m_from, i,
+                                     detail::quoted_for_message(b)));
         }
         return ok_status();
     };
@@ -416,17 +429,19 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             for (const std::string& id : in.devices) {
                 const Device* dev = t.find_device(id);
                 if (dev != nullptr && !dev->is_cpu()) {
-                    return c.bad("shaping", fmt::format("only a CPU topology is shaped, but device "
-                                                        "{} of {} is a {}",
-                                                        detail::quoted_for_message(id), in.id, dev->type));
+                    return c.bad("shaping",
+                                 fmt::format("only a CPU topology is shaped, but device "
+                                             "{} of {} is a {}",
+                                             detail::quoted_for_message(id), in.id, dev->type));
                 }
             }
         }
         PDSIM_RETURN_IF_ERROR(c.positive("shaping.gbps", s.gbps));
         PDSIM_RETURN_IF_ERROR(c.non_negative("shaping.latency_us", s.latency_us));
         if (!s.gpu.empty() && gpu_spec(s.gpu) == nullptr) {
-            return c.bad("shaping.gpu", fmt::format("unknown GPU {} (expected one of: {})",
-                                                    detail::quoted_for_message(s.gpu), gpu_spec_names()));
+            return c.bad("shaping.gpu",
+                         fmt::format("unknown GPU {} (expected one of: {})",
+                                     detail::quoted_for_message(s.gpu), gpu_spec_names()));
         }
         if (s.time_scale < 0 || !std::isfinite(s.time_scale)) {
             return c.bad("shaping.time_scale",

@@ -10,24 +10,31 @@ namespace pdsim::attn {
 
 std::string_view forward_mode_name(ForwardMode m) {
     switch (m) {
-        case ForwardMode::kExtend: return "extend";
-        case ForwardMode::kDecode: return "decode";
-        case ForwardMode::kMixed: return "mixed";
-        case ForwardMode::kIdle: return "idle";
-        case ForwardMode::kTargetVerify: return "target_verify";
-        case ForwardMode::kDraftExtend: return "draft_extend";
+        case ForwardMode::kExtend:
+            return "extend";
+        case ForwardMode::kDecode:
+            return "decode";
+        case ForwardMode::kMixed:
+            return "mixed";
+        case ForwardMode::kIdle:
+            return "idle";
+        case ForwardMode::kTargetVerify:
+            return "target_verify";
+        case ForwardMode::kDraftExtend:
+            return "draft_extend";
     }
     return "unknown";
 }
 
 StatusOr<ForwardMode> parse_forward_mode(std::string_view text) {
-    for (ForwardMode m : {ForwardMode::kExtend, ForwardMode::kDecode, ForwardMode::kMixed,
-                          ForwardMode::kIdle, ForwardMode::kTargetVerify, ForwardMode::kDraftExtend}) {
+    for (ForwardMode m :
+         {ForwardMode::kExtend, ForwardMode::kDecode, ForwardMode::kMixed, ForwardMode::kIdle,
+          ForwardMode::kTargetVerify, ForwardMode::kDraftExtend}) {
         if (forward_mode_name(m) == text) return m;
     }
-    return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                       "unknown forward mode '{}' (extend|decode|mixed|idle|target_verify|draft_extend)",
-                       text);
+    return PDSIM_ERROR(
+        StatusCode::kInvalidArgument,
+        "unknown forward mode '{}' (extend|decode|mixed|idle|target_verify|draft_extend)", text);
 }
 
 float layer_scaling(const LayerSpec& l) {
@@ -43,8 +50,8 @@ MetadataBuffers::MetadataBuffers(int max_bs, int max_pages_per_seq)
     page_table_.assign(static_cast<size_t>(max_bs) * static_cast<size_t>(max_pages_per_seq), 0);
 }
 
-void MetadataBuffers::assign(ForwardMode mode, int bs, const int32_t* seq_lens, const int32_t* q_lens,
-                             const int32_t* page_table, int stride) {
+void MetadataBuffers::assign(ForwardMode mode, int bs, const int32_t* seq_lens,
+                             const int32_t* q_lens, const int32_t* page_table, int stride) {
     const bool fixed = max_bs_ > 0;  // graph buffers: addresses must not change
     const size_t ubs = static_cast<size_t>(bs);
     if (!fixed) {
@@ -65,7 +72,8 @@ void MetadataBuffers::assign(ForwardMode mode, int bs, const int32_t* seq_lens, 
         q_start_[i + 1] = q_start_[i] + q_lens_[i];
         for (int p = 0; p < stride_; ++p) {
             page_table_[i * static_cast<size_t>(stride_) + static_cast<size_t>(p)] =
-                p < stride ? page_table[i * static_cast<size_t>(stride) + static_cast<size_t>(p)] : 0;
+                p < stride ? page_table[i * static_cast<size_t>(stride) + static_cast<size_t>(p)]
+                           : 0;
         }
     }
 }
@@ -169,18 +177,20 @@ Status AttentionBackend::enqueue_assign(MetadataBuffers* dst, const ForwardBatch
     } else {
         staged->q_lens.assign(b.extend_lens.begin(), b.extend_lens.begin() + b.bs);
     }
-    staged->page_table.assign(b.page_table.begin(),
-                              b.page_table.begin() + static_cast<ptrdiff_t>(b.bs) * b.page_table_stride);
+    staged->page_table.assign(
+        b.page_table.begin(),
+        b.page_table.begin() + static_cast<ptrdiff_t>(b.bs) * b.page_table_stride);
     return stream().enqueue([dst, staged, keep_aliased_seq_lens] {
         dst->assign(staged->mode, staged->bs,
-                    keep_aliased_seq_lens ? nullptr : staged->seq_lens.data(), staged->q_lens.data(),
-                    staged->page_table.data(), staged->stride);
+                    keep_aliased_seq_lens ? nullptr : staged->seq_lens.data(),
+                    staged->q_lens.data(), staged->page_table.data(), staged->stride);
         return Status();
     });
 }
 
 Status AttentionBackend::init_forward_metadata(const ForwardBatch& batch) {
-    if (config_.stream == nullptr) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
+    if (config_.stream == nullptr)
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
     PDSIM_RETURN_IF_ERROR(validate_forward_batch(batch, 0, 0));
     active_ = &eager_;
     PDSIM_RETURN_IF_ERROR(enqueue_assign(&eager_, batch, false));
@@ -198,13 +208,17 @@ std::set<std::string> AttentionBackend::accepted_graph_state_extras() const {
 
 Status AttentionBackend::init_cuda_graph_state(int max_bs, const int32_t* seq_lens_buf,
                                                const GraphStateExtras& extras) {
-    if (max_bs < 1) return PDSIM_ERROR(StatusCode::kInvalidArgument, "init_cuda_graph_state: max_bs {} < 1", max_bs);
+    if (max_bs < 1)
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "init_cuda_graph_state: max_bs {} < 1",
+                           max_bs);
     if (seq_lens_buf == nullptr) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "init_cuda_graph_state: seq_lens_buf is null");
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "init_cuda_graph_state: seq_lens_buf is null");
     }
     const int max_pages = extras.max_pages_per_seq.value_or(1024);
     if (max_pages < 1) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "init_cuda_graph_state: max_pages_per_seq {} < 1", max_pages);
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "init_cuda_graph_state: max_pages_per_seq {} < 1", max_pages);
     }
     PDSIM_RETURN_IF_ERROR(stream().synchronize());  // no work may still read old graph buffers
     graph_ = std::make_unique<MetadataBuffers>(max_bs, max_pages);
@@ -213,9 +227,12 @@ Status AttentionBackend::init_cuda_graph_state(int max_bs, const int32_t* seq_le
 }
 
 Status AttentionBackend::init_forward_metadata_capture_cuda_graph(int bs, ForwardMode mode) {
-    if (!graph_) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: capture before init_cuda_graph_state", name());
+    if (!graph_)
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "{}: capture before init_cuda_graph_state", name());
     if (bs < 0 || bs > graph_->max_bs()) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "capture bs {} outside [0, {}]", bs, graph_->max_bs());
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "capture bs {} outside [0, {}]", bs,
+                           graph_->max_bs());
     }
     captured_bs_ = bs;
     active_ = graph_.get();
@@ -224,18 +241,23 @@ Status AttentionBackend::init_forward_metadata_capture_cuda_graph(int bs, Forwar
 }
 
 Status AttentionBackend::init_forward_metadata_replay_cuda_graph(const ForwardBatch& batch) {
-    if (!graph_) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: replay before init_cuda_graph_state", name());
-    PDSIM_RETURN_IF_ERROR(validate_forward_batch(batch, graph_->max_bs(), graph_->max_pages_per_seq()));
+    if (!graph_)
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "{}: replay before init_cuda_graph_state", name());
+    PDSIM_RETURN_IF_ERROR(
+        validate_forward_batch(batch, graph_->max_bs(), graph_->max_pages_per_seq()));
     active_ = graph_.get();
     return enqueue_assign(graph_.get(), batch, /*keep_aliased_seq_lens=*/true);
 }
 
-Status init_backend_cuda_graph_state(AttentionBackend& backend, int max_bs, const int32_t* seq_lens_buf,
-                                     const GraphStateExtras& extras) {
+Status init_backend_cuda_graph_state(AttentionBackend& backend, int max_bs,
+                                     const int32_t* seq_lens_buf, const GraphStateExtras& extras) {
     std::set<std::string> accepted = backend.accepted_graph_state_extras();
-    if (accepted.count("*") != 0) return backend.init_cuda_graph_state(max_bs, seq_lens_buf, extras);
+    if (accepted.count("*") != 0)
+        return backend.init_cuda_graph_state(max_bs, seq_lens_buf, extras);
     GraphStateExtras filtered;
-    if (accepted.count("max_pages_per_seq") != 0) filtered.max_pages_per_seq = extras.max_pages_per_seq;
+    if (accepted.count("max_pages_per_seq") != 0)
+        filtered.max_pages_per_seq = extras.max_pages_per_seq;
     if (accepted.count("paged_cache_group_specs") != 0) {
         filtered.paged_cache_group_specs = extras.paged_cache_group_specs;
     }
@@ -247,7 +269,8 @@ AttentionBackend::RecordPdCacheStep::RecordPdCacheStep(AttentionBackend& backend
                                                        bool save_kv_cache,
                                                        std::optional<bool> record_kv_cache)
     : backend_(backend), save_kv_cache_(save_kv_cache) {
-    bool record = record_kv_cache.has_value() ? *record_kv_cache : (!is_decode(mode) && !is_idle(mode));
+    bool record =
+        record_kv_cache.has_value() ? *record_kv_cache : (!is_decode(mode) && !is_idle(mode));
     record_ = record && backend.step_counter() != nullptr;
 }
 
@@ -385,11 +408,13 @@ Status AttentionBackend::forward(const runtime::ConstTensorView& q,
                                  const runtime::ConstTensorView& out_cache_loc, kv::KVPool& pool,
                                  ForwardMode mode, int bs, const runtime::TensorView& out,
                                  bool save_kv_cache, std::optional<bool> record_kv_cache) {
-    if (config_.stream == nullptr) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
+    if (config_.stream == nullptr)
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
     if (step_counter_ != nullptr && &step_counter_->stream() != config_.stream) {
-        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
-                           "{}: the StepCounter records on stream '{}', the backend computes on '{}'",
-                           name(), step_counter_->stream().name(), config_.stream->name());
+        return PDSIM_ERROR(
+            StatusCode::kFailedPrecondition,
+            "{}: the StepCounter records on stream '{}', the backend computes on '{}'", name(),
+            step_counter_->stream().name(), config_.stream->name());
     }
     if (bs < 0) return PDSIM_ERROR(StatusCode::kInvalidArgument, "bs: {} < 0", bs);
     ForwardArgs args;
@@ -435,8 +460,8 @@ void register_attention_backend(const std::string& name, BackendFactory factory)
     r.factories[name] = std::move(factory);
 }
 
-StatusOr<std::unique_ptr<AttentionBackend>> create_attention_backend(const std::string& name,
-                                                                     const AttentionConfig& config) {
+StatusOr<std::unique_ptr<AttentionBackend>> create_attention_backend(
+    const std::string& name, const AttentionConfig& config) {
     ensure_builtins();
     BackendFactory f;
     {
@@ -446,18 +471,21 @@ StatusOr<std::unique_ptr<AttentionBackend>> create_attention_backend(const std::
         if (it == r.factories.end()) {
             std::string known;
             for (auto& [n, _] : r.factories) known += (known.empty() ? "" : ", ") + n;
-            return PDSIM_ERROR(StatusCode::kInvalidArgument, "unknown attention backend '{}' (available: {})",
-                               name, known);
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "unknown attention backend '{}' (available: {})", name, known);
         }
         f = it->second;
     }
     if (config.stream == nullptr) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "attention backend '{}': config.stream is null", name);
-    }
-    if (config.num_q_heads < 1 || config.num_kv_heads < 1 || config.num_q_heads % config.num_kv_heads != 0) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                           "attention backend '{}': num_q_heads {} must be a positive multiple of num_kv_heads {}",
-                           name, config.num_q_heads, config.num_kv_heads);
+                           "attention backend '{}': config.stream is null", name);
+    }
+    if (config.num_q_heads < 1 || config.num_kv_heads < 1 ||
+        config.num_q_heads % config.num_kv_heads != 0) {
+        return PDSIM_ERROR(
+            StatusCode::kInvalidArgument,
+            "attention backend '{}': num_q_heads {} must be a positive multiple of num_kv_heads {}",
+            name, config.num_q_heads, config.num_kv_heads);
     }
     PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<AttentionBackend> backend, f(config));
     const BackendCapabilities caps = backend->capabilities();

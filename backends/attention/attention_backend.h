@@ -71,8 +71,12 @@ namespace pdsim::attn {
 
 enum class ForwardMode { kExtend, kDecode, kMixed, kIdle, kTargetVerify, kDraftExtend };
 
-[[nodiscard]] constexpr bool is_decode(ForwardMode m) { return m == ForwardMode::kDecode; }
-[[nodiscard]] constexpr bool is_idle(ForwardMode m) { return m == ForwardMode::kIdle; }
+[[nodiscard]] constexpr bool is_decode(ForwardMode m) {
+    return m == ForwardMode::kDecode;
+}
+[[nodiscard]] constexpr bool is_idle(ForwardMode m) {
+    return m == ForwardMode::kIdle;
+}
 [[nodiscard]] std::string_view forward_mode_name(ForwardMode m);
 [[nodiscard]] StatusOr<ForwardMode> parse_forward_mode(std::string_view text);
 
@@ -82,18 +86,18 @@ struct LayerSpec {
     int num_q_heads = 1;
     int num_kv_heads = 1;
     int head_dim = 64;
-    int v_head_dim = 0;    // 0: head_dim
-    float scaling = 0.f;   // 0: 1/sqrt(head_dim)
+    int v_head_dim = 0;   // 0: head_dim
+    float scaling = 0.f;  // 0: 1/sqrt(head_dim)
 };
 
 struct AttentionConfig {
-    int num_q_heads = 1;       // per rank (after TP)
-    int num_kv_heads = 1;      // per rank
+    int num_q_heads = 1;   // per rank (after TP)
+    int num_kv_heads = 1;  // per rank
     int head_dim = 64;
-    int v_head_dim = 0;        // 0: head_dim
+    int v_head_dim = 0;  // 0: head_dim
     kv::KVDtype kv_dtype = kv::KVDtype::kF32;
     runtime::Stream* stream = nullptr;  // the compute stream; required, not owned
-    int num_threads = 0;       // CPU backends: kernel threads (0 = all cores)
+    int num_threads = 0;                // CPU backends: kernel threads (0 = all cores)
 };
 
 // One batch, as the scheduler describes it. Host memory; copied by init_forward_metadata.
@@ -113,13 +117,13 @@ struct ForwardBatch {
 struct BatchView {
     ForwardMode mode;
     int bs;
-    int num_tokens;            // q_start[bs]
-    const int32_t* seq_lens;   // [bs]
-    const int32_t* q_lens;     // [bs]
-    const int32_t* q_start;    // [bs + 1], exclusive prefix sum of q_lens
-    const int32_t* page_table; // [bs][stride]
+    int num_tokens;             // q_start[bs]
+    const int32_t* seq_lens;    // [bs]
+    const int32_t* q_lens;      // [bs]
+    const int32_t* q_start;     // [bs + 1], exclusive prefix sum of q_lens
+    const int32_t* page_table;  // [bs][stride]
     int stride;
-    bool graph;                // graph buffers: bs may be smaller than the captured bs
+    bool graph;  // graph buffers: bs may be smaller than the captured bs
 };
 
 // Metadata buffers with stable addresses (eager or graph). seq_lens may alias an external buffer.
@@ -296,7 +300,9 @@ void register_attention_backend(const std::string& name, BackendFactory factory)
 [[nodiscard]] std::vector<std::string> attention_backend_names();
 
 // Shape helpers.
-[[nodiscard]] inline int v_dim(const LayerSpec& l) { return l.v_head_dim > 0 ? l.v_head_dim : l.head_dim; }
+[[nodiscard]] inline int v_dim(const LayerSpec& l) {
+    return l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+}
 [[nodiscard]] float layer_scaling(const LayerSpec& l);
 
 // The first `n` rows (dim 0) of a contiguous view, e.g. the tokens a graph replay's batch uses of

@@ -14,6 +14,7 @@
 
 namespace pdsim::attn {
 
-[[nodiscard]] StatusOr<std::unique_ptr<AttentionBackend>> make_cpu_backend(const AttentionConfig& config);
+[[nodiscard]] StatusOr<std::unique_ptr<AttentionBackend>> make_cpu_backend(
+    const AttentionConfig& config);
 
 }  // namespace pdsim::attn

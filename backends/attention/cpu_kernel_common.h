@@ -15,10 +15,11 @@ namespace pdsim::attn::cpu {
 // and the output rounded back), fp32 or bf16 KV, host memory.
 [[nodiscard]] BackendCapabilities cpu_capabilities();
 
-// Checks, when the kernel runs, that `view` fits `pool` and `layer`: an MHA pool on the CPU with the
-// layer's kv heads and head dims, every page id of every request in [0, num_pages), and
+// Checks, when the kernel runs, that `view` fits `pool` and `layer`: an MHA pool on the CPU with
+// the layer's kv heads and head dims, every page id of every request in [0, num_pages), and
 // ceil(seq_len / page_size) <= stride.
-[[nodiscard]] Status validate_view(const BatchView& view, const kv::KVPool& pool, const LayerSpec& layer);
+[[nodiscard]] Status validate_view(const BatchView& view, const kv::KVPool& pool,
+                                   const LayerSpec& layer);
 
 // Checks, when the kernel runs, that the forward's views hold the metadata's num_tokens rows
 // (graph metadata may describe a larger batch than the static buffers were captured with):
@@ -70,8 +71,10 @@ inline int64_t kv_slot(const BatchView& v, int i, int t, int page_size) {
 // Reads element e of KV head h of the token in `slot` of a K or V buffer, as float.
 inline float kv_elem(const void* base, runtime::DType dtype, int64_t slot, int heads, int dim,
                      int h, int e) {
-    const size_t idx = (static_cast<size_t>(slot) * static_cast<size_t>(heads) + static_cast<size_t>(h)) *
-                           static_cast<size_t>(dim) + static_cast<size_t>(e);
+    const size_t idx =
+        (static_cast<size_t>(slot) * static_cast<size_t>(heads) + static_cast<size_t>(h)) *
+            static_cast<size_t>(dim) +
+        static_cast<size_t>(e);
     if (dtype == runtime::DType::kF32) return static_cast<const float*>(base)[idx];
     return bf16_to_float(static_cast<const bf16_t*>(base)[idx]);
 }

@@ -37,7 +37,8 @@ void CpuRefBackend::attend(const ForwardArgs& args, const BatchView& view) {
                     const int64_t slot = cpu::kv_slot(view, i, t, ps);
                     double dot = 0.0;
                     for (int e = 0; e < d; ++e) {
-                        dot += static_cast<double>(qv[e]) * cpu::kv_elem(kbase, pool.dtype(), slot, hkv, d, kh, e);
+                        dot += static_cast<double>(qv[e]) *
+                               cpu::kv_elem(kbase, pool.dtype(), slot, hkv, d, kh, e);
                     }
                     scores[static_cast<size_t>(t)] = dot * scale;
                     mx = std::max(mx, scores[static_cast<size_t>(t)]);
@@ -53,11 +54,13 @@ void CpuRefBackend::attend(const ForwardArgs& args, const BatchView& view) {
                     const int64_t slot = cpu::kv_slot(view, i, t, ps);
                     const double p = scores[static_cast<size_t>(t)];
                     for (int e = 0; e < dv; ++e) {
-                        acc[static_cast<size_t>(e)] += p * cpu::kv_elem(vbase, pool.dtype(), slot, hkv, dv, kh, e);
+                        acc[static_cast<size_t>(e)] +=
+                            p * cpu::kv_elem(vbase, pool.dtype(), slot, hkv, dv, kh, e);
                     }
                 }
                 float* o = args.out.as<float>() + (static_cast<size_t>(token) * hq + h) * dv;
-                for (int e = 0; e < dv; ++e) o[e] = static_cast<float>(acc[static_cast<size_t>(e)] / sum);
+                for (int e = 0; e < dv; ++e)
+                    o[e] = static_cast<float>(acc[static_cast<size_t>(e)] / sum);
             }
         }
     }
@@ -72,8 +75,8 @@ Status CpuRefBackend::enqueue(const ForwardArgs& args) {
                                forward_mode_name(args.mode), forward_mode_name(view.mode));
         }
         if (view.graph ? view.bs > args.bs : view.bs != args.bs) {
-            return PDSIM_ERROR(StatusCode::kFailedPrecondition, "forward bs {} but the metadata has bs {}",
-                               args.bs, view.bs);
+            return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                               "forward bs {} but the metadata has bs {}", args.bs, view.bs);
         }
         PDSIM_RETURN_IF_ERROR(cpu::validate_view(view, *args.pool, args.layer));
         PDSIM_RETURN_IF_ERROR(cpu::check_rows(args, view));
@@ -84,7 +87,11 @@ Status CpuRefBackend::enqueue(const ForwardArgs& args) {
     });
 }
 
-Status CpuRefBackend::forward_decode(const ForwardArgs& args) { return enqueue(args); }
-Status CpuRefBackend::forward_extend(const ForwardArgs& args) { return enqueue(args); }
+Status CpuRefBackend::forward_decode(const ForwardArgs& args) {
+    return enqueue(args);
+}
+Status CpuRefBackend::forward_extend(const ForwardArgs& args) {
+    return enqueue(args);
+}
 
 }  // namespace pdsim::attn

@@ -13,7 +13,9 @@ public:
     explicit CpuRefBackend(const AttentionConfig& config) : AttentionBackend(config) {}
     [[nodiscard]] std::string name() const override { return "cpu_ref"; }
     [[nodiscard]] BackendCapabilities capabilities() const override;
-    [[nodiscard]] bool support_kv_cache_prewrite(std::optional<ForwardMode>) const override { return true; }
+    [[nodiscard]] bool support_kv_cache_prewrite(std::optional<ForwardMode>) const override {
+        return true;
+    }
 
     // The kernel itself, runnable inline (the oracle for tests): attention of every query of `view`
     // over the paged KV of args.pool, written to args.out. No KV write, no validation; q and out

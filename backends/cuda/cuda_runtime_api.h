@@ -8,8 +8,8 @@
 
 namespace pdsim::runtime::cuda {
 
-// The CUDA DeviceRuntime: cudaMalloc'd memory, CudaStream streams. With no GPU (or no driver) at run
-// time, device_count() is 0 and unavailable_reason() says why.
+// The CUDA DeviceRuntime: cudaMalloc'd memory, CudaStream streams. With no GPU (or no driver) at
+// run time, device_count() is 0 and unavailable_reason() says why.
 std::unique_ptr<DeviceRuntime> make_cuda_runtime();
 
 // A CudaStream on device `index` (see backends/runtime/stream.h for the contract). Tasks enqueued

@@ -1,4 +1,6 @@
 // CudaStream and the CUDA DeviceRuntime.
+#include "backends/cuda/cuda_stream.h"
+
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -7,7 +9,6 @@
 #include <thread>
 
 #include "backends/cuda/cuda_runtime_api.h"
-#include "backends/cuda/cuda_stream.h"
 #include "common/cuda_check.h"
 
 namespace pdsim::runtime::cuda {
@@ -26,8 +27,8 @@ public:
             if (rc == cudaSuccess) return {};
             if (rc != cudaErrorNotReady) CUDA_CHECK(rc);
             if (std::chrono::steady_clock::now() > deadline) {
-                return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "CUDA event not reached after {} ms",
-                                   timeout.count());
+                return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                                   "CUDA event not reached after {} ms", timeout.count());
             }
             std::this_thread::sleep_for(std::chrono::microseconds(20));
         }
@@ -40,7 +41,8 @@ private:
 
 class CudaGraph final : public Graph {
 public:
-    CudaGraph(cudaGraph_t g, cudaGraphExec_t e, size_t nodes) : graph_(g), exec_(e), nodes_(nodes) {}
+    CudaGraph(cudaGraph_t g, cudaGraphExec_t e, size_t nodes)
+        : graph_(g), exec_(e), nodes_(nodes) {}
     ~CudaGraph() override {
         cudaGraphExecDestroy(exec_);
         cudaGraphDestroy(graph_);
@@ -76,7 +78,8 @@ void CUDART_CB run_host_task(void* user) {
 
 class CudaStream final : public Stream {
 public:
-    CudaStream(int device, cudaStream_t s, std::string name) : device_(device), s_(s), name_(std::move(name)) {}
+    CudaStream(int device, cudaStream_t s, std::string name)
+        : device_(device), s_(s), name_(std::move(name)) {}
     ~CudaStream() override {
         cudaSetDevice(device_);
         cudaStreamSynchronize(s_);
@@ -87,7 +90,8 @@ public:
     cudaStream_t handle() const { return s_; }
 
     [[nodiscard]] Status enqueue(Task task) override {
-        if (!task) return PDSIM_ERROR(StatusCode::kInvalidArgument, "empty task on stream {}", name_);
+        if (!task)
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "empty task on stream {}", name_);
         auto* t = new HostTask{std::move(task), &failed_, &mu_, &error_};
         cudaError_t rc = cudaLaunchHostFunc(s_, run_host_task, t);
         if (rc != cudaSuccess) {
@@ -114,15 +118,17 @@ public:
         CUDA_CHECK(cudaStreamWaitEvent(s_, ev->handle(), 0));
         return {};
     }
-    [[nodiscard]] Status synchronize(std::chrono::milliseconds timeout = kDefaultWaitTimeout) override {
+    [[nodiscard]] Status synchronize(
+        std::chrono::milliseconds timeout = kDefaultWaitTimeout) override {
         auto deadline = std::chrono::steady_clock::now() + timeout;
         for (;;) {
             cudaError_t rc = cudaStreamQuery(s_);
             if (rc == cudaSuccess) break;
             if (rc != cudaErrorNotReady) CUDA_CHECK(rc);
             if (std::chrono::steady_clock::now() > deadline) {
-                return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "stream {}: synchronize timed out after {} ms",
-                                   name_, timeout.count());
+                return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                                   "stream {}: synchronize timed out after {} ms", name_,
+                                   timeout.count());
             }
             std::this_thread::sleep_for(std::chrono::microseconds(20));
         }
@@ -166,7 +172,9 @@ private:
 
 Status CudaGraph::launch(Stream& stream) {
     auto* cs = dynamic_cast<CudaStream*>(&stream);
-    if (cs == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "CUDA graph launched on {}", stream.name());
+    if (cs == nullptr)
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "CUDA graph launched on {}",
+                           stream.name());
     CUDA_CHECK(cudaGraphLaunch(exec_, cs->handle()));
     return {};
 }
@@ -212,14 +220,16 @@ public:
         CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
         return {};
     }
-    [[nodiscard]] StatusOr<std::unique_ptr<Stream>> create_stream(int index, std::string name) override {
+    [[nodiscard]] StatusOr<std::unique_ptr<Stream>> create_stream(int index,
+                                                                  std::string name) override {
         return make_cuda_stream(index, std::move(name));
     }
 
     Status check_index(int index) const {
         if (count_ == 0) return PDSIM_ERROR(StatusCode::kUnavailable, "{}", reason_);
         if (index < 0 || index >= count_) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument, "cuda device {} (have {})", index, count_);
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "cuda device {} (have {})", index,
+                               count_);
         }
         return {};
     }
@@ -231,7 +241,9 @@ private:
 
 }  // namespace
 
-std::unique_ptr<DeviceRuntime> make_cuda_runtime() { return std::make_unique<CudaRuntime>(); }
+std::unique_ptr<DeviceRuntime> make_cuda_runtime() {
+    return std::make_unique<CudaRuntime>();
+}
 
 StatusOr<std::unique_ptr<Stream>> make_cuda_stream(int index, std::string name) {
     int n = 0;

@@ -65,7 +65,6 @@ Status check_stride(int64_t stride, std::string_view name) {
     return ok_status();
 }
 
-
 }  // namespace
 
 FlashInferAttention::FlashInferAttention(const FlashInferConfig& config,

@@ -159,5 +159,4 @@ private:
     bool planned_ = false;
 };
 
-
 }  // namespace pdsim::attn::cuda

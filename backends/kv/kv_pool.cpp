@@ -15,7 +15,8 @@ bool is_pool_dtype(runtime::DType dtype) {
 StatusOr<KVDtype> parse_dtype(std::string_view text) {
     if (text == "fp32" || text == "float32") return KVDtype::kF32;
     if (text == "bf16" || text == "bfloat16") return KVDtype::kBF16;
-    return PDSIM_ERROR(StatusCode::kInvalidArgument, "unknown KV dtype '{}' (expected fp32 or bf16)", text);
+    return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                       "unknown KV dtype '{}' (expected fp32 or bf16)", text);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -47,13 +48,16 @@ Status PageAllocator::free(std::span<const int32_t> pages) {
     for (size_t i = 0; i < pages.size(); ++i) {
         int32_t p = pages[i];
         if (p <= 0 || p >= num_pages_) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument, "free of page {} (valid: 1..{})", p, num_pages_ - 1);
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "free of page {} (valid: 1..{})", p,
+                               num_pages_ - 1);
         }
         if (!in_use_[static_cast<size_t>(p)]) {
             return PDSIM_ERROR(StatusCode::kInvalidArgument, "double free of page {}", p);
         }
         for (size_t j = 0; j < i; ++j) {
-            if (pages[j] == p) return PDSIM_ERROR(StatusCode::kInvalidArgument, "page {} freed twice in one call", p);
+            if (pages[j] == p)
+                return PDSIM_ERROR(StatusCode::kInvalidArgument, "page {} freed twice in one call",
+                                   p);
         }
     }
     for (int32_t p : pages) {
@@ -154,7 +158,8 @@ size_t KVPool::total_bytes() const {
 Status KVPool::check_loc(int64_t loc) const {
     int64_t slots = static_cast<int64_t>(num_pages_) * page_size_;
     if (loc < 0 || loc >= slots) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "KV slot {} out of range [0, {})", loc, slots);
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "KV slot {} out of range [0, {})", loc,
+                           slots);
     }
     return {};
 }
@@ -217,7 +222,8 @@ void KVPool::write_rows(int layer, int buf, const runtime::ConstTensorView& locs
 
 void KVPool::write_token(int layer, int buf, int64_t loc, const float* src) {
     const int n = token_elems_[static_cast<size_t>(buf)];
-    char* base = static_cast<char*>(data(layer, buf)) + static_cast<size_t>(loc) * token_bytes(layer, buf);
+    char* base =
+        static_cast<char*>(data(layer, buf)) + static_cast<size_t>(loc) * token_bytes(layer, buf);
     if (dtype_ == KVDtype::kF32) {
         std::memcpy(base, src, static_cast<size_t>(n) * sizeof(float));
     } else {
@@ -228,8 +234,8 @@ void KVPool::write_token(int layer, int buf, int64_t loc, const float* src) {
 
 void KVPool::read_token(int layer, int buf, int64_t loc, float* dst) const {
     const int n = token_elems_[static_cast<size_t>(buf)];
-    const char* base =
-        static_cast<const char*>(data(layer, buf)) + static_cast<size_t>(loc) * token_bytes(layer, buf);
+    const char* base = static_cast<const char*>(data(layer, buf)) +
+                       static_cast<size_t>(loc) * token_bytes(layer, buf);
     if (dtype_ == KVDtype::kF32) {
         std::memcpy(dst, base, static_cast<size_t>(n) * sizeof(float));
     } else {
@@ -251,11 +257,14 @@ Status validate_common(int num_layers, int num_pages, int page_size, KVDtype dty
                            "dtype {} is not a KV pool dtype (expected fp32 or bf16)",
                            runtime::dtype_name(dtype));
     }
-    if (num_layers < 1) return PDSIM_ERROR(StatusCode::kInvalidArgument, "num_layers {} < 1", num_layers);
+    if (num_layers < 1)
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "num_layers {} < 1", num_layers);
     if (num_pages < 2) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "num_pages {} < 2 (page 0 is the null page)", num_pages);
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "num_pages {} < 2 (page 0 is the null page)", num_pages);
     }
-    if (page_size < 1) return PDSIM_ERROR(StatusCode::kInvalidArgument, "page_size {} < 1", page_size);
+    if (page_size < 1)
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "page_size {} < 1", page_size);
     return {};
 }
 }  // namespace
@@ -270,7 +279,8 @@ StatusOr<std::unique_ptr<MHATokenToKVPool>> MHATokenToKVPool::create(const MHAPo
     if (cfg.v_head_dim == 0) cfg.v_head_dim = cfg.head_dim;
     PDSIM_RETURN_IF_ERROR(validate_common(cfg.num_layers, cfg.num_pages, cfg.page_size, cfg.dtype));
     if (cfg.num_kv_heads < 1 || cfg.head_dim < 1 || cfg.v_head_dim < 1) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "num_kv_heads {} / head_dim {} / v_head_dim {} must be >= 1",
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "num_kv_heads {} / head_dim {} / v_head_dim {} must be >= 1",
                            cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim);
     }
     std::unique_ptr<MHATokenToKVPool> pool(new MHATokenToKVPool(cfg));

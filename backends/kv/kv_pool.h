@@ -83,8 +83,8 @@ public:
 private:
     const int num_pages_;
     mutable std::mutex mu_;
-    std::vector<int32_t> free_;     // stack; the lowest id on top
-    std::vector<uint8_t> in_use_;   // by page id
+    std::vector<int32_t> free_;    // stack; the lowest id on top
+    std::vector<uint8_t> in_use_;  // by page id
 };
 
 class KVPool {
@@ -164,14 +164,15 @@ struct MHAPoolConfig {
     int page_size = 16;
     int num_kv_heads = 1;
     int head_dim = 64;
-    int v_head_dim = 0;  // 0: same as head_dim
+    int v_head_dim = 0;             // 0: same as head_dim
     KVDtype dtype = KVDtype::kF32;  // kF32 or kBF16
     runtime::Device device{};
 };
 
 class MHATokenToKVPool final : public KVPool {
 public:
-    [[nodiscard]] static StatusOr<std::unique_ptr<MHATokenToKVPool>> create(const MHAPoolConfig& cfg);
+    [[nodiscard]] static StatusOr<std::unique_ptr<MHATokenToKVPool>> create(
+        const MHAPoolConfig& cfg);
 
     [[nodiscard]] int num_kv_heads() const { return cfg_.num_kv_heads; }
     [[nodiscard]] int head_dim() const { return cfg_.head_dim; }
@@ -206,7 +207,8 @@ struct MLAPoolConfig {
 
 class MLATokenToKVPool final : public KVPool {
 public:
-    [[nodiscard]] static StatusOr<std::unique_ptr<MLATokenToKVPool>> create(const MLAPoolConfig& cfg);
+    [[nodiscard]] static StatusOr<std::unique_ptr<MLATokenToKVPool>> create(
+        const MLAPoolConfig& cfg);
 
     [[nodiscard]] int kv_lora_rank() const { return cfg_.kv_lora_rank; }
     [[nodiscard]] int rope_dim() const { return cfg_.rope_dim; }

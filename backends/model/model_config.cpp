@@ -1,10 +1,10 @@
 #include "backends/model/model_config.h"
 
+#include <yaml-cpp/yaml.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <map>
-
-#include <yaml-cpp/yaml.h>
 
 #include "common/data_dir.h"
 
@@ -19,7 +19,8 @@ std::map<std::string, ModelConfig> builtin_models() {
     return m;
 }
 
-Status field_error(const std::string& src, const YAML::Node& n, const std::string& key, const std::string& what) {
+Status field_error(const std::string& src, const YAML::Node& n, const std::string& key,
+                   const std::string& what) {
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("{}:{}: {}: {}", src, n.Mark().line + 1, key, what));
 }
@@ -51,17 +52,21 @@ ModelConfig::ModelConfig() : topo::ModelShape(*topo::builtin_model_shape("tiny")
 
 Status validate_model(const ModelConfig& c) {
     auto bad = [&](const char* field, const std::string& what) {
-        return Status(StatusCode::kInvalidArgument, fmt::format("model {}: {}: {}", c.name, field, what));
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("model {}: {}: {}", c.name, field, what));
     };
     if (c.num_layers < 1) return bad("num_layers", fmt::format("{} must be >= 1", c.num_layers));
     if (c.hidden < 1) return bad("hidden", fmt::format("{} must be >= 1", c.hidden));
     if (c.num_q_heads < 1) return bad("num_q_heads", fmt::format("{} must be >= 1", c.num_q_heads));
-    if (c.num_kv_heads < 1) return bad("num_kv_heads", fmt::format("{} must be >= 1", c.num_kv_heads));
+    if (c.num_kv_heads < 1)
+        return bad("num_kv_heads", fmt::format("{} must be >= 1", c.num_kv_heads));
     if (c.head_dim < 1) return bad("head_dim", fmt::format("{} must be >= 1", c.head_dim));
-    if (c.intermediate < 1) return bad("intermediate", fmt::format("{} must be >= 1", c.intermediate));
+    if (c.intermediate < 1)
+        return bad("intermediate", fmt::format("{} must be >= 1", c.intermediate));
     if (c.vocab < 2) return bad("vocab", fmt::format("{} must be >= 2", c.vocab));
     if (c.attention == AttentionKind::kMha && c.num_q_heads % c.num_kv_heads != 0) {
-        return bad("num_q_heads", fmt::format("{} is not a multiple of num_kv_heads {}", c.num_q_heads, c.num_kv_heads));
+        return bad("num_q_heads", fmt::format("{} is not a multiple of num_kv_heads {}",
+                                              c.num_q_heads, c.num_kv_heads));
     }
     if (c.attention == AttentionKind::kMla && (c.kv_lora_rank < 1 || c.rope_dim < 0)) {
         return bad("kv_lora_rank", "MLA needs kv_lora_rank >= 1 and rope_dim >= 0");
@@ -89,10 +94,12 @@ StatusOr<ModelConfig> resolve_model(const std::string& name_or_file) {
     if (!std::filesystem::exists(name_or_path)) {
         std::string known;
         for (auto& [k, v] : models) known += (known.empty() ? "" : ", ") + k;
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("unknown model '{}' (built-in: {}; a shipped model file: {}; or a YAML/JSON "
-                                  "file)",
-                                  name_or_path, known, shipped_model_names()));
+        return Status(
+            StatusCode::kInvalidArgument,
+            fmt::format(
+                "unknown model '{}' (built-in: {}; a shipped model file: {}; or a YAML/JSON "
+                "file)",
+                name_or_path, known, shipped_model_names()));
     }
     YAML::Node root;
     try {
@@ -101,13 +108,15 @@ StatusOr<ModelConfig> resolve_model(const std::string& name_or_file) {
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("{}:{}: {}", name_or_path, e.mark.line + 1, e.msg));
     }
-    if (!root.IsMap()) return Status(StatusCode::kInvalidArgument, name_or_path + ":1: a model file is a mapping");
+    if (!root.IsMap())
+        return Status(StatusCode::kInvalidArgument, name_or_path + ":1: a model file is a mapping");
     ModelConfig c;
     c.name = std::filesystem::path(name_or_path).stem().string();
     if (root["base"]) {
         std::string base = root["base"].as<std::string>("");
         auto it = models.find(base);
-        if (it == models.end()) return field_error(name_or_path, root["base"], "base", "unknown model '" + base + "'");
+        if (it == models.end())
+            return field_error(name_or_path, root["base"], "base", "unknown model '" + base + "'");
         c = it->second;
     }
     for (auto kv : root) {
@@ -123,31 +132,52 @@ StatusOr<ModelConfig> resolve_model(const std::string& name_or_file) {
         };
         try {
             if (key == "base") continue;
-            if (key == "name") c.name = v.as<std::string>();
-            else if (key == "num_layers") PDSIM_RETURN_IF_ERROR(get_int(&c.num_layers));
-            else if (key == "hidden") PDSIM_RETURN_IF_ERROR(get_int(&c.hidden));
-            else if (key == "num_q_heads") PDSIM_RETURN_IF_ERROR(get_int(&c.num_q_heads));
-            else if (key == "num_kv_heads") PDSIM_RETURN_IF_ERROR(get_int(&c.num_kv_heads));
-            else if (key == "head_dim") PDSIM_RETURN_IF_ERROR(get_int(&c.head_dim));
-            else if (key == "intermediate") PDSIM_RETURN_IF_ERROR(get_int(&c.intermediate));
-            else if (key == "vocab") PDSIM_RETURN_IF_ERROR(get_int(&c.vocab));
-            else if (key == "kv_lora_rank") PDSIM_RETURN_IF_ERROR(get_int(&c.kv_lora_rank));
-            else if (key == "rope_dim") PDSIM_RETURN_IF_ERROR(get_int(&c.rope_dim));
-            else if (key == "sliding_window") PDSIM_RETURN_IF_ERROR(get_int(&c.sliding_window));
-            else if (key == "rope_theta") c.rope_theta = v.as<double>();
-            else if (key == "seed") c.seed = v.as<uint64_t>();
+            if (key == "name")
+                c.name = v.as<std::string>();
+            else if (key == "num_layers")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.num_layers));
+            else if (key == "hidden")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.hidden));
+            else if (key == "num_q_heads")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.num_q_heads));
+            else if (key == "num_kv_heads")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.num_kv_heads));
+            else if (key == "head_dim")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.head_dim));
+            else if (key == "intermediate")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.intermediate));
+            else if (key == "vocab")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.vocab));
+            else if (key == "kv_lora_rank")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.kv_lora_rank));
+            else if (key == "rope_dim")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.rope_dim));
+            else if (key == "sliding_window")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.sliding_window));
+            else if (key == "rope_theta")
+                c.rope_theta = v.as<double>();
+            else if (key == "seed")
+                c.seed = v.as<uint64_t>();
             else if (key == "attention") {
                 std::string a = v.as<std::string>();
-                if (a == "mha" || a == "gqa") c.attention = AttentionKind::kMha;
-                else if (a == "mla") c.attention = AttentionKind::kMla;
-                else return field_error(name_or_path, v, key, "expected mha, gqa or mla, got '" + a + "'");
+                if (a == "mha" || a == "gqa")
+                    c.attention = AttentionKind::kMha;
+                else if (a == "mla")
+                    c.attention = AttentionKind::kMla;
+                else
+                    return field_error(name_or_path, v, key,
+                                       "expected mha, gqa or mla, got '" + a + "'");
             } else if (key == "layer_kinds") {
                 c.layer_kinds.clear();
                 for (const auto& e : v) {
                     std::string k = e.as<std::string>();
-                    if (k == "full") c.layer_kinds.push_back(LayerKind::kFullAttention);
-                    else if (k == "sliding") c.layer_kinds.push_back(LayerKind::kSlidingWindow);
-                    else return field_error(name_or_path, e, key, "expected full or sliding, got '" + k + "'");
+                    if (k == "full")
+                        c.layer_kinds.push_back(LayerKind::kFullAttention);
+                    else if (k == "sliding")
+                        c.layer_kinds.push_back(LayerKind::kSlidingWindow);
+                    else
+                        return field_error(name_or_path, e, key,
+                                           "expected full or sliding, got '" + k + "'");
                 }
             } else {
                 return field_error(name_or_path, kv.first, key, "unknown key");

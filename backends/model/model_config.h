@@ -23,7 +23,7 @@ using LayerKind = topo::LayerKind;
 // model. A topology's ModelShape defaults to zeros instead (its fields are unknown until a file
 // gives them), hence the separate name.
 struct ModelConfig : topo::ModelShape {
-    ModelConfig();  // tiny
+    ModelConfig();                       // tiny
     ModelConfig(topo::ModelShape shape)  // NOLINT(google-explicit-constructor): a widening copy
         : topo::ModelShape(std::move(shape)) {}
 };
@@ -40,6 +40,8 @@ struct ModelConfig : topo::ModelShape {
 // kInvalidArgument unless tp divides the KV heads (MHA) and the query heads (topo::check_tp).
 [[nodiscard]] Status check_tp(const ModelConfig& config, int tp);
 // The shape the topology validator checks: the ModelShape part of `config`.
-[[nodiscard]] inline topo::ModelShape to_model_shape(const ModelConfig& config) { return config; }
+[[nodiscard]] inline topo::ModelShape to_model_shape(const ModelConfig& config) {
+    return config;
+}
 
 }  // namespace pdsim::model

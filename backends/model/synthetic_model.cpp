@@ -20,9 +20,24 @@ uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-enum TensorKind : uint64_t { kWq = 1, kWk, kWv, kWo, kGate, kUp, kDown, kNorm1, kNorm2, kEmbed, kFinalNorm, kLmHead };
+enum TensorKind : uint64_t {
+    kWq = 1,
+    kWk,
+    kWv,
+    kWo,
+    kGate,
+    kUp,
+    kDown,
+    kNorm1,
+    kNorm2,
+    kEmbed,
+    kFinalNorm,
+    kLmHead
+};
 
-uint64_t tensor_id(int layer, TensorKind kind) { return (static_cast<uint64_t>(layer + 1) << 8) | kind; }
+uint64_t tensor_id(int layer, TensorKind kind) {
+    return (static_cast<uint64_t>(layer + 1) << 8) | kind;
+}
 
 // Y[T][N] = X[T][K] @ W[K][N] (row-major; ldx, ldy are row strides of X and Y).
 //
@@ -34,7 +49,8 @@ uint64_t tensor_id(int layer, TensorKind kind) { return (static_cast<uint64_t>(l
 void gemm_rows(const float* x, int ldx, int T, int K, const float* w, int N, float* y, int ldy) {
     constexpr int kCols = 32;  // 4 ymm accumulators per row
     const int col_blocks = (N + kCols - 1) / kCols;
-    ThreadPool::global().parallel_for(static_cast<size_t>(col_blocks), [&](size_t cb, size_t ce, int) {
+    ThreadPool::global().parallel_for(static_cast<size_t>(col_blocks), [&](size_t cb, size_t ce,
+                                                                           int) {
         for (size_t blk = cb; blk < ce; ++blk) {
             const int n0 = static_cast<int>(blk) * kCols;
             const int nw = std::min(kCols, N - n0);
@@ -42,13 +58,15 @@ void gemm_rows(const float* x, int ldx, int T, int K, const float* w, int N, flo
                 int t = 0;
                 for (; t + 4 <= T; t += 4) {
                     __m256 acc[4][4];
-                    for (auto& r : acc) for (auto& a : r) a = _mm256_setzero_ps();
+                    for (auto& r : acc)
+                        for (auto& a : r) a = _mm256_setzero_ps();
                     for (int k = 0; k < K; ++k) {
                         const float* wr = w + static_cast<size_t>(k) * N + n0;
                         const __m256 w0 = _mm256_loadu_ps(wr), w1 = _mm256_loadu_ps(wr + 8);
                         const __m256 w2 = _mm256_loadu_ps(wr + 16), w3 = _mm256_loadu_ps(wr + 24);
                         for (int r = 0; r < 4; ++r) {
-                            const __m256 xv = _mm256_broadcast_ss(x + static_cast<size_t>(t + r) * ldx + k);
+                            const __m256 xv =
+                                _mm256_broadcast_ss(x + static_cast<size_t>(t + r) * ldx + k);
                             acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
                             acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
                             acc[r][2] = _mm256_fmadd_ps(xv, w2, acc[r][2]);
@@ -61,11 +79,13 @@ void gemm_rows(const float* x, int ldx, int T, int K, const float* w, int N, flo
                     }
                 }
                 for (; t < T; ++t) {  // same per-element FMA chain as above
-                    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                                     _mm256_setzero_ps()};
                     for (int k = 0; k < K; ++k) {
                         const float* wr = w + static_cast<size_t>(k) * N + n0;
                         const __m256 xv = _mm256_broadcast_ss(x + static_cast<size_t>(t) * ldx + k);
-                        for (int c = 0; c < 4; ++c) acc[c] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wr + 8 * c), acc[c]);
+                        for (int c = 0; c < 4; ++c)
+                            acc[c] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wr + 8 * c), acc[c]);
                     }
                     float* yr = y + static_cast<size_t>(t) * ldy + n0;
                     for (int c = 0; c < 4; ++c) _mm256_storeu_ps(yr + 8 * c, acc[c]);
@@ -75,7 +95,8 @@ void gemm_rows(const float* x, int ldx, int T, int K, const float* w, int N, flo
                     for (int n = n0; n < n0 + nw; ++n) {
                         float acc = 0.f;
                         for (int k = 0; k < K; ++k) {
-                            acc = std::fma(x[static_cast<size_t>(t) * ldx + k], w[static_cast<size_t>(k) * N + n], acc);
+                            acc = std::fma(x[static_cast<size_t>(t) * ldx + k],
+                                           w[static_cast<size_t>(k) * N + n], acc);
                         }
                         y[static_cast<size_t>(t) * ldy + n] = acc;
                     }
@@ -104,7 +125,8 @@ void rope(float* x, int T, int heads, int D, const int32_t* pos, const float* in
             float* v = x + (static_cast<size_t>(t) * heads + h) * D;
             for (int i = 0; i < half; ++i) {
                 const double ang = static_cast<double>(pos[t]) * inv_freq[i];
-                const float c = static_cast<float>(std::cos(ang)), s = static_cast<float>(std::sin(ang));
+                const float c = static_cast<float>(std::cos(ang)),
+                            s = static_cast<float>(std::sin(ang));
                 const float a = v[i], b = v[i + half];
                 v[i] = a * c - b * s;
                 v[i + half] = a * s + b * c;
@@ -134,58 +156,69 @@ SyntheticModel::SyntheticModel(const ModelConfig& config, TpComm* tp, int max_to
 
 size_t SyntheticModel::weight_bytes() const {
     const size_t H = static_cast<size_t>(cfg_.hidden), D = static_cast<size_t>(cfg_.head_dim);
-    const size_t per_layer = H * (static_cast<size_t>(hq_ + 2 * hkv_) * D) + static_cast<size_t>(hq_) * D * H +
+    const size_t per_layer = H * (static_cast<size_t>(hq_ + 2 * hkv_) * D) +
+                             static_cast<size_t>(hq_) * D * H +
                              3 * H * static_cast<size_t>(inter_) + 2 * H;
-    return sizeof(float) * (per_layer * static_cast<size_t>(cfg_.num_layers) + 2 * H * static_cast<size_t>(cfg_.vocab) + H);
+    return sizeof(float) * (per_layer * static_cast<size_t>(cfg_.num_layers) +
+                            2 * H * static_cast<size_t>(cfg_.vocab) + H);
 }
 
 attn::LayerSpec SyntheticModel::layer_spec(int layer) const {
     return attn::LayerSpec{layer, hq_, hkv_, cfg_.head_dim, 0, 0.f};
 }
 
-StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::create(const ModelConfig& config, TpComm* tp,
-                                                                 int max_tokens) {
+StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::create(const ModelConfig& config,
+                                                                 TpComm* tp, int max_tokens) {
     PDSIM_RETURN_IF_ERROR(validate_model(config));
     if (config.attention != AttentionKind::kMha) {
-        return Status(StatusCode::kUnimplemented,
-                      fmt::format("model {}: the synthetic model runs MHA/GQA attention only (MLA is not built yet)",
-                                  config.name));
+        return Status(
+            StatusCode::kUnimplemented,
+            fmt::format(
+                "model {}: the synthetic model runs MHA/GQA attention only (MLA is not built yet)",
+                config.name));
     }
     if (!config.layer_kinds.empty()) {
         for (LayerKind k : config.layer_kinds) {
             if (k != LayerKind::kFullAttention) {
-                return Status(StatusCode::kUnimplemented,
-                              fmt::format("model {}: sliding-window layers are not built yet", config.name));
+                return Status(
+                    StatusCode::kUnimplemented,
+                    fmt::format("model {}: sliding-window layers are not built yet", config.name));
             }
         }
     }
     const int tp_size = tp != nullptr ? tp->size() : 1;
     PDSIM_RETURN_IF_ERROR(check_tp(config, tp_size).with_context("model " + config.name + ": tp"));
     if (config.intermediate % config.num_kv_heads != 0) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("model {}: intermediate {} must be a multiple of num_kv_heads {} (the canonical "
-                                  "reduction slices)",
-                                  config.name, config.intermediate, config.num_kv_heads));
+        return Status(
+            StatusCode::kInvalidArgument,
+            fmt::format(
+                "model {}: intermediate {} must be a multiple of num_kv_heads {} (the canonical "
+                "reduction slices)",
+                config.name, config.intermediate, config.num_kv_heads));
     }
     if (config.head_dim % 2 != 0) {
-        return Status(StatusCode::kInvalidArgument, fmt::format("model {}: head_dim {} must be even (RoPE)",
-                                                                config.name, config.head_dim));
+        return Status(
+            StatusCode::kInvalidArgument,
+            fmt::format("model {}: head_dim {} must be even (RoPE)", config.name, config.head_dim));
     }
     if (max_tokens < 1) return Status(StatusCode::kInvalidArgument, "max_tokens must be >= 1");
     std::unique_ptr<SyntheticModel> m(new SyntheticModel(config, tp, max_tokens));
     constexpr size_t kMaxWeightBytes = size_t{16} << 30;
     if (m->weight_bytes() > kMaxWeightBytes) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("model {}: {:.1f} GiB of fp32 weights per rank is more than this CPU testbed "
-                                  "allows (16 GiB); shrink it (--layers, or a model file with smaller hidden/vocab)",
-                                  config.name, static_cast<double>(m->weight_bytes()) / (1 << 30)));
+        return Status(
+            StatusCode::kInvalidArgument,
+            fmt::format(
+                "model {}: {:.1f} GiB of fp32 weights per rank is more than this CPU testbed "
+                "allows (16 GiB); shrink it (--layers, or a model file with smaller hidden/vocab)",
+                config.name, static_cast<double>(m->weight_bytes()) / (1 << 30)));
     }
     PDSIM_RETURN_IF_ERROR(m->init_weights());
     return m;
 }
 
 Status SyntheticModel::init_weights() {
-    const int H = cfg_.hidden, D = cfg_.head_dim, HQ = cfg_.num_q_heads, HKV = cfg_.num_kv_heads, I = cfg_.intermediate;
+    const int H = cfg_.hidden, D = cfg_.head_dim, HQ = cfg_.num_q_heads, HKV = cfg_.num_kv_heads,
+              I = cfg_.intermediate;
     const uint64_t seed = cfg_.seed;
     const float s_h = 1.0f / std::sqrt(static_cast<float>(H));
     const float s_o = 1.0f / std::sqrt(static_cast<float>(HQ * D));
@@ -214,7 +247,9 @@ Status SyntheticModel::init_weights() {
     };
     auto norm = [&](uint64_t tid) {
         std::vector<float> w(static_cast<size_t>(H));
-        for (int i = 0; i < H; ++i) w[static_cast<size_t>(i)] = 1.0f + weight_value(seed, tid, static_cast<uint64_t>(i), 0.1f);
+        for (int i = 0; i < H; ++i)
+            w[static_cast<size_t>(i)] =
+                1.0f + weight_value(seed, tid, static_cast<uint64_t>(i), 0.1f);
         return w;
     };
     // Slices are stored one after another, each a contiguous [K][n] matrix, so every sgemm call has
@@ -261,23 +296,29 @@ Status SyntheticModel::init_weights() {
     return {};
 }
 
-Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& backend, kv::KVPool& pool,
-                               int32_t* next_tokens, bool save_kv_cache) {
+Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& backend,
+                               kv::KVPool& pool, int32_t* next_tokens, bool save_kv_cache) {
     const int T = static_cast<int>(batch.tokens.size());
     const int bs = static_cast<int>(batch.seq_lens.size());
     if (T > max_tokens_) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "forward of {} tokens, model workspace holds {}", T, max_tokens_);
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "forward of {} tokens, model workspace holds {}", T, max_tokens_);
     }
-    if (batch.out_cache_loc.size() != static_cast<size_t>(T) || batch.extend_lens.size() != static_cast<size_t>(bs)) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: {} tokens, {} slots, {} seq_lens, {} extend_lens", T,
+    if (batch.out_cache_loc.size() != static_cast<size_t>(T) ||
+        batch.extend_lens.size() != static_cast<size_t>(bs)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "batch: {} tokens, {} slots, {} seq_lens, {} extend_lens", T,
                            batch.out_cache_loc.size(), bs, batch.extend_lens.size());
     }
     int sum = 0;
     for (int e : batch.extend_lens) sum += e;
-    if (sum != T) return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: extend_lens sum to {}, {} tokens", sum, T);
+    if (sum != T)
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "batch: extend_lens sum to {}, {} tokens",
+                           sum, T);
     for (int32_t tok : batch.tokens) {
         if (tok < 0 || tok >= cfg_.vocab) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument, "token id {} outside the vocabulary [0, {})", tok, cfg_.vocab);
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "token id {} outside the vocabulary [0, {})", tok, cfg_.vocab);
         }
     }
     runtime::Stream& stream = backend.stream();
@@ -295,16 +336,19 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
     auto positions = std::make_shared<std::vector<int32_t>>();
     for (int i = 0, t = 0; i < bs; ++i) {
         for (int j = 0; j < batch.extend_lens[static_cast<size_t>(i)]; ++j, ++t) {
-            positions->push_back(batch.seq_lens[static_cast<size_t>(i)] - batch.extend_lens[static_cast<size_t>(i)] + j);
+            positions->push_back(batch.seq_lens[static_cast<size_t>(i)] -
+                                 batch.extend_lens[static_cast<size_t>(i)] + j);
         }
     }
     const int H = cfg_.hidden, D = cfg_.head_dim;
-    const int qs = cfg_.num_q_heads / slices_, is = cfg_.intermediate / slices_, ns = slices_ / tp_size_;
+    const int qs = cfg_.num_q_heads / slices_, is = cfg_.intermediate / slices_,
+              ns = slices_ / tp_size_;
 
     PDSIM_RETURN_IF_ERROR(stream.enqueue([this, staged, T, H] {
         for (int t = 0; t < T; ++t) {
             std::memcpy(&h_[static_cast<size_t>(t) * H],
-                        &embed_[static_cast<size_t>(staged->tokens[static_cast<size_t>(t)]) * H], sizeof(float) * H);
+                        &embed_[static_cast<size_t>(staged->tokens[static_cast<size_t>(t)]) * H],
+                        sizeof(float) * H);
         }
         return Status();
     }));
@@ -316,7 +360,9 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
         if (tp_size_ > 1) {
             // Partials are laid out [slice][T][H] with stride max_tokens_ * H; compact them first.
             for (int s = 1; s < ns; ++s) {
-                std::memmove(&partial_[s * per], &partial_[static_cast<size_t>(s) * max_tokens_ * H], per * sizeof(float));
+                std::memmove(&partial_[s * per],
+                             &partial_[static_cast<size_t>(s) * max_tokens_ * H],
+                             per * sizeof(float));
             }
             PDSIM_RETURN_IF_ERROR(tp_->allgather(partial_.data(), ns * per, gathered_.data()));
             all = gathered_.data();
@@ -336,10 +382,12 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
             const Layer& L = layers_[static_cast<size_t>(l)];
             rmsnorm(h_.data(), L.norm1.data(), x_.data(), T, H, cfg_.rms_eps);
             for (int s = 0; s < ns; ++s) {
-                gemm_rows(x_.data(), H, T, H, &L.wq[static_cast<size_t>(s) * H * qs * D], qs * D, &q_[static_cast<size_t>(s) * qs * D],
-                           hq_ * D);
-                gemm_rows(x_.data(), H, T, H, &L.wk[static_cast<size_t>(s) * H * D], D, &k_[static_cast<size_t>(s) * D], hkv_ * D);
-                gemm_rows(x_.data(), H, T, H, &L.wv[static_cast<size_t>(s) * H * D], D, &v_[static_cast<size_t>(s) * D], hkv_ * D);
+                gemm_rows(x_.data(), H, T, H, &L.wq[static_cast<size_t>(s) * H * qs * D], qs * D,
+                          &q_[static_cast<size_t>(s) * qs * D], hq_ * D);
+                gemm_rows(x_.data(), H, T, H, &L.wk[static_cast<size_t>(s) * H * D], D,
+                          &k_[static_cast<size_t>(s) * D], hkv_ * D);
+                gemm_rows(x_.data(), H, T, H, &L.wv[static_cast<size_t>(s) * H * D], D,
+                          &v_[static_cast<size_t>(s) * D], hkv_ * D);
             }
             rope(q_.data(), T, hq_, D, positions->data(), rope_inv_freq_.data());
             rope(k_.data(), T, hkv_, D, positions->data(), rope_inv_freq_.data());
@@ -357,9 +405,11 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
         const runtime::ConstTensorView locs =
             runtime::host_view(static_cast<const int32_t*>(staged->out_cache_loc.data()), {T});
         if (!save_kv_cache) {
-            // Fused-prewrite path: the KV lands before the attention call, which then records first.
+            // Fused-prewrite path: the KV lands before the attention call, which then records
+            // first.
             auto* mha = dynamic_cast<kv::MHATokenToKVPool*>(&pool);
-            if (mha == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "prewrite needs an MHA pool");
+            if (mha == nullptr)
+                return PDSIM_ERROR(StatusCode::kInvalidArgument, "prewrite needs an MHA pool");
             PDSIM_RETURN_IF_ERROR(stream.enqueue(
                 [mha, l, locs, k, v, staged] { return mha->set_kv_buffer(l, locs, k, v); }));
         }
@@ -370,23 +420,23 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
             const size_t pstride = static_cast<size_t>(max_tokens_) * H;
             for (int s = 0; s < ns; ++s) {
                 gemm_rows(&attn_[static_cast<size_t>(s) * qs * D], hq_ * D, T, qs * D,
-                           &L.wo[static_cast<size_t>(s) * qs * D * H], H, &partial_[s * pstride], H);
+                          &L.wo[static_cast<size_t>(s) * qs * D * H], H, &partial_[s * pstride], H);
             }
             PDSIM_RETURN_IF_ERROR(reduce_into_h());
             rmsnorm(h_.data(), L.norm2.data(), x_.data(), T, H, cfg_.rms_eps);
             for (int s = 0; s < ns; ++s) {
-                gemm_rows(x_.data(), H, T, H, &L.w_gate[static_cast<size_t>(s) * H * is], is, &gate_[static_cast<size_t>(s) * is],
-                           inter_);
-                gemm_rows(x_.data(), H, T, H, &L.w_up[static_cast<size_t>(s) * H * is], is, &up_[static_cast<size_t>(s) * is],
-                           inter_);
+                gemm_rows(x_.data(), H, T, H, &L.w_gate[static_cast<size_t>(s) * H * is], is,
+                          &gate_[static_cast<size_t>(s) * is], inter_);
+                gemm_rows(x_.data(), H, T, H, &L.w_up[static_cast<size_t>(s) * H * is], is,
+                          &up_[static_cast<size_t>(s) * is], inter_);
             }
             for (size_t i = 0; i < static_cast<size_t>(T) * inter_; ++i) {
                 const float g = gate_[i];
                 gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
             }
             for (int s = 0; s < ns; ++s) {
-                gemm_rows(&gate_[static_cast<size_t>(s) * is], inter_, T, is, &L.w_down[static_cast<size_t>(s) * is * H], H,
-                           &partial_[s * pstride], H);
+                gemm_rows(&gate_[static_cast<size_t>(s) * is], inter_, T, is,
+                          &L.w_down[static_cast<size_t>(s) * is * H], H, &partial_[s * pstride], H);
             }
             PDSIM_RETURN_IF_ERROR(reduce_into_h());
             if (hook_) hook_(l, false);
@@ -400,7 +450,8 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
         std::vector<float> last(static_cast<size_t>(bs) * H), normed(static_cast<size_t>(bs) * H);
         for (int i = 0, t = 0; i < bs; ++i) {
             t += staged->extend_lens[static_cast<size_t>(i)];
-            std::memcpy(&last[static_cast<size_t>(i) * H], &h_[static_cast<size_t>(t - 1) * H], sizeof(float) * H);
+            std::memcpy(&last[static_cast<size_t>(i) * H], &h_[static_cast<size_t>(t - 1) * H],
+                        sizeof(float) * H);
         }
         rmsnorm(last.data(), final_norm_.data(), normed.data(), bs, H, cfg_.rms_eps);
         std::vector<float> logits(static_cast<size_t>(bs) * V);
@@ -412,7 +463,8 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
                 if (row[v] > row[best]) best = v;
             }
             if (!std::isfinite(row[best])) {
-                return PDSIM_ERROR(StatusCode::kDataLoss, "request {} of the batch: non-finite logits", i);
+                return PDSIM_ERROR(StatusCode::kDataLoss,
+                                   "request {} of the batch: non-finite logits", i);
             }
             next_tokens[i] = best;
         }

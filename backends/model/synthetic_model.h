@@ -52,7 +52,8 @@ class SyntheticModel : public Model {
 public:
     // `tp` may be null for TP 1. `max_tokens` bounds T per forward.
     [[nodiscard]] static StatusOr<std::unique_ptr<SyntheticModel>> create(const ModelConfig& config,
-                                                                          TpComm* tp, int max_tokens);
+                                                                          TpComm* tp,
+                                                                          int max_tokens);
     SyntheticModel(const SyntheticModel&) = delete;
     SyntheticModel& operator=(const SyntheticModel&) = delete;
 
@@ -75,32 +76,33 @@ public:
     void set_layer_hook(LayerHook hook) { hook_ = std::move(hook); }
 
     // Deterministic weight value (exposed for tests): element `index` of tensor `tensor`.
-    [[nodiscard]] static float weight_value(uint64_t seed, uint64_t tensor, uint64_t index, float scale);
+    [[nodiscard]] static float weight_value(uint64_t seed, uint64_t tensor, uint64_t index,
+                                            float scale);
 
 private:
     SyntheticModel(const ModelConfig& config, TpComm* tp, int max_tokens);
     [[nodiscard]] Status init_weights();
 
     struct Layer {
-        std::vector<float> norm1, norm2;     // [H]
-        std::vector<float> wq, wk, wv;       // [H][local heads * D]
-        std::vector<float> wo;               // [local q heads * D][H]
-        std::vector<float> w_gate, w_up;     // [H][local I]
-        std::vector<float> w_down;           // [local I][H]
+        std::vector<float> norm1, norm2;  // [H]
+        std::vector<float> wq, wk, wv;    // [H][local heads * D]
+        std::vector<float> wo;            // [local q heads * D][H]
+        std::vector<float> w_gate, w_up;  // [H][local I]
+        std::vector<float> w_down;        // [local I][H]
     };
 
     ModelConfig cfg_;
     TpComm* tp_;
     int tp_size_ = 1;
     int tp_rank_ = 0;
-    int hq_ = 0, hkv_ = 0, inter_ = 0;       // local sizes
-    int slices_ = 1;                         // canonical reduction slices (whole model)
+    int hq_ = 0, hkv_ = 0, inter_ = 0;  // local sizes
+    int slices_ = 1;                    // canonical reduction slices (whole model)
     int max_tokens_ = 0;
     std::vector<Layer> layers_;
-    std::vector<float> embed_;               // [V][H]
-    std::vector<float> final_norm_;          // [H]
-    std::vector<float> lm_head_;             // [H][V]
-    std::vector<float> rope_inv_freq_;       // [D/2]
+    std::vector<float> embed_;          // [V][H]
+    std::vector<float> final_norm_;     // [H]
+    std::vector<float> lm_head_;        // [H][V]
+    std::vector<float> rope_inv_freq_;  // [D/2]
 
     // Workspace (touched only by stream tasks).
     std::vector<float> h_, x_, q_, k_, v_, attn_, gate_, up_, partial_, gathered_;

@@ -1,14 +1,17 @@
 #include "backends/runtime/cpu_stream.h"
-#include "common/thread_info.h"
 
 #include <atomic>
+
+#include "common/thread_info.h"
 
 namespace pdsim::runtime {
 
 std::string_view device_kind_name(DeviceKind kind) {
     switch (kind) {
-        case DeviceKind::kCpu: return "cpu";
-        case DeviceKind::kCuda: return "cuda";
+        case DeviceKind::kCpu:
+            return "cpu";
+        case DeviceKind::kCuda:
+            return "cuda";
     }
     return "unknown";
 }
@@ -84,9 +87,15 @@ public:
         }
         for (const CpuStream::Node& n : nodes_) {
             switch (n.kind) {
-                case CpuStream::Node::kTask: PDSIM_RETURN_IF_ERROR(stream.enqueue(n.task)); break;
-                case CpuStream::Node::kRecord: PDSIM_RETURN_IF_ERROR(stream.record(*n.event)); break;
-                case CpuStream::Node::kWait: PDSIM_RETURN_IF_ERROR(stream.wait(*n.event)); break;
+                case CpuStream::Node::kTask:
+                    PDSIM_RETURN_IF_ERROR(stream.enqueue(n.task));
+                    break;
+                case CpuStream::Node::kRecord:
+                    PDSIM_RETURN_IF_ERROR(stream.record(*n.event));
+                    break;
+                case CpuStream::Node::kWait:
+                    PDSIM_RETURN_IF_ERROR(stream.wait(*n.event));
+                    break;
             }
         }
         return {};
@@ -97,9 +106,7 @@ private:
     std::vector<CpuStream::Node> nodes_;
 };
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 CpuStream::CpuStream(std::string name, std::chrono::milliseconds wait_timeout)
     : name_(std::move(name)), wait_timeout_(wait_timeout) {
@@ -119,7 +126,9 @@ CpuStream::~CpuStream() {
     worker_.join();
 }
 
-bool CpuStream::on_worker_thread() const { return std::this_thread::get_id() == worker_.get_id(); }
+bool CpuStream::on_worker_thread() const {
+    return std::this_thread::get_id() == worker_.get_id();
+}
 
 void CpuStream::push(Task task) {
     {
@@ -143,12 +152,15 @@ Status CpuStream::enqueue(Task task) {
     return {};
 }
 
-std::unique_ptr<Event> CpuStream::create_event() { return std::make_unique<CpuEvent>(); }
+std::unique_ptr<Event> CpuStream::create_event() {
+    return std::make_unique<CpuEvent>();
+}
 
 Status CpuStream::record(Event& event) {
     auto* ev = dynamic_cast<CpuEvent*>(&event);
     if (ev == nullptr) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "stream {}: event is not a CPU event", name_);
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "stream {}: event is not a CPU event",
+                           name_);
     }
     {
         std::lock_guard<std::mutex> lock(mu_);
@@ -167,7 +179,8 @@ Status CpuStream::record(Event& event) {
 Status CpuStream::wait(Event& event) {
     auto* ev = dynamic_cast<CpuEvent*>(&event);
     if (ev == nullptr) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "stream {}: event is not a CPU event", name_);
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "stream {}: event is not a CPU event",
+                           name_);
     }
     {
         std::lock_guard<std::mutex> lock(mu_);
@@ -182,8 +195,8 @@ Status CpuStream::wait(Event& event) {
     return enqueue([state = ev->state(), gen, timeout, name] {
         if (!state->wait_for(gen, timeout)) {
             return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                               "stream {}: wait on event generation {} timed out after {} ms",
-                               name, gen, timeout.count());
+                               "stream {}: wait on event generation {} timed out after {} ms", name,
+                               gen, timeout.count());
         }
         return Status();
     });
@@ -211,7 +224,8 @@ Status CpuStream::error() const {
 
 Status CpuStream::begin_capture() {
     std::lock_guard<std::mutex> lock(mu_);
-    if (capturing_) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "stream {}: already capturing", name_);
+    if (capturing_)
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "stream {}: already capturing", name_);
     capturing_ = true;
     captured_.clear();
     return {};
@@ -219,7 +233,8 @@ Status CpuStream::begin_capture() {
 
 StatusOr<std::unique_ptr<Graph>> CpuStream::end_capture() {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!capturing_) return PDSIM_ERROR(StatusCode::kFailedPrecondition, "stream {}: not capturing", name_);
+    if (!capturing_)
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "stream {}: not capturing", name_);
     capturing_ = false;
     std::unique_ptr<Graph> graph = std::make_unique<CpuGraph>(std::move(captured_));
     captured_.clear();

@@ -25,7 +25,8 @@ public:
     [[nodiscard]] std::unique_ptr<Event> create_event() override;
     [[nodiscard]] Status record(Event& event) override;
     [[nodiscard]] Status wait(Event& event) override;
-    [[nodiscard]] Status synchronize(std::chrono::milliseconds timeout = kDefaultWaitTimeout) override;
+    [[nodiscard]] Status synchronize(
+        std::chrono::milliseconds timeout = kDefaultWaitTimeout) override;
     [[nodiscard]] Status error() const override;
     [[nodiscard]] Status begin_capture() override;
     [[nodiscard]] StatusOr<std::unique_ptr<Graph>> end_capture() override;

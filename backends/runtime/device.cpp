@@ -17,12 +17,14 @@ public:
     [[nodiscard]] int device_count() const override { return 1; }
     [[nodiscard]] std::string unavailable_reason() const override { return {}; }
     [[nodiscard]] StatusOr<void*> allocate(size_t bytes, int index) override {
-        if (index != 0) return PDSIM_ERROR(StatusCode::kInvalidArgument, "cpu device index {} (only 0)", index);
+        if (index != 0)
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "cpu device index {} (only 0)", index);
         if (bytes == 0) bytes = 1;
         constexpr size_t kAlign = 4096;  // page-aligned: SIMD-friendly, friendly to registration
         void* p = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
         if (p == nullptr) {
-            return PDSIM_ERROR(StatusCode::kResourceExhausted, "host allocation of {} bytes failed", bytes);
+            return PDSIM_ERROR(StatusCode::kResourceExhausted, "host allocation of {} bytes failed",
+                               bytes);
         }
         return p;
     }
@@ -35,8 +37,10 @@ public:
         if (bytes != 0) std::memset(dst, byte, bytes);
         return {};
     }
-    [[nodiscard]] StatusOr<std::unique_ptr<Stream>> create_stream(int index, std::string name) override {
-        if (index != 0) return PDSIM_ERROR(StatusCode::kInvalidArgument, "cpu device index {} (only 0)", index);
+    [[nodiscard]] StatusOr<std::unique_ptr<Stream>> create_stream(int index,
+                                                                  std::string name) override {
+        if (index != 0)
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "cpu device index {} (only 0)", index);
         return std::unique_ptr<Stream>(std::make_unique<CpuStream>(std::move(name)));
     }
 };
@@ -66,7 +70,9 @@ void ensure_builtin_runtimes() {
 }
 }  // namespace
 
-std::unique_ptr<DeviceRuntime> make_cpu_runtime() { return std::make_unique<CpuRuntime>(); }
+std::unique_ptr<DeviceRuntime> make_cpu_runtime() {
+    return std::make_unique<CpuRuntime>();
+}
 
 void register_device_runtime(std::unique_ptr<DeviceRuntime> runtime) {
     Registry& r = registry();
@@ -81,8 +87,8 @@ StatusOr<DeviceRuntime*> device_runtime(DeviceKind kind) {
     std::lock_guard<std::mutex> lock(r.mu);
     auto it = r.runtimes.find(kind);
     if (it == r.runtimes.end()) {
-        return PDSIM_ERROR(StatusCode::kUnavailable, "device kind '{}' is not built into this pdsim",
-                           device_kind_name(kind));
+        return PDSIM_ERROR(StatusCode::kUnavailable,
+                           "device kind '{}' is not built into this pdsim", device_kind_name(kind));
     }
     return it->second.get();
 }
@@ -111,10 +117,13 @@ StatusOr<Device> parse_device(std::string_view text) {
     }
     if (kind == "cpu") return Device{DeviceKind::kCpu, index};
     if (kind == "cuda") return Device{DeviceKind::kCuda, index};
-    return PDSIM_ERROR(StatusCode::kInvalidArgument, "unknown device '{}' (expected cpu or cuda[:N])", text);
+    return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                       "unknown device '{}' (expected cpu or cuda[:N])", text);
 }
 
-DeviceBuffer::~DeviceBuffer() { reset(); }
+DeviceBuffer::~DeviceBuffer() {
+    reset();
+}
 
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
     : device_(other.device_), runtime_(other.runtime_), ptr_(other.ptr_), bytes_(other.bytes_) {

@@ -2,8 +2,8 @@
 //
 // A Stream runs enqueued work in order, asynchronously to the host thread that enqueued it (the
 // semantics of a CUDA stream). CpuStream is a worker thread with a FIFO queue, so the ordering bugs
-// a GPU engine can have (reading a buffer before the kernel that writes it has run, reusing a buffer
-// while in flight) exist on the CPU too. CudaStream wraps cudaStream_t (backends/cuda/).
+// a GPU engine can have (reading a buffer before the kernel that writes it has run, reusing a
+// buffer while in flight) exist on the CPU too. CudaStream wraps cudaStream_t (backends/cuda/).
 //
 // Errors: a task that fails (returns a non-OK Status) makes the stream's error sticky, like a CUDA
 // error: later tasks are skipped and synchronize() returns the first error.

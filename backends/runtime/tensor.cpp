@@ -56,8 +56,12 @@ std::string shape_text(const ConstTensorView& v) {
 
 }  // namespace
 
-size_t dtype_size(DType dtype) { return info(dtype).size; }
-std::string_view dtype_name(DType dtype) { return info(dtype).name; }
+size_t dtype_size(DType dtype) {
+    return info(dtype).size;
+}
+std::string_view dtype_name(DType dtype) {
+    return info(dtype).name;
+}
 
 StatusOr<DType> parse_dtype(std::string_view text) {
     for (const DTypeInfo& i : kDTypes) {
@@ -68,7 +72,8 @@ StatusOr<DType> parse_dtype(std::string_view text) {
     if (text == "float16") return DType::kF16;
     if (text == "fp8") return DType::kFP8E4M3;
     std::string known;
-    for (const DTypeInfo& i : kDTypes) known += fmt::format("{}{}", known.empty() ? "" : ", ", i.name);
+    for (const DTypeInfo& i : kDTypes)
+        known += fmt::format("{}{}", known.empty() ? "" : ", ", i.name);
     return PDSIM_ERROR(StatusCode::kInvalidArgument, "unknown dtype '{}' (expected one of: {})",
                        text, known);
 }
@@ -94,8 +99,8 @@ ConstTensorView host_view(const int32_t* data, std::initializer_list<int64_t> sh
 }
 
 std::string describe(const ConstTensorView& v) {
-    return fmt::format("{}{} {}:{}", dtype_name(v.dtype), shape_text(v), device_kind_name(v.device.kind),
-                       v.device.index);
+    return fmt::format("{}{} {}:{}", dtype_name(v.dtype), shape_text(v),
+                       device_kind_name(v.device.kind), v.device.index);
 }
 
 Status check_view(const ConstTensorView& view, std::string_view name, const ViewSpec& spec) {
@@ -137,7 +142,8 @@ Status check_view(const ConstTensorView& view, std::string_view name, const View
     }
     for (int i = 0; i < view.rank; ++i) {
         if (view.stride(i) < 0) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument, "{}: negative stride in dim {}", name, i);
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "{}: negative stride in dim {}", name,
+                               i);
         }
     }
     if (spec.contiguous && !view.is_contiguous()) {

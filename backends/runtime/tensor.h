@@ -53,8 +53,8 @@ struct BasicTensorView {
     BasicTensorView() = default;
     // A view of a non-const tensor converts to a view of a const one.
     template <bool kOther>
-        requires(kConst && !kOther)
-    BasicTensorView(const BasicTensorView<kOther>& other)  // NOLINT(google-explicit-constructor)
+    requires(kConst && !kOther) BasicTensorView(
+        const BasicTensorView<kOther>& other)  // NOLINT(google-explicit-constructor)
         : data(other.data),
           dtype(other.dtype),
           device(other.device),
@@ -113,7 +113,7 @@ struct ViewSpec {
     DeviceKind device = DeviceKind::kCpu;
     std::initializer_list<int64_t> shape;  // its length is the required rank
     bool contiguous = true;
-    bool allow_null = false;               // a null data pointer is accepted (e.g. unused v)
+    bool allow_null = false;  // a null data pointer is accepted (e.g. unused v)
 };
 
 // kInvalidArgument naming `name` when `view` does not match `spec` (see the file comment).

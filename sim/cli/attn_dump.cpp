@@ -229,9 +229,11 @@ void add_attn_dump_command(CLI::App& app, CommandSet& commands) {
     CLI::App* sub = app.add_subcommand(
         "attn-dump",
         "Write one random paged-attention case, run through a backend, as NumPy .npy files:\n"
-        "q, out [tokens, q_heads, head_dim]; k_cache, v_cache [pages, page_size, kv_heads, head_dim]\n"
+        "q, out [tokens, q_heads, head_dim]; k_cache, v_cache [pages, page_size, kv_heads, "
+        "head_dim]\n"
         "(float32, or uint16 bf16 bits); page_table [batch, max_pages]; seq_lens, q_lens [batch];\n"
-        "meta.json. Query tokens of sequence i are its last q_lens[i] positions and attend causally;\n"
+        "meta.json. Query tokens of sequence i are its last q_lens[i] positions and attend "
+        "causally;\n"
         "query head h reads KV head h / (q_heads / kv_heads).");
     sub->add_option("--out", opts->out_dir, "Output directory (created)")->required();
     sub->add_option("--seed", opts->seed, "Random seed")->capture_default_str();
@@ -241,12 +243,23 @@ void add_attn_dump_command(CLI::App& app, CommandSet& commands) {
     sub->add_option("--dtype", opts->dtype, "KV cache dtype: fp32 or bf16")
         ->check(CLI::IsMember({"fp32", "bf16"}))
         ->capture_default_str();
-    sub->add_option("--backend", opts->backend, "Attention backend (cpu, cpu_ref, ...)")->capture_default_str();
-    sub->add_option("--batch", opts->batch, "Number of sequences")->check(CLI::Range(1, 256))->capture_default_str();
-    sub->add_option("--q-heads", opts->q_heads, "Query heads")->check(CLI::Range(1, 256))->capture_default_str();
-    sub->add_option("--kv-heads", opts->kv_heads, "KV heads")->check(CLI::Range(1, 256))->capture_default_str();
-    sub->add_option("--head-dim", opts->head_dim, "Head dimension")->check(CLI::Range(1, 1024))->capture_default_str();
-    sub->add_option("--page-size", opts->page_size, "Tokens per KV page")->check(CLI::Range(1, 1024))->capture_default_str();
+    sub->add_option("--backend", opts->backend, "Attention backend (cpu, cpu_ref, ...)")
+        ->capture_default_str();
+    sub->add_option("--batch", opts->batch, "Number of sequences")
+        ->check(CLI::Range(1, 256))
+        ->capture_default_str();
+    sub->add_option("--q-heads", opts->q_heads, "Query heads")
+        ->check(CLI::Range(1, 256))
+        ->capture_default_str();
+    sub->add_option("--kv-heads", opts->kv_heads, "KV heads")
+        ->check(CLI::Range(1, 256))
+        ->capture_default_str();
+    sub->add_option("--head-dim", opts->head_dim, "Head dimension")
+        ->check(CLI::Range(1, 1024))
+        ->capture_default_str();
+    sub->add_option("--page-size", opts->page_size, "Tokens per KV page")
+        ->check(CLI::Range(1, 1024))
+        ->capture_default_str();
     sub->add_option("--max-seq-len", opts->max_seq_len, "Longest KV length drawn")
         ->check(CLI::Range(1, 65536))
         ->capture_default_str();

@@ -45,8 +45,17 @@ constexpr float kQScale = 8.f;
 constexpr double kOracleAbsTol = 0.03;
 constexpr double kOracleRelTol = 0.03;
 // Value streams of the generated inputs (each element is a pure function of seed, stream, index).
-enum ValueStream : uint64_t { kDecodeK = 1, kDecodeV, kDecodeQ, kExtendK, kExtendV, kExtendQ,
-                              kGemmX, kGemmW, kTokens };
+enum ValueStream : uint64_t {
+    kDecodeK = 1,
+    kDecodeV,
+    kDecodeQ,
+    kExtendK,
+    kExtendV,
+    kExtendQ,
+    kGemmX,
+    kGemmW,
+    kTokens
+};
 
 // ---- generated values ---------------------------------------------------------------------------
 
@@ -79,7 +88,8 @@ Status fill_device(void* dst, size_t elems, uint64_t seed, uint64_t stream, floa
         threads.parallel_for(
             n,
             [&](size_t lo, size_t hi, int) {
-                for (size_t i = lo; i < hi; ++i) host[i] = value_bits(seed, stream, base + i, scale);
+                for (size_t i = lo; i < hi; ++i)
+                    host[i] = value_bits(seed, stream, base + i, scale);
             },
             size_t{1} << 16);
         CUDA_CHECK(cudaMemcpy(static_cast<bf16_t*>(dst) + base, host.data(), n * sizeof(bf16_t),
@@ -254,8 +264,10 @@ StatusOr<PagedCase> make_paged_case(const CudaBenchOptions& o, attn::ForwardMode
     PDSIM_ASSIGN_OR_RETURN(c.page_table, c.pool->allocator().alloc(bs * c.stride));
     const size_t kv_elems = static_cast<size_t>(pc.num_pages) * pc.page_size * pc.num_kv_heads *
                             static_cast<size_t>(pc.head_dim);
-    PDSIM_RETURN_IF_ERROR(fill_device(c.pool->data(0, 0), kv_elems, o.seed, k_stream, 1.f, threads));
-    PDSIM_RETURN_IF_ERROR(fill_device(c.pool->data(0, 1), kv_elems, o.seed, v_stream, 1.f, threads));
+    PDSIM_RETURN_IF_ERROR(
+        fill_device(c.pool->data(0, 0), kv_elems, o.seed, k_stream, 1.f, threads));
+    PDSIM_RETURN_IF_ERROR(
+        fill_device(c.pool->data(0, 1), kv_elems, o.seed, v_stream, 1.f, threads));
     const size_t rows = static_cast<size_t>(c.num_tokens) * o.q_heads * o.head_dim;
     c.host_q.resize(rows);
     threads.parallel_for(
@@ -383,9 +395,8 @@ StatusOr<double> check_output(const PagedCase& c, const CudaBenchOptions& o, con
     return worst;
 }
 
-StatusOr<std::unique_ptr<attn::AttentionBackend>> make_backend(runtime::Stream& stream,
-                                                               int q_heads, int kv_heads,
-                                                               int head_dim) {
+StatusOr<std::unique_ptr<attn::AttentionBackend>> make_backend(runtime::Stream& stream, int q_heads,
+                                                               int kv_heads, int head_dim) {
     attn::AttentionConfig ac;
     ac.num_q_heads = q_heads;
     ac.num_kv_heads = kv_heads;
@@ -402,12 +413,12 @@ StatusOr<CudaDecodeResult> bench_decode(const CudaBenchOptions& o, runtime::Stre
     const runtime::Device gpu{runtime::DeviceKind::kCuda, o.device};
     std::fprintf(stderr, "bench attention: decode %d x %d KV tokens vs a device-to-device copy\n",
                  o.decode_batch, o.decode_len);
-    PDSIM_ASSIGN_OR_RETURN(PagedCase c, make_paged_case(o, attn::ForwardMode::kDecode,
-                                                        o.decode_batch, o.decode_len, 1, kDecodeK,
-                                                        kDecodeV, kDecodeQ, threads));
+    PDSIM_ASSIGN_OR_RETURN(
+        PagedCase c, make_paged_case(o, attn::ForwardMode::kDecode, o.decode_batch, o.decode_len, 1,
+                                     kDecodeK, kDecodeV, kDecodeQ, threads));
     CudaDecodeResult r;
-    r.bytes = decode_traffic_bytes(o.decode_batch, o.decode_len, o.q_heads, o.kv_heads,
-                                   o.head_dim, o.head_dim);
+    r.bytes = decode_traffic_bytes(o.decode_batch, o.decode_len, o.q_heads, o.kv_heads, o.head_dim,
+                                   o.head_dim);
     r.kv_bytes = static_cast<double>(o.decode_batch) * o.decode_len * o.kv_heads *
                  (o.head_dim + o.head_dim) * sizeof(bf16_t);
     const auto copy_bytes =
@@ -423,7 +434,8 @@ StatusOr<CudaDecodeResult> bench_decode(const CudaBenchOptions& o, runtime::Stre
     PDSIM_RETURN_IF_ERROR(set_metadata(*backend, c));
     auto decode = [&]() { return run_attention(*backend, c, o); };
     auto copy = [&]() -> Status {
-        CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), copy_bytes, cudaMemcpyDeviceToDevice, s));
+        CUDA_CHECK(
+            cudaMemcpyAsync(dst.data(), src.data(), copy_bytes, cudaMemcpyDeviceToDevice, s));
         return {};
     };
     // An untimed decode before each timed one: the copy leaves the L2 full of dirty lines, which
@@ -454,9 +466,9 @@ StatusOr<CudaExtendResult> bench_extend(const CudaBenchOptions& o, runtime::Stre
                  "%lld x %lld x %lld\n",
                  o.extend_batch, o.extend_len, static_cast<long long>(r.gemm.m),
                  static_cast<long long>(r.gemm.n), static_cast<long long>(r.gemm.k));
-    PDSIM_ASSIGN_OR_RETURN(PagedCase c, make_paged_case(o, attn::ForwardMode::kExtend,
-                                                        o.extend_batch, o.extend_len, o.extend_len,
-                                                        kExtendK, kExtendV, kExtendQ, threads));
+    PDSIM_ASSIGN_OR_RETURN(
+        PagedCase c, make_paged_case(o, attn::ForwardMode::kExtend, o.extend_batch, o.extend_len,
+                                     o.extend_len, kExtendK, kExtendV, kExtendQ, threads));
     model::cuda::GemmShape shape;
     shape.k = r.gemm.k;
     shape.n = r.gemm.n;
@@ -581,7 +593,8 @@ StatusOr<CudaModelResult> bench_model(const CudaBenchOptions& o, const CudaBench
     const int ps = o.page_size;
     kv::MHAPoolConfig pc;
     pc.num_layers = cfg.num_layers;
-    pc.num_pages = 1 + (o.model_prefill + ps - 1) / ps + o.decode_batch * ((o.decode_len + ps - 1) / ps);
+    pc.num_pages =
+        1 + (o.model_prefill + ps - 1) / ps + o.decode_batch * ((o.decode_len + ps - 1) / ps);
     pc.page_size = ps;
     pc.num_kv_heads = cfg.num_kv_heads;
     pc.head_dim = cfg.head_dim;
@@ -593,8 +606,8 @@ StatusOr<CudaModelResult> bench_model(const CudaBenchOptions& o, const CudaBench
     PDSIM_RETURN_IF_ERROR(pool->fill(0x3C));
     PDSIM_ASSIGN_OR_RETURN(auto backend,
                            make_backend(stream, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim));
-    PDSIM_ASSIGN_OR_RETURN(auto m, model::cuda::CudaSyntheticModel::create(
-                                       cfg, nullptr, bench_model_options(o)));
+    PDSIM_ASSIGN_OR_RETURN(
+        auto m, model::cuda::CudaSyntheticModel::create(cfg, nullptr, bench_model_options(o)));
     const DrainOnExit drain(stream);
     r.weight_bytes = m->weight_bytes();
     PDSIM_RETURN_IF_ERROR(m->fill_workspace(0xFF));  // poison what a forward must overwrite
@@ -614,9 +627,9 @@ StatusOr<CudaModelResult> bench_model(const CudaBenchOptions& o, const CudaBench
     const int64_t kv_tokens = int64_t{o.decode_batch} * o.decode_len;
     PDSIM_ASSIGN_OR_RETURN(LayerRoofline roof, roofline_per_layer(cfg, gpu, o.model_prefill,
                                                                   o.decode_batch, kv_tokens));
-    PDSIM_ASSIGN_OR_RETURN(LayerRoofline peak, roofline_per_layer(cfg, gpu, o.model_prefill,
-                                                                  o.decode_batch, kv_tokens, 1.0,
-                                                                  1.0));
+    PDSIM_ASSIGN_OR_RETURN(
+        LayerRoofline peak,
+        roofline_per_layer(cfg, gpu, o.model_prefill, o.decode_batch, kv_tokens, 1.0, 1.0));
     r.have_roofline = true;
     r.roofline = roof.describe;
     r.prefill.roofline_ms = roof.prefill_s * 1e3;

@@ -102,8 +102,8 @@ struct CudaBenchOptions {
                                          int v_head_dim);
 // Bytes one bf16 decode forward moves: KV read (bs * len * kv_heads * (head_dim + v_head_dim)
 // elements), q read and out written (bs * q_heads * head_dim elements each), 2 bytes each.
-[[nodiscard]] double decode_traffic_bytes(int bs, int len, int q_heads, int kv_heads,
-                                          int head_dim, int v_head_dim);
+[[nodiscard]] double decode_traffic_bytes(int bs, int len, int q_heads, int kv_heads, int head_dim,
+                                          int v_head_dim);
 // The copy baseline's default size (bytes per array): the decode's traffic rounded up to a MiB,
 // at least 256 MiB.
 [[nodiscard]] int64_t decode_copy_bytes(double decode_bytes);
@@ -145,9 +145,8 @@ struct LayerRoofline {
     std::string describe;  // the cost model's describe(): "roofline H200 tp1 (mfu 0.50, ...)"
 };
 [[nodiscard]] StatusOr<LayerRoofline> roofline_per_layer(const model::ModelConfig& config,
-                                                         std::string_view gpu,
-                                                         int prefill_tokens, int decode_bs,
-                                                         int64_t decode_kv_tokens,
+                                                         std::string_view gpu, int prefill_tokens,
+                                                         int decode_bs, int64_t decode_kv_tokens,
                                                          double mfu = 0.5, double mbu = 0.8);
 
 // ---- the run's results and their report (host logic, bench_attention_cuda_plan.cpp) ----

@@ -65,8 +65,8 @@ Status check_cuda_bench_options(const CudaBenchOptions& o) {
     PDSIM_RETURN_IF_ERROR(at_least("--layers", o.layers, 1));
     PDSIM_RETURN_IF_ERROR(at_least("--model-prefill", o.model_prefill, 1));
     if (o.q_heads % o.kv_heads != 0) {
-        return bad(fmt::format("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads,
-                               o.kv_heads));
+        return bad(
+            fmt::format("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
     }
     attn::AttentionConfig ac;
     ac.num_q_heads = o.q_heads;
@@ -80,17 +80,18 @@ Status check_cuda_bench_options(const CudaBenchOptions& o) {
     // Pages of one request must stay addressable as int32 slots (page id * page size).
     const int64_t pages_per_request = (int64_t{o.decode_len} + o.page_size - 1) / o.page_size;
     if (pages_per_request * o.decode_batch * o.page_size > std::numeric_limits<int32_t>::max()) {
-        return bad(fmt::format("--decode-batch {} x --decode-len {}: more KV slots than int32 "
-                               "indexes",
-                               o.decode_batch, o.decode_len));
+        return bad(
+            fmt::format("--decode-batch {} x --decode-len {}: more KV slots than int32 "
+                        "indexes",
+                        o.decode_batch, o.decode_len));
     }
     PDSIM_ASSIGN_OR_RETURN(const model::ModelConfig cfg, bench_model_config(o));
     if (Status st = model::cuda::check_cuda_model_config(cfg, 1, bench_model_options(o));
         !st.ok()) {
-        return bad(fmt::format("--model {} (--layers {}, --model-prefill {}, --decode-batch {}, "
-                               "--decode-len {}): {}",
-                               o.model, o.layers, o.model_prefill, o.decode_batch, o.decode_len,
-                               st.message()));
+        return bad(fmt::format(
+            "--model {} (--layers {}, --model-prefill {}, --decode-batch {}, "
+            "--decode-len {}): {}",
+            o.model, o.layers, o.model_prefill, o.decode_batch, o.decode_len, st.message()));
     }
     return {};
 }
@@ -121,16 +122,16 @@ StatusOr<GemmDims> gemm_dims_for_flops(double flops) {
         return bad(fmt::format("gemm_dims_for_flops: flops {} must be > 0", flops));
     }
     auto nearest = [](double x, int64_t multiple) {
-        return std::max<int64_t>(multiple, std::llround(x / static_cast<double>(multiple)) *
-                                               multiple);
+        return std::max<int64_t>(multiple,
+                                 std::llround(x / static_cast<double>(multiple)) * multiple);
     };
     GemmDims d;
     d.n = d.k = nearest(std::cbrt(flops / 2.0), 256);
     d.m = nearest(flops / (2.0 * static_cast<double>(d.n) * static_cast<double>(d.k)), 8);
     const int64_t limit = std::numeric_limits<int32_t>::max();
     if (d.m > limit || d.n > limit) {
-        return bad(fmt::format("gemm_dims_for_flops: {} FLOPs need dimensions beyond int32",
-                               flops));
+        return bad(
+            fmt::format("gemm_dims_for_flops: {} FLOPs need dimensions beyond int32", flops));
     }
     return d;
 }
@@ -163,8 +164,8 @@ GpuSpecMatch match_gpu_spec(std::string_view device_name) {
             return m;
         }
     }
-    m.reason = fmt::format("'{}' is not in the GPU spec table ({})", device_name,
-                           topo::gpu_spec_names());
+    m.reason =
+        fmt::format("'{}' is not in the GPU spec table ({})", device_name, topo::gpu_spec_names());
     return m;
 }
 
@@ -172,8 +173,8 @@ StatusOr<LayerRoofline> roofline_per_layer(const model::ModelConfig& config, std
                                            int prefill_tokens, int decode_bs,
                                            int64_t decode_kv_tokens, double mfu, double mbu) {
     if (config.num_layers < 1) {
-        return bad(fmt::format("roofline_per_layer: num_layers {} must be >= 1",
-                               config.num_layers));
+        return bad(
+            fmt::format("roofline_per_layer: num_layers {} must be >= 1", config.num_layers));
     }
     cost::RooflineOptions ro;
     ro.mfu = mfu;

@@ -536,10 +536,11 @@ void add_calibrate_command(CLI::App& app, CommandSet& commands) {
     a->add_flag("--include-overlapped", o->include_overlapped,
                 "With --from-timeline: also fit forwards that overlap another instance's forward "
                 "(by default left out: the simulator's CPU contention model adds that slowdown)");
-    a->add_option("--node-cpus", o->node_cpus,
-                  "With --from-timeline: cores of the machine the timelines were recorded on (default: "
-                  "this machine's), for the interference fit: how much slower than their share of "
-                  "the cores forwards ran while another instance computed")
+    a->add_option(
+         "--node-cpus", o->node_cpus,
+         "With --from-timeline: cores of the machine the timelines were recorded on (default: "
+         "this machine's), for the interference fit: how much slower than their share of "
+         "the cores forwards ran while another instance computed")
         ->check(CLI::NonNegativeNumber);
     a->add_option("--base", o->base,
                   "With --from-timeline: a cost file whose fits supply the (tp, threads, extend | "

@@ -15,13 +15,15 @@ Status CommandSet::run_selected() const {
             best_depth = depth;
         }
     }
-    if (best == nullptr) return Status(StatusCode::kInvalidArgument, "no command given (see pdsim --help)");
+    if (best == nullptr)
+        return Status(StatusCode::kInvalidArgument, "no command given (see pdsim --help)");
     return best->run();
 }
 
 int exit_code_for(const Status& status) {
     if (status.ok()) return 0;
-    if (status.code() == StatusCode::kInvalidArgument || status.code() == StatusCode::kNotFound) return 2;
+    if (status.code() == StatusCode::kInvalidArgument || status.code() == StatusCode::kNotFound)
+        return 2;
     return 1;
 }
 

@@ -3,10 +3,9 @@
 // kNotFound), 1 any other failure.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <functional>
 #include <vector>
-
-#include <CLI/CLI.hpp>
 
 #include "common/status.h"
 
@@ -44,7 +43,8 @@ void add_bench_simulate_command(CLI::App& bench, CommandSet& commands);
 void add_testbed_command(CLI::App& app, CommandSet& commands);
 // `pdsim simulate [...]`: the discrete-event simulator (sim/cli/simulate_cmd.cpp).
 void add_simulate_command(CLI::App& app, CommandSet& commands);
-// `pdsim calibrate [...]`: measures the CPU testbed, writes a cost file (sim/cli/calibrate_cmd.cpp).
+// `pdsim calibrate [...]`: measures the CPU testbed, writes a cost file
+// (sim/cli/calibrate_cmd.cpp).
 void add_calibrate_command(CLI::App& app, CommandSet& commands);
 // `pdsim search [...]`: placement search over a GPU budget (sim/cli/search_cmd.cpp).
 void add_search_command(CLI::App& app, CommandSet& commands);

@@ -5,7 +5,9 @@
 namespace pdsim::cli {
 
 namespace {
-Status bad(std::string msg) { return Status(StatusCode::kInvalidArgument, std::move(msg)); }
+Status bad(std::string msg) {
+    return Status(StatusCode::kInvalidArgument, std::move(msg));
+}
 }  // namespace
 
 void add_scheduling_flags(CLI::App* sub, SchedulingFlags& f) {

@@ -3,10 +3,9 @@
 // so that the two commands cannot drift apart.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
-
-#include <CLI/CLI.hpp>
 
 #include "common/status.h"
 #include "sim/des/simulator.h"

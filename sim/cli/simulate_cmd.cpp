@@ -133,7 +133,8 @@ Status load_model_and_topology(const SimulateFlags& f, Prepared* p) {
         const std::string name = p->topology.model->name;
         auto r = des::load_model(name, f.layers, "model");
         if (!r.ok()) {
-            return bad(fmt::format("{}: {}; pass --model NAME|F", f.topology, r.status().message()));
+            return bad(
+                fmt::format("{}: {}; pass --model NAME|F", f.topology, r.status().message()));
         }
         m = *std::move(r);
         shape = model::to_model_shape(*m);

@@ -43,8 +43,8 @@ bool solve(std::vector<double> a, std::vector<double> b, size_t n, std::vector<d
 class CalibratedModel final : public CostModel {
 public:
     CalibratedModel(std::string label, std::array<double, 4> extend, std::array<double, 4> decode,
-                    double interference_extend, double interference_decode,
-                    CostNoise noise_extend, CostNoise noise_decode)
+                    double interference_extend, double interference_decode, CostNoise noise_extend,
+                    CostNoise noise_decode)
         : label_(std::move(label)),
           extend_(extend),
           decode_(decode),
@@ -307,13 +307,12 @@ StatusOr<std::unique_ptr<CostModel>> make_calibrated_model(const InstanceSpec& s
     const json nz = j.value("noise", json::object());
     auto noise = [&](const char* kind) {
         const json k = nz.value(kind, json::object());
-        return CostNoise{k.value("fast_cv", 0.0),
-                         k.value("fast_quantiles", std::vector<double>()),
+        return CostNoise{k.value("fast_cv", 0.0), k.value("fast_quantiles", std::vector<double>()),
                          k.value("slow_cv", 0.0), k.value("slow_period_s", 0.0)};
     };
     return std::unique_ptr<CostModel>(new CalibratedModel(label, e, d, ix.value("extend", 0.0),
-                                                          ix.value("decode", 0.0),
-                                                          noise("extend"), noise("decode")));
+                                                          ix.value("decode", 0.0), noise("extend"),
+                                                          noise("decode")));
 }
 
 }  // namespace pdsim::cost

@@ -20,12 +20,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "backends/model/model_config.h"
 #include "common/status.h"
@@ -41,12 +40,12 @@ struct ExtendItem {
 struct InstanceSpec {
     model::ModelConfig model;
     int tp = 1;
-    std::string device = "cpu";       // "cpu" or a GPU spec name (topo::gpu_spec)
-    double tp_link_gbps = 0;          // bottleneck GB/s between the instance's devices (tp > 1)
+    std::string device = "cpu";  // "cpu" or a GPU spec name (topo::gpu_spec)
+    double tp_link_gbps = 0;     // bottleneck GB/s between the instance's devices (tp > 1)
     double tp_link_latency_us = 0;
-    int kv_dtype_bytes = 2;           // 2 (bf16) on GPUs; the CPU testbed's pools are fp32 (4)
-    int threads = 0;                  // CPU: compute threads per rank (calibrated fits are per
-                                      // thread count; 0: the cost file's default)
+    int kv_dtype_bytes = 2;  // 2 (bf16) on GPUs; the CPU testbed's pools are fp32 (4)
+    int threads = 0;         // CPU: compute threads per rank (calibrated fits are per
+                             // thread count; 0: the cost file's default)
 };
 
 // Variation of a forward's time around the model's mean, as measured on the CPU testbed (pdsim
@@ -104,7 +103,8 @@ struct LinkCost {
 class CostFile {
 public:
     [[nodiscard]] static StatusOr<CostFile> load(const std::string& path);
-    [[nodiscard]] static StatusOr<CostFile> from_json(const nlohmann::json& j, const std::string& source);
+    [[nodiscard]] static StatusOr<CostFile> from_json(const nlohmann::json& j,
+                                                      const std::string& source);
     [[nodiscard]] const nlohmann::json& json() const { return json_; }
     [[nodiscard]] const std::string& source() const { return source_; }
     // The measured KV transport (`mpi`, `tcp`, `local`), when the file has it.
@@ -116,16 +116,15 @@ private:
 };
 
 struct RooflineOptions {
-    double mfu = 0.5;  // achieved fraction of peak FLOP/s in GEMMs and attention
-    double mbu = 0.8;  // achieved fraction of HBM bandwidth
+    double mfu = 0.5;              // achieved fraction of peak FLOP/s in GEMMs and attention
+    double mbu = 0.8;              // achieved fraction of HBM bandwidth
     double fixed_overhead_us = 0;  // per forward (launch, scheduling)
 };
 
 // kind: "roofline" (needs a GPU device) or "calibrated" (needs `file`, a cpu device, and a fit
 // for the model and TP size). kInvalidArgument naming what is missing otherwise.
-[[nodiscard]] StatusOr<std::unique_ptr<CostModel>> make_cost_model(const std::string& kind,
-                                                                   const InstanceSpec& spec,
-                                                                   const CostFile* file = nullptr,
-                                                                   const RooflineOptions& roofline = {});
+[[nodiscard]] StatusOr<std::unique_ptr<CostModel>> make_cost_model(
+    const std::string& kind, const InstanceSpec& spec, const CostFile* file = nullptr,
+    const RooflineOptions& roofline = {});
 
 }  // namespace pdsim::cost

@@ -13,8 +13,8 @@ EventLoop::EventId EventLoop::schedule(Time delta, Callback cb) {
 }
 
 EventLoop::EventId EventLoop::schedule_at(Time t, Callback cb) {
-    PDSIM_CHECK_MSG(t >= now_ && std::isfinite(t), "EventLoop::schedule_at: time {} is before now {}", t,
-                    now_);
+    PDSIM_CHECK_MSG(t >= now_ && std::isfinite(t),
+                    "EventLoop::schedule_at: time {} is before now {}", t, now_);
     uint32_t slot;
     if (!free_slots_.empty()) {
         slot = free_slots_.back();

@@ -30,7 +30,8 @@ public:
     EventLoop(const EventLoop&) = delete;
     EventLoop& operator=(const EventLoop&) = delete;
 
-    // Runs `cb` at now() + delta. Precondition: delta >= 0 and finite (PDSIM_CHECK aborts otherwise).
+    // Runs `cb` at now() + delta. Precondition: delta >= 0 and finite (PDSIM_CHECK aborts
+    // otherwise).
     EventId schedule(Time delta, Callback cb);
     // Runs `cb` at absolute time `t`. Precondition: t >= now() and finite.
     EventId schedule_at(Time t, Callback cb);

@@ -157,8 +157,8 @@ struct SimStats {
     int64_t prefix_hit_tokens = 0;
     int64_t preemptions = 0;
     int64_t flows = 0;
-    int64_t max_in_flight = 0;   // most requests admitted-but-unfinished at once
-    bool bundled_lanes = false;  // one flow per chunk (symmetric lanes) instead of one per lane
+    int64_t max_in_flight = 0;       // most requests admitted-but-unfinished at once
+    bool bundled_lanes = false;      // one flow per chunk (symmetric lanes) instead of one per lane
     int64_t contended_forwards = 0;  // forwards that ran slower than alone (CPU core sharing)
 };
 

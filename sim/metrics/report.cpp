@@ -38,7 +38,8 @@ void summarize_requests(const std::vector<RequestRecord>& records, const Slo& sl
         first_arrival = std::min(first_arrival, q.arrival_ms);
         if (!q.ok) {
             ++r->requests_failed;
-            if (r->failures.size() < 20) r->failures.push_back(fmt::format("request {}: {}", q.id, q.error));
+            if (r->failures.size() < 20)
+                r->failures.push_back(fmt::format("request {}: {}", q.id, q.error));
             continue;
         }
         ++r->requests_completed;
@@ -55,10 +56,12 @@ void summarize_requests(const std::vector<RequestRecord>& records, const Slo& sl
     r->ttft_ms = percentiles(std::move(ttft));
     r->tpot_ms = percentiles(std::move(tpot));
     r->e2e_ms = percentiles(std::move(e2e));
-    const double makespan_s = (r->requests_completed > 0) ? (last_finish - first_arrival) / 1000.0 : 0;
+    const double makespan_s =
+        (r->requests_completed > 0) ? (last_finish - first_arrival) / 1000.0 : 0;
     r->goodput_rps = makespan_s > 0 ? static_cast<double>(attained) / makespan_s : 0;
     r->throughput_tokens_s = makespan_s > 0 ? static_cast<double>(tokens) / makespan_s : 0;
-    r->slo_attainment = records.empty() ? 0 : static_cast<double>(attained) / static_cast<double>(records.size());
+    r->slo_attainment =
+        records.empty() ? 0 : static_cast<double>(attained) / static_cast<double>(records.size());
 }
 
 namespace {
@@ -99,7 +102,9 @@ nlohmann::json to_json(const Report& r) {
 
 Status write_report(const std::string& path, const Report& report) {
     std::ofstream f(path);
-    if (!f) return Status(StatusCode::kInvalidArgument, fmt::format("{}: cannot open report file for writing", path));
+    if (!f)
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{}: cannot open report file for writing", path));
     f << to_json(report).dump(2) << "\n";
     if (!f) return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path));
     return {};
@@ -107,17 +112,22 @@ Status write_report(const std::string& path, const Report& report) {
 
 Status write_requests_csv(const std::string& path, const std::vector<RequestRecord>& records) {
     std::ofstream f(path);
-    if (!f) return Status(StatusCode::kInvalidArgument, fmt::format("{}: cannot open requests file for writing", path));
-    f << "id,arrival_ms,ttft_ms,tpot_ms,e2e_ms,input_len,output_len,generated,ok,prefill_instance,decode_instance,"
+    if (!f)
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{}: cannot open requests file for writing", path));
+    f << "id,arrival_ms,ttft_ms,tpot_ms,e2e_ms,input_len,output_len,generated,ok,prefill_instance,"
+         "decode_instance,"
          "transfer_bytes,transfer_ms,error\n";
     for (const auto& q : records) {
         std::string err = q.error;
         std::replace(err.begin(), err.end(), '"', '\'');
         const auto tp = q.tpot_ms();
-        f << fmt::format("{},{:.3f},{},{},{},{},{},{},{},{},{},{},{:.3f},\"{}\"\n", q.id, q.arrival_ms,
-                         q.ok ? fmt::format("{:.3f}", q.ttft_ms()) : "", tp ? fmt::format("{:.3f}", *tp) : "",
-                         q.ok ? fmt::format("{:.3f}", q.e2e_ms()) : "", q.input_len, q.output_len, q.generated,
-                         q.ok ? 1 : 0, q.prefill_instance, q.decode_instance, q.transfer_bytes, q.transfer_ms, err);
+        f << fmt::format("{},{:.3f},{},{},{},{},{},{},{},{},{},{},{:.3f},\"{}\"\n", q.id,
+                         q.arrival_ms, q.ok ? fmt::format("{:.3f}", q.ttft_ms()) : "",
+                         tp ? fmt::format("{:.3f}", *tp) : "",
+                         q.ok ? fmt::format("{:.3f}", q.e2e_ms()) : "", q.input_len, q.output_len,
+                         q.generated, q.ok ? 1 : 0, q.prefill_instance, q.decode_instance,
+                         q.transfer_bytes, q.transfer_ms, err);
     }
     if (!f) return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path));
     return {};
@@ -127,22 +137,29 @@ std::string summary_table(const Report& r) {
     const Report* c = r.colocated.get();
     std::string out;
     auto row = [&](const std::string& name, const std::string& a, const std::string& b) {
-        out += c ? fmt::format("  {:<26} {:>16} {:>16}\n", name, a, b) : fmt::format("  {:<26} {:>16}\n", name, a);
+        out += c ? fmt::format("  {:<26} {:>16} {:>16}\n", name, a, b)
+                 : fmt::format("  {:<26} {:>16}\n", name, a);
     };
     auto f1 = [](double v) { return fmt::format("{:.2f}", v); };
-    auto pct = [&](const Percentiles& p) { return fmt::format("{:.1f}/{:.1f}/{:.1f}", p.p50, p.p90, p.p99); };
+    auto pct = [&](const Percentiles& p) {
+        return fmt::format("{:.1f}/{:.1f}/{:.1f}", p.p50, p.p90, p.p99);
+    };
     out += fmt::format("pdsim {} report: topology {}, model {}\n", r.mode, r.topology, r.model);
     row("", c ? r.mode : "", c ? c->mode : "");
-    row("requests submitted", std::to_string(r.requests_submitted), c ? std::to_string(c->requests_submitted) : "");
-    row("requests completed", std::to_string(r.requests_completed), c ? std::to_string(c->requests_completed) : "");
-    row("requests failed", std::to_string(r.requests_failed), c ? std::to_string(c->requests_failed) : "");
+    row("requests submitted", std::to_string(r.requests_submitted),
+        c ? std::to_string(c->requests_submitted) : "");
+    row("requests completed", std::to_string(r.requests_completed),
+        c ? std::to_string(c->requests_completed) : "");
+    row("requests failed", std::to_string(r.requests_failed),
+        c ? std::to_string(c->requests_failed) : "");
     row("TTFT ms p50/p90/p99", pct(r.ttft_ms), c ? pct(c->ttft_ms) : "");
     row("TPOT ms p50/p90/p99", pct(r.tpot_ms), c ? pct(c->tpot_ms) : "");
     row("E2E ms p50/p90/p99", pct(r.e2e_ms), c ? pct(c->e2e_ms) : "");
     row("goodput req/s", f1(r.goodput_rps), c ? f1(c->goodput_rps) : "");
     row("SLO attainment", f1(r.slo_attainment), c ? f1(c->slo_attainment) : "");
     row("transfer GB/s", fmt::format("{:.3f}", r.transfer.gbps), c ? "-" : "");
-    row("transfer exposed fraction", fmt::format("{:.3f}", r.transfer.exposed_fraction), c ? "-" : "");
+    row("transfer exposed fraction", fmt::format("{:.3f}", r.transfer.exposed_fraction),
+        c ? "-" : "");
     row("ordering checked/violations",
         fmt::format("{}/{}", r.ordering.checked_layers, r.ordering.violations), c ? "-" : "");
     if (r.outputs_match) row("outputs match", *r.outputs_match ? "yes" : "NO", "");

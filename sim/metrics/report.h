@@ -1,4 +1,5 @@
-// Metrics and the report JSON shared by the testbed and the simulator (docs/design.md "Report JSON").
+// Metrics and the report JSON shared by the testbed and the simulator (docs/design.md "Report
+// JSON").
 //
 // Top-level keys: schema_version, mode, topology, model, requests_submitted, requests_completed,
 // requests_failed, ttft_ms, tpot_ms, e2e_ms ({mean, p50, p90, p99}), goodput_rps, slo_attainment,
@@ -16,11 +17,10 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "common/status.h"
 
@@ -41,16 +41,16 @@ struct RequestRecord {
     double first_token_ms = -1;  // absolute (same clock as arrival); -1: none
     double finish_ms = -1;       // absolute; -1: not finished
     int32_t input_len = 0;
-    int32_t output_len = 0;      // requested
-    int32_t generated = 0;       // tokens produced
+    int32_t output_len = 0;  // requested
+    int32_t generated = 0;   // tokens produced
     bool ok = false;
-    std::string error;           // why it failed
+    std::string error;  // why it failed
     int prefill_instance = -1;
     int decode_instance = -1;
     int64_t transfer_bytes = 0;
-    double transfer_ms = 0;      // first layer sent -> last layer landed
+    double transfer_ms = 0;          // first layer sent -> last layer landed
     double exposed_transfer_ms = 0;  // transfer time not hidden behind prefill compute
-    std::vector<int32_t> tokens; // generated token ids (testbed; for outputs_match)
+    std::vector<int32_t> tokens;     // generated token ids (testbed; for outputs_match)
 
     [[nodiscard]] double ttft_ms() const { return first_token_ms - arrival_ms; }
     [[nodiscard]] double e2e_ms() const { return finish_ms - arrival_ms; }
@@ -67,9 +67,9 @@ struct Slo {
 
 struct TransferSummary {
     int64_t bytes = 0;
-    double gbps = 0;                 // bytes / total transfer time (GB/s, 1e9)
-    Percentiles layer_latency_us;    // per layer: ready on the prefill side -> landed on decode
-    double exposed_fraction = 0;     // share of transfer time not hidden behind prefill compute
+    double gbps = 0;               // bytes / total transfer time (GB/s, 1e9)
+    Percentiles layer_latency_us;  // per layer: ready on the prefill side -> landed on decode
+    double exposed_fraction = 0;   // share of transfer time not hidden behind prefill compute
 };
 
 struct OrderingSummary {
@@ -93,9 +93,9 @@ struct Report {
     OrderingSummary ordering;
     std::optional<bool> outputs_match;
     double wall_s = 0;
-    std::vector<std::string> failures;  // first few failure reasons
+    std::vector<std::string> failures;                // first few failure reasons
     nlohmann::json extra = nlohmann::json::object();  // producer-specific keys (config, ...)
-    std::shared_ptr<Report> colocated;  // --mode both
+    std::shared_ptr<Report> colocated;                // --mode both
 };
 
 // Fills the request-derived fields of `report` (counts, latencies, goodput, SLO attainment,
@@ -106,7 +106,8 @@ void summarize_requests(const std::vector<RequestRecord>& records, const Slo& sl
 [[nodiscard]] Status write_report(const std::string& path, const Report& report);
 // Per-request CSV: id, arrival_ms, ttft_ms, tpot_ms, e2e_ms, input_len, output_len, generated,
 // ok, prefill_instance, decode_instance, transfer_bytes, transfer_ms, error.
-[[nodiscard]] Status write_requests_csv(const std::string& path, const std::vector<RequestRecord>& records);
+[[nodiscard]] Status write_requests_csv(const std::string& path,
+                                        const std::vector<RequestRecord>& records);
 // A human summary table (both runs side by side with --mode both).
 [[nodiscard]] std::string summary_table(const Report& report);
 

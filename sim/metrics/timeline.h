@@ -5,10 +5,9 @@
 
 #include <cstdint>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "common/status.h"
 
@@ -20,10 +19,11 @@ public:
     void name_process(int pid, const std::string& name);
     void name_thread(int pid, int tid, const std::string& name);
     // A slice [start_us, start_us + dur_us) named `name` in category `cat`.
-    void add_slice(int pid, int tid, const std::string& name, const std::string& cat, double start_us,
-                   double dur_us, nlohmann::json args = nlohmann::json::object());
+    void add_slice(int pid, int tid, const std::string& name, const std::string& cat,
+                   double start_us, double dur_us, nlohmann::json args = nlohmann::json::object());
     // An instant (e.g. a record).
-    void add_instant(int pid, int tid, const std::string& name, const std::string& cat, double ts_us);
+    void add_instant(int pid, int tid, const std::string& name, const std::string& cat,
+                     double ts_us);
 
     [[nodiscard]] size_t size() const;
     // Appends another timeline's events (e.g. gathered from other ranks).

@@ -12,7 +12,9 @@ namespace pdsim::testbed {
 
 using Clock = std::chrono::steady_clock;
 
-double now_us() { return to_us(Clock::now()); }
+double now_us() {
+    return to_us(Clock::now());
+}
 
 double to_us(Clock::time_point t) {
     return std::chrono::duration<double, std::micro>(t.time_since_epoch()).count();
@@ -47,7 +49,8 @@ StatusOr<std::optional<Message>> Mailbox::recv_kind(Channel channel, std::string
     }
     const auto deadline = Clock::now() + timeout;
     while (true) {
-        const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+        const auto left =
+            std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
         if (left.count() <= 0) return std::optional<Message>();
         PDSIM_ASSIGN_OR_RETURN(std::optional<Message> m, recv_raw(channel, left));
         if (!m) return std::optional<Message>();
@@ -108,28 +111,32 @@ void MpiMailbox::drain(std::chrono::milliseconds timeout) {
 }
 
 Status MpiMailbox::send(int dst, Channel channel, const nlohmann::json& body) {
-    if (dst < 0 || dst >= size_) return PDSIM_ERROR(StatusCode::kInvalidArgument, "mailbox: bad rank {}", dst);
+    if (dst < 0 || dst >= size_)
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "mailbox: bad rank {}", dst);
     auto buf = std::make_shared<std::vector<uint8_t>>(nlohmann::json::to_cbor(body));
     if (buf->size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "mailbox: message of {} bytes", buf->size());
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "mailbox: message of {} bytes",
+                           buf->size());
     }
     std::lock_guard<std::mutex> lock(mu_);
     reap_locked();
     Pending p{MPI_REQUEST_NULL, buf};
-    MPI_CHECK(MPI_Isend(buf->data(), static_cast<int>(buf->size()), MPI_BYTE, dst, static_cast<int>(channel),
-                        comm_, &p.req));
+    MPI_CHECK(MPI_Isend(buf->data(), static_cast<int>(buf->size()), MPI_BYTE, dst,
+                        static_cast<int>(channel), comm_, &p.req));
     pending_.push_back(std::move(p));
     return {};
 }
 
-StatusOr<std::optional<Message>> MpiMailbox::recv_raw(Channel channel, std::chrono::microseconds timeout) {
+StatusOr<std::optional<Message>> MpiMailbox::recv_raw(Channel channel,
+                                                      std::chrono::microseconds timeout) {
     const auto deadline = Clock::now() + timeout;
     int polls = 0;
     while (true) {
         int flag = 0;
         MPI_Message msg;
         MPI_Status status;
-        MPI_CHECK(MPI_Improbe(MPI_ANY_SOURCE, static_cast<int>(channel), comm_, &flag, &msg, &status));
+        MPI_CHECK(
+            MPI_Improbe(MPI_ANY_SOURCE, static_cast<int>(channel), comm_, &flag, &msg, &status));
         if (flag) {
             int count = 0;
             MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
@@ -139,7 +146,8 @@ StatusOr<std::optional<Message>> MpiMailbox::recv_raw(Channel channel, std::chro
             m.src = status.MPI_SOURCE;
             m.body = nlohmann::json::from_cbor(bytes, true, false);
             if (m.body.is_discarded()) {
-                return PDSIM_ERROR(StatusCode::kDataLoss, "mailbox: garbled message from rank {}", m.src);
+                return PDSIM_ERROR(StatusCode::kDataLoss, "mailbox: garbled message from rank {}",
+                                   m.src);
             }
             return std::optional<Message>(std::move(m));
         }
@@ -158,7 +166,8 @@ StatusOr<std::optional<Message>> MpiMailbox::recv_raw(Channel channel, std::chro
 }
 
 // ---- MPI TP comm ----
-StatusOr<std::unique_ptr<MpiTpComm>> MpiTpComm::create(int color, int key, std::chrono::milliseconds timeout) {
+StatusOr<std::unique_ptr<MpiTpComm>> MpiTpComm::create(int color, int key,
+                                                       std::chrono::milliseconds timeout) {
     std::unique_ptr<MpiTpComm> c(new MpiTpComm());
     c->timeout_ = timeout;
     MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, key, &c->comm_));
@@ -179,8 +188,8 @@ Status MpiTpComm::allgather(const float* mine, size_t count, float* out) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "allgather of {} floats", count);
     }
     MPI_Request req;
-    MPI_CHECK(MPI_Iallgather(mine, static_cast<int>(count), MPI_FLOAT, out, static_cast<int>(count), MPI_FLOAT,
-                             comm_, &req));
+    MPI_CHECK(MPI_Iallgather(mine, static_cast<int>(count), MPI_FLOAT, out, static_cast<int>(count),
+                             MPI_FLOAT, comm_, &req));
     const auto deadline = Clock::now() + timeout_;
     int polls = 0;
     while (true) {
@@ -189,9 +198,10 @@ Status MpiTpComm::allgather(const float* mine, size_t count, float* out) {
         if (done) return {};
         if (Clock::now() >= deadline) {
             // The collective cannot be withdrawn; the rank is unusable from here on.
-            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                               "TP allgather ({} ranks) not complete after {} ms: a TP peer is stuck or gone",
-                               size_, timeout_.count());
+            return PDSIM_ERROR(
+                StatusCode::kDeadlineExceeded,
+                "TP allgather ({} ranks) not complete after {} ms: a TP peer is stuck or gone",
+                size_, timeout_.count());
         }
         if (++polls < 256) {
             std::this_thread::yield();
@@ -217,8 +227,8 @@ public:
     }
 
 protected:
-    [[nodiscard]] StatusOr<std::optional<Message>> recv_raw(Channel channel,
-                                                            std::chrono::microseconds timeout) override {
+    [[nodiscard]] StatusOr<std::optional<Message>> recv_raw(
+        Channel channel, std::chrono::microseconds timeout) override {
         return hub_->pop(rank_, channel, timeout);
     }
 
@@ -232,7 +242,9 @@ LocalHub::LocalHub(int size) : size_(size) {
     for (int i = 0; i < size * 4; ++i) queues_.push_back(std::make_unique<Queue>());
 }
 
-std::unique_ptr<Mailbox> LocalHub::mailbox(int rank) { return std::make_unique<LocalMailbox>(this, rank); }
+std::unique_ptr<Mailbox> LocalHub::mailbox(int rank) {
+    return std::make_unique<LocalMailbox>(this, rank);
+}
 
 void LocalHub::push(int dst, Channel channel, Message m) {
     Queue& q = *queues_[static_cast<size_t>(dst * 4 + static_cast<int>(channel))];
@@ -273,13 +285,16 @@ LocalTpGroup::LocalTpGroup(int size, std::chrono::milliseconds timeout)
 
 LocalTpGroup::~LocalTpGroup() = default;
 
-model::TpComm* LocalTpGroup::member(int r) { return members_.at(static_cast<size_t>(r)).get(); }
+model::TpComm* LocalTpGroup::member(int r) {
+    return members_.at(static_cast<size_t>(r)).get();
+}
 
 Status LocalTpGroup::gather(int r, const float* mine, size_t count, float* out) {
     std::unique_lock<std::mutex> lock(mu_);
     // A previous round's readers must all have left before a new round starts.
     if (!cv_.wait_for(lock, timeout_, [&] { return readers_ == 0; })) {
-        return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "TP allgather: previous round never finished");
+        return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                           "TP allgather: previous round never finished");
     }
     const uint64_t gen = gen_;
     slots_[static_cast<size_t>(r)] = mine;
@@ -289,11 +304,12 @@ Status LocalTpGroup::gather(int r, const float* mine, size_t count, float* out) 
         readers_ = n_;
         cv_.notify_all();
     } else if (!cv_.wait_for(lock, timeout_, [&] { return gen_ != gen; })) {
-        return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "TP allgather ({} ranks) timed out: a TP peer is stuck",
-                           n_);
+        return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                           "TP allgather ({} ranks) timed out: a TP peer is stuck", n_);
     }
     for (int k = 0; k < n_; ++k) {
-        std::memcpy(out + static_cast<size_t>(k) * count, slots_[static_cast<size_t>(k)], count * sizeof(float));
+        std::memcpy(out + static_cast<size_t>(k) * count, slots_[static_cast<size_t>(k)],
+                    count * sizeof(float));
     }
     if (--readers_ == 0) {
         cv_.notify_all();
@@ -304,13 +320,17 @@ Status LocalTpGroup::gather(int r, const float* mine, size_t count, float* out) 
 }
 
 // ---- clock and barrier ----
-StatusOr<std::vector<double>> estimate_offsets(Mailbox& mbox, int rounds, std::chrono::milliseconds timeout) {
+StatusOr<std::vector<double>> estimate_offsets(Mailbox& mbox, int rounds,
+                                               std::chrono::milliseconds timeout) {
     const int n = mbox.size();
     if (mbox.rank() != 0) {
         for (int i = 0; i < rounds; ++i) {
             PDSIM_ASSIGN_OR_RETURN(auto m, mbox.recv_kind(Channel::kCollect, "ping", timeout));
-            if (!m) return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "clock sync: no ping from rank 0");
-            PDSIM_RETURN_IF_ERROR(mbox.send(0, Channel::kCollect, {{"k", "pong"}, {"t", now_us()}}));
+            if (!m)
+                return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                                   "clock sync: no ping from rank 0");
+            PDSIM_RETURN_IF_ERROR(
+                mbox.send(0, Channel::kCollect, {{"k", "pong"}, {"t", now_us()}}));
         }
         return std::vector<double>();
     }
@@ -322,9 +342,12 @@ StatusOr<std::vector<double>> estimate_offsets(Mailbox& mbox, int rounds, std::c
             PDSIM_RETURN_IF_ERROR(mbox.send(r, Channel::kCollect, {{"k", "ping"}}));
             PDSIM_ASSIGN_OR_RETURN(auto m, mbox.recv_kind(Channel::kCollect, "pong", timeout));
             const double t1 = now_us();
-            if (!m) return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "clock sync: no answer from rank {}", r);
+            if (!m)
+                return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                                   "clock sync: no answer from rank {}", r);
             if (m->src != r) {
-                return PDSIM_ERROR(StatusCode::kInternal, "clock sync: pong from rank {}, expected {}", m->src, r);
+                return PDSIM_ERROR(StatusCode::kInternal,
+                                   "clock sync: pong from rank {}, expected {}", m->src, r);
             }
             const double rtt = t1 - t0;
             if (rtt < best_rtt) {
@@ -341,19 +364,25 @@ Status barrier(Mailbox& mbox, const std::string& name, std::chrono::milliseconds
     if (mbox.rank() != 0) {
         PDSIM_RETURN_IF_ERROR(mbox.send(0, Channel::kCollect, {{"k", arrive}}));
         PDSIM_ASSIGN_OR_RETURN(auto m, mbox.recv_kind(Channel::kCollect, leave, timeout));
-        if (!m) return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "barrier {}: rank 0 never released it", name);
+        if (!m)
+            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                               "barrier {}: rank 0 never released it", name);
         return {};
     }
     const auto deadline = Clock::now() + timeout;
     for (int i = 1; i < mbox.size(); ++i) {
-        const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
-        PDSIM_ASSIGN_OR_RETURN(auto m, mbox.recv_kind(Channel::kCollect, arrive, std::max(left, std::chrono::microseconds(0))));
+        const auto left =
+            std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+        PDSIM_ASSIGN_OR_RETURN(auto m,
+                               mbox.recv_kind(Channel::kCollect, arrive,
+                                              std::max(left, std::chrono::microseconds(0))));
         if (!m) {
-            return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "barrier {}: only {} of {} ranks arrived", name, i,
-                               mbox.size());
+            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                               "barrier {}: only {} of {} ranks arrived", name, i, mbox.size());
         }
     }
-    for (int r = 1; r < mbox.size(); ++r) PDSIM_RETURN_IF_ERROR(mbox.send(r, Channel::kCollect, {{"k", leave}}));
+    for (int r = 1; r < mbox.size(); ++r)
+        PDSIM_RETURN_IF_ERROR(mbox.send(r, Channel::kCollect, {{"k", leave}}));
     return {};
 }
 

@@ -23,17 +23,17 @@
 // a time. TpComm::allgather from one thread per rank (the compute stream).
 #pragma once
 
+#include <mpi.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <vector>
-
-#include <mpi.h>
-#include <nlohmann/json.hpp>
 
 #include "backends/model/synthetic_model.h"
 #include "common/status.h"
@@ -61,15 +61,16 @@ public:
     // Sends `body` to `dst` (may be this rank) on `channel`. Never blocks on the peer.
     [[nodiscard]] virtual Status send(int dst, Channel channel, const nlohmann::json& body) = 0;
     // The next message on `channel` from any source, or nullopt after `timeout`.
-    [[nodiscard]] StatusOr<std::optional<Message>> recv(Channel channel, std::chrono::microseconds timeout);
+    [[nodiscard]] StatusOr<std::optional<Message>> recv(Channel channel,
+                                                        std::chrono::microseconds timeout);
     // The next message of kind `kind` on `channel`; other messages are kept, in order, for later
     // recv() calls. nullopt after `timeout`.
     [[nodiscard]] StatusOr<std::optional<Message>> recv_kind(Channel channel, std::string_view kind,
                                                              std::chrono::microseconds timeout);
 
 protected:
-    [[nodiscard]] virtual StatusOr<std::optional<Message>> recv_raw(Channel channel,
-                                                                    std::chrono::microseconds timeout) = 0;
+    [[nodiscard]] virtual StatusOr<std::optional<Message>> recv_raw(
+        Channel channel, std::chrono::microseconds timeout) = 0;
 
 private:
     std::mutex stash_mu_;
@@ -89,8 +90,8 @@ public:
     void drain(std::chrono::milliseconds timeout);
 
 protected:
-    [[nodiscard]] StatusOr<std::optional<Message>> recv_raw(Channel channel,
-                                                            std::chrono::microseconds timeout) override;
+    [[nodiscard]] StatusOr<std::optional<Message>> recv_raw(
+        Channel channel, std::chrono::microseconds timeout) override;
 
 private:
     MpiMailbox() = default;
@@ -109,8 +110,8 @@ private:
 class MpiTpComm final : public model::TpComm {
 public:
     // Collective over MPI_COMM_WORLD: ranks with the same `color` form a group ordered by `key`.
-    [[nodiscard]] static StatusOr<std::unique_ptr<MpiTpComm>> create(int color, int key,
-                                                                     std::chrono::milliseconds timeout);
+    [[nodiscard]] static StatusOr<std::unique_ptr<MpiTpComm>> create(
+        int color, int key, std::chrono::milliseconds timeout);
     ~MpiTpComm() override;
     [[nodiscard]] int size() const override { return size_; }
     [[nodiscard]] int rank() const override { return rank_; }
@@ -129,7 +130,8 @@ public:
     explicit LocalHub(int size);
     [[nodiscard]] std::unique_ptr<Mailbox> mailbox(int rank);
     void push(int dst, Channel channel, Message m);
-    [[nodiscard]] std::optional<Message> pop(int rank, Channel channel, std::chrono::microseconds timeout);
+    [[nodiscard]] std::optional<Message> pop(int rank, Channel channel,
+                                             std::chrono::microseconds timeout);
     [[nodiscard]] int size() const { return size_; }
 
 private:
@@ -167,6 +169,7 @@ private:
 [[nodiscard]] StatusOr<std::vector<double>> estimate_offsets(Mailbox& mbox, int rounds,
                                                              std::chrono::milliseconds timeout);
 // Every rank sends a token to rank 0, which answers once it has them all. Bounded.
-[[nodiscard]] Status barrier(Mailbox& mbox, const std::string& name, std::chrono::milliseconds timeout);
+[[nodiscard]] Status barrier(Mailbox& mbox, const std::string& name,
+                             std::chrono::milliseconds timeout);
 
 }  // namespace pdsim::testbed

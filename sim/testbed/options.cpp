@@ -1,15 +1,15 @@
 #include "sim/testbed/options.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 
-#include <fmt/format.h>
-
 #include "common/data_dir.h"
-#include "topology/loader.h"
 #include "topology/gpu_spec.h"
+#include "topology/loader.h"
 #include "topology/validate.h"
 #include "transfer/transport.h"
 
@@ -52,15 +52,20 @@ instances:
     devices: [node0.cpu1]
 )";
 
-Status bad(std::string msg) { return Status(StatusCode::kInvalidArgument, std::move(msg)); }
+Status bad(std::string msg) {
+    return Status(StatusCode::kInvalidArgument, std::move(msg));
+}
 
 }  // namespace
 
 std::string_view mode_name(Mode mode) {
     switch (mode) {
-        case Mode::kDisagg: return "disagg";
-        case Mode::kColocated: return "colocated";
-        case Mode::kBoth: return "both";
+        case Mode::kDisagg:
+            return "disagg";
+        case Mode::kColocated:
+            return "colocated";
+        case Mode::kBoth:
+            return "both";
     }
     return "?";
 }
@@ -74,25 +79,34 @@ StatusOr<Mode> parse_mode(std::string_view text) {
 
 std::string_view fault_name(Fault fault) {
     switch (fault) {
-        case Fault::kNone: return "none";
-        case Fault::kRecordBeforeWrite: return "record-before-write";
-        case Fault::kSkipRecord: return "skip-record";
-        case Fault::kDoubleRecord: return "double-record";
-        case Fault::kStaleGraphMetadata: return "stale-graph-metadata";
-        case Fault::kFreeBeforeTransfer: return "free-before-transfer";
-        case Fault::kLateWrite: return "late-write";
+        case Fault::kNone:
+            return "none";
+        case Fault::kRecordBeforeWrite:
+            return "record-before-write";
+        case Fault::kSkipRecord:
+            return "skip-record";
+        case Fault::kDoubleRecord:
+            return "double-record";
+        case Fault::kStaleGraphMetadata:
+            return "stale-graph-metadata";
+        case Fault::kFreeBeforeTransfer:
+            return "free-before-transfer";
+        case Fault::kLateWrite:
+            return "late-write";
     }
     return "?";
 }
 
 std::vector<std::string> fault_names() {
-    return {"none", "record-before-write", "skip-record", "double-record", "stale-graph-metadata",
-            "free-before-transfer", "late-write"};
+    return {"none",          "record-before-write",  "skip-record",
+            "double-record", "stale-graph-metadata", "free-before-transfer",
+            "late-write"};
 }
 
 StatusOr<Fault> parse_fault(std::string_view text) {
-    for (Fault f : {Fault::kNone, Fault::kRecordBeforeWrite, Fault::kSkipRecord, Fault::kDoubleRecord,
-                    Fault::kStaleGraphMetadata, Fault::kFreeBeforeTransfer, Fault::kLateWrite}) {
+    for (Fault f :
+         {Fault::kNone, Fault::kRecordBeforeWrite, Fault::kSkipRecord, Fault::kDoubleRecord,
+          Fault::kStaleGraphMetadata, Fault::kFreeBeforeTransfer, Fault::kLateWrite}) {
         if (fault_name(f) == text) return f;
     }
     std::string known;
@@ -100,14 +114,18 @@ StatusOr<Fault> parse_fault(std::string_view text) {
     return bad(fmt::format("--fault {}: unknown fault kind (known: {})", text, known));
 }
 
-StatusOr<std::string> find_trace_dir() { return data::find_data_dir(data::DataKind::kTraces); }
+StatusOr<std::string> find_trace_dir() {
+    return data::find_data_dir(data::DataKind::kTraces);
+}
 
 std::string find_default_topology() {
     auto path = data::find_data_file(data::DataKind::kTopologies, "cpu-1p1d.yaml");
     return path.ok() ? *path : std::string();
 }
 
-std::string_view embedded_default_topology() { return kEmbeddedCpu1p1d; }
+std::string_view embedded_default_topology() {
+    return kEmbeddedCpu1p1d;
+}
 
 StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     ResolvedConfig rc;
@@ -127,7 +145,8 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
         return bad(fmt::format("--page-size {}: must be in [1, 4096]", o.page_size));
     }
     if (o.kv_pool_mb < 1) return bad(fmt::format("--kv-pool-mb {}: must be >= 1", o.kv_pool_mb));
-    if (o.max_input_len < 0) return bad(fmt::format("--max-input-len {}: must be >= 0", o.max_input_len));
+    if (o.max_input_len < 0)
+        return bad(fmt::format("--max-input-len {}: must be >= 0", o.max_input_len));
     if (o.max_output_len < 0) {
         return bad(fmt::format("--max-output-len {}: must be >= 0", o.max_output_len));
     }
@@ -137,14 +156,16 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     if (o.request_timeout_s <= 0) {
         return bad(fmt::format("--request-timeout-s {}: must be > 0", o.request_timeout_s));
     }
-    if (o.slo_ttft_ms < 0 || o.slo_tpot_ms < 0) return bad("--slo-ttft-ms / --slo-tpot-ms must be >= 0");
+    if (o.slo_ttft_ms < 0 || o.slo_tpot_ms < 0)
+        return bad("--slo-ttft-ms / --slo-tpot-ms must be >= 0");
     if (o.synthetic < 0) return bad(fmt::format("--synthetic {}: must be >= 1", o.synthetic));
     if (o.synthetic > 0 && !o.trace.empty()) return bad("--trace and --synthetic are exclusive");
     if (o.max_requests < 0 || o.sample < 0) return bad("--max-requests / --sample must be >= 0");
     if (o.backend != "cpu" && o.backend != "cpu_ref") {
-        return bad(fmt::format("--backend {}: the CPU testbed runs the `cpu` or `cpu_ref` attention "
-                               "backend (its KV pools are host memory)",
-                               o.backend));
+        return bad(
+            fmt::format("--backend {}: the CPU testbed runs the `cpu` or `cpu_ref` attention "
+                        "backend (its KV pools are host memory)",
+                        o.backend));
     }
     // Transport name: known to the registry, and usable with host-memory KV pools.
     if (!o.transport.empty()) {
@@ -152,13 +173,15 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
         if (std::find(names.begin(), names.end(), o.transport) == names.end()) {
             std::string known;
             for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
-            return bad(fmt::format("--transport {}: unknown transport (available: {})", o.transport, known));
+            return bad(fmt::format("--transport {}: unknown transport (available: {})", o.transport,
+                                   known));
         }
         if (o.transport == "nccl" || o.transport == "cuda_ipc") {
-            return bad(fmt::format("--transport {}: moves GPU memory only, and this testbed's KV pools "
-                                   "are host memory (CPU backends); use mpi or tcp (a GPU build "
-                                   "with the cuda backend is needed for {})",
-                                   o.transport, o.transport));
+            return bad(
+                fmt::format("--transport {}: moves GPU memory only, and this testbed's KV pools "
+                            "are host memory (CPU backends); use mpi or tcp (a GPU build "
+                            "with the cuda backend is needed for {})",
+                            o.transport, o.transport));
         }
         if (o.transport == "fault") {
             return bad("--transport fault: use --transport-fault SPEC with mpi/tcp/local instead");
@@ -172,15 +195,17 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
             char* end = nullptr;
             const std::string g = o.shaping.substr(0, colon);
             rc.shape_gbps = std::strtod(g.c_str(), &end);
-            bool ok = end != nullptr && *end == '\0' && !g.empty() && rc.shape_gbps > 0 && std::isfinite(rc.shape_gbps);
+            bool ok = end != nullptr && *end == '\0' && !g.empty() && rc.shape_gbps > 0 &&
+                      std::isfinite(rc.shape_gbps);
             if (colon != std::string::npos) {
                 const std::string l = o.shaping.substr(colon + 1);
                 rc.shape_latency_us = std::strtod(l.c_str(), &end);
                 ok = ok && end != nullptr && *end == '\0' && !l.empty() && rc.shape_latency_us >= 0;
             }
             if (!ok) {
-                return bad(fmt::format("--shaping {}: expected off, topology or GBPS[:LATENCY_US] (e.g. 0.5:20)",
-                                       o.shaping));
+                return bad(fmt::format(
+                    "--shaping {}: expected off, topology or GBPS[:LATENCY_US] (e.g. 0.5:20)",
+                    o.shaping));
             }
             rc.shape = true;
             rc.shape_time_scale = 1;
@@ -216,9 +241,9 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     if (topo_path.empty()) {
         topo_path = find_default_topology();
         if (topo_path.empty()) {
-            PDSIM_ASSIGN_OR_RETURN(rc.topology, topo::parse_topology(embedded_default_topology(),
-                                                                     "<built-in cpu-1p1d>",
-                                                                     topo::Format::kYaml, lo));
+            PDSIM_ASSIGN_OR_RETURN(
+                rc.topology, topo::parse_topology(embedded_default_topology(),
+                                                  "<built-in cpu-1p1d>", topo::Format::kYaml, lo));
             rc.topology_label = "cpu-1p1d (built-in)";
         }
     }
@@ -230,9 +255,10 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
         const std::string name = rc.topology.model ? rc.topology.model->name : std::string("tiny");
         auto m = model::resolve_model(name);
         if (!m.ok()) {
-            return bad(fmt::format("{}: model: '{}' is not a model the synthetic model knows ({}); pass "
-                                   "--model NAME|F",
-                                   rc.topology_label, name, m.status().message()));
+            return bad(
+                fmt::format("{}: model: '{}' is not a model the synthetic model knows ({}); pass "
+                            "--model NAME|F",
+                            rc.topology_label, name, m.status().message()));
         }
         model_cfg = *m;
         PDSIM_RETURN_IF_ERROR(apply_layers(*model_cfg));
@@ -243,23 +269,26 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     rc.model = *model_cfg;
     for (const auto& inst : rc.topology.instances) {
         if (Status st = model::check_tp(rc.model, inst.tp); !st.ok()) {
-            return bad(fmt::format("{}: instance {}: tp {}", rc.topology_label, inst.id, st.message()));
+            return bad(
+                fmt::format("{}: instance {}: tp {}", rc.topology_label, inst.id, st.message()));
         }
     }
     for (const auto& node : rc.topology.nodes) {
         for (const auto& d : node.devices) {
             if (!d.is_cpu()) {
-                return bad(fmt::format("{}: device {} is a {} GPU; the CPU testbed runs on `cpu` devices "
-                                       "(a GPU topology is for `pdsim simulate`, or use a cpu-* topology "
-                                       "with a `shaping` section to emulate its links)",
-                                       rc.topology_label, d.id, d.type));
+                return bad(
+                    fmt::format("{}: device {} is a {} GPU; the CPU testbed runs on `cpu` devices "
+                                "(a GPU topology is for `pdsim simulate`, or use a cpu-* topology "
+                                "with a `shaping` section to emulate its links)",
+                                rc.topology_label, d.id, d.type));
             }
         }
     }
 
     if (o.shaping == "topology") {
         if (!rc.topology.shaping) {
-            return bad(fmt::format("--shaping topology: {} has no `shaping` section", rc.topology_label));
+            return bad(
+                fmt::format("--shaping topology: {} has no `shaping` section", rc.topology_label));
         }
         const topo::ShapingSpec& sp = *rc.topology.shaping;
         rc.shape = true;
@@ -268,9 +297,10 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
         rc.shape_time_scale = sp.time_scale;
         rc.shape_gpu = sp.gpu;
         if (sp.time_scale <= 0 && topo::gpu_spec(sp.gpu) == nullptr) {
-            return bad(fmt::format("--shaping topology: {}: shaping.time_scale auto needs shaping.gpu (a GPU "
-                                   "model) to measure against",
-                                   rc.topology_label));
+            return bad(fmt::format(
+                "--shaping topology: {}: shaping.time_scale auto needs shaping.gpu (a GPU "
+                "model) to measure against",
+                rc.topology_label));
         }
     }
 
@@ -282,17 +312,19 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
                                    world_size, rc.topology_label, ranks, ranks));
         }
         if (o.transport == "local") {
-            return bad(fmt::format("--transport local runs every rank as a thread of one process; "
-                                   "launch pdsim without mpirun (or with -np 1), not with -np {}",
-                                   world_size));
+            return bad(
+                fmt::format("--transport local runs every rank as a thread of one process; "
+                            "launch pdsim without mpirun (or with -np 1), not with -np {}",
+                            world_size));
         }
         if (o.transport.empty()) o.transport = "mpi";
     } else {
         if (ranks > 1 && !o.transport.empty() && o.transport != "local") {
-            return bad(fmt::format("--transport {} needs one process per rank: topology {} has {} ranks "
-                                   "but pdsim runs as 1 process (run it under mpirun -np {}, or use "
-                                   "--transport local to run every rank as a thread of this process)",
-                                   o.transport, rc.topology_label, ranks, ranks));
+            return bad(
+                fmt::format("--transport {} needs one process per rank: topology {} has {} ranks "
+                            "but pdsim runs as 1 process (run it under mpirun -np {}, or use "
+                            "--transport local to run every rank as a thread of this process)",
+                            o.transport, rc.topology_label, ranks, ranks));
         }
         o.transport = "local";
     }
@@ -328,10 +360,12 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
                 o.sample = 16;
             }
         }
-        PDSIM_ASSIGN_OR_RETURN(workload::TraceFormat fmt_kind, workload::parse_trace_format(o.trace_format));
+        PDSIM_ASSIGN_OR_RETURN(workload::TraceFormat fmt_kind,
+                               workload::parse_trace_format(o.trace_format));
         PDSIM_ASSIGN_OR_RETURN(rc.requests, workload::load_trace(path, fmt_kind, wl));
         rc.workload_label = fs::path(path).filename().string();
-        if (o.sample > 0) rc.workload_label += fmt::format(" (sample {}, seed {})", o.sample, o.seed);
+        if (o.sample > 0)
+            rc.workload_label += fmt::format(" (sample {}, seed {})", o.sample, o.seed);
         if (o.max_requests > 0) rc.workload_label += fmt::format(" (first {})", o.max_requests);
     }
     if (rc.requests.empty()) return bad("the workload has no requests");
@@ -344,23 +378,26 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     rc.trace_duration_ms = rc.requests.back().arrival_ms;
     if (o.time_scale == 0) {
         int prefill_instances = 0;
-        for (const auto& inst : rc.topology.instances) prefill_instances += inst.role == topo::Role::kPrefill;
-        if (o.mode == Mode::kColocated) prefill_instances = static_cast<int>(rc.topology.instances.size());
+        for (const auto& inst : rc.topology.instances)
+            prefill_instances += inst.role == topo::Role::kPrefill;
+        if (o.mode == Mode::kColocated)
+            prefill_instances = static_cast<int>(rc.topology.instances.size());
         double tokens = 0;
         for (const auto& r : rc.requests) tokens += r.input_len;
         const double target_ms = tokens * kAutoMsPerInputToken / std::max(1, prefill_instances);
-        o.time_scale = rc.trace_duration_ms > 0 ? std::min(1.0, target_ms / rc.trace_duration_ms) : 1.0;
+        o.time_scale =
+            rc.trace_duration_ms > 0 ? std::min(1.0, target_ms / rc.trace_duration_ms) : 1.0;
     }
     for (auto& r : rc.requests) r.arrival_ms *= o.time_scale;
     return rc;
 }
 
 std::string describe(const TestbedOptions& o) {
-    return fmt::format("--mode {} --layerwise {} --transport {} --backend {} --fault {} --chunk-size {} "
-                       "--max-batch-tokens {} --time-scale {:.6g} --max-input-len {} --max-output-len {}",
-                       mode_name(o.mode), o.layerwise ? "on" : "off", o.transport, o.backend,
-                       fault_name(o.fault), o.chunk_size, o.max_batch_tokens, o.time_scale,
-                       o.max_input_len, o.max_output_len);
+    return fmt::format(
+        "--mode {} --layerwise {} --transport {} --backend {} --fault {} --chunk-size {} "
+        "--max-batch-tokens {} --time-scale {:.6g} --max-input-len {} --max-output-len {}",
+        mode_name(o.mode), o.layerwise ? "on" : "off", o.transport, o.backend, fault_name(o.fault),
+        o.chunk_size, o.max_batch_tokens, o.time_scale, o.max_input_len, o.max_output_len);
 }
 
 }  // namespace pdsim::testbed

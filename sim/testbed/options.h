@@ -34,26 +34,26 @@ enum class Mode { kDisagg, kColocated, kBoth };
 // Ordering bugs the testbed can inject on the prefill side (docs/design.md "Fault injection").
 enum class Fault {
     kNone,
-    kRecordBeforeWrite,    // the layer's step is recorded before its KV write
-    kSkipRecord,           // one layer of every prefill forward records no step
-    kDoubleRecord,         // one layer of every prefill forward records its step twice
-    kStaleGraphMetadata,   // graph replay without the in-place metadata update
-    kFreeBeforeTransfer,   // the request's pages are freed right after its last chunk is handed over
-    kLateWrite,            // a layer's KV is overwritten after its step was recorded
+    kRecordBeforeWrite,   // the layer's step is recorded before its KV write
+    kSkipRecord,          // one layer of every prefill forward records no step
+    kDoubleRecord,        // one layer of every prefill forward records its step twice
+    kStaleGraphMetadata,  // graph replay without the in-place metadata update
+    kFreeBeforeTransfer,  // the request's pages are freed right after its last chunk is handed over
+    kLateWrite,           // a layer's KV is overwritten after its step was recorded
 };
 [[nodiscard]] std::string_view fault_name(Fault fault);
 [[nodiscard]] StatusOr<Fault> parse_fault(std::string_view text);
 [[nodiscard]] std::vector<std::string> fault_names();
 
 struct TestbedOptions {
-    std::string topology;          // "": built-in cpu-1p1d
-    std::string model;             // "": the topology's model, else tiny
-    int layers = 0;                // > 0: override num_layers
-    std::string trace;             // "": the default Mooncake trace (unless synthetic)
+    std::string topology;  // "": built-in cpu-1p1d
+    std::string model;     // "": the topology's model, else tiny
+    int layers = 0;        // > 0: override num_layers
+    std::string trace;     // "": the default Mooncake trace (unless synthetic)
     std::string trace_format = "auto";
-    int64_t synthetic = 0;         // > 0: this many synthetic requests instead of a trace
-    int64_t max_requests = 0;      // first N (after sorting)
-    int64_t sample = 0;            // uniform random sample of N (order kept)
+    int64_t synthetic = 0;     // > 0: this many synthetic requests instead of a trace
+    int64_t max_requests = 0;  // first N (after sorting)
+    int64_t sample = 0;        // uniform random sample of N (order kept)
     uint64_t seed = 1;
     double time_scale = 0;         // arrival time multiplier; 0: auto (see resolve())
     int32_t max_input_len = 1024;  // 0: no cap
@@ -63,26 +63,26 @@ struct TestbedOptions {
     Mode mode = Mode::kBoth;
     bool layerwise = true;
     Fault fault = Fault::kNone;
-    int chunk_size = 512;          // prefill tokens of one request per forward
-    int max_batch_tokens = 2048;   // tokens per extend forward
-    int max_decode_batch = 64;     // requests per decode forward
+    int chunk_size = 512;         // prefill tokens of one request per forward
+    int max_batch_tokens = 2048;  // tokens per extend forward
+    int max_decode_batch = 64;    // requests per decode forward
     int page_size = 16;
-    int64_t kv_pool_mb = 512;      // KV pool per rank
+    int64_t kv_pool_mb = 512;  // KV pool per rank
     double slo_ttft_ms = 0;
     double slo_tpot_ms = 0;
-    double request_timeout_s = 30; // per request, prefill submit -> decode finish
+    double request_timeout_s = 30;  // per request, prefill submit -> decode finish
     std::string report_path;
     std::string timeline_path;
     std::string requests_path;
     bool progress = false;
-    bool quiet = false;            // no summary table
-    int threads = 0;               // compute threads per rank (0: cores / ranks on the node)
+    bool quiet = false;  // no summary table
+    int threads = 0;     // compute threads per rank (0: cores / ranks on the node)
     // KV transport shaping: "off", "topology" (the topology's `shaping` section; time_scale auto
     // is measured: a CPU prefill layer vs the roofline time of the same layer on shaping.gpu), or
     // "GBPS[:LATENCY_US]" (the CPU-side link directly, GB/s and us).
     std::string shaping = "off";
-    std::string transport_fault;   // FaultTransport spec applied to the KV transport
-    int transport_fault_rank = -1; // ... on this rank only (-1: every rank)
+    std::string transport_fault;    // FaultTransport spec applied to the KV transport
+    int transport_fault_rank = -1;  // ... on this rank only (-1: every rank)
 };
 
 // Where the real traces live: data::find_data_dir(kTraces) (common/data_dir.h: $PDSIM_DATA_DIR,
@@ -96,18 +96,18 @@ struct TestbedOptions {
 [[nodiscard]] std::string_view embedded_default_topology();
 
 struct ResolvedConfig {
-    TestbedOptions options;        // with defaults filled in (transport, time_scale, ...)
+    TestbedOptions options;  // with defaults filled in (transport, time_scale, ...)
     topo::Topology topology;
-    std::string topology_label;    // file name (or "cpu-1p1d (built-in)")
+    std::string topology_label;  // file name (or "cpu-1p1d (built-in)")
     model::ModelConfig model;
     std::vector<workload::Request> requests;
     std::string workload_label;    // "mooncake_conversation.jsonl (sample 16)"
     double trace_duration_ms = 0;  // before scaling
     // Shaping: explicit ("GBPS[:LAT]") or from the topology; time_scale 0 = measure at start.
     bool shape = false;
-    double shape_gbps = 0;         // emulated link (topology) or the CPU-side link (explicit)
+    double shape_gbps = 0;  // emulated link (topology) or the CPU-side link (explicit)
     double shape_latency_us = 0;
-    double shape_time_scale = 1;   // 1 for explicit; the topology's value; 0: auto
+    double shape_time_scale = 1;  // 1 for explicit; the topology's value; 0: auto
     std::string shape_gpu;
 };
 

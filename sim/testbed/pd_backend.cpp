@@ -7,15 +7,22 @@
 
 namespace pdsim::testbed {
 
-PdAttentionBackend::PdAttentionBackend(std::unique_ptr<attn::AttentionBackend> inner, PdBackendOptions options)
-    : attn::AttentionBackend(inner->config()), opts_(std::move(options)), inner_(std::move(inner)) {}
+PdAttentionBackend::PdAttentionBackend(std::unique_ptr<attn::AttentionBackend> inner,
+                                       PdBackendOptions options)
+    : attn::AttentionBackend(inner->config()),
+      opts_(std::move(options)),
+      inner_(std::move(inner)) {}
 
-PdAttentionBackend::~PdAttentionBackend() { stream().synchronize().ignore_error(); }
+PdAttentionBackend::~PdAttentionBackend() {
+    stream().synchronize().ignore_error();
+}
 
 StatusOr<std::unique_ptr<PdAttentionBackend>> PdAttentionBackend::create(
     std::unique_ptr<attn::AttentionBackend> inner, PdBackendOptions options) {
-    if (inner == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "PdAttentionBackend: no backend");
-    std::unique_ptr<PdAttentionBackend> b(new PdAttentionBackend(std::move(inner), std::move(options)));
+    if (inner == nullptr)
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "PdAttentionBackend: no backend");
+    std::unique_ptr<PdAttentionBackend> b(
+        new PdAttentionBackend(std::move(inner), std::move(options)));
     if (b->opts_.counter != nullptr && !b->owns_records()) {
         b->inner_->register_step_counter(b->opts_.counter);
     }
@@ -29,7 +36,8 @@ bool PdAttentionBackend::owns_records() const {
 }
 
 Status PdAttentionBackend::init_forward_metadata(const attn::ForwardBatch& batch) {
-    if (opts_.fault != Fault::kStaleGraphMetadata || attn::is_decode(batch.mode) || opts_.counter == nullptr) {
+    if (opts_.fault != Fault::kStaleGraphMetadata || attn::is_decode(batch.mode) ||
+        opts_.counter == nullptr) {
         return inner_->init_forward_metadata(batch);
     }
     // The caller's half of a graph replay: refresh the aliased seq_lens buffer, in stream order.
@@ -42,7 +50,8 @@ Status PdAttentionBackend::init_forward_metadata(const attn::ForwardBatch& batch
     if (!graph_installed_) {
         attn::GraphStateExtras extras;
         extras.max_pages_per_seq = opts_.max_pages_per_seq;
-        PDSIM_RETURN_IF_ERROR(attn::init_backend_cuda_graph_state(*inner_, opts_.max_bs, graph_seq_lens_.data(), extras));
+        PDSIM_RETURN_IF_ERROR(attn::init_backend_cuda_graph_state(*inner_, opts_.max_bs,
+                                                                  graph_seq_lens_.data(), extras));
         graph_installed_ = true;
         return inner_->init_forward_metadata_replay_cuda_graph(batch);
     }
@@ -96,9 +105,10 @@ Status PdAttentionBackend::enqueue_checksums(const attn::ForwardArgs& args) {
                 for (int64_t j = 0; j < s.t1 - s.t0; ++j) {
                     const float* tok = src + static_cast<size_t>(s.batch_offset + j) * hkv * dim;
                     for (int h = 0; h < hkv; ++h) {
-                        sums[static_cast<size_t>(h)] += transfer::kv_hash(
-                            tok + static_cast<size_t>(h) * dim, sizeof(float) * static_cast<size_t>(dim),
-                            static_cast<uint64_t>(s.t0 + j));
+                        sums[static_cast<size_t>(h)] +=
+                            transfer::kv_hash(tok + static_cast<size_t>(h) * dim,
+                                              sizeof(float) * static_cast<size_t>(dim),
+                                              static_cast<uint64_t>(s.t0 + j));
                     }
                 }
                 validator->record_expected(s.request, layer, buf, head_begin, sums, s.t0, s.t1);
@@ -127,18 +137,21 @@ Status PdAttentionBackend::call_inner(const attn::ForwardArgs& args) {
     // Records are either the inner backend's (its counter) or ours (record_kv_cache = false).
     std::optional<bool> rec;
     if (owns_records()) rec = false;
-    return inner_->forward(args.q, args.k, args.v, args.layer, args.out_cache_loc, *args.pool, args.mode, args.bs,
-                           args.out, args.save_kv_cache, rec);
+    return inner_->forward(args.q, args.k, args.v, args.layer, args.out_cache_loc, *args.pool,
+                           args.mode, args.bs, args.out, args.save_kv_cache, rec);
 }
 
-Status PdAttentionBackend::forward_decode(const attn::ForwardArgs& args) { return call_inner(args); }
+Status PdAttentionBackend::forward_decode(const attn::ForwardArgs& args) {
+    return call_inner(args);
+}
 
 Status PdAttentionBackend::forward_extend(const attn::ForwardArgs& args) {
     const int layer = args.layer.layer_id;
     const bool records = opts_.counter != nullptr;
     PDSIM_RETURN_IF_ERROR(enqueue_checksums(args));
     if (!records || !owns_records()) {
-        if (records && opts_.fault == Fault::kLateWrite && layer == opts_.num_layers - 1 && opts_.num_layers > 1) {
+        if (records && opts_.fault == Fault::kLateWrite && layer == opts_.num_layers - 1 &&
+            opts_.num_layers > 1) {
             PDSIM_RETURN_IF_ERROR(enqueue_late_write(args));
         }
         PDSIM_RETURN_IF_ERROR(call_inner(args));
@@ -172,7 +185,8 @@ Status PdAttentionBackend::forward_extend(const attn::ForwardArgs& args) {
             }
             return {};
         default:
-            return PDSIM_ERROR(StatusCode::kInternal, "unexpected fault {}", fault_name(opts_.fault));
+            return PDSIM_ERROR(StatusCode::kInternal, "unexpected fault {}",
+                               fault_name(opts_.fault));
     }
 }
 

@@ -57,11 +57,11 @@ using Segments = std::vector<BatchSegment>;
 
 struct PdBackendOptions {
     Fault fault = Fault::kNone;
-    pd::StepCounter* counter = nullptr;               // prefill ranks (disaggregated)
-    transfer::OrderingValidator* validator = nullptr; // prefill ranks (disaggregated)
-    int head_begin = 0;      // global index of this rank's first KV head
+    pd::StepCounter* counter = nullptr;                // prefill ranks (disaggregated)
+    transfer::OrderingValidator* validator = nullptr;  // prefill ranks (disaggregated)
+    int head_begin = 0;                                // global index of this rank's first KV head
     int num_layers = 1;
-    int max_bs = 256;        // graph buffers (stale-graph-metadata)
+    int max_bs = 256;  // graph buffers (stale-graph-metadata)
     int max_pages_per_seq = 1024;
     std::chrono::microseconds race_window{3000};
     // Called on the stream thread right after a record (layer, time in now_us()).
@@ -78,7 +78,8 @@ public:
     [[nodiscard]] attn::BackendCapabilities capabilities() const override {
         return inner_->capabilities();
     }
-    [[nodiscard]] bool support_kv_cache_prewrite(std::optional<attn::ForwardMode> mode) const override {
+    [[nodiscard]] bool support_kv_cache_prewrite(
+        std::optional<attn::ForwardMode> mode) const override {
         return inner_->support_kv_cache_prewrite(mode);
     }
     [[nodiscard]] Status init_forward_metadata(const attn::ForwardBatch& batch) override;

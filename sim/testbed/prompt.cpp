@@ -11,8 +11,8 @@ uint64_t mix(uint64_t x) {
 }
 }  // namespace
 
-std::vector<int32_t> make_prompt(int64_t request_id, int32_t input_len, const std::vector<int64_t>& hash_ids,
-                                 int vocab, uint64_t seed) {
+std::vector<int32_t> make_prompt(int64_t request_id, int32_t input_len,
+                                 const std::vector<int64_t>& hash_ids, int vocab, uint64_t seed) {
     std::vector<int32_t> out(static_cast<size_t>(std::max(0, input_len)));
     const uint64_t s = mix(seed ^ 0x5eed5eed5eedULL);
     for (int32_t t = 0; t < input_len; ++t) {
@@ -22,7 +22,8 @@ std::vector<int32_t> make_prompt(int64_t request_id, int32_t input_len, const st
             h = mix(s ^ mix(static_cast<uint64_t>(hash_ids[block]) * 0x100000001b3ULL + 1) ^
                     static_cast<uint64_t>(t % workload::kHashBlockTokens));
         } else {
-            h = mix(s ^ mix(static_cast<uint64_t>(request_id) * 0x100000001b3ULL + 2) ^ static_cast<uint64_t>(t));
+            h = mix(s ^ mix(static_cast<uint64_t>(request_id) * 0x100000001b3ULL + 2) ^
+                    static_cast<uint64_t>(t));
         }
         out[static_cast<size_t>(t)] = static_cast<int32_t>(h % static_cast<uint64_t>(vocab));
     }

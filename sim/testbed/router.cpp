@@ -58,10 +58,13 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
     std::vector<int> prefill, decode, all;
     for (int i = 0; i < ninst; ++i) {
         all.push_back(i);
-        (cfg.topology.instances[static_cast<size_t>(i)].role == topo::Role::kPrefill ? prefill : decode).push_back(i);
+        (cfg.topology.instances[static_cast<size_t>(i)].role == topo::Role::kPrefill ? prefill
+                                                                                     : decode)
+            .push_back(i);
     }
     const bool colocated = rc.phase == Phase::kColocated;
-    std::vector<double> load_a(static_cast<size_t>(ninst), 0), load_b(static_cast<size_t>(ninst), 0);
+    std::vector<double> load_a(static_cast<size_t>(ninst), 0),
+        load_b(static_cast<size_t>(ninst), 0);
     int last_a = -1, last_b = -1;
 
     out->records.assign(n, {});
@@ -79,14 +82,17 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
     const double t_base = now_us() + 20'000;  // let every rank enter its loop
     out->t_base_us = t_base;
     auto rel_ms = [&](int src, double t_remote) {
-        const double off = src >= 0 && static_cast<size_t>(src) < rc.offsets.size() ? rc.offsets[static_cast<size_t>(src)] : 0;
+        const double off = src >= 0 && static_cast<size_t>(src) < rc.offsets.size()
+                               ? rc.offsets[static_cast<size_t>(src)]
+                               : 0;
         return (t_remote - off - t_base) / 1000.0;
     };
     auto leader = [&](int inst) { return map.first_rank(inst); };
 
     size_t next = 0, terminal = 0, failed = 0;
     double last_finish_us = t_base;
-    // Load bookkeeping: what a request contributes until its first token (a) and until terminal (b).
+    // Load bookkeeping: what a request contributes until its first token (a) and until terminal
+    // (b).
     auto release_a = [&](size_t i) {
         Track& t = tr[i];
         if (t.first_seen || t.prefill_done) return;
@@ -118,7 +124,8 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             // Tell the instances to drop it (no-op where it is already gone).
             const json c = encode_message(CancelMsg{.id = i});
             PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.d), Channel::kInstance, c));
-            if (!colocated && t.p >= 0) PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.p), Channel::kInstance, c));
+            if (!colocated && t.p >= 0)
+                PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.p), Channel::kInstance, c));
         } else {
             r.finish_ms = t_ms;
         }
@@ -190,8 +197,9 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
     auto progress = [&](bool final) {
         if (!rc.progress && !tty) return;
         const double el = (now_us() - t_base) / 1e6;
-        std::string line = fmt::format("[pdsim testbed {}] {}/{} done ({} failed), {} submitted, {:.1f} s", rc.label,
-                                       terminal, n, failed, next, std::max(0.0, el));
+        std::string line =
+            fmt::format("[pdsim testbed {}] {}/{} done ({} failed), {} submitted, {:.1f} s",
+                        rc.label, terminal, n, failed, next, std::max(0.0, el));
         if (tty) {
             std::fprintf(stderr, "\r%s%s", line.c_str(), final ? "\n" : "");
         } else {
@@ -238,11 +246,12 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         // Deadlines.
         for (size_t i = 0; i < next; ++i) {
             if (!tr[i].terminal && now > tr[i].deadline_us) {
-                PDSIM_RETURN_IF_ERROR(make_terminal(
-                    i, false,
-                    fmt::format("no result within {:.0f} s of its arrival (router timeout; instances {} / {})",
-                                timeout_us / 1e6, tr[i].p, tr[i].d),
-                    -1));
+                PDSIM_RETURN_IF_ERROR(
+                    make_terminal(i, false,
+                                  fmt::format("no result within {:.0f} s of its arrival (router "
+                                              "timeout; instances {} / {})",
+                                              timeout_us / 1e6, tr[i].p, tr[i].d),
+                                  -1));
             }
         }
         if (now >= next_progress) {
@@ -252,9 +261,12 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         if (terminal >= n) break;
         // Wait for reports until the next arrival (at most 50 ms, for deadlines and progress).
         double wait_us = 50'000;
-        if (next < n) wait_us = std::min(wait_us, std::max(0.0, t_base + reqs[next].arrival_ms * 1000.0 - now));
-        PDSIM_ASSIGN_OR_RETURN(std::optional<Message> m,
-                               rc.mbox->recv(Channel::kRouter, microseconds(static_cast<int64_t>(wait_us))));
+        if (next < n)
+            wait_us =
+                std::min(wait_us, std::max(0.0, t_base + reqs[next].arrival_ms * 1000.0 - now));
+        PDSIM_ASSIGN_OR_RETURN(
+            std::optional<Message> m,
+            rc.mbox->recv(Channel::kRouter, microseconds(static_cast<int64_t>(wait_us))));
         while (m) {
             PDSIM_RETURN_IF_ERROR(on_report(*m));
             PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));

@@ -36,7 +36,7 @@ struct RouterConfig {
     Mailbox* mbox = nullptr;
     std::vector<double> offsets;  // per rank: its clock - rank 0's clock (us)
     bool progress = false;
-    std::string label;            // for the progress line
+    std::string label;  // for the progress line
 };
 
 struct RouterResult {

@@ -25,7 +25,9 @@
 
 namespace pdsim::testbed {
 
-std::string_view phase_name(Phase phase) { return phase == Phase::kColocated ? "colocated" : "disagg"; }
+std::string_view phase_name(Phase phase) {
+    return phase == Phase::kColocated ? "colocated" : "disagg";
+}
 
 namespace {
 
@@ -42,7 +44,8 @@ enum class Role { kColocated, kPrefill, kDecode };
 // Timeline events on this rank's clock: [tid, name, cat, ts_us, dur_us (-1: instant), args].
 class LocalTimeline {
 public:
-    void slice(int tid, std::string name, const char* cat, double ts, double dur, json args = json()) {
+    void slice(int tid, std::string name, const char* cat, double ts, double dur,
+               json args = json()) {
         std::lock_guard<std::mutex> lock(mu_);
         if (events_.size() >= kMaxTimelineEvents) return;
         events_.push_back({tid, std::move(name), cat, ts, std::max(0.0, dur), std::move(args)});
@@ -150,7 +153,9 @@ private:
     Status finish_request(Req& r);
     Status try_free(Req& r);
     Status report_first(Req& r);
-    int64_t decode_kv_cap() const { return kMaxDecodeKvTokensPerThread * std::max(1, ctx_.threads); }
+    int64_t decode_kv_cap() const {
+        return kMaxDecodeKvTokensPerThread * std::max(1, ctx_.threads);
+    }
     policy::BatchingOptions batching() const {
         return {o_.chunk_size, o_.max_batch_tokens, o_.max_decode_batch, decode_kv_cap()};
     }
@@ -209,8 +214,10 @@ Status Server::setup() {
     const model::ModelConfig& m = cfg_.model;
     const int tp = ctx_.info.tp_size;
     const int hkv = m.num_kv_heads / tp;
-    const int64_t page_bytes = static_cast<int64_t>(m.num_layers) * 2 * hkv * m.head_dim * 4 * o_.page_size;
-    const int64_t pages = std::max<int64_t>(2, (o_.kv_pool_mb << 20) / std::max<int64_t>(1, page_bytes) + 1);
+    const int64_t page_bytes =
+        static_cast<int64_t>(m.num_layers) * 2 * hkv * m.head_dim * 4 * o_.page_size;
+    const int64_t pages =
+        std::max<int64_t>(2, (o_.kv_pool_mb << 20) / std::max<int64_t>(1, page_bytes) + 1);
     RankBuildOptions build;
     build.model = &m;
     build.tp_size = tp;
@@ -248,14 +255,17 @@ Status Server::setup() {
             layer_t0_[static_cast<size_t>(layer)] = t;
         } else {
             const double t0 = layer_t0_[static_cast<size_t>(layer)];
-            timeline_.slice(kTidCompute, fmt::format("L{} {}", layer, hook_label_), "compute", t0, t - t0);
+            timeline_.slice(kTidCompute, fmt::format("L{} {}", layer, hook_label_), "compute", t0,
+                            t - t0);
         }
     });
 
     if (role_ != Role::kColocated) {
-        if (kv_ == nullptr) return PDSIM_ERROR(StatusCode::kInternal, "disaggregated phase without a KV transport");
-        PDSIM_ASSIGN_OR_RETURN(transfer::KvLayout layout,
-                               transfer::KvLayout::from_mha_pool(*pool_, tp, ctx_.info.tp_rank, m.num_kv_heads));
+        if (kv_ == nullptr)
+            return PDSIM_ERROR(StatusCode::kInternal, "disaggregated phase without a KV transport");
+        PDSIM_ASSIGN_OR_RETURN(
+            transfer::KvLayout layout,
+            transfer::KvLayout::from_mha_pool(*pool_, tp, ctx_.info.tp_rank, m.num_kv_heads));
         auto hook = [this](const transfer::TransferEvent& ev) { on_engine_event(ev); };
         if (role_ == Role::kPrefill) {
             transfer::SenderOptions so;
@@ -263,7 +273,8 @@ Status Server::setup() {
             so.validator = validator_.get();
             so.on_event = hook;
             so.num_workers = 1;
-            PDSIM_ASSIGN_OR_RETURN(sender_, transfer::KvSender::create(*kv_, layout, *counter_, so));
+            PDSIM_ASSIGN_OR_RETURN(sender_,
+                                   transfer::KvSender::create(*kv_, layout, *counter_, so));
         } else {
             transfer::ReceiverOptions ro;
             ro.request_timeout = timeout_;
@@ -287,17 +298,21 @@ void Server::on_engine_event(const transfer::TransferEvent& ev) {
         }
     }
     if (ev.kind == K::kLayerArrived) {
-        timeline_.instant(kTidRecv, fmt::format("arrived r{} L{}", ev.request, ev.layer), "receive", t);
+        timeline_.instant(kTidRecv, fmt::format("arrived r{} L{}", ev.request, ev.layer), "receive",
+                          t);
     } else if (ev.kind == K::kRequestFailed) {
-        timeline_.instant(ev.peer >= 0 ? kTidSend : kTidRecv, fmt::format("failed r{}", ev.request), "transfer", t);
+        timeline_.instant(ev.peer >= 0 ? kTidSend : kTidRecv, fmt::format("failed r{}", ev.request),
+                          "transfer", t);
     }
 }
 
 void Server::mark_broken(const Status& st) {
     if (broken_) return;
     broken_ = true;
-    broken_reason_ = fmt::format("instance {} (rank {}) is broken: {}", cfg_.topology.instances[static_cast<size_t>(ctx_.info.instance)].id,
-                                 ctx_.rank, st.message());
+    broken_reason_ =
+        fmt::format("instance {} (rank {}) is broken: {}",
+                    cfg_.topology.instances[static_cast<size_t>(ctx_.info.instance)].id, ctx_.rank,
+                    st.message());
     PDSIM_LOG_ERROR("{}", broken_reason_);
 }
 
@@ -305,8 +320,10 @@ void Server::mark_broken(const Status& st) {
 // so that `pdsim calibrate --from-timeline` can fit the testbed's own forwards; tp_rank tells a
 // TP follower's copy of the forward from its leader's.
 json Server::forward_args(const Plan& plan) const {
-    json a = {{"instance", ctx_.info.instance}, {"tp", ctx_.info.tp_size},
-              {"tp_rank", ctx_.info.tp_rank}, {"threads", ctx_.threads}};
+    json a = {{"instance", ctx_.info.instance},
+              {"tp", ctx_.info.tp_size},
+              {"tp_rank", ctx_.info.tp_rank},
+              {"threads", ctx_.threads}};
     if (attn::is_decode(plan.mode)) {
         int64_t kv = 0;
         for (const auto& e : plan.entries) kv += e.t1;
@@ -362,8 +379,9 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
         aux_begin = counter_->current_aux_step();
         begin = counter_->advance_step(num_layers_, any_last ? 1 : 0);
     }
-    const std::string label = attn::is_decode(plan.mode) ? fmt::format("decode bs={}", plan.entries.size())
-                                                         : fmt::format("extend bs={} T={}", plan.entries.size(), off);
+    const std::string label = attn::is_decode(plan.mode)
+                                  ? fmt::format("decode bs={}", plan.entries.size())
+                                  : fmt::format("extend bs={} T={}", plan.entries.size(), off);
     PDSIM_RETURN_IF_ERROR(stream_->enqueue([this, label] {
         hook_label_ = label;
         return Status();
@@ -402,7 +420,8 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
                 }
             }
             Status cs = sender_->submit_chunk(std::move(c));
-            if (!cs.ok()) PDSIM_LOG_WARN("rank {}: submit_chunk {}: {}", ctx_.rank, e->id, cs.to_string());
+            if (!cs.ok())
+                PDSIM_LOG_WARN("rank {}: submit_chunk {}: {}", ctx_.rank, e->id, cs.to_string());
         }
     };
     if (st.ok() && prefill && o_.layerwise) submit_chunks(false);
@@ -423,11 +442,13 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
             transfer::Violation v;
             v.request = plan.entries.front().id;
             v.rank = ctx_.rank;
-            v.what = fmt::format("extend forward at step {} ({} layers) published {} StepCounter steps", begin,
-                                 num_layers_, delta);
+            v.what =
+                fmt::format("extend forward at step {} ({} layers) published {} StepCounter steps",
+                            begin, num_layers_, delta);
             validator_->add_violation(v);
             ++record_violations_;
-            mark_broken(Status(StatusCode::kDataLoss, "StepCounter out of step with the KV writes: " + v.what));
+            mark_broken(Status(StatusCode::kDataLoss,
+                               "StepCounter out of step with the KV writes: " + v.what));
         }
         if (!o_.layerwise) submit_chunks(true);
         for (const auto& e : plan.entries) {
@@ -440,9 +461,11 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
 }
 
 // Terminal engine states of this rank's active requests: (id, ok, error, first token, bytes).
-void Server::poll_engine(std::vector<std::tuple<uint64_t, bool, std::string, int32_t, uint64_t>>* out) {
+void Server::poll_engine(
+    std::vector<std::tuple<uint64_t, bool, std::string, int32_t, uint64_t>>* out) {
     for (auto it = engine_active_.begin(); it != engine_active_.end();) {
-        StatusOr<transfer::RequestStatus> s = sender_ ? sender_->status(*it) : receiver_->status(*it);
+        StatusOr<transfer::RequestStatus> s =
+            sender_ ? sender_->status(*it) : receiver_->status(*it);
         if (!s.ok()) {
             out->emplace_back(*it, false, s.status().message(), -1, 0);
             it = engine_active_.erase(it);
@@ -472,7 +495,8 @@ Status Server::on_submit(const SubmitMsg& msg) {
     Req& q = it->second;
     if (!inserted) return PDSIM_ERROR(StatusCode::kInternal, "request {} submitted twice", q.id);
     if (broken_) return fail_request(q, broken_reason_);
-    if (role_ != Role::kDecode) q.prompt = make_prompt(static_cast<int64_t>(q.id), q.in, q.hash, cfg_.model.vocab, o_.seed);
+    if (role_ != Role::kDecode)
+        q.prompt = make_prompt(static_cast<int64_t>(q.id), q.in, q.hash, cfg_.model.vocab, o_.seed);
     admit_q_.push_back(q.id);
     return {};
 }
@@ -514,10 +538,14 @@ Status Server::try_free(Req& r) {
         if (sender_) sender_->release(r.id).ignore_error();
         if (receiver_) receiver_->release(r.id).ignore_error();
         first_slots_.erase(r.id);
-        if (!st.ok()) PDSIM_LOG_WARN("rank {}: free pages of request {}: {}", ctx_.rank, r.id, st.to_string());
+        if (!st.ok())
+            PDSIM_LOG_WARN("rank {}: free pages of request {}: {}", ctx_.rank, r.id,
+                           st.to_string());
     } else {
         Status st = pool_->allocator().free(r.pages);
-        if (!st.ok()) PDSIM_LOG_WARN("rank {}: free pages of request {}: {}", ctx_.rank, r.id, st.to_string());
+        if (!st.ok())
+            PDSIM_LOG_WARN("rank {}: free pages of request {}: {}", ctx_.rank, r.id,
+                           st.to_string());
     }
     r.pages_freed = true;
     if (role_ == Role::kDecode && ctx_.instance_ranks.size() > 1) {
@@ -559,8 +587,9 @@ Status Server::admit() {
         const int pages = static_cast<int>((tokens + o_.page_size - 1) / o_.page_size);
         if (pages > pool_->allocator().capacity()) {
             admit_q_.pop_front();
-            PDSIM_RETURN_IF_ERROR(fail_request(r, fmt::format("needs {} KV pages, the pool has {} (raise --kv-pool-mb)",
-                                                              pages, pool_->allocator().capacity())));
+            PDSIM_RETURN_IF_ERROR(fail_request(
+                r, fmt::format("needs {} KV pages, the pool has {} (raise --kv-pool-mb)", pages,
+                               pool_->allocator().capacity())));
             continue;
         }
         auto got = pool_->allocator().alloc(pages);
@@ -570,7 +599,8 @@ Status Server::admit() {
         if (role_ == Role::kDecode) {
             std::vector<int> pranks;
             const int first = cfg_.topology.rank_map().first_rank(r.p_inst);
-            for (int i = 0; i < cfg_.topology.instances[static_cast<size_t>(r.p_inst)].tp; ++i) pranks.push_back(first + i);
+            for (int i = 0; i < cfg_.topology.instances[static_cast<size_t>(r.p_inst)].tp; ++i)
+                pranks.push_back(first + i);
             PDSIM_RETURN_IF_ERROR(send_followers(AdmitMsg{
                 .id = r.id, .pages = r.pages, .input_len = r.in, .prefill_ranks = pranks}));
             transfer::ReceiveRequestSpec spec;
@@ -626,7 +656,8 @@ Status Server::schedule_extend(bool* did) {
     std::vector<int32_t> next;
     Status st = execute(plan, &next);
     if (!st.ok()) {
-        for (const auto& e : plan.entries) PDSIM_RETURN_IF_ERROR(fail_request(reqs_.at(e.id), broken_reason_));
+        for (const auto& e : plan.entries)
+            PDSIM_RETURN_IF_ERROR(fail_request(reqs_.at(e.id), broken_reason_));
         return {};
     }
     for (size_t i = 0; i < plan.entries.size(); ++i) {
@@ -655,7 +686,9 @@ Status Server::schedule_extend(bool* did) {
                         transfer::Violation v;
                         v.request = r.id;
                         v.rank = ctx_.rank;
-                        v.what = "pages freed while the transfer was in flight (the free was not refused)";
+                        v.what =
+                            "pages freed while the transfer was in flight (the free was not "
+                            "refused)";
                         validator_->add_violation(v);
                     }
                 }
@@ -695,7 +728,8 @@ Status Server::schedule_decode(bool* did) {
     std::vector<int32_t> next;
     Status st = execute(plan, &next);
     if (!st.ok()) {
-        for (const auto& e : plan.entries) PDSIM_RETURN_IF_ERROR(fail_request(reqs_.at(e.id), broken_reason_));
+        for (const auto& e : plan.entries)
+            PDSIM_RETURN_IF_ERROR(fail_request(reqs_.at(e.id), broken_reason_));
         return {};
     }
     const double t = now_us();
@@ -704,7 +738,8 @@ Status Server::schedule_decode(bool* did) {
         if (r.terminal) continue;
         r.tokens.push_back(next[i]);
         r.token_t.push_back(t);
-        if (static_cast<int32_t>(r.tokens.size()) >= r.out) PDSIM_RETURN_IF_ERROR(finish_request(r));
+        if (static_cast<int32_t>(r.tokens.size()) >= r.out)
+            PDSIM_RETURN_IF_ERROR(finish_request(r));
     }
     std::erase_if(running_, [&](uint64_t id) { return reqs_.at(id).terminal; });
     return {};
@@ -750,7 +785,9 @@ Status Server::after_engine_poll() {
             }
         }
     }
-    std::erase_if(receiving_, [&](uint64_t id) { return reqs_.at(id).terminal || !reqs_.at(id).tokens.empty(); });
+    std::erase_if(receiving_, [&](uint64_t id) {
+        return reqs_.at(id).terminal || !reqs_.at(id).tokens.empty();
+    });
     return {};
 }
 
@@ -786,12 +823,14 @@ Status Server::leader_loop() {
     while (!ended_) {
         const bool busy = !prefill_q_.empty() || !running_.empty();
         const bool waiting = !receiving_.empty() || !engine_active_.empty();
-        const auto wait = busy ? microseconds(0) : (waiting ? microseconds(200) : microseconds(2000));
+        const auto wait =
+            busy ? microseconds(0) : (waiting ? microseconds(200) : microseconds(2000));
         // Messages: everything that is already there, waiting only when idle.
         bool first_msg = true;
         while (true) {
-            PDSIM_ASSIGN_OR_RETURN(std::optional<Message> m,
-                                   ctx_.mbox->recv(Channel::kInstance, first_msg ? wait : microseconds(0)));
+            PDSIM_ASSIGN_OR_RETURN(
+                std::optional<Message> m,
+                ctx_.mbox->recv(Channel::kInstance, first_msg ? wait : microseconds(0)));
             first_msg = false;
             if (!m) break;
             const std::string k = m->kind();
@@ -815,7 +854,8 @@ Status Server::leader_loop() {
             } else if (k == EndMsg::kKind) {
                 ended_ = true;
             } else {
-                PDSIM_LOG_WARN("rank {}: unexpected message '{}' from rank {}", ctx_.rank, k, m->src);
+                PDSIM_LOG_WARN("rank {}: unexpected message '{}' from rank {}", ctx_.rank, k,
+                               m->src);
             }
         }
         if (ended_) break;
@@ -835,7 +875,9 @@ Status Server::leader_loop() {
                 } else {
                     if (!r.ready.empty() && tok != r.first_token) {
                         r.receive_failed = true;
-                        r.error = fmt::format("first token differs across decode TP ranks ({} vs {})", tok, r.first_token);
+                        r.error =
+                            fmt::format("first token differs across decode TP ranks ({} vs {})",
+                                        tok, r.first_token);
                     }
                     r.first_token = tok;
                     r.bytes += bytes;
@@ -884,7 +926,8 @@ Status Server::follower_loop() {
                 PDSIM_ASSIGN_OR_RETURN(Plan plan, decode_message<Plan>(m->body));
                 if (!broken_) {
                     Status st = execute(plan, &next);
-                    if (!st.ok()) PDSIM_LOG_WARN("rank {}: forward failed: {}", ctx_.rank, st.to_string());
+                    if (!st.ok())
+                        PDSIM_LOG_WARN("rank {}: forward failed: {}", ctx_.rank, st.to_string());
                 }
             } else if (k == AdmitMsg::kKind) {
                 PDSIM_ASSIGN_OR_RETURN(AdmitMsg admit, decode_message<AdmitMsg>(m->body));
@@ -960,12 +1003,18 @@ RankResult Server::result() {
         r.ordering.checked_layers = rep.checked_layers;
         for (const auto& v : rep.violations) r.ordering.violations.push_back(v.to_string());
     }
-    json stats = {{"forwards", forwards_}, {"forward_tokens", forward_tokens_}, {"compute_us", compute_us_},
-                  {"record_violations", record_violations_}, {"broken", broken_ ? broken_reason_ : ""}};
+    json stats = {{"forwards", forwards_},
+                  {"forward_tokens", forward_tokens_},
+                  {"compute_us", compute_us_},
+                  {"record_violations", record_violations_},
+                  {"broken", broken_ ? broken_reason_ : ""}};
     auto engine_stats = [](const transfer::EngineStats& s) {
-        return json{{"submitted", s.requests_submitted}, {"completed", s.requests_completed},
-                    {"failed", s.requests_failed},       {"bytes", s.bytes},
-                    {"messages", s.messages},            {"staged_bytes", s.staged_bytes},
+        return json{{"submitted", s.requests_submitted},
+                    {"completed", s.requests_completed},
+                    {"failed", s.requests_failed},
+                    {"bytes", s.bytes},
+                    {"messages", s.messages},
+                    {"staged_bytes", s.staged_bytes},
                     {"layers", s.layers}};
     };
     if (sender_) stats["sender"] = engine_stats(sender_->stats());

@@ -59,9 +59,9 @@ struct RankContext {
     topo::RankInfo info;
     std::vector<int> instance_ranks;  // world ranks of this rank's instance, by TP rank
     Mailbox* mbox = nullptr;
-    model::TpComm* tp = nullptr;      // null for TP 1
+    model::TpComm* tp = nullptr;  // null for TP 1
     model::SyntheticModel* model = nullptr;
-    int threads = 1;                  // attention kernel threads
+    int threads = 1;  // attention kernel threads
     [[nodiscard]] bool is_leader() const { return info.tp_rank == 0; }
     [[nodiscard]] int leader() const { return instance_ranks.front(); }
 };

@@ -1,11 +1,12 @@
 #include "sim/testbed/shaped_transport.h"
-#include "common/thread_info.h"
 
 #include <condition_variable>
 #include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "common/thread_info.h"
 
 namespace pdsim::testbed {
 
@@ -18,7 +19,9 @@ using transfer::RequestHandle;
 class ShapedTransport final : public transfer::Transport {
 public:
     ShapedTransport(std::unique_ptr<transfer::Transport> inner, const topo::LinkShaping& shaping)
-        : inner_(std::move(inner)), shaping_(shaping), free_at_(static_cast<size_t>(inner_->world_size())) {
+        : inner_(std::move(inner)),
+          shaping_(shaping),
+          free_at_(static_cast<size_t>(inner_->world_size())) {
         thread_ = std::thread([this] {
             set_thread_name("pdsim-shaper");
             loop();
@@ -37,21 +40,25 @@ public:
 
     [[nodiscard]] StatusOr<RequestHandle> post_send(int peer, transfer::Tag tag, const void* buf,
                                                     size_t bytes) override {
-        if (shaping_.unlimited() && shaping_.latency_us <= 0) return inner_->post_send(peer, tag, buf, bytes);
+        if (shaping_.unlimited() && shaping_.latency_us <= 0)
+            return inner_->post_send(peer, tag, buf, bytes);
         PDSIM_RETURN_IF_ERROR(check_post(peer, tag, buf, bytes, true));
         auto op = std::make_shared<OpState>(transfer::OpKind::kSend, peer, tag, bytes);
         {
             std::lock_guard<std::mutex> lock(mu_);
-            if (closed_) return PDSIM_ERROR(StatusCode::kUnavailable, "shaped {}: closed", inner_->name());
+            if (closed_)
+                return PDSIM_ERROR(StatusCode::kUnavailable, "shaped {}: closed", inner_->name());
             const auto now = Clock::now();
             auto& free_at = free_at_[static_cast<size_t>(peer)];
             if (free_at < now) free_at = now;
             if (!shaping_.unlimited()) {
-                free_at += std::chrono::duration_cast<Clock::duration>(
-                    std::chrono::duration<double>(static_cast<double>(bytes) / shaping_.bytes_per_s));
+                free_at +=
+                    std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+                        static_cast<double>(bytes) / shaping_.bytes_per_s));
             }
-            const auto due = free_at + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double, std::micro>(shaping_.latency_us));
+            const auto due =
+                free_at + std::chrono::duration_cast<Clock::duration>(
+                              std::chrono::duration<double, std::micro>(shaping_.latency_us));
             held_.emplace(std::make_pair(due, seq_++), Held{peer, tag, buf, bytes, op});
         }
         cv_.notify_all();
@@ -100,7 +107,8 @@ public:
         }
         cv_.notify_all();
         if (thread_.joinable()) thread_.join();
-        for (auto& [k, h] : held) h.op->complete(Status(StatusCode::kUnavailable, "transport closed"), 0);
+        for (auto& [k, h] : held)
+            h.op->complete(Status(StatusCode::kUnavailable, "transport closed"), 0);
         inner_->close();
     }
 
@@ -163,8 +171,8 @@ private:
 
 }  // namespace
 
-std::unique_ptr<transfer::Transport> make_shaped_transport(std::unique_ptr<transfer::Transport> inner,
-                                                           const topo::LinkShaping& shaping) {
+std::unique_ptr<transfer::Transport> make_shaped_transport(
+    std::unique_ptr<transfer::Transport> inner, const topo::LinkShaping& shaping) {
     return std::make_unique<ShapedTransport>(std::move(inner), shaping);
 }
 

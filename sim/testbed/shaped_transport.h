@@ -20,7 +20,7 @@
 
 namespace pdsim::testbed {
 
-[[nodiscard]] std::unique_ptr<transfer::Transport> make_shaped_transport(std::unique_ptr<transfer::Transport> inner,
-                                                                         const topo::LinkShaping& shaping);
+[[nodiscard]] std::unique_ptr<transfer::Transport> make_shaped_transport(
+    std::unique_ptr<transfer::Transport> inner, const topo::LinkShaping& shaping);
 
 }  // namespace pdsim::testbed

@@ -106,8 +106,8 @@ struct PhaseData {
     metrics::Report report;
 };
 
-StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mailbox& mbox, int rank,
-                                                                std::string* tcp_dir) {
+StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mailbox& mbox,
+                                                                 int rank, std::string* tcp_dir) {
     const TestbedOptions& o = sh.cfg->options;
     transfer::TransportOptions to;
     to.rank = rank;
@@ -115,18 +115,21 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
     to.local_world = sh.kv_world;
     to.connect_timeout = milliseconds(30'000);
     if (o.transport == "tcp") {
-        const bool env = std::getenv("PDSIM_TCP_ENDPOINTS") != nullptr || std::getenv("PDSIM_TCP_BOOTSTRAP_DIR") != nullptr;
+        const bool env = std::getenv("PDSIM_TCP_ENDPOINTS") != nullptr ||
+                         std::getenv("PDSIM_TCP_BOOTSTRAP_DIR") != nullptr;
         if (!env) {
-            // Rendezvous through a fresh directory (one host; set PDSIM_TCP_BOOTSTRAP_DIR to a shared
-            // directory or PDSIM_TCP_ENDPOINTS across hosts) and a per-run session token.
+            // Rendezvous through a fresh directory (one host; set PDSIM_TCP_BOOTSTRAP_DIR to a
+            // shared directory or PDSIM_TCP_ENDPOINTS across hosts) and a per-run session token.
             if (rank == 0) {
-                std::string tmpl = (std::filesystem::temp_directory_path() / "pdsim-tcp-XXXXXX").string();
+                std::string tmpl =
+                    (std::filesystem::temp_directory_path() / "pdsim-tcp-XXXXXX").string();
                 if (::mkdtemp(tmpl.data()) == nullptr) {
-                    return PDSIM_ERROR(StatusCode::kUnavailable, "tcp: cannot create a bootstrap directory");
+                    return PDSIM_ERROR(StatusCode::kUnavailable,
+                                       "tcp: cannot create a bootstrap directory");
                 }
                 std::random_device rd;
-                const std::string token = fmt::format("{:016x}{:016x}", (uint64_t{rd()} << 32) | rd(),
-                                                      (uint64_t{rd()} << 32) | rd());
+                const std::string token = fmt::format(
+                    "{:016x}{:016x}", (uint64_t{rd()} << 32) | rd(), (uint64_t{rd()} << 32) | rd());
                 *tcp_dir = tmpl;
                 for (int r = 1; r < mbox.size(); ++r) {
                     PDSIM_RETURN_IF_ERROR(
@@ -139,7 +142,9 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
                 PDSIM_ASSIGN_OR_RETURN(auto m,
                                        mbox.recv_kind(Channel::kCollect, TcpBootstrapMsg::kKind,
                                                       std::chrono::seconds(60)));
-                if (!m) return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "tcp: no bootstrap directory from rank 0");
+                if (!m)
+                    return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                                       "tcp: no bootstrap directory from rank 0");
                 PDSIM_ASSIGN_OR_RETURN(TcpBootstrapMsg boot,
                                        decode_message<TcpBootstrapMsg>(m->body));
                 to.tcp.bootstrap_dir = std::move(boot.dir);
@@ -148,7 +153,8 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
         }
     }
     std::string name = o.transport;
-    if (!o.transport_fault.empty() && (o.transport_fault_rank < 0 || o.transport_fault_rank == rank)) {
+    if (!o.transport_fault.empty() &&
+        (o.transport_fault_rank < 0 || o.transport_fault_rank == rank)) {
         to.fault_inner = name;
         to.fault_spec = o.transport_fault;
         name = "fault";
@@ -157,7 +163,8 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
     if (!t.ok()) {
         const Status& st = t.status();
         if (st.code() == StatusCode::kUnavailable && name != "tcp") {
-            return Status(StatusCode::kInvalidArgument, fmt::format("--transport {}: {}", o.transport, st.message()));
+            return Status(StatusCode::kInvalidArgument,
+                          fmt::format("--transport {}: {}", o.transport, st.message()));
         }
         return st.with_context(fmt::format("--transport {}", o.transport));
     }
@@ -190,8 +197,8 @@ double union_length(std::vector<Interval> v) {
     return total;
 }
 
-void add_timeline(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<double>& offsets, double t_origin,
-                  bool both, metrics::Timeline* tl) {
+void add_timeline(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<double>& offsets,
+                  double t_origin, bool both, metrics::Timeline* tl) {
     const topo::RankMap map = cfg.topology.rank_map();
     const int pid_base = both && pd.phase == Phase::kColocated ? kPidColocatedOffset : 0;
     static const char* kTids[] = {"scheduler", "compute stream", "record", "send", "receive"};
@@ -201,8 +208,11 @@ void add_timeline(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<do
         const auto& info = map.at(static_cast<int>(r));
         const auto& inst = cfg.topology.instances[static_cast<size_t>(info.instance)];
         const int pid = pid_base + static_cast<int>(r);
-        tl->name_process(pid, fmt::format("{}: rank {} {} tp{} ({})", phase_name(pd.phase), r, inst.id, info.tp_rank,
-                                          pd.phase == Phase::kColocated ? "colocated" : std::string(topo::role_name(info.role))));
+        tl->name_process(
+            pid,
+            fmt::format("{}: rank {} {} tp{} ({})", phase_name(pd.phase), r, inst.id, info.tp_rank,
+                        pd.phase == Phase::kColocated ? "colocated"
+                                                      : std::string(topo::role_name(info.role))));
         for (int t = 0; t < 5; ++t) tl->name_thread(pid, t, kTids[t]);
         const double off = offsets[r] + t_origin;
         for (const TimelineRecord& e : res.timeline) {
@@ -224,10 +234,13 @@ void add_timeline(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<do
         const double arr = base + rec.arrival_ms * 1000;
         if (rec.first_token_ms >= 0) {
             tl->add_slice(pid, tid, fmt::format("r{} to first token", rec.id), "request", arr,
-                          (rec.first_token_ms - rec.arrival_ms) * 1000, {{"input_len", rec.input_len}});
+                          (rec.first_token_ms - rec.arrival_ms) * 1000,
+                          {{"input_len", rec.input_len}});
             if (rec.finish_ms >= 0) {
-                tl->add_slice(pid, tid, fmt::format("r{} decode", rec.id), "request", base + rec.first_token_ms * 1000,
-                              (rec.finish_ms - rec.first_token_ms) * 1000, {{"generated", rec.generated}});
+                tl->add_slice(pid, tid, fmt::format("r{} decode", rec.id), "request",
+                              base + rec.first_token_ms * 1000,
+                              (rec.finish_ms - rec.first_token_ms) * 1000,
+                              {{"generated", rec.generated}});
             }
         } else if (!rec.ok) {
             tl->add_instant(pid, tid, fmt::format("r{} failed", rec.id), "request", arr);
@@ -236,8 +249,9 @@ void add_timeline(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<do
 }
 
 // Transfer metrics from every rank's engine events (disaggregated phase).
-void summarize_transfer(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<double>& offsets,
-                        double t_origin, metrics::Timeline* tl) {
+void summarize_transfer(const ResolvedConfig& cfg, PhaseData& pd,
+                        const std::vector<double>& offsets, double t_origin,
+                        metrics::Timeline* tl) {
     using Kind = transfer::TransferEvent::Kind;
     constexpr Kind kReady = Kind::kLayerReady, kPosted = Kind::kLayerPosted,
                    kSent = Kind::kLayerSent, kArrived = Kind::kLayerArrived;
@@ -250,7 +264,8 @@ void summarize_transfer(const ResolvedConfig& cfg, PhaseData& pd, const std::vec
     std::map<uint64_t, double> prefill_end;
     std::map<uint64_t, uint32_t> last_chunk;
     std::map<Key, double> ready_last, arrival, layer_first_post;
-    std::map<std::tuple<int, uint64_t, int, int, uint32_t>, double> posted;  // rank, req, layer, peer, chunk
+    std::map<std::tuple<int, uint64_t, int, int, uint32_t>, double>
+        posted;  // rank, req, layer, peer, chunk
     struct Span {
         uint64_t req;
         int layer;
@@ -292,11 +307,13 @@ void summarize_transfer(const ResolvedConfig& cfg, PhaseData& pd, const std::vec
             if (kind == kReady && chunk == last_chunk[req]) {
                 ready_last[k] = std::max(ready_last.count(k) ? ready_last[k] : t, t);
             } else if (kind == kPosted) {
-                layer_first_post[k] = std::min(layer_first_post.count(k) ? layer_first_post[k] : t, t);
+                layer_first_post[k] =
+                    std::min(layer_first_post.count(k) ? layer_first_post[k] : t, t);
                 posted[{static_cast<int>(r), req, layer, peer, chunk}] = t;
             } else if (kind == kSent) {
                 auto it = posted.find({static_cast<int>(r), req, layer, peer, chunk});
-                if (it != posted.end()) spans.push_back({req, layer, chunk, it->second, t, static_cast<int>(r), peer});
+                if (it != posted.end())
+                    spans.push_back({req, layer, chunk, it->second, t, static_cast<int>(r), peer});
             } else if (kind == kArrived) {
                 arrival[k] = std::max(arrival.count(k) ? arrival[k] : t, t);
                 arrival_rank[k] = static_cast<int>(r);
@@ -313,8 +330,8 @@ void summarize_transfer(const ResolvedConfig& cfg, PhaseData& pd, const std::vec
         }
         auto p = layer_first_post.find(k);
         if (p != layer_first_post.end() && tl != nullptr) {
-            tl->add_slice(arrival_rank[k], 4, fmt::format("recv r{} L{}", k.req, k.layer), "receive", p->second - t_origin,
-                          t - p->second);
+            tl->add_slice(arrival_rank[k], 4, fmt::format("recv r{} L{}", k.req, k.layer),
+                          "receive", p->second - t_origin, t - p->second);
         }
     }
     // Per request: the time some of its KV was in flight (union of its layer sends, posted ->
@@ -331,8 +348,8 @@ void summarize_transfer(const ResolvedConfig& cfg, PhaseData& pd, const std::vec
         by_req[sp.req].push_back({sp.a, b});
         busy.push_back({sp.a, sp.b});
         if (tl != nullptr) {
-            tl->add_slice(sp.rank, 3, fmt::format("send r{} L{} c{}", sp.req, sp.layer, sp.chunk), "send",
-                          sp.a - t_origin, sp.b - sp.a, {{"to_rank", sp.peer}});
+            tl->add_slice(sp.rank, 3, fmt::format("send r{} L{} c{}", sp.req, sp.layer, sp.chunk),
+                          "send", sp.a - t_origin, sp.b - sp.a, {{"to_rank", sp.peer}});
         }
     }
     for (auto& [id, t] : prefill_end) pd.prefill_end_ms[id] = (t - pd.router.t_base_us) / 1000.0;
@@ -367,7 +384,11 @@ void summarize_transfer(const ResolvedConfig& cfg, PhaseData& pd, const std::vec
     json by_layer = json::array();
     for (auto& [layer, v] : lat_by_layer) {
         const metrics::Percentiles p = metrics::percentiles(v);
-        by_layer.push_back({{"layer", layer}, {"mean", p.mean}, {"p50", p.p50}, {"p90", p.p90}, {"p99", p.p99},
+        by_layer.push_back({{"layer", layer},
+                            {"mean", p.mean},
+                            {"p50", p.p50},
+                            {"p90", p.p90},
+                            {"p99", p.p99},
                             {"count", p.count}});
     }
     pd.report.extra["layer_latency_us_by_layer"] = std::move(by_layer);
@@ -377,8 +398,8 @@ void summarize_transfer(const ResolvedConfig& cfg, PhaseData& pd, const std::vec
     (void)map;
 }
 
-void build_report(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<double>& offsets, double t_origin,
-                  metrics::Timeline* tl) {
+void build_report(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<double>& offsets,
+                  double t_origin, metrics::Timeline* tl) {
     metrics::Report& rep = pd.report;
     rep.mode = std::string(phase_name(pd.phase));
     rep.topology = cfg.topology_label;
@@ -399,7 +420,8 @@ void build_report(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<do
                   {"clock_offset_us", offsets[r]}};
         if (!res) {
             j["error"] = "no result from this rank";
-            rep.ordering.details.push_back(fmt::format("rank {}: no result (its checks are missing)", r));
+            rep.ordering.details.push_back(
+                fmt::format("rank {}: no result (its checks are missing)", r));
         } else {
             j["stats"] = res->stats;
             if (!res->error.empty()) j["error"] = res->error;
@@ -440,9 +462,12 @@ void build_report(const ResolvedConfig& cfg, PhaseData& pd, const std::vector<do
         // First token on decode - end of the last prefill forward: the handoff the layerwise
         // transfer is meant to shrink (0 by definition when colocated).
         const metrics::Percentiles h = metrics::percentiles(std::move(handoff));
-        rep.extra["handoff_ms"] = {{"mean", h.mean}, {"p50", h.p50}, {"p90", h.p90}, {"p99", h.p99}, {"count", h.count}};
+        rep.extra["handoff_ms"] = {
+            {"mean", h.mean}, {"p50", h.p50}, {"p90", h.p90}, {"p99", h.p99}, {"count", h.count}};
     }
-    if (tl != nullptr) add_timeline(cfg, pd, offsets, t_origin, tl != nullptr && cfg.options.mode == Mode::kBoth, tl);
+    if (tl != nullptr)
+        add_timeline(cfg, pd, offsets, t_origin, tl != nullptr && cfg.options.mode == Mode::kBoth,
+                     tl);
 }
 
 json config_json(const ResolvedConfig& cfg) {
@@ -451,9 +476,15 @@ json config_json(const ResolvedConfig& cfg) {
     return {{"command", "pdsim testbed " + describe(o)},
             {"topology", cfg.topology_label},
             {"ranks", cfg.topology.num_ranks()},
-            {"model", {{"name", m.name}, {"num_layers", m.num_layers}, {"hidden", m.hidden},
-                       {"num_q_heads", m.num_q_heads}, {"num_kv_heads", m.num_kv_heads}, {"head_dim", m.head_dim},
-                       {"intermediate", m.intermediate}, {"vocab", m.vocab}}},
+            {"model",
+             {{"name", m.name},
+              {"num_layers", m.num_layers},
+              {"hidden", m.hidden},
+              {"num_q_heads", m.num_q_heads},
+              {"num_kv_heads", m.num_kv_heads},
+              {"head_dim", m.head_dim},
+              {"intermediate", m.intermediate},
+              {"vocab", m.vocab}}},
             {"workload", cfg.workload_label},
             {"requests", cfg.requests.size()},
             {"trace_duration_s", cfg.trace_duration_ms / 1000},
@@ -473,7 +504,8 @@ json config_json(const ResolvedConfig& cfg) {
 }
 
 // Seconds of one prefill layer of `tokens` tokens on this CPU (best of two forwards).
-StatusOr<double> measure_cpu_layer_s(const ResolvedConfig& cfg, model::SyntheticModel& model, int threads, int tokens) {
+StatusOr<double> measure_cpu_layer_s(const ResolvedConfig& cfg, model::SyntheticModel& model,
+                                     int threads, int tokens) {
     const model::ModelConfig& m = cfg.model;
     const int tp = model.tp_size();
     runtime::CpuStream stream("measure");
@@ -512,7 +544,8 @@ StatusOr<double> measure_cpu_layer_s(const ResolvedConfig& cfg, model::Synthetic
 
 // The same layer on `gpu` by the roofline (bf16 weights and KV).
 double gpu_layer_s(const model::ModelConfig& m, const topo::GpuSpec& gpu, int tokens) {
-    const double H = m.hidden, D = m.head_dim, HQ = m.num_q_heads, HKV = m.num_kv_heads, I = m.intermediate;
+    const double H = m.hidden, D = m.head_dim, HQ = m.num_q_heads, HKV = m.num_kv_heads,
+                 I = m.intermediate;
     const double T = tokens;
     const double params = H * (HQ + 2 * HKV) * D + HQ * D * H + 3 * H * I;
     const double flops = 2 * T * params + 4 * HQ * D * T * (T + 1) / 2;
@@ -530,10 +563,13 @@ Status decide_shaping(Shared& sh, RankContext& ctx) {
     if (ctx.rank == 0) {
         if (ts <= 0) {
             const int tokens = std::min(512, cfg.options.max_batch_tokens);
-            PDSIM_ASSIGN_OR_RETURN(double cpu_s, measure_cpu_layer_s(cfg, *ctx.model, ctx.threads, tokens));
+            PDSIM_ASSIGN_OR_RETURN(double cpu_s,
+                                   measure_cpu_layer_s(cfg, *ctx.model, ctx.threads, tokens));
             const double gpu_s = gpu_layer_s(cfg.model, *topo::gpu_spec(cfg.shape_gpu), tokens);
             PDSIM_ASSIGN_OR_RETURN(ts, topo::time_scale_from(cpu_s, gpu_s));
-            info = {{"measured_cpu_layer_ms", cpu_s * 1e3}, {"gpu_layer_ms", gpu_s * 1e3}, {"tokens", tokens},
+            info = {{"measured_cpu_layer_ms", cpu_s * 1e3},
+                    {"gpu_layer_ms", gpu_s * 1e3},
+                    {"tokens", tokens},
                     {"gpu", cfg.shape_gpu}};
         }
         for (int r = 1; r < ctx.world; ++r) {
@@ -543,7 +579,8 @@ Status decide_shaping(Shared& sh, RankContext& ctx) {
     } else {
         PDSIM_ASSIGN_OR_RETURN(auto m, ctx.mbox->recv_kind(Channel::kCollect, ShapeMsg::kKind,
                                                            std::chrono::seconds(300)));
-        if (!m) return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "no shaping decision from rank 0");
+        if (!m)
+            return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "no shaping decision from rank 0");
         PDSIM_ASSIGN_OR_RETURN(ShapeMsg shape, decode_message<ShapeMsg>(m->body));
         ts = shape.time_scale;
     }
@@ -564,21 +601,24 @@ Status decide_shaping(Shared& sh, RankContext& ctx) {
 
 // ---- one rank ----
 
-Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offsets, std::vector<PhaseData>* phases) {
+Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offsets,
+                  std::vector<PhaseData>* phases) {
     const ResolvedConfig& cfg = *sh.cfg;
     const TestbedOptions& o = cfg.options;
     Mailbox& mbox = *ctx.mbox;
     std::vector<Phase> order;
     if (o.mode != Mode::kDisagg) order.push_back(Phase::kColocated);
     if (o.mode != Mode::kColocated) order.push_back(Phase::kDisagg);
-    const auto collect_timeout = milliseconds(static_cast<int64_t>(o.request_timeout_s * 1000) + 60'000);
+    const auto collect_timeout =
+        milliseconds(static_cast<int64_t>(o.request_timeout_s * 1000) + 60'000);
     for (Phase phase : order) {
         std::unique_ptr<transfer::Transport> kv;
         std::string tcp_dir;
         if (phase == Phase::kDisagg) {
             PDSIM_ASSIGN_OR_RETURN(kv, make_kv_transport(sh, mbox, ctx.rank, &tcp_dir));
         }
-        PDSIM_RETURN_IF_ERROR(barrier(mbox, fmt::format("start-{}", phase_name(phase)), std::chrono::seconds(120)));
+        PDSIM_RETURN_IF_ERROR(
+            barrier(mbox, fmt::format("start-{}", phase_name(phase)), std::chrono::seconds(120)));
         PhaseData pd;
         pd.phase = phase;
         Status router_st;
@@ -606,7 +646,8 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
         }
         RankResult result;
         Status st = run_server(ctx, phase, kv.get(), &result);
-        if (!st.ok()) PDSIM_LOG_ERROR("rank {}: {} phase: {}", ctx.rank, phase_name(phase), st.to_string());
+        if (!st.ok())
+            PDSIM_LOG_ERROR("rank {}: {} phase: {}", ctx.rank, phase_name(phase), st.to_string());
         if (ctx.rank != 0) {
             PDSIM_RETURN_IF_ERROR(mbox.send(0, Channel::kCollect, encode_message(result)));
         } else {
@@ -616,7 +657,8 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
             pd.results[0] = std::move(result);
             const auto deadline = std::chrono::steady_clock::now() + collect_timeout;
             for (int got = 1; got < ctx.world;) {
-                const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - std::chrono::steady_clock::now());
+                const auto left = std::chrono::duration_cast<std::chrono::microseconds>(
+                    deadline - std::chrono::steady_clock::now());
                 if (left.count() <= 0) break;
                 PDSIM_ASSIGN_OR_RETURN(auto m,
                                        mbox.recv_kind(Channel::kCollect, RankResult::kKind, left));
@@ -627,7 +669,8 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
                 ++got;
             }
         }
-        PDSIM_RETURN_IF_ERROR(barrier(mbox, fmt::format("end-{}", phase_name(phase)), collect_timeout));
+        PDSIM_RETURN_IF_ERROR(
+            barrier(mbox, fmt::format("end-{}", phase_name(phase)), collect_timeout));
         if (kv) kv->close();
         kv.reset();
         if (!tcp_dir.empty()) {
@@ -640,8 +683,8 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
 }
 
 // Rank 0: builds the reports, writes the files, prints; returns the run's outcome.
-Status finish(const ResolvedConfig& cfg, std::vector<PhaseData>& phases, const std::vector<double>& offsets,
-              double t_origin, const json& shaping_info) {
+Status finish(const ResolvedConfig& cfg, std::vector<PhaseData>& phases,
+              const std::vector<double>& offsets, double t_origin, const json& shaping_info) {
     const TestbedOptions& o = cfg.options;
     metrics::Timeline tl;
     metrics::Timeline* tlp = o.timeline_path.empty() ? nullptr : &tl;
@@ -664,9 +707,11 @@ Status finish(const ResolvedConfig& cfg, std::vector<PhaseData>& phases, const s
                 if (!a.ok || !b.ok || a.tokens != b.tokens) {
                     match = false;
                     if (++mismatches <= 5) {
-                        report.failures.push_back(fmt::format("request {}: outputs differ (disagg {} tokens{}, colocated {} tokens{})",
-                                                              i, a.tokens.size(), a.ok ? "" : " failed",
-                                                              b.tokens.size(), b.ok ? "" : " failed"));
+                        report.failures.push_back(
+                            fmt::format("request {}: outputs differ (disagg {} tokens{}, colocated "
+                                        "{} tokens{})",
+                                        i, a.tokens.size(), a.ok ? "" : " failed", b.tokens.size(),
+                                        b.ok ? "" : " failed"));
                     }
                 }
             }
@@ -681,25 +726,32 @@ Status finish(const ResolvedConfig& cfg, std::vector<PhaseData>& phases, const s
     if (!shaping_info.is_null()) report.extra["config"]["shaping"] = shaping_info;
     if (o.mode == Mode::kBoth) report.mode = "disagg";
     if (!o.report_path.empty()) PDSIM_RETURN_IF_ERROR(metrics::write_report(o.report_path, report));
-    if (!o.requests_path.empty()) PDSIM_RETURN_IF_ERROR(metrics::write_requests_csv(o.requests_path, csv));
+    if (!o.requests_path.empty())
+        PDSIM_RETURN_IF_ERROR(metrics::write_requests_csv(o.requests_path, csv));
     if (tlp != nullptr) PDSIM_RETURN_IF_ERROR(tl.write(o.timeline_path));
     if (!o.quiet) {
-        std::string s = fmt::format("pdsim testbed: {} ranks, {} requests of {} (time scale {:.4g}), {}\n",
-                                    cfg.topology.num_ranks(), cfg.requests.size(), cfg.workload_label, o.time_scale,
-                                    describe(o));
+        std::string s =
+            fmt::format("pdsim testbed: {} ranks, {} requests of {} (time scale {:.4g}), {}\n",
+                        cfg.topology.num_ranks(), cfg.requests.size(), cfg.workload_label,
+                        o.time_scale, describe(o));
         s += metrics::summary_table(report);
         if (dis != nullptr) {
-            s += fmt::format("  transfer: {:.2f} MB, layer latency us p50/p90/p99 {:.0f}/{:.0f}/{:.0f}\n",
-                             static_cast<double>(report.transfer.bytes) / 1e6, report.transfer.layer_latency_us.p50,
-                             report.transfer.layer_latency_us.p90, report.transfer.layer_latency_us.p99);
+            s += fmt::format(
+                "  transfer: {:.2f} MB, layer latency us p50/p90/p99 {:.0f}/{:.0f}/{:.0f}\n",
+                static_cast<double>(report.transfer.bytes) / 1e6,
+                report.transfer.layer_latency_us.p50, report.transfer.layer_latency_us.p90,
+                report.transfer.layer_latency_us.p99);
             if (report.extra.contains("handoff_ms")) {
                 const json& h = report.extra["handoff_ms"];
-                s += fmt::format("  handoff (prefill end -> first token on decode) ms p50/p90/p99 {:.1f}/{:.1f}/{:.1f}\n",
-                                 h.value("p50", 0.0), h.value("p90", 0.0), h.value("p99", 0.0));
+                s += fmt::format(
+                    "  handoff (prefill end -> first token on decode) ms p50/p90/p99 "
+                    "{:.1f}/{:.1f}/{:.1f}\n",
+                    h.value("p50", 0.0), h.value("p90", 0.0), h.value("p99", 0.0));
             }
         }
-        for (const auto& [path, what] : {std::pair{o.report_path, "report"}, std::pair{o.timeline_path, "timeline"},
-                                         std::pair{o.requests_path, "requests"}}) {
+        for (const auto& [path, what] :
+             {std::pair{o.report_path, "report"}, std::pair{o.timeline_path, "timeline"},
+              std::pair{o.requests_path, "requests"}}) {
             if (!path.empty()) s += fmt::format("  wrote {} {}\n", what, path);
         }
         std::fputs(s.c_str(), stdout);
@@ -714,11 +766,14 @@ Status finish(const ResolvedConfig& cfg, std::vector<PhaseData>& phases, const s
     std::vector<std::string> why;
     if (violations > 0) why.push_back(fmt::format("{} ordering violations", violations));
     if (failed > 0) why.push_back(fmt::format("{} failed requests", failed));
-    if (report.outputs_match && !*report.outputs_match) why.push_back("disaggregated outputs differ from colocated");
+    if (report.outputs_match && !*report.outputs_match)
+        why.push_back("disaggregated outputs differ from colocated");
     if (why.empty()) return {};
     std::string msg;
     for (const auto& w : why) msg += (msg.empty() ? "" : ", ") + w;
-    return Status(StatusCode::kDataLoss, "testbed: " + msg + (o.report_path.empty() ? "" : " (see " + o.report_path + ")"));
+    return Status(
+        StatusCode::kDataLoss,
+        "testbed: " + msg + (o.report_path.empty() ? "" : " (see " + o.report_path + ")"));
 }
 
 int exit_code_of(const Status& st) {
@@ -730,7 +785,8 @@ constexpr std::string_view kOutcomePrefix = "outcome from rank 0: ";
 
 Status status_for_code(int code, const std::string& msg) {
     if (code == 0) return {};
-    return Status(code == 2 ? StatusCode::kInvalidArgument : StatusCode::kDataLoss, std::string(kOutcomePrefix) + msg);
+    return Status(code == 2 ? StatusCode::kInvalidArgument : StatusCode::kDataLoss,
+                  std::string(kOutcomePrefix) + msg);
 }
 
 Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model::TpComm* tp);
@@ -755,7 +811,8 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
     ctx.config = &cfg;
     ctx.info = map.at(rank);
     const auto& inst = cfg.topology.instances[static_cast<size_t>(ctx.info.instance)];
-    for (int i = 0; i < inst.tp; ++i) ctx.instance_ranks.push_back(map.first_rank(ctx.info.instance) + i);
+    for (int i = 0; i < inst.tp; ++i)
+        ctx.instance_ranks.push_back(map.first_rank(ctx.info.instance) + i);
     ctx.mbox = mbox.get();
     ctx.tp = inst.tp > 1 ? tp : nullptr;
     const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -770,7 +827,8 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
         ctx.model = model.get();
         PDSIM_RETURN_IF_ERROR(decide_shaping(sh, ctx));
         if (!sh.local) {
-            PDSIM_ASSIGN_OR_RETURN(std::vector<double> off, estimate_offsets(*mbox, 8, milliseconds(60'000)));
+            PDSIM_ASSIGN_OR_RETURN(std::vector<double> off,
+                                   estimate_offsets(*mbox, 8, milliseconds(60'000)));
             if (rank == 0) offsets = off;
         }
         return run_phases(sh, ctx, offsets, &phases);
@@ -797,7 +855,8 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
     const auto wait = milliseconds(static_cast<int64_t>(o.request_timeout_s * 1000) * 2 + 120'000);
     auto m = mbox->recv_kind(Channel::kCollect, ExitMsg::kKind, wait);
     if (!m.ok()) return m.status();
-    if (!m->has_value()) return st.ok() ? Status(StatusCode::kDeadlineExceeded, "no outcome from rank 0") : st;
+    if (!m->has_value())
+        return st.ok() ? Status(StatusCode::kDeadlineExceeded, "no outcome from rank 0") : st;
     PDSIM_ASSIGN_OR_RETURN(ExitMsg exit_msg, decode_message<ExitMsg>((*m)->body));
     return status_for_code(exit_msg.code, exit_msg.message);
 }
@@ -835,8 +894,10 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
     int initialized = 0;
     MPI_CHECK(MPI_Initialized(&initialized));
     int provided = 0;
-    if (!initialized) MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
-    else MPI_CHECK(MPI_Query_thread(&provided));
+    if (!initialized)
+        MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
+    else
+        MPI_CHECK(MPI_Query_thread(&provided));
     int world = 0, rank = 0;
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);

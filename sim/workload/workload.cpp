@@ -6,10 +6,9 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
-
-#include <nlohmann/json.hpp>
 
 #include "common/data_dir.h"
 
@@ -22,17 +21,25 @@ Status line_error(const std::string& source, int64_t line, const std::string& wh
 }
 
 // Sort by arrival, rebase to the first arrival, apply caps / skip / sample, renumber.
-StatusOr<std::vector<Request>> finish(std::vector<Request> reqs, const LoadOptions& o, const std::string& source) {
+StatusOr<std::vector<Request>> finish(std::vector<Request> reqs, const LoadOptions& o,
+                                      const std::string& source) {
     if (o.time_scale <= 0 || !std::isfinite(o.time_scale)) {
-        return Status(StatusCode::kInvalidArgument, fmt::format("time scale {} must be > 0", o.time_scale));
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("time scale {} must be > 0", o.time_scale));
     }
-    if (o.skip < 0 || o.max_requests < 0 || o.sample < 0 || o.max_input_len < 0 || o.max_output_len < 0) {
-        return Status(StatusCode::kInvalidArgument, "skip / max requests / sample / caps must be >= 0");
+    if (o.skip < 0 || o.max_requests < 0 || o.sample < 0 || o.max_input_len < 0 ||
+        o.max_output_len < 0) {
+        return Status(StatusCode::kInvalidArgument,
+                      "skip / max requests / sample / caps must be >= 0");
     }
-    if (reqs.empty()) return Status(StatusCode::kInvalidArgument, source + ": no requests in trace");
-    std::stable_sort(reqs.begin(), reqs.end(),
-                     [](const Request& a, const Request& b) { return a.arrival_ms < b.arrival_ms; });
-    if (o.skip > 0) reqs.erase(reqs.begin(), reqs.begin() + std::min<int64_t>(o.skip, static_cast<int64_t>(reqs.size())));
+    if (reqs.empty())
+        return Status(StatusCode::kInvalidArgument, source + ": no requests in trace");
+    std::stable_sort(reqs.begin(), reqs.end(), [](const Request& a, const Request& b) {
+        return a.arrival_ms < b.arrival_ms;
+    });
+    if (o.skip > 0)
+        reqs.erase(reqs.begin(),
+                   reqs.begin() + std::min<int64_t>(o.skip, static_cast<int64_t>(reqs.size())));
     if (o.sample > 0 && o.sample < static_cast<int64_t>(reqs.size())) {
         std::vector<size_t> idx(reqs.size());
         std::iota(idx.begin(), idx.end(), size_t{0});
@@ -47,7 +54,8 @@ StatusOr<std::vector<Request>> finish(std::vector<Request> reqs, const LoadOptio
     } else if (o.max_requests > 0 && o.max_requests < static_cast<int64_t>(reqs.size())) {
         reqs.resize(static_cast<size_t>(o.max_requests));
     }
-    if (reqs.empty()) return Status(StatusCode::kInvalidArgument, source + ": no requests left after --skip");
+    if (reqs.empty())
+        return Status(StatusCode::kInvalidArgument, source + ": no requests left after --skip");
     const double base = reqs.front().arrival_ms;
     for (size_t i = 0; i < reqs.size(); ++i) {
         Request& r = reqs[i];
@@ -55,16 +63,18 @@ StatusOr<std::vector<Request>> finish(std::vector<Request> reqs, const LoadOptio
         r.arrival_ms = (r.arrival_ms - base) * o.time_scale;
         if (o.max_input_len > 0 && r.input_len > o.max_input_len) {
             r.input_len = o.max_input_len;
-            const size_t blocks = static_cast<size_t>((r.input_len + kHashBlockTokens - 1) / kHashBlockTokens);
+            const size_t blocks =
+                static_cast<size_t>((r.input_len + kHashBlockTokens - 1) / kHashBlockTokens);
             if (r.hash_ids.size() > blocks) r.hash_ids.resize(blocks);
         }
-        if (o.max_output_len > 0 && r.output_len > o.max_output_len) r.output_len = o.max_output_len;
+        if (o.max_output_len > 0 && r.output_len > o.max_output_len)
+            r.output_len = o.max_output_len;
     }
     return reqs;
 }
 
-StatusOr<int64_t> json_int(const nlohmann::json& obj, const char* key, int64_t min, const std::string& source,
-                           int64_t line) {
+StatusOr<int64_t> json_int(const nlohmann::json& obj, const char* key, int64_t min,
+                           const std::string& source, int64_t line) {
     auto it = obj.find(key);
     if (it == obj.end()) return line_error(source, line, fmt::format("missing field '{}'", key));
     if (!it->is_number_integer() && !it->is_number_unsigned()) {
@@ -84,10 +94,12 @@ StatusOr<TraceFormat> parse_trace_format(std::string_view text) {
     if (text == "auto") return TraceFormat::kAuto;
     if (text == "mooncake") return TraceFormat::kMooncake;
     if (text == "azure") return TraceFormat::kAzure;
-    return Status(StatusCode::kInvalidArgument, fmt::format("unknown trace format '{}' (auto|mooncake|azure)", text));
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("unknown trace format '{}' (auto|mooncake|azure)", text));
 }
 
-StatusOr<std::vector<Request>> parse_mooncake(std::istream& in, const std::string& source, const LoadOptions& o) {
+StatusOr<std::vector<Request>> parse_mooncake(std::istream& in, const std::string& source,
+                                              const LoadOptions& o) {
     std::vector<Request> reqs;
     std::string line;
     int64_t lineno = 0;
@@ -95,18 +107,21 @@ StatusOr<std::vector<Request>> parse_mooncake(std::istream& in, const std::strin
         ++lineno;
         if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
         nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-        if (j.is_discarded() || !j.is_object()) return line_error(source, lineno, "not a JSON object");
+        if (j.is_discarded() || !j.is_object())
+            return line_error(source, lineno, "not a JSON object");
         Request r;
         r.source_line = lineno;
         auto ts = j.find("timestamp");
         if (ts == j.end()) return line_error(source, lineno, "missing field 'timestamp'");
         if (!ts->is_number() || ts->get<double>() < 0 || !std::isfinite(ts->get<double>())) {
-            return line_error(source, lineno, fmt::format("timestamp: {} must be a number >= 0", ts->dump()));
+            return line_error(source, lineno,
+                              fmt::format("timestamp: {} must be a number >= 0", ts->dump()));
         }
         r.arrival_ms = ts->get<double>();
         PDSIM_ASSIGN_OR_RETURN(int64_t in_len, json_int(j, "input_length", 1, source, lineno));
         PDSIM_ASSIGN_OR_RETURN(int64_t out_len, json_int(j, "output_length", 1, source, lineno));
-        if (in_len > (1 << 30) || out_len > (1 << 30)) return line_error(source, lineno, "length too large");
+        if (in_len > (1 << 30) || out_len > (1 << 30))
+            return line_error(source, lineno, "length too large");
         r.input_len = static_cast<int32_t>(in_len);
         r.output_len = static_cast<int32_t>(out_len);
         if (auto h = j.find("hash_ids"); h != j.end()) {
@@ -114,7 +129,9 @@ StatusOr<std::vector<Request>> parse_mooncake(std::istream& in, const std::strin
             for (size_t k = 0; k < h->size(); ++k) {
                 const auto& e = (*h)[k];
                 if (!e.is_number_integer()) {
-                    return line_error(source, lineno, fmt::format("hash_ids[{}]: {} is not an integer", k, e.dump()));
+                    return line_error(
+                        source, lineno,
+                        fmt::format("hash_ids[{}]: {} is not an integer", k, e.dump()));
                 }
                 r.hash_ids.push_back(e.get<int64_t>());
             }
@@ -131,7 +148,9 @@ bool parse_azure_time(std::string_view s, double* ms) {
     double sec;
     std::string buf(s);
     if (std::sscanf(buf.c_str(), "%d-%d-%d %d:%d:%lf", &Y, &M, &D, &h, &m, &sec) != 6) return false;
-    if (M < 1 || M > 12 || D < 1 || D > 31 || h < 0 || h > 23 || m < 0 || m > 59 || sec < 0 || sec >= 61) return false;
+    if (M < 1 || M > 12 || D < 1 || D > 31 || h < 0 || h > 23 || m < 0 || m > 59 || sec < 0 ||
+        sec >= 61)
+        return false;
     std::tm tm{};
     tm.tm_year = Y - 1900;
     tm.tm_mon = M - 1;
@@ -152,12 +171,17 @@ bool parse_int(std::string_view s, int64_t* v) {
 }
 }  // namespace
 
-StatusOr<std::vector<Request>> parse_azure(std::istream& in, const std::string& source, const LoadOptions& o) {
+StatusOr<std::vector<Request>> parse_azure(std::istream& in, const std::string& source,
+                                           const LoadOptions& o) {
     std::string line;
-    if (!std::getline(in, line)) return Status(StatusCode::kInvalidArgument, source + ": empty file");
+    if (!std::getline(in, line))
+        return Status(StatusCode::kInvalidArgument, source + ": empty file");
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line != "TIMESTAMP,ContextTokens,GeneratedTokens") {
-        return line_error(source, 1, fmt::format("expected header 'TIMESTAMP,ContextTokens,GeneratedTokens', got '{}'", line));
+        return line_error(
+            source, 1,
+            fmt::format("expected header 'TIMESTAMP,ContextTokens,GeneratedTokens', got '{}'",
+                        line));
     }
     std::vector<Request> reqs;
     int64_t lineno = 1;
@@ -169,22 +193,27 @@ StatusOr<std::vector<Request>> parse_azure(std::istream& in, const std::string& 
         size_t pos = 0;
         while (true) {
             size_t c = sv.find(',', pos);
-            f.push_back(sv.substr(pos, c == std::string_view::npos ? std::string_view::npos : c - pos));
+            f.push_back(
+                sv.substr(pos, c == std::string_view::npos ? std::string_view::npos : c - pos));
             if (c == std::string_view::npos) break;
             pos = c + 1;
         }
-        if (f.size() != 3) return line_error(source, lineno, fmt::format("expected 3 fields, got {}", f.size()));
+        if (f.size() != 3)
+            return line_error(source, lineno, fmt::format("expected 3 fields, got {}", f.size()));
         Request r;
         r.source_line = lineno;
         if (!parse_azure_time(f[0], &r.arrival_ms)) {
-            return line_error(source, lineno, fmt::format("TIMESTAMP: '{}' is not 'YYYY-MM-DD HH:MM:SS.f'", f[0]));
+            return line_error(source, lineno,
+                              fmt::format("TIMESTAMP: '{}' is not 'YYYY-MM-DD HH:MM:SS.f'", f[0]));
         }
         int64_t ctx = 0, gen = 0;
         if (!parse_int(f[1], &ctx) || ctx < 1) {
-            return line_error(source, lineno, fmt::format("ContextTokens: '{}' must be an integer >= 1", f[1]));
+            return line_error(source, lineno,
+                              fmt::format("ContextTokens: '{}' must be an integer >= 1", f[1]));
         }
         if (!parse_int(f[2], &gen) || gen < 1) {
-            return line_error(source, lineno, fmt::format("GeneratedTokens: '{}' must be an integer >= 1", f[2]));
+            return line_error(source, lineno,
+                              fmt::format("GeneratedTokens: '{}' must be an integer >= 1", f[2]));
         }
         r.input_len = static_cast<int32_t>(std::min<int64_t>(ctx, 1 << 30));
         r.output_len = static_cast<int32_t>(std::min<int64_t>(gen, 1 << 30));
@@ -197,7 +226,9 @@ StatusOr<std::vector<Request>> load_trace(const std::string& path_or_name, Trace
                                           const LoadOptions& o) {
     const std::string path = data::resolve_data_file(data::DataKind::kTraces, path_or_name);
     std::ifstream in(path);
-    if (!in) return Status(StatusCode::kInvalidArgument, fmt::format("{}: cannot open trace file", path));
+    if (!in)
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{}: cannot open trace file", path));
     if (format == TraceFormat::kAuto) {
         const std::string ext = std::filesystem::path(path).extension().string();
         if (ext == ".jsonl" || ext == ".json") {
@@ -208,16 +239,20 @@ StatusOr<std::vector<Request>> load_trace(const std::string& path_or_name, Trace
             std::string first;
             std::getline(in, first);
             in.seekg(0);
-            format = (!first.empty() && first[0] == '{') ? TraceFormat::kMooncake : TraceFormat::kAzure;
+            format =
+                (!first.empty() && first[0] == '{') ? TraceFormat::kMooncake : TraceFormat::kAzure;
         }
     }
-    return format == TraceFormat::kMooncake ? parse_mooncake(in, path, o) : parse_azure(in, path, o);
+    return format == TraceFormat::kMooncake ? parse_mooncake(in, path, o)
+                                            : parse_azure(in, path, o);
 }
 
 StatusOr<LengthDist> parse_length_dist(std::string_view text) {
     auto bad = [&] {
         return Status(StatusCode::kInvalidArgument,
-                      fmt::format("length distribution '{}': expected fixed:N, uniform:MIN:MAX or lognormal:MEDIAN:SIGMA", text));
+                      fmt::format("length distribution '{}': expected fixed:N, uniform:MIN:MAX or "
+                                  "lognormal:MEDIAN:SIGMA",
+                                  text));
     };
     std::vector<std::string> parts;
     size_t pos = 0;
@@ -262,11 +297,13 @@ int32_t draw(const LengthDist& d, std::mt19937_64& rng) {
 }  // namespace
 
 StatusOr<std::vector<Request>> make_synthetic(const SyntheticOptions& o) {
-    if (o.num_requests < 1) return Status(StatusCode::kInvalidArgument, "synthetic: number of requests must be >= 1");
+    if (o.num_requests < 1)
+        return Status(StatusCode::kInvalidArgument, "synthetic: number of requests must be >= 1");
     if (!(o.rate_rps > 0) || !std::isfinite(o.rate_rps)) {
         return Status(StatusCode::kInvalidArgument, "synthetic: rate must be > 0 requests/s");
     }
-    if (o.gamma && !(o.cv > 0)) return Status(StatusCode::kInvalidArgument, "synthetic: gamma cv must be > 0");
+    if (o.gamma && !(o.cv > 0))
+        return Status(StatusCode::kInvalidArgument, "synthetic: gamma cv must be > 0");
     std::mt19937_64 rng(o.seed);
     std::vector<Request> reqs(static_cast<size_t>(o.num_requests));
     double t = 0;

@@ -36,16 +36,17 @@ struct Request {
 
 enum class TraceFormat { kAuto, kMooncake, kAzure };
 
-[[nodiscard]] StatusOr<TraceFormat> parse_trace_format(std::string_view text);  // auto|mooncake|azure
+[[nodiscard]] StatusOr<TraceFormat> parse_trace_format(
+    std::string_view text);  // auto|mooncake|azure
 
 struct LoadOptions {
-    double time_scale = 1.0;       // arrival_ms is multiplied by this (0.5 = twice as fast)
-    int32_t max_input_len = 0;     // cap (0: none); hash_ids are trimmed to the capped length
-    int32_t max_output_len = 0;    // cap (0: none)
-    int64_t skip = 0;              // drop the first N requests (after sorting)
-    int64_t max_requests = 0;      // keep the first N after skip (0: all) ...
-    int64_t sample = 0;            // ... or a uniform random sample of N, order preserved (0: off)
-    uint64_t seed = 1;             // for `sample`
+    double time_scale = 1.0;     // arrival_ms is multiplied by this (0.5 = twice as fast)
+    int32_t max_input_len = 0;   // cap (0: none); hash_ids are trimmed to the capped length
+    int32_t max_output_len = 0;  // cap (0: none)
+    int64_t skip = 0;            // drop the first N requests (after sorting)
+    int64_t max_requests = 0;    // keep the first N after skip (0: all) ...
+    int64_t sample = 0;          // ... or a uniform random sample of N, order preserved (0: off)
+    uint64_t seed = 1;           // for `sample`
 };
 
 // Reads a trace file; a bare name that is not a file here (`mooncake_conversation`,
@@ -55,9 +56,11 @@ struct LoadOptions {
 [[nodiscard]] StatusOr<std::vector<Request>> load_trace(const std::string& path_or_name,
                                                         TraceFormat format,
                                                         const LoadOptions& options);
-[[nodiscard]] StatusOr<std::vector<Request>> parse_mooncake(std::istream& in, const std::string& source,
+[[nodiscard]] StatusOr<std::vector<Request>> parse_mooncake(std::istream& in,
+                                                            const std::string& source,
                                                             const LoadOptions& options);
-[[nodiscard]] StatusOr<std::vector<Request>> parse_azure(std::istream& in, const std::string& source,
+[[nodiscard]] StatusOr<std::vector<Request>> parse_azure(std::istream& in,
+                                                         const std::string& source,
                                                          const LoadOptions& options);
 
 struct LengthDist {
@@ -71,9 +74,9 @@ struct LengthDist {
 
 struct SyntheticOptions {
     int64_t num_requests = 100;
-    double rate_rps = 1.0;          // mean arrival rate
-    bool gamma = false;             // gamma inter-arrivals (burstiness cv) instead of Poisson
-    double cv = 1.0;                // coefficient of variation for gamma
+    double rate_rps = 1.0;  // mean arrival rate
+    bool gamma = false;     // gamma inter-arrivals (burstiness cv) instead of Poisson
+    double cv = 1.0;        // coefficient of variation for gamma
     LengthDist input{LengthDist::Kind::kFixed, 1024, 0};
     LengthDist output{LengthDist::Kind::kFixed, 128, 0};
     uint64_t seed = 1;

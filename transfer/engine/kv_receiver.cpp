@@ -12,10 +12,10 @@
 #include <unordered_map>
 
 #include "common/logging.h"
+#include "common/thread_info.h"
 #include "transfer/engine/control.h"
 #include "transfer/engine/ordering_validator.h"
 #include "transfer/engine/transfer_plan.h"
-#include "common/thread_info.h"
 
 namespace pdsim::transfer {
 
@@ -117,10 +117,11 @@ public:
         channel_ = ControlChannel::create(transport_, co);
         PDSIM_RETURN_IF_ERROR(channel_->start(this));
         const int n = std::max(1, opt_.num_workers);
-        for (int i = 0; i < n; ++i) workers_.emplace_back([this] {
-            set_thread_name("pdsim-kvrecv");
-            worker_loop();
-        });
+        for (int i = 0; i < n; ++i)
+            workers_.emplace_back([this] {
+                set_thread_name("pdsim-kvrecv");
+                worker_loop();
+            });
         return {};
     }
 

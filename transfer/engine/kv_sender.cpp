@@ -13,10 +13,10 @@
 #include <unordered_map>
 
 #include "common/logging.h"
+#include "common/thread_info.h"
 #include "transfer/engine/control.h"
 #include "transfer/engine/ordering_validator.h"
 #include "transfer/engine/transfer_plan.h"
-#include "common/thread_info.h"
 
 namespace pdsim::transfer {
 

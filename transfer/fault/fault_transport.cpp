@@ -1,5 +1,4 @@
 #include "transfer/fault/fault_transport.h"
-#include "common/thread_info.h"
 
 #include <charconv>
 #include <condition_variable>
@@ -10,6 +9,8 @@
 #include <thread>
 #include <unordered_map>
 #include <vector>
+
+#include "common/thread_info.h"
 
 namespace pdsim::transfer {
 

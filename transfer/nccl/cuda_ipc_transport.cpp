@@ -13,8 +13,8 @@
 #include <thread>
 
 #include "common/cuda_check.h"
-#include "transfer/nccl/gpu_transports.h"
 #include "common/thread_info.h"
+#include "transfer/nccl/gpu_transports.h"
 
 namespace pdsim::transfer {
 

@@ -17,8 +17,8 @@
 #include "common/cuda_check.h"
 #include "common/mpi_check.h"
 #include "common/nccl_check.h"
-#include "transfer/nccl/gpu_transports.h"
 #include "common/thread_info.h"
+#include "transfer/nccl/gpu_transports.h"
 
 namespace pdsim::transfer {
 

@@ -17,8 +17,8 @@
 
 #include "common/logging.h"
 #include "common/mutex.h"
-#include "transfer/tcp/frame.h"
 #include "common/thread_info.h"
+#include "transfer/tcp/frame.h"
 
 namespace pdsim::transfer {
 
