@@ -21,6 +21,7 @@
 
 #include "common/npy.h"
 #include "tests/cli_test_util.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::test {
 namespace {
@@ -318,7 +319,7 @@ void expect_bad(const std::vector<std::string>& args, const std::vector<std::str
     EXPECT_EQ(r.rc, 2) << "pdsim " << joined << "\n" << r.describe();
     EXPECT_FALSE(r.err.empty()) << "pdsim " << joined << ": no message on stderr";
     for (const auto& m : must_mention) {
-        EXPECT_NE(r.err.find(m), std::string::npos)
+        EXPECT_THAT(r.err, HasSubstr(m))
             << "pdsim " << joined << ": stderr does not mention '" << m << "'\n"
             << r.err;
     }

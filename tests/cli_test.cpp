@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tests/cli_test_util.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::test {
 namespace {
@@ -64,8 +65,8 @@ std::vector<std::vector<std::string>> all_subcommands() {
 TEST(Cli, HelpPrintsUsageAndSubcommands) {
     CmdResult r = run_pdsim({"--help"}, 60);
     ASSERT_EQ(r.rc, 0) << r.describe();
-    EXPECT_NE(r.out.find("Usage: pdsim"), std::string::npos) << r.out;
-    EXPECT_NE(r.out.find("--version"), std::string::npos) << r.out;
+    EXPECT_THAT(r.out, HasSubstr("Usage: pdsim"));
+    EXPECT_THAT(r.out, HasSubstr("--version"));
     const auto subs = subcommands_in(r.out);
     EXPECT_NE(std::find(subs.begin(), subs.end(), "attn-dump"), subs.end()) << r.out;
     EXPECT_NE(std::find(subs.begin(), subs.end(), "bench"), subs.end()) << r.out;
@@ -86,10 +87,10 @@ TEST(Cli, EverySubcommandHasHelp) {
         args.push_back("--help");
         CmdResult r = run_pdsim(args, 60);
         EXPECT_EQ(r.rc, 0) << "pdsim " << join(args) << "\n" << r.describe();
-        EXPECT_NE(r.out.find("Usage: pdsim " + join(path)), std::string::npos)
+        EXPECT_THAT(r.out, HasSubstr("Usage: pdsim " + join(path)))
             << "pdsim " << join(args) << " does not print its usage\n"
             << r.out;
-        EXPECT_NE(r.out.find("--help"), std::string::npos) << "pdsim " << join(args);
+        EXPECT_THAT(r.out, HasSubstr("--help")) << "pdsim " << join(args);
     }
 }
 
@@ -99,7 +100,7 @@ void expect_usage_error(const std::vector<std::string>& args,
     EXPECT_EQ(r.rc, 2) << "pdsim " << join(args) << "\n" << r.describe();
     EXPECT_FALSE(r.err.empty()) << "pdsim " << join(args) << ": no message on stderr";
     if (!must_mention.empty()) {
-        EXPECT_NE(r.err.find(must_mention), std::string::npos)
+        EXPECT_THAT(r.err, HasSubstr(must_mention))
             << "pdsim " << join(args) << ": stderr does not mention '" << must_mention << "'\n"
             << r.err;
     }

@@ -16,6 +16,7 @@
 #include "backends/model/model_config.h"
 #include "sim/cost/calibrated.h"
 #include "tests/cli_test_util.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::cost {
 namespace {
@@ -83,8 +84,8 @@ TEST(Roofline, Llama70bH100Tp8ExtendByHand) {
     ASSERT_NE(m, nullptr);
     const std::vector<ExtendItem> batch = {{1024, 0}, {512, 1024}};
     EXPECT_NEAR(m->extend_s(batch), expected, expected * 1e-9);
-    EXPECT_NE(m->describe().find("H100"), std::string::npos) << m->describe();
-    EXPECT_NE(m->describe().find("tp8"), std::string::npos) << m->describe();
+    EXPECT_THAT(m->describe(), HasSubstr("H100"));
+    EXPECT_THAT(m->describe(), HasSubstr("tp8"));
 }
 
 TEST(Roofline, Llama70bH100Tp8DecodeByHand) {
@@ -173,14 +174,14 @@ TEST(Roofline, RejectsBadSpecs) {
     cpu.device = "cpu";
     auto r = make_cost_model("roofline", cpu);
     ASSERT_FALSE(r.ok());
-    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(r.status().message().find("'cpu'"), std::string::npos) << r.status().message();
+    EXPECT_THAT(r, StatusIs(StatusCode::kInvalidArgument, HasSubstr("'cpu'")))
+        << r.status().message();
 
     InstanceSpec nolink = h100("llama3-8b", 8);
     nolink.tp_link_gbps = 0;
     r = make_cost_model("roofline", nolink);
     ASSERT_FALSE(r.ok());
-    EXPECT_NE(r.status().message().find("tp_link_gbps"), std::string::npos) << r.status().message();
+    EXPECT_THAT(r.status().message(), HasSubstr("tp_link_gbps"));
 
     r = make_cost_model("roofline", h100("llama3-8b", 3));
     ASSERT_FALSE(r.ok());
@@ -188,7 +189,7 @@ TEST(Roofline, RejectsBadSpecs) {
 
     r = make_cost_model("guesswork", h100("llama3-8b", 1));
     ASSERT_FALSE(r.ok());
-    EXPECT_NE(r.status().message().find("guesswork"), std::string::npos);
+    EXPECT_THAT(r.status().message(), HasSubstr("guesswork"));
 }
 
 // ---- the cost file and the calibrated model ----
@@ -241,7 +242,7 @@ TEST(Calibrated, HandWrittenFileGivesTheLinearValue) {
     auto m2 = make_cost_model("calibrated", cpu_spec("tiny", 2, 0), &*f);
     ASSERT_TRUE(m2.ok()) << m2.status().to_string();
     EXPECT_NEAR((*m2)->decode_s(1, 1000), 9e-4 + 1e-5 + 1e-5, 1e-12);
-    EXPECT_NE((*m2)->describe().find("hand.json"), std::string::npos);
+    EXPECT_THAT((*m2)->describe(), HasSubstr("hand.json"));
     // The measured transport.
     auto tcp = f->transport("tcp");
     ASSERT_TRUE(tcp.has_value());
@@ -273,7 +274,7 @@ void expect_invalid(const json& j, const std::vector<std::string>& mentions) {
     ASSERT_FALSE(f.ok()) << j.dump();
     EXPECT_EQ(f.status().code(), StatusCode::kInvalidArgument);
     for (const auto& s : mentions) {
-        EXPECT_NE(f.status().message().find(s), std::string::npos)
+        EXPECT_THAT(f.status().message(), HasSubstr(s))
             << "'" << s << "' not in: " << f.status().message();
     }
 }
@@ -317,20 +318,19 @@ TEST(CostFile, UnknownModelTpOrThreadsListsWhatItHas) {
     ASSERT_TRUE(f.ok());
     auto m = make_cost_model("calibrated", cpu_spec("hybrid-tiny", 1, 1), &*f);
     ASSERT_FALSE(m.ok());
-    EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(m.status().message().find("hand.json"), std::string::npos) << m.status().message();
-    EXPECT_NE(m.status().message().find("hybrid-tiny"), std::string::npos) << m.status().message();
-    EXPECT_NE(m.status().message().find("tp 1 threads 1, tp 2 threads 1"), std::string::npos)
+    EXPECT_THAT(m, StatusIs(StatusCode::kInvalidArgument, HasSubstr("hand.json")))
         << m.status().message();
+    EXPECT_THAT(m.status().message(), HasSubstr("hybrid-tiny"));
+    EXPECT_THAT(m.status().message(), HasSubstr("tp 1 threads 1, tp 2 threads 1"));
 
     m = make_cost_model("calibrated", cpu_spec("tiny", 4, 1), &*f);
     ASSERT_FALSE(m.ok());
-    EXPECT_NE(m.status().message().find("tp 4"), std::string::npos) << m.status().message();
-    EXPECT_NE(m.status().message().find("tp 1 threads 1, tp 2 threads 1"), std::string::npos);
+    EXPECT_THAT(m.status().message(), HasSubstr("tp 4"));
+    EXPECT_THAT(m.status().message(), HasSubstr("tp 1 threads 1, tp 2 threads 1"));
 
     m = make_cost_model("calibrated", cpu_spec("tiny", 1, 2), &*f);
     ASSERT_FALSE(m.ok());
-    EXPECT_NE(m.status().message().find("threads 2"), std::string::npos) << m.status().message();
+    EXPECT_THAT(m.status().message(), HasSubstr("threads 2"));
 
     // No file; a GPU device.
     m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), nullptr);
@@ -340,7 +340,7 @@ TEST(CostFile, UnknownModelTpOrThreadsListsWhatItHas) {
     gpu.device = "H100";
     m = make_cost_model("calibrated", gpu, &*f);
     ASSERT_FALSE(m.ok());
-    EXPECT_NE(m.status().message().find("H100"), std::string::npos);
+    EXPECT_THAT(m.status().message(), HasSubstr("H100"));
 
     // A model of the same name but another shape.
     json j = hand_written();
@@ -349,23 +349,21 @@ TEST(CostFile, UnknownModelTpOrThreadsListsWhatItHas) {
     ASSERT_TRUE(g.ok()) << g.status().to_string();
     m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*g);
     ASSERT_FALSE(m.ok());
-    EXPECT_NE(m.status().message().find("model_config.num_layers"), std::string::npos)
-        << m.status().message();
+    EXPECT_THAT(m.status().message(), HasSubstr("model_config.num_layers"));
 }
 
 TEST(CostFile, LoadReportsUnreadableAndMalformedFiles) {
     test::TempDir dir("cost");
     auto f = CostFile::load(dir.str("none.json"));
     ASSERT_FALSE(f.ok());
-    EXPECT_EQ(f.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(f.status().message().find("none.json"), std::string::npos);
+    EXPECT_THAT(f, StatusIs(StatusCode::kInvalidArgument, HasSubstr("none.json")));
     {
         std::ofstream out(dir.str("broken.json"));
         out << "{\"schema_version\": 1,";
     }
     f = CostFile::load(dir.str("broken.json"));
     ASSERT_FALSE(f.ok());
-    EXPECT_NE(f.status().message().find("broken.json"), std::string::npos);
+    EXPECT_THAT(f.status().message(), HasSubstr("broken.json"));
 }
 
 // ---- the fit ----
@@ -411,8 +409,8 @@ TEST(CalibrateCli, QuickRunWritesALoadableFileWithSaneFits) {
         {"calibrate", "--quick", "--model", "tiny", "--tp", "1,2", "--threads", "1", "--out", out},
         240);
     ASSERT_EQ(r.rc, 0) << r.describe();
-    EXPECT_NE(r.out.find("R^2"), std::string::npos) << r.out;
-    EXPECT_NE(r.out.find("wrote"), std::string::npos) << r.out;
+    EXPECT_THAT(r.out, HasSubstr("R^2"));
+    EXPECT_THAT(r.out, HasSubstr("wrote"));
 
     auto f = CostFile::load(out);
     ASSERT_TRUE(f.ok()) << f.status().to_string();
@@ -443,7 +441,7 @@ TEST(CalibrateCli, QuickRunWritesALoadableFileWithSaneFits) {
     ASSERT_TRUE(f->transport("tcp").has_value());
     EXPECT_GT(f->transport("tcp")->gbps, 0);
     EXPECT_FALSE(f->transport("mpi").has_value());
-    EXPECT_NE(j["notes"].dump().find("mpi"), std::string::npos) << j["notes"].dump();
+    EXPECT_THAT(j["notes"].dump(), HasSubstr("mpi"));
 
     // The simulator's view: positive, growing times.
     auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 0), &*f);
@@ -477,9 +475,8 @@ TEST(CalibrateCli, BadFlagsExit2NamingTheFlag) {
     for (const auto& c : cases) {
         test::CmdResult r = test::run_pdsim(c.args, 60);
         EXPECT_EQ(r.rc, 2) << r.describe();
-        EXPECT_NE(r.err.find(c.mention), std::string::npos)
-            << "stderr does not name " << c.mention << "\n"
-            << r.describe();
+        EXPECT_THAT(r.err, HasSubstr(c.mention)) << "stderr does not name " << c.mention << "\n"
+                                                 << r.describe();
     }
 }
 
@@ -668,7 +665,7 @@ TEST(CalibrateTimeline, MeasuresInterferenceAndNoise) {
     EXPECT_NEAR(j["interference"]["extend"].get<double>(), kXe, 1e-6) << j["interference"].dump();
     EXPECT_NEAR(j["interference"]["decode"].get<double>(), kXd, 1e-6) << j["interference"].dump();
     EXPECT_EQ(j["interference"]["overlapped_forwards"]["decode"], 12);
-    EXPECT_NE(r.out.find("interference"), std::string::npos) << r.out;
+    EXPECT_THAT(r.out, HasSubstr("interference"));
     // The fitted forwards are exact: no noise, every quantile 1.
     for (const char* kind : {"extend", "decode"}) {
         const json& n = j["noise"][kind];
@@ -770,7 +767,7 @@ TEST(CalibrateTimeline, FitsTheMedianRunLevel) {
     EXPECT_NEAR(levels[0]["decode"].get<double>(), 1.0, 1e-6);
     EXPECT_NEAR(levels[2]["decode"].get<double>(), 1.3, 1e-6);
     EXPECT_NEAR(levels[2]["extend"].get<double>(), 1.3, 1e-6);
-    EXPECT_NE(r.out.find("run level"), std::string::npos) << r.out;
+    EXPECT_THAT(r.out, HasSubstr("run level"));
 }
 
 // The fit of the mean (testbed timelines) against the relative fit (microbenchmarks) on skewed
@@ -813,8 +810,8 @@ TEST(CalibrateTimeline, BadTimelinesExit2NamingTheFile) {
         test::CmdResult r = test::run_pdsim(
             {"calibrate", "--from-timeline", c.file, "--model", "tiny", "--out", out}, 60);
         EXPECT_EQ(r.rc, 2) << r.describe();
-        EXPECT_NE(r.err.find(c.file), std::string::npos) << r.describe();
-        EXPECT_NE(r.err.find(c.mention), std::string::npos) << r.describe();
+        EXPECT_THAT(r.err, HasSubstr(c.file)) << r.describe();
+        EXPECT_THAT(r.err, HasSubstr(c.mention)) << r.describe();
     }
 }
 

@@ -9,6 +9,7 @@
 
 #include "common/check.h"
 #include "sim/des/simulator.h"
+#include "tests/status_matchers.h"
 #include "topology/loader.h"
 
 namespace pdsim::des {
@@ -283,7 +284,7 @@ TEST(Simulator, ConservationAndDeterminism) {
     EXPECT_EQ(a.report.requests_completed + a.report.requests_failed, 401);
     EXPECT_EQ(a.report.requests_failed, 1);
     EXPECT_FALSE(a.records[400].ok);
-    EXPECT_NE(a.records[400].error.find("KV pages"), std::string::npos) << a.records[400].error;
+    EXPECT_THAT(a.records[400].error, HasSubstr("KV pages"));
     EXPECT_TRUE(a.stats.bundled_lanes);
     EXPECT_GT(a.stats.flows, 0);
     int used[3] = {0, 0, 0};

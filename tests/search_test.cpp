@@ -14,6 +14,7 @@
 
 #include "sim/des/setup.h"
 #include "tests/cli_test_util.h"
+#include "tests/status_matchers.h"
 #include "topology/builders.h"
 
 namespace pdsim::des {
@@ -99,9 +100,8 @@ TEST(SearchEnumerate, SixteenGpusWithTp248CountsByHandAndCapsWithAMessage) {
     space.max_candidates = 84;
     got = enumerate_layouts(tps, space);
     ASSERT_FALSE(got.ok());
-    EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(got.status().message().find("--max-candidates 84"), std::string::npos);
-    EXPECT_NE(got.status().message().find("85 candidates"), std::string::npos);
+    EXPECT_THAT(got, StatusIs(StatusCode::kInvalidArgument, HasSubstr("--max-candidates 84")));
+    EXPECT_THAT(got.status().message(), HasSubstr("85 candidates"));
 }
 
 TEST(SearchTp, SeventyBOnH100LeavesOutTp1ForMemory) {
@@ -115,7 +115,7 @@ TEST(SearchTp, SeventyBOnH100LeavesOutTp1ForMemory) {
     ASSERT_TRUE(tps.ok()) << tps.status().to_string();
     EXPECT_EQ(*tps, (std::vector<int>{2, 4, 8}));
     ASSERT_EQ(notes.size(), 1u);
-    EXPECT_NE(notes[0].find("tp 1"), std::string::npos) << notes[0];
+    EXPECT_THAT(notes[0], HasSubstr("tp 1"));
 
     space.gpus = 4;  // the budget bounds TP too; 8b fits at tp 1
     tps = allowed_tp_sizes(model_named("llama3-8b"), space, KvCapacityOptions{});
@@ -125,7 +125,7 @@ TEST(SearchTp, SeventyBOnH100LeavesOutTp1ForMemory) {
     space.tp_sizes = {3};
     tps = allowed_tp_sizes(model_named("llama3-8b"), space, KvCapacityOptions{});
     ASSERT_FALSE(tps.ok());
-    EXPECT_NE(tps.status().message().find("--tp 3"), std::string::npos);
+    EXPECT_THAT(tps.status().message(), HasSubstr("--tp 3"));
 
     space.tp_sizes = {};
     space.gpu = "TPUv9";
@@ -150,7 +150,7 @@ TEST(SearchTopology, CandidatesArePlacedOnTheBudgetsNodes) {
     // tp 3 packs 2 per node: five instances need 3 nodes, more than a budget of 16 has.
     t = layout_topology("H100", 16, colocated_layout(5, 3));
     ASSERT_FALSE(t.ok());
-    EXPECT_NE(t.status().message().find("5x colocated tp3"), std::string::npos);
+    EXPECT_THAT(t.status().message(), HasSubstr("5x colocated tp3"));
     EXPECT_FALSE(layout_topology("H100", 8, disagg_layout(1, 8, 1, 8)).ok());
 
     t = layout_topology("GB200", 72, disagg_layout(8, 8, 1, 8));
@@ -306,9 +306,9 @@ TEST(SearchCli, PrintsTheRankedTableAndWritesEveryRow) {
     args.insert(args.end(), {"--tp", "1", "--json", dir.str("s.json")});
     CmdResult r = run_pdsim(args, 120);
     ASSERT_EQ(r.rc, 0) << r.describe();
-    EXPECT_NE(r.out.find("rank"), std::string::npos) << r.out;
-    EXPECT_NE(r.out.find("1P(tp1)+1D(tp1)"), std::string::npos) << r.out;
-    EXPECT_NE(r.out.find("best colocated"), std::string::npos) << r.out;
+    EXPECT_THAT(r.out, HasSubstr("rank"));
+    EXPECT_THAT(r.out, HasSubstr("1P(tp1)+1D(tp1)"));
+    EXPECT_THAT(r.out, HasSubstr("best colocated"));
     const json j = json::parse(test::slurp(dir.path() / "s.json"));
     ASSERT_EQ(j["rows"].size(), 3u);
     EXPECT_EQ(j["candidates"], 3);
@@ -378,13 +378,13 @@ TEST(SearchCli, BadInputExits2NamingTheFlag) {
         args.insert(args.end(), c.extra.begin(), c.extra.end());
         CmdResult r = run_pdsim(args, 60);
         EXPECT_EQ(r.rc, 2) << c.needle << "\n" << r.describe();
-        EXPECT_NE(r.err.find(c.needle), std::string::npos) << r.describe();
+        EXPECT_THAT(r.err, HasSubstr(c.needle)) << r.describe();
     }
     CmdResult r = run_pdsim({"search", "--gpus", "2", "--model", "llama3-8b", "--slo-ttft-ms",
                              "1000", "--slo-tpot-ms", "50"},
                             60);
     EXPECT_EQ(r.rc, 2) << r.describe();
-    EXPECT_NE(r.err.find("--trace F or --synthetic N"), std::string::npos) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("--trace F or --synthetic N")) << r.describe();
 }
 
 }  // namespace

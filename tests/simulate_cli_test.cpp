@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tests/cli_test_util.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::test {
 namespace {
@@ -60,7 +61,7 @@ TEST(SimulateCli, SmallRunWritesReportCsvAndTimeline) {
          dir.str("requests.csv"), "--timeline", dir.str("timeline.json"), "--progress"},
         120);
     ASSERT_EQ(r.rc, 0) << r.describe();
-    EXPECT_NE(r.out.find("TTFT ms"), std::string::npos) << r.out;
+    EXPECT_THAT(r.out, HasSubstr("TTFT ms"));
     const json rep = json::parse(slurp(dir.path() / "report.json"));
     expect_report_keys(rep);
     EXPECT_EQ(rep["mode"], "disagg");
@@ -68,8 +69,7 @@ TEST(SimulateCli, SmallRunWritesReportCsvAndTimeline) {
     EXPECT_EQ(rep["requests_submitted"], 40);
     EXPECT_EQ(rep["requests_completed"], 40);
     EXPECT_GT(rep["transfer"]["bytes"].get<double>(), 0);
-    EXPECT_NE(rep["simulator"]["cost_model"].get<std::string>().find("roofline"),
-              std::string::npos);
+    EXPECT_THAT(rep["simulator"]["cost_model"].get<std::string>(), HasSubstr("roofline"));
     ASSERT_TRUE(rep.contains("colocated"));
     expect_report_keys(rep["colocated"]);
     EXPECT_EQ(rep["colocated"]["mode"], "colocated");
@@ -116,7 +116,7 @@ TEST(SimulateCli, BadInputExitsTwoNamingTheFlagOrFile) {
     for (const auto& c : cases) {
         CmdResult r = run_pdsim(c.args, 60);
         EXPECT_EQ(r.rc, 2) << r.describe();
-        EXPECT_NE(r.err.find(c.needle), std::string::npos) << c.needle << "\n" << r.describe();
+        EXPECT_THAT(r.err, HasSubstr(c.needle)) << c.needle << "\n" << r.describe();
     }
 }
 
@@ -127,7 +127,7 @@ TEST(SimulateCli, BenchReportsRequestsPerWallSecond) {
                              "2", "--json", dir.str("bench.json")},
                             120);
     ASSERT_EQ(r.rc, 0) << r.describe();
-    EXPECT_NE(r.out.find("requests per wall second"), std::string::npos) << r.out;
+    EXPECT_THAT(r.out, HasSubstr("requests per wall second"));
     const json j = json::parse(slurp(dir.path() / "bench.json"));
     EXPECT_EQ(j["requests"], 40);
     EXPECT_GT(j["requests_per_wall_s"].get<double>(), 0);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "sim/testbed/protocol.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::testbed {
 namespace {
@@ -118,7 +119,7 @@ TEST(TestbedProtocol, FollowerReports) {
                                   {"tok", 41},
                                   {"bytes", 1ULL << 40}});
     // The two kinds share fields but not their kind.
-    EXPECT_NE(decode_error<SentReport>(encode_message(ready)).find("'k'"), std::string::npos);
+    EXPECT_THAT(decode_error<SentReport>(encode_message(ready)), HasSubstr("'k'"));
 }
 
 TEST(TestbedProtocol, LeaderToRouterReports) {
@@ -228,83 +229,75 @@ TEST(TestbedProtocol, MissingFieldIsNamed) {
     json submit = encode_message(sample_submit());
     submit.erase("out");
     const std::string err = decode_error<SubmitMsg>(submit);
-    EXPECT_NE(err.find("'submit'"), std::string::npos) << err;
-    EXPECT_NE(err.find("field 'out': missing"), std::string::npos) << err;
+    EXPECT_THAT(err, HasSubstr("'submit'"));
+    EXPECT_THAT(err, HasSubstr("field 'out': missing"));
 
     json plan = encode_message(sample_plan());
     plan["e"][1].erase("t0");
     const std::string nested = decode_error<Plan>(plan);
-    EXPECT_NE(nested.find("'step'"), std::string::npos) << nested;
-    EXPECT_NE(nested.find("field 'e[1].t0': missing"), std::string::npos) << nested;
+    EXPECT_THAT(nested, HasSubstr("'step'"));
+    EXPECT_THAT(nested, HasSubstr("field 'e[1].t0': missing"));
 
     json result = encode_message(sample_result());
     result["xfer"][1].erase(6);  // t
     const std::string positional = decode_error<RankResult>(result);
-    EXPECT_NE(positional.find("field 'xfer[1][6] (t)': missing"), std::string::npos) << positional;
+    EXPECT_THAT(positional, HasSubstr("field 'xfer[1][6] (t)': missing"));
 
     json no_kind = encode_message(CancelMsg{.id = 1});
     no_kind.erase("k");
-    EXPECT_NE(decode_error<CancelMsg>(no_kind).find("'k' is missing"), std::string::npos);
-    EXPECT_NE(decode_error<CancelMsg>(json::array()).find("expected an object"), std::string::npos);
+    EXPECT_THAT(decode_error<CancelMsg>(no_kind), HasSubstr("'k' is missing"));
+    EXPECT_THAT(decode_error<CancelMsg>(json::array()), HasSubstr("expected an object"));
 }
 
 TEST(TestbedProtocol, MistypedFieldIsNamed) {
     json submit = encode_message(sample_submit());
     submit["in"] = "1200";
     std::string err = decode_error<SubmitMsg>(submit);
-    EXPECT_NE(err.find("field 'in': expected an integer"), std::string::npos) << err;
-    EXPECT_NE(err.find("got string"), std::string::npos) << err;
+    EXPECT_THAT(err, HasSubstr("field 'in': expected an integer"));
+    EXPECT_THAT(err, HasSubstr("got string"));
 
     submit = encode_message(sample_submit());
     submit["in"] = 12.5;  // a float is not an integer
-    EXPECT_NE(decode_error<SubmitMsg>(submit).find("field 'in'"), std::string::npos);
+    EXPECT_THAT(decode_error<SubmitMsg>(submit), HasSubstr("field 'in'"));
 
     submit = encode_message(sample_submit());
     submit["in"] = int64_t{1} << 40;  // out of int32_t's range
     err = decode_error<SubmitMsg>(submit);
-    EXPECT_NE(err.find("field 'in': expected an integer in [-2147483648, 2147483647]"),
-              std::string::npos)
-        << err;
+    EXPECT_THAT(err, HasSubstr("field 'in': expected an integer in [-2147483648, 2147483647]"));
 
     submit = encode_message(sample_submit());
     submit["id"] = -1;  // ids are unsigned
-    EXPECT_NE(decode_error<SubmitMsg>(submit).find("field 'id'"), std::string::npos);
+    EXPECT_THAT(decode_error<SubmitMsg>(submit), HasSubstr("field 'id'"));
 
     submit = encode_message(sample_submit());
     submit["hash"][2] = "x";
-    EXPECT_NE(decode_error<SubmitMsg>(submit).find("field 'hash[2]'"), std::string::npos);
+    EXPECT_THAT(decode_error<SubmitMsg>(submit), HasSubstr("field 'hash[2]'"));
 
     json plan = encode_message(sample_plan());
     plan["m"] = "x";
-    EXPECT_NE(decode_error<Plan>(plan).find("field 'm'"), std::string::npos);
+    EXPECT_THAT(decode_error<Plan>(plan), HasSubstr("field 'm'"));
     plan = encode_message(sample_plan());
     plan["e"][0]["f"] = 1;
-    EXPECT_NE(decode_error<Plan>(plan).find("field 'e[0].f': expected a boolean"),
-              std::string::npos);
+    EXPECT_THAT(decode_error<Plan>(plan), HasSubstr("field 'e[0].f': expected a boolean"));
 
     json done = encode_message(RequestDoneReport{.phase = "disagg", .id = 1, .ok = true});
     done["tt"] = 3.0;
-    EXPECT_NE(decode_error<RequestDoneReport>(done).find("field 'tt': expected an array"),
-              std::string::npos);
+    EXPECT_THAT(decode_error<RequestDoneReport>(done), HasSubstr("field 'tt': expected an array"));
 
     json result = encode_message(sample_result());
     result["xfer"][0][0] = 6;  // past kRequestFailed
     err = decode_error<RankResult>(result);
-    EXPECT_NE(err.find("field 'xfer[0][0] (kind)': expected an engine event kind"),
-              std::string::npos)
-        << err;
+    EXPECT_THAT(err, HasSubstr("field 'xfer[0][0] (kind)': expected an engine event kind"));
     result = encode_message(sample_result());
     result["pend"]["x1"] = 3.0;
-    EXPECT_NE(decode_error<RankResult>(result).find("field 'pend.x1'"), std::string::npos);
+    EXPECT_THAT(decode_error<RankResult>(result), HasSubstr("field 'pend.x1'"));
     result = encode_message(sample_result());
     result["ordering"]["violations"] = {1};
-    EXPECT_NE(decode_error<RankResult>(result).find("field 'ordering.violations[0]'"),
-              std::string::npos);
+    EXPECT_THAT(decode_error<RankResult>(result), HasSubstr("field 'ordering.violations[0]'"));
 
     json shape = encode_message(ShapeMsg{.time_scale = 1});
     shape["ts"] = true;
-    EXPECT_NE(decode_error<ShapeMsg>(shape).find("'shape': field 'ts': expected a number"),
-              std::string::npos);
+    EXPECT_THAT(decode_error<ShapeMsg>(shape), HasSubstr("'shape': field 'ts': expected a number"));
 }
 
 }  // namespace

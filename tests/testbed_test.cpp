@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tests/cli_test_util.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::test {
 namespace {
@@ -197,7 +198,7 @@ TEST_P(TestbedFault, IsCaught) {
     const int failed = rep["requests_failed"].get<int>();
     EXPECT_GT(violations + failed, 0) << rep.dump(2);
     EXPECT_EQ(rep["requests_completed"].get<int>() + failed, rep["requests_submitted"].get<int>());
-    EXPECT_NE(r.err.find("testbed:"), std::string::npos) << r.err;
+    EXPECT_THAT(r.err, HasSubstr("testbed:"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, TestbedFault,
@@ -239,8 +240,8 @@ TEST(TestbedBadInput, TraceLineIsNamed) {
     }
     CmdResult r = run_testbed(2, {"--trace", dir.str("bad.jsonl")});
     EXPECT_EQ(r.rc, 2) << r.describe();
-    EXPECT_NE(r.err.find("bad.jsonl:2"), std::string::npos) << r.err;
-    EXPECT_NE(r.err.find("input_length"), std::string::npos) << r.err;
+    EXPECT_THAT(r.err, HasSubstr("bad.jsonl:2"));
+    EXPECT_THAT(r.err, HasSubstr("input_length"));
 }
 
 // Every rank reads the trace and fails; the others must not exit before rank 0 printed: once
@@ -255,7 +256,7 @@ TEST(TestbedBadInput, LateRankZeroStillPrints) {
     }
     CmdResult r = run_testbed(2, {"--trace", dir.str("bad.jsonl")}, 120, 3);
     EXPECT_EQ(r.rc, 2) << r.describe();
-    EXPECT_NE(r.err.find("bad.jsonl:1"), std::string::npos) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("bad.jsonl:1")) << r.describe();
     // Printed once (by rank 0), not once per rank.
     EXPECT_EQ(r.err.find("bad.jsonl:1"), r.err.rfind("bad.jsonl:1")) << r.err;
 }
@@ -263,8 +264,7 @@ TEST(TestbedBadInput, LateRankZeroStillPrints) {
 TEST(TestbedBadInput, WorldSizeContradictsTopology) {
     CmdResult r = run_testbed(3, {"--topology", topo("cpu-1p1d"), "--sample", "2"});
     EXPECT_EQ(r.rc, 2) << r.describe();
-    EXPECT_NE(r.err.find("mpirun -np 3 but topology cpu-1p1d.yaml has 2 ranks"), std::string::npos)
-        << r.err;
+    EXPECT_THAT(r.err, HasSubstr("mpirun -np 3 but topology cpu-1p1d.yaml has 2 ranks"));
     // Printed by rank 0 only.
     EXPECT_EQ(r.err.find("has 2 ranks"), r.err.rfind("has 2 ranks")) << r.err;
 }
@@ -287,7 +287,7 @@ TEST(TestbedBadInput, FlagsAreNamed) {
     for (const auto& c : cases) {
         CmdResult r = run_testbed(0, c.args, 60);
         EXPECT_EQ(r.rc, 2) << c.expect << "\n" << r.describe();
-        EXPECT_NE(r.err.find(c.expect), std::string::npos) << r.describe();
+        EXPECT_THAT(r.err, HasSubstr(c.expect)) << r.describe();
     }
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tests/cli_test_util.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::cost {
 namespace {
@@ -250,9 +251,8 @@ TEST(TimelineFit, FitErrorsNameTheTimelinesAndWhatIsMissing) {
     ASSERT_FALSE(part.ok());
     EXPECT_EQ(part.status().code(), StatusCode::kInvalidArgument);
     // The extend forwards are too few; decode is missing altogether and reported first.
-    EXPECT_NE(part.status().message().find("a.json,b.json"), std::string::npos);
-    EXPECT_NE(part.status().message().find("too few"), std::string::npos)
-        << part.status().message();
+    EXPECT_THAT(part.status().message(), HasSubstr("a.json,b.json"));
+    EXPECT_THAT(part.status().message(), HasSubstr("too few"));
 
     // A file whose only leader forward overlaps another instance's: nothing to fit.
     Recorder overlapping;
@@ -263,9 +263,8 @@ TEST(TimelineFit, FitErrorsNameTheTimelinesAndWhatIsMissing) {
     TimelineFitter second({});
     auto added = second.add_timeline("c.json", overlapping.forwards);
     ASSERT_FALSE(added.ok());
-    EXPECT_NE(added.status().message().find("--from-timeline c.json"), std::string::npos);
-    EXPECT_NE(added.status().message().find("(2 did)"), std::string::npos)
-        << added.status().message();
+    EXPECT_THAT(added.status().message(), HasSubstr("--from-timeline c.json"));
+    EXPECT_THAT(added.status().message(), HasSubstr("(2 did)"));
 }
 
 // ---- the parser ----
@@ -350,15 +349,11 @@ TEST(TimelineParser, ErrorsNameTheFileAndTheField) {
         auto r = read_timeline_forwards(path);
         ASSERT_FALSE(r.ok()) << c.name;
         EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << c.name;
-        EXPECT_NE(r.status().message().find("--from-timeline " + path + ": "), std::string::npos)
-            << r.status().message();
-        EXPECT_NE(r.status().message().find(c.mention), std::string::npos) << r.status().message();
+        EXPECT_THAT(r.status().message(), HasSubstr("--from-timeline " + path + ": "));
+        EXPECT_THAT(r.status().message(), HasSubstr(c.mention));
     }
-    EXPECT_NE(read_timeline_forwards(dir.str("items_of_follower_unread.json"))
-                  .status()
-                  .message()
-                  .find("cannot open"),
-              std::string::npos);
+    EXPECT_THAT(read_timeline_forwards(dir.str("items_of_follower_unread.json")).status().message(),
+                HasSubstr("cannot open"));
     // A follower's batch is not read: no items is no error.
     json follower = leader;
     follower["tp_rank"] = 1;

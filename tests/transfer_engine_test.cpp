@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "tests/status_matchers.h"
 #include "tests/transfer_engine_harness.h"
 #include "transfer/engine/control.h"
 #include "transfer/local/local_transport.h"
@@ -190,8 +191,8 @@ TEST(PagePinsTest, RefusesToFreePinnedPages) {
     auto pages = *alloc.alloc(4);
     pins.pin(7, pages);
     Status st = pins.free_pages(alloc, pages);
-    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
-    EXPECT_NE(st.message().find("request 7"), std::string::npos) << st.to_string();
+    EXPECT_THAT(st, StatusIs(StatusCode::kFailedPrecondition, HasSubstr("request 7")))
+        << st.to_string();
     EXPECT_TRUE(alloc.is_allocated(pages[0]));  // nothing freed
     EXPECT_EQ(v.violation_count(), 1u);
     pins.unpin_request(7);
@@ -634,9 +635,9 @@ TEST(TransferEngineFailure, SilentPrefillPeerTimesOut) {
     const auto took = Clock::now() - t0;
     ASSERT_TRUE(st.ok()) << st.status().to_string();
     EXPECT_EQ(st->state, RequestState::kFailed);
-    EXPECT_NE(st->reason.find("request 5"), std::string::npos) << st->reason;
-    EXPECT_NE(st->reason.find("prefill rank 0"), std::string::npos) << st->reason;
-    EXPECT_NE(st->reason.find("bootstrap ack"), std::string::npos) << st->reason;
+    EXPECT_THAT(st->reason, HasSubstr("request 5"));
+    EXPECT_THAT(st->reason, HasSubstr("prefill rank 0"));
+    EXPECT_THAT(st->reason, HasSubstr("bootstrap ack"));
     EXPECT_GE(took, 300ms);
     EXPECT_LT(took, 300ms + 2s * kSlow) << "failed late";
     // wait_layer reports the failure instead of waiting.
@@ -669,8 +670,8 @@ TEST(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
     auto st = (*recv)->wait_done(9, 30s);
     ASSERT_TRUE(st.ok());
     EXPECT_EQ(st->state, RequestState::kFailed);
-    EXPECT_NE(st->reason.find("timed out"), std::string::npos) << st->reason;
-    EXPECT_NE(st->reason.find("KV chunks from prefill rank 0"), std::string::npos) << st->reason;
+    EXPECT_THAT(st->reason, HasSubstr("timed out"));
+    EXPECT_THAT(st->reason, HasSubstr("KV chunks from prefill rank 0"));
 }
 
 TEST(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
@@ -699,12 +700,12 @@ TEST(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
     auto ps = (*send)->wait(3, 30s);
     ASSERT_TRUE(ps.ok());
     EXPECT_EQ(ps->state, RequestState::kFailed);
-    EXPECT_NE(ps->reason.find("request 3"), std::string::npos) << ps->reason;
-    EXPECT_NE(ps->reason.find("StepCounter"), std::string::npos) << ps->reason;
+    EXPECT_THAT(ps->reason, HasSubstr("request 3"));
+    EXPECT_THAT(ps->reason, HasSubstr("StepCounter"));
     auto ds = (*recv)->wait_done(3, 30s);
     ASSERT_TRUE(ds.ok());
     EXPECT_EQ(ds->state, RequestState::kFailed);
-    EXPECT_NE(ds->reason.find("aborted"), std::string::npos) << ds->reason;
+    EXPECT_THAT(ds->reason, HasSubstr("aborted"));
     // The prefill pages are unpinned once no send can read them (the worker withdraws the task
     // within cancel_check of the failure).
     EXPECT_TRUE(eventually([&] { return !(*send)->status(3)->pages_in_use; }, 5s));
@@ -746,7 +747,7 @@ TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
     auto ps = (*send)->wait(4, 30s);
     ASSERT_TRUE(ps.ok());
     EXPECT_EQ(ps->state, RequestState::kFailed);
-    EXPECT_NE(ps->reason.find("decode rank 1 silent"), std::string::npos) << ps->reason;
+    EXPECT_THAT(ps->reason, HasSubstr("decode rank 1 silent"));
     EXPECT_LT(Clock::now() - t0, 300ms + 2s * kSlow);
 }
 
@@ -845,7 +846,7 @@ TEST(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
     auto ps = (*send)->wait(8, 5s);
     ASSERT_TRUE(ps.ok()) << ps.status().to_string();
     EXPECT_EQ(ps->state, RequestState::kFailed);
-    EXPECT_NE(ps->reason.find("decode rank 1 aborted"), std::string::npos) << ps->reason;
+    EXPECT_THAT(ps->reason, HasSubstr("decode rank 1 aborted"));
     EXPECT_EQ((*send)->submit_chunk(SendChunk{8, {1, 2}, 0, 20, 0, 1, true}).code(),
               StatusCode::kAborted);
 }
@@ -892,7 +893,7 @@ TEST(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
             EXPECT_EQ(st.state, RequestState::kSuccess) << r.id << ": " << st.reason;
         } else {
             EXPECT_EQ(st.state, RequestState::kFailed) << r.id;
-            EXPECT_NE(st.reason.find("decode rank 2"), std::string::npos) << st.reason;
+            EXPECT_THAT(st.reason, HasSubstr("decode rank 2"));
         }
     }
     const RankResult& d1 = run->results[1];
@@ -954,8 +955,8 @@ TEST(TransferEngineFaults, CleanRunHasNoViolations) {
 TEST(TransferEngineFaults, RecordBeforeWrite) {
     FaultOutcome o = run_fault(Fault::kRecordBeforeWrite);
     EXPECT_GT(o.violations, 0u);
-    EXPECT_NE(o.report.find("request 101 layer 1"), std::string::npos) << o.report;
-    EXPECT_NE(o.report.find("sender read"), std::string::npos) << o.report;
+    EXPECT_THAT(o.report, HasSubstr("request 101 layer 1"));
+    EXPECT_THAT(o.report, HasSubstr("sender read"));
 }
 
 TEST(TransferEngineFaults, SkipRecord) {
@@ -966,26 +967,26 @@ TEST(TransferEngineFaults, SkipRecord) {
 TEST(TransferEngineFaults, DoubleRecord) {
     FaultOutcome o = run_fault(Fault::kDoubleRecord);
     EXPECT_GT(o.violations, 0u);
-    EXPECT_NE(o.report.find("request 101 layer 2"), std::string::npos) << o.report;
+    EXPECT_THAT(o.report, HasSubstr("request 101 layer 2"));
 }
 
 TEST(TransferEngineFaults, LateWrite) {
     FaultOutcome o = run_fault(Fault::kLateWrite);
     EXPECT_GT(o.violations, 0u);
-    EXPECT_NE(o.report.find("request 101 layer 1"), std::string::npos) << o.report;
+    EXPECT_THAT(o.report, HasSubstr("request 101 layer 1"));
 }
 
 TEST(TransferEngineFaults, FreeBeforeTransferIsRefused) {
     FaultOutcome o = run_fault(Fault::kFreeBeforeTransfer);
     EXPECT_TRUE(o.prefill_free_refused);
     EXPECT_GT(o.violations, 0u);
-    EXPECT_NE(o.report.find("free-before-transfer"), std::string::npos) << o.report;
+    EXPECT_THAT(o.report, HasSubstr("free-before-transfer"));
 }
 
 TEST(TransferEngineFaults, PagesReusedInFlight) {
     FaultOutcome o = run_fault(Fault::kReuseBeforeTransfer);
     EXPECT_GT(o.violations, 0u);
-    EXPECT_NE(o.report.find("request 101 layer 0"), std::string::npos) << o.report;
+    EXPECT_THAT(o.report, HasSubstr("request 101 layer 0"));
 }
 
 TEST(TransferEngineFaults, DecodeFreesDestinationEarly) {

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/status_matchers.h"
 #include "transfer/transport.h"
 
 namespace pdsim::transfer::conformance {
@@ -458,7 +459,7 @@ inline void peer_close_fails_pending(Transport& t) {
         release_closer(t);  // rank 1 closes after this
         Status st = t.wait(*r, kWait);
         EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
-        EXPECT_NE(st.message().find("rank 1"), std::string::npos) << st.to_string();
+        EXPECT_THAT(st.message(), HasSubstr("rank 1")) << st.to_string();
         // A new post to the dead peer fails at once (maybe after the transport noticed).
         auto deadline = std::chrono::steady_clock::now() + kWait;
         for (;;) {
