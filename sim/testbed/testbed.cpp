@@ -97,7 +97,6 @@ struct Shared {
     bool error_printed = false;  // rank 0
 };
 
-
 StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mailbox& mbox,
                                                                  int rank, std::string* tcp_dir) {
     const TestbedOptions& o = sh.cfg->options;
