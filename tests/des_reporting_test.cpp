@@ -6,10 +6,12 @@
 
 #include "common/check.h"
 #include "sim/des/reporting.h"
-#include "topology/loader.h"
+#include "tests/test_topologies.h"
 
 namespace pdsim::des {
 namespace {
+
+using pdsim::test::cpu_1p1d_topology;
 
 TEST(KvTransferFigures, LayerwiseAndNot) {
     // Flow from 4 s, forward [3, 8), done at 10, route latency 0.5, 4 layers.
@@ -48,26 +50,8 @@ TEST(TransferSummary, BusyTimeIsTheUnionOfActiveFlows) {
 }
 
 SimConfig config_with(metrics::Timeline* timeline) {
-    const char* yaml = R"(name: t
-model: tiny
-nodes:
-  - id: n0
-    devices:
-      - {id: n0.cpu0, type: cpu}
-      - {id: n0.cpu1, type: cpu}
-    switches:
-      - {id: n0.shm, type: loopback}
-links:
-  - {a: n0.cpu0, b: n0.shm, type: loopback, gbps: 10, latency_us: 1}
-  - {a: n0.cpu1, b: n0.shm, type: loopback, gbps: 10, latency_us: 1}
-instances:
-  - {id: p0, role: prefill, tp: 1, devices: [n0.cpu0]}
-  - {id: d0, role: decode, tp: 1, devices: [n0.cpu1]}
-)";
-    StatusOr<topo::Topology> t = topo::parse_topology(yaml, "<test>", topo::Format::kYaml);
-    PDSIM_CHECK_OK(t.status());
     SimConfig c;
-    c.topology = *t;
+    c.topology = cpu_1p1d_topology();
     c.topology_label = "label";
     c.model = *model::resolve_model("tiny");
     c.timeline = timeline;

@@ -10,10 +10,13 @@
 #include "common/check.h"
 #include "sim/des/simulator.h"
 #include "tests/status_matchers.h"
-#include "topology/loader.h"
+#include "tests/test_topologies.h"
 
 namespace pdsim::des {
 namespace {
+
+using pdsim::test::cpu_1p1d_topology;
+using pdsim::test::example_topology;
 
 // extend: e0 + e1 * new tokens; decode: d0 + d1 * batch. Records every call.
 class FakeCostModel : public cost::CostModel {
@@ -38,34 +41,13 @@ private:
     double e0_, e1_, d0_, d1_;
 };
 
-// Two CPU ranks behind a loopback switch: a KV flow crosses two 10 GB/s links, 1 us each.
-constexpr const char* kTopology1p1d = R"(name: t1p1d
-model: tiny
-nodes:
-  - id: n0
-    devices:
-      - {id: n0.cpu0, type: cpu}
-      - {id: n0.cpu1, type: cpu}
-    switches:
-      - {id: n0.shm, type: loopback}
-links:
-  - {a: n0.cpu0, b: n0.shm, type: loopback, gbps: 10, latency_us: 1}
-  - {a: n0.cpu1, b: n0.shm, type: loopback, gbps: 10, latency_us: 1}
-instances:
-  - {id: prefill0, role: prefill, tp: 1, devices: [n0.cpu0]}
-  - {id: decode0, role: decode, tp: 1, devices: [n0.cpu1]}
-)";
+// Two CPU ranks behind a loopback switch (tests/test_topologies.h): a KV flow crosses two
+// 10 GB/s links, 1 us each.
 
 // tiny: 4 layers x 2 (K, V) x 4 KV heads x 64 dims, fp32 on CPU devices.
 constexpr double kBytesPerToken = 4.0 * 2 * 4 * 64 * 4;
 constexpr double kLatencyMs = 0.002;
 constexpr double kEps = 1e-6;  // ms
-
-topo::Topology topology_from(const char* yaml) {
-    StatusOr<topo::Topology> t = topo::parse_topology(yaml, "<test>", topo::Format::kYaml);
-    PDSIM_CHECK_OK(t.status());
-    return *t;
-}
 
 SimConfig make_config(const topo::Topology& t, std::shared_ptr<const cost::CostModel> cost,
                       int64_t kv_pages = 100000, SimMode mode = SimMode::kDisagg) {
@@ -99,7 +81,7 @@ SimResult run(const SimConfig& c, const std::vector<workload::Request>& reqs) {
 
 TEST(Simulator, OneRequestDisaggregatedLayerwise) {
     auto cost = std::make_shared<FakeCostModel>(0.1, 0.01);
-    const SimConfig c = make_config(topology_from(kTopology1p1d), cost);
+    const SimConfig c = make_config(cpu_1p1d_topology(), cost);
     const SimResult r = run(c, {req(0, 0, 1000, 5)});
     ASSERT_EQ(r.report.requests_completed, 1);
     const metrics::RequestRecord& q = r.records[0];
@@ -131,7 +113,7 @@ TEST(Simulator, OneRequestDisaggregatedLayerwise) {
 
 TEST(Simulator, OneRequestDisaggregatedLayerwiseOff) {
     auto cost = std::make_shared<FakeCostModel>(0.1, 0.01);
-    SimConfig c = make_config(topology_from(kTopology1p1d), cost);
+    SimConfig c = make_config(cpu_1p1d_topology(), cost);
     c.layerwise = false;
     const SimResult r = run(c, {req(0, 0, 1000, 5)});
     const metrics::RequestRecord& q = r.records[0];
@@ -146,7 +128,7 @@ TEST(Simulator, OneRequestDisaggregatedLayerwiseOff) {
 
 TEST(Simulator, TwoRequestsShareAnExtendForwardAndDecodeOnTheirOwnTimes) {
     auto cost = std::make_shared<FakeCostModel>(0.1, 0.01);
-    const SimConfig c = make_config(topology_from(kTopology1p1d), cost);
+    const SimConfig c = make_config(cpu_1p1d_topology(), cost);
     const SimResult r = run(c, {req(0, 0, 600, 3), req(1, 0, 400, 2)});
     ASSERT_EQ(r.report.requests_completed, 2);
     // Forward 1 [0, 0.1]: A 512 + B 400 (FCFS, chunk 512, budget 2048). Forward 2 [0.1, 0.2]:
@@ -173,8 +155,7 @@ TEST(Simulator, TwoRequestsShareAnExtendForwardAndDecodeOnTheirOwnTimes) {
 
 TEST(Simulator, OneRequestColocated) {
     auto cost = std::make_shared<FakeCostModel>(0.1, 0.01);
-    const SimConfig c =
-        make_config(topology_from(kTopology1p1d), cost, 100000, SimMode::kColocated);
+    const SimConfig c = make_config(cpu_1p1d_topology(), cost, 100000, SimMode::kColocated);
     const SimResult r = run(c, {req(0, 0, 1000, 5)});
     const metrics::RequestRecord& q = r.records[0];
     // The first token is sampled by the last chunk's forward: no transfer.
@@ -189,8 +170,7 @@ TEST(Simulator, OneRequestColocated) {
 
 TEST(Simulator, ColocatedAlternatesExtendAndDecodeAndBatchesDecodes) {
     auto cost = std::make_shared<FakeCostModel>(0.1, 0.01);
-    const SimConfig c =
-        make_config(topology_from(kTopology1p1d), cost, 100000, SimMode::kColocated);
+    const SimConfig c = make_config(cpu_1p1d_topology(), cost, 100000, SimMode::kColocated);
     // A -> instance 0 (loads 0, 0), B -> instance 1 (round robin after 0). At 125 ms both first
     // tokens are out, so the loads are 10 (A's output) and 50 (B's): C -> instance 0, arriving
     // while A decodes [120, 130] ms.
@@ -219,7 +199,7 @@ TEST(Simulator, ColocatedAlternatesExtendAndDecodeAndBatchesDecodes) {
 
 TEST(Simulator, PrefixCacheHitsOnAHandMadeTrace) {
     auto cost = std::make_shared<FakeCostModel>(0.1, 0.01);
-    SimConfig c = make_config(topology_from(kTopology1p1d), cost);
+    SimConfig c = make_config(cpu_1p1d_topology(), cost);
     // Far apart, so each one's blocks are cached (KV transfer done) before the next arrives.
     const std::vector<workload::Request> reqs = {
         req(0, 0, 1536, 1, {1, 2, 3}),         // 3 full blocks, all computed
@@ -265,13 +245,6 @@ std::vector<workload::Request> synthetic(int64_t n, uint64_t seed) {
     return *r;
 }
 
-topo::Topology example_topology(const std::string& name) {
-    StatusOr<topo::Topology> t =
-        topo::load_topology(std::string(PDSIM_SOURCE_DIR) + "/topology/examples/" + name);
-    PDSIM_CHECK_OK(t.status());
-    return *t;
-}
-
 TEST(Simulator, ConservationAndDeterminism) {
     auto cost = std::make_shared<FakeCostModel>(0.005, 0.002, 2e-5, 1e-4);
     SimConfig c = make_config(example_topology("cpu-2p1d-tp2-to-tp1.yaml"), cost, 2000);
@@ -313,7 +286,7 @@ TEST(Simulator, ConservationAndDeterminism) {
 
 TEST(Simulator, PreemptionUnderATinyKvPoolStillCompletesEveryRequest) {
     auto cost = std::make_shared<FakeCostModel>(0.01, 0.005);
-    SimConfig c = make_config(topology_from(kTopology1p1d), cost);
+    SimConfig c = make_config(cpu_1p1d_topology(), cost);
     // Decode pool: 24 pages x 16 tokens. Each request needs 4 pages at admission and grows to
     // ceil((64 + 100) / 16) = 11, so at most two can finish side by side.
     c.instances[1].kv_pages = 24;
@@ -345,7 +318,7 @@ TEST(Simulator, PreemptionUnderATinyKvPoolStillCompletesEveryRequest) {
     EXPECT_NEAR(rr.records[1].e2e_ms(), 10 + kLatencyMs + 99 * 5, kEps);
 
     // Colocated, with the prefix cache holding released blocks in the same pool.
-    SimConfig cc = make_config(topology_from(kTopology1p1d), cost, 24, SimMode::kColocated);
+    SimConfig cc = make_config(cpu_1p1d_topology(), cost, 24, SimMode::kColocated);
     for (auto& q : reqs) q.hash_ids = {q.id};
     const SimResult rc = run(cc, reqs);
     EXPECT_EQ(rc.report.requests_completed, 8);
@@ -354,7 +327,7 @@ TEST(Simulator, PreemptionUnderATinyKvPoolStillCompletesEveryRequest) {
 
 TEST(Simulator, RejectsMismatchedConfigAndUnsortedRequests) {
     auto cost = std::make_shared<FakeCostModel>(0.1, 0.01);
-    SimConfig c = make_config(topology_from(kTopology1p1d), cost);
+    SimConfig c = make_config(cpu_1p1d_topology(), cost);
     StatusOr<SimResult> r = run_simulation(c, std::vector{req(0, 10, 10, 1), req(1, 5, 10, 1)});
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     c.instances.pop_back();
@@ -372,7 +345,7 @@ TEST(Simulator, KvCapacityFromTheDeviceAndTheModel) {
     // x 128 x 2 bytes.
     const double avail = 80.0 * (1 << 30) * 0.9 - 2.0 * static_cast<double>(m.num_params()) / 8;
     EXPECT_EQ(*pages, static_cast<int64_t>(avail / (16.0 * 80 * 2 * 128 * 2)));
-    const topo::Topology cpu = topology_from(kTopology1p1d);
+    const topo::Topology cpu = cpu_1p1d_topology();
     const model::ModelConfig tiny = *model::resolve_model("tiny");
     // The testbed's pool: 512 MiB / (16 x 4 layers x 2 x 4 heads x 64 x 4 bytes).
     EXPECT_EQ(*kv_capacity_pages(cpu, tiny, 1, o), (512LL << 20) / (16 * 4 * 2 * 4 * 64 * 4));
