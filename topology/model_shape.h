@@ -64,6 +64,23 @@ struct ModelShape {
     friend bool operator==(const ModelShape&, const ModelShape&) = default;
 };
 
+// The integer dimensions that files and reports record for a model, with their keys: a cost
+// file's `model_config` (written by pdsim calibrate, checked by the cost-file reader and the
+// calibrated model) and the testbed report's `model`. The one list all of them walk.
+struct ModelDimension {
+    std::string_view key;
+    int ModelShape::*field;
+};
+inline constexpr ModelDimension kModelDimensions[] = {
+    {"num_layers", &ModelShape::num_layers},
+    {"hidden", &ModelShape::hidden},
+    {"num_q_heads", &ModelShape::num_q_heads},
+    {"num_kv_heads", &ModelShape::num_kv_heads},
+    {"head_dim", &ModelShape::head_dim},
+    {"intermediate", &ModelShape::intermediate},
+    {"vocab", &ModelShape::vocab},
+};
+
 // The tensor-parallel rule (model::check_tp is this, as a Status): for MHA tp must divide
 // num_kv_heads (no KV-head replication), and it must divide num_q_heads; MLA's latent buffer is
 // replicated on every rank. Returns "" when tp is fine, else what is wrong ("3 does not divide

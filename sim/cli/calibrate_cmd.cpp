@@ -49,6 +49,7 @@
 #include "sim/cli/command.h"
 #include "sim/cost/calibrated.h"
 #include "sim/cost/timeline_fit.h"
+#include "topology/model_shape.h"
 
 extern char** environ;
 
@@ -345,14 +346,7 @@ json cost_file_json(const CalibrateOptions& o, const model::ModelConfig& m,
                 {"machine", {{"cpu", cpu_model_name()}, {"cores", cores()}}},
                 {"created", iso_now()},
                 {"model", m.name},
-                {"model_config",
-                 {{"num_layers", m.num_layers},
-                  {"hidden", m.hidden},
-                  {"num_q_heads", m.num_q_heads},
-                  {"num_kv_heads", m.num_kv_heads},
-                  {"head_dim", m.head_dim},
-                  {"intermediate", m.intermediate},
-                  {"vocab", m.vocab}}},
+                {"model_config", json::object()},
                 {"backend", o.backend},
                 {"kv_dtype", "fp32"},
                 {"page_size", o.page_size},
@@ -365,6 +359,9 @@ json cost_file_json(const CalibrateOptions& o, const model::ModelConfig& m,
                 {"transports", parts.transports},
                 {"notes", parts.notes},
                 {"wall_s", wall}};
+    for (const topo::ModelDimension& dim : topo::kModelDimensions) {
+        out["model_config"][std::string(dim.key)] = m.*dim.field;
+    }
     if (!parts.interference.empty()) out["interference"] = parts.interference;
     if (!parts.noise.empty()) out["noise"] = parts.noise;
     return out;

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 
+#include "topology/model_shape.h"
+
 namespace pdsim::cost {
 
 namespace {
@@ -251,14 +253,9 @@ StatusOr<std::unique_ptr<CostModel>> make_calibrated_model(const InstanceSpec& s
     if (j.contains("model_config")) {
         const json& mc = j["model_config"];
         const model::ModelConfig& m = spec.model;
-        const std::pair<const char*, int> fields[] = {{"num_layers", m.num_layers},
-                                                      {"hidden", m.hidden},
-                                                      {"num_q_heads", m.num_q_heads},
-                                                      {"num_kv_heads", m.num_kv_heads},
-                                                      {"head_dim", m.head_dim},
-                                                      {"intermediate", m.intermediate},
-                                                      {"vocab", m.vocab}};
-        for (const auto& [key, want] : fields) {
+        for (const topo::ModelDimension& dim : topo::kModelDimensions) {
+            const std::string key(dim.key);
+            const int want = m.*dim.field;
             if (mc.contains(key) && mc[key].get<int>() != want) {
                 return Status(StatusCode::kInvalidArgument,
                               fmt::format("{}: model_config.{} is {}, model {} here has {}", src,

@@ -9,6 +9,7 @@
 
 #include "sim/cost/calibrated.h"
 #include "sim/cost/roofline.h"
+#include "topology/model_shape.h"
 
 namespace pdsim::cost {
 
@@ -96,8 +97,8 @@ Status validate(const json& j, const std::string& source) {
             return c.error("model_config",
                            "expected an object, got " + type_name(j["model_config"]));
         }
-        for (const char* key : {"num_layers", "hidden", "num_q_heads", "num_kv_heads", "head_dim",
-                                "intermediate", "vocab"}) {
+        for (const topo::ModelDimension& dim : topo::kModelDimensions) {
+            const std::string key(dim.key);
             if (!j["model_config"].contains(key)) continue;
             PDSIM_RETURN_IF_ERROR(c.integer(j["model_config"], "model_config", key, 1).status());
         }

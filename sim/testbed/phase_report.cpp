@@ -9,6 +9,7 @@
 
 #include "sim/metrics/report.h"
 #include "sim/testbed/server.h"
+#include "topology/model_shape.h"
 #include "topology/topology.h"
 #include "transfer/engine/engine_types.h"
 
@@ -322,18 +323,14 @@ void build_phase_report(const ResolvedConfig& cfg, PhaseData& pd,
 json testbed_config_json(const ResolvedConfig& cfg) {
     const TestbedOptions& o = cfg.options;
     const model::ModelConfig& m = cfg.model;
+    json model = {{"name", m.name}};
+    for (const topo::ModelDimension& dim : topo::kModelDimensions) {
+        model[std::string(dim.key)] = m.*dim.field;
+    }
     return {{"command", "pdsim testbed " + describe(o)},
             {"topology", cfg.topology_label},
             {"ranks", cfg.topology.num_ranks()},
-            {"model",
-             {{"name", m.name},
-              {"num_layers", m.num_layers},
-              {"hidden", m.hidden},
-              {"num_q_heads", m.num_q_heads},
-              {"num_kv_heads", m.num_kv_heads},
-              {"head_dim", m.head_dim},
-              {"intermediate", m.intermediate},
-              {"vocab", m.vocab}}},
+            {"model", model},
             {"workload", cfg.workload_label},
             {"requests", cfg.requests.size()},
             {"trace_duration_s", cfg.trace_duration_ms / 1000},
