@@ -8,7 +8,7 @@
 //   ASSERT_OK(st);  ASSERT_OK_AND_ASSIGN(auto value, make_value());
 //
 // A failed match prints the status as "CODE: message". HasSubstr, Not, AllOf, ... are gmock's
-// (using-declared below for the tests that include this header).
+// (HasSubstr is using-declared in namespace pdsim below).
 #pragma once
 
 #include <gmock/gmock.h>
@@ -112,9 +112,11 @@ inline testing_internal::StatusIsPolymorphic IsOk() {
     return StatusIs(StatusCode::kOk);
 }
 
-}  // namespace pdsim
-
+// The message matcher the suites use most, named without `::testing::` inside pdsim's
+// namespaces (not at global scope, where it would leak into every file that includes this).
 using ::testing::HasSubstr;
+
+}  // namespace pdsim
 
 // Fatal / non-fatal checks that print the status on failure.
 #define ASSERT_OK(expr) ASSERT_THAT((expr), ::pdsim::IsOk())
