@@ -5,6 +5,7 @@ set(PDSIM_WITH_NCCL "AUTO" CACHE STRING "Build the NCCL transport (AUTO|ON|OFF; 
 set_property(CACHE PDSIM_WITH_NCCL PROPERTY STRINGS AUTO ON OFF)
 option(PDSIM_BUILD_BENCH "Build the Google Benchmark microbenchmarks" ON)
 option(PDSIM_WERROR "Treat warnings as errors" OFF)
+option(PDSIM_PCH "Precompiled headers for the test suites (tests/CMakeLists.txt)" ON)
 set(PDSIM_SANITIZER "" CACHE STRING "Sanitizer build: '', address (ASan+UBSan) or thread")
 set(PDSIM_CPU_ARCH "x86-64-v3" CACHE STRING
     "-march for CPU kernels (x86-64-v3 = AVX2+FMA+F16C; 'native' for this machine; '' for none)")
