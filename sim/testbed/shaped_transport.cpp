@@ -1,12 +1,12 @@
 #include "sim/testbed/shaped_transport.h"
 
-#include <condition_variable>
 #include <map>
 #include <mutex>
-#include <thread>
+#include <span>
 #include <vector>
 
-#include "common/thread_info.h"
+#include "transfer/forwarding_transport.h"
+#include "transfer/hold_queue.h"
 
 namespace pdsim::testbed {
 
@@ -16,24 +16,19 @@ using Clock = std::chrono::steady_clock;
 using transfer::OpState;
 using transfer::RequestHandle;
 
-class ShapedTransport final : public transfer::Transport {
+// Forwards receives and everything else; overrides post_send (the shaping), the one-sided calls
+// (shaped transports offer none: capabilities() turns them off), test/wait/cancel (held sends
+// have handles of their own) and close (it holds sends back).
+class ShapedTransport final : public transfer::ForwardingTransport {
 public:
     ShapedTransport(std::unique_ptr<transfer::Transport> inner, const topo::LinkShaping& shaping)
-        : inner_(std::move(inner)),
+        : ForwardingTransport(std::move(inner)),
           shaping_(shaping),
-          free_at_(static_cast<size_t>(inner_->world_size())) {
-        thread_ = std::thread([this] {
-            set_thread_name("pdsim-shaper");
-            loop();
-        });
-    }
+          free_at_(static_cast<size_t>(this->inner().world_size())) {}
     ~ShapedTransport() override { close(); }
 
-    [[nodiscard]] std::string_view name() const override { return inner_->name(); }
-    [[nodiscard]] int rank() const override { return inner_->rank(); }
-    [[nodiscard]] int world_size() const override { return inner_->world_size(); }
     [[nodiscard]] transfer::Capabilities capabilities() const override {
-        transfer::Capabilities c = inner_->capabilities();
+        transfer::Capabilities c = inner().capabilities();
         c.one_sided_write = false;
         return c;
     }
@@ -41,33 +36,46 @@ public:
     [[nodiscard]] StatusOr<RequestHandle> post_send(int peer, transfer::Tag tag, const void* buf,
                                                     size_t bytes) override {
         if (shaping_.unlimited() && shaping_.latency_us <= 0)
-            return inner_->post_send(peer, tag, buf, bytes);
+            return inner().post_send(peer, tag, buf, bytes);
         PDSIM_RETURN_IF_ERROR(check_post(peer, tag, buf, bytes, true));
         auto op = std::make_shared<OpState>(transfer::OpKind::kSend, peer, tag, bytes);
         {
             std::lock_guard<std::mutex> lock(mu_);
             if (closed_)
-                return PDSIM_ERROR(StatusCode::kUnavailable, "shaped {}: closed", inner_->name());
-            const auto now = Clock::now();
-            auto& free_at = free_at_[static_cast<size_t>(peer)];
-            if (free_at < now) free_at = now;
-            if (!shaping_.unlimited()) {
-                free_at +=
-                    std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
-                        static_cast<double>(bytes) / shaping_.bytes_per_s));
-            }
-            const auto due =
-                free_at + std::chrono::duration_cast<Clock::duration>(
-                              std::chrono::duration<double, std::micro>(shaping_.latency_us));
-            held_.emplace(std::make_pair(due, seq_++), Held{peer, tag, buf, bytes, op});
+                return PDSIM_ERROR(StatusCode::kUnavailable, "shaped {}: closed", inner().name());
+            const HeldKey key{due_locked(peer, bytes), seq_++};
+            held_.emplace(key, Held{peer, tag, buf, bytes, op});
+            // Pushed under mu_, so the queue's order of equal due times is the keys' order (and
+            // close(), which stops the queue after setting closed_, never refuses this push).
+            scheduler_.push(key.first, [this, key] { release(key); });
         }
-        cv_.notify_all();
         return RequestHandle(op);
     }
 
-    [[nodiscard]] StatusOr<RequestHandle> post_recv(int peer, transfer::Tag tag, void* buf,
-                                                    size_t capacity) override {
-        return inner_->post_recv(peer, tag, buf, capacity);
+    // One-sided writes would bypass the shaping: Transport's defaults (kUnimplemented).
+    [[nodiscard]] StatusOr<transfer::MemoryRegion> register_memory(void* base,
+                                                                   size_t bytes) override {
+        return Transport::register_memory(base, bytes);
+    }
+    [[nodiscard]] Status deregister_memory(uint64_t id) override {
+        return Transport::deregister_memory(id);
+    }
+    [[nodiscard]] StatusOr<transfer::RemoteRegion> import_remote(
+        int peer, std::span<const uint8_t> descriptor) override {
+        return Transport::import_remote(peer, descriptor);
+    }
+    [[nodiscard]] StatusOr<RequestHandle> post_write(const transfer::RemoteRegion& dst,
+                                                     size_t dst_offset, const void* src,
+                                                     size_t bytes) override {
+        return Transport::post_write(dst, dst_offset, src, bytes);
+    }
+
+    // The generic completion checks (transfer/transport.h): held sends are handles of our own.
+    [[nodiscard]] StatusOr<bool> test(const RequestHandle& handle) override {
+        return Transport::test(handle);
+    }
+    [[nodiscard]] Status wait(const RequestHandle& handle, transfer::Timeout timeout) override {
+        return Transport::wait(handle, timeout);
     }
 
     [[nodiscard]] Status cancel(const RequestHandle& handle) override {
@@ -92,24 +100,23 @@ public:
             withdrawn->complete(Status(StatusCode::kAborted, "cancelled"), 0);
             return {};
         }
-        if (inner.valid()) return inner_->cancel(inner);
+        if (inner.valid()) return this->inner().cancel(inner);
         if (handle.done()) return {};
-        return inner_->cancel(handle);
+        return this->inner().cancel(handle);
     }
 
     void close() override {
-        std::map<std::pair<Clock::time_point, uint64_t>, Held> held;
+        std::map<HeldKey, Held> held;
         {
             std::lock_guard<std::mutex> lock(mu_);
             if (closed_) return;
             closed_ = true;
             held.swap(held_);
         }
-        cv_.notify_all();
-        if (thread_.joinable()) thread_.join();
+        scheduler_.stop();
         for (auto& [k, h] : held)
             h.op->complete(Status(StatusCode::kUnavailable, "transport closed"), 0);
-        inner_->close();
+        ForwardingTransport::close();
     }
 
 private:
@@ -120,53 +127,59 @@ private:
         size_t bytes;
         std::shared_ptr<OpState> op;
     };
+    // (due time, posting sequence): the order in which held sends go out.
+    using HeldKey = std::pair<Clock::time_point, uint64_t>;
 
-    void loop() {
-        std::unique_lock<std::mutex> lock(mu_);
-        while (!closed_) {
-            if (held_.empty()) {
-                cv_.wait(lock);
-                continue;
-            }
-            const auto due = held_.begin()->first.first;
-            if (Clock::now() < due) {
-                cv_.wait_until(lock, due);
-                continue;
-            }
-            Held h = std::move(held_.begin()->second);
-            held_.erase(held_.begin());
-            auto inner = inner_->post_send(h.peer, h.tag, h.buf, h.bytes);
-            if (!inner.ok()) {
-                lock.unlock();
-                h.op->complete(inner.status(), 0);
-                lock.lock();
-                continue;
-            }
-            OpState* key = h.op.get();
-            posted_[key] = *inner;
-            auto op = h.op;
-            lock.unlock();
-            inner->on_complete([this, op, key](const Status& st, size_t n) {
-                {
-                    std::lock_guard<std::mutex> l(mu_);
-                    posted_.erase(key);
-                }
-                op->complete(st, n);
-            });
-            lock.lock();
+    // When a send of `bytes` posted now to `peer` may go out: after the link's token bucket for
+    // that peer has drained it, plus the latency.
+    Clock::time_point due_locked(int peer, size_t bytes) {
+        const auto now = Clock::now();
+        auto& free_at = free_at_[static_cast<size_t>(peer)];
+        if (free_at < now) free_at = now;
+        if (!shaping_.unlimited()) {
+            free_at += std::chrono::duration_cast<Clock::duration>(
+                std::chrono::duration<double>(static_cast<double>(bytes) / shaping_.bytes_per_s));
         }
+        return free_at + std::chrono::duration_cast<Clock::duration>(
+                             std::chrono::duration<double, std::micro>(shaping_.latency_us));
     }
 
-    std::unique_ptr<transfer::Transport> inner_;
+    // Scheduler thread: hands the held send `key` to the inner transport, unless it was cancelled
+    // or failed by close() meanwhile.
+    void release(const HeldKey& key) {
+        std::unique_lock<std::mutex> lock(mu_);
+        auto found = held_.find(key);
+        if (found == held_.end()) return;
+        Held h = std::move(found->second);
+        held_.erase(found);
+        auto inner = this->inner().post_send(h.peer, h.tag, h.buf, h.bytes);
+        if (!inner.ok()) {
+            lock.unlock();
+            h.op->complete(inner.status(), 0);
+            return;
+        }
+        OpState* op_key = h.op.get();
+        posted_[op_key] = *inner;
+        auto op = h.op;
+        lock.unlock();
+        inner->on_complete([this, op, op_key](const Status& st, size_t n) {
+            {
+                std::lock_guard<std::mutex> l(mu_);
+                posted_.erase(op_key);
+            }
+            op->complete(st, n);
+        });
+    }
+
     const topo::LinkShaping shaping_;
     std::mutex mu_;
-    std::condition_variable cv_;
     std::vector<Clock::time_point> free_at_;
-    std::map<std::pair<Clock::time_point, uint64_t>, Held> held_;
+    std::map<HeldKey, Held> held_;
     std::map<OpState*, RequestHandle> posted_;
     uint64_t seq_ = 0;
     bool closed_ = false;
-    std::thread thread_;
+    // Last: its thread runs release(), which uses the members above; close() stops it first.
+    transfer::HoldQueue scheduler_{"pdsim-shaper"};
 };
 
 }  // namespace

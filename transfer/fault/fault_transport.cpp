@@ -1,22 +1,20 @@
 #include "transfer/fault/fault_transport.h"
 
+#include <atomic>
 #include <charconv>
-#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <random>
 #include <shared_mutex>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
-#include "common/thread_info.h"
+#include "transfer/forwarding_transport.h"
+#include "transfer/hold_queue.h"
 
 namespace pdsim::transfer {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 std::string_view trim(std::string_view s) {
     while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
@@ -145,31 +143,27 @@ struct Core {
     }
 };
 
-class FaultTransport final : public Transport {
+// Forwards rank, world_size and capabilities; overrides the posts (where faults happen), the
+// one-sided setup calls (only to take inner_mu_ against disconnect()'s close of the inner
+// transport), test/wait/cancel (it returns handles of its own) and close (it holds sends back).
+class FaultTransport final : public ForwardingTransport {
 public:
     FaultTransport(std::unique_ptr<Transport> inner, FaultSpec spec)
-        : inner_(std::move(inner)),
+        : ForwardingTransport(std::move(inner)),
           spec_(std::move(spec)),
-          name_("fault:" + std::string(inner_->name())),
-          rng_(splitmix64(spec_.seed * 1000003u + static_cast<uint64_t>(inner_->rank()))),
+          name_("fault:" + std::string(this->inner().name())),
+          rng_(splitmix64(spec_.seed * 1000003u + static_cast<uint64_t>(this->inner().rank()))),
           core_(std::make_shared<Core>()) {
-        worker_ = std::thread([this] {
-            set_thread_name("pdsim-fault");
-            worker_loop();
-        });
         if (spec_.disconnect_after == 0) schedule(0, [this] { disconnect(); });
     }
     ~FaultTransport() override { close(); }
 
     std::string_view name() const override { return name_; }
-    int rank() const override { return inner_->rank(); }
-    int world_size() const override { return inner_->world_size(); }
-    Capabilities capabilities() const override { return inner_->capabilities(); }
 
     StatusOr<RequestHandle> post_send(int peer, Tag tag, const void* buf, size_t bytes) override {
         PDSIM_RETURN_IF_ERROR(check_post(peer, tag, buf, bytes, /*is_send=*/true));
         return post_outgoing(peer, OpKind::kSend, tag, bytes, [this, peer, tag, buf, bytes] {
-            return inner_->post_send(peer, tag, buf, bytes);
+            return inner().post_send(peer, tag, buf, bytes);
         });
     }
 
@@ -178,7 +172,7 @@ public:
         PDSIM_RETURN_IF_ERROR(check_post(dst.peer, 0, src, bytes, /*is_send=*/true));
         return post_outgoing(dst.peer, OpKind::kWrite, 0, bytes,
                              [this, dst, dst_offset, src, bytes] {
-                                 return inner_->post_write(dst, dst_offset, src, bytes);
+                                 return inner().post_write(dst, dst_offset, src, bytes);
                              });
     }
 
@@ -194,8 +188,8 @@ public:
             }
         }
         std::shared_lock<std::shared_mutex> inner_lock(inner_mu_);
-        if (!corrupt) return inner_->post_recv(peer, tag, buf, capacity);
-        PDSIM_ASSIGN_OR_RETURN(RequestHandle h, inner_->post_recv(peer, tag, buf, capacity));
+        if (!corrupt) return inner().post_recv(peer, tag, buf, capacity);
+        PDSIM_ASSIGN_OR_RETURN(RequestHandle h, inner().post_recv(peer, tag, buf, capacity));
         auto outer = std::make_shared<OpState>(OpKind::kRecv, peer, tag, capacity);
         auto item = std::make_shared<Item>();
         item->peer = peer;
@@ -226,15 +220,21 @@ public:
 
     StatusOr<MemoryRegion> register_memory(void* base, size_t bytes) override {
         std::shared_lock<std::shared_mutex> lock(inner_mu_);
-        return inner_->register_memory(base, bytes);
+        return ForwardingTransport::register_memory(base, bytes);
     }
     Status deregister_memory(uint64_t id) override {
         std::shared_lock<std::shared_mutex> lock(inner_mu_);
-        return inner_->deregister_memory(id);
+        return ForwardingTransport::deregister_memory(id);
     }
     StatusOr<RemoteRegion> import_remote(int peer, std::span<const uint8_t> descriptor) override {
         std::shared_lock<std::shared_mutex> lock(inner_mu_);
-        return inner_->import_remote(peer, descriptor);
+        return ForwardingTransport::import_remote(peer, descriptor);
+    }
+
+    // The generic completion checks (transfer/transport.h), so that errors name this decorator.
+    StatusOr<bool> test(const RequestHandle& handle) override { return Transport::test(handle); }
+    Status wait(const RequestHandle& handle, Timeout timeout) override {
+        return Transport::wait(handle, timeout);
     }
 
     Status cancel(const RequestHandle& handle) override {
@@ -280,23 +280,18 @@ public:
                 return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: operation in flight",
                                    name_);
             }
-            return inner_->cancel(inner);
+            return this->inner().cancel(inner);
         }
-        return inner_->cancel(handle);  // a pass-through receive: the inner transport's handle
+        return this->inner().cancel(handle);  // a pass-through receive: the inner's handle
     }
 
     void close() override {
-        {
-            std::lock_guard<std::mutex> lock(wmu_);
-            if (wstop_) return;
-            wstop_ = true;
-        }
-        wcv_.notify_all();
-        if (worker_.joinable()) worker_.join();
+        if (closed_.exchange(true)) return;
+        scheduler_.stop();
         fail_queued(Status(StatusCode::kUnavailable,
                            fmt::format("{} rank {}: transport closed", name_, rank())));
         std::unique_lock<std::shared_mutex> lock(inner_mu_);
-        inner_->close();
+        ForwardingTransport::close();
     }
 
 private:
@@ -384,7 +379,7 @@ private:
         }
         StatusOr<RequestHandle> h = [&] {
             std::shared_lock<std::shared_mutex> lock(inner_mu_);
-            return item->post();
+            return item->post();  // posts to inner()
         }();
         if (!h.ok()) {
             core_->erase(item->outer.get());
@@ -438,42 +433,17 @@ private:
         fail_queued(st);
         // Exclusive: no post is inside the inner transport while it closes.
         std::unique_lock<std::shared_mutex> lock(inner_mu_);
-        inner_->close();
+        ForwardingTransport::close();
     }
 
-    void schedule(double delay_ms, std::function<void()> fn) {
-        auto due = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                      std::chrono::duration<double, std::milli>(delay_ms));
-        {
-            std::lock_guard<std::mutex> lock(wmu_);
-            if (wstop_) return;
-            timers_.emplace(std::make_pair(due, timer_seq_++), std::move(fn));
-        }
-        wcv_.notify_all();
+    // Runs `fn` on the scheduler thread `delay_ms` from now (FIFO among equal due times); dropped
+    // once closed.
+    void schedule(double delay_ms, HoldQueue::Task fn) {
+        scheduler_.push_after_ms(delay_ms, std::move(fn));
     }
 
-    void worker_loop() {
-        std::unique_lock<std::mutex> lock(wmu_);
-        while (!wstop_) {
-            if (timers_.empty()) {
-                wcv_.wait(lock);
-                continue;
-            }
-            auto first = timers_.begin();
-            if (first->first.first > Clock::now()) {
-                wcv_.wait_until(lock, first->first.first);
-                continue;
-            }
-            std::function<void()> fn = std::move(first->second);
-            timers_.erase(first);
-            lock.unlock();
-            fn();
-            lock.lock();
-        }
-    }
-
-    std::unique_ptr<Transport> inner_;
-    // Shared by posts and dispatches; exclusive for inner_->close() (not concurrent with calls).
+    // Shared by posts and dispatches; exclusive for closing the inner transport (not concurrent
+    // with calls).
     std::shared_mutex inner_mu_;
     const FaultSpec spec_;
     const std::string name_;
@@ -487,14 +457,11 @@ private:
     Status disconnect_status_;
 
     std::shared_ptr<Core> core_;
+    std::atomic<bool> closed_{false};
 
-    // The scheduler: delayed dispatches, reorder releases, the disconnect.
-    std::mutex wmu_;
-    std::condition_variable wcv_;
-    std::map<std::pair<Clock::time_point, uint64_t>, std::function<void()>> timers_;
-    uint64_t timer_seq_ = 0;
-    bool wstop_ = false;
-    std::thread worker_;
+    // The scheduler: delayed dispatches, reorder releases, the disconnect. Last: its thread runs
+    // tasks that use the members above, and it is stopped (by close()) before they go.
+    HoldQueue scheduler_{"pdsim-fault"};
 };
 
 }  // namespace

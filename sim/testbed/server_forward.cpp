@@ -1,0 +1,198 @@
+// One forward on a testbed rank (Server::execute) and the engine's request states
+// (Server::poll_engine); see server_internal.h for how the server is split.
+#include <fmt/format.h>
+
+#include "backends/attention/attention_backend.h"
+#include "common/logging.h"
+#include "sim/testbed/rank_builder.h"
+#include "sim/testbed/server_internal.h"
+
+namespace pdsim::testbed::detail {
+
+using std::chrono::milliseconds;
+
+// The batch a forward slice describes, in the calibrated model's features (sim/cost/calibrated.h),
+// so that `pdsim calibrate --from-timeline` can fit the testbed's own forwards; tp_rank tells a
+// TP follower's copy of the forward from its leader's.
+json Server::forward_args(const Plan& plan) const {
+    json a = {{"instance", ctx_.info.instance},
+              {"tp", ctx_.info.tp_size},
+              {"tp_rank", ctx_.info.tp_rank},
+              {"threads", ctx_.threads}};
+    if (attn::is_decode(plan.mode)) {
+        int64_t kv = 0;
+        for (const auto& e : plan.entries) kv += e.t1;
+        a["batch"] = plan.entries.size();
+        a["kv_tokens"] = kv;
+        return a;
+    }
+    int64_t tokens = 0;
+    double pairs = 0;
+    json items = json::array();
+    for (const auto& e : plan.entries) {
+        const int64_t n = e.t1 - e.t0;
+        tokens += n;
+        const double nd = static_cast<double>(n);
+        pairs += nd * (static_cast<double>(e.t0) + (nd + 1) / 2);
+        items.push_back({n, e.t0});
+    }
+    a["num_requests"] = plan.entries.size();
+    a["new_tokens"] = tokens;
+    a["attn_pairs"] = pairs;
+    a["items"] = std::move(items);  // [new, cached] per request
+    return a;
+}
+
+// One forward of `plan` on this rank; `next` receives the sampled token of each entry.
+Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
+    std::vector<ForwardEntry> entries;
+    entries.reserve(plan.entries.size());
+    for (const auto& e : plan.entries) entries.push_back({e.id, e.t0, e.t1, e.tokens, e.pages});
+    auto segs = std::make_shared<Segments>();
+    model::StepBatch b = build_step_batch(plan.mode, entries, o_.page_size, segs.get());
+    const auto off = static_cast<int64_t>(b.out_cache_loc.size());
+    const bool prefill = role_ == Role::kPrefill && !attn::is_decode(plan.mode);
+    backend_->set_segments(prefill ? segs : nullptr);
+
+    bool any_last = false;
+    for (const auto& e : plan.entries) any_last |= e.last;
+    PrefillSteps steps;
+    if (prefill) steps = begin_prefill_forward(plan, any_last);
+    const std::string label = attn::is_decode(plan.mode)
+                                  ? fmt::format("decode bs={}", plan.entries.size())
+                                  : fmt::format("extend bs={} T={}", plan.entries.size(), off);
+    PDSIM_RETURN_IF_ERROR(stream_->enqueue([this, label] {
+        hook_label_ = label;
+        return Status();
+    }));
+    auto out = std::make_shared<std::vector<int32_t>>(plan.entries.size(), -1);
+    const double t_start = now_us();
+    Status st = ctx_.model->forward(b, *backend_, *pool_, out->data());
+    if (st.ok() && prefill && any_last) st = publish_first_tokens(plan, out);
+    if (st.ok() && prefill && o_.layerwise) submit_chunks(plan, steps, false);
+    if (st.ok()) st = stream_->synchronize(timeout_ + milliseconds(5000));
+    const double t_done = now_us();
+    ++forwards_;
+    forward_tokens_ += off;
+    compute_us_ += t_done - t_start;
+    timeline_.slice(kTidSched, label, "forward", t_start, t_done - t_start, forward_args(plan));
+    if (!st.ok()) {
+        mark_broken(st);
+        return st;
+    }
+    if (prefill) PDSIM_RETURN_IF_ERROR(finish_prefill_forward(plan, steps, t_done));
+    *next = *out;
+    return {};
+}
+
+// Before a prefill forward: new requests join the sender (each gets a first-token slot), and the
+// StepCounter advances by the forward's layers (and one aux step when a last chunk is in it).
+PrefillSteps Server::begin_prefill_forward(const Plan& plan, bool any_last) {
+    for (const auto& e : plan.entries) {
+        if (!e.first) continue;
+        Status st = sender_->add_request({e.id, e.input_len, timeout_});
+        if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
+            PDSIM_LOG_WARN("rank {}: add_request {}: {}", ctx_.rank, e.id, st.to_string());
+        }
+        engine_active_.insert(e.id);
+        first_slots_[e.id] = std::make_unique<int32_t>(-1);
+    }
+    PrefillSteps steps;
+    steps.ready_before = counter_->query_ready_cache_step();
+    steps.aux_begin = counter_->current_aux_step();
+    steps.begin = counter_->advance_step(num_layers_, any_last ? 1 : 0);
+    return steps;
+}
+
+// The first sampled tokens travel with the last chunks: copy them (on the stream, after the
+// forward) where the sender reads them, then publish the aux step.
+Status Server::publish_first_tokens(const Plan& plan,
+                                    const std::shared_ptr<std::vector<int32_t>>& sampled) {
+    std::vector<std::pair<size_t, int32_t*>> dst;
+    for (size_t i = 0; i < plan.entries.size(); ++i) {
+        if (plan.entries[i].last) dst.emplace_back(i, first_slots_[plan.entries[i].id].get());
+    }
+    PDSIM_RETURN_IF_ERROR(stream_->enqueue([sampled, dst] {
+        for (auto& [i, p] : dst) *p = (*sampled)[i];
+        return Status();
+    }));
+    return counter_->record_aux();
+}
+
+// Hands every chunk of a prefill forward to the sender. `known_first`: the forward has completed,
+// so a last chunk carries its first token by value; else the sender reads it from the slot once
+// the aux step is published.
+void Server::submit_chunks(const Plan& plan, const PrefillSteps& steps, bool known_first) {
+    for (const PlanEntry& e : plan.entries) {
+        transfer::SendChunk c;
+        c.request_id = e.id;
+        c.src_pages = e.pages;
+        c.token_begin = e.t0;
+        c.token_end = e.t1;
+        c.begin_step = steps.begin;
+        c.is_last = e.last;
+        if (e.last) {
+            if (known_first) {
+                c.first_token = *first_slots_[e.id];
+            } else {
+                c.first_token_src = first_slots_[e.id].get();
+                c.first_token_aux_step = steps.aux_begin;
+            }
+        }
+        Status cs = sender_->submit_chunk(std::move(c));
+        if (!cs.ok())
+            PDSIM_LOG_WARN("rank {}: submit_chunk {}: {}", ctx_.rank, e.id, cs.to_string());
+    }
+}
+
+// After a prefill forward completed: the StepCounter must have published one step per layer (a
+// violation breaks the instance), chunks go to the sender now unless layerwise, and the last
+// chunks' prefill end times are kept.
+Status Server::finish_prefill_forward(const Plan& plan, const PrefillSteps& steps, double t_done) {
+    const int64_t ready_after = counter_->query_ready_cache_step();
+    const int64_t delta = pd::StepCounter::wrap(ready_after - steps.ready_before);
+    if (delta != num_layers_) {
+        transfer::Violation v;
+        v.request = plan.entries.front().id;
+        v.rank = ctx_.rank;
+        v.what = fmt::format("extend forward at step {} ({} layers) published {} StepCounter steps",
+                             steps.begin, num_layers_, delta);
+        validator_->add_violation(v);
+        ++record_violations_;
+        mark_broken(
+            Status(StatusCode::kDataLoss, "StepCounter out of step with the KV writes: " + v.what));
+    }
+    if (!o_.layerwise) submit_chunks(plan, steps, true);
+    for (const auto& e : plan.entries) {
+        if (e.last) prefill_end_[e.id] = t_done;
+    }
+    if (delta != num_layers_) return Status(StatusCode::kDataLoss, broken_reason_);
+    return {};
+}
+
+// Terminal engine states of this rank's active requests (id, ok, error, first token, bytes);
+// each leaves engine_active_ once reported.
+void Server::poll_engine(std::vector<EngineOutcomeFields>* out) {
+    for (auto it = engine_active_.begin(); it != engine_active_.end();) {
+        StatusOr<transfer::RequestStatus> s =
+            sender_ ? sender_->status(*it) : receiver_->status(*it);
+        if (!s.ok()) {
+            out->push_back({.id = *it, .ok = false, .error = s.status().message()});
+            it = engine_active_.erase(it);
+            continue;
+        }
+        if (!transfer::is_terminal(s->state)) {
+            ++it;
+            continue;
+        }
+        const bool ok = s->state == transfer::RequestState::kSuccess;
+        out->push_back({.id = *it,
+                        .ok = ok,
+                        .error = s->reason,
+                        .first_token = s->has_first_token ? s->first_token : -1,
+                        .bytes = s->bytes});
+        it = engine_active_.erase(it);
+    }
+}
+
+}  // namespace pdsim::testbed::detail

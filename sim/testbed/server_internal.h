@@ -1,0 +1,234 @@
+// The testbed server's own parts, shared by its translation units only (not an interface: include
+// sim/testbed/server.h instead). One rank's serving loop is the class Server, split by role:
+//   server.cpp          setup (the rank's parts, the engine), the engine event hook, the follower
+//                       loop, run() and what the rank reports (result()), run_server;
+//   server_forward.cpp  one forward on this rank (execute: batch, StepCounter steps, the chunks
+//                       handed to the KV sender) and polling the engine's request states;
+//   server_leader.cpp   the instance leader: submissions, admission, extend/decode scheduling,
+//                       engine outcomes, reports to the router, the leader loop.
+// The behaviour is documented in server.h (roles, scheduling, TP, reports).
+//
+// Thread-safety: a Server runs on the rank's main thread; the engine's event hook and the
+// model's layer hook run on engine / stream threads and only append to locked buffers
+// (LocalTimeline, engine_events_ under ev_mu_).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backends/kv/kv_pool.h"
+#include "backends/pd/step_counter.h"
+#include "backends/runtime/cpu_stream.h"
+#include "common/status.h"
+#include "common/thread_info.h"
+#include "sim/policy/batching.h"
+#include "sim/testbed/pd_backend.h"
+#include "sim/testbed/protocol.h"
+#include "sim/testbed/server.h"
+#include "transfer/engine/kv_receiver.h"
+#include "transfer/engine/kv_sender.h"
+#include "transfer/engine/ordering_validator.h"
+
+namespace pdsim::testbed::detail {
+
+using json = nlohmann::json;
+
+// Timeline threads (tid) of a rank's events.
+constexpr int kTidSched = 0, kTidCompute = 1, kTidRecord = 2, kTidSend = 3, kTidRecv = 4;
+constexpr size_t kMaxTimelineEvents = 300000;
+constexpr size_t kMaxEngineEvents = 2000000;
+
+enum class Role { kColocated, kPrefill, kDecode };
+
+// Timeline events on this rank's clock: [tid, name, cat, ts_us, dur_us (-1: instant), args].
+// Thread-safe; at most kMaxTimelineEvents are kept (later ones are dropped).
+class LocalTimeline {
+public:
+    void slice(int tid, std::string name, const char* cat, double ts, double dur,
+               json args = json()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (events_.size() >= kMaxTimelineEvents) return;
+        events_.push_back({tid, std::move(name), cat, ts, std::max(0.0, dur), std::move(args)});
+    }
+    void instant(int tid, std::string name, const char* cat, double ts) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (events_.size() >= kMaxTimelineEvents) return;
+        events_.push_back({tid, std::move(name), cat, ts, -1.0, json()});
+    }
+    std::vector<TimelineRecord> take() {
+        std::lock_guard<std::mutex> lock(mu_);
+        std::vector<TimelineRecord> out = std::move(events_);
+        events_.clear();
+        return out;
+    }
+
+private:
+    std::mutex mu_;
+    std::vector<TimelineRecord> events_;
+};
+
+// One request as its instance leader tracks it.
+struct Req {
+    uint64_t id = 0;
+    int32_t in = 0, out = 0;
+    std::vector<int64_t> hash;
+    int p_inst = -1, d_inst = -1;
+    std::vector<int32_t> prompt;
+    std::vector<int32_t> pages;
+    bool pages_freed = false;
+    int64_t prefilled = 0;
+    std::vector<int32_t> tokens;
+    std::vector<double> token_t;
+    double t_prefill_start = -1;
+    double t_first = -1;
+    bool terminal = false;
+    bool cancelled = false;
+    // disaggregated prefill: TP ranks whose sender finished the request (ok or not)
+    std::set<int> sent;
+    bool last_submitted = false;
+    bool send_failed = false;
+    // disaggregated decode: TP ranks whose receiver has everything
+    std::set<int> ready;
+    bool receive_failed = false;
+    int32_t first_token = -1;
+    uint64_t bytes = 0;
+    std::string error;
+};
+
+// The StepCounter steps of one prefill forward (server_forward.cpp).
+struct PrefillSteps {
+    int64_t begin = 0;         // the forward's first layer step
+    int64_t aux_begin = 0;     // the aux step the first tokens are published at
+    int64_t ready_before = 0;  // the ready step before the forward
+};
+
+class Server {
+public:
+    Server(RankContext& ctx, Phase phase, transfer::Transport* kv);
+    ~Server();
+
+    Status setup();
+    Status run();
+    RankResult result();
+    void shutdown_engines() {
+        if (sender_) sender_->shutdown(transfer::ShutdownMode::kGraceful);
+        if (receiver_) receiver_->shutdown(transfer::ShutdownMode::kGraceful);
+    }
+
+private:
+    // ---- shared (server.cpp, server_forward.cpp) ----
+    Status execute(const Plan& plan, std::vector<int32_t>* next);
+    PrefillSteps begin_prefill_forward(const Plan& plan, bool any_last);
+    Status publish_first_tokens(const Plan& plan,
+                                const std::shared_ptr<std::vector<int32_t>>& sampled);
+    void submit_chunks(const Plan& plan, const PrefillSteps& steps, bool known_first);
+    Status finish_prefill_forward(const Plan& plan, const PrefillSteps& steps, double t_done);
+    json forward_args(const Plan& plan) const;
+    void on_engine_event(const transfer::TransferEvent& ev);
+    void poll_engine(std::vector<EngineOutcomeFields>* out);
+    template <class Report>
+    Status send_router(Report report) {
+        report.phase = phase_name(phase_);
+        return ctx_.mbox->send(0, Channel::kRouter, encode_message(report));
+    }
+    template <class Msg>
+    Status send_followers(const Msg& msg) {
+        const json j = encode_message(msg);
+        for (size_t i = 1; i < ctx_.instance_ranks.size(); ++i) {
+            PDSIM_RETURN_IF_ERROR(ctx_.mbox->send(ctx_.instance_ranks[i], Channel::kInstance, j));
+        }
+        return {};
+    }
+    void mark_broken(const Status& st);
+
+    // ---- leader (server_leader.cpp) ----
+    Status leader_loop();
+    Status drain_leader_messages(std::chrono::microseconds wait);
+    Status on_leader_message(const Message& m);
+    Status on_submit(const SubmitMsg& msg);
+    Status on_cancel(const CancelMsg& msg);
+    void on_follower_outcome(const EngineOutcomeFields& outcome, bool sent, int src);
+    void apply_engine_outcome(const EngineOutcomeFields& outcome, bool sent, int tp_index,
+                              int world_rank);
+    Status run_one_forward();
+    Status fail_all_if_broken();
+    Status admit();
+    Status start_receive(Req& r);
+    Status schedule_extend(bool* did);
+    Status after_extend(const Plan& plan, const std::vector<int32_t>& next);
+    void free_before_transfer(Req& r);
+    Status schedule_decode(bool* did);
+    Status after_engine_poll();
+    Status fail_request(Req& r, const std::string& why);
+    Status finish_request(Req& r);
+    Status try_free(Req& r);
+    Status report_first(Req& r);
+    int64_t decode_kv_cap() const {
+        return kMaxDecodeKvTokensPerThread * std::max(1, ctx_.threads);
+    }
+    policy::BatchingOptions batching() const {
+        return {o_.chunk_size, o_.max_batch_tokens, o_.max_decode_batch, decode_kv_cap()};
+    }
+
+    // ---- follower (server.cpp) ----
+    Status follower_loop();
+    Status on_follower_message(const Message& m, std::vector<int32_t>* next);
+    Status report_engine_outcomes_to_leader();
+
+    RankContext& ctx_;
+    const ResolvedConfig& cfg_;
+    const TestbedOptions& o_;
+    Phase phase_;
+    Role role_;
+    transfer::Transport* kv_;
+    int num_layers_ = 1;
+    std::chrono::milliseconds timeout_;
+
+    // Per-phase device objects (declaration order = reverse destruction order).
+    std::unique_ptr<runtime::CpuStream> stream_;
+    std::unique_ptr<kv::MHATokenToKVPool> pool_;
+    std::unique_ptr<pd::StepCounter> counter_;
+    std::unique_ptr<transfer::OrderingValidator> validator_;
+    std::unique_ptr<PdAttentionBackend> backend_;
+    std::unique_ptr<transfer::KvSender> sender_;
+    std::unique_ptr<transfer::KvReceiver> receiver_;
+    std::map<uint64_t, std::unique_ptr<int32_t>> first_slots_;
+
+    // Engine bookkeeping of this rank (leader and followers).
+    std::set<uint64_t> engine_active_;  // added to the sender / submitted to the receiver
+
+    // Leader state.
+    std::map<uint64_t, Req> reqs_;
+    std::deque<uint64_t> admit_q_, prefill_q_, running_;
+    std::vector<uint64_t> receiving_;
+    bool last_was_extend_ = false;
+    bool broken_ = false;
+    std::string broken_reason_;
+    bool ended_ = false;  // the phase's EndMsg arrived (leader and followers)
+
+    // Metrics.
+    LocalTimeline timeline_;
+    std::mutex ev_mu_;
+    std::vector<EngineEventRecord> engine_events_;
+    std::map<uint64_t, double> prefill_end_;
+    std::vector<double> layer_t0_;
+    std::string hook_label_;
+    int64_t forwards_ = 0, forward_tokens_ = 0;
+    double compute_us_ = 0;
+    int64_t record_violations_ = 0;
+    // CPU seconds per thread name over run() (the testbed's own threads compete with the compute
+    // threads for the node's cores: the report shows how much).
+    std::vector<ThreadCpu> cpu_at_start_;
+    std::map<std::string, double> thread_cpu_s_;
+};
+
+}  // namespace pdsim::testbed::detail
