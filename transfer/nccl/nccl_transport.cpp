@@ -40,20 +40,22 @@ struct Batch {
 
 // Rank 0 creates the id; the others get it over MPI or from the bootstrap directory.
 Status exchange_unique_id(const TransportOptions& o, int rank, bool use_mpi, ncclUniqueId* id) {
+    const std::string dir = o.get<GpuTransportOptions>().rendezvous_dir;
     if (rank == 0) NCCL_CHECK(ncclGetUniqueId(id));
     if (use_mpi) {
         MPI_CHECK(MPI_Bcast(id, sizeof(*id), MPI_BYTE, 0, MPI_COMM_WORLD));
         return {};
     }
-    if (o.tcp.bootstrap_dir.empty()) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                           "nccl: no bootstrap: run under MPI or set TcpOptions.bootstrap_dir");
+    if (dir.empty()) {
+        return PDSIM_ERROR(
+            StatusCode::kInvalidArgument,
+            "nccl: no bootstrap: run under MPI or set GpuTransportOptions.rendezvous_dir");
     }
     namespace fs = std::filesystem;
-    fs::path path = fs::path(o.tcp.bootstrap_dir) / "nccl-id";
+    fs::path path = fs::path(dir) / "nccl-id";
     if (rank == 0) {
         std::error_code ec;
-        fs::create_directories(o.tcp.bootstrap_dir, ec);
+        fs::create_directories(dir, ec);
         fs::path tmp = path;
         tmp += ".tmp";
         {
@@ -283,14 +285,15 @@ private:
 }  // namespace
 
 StatusOr<std::unique_ptr<Transport>> make_nccl_transport(const TransportOptions& options) {
-    PDSIM_RETURN_IF_ERROR(check_cuda_device(options.device_index));
+    const GpuTransportOptions gpu = options.get<GpuTransportOptions>();
+    PDSIM_RETURN_IF_ERROR(check_cuda_device(gpu.device_index));
     int rank = options.rank;
     int world = options.world_size;
     int mpi_up = 0;
     MPI_Initialized(&mpi_up);
     int mpi_down = 0;
     MPI_Finalized(&mpi_down);
-    bool use_mpi = mpi_up && !mpi_down && options.tcp.bootstrap_dir.empty();
+    bool use_mpi = mpi_up && !mpi_down && gpu.rendezvous_dir.empty();
     if (use_mpi) {
         MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
         MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
@@ -299,7 +302,7 @@ StatusOr<std::unique_ptr<Transport>> make_nccl_transport(const TransportOptions&
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "nccl: rank {} / world {} invalid", rank,
                            world);
     }
-    auto t = std::make_unique<NcclTransport>(rank, world, options.device_index);
+    auto t = std::make_unique<NcclTransport>(rank, world, gpu.device_index);
     PDSIM_RETURN_IF_ERROR(t->init(options, use_mpi));
     return std::unique_ptr<Transport>(std::move(t));
 }

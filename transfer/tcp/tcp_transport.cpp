@@ -206,7 +206,7 @@ public:
                  std::string bootstrap_dir, std::string token)
         : rank_(o.rank),
           world_(o.world_size),
-          opts_(o.tcp),
+          opts_(o.get<TcpOptions>()),
           endpoints_(std::move(endpoints)),
           bootstrap_dir_(std::move(bootstrap_dir)),
           token_(std::move(token)),
@@ -1193,8 +1193,9 @@ StatusOr<std::unique_ptr<Transport>> make_tcp_transport(const TransportOptions& 
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "tcp: rank {} / world size {} invalid",
                            options.rank, options.world_size);
     }
-    std::vector<std::string> endpoints = options.tcp.endpoints;
-    std::string dir = options.tcp.bootstrap_dir;
+    const TcpOptions tcp = options.get<TcpOptions>();
+    std::vector<std::string> endpoints = tcp.endpoints;
+    std::string dir = tcp.bootstrap_dir;
     if (endpoints.empty() && dir.empty()) {
         endpoints = split_list(env_or("PDSIM_TCP_ENDPOINTS", ""));
         if (endpoints.empty()) dir = env_or("PDSIM_TCP_BOOTSTRAP_DIR", "");
@@ -1212,10 +1213,10 @@ StatusOr<std::unique_ptr<Transport>> make_tcp_transport(const TransportOptions& 
         }
         for (const auto& e : endpoints) PDSIM_RETURN_IF_ERROR(parse_host_port(e).status());
     }
-    if (options.tcp.max_frame_bytes == 0) {
+    if (tcp.max_frame_bytes == 0) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "tcp: max_frame_bytes must be > 0");
     }
-    std::string token = options.tcp.session_token;
+    std::string token = tcp.session_token;
     if (token.empty()) token = env_or("PDSIM_SESSION_TOKEN", "pdsim");
     if (token.size() > frame::kMaxControlPayload - 64) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
