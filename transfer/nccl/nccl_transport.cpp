@@ -7,10 +7,9 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -19,6 +18,7 @@
 #include "common/nccl_check.h"
 #include "common/thread_info.h"
 #include "transfer/nccl/gpu_transports.h"
+#include "transfer/rendezvous.h"
 
 namespace pdsim::transfer {
 
@@ -51,34 +51,22 @@ Status exchange_unique_id(const TransportOptions& o, int rank, bool use_mpi, ncc
             StatusCode::kInvalidArgument,
             "nccl: no bootstrap: run under MPI or set GpuTransportOptions.rendezvous_dir");
     }
-    namespace fs = std::filesystem;
-    fs::path path = fs::path(dir) / "nccl-id";
+    const FileRendezvous rendezvous(dir, "nccl-id");
     if (rank == 0) {
-        std::error_code ec;
-        fs::create_directories(dir, ec);
-        fs::path tmp = path;
-        tmp += ".tmp";
-        {
-            std::ofstream out(tmp, std::ios::binary);
-            out.write(reinterpret_cast<const char*>(id), sizeof(*id));
-            if (!out)
-                return PDSIM_ERROR(StatusCode::kUnavailable, "nccl: cannot write {}", tmp.string());
-        }
-        fs::rename(tmp, path, ec);
-        if (ec)
-            return PDSIM_ERROR(StatusCode::kUnavailable, "nccl: cannot publish {}", path.string());
-        return {};
+        return rendezvous
+            .publish(0, std::string_view(reinterpret_cast<const char*>(id), sizeof(*id)))
+            .with_context("nccl");
     }
-    auto deadline = std::chrono::steady_clock::now() + o.connect_timeout;
-    for (;;) {
-        std::ifstream in(path, std::ios::binary);
-        if (in && in.read(reinterpret_cast<char*>(id), sizeof(*id))) return {};
-        if (std::chrono::steady_clock::now() > deadline) {
-            return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "nccl rank {}: no {} after {} ms",
-                               rank, path.string(), o.connect_timeout.count());
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const int root = 0;
+    auto published = rendezvous.collect(std::span<const int>(&root, 1), o.connect_timeout);
+    if (!published.ok()) return published.status().with_context(fmt::format("nccl rank {}", rank));
+    const std::string& bytes = published->front();
+    if (bytes.size() != sizeof(*id)) {
+        return PDSIM_ERROR(StatusCode::kDataLoss, "nccl rank {}: {} holds {} bytes, not {}", rank,
+                           rendezvous.path_of(0), bytes.size(), sizeof(*id));
     }
+    std::memcpy(id, bytes.data(), sizeof(*id));
+    return {};
 }
 
 class NcclTransport final : public Transport {

@@ -18,6 +18,7 @@
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "common/thread_info.h"
+#include "transfer/rendezvous.h"
 #include "transfer/tcp/frame.h"
 
 namespace pdsim::transfer {
@@ -209,6 +210,7 @@ public:
           opts_(o.get<TcpOptions>()),
           endpoints_(std::move(endpoints)),
           bootstrap_dir_(std::move(bootstrap_dir)),
+          rendezvous_(bootstrap_dir_, "addr"),
           token_(std::move(token)),
           work_(asio::make_work_guard(io_)),
           acceptor_(io_),
@@ -274,6 +276,7 @@ private:
     const TcpOptions opts_;
     const std::vector<std::string> endpoints_;
     const std::string bootstrap_dir_;
+    const FileRendezvous rendezvous_;  // over bootstrap_dir_ (when it is set)
     const std::string token_;
 
     // Declared first among the asio objects so that it is destroyed last: sockets and timers
@@ -342,29 +345,8 @@ Status TcpTransport::start(std::chrono::milliseconds connect_timeout) {
             if (addr.is_unspecified()) host = asio::ip::host_name();
             std::string text = (host.find(':') != std::string::npos ? "[" + host + "]" : host) +
                                ":" + std::to_string(local.port());
-            namespace fs = std::filesystem;
-            std::error_code fec;
-            fs::create_directories(bootstrap_dir_, fec);
-            fs::path final_path =
-                fs::path(bootstrap_dir_) / ("rank-" + std::to_string(rank_) + ".addr");
-            fs::path tmp = final_path;
-            tmp += ".tmp";
-            {
-                std::ofstream out(tmp);
-                out << text << "\n";
-                if (!out) {
-                    return PDSIM_ERROR(StatusCode::kUnavailable,
-                                       "tcp rank {}: cannot write bootstrap file {}", rank_,
-                                       tmp.string());
-                }
-            }
-            // rename() is atomic: readers see either no file or the whole address.
-            fs::rename(tmp, final_path, fec);
-            if (fec) {
-                return PDSIM_ERROR(StatusCode::kUnavailable,
-                                   "tcp rank {}: cannot publish bootstrap file {}: {}", rank_,
-                                   final_path.string(), fec.message());
-            }
+            PDSIM_RETURN_IF_ERROR(
+                rendezvous_.publish(rank_, text).with_context(fmt::format("tcp rank {}", rank_)));
         }
     }
 
@@ -543,14 +525,12 @@ void TcpTransport::reject(std::shared_ptr<Handshake> hs, const std::string& reas
 
 StatusOr<HostPort> TcpTransport::endpoint_of(int peer) const {
     if (!endpoints_.empty()) return parse_host_port(endpoints_[peer]);
-    namespace fs = std::filesystem;
-    fs::path path = fs::path(bootstrap_dir_) / ("rank-" + std::to_string(peer) + ".addr");
-    std::ifstream in(path);
-    std::string line;
-    if (!in || !std::getline(in, line) || line.empty()) {
-        return PDSIM_ERROR(StatusCode::kNotFound, "tcp: {} not published yet", path.string());
+    std::optional<std::string> published = rendezvous_.try_read(peer);
+    if (!published || published->empty()) {
+        return PDSIM_ERROR(StatusCode::kNotFound, "tcp: {} not published yet",
+                           rendezvous_.path_of(peer));
     }
-    return parse_host_port(line);
+    return parse_host_port(*published);
 }
 
 void TcpTransport::connect_to(int peer) {
