@@ -237,7 +237,7 @@ struct StaticCapabilities {
     bool detects_peer_failure = false;
     bool spans_processes = false;         // the ranks may be separate processes (mpirun, hosts)
     bool threads_of_one_process = false;  // the ranks may be threads of one process
-    bool decorator = false;               // wraps another transport (FaultOptions::inner)
+    bool decorator = false;               // wraps another transport (fault)
     TransportSetup setup = TransportSetup::kNone;
     TransportMedium medium = TransportMedium::kProcessMemory;
 };

@@ -8,7 +8,8 @@
 //   no tag matching (NCCL matches per peer in issue order: both sides must post in the same order
 //   and a receive's capacity must equal the message size; bytes() of a receive is its capacity).
 //   The ncclUniqueId is broadcast over MPI_COMM_WORLD when MPI is initialized (rank and size then
-//   come from MPI), else exchanged through GpuTransportOptions::rendezvous_dir (file nccl-id).
+//   come from MPI), else through a FileRendezvous (transfer/rendezvous.h) in
+//   GpuTransportOptions::rendezvous_dir.
 //   No dead-peer detection (waits time out; close() then aborts the communicator).
 // "cuda_ipc" (transfer/nccl/cuda_ipc_transport.cpp): one-sided writes between processes on one
 //   node. register_memory takes the start of a cudaMalloc allocation and returns a descriptor
@@ -30,7 +31,7 @@ namespace pdsim::transfer {
 // The option block of nccl and cuda_ipc (TransportOptions::set).
 struct GpuTransportOptions {
     int device_index = 0;  // the CUDA device to use
-    // nccl without MPI: the directory where rank 0 publishes the ncclUniqueId (file nccl-id) and
+    // nccl without MPI: the directory where rank 0 publishes the ncclUniqueId (rank-0.nccl-id) and
     // the other ranks read it. Set: used even under MPI. Ignored by cuda_ipc.
     std::string rendezvous_dir;
 };
