@@ -11,6 +11,7 @@
 #include "tests/status_matchers.h"
 #include "tests/transport_conformance.h"
 #include "transfer/local/local_transport.h"
+#include "transfer/tcp/tcp_transport.h"
 
 namespace pdsim::transfer {
 namespace {
@@ -30,10 +31,10 @@ Pair make_pair_with(const std::string& spec, int faulty = 0, const std::string& 
     Pair p;
     for (int r = 0; r < 2; ++r) {
         TransportOptions o;
-        o.local_world = world;
+        o.set(LocalOptions{.world = world});
         o.rank = r;
-        o.fault_inner = inner;
-        o.fault_spec = spec;
+        o.edit<FaultOptions>().inner = inner;
+        o.edit<FaultOptions>().spec = spec;
         auto t = create_transport(r == faulty ? "fault" : inner, o);
         EXPECT_TRUE(t.ok()) << t.status().to_string();
         if (t.ok()) p.t[r] = std::move(t).value();
@@ -47,10 +48,10 @@ public:
         auto world = make_local_world(3);
         conformance::InProcessHarness inner(3, [&](int rank) {
             TransportOptions o;
-            o.local_world = world;
+            o.set(LocalOptions{.world = world});
             o.rank = rank;
-            o.fault_inner = "local";
-            o.fault_spec = "delay:ms=1";
+            o.edit<FaultOptions>().inner = "local";
+            o.edit<FaultOptions>().spec = "delay:ms=1";
             return create_transport("fault", o);
         });
         inner.run(body);
@@ -87,10 +88,10 @@ TEST(FaultTransport, RegistryAndName) {
     ASSERT_TRUE(p.t[0] && p.t[1]);
     EXPECT_EQ(p.t[0]->name(), "fault:local");
     TransportOptions o;
-    o.fault_inner = "fault";
+    o.edit<FaultOptions>().inner = "fault";
     EXPECT_EQ(create_transport("fault", o).status().code(), StatusCode::kInvalidArgument);
-    o.fault_inner = "local";
-    o.fault_spec = "bogus";
+    o.edit<FaultOptions>().inner = "local";
+    o.edit<FaultOptions>().spec = "bogus";
     EXPECT_EQ(create_transport("fault", o).status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -266,9 +267,9 @@ TEST(FaultTransport, DisconnectOverTcp) {
             TransportOptions o;
             o.rank = r;
             o.world_size = 2;
-            o.tcp.bootstrap_dir = dir;
-            o.fault_inner = "tcp";
-            o.fault_spec = "disconnect:after=1";
+            o.edit<TcpOptions>().bootstrap_dir = dir;
+            o.edit<FaultOptions>().inner = "tcp";
+            o.edit<FaultOptions>().spec = "disconnect:after=1";
             auto x = create_transport(r == 0 ? "fault" : "tcp", o);
             ASSERT_TRUE(x.ok()) << x.status().to_string();
             t[r] = std::move(x).value();

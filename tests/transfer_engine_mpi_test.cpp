@@ -17,6 +17,7 @@
 #include <filesystem>
 
 #include "tests/transfer_engine_harness.h"
+#include "transfer/tcp/tcp_transport.h"
 
 namespace pdsim::transfer::testing {
 namespace {
@@ -81,7 +82,7 @@ private:
         TransportOptions o;
         o.rank = rank;
         o.world_size = world_size();
-        o.tcp.bootstrap_dir = dir_;
+        o.edit<TcpOptions>().bootstrap_dir = dir_;
         o.connect_timeout = std::chrono::milliseconds(30'000);
         auto t = create_transport(g_transport, o);
         EXPECT_TRUE(t.ok()) << t.status().to_string();

@@ -13,7 +13,9 @@
 #include "tests/status_matchers.h"
 #include "tests/transfer_engine_harness.h"
 #include "transfer/engine/control.h"
+#include "transfer/fault/fault_transport.h"
 #include "transfer/local/local_transport.h"
+#include "transfer/tcp/tcp_transport.h"
 
 namespace pdsim::transfer::testing {
 namespace {
@@ -249,12 +251,12 @@ std::vector<std::unique_ptr<Transport>> make_transports(
             TransportOptions o;
             o.rank = r;
             o.world_size = n;
-            o.local_world = world;
-            o.tcp.bootstrap_dir = dir;
+            o.set(LocalOptions{.world = world});
+            o.edit<TcpOptions>().bootstrap_dir = dir;
             o.connect_timeout = 20s;
             std::string spec = fault_spec ? fault_spec(r) : std::string();
-            o.fault_spec = spec;
-            o.fault_inner = name;
+            o.edit<FaultOptions>().spec = spec;
+            o.edit<FaultOptions>().inner = name;
             auto t = create_transport(spec.empty() ? name : std::string("fault"), o);
             EXPECT_TRUE(t.ok()) << t.status().to_string();
             if (t.ok()) out[static_cast<size_t>(r)] = std::move(t).value();

@@ -11,6 +11,7 @@
 
 #include "backends/runtime/device.h"
 #include "tests/status_matchers.h"
+#include "transfer/nccl/gpu_transports.h"
 #include "transfer/transport.h"
 
 namespace pdsim::transfer {
@@ -33,7 +34,7 @@ std::string temp_dir(const std::string& tag) {
 TEST(GpuTransports, UnavailableIsReportedWithAReason) {
     for (const char* name : {"nccl", "cuda_ipc"}) {
         TransportOptions o;
-        o.tcp.bootstrap_dir = temp_dir(name);
+        o.edit<GpuTransportOptions>().rendezvous_dir = temp_dir(name);
         auto t = create_transport(name, o);
         if (t.ok()) continue;  // a GPU is present: the functional tests below cover it
         EXPECT_THAT(t, StatusIs(StatusCode::kUnavailable,
@@ -73,7 +74,7 @@ TEST(CudaIpcTransport, WriteBetweenDeviceBuffers) {
 TEST(NcclTransport, SendRecvBetweenTwoGpus) {
     {
         TransportOptions probe;
-        probe.tcp.bootstrap_dir = temp_dir("probe");
+        probe.edit<GpuTransportOptions>().rendezvous_dir = temp_dir("probe");
         auto t = create_transport("nccl", probe);  // world of 1
         if (!t.ok()) GTEST_SKIP() << t.status().to_string();
     }
@@ -86,8 +87,8 @@ TEST(NcclTransport, SendRecvBetweenTwoGpus) {
             TransportOptions o;
             o.rank = r;
             o.world_size = 2;
-            o.device_index = r;
-            o.tcp.bootstrap_dir = dir;
+            o.edit<GpuTransportOptions>().device_index = r;
+            o.edit<GpuTransportOptions>().rendezvous_dir = dir;
             auto x = create_transport("nccl", o);
             ASSERT_TRUE(x.ok()) << x.status().to_string();
             t[r] = std::move(x).value();

@@ -17,7 +17,7 @@ public:
         auto world = make_local_world(n_);
         conformance::InProcessHarness inner(n_, [&](int rank) {
             TransportOptions o;
-            o.local_world = world;
+            o.set(LocalOptions{.world = world});
             o.rank = rank;
             return create_transport("local", o);
         });
@@ -48,7 +48,7 @@ TEST(LocalTransport, RegistryKnowsBuiltins) {
 TEST(LocalTransport, NeedsAWorldAndAValidRank) {
     TransportOptions o;
     EXPECT_EQ(create_transport("local", o).status().code(), StatusCode::kInvalidArgument);
-    o.local_world = make_local_world(2);
+    o.set(LocalOptions{.world = make_local_world(2)});
     o.rank = 2;
     EXPECT_EQ(create_transport("local", o).status().code(), StatusCode::kInvalidArgument);
     o.rank = 1;
@@ -72,7 +72,7 @@ TEST(LocalTransport, NeedsAWorldAndAValidRank) {
 TEST(LocalTransport, SendWaitsForTheMatchingRecv) {
     auto world = make_local_world(2);
     TransportOptions o;
-    o.local_world = world;
+    o.set(LocalOptions{.world = world});
     auto t0 = create_transport("local", o);
     o.rank = 1;
     auto t1 = create_transport("local", o);
@@ -109,7 +109,7 @@ TEST(LocalTransport, SendWaitsForTheMatchingRecv) {
 TEST(LocalTransport, OneSidedWrite) {
     auto world = make_local_world(2);
     TransportOptions o;
-    o.local_world = world;
+    o.set(LocalOptions{.world = world});
     auto t0 = create_transport("local", o);
     o.rank = 1;
     auto t1 = create_transport("local", o);

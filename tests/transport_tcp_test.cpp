@@ -49,7 +49,7 @@ TransportOptions tcp_options(int rank, int n, const std::string& dir) {
     TransportOptions o;
     o.rank = rank;
     o.world_size = n;
-    o.tcp.bootstrap_dir = dir;
+    o.edit<TcpOptions>().bootstrap_dir = dir;
     o.connect_timeout = 20s;
     return o;
 }
@@ -208,7 +208,7 @@ TEST(TcpTransport, NeedsARendezvous) {
     ::unsetenv("PDSIM_TCP_BOOTSTRAP_DIR");
     auto t = create_transport("tcp", o);
     EXPECT_THAT(t, StatusIs(StatusCode::kInvalidArgument, HasSubstr("rendezvous")));
-    o.tcp.endpoints = {"127.0.0.1:1"};
+    o.edit<TcpOptions>().endpoints = {"127.0.0.1:1"};
     EXPECT_EQ(create_transport("tcp", o).status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -230,7 +230,7 @@ TEST(TcpTransport, ExplicitEndpoints) {
     for (int r = 0; r < 2; ++r) {
         opts[r].rank = r;
         opts[r].world_size = 2;
-        opts[r].tcp.endpoints = eps;
+        opts[r].edit<TcpOptions>().endpoints = eps;
         opts[r].connect_timeout = 10s;
     }
     auto ts = make_world(opts);
@@ -263,8 +263,8 @@ TEST(TcpTransport, WrongSessionTokenIsRejectedOnBothSides) {
     TempDir dir;
     std::vector<TransportOptions> opts = {tcp_options(0, 2, dir.path()),
                                           tcp_options(1, 2, dir.path())};
-    opts[0].tcp.session_token = "alpha";
-    opts[1].tcp.session_token = "beta";
+    opts[0].edit<TcpOptions>().session_token = "alpha";
+    opts[1].edit<TcpOptions>().session_token = "beta";
     opts[0].connect_timeout = 1500ms;
     opts[1].connect_timeout = 1500ms;
     auto ts = make_world(opts);
@@ -346,7 +346,7 @@ TEST(TcpTransport, OversizedFrameFailsTheConnection) {
     std::vector<TransportOptions> opts = {tcp_options(0, 3, dir.path()),
                                           tcp_options(1, 3, dir.path()),
                                           tcp_options(2, 3, dir.path())};
-    opts[1].tcp.max_frame_bytes = size_t{1} << 20;
+    opts[1].edit<TcpOptions>().max_frame_bytes = size_t{1} << 20;
     auto ts = make_world(opts);
     for (auto& t : ts) ASSERT_TRUE(t.ok()) << t.status().to_string();
     Transport& t0 = **ts[0];

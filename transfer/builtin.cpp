@@ -4,18 +4,16 @@
 #include "transfer/fault/fault_transport.h"
 #include "transfer/local/local_transport.h"
 #include "transfer/mpi/mpi_transport.h"
+#include "transfer/nccl/gpu_transports.h"
 #include "transfer/tcp/tcp_transport.h"
 #include "transfer/transport.h"
-
-#if defined(PDSIM_HAVE_CUDA) || defined(PDSIM_HAVE_NCCL)
-#include "transfer/nccl/gpu_transports.h"
-#endif
 
 namespace pdsim::transfer {
 
 namespace {
 
-// Compiled-out transports stay known by name, so asking for one says why it is missing.
+// Compiled-out transports stay known by name and descriptor, so asking for one says why it is
+// missing.
 [[maybe_unused]] TransportFactory not_built(std::string name, std::string dependency) {
     return [name, dependency](const TransportOptions&) -> StatusOr<std::unique_ptr<Transport>> {
         return PDSIM_ERROR(StatusCode::kUnavailable,
@@ -28,19 +26,19 @@ namespace {
 
 // Called once, lazily, by the registry (transport.cpp).
 void register_builtin_transports() {
-    register_transport("local", make_local_transport);
-    register_transport("tcp", make_tcp_transport);
-    register_transport("mpi", make_mpi_transport);
-    register_transport("fault", make_fault_transport);
+    register_transport(local_transport_descriptor(), make_local_transport);
+    register_transport(tcp_transport_descriptor(), make_tcp_transport);
+    register_transport(mpi_transport_descriptor(), make_mpi_transport);
+    register_transport(fault_transport_descriptor(), make_fault_transport);
 #if defined(PDSIM_HAVE_NCCL)
-    register_transport("nccl", make_nccl_transport);
+    register_transport(nccl_transport_descriptor(), make_nccl_transport);
 #else
-    register_transport("nccl", not_built("nccl", "NCCL"));
+    register_transport(nccl_transport_descriptor(), not_built("nccl", "NCCL"));
 #endif
 #if defined(PDSIM_HAVE_CUDA)
-    register_transport("cuda_ipc", make_cuda_ipc_transport);
+    register_transport(cuda_ipc_transport_descriptor(), make_cuda_ipc_transport);
 #else
-    register_transport("cuda_ipc", not_built("cuda_ipc", "CUDA"));
+    register_transport(cuda_ipc_transport_descriptor(), not_built("cuda_ipc", "CUDA"));
 #endif
 }
 

@@ -166,9 +166,14 @@ void register_builtin_transports();  // builtin.cpp
 
 namespace {
 
+struct Entry {
+    TransportDescriptor descriptor;
+    TransportFactory factory;
+};
+
 struct Registry {
     std::mutex mu;
-    std::map<std::string, TransportFactory, std::less<>> factories;
+    std::map<std::string, Entry, std::less<>> entries;
 };
 
 Registry& registry() {
@@ -188,12 +193,30 @@ void ensure_builtins() {
     });
 }
 
+// kNotFound "unknown transport 'x' (registered: a, b, ...)". Called with r.mu held.
+Status unknown_transport(const Registry& r, std::string_view name) {
+    std::string known;
+    for (const auto& [n, e] : r.entries) known += (known.empty() ? "" : ", ") + n;
+    return PDSIM_ERROR(StatusCode::kNotFound, "unknown transport '{}' (registered: {})", name,
+                       known);
+}
+
 }  // namespace
 
-void register_transport(std::string name, TransportFactory factory) {
+void register_transport(TransportDescriptor descriptor, TransportFactory factory) {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mu);
-    r.factories[std::move(name)] = std::move(factory);
+    std::string name = descriptor.name;
+    r.entries[std::move(name)] = Entry{std::move(descriptor), std::move(factory)};
+}
+
+StatusOr<TransportDescriptor> find_transport(std::string_view name) {
+    ensure_builtins();
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    auto it = r.entries.find(name);
+    if (it == r.entries.end()) return unknown_transport(r, name);
+    return it->second.descriptor;
 }
 
 StatusOr<std::unique_ptr<Transport>> create_transport(std::string_view name,
@@ -203,14 +226,9 @@ StatusOr<std::unique_ptr<Transport>> create_transport(std::string_view name,
     {
         Registry& r = registry();
         std::lock_guard<std::mutex> lock(r.mu);
-        auto it = r.factories.find(name);
-        if (it == r.factories.end()) {
-            std::string known;
-            for (const auto& [n, f] : r.factories) known += (known.empty() ? "" : ", ") + n;
-            return PDSIM_ERROR(StatusCode::kNotFound, "unknown transport '{}' (registered: {})",
-                               name, known);
-        }
-        factory = it->second;
+        auto it = r.entries.find(name);
+        if (it == r.entries.end()) return unknown_transport(r, name);
+        factory = it->second.factory;
     }
     // The factory runs unlocked: it may block (connecting a mesh) or create an inner transport.
     return factory(options);
@@ -221,7 +239,7 @@ std::vector<std::string> registered_transports() {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mu);
     std::vector<std::string> names;
-    for (const auto& [n, f] : r.factories) names.push_back(n);
+    for (const auto& [n, e] : r.entries) names.push_back(n);
     return names;
 }
 

@@ -3,6 +3,8 @@
 // A Transport is one rank's endpoint in a world of `world_size()` ranks. Implementations are
 // chosen by name from a registry (create_transport): "local" (in-process, threads act as ranks),
 // "tcp" (Boost.Asio), "mpi", "nccl", "cuda_ipc", and "fault" (a decorator that wraps any of them).
+// Each is registered with a static descriptor (find_transport: memory kinds, operations, how its
+// ranks meet), so callers ask what a transport can do before creating one, not its name.
 // The layerwise sender/receiver is written against this interface only.
 //
 // Operations
@@ -74,17 +76,21 @@
 //                     twice to one local world.
 #pragma once
 
+#include <any>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
+#include <typeindex>
+#include <typeinfo>
 #include <vector>
 
 #include "common/status.h"
@@ -197,42 +203,98 @@ struct RemoteRegion {
     size_t bytes = 0;
 };
 
-class LocalWorld;  // transfer/local/local_transport.h
+// ---- Static capabilities: what a caller needs to know before creating a transport ----
 
-struct TcpOptions {
-    // Rendezvous, first that is set wins: `endpoints` ("host:port" per rank, index = rank),
-    // `bootstrap_dir` (each rank binds port 0, publishes "host:port" to <dir>/rank-<r>.addr and
-    // reads the others'), then the environment PDSIM_TCP_ENDPOINTS ("h:p,h:p,...") and
-    // PDSIM_TCP_BOOTSTRAP_DIR.
-    std::vector<std::string> endpoints;
-    std::string bootstrap_dir;
-    // Address to listen on. Empty: the host of this rank's endpoint, or 127.0.0.1 (loopback).
-    std::string bind_address;
-    // Shared secret of the session; a hello with another token is rejected. Empty: env
-    // PDSIM_SESSION_TOKEN, else "pdsim".
-    std::string session_token;
-    // A frame whose payload is larger is a protocol error (and larger sends are refused).
-    size_t max_frame_bytes = size_t{1} << 30;
-    // Per connection attempt: the hello exchange must finish within this.
-    std::chrono::milliseconds handshake_timeout{5'000};
-    // SO_SNDBUF / SO_RCVBUF; 0 keeps the kernel's autotuning.
-    int socket_buffer_bytes = 0;
+// How the ranks of a transport find each other when it is created.
+enum class TransportSetup : uint8_t {
+    kSharedWorld,  // threads of one process attach to one shared in-process world object
+    kLauncher,     // the ranks come from a launcher (mpirun): rank and size are the launcher's
+    kRendezvous,   // the ranks meet through a rendezvous (a shared directory or an endpoint list)
+    kNone,         // nothing to connect: peers exchange region descriptors over the control plane
+    kInner,        // a decorator: set up as the transport it wraps
 };
 
+// What the bytes travel over (a benchmark picks its baseline by it: memcpy, a raw socket, ...).
+enum class TransportMedium : uint8_t {
+    kProcessMemory,  // copies inside one process
+    kSocket,         // TCP sockets
+    kMpi,            // MPI point-to-point
+    kGpu,            // GPU copies or a GPU collective library
+    kInner,          // a decorator: the medium of the transport it wraps
+};
+
+// A registered transport's capabilities as declared by its implementation, independent of any
+// instance. The fields shared with Capabilities (memory kinds, operations, tag matching, peer
+// failure detection) equal what every instance's capabilities() reports (a test checks this for
+// the transports that can be created in the test environment). A decorator (fault) declares what
+// it can wrap (everything); an instance reports the capabilities of the transport it wraps.
+struct StaticCapabilities {
+    bool host_memory = true;       // buffers may be host memory
+    bool device_memory = false;    // buffers may be GPU memory
+    bool two_sided = false;        // post_send / post_recv
+    bool one_sided_write = false;  // register_memory / import_remote / post_write
+    bool tag_matching = true;      // false: match per peer in post order
+    bool detects_peer_failure = false;
+    bool spans_processes = false;         // the ranks may be separate processes (mpirun, hosts)
+    bool threads_of_one_process = false;  // the ranks may be threads of one process
+    bool decorator = false;               // wraps another transport (fault)
+    TransportSetup setup = TransportSetup::kNone;
+    TransportMedium medium = TransportMedium::kProcessMemory;
+};
+
+// One registered transport: its name, what it can do, and one line for listings.
+struct TransportDescriptor {
+    std::string name;
+    StaticCapabilities caps;
+    std::string summary;
+};
+
+// ---- Options ----
+
+// What a factory receives. The fields are the ones every transport reads; each implementation
+// owns its own option block (TcpOptions in transfer/tcp/tcp_transport.h, LocalOptions in
+// transfer/local/local_transport.h, FaultOptions in transfer/fault/fault_transport.h,
+// GpuTransportOptions in transfer/nccl/gpu_transports.h), carried here by type: at most one block
+// of each type, set with set(), read with get() (the block, or a default-constructed one when it
+// was not set). A factory reads only its own block and ignores the others, so a caller may set
+// blocks for several transports on one TransportOptions.
+// Thread-safety: a value; concurrent reads of one object are safe, writes are not. Copies are deep
+// (each block is copied), so a decorator may hand a modified copy to the transport it wraps.
 struct TransportOptions {
     // Ignored by mpi (taken from the communicator) and by nccl/cuda_ipc under MPI.
     int rank = 0;
     int world_size = 1;
     // Setup (connecting the mesh) must finish within this, else creation fails.
     std::chrono::milliseconds connect_timeout{30'000};
-    // local: the shared world (make_local_world). Required.
-    std::shared_ptr<LocalWorld> local_world;
-    TcpOptions tcp;
-    // fault: the spec (see transfer/fault/fault_transport.h) and the transport it wraps.
-    std::string fault_spec;
-    std::string fault_inner = "local";
-    // nccl / cuda_ipc: the GPU to use.
-    int device_index = 0;
+
+    // Stores `block` (replacing a block of the same type). Block: a copyable struct.
+    template <typename Block>
+    TransportOptions& set(Block block) {
+        blocks_[std::type_index(typeid(Block))] = std::move(block);
+        return *this;
+    }
+    // The block of type Block, or Block{} when none was set.
+    template <typename Block>
+    [[nodiscard]] Block get() const {
+        auto it = blocks_.find(std::type_index(typeid(Block)));
+        return it == blocks_.end() ? Block{} : std::any_cast<const Block&>(it->second);
+    }
+    // The stored block of type Block for changing in place (a default one is stored first when
+    // none was set). The reference is valid until the next set() of that type or the end of this
+    // object.
+    template <typename Block>
+    [[nodiscard]] Block& edit() {
+        std::any& slot = blocks_[std::type_index(typeid(Block))];
+        if (!slot.has_value()) slot = Block{};
+        return std::any_cast<Block&>(slot);
+    }
+    template <typename Block>
+    [[nodiscard]] bool has() const {
+        return blocks_.count(std::type_index(typeid(Block))) != 0;
+    }
+
+private:
+    std::map<std::type_index, std::any> blocks_;
 };
 
 class Transport {
@@ -294,12 +356,18 @@ protected:
 using TransportFactory =
     std::function<StatusOr<std::unique_ptr<Transport>>(const TransportOptions& options)>;
 
-// Registers (or replaces) a transport factory. The built-in ones are registered on first use.
-void register_transport(std::string name, TransportFactory factory);
-// kNotFound for an unknown name (the message lists the registered ones); else the factory's result
-// (kUnavailable "no device" for GPU transports without a GPU, "not built" when compiled out).
+// Registers (or replaces) a transport under descriptor.name. The built-in ones are registered on
+// first use (transfer/builtin.cpp), each with the descriptor its implementation's header declares.
+// Thread-safe.
+void register_transport(TransportDescriptor descriptor, TransportFactory factory);
+// The descriptor of a registered transport, without creating one (compiled-out transports keep
+// theirs). kNotFound for an unknown name; the message lists the registered ones.
+[[nodiscard]] StatusOr<TransportDescriptor> find_transport(std::string_view name);
+// kNotFound for an unknown name (as find_transport); else the factory's result (kUnavailable
+// "no device" for GPU transports without a GPU, "not built" when compiled out).
 [[nodiscard]] StatusOr<std::unique_ptr<Transport>> create_transport(
     std::string_view name, const TransportOptions& options);
+// The registered names, sorted.
 [[nodiscard]] std::vector<std::string> registered_transports();
 
 }  // namespace pdsim::transfer

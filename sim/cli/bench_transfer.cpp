@@ -51,6 +51,8 @@
 #include "sim/cli/command.h"
 #include "sim/cli/raw_device_copy.h"
 #include "transfer/local/local_transport.h"
+#include "transfer/nccl/gpu_transports.h"
+#include "transfer/tcp/tcp_transport.h"
 #include "transfer/transport.h"
 
 namespace pdsim::cli {
@@ -59,6 +61,7 @@ namespace {
 
 using transfer::RequestHandle;
 using transfer::Transport;
+using transfer::TransportMedium;
 using transfer::TransportOptions;
 using Clock = std::chrono::steady_clock;
 
@@ -281,8 +284,9 @@ StatusOr<double> run_pair(SendFn send, RecvFn recv) {
 
 class InProcessRunner : public Runner {
 public:
-    static StatusOr<std::unique_ptr<InProcessRunner>> create(const std::string& name) {
-        auto r = std::unique_ptr<InProcessRunner>(new InProcessRunner(name));
+    static StatusOr<std::unique_ptr<InProcessRunner>> create(
+        const transfer::TransportDescriptor& descriptor) {
+        auto r = std::unique_ptr<InProcessRunner>(new InProcessRunner(descriptor));
         PDSIM_RETURN_IF_ERROR(r->init());
         return r;
     }
@@ -295,7 +299,7 @@ public:
 
     StatusOr<double> baseline(const Plan& p) override {
         buf_.prepare(p, true, true);
-        if (name_ == "local") {
+        if (medium_ == TransportMedium::kProcessMemory) {
             auto t0 = Clock::now();
             for (size_t i = 0; i < p.messages; ++i) {
                 std::memcpy(buf_.dst[i % static_cast<size_t>(p.window)].data(), buf_.src.data(),
@@ -337,7 +341,7 @@ public:
         for (auto& d : buf_.dst) std::memset(d.data(), 0, std::min<size_t>(d.size(), 64));
         // local completes matches inline inside post_*, so callback-driven reposting would
         // recurse there: drive it from threads. tcp completes on its io threads: use callbacks.
-        auto s = name_ == "local"
+        auto s = medium_ == TransportMedium::kProcessMemory
                      ? run_pair([&] { return send_loop(*t_[0], 1, p, buf_.src.data()); },
                                 [&] { return recv_loop(*t_[1], 0, p, buf_.dst); })
                      : run_pair([&] { return pump(*t_[0], 1, p, buf_.src.data(), nullptr); },
@@ -348,28 +352,30 @@ public:
 
     [[nodiscard]] std::string description() const override {
         return name_ + ": one process, two endpoints on two threads" +
-               (name_ == "tcp" ? " over loopback TCP" : "");
+               (medium_ == TransportMedium::kSocket ? " over loopback TCP" : "");
     }
     [[nodiscard]] std::string baseline_name() const override {
-        return name_ == "tcp" ? "raw loopback TCP stream (blocking send/recv)" : "memcpy";
+        return medium_ == TransportMedium::kSocket ? "raw loopback TCP stream (blocking send/recv)"
+                                                   : "memcpy";
     }
 
 private:
-    explicit InProcessRunner(std::string name) : name_(std::move(name)) {}
+    explicit InProcessRunner(const transfer::TransportDescriptor& descriptor)
+        : name_(descriptor.name), setup_(descriptor.caps.setup), medium_(descriptor.caps.medium) {}
 
     Status init() {
         TransportOptions o;
         o.world_size = 2;
         o.connect_timeout = std::chrono::seconds(20);
-        if (name_ == "local") {
-            o.local_world = transfer::make_local_world(2);
+        if (setup_ == transfer::TransportSetup::kSharedWorld) {
+            o.set(transfer::LocalOptions{.world = transfer::make_local_world(2)});
         } else {
             dir_ = (std::filesystem::temp_directory_path() /
                     fmt::format("pdsim-bench-{}-{}", ::getpid(), name_))
                        .string();
             std::error_code ec;
             std::filesystem::remove_all(dir_, ec);
-            o.tcp.bootstrap_dir = dir_;
+            o.set(transfer::TcpOptions{.bootstrap_dir = dir_});
         }
         StatusOr<std::unique_ptr<Transport>> made[2] = {Status(StatusCode::kInternal, ""),
                                                         Status(StatusCode::kInternal, "")};
@@ -384,7 +390,7 @@ private:
             if (!made[r].ok()) return made[r].status();
             t_[r] = std::move(made[r]).value();
         }
-        if (name_ == "tcp") PDSIM_RETURN_IF_ERROR(open_socket_pair());
+        if (medium_ == TransportMedium::kSocket) PDSIM_RETURN_IF_ERROR(open_socket_pair());
         return {};
     }
 
@@ -416,6 +422,8 @@ private:
     }
 
     std::string name_;
+    transfer::TransportSetup setup_;
+    TransportMedium medium_;  // picks the baseline: memcpy in process memory, a raw socket for tcp
     std::string dir_;
     std::unique_ptr<Transport> t_[2];
     int sock_[2] = {-1, -1};
@@ -572,7 +580,8 @@ private:
         auto t = transfer::create_transport("cuda_ipc", o);
         if (!t.ok()) return t.status().with_context("bench transfer --transport cuda_ipc");
         t_ = std::move(t).value();
-        PDSIM_ASSIGN_OR_RETURN(copy_, make_raw_device_copy(o.device_index));
+        PDSIM_ASSIGN_OR_RETURN(
+            copy_, make_raw_device_copy(o.get<transfer::GpuTransportOptions>().device_index));
         return {};
     }
 
@@ -632,15 +641,21 @@ Timing summarize(std::vector<double> v) {
 }
 
 // The runner of --transport and the GB/s ratio it must reach (0: none).
+// Chosen by what the transport declares: launched by mpirun (two ranks), GPU one-sided writes
+// (one process), or two endpoints of host memory in one process.
 StatusOr<std::unique_ptr<Runner>> make_runner(const std::string& transport, double* target) {
     std::unique_ptr<Runner> runner;
-    if (transport == "mpi") {
+    StatusOr<transfer::TransportDescriptor> found = transfer::find_transport(transport);
+    const transfer::StaticCapabilities caps =
+        found.ok() ? found->caps : transfer::StaticCapabilities{};
+    const bool known = found.ok() && !caps.decorator;
+    if (known && caps.setup == transfer::TransportSetup::kLauncher) {
         PDSIM_ASSIGN_OR_RETURN(runner, MpiRunner::create());
         *target = 0.90;
-    } else if (transport == "tcp" || transport == "local") {
-        PDSIM_ASSIGN_OR_RETURN(runner, InProcessRunner::create(transport));
-        *target = transport == "tcp" ? 0.80 : 0.0;
-    } else if (transport == "cuda_ipc") {
+    } else if (known && caps.threads_of_one_process && caps.host_memory && caps.two_sided) {
+        PDSIM_ASSIGN_OR_RETURN(runner, InProcessRunner::create(*found));
+        *target = caps.medium == TransportMedium::kSocket ? 0.80 : 0.0;
+    } else if (known && caps.device_memory && caps.one_sided_write && !caps.two_sided) {
         PDSIM_ASSIGN_OR_RETURN(runner, CudaIpcRunner::create());
         *target = 0.90;
     } else {
@@ -767,7 +782,8 @@ void add_bench_transfer_command(CLI::App& bench, CommandSet& commands) {
     commands.add(a, [o, sizes, mib] {
         BenchTransferOptions run = *o;
         // A GPU copies a round of the CPU defaults in well under a millisecond.
-        if (run.transport == "cuda_ipc") {
+        auto found = transfer::find_transport(run.transport);
+        if (found.ok() && found->caps.medium == TransportMedium::kGpu) {
             if (sizes->count() == 0) run.sizes = kGpuSizes;
             if (mib->count() == 0) run.mib_per_round = kGpuMibPerRound;
             run.max_messages = kGpuMaxMessages;

@@ -55,6 +55,9 @@ struct CalibrateOptions {
                                                 const model::ModelConfig& m);
 // Timed messages per size.
 [[nodiscard]] int message_reps(const CalibrateOptions& o);
+// Whether `name` is measured by measure_in_process: every transport but those whose ranks come
+// from a launcher (mpi, measured by measure_mpi). Unknown names: true (measuring them reports it).
+[[nodiscard]] bool measured_in_process(const std::string& name);
 // `name` (local or tcp) between two endpoints of this process: the link fit
 // {"gbps", "latency_us", "r2", "max_rel_err", "points"}. Blocks for the whole measurement.
 [[nodiscard]] StatusOr<nlohmann::json> measure_in_process(const std::string& name,

@@ -332,7 +332,7 @@ StatusOr<bool> measure_microbenchmarks(const CalibrateOptions& o, const model::M
     if (launcher.under_mpirun && launcher.rank != 0) return false;
     PDSIM_RETURN_IF_ERROR(measure_compute(o, m, plan, parts));
     for (const auto& name : plan.transports) {
-        if (name == "mpi") continue;
+        if (!measured_in_process(name)) continue;
         std::fprintf(stderr, "calibrate: transport %s\n", name.c_str());
         PDSIM_ASSIGN_OR_RETURN(json t, measure_in_process(name, sizes, message_reps(o)));
         parts->transports[name] = t;

@@ -17,6 +17,7 @@
 #include "sim/cli/calibrate.h"
 #include "sim/cost/calibrated.h"
 #include "transfer/local/local_transport.h"
+#include "transfer/tcp/tcp_transport.h"
 #include "transfer/transport.h"
 
 namespace pdsim::cli::calibration {
@@ -64,21 +65,28 @@ int message_reps(const CalibrateOptions& o) {
     return o.quick ? 10 : 30;
 }
 
+bool measured_in_process(const std::string& name) {
+    StatusOr<transfer::TransportDescriptor> found = transfer::find_transport(name);
+    return !found.ok() || found->caps.setup != transfer::TransportSetup::kLauncher;
+}
+
 StatusOr<json> measure_in_process(const std::string& name, const std::vector<size_t>& sizes,
                                   int reps) {
     transfer::TransportOptions to;
     to.world_size = 2;
     to.connect_timeout = std::chrono::seconds(20);
     std::string dir;
-    if (name == "local") {
-        to.local_world = transfer::make_local_world(2);
+    PDSIM_ASSIGN_OR_RETURN(const transfer::TransportDescriptor descriptor,
+                           transfer::find_transport(name));
+    if (descriptor.caps.setup == transfer::TransportSetup::kSharedWorld) {
+        to.set(transfer::LocalOptions{.world = transfer::make_local_world(2)});
     } else {
         dir = (std::filesystem::temp_directory_path() /
                fmt::format("pdsim-calibrate-{}-{}", ::getpid(), name))
                   .string();
         std::error_code ec;
         std::filesystem::remove_all(dir, ec);
-        to.tcp.bootstrap_dir = dir;
+        to.set(transfer::TcpOptions{.bootstrap_dir = dir});
     }
     StatusOr<std::unique_ptr<transfer::Transport>> made[2] = {Status(StatusCode::kInternal, ""),
                                                               Status(StatusCode::kInternal, "")};

@@ -168,23 +168,29 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
                         o.backend));
     }
     // Transport name: known to the registry, and usable with host-memory KV pools.
+    transfer::StaticCapabilities transport_caps;  // of o.transport, once it is known
     if (!o.transport.empty()) {
-        const auto names = transfer::registered_transports();
-        if (std::find(names.begin(), names.end(), o.transport) == names.end()) {
+        StatusOr<transfer::TransportDescriptor> descriptor = transfer::find_transport(o.transport);
+        if (!descriptor.ok()) {
             std::string known;
-            for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+            for (const auto& n : transfer::registered_transports()) {
+                known += (known.empty() ? "" : ", ") + n;
+            }
             return bad(fmt::format("--transport {}: unknown transport (available: {})", o.transport,
                                    known));
         }
-        if (o.transport == "nccl" || o.transport == "cuda_ipc") {
+        transport_caps = descriptor->caps;
+        if (!transport_caps.host_memory) {
             return bad(
                 fmt::format("--transport {}: moves GPU memory only, and this testbed's KV pools "
                             "are host memory (CPU backends); use mpi or tcp (a GPU build "
                             "with the cuda backend is needed for {})",
                             o.transport, o.transport));
         }
-        if (o.transport == "fault") {
-            return bad("--transport fault: use --transport-fault SPEC with mpi/tcp/local instead");
+        if (transport_caps.decorator) {
+            return bad(
+                fmt::format("--transport {}: use --transport-fault SPEC with mpi/tcp/local instead",
+                            o.transport));
         }
     }
     if (o.shaping != "off") {
@@ -311,15 +317,17 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
             return bad(fmt::format("mpirun -np {} but topology {} has {} ranks (run mpirun -np {})",
                                    world_size, rc.topology_label, ranks, ranks));
         }
-        if (o.transport == "local") {
+        if (!o.transport.empty() && !transport_caps.spans_processes) {
             return bad(
-                fmt::format("--transport local runs every rank as a thread of one process; "
+                fmt::format("--transport {} runs every rank as a thread of one process; "
                             "launch pdsim without mpirun (or with -np 1), not with -np {}",
-                            world_size));
+                            o.transport, world_size));
         }
         if (o.transport.empty()) o.transport = "mpi";
     } else {
-        if (ranks > 1 && !o.transport.empty() && o.transport != "local") {
+        // One process: every rank is a thread over the in-process world (local).
+        if (ranks > 1 && !o.transport.empty() &&
+            transport_caps.setup != transfer::TransportSetup::kSharedWorld) {
             return bad(
                 fmt::format("--transport {} needs one process per rank: topology {} has {} ranks "
                             "but pdsim runs as 1 process (run it under mpirun -np {}, or use "

@@ -30,7 +30,9 @@
 #include "sim/testbed/shaped_transport.h"
 #include "topology/gpu_spec.h"
 #include "topology/shaping.h"
+#include "transfer/fault/fault_transport.h"
 #include "transfer/local/local_transport.h"
+#include "transfer/tcp/tcp_transport.h"
 #include "transfer/transport.h"
 
 namespace pdsim::testbed {
@@ -103,9 +105,12 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
     transfer::TransportOptions to;
     to.rank = rank;
     to.world_size = mbox.size();
-    to.local_world = sh.kv_world;
+    to.set(transfer::LocalOptions{.world = sh.kv_world});
     to.connect_timeout = milliseconds(30'000);
-    if (o.transport == "tcp") {
+    PDSIM_ASSIGN_OR_RETURN(const transfer::TransportDescriptor descriptor,
+                           transfer::find_transport(o.transport));
+    // A transport whose ranks meet through a rendezvous gets a directory (and a session token).
+    if (descriptor.caps.setup == transfer::TransportSetup::kRendezvous) {
         const bool env = std::getenv("PDSIM_TCP_ENDPOINTS") != nullptr ||
                          std::getenv("PDSIM_TCP_BOOTSTRAP_DIR") != nullptr;
         if (!env) {
@@ -127,8 +132,7 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
                         mbox.send(r, Channel::kCollect,
                                   encode_message(TcpBootstrapMsg{.dir = tmpl, .token = token})));
                 }
-                to.tcp.bootstrap_dir = tmpl;
-                to.tcp.session_token = token;
+                to.set(transfer::TcpOptions{.bootstrap_dir = tmpl, .session_token = token});
             } else {
                 PDSIM_ASSIGN_OR_RETURN(auto m,
                                        mbox.recv_kind(Channel::kCollect, TcpBootstrapMsg::kKind,
@@ -138,22 +142,25 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
                                        "tcp: no bootstrap directory from rank 0");
                 PDSIM_ASSIGN_OR_RETURN(TcpBootstrapMsg boot,
                                        decode_message<TcpBootstrapMsg>(m->body));
-                to.tcp.bootstrap_dir = std::move(boot.dir);
-                to.tcp.session_token = std::move(boot.token);
+                to.set(transfer::TcpOptions{.bootstrap_dir = std::move(boot.dir),
+                                            .session_token = std::move(boot.token)});
             }
         }
     }
     std::string name = o.transport;
     if (!o.transport_fault.empty() &&
         (o.transport_fault_rank < 0 || o.transport_fault_rank == rank)) {
-        to.fault_inner = name;
-        to.fault_spec = o.transport_fault;
+        to.set(transfer::FaultOptions{.spec = o.transport_fault, .inner = name});
         name = "fault";
     }
     auto t = transfer::create_transport(name, to);
     if (!t.ok()) {
         const Status& st = t.status();
-        if (st.code() == StatusCode::kUnavailable && name != "tcp") {
+        // kUnavailable from a rendezvous transport is its peers not turning up (a failure of this
+        // run); from the others (not built, no device) it means the choice cannot work here.
+        const bool rendezvous =
+            name == o.transport && descriptor.caps.setup == transfer::TransportSetup::kRendezvous;
+        if (st.code() == StatusCode::kUnavailable && !rendezvous) {
             return Status(StatusCode::kInvalidArgument,
                           fmt::format("--transport {}: {}", o.transport, st.message()));
         }

@@ -473,12 +473,16 @@ StatusOr<std::unique_ptr<Transport>> wrap_with_faults(std::unique_ptr<Transport>
 }
 
 StatusOr<std::unique_ptr<Transport>> make_fault_transport(const TransportOptions& options) {
-    if (options.fault_inner == "fault") {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "fault: cannot wrap itself");
+    const FaultOptions fault = options.get<FaultOptions>();
+    // A decorator over a decorator would read this same FaultOptions block again (and recurse).
+    StatusOr<TransportDescriptor> inner_descriptor = find_transport(fault.inner);
+    if (inner_descriptor.ok() && inner_descriptor->caps.decorator) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "fault: cannot wrap {}",
+                           fault.inner == "fault" ? "itself" : "a decorator");
     }
-    PDSIM_ASSIGN_OR_RETURN(FaultSpec spec, parse_fault_spec(options.fault_spec));
+    PDSIM_ASSIGN_OR_RETURN(FaultSpec spec, parse_fault_spec(fault.spec));
     PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner,
-                           create_transport(options.fault_inner, options));
+                           create_transport(fault.inner, options));
     return wrap_with_faults(std::move(inner), spec);
 }
 

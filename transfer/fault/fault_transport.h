@@ -50,14 +50,40 @@ struct FaultSpec {
     std::string text;  // the spec as given
 };
 
+// fault's option block (TransportOptions::set).
+struct FaultOptions {
+    std::string spec;             // parse_fault_spec's grammar (above)
+    std::string inner = "local";  // the registered transport to wrap (not "fault")
+};
+
+// What "fault" declares (registered with it, see transfer/transport.h): a decorator; it can wrap
+// any transport, and an instance has the capabilities of the one it wraps.
+[[nodiscard]] inline TransportDescriptor fault_transport_descriptor() {
+    return {.name = "fault",
+            .caps = {.host_memory = true,
+                     .device_memory = true,
+                     .two_sided = true,
+                     .one_sided_write = true,
+                     .tag_matching = true,
+                     .detects_peer_failure = true,
+                     .spans_processes = true,
+                     .threads_of_one_process = true,
+                     .decorator = true,
+                     .setup = TransportSetup::kInner,
+                     .medium = TransportMedium::kInner},
+            .summary =
+                "decorator injecting delays, drops, corruption, reordering and disconnects "
+                "into FaultOptions::inner"};
+}
+
 // kInvalidArgument naming the bad kind, key or value.
 [[nodiscard]] StatusOr<FaultSpec> parse_fault_spec(std::string_view spec);
 
 [[nodiscard]] StatusOr<std::unique_ptr<Transport>> wrap_with_faults(
     std::unique_ptr<Transport> inner, const FaultSpec& spec);
 
-// Registry entry "fault": creates options.fault_inner with the same options and wraps it with
-// options.fault_spec.
+// Registry entry "fault": creates FaultOptions::inner with the same options and wraps it with
+// FaultOptions::spec.
 [[nodiscard]] StatusOr<std::unique_ptr<Transport>> make_fault_transport(
     const TransportOptions& options);
 

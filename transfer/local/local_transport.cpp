@@ -331,16 +331,17 @@ private:
 }  // namespace
 
 StatusOr<std::unique_ptr<Transport>> make_local_transport(const TransportOptions& options) {
-    if (!options.local_world) {
+    const std::shared_ptr<LocalWorld> world = options.get<LocalOptions>().world;
+    if (!world) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                           "local: TransportOptions.local_world is not set (make_local_world)");
+                           "local: LocalOptions.world is not set (make_local_world)");
     }
-    int n = options.local_world->world_size();
+    int n = world->world_size();
     if (options.rank < 0 || options.rank >= n) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "local: rank {} out of range [0, {})",
                            options.rank, n);
     }
-    auto t = std::make_unique<LocalTransport>(options.local_world, options.rank);
+    auto t = std::make_unique<LocalTransport>(world, options.rank);
     PDSIM_RETURN_IF_ERROR(t->attach());
     return std::unique_ptr<Transport>(std::move(t));
 }

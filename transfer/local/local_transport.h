@@ -19,10 +19,31 @@
 
 namespace pdsim::transfer {
 
+class LocalWorld;
+
+// local's option block (TransportOptions::set): the shared world every rank attaches to.
+struct LocalOptions {
+    std::shared_ptr<LocalWorld> world;  // make_local_world; required
+};
+
+// What "local" declares (registered with it, see transfer/transport.h).
+[[nodiscard]] inline TransportDescriptor local_transport_descriptor() {
+    return {.name = "local",
+            .caps = {.host_memory = true,
+                     .two_sided = true,
+                     .one_sided_write = true,
+                     .tag_matching = true,
+                     .detects_peer_failure = true,
+                     .threads_of_one_process = true,
+                     .setup = TransportSetup::kSharedWorld,
+                     .medium = TransportMedium::kProcessMemory},
+            .summary = "in-process: threads of one process act as ranks (LocalOptions::world)"};
+}
+
 // A world of `world_size` (>= 1) in-process ranks. Each rank may attach one endpoint at a time.
 [[nodiscard]] std::shared_ptr<LocalWorld> make_local_world(int world_size);
 
-// Needs options.local_world and options.rank in [0, world size).
+// Needs LocalOptions::world and options.rank in [0, world size).
 [[nodiscard]] StatusOr<std::unique_ptr<Transport>> make_local_transport(
     const TransportOptions& options);
 

@@ -30,6 +30,19 @@
 
 namespace pdsim::transfer {
 
+// What "mpi" declares (registered with it, see transfer/transport.h). mpi reads no option block.
+[[nodiscard]] inline TransportDescriptor mpi_transport_descriptor() {
+    return {.name = "mpi",
+            .caps = {.host_memory = true,
+                     .two_sided = true,
+                     .tag_matching = true,
+                     .detects_peer_failure = false,
+                     .spans_processes = true,
+                     .setup = TransportSetup::kLauncher,
+                     .medium = TransportMedium::kMpi},
+            .summary = "two-sided nonblocking MPI point-to-point; the ranks are mpirun's"};
+}
+
 [[nodiscard]] StatusOr<std::unique_ptr<Transport>> make_mpi_transport(
     const TransportOptions& options);
 

@@ -288,9 +288,10 @@ private:
 }  // namespace
 
 StatusOr<std::unique_ptr<Transport>> make_cuda_ipc_transport(const TransportOptions& options) {
-    PDSIM_RETURN_IF_ERROR(check_cuda_device(options.device_index));
+    const int device_index = options.get<GpuTransportOptions>().device_index;
+    PDSIM_RETURN_IF_ERROR(check_cuda_device(device_index));
     auto t = std::make_unique<CudaIpcTransport>(options.rank, std::max(options.world_size, 1),
-                                                options.device_index);
+                                                device_index);
     PDSIM_RETURN_IF_ERROR(t->init());
     return std::unique_ptr<Transport>(std::move(t));
 }

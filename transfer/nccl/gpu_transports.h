@@ -8,7 +8,8 @@
 //   no tag matching (NCCL matches per peer in issue order: both sides must post in the same order
 //   and a receive's capacity must equal the message size; bytes() of a receive is its capacity).
 //   The ncclUniqueId is broadcast over MPI_COMM_WORLD when MPI is initialized (rank and size then
-//   come from MPI), else exchanged through TransportOptions.tcp.bootstrap_dir (file nccl-id).
+//   come from MPI), else through a FileRendezvous (transfer/rendezvous.h) in
+//   GpuTransportOptions::rendezvous_dir.
 //   No dead-peer detection (waits time out; close() then aborts the communicator).
 // "cuda_ipc" (transfer/nccl/cuda_ipc_transport.cpp): one-sided writes between processes on one
 //   node. register_memory takes the start of a cudaMalloc allocation and returns a descriptor
@@ -16,13 +17,56 @@
 //   pointer); post_write is a cudaMemcpyAsync on a dedicated stream, completed when its event
 //   has fired. No two-sided operations.
 // With no usable GPU both factories return kUnavailable "no device: ...".
+// The descriptors below are declared whether or not the transports were built (a compiled-out
+// transport stays registered with its descriptor and a "not built" factory).
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "transfer/transport.h"
 
 namespace pdsim::transfer {
+
+// The option block of nccl and cuda_ipc (TransportOptions::set).
+struct GpuTransportOptions {
+    int device_index = 0;  // the CUDA device to use
+    // nccl without MPI: the directory where rank 0 publishes the ncclUniqueId (rank-0.nccl-id) and
+    // the other ranks read it. Set: used even under MPI. Ignored by cuda_ipc.
+    std::string rendezvous_dir;
+};
+
+// What "nccl" declares (registered with it, see transfer/transport.h).
+[[nodiscard]] inline TransportDescriptor nccl_transport_descriptor() {
+    return {.name = "nccl",
+            .caps = {.host_memory = false,
+                     .device_memory = true,
+                     .two_sided = true,
+                     .tag_matching = false,
+                     .spans_processes = true,
+                     .threads_of_one_process = true,
+                     .setup = TransportSetup::kRendezvous,
+                     .medium = TransportMedium::kGpu},
+            .summary =
+                "two-sided ncclSend/ncclRecv of GPU memory; the unique id over MPI or "
+                "GpuTransportOptions::rendezvous_dir"};
+}
+
+// What "cuda_ipc" declares (registered with it, see transfer/transport.h).
+[[nodiscard]] inline TransportDescriptor cuda_ipc_transport_descriptor() {
+    return {.name = "cuda_ipc",
+            .caps = {.host_memory = false,
+                     .device_memory = true,
+                     .two_sided = false,
+                     .one_sided_write = true,
+                     .spans_processes = true,
+                     .threads_of_one_process = true,
+                     .setup = TransportSetup::kNone,
+                     .medium = TransportMedium::kGpu},
+            .summary =
+                "one-sided writes into GPU memory of processes on one node "
+                "(cudaIpcMemHandle)"};
+}
 
 [[nodiscard]] StatusOr<std::unique_ptr<Transport>> make_nccl_transport(
     const TransportOptions& options);

@@ -7,10 +7,9 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -19,6 +18,7 @@
 #include "common/nccl_check.h"
 #include "common/thread_info.h"
 #include "transfer/nccl/gpu_transports.h"
+#include "transfer/rendezvous.h"
 
 namespace pdsim::transfer {
 
@@ -40,43 +40,33 @@ struct Batch {
 
 // Rank 0 creates the id; the others get it over MPI or from the bootstrap directory.
 Status exchange_unique_id(const TransportOptions& o, int rank, bool use_mpi, ncclUniqueId* id) {
+    const std::string dir = o.get<GpuTransportOptions>().rendezvous_dir;
     if (rank == 0) NCCL_CHECK(ncclGetUniqueId(id));
     if (use_mpi) {
         MPI_CHECK(MPI_Bcast(id, sizeof(*id), MPI_BYTE, 0, MPI_COMM_WORLD));
         return {};
     }
-    if (o.tcp.bootstrap_dir.empty()) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                           "nccl: no bootstrap: run under MPI or set TcpOptions.bootstrap_dir");
+    if (dir.empty()) {
+        return PDSIM_ERROR(
+            StatusCode::kInvalidArgument,
+            "nccl: no bootstrap: run under MPI or set GpuTransportOptions.rendezvous_dir");
     }
-    namespace fs = std::filesystem;
-    fs::path path = fs::path(o.tcp.bootstrap_dir) / "nccl-id";
+    const FileRendezvous rendezvous(dir, "nccl-id");
     if (rank == 0) {
-        std::error_code ec;
-        fs::create_directories(o.tcp.bootstrap_dir, ec);
-        fs::path tmp = path;
-        tmp += ".tmp";
-        {
-            std::ofstream out(tmp, std::ios::binary);
-            out.write(reinterpret_cast<const char*>(id), sizeof(*id));
-            if (!out)
-                return PDSIM_ERROR(StatusCode::kUnavailable, "nccl: cannot write {}", tmp.string());
-        }
-        fs::rename(tmp, path, ec);
-        if (ec)
-            return PDSIM_ERROR(StatusCode::kUnavailable, "nccl: cannot publish {}", path.string());
-        return {};
+        return rendezvous
+            .publish(0, std::string_view(reinterpret_cast<const char*>(id), sizeof(*id)))
+            .with_context("nccl");
     }
-    auto deadline = std::chrono::steady_clock::now() + o.connect_timeout;
-    for (;;) {
-        std::ifstream in(path, std::ios::binary);
-        if (in && in.read(reinterpret_cast<char*>(id), sizeof(*id))) return {};
-        if (std::chrono::steady_clock::now() > deadline) {
-            return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "nccl rank {}: no {} after {} ms",
-                               rank, path.string(), o.connect_timeout.count());
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const int root = 0;
+    auto published = rendezvous.collect(std::span<const int>(&root, 1), o.connect_timeout);
+    if (!published.ok()) return published.status().with_context(fmt::format("nccl rank {}", rank));
+    const std::string& bytes = published->front();
+    if (bytes.size() != sizeof(*id)) {
+        return PDSIM_ERROR(StatusCode::kDataLoss, "nccl rank {}: {} holds {} bytes, not {}", rank,
+                           rendezvous.path_of(0), bytes.size(), sizeof(*id));
     }
+    std::memcpy(id, bytes.data(), sizeof(*id));
+    return {};
 }
 
 class NcclTransport final : public Transport {
@@ -283,14 +273,15 @@ private:
 }  // namespace
 
 StatusOr<std::unique_ptr<Transport>> make_nccl_transport(const TransportOptions& options) {
-    PDSIM_RETURN_IF_ERROR(check_cuda_device(options.device_index));
+    const GpuTransportOptions gpu = options.get<GpuTransportOptions>();
+    PDSIM_RETURN_IF_ERROR(check_cuda_device(gpu.device_index));
     int rank = options.rank;
     int world = options.world_size;
     int mpi_up = 0;
     MPI_Initialized(&mpi_up);
     int mpi_down = 0;
     MPI_Finalized(&mpi_down);
-    bool use_mpi = mpi_up && !mpi_down && options.tcp.bootstrap_dir.empty();
+    bool use_mpi = mpi_up && !mpi_down && gpu.rendezvous_dir.empty();
     if (use_mpi) {
         MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
         MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
@@ -299,7 +290,7 @@ StatusOr<std::unique_ptr<Transport>> make_nccl_transport(const TransportOptions&
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "nccl: rank {} / world {} invalid", rank,
                            world);
     }
-    auto t = std::make_unique<NcclTransport>(rank, world, options.device_index);
+    auto t = std::make_unique<NcclTransport>(rank, world, gpu.device_index);
     PDSIM_RETURN_IF_ERROR(t->init(options, use_mpi));
     return std::unique_ptr<Transport>(std::move(t));
 }
