@@ -15,11 +15,10 @@
 #include "common/thread_info.h"
 #include "transfer/engine/control.h"
 #include "transfer/engine/ordering_validator.h"
+#include "transfer/engine/request_table.h"
 #include "transfer/engine/transfer_plan.h"
 
 namespace pdsim::transfer {
-
-using Clock = std::chrono::steady_clock;
 
 namespace {
 
@@ -41,21 +40,15 @@ struct SourceState {
     CompletionMsg completion;
 };
 
-struct RecvReq {
-    uint64_t id = 0;
+// A request of this rank; the lifecycle (id, deadline, state, reason) is the table's.
+struct RecvReq : RequestLifecycle {
     int64_t num_tokens = 0;
     std::vector<int32_t> dst_pages;
     std::vector<int> prefill_ranks;
-    Clock::time_point started;
-    Clock::time_point deadline;
-    std::chrono::milliseconds timeout{0};
     uint32_t slot = 0;
     Tag tag = 0;
 
-    // Under Impl::mu_.
-    RequestState state = RequestState::kBootstrapping;
-    std::string reason;
-    Clock::time_point finished;
+    // Under the table's mutex (Impl::table_.mu()).
     std::vector<SourceState> sources;  // by prefill TP rank
     int acks = 0;
     int frag_sources = 0;
@@ -97,12 +90,15 @@ struct RecvOp {
 }  // namespace
 
 class KvReceiver::Impl : public ControlListener, public std::enable_shared_from_this<Impl> {
+    using Table = RequestTable<RecvReq>;
+
 public:
     Impl(Transport& transport, KvLayout layout, ReceiverOptions options)
         : transport_(transport),
           layout_(std::move(layout)),
           opt_(std::move(options)),
-          pins_(transport.rank(), opt_.validator) {
+          pins_(transport.rank(), opt_.validator),
+          table_(RequestTableNames{"receiver", transport.rank()}) {
         const Capabilities caps = transport.capabilities();
         max_msg_ = std::min(opt_.max_message_bytes, caps.max_message_bytes);
         slot_capacity_ = static_cast<uint32_t>(
@@ -150,15 +146,8 @@ public:
                                   .with_context(fmt::format("request {}", spec.request_id)));
         std::shared_ptr<RecvReq> r;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (shut_down_) {
-                return PDSIM_ERROR(StatusCode::kUnavailable, "receiver rank {} is shut down",
-                                   transport_.rank());
-            }
-            if (reqs_.count(spec.request_id) != 0) {
-                return PDSIM_ERROR(StatusCode::kAlreadyExists, "request {} is already known",
-                                   spec.request_id);
-            }
+            MutexLock lock(table_.mu());
+            PDSIM_RETURN_IF_ERROR(table_.check_addable_locked(spec.request_id));
             uint32_t slot;
             if (!free_slots_.empty()) {
                 slot = free_slots_.back();
@@ -191,8 +180,7 @@ public:
             r->layer_pending.assign(static_cast<size_t>(layout_.num_layers()), 0);
             r->arrived.assign(static_cast<size_t>(layout_.num_layers()), 0);
             pins_.pin(r->id, r->dst_pages);
-            reqs_[r->id] = r;
-            ++stats_.requests_submitted;
+            table_.insert_locked(r);
         }
         BootstrapMsg m;
         m.request_id = r->id;
@@ -217,19 +205,15 @@ public:
     }
 
     Status wait_layer(uint64_t id, int layer, std::chrono::nanoseconds timeout) const {
-        std::unique_lock<std::mutex> lock(mu_);
-        auto it = reqs_.find(id);
-        if (it == reqs_.end()) {
-            return PDSIM_ERROR(StatusCode::kNotFound, "request {} is not known", id);
-        }
+        MutexLock lock(table_.mu());
+        PDSIM_ASSIGN_OR_RETURN(std::shared_ptr<RecvReq> r, table_.get_locked(id));
         if (layer < 0 || layer >= layout_.num_layers()) {
             return PDSIM_ERROR(StatusCode::kInvalidArgument, "request {}: layer {} of {}", id,
                                layer, layout_.num_layers());
         }
-        std::shared_ptr<RecvReq> r = it->second;
         const auto l = static_cast<size_t>(layer);
-        bool done = cv_.wait_for(
-            lock, timeout, [&] { return r->arrived[l] != 0 || r->state == RequestState::kFailed; });
+        const bool done = table_.wait_for_locked(
+            timeout, [&] { return r->arrived[l] != 0 || r->state == RequestState::kFailed; });
         if (r->state == RequestState::kFailed) {
             return Status(StatusCode::kAborted, r->reason);
         }
@@ -245,71 +229,43 @@ public:
     }
 
     bool layer_arrived(uint64_t id, int layer) const {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = reqs_.find(id);
-        if (it == reqs_.end() || layer < 0 || layer >= layout_.num_layers()) return false;
-        return it->second->arrived[static_cast<size_t>(layer)] != 0;
+        MutexLock lock(table_.mu());
+        std::shared_ptr<RecvReq> r = table_.find_locked(id);
+        if (!r || layer < 0 || layer >= layout_.num_layers()) return false;
+        return r->arrived[static_cast<size_t>(layer)] != 0;
     }
 
     StatusOr<RequestStatus> wait_done(uint64_t id, std::chrono::nanoseconds timeout) const {
-        std::unique_lock<std::mutex> lock(mu_);
-        auto it = reqs_.find(id);
-        if (it == reqs_.end()) {
-            return PDSIM_ERROR(StatusCode::kNotFound, "request {} is not known", id);
-        }
-        std::shared_ptr<RecvReq> r = it->second;
-        if (!cv_.wait_for(lock, timeout, [&] { return is_terminal(r->state); })) {
-            return PDSIM_ERROR(
-                StatusCode::kDeadlineExceeded, "request {} still {} after {} ms (awaiting {})", id,
-                request_state_name(r->state),
-                std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
-                describe_awaiting_locked(*r, -1));
+        MutexLock lock(table_.mu());
+        PDSIM_ASSIGN_OR_RETURN(std::shared_ptr<RecvReq> r, table_.get_locked(id));
+        if (!table_.wait_terminal_locked(*r, timeout)) {
+            return Table::wait_timed_out(*r, timeout, describe_awaiting_locked(*r, -1));
         }
         return status_locked(*r);
     }
 
     StatusOr<RequestStatus> status(uint64_t id) const {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = reqs_.find(id);
-        if (it == reqs_.end()) {
-            return PDSIM_ERROR(StatusCode::kNotFound, "request {} is not known", id);
-        }
-        return status_locked(*it->second);
+        MutexLock lock(table_.mu());
+        PDSIM_ASSIGN_OR_RETURN(std::shared_ptr<RecvReq> r, table_.get_locked(id));
+        return status_locked(*r);
     }
 
-    Status release(uint64_t id) {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = reqs_.find(id);
-        if (it == reqs_.end()) {
-            return PDSIM_ERROR(StatusCode::kNotFound, "request {} is not known", id);
-        }
-        if (!is_terminal(it->second->state)) {
-            return PDSIM_ERROR(StatusCode::kFailedPrecondition, "request {} is still {}", id,
-                               request_state_name(it->second->state));
-        }
-        reqs_.erase(it);
-        return {};
-    }
+    Status release(uint64_t id) { return table_.release(id); }
 
     PagePins& pins() { return pins_; }
     const KvLayout& layout() const { return layout_; }
     EngineStats stats() const {
-        std::lock_guard<std::mutex> lock(mu_);
-        return stats_;
+        MutexLock lock(table_.mu());
+        EngineStats stats = stats_;
+        table_.copy_counts_locked(stats);
+        return stats;
     }
 
     void shutdown(ShutdownMode mode) {
-        std::vector<std::shared_ptr<RecvReq>> active;
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (shut_down_) return;
-            shut_down_ = true;
-            for (auto& [id, r] : reqs_) {
-                if (!is_terminal(r->state)) active.push_back(r);
-            }
-        }
+        std::optional<std::vector<std::shared_ptr<RecvReq>>> active = table_.begin_shutdown();
+        if (!active) return;
         const bool graceful = mode == ShutdownMode::kGraceful;
-        for (auto& r : active) {
+        for (auto& r : *active) {
             fail(r,
                  fmt::format("request {}: decode rank {} shut down{}", r->id, transport_.rank(),
                              graceful ? "" : " abruptly"),
@@ -350,7 +306,7 @@ public:
             case MsgType::kAbort: {
                 auto m = decode_abort(bytes);
                 if (!m.ok()) return;
-                auto r = find(m->request_id);
+                auto r = table_.find(m->request_id);
                 if (r) {
                     fail(r,
                          fmt::format("request {}: prefill rank {} aborted it: {}", r->id, peer,
@@ -370,8 +326,8 @@ public:
     void on_peer_failed(int peer, const Status& st) override {
         std::vector<std::pair<std::shared_ptr<RecvReq>, std::string>> to_fail;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            for (auto& [id, r] : reqs_) {
+            MutexLock lock(table_.mu());
+            for (auto& [id, r] : table_.requests_locked()) {
                 if (is_terminal(r->state)) continue;
                 const int src = source_index(*r, peer);
                 if (src < 0) continue;
@@ -387,15 +343,13 @@ public:
         std::vector<std::pair<std::shared_ptr<RecvReq>, std::string>> to_fail;
         std::vector<uint8_t> interest(static_cast<size_t>(transport_.world_size()), 0);
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            for (auto& [id, r] : reqs_) {
+            MutexLock lock(table_.mu());
+            for (auto& [id, r] : table_.requests_locked()) {
                 if (is_terminal(r->state)) continue;
                 for (int p : r->prefill_ranks) interest[static_cast<size_t>(p)] = 1;
-                if (now >= r->deadline) {
+                if (Table::past_deadline(*r, now)) {
                     to_fail.emplace_back(
-                        r, fmt::format("request {}: timed out after {} ms "
-                                       "while awaiting {}",
-                                       id, r->timeout.count(), describe_awaiting_locked(*r, -1)));
+                        r, Table::timed_out_reason(*r, describe_awaiting_locked(*r, -1)));
                     continue;
                 }
                 for (size_t i = 0; i < r->sources.size(); ++i) {
@@ -418,12 +372,6 @@ public:
     }
 
 private:
-    std::shared_ptr<RecvReq> find(uint64_t id) const {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = reqs_.find(id);
-        return it == reqs_.end() ? nullptr : it->second;
-    }
-
     static int source_index(const RecvReq& r, int world_rank) {
         for (size_t i = 0; i < r.prefill_ranks.size(); ++i) {
             if (r.prefill_ranks[i] == world_rank) return static_cast<int>(i);
@@ -542,7 +490,7 @@ private:
 
     void after_change(const std::shared_ptr<RecvReq>& r, std::vector<int> newly) {
         for (int l : newly) emit(TransferEvent::Kind::kLayerArrived, r->id, l, -1, 0);
-        if (!newly.empty()) cv_.notify_all();
+        if (!newly.empty()) table_.notify_waiters();
     }
 
     void handle_ack(int peer, const AckMsg& m) {
@@ -551,10 +499,9 @@ private:
         std::vector<int> newly;
         bool finish = false;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            auto it = reqs_.find(m.request_id);
-            if (it == reqs_.end() || is_terminal(it->second->state)) return;
-            r = it->second;
+            MutexLock lock(table_.mu());
+            r = table_.find_locked(m.request_id);
+            if (!r || is_terminal(r->state)) return;
             const int src = source_index(*r, peer);
             if (src < 0 || m.prefill_tp_rank != src ||
                 m.prefill_tp_size != static_cast<int>(r->sources.size())) {
@@ -602,10 +549,9 @@ private:
         std::vector<RecvOp> ops;
         Fragment frag;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            auto it = reqs_.find(m.request_id);
-            if (it == reqs_.end() || is_terminal(it->second->state)) return;
-            r = it->second;
+            MutexLock lock(table_.mu());
+            r = table_.find_locked(m.request_id);
+            if (!r || is_terminal(r->state)) return;
             const int src = source_index(*r, peer);
             SourceState* s = src < 0 ? nullptr : &r->sources[static_cast<size_t>(src)];
             const int64_t sps = s == nullptr ? 1 : s->layout.page_size;
@@ -642,7 +588,7 @@ private:
         std::vector<int> newly;
         bool finish;
         {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(table_.mu());
             newly = sweep_arrivals_locked(*r);
             finish = maybe_finish_locked(*r);
         }
@@ -700,7 +646,7 @@ private:
         for (size_t i = 0; i < ops.size(); ++i) {
             bool failed;
             {
-                std::lock_guard<std::mutex> lock(mu_);
+                MutexLock lock(table_.mu());
                 failed = r->state == RequestState::kFailed;
             }
             if (failed) {
@@ -723,7 +669,7 @@ private:
             }
             bool cancel_now = false;
             {
-                std::lock_guard<std::mutex> lock(mu_);
+                MutexLock lock(table_.mu());
                 if (r->state == RequestState::kFailed) {
                     // fail() already withdrew the handles it knew of; this one came later.
                     cancel_now = true;
@@ -798,7 +744,7 @@ private:
         } else {
             std::optional<Violation> token_mismatch;
             {
-                std::lock_guard<std::mutex> lock(mu_);
+                MutexLock lock(table_.mu());
                 const int src = source_index(*r, peer);
                 SourceState& s = r->sources[static_cast<size_t>(src)];
                 s.completed = true;
@@ -831,7 +777,7 @@ private:
         bool finish;
         bool failing = false;
         {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(table_.mu());
             --r->ops_outstanding;
             if (layer >= 0) {
                 --r->layer_pending[static_cast<size_t>(layer)];
@@ -860,7 +806,7 @@ private:
     void finalize(const std::shared_ptr<RecvReq>& r) {
         std::vector<SourceState> sources;
         {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(table_.mu());
             if (is_terminal(r->state)) return;
             sources = r->sources;
         }
@@ -910,18 +856,15 @@ private:
         }
         uint64_t bytes;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (is_terminal(r->state)) return;
-            r->state = RequestState::kSuccess;
-            r->finished = Clock::now();
-            ++stats_.requests_completed;
+            MutexLock lock(table_.mu());
+            if (!table_.mark_succeeded_locked(*r)) return;
             r->pins_released = true;
             pins_.unpin_request(r->id);
             r->slot_settled = true;
             free_slots_.push_back(r->slot);
             bytes = r->bytes;
         }
-        cv_.notify_all();
+        table_.notify_waiters();
         emit(TransferEvent::Kind::kRequestDone, r->id, -1, -1, bytes);
     }
 
@@ -930,17 +873,13 @@ private:
     void fail(const std::shared_ptr<RecvReq>& r, std::string reason, bool notify_peers) {
         std::vector<RequestHandle> handles;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (is_terminal(r->state)) return;
-            r->state = RequestState::kFailed;
-            r->reason = reason;
-            r->finished = Clock::now();
-            ++stats_.requests_failed;
+            MutexLock lock(table_.mu());
+            if (!table_.mark_failed_locked(*r, reason)) return;
             handles.swap(r->handles);
             maybe_settle_locked(*r);
         }
         PDSIM_LOG_DEBUG("receiver rank {}: {}", transport_.rank(), reason);
-        cv_.notify_all();
+        table_.notify_waiters();
         emit(TransferEvent::Kind::kRequestFailed, r->id, -1, -1, 0);
         if (!notify_peers) return;
         Transport* t = &transport_;
@@ -970,7 +909,7 @@ private:
             scatter_run(layout_, job.frag, job.layer, job.buf, job.run, job.staging->data());
             const size_t n = job.staging->size();
             {
-                std::lock_guard<std::mutex> lock(mu_);
+                MutexLock lock(table_.mu());
                 stats_.staged_bytes += n;
             }
             op_done(job.req, job.layer, n, "");
@@ -991,10 +930,9 @@ private:
     std::deque<ScatterJob> jobs_;
     bool stopping_ = false;  // under jobs_mu_
 
-    mutable std::mutex mu_;
-    mutable std::condition_variable cv_;
-    bool shut_down_ = false;
-    std::unordered_map<uint64_t, std::shared_ptr<RecvReq>> reqs_;
+    // The requests and the engine lock: table_.mu() guards what is below and the requests'
+    // bookkeeping (see request_table.h).
+    RequestTable<RecvReq> table_;
     uint32_t next_slot_ = 0;
     std::vector<uint32_t> free_slots_;
     EngineStats stats_;

@@ -16,25 +16,10 @@
 #include "common/thread_info.h"
 #include "transfer/engine/control.h"
 #include "transfer/engine/ordering_validator.h"
+#include "transfer/engine/request_table.h"
 #include "transfer/engine/transfer_plan.h"
 
 namespace pdsim::transfer {
-
-using Clock = std::chrono::steady_clock;
-
-std::string_view request_state_name(RequestState state) {
-    switch (state) {
-        case RequestState::kBootstrapping:
-            return "Bootstrapping";
-        case RequestState::kTransferring:
-            return "Transferring";
-        case RequestState::kSuccess:
-            return "Success";
-        case RequestState::kFailed:
-            return "Failed";
-    }
-    return "?";
-}
 
 std::string_view transfer_event_name(TransferEvent::Kind kind) {
     switch (kind) {
@@ -78,20 +63,14 @@ struct DestState {
     uint32_t next_chunk_to_post = 0;
 };
 
-struct SendReq {
-    uint64_t id = 0;
+// A request of this rank; the lifecycle (id, deadline, state, reason) is the table's.
+struct SendReq : RequestLifecycle {
     int64_t num_tokens = 0;
-    Clock::time_point started;
-    Clock::time_point deadline;
-    std::chrono::milliseconds timeout{0};
-    // Set (under mu_) when the request turns terminal-failed; read by workers without the lock
-    // to stop early. A stale false only costs one more post, which post_data re-checks.
+    // Set (under the table's mutex) when the request turns terminal-failed; read by workers without
+    // the lock to stop early. A stale false only costs one more post, which post_data re-checks.
     std::atomic<bool> cancelled{false};
 
-    // Everything below is under Impl::mu_.
-    RequestState state = RequestState::kBootstrapping;
-    std::string reason;
-    Clock::time_point finished;
+    // Everything below is under the table's mutex (Impl::table_.mu()).
     int decode_tp_size = -1;
     std::map<int, std::shared_ptr<DestState>> dests;  // by decode TP rank
     std::deque<SendChunk> held;                       // submitted before the bootstrap finished
@@ -156,13 +135,16 @@ struct Worker {
 }  // namespace
 
 class KvSender::Impl : public ControlListener, public std::enable_shared_from_this<Impl> {
+    using Table = RequestTable<SendReq>;
+
 public:
     Impl(Transport& transport, KvLayout layout, pd::StepCounter& counter, SenderOptions options)
         : transport_(transport),
           layout_(std::move(layout)),
           counter_(counter),
           opt_(std::move(options)),
-          pins_(transport.rank(), opt_.validator) {
+          pins_(transport.rank(), opt_.validator),
+          table_(RequestTableNames{"sender", transport.rank()}) {
         max_msg_ = std::min(opt_.max_message_bytes, transport.capabilities().max_message_bytes);
     }
 
@@ -195,23 +177,15 @@ public:
         std::vector<std::pair<std::shared_ptr<SendReq>, std::string>> failures;
         bool finish = false;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (shut_down_) {
-                return PDSIM_ERROR(StatusCode::kUnavailable, "sender rank {} is shut down",
-                                   transport_.rank());
-            }
-            if (reqs_.count(spec.request_id) != 0) {
-                return PDSIM_ERROR(StatusCode::kAlreadyExists, "request {} is already known",
-                                   spec.request_id);
-            }
+            MutexLock lock(table_.mu());
+            PDSIM_RETURN_IF_ERROR(table_.check_addable_locked(spec.request_id));
             auto r = std::make_shared<SendReq>();
             r->id = spec.request_id;
             r->num_tokens = spec.num_tokens;
             r->started = Clock::now();
             r->timeout = spec.timeout.count() > 0 ? spec.timeout : opt_.request_timeout;
             r->deadline = r->started + r->timeout;
-            reqs_[r->id] = r;
-            ++stats_.requests_submitted;
+            table_.insert_locked(r);
             if (auto ab = aborted_.find(r->id); ab != aborted_.end()) {
                 failures.emplace_back(r, ab->second.first);
                 aborted_.erase(ab);
@@ -247,12 +221,12 @@ public:
         std::vector<Task> tasks;
         bool finish = false;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            auto it = reqs_.find(c.request_id);
-            if (it == reqs_.end()) {
+            MutexLock lock(table_.mu());
+            std::shared_ptr<SendReq> found = table_.find_locked(c.request_id);
+            if (!found) {
                 return PDSIM_ERROR(StatusCode::kNotFound, "request {} was not added", c.request_id);
             }
-            SendReq& r = *it->second;
+            SendReq& r = *found;
             if (r.state == RequestState::kFailed) {
                 return PDSIM_ERROR(StatusCode::kAborted, "request {} failed: {}", r.id, r.reason);
             }
@@ -285,44 +259,22 @@ public:
     }
 
     StatusOr<RequestStatus> status(uint64_t id) const {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = reqs_.find(id);
-        if (it == reqs_.end()) {
-            return PDSIM_ERROR(StatusCode::kNotFound, "request {} is not known", id);
-        }
-        return status_locked(*it->second);
+        MutexLock lock(table_.mu());
+        PDSIM_ASSIGN_OR_RETURN(std::shared_ptr<SendReq> r, table_.get_locked(id));
+        return status_locked(*r);
     }
 
     StatusOr<RequestStatus> wait(uint64_t id, std::chrono::nanoseconds timeout) const {
-        std::unique_lock<std::mutex> lock(mu_);
-        auto it = reqs_.find(id);
-        if (it == reqs_.end()) {
-            return PDSIM_ERROR(StatusCode::kNotFound, "request {} is not known", id);
-        }
-        std::shared_ptr<SendReq> r = it->second;
-        if (!cv_.wait_for(lock, timeout, [&] { return is_terminal(r->state); })) {
-            return PDSIM_ERROR(
-                StatusCode::kDeadlineExceeded, "request {} still {} after {} ms (awaiting {})", id,
-                request_state_name(r->state),
-                std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
-                describe_awaiting_locked(*r));
+        MutexLock lock(table_.mu());
+        PDSIM_ASSIGN_OR_RETURN(std::shared_ptr<SendReq> r, table_.get_locked(id));
+        if (!table_.wait_terminal_locked(*r, timeout)) {
+            return Table::wait_timed_out(*r, timeout, describe_awaiting_locked(*r));
         }
         return status_locked(*r);
     }
 
     Status release(uint64_t id) {
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            auto it = reqs_.find(id);
-            if (it == reqs_.end()) {
-                return PDSIM_ERROR(StatusCode::kNotFound, "request {} is not known", id);
-            }
-            if (!is_terminal(it->second->state)) {
-                return PDSIM_ERROR(StatusCode::kFailedPrecondition, "request {} is still {}", id,
-                                   request_state_name(it->second->state));
-            }
-            reqs_.erase(it);
-        }
+        PDSIM_RETURN_IF_ERROR(table_.release(id));
         if (opt_.validator != nullptr) opt_.validator->forget(id);
         return {};
     }
@@ -331,23 +283,18 @@ public:
     const KvLayout& layout() const { return layout_; }
 
     EngineStats stats() const {
-        std::lock_guard<std::mutex> lock(mu_);
-        return stats_;
+        MutexLock lock(table_.mu());
+        EngineStats stats = stats_;
+        table_.copy_counts_locked(stats);
+        return stats;
     }
 
     void shutdown(ShutdownMode mode) {
-        std::vector<std::shared_ptr<SendReq>> active;
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (shut_down_) return;
-            shut_down_ = true;
-            for (auto& [id, r] : reqs_) {
-                if (!is_terminal(r->state)) active.push_back(r);
-            }
-        }
+        std::optional<std::vector<std::shared_ptr<SendReq>>> active = table_.begin_shutdown();
+        if (!active) return;
         stopping_.store(true);
         const bool graceful = mode == ShutdownMode::kGraceful;
-        for (auto& r : active) {
+        for (auto& r : *active) {
             fail(r,
                  fmt::format("request {}: prefill rank {} shut down{}", r->id, transport_.rank(),
                              graceful ? "" : " abruptly"),
@@ -392,15 +339,11 @@ public:
                 const std::string why = fmt::format("request {}: decode rank {} aborted it: {}",
                                                     m->request_id, peer, m->reason);
                 {
-                    std::lock_guard<std::mutex> lock(mu_);
+                    MutexLock lock(table_.mu());
                     auto pend = pending_bootstraps_.find(m->request_id);
                     if (pend != pending_bootstraps_.end()) pending_bootstraps_.erase(pend);
-                    auto it = reqs_.find(m->request_id);
-                    if (it != reqs_.end()) {
-                        r = it->second;
-                    } else {
-                        aborted_[m->request_id] = {why, Clock::now()};
-                    }
+                    r = table_.find_locked(m->request_id);
+                    if (!r) aborted_[m->request_id] = {why, Clock::now()};
                 }
                 if (r) fail(r, why, true);
                 return;
@@ -416,8 +359,8 @@ public:
     void on_peer_failed(int peer, const Status& st) override {
         std::vector<std::pair<std::shared_ptr<SendReq>, std::string>> to_fail;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            for (auto& [id, r] : reqs_) {
+            MutexLock lock(table_.mu());
+            for (auto& [id, r] : table_.requests_locked()) {
                 if (is_terminal(r->state)) continue;
                 for (auto& [tp, d] : r->dests) {
                     if (d->world_rank != peer) continue;
@@ -441,15 +384,13 @@ public:
         std::vector<std::pair<std::shared_ptr<SendReq>, std::string>> to_fail;
         std::vector<uint8_t> interest(static_cast<size_t>(transport_.world_size()), 0);
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            for (auto& [id, r] : reqs_) {
+            MutexLock lock(table_.mu());
+            for (auto& [id, r] : table_.requests_locked()) {
                 if (is_terminal(r->state)) continue;
                 for (auto& [tp, d] : r->dests) interest[static_cast<size_t>(d->world_rank)] = 1;
-                if (now >= r->deadline) {
-                    to_fail.emplace_back(
-                        r, fmt::format("request {}: timed out after {} ms "
-                                       "while awaiting {}",
-                                       id, r->timeout.count(), describe_awaiting_locked(*r)));
+                if (Table::past_deadline(*r, now)) {
+                    to_fail.emplace_back(r,
+                                         Table::timed_out_reason(*r, describe_awaiting_locked(*r)));
                     continue;
                 }
                 for (auto& [tp, d] : r->dests) {
@@ -562,18 +503,18 @@ private:
         std::optional<std::string> abort_reason;
         bool finish = false;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            auto it = reqs_.find(m.request_id);
-            if (it == reqs_.end()) {
+            MutexLock lock(table_.mu());
+            std::shared_ptr<SendReq> found = table_.find_locked(m.request_id);
+            if (!found) {
                 pending_bootstraps_[m.request_id].push_back({peer, std::move(m), Clock::now()});
                 return;
             }
-            SendReq& r = *it->second;
+            SendReq& r = *found;
             if (r.state == RequestState::kFailed) {
                 abort_reason = r.reason;
             } else if (!is_terminal(r.state)) {
                 why = attach_locked(r, peer, m, tasks);
-                if (!why.empty()) failed_req = it->second;
+                if (!why.empty()) failed_req = found;
                 // A rank with nothing to send (e.g. MLA with more prefill than decode ranks)
                 // is done as soon as the last chunk is dispatched.
                 finish = maybe_finish_locked(r);
@@ -665,7 +606,7 @@ private:
         for (auto& [tp, d] : r.dests) {
             if (!d->frag) continue;
             Task t;
-            t.req = reqs_.at(r.id);
+            t.req = table_.find_locked(r.id);
             t.dest = d;
             t.chunk_index = idx;
             t.t0 = t0;
@@ -725,11 +666,9 @@ private:
         int hi = -1;
         std::vector<int32_t> pages;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            auto it = reqs_.find(id);
-            if (it == reqs_.end()) return;
-            r = it->second;
-            if (is_terminal(r->state)) return;
+            MutexLock lock(table_.mu());
+            r = table_.find_locked(id);
+            if (!r || is_terminal(r->state)) return;
             for (auto& [tp, d] : r->dests) {
                 if (!d->frag) continue;
                 lo = lo < 0 ? d->frag->head_begin : std::min(lo, d->frag->head_begin);
@@ -757,16 +696,13 @@ private:
         }
         uint64_t bytes;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (is_terminal(r->state)) return;
-            r->state = RequestState::kSuccess;
-            r->finished = Clock::now();
-            ++stats_.requests_completed;
+            MutexLock lock(table_.mu());
+            if (!table_.mark_succeeded_locked(*r)) return;
             r->pins_released = true;
             pins_.unpin_request(r->id);
             bytes = r->bytes;
         }
-        cv_.notify_all();
+        table_.notify_waiters();
         emit(TransferEvent::Kind::kRequestDone, id, -1, -1, 0, bytes);
     }
 
@@ -776,19 +712,15 @@ private:
         std::vector<RequestHandle> handles;
         std::vector<int> peers;
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (is_terminal(r->state)) return;
-            r->state = RequestState::kFailed;
-            r->reason = reason;
-            r->finished = Clock::now();
+            MutexLock lock(table_.mu());
+            if (!table_.mark_failed_locked(*r, reason)) return;
             r->cancelled.store(true);
-            ++stats_.requests_failed;
             handles.swap(r->handles);
             for (auto& [tp, d] : r->dests) peers.push_back(d->world_rank);
             maybe_release_pins_locked(*r);
         }
         PDSIM_LOG_DEBUG("sender rank {}: {}", transport_.rank(), reason);
-        cv_.notify_all();
+        table_.notify_waiters();
         emit(TransferEvent::Kind::kRequestFailed, r->id, -1, -1, 0, 0);
         if (!notify_peers) return;
         // Cancelling re-enters the transport: never from inside a transport callback, so it runs
@@ -911,7 +843,7 @@ private:
     }
 
     void set_awaiting(SendReq& r, std::string what) {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(table_.mu());
         r.awaiting = std::move(what);
     }
 
@@ -1044,7 +976,7 @@ private:
             layer_op_done(a.progress, l);  // drop the guard
         }
         if (staged > 0) {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(table_.mu());
             stats_.staged_bytes += staged;
         }
         return ok;
@@ -1057,7 +989,7 @@ private:
         SendReq& r = *a.t.req;
         bool finish;
         {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(table_.mu());
             --r.tasks_outstanding;
             if (r.tasks_outstanding == 0) r.awaiting.clear();
             finish = maybe_finish_locked(r);
@@ -1163,7 +1095,7 @@ private:
         SendReq& r = *t.req;
         const int peer = t.dest->world_rank;
         {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(table_.mu());
             if (is_terminal(r.state)) return false;
             ++r.ops_outstanding;
         }
@@ -1175,7 +1107,7 @@ private:
         }
         bool cancel_now = false;
         {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(table_.mu());
             if (is_terminal(r.state)) {
                 // fail() already withdrew the handles it knew of; this one came later.
                 cancel_now = true;
@@ -1201,7 +1133,7 @@ private:
                       int layer, int peer, const Status& st, size_t n) {
         std::string why;
         {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(table_.mu());
             --r->ops_outstanding;
             if (st.ok()) {
                 if (layer >= 0) {
@@ -1222,7 +1154,7 @@ private:
         if (!why.empty()) fail(r, why, true);
         bool finish;
         {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(table_.mu());
             finish = maybe_finish_locked(*r);
             maybe_release_pins_locked(*r);
         }
@@ -1232,7 +1164,7 @@ private:
     void layer_op_done(const std::shared_ptr<TaskProgress>& p, int layer) {
         if (p->pending[static_cast<size_t>(layer)].fetch_sub(1) != 1) return;
         {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(table_.mu());
             ++stats_.layers;
         }
         emit(TransferEvent::Kind::kLayerSent, p->request, layer, p->peer, p->chunk,
@@ -1249,10 +1181,9 @@ private:
     std::vector<std::unique_ptr<Worker>> workers_;
     std::atomic<bool> stopping_{false};
 
-    mutable std::mutex mu_;
-    mutable std::condition_variable cv_;
-    bool shut_down_ = false;
-    std::unordered_map<uint64_t, std::shared_ptr<SendReq>> reqs_;
+    // The requests and the engine lock: table_.mu() guards what is below and the requests'
+    // bookkeeping (see request_table.h).
+    RequestTable<SendReq> table_;
     std::unordered_map<uint64_t, std::vector<PendingBootstrap>> pending_bootstraps_;
     // Requests a decode rank aborted before this rank scheduled them (id -> reason, when): a
     // later add_request fails at once instead of waiting for a bootstrap that will not come.
