@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -204,7 +203,7 @@ void KvReceiver::Impl::shutdown(ShutdownMode mode) {
              graceful);
     }
     {
-        std::lock_guard<std::mutex> lock(jobs_mu_);
+        MutexLock lock(jobs_mu_);
         stopping_ = true;
         jobs_.clear();
     }

@@ -16,12 +16,10 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -138,20 +136,21 @@ private:
 
     // Whether the request still waits for something from source `s`.
     static bool source_pending(const RecvReq& /*r*/, const SourceState& s);
-    RequestStatus status_locked(const RecvReq& r) const;
+    RequestStatus status_locked(const RecvReq& r) const PDSIM_REQUIRES(table_.mu());
 
     // What the request awaits from source `src` (-1: from the first source it awaits anything).
-    std::string describe_awaiting_locked(const RecvReq& r, int src) const;
+    std::string describe_awaiting_locked(const RecvReq& r, int src) const
+        PDSIM_REQUIRES(table_.mu());
     void emit(TransferEvent::Kind kind, uint64_t req, int layer, int peer, uint64_t bytes) const;
-    bool headers_complete_locked(const RecvReq& r) const;
+    bool headers_complete_locked(const RecvReq& r) const PDSIM_REQUIRES(table_.mu());
 
     // Marks layers whose data is complete; returns them (for events).
-    std::vector<int> sweep_arrivals_locked(RecvReq& r);
-    bool maybe_finish_locked(RecvReq& r);
+    std::vector<int> sweep_arrivals_locked(RecvReq& r) PDSIM_REQUIRES(table_.mu());
+    bool maybe_finish_locked(RecvReq& r) PDSIM_REQUIRES(table_.mu());
 
     // Pins and the tag slot are released only once no receive can write into the pages or match
     // on the tag any more.
-    void maybe_settle_locked(RecvReq& r);
+    void maybe_settle_locked(RecvReq& r) PDSIM_REQUIRES(table_.mu());
     void after_change(const std::shared_ptr<RecvReq>& r, std::vector<int> newly);
     void handle_ack(int peer, const AckMsg& m);
     void handle_chunk(int peer, const ChunkMsg& m);
@@ -159,7 +158,8 @@ private:
     // The receives of one chunk in plan order (layer, buffer, run), then (last chunk) the
     // completion message. Counts them as outstanding before any is posted, so the arrival state
     // can never look complete while a chunk is half posted.
-    std::vector<RecvOp> plan_chunk_locked(RecvReq& r, const SourceState& s, const ChunkMsg& m);
+    std::vector<RecvOp> plan_chunk_locked(RecvReq& r, const SourceState& s, const ChunkMsg& m)
+        PDSIM_REQUIRES(table_.mu());
     void post_ops(const std::shared_ptr<RecvReq>& r, int peer, const Fragment& frag,
                   std::vector<RecvOp> ops);
 
@@ -189,17 +189,20 @@ private:
     PagePins pins_;
     std::vector<std::thread> workers_;
 
-    std::mutex jobs_mu_;
-    std::condition_variable jobs_cv_;
-    std::deque<ScatterJob> jobs_;
-    bool stopping_ = false;  // under jobs_mu_
+    // The scatter queue: a leaf lock, never held while taking the engine lock, nor taken under it.
+    Mutex jobs_mu_;
+    CondVar jobs_cv_;
+    std::deque<ScatterJob> jobs_ PDSIM_GUARDED_BY(jobs_mu_);
+    bool stopping_ PDSIM_GUARDED_BY(jobs_mu_) = false;
 
     // The requests and the engine lock: table_.mu() guards what is below and the requests'
     // bookkeeping (see request_table.h).
     RequestTable<RecvReq> table_;
-    uint32_t next_slot_ = 0;
-    std::vector<uint32_t> free_slots_;
-    EngineStats stats_;
+    // Data tag slots: never handed out (next_slot_ and up), free for reuse (free_slots_).
+    uint32_t next_slot_ PDSIM_GUARDED_BY(table_.mu()) = 0;
+    std::vector<uint32_t> free_slots_ PDSIM_GUARDED_BY(table_.mu());
+    // The byte, message, layer, staging and tag counts (the request counts are the table's).
+    EngineStats stats_ PDSIM_GUARDED_BY(table_.mu());
 };
 
 }  // namespace pdsim::transfer

@@ -286,7 +286,7 @@ void KvReceiver::Impl::on_recv_complete(const std::shared_ptr<RecvReq>& r, int p
     }
     if (op->staging) {
         {
-            std::lock_guard<std::mutex> lock(jobs_mu_);
+            MutexLock lock(jobs_mu_);
             if (!stopping_) {
                 jobs_.push_back(ScatterJob{r, frag, op->layer, op->buf, op->run, op->staging});
             }
@@ -441,8 +441,9 @@ void KvReceiver::Impl::worker_loop() {
     while (true) {
         ScatterJob job;
         {
-            std::unique_lock<std::mutex> lock(jobs_mu_);
-            jobs_cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+            MutexLock lock(jobs_mu_);
+            jobs_cv_.wait(jobs_mu_,
+                          [&]() PDSIM_REQUIRES(jobs_mu_) { return stopping_ || !jobs_.empty(); });
             if (stopping_) return;
             job = std::move(jobs_.front());
             jobs_.pop_front();

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -208,7 +207,7 @@ void KvSender::Impl::shutdown(ShutdownMode mode) {
     }
     for (auto& w : workers_) {
         {
-            std::lock_guard<std::mutex> lock(w->mu);
+            MutexLock lock(w->mu);
             w->queue.clear();
         }
         w->cv.notify_all();

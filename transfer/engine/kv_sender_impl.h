@@ -16,12 +16,10 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -119,10 +117,11 @@ struct Task {
     int64_t first_token_aux_step = 0;
 };
 
+// One worker thread and its queue of tasks (filled by enqueue(), drained by worker_loop()).
 struct Worker {
-    std::mutex mu;
-    std::condition_variable cv;
-    std::deque<Task> queue;
+    Mutex mu;  // a leaf: never held while taking the engine lock, nor taken under it
+    CondVar cv;
+    std::deque<Task> queue PDSIM_GUARDED_BY(mu);
     std::thread thread;
 };
 
@@ -166,8 +165,8 @@ private:
         Clock::time_point at;
     };
 
-    RequestStatus status_locked(const SendReq& r) const;
-    std::string describe_awaiting_locked(const SendReq& r) const;
+    RequestStatus status_locked(const SendReq& r) const PDSIM_REQUIRES(table_.mu());
+    std::string describe_awaiting_locked(const SendReq& r) const PDSIM_REQUIRES(table_.mu());
     void emit(TransferEvent::Kind kind, uint64_t req, int layer, int peer, uint32_t chunk,
               uint64_t bytes) const;
     void handle_bootstrap(int peer, BootstrapMsg m);
@@ -175,15 +174,17 @@ private:
 
     // Adds decode rank `peer` to `r`; once every decode rank is in, the request is Transferring
     // and its held chunks are dispatched. Returns a failure reason, or "".
-    std::string attach_locked(SendReq& r, int peer, const BootstrapMsg& m, std::vector<Task>& out);
+    std::string attach_locked(SendReq& r, int peer, const BootstrapMsg& m, std::vector<Task>& out)
+        PDSIM_REQUIRES(table_.mu());
 
     // Turns a chunk into one task per destination that receives a fragment from this rank.
-    void dispatch_locked(SendReq& r, const SendChunk& c, std::vector<Task>& out);
+    void dispatch_locked(SendReq& r, const SendChunk& c, std::vector<Task>& out)
+        PDSIM_REQUIRES(table_.mu());
     void enqueue(std::vector<Task> tasks);
 
     // True when every send of the request completed: the caller posts the finalization.
-    bool maybe_finish_locked(SendReq& r);
-    void maybe_release_pins_locked(SendReq& r);
+    bool maybe_finish_locked(SendReq& r) PDSIM_REQUIRES(table_.mu());
+    void maybe_release_pins_locked(SendReq& r) PDSIM_REQUIRES(table_.mu());
     void post_finalize(uint64_t id);
 
     // Control thread: after-send verification, then Success.
@@ -257,11 +258,14 @@ private:
     // The requests and the engine lock: table_.mu() guards what is below and the requests'
     // bookkeeping (see request_table.h).
     RequestTable<SendReq> table_;
-    std::unordered_map<uint64_t, std::vector<PendingBootstrap>> pending_bootstraps_;
+    std::unordered_map<uint64_t, std::vector<PendingBootstrap>> pending_bootstraps_
+        PDSIM_GUARDED_BY(table_.mu());
     // Requests a decode rank aborted before this rank scheduled them (id -> reason, when): a
     // later add_request fails at once instead of waiting for a bootstrap that will not come.
-    std::unordered_map<uint64_t, std::pair<std::string, Clock::time_point>> aborted_;
-    EngineStats stats_;
+    std::unordered_map<uint64_t, std::pair<std::string, Clock::time_point>> aborted_
+        PDSIM_GUARDED_BY(table_.mu());
+    // The byte, message, layer and staging counts (the request counts are the table's).
+    EngineStats stats_ PDSIM_GUARDED_BY(table_.mu());
 };
 
 }  // namespace pdsim::transfer

@@ -18,7 +18,7 @@ void KvSender::Impl::enqueue(std::vector<Task> tasks) {
     for (Task& t : tasks) {
         Worker& w = *workers_[static_cast<size_t>(t.dest->world_rank) % workers_.size()];
         {
-            std::lock_guard<std::mutex> lock(w.mu);
+            MutexLock lock(w.mu);
             w.queue.push_back(std::move(t));
         }
         w.cv.notify_one();
@@ -35,9 +35,11 @@ void KvSender::Impl::worker_loop(int index) {
     std::deque<Active> tasks;
     while (true) {
         {
-            std::unique_lock<std::mutex> lock(w.mu);
+            MutexLock lock(w.mu);
             if (tasks.empty()) {
-                w.cv.wait(lock, [&] { return stopping_.load() || !w.queue.empty(); });
+                w.cv.wait(w.mu, [&]() PDSIM_REQUIRES(w.mu) {
+                    return stopping_.load() || !w.queue.empty();
+                });
             }
             if (stopping_.load()) return;
             while (!w.queue.empty()) {
@@ -95,9 +97,10 @@ void KvSender::Impl::worker_loop(int index) {
                 .status()
                 .ignore_error();
         } else {
-            std::unique_lock<std::mutex> lock(w.mu);
-            w.cv.wait_for(lock, opt_.cancel_check,
-                          [&] { return stopping_.load() || !w.queue.empty(); });
+            MutexLock lock(w.mu);
+            (void)w.cv.wait_for(w.mu, opt_.cancel_check, [&]() PDSIM_REQUIRES(w.mu) {
+                return stopping_.load() || !w.queue.empty();
+            });
         }
     }
 }
