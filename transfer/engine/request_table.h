@@ -5,7 +5,7 @@
 // and the request counts of EngineStats.
 //
 // Use (a side's record derives from RequestLifecycle):
-//   RequestTable<SendReq> table_{{"sender", "prefill", rank}};
+//   RequestTable<SendReq> table_{RequestTableNames{"sender", transport.rank()}};
 //   { MutexLock lock(table_.mu());
 //     PDSIM_RETURN_IF_ERROR(table_.check_addable_locked(id));
 //     table_.insert_locked(record); }
@@ -14,13 +14,22 @@
 //   ... status / wait: MutexLock, get_locked(id), wait_terminal_locked(*r, timeout).
 //
 // Locks. The table's mutex (mu()) is the engine lock of its side: it guards the map, the
-// lifecycle fields of every record (RequestLifecycle::state, reason, finished: written only
-// through mark_*_locked), the counts, and -- by the side's own PDSIM_GUARDED_BY(table_.mu())
+// lifecycle fields of every record (RequestLifecycle::state, reason, finished; the terminal
+// transitions go through mark_*_locked, Bootstrapping -> Transferring is the side's), the counts,
+// and -- by the side's own PDSIM_GUARDED_BY(table_.mu())
 // annotations -- the side's per-request bookkeeping and stats. One lock, so a transition and
 // the bookkeeping that decides it are one atomic step. The sides' other locks (the sender's
 // worker queues, the receiver's scatter queue) are leaves: never held while taking this one,
 // and never taken while holding it. Record fields other than the lifecycle's are the side's
-// business (documented there); the table reads only id, deadline, timeout and state.
+// business (documented there); the table reads id, deadline, timeout and state, and writes
+// state, reason and finished. Records are not annotated (clang cannot name the table's mutex
+// from a record): their "under the table's mutex" fields are checked by review and TSan.
+//
+// Errors (codes the engine's callers and tests match; messages unchanged from before the table):
+// kUnavailable "<engine> rank R is shut down" (add after shutdown), kAlreadyExists "request N is
+// already known" (add of a known id), kNotFound "request N is not known" (lookup, release),
+// kFailedPrecondition "request N is still <state>" (release of an active request),
+// kDeadlineExceeded "request N still <state> after T ms (awaiting <what>)" (a wait timed out).
 //
 // Blocking: only wait_for_locked / wait_terminal_locked block (on the condition variable,
 // releasing the mutex, bounded by their timeout); everything else returns at once. A side calls
