@@ -17,6 +17,8 @@
 // Thread-safety: Mutex is a std::mutex (not recursive; unlock only from the locking thread).
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 
 #if defined(__clang__)
@@ -37,6 +39,9 @@
 #define PDSIM_EXCLUDES(...) PDSIM_THREAD_ANNOTATION(locks_excluded(__VA_ARGS__))
 #define PDSIM_ACQUIRE(...) PDSIM_THREAD_ANNOTATION(acquire_capability(__VA_ARGS__))
 #define PDSIM_RELEASE(...) PDSIM_THREAD_ANNOTATION(release_capability(__VA_ARGS__))
+// The function returns a reference to this mutex (an accessor: `Mutex& mu() const
+// PDSIM_LOCK_RETURNED(mu_)`), so members of another class can be PDSIM_GUARDED_BY(obj.mu()).
+#define PDSIM_LOCK_RETURNED(mu) PDSIM_THREAD_ANNOTATION(lock_returned(mu))
 // Turns the analysis off for one function (say why beside it).
 #define PDSIM_NO_THREAD_SAFETY_ANALYSIS PDSIM_THREAD_ANNOTATION(no_thread_safety_analysis)
 
@@ -52,6 +57,7 @@ public:
     void unlock() PDSIM_RELEASE() { mu_.unlock(); }
 
 private:
+    friend class CondVar;  // waits on mu_ itself
     std::mutex mu_;
 };
 
@@ -65,6 +71,49 @@ public:
 
 private:
     Mutex& mu_;
+};
+
+// A condition variable whose waits take a pdsim::Mutex (a std::condition_variable on the Mutex's
+// std::mutex, so no extra lock and no extra wake-ups).
+//
+//   MutexLock lock(mu_);
+//   if (!cv_.wait_for(mu_, timeout, [&] { return done; })) ...  // timed out, `done` still false
+//
+// Contract: the caller holds `mu` (PDSIM_REQUIRES), which the wait releases while blocked and
+// holds again when it returns; every waiter of one CondVar uses the same Mutex. `pred` runs with
+// `mu` held (clang's analysis does not see inside the lambda: annotate it PDSIM_REQUIRES(mu) when
+// it reads PDSIM_GUARDED_BY members). Spurious wake-ups are absorbed (pred is re-checked).
+// notify_* may be called with or without the mutex held. Thread-safety: like
+// std::condition_variable.
+class CondVar {
+public:
+    CondVar() = default;
+    CondVar(const CondVar&) = delete;
+    CondVar& operator=(const CondVar&) = delete;
+
+    // Blocks until pred() holds.
+    template <typename Predicate>
+    void wait(Mutex& mu, Predicate pred) PDSIM_REQUIRES(mu) {
+        std::unique_lock<std::mutex> lock(mu.mu_, std::adopt_lock);
+        cv_.wait(lock, std::move(pred));
+        lock.release();  // still held: the caller's MutexLock unlocks it
+    }
+    // Blocks until pred() holds or `timeout` passed; returns pred()'s last value (false: timed
+    // out).
+    template <typename Rep, typename Period, typename Predicate>
+    bool wait_for(Mutex& mu, const std::chrono::duration<Rep, Period>& timeout, Predicate pred)
+        PDSIM_REQUIRES(mu) {
+        std::unique_lock<std::mutex> lock(mu.mu_, std::adopt_lock);
+        const bool done = cv_.wait_for(lock, timeout, std::move(pred));
+        lock.release();
+        return done;
+    }
+
+    void notify_one() noexcept { cv_.notify_one(); }
+    void notify_all() noexcept { cv_.notify_all(); }
+
+private:
+    std::condition_variable cv_;
 };
 
 }  // namespace pdsim

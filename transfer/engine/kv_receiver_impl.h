@@ -1,0 +1,208 @@
+// KvReceiver::Impl, the receiver's implementation (private to transfer/engine: included only by
+// kv_receiver.cpp -- the public API, the control messages, the watchdog and failure -- and
+// kv_receiver_landing.cpp -- the acks, the chunk headers and the receives they post, the
+// scatter workers, arrival, the completions and the final check). kv_receiver.h describes the
+// protocol.
+//
+// Threads: the caller's (public API), the control thread (ControlListener, receives posted,
+// completions decoded, finalize), the scatter workers and the transport's completion callbacks
+// (on_recv_complete).
+//
+// Locks: table_.mu() is the engine lock (request_table.h): the request table, every RecvReq's
+// fields marked "under the table's mutex", the data tag slots and stats_. jobs_mu_ guards only the
+// scatter queue and stopping_. The two are never nested. A function named *_locked is called with
+// the engine lock held.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common/mutex.h"
+#include "common/status.h"
+#include "transfer/engine/control.h"
+#include "transfer/engine/kv_receiver.h"
+#include "transfer/engine/request_table.h"
+#include "transfer/engine/transfer_plan.h"
+
+namespace pdsim::transfer {
+namespace receiver_detail {
+
+// One prefill rank of a request.
+struct SourceState {
+    int world_rank = -1;
+    bool acked = false;
+    KvLayoutSummary layout;
+    std::optional<Fragment> frag;  // nullopt: this prefill rank sends this decode rank nothing
+    int64_t max_run = 1;
+    int64_t next_token = 0;  // the next chunk must start here
+    uint32_t next_chunk = 0;
+    bool last_header = false;
+    bool completed = false;  // its completion message arrived
+    CompletionMsg completion;
+};
+
+// A request of this rank; the lifecycle (id, deadline, state, reason) is the table's.
+struct RecvReq : RequestLifecycle {
+    int64_t num_tokens = 0;
+    std::vector<int32_t> dst_pages;
+    std::vector<int> prefill_ranks;
+    uint32_t slot = 0;
+    Tag tag = 0;
+
+    // Under the table's mutex (Impl::table_.mu()).
+    std::vector<SourceState> sources;  // by prefill TP rank
+    int acks = 0;
+    int frag_sources = 0;
+    int last_headers = 0;
+    int completions = 0;
+    std::vector<int64_t> layer_pending;  // receives (+ scatters) not yet done, per layer
+    std::vector<uint8_t> arrived;
+    int layers_arrived = 0;
+    int64_t ops_outstanding = 0;
+    std::vector<RequestHandle> handles;
+    bool finalizing = false;  // every message matched: the tag slot can be reused
+    bool pins_released = false;
+    bool slot_settled = false;
+    bool has_first_token = false;
+    int32_t first_token = -1;
+    uint64_t bytes = 0;
+};
+
+struct ScatterJob {
+    std::shared_ptr<RecvReq> req;
+    Fragment frag;
+    int layer = 0;
+    int buf = 0;
+    TokenRun run;
+    std::shared_ptr<std::vector<std::byte>> staging;
+};
+
+// One receive to post (computed under the lock, posted outside it).
+struct RecvOp {
+    int layer = -1;  // -1: the completion message
+    int buf = 0;
+    TokenRun run;
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    std::shared_ptr<std::vector<std::byte>> staging;
+    std::shared_ptr<Bytes> completion;
+};
+
+}  // namespace receiver_detail
+
+class KvReceiver::Impl : public ControlListener, public std::enable_shared_from_this<Impl> {
+    using SourceState = receiver_detail::SourceState;
+    using RecvReq = receiver_detail::RecvReq;
+    using ScatterJob = receiver_detail::ScatterJob;
+    using RecvOp = receiver_detail::RecvOp;
+    using Table = RequestTable<RecvReq>;
+
+public:
+    Impl(Transport& transport, KvLayout layout, ReceiverOptions options);
+    Status start();
+
+    // ---- public API ----
+
+    Status submit(const ReceiveRequestSpec& spec);
+    Status wait_layer(uint64_t id, int layer, std::chrono::nanoseconds timeout) const;
+    bool layer_arrived(uint64_t id, int layer) const;
+    StatusOr<RequestStatus> wait_done(uint64_t id, std::chrono::nanoseconds timeout) const;
+    StatusOr<RequestStatus> status(uint64_t id) const;
+    Status release(uint64_t id) { return table_.release(id); }
+
+    PagePins& pins() { return pins_; }
+    const KvLayout& layout() const { return layout_; }
+    EngineStats stats() const;
+    void shutdown(ShutdownMode mode);
+
+    // ---- ControlListener (control thread) ----
+
+    void on_control(int peer, std::span<const uint8_t> bytes) override;
+    void on_peer_failed(int peer, const Status& st) override;
+    void on_tick(Clock::time_point now) override;
+
+private:
+    static int source_index(const RecvReq& r, int world_rank);
+
+    // Whether the request still waits for something from source `s`.
+    static bool source_pending(const RecvReq& /*r*/, const SourceState& s);
+    RequestStatus status_locked(const RecvReq& r) const PDSIM_REQUIRES(table_.mu());
+
+    // What the request awaits from source `src` (-1: from the first source it awaits anything).
+    std::string describe_awaiting_locked(const RecvReq& r, int src) const
+        PDSIM_REQUIRES(table_.mu());
+    void emit(TransferEvent::Kind kind, uint64_t req, int layer, int peer, uint64_t bytes) const;
+    bool headers_complete_locked(const RecvReq& r) const PDSIM_REQUIRES(table_.mu());
+
+    // Marks layers whose data is complete; returns them (for events).
+    std::vector<int> sweep_arrivals_locked(RecvReq& r) PDSIM_REQUIRES(table_.mu());
+    bool maybe_finish_locked(RecvReq& r) PDSIM_REQUIRES(table_.mu());
+
+    // Pins and the tag slot are released only once no receive can write into the pages or match
+    // on the tag any more.
+    void maybe_settle_locked(RecvReq& r) PDSIM_REQUIRES(table_.mu());
+    void after_change(const std::shared_ptr<RecvReq>& r, std::vector<int> newly);
+    void handle_ack(int peer, const AckMsg& m);
+    void handle_chunk(int peer, const ChunkMsg& m);
+
+    // The receives of one chunk in plan order (layer, buffer, run), then (last chunk) the
+    // completion message. Counts them as outstanding before any is posted, so the arrival state
+    // can never look complete while a chunk is half posted.
+    std::vector<RecvOp> plan_chunk_locked(RecvReq& r, const SourceState& s, const ChunkMsg& m)
+        PDSIM_REQUIRES(table_.mu());
+    void post_ops(const std::shared_ptr<RecvReq>& r, int peer, const Fragment& frag,
+                  std::vector<RecvOp> ops);
+
+    // Any thread (transport callbacks included): never re-enters the transport.
+    void on_recv_complete(const std::shared_ptr<RecvReq>& r, int peer, const Fragment& frag,
+                          const std::shared_ptr<RecvOp>& op, const Status& st, size_t n);
+    void handle_completion(const std::shared_ptr<RecvReq>& r, int peer, const Fragment& frag,
+                           const Bytes& buf, size_t n);
+
+    // One receive (or scatter) finished. `why` non-empty: it failed.
+    void op_done(const std::shared_ptr<RecvReq>& r, int layer, size_t bytes,
+                 const std::string& why);
+
+    // Control thread: checks what landed against the compute stream's checksums, then Success.
+    void finalize(const std::shared_ptr<RecvReq>& r);
+
+    // Any thread. Marks the request Failed (once); on the control thread, withdraws its receives
+    // and tells the prefill ranks.
+    void fail(const std::shared_ptr<RecvReq>& r, std::string reason, bool notify_peers);
+    void worker_loop();
+    Transport& transport_;
+    const KvLayout layout_;
+    const ReceiverOptions opt_;
+    size_t max_msg_ = 0;
+    uint32_t slot_capacity_ = 0;
+    std::shared_ptr<ControlChannel> channel_;
+    PagePins pins_;
+    std::vector<std::thread> workers_;
+
+    // The scatter queue: a leaf lock, never held while taking the engine lock, nor taken under it.
+    Mutex jobs_mu_;
+    CondVar jobs_cv_;
+    std::deque<ScatterJob> jobs_ PDSIM_GUARDED_BY(jobs_mu_);
+    bool stopping_ PDSIM_GUARDED_BY(jobs_mu_) = false;
+
+    // The requests and the engine lock: table_.mu() guards what is below and the requests'
+    // bookkeeping (see request_table.h).
+    RequestTable<RecvReq> table_;
+    // Data tag slots: never handed out (next_slot_ and up), free for reuse (free_slots_).
+    uint32_t next_slot_ PDSIM_GUARDED_BY(table_.mu()) = 0;
+    std::vector<uint32_t> free_slots_ PDSIM_GUARDED_BY(table_.mu());
+    // The byte, message, layer, staging and tag counts (the request counts are the table's).
+    EngineStats stats_ PDSIM_GUARDED_BY(table_.mu());
+};
+
+}  // namespace pdsim::transfer

@@ -1,0 +1,461 @@
+// KvReceiver's landing path: acks, chunk headers and the receives they post, scatters, arrival,
+// completions and the final check (kv_receiver_impl.h).
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/logging.h"
+#include "transfer/engine/kv_receiver_impl.h"
+#include "transfer/engine/ordering_validator.h"
+
+namespace pdsim::transfer {
+
+bool KvReceiver::Impl::headers_complete_locked(const RecvReq& r) const {
+    return r.acks == static_cast<int>(r.sources.size()) && r.last_headers == r.frag_sources;
+}
+
+std::vector<int> KvReceiver::Impl::sweep_arrivals_locked(RecvReq& r) {
+    std::vector<int> newly;
+    if (!headers_complete_locked(r) || r.state != RequestState::kTransferring) return newly;
+    for (size_t l = 0; l < r.arrived.size(); ++l) {
+        if (r.arrived[l] == 0 && r.layer_pending[l] == 0) {
+            r.arrived[l] = 1;
+            ++r.layers_arrived;
+            ++stats_.layers;
+            newly.push_back(static_cast<int>(l));
+        }
+    }
+    return newly;
+}
+
+bool KvReceiver::Impl::maybe_finish_locked(RecvReq& r) {
+    if (r.state != RequestState::kTransferring || r.finalizing || !headers_complete_locked(r) ||
+        r.layers_arrived != layout_.num_layers() || r.completions != r.frag_sources ||
+        r.ops_outstanding != 0) {
+        return false;
+    }
+    r.finalizing = true;
+    return true;
+}
+
+void KvReceiver::Impl::maybe_settle_locked(RecvReq& r) {
+    if (r.state != RequestState::kFailed || r.ops_outstanding > 0) return;
+    if (!r.pins_released) {
+        r.pins_released = true;
+        pins_.unpin_request(r.id);
+    }
+    if (!r.slot_settled) {
+        r.slot_settled = true;
+        if (r.finalizing) {
+            free_slots_.push_back(r.slot);
+        } else {
+            // Messages of this request may still be in flight (or queued as unexpected at
+            // the transport) on this tag: never hand it out again.
+            ++stats_.tags_quarantined;
+        }
+    }
+}
+
+void KvReceiver::Impl::after_change(const std::shared_ptr<RecvReq>& r, std::vector<int> newly) {
+    for (int l : newly) emit(TransferEvent::Kind::kLayerArrived, r->id, l, -1, 0);
+    if (!newly.empty()) table_.notify_waiters();
+}
+
+void KvReceiver::Impl::handle_ack(int peer, const AckMsg& m) {
+    std::string why;
+    std::shared_ptr<RecvReq> r;
+    std::vector<int> newly;
+    bool finish = false;
+    {
+        MutexLock lock(table_.mu());
+        r = table_.find_locked(m.request_id);
+        if (!r || is_terminal(r->state)) return;
+        const int src = source_index(*r, peer);
+        if (src < 0 || m.prefill_tp_rank != src ||
+            m.prefill_tp_size != static_cast<int>(r->sources.size())) {
+            why = fmt::format(
+                "request {}: ack from rank {} as prefill TP rank {} of {} does "
+                "not match the request's prefill ranks",
+                r->id, peer, m.prefill_tp_rank, m.prefill_tp_size);
+        } else if (!m.ok) {
+            why = fmt::format("request {}: prefill rank {} refused: {}", r->id, peer, m.reason);
+        } else if (Status c = check_compatible(m.layout, layout_.summary()); !c.ok()) {
+            why = fmt::format("request {}: prefill rank {}: {}", r->id, peer, c.message());
+        } else if (m.layout.tp_rank != src || m.layout.tp_size != m.prefill_tp_size) {
+            why = fmt::format("request {}: prefill rank {} layout is TP {} of {}", r->id, peer,
+                              m.layout.tp_rank, m.layout.tp_size);
+        } else {
+            SourceState& s = r->sources[static_cast<size_t>(src)];
+            if (s.acked) return;  // duplicate
+            s.acked = true;
+            s.layout = m.layout;
+            s.frag = make_fragment(m.layout, layout_.summary());
+            if (s.frag) {
+                const size_t agreed = std::min<uint64_t>(max_msg_, m.max_message_bytes);
+                s.max_run = max_run_tokens(*s.frag, layout_.buffer_count(), agreed);
+                ++r->frag_sources;
+            }
+            ++r->acks;
+            if (r->acks == static_cast<int>(r->sources.size())) {
+                r->state = RequestState::kTransferring;
+                newly = sweep_arrivals_locked(*r);
+                finish = maybe_finish_locked(*r);
+            }
+        }
+    }
+    if (!why.empty()) {
+        fail(r, why, true);
+        return;
+    }
+    after_change(r, std::move(newly));
+    if (finish) finalize(r);
+}
+
+void KvReceiver::Impl::handle_chunk(int peer, const ChunkMsg& m) {
+    std::string why;
+    std::shared_ptr<RecvReq> r;
+    std::vector<RecvOp> ops;
+    Fragment frag;
+    {
+        MutexLock lock(table_.mu());
+        r = table_.find_locked(m.request_id);
+        if (!r || is_terminal(r->state)) return;
+        const int src = source_index(*r, peer);
+        SourceState* s = src < 0 ? nullptr : &r->sources[static_cast<size_t>(src)];
+        const int64_t sps = s == nullptr ? 1 : s->layout.page_size;
+        if (s == nullptr || !s->acked || !s->frag || s->last_header ||
+            m.chunk_index != s->next_chunk || m.token_begin != s->next_token ||
+            m.token_end <= m.token_begin || m.token_end > r->num_tokens ||
+            m.is_last != (m.token_end == r->num_tokens) ||
+            m.src_first_page != m.token_begin / sps ||
+            static_cast<int64_t>(m.src_pages.size()) <
+                (m.token_end + sps - 1) / sps - m.src_first_page) {
+            why = fmt::format(
+                "request {}: protocol error: unexpected chunk {} [{}, {}) "
+                "is_last={} ({} prefill pages from index {}) from rank {}",
+                m.request_id, m.chunk_index, m.token_begin, m.token_end, m.is_last,
+                m.src_pages.size(), m.src_first_page, peer);
+        } else {
+            frag = *s->frag;
+            s->next_chunk = m.chunk_index + 1;
+            s->next_token = m.token_end;
+            ops = plan_chunk_locked(*r, *s, m);
+            if (m.is_last) {
+                s->last_header = true;
+                ++r->last_headers;
+            }
+        }
+    }
+    if (!why.empty()) {
+        fail(r, why, true);
+        return;
+    }
+    // Posted from this (the control) thread only, in plan order: per (source, tag) the k-th
+    // receive matches the source's k-th send.
+    post_ops(r, peer, frag, std::move(ops));
+    std::vector<int> newly;
+    bool finish;
+    {
+        MutexLock lock(table_.mu());
+        newly = sweep_arrivals_locked(*r);
+        finish = maybe_finish_locked(*r);
+    }
+    after_change(r, std::move(newly));
+    if (finish) finalize(r);
+}
+
+std::vector<receiver_detail::RecvOp> KvReceiver::Impl::plan_chunk_locked(RecvReq& r,
+                                                                         const SourceState& s,
+                                                                         const ChunkMsg& m) {
+    const Fragment& f = *s.frag;
+    const std::vector<TokenRun> runs =
+        make_runs(m.src_pages, s.layout.page_size, m.src_first_page, r.dst_pages,
+                  layout_.page_size(), m.token_begin, m.token_end, s.max_run);
+    std::vector<RecvOp> ops;
+    const int L = layout_.num_layers();
+    const int B = layout_.buffer_count();
+    ops.reserve(static_cast<size_t>(L * B) * runs.size() + 1);
+    for (int l = 0; l < L; ++l) {
+        for (int b = 0; b < B; ++b) {
+            for (const TokenRun& run : runs) {
+                RecvOp op;
+                op.layer = l;
+                op.buf = b;
+                op.run = run;
+                op.bytes = message_bytes(f, b, run);
+                if (f.dst_contiguous[static_cast<size_t>(b)]) {
+                    op.ptr = layout_.slot_addr(l, b, run.dst_slot);
+                } else {
+                    op.staging = std::make_shared<std::vector<std::byte>>(op.bytes);
+                    op.ptr = op.staging->data();
+                }
+                ++r.layer_pending[static_cast<size_t>(l)];
+                ++r.ops_outstanding;
+                ops.push_back(std::move(op));
+            }
+        }
+    }
+    if (m.is_last) {
+        RecvOp op;
+        op.layer = -1;
+        op.completion = std::make_shared<Bytes>(completion_capacity(L, B, f.head_count));
+        op.ptr = op.completion->data();
+        op.bytes = op.completion->size();
+        ++r.ops_outstanding;
+        ops.push_back(std::move(op));
+    }
+    return ops;
+}
+
+void KvReceiver::Impl::post_ops(const std::shared_ptr<RecvReq>& r, int peer, const Fragment& frag,
+                                std::vector<RecvOp> ops) {
+    std::weak_ptr<Impl> weak = weak_from_this();
+    for (size_t i = 0; i < ops.size(); ++i) {
+        bool failed;
+        {
+            MutexLock lock(table_.mu());
+            failed = r->state == RequestState::kFailed;
+        }
+        if (failed) {
+            // The request failed meanwhile: the rest is never posted (and counted as done).
+            for (size_t j = i; j < ops.size(); ++j) op_done(r, ops[j].layer, 0, "withdrawn");
+            return;
+        }
+        auto op = std::make_shared<RecvOp>(std::move(ops[i]));
+        auto h = transport_.post_recv(peer, r->tag, op->ptr, op->bytes);
+        if (!h.ok()) {
+            // This op and the ones never posted are done (failed) as far as accounting goes.
+            for (size_t j = i; j < ops.size(); ++j) {
+                const RecvOp& rest = j == i ? *op : ops[j];
+                op_done(r, rest.layer, 0,
+                        fmt::format("request {}: posting a receive from prefill rank {} "
+                                    "failed: {}",
+                                    r->id, peer, h.status().message()));
+            }
+            return;
+        }
+        bool cancel_now = false;
+        {
+            MutexLock lock(table_.mu());
+            if (r->state == RequestState::kFailed) {
+                // fail() already withdrew the handles it knew of; this one came later.
+                cancel_now = true;
+            } else {
+                r->handles.push_back(*h);
+                if (r->handles.size() > 256 &&
+                    r->handles.size() > 2 * static_cast<size_t>(r->ops_outstanding)) {
+                    std::erase_if(r->handles, [](const RequestHandle& x) { return x.done(); });
+                }
+            }
+        }
+        if (cancel_now) transport_.cancel(*h).ignore_error();
+        h->on_complete([weak, r, peer, frag, op](const Status& st, size_t n) {
+            if (auto self = weak.lock()) self->on_recv_complete(r, peer, frag, op, st, n);
+        });
+    }
+}
+
+void KvReceiver::Impl::on_recv_complete(const std::shared_ptr<RecvReq>& r, int peer,
+                                        const Fragment& frag, const std::shared_ptr<RecvOp>& op,
+                                        const Status& st, size_t n) {
+    if (!st.ok()) {
+        op_done(r, op->layer, 0,
+                fmt::format("request {}: receive of {} from prefill rank {} failed: {}", r->id,
+                            op->layer >= 0 ? fmt::format("layer {}", op->layer)
+                                           : std::string("the completion message"),
+                            peer, st.message()));
+        return;
+    }
+    if (op->layer < 0) {
+        // Decoding and bookkeeping of the completion happen on the control thread.
+        channel_->post([self = shared_from_this(), r, peer, frag, op, n] {
+            self->handle_completion(r, peer, frag, *op->completion, n);
+        });
+        return;
+    }
+    if (n != op->bytes) {
+        op_done(r, op->layer, 0,
+                fmt::format("request {}: protocol error: layer {} buffer {} message from "
+                            "prefill rank {} has {} bytes, expected {}",
+                            r->id, op->layer, op->buf, peer, n, op->bytes));
+        return;
+    }
+    if (op->staging) {
+        {
+            MutexLock lock(jobs_mu_);
+            if (!stopping_) {
+                jobs_.push_back(ScatterJob{r, frag, op->layer, op->buf, op->run, op->staging});
+            }
+        }
+        jobs_cv_.notify_one();
+        return;
+    }
+    op_done(r, op->layer, n, "");
+}
+
+void KvReceiver::Impl::handle_completion(const std::shared_ptr<RecvReq>& r, int peer,
+                                         const Fragment& frag, const Bytes& buf, size_t n) {
+    auto m = decode_completion(std::span<const uint8_t>(buf.data(), n));
+    std::string why;
+    if (!m.ok()) {
+        why = fmt::format("request {}: bad completion message from prefill rank {}: {}", r->id,
+                          peer, m.status().message());
+    } else if (m->request_id != r->id || m->num_layers != layout_.num_layers() ||
+               m->buffer_count != layout_.buffer_count() || m->head_begin != frag.head_begin ||
+               m->head_count != frag.head_count || m->src_tp_rank != frag.src_tp_rank) {
+        why = fmt::format(
+            "request {}: completion from prefill rank {} does not match the "
+            "plan (request {}, {} layers, {} buffers, heads [{}, +{}), tp {})",
+            r->id, peer, m->request_id, m->num_layers, m->buffer_count, m->head_begin,
+            m->head_count, m->src_tp_rank);
+    } else {
+        std::optional<Violation> token_mismatch;
+        {
+            MutexLock lock(table_.mu());
+            const int src = source_index(*r, peer);
+            SourceState& s = r->sources[static_cast<size_t>(src)];
+            s.completed = true;
+            ++r->completions;
+            if (m->has_first_token) {
+                if (!r->has_first_token) {
+                    r->has_first_token = true;
+                    r->first_token = m->first_token;
+                } else if (r->first_token != m->first_token) {
+                    token_mismatch = Violation{
+                        r->id, -1, -1, transport_.rank(),
+                        fmt::format("first token {} from prefill rank {} != {} from another "
+                                    "prefill rank",
+                                    m->first_token, peer, r->first_token)};
+                }
+            }
+            s.completion = std::move(m).value();
+        }
+        if (token_mismatch && opt_.validator != nullptr) {
+            opt_.validator->add_violation(*token_mismatch);
+        }
+    }
+    op_done(r, -1, 0, why);
+}
+
+void KvReceiver::Impl::op_done(const std::shared_ptr<RecvReq>& r, int layer, size_t bytes,
+                               const std::string& why) {
+    std::vector<int> newly;
+    bool finish;
+    bool failing = false;
+    {
+        MutexLock lock(table_.mu());
+        --r->ops_outstanding;
+        if (layer >= 0) {
+            --r->layer_pending[static_cast<size_t>(layer)];
+            if (why.empty()) {
+                r->bytes += bytes;
+                stats_.bytes += bytes;
+                ++stats_.messages;
+            }
+        }
+        failing = !why.empty() && !is_terminal(r->state);
+        newly = sweep_arrivals_locked(*r);
+        finish = maybe_finish_locked(*r);
+        maybe_settle_locked(*r);
+    }
+    if (failing) fail(r, why, true);
+    after_change(r, std::move(newly));
+    if (finish) {
+        std::weak_ptr<Impl> weak = weak_from_this();
+        channel_->post([weak, r] {
+            if (auto self = weak.lock()) self->finalize(r);
+        });
+    }
+}
+
+void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
+    std::vector<SourceState> sources;
+    {
+        MutexLock lock(table_.mu());
+        if (is_terminal(r->state)) return;
+        sources = r->sources;
+    }
+    OrderingValidator* v = opt_.validator;
+    const int L = layout_.num_layers();
+    const int B = layout_.buffer_count();
+    size_t bad = 0;
+    std::string first_bad;
+    bool checked = false;
+    for (const SourceState& s : sources) {
+        if (!s.frag || !s.completed || !s.completion.has_checksums) continue;
+        const Fragment& f = *s.frag;
+        checked = true;
+        for (int l = 0; l < L; ++l) {
+            for (int b = 0; b < B; ++b) {
+                std::vector<uint64_t> landed = kv_checksums(
+                    layout_, r->dst_pages, l, b, 0, r->num_tokens, f.head_begin, f.head_count);
+                std::vector<uint64_t> expected(static_cast<size_t>(f.head_count));
+                for (int h = 0; h < f.head_count; ++h) {
+                    expected[static_cast<size_t>(h)] = s.completion.checksum(l, b, h);
+                }
+                size_t n = 0;
+                if (v != nullptr) {
+                    n = v->compare(r->id, l, b, f.head_begin, landed, expected,
+                                   fmt::format("receiver landed (decode rank {} from prefill "
+                                               "rank {})",
+                                               transport_.rank(), s.world_rank));
+                } else {
+                    n = static_cast<size_t>(landed != expected);
+                }
+                if (n > 0 && first_bad.empty()) {
+                    first_bad =
+                        fmt::format("layer {} buffer {} from prefill rank {}", l, b, s.world_rank);
+                }
+                bad += n;
+            }
+        }
+    }
+    if (checked && v != nullptr) v->add_checked_layers(static_cast<uint64_t>(L));
+    if (bad > 0 && opt_.fail_on_violation) {
+        fail(r,
+             fmt::format("request {}: {} checksum mismatches in the KV received by decode "
+                         "rank {} (first: {})",
+                         r->id, bad, transport_.rank(), first_bad),
+             true);
+        return;
+    }
+    uint64_t bytes;
+    {
+        MutexLock lock(table_.mu());
+        if (!table_.mark_succeeded_locked(*r)) return;
+        r->pins_released = true;
+        pins_.unpin_request(r->id);
+        r->slot_settled = true;
+        free_slots_.push_back(r->slot);
+        bytes = r->bytes;
+    }
+    table_.notify_waiters();
+    emit(TransferEvent::Kind::kRequestDone, r->id, -1, -1, bytes);
+}
+
+void KvReceiver::Impl::worker_loop() {
+    while (true) {
+        ScatterJob job;
+        {
+            MutexLock lock(jobs_mu_);
+            jobs_cv_.wait(jobs_mu_,
+                          [&]() PDSIM_REQUIRES(jobs_mu_) { return stopping_ || !jobs_.empty(); });
+            if (stopping_) return;
+            job = std::move(jobs_.front());
+            jobs_.pop_front();
+        }
+        scatter_run(layout_, job.frag, job.layer, job.buf, job.run, job.staging->data());
+        const size_t n = job.staging->size();
+        {
+            MutexLock lock(table_.mu());
+            stats_.staged_bytes += n;
+        }
+        op_done(job.req, job.layer, n, "");
+    }
+}
+
+}  // namespace pdsim::transfer

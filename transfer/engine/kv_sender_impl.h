@@ -1,0 +1,271 @@
+// KvSender::Impl, the sender's implementation (private to transfer/engine: included only by
+// kv_sender.cpp -- the public API, the control messages, bootstrap, dispatch, finalization and
+// failure -- and kv_sender_worker.cpp -- the worker threads that post the sends and their
+// completions). kv_sender.h describes the protocol and the data path.
+//
+// Threads: the caller's (public API), the control thread (ControlListener, finalize, the posted
+// cancellations), the workers (one per num_workers; destination rank r is served by worker
+// r % num_workers) and the transport's completion callbacks (on_send_done).
+//
+// Locks: table_.mu() is the engine lock (request_table.h): the request table, every SendReq's
+// fields marked "under the table's mutex", pending_bootstraps_, aborted_ and stats_. Each
+// Worker::mu guards only its queue. The two are never nested: the engine lock is released before
+// a task is queued, and a worker takes the engine lock only after releasing its queue lock.
+// A function named *_locked is called with the engine lock held.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common/mutex.h"
+#include "common/status.h"
+#include "transfer/engine/control.h"
+#include "transfer/engine/kv_sender.h"
+#include "transfer/engine/request_table.h"
+#include "transfer/engine/transfer_plan.h"
+
+namespace pdsim::transfer {
+namespace sender_detail {
+
+// One decode rank of a request.
+struct DestState {
+    int world_rank = -1;
+    int tp_rank = 0;
+    Tag tag = 0;
+    KvLayoutSummary layout;
+    std::vector<int32_t> dst_pages;
+    std::optional<Fragment> frag;
+    int64_t max_run = 1;
+    // Touched only by the destination's worker (every task of one destination runs on one
+    // worker), so no lock: what this rank read, [layer][buf][fragment head], and the chunk whose
+    // task may post next (tasks can reach the queue out of order: they are queued outside the
+    // engine lock by the scheduler thread and, for chunks held until the bootstrap, the control
+    // thread).
+    std::vector<uint64_t> observed;
+    uint32_t next_chunk_to_post = 0;
+};
+
+// A request of this rank; the lifecycle (id, deadline, state, reason) is the table's.
+struct SendReq : RequestLifecycle {
+    int64_t num_tokens = 0;
+    // Set (under the table's mutex) when the request turns terminal-failed; read by workers without
+    // the lock to stop early. A stale false only costs one more post, which post_data re-checks.
+    std::atomic<bool> cancelled{false};
+
+    // Everything below is under the table's mutex (Impl::table_.mu()).
+    int decode_tp_size = -1;
+    std::map<int, std::shared_ptr<DestState>> dests;  // by decode TP rank
+    std::deque<SendChunk> held;                       // submitted before the bootstrap finished
+    int64_t computed_end = 0;                         // tokens computed by submitted chunks
+    int64_t sent_end = 0;                             // tokens handed to workers
+    bool last_submitted = false;
+    bool last_dispatched = false;
+    uint32_t next_chunk = 0;
+    std::vector<int32_t> pages;  // the latest page table
+    int tasks_outstanding = 0;
+    int64_t ops_outstanding = 0;
+    bool finalizing = false;
+    bool pins_released = false;
+    std::vector<RequestHandle> handles;  // posted sends (for cancellation)
+    std::string awaiting;                // what a worker is blocked on
+    uint64_t bytes = 0;
+};
+
+// Per (task, layer) sends not yet completed, plus a guard of 1 while the layer is being posted,
+// so the count can only reach 0 once every send of the layer was posted and completed.
+struct TaskProgress {
+    explicit TaskProgress(int layers, uint64_t req, int peer, uint32_t chunk)
+        : pending(std::make_unique<std::atomic<int64_t>[]>(static_cast<size_t>(layers))),
+          bytes(std::make_unique<std::atomic<uint64_t>[]>(static_cast<size_t>(layers))),
+          request(req),
+          peer(peer),
+          chunk(chunk) {
+        for (int l = 0; l < layers; ++l) {
+            pending[static_cast<size_t>(l)].store(0);
+            bytes[static_cast<size_t>(l)].store(0);
+        }
+    }
+    std::unique_ptr<std::atomic<int64_t>[]> pending;
+    std::unique_ptr<std::atomic<uint64_t>[]> bytes;
+    const uint64_t request;
+    const int peer;
+    const uint32_t chunk;
+};
+
+struct Task {
+    std::shared_ptr<SendReq> req;
+    std::shared_ptr<DestState> dest;
+    uint32_t chunk_index = 0;
+    int64_t t0 = 0;
+    int64_t t1 = 0;
+    int64_t begin_step = 0;
+    int interval = 1;
+    bool is_last = false;
+    std::vector<int32_t> src_pages;
+    int32_t first_token = -1;
+    const int32_t* first_token_src = nullptr;
+    int64_t first_token_aux_step = 0;
+};
+
+// One worker thread and its queue of tasks (filled by enqueue(), drained by worker_loop()).
+struct Worker {
+    Mutex mu;  // a leaf: never held while taking the engine lock, nor taken under it
+    CondVar cv;
+    std::deque<Task> queue PDSIM_GUARDED_BY(mu);
+    std::thread thread;
+};
+
+}  // namespace sender_detail
+
+class KvSender::Impl : public ControlListener, public std::enable_shared_from_this<Impl> {
+    using DestState = sender_detail::DestState;
+    using SendReq = sender_detail::SendReq;
+    using TaskProgress = sender_detail::TaskProgress;
+    using Task = sender_detail::Task;
+    using Worker = sender_detail::Worker;
+    using Table = RequestTable<SendReq>;
+
+public:
+    Impl(Transport& transport, KvLayout layout, pd::StepCounter& counter, SenderOptions options);
+    Status start();
+
+    // ---- public API ----
+
+    Status add_request(const SendRequestSpec& spec);
+    Status submit_chunk(SendChunk c);
+    StatusOr<RequestStatus> status(uint64_t id) const;
+    StatusOr<RequestStatus> wait(uint64_t id, std::chrono::nanoseconds timeout) const;
+    Status release(uint64_t id);
+    PagePins& pins() { return pins_; }
+    const KvLayout& layout() const { return layout_; }
+
+    EngineStats stats() const;
+    void shutdown(ShutdownMode mode);
+
+    // ---- ControlListener (control thread) ----
+
+    void on_control(int peer, std::span<const uint8_t> bytes) override;
+    void on_peer_failed(int peer, const Status& st) override;
+    void on_tick(Clock::time_point now) override;
+
+private:
+    struct PendingBootstrap {
+        int peer;
+        BootstrapMsg msg;
+        Clock::time_point at;
+    };
+
+    RequestStatus status_locked(const SendReq& r) const PDSIM_REQUIRES(table_.mu());
+    std::string describe_awaiting_locked(const SendReq& r) const PDSIM_REQUIRES(table_.mu());
+    void emit(TransferEvent::Kind kind, uint64_t req, int layer, int peer, uint32_t chunk,
+              uint64_t bytes) const;
+    void handle_bootstrap(int peer, BootstrapMsg m);
+    Status validate_bootstrap(int peer, const BootstrapMsg& m) const;
+
+    // Adds decode rank `peer` to `r`; once every decode rank is in, the request is Transferring
+    // and its held chunks are dispatched. Returns a failure reason, or "".
+    std::string attach_locked(SendReq& r, int peer, const BootstrapMsg& m, std::vector<Task>& out)
+        PDSIM_REQUIRES(table_.mu());
+
+    // Turns a chunk into one task per destination that receives a fragment from this rank.
+    void dispatch_locked(SendReq& r, const SendChunk& c, std::vector<Task>& out)
+        PDSIM_REQUIRES(table_.mu());
+    void enqueue(std::vector<Task> tasks);
+
+    // True when every send of the request completed: the caller posts the finalization.
+    bool maybe_finish_locked(SendReq& r) PDSIM_REQUIRES(table_.mu());
+    void maybe_release_pins_locked(SendReq& r) PDSIM_REQUIRES(table_.mu());
+    void post_finalize(uint64_t id);
+
+    // Control thread: after-send verification, then Success.
+    void finalize(uint64_t id);
+
+    // Any thread. Marks the request Failed (once) and, on the control thread, withdraws its
+    // sends and tells the decode ranks.
+    void fail(const std::shared_ptr<SendReq>& r, std::string reason, bool notify_peers);
+
+    // ---- workers ----
+
+    // A task as its worker tracks it.
+    struct Active {
+        Task t;
+        std::vector<TokenRun> runs;
+        std::shared_ptr<TaskProgress> progress;
+        int next_l0 = 0;         // first layer of the next interval to send
+        bool started = false;    // Chunk header sent, runs cut
+        bool data_done = false;  // every interval posted
+        bool finished = false;
+        bool has_first_token = false;
+        int32_t first_token = -1;
+    };
+
+    int64_t next_target(const Active& a) const;
+
+    // The worker interleaves its tasks in step order: every pass services each task whose next
+    // interval is ready (so a batch's requests all go out layer by layer, overlapping the
+    // forward), keeping one rule: per (request, destination) only the task of the next chunk may
+    // post, so a request's messages on its data tag follow chunk order. When no task can move,
+    // it blocks on the StepCounter (aux counter for first tokens) for the soonest target.
+    void worker_loop(int index);
+    Clock::duration wait_slice(const Active& a) const;
+    void set_awaiting(SendReq& r, std::string what);
+
+    // Moves one task as far as it can without blocking. Returns whether it did anything.
+    bool step_task(Active& a);
+    void start_task(Active& a);
+
+    // Posts every send of layers [l0, l1) (plan order: layer, buffer, run). False: stop the task.
+    bool post_interval(Active& a, int l0, int l1);
+    void finish_task(Active& a);
+
+    enum class Progress { kDone, kWaiting, kFailed };
+
+    // The last chunk's completion message: first token (aux step), the compute stream's
+    // checksums (compared with what this rank read), then the send. Never blocks.
+    Progress try_completion(Active& a);
+    // With a validator: the compute stream's checksums of the fragment, compared with what this
+    // rank read and put into `m`; kWaiting while they are not recorded yet (kFailed once `late`).
+    Progress add_checksums(Active& a, bool late, CompletionMsg& m);
+
+    // Posts one send of the request on its data tag. layer < 0: the completion message.
+    bool post_data(const Task& t, int layer, const void* ptr, size_t bytes,
+                   std::shared_ptr<void> keep, const std::shared_ptr<TaskProgress>& progress);
+
+    // Any thread (transport callbacks included): never re-enters the transport.
+    void on_send_done(const std::shared_ptr<SendReq>& r, const std::shared_ptr<TaskProgress>& p,
+                      int layer, int peer, const Status& st, size_t n);
+    void layer_op_done(const std::shared_ptr<TaskProgress>& p, int layer);
+    Transport& transport_;
+    const KvLayout layout_;
+    pd::StepCounter& counter_;
+    const SenderOptions opt_;
+    size_t max_msg_ = 0;
+    std::shared_ptr<ControlChannel> channel_;
+    PagePins pins_;
+    std::vector<std::unique_ptr<Worker>> workers_;
+    std::atomic<bool> stopping_{false};
+
+    // The requests and the engine lock: table_.mu() guards what is below and the requests'
+    // bookkeeping (see request_table.h).
+    RequestTable<SendReq> table_;
+    std::unordered_map<uint64_t, std::vector<PendingBootstrap>> pending_bootstraps_
+        PDSIM_GUARDED_BY(table_.mu());
+    // Requests a decode rank aborted before this rank scheduled them (id -> reason, when): a
+    // later add_request fails at once instead of waiting for a bootstrap that will not come.
+    std::unordered_map<uint64_t, std::pair<std::string, Clock::time_point>> aborted_
+        PDSIM_GUARDED_BY(table_.mu());
+    // The byte, message, layer and staging counts (the request counts are the table's).
+    EngineStats stats_ PDSIM_GUARDED_BY(table_.mu());
+};
+
+}  // namespace pdsim::transfer

@@ -1,0 +1,444 @@
+// KvSender's workers: the tasks of a chunk, posted layer by layer as the StepCounter says their KV
+// is written, the completion message, and the send completions (kv_sender_impl.h).
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/logging.h"
+#include "transfer/engine/kv_sender_impl.h"
+#include "transfer/engine/ordering_validator.h"
+
+namespace pdsim::transfer {
+
+void KvSender::Impl::enqueue(std::vector<Task> tasks) {
+    for (Task& t : tasks) {
+        Worker& w = *workers_[static_cast<size_t>(t.dest->world_rank) % workers_.size()];
+        {
+            MutexLock lock(w.mu);
+            w.queue.push_back(std::move(t));
+        }
+        w.cv.notify_one();
+    }
+}
+
+int64_t KvSender::Impl::next_target(const Active& a) const {
+    const int l1 = std::min(layout_.num_layers(), a.next_l0 + a.t.interval);
+    return pd::StepCounter::wrap(a.t.begin_step + l1 - 1);
+}
+
+void KvSender::Impl::worker_loop(int index) {
+    Worker& w = *workers_[static_cast<size_t>(index)];
+    std::deque<Active> tasks;
+    while (true) {
+        {
+            MutexLock lock(w.mu);
+            if (tasks.empty()) {
+                w.cv.wait(w.mu, [&]() PDSIM_REQUIRES(w.mu) {
+                    return stopping_.load() || !w.queue.empty();
+                });
+            }
+            if (stopping_.load()) return;
+            while (!w.queue.empty()) {
+                Active a;
+                a.t = std::move(w.queue.front());
+                w.queue.pop_front();
+                tasks.push_back(std::move(a));
+            }
+        }
+        bool moved = false;
+        // What to block on if nothing moves (copied: the deque is compacted below).
+        std::optional<std::pair<int64_t, Clock::duration>> data_wait;
+        std::optional<std::pair<int64_t, Clock::duration>> aux_wait;
+        std::optional<std::pair<const Active*, Clock::duration>> sums_wait;
+        int64_t best_distance = 0;
+        const int64_t ready = counter_.query_ready_cache_step();
+        for (Active& a : tasks) {
+            // Chunk order per (request, destination): the data tag is non-overtaking.
+            if (a.t.chunk_index != a.t.dest->next_chunk_to_post) continue;
+            moved |= step_task(a);
+            if (a.finished) continue;
+            if (!a.data_done) {
+                const int64_t target = next_target(a);
+                const int64_t distance = pd::StepCounter::wrap(target - ready);
+                if (!data_wait || distance < best_distance) {
+                    data_wait.emplace(target, wait_slice(a));
+                    best_distance = distance;
+                }
+            } else if (a.t.first_token_src != nullptr && !a.has_first_token) {
+                if (!aux_wait) {
+                    aux_wait.emplace(pd::StepCounter::wrap(a.t.first_token_aux_step),
+                                     wait_slice(a));
+                }
+            } else if (!sums_wait) {
+                sums_wait.emplace(&a, wait_slice(a));
+            }
+        }
+        if (moved || tasks.empty()) {
+            std::erase_if(tasks, [](const Active& a) { return a.finished; });
+            continue;
+        }
+        // Nothing could move: block (bounded, so shutdown, cancellation, deadlines and tasks
+        // queued meanwhile are noticed within cancel_check). The aux record of a forward
+        // comes after its cache records, so a pending first token is waited for first.
+        if (aux_wait) {
+            counter_.wait_until_aux_ready(aux_wait->first, aux_wait->second).ignore_error();
+        } else if (data_wait) {
+            counter_.wait_until_ready(data_wait->first, data_wait->second).ignore_error();
+        } else if (sums_wait && opt_.validator != nullptr) {
+            const Active& a = *sums_wait->first;
+            const Fragment& f = *a.t.dest->frag;
+            opt_.validator
+                ->wait_expected(a.t.req->id, layout_.num_layers() - 1, layout_.buffer_count() - 1,
+                                a.t.req->num_tokens, f.head_begin, f.head_count, sums_wait->second)
+                .status()
+                .ignore_error();
+        } else {
+            MutexLock lock(w.mu);
+            (void)w.cv.wait_for(w.mu, opt_.cancel_check, [&]() PDSIM_REQUIRES(w.mu) {
+                return stopping_.load() || !w.queue.empty();
+            });
+        }
+    }
+}
+
+Clock::duration KvSender::Impl::wait_slice(const Active& a) const {
+    auto left =
+        std::max<Clock::duration>(a.t.req->deadline - Clock::now(), Clock::duration::zero());
+    return std::min<Clock::duration>(left + std::chrono::milliseconds(1), opt_.cancel_check);
+}
+
+void KvSender::Impl::set_awaiting(SendReq& r, std::string what) {
+    MutexLock lock(table_.mu());
+    r.awaiting = std::move(what);
+}
+
+bool KvSender::Impl::step_task(Active& a) {
+    SendReq& r = *a.t.req;
+    DestState& d = *a.t.dest;
+    const int L = layout_.num_layers();
+    if (r.cancelled.load() || stopping_.load()) {
+        finish_task(a);
+        return true;
+    }
+    bool moved = false;
+    if (!a.started) {
+        start_task(a);
+        moved = true;
+    }
+    while (!a.data_done) {
+        const int l0 = a.next_l0;
+        const int l1 = std::min(L, l0 + a.t.interval);
+        const int64_t target = next_target(a);
+        if (!pd::StepCounter::is_step_ready(counter_.query_ready_cache_step(), target)) {
+            if (Clock::now() >= r.deadline) {
+                fail(a.t.req,
+                     fmt::format("request {}: timed out after {} ms awaiting step {} (layers "
+                                 "{}..{}) from the StepCounter (last ready step {}) to send "
+                                 "to decode rank {}",
+                                 r.id, r.timeout.count(), target, l0, l1 - 1,
+                                 counter_.query_ready_cache_step(), d.world_rank),
+                     true);
+                finish_task(a);
+                return true;
+            }
+            set_awaiting(
+                r, fmt::format("step {} (layers {}..{}) from the StepCounter", target, l0, l1 - 1));
+            return moved;
+        }
+        // The acquire load in query_ready_cache_step() synchronizes with the record's
+        // release store: every KV write enqueued before the record is visible here.
+        if (!post_interval(a, l0, l1)) {
+            finish_task(a);
+            return true;
+        }
+        a.next_l0 = l1;
+        a.data_done = l1 >= L;
+        moved = true;
+    }
+    if (!a.t.is_last) {
+        finish_task(a);
+        return true;
+    }
+    switch (try_completion(a)) {
+        case Progress::kDone:
+            finish_task(a);
+            return true;
+        case Progress::kWaiting:
+            return moved;
+        case Progress::kFailed:
+            finish_task(a);
+            return true;
+    }
+    return moved;
+}
+
+void KvSender::Impl::start_task(Active& a) {
+    SendReq& r = *a.t.req;
+    DestState& d = *a.t.dest;
+    const int ps = layout_.page_size();
+    a.started = true;
+    ChunkMsg cm{r.id, a.t.chunk_index, a.t.t0, a.t.t1, a.t.is_last, a.t.t0 / ps, {}};
+    cm.src_pages.assign(a.t.src_pages.begin() + a.t.t0 / ps,
+                        a.t.src_pages.begin() + (a.t.t1 + ps - 1) / ps);
+    channel_->send(d.world_rank, encode(cm));
+    a.runs =
+        make_runs(a.t.src_pages, ps, 0, d.dst_pages, d.layout.page_size, a.t.t0, a.t.t1, d.max_run);
+    a.progress =
+        std::make_shared<TaskProgress>(layout_.num_layers(), r.id, d.world_rank, a.t.chunk_index);
+}
+
+bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
+    SendReq& r = *a.t.req;
+    DestState& d = *a.t.dest;
+    const Fragment& f = *d.frag;
+    const int B = layout_.buffer_count();
+    OrderingValidator* v = opt_.validator;
+    set_awaiting(r,
+                 fmt::format("posting layers {}..{} to decode rank {}", l0, l1 - 1, d.world_rank));
+    uint64_t staged = 0;
+    bool ok = true;
+    for (int l = l0; ok && l < l1; ++l) {
+        emit(TransferEvent::Kind::kLayerReady, r.id, l, d.world_rank, a.t.chunk_index, 0);
+        a.progress->pending[static_cast<size_t>(l)].store(1);  // the posting guard
+        for (int b = 0; ok && b < B; ++b) {
+            const auto bi = static_cast<size_t>(b);
+            uint64_t* obs =
+                v == nullptr
+                    ? nullptr
+                    : d.observed.data() + (static_cast<size_t>(l) * static_cast<size_t>(B) + bi) *
+                                              static_cast<size_t>(f.head_count);
+            for (const TokenRun& run : a.runs) {
+                if (r.cancelled.load() || stopping_.load()) {
+                    ok = false;
+                    break;
+                }
+                // What this rank reads now is what the send carries (the transport reads
+                // the same bytes later unless someone writes them meanwhile, which the
+                // after-send verification catches).
+                if (obs != nullptr) {
+                    kv_checksums_add_run(layout_, l, b, run.token_begin, run.count, run.src_slot,
+                                         f.src_offset[bi], f.head_count, obs);
+                }
+                const size_t bytes = message_bytes(f, b, run);
+                std::shared_ptr<void> keep;
+                const void* ptr;
+                if (f.src_contiguous[bi]) {
+                    ptr = layout_.slot_addr(l, b, run.src_slot);
+                } else {
+                    // Copy: the decode rank holds only part of this rank's heads.
+                    auto staging = std::make_shared<std::vector<std::byte>>(bytes);
+                    gather_run(layout_, f, l, b, run, staging->data());
+                    ptr = staging->data();
+                    keep = std::move(staging);
+                    staged += bytes;
+                }
+                if (!post_data(a.t, l, ptr, bytes, std::move(keep), a.progress)) ok = false;
+            }
+        }
+        emit(TransferEvent::Kind::kLayerPosted, r.id, l, d.world_rank, a.t.chunk_index, 0);
+        layer_op_done(a.progress, l);  // drop the guard
+    }
+    if (staged > 0) {
+        MutexLock lock(table_.mu());
+        stats_.staged_bytes += staged;
+    }
+    return ok;
+}
+
+void KvSender::Impl::finish_task(Active& a) {
+    if (a.finished) return;
+    a.finished = true;
+    a.t.dest->next_chunk_to_post = a.t.chunk_index + 1;
+    SendReq& r = *a.t.req;
+    bool finish;
+    {
+        MutexLock lock(table_.mu());
+        --r.tasks_outstanding;
+        if (r.tasks_outstanding == 0) r.awaiting.clear();
+        finish = maybe_finish_locked(r);
+        maybe_release_pins_locked(r);
+    }
+    if (finish) post_finalize(r.id);
+}
+
+KvSender::Impl::Progress KvSender::Impl::try_completion(Active& a) {
+    SendReq& r = *a.t.req;
+    DestState& d = *a.t.dest;
+    const Fragment& f = *d.frag;
+    const int L = layout_.num_layers();
+    const int B = layout_.buffer_count();
+    const bool late = Clock::now() >= r.deadline;
+    if (a.t.first_token_src != nullptr && !a.has_first_token) {
+        const int64_t target = pd::StepCounter::wrap(a.t.first_token_aux_step);
+        if (!pd::StepCounter::is_step_ready(counter_.query_ready_aux_step(), target)) {
+            if (late) {
+                fail(a.t.req,
+                     fmt::format("request {}: timed out after {} ms awaiting the first token "
+                                 "(aux step {}, last ready {})",
+                                 r.id, r.timeout.count(), target, counter_.query_ready_aux_step()),
+                     true);
+                return Progress::kFailed;
+            }
+            set_awaiting(r, fmt::format("the first token (aux step {})", target));
+            return Progress::kWaiting;
+        }
+        // The aux record published (release) after the stream wrote the token; the acquire
+        // load above makes that write visible.
+        a.has_first_token = true;
+        a.first_token = *a.t.first_token_src;
+    } else if (a.t.first_token_src == nullptr && a.t.first_token >= 0) {
+        a.has_first_token = true;
+        a.first_token = a.t.first_token;
+    }
+    CompletionMsg m;
+    m.request_id = r.id;
+    m.src_tp_rank = layout_.summary().tp_rank;
+    m.num_layers = L;
+    m.buffer_count = B;
+    m.head_begin = f.head_begin;
+    m.head_count = f.head_count;
+    m.chunks = a.t.chunk_index + 1;
+    m.has_first_token = a.has_first_token;
+    m.first_token = a.first_token;
+    if (const Progress sums = add_checksums(a, late, m); sums != Progress::kDone) return sums;
+    auto buf = std::make_shared<Bytes>(encode(m));
+    const void* ptr = buf->data();
+    const size_t n = buf->size();
+    return post_data(a.t, -1, ptr, n, std::move(buf), nullptr) ? Progress::kDone
+                                                               : Progress::kFailed;
+}
+
+KvSender::Impl::Progress KvSender::Impl::add_checksums(Active& a, bool late, CompletionMsg& m) {
+    OrderingValidator* v = opt_.validator;
+    if (v == nullptr) return Progress::kDone;
+    SendReq& r = *a.t.req;
+    DestState& d = *a.t.dest;
+    const Fragment& f = *d.frag;
+    const int L = layout_.num_layers();
+    const int B = layout_.buffer_count();
+    std::vector<std::vector<uint64_t>> expected;
+    for (int l = 0; l < L; ++l) {
+        for (int b = 0; b < B; ++b) {
+            auto e = v->wait_expected(r.id, l, b, r.num_tokens, f.head_begin, f.head_count,
+                                      std::chrono::nanoseconds(0));
+            if (e.ok()) {
+                expected.push_back(std::move(e).value());
+                continue;
+            }
+            if (!late) {
+                set_awaiting(r, "the compute stream's checksums (enqueue_layer_checksum)");
+                return Progress::kWaiting;
+            }
+            fail(a.t.req,
+                 fmt::format("request {}: timed out awaiting the compute stream's "
+                             "checksums for decode rank {}: {}",
+                             r.id, d.world_rank, e.status().message()),
+                 true);
+            return Progress::kFailed;
+        }
+    }
+    m.has_checksums = true;
+    m.checksums.reserve(static_cast<size_t>(L * B * f.head_count));
+    size_t i = 0;
+    for (int l = 0; l < L; ++l) {
+        for (int b = 0; b < B; ++b, ++i) {
+            const size_t at = i * static_cast<size_t>(f.head_count);
+            v->compare(r.id, l, b, f.head_begin,
+                       std::span<const uint64_t>(d.observed.data() + at,
+                                                 static_cast<size_t>(f.head_count)),
+                       expected[i],
+                       fmt::format("sender read (prefill rank {} -> decode rank {})",
+                                   transport_.rank(), d.world_rank));
+            m.checksums.insert(m.checksums.end(), expected[i].begin(), expected[i].end());
+        }
+    }
+    v->add_checked_layers(static_cast<uint64_t>(L));
+    return Progress::kDone;
+}
+
+bool KvSender::Impl::post_data(const Task& t, int layer, const void* ptr, size_t bytes,
+                               std::shared_ptr<void> keep,
+                               const std::shared_ptr<TaskProgress>& progress) {
+    SendReq& r = *t.req;
+    const int peer = t.dest->world_rank;
+    {
+        MutexLock lock(table_.mu());
+        if (is_terminal(r.state)) return false;
+        ++r.ops_outstanding;
+    }
+    if (layer >= 0) progress->pending[static_cast<size_t>(layer)].fetch_add(1);
+    auto h = transport_.post_send(peer, t.dest->tag, ptr, bytes);
+    if (!h.ok()) {
+        on_send_done(t.req, progress, layer, peer, h.status(), 0);
+        return false;
+    }
+    bool cancel_now = false;
+    {
+        MutexLock lock(table_.mu());
+        if (is_terminal(r.state)) {
+            // fail() already withdrew the handles it knew of; this one came later.
+            cancel_now = true;
+        } else {
+            r.handles.push_back(*h);
+            if (r.handles.size() > 256 &&
+                r.handles.size() > 2 * static_cast<size_t>(r.ops_outstanding)) {
+                std::erase_if(r.handles, [](const RequestHandle& x) { return x.done(); });
+            }
+        }
+    }
+    if (cancel_now) transport_.cancel(*h).ignore_error();
+    std::weak_ptr<Impl> weak = weak_from_this();
+    h->on_complete([weak, req = t.req, progress, layer, peer, keep](const Status& st, size_t n) {
+        if (auto self = weak.lock()) self->on_send_done(req, progress, layer, peer, st, n);
+    });
+    return true;
+}
+
+void KvSender::Impl::on_send_done(const std::shared_ptr<SendReq>& r,
+                                  const std::shared_ptr<TaskProgress>& p, int layer, int peer,
+                                  const Status& st, size_t n) {
+    std::string why;
+    {
+        MutexLock lock(table_.mu());
+        --r->ops_outstanding;
+        if (st.ok()) {
+            if (layer >= 0) {
+                r->bytes += n;
+                stats_.bytes += n;
+                ++stats_.messages;
+            }
+        } else if (!is_terminal(r->state)) {
+            why = fmt::format(
+                "request {}: send of {} to decode rank {} failed: {}", r->id,
+                layer >= 0 ? fmt::format("layer {}", layer) : std::string("the completion message"),
+                peer, st.message());
+        }
+    }
+    if (st.ok() && layer >= 0) p->bytes[static_cast<size_t>(layer)].fetch_add(n);
+    if (layer >= 0) layer_op_done(p, layer);
+    // fail() posts the cancellation to the control thread, so it is safe from a callback.
+    if (!why.empty()) fail(r, why, true);
+    bool finish;
+    {
+        MutexLock lock(table_.mu());
+        finish = maybe_finish_locked(*r);
+        maybe_release_pins_locked(*r);
+    }
+    if (finish) post_finalize(r->id);
+}
+
+void KvSender::Impl::layer_op_done(const std::shared_ptr<TaskProgress>& p, int layer) {
+    if (p->pending[static_cast<size_t>(layer)].fetch_sub(1) != 1) return;
+    {
+        MutexLock lock(table_.mu());
+        ++stats_.layers;
+    }
+    emit(TransferEvent::Kind::kLayerSent, p->request, layer, p->peer, p->chunk,
+         p->bytes[static_cast<size_t>(layer)].load());
+}
+
+}  // namespace pdsim::transfer
