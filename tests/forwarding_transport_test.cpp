@@ -161,7 +161,7 @@ TEST(ForwardingTransport, DestroysTheInnerTransport) {
     std::weak_ptr<LocalWorld> weak_world = world;
     {
         TransportOptions o;
-        o.local_world = world;
+        o.set(LocalOptions{.world = world});
         o.rank = 0;
         auto inner = create_transport("local", o);
         ASSERT_TRUE(inner.ok()) << inner.status().to_string();
@@ -180,7 +180,7 @@ public:
         conformance::InProcessHarness inner(
             3, [&](int rank) -> StatusOr<std::unique_ptr<Transport>> {
                 TransportOptions o;
-                o.local_world = world;
+                o.set(LocalOptions{.world = world});
                 o.rank = rank;
                 PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> local,
                                        create_transport("local", o));

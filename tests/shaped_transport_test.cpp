@@ -32,7 +32,7 @@ ShapedPair make_pair_shaped(const topo::LinkShaping& shaping) {
     ShapedPair p;
     for (int r = 0; r < 2; ++r) {
         transfer::TransportOptions o;
-        o.local_world = world;
+        o.set(transfer::LocalOptions{.world = world});
         o.rank = r;
         auto t = transfer::create_transport("local", o);
         EXPECT_TRUE(t.ok()) << t.status().to_string();
