@@ -5,7 +5,7 @@
 // Compute. For each requested TP size and thread count, a worker process (this binary again,
 // `calibrate --worker TP:THREADS`, so that the process-wide projection ThreadPool gets the size a
 // testbed rank has: PDSIM_NUM_THREADS = threads, as mpirun'd testbed ranks set it) builds what a
-// testbed rank builds (server.cpp): the synthetic model, a CpuStream, an fp32 MHA pool of
+// testbed rank builds (Server::setup): the synthetic model, a CpuStream, an fp32 MHA pool of
 // --page-size pages, the attention backend (--backend) with `threads` kernel threads wrapped in
 // the testbed's PdAttentionBackend (extend: with the prefill side's StepCounter and ordering
 // checksums; decode: without, as on a decode rank). TP > 1: the TP ranks are threads of the worker

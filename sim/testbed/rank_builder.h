@@ -1,6 +1,6 @@
 // What one testbed rank builds to run forwards, in one place for the testbed server
-// (sim/testbed/server.cpp, Server::setup and Server::execute) and `pdsim calibrate`, which times
-// the same forwards on the same objects (sim/cli/calibrate_cmd.cpp):
+// (Server::setup in sim/testbed/server.cpp, Server::execute in server_forward.cpp) and
+// `pdsim calibrate`, which times the same forwards on the same objects (sim/cli/calibrate_cmd.cpp):
 //   build_rank_parts: the rank's compute stream, its fp32 MHA KV pool (this rank's KV heads),
 //     and, when asked, the prefill side's StepCounter and the ordering validator;
 //   build_pd_backend: the attention backend (`backend`, `threads` kernel threads) wrapped in the
