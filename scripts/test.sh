@@ -34,9 +34,11 @@ if [ "$sanitizers" = "1" ]; then
   # of cpu_attention_test repeat the same memory accesses: run it once. Leak checking is off until
   # every suite has been brought to zero leaks under LSan. Both sanitizer presets compile at -O1
   # -g1 (CMakePresets.json), sim/ at -O0 (sim/CMakeLists.txt).
+  # The transport and engine suites carry label `transports` (tests/CMakeLists.txt adds it to every
+  # suite that links pdsim_transfer).
   spawn_suites='attn_dump_test|cli_test|simulate_cli_test|topology_scripts_test|bench_attention_cuda_test'
-  engine_suites='transport_.*|transfer_engine_.*|fault_transport_test|bench_transfer_test'
-  asan_sel=(-L unit -LE slow -E "(_(avx2|scalar)|^(${engine_suites}|${spawn_suites}))\$")
+  spawn_suites+='|bench_transfer_test'
+  asan_sel=(-L unit -LE '^(slow|transports)$' -E "(_(avx2|scalar)|^(${spawn_suites}))\$")
   pdsim_configure asan -DBUILD_TESTING=ON
   pdsim_build_tests asan "${asan_sel[@]}"
   echo "== ctest (asan: unit)"
