@@ -372,7 +372,7 @@ public:
                 pages_[r.id] = *p;
                 auto tok = std::make_unique<int32_t>(-1);
                 tokens_[r.id] = std::move(tok);
-                Status st = sender_->add_request({r.id, r.tokens, {}});
+                Status st = sender_->add_request({.request_id = r.id, .num_tokens = r.tokens});
                 if (!st.ok()) out->errors.push_back("add_request: " + st.to_string());
                 done[r.id] = 0;
             }

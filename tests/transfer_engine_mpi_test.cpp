@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "tests/status_matchers.h"
 #include "tests/transfer_engine_harness.h"
 #include "transfer/tcp/tcp_transport.h"
 
@@ -85,7 +86,7 @@ private:
         o.edit<TcpOptions>().bootstrap_dir = dir_;
         o.connect_timeout = std::chrono::milliseconds(30'000);
         auto t = create_transport(g_transport, o);
-        EXPECT_TRUE(t.ok()) << t.status().to_string();
+        EXPECT_OK(t);
         if (t.ok()) {
             transport_ = std::move(t).value();
         } else {
@@ -209,7 +210,7 @@ Global run_scenario(ClusterSpec c, const std::vector<RequestSpec>& reqs, RunOpti
 std::vector<RequestSpec> reqs_of(std::initializer_list<int64_t> lengths, int64_t chunk = 0) {
     std::vector<RequestSpec> out;
     uint64_t id = 1000;
-    for (int64_t n : lengths) out.push_back({id++, n, 0, 0, chunk});
+    for (int64_t n : lengths) out.push_back({.id = id++, .tokens = n, .chunk = chunk});
     return out;
 }
 

@@ -120,13 +120,13 @@ TEST(ControlWireTest, RoundTrips) {
     b.layout = mha(2, 1, 8, 64);
     b.dst_pages = {4, 5, 6};
     auto b2 = decode_bootstrap(encode(b));
-    ASSERT_TRUE(b2.ok()) << b2.status().to_string();
+    ASSERT_OK(b2);
     EXPECT_EQ(b2->layout, b.layout);
     EXPECT_EQ(b2->dst_pages, b.dst_pages);
     EXPECT_EQ(b2->data_tag, 99u);
     ChunkMsg c{5, 2, 32, 64, false, 2, {9, 10}};
     auto c2 = decode_chunk(encode(c));
-    ASSERT_TRUE(c2.ok());
+    ASSERT_OK(c2);
     EXPECT_EQ(c2->src_pages, c.src_pages);
     EXPECT_EQ(c2->token_end, 64);
     CompletionMsg m;
@@ -138,7 +138,7 @@ TEST(ControlWireTest, RoundTrips) {
     m.checksums.assign(12, 42);
     Bytes enc = encode(m);
     EXPECT_LE(enc.size(), completion_capacity(2, 2, 3));
-    EXPECT_TRUE(decode_completion(enc).ok());
+    EXPECT_OK(decode_completion(enc));
     // Truncated and garbled messages are kDataLoss, never a crash.
     Bytes cut(enc.begin(), enc.begin() + 20);
     EXPECT_EQ(decode_completion(cut).status().code(), StatusCode::kDataLoss);
@@ -198,7 +198,7 @@ TEST(PagePinsTest, RefusesToFreePinnedPages) {
     EXPECT_TRUE(alloc.is_allocated(pages[0]));  // nothing freed
     EXPECT_EQ(v.violation_count(), 1u);
     pins.unpin_request(7);
-    EXPECT_TRUE(pins.free_pages(alloc, pages).ok());
+    EXPECT_OK(pins.free_pages(alloc, pages));
     EXPECT_EQ(pins.pinned_pages(), 0u);
 }
 
@@ -258,7 +258,7 @@ std::vector<std::unique_ptr<Transport>> make_transports(
             o.edit<FaultOptions>().spec = spec;
             o.edit<FaultOptions>().inner = name;
             auto t = create_transport(spec.empty() ? name : std::string("fault"), o);
-            EXPECT_TRUE(t.ok()) << t.status().to_string();
+            EXPECT_OK(t);
             if (t.ok()) out[static_cast<size_t>(r)] = std::move(t).value();
         });
     }
@@ -438,7 +438,7 @@ void run_clean(ClusterSpec c, std::vector<RequestSpec> reqs, const std::string& 
 std::vector<RequestSpec> fixed_requests(std::initializer_list<int64_t> lengths, int64_t chunk = 0) {
     std::vector<RequestSpec> out;
     uint64_t id = 100;
-    for (int64_t n : lengths) out.push_back({id++, n, 0, 0, chunk});
+    for (int64_t n : lengths) out.push_back({.id = id++, .tokens = n, .chunk = chunk});
     return out;
 }
 
@@ -595,7 +595,7 @@ TEST(TransferEngineLocal, DecodeStartsALayerBeforeLaterLayersAreWritten) {
     PrefillRank& p = *run->prefill[0];
     // Layers 0 and 1 arrive while layer 2 is provably not written yet.
     Status l1 = d.receiver().wait_layer(100, 1, 30s);
-    EXPECT_TRUE(l1.ok()) << l1.to_string();
+    EXPECT_OK(l1);
     EXPECT_TRUE(d.receiver().layer_arrived(100, 0));
     EXPECT_FALSE(d.receiver().layer_arrived(100, 2));
     auto written = p.validator().wait_expected(100, 2, 0, 300, 0, 4, 0ms);
@@ -630,12 +630,13 @@ TEST(TransferEngineFailure, SilentPrefillPeerTimesOut) {
     ro.peer_timeout = 300ms;
     ro.request_timeout = 60s;
     auto recv = KvReceiver::create(*ts[1], layout, ro);
-    ASSERT_TRUE(recv.ok()) << recv.status().to_string();
+    ASSERT_OK(recv);
     const auto t0 = Clock::now();
-    ASSERT_TRUE((*recv)->submit({5, {0}, {1, 2}, 20, {}}).ok());
+    ASSERT_OK((*recv)->submit(
+        {.request_id = 5, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
     auto st = (*recv)->wait_done(5, 30s);
     const auto took = Clock::now() - t0;
-    ASSERT_TRUE(st.ok()) << st.status().to_string();
+    ASSERT_OK(st);
     EXPECT_EQ(st->state, RequestState::kFailed);
     EXPECT_THAT(st->reason, HasSubstr("request 5"));
     EXPECT_THAT(st->reason, HasSubstr("prefill rank 0"));
@@ -663,14 +664,15 @@ TEST(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
     runtime::CpuStream stream;
     pd::StepCounter counter(stream);
     auto send = KvSender::create(*ts[0], pl, counter, test_options(SenderOptions{}));
-    ASSERT_TRUE(send.ok());
+    ASSERT_OK(send);
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.request_timeout = 400ms;
     auto recv = KvReceiver::create(*ts[1], dl, ro);
-    ASSERT_TRUE(recv.ok());
-    ASSERT_TRUE((*recv)->submit({9, {0}, {1, 2}, 20, {}}).ok());
+    ASSERT_OK(recv);
+    ASSERT_OK((*recv)->submit(
+        {.request_id = 9, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
     auto st = (*recv)->wait_done(9, 30s);
-    ASSERT_TRUE(st.ok());
+    ASSERT_OK(st);
     EXPECT_EQ(st->state, RequestState::kFailed);
     EXPECT_THAT(st->reason, HasSubstr("timed out"));
     EXPECT_THAT(st->reason, HasSubstr("KV chunks from prefill rank 0"));
@@ -690,22 +692,23 @@ TEST(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
     auto send = KvSender::create(*ts[0], pl, counter, so);
     auto recv = KvReceiver::create(*ts[1], dl, test_options(ReceiverOptions{}));
     ASSERT_TRUE(send.ok() && recv.ok());
-    ASSERT_TRUE((*recv)->submit({3, {0}, {4, 5}, 20, {}}).ok());
-    ASSERT_TRUE((*send)->add_request({3, 20, {}}).ok());
+    ASSERT_OK((*recv)->submit(
+        {.request_id = 3, .prefill_ranks = {0}, .dst_pages = {4, 5}, .num_tokens = 20}));
+    ASSERT_OK((*send)->add_request({.request_id = 3, .num_tokens = 20}));
     SendChunk c;
     c.request_id = 3;
     c.src_pages = {1, 2};
     c.token_end = 20;
     c.begin_step = counter.advance_step(2);
     c.is_last = true;
-    ASSERT_TRUE((*send)->submit_chunk(c).ok());
+    ASSERT_OK((*send)->submit_chunk(c));
     auto ps = (*send)->wait(3, 30s);
-    ASSERT_TRUE(ps.ok());
+    ASSERT_OK(ps);
     EXPECT_EQ(ps->state, RequestState::kFailed);
     EXPECT_THAT(ps->reason, HasSubstr("request 3"));
     EXPECT_THAT(ps->reason, HasSubstr("StepCounter"));
     auto ds = (*recv)->wait_done(3, 30s);
-    ASSERT_TRUE(ds.ok());
+    ASSERT_OK(ds);
     EXPECT_EQ(ds->state, RequestState::kFailed);
     EXPECT_THAT(ds->reason, HasSubstr("aborted"));
     // The prefill pages are unpinned once no send can read them (the worker withdraws the task
@@ -728,8 +731,9 @@ TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
     auto send = KvSender::create(*ts[0], pl, counter, so);
     auto recv = KvReceiver::create(*ts[1], dl, test_options(ReceiverOptions{}));
     ASSERT_TRUE(send.ok() && recv.ok());
-    ASSERT_TRUE((*recv)->submit({4, {0}, {4, 5}, 20, {}}).ok());
-    ASSERT_TRUE((*send)->add_request({4, 20, {}}).ok());
+    ASSERT_OK((*recv)->submit(
+        {.request_id = 4, .prefill_ranks = {0}, .dst_pages = {4, 5}, .num_tokens = 20}));
+    ASSERT_OK((*send)->add_request({.request_id = 4, .num_tokens = 20}));
     // Wait for the handshake, then silence the decode rank.
     for (int i = 0; i < 1000; ++i) {
         if ((*recv)->status(4)->state == RequestState::kTransferring) break;
@@ -744,10 +748,10 @@ TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
     c.token_end = 20;
     c.begin_step = counter.advance_step(2);
     c.is_last = true;
-    ASSERT_TRUE((*send)->submit_chunk(c).ok());
-    for (int l = 0; l < 2; ++l) ASSERT_TRUE(counter.record_cache().ok());
+    ASSERT_OK((*send)->submit_chunk(c));
+    for (int l = 0; l < 2; ++l) ASSERT_OK(counter.record_cache());
     auto ps = (*send)->wait(4, 30s);
-    ASSERT_TRUE(ps.ok());
+    ASSERT_OK(ps);
     EXPECT_EQ(ps->state, RequestState::kFailed);
     EXPECT_THAT(ps->reason, HasSubstr("decode rank 1 silent"));
     EXPECT_LT(Clock::now() - t0, 300ms + 2s * kSlow);
@@ -775,7 +779,7 @@ TEST(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
     ASSERT_TRUE(send.ok() && recv.ok());
     const int64_t n = 150;
     std::vector<int32_t> src = {9, 3, 4, 5, 1, 2, 7, 8, 10, 11};
-    ASSERT_TRUE((*send)->add_request({42, n, {}}).ok());
+    ASSERT_OK((*send)->add_request({.request_id = 42, .num_tokens = n}));
     // Two chunks: [0, 70) and [70, 150).
     for (int chunk = 0; chunk < 2; ++chunk) {
         const int64_t t0 = chunk == 0 ? 0 : 70;
@@ -788,24 +792,25 @@ TEST(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
         c.begin_step = counter.advance_step(m.layers);
         c.is_last = chunk == 1;
         c.first_token = 1234;
-        ASSERT_TRUE((*send)->submit_chunk(c).ok());
+        ASSERT_OK((*send)->submit_chunk(c));
         for (int l = 0; l < m.layers; ++l) {
             ASSERT_TRUE(runtime::enqueue_void(stream, [&, l, t0, t1] {
                             write_layer(pl, src, 5, 42, l, t0, t1, 0);
                         }).ok());
-            ASSERT_TRUE(enqueue_layer_checksum(stream, pv, pl, 42, l, src, t0, t1).ok());
-            ASSERT_TRUE(counter.record_cache().ok());
+            ASSERT_OK(enqueue_layer_checksum(stream, pv, pl, 42, l, src, t0, t1));
+            ASSERT_OK(counter.record_cache());
         }
     }
-    ASSERT_TRUE(stream.synchronize().ok());
+    ASSERT_OK(stream.synchronize());
     EXPECT_EQ((*send)->status(42)->state, RequestState::kBootstrapping);
-    ASSERT_TRUE((*recv)->submit({42, {0}, {3, 1, 2}, n, {}}).ok());
+    ASSERT_OK((*recv)->submit(
+        {.request_id = 42, .prefill_ranks = {0}, .dst_pages = {3, 1, 2}, .num_tokens = n}));
     auto ds = (*recv)->wait_done(42, 30s);
-    ASSERT_TRUE(ds.ok()) << ds.status().to_string();
+    ASSERT_OK(ds);
     EXPECT_EQ(ds->state, RequestState::kSuccess) << ds->reason;
     EXPECT_EQ(ds->first_token, 1234);
     auto ps = (*send)->wait(42, 30s);
-    ASSERT_TRUE(ps.ok());
+    ASSERT_OK(ps);
     EXPECT_EQ(ps->state, RequestState::kSuccess) << ps->reason;
     EXPECT_EQ(pv.violation_count() + dv.violation_count(), 0u) << dv.report().to_string();
     EXPECT_GT(dv.report().checked_layers, 0u);
@@ -838,18 +843,27 @@ TEST(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
     ro.request_timeout = 200ms;
     auto recv = KvReceiver::create(*ts[1], dl, ro);
     ASSERT_TRUE(send.ok() && recv.ok());
-    ASSERT_TRUE((*recv)->submit({8, {0}, {1, 2}, 20, {}}).ok());
+    ASSERT_OK((*recv)->submit(
+        {.request_id = 8, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
     auto ds = (*recv)->wait_done(8, 30s);
-    ASSERT_TRUE(ds.ok());
+    ASSERT_OK(ds);
     ASSERT_EQ(ds->state, RequestState::kFailed);
     // The Abort reaches the prefill rank before it schedules the request.
     std::this_thread::sleep_for(100ms * kSlow);
-    ASSERT_TRUE((*send)->add_request({8, 20, {}}).ok());
+    ASSERT_OK((*send)->add_request({.request_id = 8, .num_tokens = 20}));
     auto ps = (*send)->wait(8, 5s);
-    ASSERT_TRUE(ps.ok()) << ps.status().to_string();
+    ASSERT_OK(ps);
     EXPECT_EQ(ps->state, RequestState::kFailed);
     EXPECT_THAT(ps->reason, HasSubstr("decode rank 1 aborted"));
-    EXPECT_EQ((*send)->submit_chunk(SendChunk{8, {1, 2}, 0, 20, 0, 1, true}).code(),
+    EXPECT_EQ((*send)
+                  ->submit_chunk(SendChunk{.request_id = 8,
+                                           .src_pages = {1, 2},
+                                           .token_begin = 0,
+                                           .token_end = 20,
+                                           .begin_step = 0,
+                                           .layer_interval = 1,
+                                           .is_last = true})
+                  .code(),
               StatusCode::kAborted);
 }
 
