@@ -201,10 +201,10 @@ TEST_P(RecordRule, FakeBackendRecordsAtTheRightTime) {
     Gate before;  // holds the stream until everything is enqueued
     Gate during;  // holds the stream right after the write task ran
     fake.hold = &during;
-    ASSERT_TRUE(before.enqueue(stream).ok());
+    ASSERT_OK(before.enqueue(stream));
     const int bs = mode == ForwardMode::kIdle ? 0 : 2;
     FakeTensors t(bs);
-    ASSERT_TRUE(t.forward(fake, 0, mode, bs, save_kv, record_kv).ok());
+    ASSERT_OK(t.forward(fake, 0, mode, bs, save_kv, record_kv));
     // Nothing has run yet: forward only enqueued.
     EXPECT_EQ(counter.records_published(), 0u);
     EXPECT_TRUE(fake.log().empty());
@@ -220,7 +220,7 @@ TEST_P(RecordRule, FakeBackendRecordsAtTheRightTime) {
     EXPECT_EQ(log[0].ready_at_write, record_before ? 0 : StepCounter::kCountMax - 1);
     EXPECT_EQ(StepCounter::is_step_ready(counter.query_ready_cache_step(), begin), record_before);
     during.release();
-    ASSERT_TRUE(stream.synchronize(60s).ok());
+    ASSERT_OK(stream.synchronize(60s));
     EXPECT_EQ(counter.records_published(), record ? 1u : 0u);
     EXPECT_EQ(StepCounter::is_step_ready(counter.query_ready_cache_step(), begin), record);
     EXPECT_EQ(counter.query_ready_cache_step(), record ? 0 : StepCounter::kCountMax - 1);
@@ -256,12 +256,12 @@ TEST(RecordPdCacheStep, WillRecordFollowsTheRule) {
                         << forward_mode_name(mode) << " record " << opt_name(rec) << " registered "
                         << registered;
                     const uint64_t before = counter.records_published();
-                    ASSERT_TRUE(g.enter().ok());
-                    ASSERT_TRUE(stream.synchronize(10s).ok());
+                    ASSERT_OK(g.enter());
+                    ASSERT_OK(stream.synchronize(10s));
                     EXPECT_EQ(counter.records_published() - before,
                               g.will_record() && !save ? 1u : 0u);
-                    ASSERT_TRUE(g.exit().ok());
-                    ASSERT_TRUE(stream.synchronize(10s).ok());
+                    ASSERT_OK(g.exit());
+                    ASSERT_OK(stream.synchronize(10s));
                     EXPECT_EQ(counter.records_published() - before, g.will_record() ? 1u : 0u);
                 }
             }
@@ -282,14 +282,14 @@ TEST(RecordPdCacheStep, CompositeRecordsOncePerLayer) {
     const int64_t begin = counter.advance_step(kLayers);
     for (int l = 0; l < kLayers; ++l) {
         AttentionBackend::RecordPdCacheStep g(full, ForwardMode::kExtend, true, std::nullopt);
-        ASSERT_TRUE(g.enter().ok());
+        ASSERT_OK(g.enter());
         for (auto* child : {&full, &other}) {
             FakeTensors t(1);
-            ASSERT_TRUE(t.forward(*child, l, ForwardMode::kExtend, 1, true, false).ok());
+            ASSERT_OK(t.forward(*child, l, ForwardMode::kExtend, 1, true, false));
         }
-        ASSERT_TRUE(g.exit().ok());
+        ASSERT_OK(g.exit());
     }
-    ASSERT_TRUE(stream.synchronize(10s).ok());
+    ASSERT_OK(stream.synchronize(10s));
     EXPECT_EQ(counter.records_published(), static_cast<uint64_t>(kLayers));
     for (int l = 0; l < kLayers; ++l)
         EXPECT_TRUE(StepCounter::is_step_ready(counter.query_ready_cache_step(), begin + l));
@@ -312,8 +312,8 @@ TEST(AttentionBackendBase, StepCounterOnAnotherStreamIsRejected) {
     EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
     EXPECT_THAT(st.message(), HasSubstr("other"));
     EXPECT_THAT(st.message(), HasSubstr("compute"));
-    ASSERT_TRUE(compute.synchronize(10s).ok());
-    ASSERT_TRUE(other.synchronize(10s).ok());
+    ASSERT_OK(compute.synchronize(10s));
+    ASSERT_OK(other.synchronize(10s));
     EXPECT_EQ(counter.records_published(), 0u);
     EXPECT_TRUE(fake.log().empty()) << "no attention work may be enqueued after the error";
 
@@ -323,7 +323,7 @@ TEST(AttentionBackendBase, StepCounterOnAnotherStreamIsRejected) {
         s.num_q_heads = 4;
         s.num_kv_heads = 2;
         Runner r(name, s);
-        ASSERT_TRUE(r.create_status().ok());
+        ASSERT_OK(r.create_status());
         StepCounter c2(other);
         r.backend().register_step_counter(&c2);
         Batch b = make_batch(s, ForwardMode::kExtend, {{3, 2}}, 1);
@@ -332,8 +332,8 @@ TEST(AttentionBackendBase, StepCounterOnAnotherStreamIsRejected) {
         init_pool(*pool, s, b, false);
         Status fs = r.launch(b, *pool, true);
         EXPECT_EQ(fs.code(), StatusCode::kFailedPrecondition) << name << ": " << fs.to_string();
-        ASSERT_TRUE(r.wait().ok());
-        ASSERT_TRUE(other.synchronize(10s).ok());
+        ASSERT_OK(r.wait());
+        ASSERT_OK(other.synchronize(10s));
         EXPECT_EQ(c2.records_published(), 0u) << name;
     }
 }
@@ -355,7 +355,7 @@ TEST(InitBackendCudaGraphState, PassesOnlyAcceptedExtras) {
                             Expect{{"max_pages_per_seq", "paged_cache_group_specs"}, true, true},
                             Expect{{"something_else"}, false, false}}) {
         FakeRecordingBackend fake(config_on(stream), e.accepted);
-        ASSERT_TRUE(init_backend_cuda_graph_state(fake, 8, seq_lens.data(), all).ok());
+        ASSERT_OK(init_backend_cuda_graph_state(fake, 8, seq_lens.data(), all));
         EXPECT_EQ(fake.graph_state_calls, 1);
         std::string acc;
         for (const auto& a : e.accepted) acc += a + " ";
@@ -399,10 +399,9 @@ TEST(InitBackendCudaGraphState, RealBackendsAcceptTheirExtras) {
     for (const char* name : {"cpu", "cpu_ref"}) {
         Shape s;
         Runner r(name, s);
-        ASSERT_TRUE(r.create_status().ok());
+        ASSERT_OK(r.create_status());
         EXPECT_FALSE(r.backend().graph_state_initialized());
-        EXPECT_TRUE(init_backend_cuda_graph_state(r.backend(), 4, seq_lens.data(), all).ok())
-            << name;
+        EXPECT_OK(init_backend_cuda_graph_state(r.backend(), 4, seq_lens.data(), all)) << name;
         EXPECT_TRUE(r.backend().graph_state_initialized()) << name;
         EXPECT_FALSE(init_backend_cuda_graph_state(r.backend(), 0, seq_lens.data(), all).ok())
             << name << ": max_bs 0";
@@ -451,14 +450,14 @@ TEST_P(RealBackendRecordRule, RecordsOnceAfterTheKvIsInThePool) {
     ASSERT_TRUE(pool);
     init_pool(*pool, s, b, /*with_new=*/!save_kv);
     Runner r(name, s);
-    ASSERT_TRUE(r.create_status().ok());
+    ASSERT_OK(r.create_status());
     StepCounter counter(r.stream(), 1000);
     if (registered) r.backend().register_step_counter(&counter);
     const int64_t begin = counter.advance_step(1);
 
     Gate gate;
-    ASSERT_TRUE(gate.enqueue(r.stream()).ok());
-    ASSERT_TRUE(r.launch(b, *pool, save_kv, record_kv).ok());
+    ASSERT_OK(gate.enqueue(r.stream()));
+    ASSERT_OK(r.launch(b, *pool, save_kv, record_kv));
     ASSERT_TRUE(gate.wait_reached());
     // The stream is held before the forward: nothing recorded, no KV written.
     EXPECT_FALSE(StepCounter::is_step_ready(counter.query_ready_cache_step(), begin));
@@ -477,7 +476,7 @@ TEST_P(RealBackendRecordRule, RecordsOnceAfterTheKvIsInThePool) {
     gate.release();
     if (observer.joinable()) observer.join();
     Status st = r.wait();
-    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_OK(st);
     EXPECT_EQ(counter.records_published(), record ? 1u : 0u);
     EXPECT_EQ(counter.query_ready_cache_step(), record ? 1001 : 1000);
     if (record) {
@@ -544,7 +543,7 @@ TEST_P(PerLayerRecords, LayerLIsReadyIffItsKvIsWritten) {
     for (int l = 0; l < kLayers; ++l) init_pool(*pool, shapes[l], batches[l], !save_kv, l == 0);
 
     Runner r(name, base);
-    ASSERT_TRUE(r.create_status().ok());
+    ASSERT_OK(r.create_status());
     StepCounter counter(r.stream(), StepCounter::kCountMax - 2);  // crosses the wrap mid-forward
     r.backend().register_step_counter(&counter);
     const int64_t begin = counter.advance_step(kLayers);
@@ -552,8 +551,8 @@ TEST_P(PerLayerRecords, LayerLIsReadyIffItsKvIsWritten) {
     std::vector<std::unique_ptr<Gate>> gates;
     std::vector<std::vector<float>> outs(kLayers);
     Gate start;
-    ASSERT_TRUE(start.enqueue(r.stream()).ok());
-    ASSERT_TRUE(r.backend().init_forward_metadata(batches[0].forward_batch()).ok());
+    ASSERT_OK(start.enqueue(r.stream()));
+    ASSERT_OK(r.backend().init_forward_metadata(batches[0].forward_batch()));
     std::vector<float> decoy(batches[0].k.size(), kNaN);
     for (int l = 0; l < kLayers; ++l) {
         const Batch& b = batches[l];
@@ -564,7 +563,7 @@ TEST_P(PerLayerRecords, LayerLIsReadyIffItsKvIsWritten) {
                                  save_kv, record_kv)
                         .ok());
         gates.push_back(std::make_unique<Gate>());
-        ASSERT_TRUE(gates.back()->enqueue(r.stream()).ok());
+        ASSERT_OK(gates.back()->enqueue(r.stream()));
     }
     std::vector<std::atomic<int>> seen(kLayers);
     std::vector<std::thread> observers;
@@ -593,7 +592,7 @@ TEST_P(PerLayerRecords, LayerLIsReadyIffItsKvIsWritten) {
         gates[l]->release();
     }
     for (auto& t : observers) t.join();
-    ASSERT_TRUE(r.wait().ok());
+    ASSERT_OK(r.wait());
     EXPECT_EQ(counter.records_published(), static_cast<uint64_t>(kLayers));
     EXPECT_EQ(counter.query_ready_cache_step(), StepCounter::wrap(begin + kLayers));
     for (int l = 0; l < kLayers; ++l) {
@@ -693,8 +692,8 @@ TEST(ForwardChecks, BadViewsAreRejectedBeforeAnythingIsEnqueued) {
     fake.observe = &counter;
     {
         ViewSet good;
-        ASSERT_TRUE(good.forward(fake).ok()) << "the unedited views must pass";
-        ASSERT_TRUE(stream.synchronize(10s).ok());
+        ASSERT_OK(good.forward(fake)) << "the unedited views must pass";
+        ASSERT_OK(stream.synchronize(10s));
         ASSERT_EQ(fake.log().size(), 1u);
         ASSERT_EQ(counter.records_published(), 1u);
     }
@@ -704,7 +703,7 @@ TEST(ForwardChecks, BadViewsAreRejectedBeforeAnythingIsEnqueued) {
         Status st = s.forward(fake);
         EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.what << ": " << st.to_string();
         EXPECT_THAT(st.message(), HasSubstr(c.message)) << c.what;
-        ASSERT_TRUE(stream.synchronize(10s).ok());
+        ASSERT_OK(stream.synchronize(10s));
         EXPECT_EQ(fake.log().size(), 1u) << c.what << ": attention work was enqueued";
         EXPECT_EQ(counter.records_published(), 1u) << c.what << ": a record was enqueued";
     }
@@ -718,7 +717,7 @@ TEST(ForwardChecks, NullViewsWhereTheForwardDoesNotNeedThem) {
     prewrite.kv = {};
     prewrite.vv = {};
     prewrite.lv = {};
-    EXPECT_TRUE(prewrite.forward(fake).ok());
+    EXPECT_OK(prewrite.forward(fake));
     ViewSet idle;  // no tokens: nothing needed
     idle.bs = 0;
     idle.qv = {};
@@ -733,7 +732,7 @@ TEST(ForwardChecks, NullViewsWhereTheForwardDoesNotNeedThem) {
     ViewSet bad = prewrite;
     bad.kv = rows_view(bad.k.data(), 2, 1, 64);
     EXPECT_THAT(bad.forward(fake).message(), HasSubstr("k: shape [2, 1, 64], expected [2, 2, 64]"));
-    ASSERT_TRUE(stream.synchronize(10s).ok());
+    ASSERT_OK(stream.synchronize(10s));
     EXPECT_EQ(fake.log().size(), 2u);
 }
 
@@ -752,24 +751,24 @@ TEST(ForwardChecks, EagerViewsMustHoldTheBatchsTokens) {
         init_pool(*pool, s, b, false);
         init_pool(*want, s, b, false);
         Runner r(name, s);
-        ASSERT_TRUE(r.create_status().ok());
+        ASSERT_OK(r.create_status());
         StepCounter counter(r.stream());
         r.backend().register_step_counter(&counter);
-        ASSERT_TRUE(r.backend().init_forward_metadata(b.forward_batch()).ok());
+        ASSERT_OK(r.backend().init_forward_metadata(b.forward_batch()));
         std::vector<float> out(static_cast<size_t>(b.num_tokens) * s.q_width(), kNaN);
         Status st = forward_host(r.backend(), b.q.data(), b.k.data(), b.v.data(), s.layer(),
                                  b.locs.data(), b.num_tokens - 1, *pool, b.mode, b.bs, out.data());
         EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
         EXPECT_THAT(st.message(), HasSubstr("q: shape [4, 8, 64], expected [5, 8, 64]"));
-        ASSERT_TRUE(r.wait().ok());
+        ASSERT_OK(r.wait());
         EXPECT_EQ(counter.records_published(), 0u);
         EXPECT_TRUE(pools_equal(*pool, *want)) << "a rejected forward wrote KV";
         for (float x : out) ASSERT_TRUE(std::isnan(x)) << "a rejected forward wrote out";
         // The right length runs.
         st = forward_host(r.backend(), b.q.data(), b.k.data(), b.v.data(), s.layer(), b.locs.data(),
                           b.num_tokens, *pool, b.mode, b.bs, out.data());
-        ASSERT_TRUE(st.ok()) << st.to_string();
-        ASSERT_TRUE(r.wait().ok());
+        ASSERT_OK(st);
+        ASSERT_OK(r.wait());
         EXPECT_EQ(counter.records_published(), 1u);
         EXPECT_TRUE(outputs_close(out, naive_attention(s, b), 1e-5, s, b));
     }
@@ -791,7 +790,7 @@ TEST(Capabilities, DeclaredDtypesAndDevicesAreEnforced) {
     for (auto* v : {&bf16.qv, &bf16.kv, &bf16.vv})
         v->dtype = DType::kBF16;  // (the fake reads nothing)
     bf16.ov.dtype = DType::kBF16;
-    EXPECT_TRUE(bf16.forward(fake).ok());
+    EXPECT_OK(bf16.forward(fake));
 
     // KV: bf16 only; the dummy pool is fp32.
     fake.caps = {{DType::kF32}, {DType::kBF16}, {DeviceKind::kCpu}};
@@ -811,18 +810,18 @@ TEST(Capabilities, DeclaredDtypesAndDevicesAreEnforced) {
     pc.head_dim = 64;
     pc.device = {DeviceKind::kCuda, 0};
     auto cuda_pool = kv::MHATokenToKVPool::create(pc);
-    ASSERT_TRUE(cuda_pool.ok()) << cuda_pool.status().to_string();
+    ASSERT_OK(cuda_pool);
     EXPECT_THAT(fp32.forward(fake, **cuda_pool).message(),
                 HasSubstr("q: memory on cpu, expected cuda"));
     ViewSet on_cuda;
     for (auto* v : {&on_cuda.qv, &on_cuda.kv, &on_cuda.vv, &on_cuda.lv})
         v->device = (*cuda_pool)->device();
     on_cuda.ov.device = (*cuda_pool)->device();
-    EXPECT_TRUE(on_cuda.forward(fake, **cuda_pool).ok());
+    EXPECT_OK(on_cuda.forward(fake, **cuda_pool));
     on_cuda.lv.device.index = 1;
     EXPECT_THAT(on_cuda.forward(fake, **cuda_pool).message(),
                 HasSubstr("out_cache_loc: memory on cuda:1, the pool is on cuda:0"));
-    ASSERT_TRUE(stream.synchronize(10s).ok());
+    ASSERT_OK(stream.synchronize(10s));
     EXPECT_EQ(fake.log().size(), 2u) << "only the two accepted forwards enqueued work";
 }
 
@@ -835,7 +834,7 @@ TEST(Capabilities, CpuBackendsAcceptFp32AndBf16OnTheHost) {
         s.num_q_heads = 4;
         s.num_kv_heads = 2;
         Runner r(name, s);
-        ASSERT_TRUE(r.create_status().ok());
+        ASSERT_OK(r.create_status());
         const BackendCapabilities caps = r.backend().capabilities();
         EXPECT_EQ(caps.activation_dtypes, (std::vector<DType>{DType::kF32, DType::kBF16}));
         EXPECT_EQ(caps.kv_dtypes, (std::vector<DType>{DType::kF32, DType::kBF16}));
@@ -849,13 +848,13 @@ TEST(Capabilities, CpuBackendsAcceptFp32AndBf16OnTheHost) {
         pc.head_dim = 64;
         pc.device = {runtime::DeviceKind::kCuda, 0};
         auto cuda_pool = kv::MHATokenToKVPool::create(pc);
-        ASSERT_TRUE(cuda_pool.ok());
+        ASSERT_OK(cuda_pool);
         ViewSet views;
         Status st = views.forward(r.backend(), **cuda_pool);
         EXPECT_THAT(st, StatusIs(StatusCode::kInvalidArgument,
                                  HasSubstr(std::string("pool: memory on cuda, backend '") + name +
                                            "' accepts cpu")));
-        ASSERT_TRUE(r.wait().ok());
+        ASSERT_OK(r.wait());
 
         // The registry rejects a KV dtype the backend does not declare.
         AttentionConfig c;

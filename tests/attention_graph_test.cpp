@@ -19,6 +19,7 @@
 
 #include "backends/pd/step_counter.h"
 #include "tests/attention_test_util.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::attn::test {
 namespace {
@@ -80,8 +81,8 @@ Oracle eager_oracle(const Shape& base, const std::vector<Batch>& bs, bool save_k
     o.pool = make_pool(base, kPoolPages);
     init_layers(*o.pool, base, bs, !save_kv);
     Runner r("cpu_ref", base);
-    EXPECT_TRUE(r.create_status().ok());
-    EXPECT_TRUE(r.backend().init_forward_metadata(bs[0].forward_batch()).ok());
+    EXPECT_OK(r.create_status());
+    EXPECT_OK(r.backend().init_forward_metadata(bs[0].forward_batch()));
     std::vector<float> decoy(bs[0].k.size(), kNaN);
     o.out.resize(kLayers);
     for (int l = 0; l < kLayers; ++l) {
@@ -95,7 +96,7 @@ Oracle eager_oracle(const Shape& base, const std::vector<Batch>& bs, bool save_k
                         .ok());
     }
     Status st = r.wait();
-    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_OK(st);
     return o;
 }
 
@@ -146,7 +147,7 @@ public:
 
     // Stream idle: the host stages batch `bs` into the static buffers and the aliased seq_lens.
     void stage(const std::vector<Batch>& bs) {
-        ASSERT_TRUE(runner_.stream().synchronize(kSyncTimeout).ok());
+        ASSERT_OK(runner_.stream().synchronize(kSyncTimeout));
         ASSERT_LE(bs[0].bs, kMaxBs);
         ASSERT_LE(bs[0].num_tokens, kMaxTokens);
         ASSERT_LE(bs[0].stride, kMaxPagesPerSeq);
@@ -227,7 +228,7 @@ TEST_P(GraphReplay, ReplaySeesTheCurrentBatch) {
     const auto [name, mode, dtype, save_kv] = GetParam();
     const Shape base = base_shape(dtype);
     GraphHarness g(name, base, mode, save_kv);
-    ASSERT_TRUE(g.capture(kMaxBs).ok());
+    ASSERT_OK(g.capture(kMaxBs));
 
     const auto a = layered(
         base, mode,
@@ -239,20 +240,20 @@ TEST_P(GraphReplay, ReplaySeesTheCurrentBatch) {
     g.stage(a);
     const std::vector<int32_t> staged_seq_lens = g.seq_lens_buf();
     Status st = g.replay(a);
-    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_OK(st);
     EXPECT_EQ(g.seq_lens_buf(), staged_seq_lens)
         << "the backend must not write the aliased seq_lens";
     expect_matches(g, base, a, save_kv, "batch A");
 
     g.stage(b);
     st = g.replay(b);
-    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_OK(st);
     expect_matches(g, base, b, save_kv, "batch B (smaller, in place)");
 
     // And back to A: nothing of B's metadata may stick.
     g.stage(a);
     st = g.replay(a);
-    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_OK(st);
     expect_matches(g, base, a, save_kv, "batch A again");
 }
 
@@ -263,13 +264,13 @@ TEST_P(GraphReplay, StaleMetadataIsDetected) {
     const auto [name, mode, dtype, save_kv] = GetParam();
     const Shape base = base_shape(dtype);
     GraphHarness g(name, base, mode, save_kv);
-    ASSERT_TRUE(g.capture(4).ok());
+    ASSERT_OK(g.capture(4));
     const auto a = layered(
         base, mode, reqs_for(mode, {{40, 9}, {0, 17}, {15, 1}, {16, 16}}, {20, 16, 17, 200}), 3);
     const auto b = layered(
         base, mode, reqs_for(mode, {{60, 10}, {20, 5}, {30, 2}, {16, 1}}, {90, 40, 7, 150}), 4);
     g.stage(a);
-    ASSERT_TRUE(g.replay(a).ok());
+    ASSERT_OK(g.replay(a));
     expect_matches(g, base, a, save_kv, "batch A");
 
     g.stage(b);
@@ -283,12 +284,12 @@ TEST_P(GraphReplay, StaleMetadataIsDetected) {
     }
     // A fresh harness (the stale run may have poisoned the stream) with the update: matches.
     GraphHarness g2(name, base, mode, save_kv);
-    ASSERT_TRUE(g2.capture(4).ok());
+    ASSERT_OK(g2.capture(4));
     g2.stage(a);
-    ASSERT_TRUE(g2.replay(a).ok());
+    ASSERT_OK(g2.replay(a));
     g2.stage(b);
     st = g2.replay(b);
-    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_OK(st);
     expect_matches(g2, base, b, save_kv, "batch B' with the replay update");
 }
 
@@ -312,13 +313,13 @@ TEST(GraphRecords, EachLaunchRecordsOncePerLayer) {
         GraphHarness g(name, base, ForwardMode::kExtend, true);
         pd::StepCounter counter(g.runner().stream());
         g.backend().register_step_counter(&counter);
-        ASSERT_TRUE(g.capture(3).ok());
+        ASSERT_OK(g.capture(3));
         EXPECT_EQ(counter.records_published(), 0u) << name << ": capture must not run the records";
         const auto a = layered(base, ForwardMode::kExtend, {{10, 5}, {0, 3}, {33, 1}}, 5);
         for (int launch = 0; launch < 3; ++launch) {
             const int64_t begin = counter.advance_step(kLayers);
             g.stage(a);
-            ASSERT_TRUE(g.replay(a).ok());
+            ASSERT_OK(g.replay(a));
             EXPECT_EQ(counter.records_published(), static_cast<uint64_t>((launch + 1) * kLayers))
                 << name;
             EXPECT_TRUE(pd::StepCounter::is_step_ready(counter.query_ready_cache_step(),
@@ -341,7 +342,7 @@ TEST(GraphState, ReplayValidatesAgainstTheGraphBuffers) {
             << name;
         EXPECT_FALSE(g.backend().init_forward_metadata_replay_cuda_graph(a[0].forward_batch()).ok())
             << name;
-        ASSERT_TRUE(g.capture(kMaxBs).ok());
+        ASSERT_OK(g.capture(kMaxBs));
         // bs over max_bs, page-table rows wider than max_pages_per_seq: rejected on the host.
         std::vector<Req> many(kMaxBs + 1, Req{3, 1});
         const auto big = layered(base, ForwardMode::kDecode, many, 7);
@@ -355,7 +356,7 @@ TEST(GraphState, ReplayValidatesAgainstTheGraphBuffers) {
         EXPECT_FALSE(g.backend()
                          .init_forward_metadata_capture_cuda_graph(kMaxBs + 1, ForwardMode::kDecode)
                          .ok());
-        ASSERT_TRUE(g.runner().stream().synchronize(kSyncTimeout).ok());
+        ASSERT_OK(g.runner().stream().synchronize(kSyncTimeout));
     }
 }
 
@@ -365,7 +366,7 @@ TEST(GraphState, ReplayOfMoreTokensThanTheViewsHoldFails) {
     for (const char* name : {"cpu", "cpu_ref"}) {
         const Shape base = base_shape(kv::KVDtype::kF32);
         GraphHarness g(name, base, ForwardMode::kExtend, true);
-        ASSERT_TRUE(g.capture(kMaxBs, /*rows=*/8).ok()) << name;
+        ASSERT_OK(g.capture(kMaxBs, /*rows=*/8)) << name;
         const auto a = layered(base, ForwardMode::kExtend, {{10, 5}, {0, 6}}, 13);  // 11 new tokens
         g.stage(a);
         Status st = g.replay(a);
@@ -389,12 +390,12 @@ TEST(EagerMetadata, NextBatchInitDoesNotCorruptAQueuedForward) {
             init_layers(*pool1, base, b1, !save_kv);
             init_layers(*pool2, base, b2, !save_kv);
             Runner r(name, base);
-            ASSERT_TRUE(r.create_status().ok());
+            ASSERT_OK(r.create_status());
             std::vector<std::vector<float>> out1(kLayers), out2(kLayers);
             std::vector<float> decoy(256 * base.kv_width(), kNaN);
 
             Gate gate;
-            ASSERT_TRUE(gate.enqueue(r.stream()).ok());
+            ASSERT_OK(gate.enqueue(r.stream()));
             auto issue = [&](const std::vector<Batch>& bs, kv::MHATokenToKVPool& pool,
                              std::vector<std::vector<float>>& out) {
                 // The host arrays handed to init_forward_metadata are scribbled over right after
@@ -405,7 +406,7 @@ TEST(EagerMetadata, NextBatchInitDoesNotCorruptAQueuedForward) {
                 fb.seq_lens = seq;
                 if (!fb.extend_lens.empty()) fb.extend_lens = ext;
                 fb.page_table = pt;
-                ASSERT_TRUE(r.backend().init_forward_metadata(fb).ok());
+                ASSERT_OK(r.backend().init_forward_metadata(fb));
                 std::fill(seq.begin(), seq.end(), 1 << 20);
                 std::fill(ext.begin(), ext.end(), -7);
                 std::fill(pt.begin(), pt.end(), -1);
@@ -428,7 +429,7 @@ TEST(EagerMetadata, NextBatchInitDoesNotCorruptAQueuedForward) {
                 EXPECT_TRUE(std::isnan(o[0])) << "nothing may run before the gate opens";
             gate.release();
             Status st = r.wait();
-            ASSERT_TRUE(st.ok()) << st.to_string();
+            ASSERT_OK(st);
             Oracle o1 = eager_oracle(base, b1, save_kv), o2 = eager_oracle(base, b2, save_kv);
             for (int l = 0; l < kLayers; ++l) {
                 EXPECT_TRUE(outputs_close(out1[static_cast<size_t>(l)],

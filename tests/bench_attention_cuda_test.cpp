@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "tests/cli_test_util.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::cli {
 namespace {
@@ -68,7 +69,7 @@ TEST(BenchAttentionCudaCounts, GemmDimsHaveTheFlopsSquareishAndAligned) {
     for (double flops : {1.0, 1e6, 1.35e8, 3e9, llama_extend, 1e13}) {
         SCOPED_TRACE(flops);
         auto d = gemm_dims_for_flops(flops);
-        ASSERT_TRUE(d.ok()) << d.status().to_string();
+        ASSERT_OK(d);
         EXPECT_EQ(d->n, d->k);
         EXPECT_EQ(d->n % 256, 0);
         EXPECT_EQ(d->m % 8, 0);
@@ -185,7 +186,7 @@ TEST(BenchAttentionCudaRoofline, PerLayerIsTheCostModelsLayerTermOnTheDetectedGp
         for (int layers : {1, 4}) {
             cfg.num_layers = layers;
             auto r = roofline_per_layer(cfg, "H200", 4096, 64, 64 * 4096, mfu, mbu);
-            ASSERT_TRUE(r.ok()) << r.status().to_string();
+            ASSERT_OK(r);
             const double prefill = o.layer(cfg, 4096, 4096.0 * 4097 / 2, 4096, 4096);
             const double decode = o.layer(cfg, 64, 64.0 * 4096, 64.0 * 4096, 64);
             EXPECT_NEAR(r->prefill_s, prefill, prefill * 1e-9) << layers << " layers";
@@ -215,9 +216,9 @@ TEST(BenchAttentionCudaOptions, DefaultsAreLlama8bShapesAndPass) {
     EXPECT_EQ(o.extend_len, 4096);
     EXPECT_EQ(o.model, "llama3-8b");
     EXPECT_EQ(o.layers, 4);
-    EXPECT_TRUE(check_cuda_bench_options(o).ok()) << check_cuda_bench_options(o).to_string();
+    EXPECT_OK(check_cuda_bench_options(o));
     auto cfg = bench_model_config(o);
-    ASSERT_TRUE(cfg.ok());
+    ASSERT_OK(cfg);
     EXPECT_EQ(cfg->num_layers, 4);
     EXPECT_EQ(cfg->hidden, 4096);
     const model::cuda::CudaModelOptions m = bench_model_options(o);

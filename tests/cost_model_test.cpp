@@ -25,7 +25,7 @@ using json = nlohmann::json;
 
 model::ModelConfig named(const std::string& name) {
     auto m = model::resolve_model(name);
-    EXPECT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_OK(m);
     return *m;
 }
 
@@ -42,7 +42,7 @@ InstanceSpec h100(const std::string& model, int tp) {
 
 std::unique_ptr<CostModel> roofline(const InstanceSpec& s, RooflineOptions o = {}) {
     auto m = make_cost_model("roofline", s, nullptr, o);
-    EXPECT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_OK(m);
     return m.ok() ? std::move(*m) : nullptr;
 }
 
@@ -225,9 +225,9 @@ InstanceSpec cpu_spec(const std::string& model, int tp, int threads) {
 
 TEST(Calibrated, HandWrittenFileGivesTheLinearValue) {
     auto f = CostFile::from_json(hand_written(), "hand.json");
-    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    ASSERT_OK(f);
     auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*f);
-    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    ASSERT_OK(m);
     // tokens 120; pairs 100*(50 + 101/2) + 20*(0 + 21/2) = 10050 + 210 = 10260; 2 requests:
     // 0.001 + 120*2e-5 + 10260*3e-9 + 2*4e-4 = 0.00423078 s.
     const std::vector<ExtendItem> batch = {{100, 50}, {20, 0}};
@@ -240,7 +240,7 @@ TEST(Calibrated, HandWrittenFileGivesTheLinearValue) {
     EXPECT_NEAR((*m)->decode_s(7, 0), 5e-4 + 7e-5 + 12e-4, 1e-12);
     // TP 2 (no per_weight_pass_s: 0) and threads 0 (the only thread count calibrated for TP 2).
     auto m2 = make_cost_model("calibrated", cpu_spec("tiny", 2, 0), &*f);
-    ASSERT_TRUE(m2.ok()) << m2.status().to_string();
+    ASSERT_OK(m2);
     EXPECT_NEAR((*m2)->decode_s(1, 1000), 9e-4 + 1e-5 + 1e-5, 1e-12);
     EXPECT_THAT((*m2)->describe(), HasSubstr("hand.json"));
     // The measured transport.
@@ -253,9 +253,9 @@ TEST(Calibrated, HandWrittenFileGivesTheLinearValue) {
 
 TEST(Calibrated, MonotoneInBatchAndKvTokens) {
     auto f = CostFile::from_json(hand_written(), "hand.json");
-    ASSERT_TRUE(f.ok());
+    ASSERT_OK(f);
     auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*f);
-    ASSERT_TRUE(m.ok());
+    ASSERT_OK(m);
     double prev = 0;
     for (int64_t kv : {0, 100, 1000, 100000}) {
         EXPECT_GT((*m)->decode_s(2, kv), prev) << kv;
@@ -315,7 +315,7 @@ TEST(CostFile, ValidationNamesTheFileAndField) {
 
 TEST(CostFile, UnknownModelTpOrThreadsListsWhatItHas) {
     auto f = CostFile::from_json(hand_written(), "hand.json");
-    ASSERT_TRUE(f.ok());
+    ASSERT_OK(f);
     auto m = make_cost_model("calibrated", cpu_spec("hybrid-tiny", 1, 1), &*f);
     ASSERT_FALSE(m.ok());
     EXPECT_THAT(m, StatusIs(StatusCode::kInvalidArgument, HasSubstr("hand.json")))
@@ -346,7 +346,7 @@ TEST(CostFile, UnknownModelTpOrThreadsListsWhatItHas) {
     json j = hand_written();
     j["model_config"] = {{"num_layers", 8}, {"hidden", 256}};
     auto g = CostFile::from_json(j, "shape.json");
-    ASSERT_TRUE(g.ok()) << g.status().to_string();
+    ASSERT_OK(g);
     m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*g);
     ASSERT_FALSE(m.ok());
     EXPECT_THAT(m.status().message(), HasSubstr("model_config.num_layers"));
@@ -379,7 +379,7 @@ TEST(Fit, RecoversKnownCoefficientsAndClampsNegativeOnes) {
         }
     }
     auto f = fit_nonnegative(x, y);
-    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    ASSERT_OK(f);
     EXPECT_NEAR(f->coef[0], 0.002, 1e-12);
     EXPECT_NEAR(f->coef[1], 3e-5, 1e-15);
     EXPECT_NEAR(f->coef[2], 4e-9, 1e-18);
@@ -389,7 +389,7 @@ TEST(Fit, RecoversKnownCoefficientsAndClampsNegativeOnes) {
     x = {{1, 1}, {1, 2}, {1, 3}};
     y = {3, 2, 1};
     f = fit_nonnegative(x, y);
-    ASSERT_TRUE(f.ok());
+    ASSERT_OK(f);
     EXPECT_EQ(f->coef[1], 0.0);
     // Relative weighting: minimizes sum ((c - y) / y)^2 -> c = sum(1/y) / sum(1/y^2) = 18/11.
     EXPECT_NEAR(f->coef[0], (1.0 / 3 + 0.5 + 1) / (1.0 / 9 + 0.25 + 1), 1e-12);
@@ -413,7 +413,7 @@ TEST(CalibrateCli, QuickRunWritesALoadableFileWithSaneFits) {
     EXPECT_THAT(r.out, HasSubstr("wrote"));
 
     auto f = CostFile::load(out);
-    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    ASSERT_OK(f);
     const json& j = f->json();
     EXPECT_EQ(j["schema_version"], 1);
     EXPECT_EQ(j["model"], "tiny");
@@ -445,7 +445,7 @@ TEST(CalibrateCli, QuickRunWritesALoadableFileWithSaneFits) {
 
     // The simulator's view: positive, growing times.
     auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 0), &*f);
-    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    ASSERT_OK(m);
     const std::vector<ExtendItem> small = {{64, 0}};
     const std::vector<ExtendItem> large = {{512, 512}};
     EXPECT_GT((*m)->extend_s(small), 0);
@@ -577,7 +577,7 @@ TEST(CalibrateTimeline, RecoversTheCoefficientsFromLeadersOnly) {
         {"calibrate", "--from-timeline", tl, "--base", base, "--model", "tiny", "--out", out}, 60);
     ASSERT_EQ(r.rc, 0) << r.describe();
     auto f = CostFile::load(out);
-    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    ASSERT_OK(f);
     const json& j = f->json();
     EXPECT_EQ(j["source"]["kind"], "testbed timelines");
     EXPECT_EQ(j["source"]["files"][0]["path"], tl);
@@ -606,7 +606,7 @@ TEST(CalibrateTimeline, RecoversTheCoefficientsFromLeadersOnly) {
         }
     }
     auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*f);
-    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    ASSERT_OK(m);
     const std::vector<ExtendItem> one = {{256, 128}};
     const auto fe = extend_features(one);
     double want = 0;
@@ -660,7 +660,7 @@ TEST(CalibrateTimeline, MeasuresInterferenceAndNoise) {
         60);
     ASSERT_EQ(r.rc, 0) << r.describe();
     auto f = CostFile::load(out);
-    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    ASSERT_OK(f);
     const json& j = f->json();
     EXPECT_NEAR(j["interference"]["extend"].get<double>(), kXe, 1e-6) << j["interference"].dump();
     EXPECT_NEAR(j["interference"]["decode"].get<double>(), kXd, 1e-6) << j["interference"].dump();
@@ -675,7 +675,7 @@ TEST(CalibrateTimeline, MeasuresInterferenceAndNoise) {
         for (const auto& q : n["fast_quantiles"]) EXPECT_NEAR(q.get<double>(), 1, 1e-6) << kind;
     }
     auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*f);
-    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    ASSERT_OK(m);
     EXPECT_NEAR((*m)->interference(false), kXe, 1e-6);
     EXPECT_NEAR((*m)->interference(true), kXd, 1e-6);
     EXPECT_EQ((*m)->noise(true).fast_quantiles.size(), 33u);
@@ -701,7 +701,7 @@ TEST(CalibrateTimeline, MeasuresInterferenceAndNoise) {
     r = test::run_pdsim({"calibrate", "--from-timeline", tl, "--model", "tiny", "--out", out}, 60);
     ASSERT_EQ(r.rc, 0) << r.describe();
     auto f2 = CostFile::load(out);
-    ASSERT_TRUE(f2.ok()) << f2.status().to_string();
+    ASSERT_OK(f2);
     const json& n = f2->json()["noise"]["decode"];
     EXPECT_NEAR(n["fast_cv"].get<double>(), 0.2, 0.05) << n.dump();
     EXPECT_EQ(n["slow_cv"].get<double>(), 0);
@@ -723,7 +723,7 @@ TEST(CalibrateTimeline, MeasuresInterferenceAndNoise) {
     r = test::run_pdsim({"calibrate", "--from-timeline", tl, "--model", "tiny", "--out", out}, 60);
     ASSERT_EQ(r.rc, 0) << r.describe();
     auto f3 = CostFile::load(out);
-    ASSERT_TRUE(f3.ok()) << f3.status().to_string();
+    ASSERT_OK(f3);
     const json& q3 = f3->json()["noise"]["extend"]["fast_quantiles"];
     EXPECT_NEAR(drawn_mean(q3), 1.0, 1e-9) << q3.dump();
     EXPECT_GT(q3.back().get<double>(), 2.0) << q3.dump();
@@ -749,7 +749,7 @@ TEST(CalibrateTimeline, FitsTheMedianRunLevel) {
                         60);
     ASSERT_EQ(r.rc, 0) << r.describe();
     auto f = CostFile::load(out);
-    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    ASSERT_OK(f);
     const json& j = f->json();
     const json& fit = j["fits"][0];
     for (size_t i = 0; i < kExtendKeys.size(); ++i) {

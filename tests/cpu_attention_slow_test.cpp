@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "tests/attention_test_util.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::attn::test {
 namespace {

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "tests/attention_test_util.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::attn::test {
 namespace {
@@ -74,16 +75,16 @@ void check_batch(const Shape& s, const Batch& b, bool save_kv, const std::string
 
     Runner ref("cpu_ref", s);
     Runner cpu("cpu", s, cpu_threads);
-    ASSERT_TRUE(ref.create_status().ok()) << ref.create_status().to_string();
-    ASSERT_TRUE(cpu.create_status().ok()) << cpu.create_status().to_string();
+    ASSERT_OK(ref.create_status());
+    ASSERT_OK(cpu.create_status());
     Status ref_launch = ref.launch(b, *ref_pool, save_kv);
     Status cpu_launch = cpu.launch(b, *cpu_pool, save_kv);
     Status ref_done = ref.wait();
     Status cpu_done = cpu.wait();
-    ASSERT_TRUE(ref_launch.ok()) << "cpu_ref: " << ref_launch.to_string();
-    ASSERT_TRUE(ref_done.ok()) << "cpu_ref: " << ref_done.to_string();
-    ASSERT_TRUE(cpu_launch.ok()) << "cpu: " << cpu_launch.to_string();
-    ASSERT_TRUE(cpu_done.ok()) << "cpu: " << cpu_done.to_string();
+    ASSERT_OK(ref_launch) << "cpu_ref: " << ref_launch.to_string();
+    ASSERT_OK(ref_done) << "cpu_ref: " << ref_done.to_string();
+    ASSERT_OK(cpu_launch) << "cpu: " << cpu_launch.to_string();
+    ASSERT_OK(cpu_done) << "cpu: " << cpu_done.to_string();
     EXPECT_TRUE(outputs_close(cpu.out(), ref.out(), tolerance(s.dtype), s, b)) << "cpu vs cpu_ref";
     EXPECT_TRUE(pools_equal(*cpu_pool, *want_pool)) << "cpu backend's KV pool after forward";
     EXPECT_TRUE(pools_equal(*ref_pool, *want_pool)) << "cpu_ref backend's KV pool after forward";
@@ -214,7 +215,7 @@ TEST(CpuAttention, OracleMatchesNaiveAttention) {
                 ASSERT_TRUE(pool);
                 init_pool(*pool, s, b, false);
                 Runner r(name, s);
-                ASSERT_TRUE(r.run(b, *pool, true).ok());
+                ASSERT_OK(r.run(b, *pool, true));
                 EXPECT_TRUE(outputs_close(r.out(), naive, tolerance(dtype), s, b))
                     << name << " vs naive";
             }
@@ -226,7 +227,7 @@ TEST(CpuAttention, OracleMatchesNaiveAttention) {
                 ASSERT_TRUE(pool);
                 init_pool(*pool, s, d, false);
                 Runner r(name, s);
-                ASSERT_TRUE(r.run(d, *pool, true).ok());
+                ASSERT_OK(r.run(d, *pool, true));
                 EXPECT_TRUE(outputs_close(r.out(), naive_d, tolerance(dtype), s, d))
                     << name << " vs naive";
             }
@@ -282,8 +283,8 @@ TEST(CpuAttention, LayersShareOneMetadataInit) {
         for (auto* r : {&ref, &cpu}) {
             auto& outs = r == &ref ? ref_out : cpu_out;
             auto& pool = r == &ref ? *ref_pool : *cpu_pool;
-            ASSERT_TRUE(r->create_status().ok());
-            ASSERT_TRUE(r->backend().init_forward_metadata(per_layer[0].forward_batch()).ok());
+            ASSERT_OK(r->create_status());
+            ASSERT_OK(r->backend().init_forward_metadata(per_layer[0].forward_batch()));
             for (int l = 0; l < kLayers; ++l) {
                 const Batch& b = per_layer[static_cast<size_t>(l)];
                 outs[static_cast<size_t>(l)].assign(static_cast<size_t>(b.num_tokens) * s.q_width(),
@@ -295,8 +296,8 @@ TEST(CpuAttention, LayersShareOneMetadataInit) {
                                 .ok());
             }
         }
-        ASSERT_TRUE(ref.wait().ok());
-        ASSERT_TRUE(cpu.wait().ok());
+        ASSERT_OK(ref.wait());
+        ASSERT_OK(cpu.wait());
         for (int l = 0; l < kLayers; ++l) {
             SCOPED_TRACE("layer " + std::to_string(l) + " | " +
                          per_layer[static_cast<size_t>(l)].describe());
@@ -356,15 +357,15 @@ TEST(CpuAttention, Bf16ActivationsMatchTheFp32PathRounded) {
                 init_pool(*ref_pool, s, b, false);
                 init_pool(*pool, s, b, false);
                 Runner ref(name, s);
-                ASSERT_TRUE(ref.run(b, *ref_pool, true).ok());
+                ASSERT_OK(ref.run(b, *ref_pool, true));
                 ASSERT_TRUE(
                     outputs_close(ref.out(), naive_attention(s, b), tolerance(dtype), s, b));
 
                 Runner r(name, s);
-                ASSERT_TRUE(r.create_status().ok());
+                ASSERT_OK(r.create_status());
                 const int64_t n = b.num_tokens;
                 std::vector<bf16_t> out(static_cast<size_t>(n) * s.q_width(), 0xFFFF);  // NaN
-                ASSERT_TRUE(r.backend().init_forward_metadata(b.forward_batch()).ok());
+                ASSERT_OK(r.backend().init_forward_metadata(b.forward_batch()));
                 using runtime::DType;
                 const LayerSpec L = s.layer();
                 Status st = r.backend().forward(
@@ -376,8 +377,8 @@ TEST(CpuAttention, Bf16ActivationsMatchTheFp32PathRounded) {
                     L, locs_view(b.locs.data(), n), *pool, b.mode, b.bs,
                     runtime::make_view(out.data(), DType::kBF16, {},
                                        {n, L.num_q_heads, L.head_dim}));
-                ASSERT_TRUE(st.ok()) << st.to_string();
-                ASSERT_TRUE(r.wait().ok());
+                ASSERT_OK(st);
+                ASSERT_OK(r.wait());
                 std::vector<float> got(out.size());
                 for (size_t i = 0; i < out.size(); ++i) got[i] = bf16_to_float(out[i]);
                 if (std::string(name) == "cpu_ref") {
@@ -478,7 +479,7 @@ TEST(CpuAttention, RegistryRejectsBadConfig) {
     EXPECT_FALSE(create_attention_backend("cpu", c).ok());
     c.stream = &stream;
     auto b = create_attention_backend("cpu", c);
-    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    ASSERT_OK(b);
     EXPECT_EQ((*b)->config().num_q_heads, 8);
 }
 

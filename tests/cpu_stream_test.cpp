@@ -22,12 +22,11 @@ TEST(CpuStream, RunsInOrderAsynchronously) {
                     while (!gate.load()) std::this_thread::yield();
                     order.push_back(0);
                 }).ok());
-    for (int i = 1; i < 100; ++i)
-        ASSERT_TRUE(enqueue_void(s, [&order, i] { order.push_back(i); }).ok());
+    for (int i = 1; i < 100; ++i) ASSERT_OK(enqueue_void(s, [&order, i] { order.push_back(i); }));
     // enqueue returned while the first task is still blocked: asynchronous to the host.
     EXPECT_TRUE(order.empty());
     gate = true;
-    ASSERT_TRUE(s.synchronize().ok());
+    ASSERT_OK(s.synchronize());
     ASSERT_EQ(order.size(), 100u);
     for (int i = 0; i < 100; ++i) EXPECT_EQ(order[static_cast<size_t>(i)], i);
 }
@@ -35,8 +34,8 @@ TEST(CpuStream, RunsInOrderAsynchronously) {
 TEST(CpuStream, ErrorIsStickyAndSkipsLaterWork) {
     CpuStream s("t");
     int ran = 0;
-    ASSERT_TRUE(s.enqueue([] { return Status(StatusCode::kDataLoss, "boom"); }).ok());
-    ASSERT_TRUE(enqueue_void(s, [&] { ++ran; }).ok());
+    ASSERT_OK(s.enqueue([] { return Status(StatusCode::kDataLoss, "boom"); }));
+    ASSERT_OK(enqueue_void(s, [&] { ++ran; }));
     Status st = s.synchronize();
     EXPECT_THAT(st, StatusIs(StatusCode::kDataLoss, HasSubstr("boom")));
     EXPECT_EQ(ran, 0);
@@ -52,7 +51,7 @@ TEST(CpuStream, SynchronizeTimesOut) {
     Status st = s.synchronize(50ms);
     EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded);
     gate = true;
-    EXPECT_TRUE(s.synchronize().ok());
+    EXPECT_OK(s.synchronize());
 }
 
 TEST(CpuStream, EventQueryAndHostSynchronize) {
@@ -63,11 +62,11 @@ TEST(CpuStream, EventQueryAndHostSynchronize) {
     ASSERT_TRUE(enqueue_void(s, [&] {
                     while (!gate.load()) std::this_thread::yield();
                 }).ok());
-    ASSERT_TRUE(s.record(*ev).ok());
+    ASSERT_OK(s.record(*ev));
     EXPECT_FALSE(ev->query());
     EXPECT_EQ(ev->synchronize(20ms).code(), StatusCode::kDeadlineExceeded);
     gate = true;
-    EXPECT_TRUE(ev->synchronize().ok());
+    EXPECT_OK(ev->synchronize());
     EXPECT_TRUE(ev->query());
 }
 
@@ -80,14 +79,14 @@ TEST(CpuStream, CrossStreamWaitOrdersWork) {
                     while (!gate.load()) std::this_thread::yield();
                     value.store(42);
                 }).ok());
-    ASSERT_TRUE(producer.record(*ev).ok());
-    ASSERT_TRUE(consumer.wait(*ev).ok());
+    ASSERT_OK(producer.record(*ev));
+    ASSERT_OK(consumer.wait(*ev));
     int seen = -1;
-    ASSERT_TRUE(enqueue_void(consumer, [&] { seen = value.load(); }).ok());
+    ASSERT_OK(enqueue_void(consumer, [&] { seen = value.load(); }));
     std::this_thread::sleep_for(20ms);
     EXPECT_EQ(seen, -1);  // consumer is held back by the event
     gate = true;
-    ASSERT_TRUE(consumer.synchronize().ok());
+    ASSERT_OK(consumer.synchronize());
     EXPECT_EQ(seen, 42);
 }
 
@@ -99,37 +98,37 @@ TEST(CpuStream, StreamWaitTimesOutWithAMessage) {
     ASSERT_TRUE(enqueue_void(producer, [&] {
                     while (!gate.load()) std::this_thread::sleep_for(1ms);
                 }).ok());
-    ASSERT_TRUE(producer.record(*ev).ok());
-    ASSERT_TRUE(consumer.wait(*ev).ok());
+    ASSERT_OK(producer.record(*ev));
+    ASSERT_OK(consumer.wait(*ev));
     Status st = consumer.synchronize();
     EXPECT_THAT(st, StatusIs(StatusCode::kDeadlineExceeded, HasSubstr("timed out")));
     gate = true;
-    EXPECT_TRUE(producer.synchronize().ok());
+    EXPECT_OK(producer.synchronize());
 }
 
 TEST(CpuStream, GraphCaptureDefersAndReplaysReadingBuffersAtRunTime) {
     CpuStream s("t");
     int input = 1;
     std::vector<int> outputs;
-    ASSERT_TRUE(s.begin_capture().ok());
+    ASSERT_OK(s.begin_capture());
     EXPECT_TRUE(s.is_capturing());
-    ASSERT_TRUE(enqueue_void(s, [&] { outputs.push_back(input * 10); }).ok());
+    ASSERT_OK(enqueue_void(s, [&] { outputs.push_back(input * 10); }));
     auto ev = s.create_event();
-    ASSERT_TRUE(s.record(*ev).ok());
+    ASSERT_OK(s.record(*ev));
     auto g = s.end_capture();
-    ASSERT_TRUE(g.ok());
-    ASSERT_TRUE(s.synchronize().ok());
+    ASSERT_OK(g);
+    ASSERT_OK(s.synchronize());
     EXPECT_TRUE(outputs.empty());  // captured, not run
     EXPECT_EQ((*g)->num_nodes(), 2u);
-    ASSERT_TRUE((*g)->launch(s).ok());
-    ASSERT_TRUE(ev->synchronize().ok());
+    ASSERT_OK((*g)->launch(s));
+    ASSERT_OK(ev->synchronize());
     input = 2;  // in-place update between replays
-    ASSERT_TRUE((*g)->launch(s).ok());
-    ASSERT_TRUE(s.synchronize().ok());
+    ASSERT_OK((*g)->launch(s));
+    ASSERT_OK(s.synchronize());
     EXPECT_EQ(outputs, (std::vector<int>{10, 20}));
     EXPECT_EQ(s.begin_capture().code(), StatusCode::kOk);
     EXPECT_EQ(s.begin_capture().code(), StatusCode::kFailedPrecondition);
-    ASSERT_TRUE(s.end_capture().ok());
+    ASSERT_OK(s.end_capture());
     EXPECT_EQ(s.end_capture().status().code(), StatusCode::kFailedPrecondition);
 }
 
@@ -137,29 +136,29 @@ TEST(CpuStream, ReplayedRecordIsNotVisibleBeforeItRuns) {
     CpuStream s("t");
     auto ev = s.create_event();
     std::atomic<bool> gate{false};
-    ASSERT_TRUE(s.begin_capture().ok());
+    ASSERT_OK(s.begin_capture());
     ASSERT_TRUE(enqueue_void(s, [&] {
                     while (!gate.load()) std::this_thread::yield();
                 }).ok());
-    ASSERT_TRUE(s.record(*ev).ok());
+    ASSERT_OK(s.record(*ev));
     auto g = s.end_capture();
-    ASSERT_TRUE(g.ok());
-    ASSERT_TRUE((*g)->launch(s).ok());
+    ASSERT_OK(g);
+    ASSERT_OK((*g)->launch(s));
     EXPECT_FALSE(ev->query());
     gate = true;
-    EXPECT_TRUE(ev->synchronize().ok());
+    EXPECT_OK(ev->synchronize());
 }
 
 TEST(DeviceBuffer, CpuAllocateCopyFill) {
     auto b = DeviceBuffer::allocate({DeviceKind::kCpu, 0}, 1000);
-    ASSERT_TRUE(b.ok());
+    ASSERT_OK(b);
     EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % 256, 0u);
     std::vector<uint8_t> src(1000, 7), dst(1000, 0);
-    ASSERT_TRUE(b->copy_from_host(src.data(), src.size()).ok());
-    ASSERT_TRUE(b->copy_to_host(dst.data(), dst.size()).ok());
+    ASSERT_OK(b->copy_from_host(src.data(), src.size()));
+    ASSERT_OK(b->copy_to_host(dst.data(), dst.size()));
     EXPECT_EQ(src, dst);
     EXPECT_EQ(b->copy_from_host(src.data(), 10, 995).code(), StatusCode::kOutOfRange);
-    ASSERT_TRUE(b->fill(0xAB).ok());
+    ASSERT_OK(b->fill(0xAB));
     EXPECT_EQ(b->as<uint8_t>()[999], 0xAB);
     DeviceBuffer moved = std::move(*b);
     EXPECT_TRUE(b->empty());
@@ -169,7 +168,7 @@ TEST(DeviceBuffer, CpuAllocateCopyFill) {
 TEST(DeviceRuntime, ParseDeviceAndRegistry) {
     EXPECT_EQ(parse_device("cpu")->kind, DeviceKind::kCpu);
     auto c = parse_device("cuda:1");
-    ASSERT_TRUE(c.ok());
+    ASSERT_OK(c);
     EXPECT_EQ(c->kind, DeviceKind::kCuda);
     EXPECT_EQ(c->index, 1);
     EXPECT_EQ(parse_device("tpu").status().code(), StatusCode::kInvalidArgument);

@@ -18,6 +18,7 @@
 #include "backends/attention/attention_backend.h"
 #include "backends/runtime/cpu_stream.h"
 #include "backends/runtime/device.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::attn::cuda {
 namespace {
@@ -74,7 +75,7 @@ TEST(ValidateForwardBatch, AcceptsWellFormedBatches) {
         validate_forward_batch(make(ForwardMode::kDecode, {{5, 1}, {1, 1}}).view(), 0, 0).ok());
     EXPECT_TRUE(
         validate_forward_batch(HostBatch{ForwardMode::kIdle, {}, {}, {}, 0}.view(), 0, 0).ok());
-    EXPECT_TRUE(validate_forward_batch(make(ForwardMode::kDecode, {{5, 1}}).view(), 1, 2).ok());
+    EXPECT_OK(validate_forward_batch(make(ForwardMode::kDecode, {{5, 1}}).view(), 1, 2));
 }
 
 TEST(ValidateForwardBatch, RejectsWhatTheBaseClassRejectsWithItsMessages) {
@@ -277,7 +278,7 @@ TEST(ToPagedBatch, SubBatchesBecomeTheAdaptersCsr) {
         EXPECT_EQ(p.q_lens.empty(), decode);
         EXPECT_EQ(p.page_table_stride, h.stride);
         auto csr = build_paged_kv_csr(p, kPage, 100);
-        ASSERT_TRUE(csr.ok()) << csr.status().to_string();
+        ASSERT_OK(csr);
         const Csr want = expected_csr(h, sub.first, sub.count, kPage, decode);
         EXPECT_THAT(csr->qo_indptr, ElementsAreArray(want.qo_indptr));
         EXPECT_THAT(csr->kv_indptr, ElementsAreArray(want.kv_indptr));
@@ -290,7 +291,7 @@ TEST(ToPagedBatch, SubBatchesBecomeTheAdaptersCsr) {
 // ---- check_batch_against_pool -----------------------------------------------------------------
 TEST(CheckBatchAgainstPool, PagesMustFitTheStrideAndThePool) {
     HostBatch h = make(ForwardMode::kExtend, {{8, 2}, {5, 5}}, 4);  // pages 10, 11 | 20, 21
-    EXPECT_TRUE(check_batch_against_pool(stage_batch(h.view()), {4, 22}).ok());
+    EXPECT_OK(check_batch_against_pool(stage_batch(h.view()), {4, 22}));
     Status st = check_batch_against_pool(stage_batch(h.view()), {4, 21});
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(
@@ -306,7 +307,7 @@ TEST(CheckBatchAgainstPool, PagesMustFitTheStrideAndThePool) {
                 HasSubstr("page_table[0] = -3"));
     // Entries past a request's pages are never looked at (-1 above).
     HostBatch wide = make(ForwardMode::kExtend, {{3, 1}}, 4, 6);
-    EXPECT_TRUE(check_batch_against_pool(stage_batch(wide.view()), {4, 11}).ok());
+    EXPECT_OK(check_batch_against_pool(stage_batch(wide.view()), {4, 11}));
     EXPECT_THAT(check_batch_against_pool(stage_batch(wide.view()), {0, 11}).message(),
                 HasSubstr("pool: page_size 0"));
 }
@@ -348,12 +349,12 @@ TEST(Capacity, ForASubBatchAndGrowth) {
 
 TEST(GraphCapacity, BucketsOfTheGraphAdapters) {
     auto d = graph_capacity(AttentionKind::kDecode, 64, 32, 0);
-    ASSERT_TRUE(d.ok());
+    ASSERT_OK(d);
     EXPECT_EQ(d->max_bs, 64);
     EXPECT_EQ(d->max_tokens, 64);
     EXPECT_EQ(d->max_pages, 64 * 32);
     auto e = graph_capacity(AttentionKind::kExtend, 8, 16, 1000);
-    ASSERT_TRUE(e.ok());
+    ASSERT_OK(e);
     EXPECT_EQ(e->max_tokens, 1000);
     EXPECT_EQ(e->max_pages, 128);
     EXPECT_THAT(graph_capacity(AttentionKind::kExtend, 8, 16, 0).status().message(),
@@ -384,7 +385,7 @@ TEST(CheckForwardMatchesBatch, ModeBsAndRows) {
         return runtime::make_view(storage.data(), runtime::DType::kBF16,
                                   {runtime::DeviceKind::kCuda, 0}, {n, 8, 64});
     };
-    EXPECT_TRUE(check_forward_matches_batch(ForwardMode::kExtend, 2, rows(5), "q", b).ok());
+    EXPECT_OK(check_forward_matches_batch(ForwardMode::kExtend, 2, rows(5), "q", b));
     Status st = check_forward_matches_batch(ForwardMode::kExtend, 2, rows(4), "q", b);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(st.message(), HasSubstr("q: shape [4, 8, 64], expected [5, 8, 64]"));
@@ -398,7 +399,7 @@ TEST(CheckForwardMatchesBatch, ModeBsAndRows) {
                 HasSubstr("forward bs 3 but the metadata (init_forward_metadata) has bs 2"));
     // idle matches an empty batch of any mode; null views have no rows.
     StagedBatch empty = stage_batch(HostBatch{ForwardMode::kDecode, {}, {}, {}, 1}.view());
-    EXPECT_TRUE(check_forward_matches_batch(ForwardMode::kIdle, 0, {}, "q", empty).ok());
+    EXPECT_OK(check_forward_matches_batch(ForwardMode::kIdle, 0, {}, "q", empty));
     EXPECT_FALSE(check_forward_matches_batch(ForwardMode::kIdle, 0, {}, "q", b).ok());
 }
 
@@ -416,7 +417,7 @@ AttentionConfig config(int hq, int hkv, int d, int dv = 0) {
 TEST(CheckBackendConfig, ShapesTheKernelsBuild) {
     for (int d : {64, 128}) {
         for (int g : {1, 2, 3, 4, 6, 8, 16}) {
-            EXPECT_TRUE(check_backend_config(config(2 * g, 2, d)).ok()) << "d " << d << " g " << g;
+            EXPECT_OK(check_backend_config(config(2 * g, 2, d))) << "d " << d << " g " << g;
         }
     }
     Status st = check_backend_config(config(8, 8, 96));
@@ -436,8 +437,8 @@ TEST(CheckBackendConfig, ShapesTheKernelsBuild) {
 
 TEST(CheckLayer, TheLayerMustHaveTheConfigsShape) {
     const AttentionConfig c = config(8, 2, 64);
-    EXPECT_TRUE(check_layer(LayerSpec{3, 8, 2, 64, 0, 0.f}, c).ok());
-    EXPECT_TRUE(check_layer(LayerSpec{3, 8, 2, 64, 64, 0.5f}, c).ok());
+    EXPECT_OK(check_layer(LayerSpec{3, 8, 2, 64, 0, 0.f}, c));
+    EXPECT_OK(check_layer(LayerSpec{3, 8, 2, 64, 64, 0.5f}, c));
     for (const LayerSpec& bad : {LayerSpec{1, 4, 2, 64}, LayerSpec{1, 8, 1, 64},
                                  LayerSpec{1, 8, 2, 128}, LayerSpec{1, 8, 2, 64, 32}}) {
         Status st = check_layer(bad, c);
@@ -456,7 +457,7 @@ TEST(CheckPoolLayer, AnMhaBf16PoolOfTheConfigsShape) {
     lv.page_size = 16;
     lv.k = runtime::make_view(k.data(), runtime::DType::kBF16, lv.device, {3, 16, 2, 64});
     lv.v = runtime::make_view(v.data(), runtime::DType::kBF16, lv.device, {3, 16, 2, 64});
-    EXPECT_TRUE(check_pool_layer(lv, c).ok());
+    EXPECT_OK(check_pool_layer(lv, c));
     kv::KVLayerView wrong_heads = lv;
     wrong_heads.v = runtime::make_view(v.data(), runtime::DType::kBF16, lv.device, {3, 16, 4, 32});
     EXPECT_THAT(check_pool_layer(wrong_heads, c).message(),

@@ -18,6 +18,7 @@
 #include "backends/model/synthetic_model.h"
 #include "backends/runtime/device.h"
 #include "common/bf16.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::model::cuda {
 namespace {
@@ -48,7 +49,7 @@ protected:
         if (!have_gpu()) GTEST_SKIP() << skip_reason();
         auto rt = runtime::device_runtime(DeviceKind::kCuda);
         auto s = (*rt)->create_stream(0, "model-kernels-test");
-        ASSERT_TRUE(s.ok()) << s.status().to_string();
+        ASSERT_OK(s);
         stream_ = std::move(*s);
     }
 
@@ -58,9 +59,9 @@ protected:
     DeviceBuffer upload(const std::vector<T>& host) {
         auto b = DeviceBuffer::allocate({DeviceKind::kCuda, 0},
                                         std::max<size_t>(1, host.size() * sizeof(T)));
-        EXPECT_TRUE(b.ok()) << b.status().to_string();
+        EXPECT_OK(b);
         if (!host.empty()) {
-            EXPECT_TRUE(b->copy_from_host(host.data(), host.size() * sizeof(T)).ok());
+            EXPECT_OK(b->copy_from_host(host.data(), host.size() * sizeof(T)));
         }
         return std::move(*b);
     }
@@ -69,17 +70,17 @@ protected:
     DeviceBuffer poisoned(size_t count) {
         auto b =
             DeviceBuffer::allocate({DeviceKind::kCuda, 0}, std::max<size_t>(1, count * sizeof(T)));
-        EXPECT_TRUE(b.ok()) << b.status().to_string();
-        EXPECT_TRUE(b->fill(0xff).ok());
+        EXPECT_OK(b);
+        EXPECT_OK(b->fill(0xff));
         return std::move(*b);
     }
     // Waits for the stream, then copies `count` elements back.
     template <typename T>
     std::vector<T> download(const DeviceBuffer& b, size_t count) {
-        EXPECT_TRUE(stream_->synchronize().ok());
+        EXPECT_OK(stream_->synchronize());
         std::vector<T> host(count);
         if (count > 0) {
-            EXPECT_TRUE(b.copy_to_host(host.data(), count * sizeof(T)).ok());
+            EXPECT_OK(b.copy_to_host(host.data(), count * sizeof(T)));
         }
         return host;
     }
@@ -186,8 +187,8 @@ TEST_F(CudaModelKernels, WeightsAreBitEqualToTheCpuGenerator) {
             SCOPED_TRACE(which + " tp " + std::to_string(tp));
             const size_t n = static_cast<size_t>(layout.rows * layout.cols);
             DeviceBuffer f32 = poisoned<float>(n), b16 = poisoned<bf16_t>(n);
-            ASSERT_TRUE(generate_weights(c.seed, layout, f32.data(), DType::kF32, stream()).ok());
-            ASSERT_TRUE(generate_weights(c.seed, layout, b16.data(), DType::kBF16, stream()).ok());
+            ASSERT_OK(generate_weights(c.seed, layout, f32.data(), DType::kF32, stream()));
+            ASSERT_OK(generate_weights(c.seed, layout, b16.data(), DType::kBF16, stream()));
             const auto got32 = download<float>(f32, n);
             const auto got16 = download<bf16_t>(b16, n);
             int64_t bad32 = 0, bad16 = 0;
@@ -326,7 +327,7 @@ TEST_F(CudaModelKernels, RopeRotatesQAndKInTheFusedRowNeoxStyle) {
     p.cos_sin = dtab.as<float>();
     p.max_positions = P;
     p.rows = T;
-    ASSERT_TRUE(apply_rope(p, stream()).ok());
+    ASSERT_OK(apply_rope(p, stream()));
     const auto got = download<bf16_t>(dqkv, qkv.size());
     ErrorTracker e;
     for (int t = 0; t < T; ++t) {
@@ -388,7 +389,7 @@ TEST_F(CudaModelKernels, SiluMulOverTheFusedGateUp) {
     const int64_t ld = 2 * I + 8, out_ld = I + 8;
     const auto gu = random_bf16(static_cast<size_t>(T) * ld, 4, -6.f, 6.f);
     DeviceBuffer dgu = upload(gu), out = poisoned<bf16_t>(static_cast<size_t>(T) * out_ld);
-    ASSERT_TRUE(silu_mul({dgu.as<bf16_t>(), ld, out.as<bf16_t>(), out_ld, T, I}, stream()).ok());
+    ASSERT_OK(silu_mul({dgu.as<bf16_t>(), ld, out.as<bf16_t>(), out_ld, T, I}, stream()));
     const auto got = download<bf16_t>(out, static_cast<size_t>(T) * out_ld);
     ErrorTracker e;
     for (int t = 0; t < T; ++t) {
@@ -413,7 +414,7 @@ TEST_F(CudaModelKernels, ResidualAddIsOneRoundedFloatAdd) {
     const auto h = random_bf16(static_cast<size_t>(T) * ld, 5, -4.f, 4.f);
     const auto d = random_bf16(static_cast<size_t>(T) * H, 6, -4.f, 4.f);
     DeviceBuffer dh = upload(h), dd = upload(d);
-    ASSERT_TRUE(residual_add({dh.as<bf16_t>(), ld, dd.as<bf16_t>(), H, T, H}, stream()).ok());
+    ASSERT_OK(residual_add({dh.as<bf16_t>(), ld, dd.as<bf16_t>(), H, T, H}, stream()));
     const auto got = download<bf16_t>(dh, h.size());
     int64_t bad = 0;
     for (int t = 0; t < T; ++t) {
@@ -509,7 +510,7 @@ TEST_F(CudaModelKernels, ArgmaxTakesTheLowestIndexOfTheMaximumLikeTheCpuModel) {
         ASSERT_TRUE(out.copy_from_host(std::vector<int32_t>(static_cast<size_t>(R), 12345).data(),
                                        sizeof(int32_t) * R)
                         .ok());
-        ASSERT_TRUE(argmax({logits.data(), dt, ld, R, V, out.as<int32_t>()}, stream()).ok());
+        ASSERT_OK(argmax({logits.data(), dt, ld, R, V, out.as<int32_t>()}, stream()));
         EXPECT_EQ(download<int32_t>(out, static_cast<size_t>(R)), want);
     }
 }
@@ -587,7 +588,7 @@ TEST_F(CudaModelGemm, PinnedGemmMatchesDoubleOracle) {
         GemmOptions opt;
         opt.max_rows = 256;
         auto g = BatchInvariantGemm::create(shape, opt);
-        ASSERT_TRUE(g.ok()) << g.status().to_string();
+        ASSERT_OK(g);
         std::printf("pinned K=%lld N=%lld: %s\n", static_cast<long long>(c.K),
                     static_cast<long long>(c.N), (*g)->algo().to_string().c_str());
         EXPECT_EQ((*g)->algo().splitk, 1);
@@ -596,12 +597,12 @@ TEST_F(CudaModelGemm, PinnedGemmMatchesDoubleOracle) {
         DeviceBuffer dx = upload(x), dw = upload(w);
         auto dy =
             DeviceBuffer::allocate({DeviceKind::kCuda, 0}, static_cast<size_t>(c.T * c.N) * elem);
-        ASSERT_TRUE(dy.ok());
-        ASSERT_TRUE(dy->fill(0xff).ok());
-        ASSERT_TRUE((*g)->run(dx.as<bf16_t>(), dw.as<bf16_t>(), dy->data(), c.T, stream()).ok());
-        ASSERT_TRUE(stream().synchronize().ok());
+        ASSERT_OK(dy);
+        ASSERT_OK(dy->fill(0xff));
+        ASSERT_OK((*g)->run(dx.as<bf16_t>(), dw.as<bf16_t>(), dy->data(), c.T, stream()));
+        ASSERT_OK(stream().synchronize());
         std::vector<char> y(static_cast<size_t>(c.T * c.N) * elem);
-        ASSERT_TRUE(dy->copy_to_host(y.data(), y.size()).ok());
+        ASSERT_OK(dy->copy_to_host(y.data(), y.size()));
         check_gemm(x, c.K, w, c.K, c.T, c.K, c.N, y.data(), c.N, c.out, "pinned");
     }
 }
@@ -621,13 +622,13 @@ TEST_F(CudaModelGemm, PinnedGemmRowsDoNotDependOnTheirBatch) {
         GemmOptions opt;
         opt.max_rows = 512;
         auto g = BatchInvariantGemm::create(shape, opt);
-        ASSERT_TRUE(g.ok()) << g.status().to_string();
+        ASSERT_OK(g);
         const auto x = random_bf16(static_cast<size_t>(T * c.ldx), 30);
         const auto w = random_bf16(static_cast<size_t>(c.N * c.K), 31, -0.05f, 0.05f);
         DeviceBuffer dx = upload(x), dw = upload(w);
         auto run = [&](const bf16_t* xs, int rows) {
             DeviceBuffer y = poisoned<bf16_t>(static_cast<size_t>(rows * c.ldy));
-            EXPECT_TRUE((*g)->run(xs, dw.as<bf16_t>(), y.data(), rows, stream()).ok());
+            EXPECT_OK((*g)->run(xs, dw.as<bf16_t>(), y.data(), rows, stream()));
             return download<bf16_t>(y, static_cast<size_t>(rows * c.ldy));
         };
         const auto y64 = run(dx.as<bf16_t>(), T);
@@ -673,12 +674,12 @@ TEST_F(CudaModelGemm, FusedQkvGemmComputesTheCpuModelsProjections) {
     const ModelDims d = *make_model_dims(c, tp, rank);
     const WeightLayout l = qkv_weight_layout(d, layer);
     DeviceBuffer dw = poisoned<bf16_t>(static_cast<size_t>(l.rows * l.cols));
-    ASSERT_TRUE(generate_weights(c.seed, l, dw.data(), DType::kBF16, stream()).ok());
+    ASSERT_OK(generate_weights(c.seed, l, dw.data(), DType::kBF16, stream()));
     const auto x = random_bf16(static_cast<size_t>(T) * c.hidden, 40);
     DeviceBuffer dx = upload(x), dy = poisoned<bf16_t>(static_cast<size_t>(T * d.qkv_cols));
     auto g = BatchInvariantGemm::create({c.hidden, d.qkv_cols}, {0, 64});
-    ASSERT_TRUE(g.ok()) << g.status().to_string();
-    ASSERT_TRUE((*g)->run(dx.as<bf16_t>(), dw.as<bf16_t>(), dy.data(), T, stream()).ok());
+    ASSERT_OK(g);
+    ASSERT_OK((*g)->run(dx.as<bf16_t>(), dw.as<bf16_t>(), dy.data(), T, stream()));
     const auto y = download<bf16_t>(dy, static_cast<size_t>(T * d.qkv_cols));
     // The CPU model's weights in its own [H][N] form, bf16-rounded as the GPU stores them.
     std::vector<bf16_t> w_nk(static_cast<size_t>(l.rows * l.cols));
@@ -694,16 +695,16 @@ TEST_F(CudaModelGemm, FusedQkvGemmComputesTheCpuModelsProjections) {
 
 TEST_F(CudaModelGemm, PinnedGemmRejectsWhatItCannotRun) {
     auto g = BatchInvariantGemm::create({256, 256}, {0, 16});
-    ASSERT_TRUE(g.ok()) << g.status().to_string();
+    ASSERT_OK(g);
     DeviceBuffer a = poisoned<bf16_t>(64 * 256);
     Status st = (*g)->run(a.as<bf16_t>(), a.as<bf16_t>(), a.data(), 17, stream());
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(st.message(), HasSubstr("rows 17 outside [1, max_rows 16]"));
     st = (*g)->run(a.as<bf16_t>() + 1, a.as<bf16_t>(), a.data(), 4, stream());
     EXPECT_THAT(st.message(), HasSubstr("16-byte aligned"));
-    EXPECT_TRUE((*g)->run(a.as<bf16_t>(), a.as<bf16_t>(), a.data(), 0, stream()).ok());
-    for (int t = 1; t <= 16; ++t) EXPECT_TRUE((*g)->check_rows(t).ok()) << t;
-    EXPECT_TRUE(stream().synchronize().ok());
+    EXPECT_OK((*g)->run(a.as<bf16_t>(), a.as<bf16_t>(), a.data(), 0, stream()));
+    for (int t = 1; t <= 16; ++t) EXPECT_OK((*g)->check_rows(t)) << t;
+    EXPECT_OK(stream().synchronize());
 }
 
 TEST_F(CudaModelGemm, HeuristicGemmMatchesOracleAndReportsThroughput) {
@@ -712,9 +713,9 @@ TEST_F(CudaModelGemm, HeuristicGemmMatchesOracleAndReportsThroughput) {
     const auto w = random_bf16(static_cast<size_t>(N * K), 51, -0.05f, 0.05f);
     DeviceBuffer dx = upload(x), dw = upload(w), dy = poisoned<bf16_t>(static_cast<size_t>(M * N));
     auto h = HeuristicGemm::create(M, {K, N});
-    ASSERT_TRUE(h.ok()) << h.status().to_string();
+    ASSERT_OK(h);
     EXPECT_EQ((*h)->flops(), 2.0 * M * N * K);
-    ASSERT_TRUE((*h)->run(dx.as<bf16_t>(), dw.as<bf16_t>(), dy.data(), stream()).ok());
+    ASSERT_OK((*h)->run(dx.as<bf16_t>(), dw.as<bf16_t>(), dy.data(), stream()));
     const auto y = download<bf16_t>(dy, static_cast<size_t>(M * N));
     // The oracle on 64 rows is enough (and quick): the heuristic may split K, still fp32.
     std::vector<bf16_t> x64(x.begin(), x.begin() + 64 * K), y64(y.begin(), y.begin() + 64 * N);
@@ -722,14 +723,14 @@ TEST_F(CudaModelGemm, HeuristicGemmMatchesOracleAndReportsThroughput) {
 
     // Throughput, printed for the record: heuristic vs pinned, same shape.
     auto p = BatchInvariantGemm::create({K, N}, {0, static_cast<int>(M)});
-    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    ASSERT_OK(p);
     auto time_it = [&](auto&& fn) {
-        for (int i = 0; i < 3; ++i) EXPECT_TRUE(fn().ok());
-        EXPECT_TRUE(stream().synchronize().ok());
+        for (int i = 0; i < 3; ++i) EXPECT_OK(fn());
+        EXPECT_OK(stream().synchronize());
         const int reps = 20;
         const auto t0 = std::chrono::steady_clock::now();
-        for (int i = 0; i < reps; ++i) EXPECT_TRUE(fn().ok());
-        EXPECT_TRUE(stream().synchronize().ok());
+        for (int i = 0; i < reps; ++i) EXPECT_OK(fn());
+        EXPECT_OK(stream().synchronize());
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
     };
     const double th =

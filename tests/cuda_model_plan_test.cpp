@@ -13,6 +13,7 @@
 #include "backends/cuda/model_kernels.h"
 #include "backends/runtime/cpu_stream.h"
 #include "backends/runtime/device.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::model::cuda {
 namespace {
@@ -86,14 +87,14 @@ void check_layout(const WeightLayout& l, int64_t rows, int64_t cols, F want) {
 TEST(CudaModelDims, DerivesRankSlices) {
     ModelConfig c = tiny();
     auto d1 = make_model_dims(c);
-    ASSERT_TRUE(d1.ok()) << d1.status().to_string();
+    ASSERT_OK(d1);
     EXPECT_EQ(d1->q_cols, 8 * 64);
     EXPECT_EQ(d1->kv_cols, 4 * 64);
     EXPECT_EQ(d1->qkv_cols, 8 * 64 + 2 * 4 * 64);
     EXPECT_EQ(d1->gate_up_cols, 2 * 512);
     EXPECT_EQ(d1->q_col0, 0);
     auto d2 = make_model_dims(c, 2, 1);
-    ASSERT_TRUE(d2.ok()) << d2.status().to_string();
+    ASSERT_OK(d2);
     EXPECT_EQ(d2->q_heads, 4);
     EXPECT_EQ(d2->kv_heads, 2);
     EXPECT_EQ(d2->intermediate, 256);
@@ -271,12 +272,12 @@ TEST(CudaModelRope, TableIsTheCpuModelsFormula) {
 TEST(CudaGemmShape, ResolvesStridesAndRejectsBadOnes) {
     GemmOptions o;
     auto s = resolve_gemm_shape({256, 1024}, o);
-    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    ASSERT_OK(s);
     EXPECT_EQ(s->ldx, 256);
     EXPECT_EQ(s->ldw, 256);
     EXPECT_EQ(s->ldy, 1024);
     GemmShape strided{256, 512, 1024, 0, 2048};  // a column slice of X, Y written into a wider row
-    ASSERT_TRUE(resolve_gemm_shape(strided, o).ok());
+    ASSERT_OK(resolve_gemm_shape(strided, o));
 
     EXPECT_THAT(resolve_gemm_shape({0, 8}, o).status().message(), HasSubstr("k 0"));
     EXPECT_THAT(resolve_gemm_shape({100, 8}, o).status().message(),
@@ -286,7 +287,7 @@ TEST(CudaGemmShape, ResolvesStridesAndRejectsBadOnes) {
                 HasSubstr("ldx 128 must be >="));
     GemmShape f32{256, 36};
     f32.out_dtype = runtime::DType::kF32;
-    EXPECT_TRUE(resolve_gemm_shape(f32, o).ok());  // 144-byte rows of fp32
+    EXPECT_OK(resolve_gemm_shape(f32, o));  // 144-byte rows of fp32
     f32.n = 34;
     EXPECT_THAT(resolve_gemm_shape(f32, o).status().message(), HasSubstr("ldy 34"));
     GemmShape i32{256, 64};
@@ -324,7 +325,7 @@ TEST(CudaModelKernels, ChecksArgumentsBeforeLaunching) {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(st.message(), HasSubstr("not a CUDA stream"));
     p.rows = 0;
-    EXPECT_TRUE(rms_norm(p, cpu).ok());  // nothing to enqueue
+    EXPECT_OK(rms_norm(p, cpu));  // nothing to enqueue
 
     SiluMulParams sm{buf, 128, buf, 64, 3, 64};
     EXPECT_THAT(silu_mul(sm, cpu).message(),

@@ -41,14 +41,14 @@ TEST(CudaRuntime, BufferRoundTrip) {
     DeviceRuntime* rt = cuda_or_skip();
     if (rt == nullptr) GTEST_SKIP() << skip_reason();
     auto buf = DeviceBuffer::allocate({DeviceKind::kCuda, 0}, 1 << 20);
-    ASSERT_TRUE(buf.ok()) << buf.status().to_string();
+    ASSERT_OK(buf);
     std::vector<uint8_t> src(1 << 20), dst(1 << 20, 0);
     for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 31 + 7);
-    ASSERT_TRUE(buf->copy_from_host(src.data(), src.size()).ok());
-    ASSERT_TRUE(buf->copy_to_host(dst.data(), dst.size()).ok());
+    ASSERT_OK(buf->copy_from_host(src.data(), src.size()));
+    ASSERT_OK(buf->copy_to_host(dst.data(), dst.size()));
     EXPECT_EQ(src, dst);
-    ASSERT_TRUE(buf->fill(0x5A).ok());
-    ASSERT_TRUE(buf->copy_to_host(dst.data(), dst.size()).ok());
+    ASSERT_OK(buf->fill(0x5A));
+    ASSERT_OK(buf->copy_to_host(dst.data(), dst.size()));
     EXPECT_EQ(dst[12345], 0x5A);
 }
 
@@ -56,26 +56,25 @@ TEST(CudaStream, HostTasksRunInOrderAndErrorsAreSticky) {
     DeviceRuntime* rt = cuda_or_skip();
     if (rt == nullptr) GTEST_SKIP() << skip_reason();
     auto s = rt->create_stream(0, "cuda-test");
-    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    ASSERT_OK(s);
     std::vector<int> order;
     std::atomic<bool> gate{false};
     ASSERT_TRUE(enqueue_void(**s, [&] {
                     while (!gate.load()) std::this_thread::yield();
                     order.push_back(0);
                 }).ok());
-    for (int i = 1; i < 20; ++i)
-        ASSERT_TRUE(enqueue_void(**s, [&order, i] { order.push_back(i); }).ok());
+    for (int i = 1; i < 20; ++i) ASSERT_OK(enqueue_void(**s, [&order, i] { order.push_back(i); }));
     auto ev = (*s)->create_event();
     ASSERT_NE(ev, nullptr);
-    ASSERT_TRUE((*s)->record(*ev).ok());
+    ASSERT_OK((*s)->record(*ev));
     EXPECT_FALSE(ev->query());
     gate = true;
-    ASSERT_TRUE(ev->synchronize(10s).ok());
+    ASSERT_OK(ev->synchronize(10s));
     ASSERT_EQ(order.size(), 20u);
     for (int i = 0; i < 20; ++i) EXPECT_EQ(order[static_cast<size_t>(i)], i);
-    ASSERT_TRUE((*s)->enqueue([] { return Status(StatusCode::kDataLoss, "boom"); }).ok());
+    ASSERT_OK((*s)->enqueue([] { return Status(StatusCode::kDataLoss, "boom"); }));
     int ran = 0;
-    ASSERT_TRUE(enqueue_void(**s, [&] { ++ran; }).ok());
+    ASSERT_OK(enqueue_void(**s, [&] { ++ran; }));
     EXPECT_EQ((*s)->synchronize(10s).code(), StatusCode::kDataLoss);
     EXPECT_EQ(ran, 0);
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::model::cuda {
 namespace {
@@ -33,10 +34,10 @@ void expect_error(const Status& st, StatusCode code, const std::string& text) {
 }
 
 TEST(CudaModelConfig, AcceptsTinyAndLlama8bShapes) {
-    EXPECT_TRUE(check_cuda_model_config(tiny2(), 1, {}).ok());
+    EXPECT_OK(check_cuda_model_config(tiny2(), 1, {}));
     ModelConfig l8 = *resolve_model("llama3-8b");
     l8.num_layers = 2;
-    EXPECT_TRUE(check_cuda_model_config(l8, 1, {}).ok());
+    EXPECT_OK(check_cuda_model_config(l8, 1, {}));
 }
 
 TEST(CudaModelConfig, RejectsWhatItDoesNotBuild) {
@@ -155,7 +156,7 @@ StepBatch two_requests() {
 }
 
 TEST(StepBatchCheck, AcceptsAConsistentBatch) {
-    EXPECT_TRUE(check_step_batch(two_requests(), tiny2(), {}, {8, 4}).ok());
+    EXPECT_OK(check_step_batch(two_requests(), tiny2(), {}, {8, 4}));
 }
 
 TEST(StepBatchCheck, NamesTheBadField) {
@@ -217,7 +218,7 @@ TEST(StepBatchCheck, NamesTheBadField) {
 TEST(StepBatchCheck, AnEmptyBatchIsValid) {
     StepBatch idle;
     idle.mode = attn::ForwardMode::kIdle;
-    EXPECT_TRUE(check_step_batch(idle, tiny2(), {}, {8, 4}).ok());
+    EXPECT_OK(check_step_batch(idle, tiny2(), {}, {8, 4}));
 }
 
 TEST(PackInputs, WritesEveryRegionAndThePrefixSum) {
@@ -245,7 +246,7 @@ TEST(DecodeBuckets, DefaultsArePowersOfTwoThenTheMaximum) {
 
 TEST(DecodeBuckets, ChecksAndChoice) {
     const std::vector<int> b = {1, 2, 4, 8, 16, 32, 64};
-    EXPECT_TRUE(check_decode_buckets(b, 64).ok());
+    EXPECT_OK(check_decode_buckets(b, 64));
     expect_error(check_decode_buckets(std::vector<int>{}, 64), StatusCode::kInvalidArgument,
                  "none given");
     expect_error(check_decode_buckets(std::vector<int>{1, 4, 4}, 64), StatusCode::kInvalidArgument,
@@ -272,17 +273,17 @@ TEST(DecodePadding, PadsToTheBucketWithNullPageRequests) {
     d.page_table_stride = 2;
     d.page_table = {5, 6, 8, 0, 10, 0};
     auto p = pad_decode_batch(d, 4);
-    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    ASSERT_OK(p);
     EXPECT_THAT(p->tokens, ElementsAre(7, 9, 11, 0));
     EXPECT_THAT(p->out_cache_loc, ElementsAre(21, 34, 40, 0));
     EXPECT_THAT(p->seq_lens, ElementsAre(6, 3, 1, 1));
     EXPECT_THAT(p->extend_lens, ElementsAre(1, 1, 1, 1));
     EXPECT_EQ(p->page_table_stride, 2);
     EXPECT_THAT(p->page_table, ElementsAre(5, 6, 8, 0, 10, 0, 0, 0));
-    EXPECT_TRUE(check_step_batch(*p, tiny2(), {}, {16, 4}).ok());
+    EXPECT_OK(check_step_batch(*p, tiny2(), {}, {16, 4}));
 
     auto same = pad_decode_batch(d, 3);
-    ASSERT_TRUE(same.ok());
+    ASSERT_OK(same);
     EXPECT_EQ(same->tokens, d.tokens);
 
     expect_error(pad_decode_batch(d, 2).status(), StatusCode::kInvalidArgument,
@@ -295,7 +296,7 @@ TEST(DecodePadding, PadsToTheBucketWithNullPageRequests) {
     EXPECT_THAT(pad.seq_lens, ElementsAre(1, 1, 1));
     EXPECT_THAT(pad.page_table, ElementsAre(0, 0, 0));
     EXPECT_EQ(pad.page_table_stride, 1);
-    EXPECT_TRUE(check_step_batch(pad, tiny2(), {}, {2, 4}).ok());
+    EXPECT_OK(check_step_batch(pad, tiny2(), {}, {2, 4}));
 }
 
 TEST(KvDigest, Fnv1aKnownValues) {
@@ -319,8 +320,8 @@ std::unique_ptr<kv::MHATokenToKVPool> cpu_pool() {
     pc.head_dim = 8;
     pc.dtype = kv::KVDtype::kBF16;
     auto pool = kv::MHATokenToKVPool::create(pc);
-    EXPECT_TRUE(pool.ok()) << pool.status().to_string();
-    EXPECT_TRUE((*pool)->fill(0x5a).ok());  // the pages' unused tails hold garbage
+    EXPECT_OK(pool);
+    EXPECT_OK((*pool)->fill(0x5a));  // the pages' unused tails hold garbage
     return std::move(*pool);
 }
 
@@ -354,15 +355,15 @@ TEST(KvDigest, DependsOnTheTokensNotOnWhichPagesHoldThem) {
     write_request(*b, pages_b, 10, 1.f);
     auto da = request_kv_digest(*a, pages_a, 10);
     auto db = request_kv_digest(*b, pages_b, 10);
-    ASSERT_TRUE(da.ok()) << da.status().to_string();
-    ASSERT_TRUE(db.ok()) << db.status().to_string();
+    ASSERT_OK(da);
+    ASSERT_OK(db);
     ASSERT_EQ(da->size(), 2u);
     EXPECT_EQ(*da, *db);
     EXPECT_NE((*da)[0], (*da)[1]);
 
     // The bytes come back in token order: token 5 of layer 1's V, element 3.
     auto vb = read_request_kv(*a, 1, 1, pages_a, 10);
-    ASSERT_TRUE(vb.ok());
+    ASSERT_OK(vb);
     ASSERT_EQ(vb->size(), 10u * 16 * 2);
     bf16_t bits = 0;
     std::memcpy(&bits, vb->data() + (5 * 16 + 3) * 2, 2);
@@ -379,7 +380,7 @@ TEST(KvDigest, DependsOnTheTokensNotOnWhichPagesHoldThem) {
                         .ok());
     }
     auto dc = request_kv_digest(*b, pages_b, 10);
-    ASSERT_TRUE(dc.ok());
+    ASSERT_OK(dc);
     EXPECT_EQ((*dc)[0], (*da)[0]);
     EXPECT_NE((*dc)[1], (*da)[1]);
     // ... and a shorter request does not see token 9.

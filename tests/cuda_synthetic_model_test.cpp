@@ -40,6 +40,7 @@
 #include "backends/runtime/cpu_stream.h"
 #include "backends/runtime/device.h"
 #include "common/bf16.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::model::cuda {
 namespace {
@@ -154,7 +155,7 @@ std::unique_ptr<Rig> make_rig(const ModelConfig& cfg, const RigOptions& o) {
     rig->pool = std::move(*pool);
     // Poison: every KV element a forward should not read is NaN (0xffff), which would surface
     // as non-finite logits (kDataLoss) if it were read.
-    EXPECT_TRUE(rig->pool->fill(0xff).ok());
+    EXPECT_OK(rig->pool->fill(0xff));
     attn::AttentionConfig ac;
     ac.num_q_heads = cfg.num_q_heads;
     ac.num_kv_heads = cfg.num_kv_heads;
@@ -205,14 +206,14 @@ void ensure_pages(Rig& r, Seq& s, int len) {
     const int need = (len + r.page_size - 1) / r.page_size;
     while (static_cast<int>(s.pages.size()) < need) {
         auto p = r.pool->allocator().alloc(1);
-        ASSERT_TRUE(p.ok()) << p.status().to_string();
+        ASSERT_OK(p);
         s.pages.push_back((*p)[0]);
     }
 }
 
 void free_pages(Rig& r, std::vector<Seq>& seqs) {
     for (Seq& s : seqs) {
-        EXPECT_TRUE(r.pool->allocator().free(s.pages).ok());
+        EXPECT_OK(r.pool->allocator().free(s.pages));
         s.pages.clear();
     }
 }
@@ -268,12 +269,12 @@ std::vector<Seq*> pointers(std::vector<Seq>& seqs) {
 
 // Runs one forward to completion (the workspace poisoned first); returns the sampled tokens.
 std::vector<int32_t> run(Rig& r, const StepBatch& b, bool save_kv_cache = true) {
-    EXPECT_TRUE(r.model->fill_workspace(0xff).ok());
+    EXPECT_OK(r.model->fill_workspace(0xff));
     std::vector<int32_t> next(b.seq_lens.size(), -1);
     Status st = r.model->forward(b, *r.backend, *r.pool, next.data(), save_kv_cache);
-    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_OK(st);
     st = r.stream->synchronize();
-    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_OK(st);
     EXPECT_TRUE(r.model->forward_done().query());
     return next;
 }
@@ -284,19 +285,19 @@ void append(std::vector<Seq*> seqs, const std::vector<int32_t>& next) {
 
 std::vector<float> logits(Rig& r, int rows) {
     auto l = r.model->copy_last_logits(rows);
-    EXPECT_TRUE(l.ok()) << l.status().to_string();
+    EXPECT_OK(l);
     return l.ok() ? *l : std::vector<float>{};
 }
 
 std::vector<uint64_t> digest(Rig& r, const Seq& s, int len) {
     auto d = request_kv_digest(*r.pool, s.pages, len);
-    EXPECT_TRUE(d.ok()) << d.status().to_string();
+    EXPECT_OK(d);
     return d.ok() ? *d : std::vector<uint64_t>{};
 }
 
 std::vector<float> kv_values(Rig& r, const Seq& s, int len, int layer, int buf) {
     auto bytes = read_request_kv(*r.pool, layer, buf, s.pages, len);
-    EXPECT_TRUE(bytes.ok()) << bytes.status().to_string();
+    EXPECT_OK(bytes);
     std::vector<float> out;
     if (!bytes.ok()) return out;
     out.resize(bytes->size() / 2);
@@ -311,7 +312,7 @@ std::vector<float> kv_values(Rig& r, const Seq& s, int len, int layer, int buf) 
 // Fills KV slot `loc` of every layer (K and V) with NaN.
 void poison_slot(Rig& r, int32_t loc) {
     auto rt = runtime::device_runtime(DeviceKind::kCuda);
-    ASSERT_TRUE(rt.ok());
+    ASSERT_OK(rt);
     for (int l = 0; l < r.pool->num_layers(); ++l) {
         for (int buf = 0; buf < 2; ++buf) {
             const size_t tb = r.pool->token_bytes(l, buf);
@@ -591,14 +592,14 @@ TEST(CudaSyntheticModelOracle, MatchesTheCpuModelUnrounded) {
     const ModelConfig cfg = tiny2();
     runtime::CpuStream stream("oracle-check");
     auto model = SyntheticModel::create(cfg, nullptr, 256);
-    ASSERT_TRUE(model.ok()) << model.status().to_string();
+    ASSERT_OK(model);
     attn::AttentionConfig ac;
     ac.num_q_heads = cfg.num_q_heads;
     ac.num_kv_heads = cfg.num_kv_heads;
     ac.head_dim = cfg.head_dim;
     ac.stream = &stream;
     auto backend = attn::create_attention_backend("cpu_ref", ac);
-    ASSERT_TRUE(backend.ok()) << backend.status().to_string();
+    ASSERT_OK(backend);
     kv::MHAPoolConfig pc;
     pc.num_layers = cfg.num_layers;
     pc.num_pages = 32;
@@ -606,7 +607,7 @@ TEST(CudaSyntheticModelOracle, MatchesTheCpuModelUnrounded) {
     pc.num_kv_heads = cfg.num_kv_heads;
     pc.head_dim = cfg.head_dim;
     auto pool = kv::MHATokenToKVPool::create(pc);
-    ASSERT_TRUE(pool.ok());
+    ASSERT_OK(pool);
     Oracle oracle(cfg, /*bf16=*/false);
     constexpr double kTieTol = 1e-3;  // fp32 vs double
     std::vector<std::vector<int32_t>> seqs = {random_tokens(5, cfg.vocab, 100),
@@ -633,8 +634,8 @@ TEST(CudaSyntheticModelOracle, MatchesTheCpuModelUnrounded) {
             }
         }
         std::vector<int32_t> next(seqs.size(), -1);
-        ASSERT_TRUE((*model)->forward(b, **backend, **pool, next.data()).ok());
-        ASSERT_TRUE(stream.synchronize().ok());
+        ASSERT_OK((*model)->forward(b, **backend, **pool, next.data()));
+        ASSERT_OK(stream.synchronize());
         for (size_t i = 0; i < seqs.size(); ++i) {
             const std::vector<int32_t> fed =
                 step == 0 ? seqs[i] : std::vector<int32_t>{seqs[i].back()};
@@ -681,7 +682,7 @@ TEST_F(CudaSyntheticModelTest, MatchesTheHostOracle) {
         const std::vector<int32_t> next = run(*rig, b);
         const std::vector<float> gl = logits(*rig, 3);
         auto gh = rig->model->copy_last_final_hidden(3);
-        ASSERT_TRUE(gh.ok()) << gh.status().to_string();
+        ASSERT_OK(gh);
         ASSERT_EQ(gl.size(), 3u * V);
         for (int i = 0; i < 3; ++i) {
             const std::vector<int32_t> fed =
@@ -805,7 +806,7 @@ TEST_F(CudaSyntheticModelTest, GraphReplayEqualsEagerDecode) {
     auto rig = make_rig(cfg, ro);
     ASSERT_NE(rig, nullptr);
     CudaSyntheticModel& m = *rig->model;
-    ASSERT_TRUE(m.capture_decode_graphs(*rig->backend, *rig->pool).ok());
+    ASSERT_OK(m.capture_decode_graphs(*rig->backend, *rig->pool));
     EXPECT_EQ(m.decode_buckets(), (std::vector<int>{1, 2, 4, 8, 16}));
     uint64_t seed = 1000;
     for (int bs : {1, 3, 5, 8, 13}) {
@@ -857,7 +858,7 @@ TEST_F(CudaSyntheticModelTest, StaleGraphMetadataIsCaught) {
     CudaSyntheticModel& m = *rig->model;
     DecodeGraphOptions go;
     go.buckets = {4};
-    ASSERT_TRUE(m.capture_decode_graphs(*rig->backend, *rig->pool, go).ok());
+    ASSERT_OK(m.capture_decode_graphs(*rig->backend, *rig->pool, go));
     // Two different batches of 4: other pages, other lengths.
     std::vector<Seq> x(4), y(4);
     for (int i = 0; i < 4; ++i) {
@@ -903,7 +904,7 @@ TEST_F(CudaSyntheticModelTest, PrewritePathEqualsTheNormalPath) {
     auto rig = make_rig(cfg, ro);
     ASSERT_NE(rig, nullptr);
     auto counter = pd::StepCounter::create(*rig->stream);
-    ASSERT_TRUE(counter.ok()) << counter.status().to_string();
+    ASSERT_OK(counter);
     rig->backend->register_step_counter(counter->get());
 
     auto generate = [&](bool save) {
@@ -936,7 +937,7 @@ TEST_F(CudaSyntheticModelTest, PrewritePathEqualsTheNormalPath) {
     EXPECT_EQ(tokens_pre, tokens_saved);
     EXPECT_EQ(logits_pre, logits_saved);
     EXPECT_EQ(kv_pre, kv_saved);
-    ASSERT_TRUE(rig->stream->synchronize().ok());
+    ASSERT_OK(rig->stream->synchronize());
     rig->backend->register_step_counter(nullptr);
 }
 
@@ -965,11 +966,11 @@ TEST_F(CudaSyntheticModelTest, ArgumentsAreCheckedBeforeAnythingIsEnqueued) {
     pc.head_dim = 64;
     pc.dtype = kv::KVDtype::kBF16;
     auto cpu_pool = kv::MHATokenToKVPool::create(pc);
-    ASSERT_TRUE(cpu_pool.ok());
+    ASSERT_OK(cpu_pool);
     st = rig->model->forward(b, *rig->backend, **cpu_pool, next.data());
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(st.message(), HasSubstr("pool: memory on cpu"));
-    EXPECT_TRUE(rig->stream->synchronize().ok());
+    EXPECT_OK(rig->stream->synchronize());
     EXPECT_EQ(next[0], -1);  // nothing ran
     EXPECT_FALSE(rig->model->last_forward_timing().ok());
 }
@@ -988,7 +989,7 @@ TEST_F(CudaSyntheticModelTest, Llama8bShapesSmoke) {
     EXPECT_EQ(m.weight_bytes(), static_cast<size_t>(estimate_weight_memory(cfg).total));
     DecodeGraphOptions go;
     go.buckets = {2};
-    ASSERT_TRUE(m.capture_decode_graphs(*rig->backend, *rig->pool, go).ok());
+    ASSERT_OK(m.capture_decode_graphs(*rig->backend, *rig->pool, go));
 
     std::vector<Seq> pair(2);
     pair[0].tokens = random_tokens(37, cfg.vocab, 800);
@@ -1003,7 +1004,7 @@ TEST_F(CudaSyntheticModelTest, Llama8bShapesSmoke) {
         const std::vector<int32_t> eager = run(*rig, b);
         const std::vector<float> eager_logits = logits(*rig, 2);
         auto t = m.last_forward_timing();
-        ASSERT_TRUE(t.ok()) << t.status().to_string();
+        ASSERT_OK(t);
         EXPECT_FALSE(t->graph);
         ASSERT_EQ(t->layer_begin_ms.size(), 2u);
         EXPECT_LE(t->layer_begin_ms[0], t->layer_end_ms[0]);

@@ -11,6 +11,7 @@
 
 #include "backends/model/model_config.h"
 #include "sim/workload/workload.h"
+#include "tests/status_matchers.h"
 #include "topology/loader.h"
 
 namespace pdsim::data {
@@ -65,10 +66,10 @@ TEST(DataDir, SourceTreeFirstThenInstallPrefix) {
     EXPECT_EQ(data_search_path(DataKind::kModels)[0].path, (kSource / "data/models").string());
 
     auto traces = find_data_dir(DataKind::kTraces);
-    ASSERT_TRUE(traces.ok()) << traces.status().to_string();
+    ASSERT_OK(traces);
     EXPECT_EQ(*traces, (kSource / "data/traces").string());
     auto mooncake = find_data_file(DataKind::kTraces, "mooncake_conversation.jsonl");
-    ASSERT_TRUE(mooncake.ok()) << mooncake.status().to_string();
+    ASSERT_OK(mooncake);
     EXPECT_TRUE(fs::is_regular_file(*mooncake));
 }
 
@@ -79,7 +80,7 @@ TEST(DataDir, EnvironmentOverridesAndIsStrict) {
     {
         ScopedDataDir env(root.c_str());
         auto traces = find_data_dir(DataKind::kTraces);
-        ASSERT_TRUE(traces.ok()) << traces.status().to_string();
+        ASSERT_OK(traces);
         EXPECT_EQ(*traces, (root / "traces").string());
         ASSERT_EQ(data_search_path(DataKind::kTraces).size(), 1u);
         EXPECT_EQ(data_search_path(DataKind::kTraces)[0].origin, "$PDSIM_DATA_DIR");
@@ -123,7 +124,7 @@ TEST(DataDir, BareNamesResolveToShippedFiles) {
     EXPECT_EQ(resolve_data_file(DataKind::kModels, ""), "");
 
     auto topo = topo::load_topology("cpu-1p2d");
-    ASSERT_TRUE(topo.ok()) << topo.status().to_string();
+    ASSERT_OK(topo);
     EXPECT_EQ(topo->name, "cpu-1p2d");
     auto missing = topo::load_topology("no-such-topology");
     ASSERT_FALSE(missing.ok());
@@ -131,11 +132,11 @@ TEST(DataDir, BareNamesResolveToShippedFiles) {
 
     auto trace =
         workload::load_trace("azure_llm_code", workload::TraceFormat::kAuto, {.max_requests = 10});
-    ASSERT_TRUE(trace.ok()) << trace.status().to_string();
+    ASSERT_OK(trace);
     EXPECT_EQ(trace->size(), 10u);
 
     auto model = model::resolve_model("llama3-8b-4l");
-    ASSERT_TRUE(model.ok()) << model.status().to_string();
+    ASSERT_OK(model);
     EXPECT_EQ(model->num_layers, 4);
     EXPECT_EQ(model->hidden, 4096);
     auto unknown = model::resolve_model("no-such-model");
@@ -149,19 +150,19 @@ TEST(DataDir, EveryShippedFileLoads) {
     for (const auto& e : fs::directory_iterator(kSource / "data/models")) {
         if (e.path().extension() != ".yaml") continue;
         auto m = model::resolve_model(e.path().string());
-        EXPECT_TRUE(m.ok()) << e.path() << ": " << m.status().to_string();
+        EXPECT_OK(m) << e.path() << ": " << m.status().to_string();
         ++models;
     }
     for (const auto& e : fs::directory_iterator(kSource / "topology/examples")) {
         auto t = topo::load_topology(e.path().string());
-        EXPECT_TRUE(t.ok()) << e.path() << ": " << t.status().to_string();
+        EXPECT_OK(t) << e.path() << ": " << t.status().to_string();
         ++topologies;
     }
     for (const auto& e : fs::directory_iterator(kSource / "data/traces")) {
         const std::string ext = e.path().extension().string();
         if (ext != ".jsonl" && ext != ".csv") continue;
         auto t = workload::load_trace(e.path().string(), workload::TraceFormat::kAuto, {});
-        ASSERT_TRUE(t.ok()) << e.path() << ": " << t.status().to_string();
+        ASSERT_OK(t) << e.path() << ": " << t.status().to_string();
         EXPECT_GT(t->size(), 1000u) << e.path();
         ++traces;
     }

@@ -6,6 +6,7 @@
 
 #include "common/check.h"
 #include "sim/des/routes.h"
+#include "tests/status_matchers.h"
 #include "topology/loader.h"
 
 namespace pdsim::des {
@@ -79,7 +80,7 @@ TEST(RouteTable, OnePairIsOneLaneOverOneGroupedLink) {
                        "  - {id: p, role: prefill, tp: 1, devices: [n0.cpu0]}\n"
                        "  - {id: d, role: decode, tp: 1, devices: [n0.cpu1]}\n"));
     StatusOr<RouteTable> table = RouteTable::build(t, tiny(), net, "one");
-    ASSERT_TRUE(table.ok()) << table.status().to_string();
+    ASSERT_OK(table);
     EXPECT_TRUE(table->bundled());
     const Route& r = table->route(0, 1);
     ASSERT_EQ(r.lanes.size(), 1u);
@@ -101,7 +102,7 @@ TEST(RouteTable, SymmetricTpLanesAreBundledWithCapacitiesPerShare) {
                        "  - {id: p, role: prefill, tp: 2, devices: [n0.cpu0, n0.cpu1]}\n"
                        "  - {id: d, role: decode, tp: 1, devices: [n0.cpu2]}\n"));
     StatusOr<RouteTable> table = RouteTable::build(t, tiny(), net, "one");
-    ASSERT_TRUE(table.ok()) << table.status().to_string();
+    ASSERT_OK(table);
     EXPECT_TRUE(table->bundled());
     const Route& r = table->route(0, 1);
     ASSERT_EQ(r.lanes.size(), 1u);  // both rank pairs as one flow
@@ -143,7 +144,7 @@ instances:
     const topo::Topology t = parse(yaml);
     StatusOr<RouteTable> table =
         RouteTable::build(t, *model::resolve_model("deepseek-v3"), net, "two");
-    ASSERT_TRUE(table.ok()) << table.status().to_string();
+    ASSERT_OK(table);
     EXPECT_FALSE(table->bundled());
     const Route& to_d1 = table->route(0, 1);
     const Route& to_d2 = table->route(0, 2);

@@ -340,7 +340,7 @@ TEST(Simulator, KvCapacityFromTheDeviceAndTheModel) {
     const model::ModelConfig m = *model::resolve_model("llama3-70b");
     KvCapacityOptions o;
     const StatusOr<int64_t> pages = kv_capacity_pages(dgx, m, 0, o);
-    ASSERT_TRUE(pages.ok()) << pages.status().to_string();
+    ASSERT_OK(pages);
     // Per rank: 80 GiB x 0.9 - 2 bytes x params / 8; a page: 16 tokens x 80 layers x 2 x 1 KV head
     // x 128 x 2 bytes.
     const double avail = 80.0 * (1 << 30) * 0.9 - 2.0 * static_cast<double>(m.num_params()) / 8;

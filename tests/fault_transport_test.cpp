@@ -36,7 +36,7 @@ Pair make_pair_with(const std::string& spec, int faulty = 0, const std::string& 
         o.edit<FaultOptions>().inner = inner;
         o.edit<FaultOptions>().spec = spec;
         auto t = create_transport(r == faulty ? "fault" : inner, o);
-        EXPECT_TRUE(t.ok()) << t.status().to_string();
+        EXPECT_OK(t);
         if (t.ok()) p.t[r] = std::move(t).value();
     }
     return p;
@@ -66,7 +66,7 @@ PDSIM_TRANSPORT_CONFORMANCE_TESTS(FaultDelayConformance, g_fault_local)
 
 TEST(FaultSpec, Parses) {
     auto s = parse_fault_spec("delay:ms=5,jitter_ms=2; drop:p=0.25,seed=9");
-    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    ASSERT_OK(s);
     EXPECT_EQ(s->delay_ms, 5);
     EXPECT_EQ(s->jitter_ms, 2);
     EXPECT_EQ(s->drop_p, 0.25);
@@ -106,8 +106,8 @@ std::set<int> delivered_under_drop(uint64_t seed) {
     for (int k = 0; k < kN; ++k) {
         out.push_back(make_message(0, 1, k, 8));
         auto s = p.t[0]->post_send(1, k, out.back().data(), 8);
-        EXPECT_TRUE(s.ok());
-        EXPECT_TRUE(p.t[0]->wait(*s, kWait).ok());  // a dropped send still "completes"
+        EXPECT_OK(s);
+        EXPECT_OK(p.t[0]->wait(*s, kWait));  // a dropped send still "completes"
     }
     std::set<int> got;
     for (int k = 0; k < kN; ++k) {
@@ -144,16 +144,16 @@ TEST(FaultTransport, DelayKeepsOrder) {
     for (int k = 0; k < kN; ++k) {
         out[k] = make_message(0, 1, k, 100);
         auto s = p.t[0]->post_send(1, 3, out[k].data(), 100);
-        ASSERT_TRUE(s.ok());
+        ASSERT_OK(s);
         sends.push_back(*s);
         if (k == 0) {
             EXPECT_FALSE(recvs[0].done());  // still held by the delay
         }
     }
-    ASSERT_TRUE(wait_all(*p.t[1], recvs, kWait).ok());
+    ASSERT_OK(wait_all(*p.t[1], recvs, kWait));
     EXPECT_GE(std::chrono::steady_clock::now() - t0, 299ms);
     for (int k = 0; k < kN; ++k) EXPECT_EQ(compare_message(in[k].data(), 100, 0, 1, k), "") << k;
-    EXPECT_TRUE(wait_all(*p.t[0], sends, kWait).ok());
+    EXPECT_OK(wait_all(*p.t[0], sends, kWait));
 }
 
 TEST(FaultTransport, CancelADelayedSend) {
@@ -161,11 +161,11 @@ TEST(FaultTransport, CancelADelayedSend) {
     std::vector<uint8_t> out(16, 1);
     std::vector<uint8_t> in(16);
     auto s = p.t[0]->post_send(1, 1, out.data(), out.size());
-    ASSERT_TRUE(s.ok());
-    ASSERT_TRUE(p.t[0]->cancel(*s).ok());
+    ASSERT_OK(s);
+    ASSERT_OK(p.t[0]->cancel(*s));
     EXPECT_EQ(p.t[0]->wait(*s, kWait).code(), StatusCode::kAborted);
     auto r = p.t[1]->post_recv(0, 1, in.data(), in.size());
-    ASSERT_TRUE(r.ok());
+    ASSERT_OK(r);
     EXPECT_EQ(p.t[1]->wait(*r, 200ms).code(), StatusCode::kDeadlineExceeded);
 }
 
@@ -178,7 +178,7 @@ std::vector<size_t> corrupted_positions(uint64_t seed) {
     auto r = p.t[1]->post_recv(0, 9, in.data(), in.size());
     auto s = p.t[0]->post_send(1, 9, out.data(), out.size());
     EXPECT_TRUE(r.ok() && s.ok());
-    EXPECT_TRUE(p.t[1]->wait(*r, kWait).ok());
+    EXPECT_OK(p.t[1]->wait(*r, kWait));
     std::vector<size_t> diff;
     for (size_t i = 0; i < in.size(); ++i) {
         if (in[i] != out[i]) diff.push_back(i);
@@ -207,11 +207,11 @@ TEST(FaultTransport, ReorderSwapsConsecutiveSends) {
     for (int k = 0; k < kN; ++k) {
         out[k] = make_message(0, 1, k, 64);
         auto s = p.t[0]->post_send(1, 2, out[k].data(), 64);
-        ASSERT_TRUE(s.ok());
+        ASSERT_OK(s);
         sends.push_back(*s);
     }
-    ASSERT_TRUE(wait_all(*p.t[1], recvs, kWait).ok());
-    EXPECT_TRUE(wait_all(*p.t[0], sends, kWait).ok());
+    ASSERT_OK(wait_all(*p.t[1], recvs, kWait));
+    EXPECT_OK(wait_all(*p.t[0], sends, kWait));
     // Held A is released after B: receive order B A D C.
     EXPECT_EQ(compare_message(in[0].data(), 64, 0, 1, 1), "");
     EXPECT_EQ(compare_message(in[1].data(), 64, 0, 1, 0), "");
@@ -223,11 +223,11 @@ TEST(FaultTransport, ReorderSwapsConsecutiveSends) {
     std::vector<uint8_t> y(8);
     auto r = q.t[1]->post_recv(0, 1, y.data(), 8);
     auto xs = q.t[0]->post_send(1, 1, x.data(), 8);
-    ASSERT_TRUE(xs.ok());
+    ASSERT_OK(xs);
     EXPECT_EQ(q.t[1]->wait(*r, 50ms).code(), StatusCode::kDeadlineExceeded);
-    EXPECT_TRUE(q.t[1]->wait(*r, kWait).ok());
+    EXPECT_OK(q.t[1]->wait(*r, kWait));
     EXPECT_EQ(x, y);
-    EXPECT_TRUE(q.t[0]->wait(*xs, kWait).ok());
+    EXPECT_OK(q.t[0]->wait(*xs, kWait));
 }
 
 TEST(FaultTransport, DisconnectAfterN) {
@@ -239,13 +239,13 @@ TEST(FaultTransport, DisconnectAfterN) {
     for (int k = 0; k < 3; ++k) {
         out.push_back(make_message(0, 1, k, 32));
         auto s = p.t[0]->post_send(1, 1, out.back().data(), 32);
-        ASSERT_TRUE(s.ok());
-        ASSERT_TRUE(p.t[0]->wait(*s, kWait).ok());
+        ASSERT_OK(s);
+        ASSERT_OK(p.t[0]->wait(*s, kWait));
     }
     auto fourth = p.t[0]->post_send(1, 1, out.back().data(), 32);
     EXPECT_THAT(fourth, StatusIs(StatusCode::kUnavailable, HasSubstr("disconnected after 3")));
     for (int k = 0; k < 3; ++k) {
-        ASSERT_TRUE(p.t[1]->wait(recvs[k], kWait).ok());
+        ASSERT_OK(p.t[1]->wait(recvs[k], kWait));
         EXPECT_EQ(compare_message(in[k].data(), 32, 0, 1, k), "");
     }
     // The peer sees the rank go away: its pending receives fail, naming rank 0.
@@ -271,7 +271,7 @@ TEST(FaultTransport, DisconnectOverTcp) {
             o.edit<FaultOptions>().inner = "tcp";
             o.edit<FaultOptions>().spec = "disconnect:after=1";
             auto x = create_transport(r == 0 ? "fault" : "tcp", o);
-            ASSERT_TRUE(x.ok()) << x.status().to_string();
+            ASSERT_OK(x);
             t[r] = std::move(x).value();
         });
     }
@@ -284,10 +284,10 @@ TEST(FaultTransport, DisconnectOverTcp) {
     auto r2 = t[1]->post_recv(0, 1, b.data(), b.size());
     ASSERT_TRUE(r1.ok() && r2.ok());
     auto sa = t[0]->post_send(1, 1, a.data(), a.size());
-    ASSERT_TRUE(sa.ok());
-    ASSERT_TRUE(t[1]->wait(*r1, kWait).ok());
+    ASSERT_OK(sa);
+    ASSERT_OK(t[1]->wait(*r1, kWait));
     EXPECT_EQ(a, b);
-    EXPECT_TRUE(t[0]->wait(*sa, kWait).ok());
+    EXPECT_OK(t[0]->wait(*sa, kWait));
     Status st = t[1]->wait(*r2, kWait);
     EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
     EXPECT_THAT(st.message(), HasSubstr("rank 0")) << st.to_string();

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backends/cuda/flashinfer_staging.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::attn::cuda {
 namespace {
@@ -41,7 +42,7 @@ TEST(PagedKvCsr, HandCheckedPartialFullAndEmptyRequests) {
     const std::vector<int32_t> seq{5, 0, 8}, q{2, 0, 3};
     const std::vector<int32_t> table{7, 3, -1, -1, -1, -1, 1, 2, -1};
     auto csr = build_paged_kv_csr(make_batch(seq, q, table, 3), 4, /*num_pages=*/10);
-    ASSERT_TRUE(csr.ok()) << csr.status().to_string();
+    ASSERT_OK(csr);
     EXPECT_THAT(csr->qo_indptr, ElementsAre(0, 2, 2, 5));
     EXPECT_THAT(csr->kv_indptr, ElementsAre(0, 2, 2, 4));
     EXPECT_THAT(csr->kv_indices, ElementsAre(7, 3, 1, 2));
@@ -57,7 +58,7 @@ TEST(PagedKvCsr, ShuffledPagesKeepTheirTableOrder) {
     std::vector<int32_t> table{31, 4, 17, 9, 22, 1, 40, 13, 28, 6};
     const std::vector<int32_t> seq{38};
     auto csr = build_paged_kv_csr(make_batch(seq, {}, table, 10), 4);
-    ASSERT_TRUE(csr.ok()) << csr.status().to_string();
+    ASSERT_OK(csr);
     EXPECT_THAT(csr->kv_indices, ElementsAreArray(table));
     EXPECT_THAT(csr->kv_indptr, ElementsAre(0, 10));
     EXPECT_THAT(csr->kv_last_page_len, ElementsAre(2));  // 38 = 9 * 4 + 2
@@ -67,7 +68,7 @@ TEST(PagedKvCsr, ShuffledPagesKeepTheirTableOrder) {
 TEST(PagedKvCsr, PageSizeOneMakesOnePagePerToken) {
     const std::vector<int32_t> seq{3, 1}, table{5, 9, 2, 8, 0, 0};
     auto csr = build_paged_kv_csr(make_batch(seq, {}, table, 3), 1);
-    ASSERT_TRUE(csr.ok()) << csr.status().to_string();
+    ASSERT_OK(csr);
     EXPECT_THAT(csr->kv_indptr, ElementsAre(0, 3, 4));
     EXPECT_THAT(csr->kv_indices, ElementsAre(5, 9, 2, 8));
     EXPECT_THAT(csr->kv_last_page_len, ElementsAre(1, 1));
@@ -79,7 +80,7 @@ TEST(PagedKvCsr, StrideLargerThanNeededIgnoresTheTail) {
     const std::vector<int32_t> seq{16, 17}, q{16, 1};
     const std::vector<int32_t> table{3, 999, -5, 999, 999, 999, 4, 6, 999, -1, -1, -1};
     auto csr = build_paged_kv_csr(make_batch(seq, q, table, 6), 16, /*num_pages=*/8);
-    ASSERT_TRUE(csr.ok()) << csr.status().to_string();
+    ASSERT_OK(csr);
     EXPECT_THAT(csr->kv_indptr, ElementsAre(0, 1, 3));
     EXPECT_THAT(csr->kv_indices, ElementsAre(3, 4, 6));
     EXPECT_THAT(csr->kv_last_page_len, ElementsAre(16, 1));
@@ -88,7 +89,7 @@ TEST(PagedKvCsr, StrideLargerThanNeededIgnoresTheTail) {
 
 TEST(PagedKvCsr, EmptyBatch) {
     auto csr = build_paged_kv_csr(make_batch({}, {}, {}, 0), 16);
-    ASSERT_TRUE(csr.ok()) << csr.status().to_string();
+    ASSERT_OK(csr);
     EXPECT_THAT(csr->kv_indptr, ElementsAre(0));
     EXPECT_THAT(csr->qo_indptr, ElementsAre(0));
     EXPECT_EQ(csr->bs(), 0);
@@ -132,15 +133,15 @@ TEST(PagedKvCsr, BadInputIsRejectedNamingTheArgument) {
 
 TEST(AttentionShapeCheck, AcceptsWhatIsBuiltAndRejectsTheRest) {
     AttentionShape s{32, 8, 128, 16, runtime::DType::kBF16};
-    EXPECT_TRUE(check_shape(s, AttentionKind::kDecode).ok());
-    EXPECT_TRUE(check_shape(s, AttentionKind::kExtend).ok());
+    EXPECT_OK(check_shape(s, AttentionKind::kDecode));
+    EXPECT_OK(check_shape(s, AttentionKind::kExtend));
     for (int g : kDecodeGroupSizes) {
         AttentionShape d{2 * g, 2, 64, 1, runtime::DType::kBF16};
-        EXPECT_TRUE(check_shape(d, AttentionKind::kDecode).ok()) << g;
+        EXPECT_OK(check_shape(d, AttentionKind::kDecode)) << g;
     }
 
     AttentionShape g5{10, 2, 128, 16, runtime::DType::kBF16};  // group 5
-    EXPECT_TRUE(check_shape(g5, AttentionKind::kExtend).ok());
+    EXPECT_OK(check_shape(g5, AttentionKind::kExtend));
     Status st = check_shape(g5, AttentionKind::kDecode);
     EXPECT_EQ(st.code(), StatusCode::kUnimplemented);
     EXPECT_THAT(st.message(), HasSubstr("group size 5"));
@@ -173,7 +174,7 @@ TEST(AttentionShapeCheck, AcceptsWhatIsBuiltAndRejectsTheRest) {
 TEST(AttentionShapeCheck, MlaIsDecodeOnlyInItsOneShape) {
     const AttentionShape mla{128, 1, kMlaKvLoraRank, 64, runtime::DType::kBF16, kMlaRopeDim};
     EXPECT_TRUE(mla.is_mla());
-    EXPECT_TRUE(check_shape(mla, AttentionKind::kDecode).ok());  // any number of query heads
+    EXPECT_OK(check_shape(mla, AttentionKind::kDecode));  // any number of query heads
     Status st = check_shape(mla, AttentionKind::kExtend);
     EXPECT_EQ(st.code(), StatusCode::kUnimplemented);
     EXPECT_THAT(st.message(), HasSubstr("MLA extend is not wrapped"));
@@ -235,13 +236,13 @@ void expect_disjoint_and_aligned(const MetadataLayout& l) {
 
 TEST(MetadataLayoutTest, DecodeAndExtendArraysAreAlignedAndDisjoint) {
     auto decode = make_metadata_layout(AttentionKind::kDecode, {64, 0, 4096}, 4);
-    ASSERT_TRUE(decode.ok()) << decode.status().to_string();
+    ASSERT_OK(decode);
     EXPECT_EQ(decode->max_work, 64);
     EXPECT_EQ(decode->max_tokens, 64);
     expect_disjoint_and_aligned(*decode);
 
     auto extend = make_metadata_layout(AttentionKind::kExtend, {8, 1000, 512}, 4);
-    ASSERT_TRUE(extend.ok()) << extend.status().to_string();
+    ASSERT_OK(extend);
     // ceil(1000 * 4 / 128) + 8 - 1 = 32 + 7.
     EXPECT_EQ(extend->max_work, 39);
     EXPECT_EQ(extend->o_indptr, extend->qo_indptr);  // one output row per query row
@@ -302,13 +303,13 @@ Planned plan_on_host(AttentionKind kind, const PlanCapacity& cap, int group, con
                      int page_size, bool graph) {
     Planned p;
     auto layout = make_metadata_layout(kind, cap, group);
-    EXPECT_TRUE(layout.ok()) << layout.status().to_string();
+    EXPECT_OK(layout);
     p.layout = *layout;
     p.staging.assign(p.layout.total_bytes, std::byte{0xAB});  // poison
     auto csr = build_paged_kv_csr(b, page_size);
-    EXPECT_TRUE(csr.ok()) << csr.status().to_string();
+    EXPECT_OK(csr);
     auto info = write_plan_metadata(*csr, group, p.layout, graph, p.staging);
-    EXPECT_TRUE(info.ok()) << info.status().to_string();
+    EXPECT_OK(info);
     if (info.ok()) p.info = *info;
     return p;
 }
@@ -412,12 +413,12 @@ TEST(PlanMetadata, ExtendGraphPadsToTheTileBound) {
 
 TEST(PlanMetadata, BatchesBeyondTheCapacityOrMalformedForDecodeAreRejected) {
     auto layout = make_metadata_layout(AttentionKind::kDecode, {2, 0, 3}, 1);
-    ASSERT_TRUE(layout.ok());
+    ASSERT_OK(layout);
     std::vector<std::byte> staging(layout->total_bytes);
     auto run = [&](const std::vector<int32_t>& seq, const std::vector<int32_t>& q,
                    const std::vector<int32_t>& table, int stride) {
         auto csr = build_paged_kv_csr(make_batch(seq, q, table, stride), 4);
-        EXPECT_TRUE(csr.ok()) << csr.status().to_string();
+        EXPECT_OK(csr);
         return write_plan_metadata(*csr, 1, *layout, false, staging).status();
     };
     Status st = run({1, 1, 1}, {}, {1, 2, 3}, 1);
@@ -429,11 +430,11 @@ TEST(PlanMetadata, BatchesBeyondTheCapacityOrMalformedForDecodeAreRejected) {
     EXPECT_THAT(st.message(), HasSubstr("decode request 0 has 2 queries"));
 
     auto ext = make_metadata_layout(AttentionKind::kExtend, {2, 10, 8}, 1);
-    ASSERT_TRUE(ext.ok());
+    ASSERT_OK(ext);
     std::vector<std::byte> ext_staging(ext->total_bytes);
     const std::vector<int32_t> seq{8, 8}, q{8, 8}, table{1, 2};
     auto csr = build_paged_kv_csr(make_batch(seq, q, table, 1), 16);
-    ASSERT_TRUE(csr.ok());
+    ASSERT_OK(csr);
     st = write_plan_metadata(*csr, 1, *ext, false, ext_staging).status();
     EXPECT_THAT(st.message(), HasSubstr("16 query tokens exceed capacity.max_tokens 10"));
 
@@ -444,7 +445,7 @@ TEST(PlanMetadata, BatchesBeyondTheCapacityOrMalformedForDecodeAreRejected) {
 
     std::vector<std::byte> small(8);
     auto one = build_paged_kv_csr(make_batch({4}, {}, {1}, 1), 4);
-    ASSERT_TRUE(one.ok());
+    ASSERT_OK(one);
     st = write_plan_metadata(*one, 1, *layout, false, small).status();
     EXPECT_THAT(st.message(), HasSubstr("staging: 8 bytes"));
 }
@@ -531,7 +532,7 @@ struct RingUnderTest {
         auto memory = std::make_unique<FakePinnedMemory>(ledger);
         fake = memory.get();
         auto r = PinnedStagingRing::create(std::move(memory), slots, bytes);
-        EXPECT_TRUE(r.ok()) << r.status().to_string();
+        EXPECT_OK(r);
         ring = std::move(*r);
     }
 };
@@ -541,16 +542,16 @@ void* const kStream = reinterpret_cast<void*>(0x5);
 TEST(PinnedStagingRingTest, ReusesASlotOnlyAfterItsCopyCompleted) {
     RingUnderTest t(2);
     auto s0 = t.ring->acquire(0ms);
-    ASSERT_TRUE(s0.ok()) << s0.status().to_string();
+    ASSERT_OK(s0);
     EXPECT_EQ(s0->index, 0);
     EXPECT_EQ(s0->data.size(), 64u);
-    ASSERT_TRUE(t.ring->commit(s0->index, kStream).ok());
+    ASSERT_OK(t.ring->commit(s0->index, kStream));
     EXPECT_EQ(t.fake->last_stream, kStream);
     auto s1 = t.ring->acquire(0ms);
-    ASSERT_TRUE(s1.ok());
+    ASSERT_OK(s1);
     EXPECT_EQ(s1->index, 1);
     EXPECT_NE(s1->data.data(), s0->data.data());
-    ASSERT_TRUE(t.ring->commit(s1->index, kStream).ok());
+    ASSERT_OK(t.ring->commit(s1->index, kStream));
     EXPECT_EQ(t.ring->in_flight(), 2);
 
     // Slot 0's copy has not run: not handed out.
@@ -564,7 +565,7 @@ TEST(PinnedStagingRingTest, ReusesASlotOnlyAfterItsCopyCompleted) {
     t.fake->complete(t.fake->record_order[0]);
     const int waits_before = t.ledger->waits;
     auto reused = t.ring->acquire(0ms);
-    ASSERT_TRUE(reused.ok()) << reused.status().to_string();
+    ASSERT_OK(reused);
     EXPECT_EQ(reused->index, 0);
     EXPECT_EQ(reused->data.data(), s0->data.data());
     EXPECT_EQ(t.ledger->waits, waits_before);
@@ -574,8 +575,8 @@ TEST(PinnedStagingRingTest, AFullRingWaitsForTheOldestCopyThenTimesOut) {
     RingUnderTest t(3);
     for (int i = 0; i < 3; ++i) {
         auto s = t.ring->acquire(0ms);
-        ASSERT_TRUE(s.ok());
-        ASSERT_TRUE(t.ring->commit(s->index, kStream).ok());
+        ASSERT_OK(s);
+        ASSERT_OK(t.ring->commit(s->index, kStream));
     }
     auto full = t.ring->acquire(250ms);
     ASSERT_FALSE(full.ok());
@@ -589,7 +590,7 @@ TEST(PinnedStagingRingTest, AFullRingWaitsForTheOldestCopyThenTimesOut) {
     // The GPU catches up while the host waits: the oldest slot comes back, the others stay.
     t.fake->complete_on_wait = true;
     auto s = t.ring->acquire(250ms);
-    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    ASSERT_OK(s);
     EXPECT_EQ(s->index, 0);
     EXPECT_EQ(t.ledger->waits, 2);
     EXPECT_EQ(t.ring->in_flight(), 2);
@@ -598,13 +599,13 @@ TEST(PinnedStagingRingTest, AFullRingWaitsForTheOldestCopyThenTimesOut) {
 TEST(PinnedStagingRingTest, AcquiredSlotsMustBeCommittedOrAbandoned) {
     RingUnderTest t(1);
     auto s = t.ring->acquire(0ms);
-    ASSERT_TRUE(s.ok());
+    ASSERT_OK(s);
     auto twice = t.ring->acquire(0ms);
     ASSERT_FALSE(twice.ok());
     EXPECT_EQ(twice.status().code(), StatusCode::kFailedPrecondition);
     EXPECT_THAT(twice.status().message(), HasSubstr("still acquired"));
     t.ring->abandon(s->index);
-    EXPECT_TRUE(t.ring->acquire(0ms).ok());
+    EXPECT_OK(t.ring->acquire(0ms));
 
     Status st = t.ring->commit(3, kStream);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
@@ -619,21 +620,21 @@ TEST(PinnedStagingRingTest, ASlotWhoseRecordFailedIsNeverReused) {
     RingUnderTest t(2);
     t.fake->fail_record = true;
     auto s = t.ring->acquire(0ms);
-    ASSERT_TRUE(s.ok());
+    ASSERT_OK(s);
     Status st = t.ring->commit(s->index, kStream);
     EXPECT_EQ(st.code(), StatusCode::kUnavailable);
     EXPECT_THAT(st.message(), HasSubstr("recording its event"));
     t.fake->fail_record = false;
     for (int i = 0; i < 3; ++i) {  // only slot 1 is handed out from now on
         auto next = t.ring->acquire(0ms);
-        ASSERT_TRUE(next.ok()) << next.status().to_string();
+        ASSERT_OK(next);
         EXPECT_EQ(next->index, 1);
         t.ring->abandon(next->index);
     }
     RingUnderTest one(1);
     one.fake->fail_record = true;
     auto only = one.ring->acquire(0ms);
-    ASSERT_TRUE(only.ok());
+    ASSERT_OK(only);
     EXPECT_FALSE(one.ring->commit(only->index, kStream).ok());
     auto none = one.ring->acquire(0ms);
     ASSERT_FALSE(none.ok());
@@ -649,8 +650,8 @@ TEST(PinnedStagingRingTest, DestructionWaitsForCopiesInFlightAndFreesEverything)
         EXPECT_EQ(ledger->live_allocations, 3);
         EXPECT_EQ(ledger->live_events, 3);
         auto s = t.ring->acquire(0ms);
-        ASSERT_TRUE(s.ok());
-        ASSERT_TRUE(t.ring->commit(s->index, kStream).ok());
+        ASSERT_OK(s);
+        ASSERT_OK(t.ring->commit(s->index, kStream));
         t.fake->complete_on_wait = true;
         ledger->waits = 0;
     }

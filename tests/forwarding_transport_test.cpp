@@ -98,22 +98,22 @@ TEST(ForwardingTransport, ForwardsEveryCallWithItsArguments) {
 
     char buf[8] = {};
     auto send = t.post_send(1, 5, buf, 8);
-    ASSERT_TRUE(send.ok());
+    ASSERT_OK(send);
     EXPECT_EQ(send->peer(), 1);
     auto recv = t.post_recv(2, 6, buf, 7);
-    ASSERT_TRUE(recv.ok());
+    ASSERT_OK(recv);
     EXPECT_EQ(recv->tag(), 6u);
     auto region = t.register_memory(buf, 8);
-    ASSERT_TRUE(region.ok());
+    ASSERT_OK(region);
     EXPECT_EQ(region->id, 17u);
     EXPECT_EQ(region->base, buf);
     EXPECT_THAT(t.deregister_memory(17), StatusIs(StatusCode::kNotFound, HasSubstr("deregister")));
     const std::vector<uint8_t> descriptor = {9, 9, 9};
     auto remote = t.import_remote(4, descriptor);
-    ASSERT_TRUE(remote.ok());
+    ASSERT_OK(remote);
     EXPECT_EQ(remote->id, 23u);
     auto write = t.post_write(*remote, 3, buf, 2);
-    ASSERT_TRUE(write.ok());
+    ASSERT_OK(write);
     EXPECT_THAT(t.test(*send).status(), StatusIs(StatusCode::kDataLoss));
     EXPECT_THAT(t.wait(*recv, std::chrono::nanoseconds(11)),
                 StatusIs(StatusCode::kDeadlineExceeded));
@@ -152,7 +152,7 @@ TEST(ForwardingTransport, AnOverrideChangesOnlyItsCall) {
     EXPECT_EQ(t.rank(), 3);
     char buf[4] = {};
     EXPECT_THAT(t.post_send(1, 1, buf, 4).status(), StatusIs(StatusCode::kUnimplemented));
-    ASSERT_TRUE(t.post_recv(1, 2, buf, 4).ok());
+    ASSERT_OK(t.post_recv(1, 2, buf, 4));
     EXPECT_EQ(calls, (std::vector<std::string>{"post_recv 1 2 4"}));
 }
 
@@ -164,7 +164,7 @@ TEST(ForwardingTransport, DestroysTheInnerTransport) {
         o.set(LocalOptions{.world = world});
         o.rank = 0;
         auto inner = create_transport("local", o);
-        ASSERT_TRUE(inner.ok()) << inner.status().to_string();
+        ASSERT_OK(inner);
         world.reset();
         PlainForwarder t(std::move(inner).value());
         EXPECT_EQ(t.name(), "local");

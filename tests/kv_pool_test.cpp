@@ -12,6 +12,7 @@
 
 #include "common/bf16.h"
 #include "tests/attention_test_util.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::kv {
 namespace {
@@ -32,7 +33,7 @@ TEST(PageAllocator, NeverHandsOutPageZero) {
     PageAllocator a(9);
     EXPECT_EQ(a.capacity(), 8);
     auto pages = a.alloc(8);
-    ASSERT_TRUE(pages.ok());
+    ASSERT_OK(pages);
     std::set<int32_t> s(pages->begin(), pages->end());
     EXPECT_EQ(s.size(), 8u);
     EXPECT_EQ(s.count(0), 0u);
@@ -44,21 +45,21 @@ TEST(PageAllocator, NeverHandsOutPageZero) {
 TEST(PageAllocator, FreshAllocationsAreContiguous) {
     PageAllocator a(100);
     auto p = a.alloc(5);
-    ASSERT_TRUE(p.ok());
+    ASSERT_OK(p);
     EXPECT_EQ(*p, (std::vector<int32_t>{1, 2, 3, 4, 5}));
 }
 
 TEST(PageAllocator, RejectsBadFreesAtomically) {
     PageAllocator a(10);
     auto p = a.alloc(3);
-    ASSERT_TRUE(p.ok());
+    ASSERT_OK(p);
     EXPECT_EQ(a.free(std::vector<int32_t>{0}).code(), StatusCode::kInvalidArgument);
     EXPECT_EQ(a.free(std::vector<int32_t>{10}).code(), StatusCode::kInvalidArgument);
     EXPECT_EQ(a.free(std::vector<int32_t>{(*p)[0], 7}).code(),
               StatusCode::kInvalidArgument);  // 7 not allocated
     EXPECT_TRUE(a.is_allocated((*p)[0]));     // nothing was freed by the failed call
     EXPECT_EQ(a.free(std::vector<int32_t>{(*p)[1], (*p)[1]}).code(), StatusCode::kInvalidArgument);
-    EXPECT_TRUE(a.free(*p).ok());
+    EXPECT_OK(a.free(*p));
     EXPECT_EQ(a.available(), 9);
     EXPECT_EQ(a.free(*p).code(), StatusCode::kInvalidArgument);  // double free
 }
@@ -71,7 +72,7 @@ TEST(MHATokenToKVPool, LayoutAndAddressing) {
     c.num_kv_heads = 2;
     c.head_dim = 8;
     auto pool = MHATokenToKVPool::create(c);
-    ASSERT_TRUE(pool.ok()) << pool.status().to_string();
+    ASSERT_OK(pool);
     auto& p = **pool;
     EXPECT_EQ(p.buffer_count(), 2);
     EXPECT_EQ(p.page_bytes(0, 0), 4u * 2 * 8 * 4);
@@ -84,7 +85,7 @@ TEST(MHATokenToKVPool, LayoutAndAddressing) {
         v[static_cast<size_t>(i)] = static_cast<float>(-i);
     }
     const int32_t loc = 3 * 4 + 2;  // page 3, slot 2
-    ASSERT_TRUE(p.set_kv_buffer(1, locs_of(&loc), kv_rows(k, 2, 8), kv_rows(v, 2, 8)).ok());
+    ASSERT_OK(p.set_kv_buffer(1, locs_of(&loc), kv_rows(k, 2, 8), kv_rows(v, 2, 8)));
     // The transfer engine's addressing: base + page * page_bytes + slot * token_bytes.
     auto* kb = reinterpret_cast<const float*>(static_cast<const char*>(p.data(1, 0)) +
                                               3 * p.page_bytes(1, 0) + 2 * p.token_bytes(1, 0));
@@ -107,7 +108,7 @@ TEST(MHATokenToKVPool, Bf16StoresRoundedBits) {
     c.head_dim = 2;
     c.dtype = KVDtype::kBF16;
     auto pool = MHATokenToKVPool::create(c);
-    ASSERT_TRUE(pool.ok());
+    ASSERT_OK(pool);
     EXPECT_EQ((*pool)->page_bytes(0, 0), 4u);
     float k[2] = {1.0f + 1.0f / 64, 3.3f}, v[2] = {-2.f, 0.1f};
     const int32_t loc = 1;
@@ -130,7 +131,7 @@ TEST(MLATokenToKVPool, OneBufferPerLayer) {
     c.rope_dim = 4;
     c.dtype = KVDtype::kF32;
     auto pool = MLATokenToKVPool::create(c);
-    ASSERT_TRUE(pool.ok());
+    ASSERT_OK(pool);
     EXPECT_EQ((*pool)->buffer_count(), 1);
     EXPECT_EQ((*pool)->page_bytes(1, 0), 2u * 20 * 4);
     std::vector<float> kv(20, 1.5f);
@@ -186,10 +187,10 @@ TEST(MHATokenToKVPool, LayerViewDescribesTheBuffers) {
     c.v_head_dim = 6;
     c.dtype = KVDtype::kBF16;
     auto pool = MHATokenToKVPool::create(c);
-    ASSERT_TRUE(pool.ok()) << pool.status().to_string();
+    ASSERT_OK(pool);
     auto& p = **pool;
     auto lv = p.layer_view(2);
-    ASSERT_TRUE(lv.ok()) << lv.status().to_string();
+    ASSERT_OK(lv);
     EXPECT_EQ(lv->layer, 2);
     EXPECT_EQ(lv->dtype, KVDtype::kBF16);
     EXPECT_EQ(lv->device.kind, runtime::DeviceKind::kCpu);
@@ -218,9 +219,9 @@ TEST(MLATokenToKVPool, LayerViewHasOneBuffer) {
     c.kv_lora_rank = 16;
     c.rope_dim = 4;
     auto pool = MLATokenToKVPool::create(c);
-    ASSERT_TRUE(pool.ok());
+    ASSERT_OK(pool);
     auto lv = (*pool)->layer_view(1);
-    ASSERT_TRUE(lv.ok());
+    ASSERT_OK(lv);
     EXPECT_EQ(runtime::describe(lv->k), "bf16[3, 2, 1, 20] cpu:0");
     EXPECT_TRUE(lv->v.empty());
 }
@@ -243,8 +244,8 @@ TEST(MHATokenToKVPool, WritesBf16AndFp32Sources) {
             c.head_dim = 2;
             c.dtype = pool_dtype;
             auto pool = MHATokenToKVPool::create(c);
-            ASSERT_TRUE(pool.ok());
-            ASSERT_TRUE((*pool)->fill(0xFF).ok());
+            ASSERT_OK(pool);
+            ASSERT_OK((*pool)->fill(0xFF));
             const int32_t loc = 3;
             const void* k = src == KVDtype::kF32 ? static_cast<const void*>(kf.data()) : kb.data();
             const void* v = src == KVDtype::kF32 ? static_cast<const void*>(vf.data()) : vb.data();
@@ -279,9 +280,9 @@ TEST(MHATokenToKVPool, SetKvBufferRejectsBadViewsBeforeWriting) {
     c.num_kv_heads = 2;
     c.head_dim = 4;
     auto pool = MHATokenToKVPool::create(c);
-    ASSERT_TRUE(pool.ok());
+    ASSERT_OK(pool);
     auto& p = **pool;
-    ASSERT_TRUE(p.fill(0xFF).ok());
+    ASSERT_OK(p.fill(0xFF));
     std::vector<float> k(2 * 2 * 4, 1.f), v(2 * 2 * 4, 2.f);
     const std::vector<int32_t> locs{2, 3}, bad_locs{2, 8};
     const std::vector<int64_t> wide{2, 3};
@@ -362,14 +363,14 @@ TEST(KVPool, DevicePoolRejectsHostWrites) {
     c.head_dim = 2;
     c.device = {runtime::DeviceKind::kCuda, 0};
     auto pool = MHATokenToKVPool::create(c);
-    ASSERT_TRUE(pool.ok()) << pool.status().to_string();
+    ASSERT_OK(pool);
     std::vector<float> k(2, 1.f);
     const int32_t loc = 1;
     Status st = (*pool)->set_kv_buffer(0, locs_of(&loc), kv_rows(k, 1, 2), kv_rows(k, 1, 2));
     EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
     EXPECT_THAT(st.message(), HasSubstr("set_kv_buffer on a cuda pool from the host"));
     auto lv = (*pool)->layer_view(0);
-    ASSERT_TRUE(lv.ok());
+    ASSERT_OK(lv);
     EXPECT_EQ(runtime::describe(lv->k), "fp32[2, 1, 1, 2] cuda:0");
 
     MLAPoolConfig m;
@@ -379,7 +380,7 @@ TEST(KVPool, DevicePoolRejectsHostWrites) {
     m.kv_lora_rank = 2;
     m.rope_dim = 0;
     auto mla = MLATokenToKVPool::create(m);
-    ASSERT_TRUE(mla.ok()) << mla.status().to_string();
+    ASSERT_OK(mla);
     st = (*mla)->set_mla_kv_buffer(0, locs_of(&loc), runtime::host_view(k.data(), {1, 2}));
     EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
     EXPECT_THAT(st.message(), HasSubstr("set_mla_kv_buffer on a cuda pool from the host"));

@@ -88,7 +88,7 @@ TEST(ReportJson, HasTheDesignKeys) {
 
 TEST(RequestsCsv, OneLinePerRequest) {
     auto path = (std::filesystem::temp_directory_path() / "pdsim_requests.csv").string();
-    ASSERT_TRUE(write_requests_csv(path, sample_records()).ok());
+    ASSERT_OK(write_requests_csv(path, sample_records()));
     std::ifstream f(path);
     std::string line;
     int n = 0;
@@ -106,7 +106,7 @@ TEST(Timeline, WritesTraceEvents) {
     t.add_slice(0, 1, "layer 3", "compute", 10.0, 5.0, {{"request", 7}});
     t.add_instant(0, 1, "record", "record", 15.0);
     auto path = (std::filesystem::temp_directory_path() / "pdsim_timeline.json").string();
-    ASSERT_TRUE(t.write(path).ok());
+    ASSERT_OK(t.write(path));
     std::ifstream f(path);
     auto j = nlohmann::json::parse(f);
     ASSERT_EQ(j["traceEvents"].size(), 3u);

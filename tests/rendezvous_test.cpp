@@ -69,7 +69,7 @@ TEST_F(RendezvousTest, EveryRankCollectsEveryOthersValue) {
     }
     for (auto& t : threads) t.join();
     for (int r = 0; r < kRanks; ++r) {
-        ASSERT_TRUE(errors[r].ok()) << errors[r].to_string();
+        ASSERT_OK(errors[r]);
         std::vector<std::string> expected;
         for (int p = 0; p < kRanks; ++p) {
             if (p != r) expected.push_back(value_of(p));
@@ -81,20 +81,20 @@ TEST_F(RendezvousTest, EveryRankCollectsEveryOthersValue) {
 TEST_F(RendezvousTest, TryReadSeesNothingBeforeAndTheValueAfter) {
     FileRendezvous rv(dir_, "nccl-id");
     EXPECT_FALSE(rv.try_read(0).has_value());
-    ASSERT_TRUE(rv.publish(0, value_of(0)).ok());
+    ASSERT_OK(rv.publish(0, value_of(0)));
     ASSERT_TRUE(rv.try_read(0).has_value());
     EXPECT_EQ(*rv.try_read(0), value_of(0));
     EXPECT_EQ(rv.path_of(0), dir_ + "/rank-0.nccl-id");
     // Another key in the same directory is another exchange.
     EXPECT_FALSE(FileRendezvous(dir_, "addr").try_read(0).has_value());
     // A later publish replaces the value.
-    ASSERT_TRUE(rv.publish(0, "second").ok());
+    ASSERT_OK(rv.publish(0, "second"));
     EXPECT_EQ(*rv.try_read(0), "second");
 }
 
 TEST_F(RendezvousTest, TimeoutNamesTheDirectoryAndTheMissingRanks) {
     FileRendezvous rv(dir_, "addr");
-    ASSERT_TRUE(rv.publish(1, value_of(1)).ok());
+    ASSERT_OK(rv.publish(1, value_of(1)));
     const std::vector<int> wanted = {1, 2, 3};
     const auto t0 = std::chrono::steady_clock::now();
     auto got = rv.collect(wanted, 100ms);

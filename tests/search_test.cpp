@@ -33,7 +33,7 @@ std::vector<std::string> names(const std::vector<Layout>& v) {
 
 model::ModelConfig model_named(const std::string& name) {
     StatusOr<model::ModelConfig> m = load_model(name);
-    EXPECT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_OK(m);
     return *m;
 }
 
@@ -42,7 +42,7 @@ TEST(SearchEnumerate, BudgetOfFourWithTp1And2IsTheHandWrittenList) {
     space.gpus = 4;
     const std::vector<int> tps = {1, 2};
     StatusOr<std::vector<Layout>> got = enumerate_layouts(tps, space);
-    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    ASSERT_OK(got);
     // clang-format off
     const std::vector<std::string> want = {
         // (tp_p, tp_d) = (1, 1): P + D <= 4
@@ -66,12 +66,12 @@ TEST(SearchEnumerate, BudgetOfFourWithTp1And2IsTheHandWrittenList) {
 
     space.colocated = false;
     got = enumerate_layouts(tps, space);
-    ASSERT_TRUE(got.ok());
+    ASSERT_OK(got);
     EXPECT_EQ(got->size(), 11u);
     space.colocated = true;
     space.disagg = false;
     got = enumerate_layouts(tps, space);
-    ASSERT_TRUE(got.ok());
+    ASSERT_OK(got);
     EXPECT_EQ(names(*got), std::vector<std::string>(want.begin() + 11, want.end()));
 }
 
@@ -80,7 +80,7 @@ TEST(SearchEnumerate, SixteenGpusWithTp248CountsByHandAndCapsWithAMessage) {
     space.gpus = 16;
     const std::vector<int> tps = {2, 4, 8};
     StatusOr<std::vector<Layout>> got = enumerate_layouts(tps, space);
-    ASSERT_TRUE(got.ok());
+    ASSERT_OK(got);
     // Disagg: (2,2) P+D<=8: 28; (2,4),(4,2): 12 each; (2,8),(8,2): 4 each; (4,4): 6;
     // (4,8),(8,4): 2 each; (8,8): 1 -> 71. Colocated: 8 + 4 + 2 = 14.
     EXPECT_EQ(got->size(), 85u);
@@ -90,7 +90,7 @@ TEST(SearchEnumerate, SixteenGpusWithTp248CountsByHandAndCapsWithAMessage) {
     // (4,8),(8,4): 1 each; (8,8): 1; colocated: 3.
     space.min_gpus = 16;
     got = enumerate_layouts(tps, space);
-    ASSERT_TRUE(got.ok());
+    ASSERT_OK(got);
     EXPECT_EQ(got->size(), 24u);
     for (const auto& l : *got) EXPECT_EQ(l.gpus(), 16) << l.name();
     space.min_gpus = 17;
@@ -112,14 +112,14 @@ TEST(SearchTp, SeventyBOnH100LeavesOutTp1ForMemory) {
     // 70.6e9 bf16 parameters = 131 GiB > 80 GiB x 0.9 at tp 1.
     StatusOr<std::vector<int>> tps =
         allowed_tp_sizes(model_named("llama3-70b"), space, KvCapacityOptions{}, &notes);
-    ASSERT_TRUE(tps.ok()) << tps.status().to_string();
+    ASSERT_OK(tps);
     EXPECT_EQ(*tps, (std::vector<int>{2, 4, 8}));
     ASSERT_EQ(notes.size(), 1u);
     EXPECT_THAT(notes[0], HasSubstr("tp 1"));
 
     space.gpus = 4;  // the budget bounds TP too; 8b fits at tp 1
     tps = allowed_tp_sizes(model_named("llama3-8b"), space, KvCapacityOptions{});
-    ASSERT_TRUE(tps.ok());
+    ASSERT_OK(tps);
     EXPECT_EQ(*tps, (std::vector<int>{1, 2, 4}));
 
     space.tp_sizes = {3};
@@ -134,7 +134,7 @@ TEST(SearchTp, SeventyBOnH100LeavesOutTp1ForMemory) {
 
 TEST(SearchTopology, CandidatesArePlacedOnTheBudgetsNodes) {
     StatusOr<topo::Topology> t = layout_topology("H100", 16, disagg_layout(3, 2, 1, 4));
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     ASSERT_EQ(t->instances.size(), 4u);
     EXPECT_EQ(t->instances[2].devices.back(), "n0.gpu5");
     // The tp-4 decode instance does not fit in n0's last 2 GPUs: it starts on n1.
@@ -142,7 +142,7 @@ TEST(SearchTopology, CandidatesArePlacedOnTheBudgetsNodes) {
     EXPECT_EQ(t->instances[3].devices.front(), "n1.gpu0");
 
     t = layout_topology("H100", 16, colocated_layout(2, 8));
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     ASSERT_EQ(t->instances.size(), 2u);
     EXPECT_EQ(t->num_ranks(), 16);
     EXPECT_EQ(t->instances[1].devices.front(), "n1.gpu0");
@@ -154,7 +154,7 @@ TEST(SearchTopology, CandidatesArePlacedOnTheBudgetsNodes) {
     EXPECT_FALSE(layout_topology("H100", 8, disagg_layout(1, 8, 1, 8)).ok());
 
     t = layout_topology("GB200", 72, disagg_layout(8, 8, 1, 8));
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     EXPECT_EQ(t->num_ranks(), 72);
 }
 
@@ -200,7 +200,7 @@ metrics::Report simulate_directly(const Layout& l, const model::ModelConfig& m,
     o.decode = l.mode == SimMode::kDisagg ? l.decode : 1;
     o.decode_tp = l.mode == SimMode::kDisagg ? l.decode_tp : l.prefill_tp;
     StatusOr<topo::Topology> t = topo::make_dgx("H100", 1, o);
-    EXPECT_TRUE(t.ok()) << t.status().to_string();
+    EXPECT_OK(t);
     if (l.mode == SimMode::kColocated) t->instances.pop_back();
     SimConfig c;
     c.topology = *t;
@@ -208,10 +208,10 @@ metrics::Report simulate_directly(const Layout& l, const model::ModelConfig& m,
     c.mode = l.mode;
     c.slo = slo;
     StatusOr<std::vector<InstanceSetup>> s = make_instance_setups(*t, m, "roofline", nullptr, {});
-    EXPECT_TRUE(s.ok()) << s.status().to_string();
+    EXPECT_OK(s);
     c.instances = *s;
     StatusOr<SimResult> r = run_simulation(c, reqs);
-    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_OK(r);
     return r->report;
 }
 
@@ -223,7 +223,7 @@ std::vector<workload::Request> tiny_workload(double rate) {
     src.synthetic.output = {workload::LengthDist::Kind::kFixed, 64, 0};
     src.synthetic.seed = 7;
     StatusOr<std::vector<workload::Request>> r = load_requests(src);
-    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_OK(r);
     return *r;
 }
 
@@ -241,7 +241,7 @@ SearchResult search_two_gpus(const std::vector<workload::Request>& reqs, metrics
         EXPECT_EQ(p.total, 3);
     };
     StatusOr<SearchResult> r = run_search(o, reqs);
-    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_OK(r);
     EXPECT_EQ(calls, 3);
     return *r;
 }

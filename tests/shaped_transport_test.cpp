@@ -35,7 +35,7 @@ ShapedPair make_pair_shaped(const topo::LinkShaping& shaping) {
         o.set(transfer::LocalOptions{.world = world});
         o.rank = r;
         auto t = transfer::create_transport("local", o);
-        EXPECT_TRUE(t.ok()) << t.status().to_string();
+        EXPECT_OK(t);
         if (!t.ok()) return p;
         if (r == 0) {
             p.shaped = make_shaped_transport(std::move(t).value(), shaping);
@@ -60,10 +60,10 @@ TEST(ShapedTransport, ASendArrivesNoEarlierThanLatencyPlusSerialization) {
     ASSERT_TRUE(p.shaped && p.peer);
     std::vector<uint8_t> msg(10'000, 7), got(10'000, 0);
     auto recv = p.peer->post_recv(0, 3, got.data(), got.size());
-    ASSERT_TRUE(recv.ok());
+    ASSERT_OK(recv);
     const auto posted = Clock::now();
     auto send = p.shaped->post_send(1, 3, msg.data(), msg.size());
-    ASSERT_TRUE(send.ok());
+    ASSERT_OK(send);
     EXPECT_FALSE(send->done());  // held, not handed to the inner transport yet
     ASSERT_OK(p.peer->wait(*recv, 30s));
     const auto arrived = Clock::now();
@@ -90,13 +90,13 @@ TEST(ShapedTransport, SendsToOnePeerKeepTheirOrder) {
     for (int i = 0; i < kMessages; ++i) {
         auto r = p.peer->post_recv(0, 5, got[static_cast<size_t>(i)].data(),
                                    got[static_cast<size_t>(i)].size());
-        ASSERT_TRUE(r.ok());
+        ASSERT_OK(r);
         recvs.push_back(*r);
     }
     for (int i = 0; i < kMessages; ++i) {
         auto s = p.shaped->post_send(1, 5, sent[static_cast<size_t>(i)].data(),
                                      sent[static_cast<size_t>(i)].size());
-        ASSERT_TRUE(s.ok());
+        ASSERT_OK(s);
         sends.push_back(*s);
     }
     for (int i = 0; i < kMessages; ++i) {
@@ -114,13 +114,13 @@ TEST(ShapedTransport, CancelWithdrawsAHeldSend) {
     ASSERT_TRUE(p.shaped && p.peer);
     uint8_t byte = 1;
     auto send = p.shaped->post_send(1, 2, &byte, 1);
-    ASSERT_TRUE(send.ok());
+    ASSERT_OK(send);
     ASSERT_OK(p.shaped->cancel(*send));
     EXPECT_THAT(p.shaped->wait(*send, 1s), StatusIs(StatusCode::kAborted));
     // Nothing reached the peer.
     uint8_t got = 0;
     auto recv = p.peer->post_recv(0, 2, &got, 1);
-    ASSERT_TRUE(recv.ok());
+    ASSERT_OK(recv);
     EXPECT_THAT(p.peer->wait(*recv, 50ms), StatusIs(StatusCode::kDeadlineExceeded));
     ASSERT_OK(p.peer->cancel(*recv));
 }
@@ -132,7 +132,7 @@ TEST(ShapedTransport, CloseFailsHeldSendsAndRefusesNewOnes) {
     std::vector<RequestHandle> held;
     for (uint8_t& b : bytes) {
         auto s = p.shaped->post_send(1, 4, &b, 1);
-        ASSERT_TRUE(s.ok());
+        ASSERT_OK(s);
         held.push_back(*s);
     }
     p.shaped->close();
@@ -152,9 +152,9 @@ TEST(ShapedTransport, ReceivesAndUnlimitedLinksPassStraightThrough) {
     EXPECT_EQ(p.shaped->world_size(), 2);
     uint8_t out = 9, in = 0;
     auto recv = p.shaped->post_recv(1, 1, &in, 1);
-    ASSERT_TRUE(recv.ok());
+    ASSERT_OK(recv);
     auto send = p.peer->post_send(0, 1, &out, 1);
-    ASSERT_TRUE(send.ok());
+    ASSERT_OK(send);
     ASSERT_OK(p.shaped->wait(*recv, 30s));
     EXPECT_EQ(in, 9);
     ASSERT_OK(p.peer->wait(*send, 30s));

@@ -37,7 +37,7 @@ Status assigns(bool ok, int* out) {
 
 TEST(Status, OkByDefault) {
     Status s;
-    EXPECT_TRUE(s.ok());
+    EXPECT_OK(s);
     EXPECT_EQ(s.to_string(), "OK");
 }
 
@@ -58,12 +58,12 @@ TEST(Status, ReturnIfErrorPropagatesTheFirstError) {
 TEST(Status, WithContextPrefixes) {
     Status s = Status(StatusCode::kDataLoss, "crc").with_context("layer 3");
     EXPECT_EQ(s.message(), "layer 3: crc");
-    EXPECT_TRUE(Status().with_context("x").ok());
+    EXPECT_OK(Status().with_context("x"));
 }
 
 TEST(StatusOr, ValueAndError) {
     int v = 0;
-    EXPECT_TRUE(assigns(true, &v).ok());
+    EXPECT_OK(assigns(true, &v));
     EXPECT_EQ(v, 7);
     Status s = assigns(false, &v);
     EXPECT_EQ(s.code(), StatusCode::kNotFound);
@@ -111,16 +111,16 @@ TEST(Npy, WriteReadRoundTrip) {
     std::vector<float> a(2 * 3 * 4);
     std::iota(a.begin(), a.end(), 0.5f);
     auto p = (dir / "a.npy").string();
-    ASSERT_TRUE(write_npy(p, "<f4", {2, 3, 4}, a.data(), a.size() * 4).ok());
+    ASSERT_OK(write_npy(p, "<f4", {2, 3, 4}, a.data(), a.size() * 4));
     auto r = read_npy(p);
-    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    ASSERT_OK(r);
     EXPECT_EQ(r->descr, "<f4");
     EXPECT_EQ(r->shape, (std::vector<int64_t>{2, 3, 4}));
     EXPECT_EQ(std::vector<float>(r->as<float>(), r->as<float>() + 24), a);
     std::vector<int32_t> one{5};
-    ASSERT_TRUE(write_npy((dir / "b.npy").string(), "<i4", {1}, one.data(), 4).ok());
+    ASSERT_OK(write_npy((dir / "b.npy").string(), "<i4", {1}, one.data(), 4));
     auto rb = read_npy((dir / "b.npy").string());
-    ASSERT_TRUE(rb.ok());
+    ASSERT_OK(rb);
     EXPECT_EQ(rb->shape, (std::vector<int64_t>{1}));
     EXPECT_EQ(write_npy(p, "<f4", {5}, a.data(), 8).code(), StatusCode::kInvalidArgument);
 }

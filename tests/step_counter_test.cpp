@@ -16,6 +16,7 @@
 
 #include "backends/pd/step_gate.h"
 #include "backends/runtime/cpu_stream.h"
+#include "tests/status_matchers.h"
 
 namespace pdsim::pd {
 namespace {
@@ -225,8 +226,8 @@ TEST(StepGate, PathNames) {
 TEST(StepCounter, CreateOnACpuStream) {
     runtime::CpuStream s("compute");
     auto c = StepCounter::create(s, 7);
-    ASSERT_TRUE(c.ok()) << c.status().to_string();
-    EXPECT_TRUE((*c)->status().ok());
+    ASSERT_OK(c);
+    EXPECT_OK((*c)->status());
     EXPECT_EQ((*c)->query_ready_cache_step(), 7);
     EXPECT_EQ((*c)->current_step(), 7);
     EXPECT_EQ((*c)->records_published(), 0u);
@@ -243,8 +244,8 @@ TEST(StepCounter, RecordPublishesInStreamOrderAcrossTheWrap) {
         EXPECT_FALSE(StepCounter::is_step_ready(c.query_ready_cache_step(), begin + l));
     }
     for (int l = 0; l < 4; ++l) {
-        ASSERT_TRUE(c.record_cache().ok());
-        ASSERT_TRUE(s.synchronize().ok());
+        ASSERT_OK(c.record_cache());
+        ASSERT_OK(s.synchronize());
         const int64_t ready = c.query_ready_cache_step();
         for (int m = 0; m < 4; ++m) {
             EXPECT_EQ(StepCounter::is_step_ready(ready, StepCounter::wrap(begin + m)), m <= l)
@@ -254,7 +255,7 @@ TEST(StepCounter, RecordPublishesInStreamOrderAcrossTheWrap) {
     EXPECT_EQ(c.query_ready_cache_step(), 2);
     EXPECT_EQ(c.records_published(), 4u);
     // A wait across the wrap on a target passed unwrapped.
-    EXPECT_TRUE(c.wait_until_ready(begin + 3, 1s).ok());
+    EXPECT_OK(c.wait_until_ready(begin + 3, 1s));
 }
 
 TEST(StepCounter, RecordAfterASlowWriteIsNotVisibleBeforeTheWriteEnds) {
@@ -269,7 +270,7 @@ TEST(StepCounter, RecordAfterASlowWriteIsNotVisibleBeforeTheWriteEnds) {
                                           write_done.store(true, std::memory_order_relaxed);
                                       })
                     .ok());
-    ASSERT_TRUE(c.record_cache().ok());
+    ASSERT_OK(c.record_cache());
     // An observer that sees the step must also see the write.
     std::atomic<bool> observed_ok{false};
     std::thread observer([&] {
@@ -305,14 +306,14 @@ TEST(StepCounter, WaiterWakesOnRecordWithoutPolling) {
     const int64_t begin = c.advance_step(3);
     std::atomic<bool> done{false};
     std::thread waiter([&] {
-        EXPECT_TRUE(c.wait_until_ready(begin + 2, 10s).ok());
+        EXPECT_OK(c.wait_until_ready(begin + 2, 10s));
         done = true;
     });
-    for (int i = 0; i < 2; ++i) ASSERT_TRUE(c.record_cache().ok());
-    ASSERT_TRUE(s.synchronize().ok());
+    for (int i = 0; i < 2; ++i) ASSERT_OK(c.record_cache());
+    ASSERT_OK(s.synchronize());
     std::this_thread::sleep_for(20ms);
     EXPECT_FALSE(done.load());  // layer 2 not recorded yet
-    ASSERT_TRUE(c.record_cache().ok());
+    ASSERT_OK(c.record_cache());
     waiter.join();
     EXPECT_TRUE(done.load());
 }
@@ -322,28 +323,28 @@ TEST(StepCounter, AuxCounterIsIndependent) {
     StepCounter c(s);
     EXPECT_EQ(c.advance_step(0, 1), 0);
     EXPECT_EQ(c.current_aux_step(), 1);
-    ASSERT_TRUE(c.record_aux().ok());
-    ASSERT_TRUE(s.synchronize().ok());
+    ASSERT_OK(c.record_aux());
+    ASSERT_OK(s.synchronize());
     EXPECT_EQ(c.query_ready_aux_step(), 1);
     EXPECT_EQ(c.query_ready_cache_step(), 0);
-    EXPECT_TRUE(c.wait_until_aux_ready(0, 1s).ok());
+    EXPECT_OK(c.wait_until_aux_ready(0, 1s));
     EXPECT_EQ(c.records_published(), 1u);
 }
 
 TEST(StepCounter, CapturedRecordsCountOnEveryReplay) {
     runtime::CpuStream s("compute");
     StepCounter c(s, kMax - 3);
-    ASSERT_TRUE(s.begin_capture().ok());
-    ASSERT_TRUE(c.record_cache().ok());
-    ASSERT_TRUE(c.record_cache().ok());
-    ASSERT_TRUE(c.record_aux().ok());
+    ASSERT_OK(s.begin_capture());
+    ASSERT_OK(c.record_cache());
+    ASSERT_OK(c.record_cache());
+    ASSERT_OK(c.record_aux());
     auto graph = s.end_capture();
-    ASSERT_TRUE(graph.ok()) << graph.status().to_string();
-    ASSERT_TRUE(s.synchronize().ok());
+    ASSERT_OK(graph);
+    ASSERT_OK(s.synchronize());
     EXPECT_EQ(c.records_published(), 0u);  // captured, not run
     for (int replay = 1; replay <= 3; ++replay) {
-        ASSERT_TRUE((*graph)->launch(s).ok());
-        ASSERT_TRUE(s.synchronize().ok());
+        ASSERT_OK((*graph)->launch(s));
+        ASSERT_OK(s.synchronize());
         EXPECT_EQ(c.query_ready_cache_step(), wrap_step(kMax - 3 + 2 * replay)) << replay;
         EXPECT_EQ(c.query_ready_aux_step(), wrap_step(kMax - 3 + replay)) << replay;
         EXPECT_EQ(c.records_published(), static_cast<uint64_t>(3 * replay));
@@ -373,10 +374,10 @@ TEST_P(CpuGate, GatedTaskSeesTheFinalData) {
     std::atomic<bool> release{false};
     enqueue_slow_write(s, release, data, 42);
     if (record_first) {
-        ASSERT_TRUE(c.record_cache().ok());
+        ASSERT_OK(c.record_cache());
     }
     auto path = c.gate(other, begin, 10s);
-    ASSERT_TRUE(path.ok()) << path.status().to_string();
+    ASSERT_OK(path);
     EXPECT_EQ(*path, GatePath::kValueWait);  // CPU: no event ring
     int seen = -2;
     std::atomic<bool> read{false};
@@ -385,12 +386,12 @@ TEST_P(CpuGate, GatedTaskSeesTheFinalData) {
                     read = true;
                 }).ok());
     if (!record_first) {
-        ASSERT_TRUE(c.record_cache().ok());
+        ASSERT_OK(c.record_cache());
     }
     std::this_thread::sleep_for(50ms);
     EXPECT_FALSE(read.load()) << "the gated task ran before the record";
     release = true;
-    ASSERT_TRUE(other.synchronize(10s).ok());
+    ASSERT_OK(other.synchronize(10s));
     EXPECT_TRUE(read.load());
     EXPECT_EQ(seen, 42);
 }
@@ -402,10 +403,10 @@ TEST(StepCounter, CpuGateTimesOutWithTheTargetAndTheLastReadyStep) {
     runtime::CpuStream other("other");
     StepCounter c(s);
     auto path = c.gate(other, 5, 30ms);
-    ASSERT_TRUE(path.ok()) << path.status().to_string();
+    ASSERT_OK(path);
     EXPECT_EQ(*path, GatePath::kValueWait);
     bool ran = false;
-    ASSERT_TRUE(runtime::enqueue_void(other, [&] { ran = true; }).ok());
+    ASSERT_OK(runtime::enqueue_void(other, [&] { ran = true; }));
     Status st = other.synchronize(10s);
     EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded);
     EXPECT_THAT(st.message(), HasSubstr("gate on stream other"));
@@ -418,17 +419,17 @@ TEST(StepCounter, CpuGateOnAReadyStepEnqueuesNothing) {
     runtime::CpuStream other("other");
     StepCounter c(s, kMax - 1);
     const int64_t begin = c.advance_step(1);
-    ASSERT_TRUE(c.record_cache().ok());
-    ASSERT_TRUE(s.synchronize().ok());
+    ASSERT_OK(c.record_cache());
+    ASSERT_OK(s.synchronize());
     std::atomic<bool> release{false};
     ASSERT_TRUE(runtime::enqueue_void(other, [&] {
                     while (!release.load()) std::this_thread::sleep_for(1ms);
                 }).ok());
     auto path = c.gate(other, begin);
-    ASSERT_TRUE(path.ok()) << path.status().to_string();
+    ASSERT_OK(path);
     EXPECT_EQ(*path, GatePath::kReady);
     release = true;
-    EXPECT_TRUE(other.synchronize(10s).ok());
+    EXPECT_OK(other.synchronize(10s));
 }
 
 TEST(StepCounter, CpuGateAuxWaitsForTheAuxCounter) {
@@ -436,17 +437,17 @@ TEST(StepCounter, CpuGateAuxWaitsForTheAuxCounter) {
     runtime::CpuStream other("other");
     StepCounter c(s);
     c.advance_step(1, 1);
-    ASSERT_TRUE(c.record_cache().ok());  // the cache counter moving does not open an aux gate
-    ASSERT_TRUE(s.synchronize().ok());
+    ASSERT_OK(c.record_cache());  // the cache counter moving does not open an aux gate
+    ASSERT_OK(s.synchronize());
     auto path = c.gate_aux(other, 0, 10s);
-    ASSERT_TRUE(path.ok()) << path.status().to_string();
+    ASSERT_OK(path);
     EXPECT_EQ(*path, GatePath::kValueWait);
     std::atomic<bool> read{false};
-    ASSERT_TRUE(runtime::enqueue_void(other, [&] { read = true; }).ok());
+    ASSERT_OK(runtime::enqueue_void(other, [&] { read = true; }));
     std::this_thread::sleep_for(30ms);
     EXPECT_FALSE(read.load());
-    ASSERT_TRUE(c.record_aux().ok());
-    ASSERT_TRUE(other.synchronize(10s).ok());
+    ASSERT_OK(c.record_aux());
+    ASSERT_OK(other.synchronize(10s));
     EXPECT_TRUE(read.load());
 }
 
@@ -458,16 +459,16 @@ TEST(StepCounter, CpuGateOnItsOwnStream) {
     ASSERT_TRUE(runtime::enqueue_void(s, [&] {
                     while (!release.load()) std::this_thread::sleep_for(1ms);
                 }).ok());
-    ASSERT_TRUE(c.record_cache().ok());
+    ASSERT_OK(c.record_cache());
     auto ordered = c.gate(s, begin);
-    ASSERT_TRUE(ordered.ok()) << ordered.status().to_string();
+    ASSERT_OK(ordered);
     EXPECT_EQ(*ordered, GatePath::kStreamOrder);
     auto refused = c.gate(s, begin + 1);
     EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition);
     EXPECT_THAT(refused.status().message(), HasSubstr("own stream"));
     EXPECT_THAT(refused.status().message(), HasSubstr("cache step 1"));
     release = true;
-    EXPECT_TRUE(s.synchronize().ok());
+    EXPECT_OK(s.synchronize());
 }
 
 // A Stream that runs on a CpuStream but reports a CUDA device: lets the front end's dispatch by
@@ -605,21 +606,21 @@ TEST(StepCounter, FrontEndDrivesTheRegisteredImplementationPerCall) {
     FakeDeviceStream other("other");
     runtime::CpuStream cpu("cpu");
     auto created = StepCounter::create(s, kMax - 3);
-    ASSERT_TRUE(created.ok()) << created.status().to_string();
+    ASSERT_OK(created);
     StepCounter& c = **created;
     const int64_t begin = c.advance_step(8);  // raw of layer l's record: 2^62 - 3 + l + 1
     std::atomic<bool> release{false};
     ASSERT_TRUE(runtime::enqueue_void(s, [&] {
                     while (!release.load()) std::this_thread::sleep_for(1ms);
                 }).ok());
-    for (int l = 0; l < 6; ++l) ASSERT_TRUE(c.record_cache().ok());
+    for (int l = 0; l < 6; ++l) ASSERT_OK(c.record_cache());
     EXPECT_THAT(log.eager,
                 ElementsAre(kUMax - 2, kUMax - 1, kUMax, kUMax + 1, kUMax + 2, kUMax + 3));
 
     auto expect_gate = [&](runtime::Stream& on, int64_t step, GatePath want, uint64_t raw) {
         const size_t logged = log.gates.size();
         auto path = c.gate(on, step);
-        ASSERT_TRUE(path.ok()) << path.status().to_string();
+        ASSERT_OK(path);
         EXPECT_EQ(*path, want) << "step " << step;
         if (want == GatePath::kEvent || want == GatePath::kValueWait) {
             ASSERT_EQ(log.gates.size(), logged + 1) << "step " << step;
@@ -638,30 +639,30 @@ TEST(StepCounter, FrontEndDrivesTheRegisteredImplementationPerCall) {
     EXPECT_THAT(c.gate(cpu, begin).status().message(), HasSubstr("stream cpu is on cpu:0"));
 
     release = true;
-    ASSERT_TRUE(s.synchronize().ok());
+    ASSERT_OK(s.synchronize());
     EXPECT_EQ(c.query_ready_cache_step(), 3);  // 2^62 + 3, wrapped
     EXPECT_EQ(c.records_published(), 6u);
     expect_gate(other, begin + 5, GatePath::kReady, 0);
 
     // A record captured into a graph: from then on eager records carry no raw value and gates wait
     // on the counter's value, even for records the host enqueued itself.
-    ASSERT_TRUE(s.begin_capture().ok());
-    ASSERT_TRUE(c.record_cache().ok());
+    ASSERT_OK(s.begin_capture());
+    ASSERT_OK(c.record_cache());
     auto graph = s.end_capture();
-    ASSERT_TRUE(graph.ok());
-    ASSERT_TRUE((*graph)->launch(s.inner()).ok());
+    ASSERT_OK(graph);
+    ASSERT_OK((*graph)->launch(s.inner()));
     release = false;
     ASSERT_TRUE(runtime::enqueue_void(s, [&] {
                     while (!release.load()) std::this_thread::sleep_for(1ms);
                 }).ok());
-    ASSERT_TRUE(c.record_cache().ok());
+    ASSERT_OK(c.record_cache());
     EXPECT_EQ(log.eager.size(), 8u);
     EXPECT_EQ(log.eager[6], std::nullopt);
     EXPECT_EQ(log.eager[7], std::nullopt);
     expect_gate(other, begin + 7, GatePath::kValueWait, kUMax + 5);
     expect_gate(s, begin + 7, GatePath::kValueWait, kUMax + 5);  // no longer provably a deadlock
     release = true;
-    ASSERT_TRUE(s.synchronize().ok());
+    ASSERT_OK(s.synchronize());
     EXPECT_EQ(c.records_published(), 8u);
 }
 
@@ -675,26 +676,26 @@ TEST(StepCounter, AFailedRecordEndsTheEventPath) {
     FakeDeviceStream s("compute");
     FakeDeviceStream other("other");
     StepCounter c(s);
-    ASSERT_TRUE(c.status().ok()) << c.status().to_string();
+    ASSERT_OK(c.status());
     const int64_t begin = c.advance_step(3);
     std::atomic<bool> release{false};
     ASSERT_TRUE(runtime::enqueue_void(s, [&] {
                     while (!release.load()) std::this_thread::sleep_for(1ms);
                 }).ok());
-    ASSERT_TRUE(c.record_cache().ok());
+    ASSERT_OK(c.record_cache());
     auto event = c.gate(other, begin);
-    ASSERT_TRUE(event.ok());
+    ASSERT_OK(event);
     EXPECT_EQ(*event, GatePath::kEvent);
     log.fail_next_record = true;
     EXPECT_EQ(c.record_cache().code(), StatusCode::kUnavailable);
-    ASSERT_TRUE(c.record_cache().ok());
+    ASSERT_OK(c.record_cache());
     EXPECT_THAT(log.eager,
                 ElementsAre(std::optional<uint64_t>(1), std::optional<uint64_t>(2), std::nullopt));
     auto value = c.gate(other, begin);  // enqueued, in the ring, but no longer exact
-    ASSERT_TRUE(value.ok());
+    ASSERT_OK(value);
     EXPECT_EQ(*value, GatePath::kValueWait);
     release = true;
-    ASSERT_TRUE(s.synchronize().ok());
+    ASSERT_OK(s.synchronize());
 }
 
 }  // namespace

@@ -50,7 +50,7 @@ struct Rank {
         pc.num_kv_heads = cfg.num_kv_heads / tp_size;
         pc.head_dim = cfg.head_dim;
         pool = std::move(kv::MHATokenToKVPool::create(pc).value());
-        EXPECT_TRUE(pool->fill(0).ok());
+        EXPECT_OK(pool->fill(0));
     }
 };
 
@@ -94,9 +94,9 @@ StepBatch make_batch(const std::vector<Seq*>& seqs, const std::vector<std::pair<
 
 std::vector<int32_t> run(Rank& r, const StepBatch& b, bool save = true) {
     std::vector<int32_t> next(b.seq_lens.size(), -1);
-    EXPECT_TRUE(r.model->forward(b, *r.backend, *r.pool, next.data(), save).ok());
+    EXPECT_OK(r.model->forward(b, *r.backend, *r.pool, next.data(), save));
     Status st = r.stream.synchronize();
-    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_OK(st);
     return next;
 }
 
@@ -119,8 +119,8 @@ std::vector<uint8_t> kv_bytes(const kv::KVPool& pool, const Seq& s, int n, int l
 TEST(ModelConfig, NamedConfigsAndOverrides) {
     for (const auto& n : model_names()) {
         auto c = resolve_model(n);
-        ASSERT_TRUE(c.ok()) << n;
-        EXPECT_TRUE(validate_model(*c).ok()) << n;
+        ASSERT_OK(c) << n;
+        EXPECT_OK(validate_model(*c)) << n;
     }
     auto l70 = resolve_model("llama3-70b");
     EXPECT_EQ(l70->num_layers, 80);
@@ -128,7 +128,7 @@ TEST(ModelConfig, NamedConfigsAndOverrides) {
     EXPECT_EQ(l70->kv_elems_per_token_per_layer(8), 2 * 1 * 128);
     EXPECT_EQ(check_tp(*l70, 3).code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(check_tp(*l70, 3).message(), HasSubstr("3 does not divide num_kv_heads 8"));
-    EXPECT_TRUE(check_tp(*l70, 8).ok());
+    EXPECT_OK(check_tp(*l70, 8));
     EXPECT_EQ(resolve_model("gpt-9").status().code(), StatusCode::kInvalidArgument);
     // ~70.6B parameters.
     EXPECT_NEAR(static_cast<double>(l70->num_params()) / 1e9, 70.6, 0.5);
@@ -142,7 +142,7 @@ TEST(ModelConfig, OneTableForTopologyAndBackends) {
         auto config = resolve_model(shape.name);
         ASSERT_THAT(config, IsOk()) << shape.name;
         EXPECT_TRUE(static_cast<const topo::ModelShape&>(*config) == shape) << shape.name;
-        EXPECT_TRUE(validate_model(*config).ok()) << shape.name;
+        EXPECT_OK(validate_model(*config)) << shape.name;
         for (int tp : {0, 1, 2, 3, 4, 8, 16}) {
             const std::string topology_rule = topo::check_tp(shape, tp);
             EXPECT_THAT(check_tp(*config, tp),

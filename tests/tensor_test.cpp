@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "tests/status_matchers.h"
+
 namespace pdsim::runtime {
 namespace {
 
@@ -14,7 +16,7 @@ TEST(DType, NamesRoundTripAndSizes) {
     for (DType d :
          {DType::kF32, DType::kBF16, DType::kF16, DType::kFP8E4M3, DType::kI32, DType::kI64}) {
         auto parsed = parse_dtype(dtype_name(d));
-        ASSERT_TRUE(parsed.ok()) << dtype_name(d);
+        ASSERT_OK(parsed) << dtype_name(d);
         EXPECT_EQ(*parsed, d);
     }
     EXPECT_EQ(dtype_size(DType::kBF16), 2u);
@@ -49,7 +51,7 @@ TEST(TensorView, ContiguousStridesAndConstConversion) {
 TEST(CheckView, AcceptsAMatchAndNamesEachMismatch) {
     float buf[8 * 16] = {};
     ConstTensorView v = host_view(static_cast<const float*>(buf), {8, 16});
-    EXPECT_TRUE(check_view(v, "q", {.dtypes = {DType::kF32}, .shape = {-1, 16}}).ok());
+    EXPECT_OK(check_view(v, "q", {.dtypes = {DType::kF32}, .shape = {-1, 16}}));
 
     Status dtype = check_view(v, "q", {.dtypes = {DType::kBF16}, .shape = {-1, 16}});
     EXPECT_EQ(dtype.code(), StatusCode::kInvalidArgument);
@@ -66,13 +68,13 @@ TEST(CheckView, AcceptsAMatchAndNamesEachMismatch) {
 
     ConstTensorView null_view;
     EXPECT_THAT(check_view(null_view, "v", {.shape = {}}).message(), HasSubstr("v: null"));
-    EXPECT_TRUE(check_view(null_view, "v", {.shape = {}, .allow_null = true}).ok());
+    EXPECT_OK(check_view(null_view, "v", {.shape = {}, .allow_null = true}));
 
     ConstTensorView strided = v;
     strided.strides[0] = 32;
     EXPECT_THAT(check_view(strided, "q", {.shape = {8, 16}}).message(),
                 HasSubstr("not contiguous"));
-    EXPECT_TRUE(check_view(strided, "q", {.shape = {8, 16}, .contiguous = false}).ok());
+    EXPECT_OK(check_view(strided, "q", {.shape = {8, 16}, .contiguous = false}));
 }
 
 }  // namespace

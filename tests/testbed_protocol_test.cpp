@@ -20,10 +20,10 @@ void expect_round_trip(const Msg& msg, const json& wire) {
     SCOPED_TRACE(std::string(Msg::kKind));
     EXPECT_EQ(encode_message(msg), wire);
     StatusOr<Msg> back = decode_message<Msg>(wire);
-    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    ASSERT_OK(back);
     EXPECT_TRUE(*back == msg);
     StatusOr<Msg> via_cbor = decode_message<Msg>(json::from_cbor(json::to_cbor(wire)));
-    ASSERT_TRUE(via_cbor.ok()) << via_cbor.status().to_string();
+    ASSERT_OK(via_cbor);
     EXPECT_TRUE(*via_cbor == msg);
 }
 

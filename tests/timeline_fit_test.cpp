@@ -135,11 +135,11 @@ TEST(TimelineFit, RecoversExactCoefficients) {
     Recorder rec = grid_of_forwards(none);
     TimelineFitter fitter({});
     auto summary = fitter.add_timeline("run.json", rec.forwards);
-    ASSERT_TRUE(summary.ok()) << summary.status().to_string();
+    ASSERT_OK(summary);
     EXPECT_EQ(summary->forwards, rec.forwards.size());
     EXPECT_EQ(summary->overlapped_skipped, 0u);
     auto part = fitter.fit(nullptr);
-    ASSERT_TRUE(part.ok()) << part.status().to_string();
+    ASSERT_OK(part);
     const json* fit = fit_of(*part, 1, 1);
     ASSERT_NE(fit, nullptr) << part->dump();
     expect_coefficients(*fit, 1e-6);
@@ -157,9 +157,9 @@ TEST(TimelineFit, RecoversCoefficientsUnderSmallNoise) {
     Noise noise(0.01);  // +-1%
     Recorder rec = grid_of_forwards(noise);
     TimelineFitter fitter({});
-    ASSERT_TRUE(fitter.add_timeline("run.json", rec.forwards).ok());
+    ASSERT_OK(fitter.add_timeline("run.json", rec.forwards));
     auto part = fitter.fit(nullptr);
-    ASSERT_TRUE(part.ok()) << part.status().to_string();
+    ASSERT_OK(part);
     const json* fit = fit_of(*part, 1, 1);
     ASSERT_NE(fit, nullptr);
     expect_coefficients(*fit, 0.1);
@@ -199,11 +199,11 @@ TEST(TimelineFit, FollowersAreNotFittedAndOverlappedForwardsAreSetAside) {
         [](const TimelineForward& a, const TimelineForward& b) { return a.begin_us < b.begin_us; });
     TimelineFitter fitter({});
     auto summary = fitter.add_timeline("run.json", rec.forwards);
-    ASSERT_TRUE(summary.ok()) << summary.status().to_string();
+    ASSERT_OK(summary);
     EXPECT_EQ(summary->forwards, leaders);
     EXPECT_EQ(summary->overlapped_skipped, 2u);
     auto part = fitter.fit(nullptr);
-    ASSERT_TRUE(part.ok()) << part.status().to_string();
+    ASSERT_OK(part);
     expect_coefficients(*fit_of(*part, 1, 1), 1e-6);
 }
 
@@ -228,10 +228,10 @@ TEST(TimelineFit, MeasuresInterference) {
     options.node_cpus = 2;
     TimelineFitter fitter(options);
     auto summary = fitter.add_timeline("run.json", rec.forwards);
-    ASSERT_TRUE(summary.ok()) << summary.status().to_string();
+    ASSERT_OK(summary);
     EXPECT_EQ(summary->overlapped_skipped, 20u);
     auto part = fitter.fit(nullptr);
-    ASSERT_TRUE(part.ok()) << part.status().to_string();
+    ASSERT_OK(part);
     const json& interference = (*part)["interference"];
     EXPECT_NEAR(interference["extend"].get<double>(), kXe, 1e-6) << interference.dump();
     EXPECT_NEAR(interference["decode"].get<double>(), kXd, 1e-6) << interference.dump();
@@ -246,7 +246,7 @@ TEST(TimelineFit, FitErrorsNameTheTimelinesAndWhatIsMissing) {
     TimelineFitOptions options;
     options.timelines_label = "a.json,b.json";
     TimelineFitter fitter(options);
-    ASSERT_TRUE(fitter.add_timeline("a.json", few.forwards).ok());
+    ASSERT_OK(fitter.add_timeline("a.json", few.forwards));
     auto part = fitter.fit(nullptr);
     ASSERT_FALSE(part.ok());
     EXPECT_EQ(part.status().code(), StatusCode::kInvalidArgument);
@@ -301,7 +301,7 @@ TEST(TimelineParser, ReadsForwardsSortedByBegin) {
     events.push_back(slice(250, 50, {{"tp", 1}}));  // an older timeline's slice: skipped
     const std::string path = write(dir, "tl.json", json{{"traceEvents", events}}.dump());
     auto forwards = read_timeline_forwards(path);
-    ASSERT_TRUE(forwards.ok()) << forwards.status().to_string();
+    ASSERT_OK(forwards);
     ASSERT_EQ(forwards->size(), 3u);
     const TimelineForward& extend = (*forwards)[0];
     EXPECT_EQ(extend.begin_us, 100);
@@ -321,7 +321,7 @@ TEST(TimelineParser, ReadsForwardsSortedByBegin) {
     EXPECT_EQ(decode.threads, 3);
     // A bare array of events reads the same.
     auto bare = read_timeline_forwards(write(dir, "bare.json", events.dump()));
-    ASSERT_TRUE(bare.ok()) << bare.status().to_string();
+    ASSERT_OK(bare);
     EXPECT_EQ(bare->size(), 3u);
 }
 
@@ -359,7 +359,7 @@ TEST(TimelineParser, ErrorsNameTheFileAndTheField) {
     follower["tp_rank"] = 1;
     auto ok = read_timeline_forwards(
         write(dir, "follower.json", json{{"traceEvents", {slice(5, 2, follower)}}}.dump()));
-    EXPECT_TRUE(ok.ok()) << ok.status().to_string();
+    EXPECT_OK(ok);
 }
 
 }  // namespace

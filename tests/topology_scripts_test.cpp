@@ -49,7 +49,7 @@ void check_with_binary(const std::string& file, const fs::path& out_dir) {
                                     " --out-dir " + shell_quote(out_dir.string()));
     EXPECT_EQ(h.rc, 0) << h.err;
     auto t = load_topology(file);
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     const std::string hostfile = test::slurp(out_dir / (t->name + ".hostfile"));
     const std::string rankfile = test::slurp(out_dir / (t->name + ".rankfile"));
     EXPECT_THAT(hostfile, HasSubstr(" slots="));
@@ -124,10 +124,10 @@ TEST(TopologyScripts, GeneratorsOutputValidates) {
     }
     // The cpu generator describes this machine.
     auto cpu = load_topology((out / "cpu-default.yaml").string());
-    ASSERT_TRUE(cpu.ok());
+    ASSERT_OK(cpu);
     EXPECT_GT(cpu->nodes[0].cpus, 0);
     auto scaled = load_topology((out / "cpu-scaled.yaml").string());
-    ASSERT_TRUE(scaled.ok());
+    ASSERT_OK(scaled);
     EXPECT_DOUBLE_EQ(scaled->shaping->time_scale, 250.0);
     EXPECT_DOUBLE_EQ(scaled->shaping->gbps, 900.0);
 }

@@ -136,7 +136,7 @@ TEST(ModelShape, BuiltinsAndTpRule) {
 
 TEST(Loader, ParsesYamlWithDefaultsAndLines) {
     auto t = parse_topology(kSmallYaml, "small.yaml");
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     EXPECT_EQ(t->name, "small");
     ASSERT_TRUE(t->model.has_value());
     EXPECT_EQ(t->model->name, "tiny");
@@ -165,12 +165,12 @@ TEST(Loader, ParsesYamlWithDefaultsAndLines) {
 TEST(Loader, JsonEqualsYamlAndKnowsLines) {
     auto y = parse_topology(kSmallYaml, "small.yaml");
     auto j = parse_topology(kSmallJson, "small.json");
-    ASSERT_TRUE(y.ok()) << y.status().to_string();
-    ASSERT_TRUE(j.ok()) << j.status().to_string();
+    ASSERT_OK(y);
+    ASSERT_OK(j);
     EXPECT_EQ(*y, *j);
     // Format detection by content too.
     auto j2 = parse_topology(kSmallJson, "<stdin>");
-    ASSERT_TRUE(j2.ok());
+    ASSERT_OK(j2);
     EXPECT_EQ(*y, *j2);
     EXPECT_EQ(j->source.line_of("links[1].gbps"), 12);
     EXPECT_EQ(j->source.line_of("instances[1].tp"), 17);
@@ -238,7 +238,7 @@ TEST(Loader, LoadTopologyNamesFromStemAndRejectsMissingFiles) {
     text.erase(0, text.find('\n') + 1);  // drop `name:`
     { std::ofstream(dir / "unnamed.yaml") << text; }
     auto t = load_topology((dir / "unnamed.yaml").string());
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     EXPECT_EQ(t->name, "unnamed");
     auto missing = load_topology((dir / "nope.yaml").string());
     ASSERT_FALSE(missing.ok());
@@ -252,27 +252,27 @@ TEST(Loader, ModelMappingWithBaseAndOverrides) {
     text.replace(text.find("model: tiny"), 11,
                  "model: {base: llama3-8b, name: small8b, num_layers: 2, vocab: 99}");
     auto t = parse_topology(text, "m.yaml", Format::kYaml, {.validate = false});
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     EXPECT_EQ(t->model->name, "small8b");
     EXPECT_EQ(t->model->num_layers, 2);
     EXPECT_EQ(t->model->num_kv_heads, 8);
     // tp 2 divides llama3-8b's 8 KV heads.
-    EXPECT_TRUE(validate(*t).ok()) << validate(*t).to_string();
+    EXPECT_OK(validate(*t));
 
     text = kSmallYaml;
     text.replace(text.find("model: tiny"), 11,
                  "model: {name: mla, attention: mla, num_layers: 2, num_q_heads: 4, head_dim: 8, "
                  "kv_lora_rank: 16, rope_dim: 4}");
     t = parse_topology(text, "m.yaml");
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     EXPECT_EQ(t->model->num_kv_heads, 1);
     EXPECT_EQ(t->model->attention, AttentionKind::kMla);
 }
 
 TEST(Validate, ModelOverride) {
     auto t = parse_topology(kSmallYaml, "small.yaml");
-    ASSERT_TRUE(t.ok());
-    EXPECT_TRUE(validate(*t, builtin_model_shape("llama3-70b")).ok());
+    ASSERT_OK(t);
+    EXPECT_OK(validate(*t, builtin_model_shape("llama3-70b")));
     ModelShape odd{.name = "odd",
                    .num_layers = 2,
                    .num_q_heads = 3,
@@ -296,7 +296,7 @@ TEST(Validate, ModelOverride) {
     // No model at all: the head rule is skipped.
     Topology no_model = *t;
     no_model.model.reset();
-    EXPECT_TRUE(validate(no_model).ok());
+    EXPECT_OK(validate(no_model));
 }
 
 // ---- paths ----
@@ -304,7 +304,7 @@ TEST(Validate, ModelOverride) {
 TEST(Paths, DgxBottlenecksByHand) {
     ClusterOptions o;
     auto t = make_dgx("H100", 2, o);
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     // Same node: GPU -> NVSwitch -> GPU, 450 GB/s, 0.5 + 0.5 us.
     PathInfo p = t->path_info("n0.gpu0", "n0.gpu5");
     ASSERT_TRUE(p.found);
@@ -337,7 +337,7 @@ TEST(Paths, DgxBottlenecksByHand) {
     EXPECT_EQ(t->bottleneck_gbps("n0.gpu1", "n9.gpu0"), 0.0);
     // A100 DGX: 200 Gb/s NICs behind PCIe Gen4.
     auto a100 = make_dgx("A100", 2, o);
-    ASSERT_TRUE(a100.ok());
+    ASSERT_OK(a100);
     EXPECT_DOUBLE_EQ(a100->bottleneck_gbps("n0.gpu0", "n1.gpu0"), 25.0);
     EXPECT_DOUBLE_EQ(a100->bottleneck_gbps("n0.gpu0", "n0.gpu1"), 300.0);
 }
@@ -346,7 +346,7 @@ TEST(Paths, Nvl72SpansTraysOverNvlink) {
     ClusterOptions o;
     o.prefill_tp = 4;
     auto t = make_gb200_nvl72(2, o);
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     EXPECT_DOUBLE_EQ(t->bottleneck_gbps("t0.gpu0", "t17.gpu3"), 900.0);  // same rack
     EXPECT_DOUBLE_EQ(t->path_latency_us("t0.gpu0", "t17.gpu3"), 1.0);
     EXPECT_DOUBLE_EQ(t->bottleneck_gbps("t0.gpu0", "t18.gpu0"), 50.0);  // next rack: IB
@@ -379,7 +379,7 @@ Topology hand_graph() {
 
 TEST(Paths, WidestThenFastestThroughSwitchesAndNics) {
     Topology t = hand_graph();
-    ASSERT_TRUE(validate(t).ok()) << validate(t).to_string();
+    ASSERT_OK(validate(t));
     // Widest is s2 (100 GB/s); s3's path is capped at 40 by the NIC port.
     PathInfo p = t.path_info("a", "b");
     ASSERT_TRUE(p.found);
@@ -406,7 +406,7 @@ TEST(Paths, WidestThenFastestThroughSwitchesAndNics) {
 
 TEST(RankMap, PrefillFirstThenDecodeInFileOrder) {
     auto t = parse_topology(kSmallYaml, "small.yaml");
-    ASSERT_TRUE(t.ok());
+    ASSERT_OK(t);
     const RankMap rm = t->rank_map();
     ASSERT_EQ(rm.world_size(), 3);
     EXPECT_EQ(rm.num_prefill_ranks(), 2);
@@ -434,7 +434,7 @@ TEST(RankMap, DeclaredRanksAndWorldSizeAreChecked) {
     replace(text, "devices: [node0.cpu0, node0.cpu1]",
             "devices: [node0.cpu0, node0.cpu1]\n    ranks: [0, 1]");
     auto t = parse_topology(text, "r.yaml");
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     EXPECT_EQ(t->instances[1].ranks, (std::vector<int>{0, 1}));
 
     std::string bad = text;
@@ -448,7 +448,7 @@ TEST(RankMap, DeclaredRanksAndWorldSizeAreChecked) {
 
 TEST(RankMap, DgxH200ThreeToOne) {
     auto t = load_topology(kExamples + "/dgx-h200-4node-3p1d.yaml");
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     const RankMap rm = t->rank_map();
     ASSERT_EQ(rm.world_size(), 32);
     EXPECT_EQ(rm.num_prefill_ranks(), 24);
@@ -496,7 +496,7 @@ TEST(Shaping, ScalesBandwidthDownAndLatencyUp) {
 
 TEST(Shaping, FromCpuTopologyAndPaths) {
     auto t = load_topology(kExamples + "/cpu-1p1d.yaml");
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     ASSERT_TRUE(t->shaping.has_value());
     EXPECT_EQ(t->shaping->time_scale, 0.0);  // auto
     EXPECT_DOUBLE_EQ(t->shaping->gbps, 50.0);
@@ -507,20 +507,20 @@ TEST(Shaping, FromCpuTopologyAndPaths) {
     ASSERT_FALSE(none.ok());
     EXPECT_THAT(none.status().message(), HasSubstr("shaping.time_scale is auto"));
     auto s = shaping_for(*t, 40.0);
-    ASSERT_TRUE(s.ok());
+    ASSERT_OK(s);
     EXPECT_DOUBLE_EQ(s->bytes_per_s, 50e9 / 40.0);
     EXPECT_DOUBLE_EQ(s->latency_us, 120.0);
     // A fixed scale in the file wins over the measured one.
     t->shaping->time_scale = 10.0;
     s = shaping_for(*t, 40.0);
-    ASSERT_TRUE(s.ok());
+    ASSERT_OK(s);
     EXPECT_DOUBLE_EQ(s->latency_us, 30.0);
     // No shaping section: unlimited.
     t->shaping.reset();
     EXPECT_TRUE(shaping_for(*t)->unlimited());
 
     auto dgx = make_dgx("H100", 2, ClusterOptions{});
-    ASSERT_TRUE(dgx.ok());
+    ASSERT_OK(dgx);
     const LinkShaping p = shaping_for_path(*dgx, "n0.gpu0", "n1.gpu0", 10.0);
     EXPECT_DOUBLE_EQ(p.bytes_per_s, 5e9);
     EXPECT_DOUBLE_EQ(p.latency_us, 30.0);
@@ -540,7 +540,7 @@ TEST(Builders, DgxPlacementAndErrors) {
     o.decode_tp = 8;
     o.model = "llama3-70b";
     auto t = make_dgx("B200", 3, o);
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     EXPECT_EQ(t->name, "dgx-b200-3node-3p1d-tp4-tp8");
     // prefill0 n0.gpu0-3, prefill1 n0.gpu4-7, prefill2 n1.gpu0-3; decode0 skips to n2.
     EXPECT_EQ(t->instances[2].devices.front(), "n1.gpu0");
@@ -549,7 +549,7 @@ TEST(Builders, DgxPlacementAndErrors) {
     EXPECT_EQ(*t->world_size, 20);
     EXPECT_EQ(t->nodes.size(), 3u);
     EXPECT_EQ(t->links.size(), 3u * 24u);
-    EXPECT_TRUE(validate(*t).ok());
+    EXPECT_OK(validate(*t));
     o.decode = 2;  // needs a fourth node
     auto no_fit = make_dgx("B200", 3, o);
     ASSERT_FALSE(no_fit.ok());
@@ -559,14 +559,14 @@ TEST(Builders, DgxPlacementAndErrors) {
     o = ClusterOptions{};
     o.prefill_tp = 16;  // two whole nodes
     auto tp16 = make_dgx("H100", 3, o);
-    ASSERT_TRUE(tp16.ok()) << tp16.status().to_string();
+    ASSERT_OK(tp16);
     EXPECT_EQ(tp16->instances[0].devices.back(), "n1.gpu7");
     o.prefill_tp = 12;
     EXPECT_FALSE(make_dgx("H100", 4, o).ok());
     o = ClusterOptions{};
     o.hostnames = {"dgx-a", "dgx-b"};
     auto named = make_dgx("H100", 2, o);
-    ASSERT_TRUE(named.ok());
+    ASSERT_OK(named);
     EXPECT_EQ(named->nodes[1].hostname, "dgx-b");
     o.model = "llama9";
     EXPECT_FALSE(make_dgx("H100", 2, o).ok());
@@ -580,7 +580,7 @@ TEST(Builders, Gb200AndCpu) {
     o.decode_tp = 8;
     o.model = "deepseek-v3";
     auto t = make_gb200_nvl72(1, o);
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     EXPECT_EQ(t->nodes.size(), 18u);
     EXPECT_EQ(t->num_devices(), 72);
     EXPECT_EQ(t->num_ranks(), 64);
@@ -593,7 +593,7 @@ TEST(Builders, Gb200AndCpu) {
     c.prefill_tp = 2;
     c.cpus = 8;
     auto cpu = make_cpu(c);
-    ASSERT_TRUE(cpu.ok()) << cpu.status().to_string();
+    ASSERT_OK(cpu);
     EXPECT_EQ(cpu->name, "cpu-2p1d-tp2-to-tp1");
     EXPECT_EQ(cpu->num_ranks(), 5);
     ASSERT_TRUE(cpu->shaping.has_value());
@@ -607,7 +607,7 @@ TEST(Builders, Gb200AndCpu) {
 TEST(Builders, EmulationPresets) {
     for (const std::string& name : emulation_preset_names()) {
         auto s = emulation_preset(name);
-        ASSERT_TRUE(s.ok()) << name << ": " << s.status().to_string();
+        ASSERT_OK(s) << name << ": " << s.status().to_string();
         EXPECT_GT(s->gbps, 0) << name;
         EXPECT_NE(gpu_spec(s->gpu), nullptr) << name;
     }
@@ -654,9 +654,9 @@ TEST(Builders, GeneratedExamplesEqualBuilders) {
     cases.push_back({"cpu-1p2d.yaml", make_cpu(c12)});
     for (const Case& c : cases) {
         SCOPED_TRACE(c.file);
-        ASSERT_TRUE(c.built.ok()) << c.built.status().to_string();
+        ASSERT_OK(c.built);
         auto loaded = load_topology(kExamples + "/" + c.file);
-        ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+        ASSERT_OK(loaded);
         EXPECT_EQ(*loaded, *c.built) << to_yaml(*loaded) << "\n---\n" << to_yaml(*c.built);
     }
 }
@@ -668,17 +668,17 @@ TEST(RoundTrip, ToYamlParsesBackEqual) {
     for (const auto& e : fs::directory_iterator(kExamples)) {
         SCOPED_TRACE(e.path().string());
         auto t = load_topology(e.path().string());
-        ASSERT_TRUE(t.ok()) << t.status().to_string();
+        ASSERT_OK(t);
         const std::string y = to_yaml(*t);
         auto back = parse_topology(y, "<roundtrip>", Format::kYaml);
-        ASSERT_TRUE(back.ok()) << back.status().to_string() << "\n" << y;
+        ASSERT_OK(back) << back.status().to_string() << "\n" << y;
         EXPECT_EQ(*back, *t);
         ++n;
     }
     EXPECT_GE(n, 6);
     // Odd strings survive quoting; a custom model is written as a mapping.
     auto t = parse_topology(kSmallYaml, "small.yaml");
-    ASSERT_TRUE(t.ok());
+    ASSERT_OK(t);
     t->description = "has: colons, \"quotes\", # hashes\nand a newline";
     t->nodes[0].hostname = "123";
     t->nodes[0].devices[0].cores = "0-1";
@@ -691,15 +691,15 @@ TEST(RoundTrip, ToYamlParsesBackEqual) {
                           .attention = AttentionKind::kMha};
     t->world_size = 3;
     t->shaping = ShapingSpec{"x", LinkType::kEthernet, 12.5, 7, "B200", 33};
-    ASSERT_TRUE(validate(*t).ok()) << validate(*t).to_string();
+    ASSERT_OK(validate(*t));
     auto back = parse_topology(to_yaml(*t), "<roundtrip>", Format::kYaml);
-    ASSERT_TRUE(back.ok()) << back.status().to_string() << "\n" << to_yaml(*t);
+    ASSERT_OK(back) << back.status().to_string() << "\n" << to_yaml(*t);
     EXPECT_EQ(*back, *t);
 }
 
 TEST(Report, SummaryHostfileRankfile) {
     auto t = load_topology(kExamples + "/dgx-h100-2node-1p1d-tp8.yaml");
-    ASSERT_TRUE(t.ok());
+    ASSERT_OK(t);
     const std::string s = summary_text(*t);
     EXPECT_THAT(
         s, HasSubstr("prefill0  decode0  8->8  8      50.0  3.00        pcie > ib > ib > pcie"));
@@ -714,7 +714,7 @@ TEST(Report, SummaryHostfileRankfile) {
     EXPECT_THAT(r, HasSubstr("rank 15=n1 slot=98-111\n"));
 
     auto cpu = load_topology(kExamples + "/cpu-1p2d.yaml");
-    ASSERT_TRUE(cpu.ok());
+    ASSERT_OK(cpu);
     EXPECT_THAT(hostfile_text(*cpu), HasSubstr("localhost slots=3\n"));
     // No cpu count in the file: the fallback splits cores, or core d without one.
     EXPECT_THAT(rankfile_text(*cpu, 6), HasSubstr("rank 2=localhost slot=4-5\n"));
@@ -796,7 +796,7 @@ TEST(Robustness, MutatedExamplesNeverCrash) {
                 (void)summary_text(*t);
                 (void)rankfile_text(*t, 3);
                 auto back = parse_topology(to_yaml(*t), "<rt>", Format::kYaml);
-                ASSERT_TRUE(back.ok()) << back.status().to_string() << "\n" << s;
+                ASSERT_OK(back) << back.status().to_string() << "\n" << s;
                 EXPECT_EQ(*back, *t) << s;
             } else {
                 ASSERT_EQ(t.status().code(), StatusCode::kInvalidArgument);

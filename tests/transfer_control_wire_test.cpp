@@ -9,6 +9,7 @@
 #include <functional>
 #include <string>
 
+#include "tests/status_matchers.h"
 #include "transfer/engine/control.h"
 
 namespace pdsim::transfer {
@@ -106,7 +107,7 @@ TEST(ControlWire, Bootstrap) {
     const Bytes bytes = encode(m);
     check_bytes("bootstrap", bytes, kGoldenBootstrap);
     StatusOr<BootstrapMsg> back = decode_bootstrap(bytes);
-    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    ASSERT_OK(back);
     EXPECT_EQ(back->request_id, m.request_id);
     EXPECT_EQ(back->decode_rank, m.decode_rank);
     EXPECT_EQ(back->decode_tp_rank, m.decode_tp_rank);
@@ -133,7 +134,7 @@ TEST(ControlWire, Ack) {
     const Bytes bytes = encode(m);
     check_bytes("ack", bytes, kGoldenAck);
     StatusOr<AckMsg> back = decode_ack(bytes);
-    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    ASSERT_OK(back);
     EXPECT_EQ(back->request_id, m.request_id);
     EXPECT_EQ(back->prefill_tp_rank, m.prefill_tp_rank);
     EXPECT_EQ(back->prefill_tp_size, m.prefill_tp_size);
@@ -156,7 +157,7 @@ TEST(ControlWire, Chunk) {
     const Bytes bytes = encode(m);
     check_bytes("chunk", bytes, kGoldenChunk);
     StatusOr<ChunkMsg> back = decode_chunk(bytes);
-    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    ASSERT_OK(back);
     EXPECT_EQ(back->request_id, m.request_id);
     EXPECT_EQ(back->chunk_index, m.chunk_index);
     EXPECT_EQ(back->token_begin, m.token_begin);
@@ -174,7 +175,7 @@ TEST(ControlWire, Abort) {
     const Bytes bytes = encode(m);
     check_bytes("abort", bytes, kGoldenAbort);
     StatusOr<AbortMsg> back = decode_abort(bytes);
-    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    ASSERT_OK(back);
     EXPECT_EQ(back->request_id, m.request_id);
     EXPECT_EQ(back->reason, m.reason);
     expect_truncations_refused(bytes, [](auto b) { return decode_abort(b).status(); });
@@ -184,7 +185,7 @@ TEST(ControlWire, Heartbeat) {
     const Bytes bytes = encode_heartbeat();
     check_bytes("heartbeat", bytes, kGoldenHeartbeat);
     StatusOr<MsgType> type = peek_type(bytes);
-    ASSERT_TRUE(type.ok());
+    ASSERT_OK(type);
     EXPECT_EQ(*type, MsgType::kHeartbeat);
 }
 
@@ -205,7 +206,7 @@ TEST(ControlWire, Completion) {
     check_bytes("completion", bytes, kGoldenCompletion);
     EXPECT_LE(bytes.size(), completion_capacity(2, 2, 1));
     StatusOr<CompletionMsg> back = decode_completion(bytes);
-    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    ASSERT_OK(back);
     EXPECT_EQ(back->request_id, m.request_id);
     EXPECT_EQ(back->src_tp_rank, m.src_tp_rank);
     EXPECT_EQ(back->has_first_token, m.has_first_token);

@@ -69,7 +69,7 @@ public:
             for (auto& th : threads) th.join();
         }
         for (int r = 0; r < n_; ++r) {
-            ASSERT_TRUE(errors[static_cast<size_t>(r)].ok())
+            ASSERT_OK(errors[static_cast<size_t>(r)])
                 << "rank " << r << ": " << errors[static_cast<size_t>(r)].to_string();
         }
         std::vector<std::thread> threads;
@@ -120,14 +120,14 @@ inline void barrier(Transport& t, Tag tag = kBarrierTag) {
     for (int p = 0; p < t.world_size(); ++p) {
         if (p == t.rank()) continue;
         auto r = t.post_recv(p, tag, nullptr, 0);
-        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        ASSERT_OK(r);
         hs.push_back(*r);
         auto s = t.post_send(p, tag, nullptr, 0);
-        ASSERT_TRUE(s.ok()) << s.status().to_string();
+        ASSERT_OK(s);
         hs.push_back(*s);
     }
     Status st = wait_all(t, hs, kWait);
-    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_OK(st);
 }
 
 inline int right_of(const Transport& t) {
@@ -160,13 +160,13 @@ inline void ring_sizes(Transport& t, const std::vector<size_t>& sizes) {
         std::vector<uint8_t> out = make_message(t.rank(), right, k, n);
         std::vector<uint8_t> in(n + 16, 0xEE);
         auto r = t.post_recv(left, static_cast<Tag>(k), in.data(), in.size());
-        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        ASSERT_OK(r);
         auto s = t.post_send(right, static_cast<Tag>(k), out.data(), n);
-        ASSERT_TRUE(s.ok()) << s.status().to_string();
+        ASSERT_OK(s);
         Status st = t.wait(*s, kWait);
-        ASSERT_TRUE(st.ok()) << "send of " << n << ": " << st.to_string();
+        ASSERT_OK(st) << "send of " << n << ": " << st.to_string();
         st = t.wait(*r, kWait);
-        ASSERT_TRUE(st.ok()) << "recv of " << n << ": " << st.to_string();
+        ASSERT_OK(st) << "recv of " << n << ": " << st.to_string();
         EXPECT_EQ(r->bytes(), n);
         EXPECT_EQ(compare_message(in.data(), n, left, t.rank(), k), "") << "size " << n;
         // Bytes past the message are untouched.
@@ -193,21 +193,21 @@ inline void send_before_recv(Transport& t) {
     for (size_t k = 0; k < sizes.size(); ++k) {
         outs.push_back(make_message(t.rank(), right, 100 + k, sizes[k]));
         auto s = t.post_send(right, 200 + static_cast<Tag>(k), outs.back().data(), sizes[k]);
-        ASSERT_TRUE(s.ok()) << s.status().to_string();
+        ASSERT_OK(s);
         sends.push_back(*s);
     }
     std::this_thread::sleep_for(100ms);        // let the messages arrive before anyone receives
     for (size_t k = sizes.size(); k-- > 0;) {  // reverse tag order, on purpose
         std::vector<uint8_t> in(sizes[k] + 1);
         auto r = t.post_recv(left, 200 + static_cast<Tag>(k), in.data(), in.size());
-        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        ASSERT_OK(r);
         Status st = t.wait(*r, kWait);
-        ASSERT_TRUE(st.ok()) << st.to_string();
+        ASSERT_OK(st);
         EXPECT_EQ(r->bytes(), sizes[k]);
         EXPECT_EQ(compare_message(in.data(), sizes[k], left, t.rank(), 100 + k), "");
     }
     Status st = wait_all(t, sends, kWait);
-    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_OK(st);
 }
 
 // Many messages with one tag: the k-th receive gets the k-th send (non-overtaking), whether
@@ -224,7 +224,7 @@ inline void fifo_per_tag(Transport& t) {
     for (int k = 0; k < kCount / 2; ++k) {
         ins[k].assign(size_of(k), 0);
         auto r = t.post_recv(left, kTag, ins[k].data(), ins[k].size());
-        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        ASSERT_OK(r);
         recvs.push_back(*r);
     }
     std::vector<std::vector<uint8_t>> outs(kCount);
@@ -232,25 +232,25 @@ inline void fifo_per_tag(Transport& t) {
     for (int k = 0; k < kCount; ++k) {
         outs[k] = make_message(t.rank(), right, 1000 + k, size_of(k));
         auto s = t.post_send(right, kTag, outs[k].data(), outs[k].size());
-        ASSERT_TRUE(s.ok()) << s.status().to_string();
+        ASSERT_OK(s);
         sends.push_back(*s);
     }
     std::this_thread::sleep_for(20ms);
     for (int k = kCount / 2; k < kCount; ++k) {
         ins[k].assign(size_of(k), 0);
         auto r = t.post_recv(left, kTag, ins[k].data(), ins[k].size());
-        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        ASSERT_OK(r);
         recvs.push_back(*r);
     }
     Status st = wait_all(t, recvs, kWait);
-    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_OK(st);
     for (int k = 0; k < kCount; ++k) {
         ASSERT_EQ(recvs[k].bytes(), size_of(k)) << "message " << k;
         ASSERT_EQ(compare_message(ins[k].data(), ins[k].size(), left, t.rank(), 1000 + k), "")
             << "message " << k;
     }
     st = wait_all(t, sends, kWait);
-    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_OK(st);
 }
 
 // A receive for tag B completes although an earlier message with tag A is still unmatched.
@@ -264,18 +264,18 @@ inline void tags_are_independent(Transport& t) {
     ASSERT_TRUE(sa.ok() && sb.ok());
     std::vector<uint8_t> ib(7000);
     auto rb = t.post_recv(left, 402, ib.data(), ib.size());
-    ASSERT_TRUE(rb.ok());
+    ASSERT_OK(rb);
     Status st = t.wait(*rb, kWait);
-    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_OK(st);
     EXPECT_EQ(compare_message(ib.data(), ib.size(), left, t.rank(), 2), "");
     std::vector<uint8_t> ia(5000);
     auto ra = t.post_recv(left, 401, ia.data(), ia.size());
-    ASSERT_TRUE(ra.ok());
+    ASSERT_OK(ra);
     st = t.wait(*ra, kWait);
-    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_OK(st);
     EXPECT_EQ(compare_message(ia.data(), ia.size(), left, t.rank(), 1), "");
     RequestHandle sends[] = {*sa, *sb};
-    EXPECT_TRUE(wait_all(t, sends, kWait).ok());
+    EXPECT_OK(wait_all(t, sends, kWait));
 }
 
 // Several threads per rank post concurrently, each with its own tag, to every peer.
@@ -299,17 +299,17 @@ inline void concurrent_threads(Transport& t) {
                     uint64_t seq = static_cast<uint64_t>(j * 100000 + m);
                     ins.emplace_back(n);
                     auto r = t.post_recv(p, tag, ins.back().data(), n);
-                    ASSERT_TRUE(r.ok()) << r.status().to_string();
+                    ASSERT_OK(r);
                     hs.push_back(*r);
                     expect.emplace_back(p, static_cast<int>(seq));
                     outs.push_back(make_message(t.rank(), p, seq, n));
                     auto s = t.post_send(p, tag, outs.back().data(), n);
-                    ASSERT_TRUE(s.ok()) << s.status().to_string();
+                    ASSERT_OK(s);
                     hs.push_back(*s);
                 }
             }
             Status st = wait_all(t, hs, kWait);
-            ASSERT_TRUE(st.ok()) << st.to_string();
+            ASSERT_OK(st);
             for (size_t i = 0; i < ins.size(); ++i) {
                 ASSERT_EQ(compare_message(ins[i].data(), ins[i].size(), expect[i].first, t.rank(),
                                           static_cast<uint64_t>(expect[i].second)),
@@ -338,11 +338,11 @@ inline void truncation_and_short_messages(Transport& t) {
     Status st = t.wait(*r1, kWait);
     EXPECT_EQ(st.code(), StatusCode::kOutOfRange) << st.to_string();
     st = t.wait(*r2, kWait);
-    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_OK(st);
     EXPECT_EQ(r2->bytes(), 10u);
     EXPECT_EQ(compare_message(in2.data(), 10, left, t.rank(), 8), "");
-    EXPECT_TRUE(t.wait(*s1, kWait).ok());
-    EXPECT_TRUE(t.wait(*s2, kWait).ok());
+    EXPECT_OK(t.wait(*s1, kWait));
+    EXPECT_OK(t.wait(*s2, kWait));
 }
 
 // wait() times out with kDeadlineExceeded and leaves the op pending; cancel withdraws it and the
@@ -352,7 +352,7 @@ inline void timeout_then_cancel(Transport& t) {
     int left = left_of(t);
     std::vector<uint8_t> in(64);
     auto r = t.post_recv(left, 701, in.data(), in.size());
-    ASSERT_TRUE(r.ok());
+    ASSERT_OK(r);
     auto t0 = std::chrono::steady_clock::now();
     Status st = t.wait(*r, 50ms);
     auto waited = std::chrono::steady_clock::now() - t0;
@@ -360,10 +360,10 @@ inline void timeout_then_cancel(Transport& t) {
     EXPECT_GE(waited, 45ms);
     EXPECT_LT(waited, 5s);
     auto polled = t.test(*r);
-    ASSERT_TRUE(polled.ok());
+    ASSERT_OK(polled);
     EXPECT_FALSE(*polled);
     st = t.cancel(*r);
-    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_OK(st);
     st = t.wait(*r, kWait);
     EXPECT_EQ(st.code(), StatusCode::kAborted) << st.to_string();
     barrier(t);
@@ -372,9 +372,9 @@ inline void timeout_then_cancel(Transport& t) {
     auto r2 = t.post_recv(left, 701, in.data(), in.size());
     auto s2 = t.post_send(right, 701, out.data(), out.size());
     ASSERT_TRUE(r2.ok() && s2.ok());
-    ASSERT_TRUE(t.wait(*r2, kWait).ok());
+    ASSERT_OK(t.wait(*r2, kWait));
     EXPECT_EQ(compare_message(in.data(), 64, left, t.rank(), 9), "");
-    EXPECT_TRUE(t.wait(*s2, kWait).ok());
+    EXPECT_OK(t.wait(*s2, kWait));
     barrier(t);
 }
 
@@ -409,18 +409,18 @@ inline void callbacks_and_polling(Transport& t) {
     std::atomic<int> calls{0};
     std::atomic<size_t> got_bytes{0};
     auto r = t.post_recv(left, 801, in.data(), in.size());
-    ASSERT_TRUE(r.ok());
+    ASSERT_OK(r);
     r->on_complete([&](const Status& st, size_t n) {
-        EXPECT_TRUE(st.ok()) << st.to_string();
+        EXPECT_OK(st);
         got_bytes.store(n);
         calls.fetch_add(1);
     });
     auto s = t.post_send(right, 801, out.data(), out.size());
-    ASSERT_TRUE(s.ok());
+    ASSERT_OK(s);
     auto deadline = std::chrono::steady_clock::now() + kWait;
     for (;;) {
         auto done = t.test(*r);
-        ASSERT_TRUE(done.ok()) << done.status().to_string();
+        ASSERT_OK(done);
         if (*done) break;
         ASSERT_LT(std::chrono::steady_clock::now(), deadline);
         std::this_thread::yield();
@@ -434,7 +434,7 @@ inline void callbacks_and_polling(Transport& t) {
     int late = 0;
     r->on_complete([&](const Status&, size_t) { ++late; });
     EXPECT_EQ(late, 1);
-    EXPECT_TRUE(t.wait(*s, kWait).ok());
+    EXPECT_OK(t.wait(*s, kWait));
 }
 
 // In-process only: rank 1 closes while rank 0 has a receive pending from it; that receive fails
@@ -444,7 +444,7 @@ inline void callbacks_and_polling(Transport& t) {
 // complete or fail (rank 1 may close before its completion handler runs); either is fine.
 inline void release_closer(Transport& t) {
     auto s = t.post_send(1, 904, nullptr, 0);
-    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    ASSERT_OK(s);
     Status st = t.wait(*s, kWait);
     EXPECT_TRUE(st.ok() || st.code() == StatusCode::kUnavailable) << st.to_string();
 }
@@ -454,7 +454,7 @@ inline void peer_close_fails_pending(Transport& t) {
     std::vector<uint8_t> in(1 << 16);
     if (t.rank() == 0) {
         auto r = t.post_recv(1, 901, in.data(), in.size());
-        ASSERT_TRUE(r.ok());
+        ASSERT_OK(r);
         barrier(t);
         release_closer(t);  // rank 1 closes after this
         Status st = t.wait(*r, kWait);
@@ -481,11 +481,11 @@ inline void peer_close_fails_pending(Transport& t) {
         for (int p = 0; p < t.world_size(); ++p) {
             if (p == 1) continue;
             auto g = t.post_recv(p, 904, nullptr, 0);
-            ASSERT_TRUE(g.ok()) << g.status().to_string();
+            ASSERT_OK(g);
             go.push_back(*g);
         }
         Status gs = wait_all(t, go, kWait);
-        ASSERT_TRUE(gs.ok()) << gs.to_string();
+        ASSERT_OK(gs);
         t.close();
         return;
     } else {
@@ -500,9 +500,9 @@ inline void peer_close_fails_pending(Transport& t) {
         auto r = t.post_recv(other, 903, in.data(), in.size());
         auto s = t.post_send(other, 903, out.data(), out.size());
         ASSERT_TRUE(r.ok() && s.ok());
-        ASSERT_TRUE(t.wait(*r, kWait).ok());
+        ASSERT_OK(t.wait(*r, kWait));
         EXPECT_EQ(compare_message(in.data(), in.size(), other, t.rank(), 5), "");
-        EXPECT_TRUE(t.wait(*s, kWait).ok());
+        EXPECT_OK(t.wait(*s, kWait));
     }
 }
 

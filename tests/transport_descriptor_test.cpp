@@ -38,7 +38,7 @@ void expect_agree(const StaticCapabilities& declared, const Capabilities& runtim
 
 TransportDescriptor must_find(const std::string& name) {
     StatusOr<TransportDescriptor> d = find_transport(name);
-    EXPECT_TRUE(d.ok()) << d.status().to_string();
+    EXPECT_OK(d);
     return d.ok() ? *d : TransportDescriptor{};
 }
 
@@ -98,7 +98,7 @@ TEST(TransportDescriptor, LocalInstancesAgreeWithTheDescriptor) {
     o.world_size = 2;
     o.set(LocalOptions{.world = make_local_world(2)});
     auto t = create_transport("local", o);
-    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_OK(t);
     expect_agree(must_find("local").caps, (*t)->capabilities(), "local");
 }
 
@@ -125,7 +125,7 @@ std::vector<std::unique_ptr<Transport>> make_tcp_pair(const std::string& dir,
         });
     }
     for (auto& th : threads) th.join();
-    for (const Status& st : errors) EXPECT_TRUE(st.ok()) << st.to_string();
+    for (const Status& st : errors) EXPECT_OK(st);
     return out;
 }
 
@@ -155,7 +155,7 @@ TEST(TransportDescriptor, FaultInstancesHaveTheCapabilitiesOfWhatTheyWrap) {
         o.set(LocalOptions{.world = make_local_world(2)});
         o.set(FaultOptions{.spec = "delay:ms=1", .inner = "local"});
         auto t = create_transport("fault", o);
-        ASSERT_TRUE(t.ok()) << t.status().to_string();
+        ASSERT_OK(t);
         expect_agree(must_find("local").caps, (*t)->capabilities(), "fault over local");
     }
     const std::string dir = fresh_dir();

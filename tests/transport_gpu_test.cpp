@@ -55,17 +55,17 @@ TEST(CudaIpcTransport, WriteBetweenDeviceBuffers) {
     ASSERT_TRUE(src.ok() && dst.ok());
     std::vector<uint8_t> host(n);
     for (size_t i = 0; i < n; ++i) host[i] = static_cast<uint8_t>(i * 7 + 1);
-    ASSERT_TRUE(src->copy_from_host(host.data(), n).ok());
-    ASSERT_TRUE(dst->fill(0).ok());
+    ASSERT_OK(src->copy_from_host(host.data(), n));
+    ASSERT_OK(dst->fill(0));
     auto mr = x.register_memory(dst->data(), n);
-    ASSERT_TRUE(mr.ok()) << mr.status().to_string();
+    ASSERT_OK(mr);
     auto remote = x.import_remote(0, mr->descriptor);
-    ASSERT_TRUE(remote.ok()) << remote.status().to_string();
+    ASSERT_OK(remote);
     auto w = x.post_write(*remote, 4096, src->data(), n - 4096);
-    ASSERT_TRUE(w.ok()) << w.status().to_string();
-    ASSERT_TRUE(x.wait(*w, 30s).ok());
+    ASSERT_OK(w);
+    ASSERT_OK(x.wait(*w, 30s));
     std::vector<uint8_t> back(n);
-    ASSERT_TRUE(dst->copy_to_host(back.data(), n).ok());
+    ASSERT_OK(dst->copy_to_host(back.data(), n));
     EXPECT_EQ(back[4095], 0);
     EXPECT_EQ(std::memcmp(back.data() + 4096, host.data(), n - 4096), 0);
     EXPECT_EQ(x.post_write(*remote, n, src->data(), 1).status().code(), StatusCode::kOutOfRange);
@@ -90,7 +90,7 @@ TEST(NcclTransport, SendRecvBetweenTwoGpus) {
             o.edit<GpuTransportOptions>().device_index = r;
             o.edit<GpuTransportOptions>().rendezvous_dir = dir;
             auto x = create_transport("nccl", o);
-            ASSERT_TRUE(x.ok()) << x.status().to_string();
+            ASSERT_OK(x);
             t[r] = std::move(x).value();
         });
     }
@@ -104,14 +104,14 @@ TEST(NcclTransport, SendRecvBetweenTwoGpus) {
     ASSERT_TRUE(a.ok() && b.ok());
     std::vector<uint8_t> host(n);
     for (size_t i = 0; i < n; ++i) host[i] = static_cast<uint8_t>(i * 13 + 5);
-    ASSERT_TRUE(a->copy_from_host(host.data(), n).ok());
+    ASSERT_OK(a->copy_from_host(host.data(), n));
     auto r = t[1]->post_recv(0, 0, b->data(), n);
     auto s = t[0]->post_send(1, 0, a->data(), n);
     ASSERT_TRUE(r.ok() && s.ok());
-    ASSERT_TRUE(t[1]->wait(*r, 60s).ok());
-    ASSERT_TRUE(t[0]->wait(*s, 60s).ok());
+    ASSERT_OK(t[1]->wait(*r, 60s));
+    ASSERT_OK(t[0]->wait(*s, 60s));
     std::vector<uint8_t> back(n);
-    ASSERT_TRUE(b->copy_to_host(back.data(), n).ok());
+    ASSERT_OK(b->copy_to_host(back.data(), n));
     EXPECT_EQ(back, host);
     std::filesystem::remove_all(dir);
 }

@@ -53,20 +53,20 @@ TEST(LocalTransport, NeedsAWorldAndAValidRank) {
     EXPECT_EQ(create_transport("local", o).status().code(), StatusCode::kInvalidArgument);
     o.rank = 1;
     auto a = create_transport("local", o);
-    ASSERT_TRUE(a.ok());
+    ASSERT_OK(a);
     // A second endpoint for the same rank is refused, and does not disturb the first.
     EXPECT_EQ(create_transport("local", o).status().code(), StatusCode::kAlreadyExists);
     o.rank = 0;
     auto b = create_transport("local", o);
-    ASSERT_TRUE(b.ok());
+    ASSERT_OK(b);
     uint8_t x = 7;
     uint8_t y = 0;
     auto r = (*a)->post_recv(0, 1, &y, 1);
     auto s = (*b)->post_send(1, 1, &x, 1);
     ASSERT_TRUE(r.ok() && s.ok());
-    ASSERT_TRUE((*a)->wait(*r, 1s).ok());
+    ASSERT_OK((*a)->wait(*r, 1s));
     EXPECT_EQ(y, 7);
-    EXPECT_TRUE((*b)->wait(*s, 1s).ok());
+    EXPECT_OK((*b)->wait(*s, 1s));
 }
 
 TEST(LocalTransport, SendWaitsForTheMatchingRecv) {
@@ -79,24 +79,24 @@ TEST(LocalTransport, SendWaitsForTheMatchingRecv) {
     ASSERT_TRUE(t0.ok() && t1.ok());
     std::vector<uint8_t> out(1000, 3);
     auto s = (*t0)->post_send(1, 5, out.data(), out.size());
-    ASSERT_TRUE(s.ok());
+    ASSERT_OK(s);
     EXPECT_EQ((*t0)->wait(*s, 20ms).code(), StatusCode::kDeadlineExceeded);  // rendezvous
     std::vector<uint8_t> in(1000);
     auto r = (*t1)->post_recv(0, 5, in.data(), in.size());
-    ASSERT_TRUE(r.ok());
+    ASSERT_OK(r);
     EXPECT_TRUE(r->done());  // matched and copied inside the post
-    EXPECT_TRUE((*t0)->wait(*s, 1s).ok());
+    EXPECT_OK((*t0)->wait(*s, 1s));
     EXPECT_EQ(in, out);
     // A pending send can be cancelled; then the receive does not see it.
     auto s2 = (*t0)->post_send(1, 6, out.data(), out.size());
-    ASSERT_TRUE(s2.ok());
-    EXPECT_TRUE((*t0)->cancel(*s2).ok());
+    ASSERT_OK(s2);
+    EXPECT_OK((*t0)->cancel(*s2));
     EXPECT_EQ((*t0)->wait(*s2, 1s).code(), StatusCode::kAborted);
     auto r2 = (*t1)->post_recv(0, 6, in.data(), in.size());
-    ASSERT_TRUE(r2.ok());
+    ASSERT_OK(r2);
     EXPECT_EQ((*t1)->wait(*r2, 20ms).code(), StatusCode::kDeadlineExceeded);
     // Cancel of a completed op is OK.
-    EXPECT_TRUE((*t0)->cancel(*s).ok());
+    EXPECT_OK((*t0)->cancel(*s));
     // Closing rank 1 fails its pending receive with "transport closed"...
     (*t1)->close();
     Status st = (*t1)->wait(*r2, 1s);
@@ -117,23 +117,23 @@ TEST(LocalTransport, OneSidedWrite) {
     EXPECT_TRUE((*t0)->capabilities().one_sided_write);
     std::vector<uint8_t> target(4096, 0);
     auto mr = (*t1)->register_memory(target.data(), target.size());
-    ASSERT_TRUE(mr.ok());
+    ASSERT_OK(mr);
     auto remote = (*t0)->import_remote(1, mr->descriptor);
-    ASSERT_TRUE(remote.ok()) << remote.status().to_string();
+    ASSERT_OK(remote);
     EXPECT_EQ(remote->bytes, 4096u);
     EXPECT_EQ((*t0)->import_remote(0, mr->descriptor).status().code(),
               StatusCode::kInvalidArgument);
     std::vector<uint8_t> src(100, 0xAB);
     auto w = (*t0)->post_write(*remote, 1000, src.data(), src.size());
-    ASSERT_TRUE(w.ok());
-    ASSERT_TRUE((*t0)->wait(*w, 1s).ok());
+    ASSERT_OK(w);
+    ASSERT_OK((*t0)->wait(*w, 1s));
     EXPECT_EQ(target[999], 0);
     EXPECT_EQ(target[1000], 0xAB);
     EXPECT_EQ(target[1099], 0xAB);
     EXPECT_EQ(target[1100], 0);
     EXPECT_EQ((*t0)->post_write(*remote, 4000, src.data(), src.size()).status().code(),
               StatusCode::kOutOfRange);
-    ASSERT_TRUE((*t1)->deregister_memory(mr->id).ok());
+    ASSERT_OK((*t1)->deregister_memory(mr->id));
     EXPECT_EQ((*t0)->post_write(*remote, 0, src.data(), 1).status().code(), StatusCode::kNotFound);
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include "tests/status_matchers.h"
 #include "tests/transport_conformance.h"
 #include "transfer/mpi/mpi_transport.h"
 
@@ -24,7 +25,7 @@ public:
         MPI_Comm_size(MPI_COMM_WORLD, &n);
         if (n < 2) GTEST_SKIP() << "run under mpirun -np 2 (or more)";
         auto t = create_transport("mpi", TransportOptions{});
-        ASSERT_TRUE(t.ok()) << t.status().to_string();
+        ASSERT_OK(t);
         body(**t);
         MPI_Barrier(MPI_COMM_WORLD);
     }
@@ -54,7 +55,7 @@ TEST(MpiTransport, OwnCommunicatorIsolatesTraffic) {
         MPI_Isend(&app_out, 1, MPI_INT, right, 5, MPI_COMM_WORLD, &app_reqs[1]);
         std::vector<uint8_t> in(4);
         auto r = t.post_recv(left, 5, in.data(), in.size());
-        ASSERT_TRUE(r.ok());
+        ASSERT_OK(r);
         MPI_Waitall(2, app_reqs, MPI_STATUSES_IGNORE);
         EXPECT_EQ(app_in, 1234);
         EXPECT_EQ(t.wait(*r, 100ms).code(), StatusCode::kDeadlineExceeded);
@@ -62,10 +63,10 @@ TEST(MpiTransport, OwnCommunicatorIsolatesTraffic) {
         MPI_Barrier(MPI_COMM_WORLD);
         auto msg = make_message(t.rank(), right, 1, 4);
         auto s = t.post_send(right, 5, msg.data(), msg.size());
-        ASSERT_TRUE(s.ok());
-        ASSERT_TRUE(t.wait(*r, kWait).ok());
+        ASSERT_OK(s);
+        ASSERT_OK(t.wait(*r, kWait));
         EXPECT_EQ(compare_message(in.data(), 4, left, t.rank(), 1), "");
-        EXPECT_TRUE(t.wait(*s, kWait).ok());
+        EXPECT_OK(t.wait(*s, kWait));
     });
 }
 
@@ -80,16 +81,16 @@ TEST(MpiTransport, ManyLargeMessagesInFlight) {
         std::vector<RequestHandle> hs;
         for (int k = 0; k < kCount; ++k) {
             auto r = t.post_recv(left, 40, ins[k].data(), n);
-            ASSERT_TRUE(r.ok());
+            ASSERT_OK(r);
             hs.push_back(*r);
         }
         for (int k = 0; k < kCount; ++k) {
             outs.push_back(make_message(t.rank(), right, 50 + k, n));
             auto s = t.post_send(right, 40, outs.back().data(), n);
-            ASSERT_TRUE(s.ok());
+            ASSERT_OK(s);
             hs.push_back(*s);
         }
-        ASSERT_TRUE(wait_all(t, hs, kWait).ok());
+        ASSERT_OK(wait_all(t, hs, kWait));
         for (int k = 0; k < kCount; ++k) {
             ASSERT_EQ(compare_message(ins[k].data(), n, left, t.rank(), 50 + k), "") << k;
         }
@@ -100,7 +101,7 @@ TEST(MpiTransport, CloseFailsPendingReceives) {
     g_mpi.run([](Transport& t) {
         std::vector<uint8_t> in(16);
         auto r = t.post_recv(conformance::left_of(t), 77, in.data(), in.size());
-        ASSERT_TRUE(r.ok());
+        ASSERT_OK(r);
         t.close();
         Status st = t.wait(*r, kWait);
         EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();

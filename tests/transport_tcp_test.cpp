@@ -169,7 +169,7 @@ PDSIM_TRANSPORT_CONFORMANCE_TESTS(TcpConformance2, g_tcp2)
 TEST(TcpFrame, HeaderRoundTripAndValidation) {
     auto hb = frame::encode_header(frame::FrameHeader{frame::FrameType::kData, 77, 12345});
     auto h = frame::decode_header(hb, 1 << 20);
-    ASSERT_TRUE(h.ok());
+    ASSERT_OK(h);
     EXPECT_EQ(h->type, frame::FrameType::kData);
     EXPECT_EQ(h->tag, 77u);
     EXPECT_EQ(h->length, 12345u);
@@ -182,7 +182,7 @@ TEST(TcpFrame, HeaderRoundTripAndValidation) {
     bad[6] = 99;
     EXPECT_THAT(frame::decode_header(bad, 1 << 20).status().message(), HasSubstr("type"));
     auto hello = frame::decode_hello(frame::encode_hello(frame::Hello{4, "secret"}));
-    ASSERT_TRUE(hello.ok());
+    ASSERT_OK(hello);
     EXPECT_EQ(hello->world_size, 4);
     EXPECT_EQ(hello->token, "secret");
     EXPECT_FALSE(frame::decode_hello(std::vector<uint8_t>{1, 2, 3}).ok());
@@ -190,11 +190,11 @@ TEST(TcpFrame, HeaderRoundTripAndValidation) {
 
 TEST(TcpTransport, ParseHostPort) {
     auto a = parse_host_port("10.0.0.1:5000");
-    ASSERT_TRUE(a.ok());
+    ASSERT_OK(a);
     EXPECT_EQ(a->host, "10.0.0.1");
     EXPECT_EQ(a->port, 5000);
     auto b = parse_host_port("[::1]:80");
-    ASSERT_TRUE(b.ok());
+    ASSERT_OK(b);
     EXPECT_EQ(b->host, "::1");
     EXPECT_FALSE(parse_host_port("nohost").ok());
     EXPECT_FALSE(parse_host_port("h:99999").ok());
@@ -234,18 +234,18 @@ TEST(TcpTransport, ExplicitEndpoints) {
         opts[r].connect_timeout = 10s;
     }
     auto ts = make_world(opts);
-    ASSERT_TRUE(ts[0].ok()) << ts[0].status().to_string();
-    ASSERT_TRUE(ts[1].ok()) << ts[1].status().to_string();
+    ASSERT_OK(ts[0]);
+    ASSERT_OK(ts[1]);
     auto msg = make_message(1, 0, 3, 1000);
     std::vector<uint8_t> in(1000);
     auto r = (*ts[0])->post_recv(1, 3, in.data(), in.size());
     auto s = (*ts[1])->post_send(0, 3, msg.data(), msg.size());
     ASSERT_TRUE(r.ok() && s.ok());
-    ASSERT_TRUE((*ts[0])->wait(*r, kWait).ok());
+    ASSERT_OK((*ts[0])->wait(*r, kWait));
     EXPECT_EQ(in, msg);
     // The send buffer must outlive the send handle (and TSan cannot see the kernel ordering the
     // sender's read before the receiver's completion).
-    EXPECT_TRUE((*ts[1])->wait(*s, kWait).ok());
+    EXPECT_OK((*ts[1])->wait(*s, kWait));
 }
 
 TEST(TcpTransport, ConnectTimeoutNamesTheMissingRank) {
@@ -315,7 +315,7 @@ TEST(TcpTransport, TruncatedFrameFailsThePendingReceive) {
         Transport& t = ***t0;
         std::vector<uint8_t> in(4096);
         auto r = t.post_recv(1, 5, in.data(), in.size());
-        ASSERT_TRUE(r.ok());
+        ASSERT_OK(r);
         auto hb = frame::encode_header(frame::FrameHeader{frame::FrameType::kData, 5, 4096});
         if (header_only) {
             ASSERT_TRUE(raw.send_all(hb.data(), 10));
@@ -348,7 +348,7 @@ TEST(TcpTransport, OversizedFrameFailsTheConnection) {
                                           tcp_options(2, 3, dir.path())};
     opts[1].edit<TcpOptions>().max_frame_bytes = size_t{1} << 20;
     auto ts = make_world(opts);
-    for (auto& t : ts) ASSERT_TRUE(t.ok()) << t.status().to_string();
+    for (auto& t : ts) ASSERT_OK(t);
     Transport& t0 = **ts[0];
     Transport& t1 = **ts[1];
     Transport& t2 = **ts[2];
@@ -363,7 +363,7 @@ TEST(TcpTransport, OversizedFrameFailsTheConnection) {
     auto r0 = t0.post_recv(1, 2, back.data(), back.size());  // will never be satisfied
     ASSERT_TRUE(r1.ok() && r0.ok());
     auto s0 = t0.post_send(1, 1, big.data(), big.size());
-    ASSERT_TRUE(s0.ok());
+    ASSERT_OK(s0);
     Status st = t1.wait(*r1, kWait);
     EXPECT_EQ(st.code(), StatusCode::kDataLoss) << st.to_string();
     EXPECT_THAT(st.message(), HasSubstr("exceeds max_frame_bytes")) << st.to_string();
@@ -382,9 +382,9 @@ TEST(TcpTransport, OversizedFrameFailsTheConnection) {
         auto rr = b->post_recv(a->rank(), 9, got.data(), got.size());
         auto ss = a->post_send(2, 9, m.data(), m.size());
         ASSERT_TRUE(rr.ok() && ss.ok());
-        ASSERT_TRUE(b->wait(*rr, kWait).ok());
+        ASSERT_OK(b->wait(*rr, kWait));
         EXPECT_EQ(got, m);
-        EXPECT_TRUE(a->wait(*ss, kWait).ok());
+        EXPECT_OK(a->wait(*ss, kWait));
     }
 }
 
@@ -438,12 +438,12 @@ TEST(TcpTransport, PeerDisconnectMidTransfer) {
     EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
     EXPECT_LT(std::chrono::steady_clock::now() - t_start, 10s);
 
-    ASSERT_TRUE(a.wait(*r0, kWait).ok());
-    ASSERT_TRUE(b.wait(*r1, kWait).ok());
+    ASSERT_OK(a.wait(*r0, kWait));
+    ASSERT_OK(b.wait(*r1, kWait));
     EXPECT_EQ(in0, m10);
     EXPECT_EQ(in1, m01);
-    EXPECT_TRUE(a.wait(*s0, kWait).ok());
-    EXPECT_TRUE(b.wait(*s1, kWait).ok());
+    EXPECT_OK(a.wait(*s0, kWait));
+    EXPECT_OK(b.wait(*s1, kWait));
 }
 
 // Many messages of random sizes (0 .. 256 KiB) both ways between two ranks, receives and sends
@@ -474,18 +474,18 @@ TEST(TcpTransport, ManyRandomMessagesByteExact) {
                     int k = next_send++;
                     outs[k] = make_message(me, other, k, sizes[k]);
                     auto s = t.post_send(other, static_cast<Tag>(k % 7), outs[k].data(), sizes[k]);
-                    ASSERT_TRUE(s.ok()) << s.status().to_string();
+                    ASSERT_OK(s);
                     ss.push_back(*s);
                 } else {
                     int k = next_recv++;
                     ins[k].resize(sizes[k]);
                     auto r = t.post_recv(other, static_cast<Tag>(k % 7), ins[k].data(), sizes[k]);
-                    ASSERT_TRUE(r.ok()) << r.status().to_string();
+                    ASSERT_OK(r);
                     rs.push_back(*r);
                 }
             }
-            ASSERT_TRUE(wait_all(t, rs, kWait).ok());
-            ASSERT_TRUE(wait_all(t, ss, kWait).ok());
+            ASSERT_OK(wait_all(t, rs, kWait));
+            ASSERT_OK(wait_all(t, ss, kWait));
             for (int k = 0; k < kCount; ++k) {
                 ASSERT_EQ(compare_message(ins[k].data(), sizes[k], other, me, k), "") << k;
             }

@@ -24,7 +24,7 @@ StatusOr<std::vector<Request>> azure(const std::string& text, LoadOptions o = {}
 
 TEST(Mooncake, ParsesTheRealTrace) {
     auto r = load_trace(kTraces + "mooncake_conversation.jsonl", TraceFormat::kAuto, {});
-    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    ASSERT_OK(r);
     ASSERT_EQ(r->size(), 12031u);
     const Request& first = r->front();
     EXPECT_EQ(first.input_len, 6758);
@@ -41,7 +41,7 @@ TEST(Mooncake, ParsesTheRealTrace) {
 
 TEST(Azure, ParsesTheRealTrace) {
     auto r = load_trace(kTraces + "azure_llm_code.csv", TraceFormat::kAuto, {});
-    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    ASSERT_OK(r);
     EXPECT_EQ(r->size(), 8819u);  // 8820 lines, the last without a newline
     EXPECT_EQ(r->front().arrival_ms, 0.0);
     EXPECT_EQ(r->front().input_len, 4808);
@@ -111,7 +111,7 @@ TEST(LoadOptions, SortsRebasesScalesAndCaps) {
     o.max_input_len = 600;
     o.max_output_len = 50;
     auto r = mooncake(text, o);
-    ASSERT_TRUE(r.ok());
+    ASSERT_OK(r);
     ASSERT_EQ(r->size(), 3u);
     EXPECT_EQ((*r)[0].source_line, 2);
     EXPECT_EQ((*r)[0].arrival_ms, 0.0);
@@ -125,7 +125,7 @@ TEST(LoadOptions, SortsRebasesScalesAndCaps) {
     o.skip = 1;
     o.max_requests = 1;
     r = mooncake(text, o);
-    ASSERT_TRUE(r.ok());
+    ASSERT_OK(r);
     ASSERT_EQ(r->size(), 1u);
     EXPECT_EQ((*r)[0].source_line, 3);
     EXPECT_EQ((*r)[0].arrival_ms, 0.0);
@@ -150,7 +150,7 @@ TEST(LoadOptions, SampleKeepsOrderAndIsDeterministic) {
     }
     o.seed = 43;
     auto c = load_trace(kTraces + "mooncake_conversation.jsonl", TraceFormat::kMooncake, o);
-    ASSERT_TRUE(c.ok());
+    ASSERT_OK(c);
     int same = 0;
     for (size_t i = 0; i < 200; ++i) same += (*a)[i].source_line == (*c)[i].source_line;
     EXPECT_LT(same, 50);
@@ -163,7 +163,7 @@ TEST(Synthetic, PoissonRateAndLengths) {
     o.input = *parse_length_dist("uniform:100:200");
     o.output = *parse_length_dist("fixed:7");
     auto r = make_synthetic(o);
-    ASSERT_TRUE(r.ok());
+    ASSERT_OK(r);
     const double mean_gap = r->back().arrival_ms / (20000 - 1);
     EXPECT_NEAR(mean_gap, 20.0, 20.0 * 0.03);
     double var = 0;
@@ -187,7 +187,7 @@ TEST(Synthetic, GammaBurstiness) {
     o.gamma = true;
     o.cv = 3.0;
     auto r = make_synthetic(o);
-    ASSERT_TRUE(r.ok());
+    ASSERT_OK(r);
     std::vector<double> gaps;
     for (size_t i = 1; i < r->size(); ++i)
         gaps.push_back((*r)[i].arrival_ms - (*r)[i - 1].arrival_ms);
@@ -204,7 +204,7 @@ TEST(Synthetic, RejectsBadOptions) {
     EXPECT_FALSE(parse_length_dist("normal:5").ok());
     EXPECT_FALSE(parse_length_dist("uniform:10:5").ok());
     EXPECT_FALSE(parse_length_dist("fixed:0").ok());
-    EXPECT_TRUE(parse_length_dist("lognormal:2048:0.8").ok());
+    EXPECT_OK(parse_length_dist("lognormal:2048:0.8"));
     SyntheticOptions o;
     o.rate_rps = 0;
     EXPECT_EQ(make_synthetic(o).status().code(), StatusCode::kInvalidArgument);
