@@ -108,6 +108,16 @@ public:
         lock.release();
         return done;
     }
+    // Blocks until pred() holds or the clock reaches `deadline`; returns pred()'s last value
+    // (false: the deadline passed).
+    template <typename Clock, typename Duration, typename Predicate>
+    bool wait_until(Mutex& mu, const std::chrono::time_point<Clock, Duration>& deadline,
+                    Predicate pred) PDSIM_REQUIRES(mu) {
+        std::unique_lock<std::mutex> lock(mu.mu_, std::adopt_lock);
+        const bool done = cv_.wait_until(lock, deadline, std::move(pred));
+        lock.release();
+        return done;
+    }
 
     void notify_one() noexcept { cv_.notify_one(); }
     void notify_all() noexcept { cv_.notify_all(); }

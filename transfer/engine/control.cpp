@@ -49,7 +49,7 @@ Status ControlChannel::start(ControlListener* listener) {
 
 void ControlChannel::stop(bool drain) {
     {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         if (stop_) return;
         stop_ = true;
         if (!drain) tasks_.clear();
@@ -57,7 +57,7 @@ void ControlChannel::stop(bool drain) {
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
     {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         closed_ = true;
         tasks_.clear();
     }
@@ -68,7 +68,7 @@ void ControlChannel::stop(bool drain) {
     }
     std::unordered_map<uint64_t, RequestHandle> sends;
     {
-        std::lock_guard<std::mutex> lock(sends_mu_);
+        MutexLock lock(sends_mu_);
         sends.swap(sends_);
     }
     for (auto& [id, h] : sends) {
@@ -82,7 +82,7 @@ bool ControlChannel::on_control_thread() const {
 
 void ControlChannel::post(std::function<void()> fn) {
     {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         if (closed_) return;
         tasks_.push_back(std::move(fn));
     }
@@ -91,23 +91,31 @@ void ControlChannel::post(std::function<void()> fn) {
 
 void ControlChannel::loop() {
     auto next_tick = Clock::now() + options_.tick;
-    std::unique_lock<std::mutex> lock(mu_);
     while (true) {
-        cv_.wait_until(lock, next_tick, [&] { return stop_ || !tasks_.empty(); });
-        while (!tasks_.empty()) {
-            auto fn = std::move(tasks_.front());
-            tasks_.pop_front();
-            lock.unlock();
-            fn();
-            lock.lock();
+        // One task at a time, with the lock released while it runs; stop(false) clears what is
+        // still queued. The tick runs once the queue is empty.
+        std::function<void()> task;
+        bool stopping = false;
+        {
+            MutexLock lock(mu_);
+            (void)cv_.wait_until(mu_, next_tick,
+                                 [&]() PDSIM_REQUIRES(mu_) { return stop_ || !tasks_.empty(); });
+            if (!tasks_.empty()) {
+                task = std::move(tasks_.front());
+                tasks_.pop_front();
+            } else {
+                stopping = stop_;
+            }
         }
-        if (stop_) return;
+        if (task) {
+            task();
+            continue;
+        }
+        if (stopping) return;
         const auto now = Clock::now();
         if (now >= next_tick) {
-            lock.unlock();
             send_heartbeats(now);
             listener_->on_tick(now);
-            lock.lock();
             next_tick = now + options_.tick;
         }
     }
@@ -157,7 +165,7 @@ void ControlChannel::post_tracked_send(int peer, std::shared_ptr<Bytes> buf,
                                        std::function<void()> on_finished) {
     uint64_t id;
     {
-        std::lock_guard<std::mutex> lock(sends_mu_);
+        MutexLock lock(sends_mu_);
         id = next_send_id_++;
         sends_.emplace(id, RequestHandle{});
     }
@@ -168,7 +176,7 @@ void ControlChannel::post_tracked_send(int peer, std::shared_ptr<Bytes> buf,
         auto self = weak.lock();
         if (!self) return;
         {
-            std::lock_guard<std::mutex> lock(self->sends_mu_);
+            MutexLock lock(self->sends_mu_);
             self->sends_.erase(id);
         }
         if (!st.ok() && st.code() == StatusCode::kUnavailable) {
@@ -185,7 +193,7 @@ void ControlChannel::post_tracked_send(int peer, std::shared_ptr<Bytes> buf,
         return;
     }
     {
-        std::lock_guard<std::mutex> lock(sends_mu_);
+        MutexLock lock(sends_mu_);
         auto it = sends_.find(id);
         if (it != sends_.end()) it->second = *h;
     }

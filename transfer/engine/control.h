@@ -46,18 +46,17 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "transfer/engine/kv_layout.h"
 #include "transfer/transport.h"
@@ -280,12 +279,12 @@ private:
     ControlListener* listener_ = nullptr;
     std::thread thread_;
 
-    std::mutex mu_;
-    std::condition_variable cv_;
-    std::deque<std::function<void()>> tasks_;  // under mu_
-    bool stop_ = false;                        // under mu_
-    bool closed_ = false;                      // under mu_: the thread is gone, drop posts
-    bool started_ = false;
+    Mutex mu_;
+    CondVar cv_;
+    std::deque<std::function<void()>> tasks_ PDSIM_GUARDED_BY(mu_);
+    bool stop_ PDSIM_GUARDED_BY(mu_) = false;
+    bool closed_ PDSIM_GUARDED_BY(mu_) = false;  // the thread is gone: posts are dropped
+    bool started_ = false;                       // start()/stop() caller's thread
 
     // Control thread only.
     std::vector<Clock::time_point> last_heard_;
@@ -298,9 +297,9 @@ private:
     std::unique_ptr<std::atomic<bool>[]> heartbeat_busy_;
 
     // Pending control sends, for withdrawal at stop.
-    std::mutex sends_mu_;
-    uint64_t next_send_id_ = 0;
-    std::unordered_map<uint64_t, RequestHandle> sends_;
+    Mutex sends_mu_;
+    uint64_t next_send_id_ PDSIM_GUARDED_BY(sends_mu_) = 0;
+    std::unordered_map<uint64_t, RequestHandle> sends_ PDSIM_GUARDED_BY(sends_mu_);
 };
 
 }  // namespace pdsim::transfer
