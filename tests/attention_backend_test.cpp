@@ -141,7 +141,8 @@ kv::KVPool& dummy_pool() {
     return *pool;
 }
 
-// Well-formed host tensors of `tokens` tokens for LayerSpec{l, 4, 2, 64} (the fake reads none).
+// Well-formed host tensors of `tokens` tokens for layer l with 4 query and 2 KV heads of dim 64
+// (the fake reads none).
 struct FakeTensors {
     explicit FakeTensors(int tokens)
         : n(tokens),
@@ -153,8 +154,10 @@ struct FakeTensors {
     [[nodiscard]] Status forward(AttentionBackend& b, int layer, ForwardMode mode, int bs,
                                  bool save_kv = true,
                                  std::optional<bool> record_kv = std::nullopt) {
-        return forward_host(b, q.data(), k.data(), v.data(), LayerSpec{layer, 4, 2, 64},
-                            locs.data(), n, dummy_pool(), mode, bs, out.data(), save_kv, record_kv);
+        return forward_host(
+            b, q.data(), k.data(), v.data(),
+            LayerSpec{.layer_id = layer, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 64},
+            locs.data(), n, dummy_pool(), mode, bs, out.data(), save_kv, record_kv);
     }
     int n;
     std::vector<float> q, k, v, out;
@@ -609,7 +612,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, PerLayerRecords,
                          per_layer_name);
 
 // ---- forward() checks its arguments before anything is enqueued ---------------------------------
-// Well-formed views of 2 tokens for LayerSpec{0, 4, 2, 64} on the dummy pool, which a case edits.
+// Well-formed views of 2 tokens for layer 0 (4 query, 2 KV heads of dim 64) on the dummy pool,
+// which a case edits.
 struct ViewSet {
     std::vector<float> q = std::vector<float>(2 * 4 * 64), k = std::vector<float>(2 * 2 * 64),
                        v = std::vector<float>(2 * 2 * 64), out = std::vector<float>(2 * 4 * 64);

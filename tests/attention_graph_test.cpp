@@ -344,7 +344,7 @@ TEST(GraphState, ReplayValidatesAgainstTheGraphBuffers) {
             << name;
         ASSERT_OK(g.capture(kMaxBs));
         // bs over max_bs, page-table rows wider than max_pages_per_seq: rejected on the host.
-        std::vector<Req> many(kMaxBs + 1, Req{3, 1});
+        std::vector<Req> many(kMaxBs + 1, Req{.prefix = 3, .new_tokens = 1});
         const auto big = layered(base, ForwardMode::kDecode, many, 7);
         EXPECT_FALSE(
             g.backend().init_forward_metadata_replay_cuda_graph(big[0].forward_batch()).ok())

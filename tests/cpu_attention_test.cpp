@@ -147,8 +147,11 @@ TEST_P(CpuVsRef, MatchesOracleAndWritesKv) {
         }
         case Kind::kChunked: {
             std::vector<Req> reqs{{1, 1}, {0, 5}, {4093, 3}, {4095, 1}};
-            for (Req r : {Req{ps - 1, 1}, Req{ps - 1, 2}, Req{ps, ps},
-                          Req{ps + 1, std::max(ps - 1, 1)}, Req{2 * ps - 3, 7}}) {
+            for (Req r :
+                 {Req{.prefix = ps - 1, .new_tokens = 1}, Req{.prefix = ps - 1, .new_tokens = 2},
+                  Req{.prefix = ps, .new_tokens = ps},
+                  Req{.prefix = ps + 1, .new_tokens = std::max(ps - 1, 1)},
+                  Req{.prefix = 2 * ps - 3, .new_tokens = 7}}) {
                 if (r.prefix >= 1) reqs.push_back(r);
             }
             check_batch(s, make_batch(s, ForwardMode::kExtend, shuffled(reqs, seed), seed), save_kv,

@@ -444,7 +444,8 @@ TEST(CudaBackendDecode, MatchesCpuRefAcrossBatchSizesLengthsGroupsAndHeadDims) {
                 if (head_dim == 64 && bs == 64) continue;  // the long lengths at d 128 suffice
                 for (int kv_len : {1, 15, 16, 17, 1000, 4097}) {
                     const Shape s = bf16_shape(2 * group, 2, head_dim, 16);
-                    const std::vector<Req> reqs(static_cast<size_t>(bs), Req{kv_len - 1, 1});
+                    const std::vector<Req> reqs(static_cast<size_t>(bs),
+                                                Req{.prefix = kv_len - 1, .new_tokens = 1});
                     const Batch b = make_bf16_batch(s, ForwardMode::kDecode, reqs, ++seed);
                     compare_with_cpu_ref(s, b, /*save_kv=*/true, /*check_oracle=*/bs <= 7);
                     if (HasFatalFailure()) return;
@@ -747,7 +748,8 @@ TEST(CudaBackendGraph, MisuseIsRefused) {
     mixed.mode = ForwardMode::kMixed;
     EXPECT_EQ(backend.init_forward_metadata_replay_cuda_graph(mixed.forward_batch()).code(),
               StatusCode::kUnimplemented);
-    Batch too_many = make_bf16_batch(s, ForwardMode::kDecode, std::vector<Req>(5, Req{3, 1}), 62);
+    Batch too_many = make_bf16_batch(s, ForwardMode::kDecode,
+                                     std::vector<Req>(5, Req{.prefix = 3, .new_tokens = 1}), 62);
     EXPECT_THAT(backend.init_forward_metadata_replay_cuda_graph(too_many.forward_batch()).message(),
                 HasSubstr("batch: bs 5 > graph max_bs 4"));
     // A capture before the warm-up: the graph adapter does not exist yet.

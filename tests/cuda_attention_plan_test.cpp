@@ -159,13 +159,20 @@ TEST(SplitBatch, DecodeAndExtendModesAreOneSubBatch) {
     BatchSplit d = split_batch(staged(ForwardMode::kDecode, {1, 1, 1}));
     ASSERT_TRUE(d.decode.has_value());
     EXPECT_FALSE(d.extend.has_value());
-    EXPECT_EQ(*d.decode, (SubBatch{AttentionKind::kDecode, 0, 3, 0, 3}));
+    EXPECT_EQ(
+        *d.decode,
+        (SubBatch{
+            .kind = AttentionKind::kDecode, .first = 0, .count = 3, .row_begin = 0, .rows = 3}));
     for (ForwardMode m :
          {ForwardMode::kExtend, ForwardMode::kTargetVerify, ForwardMode::kDraftExtend}) {
         BatchSplit e = split_batch(staged(m, {4, 1, 2}));  // an extend_len-1 request stays extend
         EXPECT_FALSE(e.decode.has_value()) << forward_mode_name(m);
         ASSERT_TRUE(e.extend.has_value()) << forward_mode_name(m);
-        EXPECT_EQ(*e.extend, (SubBatch{AttentionKind::kExtend, 0, 3, 0, 7}));
+        EXPECT_EQ(*e.extend, (SubBatch{.kind = AttentionKind::kExtend,
+                                       .first = 0,
+                                       .count = 3,
+                                       .row_begin = 0,
+                                       .rows = 7}));
     }
     BatchSplit empty =
         split_batch(stage_batch(HostBatch{ForwardMode::kIdle, {}, {}, {}, 1}.view()));
@@ -177,32 +184,56 @@ TEST(SplitBatch, MixedTakesTheTrailingDecodeRun) {
     // SGLang's layout: prefill chunks first (one of them a single token), running decodes after.
     BatchSplit s = split_batch(staged(ForwardMode::kMixed, {5, 1, 3, 1, 1}));
     ASSERT_TRUE(s.extend.has_value() && s.decode.has_value());
-    EXPECT_EQ(*s.extend, (SubBatch{AttentionKind::kExtend, 0, 3, 0, 9}));
-    EXPECT_EQ(*s.decode, (SubBatch{AttentionKind::kDecode, 3, 2, 9, 2}));
+    EXPECT_EQ(
+        *s.extend,
+        (SubBatch{
+            .kind = AttentionKind::kExtend, .first = 0, .count = 3, .row_begin = 0, .rows = 9}));
+    EXPECT_EQ(
+        *s.decode,
+        (SubBatch{
+            .kind = AttentionKind::kDecode, .first = 3, .count = 2, .row_begin = 9, .rows = 2}));
 }
 
 TEST(SplitBatch, MixedTakesTheLeadingDecodeRunWhenNoneTrails) {
     // vLLM's layout: decodes first.
     BatchSplit s = split_batch(staged(ForwardMode::kMixed, {1, 1, 1, 4, 1, 6}));
     ASSERT_TRUE(s.extend.has_value() && s.decode.has_value());
-    EXPECT_EQ(*s.decode, (SubBatch{AttentionKind::kDecode, 0, 3, 0, 3}));
-    EXPECT_EQ(*s.extend, (SubBatch{AttentionKind::kExtend, 3, 3, 3, 11}));
+    EXPECT_EQ(
+        *s.decode,
+        (SubBatch{
+            .kind = AttentionKind::kDecode, .first = 0, .count = 3, .row_begin = 0, .rows = 3}));
+    EXPECT_EQ(
+        *s.extend,
+        (SubBatch{
+            .kind = AttentionKind::kExtend, .first = 3, .count = 3, .row_begin = 3, .rows = 11}));
 }
 
 TEST(SplitBatch, MixedEdgeCases) {
     BatchSplit all_decode = split_batch(staged(ForwardMode::kMixed, {1, 1}));
     EXPECT_FALSE(all_decode.extend.has_value());
     ASSERT_TRUE(all_decode.decode.has_value());
-    EXPECT_EQ(*all_decode.decode, (SubBatch{AttentionKind::kDecode, 0, 2, 0, 2}));
+    EXPECT_EQ(
+        *all_decode.decode,
+        (SubBatch{
+            .kind = AttentionKind::kDecode, .first = 0, .count = 2, .row_begin = 0, .rows = 2}));
     BatchSplit no_decode = split_batch(staged(ForwardMode::kMixed, {2, 1, 3}));
     EXPECT_FALSE(no_decode.decode.has_value());
     ASSERT_TRUE(no_decode.extend.has_value());
-    EXPECT_EQ(*no_decode.extend, (SubBatch{AttentionKind::kExtend, 0, 3, 0, 6}));
+    EXPECT_EQ(
+        *no_decode.extend,
+        (SubBatch{
+            .kind = AttentionKind::kExtend, .first = 0, .count = 3, .row_begin = 0, .rows = 6}));
     // Both ends have single-token requests: the trailing run wins, the leading one is extend.
     BatchSplit both = split_batch(staged(ForwardMode::kMixed, {1, 4, 1}));
     ASSERT_TRUE(both.extend.has_value() && both.decode.has_value());
-    EXPECT_EQ(*both.extend, (SubBatch{AttentionKind::kExtend, 0, 2, 0, 5}));
-    EXPECT_EQ(*both.decode, (SubBatch{AttentionKind::kDecode, 2, 1, 5, 1}));
+    EXPECT_EQ(
+        *both.extend,
+        (SubBatch{
+            .kind = AttentionKind::kExtend, .first = 0, .count = 2, .row_begin = 0, .rows = 5}));
+    EXPECT_EQ(
+        *both.decode,
+        (SubBatch{
+            .kind = AttentionKind::kDecode, .first = 2, .count = 1, .row_begin = 5, .rows = 1}));
 }
 
 // Every row of a split batch belongs to exactly one sub-batch, and each sub-batch's rows are its
@@ -437,10 +468,29 @@ TEST(CheckBackendConfig, ShapesTheKernelsBuild) {
 
 TEST(CheckLayer, TheLayerMustHaveTheConfigsShape) {
     const AttentionConfig c = config(8, 2, 64);
-    EXPECT_OK(check_layer(LayerSpec{3, 8, 2, 64, 0, 0.f}, c));
-    EXPECT_OK(check_layer(LayerSpec{3, 8, 2, 64, 64, 0.5f}, c));
-    for (const LayerSpec& bad : {LayerSpec{1, 4, 2, 64}, LayerSpec{1, 8, 1, 64},
-                                 LayerSpec{1, 8, 2, 128}, LayerSpec{1, 8, 2, 64, 32}}) {
+    EXPECT_OK(check_layer(LayerSpec{.layer_id = 3,
+                                    .num_q_heads = 8,
+                                    .num_kv_heads = 2,
+                                    .head_dim = 64,
+                                    .v_head_dim = 0,
+                                    .scaling = 0.f},
+                          c));
+    EXPECT_OK(check_layer(LayerSpec{.layer_id = 3,
+                                    .num_q_heads = 8,
+                                    .num_kv_heads = 2,
+                                    .head_dim = 64,
+                                    .v_head_dim = 64,
+                                    .scaling = 0.5f},
+                          c));
+    for (const LayerSpec& bad :
+         {LayerSpec{.layer_id = 1, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 64},
+          LayerSpec{.layer_id = 1, .num_q_heads = 8, .num_kv_heads = 1, .head_dim = 64},
+          LayerSpec{.layer_id = 1, .num_q_heads = 8, .num_kv_heads = 2, .head_dim = 128},
+          LayerSpec{.layer_id = 1,
+          .num_q_heads = 8,
+          .num_kv_heads = 2,
+          .head_dim = 64,
+          .v_head_dim = 32}}) {
         Status st = check_layer(bad, c);
         EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
         EXPECT_THAT(st.message(), HasSubstr("the cuda backend was configured for 8, 2, 64/64"));

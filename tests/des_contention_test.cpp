@@ -59,8 +59,10 @@ SimConfig make_config(int tp0, double node_cpus, SimMode mode, double extend_s, 
     c.mode = mode;
     c.node_cpus = node_cpus;
     auto cost = std::make_shared<ConstCost>(extend_s, decode_s);
-    c.instances.push_back(InstanceSetup{cost, 100000, 4, tp0});
-    c.instances.push_back(InstanceSetup{cost, 100000, 4, 1});
+    c.instances.push_back(
+        InstanceSetup{.cost = cost, .kv_pages = 100000, .kv_dtype_bytes = 4, .cpu_cores = tp0});
+    c.instances.push_back(
+        InstanceSetup{.cost = cost, .kv_pages = 100000, .kv_dtype_bytes = 4, .cpu_cores = 1});
     return c;
 }
 

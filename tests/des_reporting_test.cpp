@@ -38,8 +38,10 @@ TEST(TransferSummary, BusyTimeIsTheUnionOfActiveFlows) {
     s.flow_done(3);  // [0, 3)
     s.flow_started(5);
     s.flow_done(6);  // [5, 6): busy 4 s
-    s.add_request(6e9, KvTransferFigures{1, 4, 0.001});
-    s.add_request(2e9, KvTransferFigures{0, 4, 0.003});
+    s.add_request(6e9,
+                  KvTransferFigures{.exposed_s = 1, .transfer_s = 4, .layer_latency_s = 0.001});
+    s.add_request(2e9,
+                  KvTransferFigures{.exposed_s = 0, .transfer_s = 4, .layer_latency_s = 0.003});
     metrics::TransferSummary out;
     s.fill(&out);
     EXPECT_EQ(out.bytes, 8000000000);

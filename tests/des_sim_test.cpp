@@ -57,7 +57,8 @@ SimConfig make_config(const topo::Topology& t, std::shared_ptr<const cost::CostM
     c.model = *model::resolve_model("tiny");
     c.mode = mode;
     for (size_t i = 0; i < t.instances.size(); ++i) {
-        c.instances.push_back(InstanceSetup{cost, kv_pages, 4});
+        c.instances.push_back(
+            InstanceSetup{.cost = cost, .kv_pages = kv_pages, .kv_dtype_bytes = 4});
     }
     return c;
 }
@@ -237,8 +238,9 @@ std::vector<workload::Request> synthetic(int64_t n, uint64_t seed) {
     workload::SyntheticOptions so;
     so.num_requests = n;
     so.rate_rps = 20;
-    so.input = workload::LengthDist{workload::LengthDist::Kind::kUniform, 64, 2048};
-    so.output = workload::LengthDist{workload::LengthDist::Kind::kUniform, 1, 64};
+    so.input =
+        workload::LengthDist{.kind = workload::LengthDist::Kind::kUniform, .a = 64, .b = 2048};
+    so.output = workload::LengthDist{.kind = workload::LengthDist::Kind::kUniform, .a = 1, .b = 64};
     so.seed = seed;
     StatusOr<std::vector<workload::Request>> r = workload::make_synthetic(so);
     PDSIM_CHECK_OK(r.status());

@@ -520,7 +520,8 @@ TEST(FlashInferDecode, MatchesTheOracleAcrossBatchSizesLengthsGroupsAndHeadDims)
         // random KV once (the KV layout does not depend on the number of query heads). Page-table
         // tails and the slots past seq_len are covered by the other tests' poison.
         const int pages = 64 * ((4097 + 15) / 16) + 2;
-        Pool pool(Layer{2, 2, hd, 16}, pages);
+        Pool pool(Layer{.num_qo_heads = 2, .num_kv_heads = 2, .head_dim = hd, .page_size = 16},
+                  pages);
         Rng rng(1000 + static_cast<uint64_t>(hd));
         for (size_t i = 0; i < pool.k.size(); ++i) {
             pool.k[i] = rng.bf16(-1.f, 1.f);

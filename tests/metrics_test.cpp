@@ -47,7 +47,7 @@ std::vector<RequestRecord> sample_records() {
 
 TEST(Summarize, CountsLatenciesSloAndGoodput) {
     Report rep;
-    summarize_requests(sample_records(), Slo{200, 80}, &rep);
+    summarize_requests(sample_records(), Slo{.ttft_ms = 200, .tpot_ms = 80}, &rep);
     EXPECT_EQ(rep.requests_submitted, 4);
     EXPECT_EQ(rep.requests_completed, 3);
     EXPECT_EQ(rep.requests_failed, 1);

@@ -690,7 +690,12 @@ TEST(RoundTrip, ToYamlParsesBackEqual) {
                           .hidden = 0,
                           .attention = AttentionKind::kMha};
     t->world_size = 3;
-    t->shaping = ShapingSpec{"x", LinkType::kEthernet, 12.5, 7, "B200", 33};
+    t->shaping = ShapingSpec{.emulate = "x",
+                             .type = LinkType::kEthernet,
+                             .gbps = 12.5,
+                             .latency_us = 7,
+                             .gpu = "B200",
+                             .time_scale = 33};
     ASSERT_OK(validate(*t));
     auto back = parse_topology(to_yaml(*t), "<roundtrip>", Format::kYaml);
     ASSERT_OK(back) << back.status().to_string() << "\n" << to_yaml(*t);

@@ -24,9 +24,10 @@ namespace {
 // Building blocks
 
 TEST(KvLayoutTest, HeadSliceConvention) {
-    EXPECT_EQ(*kv_head_slice(8, 2, 1), (HeadSlice{4, 4}));
-    EXPECT_EQ(*kv_head_slice(8, 1, 0), (HeadSlice{0, 8}));
-    EXPECT_EQ(*kv_head_slice(2, 8, 5), (HeadSlice{1, 1}));  // replicated: ranks 4..7 hold head 1
+    EXPECT_EQ(*kv_head_slice(8, 2, 1), (HeadSlice{.begin = 4, .count = 4}));
+    EXPECT_EQ(*kv_head_slice(8, 1, 0), (HeadSlice{.begin = 0, .count = 8}));
+    EXPECT_EQ(*kv_head_slice(2, 8, 5),
+              (HeadSlice{.begin = 1, .count = 1}));  // replicated: ranks 4..7 hold head 1
     EXPECT_FALSE(kv_head_slice(6, 4, 0).ok());
     EXPECT_FALSE(kv_head_slice(4, 2, 2).ok());
 }
@@ -154,9 +155,10 @@ TEST(ChecksumTest, IndependentOfLayoutAndSplit) {
     KvLayout a_layout;
     KvLayout b_layout;
     KvLayout c_layout;
-    auto a = make_pool(m, InstanceSpec{1, 16, 16}, 0, &a_layout);
-    auto b = make_pool(m, InstanceSpec{1, 64, 8}, 0, &b_layout);
-    auto c = make_pool(m, InstanceSpec{2, 4, 64}, 1, &c_layout);  // heads 2..3
+    auto a = make_pool(m, InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 16}, 0, &a_layout);
+    auto b = make_pool(m, InstanceSpec{.tp = 1, .page_size = 64, .num_pages = 8}, 0, &b_layout);
+    auto c = make_pool(m, InstanceSpec{.tp = 2, .page_size = 4, .num_pages = 64}, 1,
+                       &c_layout);  // heads 2..3
     std::vector<int32_t> pa = {3, 1, 2, 7, 9};
     std::vector<int32_t> pb = {5, 2};
     std::vector<int32_t> pc;
@@ -395,8 +397,8 @@ void expect_clean(ClusterRun& run, const ClusterSpec& c, const std::vector<Reque
 
 ClusterSpec simple(int prefill_tp, int decode_tp, int p_ps = 16, int d_ps = 16, int pages = 512) {
     ClusterSpec c;
-    c.prefill = {InstanceSpec{prefill_tp, p_ps, pages}};
-    c.decode = {InstanceSpec{decode_tp, d_ps, pages}};
+    c.prefill = {InstanceSpec{.tp = prefill_tp, .page_size = p_ps, .num_pages = pages}};
+    c.decode = {InstanceSpec{.tp = decode_tp, .page_size = d_ps, .num_pages = pages}};
     return c;
 }
 
@@ -466,7 +468,7 @@ TEST(TransferEngineLocal, LayerIntervals) {
 
 TEST(TransferEngineLocal, OnePrefillTwoDecodeInstances) {
     ClusterSpec c = simple(1, 1);
-    c.decode.push_back(InstanceSpec{1, 16, 512});
+    c.decode.push_back(InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 512});
     auto reqs = fixed_requests({10, 40, 70, 100, 130, 160});
     for (size_t i = 0; i < reqs.size(); ++i) reqs[i].decode_instance = static_cast<int>(i % 2);
     run_clean(c, reqs);
@@ -474,7 +476,7 @@ TEST(TransferEngineLocal, OnePrefillTwoDecodeInstances) {
 
 TEST(TransferEngineLocal, TwoPrefillInstancesOneDecode) {
     ClusterSpec c = simple(1, 1);
-    c.prefill.push_back(InstanceSpec{1, 16, 512});
+    c.prefill.push_back(InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 512});
     auto reqs = fixed_requests({10, 40, 70, 100, 130, 160});
     for (size_t i = 0; i < reqs.size(); ++i) reqs[i].prefill_instance = static_cast<int>(i % 2);
     run_clean(c, reqs);
@@ -568,8 +570,10 @@ TEST(TransferEngineLocal, RandomMixes) {
         ClusterSpec c;
         c.model.kind = sh.kind;
         c.model.layers = 3;
-        for (int i = 0; i < sh.pinst; ++i) c.prefill.push_back(InstanceSpec{sh.ptp, sh.pps, 1});
-        for (int i = 0; i < sh.dinst; ++i) c.decode.push_back(InstanceSpec{sh.dtp, sh.dps, 1});
+        for (int i = 0; i < sh.pinst; ++i)
+            c.prefill.push_back(InstanceSpec{.tp = sh.ptp, .page_size = sh.pps, .num_pages = 1});
+        for (int i = 0; i < sh.dinst; ++i)
+            c.decode.push_back(InstanceSpec{.tp = sh.dtp, .page_size = sh.dps, .num_pages = 1});
         auto reqs = random_requests(seed++, n, 8192, sh.pinst, sh.dinst, true);
         RunOptions o;
         o.seed = seed;
@@ -764,8 +768,8 @@ TEST(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
     ModelSpec m;
     KvLayout pl;
     KvLayout dl;
-    auto ppool = make_pool(m, InstanceSpec{1, 16, 64}, 0, &pl);
-    auto dpool = make_pool(m, InstanceSpec{1, 64, 16}, 0, &dl);
+    auto ppool = make_pool(m, InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 64}, 0, &pl);
+    auto dpool = make_pool(m, InstanceSpec{.tp = 1, .page_size = 64, .num_pages = 16}, 0, &dl);
     runtime::CpuStream stream;
     pd::StepCounter counter(stream);
     OrderingValidator pv(0);
@@ -870,7 +874,7 @@ TEST(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
 TEST(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
     // P0 serves D1 and D2; D2 dies (engine stops, transport closes) mid-transfer.
     ClusterSpec c = simple(1, 1);
-    c.decode.push_back(InstanceSpec{1, 16, 512});
+    c.decode.push_back(InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 512});
     auto reqs = fixed_requests({50, 60, 70, 80, 90, 100});
     for (size_t i = 0; i < reqs.size(); ++i) reqs[i].decode_instance = static_cast<int>(i % 2);
     auto run = start_cluster(c, "local");
@@ -1087,7 +1091,7 @@ TEST(TransferEngineTcp, HeterogeneousTpAndPages) {
 
 TEST(TransferEngineTcp, RandomMix) {
     ClusterSpec c = simple(2, 2, 16, 32);
-    c.decode.push_back(InstanceSpec{1, 64, 1});
+    c.decode.push_back(InstanceSpec{.tp = 1, .page_size = 64, .num_pages = 1});
     auto reqs = random_requests(99, kSlow > 1 ? 8 : 20, 8192, 1, 2, true);
     RunOptions o;
     o.batch = 5;

@@ -113,8 +113,9 @@ public:
             return ::testing::AssertionFailure() << "connect: " << std::strerror(errno);
         }
         if (!expect_ack) return ::testing::AssertionSuccess();
-        auto hello = frame::make_frame(frame::FrameType::kHello, static_cast<Tag>(rank),
-                                       frame::encode_hello(frame::Hello{world, token}));
+        auto hello = frame::make_frame(
+            frame::FrameType::kHello, static_cast<Tag>(rank),
+            frame::encode_hello(frame::Hello{.world_size = world, .token = token}));
         if (!send_all(hello.data(), hello.size())) return ::testing::AssertionFailure() << "send";
         frame::HeaderBytes hb{};
         if (!recv_all(hb.data(), hb.size())) return ::testing::AssertionFailure() << "recv ack";
@@ -167,7 +168,8 @@ PDSIM_TRANSPORT_CONFORMANCE_TESTS(TcpConformance3, g_tcp3)
 PDSIM_TRANSPORT_CONFORMANCE_TESTS(TcpConformance2, g_tcp2)
 
 TEST(TcpFrame, HeaderRoundTripAndValidation) {
-    auto hb = frame::encode_header(frame::FrameHeader{frame::FrameType::kData, 77, 12345});
+    auto hb = frame::encode_header(
+        frame::FrameHeader{.type = frame::FrameType::kData, .tag = 77, .length = 12345});
     auto h = frame::decode_header(hb, 1 << 20);
     ASSERT_OK(h);
     EXPECT_EQ(h->type, frame::FrameType::kData);
@@ -181,7 +183,8 @@ TEST(TcpFrame, HeaderRoundTripAndValidation) {
     bad = hb;
     bad[6] = 99;
     EXPECT_THAT(frame::decode_header(bad, 1 << 20).status().message(), HasSubstr("type"));
-    auto hello = frame::decode_hello(frame::encode_hello(frame::Hello{4, "secret"}));
+    auto hello =
+        frame::decode_hello(frame::encode_hello(frame::Hello{.world_size = 4, .token = "secret"}));
     ASSERT_OK(hello);
     EXPECT_EQ(hello->world_size, 4);
     EXPECT_EQ(hello->token, "secret");
@@ -316,7 +319,8 @@ TEST(TcpTransport, TruncatedFrameFailsThePendingReceive) {
         std::vector<uint8_t> in(4096);
         auto r = t.post_recv(1, 5, in.data(), in.size());
         ASSERT_OK(r);
-        auto hb = frame::encode_header(frame::FrameHeader{frame::FrameType::kData, 5, 4096});
+        auto hb = frame::encode_header(
+            frame::FrameHeader{.type = frame::FrameType::kData, .tag = 5, .length = 4096});
         if (header_only) {
             ASSERT_TRUE(raw.send_all(hb.data(), 10));
         } else {
