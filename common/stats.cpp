@@ -15,6 +15,12 @@ double median(std::vector<double> samples) {
     return median_sorted(samples);
 }
 
+BestAndMedian best_and_median(std::vector<double> samples) {
+    if (samples.empty()) return {};
+    std::sort(samples.begin(), samples.end());
+    return {.best = samples.front(), .median = median_sorted(samples)};
+}
+
 double quantile_sorted(std::span<const double> sorted, double q) {
     if (sorted.empty()) return 0;
     const double position = std::clamp(q, 0.0, 1.0) * static_cast<double>(sorted.size() - 1);

@@ -31,4 +31,11 @@ namespace pdsim::stats {
 // The p-th percentile (p in [0, 100]) of `samples` (any order).
 [[nodiscard]] double percentile(std::vector<double> samples, double p);
 
+// A benchmark figure: the best (smallest) and the median of its timed runs, in their unit.
+struct BestAndMedian {
+    double best = 0;
+    double median = 0;
+};
+[[nodiscard]] BestAndMedian best_and_median(std::vector<double> samples);
+
 }  // namespace pdsim::stats

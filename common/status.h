@@ -69,6 +69,12 @@ inline Status ok_status() {
     return {};
 }
 
+// kInvalidArgument with `message` as it is: for errors in the user's input (a flag, a file, a
+// field), whose message names the input rather than the source line that found it.
+[[nodiscard]] inline Status invalid_argument_error(std::string message) {
+    return Status(StatusCode::kInvalidArgument, std::move(message));
+}
+
 // StatusOr<T>: a T or a non-OK Status.
 template <typename T>
 class [[nodiscard]] StatusOr {

@@ -15,6 +15,7 @@
 #include "backends/cuda/cuda_pinned_memory.h"
 #include "backends/cuda/cuda_stream.h"
 #include "backends/cuda/flashinfer_kernels.h"
+#include "common/align.h"
 
 namespace pdsim::attn::cuda {
 
@@ -40,15 +41,11 @@ Status launch_status(const std::string& error, std::string_view what) {
     return Status(code, fmt::format("{}: {}", what, error));
 }
 
-bool aligned16(const void* p) {
-    return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
 // Vector loads read 16 bytes (8 bf16) at a time: rows and heads must start on 16-byte boundaries.
 Status check_device_pointer(const void* p, std::string_view name) {
     if (p == nullptr)
         return Status(StatusCode::kInvalidArgument, fmt::format("args.{}: null", name));
-    if (!aligned16(p)) {
+    if (!is_aligned(p, 16)) {
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("args.{}: {} is not 16-byte aligned", name, p));
     }

@@ -16,6 +16,7 @@
 
 #include "backends/cuda/cuda_stream.h"
 #include "backends/runtime/device.h"
+#include "common/align.h"
 #include "common/cuda_check.h"
 
 #define CUBLASLT_CHECK(call)                                                                \
@@ -53,16 +54,12 @@ Status check_ld(const char* field, int64_t ld, int64_t row_len, size_t elem) {
     return {};
 }
 
-bool aligned16(const void* p) {
-    return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
 Status check_pointers(const void* x, const void* w, const void* y) {
     if (x == nullptr || w == nullptr || y == nullptr) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "gemm: x, w and y must be device pointers (got {}, {}, {})", x, w, y);
     }
-    if (!aligned16(x) || !aligned16(w) || !aligned16(y)) {
+    if (!is_aligned(x, 16) || !is_aligned(w, 16) || !is_aligned(y, 16)) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "gemm: x {}, w {} and y {} must be 16-byte aligned", x, w, y);
     }

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "backends/cuda/kv_append_launch.h"
+#include "common/align.h"
 
 namespace pdsim::attn::cuda::detail {
 
@@ -59,10 +60,6 @@ __global__ void kv_append_kernel(const KernelArgs a) {
     }
 }
 
-bool aligned(const void* p, size_t bytes) {
-    return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
 template <typename Src, typename Dst>
 cudaError_t launch(const KernelArgs& a, int n, cudaStream_t stream) {
     // The widest vector (<= 16 bytes on either side) that every row start and length allows:
@@ -73,8 +70,8 @@ cudaError_t launch(const KernelArgs& a, int n, cudaStream_t stream) {
         bool ok = true;
         for (int w = 0; w < 2; ++w) {
             ok = ok && a.row_elems[w] % vec == 0 && a.src_stride[w] % vec == 0 &&
-                 aligned(a.src[w], sizeof(Src) * static_cast<size_t>(vec)) &&
-                 aligned(a.dst[w], sizeof(Dst) * static_cast<size_t>(vec));
+                 is_aligned(a.src[w], sizeof(Src) * static_cast<size_t>(vec)) &&
+                 is_aligned(a.dst[w], sizeof(Dst) * static_cast<size_t>(vec));
         }
         if (ok) break;
     }

@@ -11,6 +11,7 @@
 
 #include "backends/cuda/cuda_stream.h"
 #include "backends/cuda/model_kernels_launch.h"
+#include "common/align.h"
 #include "common/cuda_check.h"
 
 namespace pdsim::model::cuda {
@@ -22,10 +23,6 @@ using runtime::DType;
 constexpr int kPack = 8;  // bf16 per 16-byte pack
 
 // ---- host helpers ----
-
-bool aligned16(const void* p) {
-    return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
 
 // The stream's cudaStream_t, with its device made current (a launch on another device's stream
 // fails).
@@ -39,7 +36,7 @@ StatusOr<cudaStream_t> launch_stream(runtime::Stream& stream) {
 // least the row length. `what` is "kernel: field".
 Status check_packed(const char* what, const void* p, int64_t ld, int64_t row_len) {
     if (p == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "{} is null", what);
-    if (!aligned16(p)) {
+    if (!is_aligned(p, 16)) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "{} is not 16-byte aligned", what);
     }
     if (ld < row_len || ld % kPack != 0) {
@@ -334,7 +331,7 @@ Status rms_norm(const RmsNormParams& p, runtime::Stream& stream) {
     PDSIM_RETURN_IF_ERROR(check_positive_multiple("rms_norm: hidden", p.hidden));
     PDSIM_RETURN_IF_ERROR(check_packed("rms_norm: in", p.in, p.in_ld, p.hidden));
     PDSIM_RETURN_IF_ERROR(check_packed("rms_norm: out", p.out, p.out_ld, p.hidden));
-    if (p.weight == nullptr || !aligned16(p.weight)) {
+    if (p.weight == nullptr || !is_aligned(p.weight, 16)) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "rms_norm: weight is null or not 16-byte aligned");
     }

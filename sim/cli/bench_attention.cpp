@@ -73,10 +73,7 @@ struct BenchAttentionOptions {
     uint64_t seed = 1;
 };
 
-struct Timing {
-    double best = 0;
-    double median = 0;
-};
+using Timing = stats::BestAndMedian;
 
 // xorshift64*: fills large buffers quickly with values in [-1, 1).
 struct FastRng {
@@ -241,10 +238,7 @@ StatusOr<std::vector<Timing>> time_interleaved(const std::vector<Workload>& work
         }
     }
     std::vector<Timing> out;
-    for (auto& v : t) {
-        std::sort(v.begin(), v.end());
-        out.push_back({v.front(), stats::median_sorted(v)});
-    }
+    for (auto& v : t) out.push_back(stats::best_and_median(std::move(v)));
     return out;
 }
 

@@ -17,12 +17,9 @@ namespace pdsim::cli {
 
 namespace {
 
-Status bad(std::string message) {
-    return Status(StatusCode::kInvalidArgument, std::move(message));
-}
-
 Status at_least(const char* flag, int64_t value, int64_t minimum) {
-    if (value < minimum) return bad(fmt::format("{} {} must be >= {}", flag, value, minimum));
+    if (value < minimum)
+        return invalid_argument_error(fmt::format("{} {} must be >= {}", flag, value, minimum));
     return {};
 }
 
@@ -36,7 +33,8 @@ std::string upper(std::string_view s) {
 
 StatusOr<model::ModelConfig> bench_model_config(const CudaBenchOptions& o) {
     auto cfg = model::resolve_model(o.model);
-    if (!cfg.ok()) return bad("--model " + o.model + ": " + cfg.status().message());
+    if (!cfg.ok())
+        return invalid_argument_error("--model " + o.model + ": " + cfg.status().message());
     cfg->num_layers = o.layers;
     return cfg;
 }
@@ -65,7 +63,7 @@ Status check_cuda_bench_options(const CudaBenchOptions& o) {
     PDSIM_RETURN_IF_ERROR(at_least("--layers", o.layers, 1));
     PDSIM_RETURN_IF_ERROR(at_least("--model-prefill", o.model_prefill, 1));
     if (o.q_heads % o.kv_heads != 0) {
-        return bad(
+        return invalid_argument_error(
             fmt::format("--q-heads {} is not a multiple of --kv-heads {}", o.q_heads, o.kv_heads));
     }
     attn::AttentionConfig ac;
@@ -74,13 +72,13 @@ Status check_cuda_bench_options(const CudaBenchOptions& o) {
     ac.head_dim = o.head_dim;
     ac.kv_dtype = runtime::DType::kBF16;
     if (Status st = attn::cuda::check_backend_config(ac); !st.ok()) {
-        return bad(fmt::format("--q-heads {} --kv-heads {} --head-dim {}: {}", o.q_heads,
-                               o.kv_heads, o.head_dim, st.message()));
+        return invalid_argument_error(fmt::format("--q-heads {} --kv-heads {} --head-dim {}: {}",
+                                                  o.q_heads, o.kv_heads, o.head_dim, st.message()));
     }
     // Pages of one request must stay addressable as int32 slots (page id * page size).
     const int64_t pages_per_request = (int64_t{o.decode_len} + o.page_size - 1) / o.page_size;
     if (pages_per_request * o.decode_batch * o.page_size > std::numeric_limits<int32_t>::max()) {
-        return bad(
+        return invalid_argument_error(
             fmt::format("--decode-batch {} x --decode-len {}: more KV slots than int32 "
                         "indexes",
                         o.decode_batch, o.decode_len));
@@ -88,7 +86,7 @@ Status check_cuda_bench_options(const CudaBenchOptions& o) {
     PDSIM_ASSIGN_OR_RETURN(const model::ModelConfig cfg, bench_model_config(o));
     if (Status st = model::cuda::check_cuda_model_config(cfg, 1, bench_model_options(o));
         !st.ok()) {
-        return bad(fmt::format(
+        return invalid_argument_error(fmt::format(
             "--model {} (--layers {}, --model-prefill {}, --decode-batch {}, "
             "--decode-len {}): {}",
             o.model, o.layers, o.model_prefill, o.decode_batch, o.decode_len, st.message()));
@@ -119,7 +117,8 @@ int64_t decode_copy_bytes(double decode_bytes) {
 
 StatusOr<GemmDims> gemm_dims_for_flops(double flops) {
     if (!(flops > 0) || !std::isfinite(flops)) {
-        return bad(fmt::format("gemm_dims_for_flops: flops {} must be > 0", flops));
+        return invalid_argument_error(
+            fmt::format("gemm_dims_for_flops: flops {} must be > 0", flops));
     }
     auto nearest = [](double x, int64_t multiple) {
         return std::max<int64_t>(multiple,
@@ -130,7 +129,7 @@ StatusOr<GemmDims> gemm_dims_for_flops(double flops) {
     d.m = nearest(flops / (2.0 * static_cast<double>(d.n) * static_cast<double>(d.k)), 8);
     const int64_t limit = std::numeric_limits<int32_t>::max();
     if (d.m > limit || d.n > limit) {
-        return bad(
+        return invalid_argument_error(
             fmt::format("gemm_dims_for_flops: {} FLOPs need dimensions beyond int32", flops));
     }
     return d;
@@ -173,7 +172,7 @@ StatusOr<LayerRoofline> roofline_per_layer(const model::ModelConfig& config, std
                                            int prefill_tokens, int decode_bs,
                                            int64_t decode_kv_tokens, double mfu, double mbu) {
     if (config.num_layers < 1) {
-        return bad(
+        return invalid_argument_error(
             fmt::format("roofline_per_layer: num_layers {} must be >= 1", config.num_layers));
     }
     cost::RooflineOptions ro;

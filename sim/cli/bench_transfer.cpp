@@ -630,15 +630,7 @@ private:
     std::unique_ptr<Transport> t_;
 };
 
-struct Timing {
-    double best = 0;
-    double median = 0;
-};
-
-Timing summarize(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return {v.front(), stats::median_sorted(v)};
-}
+using Timing = stats::BestAndMedian;
 
 // The runner of --transport and the GB/s ratio it must reach (0: none).
 // Chosen by what the transport declares: launched by mpirun (two ranks), GPU one-sided writes
@@ -697,8 +689,8 @@ StatusOr<nlohmann::json> bench_size(const BenchTransferOptions& o, Runner& runne
         base.push_back(b);
         ours.push_back(t);
     }
-    Timing bt = summarize(base);
-    Timing tt = summarize(ours);
+    Timing bt = stats::best_and_median(base);
+    Timing tt = stats::best_and_median(ours);
     double total = static_cast<double>(bytes) * static_cast<double>(p.messages);
     double gbps = total / tt.best / 1e9;
     double base_gbps = total / bt.best / 1e9;

@@ -40,33 +40,34 @@ struct SearchFlags {
     bool quiet = false;
 };
 
-Status bad(std::string msg) {
-    return Status(StatusCode::kInvalidArgument, std::move(msg));
-}
-
 Status check_flags(const SearchFlags& f) {
-    if (f.topology.empty() && f.gpus == 0) return bad("--gpus: required (or --topology F)");
-    if (f.gpus < 0) return bad(fmt::format("--gpus {}: must be >= 1", f.gpus));
+    if (f.topology.empty() && f.gpus == 0)
+        return invalid_argument_error("--gpus: required (or --topology F)");
+    if (f.gpus < 0) return invalid_argument_error(fmt::format("--gpus {}: must be >= 1", f.gpus));
     if (f.req.trace.empty() == (f.synthetic == 0)) {
-        return bad("--trace F or --synthetic N: exactly one is required");
+        return invalid_argument_error("--trace F or --synthetic N: exactly one is required");
     }
-    if (f.synthetic < 0) return bad(fmt::format("--synthetic {}: must be >= 1", f.synthetic));
+    if (f.synthetic < 0)
+        return invalid_argument_error(fmt::format("--synthetic {}: must be >= 1", f.synthetic));
     if (f.synthetic > 0 && (f.req.max_requests != 0 || f.req.sample != 0)) {
-        return bad("--max-requests / --sample: for --trace (--synthetic N sets the count)");
+        return invalid_argument_error(
+            "--max-requests / --sample: for --trace (--synthetic N sets the count)");
     }
-    if (!(f.rate > 0)) return bad(fmt::format("--rate {}: must be > 0", f.rate));
-    if (f.cv < 0) return bad(fmt::format("--cv {}: must be >= 0", f.cv));
+    if (!(f.rate > 0)) return invalid_argument_error(fmt::format("--rate {}: must be > 0", f.rate));
+    if (f.cv < 0) return invalid_argument_error(fmt::format("--cv {}: must be >= 0", f.cv));
     if (!(f.slo_ttft_ms > 0))
-        return bad(fmt::format("--slo-ttft-ms {}: must be > 0", f.slo_ttft_ms));
+        return invalid_argument_error(fmt::format("--slo-ttft-ms {}: must be > 0", f.slo_ttft_ms));
     if (!(f.slo_tpot_ms > 0))
-        return bad(fmt::format("--slo-tpot-ms {}: must be > 0", f.slo_tpot_ms));
+        return invalid_argument_error(fmt::format("--slo-tpot-ms {}: must be > 0", f.slo_tpot_ms));
     if (!(f.attainment > 0 && f.attainment <= 1)) {
-        return bad(fmt::format("--attainment {}: must be in (0, 1]", f.attainment));
+        return invalid_argument_error(
+            fmt::format("--attainment {}: must be in (0, 1]", f.attainment));
     }
     if (f.max_candidates < 1) {
-        return bad(fmt::format("--max-candidates {}: must be >= 1", f.max_candidates));
+        return invalid_argument_error(
+            fmt::format("--max-candidates {}: must be >= 1", f.max_candidates));
     }
-    if (f.top < 0) return bad(fmt::format("--top {}: must be >= 0", f.top));
+    if (f.top < 0) return invalid_argument_error(fmt::format("--top {}: must be >= 0", f.top));
     return check_scheduling_flags(f.sched);
 }
 
@@ -82,7 +83,7 @@ StatusOr<des::SearchSpace> make_space(const SearchFlags& f, std::string* model_f
             for (const auto& dev : node.devices) {
                 if (dev.is_cpu()) continue;
                 if (!type.empty() && dev.type != type) {
-                    return bad(
+                    return invalid_argument_error(
                         fmt::format("--topology {}: mixed GPU types ({} and {}); pass --gpu "
                                     "and --gpus",
                                     f.topology, type, dev.type));
@@ -92,7 +93,7 @@ StatusOr<des::SearchSpace> make_space(const SearchFlags& f, std::string* model_f
             }
         }
         if (count == 0) {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("--topology {}: no GPU devices (the search simulates GPUs with "
                             "roofline costs); pass --gpu and --gpus",
                             f.topology));
@@ -112,13 +113,14 @@ StatusOr<des::SearchSpace> make_space(const SearchFlags& f, std::string* model_f
         } else if (m == "colocated") {
             s.colocated = true;
         } else {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("--modes {}: expected disagg, colocated or both, "
                             "comma-separated",
                             f.modes));
         }
     }
-    if (!s.disagg && !s.colocated) return bad(fmt::format("--modes '{}': no mode", f.modes));
+    if (!s.disagg && !s.colocated)
+        return invalid_argument_error(fmt::format("--modes '{}': no mode", f.modes));
     if (!f.tp.empty()) {
         PDSIM_ASSIGN_OR_RETURN(s.tp_sizes, parse_int_list("--tp", f.tp));
     }
@@ -186,9 +188,11 @@ StatusOr<std::vector<workload::Request>> search_requests(const SearchFlags& f,
         so.cv = f.cv > 0 ? f.cv : 1.0;
         so.seed = src->seed;
         StatusOr<workload::LengthDist> in = workload::parse_length_dist(f.input_len);
-        if (!in.ok()) return bad(fmt::format("--input-len: {}", in.status().message()));
+        if (!in.ok())
+            return invalid_argument_error(fmt::format("--input-len: {}", in.status().message()));
         StatusOr<workload::LengthDist> out = workload::parse_length_dist(f.output_len);
-        if (!out.ok()) return bad(fmt::format("--output-len: {}", out.status().message()));
+        if (!out.ok())
+            return invalid_argument_error(fmt::format("--output-len: {}", out.status().message()));
         so.input = *in;
         so.output = *out;
     }
@@ -327,7 +331,8 @@ Status run_search_cmd(const SearchFlags& f) {
     std::string topo_model;
     PDSIM_ASSIGN_OR_RETURN(des::SearchSpace space, make_space(f, &topo_model));
     const std::string model_name = f.model.empty() ? topo_model : f.model;
-    if (model_name.empty()) return bad("--model: required (the topology names no model)");
+    if (model_name.empty())
+        return invalid_argument_error("--model: required (the topology names no model)");
     PDSIM_ASSIGN_OR_RETURN(model::ModelConfig model, des::load_model(model_name, f.layers));
     des::RequestSource src;
     PDSIM_ASSIGN_OR_RETURN(std::vector<workload::Request> requests, search_requests(f, &src));

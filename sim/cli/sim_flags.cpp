@@ -4,12 +4,6 @@
 
 namespace pdsim::cli {
 
-namespace {
-Status bad(std::string msg) {
-    return Status(StatusCode::kInvalidArgument, std::move(msg));
-}
-}  // namespace
-
 void add_scheduling_flags(CLI::App* sub, SchedulingFlags& f) {
     sub->add_option("--prefix-cache", f.prefix_cache,
                     "on|off: prefix cache of 512-token blocks keyed by the trace's hash_ids")
@@ -31,24 +25,31 @@ void add_scheduling_flags(CLI::App* sub, SchedulingFlags& f) {
 }
 
 Status check_scheduling_flags(const SchedulingFlags& f) {
-    if (f.chunk_size < 1) return bad(fmt::format("--chunk-size {}: must be >= 1", f.chunk_size));
+    if (f.chunk_size < 1)
+        return invalid_argument_error(fmt::format("--chunk-size {}: must be >= 1", f.chunk_size));
     if (f.max_batch_tokens < 1) {
-        return bad(fmt::format("--max-batch-tokens {}: must be >= 1", f.max_batch_tokens));
+        return invalid_argument_error(
+            fmt::format("--max-batch-tokens {}: must be >= 1", f.max_batch_tokens));
     }
     if (f.max_decode_batch < 1) {
-        return bad(fmt::format("--max-decode-batch {}: must be >= 1", f.max_decode_batch));
+        return invalid_argument_error(
+            fmt::format("--max-decode-batch {}: must be >= 1", f.max_decode_batch));
     }
     if (f.page_size < 1 || f.page_size > 4096) {
-        return bad(fmt::format("--page-size {}: must be in [1, 4096]", f.page_size));
+        return invalid_argument_error(
+            fmt::format("--page-size {}: must be in [1, 4096]", f.page_size));
     }
     if (!(f.mem_fraction > 0 && f.mem_fraction <= 1)) {
-        return bad(fmt::format("--mem-fraction {}: must be in (0, 1]", f.mem_fraction));
+        return invalid_argument_error(
+            fmt::format("--mem-fraction {}: must be in (0, 1]", f.mem_fraction));
     }
     if (f.prefix_cache != "on" && f.prefix_cache != "off") {
-        return bad(fmt::format("--prefix-cache {}: expected on or off", f.prefix_cache));
+        return invalid_argument_error(
+            fmt::format("--prefix-cache {}: expected on or off", f.prefix_cache));
     }
     if (f.kv_admission != "prompt" && f.kv_admission != "full") {
-        return bad(fmt::format("--kv-admission {}: expected prompt or full", f.kv_admission));
+        return invalid_argument_error(
+            fmt::format("--kv-admission {}: expected prompt or full", f.kv_admission));
     }
     return {};
 }

@@ -64,50 +64,54 @@ struct Prepared {
     double load_s = 0;
 };
 
-Status bad(std::string msg) {
-    return Status(StatusCode::kInvalidArgument, std::move(msg));
-}
-
 StatusOr<bool> on_off(const std::string& flag, const std::string& v) {
     if (v == "on") return true;
     if (v == "off") return false;
-    return bad(fmt::format("{} {}: expected on or off", flag, v));
+    return invalid_argument_error(fmt::format("{} {}: expected on or off", flag, v));
 }
 
 Status check_flags(const SimulateFlags& f) {
-    if (f.topology.empty()) return bad("--topology: required");
-    if (f.req.trace.empty()) return bad("--trace: required");
-    if (f.layers < 0) return bad(fmt::format("--layers {}: must be >= 1", f.layers));
+    if (f.topology.empty()) return invalid_argument_error("--topology: required");
+    if (f.req.trace.empty()) return invalid_argument_error("--trace: required");
+    if (f.layers < 0)
+        return invalid_argument_error(fmt::format("--layers {}: must be >= 1", f.layers));
     PDSIM_RETURN_IF_ERROR(check_scheduling_flags(f.sched));
     if (f.max_decode_kv_tokens < 0) {
-        return bad(fmt::format("--max-decode-kv-tokens {}: must be >= 0", f.max_decode_kv_tokens));
+        return invalid_argument_error(
+            fmt::format("--max-decode-kv-tokens {}: must be >= 0", f.max_decode_kv_tokens));
     }
-    if (f.kv_pool_mb < 1) return bad(fmt::format("--kv-pool-mb {}: must be >= 1", f.kv_pool_mb));
+    if (f.kv_pool_mb < 1)
+        return invalid_argument_error(fmt::format("--kv-pool-mb {}: must be >= 1", f.kv_pool_mb));
     const des::RequestSource& r = f.req;
     if (r.max_input_len < 0) {
-        return bad(fmt::format("--max-input-len {}: must be >= 0", r.max_input_len));
+        return invalid_argument_error(
+            fmt::format("--max-input-len {}: must be >= 0", r.max_input_len));
     }
     if (r.max_output_len < 0) {
-        return bad(fmt::format("--max-output-len {}: must be >= 0", r.max_output_len));
+        return invalid_argument_error(
+            fmt::format("--max-output-len {}: must be >= 0", r.max_output_len));
     }
     if (!(r.time_scale > 0) || !std::isfinite(r.time_scale)) {
-        return bad(fmt::format("--time-scale {}: must be > 0", r.time_scale));
+        return invalid_argument_error(fmt::format("--time-scale {}: must be > 0", r.time_scale));
     }
-    if (r.max_requests < 0 || r.sample < 0) return bad("--max-requests / --sample must be >= 0");
+    if (r.max_requests < 0 || r.sample < 0)
+        return invalid_argument_error("--max-requests / --sample must be >= 0");
     if (f.slo_ttft_ms < 0 || f.slo_tpot_ms < 0) {
-        return bad("--slo-ttft-ms / --slo-tpot-ms must be >= 0");
+        return invalid_argument_error("--slo-ttft-ms / --slo-tpot-ms must be >= 0");
     }
     if (f.timeline_sample < 0) {
-        return bad(fmt::format("--timeline-sample {}: must be >= 0", f.timeline_sample));
+        return invalid_argument_error(
+            fmt::format("--timeline-sample {}: must be >= 0", f.timeline_sample));
     }
     if (f.mode != "disagg" && f.mode != "colocated" && f.mode != "both") {
-        return bad(fmt::format("--mode {}: expected disagg, colocated or both", f.mode));
+        return invalid_argument_error(
+            fmt::format("--mode {}: expected disagg, colocated or both", f.mode));
     }
     PDSIM_RETURN_IF_ERROR(on_off("--layerwise", f.layerwise).status());
     PDSIM_RETURN_IF_ERROR(on_off("--cpu-contention", f.cpu_contention).status());
     PDSIM_RETURN_IF_ERROR(on_off("--cost-noise", f.cost_noise).status());
     if (!(f.cpu_cores >= 0) || !std::isfinite(f.cpu_cores)) {
-        return bad(fmt::format("--cpu-cores {}: must be >= 0", f.cpu_cores));
+        return invalid_argument_error(fmt::format("--cpu-cores {}: must be >= 0", f.cpu_cores));
     }
     return {};
 }
@@ -127,13 +131,13 @@ Status load_model_and_topology(const SimulateFlags& f, Prepared* p) {
     p->topology_label = fs::path(f.topology).filename().string();
     if (!m) {
         if (!p->topology.model) {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("{}: no model in the topology; pass --model NAME|F", f.topology));
         }
         const std::string name = p->topology.model->name;
         auto r = des::load_model(name, f.layers, "model");
         if (!r.ok()) {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("{}: {}; pass --model NAME|F", f.topology, r.status().message()));
         }
         m = *std::move(r);
@@ -143,7 +147,8 @@ Status load_model_and_topology(const SimulateFlags& f, Prepared* p) {
     p->model = *m;
     for (const auto& inst : p->topology.instances) {
         if (Status st = model::check_tp(p->model, inst.tp); !st.ok()) {
-            return bad(fmt::format("{}: instance {}: tp {}", f.topology, inst.id, st.message()));
+            return invalid_argument_error(
+                fmt::format("{}: instance {}: tp {}", f.topology, inst.id, st.message()));
         }
     }
     return {};
@@ -212,7 +217,9 @@ public:
     Status open(const std::string& path) {
         path_ = path;
         f_.open(path);
-        if (!f_) return bad(fmt::format("{}: cannot open requests file for writing", path));
+        if (!f_)
+            return invalid_argument_error(
+                fmt::format("{}: cannot open requests file for writing", path));
         f_ << "id,arrival_ms,ttft_ms,tpot_ms,e2e_ms,input_len,output_len,generated,ok,"
               "prefill_instance,decode_instance,transfer_bytes,transfer_ms,error\n";
         return {};
@@ -373,7 +380,7 @@ struct BenchFlags {
 
 Status run_bench(BenchFlags& b) {
     SimulateFlags f = b.sim;
-    if (b.reps < 1) return bad(fmt::format("--reps {}: must be >= 1", b.reps));
+    if (b.reps < 1) return invalid_argument_error(fmt::format("--reps {}: must be >= 1", b.reps));
     if (f.req.trace.empty()) {
         PDSIM_ASSIGN_OR_RETURN(f.req.trace, data::find_data_file(data::DataKind::kTraces,
                                                                  "mooncake_conversation.jsonl"));

@@ -13,10 +13,6 @@ namespace pdsim::des {
 
 namespace {
 
-Status bad(std::string msg) {
-    return Status(StatusCode::kInvalidArgument, std::move(msg));
-}
-
 const topo::Device* instance_device(const topo::Topology& t, int instance) {
     const topo::Instance& inst = t.instances[static_cast<size_t>(instance)];
     return inst.devices.empty() ? nullptr : t.find_device(inst.devices.front());
@@ -27,12 +23,14 @@ const topo::Device* instance_device(const topo::Topology& t, int instance) {
 StatusOr<cost::InstanceSpec> instance_spec(const topo::Topology& topology,
                                            const model::ModelConfig& model, int instance) {
     if (instance < 0 || static_cast<size_t>(instance) >= topology.instances.size()) {
-        return bad(fmt::format("{}: no instance {}", topology.source.name, instance));
+        return invalid_argument_error(
+            fmt::format("{}: no instance {}", topology.source.name, instance));
     }
     const topo::Instance& inst = topology.instances[static_cast<size_t>(instance)];
     const topo::Device* dev = instance_device(topology, instance);
     if (dev == nullptr) {
-        return bad(fmt::format("{}: instance {}: unknown device", topology.source.name, inst.id));
+        return invalid_argument_error(
+            fmt::format("{}: instance {}: unknown device", topology.source.name, inst.id));
     }
     cost::InstanceSpec spec;
     spec.model = model;
@@ -43,8 +41,9 @@ StatusOr<cost::InstanceSpec> instance_spec(const topo::Topology& topology,
     } else {
         const topo::GpuSpec* gpu = dev->gpu();
         if (gpu == nullptr) {
-            return bad(fmt::format("{}: instance {}: device {} has unknown type {}",
-                                   topology.source.name, inst.id, dev->id, dev->type));
+            return invalid_argument_error(
+                fmt::format("{}: instance {}: device {} has unknown type {}", topology.source.name,
+                            inst.id, dev->id, dev->type));
         }
         spec.device = std::string(gpu->name);
         spec.kv_dtype_bytes = 2;
@@ -54,9 +53,9 @@ StatusOr<cost::InstanceSpec> instance_spec(const topo::Topology& topology,
         for (size_t i = 1; i < inst.devices.size(); ++i) {
             const topo::PathInfo p = topology.path_info(inst.devices[0], inst.devices[i]);
             if (!p.found) {
-                return bad(fmt::format("{}: instance {}: no path between its devices {} and {}",
-                                       topology.source.name, inst.id, inst.devices[0],
-                                       inst.devices[i]));
+                return invalid_argument_error(
+                    fmt::format("{}: instance {}: no path between its devices {} and {}",
+                                topology.source.name, inst.id, inst.devices[0], inst.devices[i]));
             }
             gbps = std::min(gbps, p.bottleneck_gbps);
             lat = std::max(lat, p.latency_us);
@@ -71,7 +70,8 @@ StatusOr<int64_t> kv_capacity_pages(const topo::Topology& topology, const model:
                                     int instance, const KvCapacityOptions& o) {
     PDSIM_ASSIGN_OR_RETURN(cost::InstanceSpec spec, instance_spec(topology, model, instance));
     const topo::Instance& inst = topology.instances[static_cast<size_t>(instance)];
-    if (o.page_size < 1) return bad(fmt::format("page size {}: must be >= 1", o.page_size));
+    if (o.page_size < 1)
+        return invalid_argument_error(fmt::format("page size {}: must be >= 1", o.page_size));
     const double page_bytes = static_cast<double>(o.page_size) *
                               static_cast<double>(model.kv_elems_per_token_per_layer(inst.tp)) *
                               model.num_layers * spec.kv_dtype_bytes;
@@ -84,7 +84,7 @@ StatusOr<int64_t> kv_capacity_pages(const topo::Topology& topology, const model:
     const double weights = static_cast<double>(model.num_params()) * 2.0 / inst.tp;
     const double pages = std::floor((hbm - weights) / page_bytes);
     if (pages < 1) {
-        return bad(
+        return invalid_argument_error(
             fmt::format("{}: instance {}: {} weights ({:.1f} GiB per rank at tp {}) leave no "
                         "KV memory in {} x {} GiB x mem fraction {}",
                         topology.source.name, inst.id, model.name, weights / double(1 << 30),

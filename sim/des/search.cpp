@@ -14,10 +14,6 @@ namespace pdsim::des {
 
 namespace {
 
-Status bad(std::string msg) {
-    return Status(StatusCode::kInvalidArgument, std::move(msg));
-}
-
 bool is_gb200(std::string_view gpu) {
     const topo::GpuSpec* spec = topo::gpu_spec(gpu);
     return spec != nullptr && spec->name == "GB200";
@@ -66,7 +62,8 @@ Layout colocated_layout(int instances, int tp) {
 StatusOr<int> nvlink_domain(std::string_view gpu) {
     const topo::GpuSpec* spec = topo::gpu_spec(gpu);
     if (spec == nullptr) {
-        return bad(fmt::format("--gpu {}: unknown GPU (known: {})", gpu, topo::gpu_spec_names()));
+        return invalid_argument_error(
+            fmt::format("--gpu {}: unknown GPU (known: {})", gpu, topo::gpu_spec_names()));
     }
     return spec->name == "GB200" ? 72 : 8;
 }
@@ -75,16 +72,17 @@ StatusOr<std::vector<int>> allowed_tp_sizes(const model::ModelConfig& model,
                                             const SearchSpace& space, const KvCapacityOptions& kv,
                                             std::vector<std::string>* notes) {
     PDSIM_ASSIGN_OR_RETURN(const int domain, nvlink_domain(space.gpu));
-    if (space.gpus < 1) return bad(fmt::format("--gpus {}: must be >= 1", space.gpus));
+    if (space.gpus < 1)
+        return invalid_argument_error(fmt::format("--gpus {}: must be >= 1", space.gpus));
     for (int tp : space.tp_sizes) {
         if (tp < 1 || tp > domain || tp > space.gpus) {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("--tp {}: must be in [1, {}] (one NVLink domain of {} and the "
                             "budget of {} GPUs)",
                             tp, std::min(domain, space.gpus), space.gpu, space.gpus));
         }
         if (Status st = model::check_tp(model, tp); !st.ok()) {
-            return bad(fmt::format("--tp {}: {}", tp, st.message()));
+            return invalid_argument_error(fmt::format("--tp {}: {}", tp, st.message()));
         }
     }
     std::vector<int> out;
@@ -106,7 +104,7 @@ StatusOr<std::vector<int>> allowed_tp_sizes(const model::ModelConfig& model,
         out.push_back(tp);
     }
     if (out.empty()) {
-        return bad(
+        return invalid_argument_error(
             fmt::format("--gpus {}: no TP size of {} fits {} on {} (within one NVLink "
                         "domain of {})",
                         space.gpus, model.name, model.name, space.gpu, domain));
@@ -116,12 +114,15 @@ StatusOr<std::vector<int>> allowed_tp_sizes(const model::ModelConfig& model,
 
 StatusOr<std::vector<Layout>> enumerate_layouts(std::span<const int> tps,
                                                 const SearchSpace& space) {
-    if (space.gpus < 1) return bad(fmt::format("--gpus {}: must be >= 1", space.gpus));
-    if (!space.disagg && !space.colocated) return bad("--modes: no mode selected");
+    if (space.gpus < 1)
+        return invalid_argument_error(fmt::format("--gpus {}: must be >= 1", space.gpus));
+    if (!space.disagg && !space.colocated)
+        return invalid_argument_error("--modes: no mode selected");
     const int n = space.gpus;
     const int least = space.min_gpus;
     if (least < 1 || least > n) {
-        return bad(fmt::format("--min-gpus {}: must be in [1, --gpus {}]", least, n));
+        return invalid_argument_error(
+            fmt::format("--min-gpus {}: must be in [1, --gpus {}]", least, n));
     }
     int64_t total = 0;
     for (int a : tps) {
@@ -131,7 +132,7 @@ StatusOr<std::vector<Layout>> enumerate_layouts(std::span<const int> tps,
         if (space.colocated) total += count_pairs(n, least, a, 0);
     }
     if (total > space.max_candidates) {
-        return bad(
+        return invalid_argument_error(
             fmt::format("--max-candidates {}: {} GPUs and TP sizes {{{}}} give {} "
                         "candidates; narrow them (--tp, --modes, --gpus) or raise "
                         "--max-candidates",
@@ -163,15 +164,15 @@ StatusOr<std::vector<Layout>> enumerate_layouts(std::span<const int> tps,
 
 StatusOr<topo::Topology> layout_topology(std::string_view gpu, int budget, const Layout& layout) {
     PDSIM_ASSIGN_OR_RETURN(const int domain, nvlink_domain(gpu));
-    if (budget < 1) return bad(fmt::format("--gpus {}: must be >= 1", budget));
+    if (budget < 1) return invalid_argument_error(fmt::format("--gpus {}: must be >= 1", budget));
     if (layout.prefill < 1 || layout.prefill_tp < 1 ||
         (layout.mode == SimMode::kDisagg && (layout.decode < 1 || layout.decode_tp < 1))) {
-        return bad(
+        return invalid_argument_error(
             fmt::format("layout {}: needs at least one instance of each role", layout.name()));
     }
     if (layout.gpus() > budget) {
-        return bad(fmt::format("layout {}: {} GPUs exceed the budget of {}", layout.name(),
-                               layout.gpus(), budget));
+        return invalid_argument_error(fmt::format("layout {}: {} GPUs exceed the budget of {}",
+                                                  layout.name(), layout.gpus(), budget));
     }
     const int units = (budget + domain - 1) / domain;
     topo::ClusterOptions o;
@@ -182,7 +183,9 @@ StatusOr<topo::Topology> layout_topology(std::string_view gpu, int budget, const
         o.decode = layout.decode;
         o.decode_tp = layout.decode_tp;
         StatusOr<topo::Topology> t = build(gpu, units, o);
-        if (!t.ok()) return bad(fmt::format("layout {}: {}", layout.name(), t.status().message()));
+        if (!t.ok())
+            return invalid_argument_error(
+                fmt::format("layout {}: {}", layout.name(), t.status().message()));
         return t;
     }
     // The builders always place a decode instance: add one behind the colocated instances in a
@@ -190,7 +193,9 @@ StatusOr<topo::Topology> layout_topology(std::string_view gpu, int budget, const
     o.decode = 1;
     o.decode_tp = layout.prefill_tp;
     StatusOr<topo::Topology> t = build(gpu, units + 1, o);
-    if (!t.ok()) return bad(fmt::format("layout {}: {}", layout.name(), t.status().message()));
+    if (!t.ok())
+        return invalid_argument_error(
+            fmt::format("layout {}: {}", layout.name(), t.status().message()));
     std::vector<std::string> inside;
     for (const auto& node : t->nodes) {
         for (const auto& dev : node.devices) inside.push_back(dev.id);
@@ -200,7 +205,7 @@ StatusOr<topo::Topology> layout_topology(std::string_view gpu, int budget, const
     for (const auto& inst : t->instances) {
         for (const auto& dev : inst.devices) {
             if (std::find(inside.begin(), inside.end(), dev) == inside.end()) {
-                return bad(
+                return invalid_argument_error(
                     fmt::format("layout {}: does not fit on {} {} without straddling "
                                 "{}-GPU NVLink domains",
                                 layout.name(), budget, gpu, domain));
@@ -232,9 +237,10 @@ StatusOr<SearchResult> run_search(const SearchOptions& options,
                                   std::span<const workload::Request> requests) {
     const auto t0 = std::chrono::steady_clock::now();
     if (!(options.attainment_target > 0 && options.attainment_target <= 1)) {
-        return bad(fmt::format("--attainment {}: must be in (0, 1]", options.attainment_target));
+        return invalid_argument_error(
+            fmt::format("--attainment {}: must be in (0, 1]", options.attainment_target));
     }
-    if (requests.empty()) return bad("search: no requests");
+    if (requests.empty()) return invalid_argument_error("search: no requests");
     const model::ModelConfig& model = options.base.model;
     SearchResult out;
     PDSIM_ASSIGN_OR_RETURN(out.tp_sizes,

@@ -10,10 +10,6 @@ namespace pdsim::des {
 
 namespace {
 
-Status bad(std::string msg) {
-    return Status(StatusCode::kInvalidArgument, std::move(msg));
-}
-
 std::string dist_text(const workload::LengthDist& d) {
     switch (d.kind) {
         case workload::LengthDist::Kind::kFixed:
@@ -30,9 +26,11 @@ std::string dist_text(const workload::LengthDist& d) {
 
 StatusOr<model::ModelConfig> load_model(const std::string& name_or_path, int layers,
                                         const std::string& flag) {
-    if (layers < 0) return bad(fmt::format("--layers {}: must be >= 1", layers));
+    if (layers < 0) return invalid_argument_error(fmt::format("--layers {}: must be >= 1", layers));
     StatusOr<model::ModelConfig> m = model::resolve_model(name_or_path);
-    if (!m.ok()) return bad(fmt::format("{} {}: {}", flag, name_or_path, m.status().message()));
+    if (!m.ok())
+        return invalid_argument_error(
+            fmt::format("{} {}: {}", flag, name_or_path, m.status().message()));
     if (layers > 0) m->num_layers = layers;
     PDSIM_RETURN_IF_ERROR(model::validate_model(*m).with_context(flag));
     return *m;
@@ -50,15 +48,18 @@ void normalize_requests(std::vector<workload::Request>* requests, double time_sc
 
 StatusOr<std::vector<workload::Request>> load_requests(const RequestSource& s) {
     if (!(s.time_scale > 0) || !std::isfinite(s.time_scale)) {
-        return bad(fmt::format("--time-scale {}: must be > 0", s.time_scale));
+        return invalid_argument_error(fmt::format("--time-scale {}: must be > 0", s.time_scale));
     }
     if (s.max_input_len < 0) {
-        return bad(fmt::format("--max-input-len {}: must be >= 0", s.max_input_len));
+        return invalid_argument_error(
+            fmt::format("--max-input-len {}: must be >= 0", s.max_input_len));
     }
     if (s.max_output_len < 0) {
-        return bad(fmt::format("--max-output-len {}: must be >= 0", s.max_output_len));
+        return invalid_argument_error(
+            fmt::format("--max-output-len {}: must be >= 0", s.max_output_len));
     }
-    if (s.max_requests < 0 || s.sample < 0) return bad("--max-requests / --sample must be >= 0");
+    if (s.max_requests < 0 || s.sample < 0)
+        return invalid_argument_error("--max-requests / --sample must be >= 0");
     std::vector<workload::Request> reqs;
     if (s.trace.empty()) {
         PDSIM_ASSIGN_OR_RETURN(reqs, workload::make_synthetic(s.synthetic));
@@ -77,7 +78,8 @@ StatusOr<std::vector<workload::Request>> load_requests(const RequestSource& s) {
         PDSIM_ASSIGN_OR_RETURN(workload::TraceFormat kind,
                                workload::parse_trace_format(s.trace_format));
         PDSIM_ASSIGN_OR_RETURN(reqs, workload::load_trace(s.trace, kind, wl));
-        if (reqs.empty()) return bad(fmt::format("{}: the trace has no requests", s.trace));
+        if (reqs.empty())
+            return invalid_argument_error(fmt::format("{}: the trace has no requests", s.trace));
     }
     normalize_requests(&reqs, s.time_scale);
     return reqs;

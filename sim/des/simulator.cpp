@@ -26,14 +26,6 @@ std::string_view sim_mode_name(SimMode mode) {
 
 namespace {
 
-Status bad(std::string msg) {
-    return Status(StatusCode::kInvalidArgument, std::move(msg));
-}
-
-}  // namespace
-
-namespace {
-
 using metrics::RequestRecord;
 using FlowId = FlowNetwork::FlowId;
 
@@ -157,18 +149,20 @@ private:
 Status Simulation::check_config() const {
     const size_t n = cfg_.topology.instances.size();
     if (cfg_.instances.size() != n) {
-        return bad(fmt::format("simulator: {} instance setups for {} topology instances",
-                               cfg_.instances.size(), n));
+        return invalid_argument_error(fmt::format(
+            "simulator: {} instance setups for {} topology instances", cfg_.instances.size(), n));
     }
-    if (cfg_.page_size < 1) return bad(fmt::format("page size {}: must be >= 1", cfg_.page_size));
+    if (cfg_.page_size < 1)
+        return invalid_argument_error(fmt::format("page size {}: must be >= 1", cfg_.page_size));
     const policy::BatchingOptions& b = cfg_.batching;
     if (b.chunk_size < 1 || b.max_batch_tokens < 1 || b.max_decode_batch < 1 ||
         b.max_decode_kv_tokens < 0) {
-        return bad("simulator: chunk size, max batch tokens and max decode batch must be >= 1");
+        return invalid_argument_error(
+            "simulator: chunk size, max batch tokens and max decode batch must be >= 1");
     }
     for (size_t i = 1; i < trace_.size(); ++i) {
         if (trace_[i].arrival_ms < trace_[i - 1].arrival_ms) {
-            return bad(fmt::format(
+            return invalid_argument_error(fmt::format(
                 "simulator: requests are not sorted by arrival (request {} at "
                 "{} ms after request {} at {} ms)",
                 trace_[i].id, trace_[i].arrival_ms, trace_[i - 1].id, trace_[i - 1].arrival_ms));
@@ -189,8 +183,8 @@ Status Simulation::setup() {
     for (size_t i = 0; i < n; ++i) {
         const InstanceSetup& s = cfg_.instances[i];
         if (s.cost == nullptr || s.kv_pages < 0) {
-            return bad(fmt::format("simulator: instance {}: no cost model or negative KV pages",
-                                   t.instances[i].id));
+            return invalid_argument_error(fmt::format(
+                "simulator: instance {}: no cost model or negative KV pages", t.instances[i].id));
         }
         const bool p = t.instances[i].role == topo::Role::kPrefill;
         is_prefill.push_back(p);
@@ -206,8 +200,9 @@ Status Simulation::setup() {
                                    m.num_layers * s.kv_dtype_bytes);
     }
     if (n == 0 || (!colocated_ && (!any_prefill || !any_decode))) {
-        return bad(fmt::format("{}: the disaggregated mode needs a prefill and a decode instance",
-                               cfg_.topology_label));
+        return invalid_argument_error(
+            fmt::format("{}: the disaggregated mode needs a prefill and a decode instance",
+                        cfg_.topology_label));
     }
     std::vector<int> cpu_cores(n, 0);
     std::vector<const cost::CostModel*> costs;

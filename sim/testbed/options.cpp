@@ -52,10 +52,6 @@ instances:
     devices: [node0.cpu1]
 )";
 
-Status bad(std::string msg) {
-    return Status(StatusCode::kInvalidArgument, std::move(msg));
-}
-
 }  // namespace
 
 std::string_view mode_name(Mode mode) {
@@ -74,7 +70,8 @@ StatusOr<Mode> parse_mode(std::string_view text) {
     if (text == "disagg") return Mode::kDisagg;
     if (text == "colocated") return Mode::kColocated;
     if (text == "both") return Mode::kBoth;
-    return bad(fmt::format("--mode {}: expected disagg, colocated or both", text));
+    return invalid_argument_error(
+        fmt::format("--mode {}: expected disagg, colocated or both", text));
 }
 
 std::string_view fault_name(Fault fault) {
@@ -111,7 +108,8 @@ StatusOr<Fault> parse_fault(std::string_view text) {
     }
     std::string known;
     for (const auto& n : fault_names()) known += (known.empty() ? "" : ", ") + n;
-    return bad(fmt::format("--fault {}: unknown fault kind (known: {})", text, known));
+    return invalid_argument_error(
+        fmt::format("--fault {}: unknown fault kind (known: {})", text, known));
 }
 
 StatusOr<std::string> find_trace_dir() {
@@ -133,36 +131,48 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     TestbedOptions& o = rc.options;
 
     // ---- flags that stand alone ----
-    if (o.layers < 0) return bad(fmt::format("--layers {}: must be >= 1", o.layers));
-    if (o.chunk_size < 1) return bad(fmt::format("--chunk-size {}: must be >= 1", o.chunk_size));
+    if (o.layers < 0)
+        return invalid_argument_error(fmt::format("--layers {}: must be >= 1", o.layers));
+    if (o.chunk_size < 1)
+        return invalid_argument_error(fmt::format("--chunk-size {}: must be >= 1", o.chunk_size));
     if (o.max_batch_tokens < 1) {
-        return bad(fmt::format("--max-batch-tokens {}: must be >= 1", o.max_batch_tokens));
+        return invalid_argument_error(
+            fmt::format("--max-batch-tokens {}: must be >= 1", o.max_batch_tokens));
     }
     if (o.max_decode_batch < 1) {
-        return bad(fmt::format("--max-decode-batch {}: must be >= 1", o.max_decode_batch));
+        return invalid_argument_error(
+            fmt::format("--max-decode-batch {}: must be >= 1", o.max_decode_batch));
     }
     if (o.page_size < 1 || o.page_size > 4096) {
-        return bad(fmt::format("--page-size {}: must be in [1, 4096]", o.page_size));
+        return invalid_argument_error(
+            fmt::format("--page-size {}: must be in [1, 4096]", o.page_size));
     }
-    if (o.kv_pool_mb < 1) return bad(fmt::format("--kv-pool-mb {}: must be >= 1", o.kv_pool_mb));
+    if (o.kv_pool_mb < 1)
+        return invalid_argument_error(fmt::format("--kv-pool-mb {}: must be >= 1", o.kv_pool_mb));
     if (o.max_input_len < 0)
-        return bad(fmt::format("--max-input-len {}: must be >= 0", o.max_input_len));
+        return invalid_argument_error(
+            fmt::format("--max-input-len {}: must be >= 0", o.max_input_len));
     if (o.max_output_len < 0) {
-        return bad(fmt::format("--max-output-len {}: must be >= 0", o.max_output_len));
+        return invalid_argument_error(
+            fmt::format("--max-output-len {}: must be >= 0", o.max_output_len));
     }
     if (o.time_scale < 0 || !std::isfinite(o.time_scale)) {
-        return bad(fmt::format("--time-scale {}: must be > 0", o.time_scale));
+        return invalid_argument_error(fmt::format("--time-scale {}: must be > 0", o.time_scale));
     }
     if (o.request_timeout_s <= 0) {
-        return bad(fmt::format("--request-timeout-s {}: must be > 0", o.request_timeout_s));
+        return invalid_argument_error(
+            fmt::format("--request-timeout-s {}: must be > 0", o.request_timeout_s));
     }
     if (o.slo_ttft_ms < 0 || o.slo_tpot_ms < 0)
-        return bad("--slo-ttft-ms / --slo-tpot-ms must be >= 0");
-    if (o.synthetic < 0) return bad(fmt::format("--synthetic {}: must be >= 1", o.synthetic));
-    if (o.synthetic > 0 && !o.trace.empty()) return bad("--trace and --synthetic are exclusive");
-    if (o.max_requests < 0 || o.sample < 0) return bad("--max-requests / --sample must be >= 0");
+        return invalid_argument_error("--slo-ttft-ms / --slo-tpot-ms must be >= 0");
+    if (o.synthetic < 0)
+        return invalid_argument_error(fmt::format("--synthetic {}: must be >= 1", o.synthetic));
+    if (o.synthetic > 0 && !o.trace.empty())
+        return invalid_argument_error("--trace and --synthetic are exclusive");
+    if (o.max_requests < 0 || o.sample < 0)
+        return invalid_argument_error("--max-requests / --sample must be >= 0");
     if (o.backend != "cpu" && o.backend != "cpu_ref") {
-        return bad(
+        return invalid_argument_error(
             fmt::format("--backend {}: the CPU testbed runs the `cpu` or `cpu_ref` attention "
                         "backend (its KV pools are host memory)",
                         o.backend));
@@ -176,19 +186,19 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
             for (const auto& n : transfer::registered_transports()) {
                 known += (known.empty() ? "" : ", ") + n;
             }
-            return bad(fmt::format("--transport {}: unknown transport (available: {})", o.transport,
-                                   known));
+            return invalid_argument_error(fmt::format(
+                "--transport {}: unknown transport (available: {})", o.transport, known));
         }
         transport_caps = descriptor->caps;
         if (!transport_caps.host_memory) {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("--transport {}: moves GPU memory only, and this testbed's KV pools "
                             "are host memory (CPU backends); use mpi or tcp (a GPU build "
                             "with the cuda backend is needed for {})",
                             o.transport, o.transport));
         }
         if (transport_caps.decorator) {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("--transport {}: use --transport-fault SPEC with mpi/tcp/local instead",
                             o.transport));
         }
@@ -209,7 +219,7 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
                 ok = ok && end != nullptr && *end == '\0' && !l.empty() && rc.shape_latency_us >= 0;
             }
             if (!ok) {
-                return bad(fmt::format(
+                return invalid_argument_error(fmt::format(
                     "--shaping {}: expected off, topology or GBPS[:LATENCY_US] (e.g. 0.5:20)",
                     o.shaping));
             }
@@ -220,7 +230,7 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     if (!o.transport_fault.empty()) {
         auto names = transfer::registered_transports();
         if (std::find(names.begin(), names.end(), "fault") == names.end()) {
-            return bad("--transport-fault: the fault transport is not built");
+            return invalid_argument_error("--transport-fault: the fault transport is not built");
         }
     }
 
@@ -231,7 +241,9 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     std::optional<model::ModelConfig> model_cfg;
     if (!o.model.empty()) {
         auto m = model::resolve_model(o.model);
-        if (!m.ok()) return bad(fmt::format("--model {}: {}", o.model, m.status().message()));
+        if (!m.ok())
+            return invalid_argument_error(
+                fmt::format("--model {}: {}", o.model, m.status().message()));
         model_cfg = *m;
     }
     auto apply_layers = [&](model::ModelConfig& m) -> Status {
@@ -261,7 +273,7 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
         const std::string name = rc.topology.model ? rc.topology.model->name : std::string("tiny");
         auto m = model::resolve_model(name);
         if (!m.ok()) {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("{}: model: '{}' is not a model the synthetic model knows ({}); pass "
                             "--model NAME|F",
                             rc.topology_label, name, m.status().message()));
@@ -275,14 +287,14 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     rc.model = *model_cfg;
     for (const auto& inst : rc.topology.instances) {
         if (Status st = model::check_tp(rc.model, inst.tp); !st.ok()) {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("{}: instance {}: tp {}", rc.topology_label, inst.id, st.message()));
         }
     }
     for (const auto& node : rc.topology.nodes) {
         for (const auto& d : node.devices) {
             if (!d.is_cpu()) {
-                return bad(
+                return invalid_argument_error(
                     fmt::format("{}: device {} is a {} GPU; the CPU testbed runs on `cpu` devices "
                                 "(a GPU topology is for `pdsim simulate`, or use a cpu-* topology "
                                 "with a `shaping` section to emulate its links)",
@@ -293,7 +305,7 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
 
     if (o.shaping == "topology") {
         if (!rc.topology.shaping) {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("--shaping topology: {} has no `shaping` section", rc.topology_label));
         }
         const topo::ShapingSpec& sp = *rc.topology.shaping;
@@ -303,7 +315,7 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
         rc.shape_time_scale = sp.time_scale;
         rc.shape_gpu = sp.gpu;
         if (sp.time_scale <= 0 && topo::gpu_spec(sp.gpu) == nullptr) {
-            return bad(fmt::format(
+            return invalid_argument_error(fmt::format(
                 "--shaping topology: {}: shaping.time_scale auto needs shaping.gpu (a GPU "
                 "model) to measure against",
                 rc.topology_label));
@@ -314,11 +326,12 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     const int ranks = rc.topology.num_ranks();
     if (world_size > 1) {
         if (world_size != ranks) {
-            return bad(fmt::format("mpirun -np {} but topology {} has {} ranks (run mpirun -np {})",
-                                   world_size, rc.topology_label, ranks, ranks));
+            return invalid_argument_error(
+                fmt::format("mpirun -np {} but topology {} has {} ranks (run mpirun -np {})",
+                            world_size, rc.topology_label, ranks, ranks));
         }
         if (!o.transport.empty() && !transport_caps.spans_processes) {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("--transport {} runs every rank as a thread of one process; "
                             "launch pdsim without mpirun (or with -np 1), not with -np {}",
                             o.transport, world_size));
@@ -328,7 +341,7 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
         // One process: every rank is a thread over the in-process world (local).
         if (ranks > 1 && !o.transport.empty() &&
             transport_caps.setup != transfer::TransportSetup::kSharedWorld) {
-            return bad(
+            return invalid_argument_error(
                 fmt::format("--transport {} needs one process per rank: topology {} has {} ranks "
                             "but pdsim runs as 1 process (run it under mpirun -np {}, or use "
                             "--transport local to run every rank as a thread of this process)",
@@ -376,7 +389,7 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
             rc.workload_label += fmt::format(" (sample {}, seed {})", o.sample, o.seed);
         if (o.max_requests > 0) rc.workload_label += fmt::format(" (first {})", o.max_requests);
     }
-    if (rc.requests.empty()) return bad("the workload has no requests");
+    if (rc.requests.empty()) return invalid_argument_error("the workload has no requests");
     for (auto& r : rc.requests) {
         r.input_len = std::max(r.input_len, 1);
         r.output_len = std::max(r.output_len, 1);

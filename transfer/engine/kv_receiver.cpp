@@ -20,14 +20,6 @@
 
 namespace pdsim::transfer {
 
-namespace {
-
-int64_t ms_since(Clock::time_point since, Clock::time_point now) {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count();
-}
-
-}  // namespace
-
 KvReceiver::Impl::Impl(Transport& transport, KvLayout layout, ReceiverOptions options)
     : transport_(transport),
       layout_(std::move(layout)),

@@ -39,14 +39,6 @@ std::string_view transfer_event_name(TransferEvent::Kind kind) {
     return "?";
 }
 
-namespace {
-
-int64_t ms_since(Clock::time_point since, Clock::time_point now) {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count();
-}
-
-}  // namespace
-
 KvSender::Impl::Impl(Transport& transport, KvLayout layout, pd::StepCounter& counter,
                      SenderOptions options)
     : transport_(transport),

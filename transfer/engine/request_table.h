@@ -59,6 +59,11 @@ namespace pdsim::transfer {
 
 using Clock = std::chrono::steady_clock;
 
+// Whole milliseconds from `since` to `now` (for messages: "silent for 1200 ms").
+[[nodiscard]] inline int64_t ms_since(Clock::time_point since, Clock::time_point now) {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count();
+}
+
 // The fields of a request that the table's lifecycle reads and writes. A side's record derives
 // from it (and is owned by std::shared_ptr: the table, the side's tasks and callbacks share it).
 struct RequestLifecycle {
