@@ -549,9 +549,10 @@ TEST(TransferEngineLocal, MlaOneSenderPerDecodeRank) {
 }
 
 TEST(TransferEngineLocal, RandomMixes) {
-    // Lengths 1..8192 (skewed short), chunked and not, many concurrent requests, scrambled
-    // decode pages, several cluster shapes.
+    // Lengths 1..8192 (skewed short; 1..2048 under TSan, whose cost is per byte), chunked and
+    // not, many concurrent requests, scrambled decode pages, several cluster shapes.
     const int n = kSlow > 1 ? 6 : 24;
+    const int64_t max_tokens = kSlow > 1 ? 2048 : 8192;
     struct Shape {
         int ptp, dtp, pps, dps, pinst, dinst;
         KvKind kind;
@@ -574,7 +575,7 @@ TEST(TransferEngineLocal, RandomMixes) {
             c.prefill.push_back(InstanceSpec{.tp = sh.ptp, .page_size = sh.pps, .num_pages = 1});
         for (int i = 0; i < sh.dinst; ++i)
             c.decode.push_back(InstanceSpec{.tp = sh.dtp, .page_size = sh.dps, .num_pages = 1});
-        auto reqs = random_requests(seed++, n, 8192, sh.pinst, sh.dinst, true);
+        auto reqs = random_requests(seed++, n, max_tokens, sh.pinst, sh.dinst, true);
         RunOptions o;
         o.seed = seed;
         o.batch = 6;

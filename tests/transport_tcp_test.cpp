@@ -456,7 +456,7 @@ TEST(TcpTransport, ManyRandomMessagesByteExact) {
     TempDir dir;
     auto ts = make_world({tcp_options(0, 2, dir.path()), tcp_options(1, 2, dir.path())});
     ASSERT_TRUE(ts[0].ok() && ts[1].ok());
-    constexpr int kCount = 1500;
+    constexpr int kCount = 1500 / static_cast<int>(conformance::kVolumeDivisor);
     std::vector<std::thread> threads;
     for (int me = 0; me < 2; ++me) {
         threads.emplace_back([&, me] {
