@@ -5,12 +5,14 @@
 #include <cmath>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 
 #include "common/data_dir.h"
+#include "common/input_file.h"
+#include "common/text.h"
 
 namespace pdsim::workload {
 
@@ -73,19 +75,57 @@ StatusOr<std::vector<Request>> finish(std::vector<Request> reqs, const LoadOptio
     return reqs;
 }
 
-StatusOr<int64_t> json_int(const nlohmann::json& obj, const char* key, int64_t min,
-                           const std::string& source, int64_t line) {
+// A token length: a JSON integer (not 3.0, not 1e19) in [1, kMaxTraceTokens].
+StatusOr<int32_t> json_length(const nlohmann::json& obj, const char* key, const std::string& source,
+                              int64_t line) {
     auto it = obj.find(key);
     if (it == obj.end()) return line_error(source, line, fmt::format("missing field '{}'", key));
-    if (!it->is_number_integer() && !it->is_number_unsigned()) {
-        if (it->is_number_float() && std::floor(it->get<double>()) == it->get<double>()) {
-            return static_cast<int64_t>(it->get<double>());
-        }
-        return line_error(source, line, fmt::format("{}: {} is not an integer", key, it->dump()));
+    if (!it->is_number_integer()) {  // true for signed and unsigned JSON integers
+        return line_error(source, line,
+                          fmt::format("{}: {} is not an integer", key, text::excerpt(it->dump())));
     }
-    int64_t v = it->get<int64_t>();
-    if (v < min) return line_error(source, line, fmt::format("{}: {} must be >= {}", key, v, min));
-    return v;
+    const bool too_large = it->is_number_unsigned()
+                               ? it->get<uint64_t>() > static_cast<uint64_t>(kMaxTraceTokens)
+                               : it->get<int64_t>() > kMaxTraceTokens;
+    if (too_large || it->get<int64_t>() < 1) {
+        return line_error(
+            source, line,
+            fmt::format("{}: {} must be >= 1 and <= {}", key, it->dump(), kMaxTraceTokens));
+    }
+    return static_cast<int32_t>(it->get<int64_t>());
+}
+
+// hash_ids: JSON integers in the int64 range, at most one per 512-token block of the input.
+Status read_hash_ids(const nlohmann::json& h, int32_t input_len, const std::string& source,
+                     int64_t line, std::vector<int64_t>* out) {
+    if (!h.is_array()) {
+        return line_error(source, line,
+                          fmt::format("hash_ids: {} is not an array", text::excerpt(h.dump())));
+    }
+    const size_t max_blocks = static_cast<size_t>((input_len - 1) / kHashBlockTokens + 1);
+    if (h.size() > max_blocks) {
+        return line_error(source, line,
+                          fmt::format("hash_ids: {} blocks for input_length {} (at most {} blocks "
+                                      "of {} tokens)",
+                                      h.size(), input_len, max_blocks, kHashBlockTokens));
+    }
+    out->reserve(h.size());
+    for (size_t k = 0; k < h.size(); ++k) {
+        const nlohmann::json& e = h[k];
+        if (!e.is_number_integer()) {
+            return line_error(
+                source, line,
+                fmt::format("hash_ids[{}]: {} is not an integer", k, text::excerpt(e.dump())));
+        }
+        if (e.is_number_unsigned() &&
+            e.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+            return line_error(
+                source, line,
+                fmt::format("hash_ids[{}]: {} is out of the int64 range", k, e.dump()));
+        }
+        out->push_back(e.get<int64_t>());
+    }
+    return ok_status();
 }
 
 }  // namespace
@@ -107,34 +147,24 @@ StatusOr<std::vector<Request>> parse_mooncake(std::istream& in, const std::strin
         ++lineno;
         if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
         nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-        if (j.is_discarded() || !j.is_object())
-            return line_error(source, lineno, "not a JSON object");
+        if (j.is_discarded() || !j.is_object()) {
+            return line_error(source, lineno,
+                              fmt::format("not a JSON object: {}", text::excerpt(line)));
+        }
         Request r;
         r.source_line = lineno;
         auto ts = j.find("timestamp");
         if (ts == j.end()) return line_error(source, lineno, "missing field 'timestamp'");
         if (!ts->is_number() || ts->get<double>() < 0 || !std::isfinite(ts->get<double>())) {
             return line_error(source, lineno,
-                              fmt::format("timestamp: {} must be a number >= 0", ts->dump()));
+                              fmt::format("timestamp: {} must be a finite number >= 0",
+                                          text::excerpt(ts->dump())));
         }
         r.arrival_ms = ts->get<double>();
-        PDSIM_ASSIGN_OR_RETURN(int64_t in_len, json_int(j, "input_length", 1, source, lineno));
-        PDSIM_ASSIGN_OR_RETURN(int64_t out_len, json_int(j, "output_length", 1, source, lineno));
-        if (in_len > (1 << 30) || out_len > (1 << 30))
-            return line_error(source, lineno, "length too large");
-        r.input_len = static_cast<int32_t>(in_len);
-        r.output_len = static_cast<int32_t>(out_len);
+        PDSIM_ASSIGN_OR_RETURN(r.input_len, json_length(j, "input_length", source, lineno));
+        PDSIM_ASSIGN_OR_RETURN(r.output_len, json_length(j, "output_length", source, lineno));
         if (auto h = j.find("hash_ids"); h != j.end()) {
-            if (!h->is_array()) return line_error(source, lineno, "hash_ids: not an array");
-            for (size_t k = 0; k < h->size(); ++k) {
-                const auto& e = (*h)[k];
-                if (!e.is_number_integer()) {
-                    return line_error(
-                        source, lineno,
-                        fmt::format("hash_ids[{}]: {} is not an integer", k, e.dump()));
-                }
-                r.hash_ids.push_back(e.get<int64_t>());
-            }
+            PDSIM_RETURN_IF_ERROR(read_hash_ids(*h, r.input_len, source, lineno, &r.hash_ids));
         }
         reqs.push_back(std::move(r));
     }
@@ -163,11 +193,17 @@ bool parse_azure_time(std::string_view s, double* ms) {
     return true;
 }
 
-bool parse_int(std::string_view s, int64_t* v) {
+// A token length: decimal digits (surrounding spaces allowed) in [1, kMaxTraceTokens]; no sign,
+// exponent, fraction or clamping.
+bool parse_length(std::string_view s, int32_t* v) {
     while (!s.empty() && (s.back() == '\r' || s.back() == ' ')) s.remove_suffix(1);
     while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
-    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *v);
-    return ec == std::errc() && p == s.data() + s.size();
+    if (s.empty() || s.front() < '0' || s.front() > '9') return false;
+    int64_t n = 0;
+    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), n);
+    if (ec != std::errc() || p != s.data() + s.size() || n < 1 || n > kMaxTraceTokens) return false;
+    *v = static_cast<int32_t>(n);
+    return true;
 }
 }  // namespace
 
@@ -181,7 +217,7 @@ StatusOr<std::vector<Request>> parse_azure(std::istream& in, const std::string& 
         return line_error(
             source, 1,
             fmt::format("expected header 'TIMESTAMP,ContextTokens,GeneratedTokens', got '{}'",
-                        line));
+                        text::excerpt(line)));
     }
     std::vector<Request> reqs;
     int64_t lineno = 1;
@@ -203,20 +239,20 @@ StatusOr<std::vector<Request>> parse_azure(std::istream& in, const std::string& 
         Request r;
         r.source_line = lineno;
         if (!parse_azure_time(f[0], &r.arrival_ms)) {
-            return line_error(source, lineno,
-                              fmt::format("TIMESTAMP: '{}' is not 'YYYY-MM-DD HH:MM:SS.f'", f[0]));
+            return line_error(
+                source, lineno,
+                fmt::format("TIMESTAMP: '{}' is not 'YYYY-MM-DD HH:MM:SS.f'", text::excerpt(f[0])));
         }
-        int64_t ctx = 0, gen = 0;
-        if (!parse_int(f[1], &ctx) || ctx < 1) {
+        if (!parse_length(f[1], &r.input_len)) {
             return line_error(source, lineno,
-                              fmt::format("ContextTokens: '{}' must be an integer >= 1", f[1]));
+                              fmt::format("ContextTokens: '{}' must be an integer from 1 to {}",
+                                          text::excerpt(f[1]), kMaxTraceTokens));
         }
-        if (!parse_int(f[2], &gen) || gen < 1) {
+        if (!parse_length(f[2], &r.output_len)) {
             return line_error(source, lineno,
-                              fmt::format("GeneratedTokens: '{}' must be an integer >= 1", f[2]));
+                              fmt::format("GeneratedTokens: '{}' must be an integer from 1 to {}",
+                                          text::excerpt(f[2]), kMaxTraceTokens));
         }
-        r.input_len = static_cast<int32_t>(std::min<int64_t>(ctx, 1 << 30));
-        r.output_len = static_cast<int32_t>(std::min<int64_t>(gen, 1 << 30));
         reqs.push_back(std::move(r));
     }
     return finish(std::move(reqs), o, source);
@@ -225,10 +261,9 @@ StatusOr<std::vector<Request>> parse_azure(std::istream& in, const std::string& 
 StatusOr<std::vector<Request>> load_trace(const std::string& path_or_name, TraceFormat format,
                                           const LoadOptions& o) {
     const std::string path = data::resolve_data_file(data::DataKind::kTraces, path_or_name);
-    std::ifstream in(path);
-    if (!in)
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("{}: cannot open trace file", path));
+    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<files::InputFile> file,
+                           files::InputFile::open(path, files::kMaxTraceFileBytes));
+    std::istream& in = file->stream();
     if (format == TraceFormat::kAuto) {
         const std::string ext = std::filesystem::path(path).extension().string();
         if (ext == ".jsonl" || ext == ".json") {
@@ -236,15 +271,14 @@ StatusOr<std::vector<Request>> load_trace(const std::string& path_or_name, Trace
         } else if (ext == ".csv") {
             format = TraceFormat::kAzure;
         } else {
-            std::string first;
-            std::getline(in, first);
-            in.seekg(0);
-            format =
-                (!first.empty() && first[0] == '{') ? TraceFormat::kMooncake : TraceFormat::kAzure;
+            const int first = in.peek();
+            format = first == '{' ? TraceFormat::kMooncake : TraceFormat::kAzure;
         }
     }
-    return format == TraceFormat::kMooncake ? parse_mooncake(in, path, o)
-                                            : parse_azure(in, path, o);
+    auto parsed =
+        format == TraceFormat::kMooncake ? parse_mooncake(in, path, o) : parse_azure(in, path, o);
+    PDSIM_RETURN_IF_ERROR(file->read_status());  // a read error or a file that grew past the cap
+    return parsed;
 }
 
 StatusOr<LengthDist> parse_length_dist(std::string_view text) {

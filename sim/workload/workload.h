@@ -9,9 +9,13 @@
 //  - Synthetic: Poisson or gamma arrivals at a rate, input/output lengths from a distribution.
 //
 // Every parse error is kInvalidArgument naming the file and line (`trace.jsonl:17: input_length:
-// -3 must be >= 1`). Requests come back sorted by arrival (stable), arrival times relative to the
-// first request, ids 0..n-1 in that order.
-// Thread-safety: pure functions.
+// -3 must be >= 1 and <= 1073741823`), quoting at most 80 bytes of the bad input.
+// Validation (docs/inputs.md): input and output lengths are integers in [1, kMaxTraceTokens]
+// (JSON floats such as 3.0 or 1e19 are refused, not truncated; Azure numbers are plain decimal
+// digits, never clamped); timestamps are finite and >= 0; hash_ids are JSON integers in the int64
+// range, at most one per 512-token block of input_length. load_trace reads regular files only, at
+// most 4 GiB (common/input_file.h). Requests come back sorted by arrival (stable), arrival times
+// relative to the first request, ids 0..n-1 in that order. Thread-safety: pure functions.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +28,9 @@
 namespace pdsim::workload {
 
 inline constexpr int32_t kHashBlockTokens = 512;
+// The largest input_length / output_length a trace may give: 2^30 - 1, so that input + output and
+// the block arithmetic on them stay within int32 everywhere downstream.
+inline constexpr int32_t kMaxTraceTokens = (int32_t{1} << 30) - 1;
 
 struct Request {
     int64_t id = 0;
