@@ -9,6 +9,9 @@
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <unordered_set>
+#include <vector>
+
+#include "common/text.h"
 
 namespace pdsim::topo::detail {
 
@@ -19,6 +22,16 @@ Status syntax_error(std::string_view source, int line, std::string_view what) {
         return Status(StatusCode::kInvalidArgument, fmt::format("{}:{}: {}", source, line, what));
     }
     return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", source, what));
+}
+
+int yaml_line(const YAML::Node& n) {
+    const YAML::Mark m = n.Mark();
+    return m.is_null() || m.line < 0 ? 0 : m.line + 1;
+}
+
+std::string invalid_utf8_message(std::string_view s) {
+    return fmt::format("{} is not valid UTF-8 (bad byte at offset {})", quoted_for_message(s),
+                       text::valid_utf8_prefix(s));
 }
 
 std::string child_path(const std::string& path, std::string_view key) {
@@ -50,6 +63,9 @@ public:
             case YAML::NodeType::Scalar:
                 out->kind = DocNode::Kind::kScalar;
                 out->scalar = in.Scalar();
+                if (!text::is_valid_utf8(out->scalar)) {
+                    return error(in, path, invalid_utf8_message(out->scalar));
+                }
                 // Plain scalars carry the non-specific tag "?"; quoted ones "!"; explicit tags
                 // (!!str) their own. Only plain scalars may be numbers.
                 out->quoted = in.Tag() != "?";
@@ -76,6 +92,9 @@ public:
                         return error(key, path, "mapping keys must be plain strings");
                     }
                     const std::string& k = key.Scalar();
+                    if (!text::is_valid_utf8(k)) {
+                        return error(key, path, "key " + invalid_utf8_message(k));
+                    }
                     const std::string kp = child_path(path, k);
                     if (!seen.insert(k).second) return error(key, kp, "duplicate key");
                     DocNode::Entry e;
@@ -92,10 +111,7 @@ public:
     }
 
 private:
-    static int line_of(const YAML::Node& n) {
-        const YAML::Mark m = n.Mark();
-        return m.is_null() || m.line < 0 ? 0 : m.line + 1;
-    }
+    static int line_of(const YAML::Node& n) { return yaml_line(n); }
 
     Status error(const YAML::Node& n, const std::string& path, std::string_view what) const {
         const std::string shown = path.empty() ? "(document)" : path;
@@ -166,7 +182,11 @@ public:
     bool number_integer(number_integer_t v) { return scalar(std::to_string(v), false); }
     bool number_unsigned(number_unsigned_t v) { return scalar(std::to_string(v), false); }
     bool number_float(number_float_t /*v*/, const string_t& s) { return scalar(s, false); }
-    bool string(string_t& s) { return scalar(s, true); }
+    bool string(string_t& s) {
+        if (!text::is_valid_utf8(s))
+            return fail(fmt::format("{}: {}", path(), invalid_utf8_message(s)));
+        return scalar(s, true);
+    }
     bool binary(binary_t& /*b*/) { return fail("binary values are not supported"); }
 
     bool start_object(std::size_t /*n*/) { return open(DocNode::Kind::kMap); }
@@ -175,6 +195,8 @@ public:
     bool end_array() { return close(); }
 
     bool key(string_t& k) {
+        if (!text::is_valid_utf8(k))
+            return fail(fmt::format("{}: key {}", path(), invalid_utf8_message(k)));
         Frame& f = stack_.back();
         if (!f.keys.insert(k).second) {
             f.pending_key = k;
@@ -313,7 +335,15 @@ private:
 
 StatusOr<DocNode> read_yaml_doc(std::string_view text, std::string_view source_name) {
     try {
-        const YAML::Node root = YAML::Load(std::string(text));
+        // One document per file: a second one (after `---`) would otherwise be ignored silently.
+        const std::vector<YAML::Node> docs = YAML::LoadAll(std::string(text));
+        if (docs.size() > 1) {
+            return syntax_error(source_name, yaml_line(docs[1]),
+                                fmt::format("the file holds {} YAML documents (the second starts "
+                                            "here); a topology is one document",
+                                            docs.size()));
+        }
+        const YAML::Node root = docs.empty() ? YAML::Node() : docs.front();
         YamlConverter conv(source_name);
         DocNode out;
         PDSIM_RETURN_IF_ERROR(conv.convert(root, "", 0, &out));

@@ -6,12 +6,13 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <initializer_list>
 #include <limits>
 #include <sstream>
 
 #include "common/data_dir.h"
+#include "common/input_file.h"
+#include "common/text.h"
 #include "topology/doc.h"
 #include "topology/validate.h"
 
@@ -110,7 +111,7 @@ public:
         if (ec == std::errc::result_out_of_range ||
             (ec == std::errc() && end == s.data() + s.size() &&
              (v > std::numeric_limits<int>::max() || v < std::numeric_limits<int>::min()))) {
-            return error(path, n.line, fmt::format("{} is out of range", n.scalar));
+            return error(path, n.line, fmt::format("{} is out of range", text::excerpt(n.scalar)));
         }
         if (ec != std::errc() || end != s.data() + s.size() || s.empty()) {
             return error(path, n.line, fmt::format("expected an integer, got {}", describe(n)));
@@ -128,13 +129,14 @@ public:
         double v = 0;
         const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
         if (ec == std::errc::result_out_of_range && end == s.data() + s.size()) {
-            return error(path, n.line, fmt::format("{} is out of range", n.scalar));
+            return error(path, n.line, fmt::format("{} is out of range", text::excerpt(n.scalar)));
         }
         if (ec != std::errc() || end != s.data() + s.size() || s.empty()) {
             return error(path, n.line, fmt::format("expected a number, got {}", describe(n)));
         }
         if (!std::isfinite(v)) {
-            return error(path, n.line, fmt::format("{} is not a finite number", n.scalar));
+            return error(path, n.line,
+                         fmt::format("{} is not a finite number", text::excerpt(n.scalar)));
         }
         *out = v;
         return ok_status();
@@ -414,8 +416,9 @@ public:
             !(v->kind == Kind::kScalar && v->scalar == "auto")) {
             PDSIM_RETURN_IF_ERROR(number(*v, join(path, "time_scale"), &out->time_scale));
             if (out->time_scale <= 0) {
-                return error(join(path, "time_scale"), v->line,
-                             fmt::format("{} must be positive (or auto)", v->scalar));
+                return error(
+                    join(path, "time_scale"), v->line,
+                    fmt::format("{} must be positive (or auto)", text::excerpt(v->scalar)));
             }
         }
         return ok_status();
@@ -513,28 +516,6 @@ StatusOr<DocNode> read_doc(std::string_view text, std::string_view source_name, 
                                    : detail::read_yaml_doc(text, source_name);
 }
 
-StatusOr<std::string> read_file(const std::string& path) {
-    std::error_code ec;
-    if (std::filesystem::is_directory(path, ec)) {
-        return Status(StatusCode::kInvalidArgument, fmt::format("{}: is a directory", path));
-    }
-    std::ifstream in(path, std::ios::binary);
-    if (!in) {
-        return Status(StatusCode::kInvalidArgument, fmt::format("{}: cannot open file", path));
-    }
-    std::string text;
-    char buf[65536];
-    while (in.read(buf, sizeof buf) || in.gcount() > 0) {
-        text.append(buf, static_cast<size_t>(in.gcount()));
-        if (text.size() > kMaxTopologyBytes) {
-            return Status(StatusCode::kInvalidArgument,
-                          fmt::format("{}: file is larger than {} bytes", path, kMaxTopologyBytes));
-        }
-    }
-    if (in.bad()) return Status(StatusCode::kInvalidArgument, fmt::format("{}: read error", path));
-    return text;
-}
-
 }  // namespace
 
 StatusOr<Topology> parse_topology(std::string_view text, std::string_view source_name,
@@ -554,7 +535,7 @@ StatusOr<Topology> parse_topology(std::string_view text, std::string_view source
 
 StatusOr<Topology> load_topology(const std::string& path_or_name, const LoadOptions& options) {
     const std::string path = data::resolve_data_file(data::DataKind::kTopologies, path_or_name);
-    PDSIM_ASSIGN_OR_RETURN(std::string text, read_file(path));
+    PDSIM_ASSIGN_OR_RETURN(std::string text, files::read_input_file(path, kMaxTopologyBytes));
     LoadOptions parse_options = options;
     parse_options.validate = false;
     PDSIM_ASSIGN_OR_RETURN(Topology t, parse_topology(text, path, Format::kAuto, parse_options));

@@ -10,7 +10,10 @@
 //
 // The parsers never throw and never crash, whatever the input: yaml-cpp / nlohmann-json
 // exceptions are caught at this edge. Documents are bounded (nesting depth 64, one million
-// nodes after YAML alias expansion, 16 MiB of text).
+// nodes after YAML alias expansion, 16 MiB of text). A YAML file holds exactly one document (a
+// second `---` document is an error, not ignored); every key and string must be valid UTF-8
+// ("<file>:<line>: nodes[0].id: "\xff" is not valid UTF-8 ..."). load_topology reads regular
+// files only (a FIFO, device or directory is refused without blocking; common/input_file.h).
 //
 // Thread-safety: all functions are reentrant.
 #pragma once
