@@ -5,8 +5,11 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <vector>
 
 #include "common/data_dir.h"
+#include "common/input_file.h"
+#include "common/text.h"
 
 namespace pdsim::model {
 
@@ -22,7 +25,57 @@ std::map<std::string, ModelConfig> builtin_models() {
 Status field_error(const std::string& src, const YAML::Node& n, const std::string& key,
                    const std::string& what) {
     return Status(StatusCode::kInvalidArgument,
-                  fmt::format("{}:{}: {}: {}", src, n.Mark().line + 1, key, what));
+                  fmt::format("{}:{}: {}: {}", src, n.Mark().line + 1, text::excerpt(key), what));
+}
+
+// Every key and string of the document must be valid UTF-8; nesting is at most 16 levels (a
+// model file is one flat mapping plus the layer_kinds list).
+Status check_utf8(const std::string& src, const YAML::Node& n, const std::string& key, int depth) {
+    if (depth > 16) return field_error(src, n, key, "nested more than 16 levels deep");
+    if (n.IsScalar()) {
+        if (!text::is_valid_utf8(n.Scalar())) {
+            return field_error(src, n, key,
+                               fmt::format("'{}' is not valid UTF-8", text::excerpt(n.Scalar())));
+        }
+    } else if (n.IsSequence()) {
+        for (const YAML::Node& item : n)
+            PDSIM_RETURN_IF_ERROR(check_utf8(src, item, key, depth + 1));
+    } else if (n.IsMap()) {
+        for (auto kv : n) {
+            const YAML::Node k = kv.first;
+            if (k.IsScalar() && !text::is_valid_utf8(k.Scalar())) {
+                return field_error(src, k, k.Scalar(), "key is not valid UTF-8");
+            }
+            const std::string name = k.IsScalar() ? k.Scalar() : key;
+            PDSIM_RETURN_IF_ERROR(check_utf8(src, kv.second, name, depth + 1));
+        }
+    }
+    return {};
+}
+
+// The one YAML (or JSON) document of the regular file at `path` (at most 16 MiB).
+StatusOr<YAML::Node> load_model_document(const std::string& path) {
+    PDSIM_ASSIGN_OR_RETURN(std::string bytes,
+                           files::read_input_file(path, files::kMaxConfigFileBytes));
+    std::vector<YAML::Node> docs;
+    try {
+        docs = YAML::LoadAll(bytes);  // YAML is a superset of JSON
+    } catch (const YAML::Exception& e) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{}:{}: {}", path, e.mark.line + 1, text::excerpt(e.msg)));
+    }
+    if (docs.size() > 1) {
+        return Status(
+            StatusCode::kInvalidArgument,
+            fmt::format("{}:{}: the file holds {} YAML documents (the second starts here); "
+                        "a model file is one",
+                        path, docs[1].Mark().line + 1, docs.size()));
+    }
+    if (docs.empty() || !docs.front().IsMap()) {
+        return Status(StatusCode::kInvalidArgument, path + ":1: a model file is a mapping");
+    }
+    PDSIM_RETURN_IF_ERROR(check_utf8(path, docs.front(), "(document)", 0));
+    return docs.front();
 }
 
 // The model files shipped in data/models (or share/pdsim/models), as "a, b", or "none found".
@@ -101,22 +154,15 @@ StatusOr<ModelConfig> resolve_model(const std::string& name_or_file) {
                 "file)",
                 name_or_path, known, shipped_model_names()));
     }
-    YAML::Node root;
-    try {
-        root = YAML::LoadFile(name_or_path);  // YAML is a superset of JSON
-    } catch (const YAML::Exception& e) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("{}:{}: {}", name_or_path, e.mark.line + 1, e.msg));
-    }
-    if (!root.IsMap())
-        return Status(StatusCode::kInvalidArgument, name_or_path + ":1: a model file is a mapping");
+    PDSIM_ASSIGN_OR_RETURN(YAML::Node root, load_model_document(name_or_path));
     ModelConfig c;
     c.name = std::filesystem::path(name_or_path).stem().string();
     if (root["base"]) {
         std::string base = root["base"].as<std::string>("");
         auto it = models.find(base);
         if (it == models.end())
-            return field_error(name_or_path, root["base"], "base", "unknown model '" + base + "'");
+            return field_error(name_or_path, root["base"], "base",
+                               "unknown model '" + text::excerpt(base) + "'");
         c = it->second;
     }
     for (auto kv : root) {
@@ -166,7 +212,7 @@ StatusOr<ModelConfig> resolve_model(const std::string& name_or_file) {
                     c.attention = AttentionKind::kMla;
                 else
                     return field_error(name_or_path, v, key,
-                                       "expected mha, gqa or mla, got '" + a + "'");
+                                       "expected mha, gqa or mla, got '" + text::excerpt(a) + "'");
             } else if (key == "layer_kinds") {
                 c.layer_kinds.clear();
                 for (const auto& e : v) {
@@ -176,14 +222,15 @@ StatusOr<ModelConfig> resolve_model(const std::string& name_or_file) {
                     else if (k == "sliding")
                         c.layer_kinds.push_back(LayerKind::kSlidingWindow);
                     else
-                        return field_error(name_or_path, e, key,
-                                           "expected full or sliding, got '" + k + "'");
+                        return field_error(
+                            name_or_path, e, key,
+                            "expected full or sliding, got '" + text::excerpt(k) + "'");
                 }
             } else {
                 return field_error(name_or_path, kv.first, key, "unknown key");
             }
         } catch (const YAML::Exception& e) {
-            return field_error(name_or_path, v, key, e.msg);
+            return field_error(name_or_path, v, key, text::excerpt(e.msg));
         }
     }
     PDSIM_RETURN_IF_ERROR(validate_model(c).with_context(name_or_path));

@@ -33,7 +33,8 @@ struct ModelConfig : topo::ModelShape {
 // A built-in configuration by name, else a shipped model file by name (NAME.yaml in data/models or
 // share/pdsim/models, common/data_dir.h), else a YAML/JSON file path (any field above;
 // `base: NAME` starts from a built-in config). Unknown names/keys are kInvalidArgument naming the
-// file, line and key.
+// file, line and key. The file must be a regular file of at most 16 MiB (common/input_file.h)
+// holding one YAML/JSON document whose keys and strings are valid UTF-8.
 [[nodiscard]] StatusOr<ModelConfig> resolve_model(const std::string& name_or_file);
 // Checks internal consistency (heads divide, dims positive). The message names the field.
 [[nodiscard]] Status validate_model(const ModelConfig& config);
