@@ -2,11 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <set>
-#include <sstream>
 
+#include "common/input_file.h"
+#include "common/text.h"
 #include "sim/cost/calibrated.h"
 #include "sim/cost/roofline.h"
 #include "topology/model_shape.h"
@@ -190,20 +191,21 @@ Status validate(const json& j, const std::string& source) {
 }  // namespace
 
 StatusOr<CostFile> CostFile::load(const std::string& path) {
-    std::ifstream in(path);
-    if (!in) {
-        return Status(
-            StatusCode::kInvalidArgument,
-            fmt::format("{}: cannot open the cost file (write one with pdsim calibrate)", path));
+    auto bytes = files::read_input_file(path, files::kMaxConfigFileBytes);
+    if (!bytes.ok()) {
+        return invalid_argument_error(bytes.status().message() +
+                                      " (a cost file; write one with pdsim calibrate)");
     }
-    std::stringstream ss;
-    ss << in.rdbuf();
     nlohmann::json j;
     try {
-        j = nlohmann::json::parse(ss.str());
+        j = nlohmann::json::parse(*bytes);
     } catch (const nlohmann::json::parse_error& e) {
+        const size_t at = std::min(e.byte, bytes->size());
+        const auto line =
+            1 + std::count(bytes->begin(), bytes->begin() + static_cast<long>(at), '\n');
         return Status(StatusCode::kInvalidArgument,
-                      fmt::format("{}: not valid JSON (byte {}): {}", path, e.byte, e.what()));
+                      fmt::format("{}:{}: not valid JSON (byte {}): {}", path, line, e.byte,
+                                  text::excerpt(e.what(), 160)));
     }
     return from_json(j, path);
 }

@@ -102,6 +102,8 @@ struct LinkCost {
 // errors name the file and the field (exit 2 at the CLI).
 class CostFile {
 public:
+    // Reads a regular file of at most 16 MiB (common/input_file.h: a FIFO or /dev/zero is refused
+    // at once); a JSON syntax error is "<file>:<line>: not valid JSON: ..." with a bounded excerpt.
     [[nodiscard]] static StatusOr<CostFile> load(const std::string& path);
     [[nodiscard]] static StatusOr<CostFile> from_json(const nlohmann::json& j,
                                                       const std::string& source);

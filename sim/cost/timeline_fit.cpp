@@ -4,10 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <tuple>
 
+#include "common/input_file.h"
 #include "common/stats.h"
+#include "common/text.h"
 
 namespace pdsim::cost {
 
@@ -21,14 +22,17 @@ Status bad_timeline(const std::string& flag, const std::string& path, const std:
 }
 
 StatusOr<json> load_timeline_json(const std::string& path, const std::string& flag) {
-    std::ifstream in(path);
-    if (!in) return bad_timeline(flag, path, "cannot open");
+    // A regular file only (a FIFO or device is refused at once), at most the trace cap.
+    auto file = files::InputFile::open(path, files::kMaxTraceFileBytes);
+    if (!file.ok()) return invalid_argument_error(flag + " " + file.status().message());
     json doc;
     try {
-        in >> doc;
+        (*file)->stream() >> doc;
     } catch (const json::exception& e) {
-        return bad_timeline(flag, path, fmt::format("not JSON: {}", e.what()));
+        PDSIM_RETURN_IF_ERROR((*file)->read_status().with_context(flag));
+        return bad_timeline(flag, path, fmt::format("not JSON: {}", text::excerpt(e.what(), 160)));
     }
+    PDSIM_RETURN_IF_ERROR((*file)->read_status().with_context(flag));
     return doc;
 }
 
