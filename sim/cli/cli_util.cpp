@@ -7,6 +7,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "common/text.h"
+
 namespace pdsim::cli {
 
 StatusOr<std::vector<int>> parse_int_list(const std::string& flag, const std::string& text) {
@@ -38,7 +40,7 @@ Status write_json_file(const std::string& flag, const std::string& path, const n
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("{} {}: cannot open for writing", flag, path));
     }
-    f << j.dump(indent) << "\n";
+    f << text::dump_json(j, indent) << "\n";  // never throws on content
     f.close();
     if (!f) {
         return Status(StatusCode::kInvalidArgument, fmt::format("{} {}: write failed", flag, path));

@@ -14,6 +14,7 @@
 #include <optional>
 
 #include "common/data_dir.h"
+#include "common/text.h"
 #include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
 #include "sim/cli/sim_flags.h"
@@ -225,7 +226,7 @@ public:
         return {};
     }
     void row(const metrics::RequestRecord& q) {
-        std::string err = q.error;
+        std::string err = text::sanitize_utf8(q.error);  // a CSV of valid UTF-8 whatever the text
         std::replace(err.begin(), err.end(), '"', '\'');
         const auto tp = q.tpot_ms();
         f_ << fmt::format("{},{:.3f},{},{},{},{},{},{},{},{},{},{},{:.3f},\"{}\"\n", q.id,

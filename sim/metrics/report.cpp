@@ -4,6 +4,8 @@
 #include <cmath>
 #include <fstream>
 
+#include "common/text.h"
+
 namespace pdsim::metrics {
 
 Percentiles percentiles(std::vector<double> v) {
@@ -105,7 +107,7 @@ Status write_report(const std::string& path, const Report& report) {
     if (!f)
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("{}: cannot open report file for writing", path));
-    f << to_json(report).dump(2) << "\n";
+    f << text::dump_json(to_json(report), 2) << "\n";  // never throws on content
     if (!f) return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path));
     return {};
 }
@@ -119,7 +121,7 @@ Status write_requests_csv(const std::string& path, const std::vector<RequestReco
          "decode_instance,"
          "transfer_bytes,transfer_ms,error\n";
     for (const auto& q : records) {
-        std::string err = q.error;
+        std::string err = text::sanitize_utf8(q.error);
         std::replace(err.begin(), err.end(), '"', '\'');
         const auto tp = q.tpot_ms();
         f << fmt::format("{},{:.3f},{},{},{},{},{},{},{},{},{},{},{:.3f},\"{}\"\n", q.id,

@@ -2,6 +2,8 @@
 
 #include <fstream>
 
+#include "common/text.h"
+
 namespace pdsim::metrics {
 
 void Timeline::name_process(int pid, const std::string& name) {
@@ -66,7 +68,7 @@ Status Timeline::write(const std::string& path) const {
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("{}: cannot open timeline file for writing", path));
     nlohmann::json doc = {{"traceEvents", events()}, {"displayTimeUnit", "ms"}};
-    f << doc.dump() << "\n";
+    f << text::dump_json(doc) << "\n";  // never throws on content
     if (!f) return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path));
     return {};
 }
