@@ -14,6 +14,7 @@
 #include "backends/model/model_config.h"
 #include "common/input_file.h"
 #include "common/text.h"
+#include "common/yaml_documents.h"
 #include "sim/cost/cost_model.h"
 #include "sim/metrics/report.h"
 #include "sim/metrics/timeline.h"
@@ -90,6 +91,15 @@ TEST(DumpJson, NeverThrowsOnInvalidUtf8) {
     ASSERT_NO_THROW(out = text::dump_json(j, 2));
     const nlohmann::json back = nlohmann::json::parse(out);
     EXPECT_EQ(back["name"], "trace\xEF\xBF\xBD.jsonl");
+}
+
+TEST(YamlDocuments, FindsTheSecondDocumentWithoutLoadAll) {
+    EXPECT_EQ(yaml::second_document_line("a: 1\n"), std::nullopt);
+    EXPECT_EQ(yaml::second_document_line("---\na: 1\n...\n"), std::nullopt);
+    EXPECT_EQ(yaml::second_document_line("a: 1\n---\nb: 2\n"), 2);
+    EXPECT_EQ(yaml::second_document_line("a: 1\n---\n"), 2);
+    EXPECT_TRUE(yaml::second_document_line("a: 1\n---\n[\n").has_value());  // a broken one
+    EXPECT_EQ(yaml::second_document_line("a: [\n"), std::nullopt);  // YAML::Load reports this one
 }
 
 // ---- common/input_file.h ----
@@ -256,7 +266,7 @@ TEST(TopologyFile, OneYamlDocumentOnly) {
     auto two = topo::parse_topology(kTopologyText + "---\nname: second\n", "x.yaml",
                                     topo::Format::kAuto, {.validate = false});
     EXPECT_THAT(two, StatusIs(StatusCode::kInvalidArgument,
-                              HasSubstr("x.yaml:9: the file holds 2 YAML documents")));
+                              HasSubstr("x.yaml:8: a second YAML document starts here")));
     ASSERT_OK(topo::parse_topology("---\n" + kTopologyText, "x.yaml", topo::Format::kAuto,
                                    {.validate = false}));
 }
@@ -300,7 +310,7 @@ TEST(ModelFile, RegularFileOneDocumentValidUtf8) {
     write(two, "base: tiny\n---\nbase: llama3-8b\n");
     EXPECT_THAT(model::resolve_model(two),
                 StatusIs(StatusCode::kInvalidArgument,
-                         HasSubstr("two.yaml:3: the file holds 2 YAML documents")));
+                         HasSubstr("two.yaml:2: a second YAML document starts here")));
     const std::string bad = dir.str("bad.yaml");
     write(bad, "base: tiny\nname: m\xFF\n");
     EXPECT_THAT(model::resolve_model(bad),

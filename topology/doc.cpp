@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/text.h"
+#include "common/yaml_documents.h"
 
 namespace pdsim::topo::detail {
 
@@ -335,15 +336,12 @@ private:
 
 StatusOr<DocNode> read_yaml_doc(std::string_view text, std::string_view source_name) {
     try {
+        const YAML::Node root = YAML::Load(std::string(text));
         // One document per file: a second one (after `---`) would otherwise be ignored silently.
-        const std::vector<YAML::Node> docs = YAML::LoadAll(std::string(text));
-        if (docs.size() > 1) {
-            return syntax_error(source_name, yaml_line(docs[1]),
-                                fmt::format("the file holds {} YAML documents (the second starts "
-                                            "here); a topology is one document",
-                                            docs.size()));
+        if (const auto second = yaml::second_document_line(std::string(text))) {
+            return syntax_error(source_name, *second,
+                                "a second YAML document starts here; a topology file holds one");
         }
-        const YAML::Node root = docs.empty() ? YAML::Node() : docs.front();
         YamlConverter conv(source_name);
         DocNode out;
         PDSIM_RETURN_IF_ERROR(conv.convert(root, "", 0, &out));

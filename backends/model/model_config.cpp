@@ -10,6 +10,7 @@
 #include "common/data_dir.h"
 #include "common/input_file.h"
 #include "common/text.h"
+#include "common/yaml_documents.h"
 
 namespace pdsim::model {
 
@@ -57,25 +58,24 @@ Status check_utf8(const std::string& src, const YAML::Node& n, const std::string
 StatusOr<YAML::Node> load_model_document(const std::string& path) {
     PDSIM_ASSIGN_OR_RETURN(std::string bytes,
                            files::read_input_file(path, files::kMaxConfigFileBytes));
-    std::vector<YAML::Node> docs;
+    YAML::Node root;
     try {
-        docs = YAML::LoadAll(bytes);  // YAML is a superset of JSON
+        root = YAML::Load(bytes);  // YAML is a superset of JSON
     } catch (const YAML::Exception& e) {
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("{}:{}: {}", path, e.mark.line + 1, text::excerpt(e.msg)));
     }
-    if (docs.size() > 1) {
-        return Status(
-            StatusCode::kInvalidArgument,
-            fmt::format("{}:{}: the file holds {} YAML documents (the second starts here); "
-                        "a model file is one",
-                        path, docs[1].Mark().line + 1, docs.size()));
+    if (const auto second = yaml::second_document_line(bytes)) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{}:{}: a second YAML document starts here; a model file holds "
+                                  "one",
+                                  path, *second));
     }
-    if (docs.empty() || !docs.front().IsMap()) {
+    if (!root.IsMap()) {
         return Status(StatusCode::kInvalidArgument, path + ":1: a model file is a mapping");
     }
-    PDSIM_RETURN_IF_ERROR(check_utf8(path, docs.front(), "(document)", 0));
-    return docs.front();
+    PDSIM_RETURN_IF_ERROR(check_utf8(path, root, "(document)", 0));
+    return root;
 }
 
 // The model files shipped in data/models (or share/pdsim/models), as "a, b", or "none found".

@@ -102,13 +102,6 @@ Status read_hash_ids(const nlohmann::json& h, int32_t input_len, const std::stri
         return line_error(source, line,
                           fmt::format("hash_ids: {} is not an array", text::excerpt(h.dump())));
     }
-    const size_t max_blocks = static_cast<size_t>((input_len - 1) / kHashBlockTokens + 1);
-    if (h.size() > max_blocks) {
-        return line_error(source, line,
-                          fmt::format("hash_ids: {} blocks for input_length {} (at most {} blocks "
-                                      "of {} tokens)",
-                                      h.size(), input_len, max_blocks, kHashBlockTokens));
-    }
     out->reserve(h.size());
     for (size_t k = 0; k < h.size(); ++k) {
         const nlohmann::json& e = h[k];
@@ -124,6 +117,13 @@ Status read_hash_ids(const nlohmann::json& h, int32_t input_len, const std::stri
                 fmt::format("hash_ids[{}]: {} is out of the int64 range", k, e.dump()));
         }
         out->push_back(e.get<int64_t>());
+    }
+    const size_t max_blocks = static_cast<size_t>((input_len - 1) / kHashBlockTokens + 1);
+    if (h.size() > max_blocks) {
+        return line_error(source, line,
+                          fmt::format("hash_ids: {} blocks for input_length {} (at most {} blocks "
+                                      "of {} tokens)",
+                                      h.size(), input_len, max_blocks, kHashBlockTokens));
     }
     return ok_status();
 }
