@@ -118,13 +118,10 @@ void add_run_flags(CLI::App* sub, Flags& f) {
     sub->add_option("--backend", o.backend, "attention backend: cpu|cpu_ref")
         ->check(non_empty())
         ->capture_default_str();
-    sub->add_option("--mode", f.mode, "disagg|colocated|both")
-        ->check(CLI::IsMember({"disagg", "colocated", "both"}))
-        ->capture_default_str();
+    sub->add_option("--mode", f.mode, "disagg|colocated|both")->capture_default_str();
     sub->add_option("--layerwise", f.layerwise,
                     "on: send each layer once its step is recorded; off: after the "
                     "forward (the no-overlap baseline)")
-        ->check(CLI::IsMember({"on", "off"}))
         ->capture_default_str();
     sub->add_option("--fault", f.fault,
                     "inject an ordering bug on the prefill side: record-before-write, "
