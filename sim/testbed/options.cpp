@@ -121,10 +121,11 @@ Status check_tcp_environment(const std::string& transport, int ranks) {
             list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
         if (item.empty()) {
             // Skipped, as the transport does.
-        } else if (Status st = transfer::parse_host_port(item).status(); !st.ok()) {
-            return invalid_argument_error(fmt::format("PDSIM_TCP_ENDPOINTS {}: item {} '{}': {}",
-                                                      excerpt(list), count + 1, excerpt(item),
-                                                      st.message()));
+        } else if (!transfer::parse_host_port(item).ok()) {
+            // (parse_host_port's own message starts with its source location.)
+            return invalid_argument_error(
+                fmt::format("PDSIM_TCP_ENDPOINTS {}: item {} '{}': expected host:port",
+                            excerpt(list), count + 1, excerpt(item)));
         } else {
             ++count;
         }
