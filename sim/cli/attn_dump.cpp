@@ -21,6 +21,8 @@ namespace pdsim::cli {
 
 namespace {
 
+constexpr int64_t kMaxDumpKvBytes = int64_t{4} << 30;  // the case's KV cache
+
 struct AttnDumpOptions {
     std::string out_dir;
     uint64_t seed = 1;
@@ -195,6 +197,9 @@ Status write_dump(const AttnDumpOptions& o, kv::KVDtype dtype, const attn::Layer
 }
 
 Status run_attn_dump(const AttnDumpOptions& o) {
+    PDSIM_RETURN_IF_ERROR(check_kv_bytes("--batch x --max-seq-len x --kv-heads x --head-dim",
+                                         o.batch, o.max_seq_len + o.page_size, o.kv_heads,
+                                         o.head_dim, kMaxDumpKvBytes));
     PDSIM_ASSIGN_OR_RETURN(kv::KVDtype dtype, kv::parse_dtype(o.dtype));
     PDSIM_ASSIGN_OR_RETURN(attn::ForwardMode mode, attn::parse_forward_mode(o.mode));
     if (mode != attn::ForwardMode::kExtend && mode != attn::ForwardMode::kDecode) {
@@ -235,7 +240,9 @@ void add_attn_dump_command(CLI::App& app, CommandSet& commands) {
         "meta.json. Query tokens of sequence i are its last q_lens[i] positions and attend "
         "causally;\n"
         "query head h reads KV head h / (q_heads / kv_heads).");
-    sub->add_option("--out", opts->out_dir, "Output directory (created)")->required();
+    sub->add_option("--out", opts->out_dir, "Output directory (created)")
+        ->required()
+        ->check(non_empty());
     sub->add_option("--seed", opts->seed, "Random seed")->capture_default_str();
     sub->add_option("--mode", opts->mode, "decode or extend")
         ->check(CLI::IsMember({"decode", "extend"}))
@@ -244,6 +251,7 @@ void add_attn_dump_command(CLI::App& app, CommandSet& commands) {
         ->check(CLI::IsMember({"fp32", "bf16"}))
         ->capture_default_str();
     sub->add_option("--backend", opts->backend, "Attention backend (cpu, cpu_ref, ...)")
+        ->check(non_empty())
         ->capture_default_str();
     sub->add_option("--batch", opts->batch, "Number of sequences")
         ->check(CLI::Range(1, 256))

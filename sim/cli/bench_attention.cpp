@@ -54,6 +54,8 @@ namespace {
 constexpr double kDecodeTarget = 0.60;
 constexpr double kExtendTarget = 0.40;
 
+constexpr int64_t kMaxBenchKvBytes = int64_t{16} << 30;  // the decode's or the extend's KV cache
+
 struct BenchAttentionOptions {
     std::string json_path;
     int threads = 0;
@@ -444,6 +446,12 @@ nlohmann::json attention_json(const BenchAttentionOptions& o, int threads, const
 }
 
 Status run_bench_attention(BenchAttentionOptions o) {
+    PDSIM_RETURN_IF_ERROR(check_kv_bytes("--decode-batch x --decode-len x --kv-heads x --head-dim",
+                                         o.decode_batch, o.decode_len, o.kv_heads, o.head_dim,
+                                         kMaxBenchKvBytes));
+    PDSIM_RETURN_IF_ERROR(check_kv_bytes("--extend-batch x --extend-len x --kv-heads x --head-dim",
+                                         o.extend_batch, std::max(o.extend_len, 2048), o.kv_heads,
+                                         o.head_dim, kMaxBenchKvBytes));
     PDSIM_ASSIGN_OR_RETURN(kv::KVDtype dtype, kv::parse_dtype(o.dtype));
     if (o.q_heads % o.kv_heads != 0) {
         return Status(
@@ -587,6 +595,7 @@ void add_workload_flags(CLI::App* a, BenchAttentionOptions& o, AttentionFlags* f
 void add_cuda_only_flags(CLI::App* a, CudaOnlyFlags& c, AttentionFlags* f) {
     f->model = a->add_option("--model", c.model,
                              "cuda: the GPU model to time per layer (a name or a model file)")
+                   ->check(non_empty())
                    ->capture_default_str();
     f->layers = a->add_option("--layers", c.layers, "cuda: layers of the GPU model")
                     ->check(CLI::Range(1, 256))
@@ -618,7 +627,8 @@ void add_bench_attention_command(CLI::App& bench, CommandSet& commands) {
         "device-to-device cudaMemcpyAsync (target >= 0.75x), causal extend FLOP/s vs a cuBLASLt\n"
         "bf16 GEMM of the same FLOPs (target >= 0.40x), and the GPU model's time per layer vs the\n"
         "roofline cost model; medians of --reps rounds; \"no device\" (exit 1) without a GPU.");
-    a->add_option("--json", o->json_path, "Write the results as JSON to this file");
+    a->add_option("--json", o->json_path, "Write the results as JSON to this file")
+        ->check(output_file());
     f.threads = a->add_option("--threads", o->threads,
                               "Threads for the backend and the baselines (0 = all cores; cpu "
                               "backends only)")
@@ -630,6 +640,7 @@ void add_bench_attention_command(CLI::App& bench, CommandSet& commands) {
                   ->check(CLI::IsMember({"fp32", "bf16"}))
                   ->capture_default_str();
     a->add_option("--backend", o->backend, "Attention backend to measure: cpu, cpu_ref or cuda")
+        ->check(non_empty())
         ->capture_default_str();
     add_shape_flags(a, *o, &f);
     add_workload_flags(a, *o, &f);

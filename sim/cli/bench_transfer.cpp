@@ -69,6 +69,7 @@ constexpr auto kTimeout = std::chrono::seconds(120);
 constexpr const char* kGpuSizes = "64K,256K,1M,4M,16M,64M,256M";
 constexpr int kGpuMibPerRound = 32768;
 constexpr size_t kGpuMaxMessages = 16384;
+constexpr size_t kMaxWindowBytes = size_t{4} << 30;  // --window x the largest of --sizes
 
 struct BenchTransferOptions {
     std::string transport = "tcp";
@@ -713,6 +714,13 @@ StatusOr<nlohmann::json> bench_size(const BenchTransferOptions& o, Runner& runne
 
 Status run_bench_transfer(const BenchTransferOptions& o) {
     PDSIM_ASSIGN_OR_RETURN(std::vector<size_t> sizes, parse_sizes(o.sizes));
+    const size_t largest = *std::max_element(sizes.begin(), sizes.end());
+    if (o.window > 0 && static_cast<size_t>(o.window) * largest > kMaxWindowBytes) {
+        return invalid_argument_error(
+            fmt::format("--window {}: {} messages of {} bytes (--sizes) exceed the {} GiB a "
+                        "window may hold",
+                        o.window, o.window, largest, kMaxWindowBytes >> 30));
+    }
     double target = 0;
     PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Runner> runner, make_runner(o.transport, &target));
     const bool print = runner->reports();
@@ -753,11 +761,13 @@ void add_bench_transfer_command(CLI::App& bench, CommandSet& commands) {
     a->add_option("--transport", o->transport, "mpi | tcp | local | cuda_ipc")
         ->check(CLI::IsMember({"mpi", "tcp", "local", "cuda_ipc"}))
         ->capture_default_str();
-    a->add_option("--json", o->json_path, "Write the results as JSON to this file");
+    a->add_option("--json", o->json_path, "Write the results as JSON to this file")
+        ->check(output_file());
     CLI::Option* sizes =
         a->add_option("--sizes", o->sizes,
                       "Comma-separated message sizes (65536, 64K, 1M, ...; cuda_ipc: " +
                           std::string(kGpuSizes) + ")")
+            ->check(non_empty())
             ->capture_default_str();
     a->add_option("--reps", o->reps, "Timed rounds per size and side")
         ->check(CLI::Range(1, 1000))
@@ -768,9 +778,10 @@ void add_bench_transfer_command(CLI::App& bench, CommandSet& commands) {
              "Payload MiB per timed round (cuda_ipc: " + std::to_string(kGpuMibPerRound) + ")")
             ->check(CLI::Range(1, 1 << 16))
             ->capture_default_str();
-    a->add_option("--window", o->window, "Messages in flight (0: 256 MiB / size, in [2, 16])")
-        ->check(CLI::Range(0, 1024))
-        ->capture_default_str();
+    a->add_option("--window", o->window,
+                  "Messages in flight (default: 256 MiB / size, in [2, 16]); window x the largest "
+                  "size at most 4 GiB")
+        ->check(int_in(1, 1024));
     commands.add(a, [o, sizes, mib] {
         BenchTransferOptions run = *o;
         // A GPU copies a round of the CPU defaults in well under a millisecond.

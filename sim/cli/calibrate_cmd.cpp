@@ -507,29 +507,34 @@ void add_calibrate_command(CLI::App& app, CommandSet& commands) {
     a->add_option("--backend", o->backend, "Attention backend the testbed runs: cpu | cpu_ref")
         ->check(CLI::IsMember({"cpu", "cpu_ref"}))
         ->capture_default_str();
-    a->add_option("--model", o->model, "Built-in model name or a model file")->required();
+    a->add_option("--model", o->model, "Built-in model name or a model file")
+        ->required()
+        ->check(non_empty());
     a->add_option("--tp", o->tp, "Comma-separated TP sizes (ranks as threads of one process)")
+        ->check(non_empty())
         ->capture_default_str();
     a->add_option("--threads", o->threads,
                   "Comma-separated compute threads per rank (default per TP size: the testbed's "
                   "cores / ranks on the node for one prefill and one decode instance of that TP, "
-                  "max(1, cores / (2 tp)))");
+                  "max(1, cores / (2 tp)))")
+        ->check(non_empty());
     a->add_option("--transport", o->transport,
                   "Comma-separated KV transports to measure: local, tcp, mpi (mpi only under "
                   "mpirun -np 2), or none")
+        ->check(non_empty())
         ->capture_default_str();
     a->add_flag("--quick", o->quick, "A small grid and fewer repeats (well under a minute)");
     a->add_option("--page-size", o->page_size, "KV page size (tokens), as the testbed's")
         ->check(CLI::Range(1, 4096))
         ->capture_default_str();
-    a->add_option("--repeats", o->repeats, "Timed rounds over the grid (0: 7, --quick 3)")
-        ->check(CLI::Range(0, 100))
-        ->capture_default_str();
-    a->add_option("--out", o->out, "Cost file to write (JSON)")->required();
+    a->add_option("--repeats", o->repeats, "Timed rounds over the grid (default: 7, --quick 3)")
+        ->check(int_in(1, 100));
+    a->add_option("--out", o->out, "Cost file to write (JSON)")->required()->check(output_file());
     a->add_option("--from-timeline", o->from_timeline,
                   "Comma-separated timelines of `pdsim testbed --timeline` runs: fit the forwards "
                   "the testbed's instance leaders ran (keyed by their tp and threads) instead of "
-                  "microbenchmarking; --tp, --threads, --transport, --repeats are not used");
+                  "microbenchmarking; --tp, --threads, --transport, --repeats are not used")
+        ->check(non_empty());
     a->add_flag("--include-overlapped", o->include_overlapped,
                 "With --from-timeline: also fit forwards that overlap another instance's forward "
                 "(by default left out: the simulator's CPU contention model adds that slowdown)");
@@ -538,10 +543,11 @@ void add_calibrate_command(CLI::App& app, CommandSet& commands) {
          "With --from-timeline: cores of the machine the timelines were recorded on (default: "
          "this machine's), for the interference fit: how much slower than their share of "
          "the cores forwards ran while another instance computed")
-        ->check(CLI::NonNegativeNumber);
+        ->check(real_in(0, 4096, /*lo_open=*/true));
     a->add_option("--base", o->base,
                   "With --from-timeline: a cost file whose fits supply the (tp, threads, extend | "
-                  "decode) the timelines have no forwards of, and whose transports are copied");
+                  "decode) the timelines have no forwards of, and whose transports are copied")
+        ->check(non_empty());
     a->add_option("--worker", o->worker, "internal: measure one TP:THREADS group")->group("");
     commands.add(a, [o] { return calibration::run_calibrate(*o); });
 }

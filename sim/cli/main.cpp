@@ -37,6 +37,10 @@ int main(int argc, char** argv) {
         return app.exit(e);
     } catch (const CLI::CallForVersion& e) {
         return app.exit(e);
+    } catch (const CLI::ValidationError& e) {
+        // A flag's value out of its range (sim/cli/cli_util.h): one line naming the flag.
+        std::fprintf(stderr, "pdsim: error: INVALID_ARGUMENT: %s\n", e.what());
+        return 2;
     } catch (const CLI::ParseError& e) {
         (void)app.exit(e);  // prints the message and a hint
         return 2;

@@ -23,6 +23,13 @@ namespace {
 
 using json = nlohmann::json;
 
+// Flag bounds (shown in --help; docs/inputs.md).
+constexpr int64_t kMaxGpus = 65536;                // --gpus, --min-gpus
+constexpr int64_t kMaxCandidates = 1'000'000;      // --max-candidates, --top
+constexpr double kMinRate = 1e-6, kMaxRate = 1e6;  // --rate, requests/s
+// --cv: gamma shape 1/cv^2; at cv 10 it is 0.01 (std::gamma_distribution never returns at 0).
+constexpr double kMaxCv = 10;
+
 struct SearchFlags {
     std::string topology, gpu, model;
     // A trace, its caps, first N or sample, time scale; or (no trace) the synthetic workload
@@ -54,7 +61,9 @@ Status check_flags(const SearchFlags& f) {
             "--max-requests / --sample: for --trace (--synthetic N sets the count)");
     }
     if (!(f.rate > 0)) return invalid_argument_error(fmt::format("--rate {}: must be > 0", f.rate));
-    if (f.cv < 0) return invalid_argument_error(fmt::format("--cv {}: must be >= 0", f.cv));
+    if (!(f.cv >= 0 && f.cv <= kMaxCv)) {
+        return invalid_argument_error(fmt::format("--cv {}: must be in [0, {}]", f.cv, kMaxCv));
+    }
     if (!(f.slo_ttft_ms > 0))
         return invalid_argument_error(fmt::format("--slo-ttft-ms {}: must be > 0", f.slo_ttft_ms));
     if (!(f.slo_tpot_ms > 0))
@@ -351,6 +360,64 @@ Status run_search_cmd(const SearchFlags& f) {
     return {};
 }
 
+// The GPU budget, the model and the layouts searched.
+void add_space_flags(CLI::App* sub, SearchFlags* f) {
+    sub->add_option("--gpu", f->gpu,
+                    "GPU type: A100, H100, H200, B200 (DGX nodes of 8) or GB200 "
+                    "(NVL72 racks) (default: the topology's, else H100)")
+        ->check(non_empty());
+    sub->add_option("--gpus", f->gpus, "GPU budget N (default: the topology's GPU count)")
+        ->check(int_in(1, kMaxGpus));
+    sub->add_option("--topology", f->topology,
+                    "take --gpu and --gpus (and the model, without --model) from this topology "
+                    "file; its instances are not used")
+        ->check(non_empty());
+    sub->add_option("--model", f->model, "built-in model name or model YAML/JSON file")
+        ->check(non_empty());
+    sub->add_option("--layers", f->layers, "override the model's number of layers")
+        ->check(int_in(1, kMaxLayers));
+}
+
+// The requests: a trace, or a synthetic workload.
+void add_request_flags(CLI::App* sub, SearchFlags* f) {
+    sub->add_option("--trace", f->req.trace, "trace file: Mooncake .jsonl or Azure .csv")
+        ->check(non_empty());
+    sub->add_option("--trace-format", f->req.trace_format, "auto|mooncake|azure")
+        ->check(CLI::IsMember({"auto", "mooncake", "azure"}))
+        ->capture_default_str();
+    sub->add_option("--synthetic", f->synthetic, "N synthetic requests instead of a trace")
+        ->check(int_in(1, kMaxSyntheticRequests));
+    sub->add_option("--rate", f->rate, "synthetic: mean arrival rate, requests/s")
+        ->check(real_in(kMinRate, kMaxRate))
+        ->capture_default_str();
+    sub->add_option("--cv", f->cv,
+                    "synthetic: gamma inter-arrivals with this coefficient of variation (0: "
+                    "Poisson)")
+        ->check(real_in(0, kMaxCv))
+        ->capture_default_str();
+    sub->add_option("--input-len", f->input_len,
+                    "synthetic prompt lengths: fixed:N, uniform:MIN:MAX or lognormal:MEDIAN:SIGMA")
+        ->check(non_empty())
+        ->capture_default_str();
+    sub->add_option("--output-len", f->output_len, "synthetic output lengths (as --input-len)")
+        ->check(non_empty())
+        ->capture_default_str();
+    sub->add_option("--seed", f->req.seed, "seed for --synthetic and --sample")
+        ->capture_default_str();
+    sub->add_option("--max-requests", f->req.max_requests, "trace: the first N requests")
+        ->check(int_in(1, kMaxRequestCount));
+    sub->add_option("--sample", f->req.sample, "trace: a uniform random sample of N requests")
+        ->check(int_in(1, kMaxRequestCount));
+    sub->add_option("--max-input-len", f->req.max_input_len, "cap prompt lengths (0: none)")
+        ->check(int_in(0, kMaxLengthCap));
+    sub->add_option("--max-output-len", f->req.max_output_len, "cap output lengths (0: none)")
+        ->check(int_in(0, kMaxLengthCap));
+    sub->add_option("--time-scale", f->req.time_scale,
+                    "multiply arrival times by X (0.5: twice the request rate)")
+        ->check(real_in(0, kMaxTimeScale, /*lo_open=*/true))
+        ->capture_default_str();
+}
+
 }  // namespace
 
 void add_search_command(CLI::App& app, CommandSet& commands) {
@@ -361,54 +428,34 @@ void add_search_command(CLI::App& app, CommandSet& commands) {
         "(C instances x TP) split of a GPU budget, each simulated (roofline costs) on the same\n"
         "requests, ranked by goodput per GPU among those meeting the SLO attainment target.\n"
         "Exit 0 with a table (also when nothing meets the target); 2 on bad input.");
-    sub->add_option("--gpu", f->gpu,
-                    "GPU type: A100, H100, H200, B200 (DGX nodes of 8) or GB200 "
-                    "(NVL72 racks) (default: the topology's, else H100)");
-    sub->add_option("--gpus", f->gpus, "GPU budget N (default: the topology's GPU count)");
-    sub->add_option("--topology", f->topology,
-                    "take --gpu and --gpus (and the model, without --model) from this topology "
-                    "file; its instances are not used");
-    sub->add_option("--model", f->model, "built-in model name or model YAML/JSON file");
-    sub->add_option("--layers", f->layers, "override the model's number of layers");
-    sub->add_option("--trace", f->req.trace, "trace file: Mooncake .jsonl or Azure .csv");
-    sub->add_option("--trace-format", f->req.trace_format, "auto|mooncake|azure")
-        ->capture_default_str();
-    sub->add_option("--synthetic", f->synthetic, "N synthetic requests instead of a trace");
-    sub->add_option("--rate", f->rate, "synthetic: mean arrival rate, requests/s")
-        ->capture_default_str();
-    sub->add_option("--cv", f->cv,
-                    "synthetic: gamma inter-arrivals with this coefficient of variation (0: "
-                    "Poisson)")
-        ->capture_default_str();
-    sub->add_option("--input-len", f->input_len,
-                    "synthetic prompt lengths: fixed:N, uniform:MIN:MAX or lognormal:MEDIAN:SIGMA")
-        ->capture_default_str();
-    sub->add_option("--output-len", f->output_len, "synthetic output lengths (as --input-len)")
-        ->capture_default_str();
-    sub->add_option("--seed", f->req.seed, "seed for --synthetic and --sample")
-        ->capture_default_str();
-    sub->add_option("--max-requests", f->req.max_requests, "trace: the first N requests");
-    sub->add_option("--sample", f->req.sample, "trace: a uniform random sample of N requests");
-    sub->add_option("--max-input-len", f->req.max_input_len, "cap prompt lengths (0: none)");
-    sub->add_option("--max-output-len", f->req.max_output_len, "cap output lengths (0: none)");
-    sub->add_option("--time-scale", f->req.time_scale,
-                    "multiply arrival times by X (0.5: twice the request rate)")
-        ->capture_default_str();
-    sub->add_option("--slo-ttft-ms", f->slo_ttft_ms, "TTFT SLO, ms")->required();
-    sub->add_option("--slo-tpot-ms", f->slo_tpot_ms, "TPOT SLO, ms")->required();
+    add_space_flags(sub, f.get());
+    add_request_flags(sub, f.get());
+    sub->add_option("--slo-ttft-ms", f->slo_ttft_ms, "TTFT SLO, ms")
+        ->required()
+        ->check(real_in(0, kMaxSloMs, /*lo_open=*/true));
+    sub->add_option("--slo-tpot-ms", f->slo_tpot_ms, "TPOT SLO, ms")
+        ->required()
+        ->check(real_in(0, kMaxSloMs, /*lo_open=*/true));
     sub->add_option("--attainment", f->attainment, "target share of requests meeting both SLOs")
+        ->check(real_in(0, 1, /*lo_open=*/true))
         ->capture_default_str();
     sub->add_option("--modes", f->modes, "disagg, colocated or both, comma-separated")
+        ->check(non_empty())
         ->capture_default_str();
-    sub->add_option("--tp", f->tp, "only these TP sizes, comma-separated (default: all that fit)");
+    sub->add_option("--tp", f->tp, "only these TP sizes, comma-separated (default: all that fit)")
+        ->check(non_empty());
     sub->add_option("--min-gpus", f->min_gpus,
                     "only layouts using at least this many GPUs (--gpus: the whole budget)")
+        ->check(int_in(1, kMaxGpus))
         ->capture_default_str();
     sub->add_option("--max-candidates", f->max_candidates,
                     "refuse to run more candidates than this")
+        ->check(int_in(1, kMaxCandidates))
         ->capture_default_str();
-    sub->add_option("--top", f->top, "rows of the table (--json has all)")->capture_default_str();
-    sub->add_option("--json", f->json_path, "write every row as JSON here");
+    sub->add_option("--top", f->top, "rows of the table (--json has all)")
+        ->check(int_in(0, kMaxCandidates))
+        ->capture_default_str();
+    sub->add_option("--json", f->json_path, "write every row as JSON here")->check(output_file());
     add_scheduling_flags(sub, f->sched);
     sub->add_flag("--quiet", f->quiet, "no progress line");
     commands.add(sub, [f] { return run_search_cmd(*f); });

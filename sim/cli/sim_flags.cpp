@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "sim/cli/cli_util.h"
+
 namespace pdsim::cli {
 
 void add_scheduling_flags(CLI::App* sub, SchedulingFlags& f) {
@@ -14,26 +16,34 @@ void add_scheduling_flags(CLI::App* sub, SchedulingFlags& f) {
                     "testbed's rule)")
         ->capture_default_str();
     sub->add_option("--chunk-size", f.chunk_size, "prefill tokens of one request per forward")
+        ->check(int_in(1, kMaxBatchTokens))
         ->capture_default_str();
     sub->add_option("--max-batch-tokens", f.max_batch_tokens, "tokens per prefill forward")
+        ->check(int_in(1, kMaxBatchTokens))
         ->capture_default_str();
     sub->add_option("--max-decode-batch", f.max_decode_batch, "requests per decode forward")
+        ->check(int_in(1, kMaxDecodeBatch))
         ->capture_default_str();
-    sub->add_option("--page-size", f.page_size, "KV page size in tokens")->capture_default_str();
+    sub->add_option("--page-size", f.page_size, "KV page size in tokens")
+        ->check(int_in(1, 4096))
+        ->capture_default_str();
     sub->add_option("--mem-fraction", f.mem_fraction, "GPUs: share of HBM for weights + KV")
+        ->check(real_in(0, 1, /*lo_open=*/true))
         ->capture_default_str();
 }
 
 Status check_scheduling_flags(const SchedulingFlags& f) {
-    if (f.chunk_size < 1)
-        return invalid_argument_error(fmt::format("--chunk-size {}: must be >= 1", f.chunk_size));
-    if (f.max_batch_tokens < 1) {
+    if (f.chunk_size < 1 || f.chunk_size > kMaxBatchTokens) {
         return invalid_argument_error(
-            fmt::format("--max-batch-tokens {}: must be >= 1", f.max_batch_tokens));
+            fmt::format("--chunk-size {}: must be in [1, {}]", f.chunk_size, kMaxBatchTokens));
     }
-    if (f.max_decode_batch < 1) {
-        return invalid_argument_error(
-            fmt::format("--max-decode-batch {}: must be >= 1", f.max_decode_batch));
+    if (f.max_batch_tokens < 1 || f.max_batch_tokens > kMaxBatchTokens) {
+        return invalid_argument_error(fmt::format("--max-batch-tokens {}: must be in [1, {}]",
+                                                  f.max_batch_tokens, kMaxBatchTokens));
+    }
+    if (f.max_decode_batch < 1 || f.max_decode_batch > kMaxDecodeBatch) {
+        return invalid_argument_error(fmt::format("--max-decode-batch {}: must be in [1, {}]",
+                                                  f.max_decode_batch, kMaxDecodeBatch));
     }
     if (f.page_size < 1 || f.page_size > 4096) {
         return invalid_argument_error(

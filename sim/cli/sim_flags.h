@@ -19,11 +19,16 @@ struct SchedulingFlags {
     std::string prefix_cache = "on", kv_admission = "prompt";
 };
 
+// Caps on what a flag makes the simulator hold per forward (sim/cli/cli_util.h validators).
+inline constexpr int64_t kMaxBatchTokens = int64_t{1} << 20;  // --chunk-size, --max-batch-tokens
+inline constexpr int64_t kMaxDecodeBatch = 65536;             // --max-decode-batch
+
 // --chunk-size, --max-batch-tokens, --max-decode-batch, --page-size, --mem-fraction,
 // --prefix-cache, --kv-admission.
 void add_scheduling_flags(CLI::App* sub, SchedulingFlags& f);
 
-// kInvalidArgument naming the flag.
+// kInvalidArgument naming the flag (the same ranges as the flags' validators, for callers that
+// fill SchedulingFlags themselves).
 [[nodiscard]] Status check_scheduling_flags(const SchedulingFlags& f);
 
 // Into a simulation's config: prefix cache, admission, page size, batch limits. `f` must have

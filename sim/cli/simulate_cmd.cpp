@@ -362,12 +362,16 @@ Status run_simulate(const SimulateFlags& f) {
 void add_common_flags(CLI::App* sub, SimulateFlags& f) {
     sub->add_option("--model", f.model,
                     "built-in model name or model YAML/JSON file (default: the "
-                    "topology's model)");
-    sub->add_option("--layers", f.layers, "override the model's number of layers");
+                    "topology's model)")
+        ->check(non_empty());
+    sub->add_option("--layers", f.layers, "override the model's number of layers")
+        ->check(int_in(1, kMaxLayers));
     sub->add_option("--trace-format", f.req.trace_format, "auto|mooncake|azure")
+        ->check(CLI::IsMember({"auto", "mooncake", "azure"}))
         ->capture_default_str();
     sub->add_option("--cost-model", f.cost_model,
                     "roofline (from the GPU spec table) or a cost.json written by pdsim calibrate")
+        ->check(non_empty())
         ->capture_default_str();
 }
 
@@ -467,21 +471,30 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
         "fair flows over the topology's links. Writes the testbed's report keys. Exit 0 when "
         "every\n"
         "request completed; 2 on bad input; else 1.");
-    sub->add_option("--topology", f->topology, "topology file (YAML or JSON)")->required();
+    sub->add_option("--topology", f->topology, "topology file (YAML or JSON)")
+        ->required()
+        ->check(non_empty());
     sub->add_option("--trace", f->req.trace, "trace file: Mooncake .jsonl or Azure .csv")
-        ->required();
+        ->required()
+        ->check(non_empty());
     add_common_flags(sub, *f);
-    sub->add_option("--max-requests", f->req.max_requests, "simulate the first N requests");
-    sub->add_option("--sample", f->req.sample,
-                    "a uniform random sample of N requests (order kept)");
+    sub->add_option("--max-requests", f->req.max_requests, "simulate the first N requests")
+        ->check(int_in(1, kMaxRequestCount));
+    sub->add_option("--sample", f->req.sample, "a uniform random sample of N requests (order kept)")
+        ->check(int_in(1, kMaxRequestCount));
     sub->add_option("--seed", f->req.seed, "seed for --sample")->capture_default_str();
     sub->add_option("--time-scale", f->req.time_scale, "multiply arrival times by X")
+        ->check(real_in(0, kMaxTimeScale, /*lo_open=*/true))
         ->capture_default_str();
     sub->add_option("--max-input-len", f->req.max_input_len, "cap prompt lengths (0: none)")
+        ->check(int_in(0, kMaxLengthCap))
         ->capture_default_str();
     sub->add_option("--max-output-len", f->req.max_output_len, "cap output lengths (0: none)")
+        ->check(int_in(0, kMaxLengthCap))
         ->capture_default_str();
-    sub->add_option("--mode", f->mode, "disagg|colocated|both")->capture_default_str();
+    sub->add_option("--mode", f->mode, "disagg|colocated|both")
+        ->check(CLI::IsMember({"disagg", "colocated", "both"}))
+        ->capture_default_str();
     sub->add_option("--layerwise", f->layerwise,
                     "on: each chunk's KV streams while its forward computes; off: after it")
         ->capture_default_str();
@@ -489,6 +502,7 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
     sub->add_option("--max-decode-kv-tokens", f->max_decode_kv_tokens,
                     "KV tokens per decode forward (0: no bound; the CPU testbed's is 2048 x "
                     "attention threads)")
+        ->check(int_in(0, int64_t{1} << 30))
         ->capture_default_str();
     sub->add_option("--cpu-contention", f->cpu_contention,
                     "on|off: forwards of cpu instances on one node share its cores")
@@ -501,18 +515,25 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
     sub->add_option("--noise-seed", f->noise_seed, "seed of --cost-noise")->capture_default_str();
     sub->add_option("--cpu-cores", f->cpu_cores,
                     "cores per node for --cpu-contention (0: the node's cpus, else this machine's)")
+        ->check(real_in(0, 4096))
         ->capture_default_str();
     sub->add_option("--kv-pool-mb", f->kv_pool_mb, "cpu devices: KV pool per rank, MiB")
+        ->check(int_in(1, kMaxKvPoolMb))
         ->capture_default_str();
-    sub->add_option("--slo-ttft-ms", f->slo_ttft_ms, "TTFT SLO for goodput/attainment (0: none)");
-    sub->add_option("--slo-tpot-ms", f->slo_tpot_ms, "TPOT SLO for goodput/attainment (0: none)");
-    sub->add_option("--report", f->report, "write the report JSON here");
-    sub->add_option("--timeline", f->timeline, "write a Chrome/Perfetto trace-event timeline here");
+    sub->add_option("--slo-ttft-ms", f->slo_ttft_ms, "TTFT SLO for goodput/attainment (0: none)")
+        ->check(real_in(0, kMaxSloMs));
+    sub->add_option("--slo-tpot-ms", f->slo_tpot_ms, "TPOT SLO for goodput/attainment (0: none)")
+        ->check(real_in(0, kMaxSloMs));
+    sub->add_option("--report", f->report, "write the report JSON here")->check(output_file());
+    sub->add_option("--timeline", f->timeline, "write a Chrome/Perfetto trace-event timeline here")
+        ->check(output_file());
     sub->add_option("--timeline-sample", f->timeline_sample,
-                    "record every Nth request's lifecycle (0: about 1000 requests in all)");
+                    "record every Nth request's lifecycle (0: about 1000 requests in all)")
+        ->check(int_in(0, kMaxRequestCount));
     sub->add_option("--requests", f->requests,
                     "write the per-request CSV here (rows as requests "
-                    "finish)");
+                    "finish)")
+        ->check(output_file());
     sub->add_flag("--progress", f->progress, "print a progress line on stderr");
     sub->add_flag("--quiet", f->quiet, "no summary table");
     commands.add(sub, [f] { return run_simulate(*f); });
@@ -527,12 +548,16 @@ void add_bench_simulate_command(CLI::App& bench, CommandSet& commands) {
         "against\n"
         "the 20,000 target (one core; trace loading not counted).");
     sub->add_option("--topology", b->sim.topology,
-                    "topology file or shipped name (default: dgx-h100-2node-1p1d-tp8)");
+                    "topology file or shipped name (default: dgx-h100-2node-1p1d-tp8)")
+        ->check(non_empty());
     sub->add_option("--trace", b->sim.req.trace,
-                    "trace file (default: the shipped traces/mooncake_conversation.jsonl)");
+                    "trace file (default: the shipped traces/mooncake_conversation.jsonl)")
+        ->check(non_empty());
     add_common_flags(sub, b->sim);
-    sub->add_option("--reps", b->reps, "runs; the fastest counts")->capture_default_str();
-    sub->add_option("--json", b->json_path, "write the figures as JSON here");
+    sub->add_option("--reps", b->reps, "runs; the fastest counts")
+        ->check(int_in(1, 1000))
+        ->capture_default_str();
+    sub->add_option("--json", b->json_path, "write the figures as JSON here")->check(output_file());
     commands.add(sub, [b] { return run_bench(*b); });
 }
 

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "backends/model/model_config.h"
+#include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
 #include "topology/loader.h"
 #include "topology/report.h"
@@ -95,14 +96,17 @@ CLI::App* add_sub(CLI::App& parent, CommandSet& commands, const char* name, cons
     sub->add_option("file", o->file, "topology file (.yaml, .yml or .json)")->required();
     sub->add_option("--model", o->model,
                     "validate TP against this model instead of the file's: a built-in name "
-                    "(tiny, llama3-8b, llama3-70b, deepseek-v3, ...) or a model YAML/JSON file");
+                    "(tiny, llama3-8b, llama3-70b, deepseek-v3, ...) or a model YAML/JSON file")
+        ->check(non_empty());
     if (with_out) {
         sub->add_option("--out-dir", o->out_dir,
                         "where to write <name>.hostfile and <name>.rankfile")
+            ->check(non_empty())
             ->capture_default_str();
         sub->add_option("--cpus", o->cpus,
                         "cores per node for nodes whose topology gives no `cpus` (default: this "
-                        "machine's)");
+                        "machine's)")
+            ->check(int_in(1, 4096));
     }
     commands.add(sub, [o, fn] { return fn(*o); });
     return sub;

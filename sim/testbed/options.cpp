@@ -11,6 +11,8 @@
 #include "topology/gpu_spec.h"
 #include "topology/loader.h"
 #include "topology/validate.h"
+#include "transfer/fault/fault_transport.h"
+#include "transfer/tcp/tcp_transport.h"
 #include "transfer/transport.h"
 
 namespace pdsim::testbed {
@@ -51,6 +53,92 @@ instances:
     tp: 1
     devices: [node0.cpu1]
 )";
+
+// At most 80 bytes of a user's text, then "...".
+std::string excerpt(std::string_view text) {
+    constexpr size_t kMax = 80;
+    return text.size() <= kMax ? std::string(text) : std::string(text.substr(0, kMax)) + "...";
+}
+
+Status check_int(std::string_view flag, int64_t v, int64_t lo, int64_t hi) {
+    if (v < lo || v > hi) {
+        return invalid_argument_error(fmt::format("{} {}: must be in [{}, {}]", flag, v, lo, hi));
+    }
+    return {};
+}
+
+// NaN and infinities fail too; `lo_open`: lo itself fails.
+Status check_real(std::string_view flag, double v, double lo, double hi, bool lo_open = false) {
+    if (!std::isfinite(v) || v < lo || v > hi || (lo_open && v == lo)) {
+        return invalid_argument_error(
+            fmt::format("{} {}: must be in {}{:g}, {:g}]", flag, v, lo_open ? "(" : "[", lo, hi));
+    }
+    return {};
+}
+
+// The options' ranges (TestbedLimits); 0 stands for "not given" where the option has a default
+// that is not a number (--layers, --synthetic, --max-requests, --sample, --time-scale, --threads).
+Status check_ranges(const TestbedOptions& o) {
+    using L = TestbedLimits;
+    PDSIM_RETURN_IF_ERROR(check_int("--layers", o.layers, 0, L::kMaxLayers));
+    PDSIM_RETURN_IF_ERROR(check_int("--synthetic", o.synthetic, 0, L::kMaxSynthetic));
+    PDSIM_RETURN_IF_ERROR(check_int("--max-requests", o.max_requests, 0, L::kMaxRequestCount));
+    PDSIM_RETURN_IF_ERROR(check_int("--sample", o.sample, 0, L::kMaxRequestCount));
+    PDSIM_RETURN_IF_ERROR(check_int("--max-input-len", o.max_input_len, 0, L::kMaxLengthCap));
+    PDSIM_RETURN_IF_ERROR(check_int("--max-output-len", o.max_output_len, 0, L::kMaxLengthCap));
+    PDSIM_RETURN_IF_ERROR(check_real("--time-scale", o.time_scale, 0, L::kMaxTimeScale));
+    PDSIM_RETURN_IF_ERROR(check_int("--chunk-size", o.chunk_size, 1, L::kMaxBatchTokens));
+    PDSIM_RETURN_IF_ERROR(
+        check_int("--max-batch-tokens", o.max_batch_tokens, 1, L::kMaxBatchTokens));
+    PDSIM_RETURN_IF_ERROR(
+        check_int("--max-decode-batch", o.max_decode_batch, 1, L::kMaxDecodeBatch));
+    PDSIM_RETURN_IF_ERROR(check_int("--page-size", o.page_size, 1, L::kMaxPageSize));
+    PDSIM_RETURN_IF_ERROR(check_int("--kv-pool-mb", o.kv_pool_mb, 1, L::kMaxKvPoolMb));
+    PDSIM_RETURN_IF_ERROR(check_real("--slo-ttft-ms", o.slo_ttft_ms, 0, L::kMaxSloMs));
+    PDSIM_RETURN_IF_ERROR(check_real("--slo-tpot-ms", o.slo_tpot_ms, 0, L::kMaxSloMs));
+    PDSIM_RETURN_IF_ERROR(check_real("--request-timeout-s", o.request_timeout_s, 0,
+                                     L::kMaxRequestTimeoutS, /*lo_open=*/true));
+    PDSIM_RETURN_IF_ERROR(check_int("--threads", o.threads, 0, L::kMaxThreads));
+    PDSIM_RETURN_IF_ERROR(
+        check_int("--transport-fault-rank", o.transport_fault_rank, -1, int64_t{1} << 20));
+    return {};
+}
+
+// PDSIM_TCP_ENDPOINTS, when set and the transport meets its peers through a rendezvous (tcp):
+// one host:port per rank, each well formed, checked here rather than when the transport starts
+// (after --mode both's colocated phase).
+Status check_tcp_environment(const std::string& transport, int ranks) {
+    const char* env = std::getenv("PDSIM_TCP_ENDPOINTS");
+    if (env == nullptr || *env == '\0') return {};
+    StatusOr<transfer::TransportDescriptor> d = transfer::find_transport(transport);
+    if (!d.ok() || d->caps.setup != transfer::TransportSetup::kRendezvous) return {};
+    const std::string list(env);
+    int count = 0;
+    size_t start = 0;
+    for (;;) {
+        const size_t comma = list.find(',', start);
+        const std::string item =
+            list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        if (item.empty()) {
+            // Skipped, as the transport does.
+        } else if (!transfer::parse_host_port(item).ok()) {
+            // (parse_host_port's own message starts with its source location.)
+            return invalid_argument_error(
+                fmt::format("PDSIM_TCP_ENDPOINTS {}: item {} '{}': expected host:port",
+                            excerpt(list), count + 1, excerpt(item)));
+        } else {
+            ++count;
+        }
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+    }
+    if (count != ranks) {
+        return invalid_argument_error(
+            fmt::format("PDSIM_TCP_ENDPOINTS {}: {} endpoints, but the topology has {} ranks",
+                        excerpt(list), count, ranks));
+    }
+    return {};
+}
 
 }  // namespace
 
@@ -131,46 +219,9 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     TestbedOptions& o = rc.options;
 
     // ---- flags that stand alone ----
-    if (o.layers < 0)
-        return invalid_argument_error(fmt::format("--layers {}: must be >= 1", o.layers));
-    if (o.chunk_size < 1)
-        return invalid_argument_error(fmt::format("--chunk-size {}: must be >= 1", o.chunk_size));
-    if (o.max_batch_tokens < 1) {
-        return invalid_argument_error(
-            fmt::format("--max-batch-tokens {}: must be >= 1", o.max_batch_tokens));
-    }
-    if (o.max_decode_batch < 1) {
-        return invalid_argument_error(
-            fmt::format("--max-decode-batch {}: must be >= 1", o.max_decode_batch));
-    }
-    if (o.page_size < 1 || o.page_size > 4096) {
-        return invalid_argument_error(
-            fmt::format("--page-size {}: must be in [1, 4096]", o.page_size));
-    }
-    if (o.kv_pool_mb < 1)
-        return invalid_argument_error(fmt::format("--kv-pool-mb {}: must be >= 1", o.kv_pool_mb));
-    if (o.max_input_len < 0)
-        return invalid_argument_error(
-            fmt::format("--max-input-len {}: must be >= 0", o.max_input_len));
-    if (o.max_output_len < 0) {
-        return invalid_argument_error(
-            fmt::format("--max-output-len {}: must be >= 0", o.max_output_len));
-    }
-    if (o.time_scale < 0 || !std::isfinite(o.time_scale)) {
-        return invalid_argument_error(fmt::format("--time-scale {}: must be > 0", o.time_scale));
-    }
-    if (o.request_timeout_s <= 0) {
-        return invalid_argument_error(
-            fmt::format("--request-timeout-s {}: must be > 0", o.request_timeout_s));
-    }
-    if (o.slo_ttft_ms < 0 || o.slo_tpot_ms < 0)
-        return invalid_argument_error("--slo-ttft-ms / --slo-tpot-ms must be >= 0");
-    if (o.synthetic < 0)
-        return invalid_argument_error(fmt::format("--synthetic {}: must be >= 1", o.synthetic));
+    PDSIM_RETURN_IF_ERROR(check_ranges(o));
     if (o.synthetic > 0 && !o.trace.empty())
         return invalid_argument_error("--trace and --synthetic are exclusive");
-    if (o.max_requests < 0 || o.sample < 0)
-        return invalid_argument_error("--max-requests / --sample must be >= 0");
     if (o.backend != "cpu" && o.backend != "cpu_ref") {
         return invalid_argument_error(
             fmt::format("--backend {}: the CPU testbed runs the `cpu` or `cpu_ref` attention "
@@ -231,6 +282,11 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
         auto names = transfer::registered_transports();
         if (std::find(names.begin(), names.end(), "fault") == names.end()) {
             return invalid_argument_error("--transport-fault: the fault transport is not built");
+        }
+        StatusOr<transfer::FaultSpec> spec = transfer::parse_fault_spec(o.transport_fault);
+        if (!spec.ok()) {
+            return invalid_argument_error(fmt::format(
+                "--transport-fault {}: {}", excerpt(o.transport_fault), spec.status().message()));
         }
     }
 
@@ -349,6 +405,13 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
         }
         o.transport = "local";
     }
+
+    if (o.transport_fault_rank >= ranks) {
+        return invalid_argument_error(
+            fmt::format("--transport-fault-rank {}: topology {} has ranks 0..{}",
+                        o.transport_fault_rank, rc.topology_label, ranks - 1));
+    }
+    PDSIM_RETURN_IF_ERROR(check_tcp_environment(o.transport, ranks));
 
     // ---- workload ----
     workload::LoadOptions wl;

@@ -45,6 +45,23 @@ enum class Fault {
 [[nodiscard]] StatusOr<Fault> parse_fault(std::string_view text);
 [[nodiscard]] std::vector<std::string> fault_names();
 
+// Bounds of the numeric options (resolve() enforces them; the CLI's flags check the same ones
+// while parsing): caps on what one option makes a rank allocate, start or wait for.
+struct TestbedLimits {
+    static constexpr int64_t kMaxLayers = 1024;
+    static constexpr int64_t kMaxSynthetic = 100'000;  // synthetic requests (each gets a prompt)
+    static constexpr int64_t kMaxRequestCount = 100'000'000;  // --max-requests, --sample
+    static constexpr int64_t kMaxLengthCap = 10'000'000;      // --max-input-len, --max-output-len
+    static constexpr double kMaxTimeScale = 1e6;
+    static constexpr int64_t kMaxBatchTokens = 65'536;  // --chunk-size, --max-batch-tokens
+    static constexpr int64_t kMaxDecodeBatch = 4'096;
+    static constexpr int64_t kMaxPageSize = 4'096;
+    static constexpr int64_t kMaxKvPoolMb = 65'536;  // 64 GiB per rank
+    static constexpr double kMaxSloMs = 1e9;
+    static constexpr double kMaxRequestTimeoutS = 86'400;  // one day
+    static constexpr int64_t kMaxThreads = 512;            // compute threads per rank
+};
+
 struct TestbedOptions {
     std::string topology;  // "": built-in cpu-1p1d
     std::string model;     // "": the topology's model, else tiny
@@ -112,6 +129,10 @@ struct ResolvedConfig {
 };
 
 // Loads and validates everything. `world_size`: the launcher's world size (1 without mpirun).
+// Every option is checked before anything runs, for every phase of --mode both: the ranges of
+// TestbedLimits, the --transport-fault spec (transfer::parse_fault_spec; its rank within the
+// topology's), and for a rendezvous transport (tcp) the PDSIM_TCP_ENDPOINTS list (host:port per
+// rank). kInvalidArgument naming the option (or variable) and the bad part.
 // The process model: world_size == topology ranks (one process per rank), or world_size == 1
 // and every rank runs as a thread of this process (transport `local`).
 [[nodiscard]] StatusOr<ResolvedConfig> resolve(const TestbedOptions& options, int world_size);

@@ -1,10 +1,15 @@
 #include "transfer/fault/fault_transport.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <shared_mutex>
 #include <unordered_map>
 #include <vector>
@@ -34,14 +39,96 @@ std::vector<std::string_view> split(std::string_view s, char sep) {
     return out;
 }
 
-StatusOr<double> parse_number(std::string_view kind, std::string_view key, std::string_view v) {
+// At most 80 bytes of the user's spec in a message, then "...".
+std::string excerpt(std::string_view s) {
+    constexpr size_t kMax = 80;
+    return s.size() <= kMax ? std::string(s) : std::string(s.substr(0, kMax)) + "...";
+}
+
+// Bounds of the spec's numbers (fault_transport.h).
+constexpr double kMaxFaultMs = 60'000;           // ms, jitter_ms, hold_ms
+constexpr double kMaxCorruptBytes = 1 << 20;     // bytes
+constexpr double kMaxAfter = 1e15;               // after
+constexpr double kMaxSeed = 9007199254740992.0;  // 2^53: seeds are whole doubles
+
+// One key a fault kind takes: its bounds, whether it must be a whole number, whether it is
+// required.
+struct KeyRule {
+    std::string_view key;
+    double max;
+    bool integer;
+    bool required;
+};
+
+// The keys of `kind` (besides `seed`, which every kind takes), or nullptr for an unknown kind.
+const std::vector<KeyRule>* rules_of(std::string_view kind) {
+    static const std::map<std::string_view, std::vector<KeyRule>> kRules = {
+        {"delay", {{"ms", kMaxFaultMs, false, true}, {"jitter_ms", kMaxFaultMs, false, false}}},
+        {"drop", {{"p", 1, false, true}}},
+        {"corrupt", {{"p", 1, false, true}, {"bytes", kMaxCorruptBytes, true, false}}},
+        {"reorder", {{"p", 1, false, false}, {"hold_ms", kMaxFaultMs, false, false}}},
+        {"disconnect", {{"after", kMaxAfter, true, true}}},
+    };
+    auto it = kRules.find(kind);
+    return it == kRules.end() ? nullptr : &it->second;
+}
+
+StatusOr<double> parse_value(std::string_view part, const KeyRule& rule, std::string_view v) {
     double x = 0;
     auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
-    if (ec != std::errc() || end != v.data() + v.size() || x < 0) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                           "fault spec: {}:{}='{}' is not a non-negative number", kind, key, v);
+    const bool number =
+        !v.empty() && ec == std::errc() && end == v.data() + v.size() && std::isfinite(x) && x >= 0;
+    if (!number || x > rule.max || (rule.integer && x != std::floor(x))) {
+        return invalid_argument_error(
+            fmt::format("fault spec: '{}': {}='{}' is not {} in [0, {:g}]", excerpt(part), rule.key,
+                        excerpt(v), rule.integer ? "an integer" : "a number", rule.max));
     }
     return x;
+}
+
+// One fault "kind[:key=value,...]" into key -> value, every key known to the kind, the required
+// ones present.
+StatusOr<std::map<std::string, double, std::less<>>> parse_part(std::string_view part,
+                                                                std::string_view kind) {
+    const std::vector<KeyRule>* rules = rules_of(kind);
+    if (rules == nullptr) {
+        return invalid_argument_error(
+            fmt::format("fault spec: unknown fault '{}' (delay, drop, corrupt, reorder, "
+                        "disconnect)",
+                        excerpt(kind)));
+    }
+    static const KeyRule kSeed{"seed", kMaxSeed, true, false};
+    std::map<std::string, double, std::less<>> kv;
+    const size_t colon = part.find(':');
+    if (colon != std::string_view::npos) {
+        for (std::string_view item : split(part.substr(colon + 1), ',')) {
+            const size_t eq = item.find('=');
+            if (item.empty() || eq == std::string_view::npos) {
+                return invalid_argument_error(fmt::format(
+                    "fault spec: '{}' in '{}': expected key=value", excerpt(item), excerpt(part)));
+            }
+            const std::string_view key = trim(item.substr(0, eq));
+            const KeyRule* rule = key == "seed" ? &kSeed : nullptr;
+            for (const KeyRule& r : *rules) rule = r.key == key ? &r : rule;
+            if (rule == nullptr) {
+                return invalid_argument_error(
+                    fmt::format("fault spec: unknown key '{}' for {}", excerpt(key), kind));
+            }
+            if (kv.count(key) != 0) {
+                return invalid_argument_error(
+                    fmt::format("fault spec: '{}': key '{}' given twice", excerpt(part), key));
+            }
+            PDSIM_ASSIGN_OR_RETURN(double v, parse_value(part, *rule, trim(item.substr(eq + 1))));
+            kv[std::string(key)] = v;
+        }
+    }
+    for (const KeyRule& r : *rules) {
+        if (r.required && kv.count(r.key) == 0) {
+            return invalid_argument_error(
+                fmt::format("fault spec: '{}': {} needs {}=VALUE", excerpt(part), kind, r.key));
+        }
+    }
+    return kv;
 }
 
 uint64_t splitmix64(uint64_t x) {
@@ -57,33 +144,26 @@ StatusOr<FaultSpec> parse_fault_spec(std::string_view text) {
     FaultSpec spec;
     spec.text = std::string(text);
     if (trim(text).empty()) return spec;
+    std::set<std::string, std::less<>> kinds;
+    int index = 0;
     for (std::string_view part : split(text, ';')) {
-        if (part.empty()) continue;
-        size_t colon = part.find(':');
-        std::string_view kind = trim(part.substr(0, colon));
-        std::map<std::string, double, std::less<>> kv;
-        if (colon != std::string_view::npos) {
-            for (std::string_view item : split(part.substr(colon + 1), ',')) {
-                if (item.empty()) continue;
-                size_t eq = item.find('=');
-                if (eq == std::string_view::npos) {
-                    return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                                       "fault spec: '{}' in '{}': expected key=value", item, part);
-                }
-                std::string_view key = trim(item.substr(0, eq));
-                PDSIM_ASSIGN_OR_RETURN(double v,
-                                       parse_number(kind, key, trim(item.substr(eq + 1))));
-                kv[std::string(key)] = v;
-            }
+        ++index;
+        if (part.empty()) {
+            return invalid_argument_error(
+                fmt::format("fault spec '{}': fault {} is empty (faults are separated by ';')",
+                            excerpt(text), index));
+        }
+        const std::string_view kind = trim(part.substr(0, part.find(':')));
+        PDSIM_ASSIGN_OR_RETURN(auto kv, parse_part(part, kind));
+        if (!kinds.insert(std::string(kind)).second) {
+            return invalid_argument_error(
+                fmt::format("fault spec '{}': {} given twice", excerpt(text), kind));
         }
         auto take = [&](std::string_view key, double fallback) {
             auto it = kv.find(key);
-            if (it == kv.end()) return fallback;
-            double v = it->second;
-            kv.erase(it);
-            return v;
+            return it == kv.end() ? fallback : it->second;
         };
-        auto seed = static_cast<uint64_t>(take("seed", static_cast<double>(spec.seed)));
+        spec.seed = static_cast<uint64_t>(take("seed", static_cast<double>(spec.seed)));
         if (kind == "delay") {
             spec.delay_ms = take("ms", 1);
             spec.jitter_ms = take("jitter_ms", 0);
@@ -91,31 +171,14 @@ StatusOr<FaultSpec> parse_fault_spec(std::string_view text) {
             spec.drop_p = take("p", 0.1);
         } else if (kind == "corrupt") {
             spec.corrupt_p = take("p", 1);
-            spec.corrupt_bytes = static_cast<int>(take("bytes", 1));
+            spec.corrupt_bytes = std::max(1, static_cast<int>(take("bytes", 1)));
         } else if (kind == "reorder") {
             spec.reorder_p = take("p", 0.5);
             spec.reorder_hold_ms = take("hold_ms", 50);
-        } else if (kind == "disconnect") {
+        } else {  // disconnect
             spec.disconnect_after = static_cast<int64_t>(take("after", 0));
-        } else {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "fault spec: unknown fault '{}' (delay, drop, corrupt, reorder, "
-                               "disconnect)",
-                               kind);
-        }
-        spec.seed = seed;
-        if (!kv.empty()) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument, "fault spec: unknown key '{}' for {}",
-                               kv.begin()->first, kind);
         }
     }
-    for (double p : {spec.drop_p, spec.corrupt_p, spec.reorder_p}) {
-        if (p > 1) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "fault spec '{}': probabilities must be in [0, 1]", text);
-        }
-    }
-    if (spec.corrupt_bytes < 1) spec.corrupt_bytes = 1;
     return spec;
 }
 

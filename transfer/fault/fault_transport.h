@@ -17,6 +17,12 @@
 //                                inner transport is closed (peers see the rank as gone), pending
 //                                and later operations fail with kUnavailable naming the fault.
 // Example: "delay:ms=2;drop:p=0.05,seed=7".
+// Every kind also takes seed=N. Strict: an unknown kind or key, a key given twice, a kind given
+// twice, a missing required key (delay's ms, drop's and corrupt's p, disconnect's after), an empty
+// fault (";;"), an empty item, and a number that is not finite, negative, not whole where it
+// counts (bytes, after, seed) or above its bound (p <= 1; ms, jitter_ms, hold_ms <= 60000;
+// bytes <= 2^20; after <= 1e15; seed <= 2^53) are kInvalidArgument naming the part. "" (or only
+// blanks): no fault.
 //
 // Determinism: every random decision is drawn at post time from a generator seeded with
 // (seed, rank), so the same spec and the same sequence of posts give the same faults. Byte
@@ -76,7 +82,8 @@ struct FaultOptions {
                 "into FaultOptions::inner"};
 }
 
-// kInvalidArgument naming the bad kind, key or value.
+// The grammar above. kInvalidArgument naming the bad kind, key or value (quoting at most 80
+// bytes of the spec).
 [[nodiscard]] StatusOr<FaultSpec> parse_fault_spec(std::string_view spec);
 
 [[nodiscard]] StatusOr<std::unique_ptr<Transport>> wrap_with_faults(
