@@ -42,7 +42,7 @@ if [ -z "$sanitizers" ] && [ "${CI:-}" = "true" ]; then sanitizers=1; fi
 # The transport and engine suites carry label `transports` (tests/CMakeLists.txt adds it to every
 # suite that links pdsim_transfer).
 spawn_suites='attn_dump_test|cli_test|simulate_cli_test|topology_scripts_test|bench_attention_cuda_test'
-spawn_suites+='|bench_transfer_test'
+spawn_suites+='|bench_transfer_test|flags_cli_test|input_files_cli_test'
 asan_sel=(-L unit -LE '^(slow|transports)$' -E "(_(avx2|scalar)|^(${spawn_suites}))\$")
 # Under ASan (ten times slower) the cpu_attention_test matrix runs at page size 16 only (the ISA
 # variants' cut, tests/CMakeLists.txt) and at GQA ratios 1 and 8 (ratio 4 walks the same head

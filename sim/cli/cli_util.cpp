@@ -91,11 +91,6 @@ Status check_kv_bytes(const std::string& flags, int64_t sequences, int64_t token
     return {};
 }
 
-std::string excerpt(std::string_view text) {
-    if (text.size() <= kExcerptBytes) return std::string(text);
-    return std::string(text.substr(0, kExcerptBytes)) + "...";
-}
-
 namespace {
 
 // The number `text` is, or nullopt when it is not one whole finite number.

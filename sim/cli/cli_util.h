@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/text.h"
 
 namespace pdsim::cli {
 
@@ -32,10 +33,8 @@ namespace pdsim::cli {
 // writable). Creates and modifies nothing.
 [[nodiscard]] Status check_writable(const std::string& flag, const std::string& path);
 
-// At most kExcerptBytes bytes of `text`, then "..." when it was longer: what an error message
-// quotes of a user's input.
-inline constexpr size_t kExcerptBytes = 80;
-[[nodiscard]] std::string excerpt(std::string_view text);
+// What an error message quotes of a user's input (common/text.h: at most 80 bytes, one line).
+using text::excerpt;
 
 // ---- Bounds the commands' flags share (docs/inputs.md "Flags and environment") ----
 inline constexpr int64_t kMaxLayers = 1024;                  // --layers

@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "common/data_dir.h"
+#include "common/text.h"
 #include "topology/gpu_spec.h"
 #include "topology/loader.h"
 #include "topology/validate.h"
@@ -54,11 +55,7 @@ instances:
     devices: [node0.cpu1]
 )";
 
-// At most 80 bytes of a user's text, then "...".
-std::string excerpt(std::string_view text) {
-    constexpr size_t kMax = 80;
-    return text.size() <= kMax ? std::string(text) : std::string(text.substr(0, kMax)) + "...";
-}
+using text::excerpt;  // at most 80 bytes of a user's text, on one line
 
 Status check_int(std::string_view flag, int64_t v, int64_t lo, int64_t hi) {
     if (v < lo || v > hi) {

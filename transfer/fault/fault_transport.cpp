@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/text.h"
 #include "transfer/forwarding_transport.h"
 #include "transfer/hold_queue.h"
 
@@ -39,11 +40,7 @@ std::vector<std::string_view> split(std::string_view s, char sep) {
     return out;
 }
 
-// At most 80 bytes of the user's spec in a message, then "...".
-std::string excerpt(std::string_view s) {
-    constexpr size_t kMax = 80;
-    return s.size() <= kMax ? std::string(s) : std::string(s.substr(0, kMax)) + "...";
-}
+using text::excerpt;  // at most 80 bytes of the user's spec, on one line
 
 // Bounds of the spec's numbers (fault_transport.h).
 constexpr double kMaxFaultMs = 60'000;           // ms, jitter_ms, hold_ms
