@@ -38,15 +38,7 @@ TEST(FaultSpecStrict, ValidSpecsOfTestsAndDocsStillParse) {
                              "  "}) {
         EXPECT_OK(parse_fault_spec(spec)) << spec;
     }
-    const StatusOr<FaultSpec> s = parse_fault_spec("delay:ms=5,jitter_ms=2; drop:p=0.25,seed=9");
-    ASSERT_OK(s);
-    EXPECT_EQ(s->delay_ms, 5);
-    EXPECT_EQ(s->jitter_ms, 2);
-    EXPECT_EQ(s->drop_p, 0.25);
-    EXPECT_EQ(s->seed, 9u);
-    EXPECT_EQ(parse_fault_spec("disconnect:after=5")->disconnect_after, 5);
-    EXPECT_EQ(parse_fault_spec("corrupt:p=1,bytes=4")->corrupt_bytes, 4);
-    EXPECT_EQ(parse_fault_spec("reorder")->reorder_p, 0.5);
+    // What the parsed fields hold is fault_transport_test's FaultSpec.Parses.
 }
 
 TEST(FaultSpecStrict, BadSpecsNameTheBadPart) {
