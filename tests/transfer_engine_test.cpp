@@ -226,18 +226,49 @@ private:
     std::string path_;
 };
 
+// How the ranks of a cluster talk: the control transport, and the data transport (a second world
+// of `data` transports) or none (the control transport carries the data, two-sided).
+struct EngineMode {
+    std::string name;     // the test name's suffix
+    std::string control;  // "local" | "tcp"
+    std::string data;     // "": none; "local_writes": the one-sided write mode; "local": a
+                          // separate two-sided data transport
+    [[nodiscard]] bool writes() const { return data == "local_writes"; }
+};
+const EngineMode kTwoSided{"two_sided", "local", ""};
+const EngineMode kWrites{"writes", "local", "local_writes"};
+const EngineMode kTcpTwoSided{"two_sided", "tcp", ""};
+const EngineMode kTcpWrites{"writes", "tcp", "local_writes"};
+const EngineMode kTcpControlLocalData{"split_two_sided", "tcp", "local"};
+
+std::string mode_name(const ::testing::TestParamInfo<EngineMode>& info) {
+    return info.param.name;
+}
+void PrintTo(const EngineMode& mode, std::ostream* os) {
+    *os << mode.name << " (control " << mode.control << ", data "
+        << (mode.data.empty() ? std::string("the control transport") : mode.data) << ")";
+}
+
 struct ClusterRun {
     TempDir dir;
-    std::vector<std::unique_ptr<Transport>> transports;
+    std::vector<std::unique_ptr<Transport>> transports;       // control
+    std::vector<std::unique_ptr<Transport>> data_transports;  // empty: none
     // Declared after the transports: the engines go first.
     std::vector<std::unique_ptr<PrefillRank>> prefill;  // by world rank (null for decode ranks)
     std::vector<std::unique_ptr<DecodeRank>> decode;
     std::vector<RankResult> results;
 
+    // A dead rank: its transports closed.
+    void close_transports(int rank) {
+        transports[static_cast<size_t>(rank)]->close();
+        if (!data_transports.empty()) data_transports[static_cast<size_t>(rank)]->close();
+    }
+
     ~ClusterRun() {
         prefill.clear();
         decode.clear();
         transports.clear();
+        data_transports.clear();
     }
 };
 
@@ -247,6 +278,7 @@ std::vector<std::unique_ptr<Transport>> make_transports(
     const std::function<std::string(int)>& fault_spec = nullptr) {
     std::vector<std::unique_ptr<Transport>> out(static_cast<size_t>(n));
     auto world = make_local_world(n);
+    register_test_transports();
     std::vector<std::thread> threads;
     for (int r = 0; r < n; ++r) {
         threads.emplace_back([&, r] {
@@ -268,28 +300,67 @@ std::vector<std::unique_ptr<Transport>> make_transports(
     return out;
 }
 
+// The control (and data) transports of `n` ranks for `mode`; `fault_spec` / `data_fault_spec`
+// wrap a rank's control / data transport in the fault decorator.
+struct ModeTransports {
+    std::vector<std::unique_ptr<Transport>> control;
+    std::vector<std::unique_ptr<Transport>> data;  // empty: the control transport carries data
+
+    [[nodiscard]] Transport& at(int rank) const { return *control[static_cast<size_t>(rank)]; }
+    [[nodiscard]] Transport* data_at(int rank) const {
+        return data.empty() ? nullptr : data[static_cast<size_t>(rank)].get();
+    }
+    // `o` with rank `rank`'s data transport.
+    template <typename Opts>
+    Opts for_rank(Opts o, int rank) const {
+        o.data_transport = data_at(rank);
+        return o;
+    }
+};
+
+ModeTransports make_mode_transports(const EngineMode& mode, int n, const std::string& dir,
+                                    const std::function<std::string(int)>& fault_spec = nullptr,
+                                    const std::function<std::string(int)>& data_fault_spec =
+                                        nullptr) {
+    ModeTransports t;
+    t.control = make_transports(mode.control, n, dir, fault_spec);
+    if (!mode.data.empty()) t.data = make_transports(mode.data, n, dir, data_fault_spec);
+    return t;
+}
+
 // Builds the cluster, runs every rank on its own thread, returns with all engines alive.
 std::unique_ptr<ClusterRun> start_cluster(
-    const ClusterSpec& c, const std::string& transport,
-    SenderOptions so = test_options(SenderOptions{}),
+    const ClusterSpec& c, const EngineMode& mode, SenderOptions so = test_options(SenderOptions{}),
     ReceiverOptions ro = test_options(ReceiverOptions{}),
-    const std::function<std::string(int)>& fault_spec = nullptr) {
+    const std::function<std::string(int)>& fault_spec = nullptr,
+    const std::function<std::string(int)>& data_fault_spec = nullptr) {
     auto run = std::make_unique<ClusterRun>();
     const int n = c.world_size();
-    run->transports = make_transports(transport, n, run->dir.path(), fault_spec);
+    ModeTransports ts = make_mode_transports(mode, n, run->dir.path(), fault_spec, data_fault_spec);
+    run->transports = std::move(ts.control);
+    run->data_transports = std::move(ts.data);
     run->prefill.resize(static_cast<size_t>(n));
     run->decode.resize(static_cast<size_t>(n));
     run->results.resize(static_cast<size_t>(n));
     for (int r = 0; r < n; ++r) {
         if (!run->transports[static_cast<size_t>(r)]) return run;
+        if (!run->data_transports.empty() && !run->data_transports[static_cast<size_t>(r)]) {
+            return run;
+        }
         auto role = c.role_of(r);
         Transport& t = *run->transports[static_cast<size_t>(r)];
+        Transport* data =
+            run->data_transports.empty() ? nullptr : run->data_transports[static_cast<size_t>(r)].get();
         if (role.is_prefill) {
+            SenderOptions o = so;
+            o.data_transport = data;
             run->prefill[static_cast<size_t>(r)] =
-                std::make_unique<PrefillRank>(t, c, role.instance, role.tp_rank, so);
+                std::make_unique<PrefillRank>(t, c, role.instance, role.tp_rank, o);
         } else {
+            ReceiverOptions o = ro;
+            o.data_transport = data;
             run->decode[static_cast<size_t>(r)] =
-                std::make_unique<DecodeRank>(t, c, role.instance, role.tp_rank, ro);
+                std::make_unique<DecodeRank>(t, c, role.instance, role.tp_rank, o);
         }
         run->results[static_cast<size_t>(r)].rank = r;
     }
@@ -424,11 +495,11 @@ void size_pools(ClusterSpec& c, const std::vector<RequestSpec>& reqs) {
     }
 }
 
-// Runs `reqs` on cluster `c` over `transport` and expects a clean run.
-void run_clean(ClusterSpec c, std::vector<RequestSpec> reqs, const std::string& transport = "local",
+// Runs `reqs` on cluster `c` in `mode` and expects a clean run.
+void run_clean(ClusterSpec c, std::vector<RequestSpec> reqs, const EngineMode& mode,
                RunOptions o = RunOptions{}) {
     size_pools(c, reqs);
-    auto run = start_cluster(c, transport);
+    auto run = start_cluster(c, mode);
     run_ranks(*run, reqs, o);
     expect_clean(*run, c, reqs);
     Totals p = totals(*run, true);
@@ -444,10 +515,37 @@ std::vector<RequestSpec> fixed_requests(std::initializer_list<int64_t> lengths, 
     return out;
 }
 
-TEST(TransferEngineLocal, OneToOne) {
+// The suites below run every scenario in each mode they are instantiated with (the two-sided data
+// plane over the control transport, the one-sided write mode over a second world, ...). Inside a
+// test, run_clean / start_cluster / transports() use the test's mode.
+class EngineModeTest : public ::testing::TestWithParam<EngineMode> {
+protected:
+    [[nodiscard]] const EngineMode& mode() const { return GetParam(); }
+    void run_clean(ClusterSpec c, std::vector<RequestSpec> reqs, RunOptions o = RunOptions{}) {
+        testing::run_clean(std::move(c), std::move(reqs), mode(), std::move(o));
+    }
+    std::unique_ptr<ClusterRun> start_cluster(
+        const ClusterSpec& c, SenderOptions so = test_options(SenderOptions{}),
+        ReceiverOptions ro = test_options(ReceiverOptions{}),
+        const std::function<std::string(int)>& fault_spec = nullptr,
+        const std::function<std::string(int)>& data_fault_spec = nullptr) {
+        return testing::start_cluster(c, mode(), std::move(so), std::move(ro), fault_spec,
+                                      data_fault_spec);
+    }
+    // `n` ranks' transports in this mode (no engines).
+    ModeTransports transports(int n) { return make_mode_transports(mode(), n, dir_.path()); }
+
+private:
+    TempDir dir_;
+};
+
+class TransferEngineLocal : public EngineModeTest {};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineLocal, ::testing::Values(kTwoSided, kWrites), mode_name);
+
+TEST_P(TransferEngineLocal, OneToOne) {
     ClusterSpec c = simple(1, 1);
     auto reqs = fixed_requests({1, 15, 16, 17, 100, 333});
-    auto run = start_cluster(c, "local");
+    auto run = start_cluster(c);
     run_ranks(*run, reqs, RunOptions{});
     expect_clean(*run, c, reqs);
     Totals p = totals(*run, true);
@@ -455,18 +553,18 @@ TEST(TransferEngineLocal, OneToOne) {
     EXPECT_EQ(p.completed, reqs.size());
 }
 
-TEST(TransferEngineLocal, OneToOneChunked) {
+TEST_P(TransferEngineLocal, OneToOneChunked) {
     // Chunks of 20 tokens with pages of 16: middle chunks hold back the partial page.
     run_clean(simple(1, 1), fixed_requests({1, 16, 20, 21, 47, 160, 333}, 20));
 }
 
-TEST(TransferEngineLocal, LayerIntervals) {
+TEST_P(TransferEngineLocal, LayerIntervals) {
     RunOptions o;
     o.layer_interval = 3;  // 4 layers: intervals [0, 3) and [3, 4)
-    run_clean(simple(1, 1), fixed_requests({5, 64, 200}), "local", o);
+    run_clean(simple(1, 1), fixed_requests({5, 64, 200}), o);
 }
 
-TEST(TransferEngineLocal, OnePrefillTwoDecodeInstances) {
+TEST_P(TransferEngineLocal, OnePrefillTwoDecodeInstances) {
     ClusterSpec c = simple(1, 1);
     c.decode.push_back(InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 512});
     auto reqs = fixed_requests({10, 40, 70, 100, 130, 160});
@@ -474,7 +572,7 @@ TEST(TransferEngineLocal, OnePrefillTwoDecodeInstances) {
     run_clean(c, reqs);
 }
 
-TEST(TransferEngineLocal, TwoPrefillInstancesOneDecode) {
+TEST_P(TransferEngineLocal, TwoPrefillInstancesOneDecode) {
     ClusterSpec c = simple(1, 1);
     c.prefill.push_back(InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 512});
     auto reqs = fixed_requests({10, 40, 70, 100, 130, 160});
@@ -482,22 +580,22 @@ TEST(TransferEngineLocal, TwoPrefillInstancesOneDecode) {
     run_clean(c, reqs);
 }
 
-TEST(TransferEngineLocal, PrefillTp2ToDecodeTp1) {
+TEST_P(TransferEngineLocal, PrefillTp2ToDecodeTp1) {
     // Each prefill rank sends its heads; the decode rank scatters them into [token][head][dim].
     run_clean(simple(2, 1), fixed_requests({1, 17, 100, 250}));
 }
 
-TEST(TransferEngineLocal, PrefillTp1ToDecodeTp2) {
+TEST_P(TransferEngineLocal, PrefillTp1ToDecodeTp2) {
     // The prefill rank gathers each decode rank's head slice.
     run_clean(simple(1, 2), fixed_requests({1, 17, 100, 250}));
 }
 
-TEST(TransferEngineLocal, PrefillTp2ToDecodeTp4AndBack) {
+TEST_P(TransferEngineLocal, PrefillTp2ToDecodeTp4AndBack) {
     run_clean(simple(2, 4), fixed_requests({3, 90}, 32));
     run_clean(simple(4, 2), fixed_requests({3, 90}, 32));
 }
 
-TEST(TransferEngineLocal, PartialFragmentsOnBothSides) {
+TEST_P(TransferEngineLocal, PartialFragmentsOnBothSides) {
     // 6 heads, prefill TP2 (3 heads each) -> decode TP3 (2 each): decode rank 1 takes head 2 from
     // prefill rank 0 and head 3 from prefill rank 1 (gather on the sender, scatter on the
     // receiver).
@@ -506,21 +604,21 @@ TEST(TransferEngineLocal, PartialFragmentsOnBothSides) {
     run_clean(c, fixed_requests({1, 40, 200}, 48));
 }
 
-TEST(TransferEngineLocal, ReplicatedHeads) {
+TEST_P(TransferEngineLocal, ReplicatedHeads) {
     // 4 KV heads over TP 8: each head is held by two prefill ranks; replicas share the sends.
     ClusterSpec c = simple(8, 2);
     run_clean(c, fixed_requests({7, 70}));
 }
 
-TEST(TransferEngineLocal, PageSize16To64) {
+TEST_P(TransferEngineLocal, PageSize16To64) {
     run_clean(simple(1, 1, 16, 64), fixed_requests({1, 63, 64, 65, 300}, 50));
 }
 
-TEST(TransferEngineLocal, PageSize64To16) {
+TEST_P(TransferEngineLocal, PageSize64To16) {
     run_clean(simple(1, 1, 64, 16), fixed_requests({1, 15, 64, 65, 300}, 100));
 }
 
-TEST(TransferEngineLocal, PageSizesAndTpTogether) {
+TEST_P(TransferEngineLocal, PageSizesAndTpTogether) {
     run_clean(simple(2, 1, 64, 16), fixed_requests({33, 200}));
     run_clean(simple(1, 2, 16, 64), fixed_requests({33, 200}, 48));
 }
@@ -532,23 +630,23 @@ ClusterSpec mla(int prefill_tp, int decode_tp, int p_ps = 16, int d_ps = 16) {
     return c;
 }
 
-TEST(TransferEngineLocal, MlaOneToOne) {
+TEST_P(TransferEngineLocal, MlaOneToOne) {
     run_clean(mla(1, 1), fixed_requests({1, 50, 129}));
 }
 
-TEST(TransferEngineLocal, MlaReplicatedReceivers) {
+TEST_P(TransferEngineLocal, MlaReplicatedReceivers) {
     // One prefill rank, every decode TP rank receives the same latent buffer.
     run_clean(mla(1, 2, 64, 16), fixed_requests({1, 50, 129}, 40));
 }
 
-TEST(TransferEngineLocal, MlaOneSenderPerDecodeRank) {
+TEST_P(TransferEngineLocal, MlaOneSenderPerDecodeRank) {
     // Prefill TP2: only prefill rank 0 sends to decode rank 0; with decode TP2 each prefill rank
     // serves one decode rank.
     run_clean(mla(2, 1), fixed_requests({1, 50, 129}));
     run_clean(mla(2, 2, 16, 64), fixed_requests({1, 50, 129}));
 }
 
-TEST(TransferEngineLocal, RandomMixes) {
+TEST_P(TransferEngineLocal, RandomMixes) {
     // Lengths 1..8192 (skewed short; 1..2048 under TSan, whose cost is per byte), chunked and
     // not, many concurrent requests, scrambled decode pages, several cluster shapes.
     const int n = kSlow > 1 ? 6 : 24;
@@ -579,15 +677,15 @@ TEST(TransferEngineLocal, RandomMixes) {
         RunOptions o;
         o.seed = seed;
         o.batch = 6;
-        run_clean(c, reqs, "local", o);
+        run_clean(c, reqs, o);
     }
 }
 
-TEST(TransferEngineLocal, DecodeStartsALayerBeforeLaterLayersAreWritten) {
+TEST_P(TransferEngineLocal, DecodeStartsALayerBeforeLaterLayersAreWritten) {
     ClusterSpec c = simple(1, 1);
     auto reqs = fixed_requests({300});
     size_pools(c, reqs);
-    auto run = start_cluster(c, "local");
+    auto run = start_cluster(c);
     Gate hold;
     Gate submitted;
     RunOptions o;
@@ -614,6 +712,10 @@ TEST(TransferEngineLocal, DecodeStartsALayerBeforeLaterLayersAreWritten) {
 // ---------------------------------------------------------------------------------------------
 // Failure paths
 
+class TransferEngineFailure : public EngineModeTest {};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineFailure, ::testing::Values(kTwoSided, kWrites),
+                         mode_name);
+
 std::unique_ptr<kv::MHATokenToKVPool> small_pool(KvLayout* layout) {
     kv::MHAPoolConfig pc;
     pc.num_layers = 2;
@@ -626,15 +728,15 @@ std::unique_ptr<kv::MHATokenToKVPool> small_pool(KvLayout* layout) {
     return pool;
 }
 
-TEST(TransferEngineFailure, SilentPrefillPeerTimesOut) {
+TEST_P(TransferEngineFailure, SilentPrefillPeerTimesOut) {
     // Rank 0 has a transport but no engine: it never acks, never heartbeats.
-    auto ts = make_transports("local", 2, "");
+    auto ts = transports(2);
     KvLayout layout;
     auto pool = small_pool(&layout);
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.peer_timeout = 300ms;
     ro.request_timeout = 60s;
-    auto recv = KvReceiver::create(*ts[1], layout, ro);
+    auto recv = KvReceiver::create(ts.at(1), layout, ts.for_rank(ro, 1));
     ASSERT_OK(recv);
     const auto t0 = Clock::now();
     ASSERT_OK((*recv)->submit(
@@ -652,27 +754,28 @@ TEST(TransferEngineFailure, SilentPrefillPeerTimesOut) {
     EXPECT_EQ((*recv)->wait_layer(5, 0, 10s).code(), StatusCode::kAborted);
     auto stats = (*recv)->stats();
     EXPECT_EQ(stats.requests_failed + stats.requests_completed, stats.requests_submitted);
-    EXPECT_EQ(stats.tags_quarantined, 1u);
+    // Two-sided, its data tag may still match a message in flight; the write mode takes none.
+    EXPECT_EQ(stats.tags_quarantined, mode().writes() ? 0u : 1u);
     // The pages were pinned while the request could still receive, and are released once its
     // receives were withdrawn.
     EXPECT_TRUE(eventually([&] { return !(*recv)->status(5)->pages_in_use; }, 5s));
     EXPECT_EQ((*recv)->pins().pinned_pages(), 0u);
 }
 
-TEST(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
+TEST_P(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
     // The prefill side is alive (heartbeats) but never schedules the request.
-    auto ts = make_transports("local", 2, "");
+    auto ts = transports(2);
     KvLayout pl;
     KvLayout dl;
     auto ppool = small_pool(&pl);
     auto dpool = small_pool(&dl);
     runtime::CpuStream stream;
     pd::StepCounter counter(stream);
-    auto send = KvSender::create(*ts[0], pl, counter, test_options(SenderOptions{}));
+    auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
     ASSERT_OK(send);
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.request_timeout = 400ms;
-    auto recv = KvReceiver::create(*ts[1], dl, ro);
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(ro, 1));
     ASSERT_OK(recv);
     ASSERT_OK((*recv)->submit(
         {.request_id = 9, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
@@ -683,9 +786,9 @@ TEST(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
     EXPECT_THAT(st->reason, HasSubstr("KV chunks from prefill rank 0"));
 }
 
-TEST(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
+TEST_P(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
     // The prefill compute never records: the sender's StepCounter wait times out.
-    auto ts = make_transports("local", 2, "");
+    auto ts = transports(2);
     KvLayout pl;
     KvLayout dl;
     auto ppool = small_pool(&pl);
@@ -694,8 +797,8 @@ TEST(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
     pd::StepCounter counter(stream);
     SenderOptions so = test_options(SenderOptions{});
     so.request_timeout = 500ms;
-    auto send = KvSender::create(*ts[0], pl, counter, so);
-    auto recv = KvReceiver::create(*ts[1], dl, test_options(ReceiverOptions{}));
+    auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(so, 0));
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(test_options(ReceiverOptions{}), 1));
     ASSERT_TRUE(send.ok() && recv.ok());
     ASSERT_OK((*recv)->submit(
         {.request_id = 3, .prefill_ranks = {0}, .dst_pages = {4, 5}, .num_tokens = 20}));
@@ -722,9 +825,9 @@ TEST(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
     EXPECT_EQ((*send)->pins().pinned_pages(), 0u);
 }
 
-TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
+TEST_P(TransferEngineFailure, SilentDecodePeerTimesOut) {
     // The decode engine bootstraps, then goes silent (stops without a word, transport open).
-    auto ts = make_transports("local", 2, "");
+    auto ts = transports(2);
     KvLayout pl;
     KvLayout dl;
     auto ppool = small_pool(&pl);
@@ -733,8 +836,8 @@ TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
     pd::StepCounter counter(stream);
     SenderOptions so = test_options(SenderOptions{});
     so.peer_timeout = 300ms;
-    auto send = KvSender::create(*ts[0], pl, counter, so);
-    auto recv = KvReceiver::create(*ts[1], dl, test_options(ReceiverOptions{}));
+    auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(so, 0));
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(test_options(ReceiverOptions{}), 1));
     ASSERT_TRUE(send.ok() && recv.ok());
     ASSERT_OK((*recv)->submit(
         {.request_id = 4, .prefill_ranks = {0}, .dst_pages = {4, 5}, .num_tokens = 20}));
@@ -754,7 +857,13 @@ TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
     c.begin_step = counter.advance_step(2);
     c.is_last = true;
     ASSERT_OK((*send)->submit_chunk(c));
-    for (int l = 0; l < 2; ++l) ASSERT_OK(counter.record_cache());
+    // Two-sided, the sends wait for receives that never come. One-sided writes need nothing
+    // from the decode rank (its regions stay registered, as a hung process's would), so there
+    // the sender is kept waiting on its steps instead: a request that still awaits anything
+    // fails when an awaited decode rank goes silent.
+    if (!mode().writes()) {
+        for (int l = 0; l < 2; ++l) ASSERT_OK(counter.record_cache());
+    }
     auto ps = (*send)->wait(4, 30s);
     ASSERT_OK(ps);
     EXPECT_EQ(ps->state, RequestState::kFailed);
@@ -762,10 +871,10 @@ TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
     EXPECT_LT(Clock::now() - t0, 300ms + 2s * kSlow);
 }
 
-TEST(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
+TEST_P(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
     // The prefill side computes, records and submits everything before the decode side admits
     // the request: the held chunks go out when the bootstrap arrives, all steps already ready.
-    auto ts = make_transports("local", 2, "");
+    auto ts = transports(2);
     ModelSpec m;
     KvLayout pl;
     KvLayout dl;
@@ -779,8 +888,8 @@ TEST(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
     so.validator = &pv;
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.validator = &dv;
-    auto send = KvSender::create(*ts[0], pl, counter, so);
-    auto recv = KvReceiver::create(*ts[1], dl, ro);
+    auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(so, 0));
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(ro, 1));
     ASSERT_TRUE(send.ok() && recv.ok());
     const int64_t n = 150;
     std::vector<int32_t> src = {9, 3, 4, 5, 1, 2, 7, 8, 10, 11};
@@ -835,18 +944,18 @@ TEST(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
     }
 }
 
-TEST(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
-    auto ts = make_transports("local", 2, "");
+TEST_P(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
+    auto ts = transports(2);
     KvLayout pl;
     KvLayout dl;
     auto ppool = small_pool(&pl);
     auto dpool = small_pool(&dl);
     runtime::CpuStream stream;
     pd::StepCounter counter(stream);
-    auto send = KvSender::create(*ts[0], pl, counter, test_options(SenderOptions{}));
+    auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.request_timeout = 200ms;
-    auto recv = KvReceiver::create(*ts[1], dl, ro);
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(ro, 1));
     ASSERT_TRUE(send.ok() && recv.ok());
     ASSERT_OK((*recv)->submit(
         {.request_id = 8, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
@@ -872,13 +981,13 @@ TEST(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
               StatusCode::kAborted);
 }
 
-TEST(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
+TEST_P(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
     // P0 serves D1 and D2; D2 dies (engine stops, transport closes) mid-transfer.
     ClusterSpec c = simple(1, 1);
     c.decode.push_back(InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 512});
     auto reqs = fixed_requests({50, 60, 70, 80, 90, 100});
     for (size_t i = 0; i < reqs.size(); ++i) reqs[i].decode_instance = static_cast<int>(i % 2);
-    auto run = start_cluster(c, "local");
+    auto run = start_cluster(c);
     Gate hold;
     std::atomic<int> submitted{0};
     Gate all_submitted;
@@ -902,7 +1011,7 @@ TEST(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
         }
     }
     d2.receiver().shutdown(ShutdownMode::kAbrupt);
-    run->transports[2]->close();
+    run->close_transports(2);
     hold.open();
     ranks.join();
     const RankResult& p = run->results[0];
@@ -926,6 +1035,9 @@ TEST(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
 // ---------------------------------------------------------------------------------------------
 // Ordering faults: each must surface as a violation or a Failed request, never pass silently.
 
+class TransferEngineFaults : public EngineModeTest {};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineFaults, ::testing::Values(kTwoSided, kWrites), mode_name);
+
 struct FaultOutcome {
     size_t violations = 0;
     size_t failed = 0;
@@ -934,7 +1046,7 @@ struct FaultOutcome {
     bool decode_free_refused = false;
 };
 
-FaultOutcome run_fault(Fault::Kind kind, int layer = 1) {
+FaultOutcome run_fault(const EngineMode& mode, Fault::Kind kind, int layer = 1) {
     ClusterSpec c = simple(1, 1);
     auto reqs = fixed_requests({40, 77, 120});
     size_pools(c, reqs);
@@ -945,7 +1057,7 @@ FaultOutcome run_fault(Fault::Kind kind, int layer = 1) {
         so.request_timeout = 800ms;
         ro.request_timeout = 3s;
     }
-    auto run = start_cluster(c, "local", so, ro);
+    auto run = start_cluster(c, mode, so, ro);
     RunOptions o;
     o.fault = {kind, 101, layer};
     run_ranks(*run, reqs, o);
@@ -967,51 +1079,51 @@ FaultOutcome run_fault(Fault::Kind kind, int layer = 1) {
     return out;
 }
 
-TEST(TransferEngineFaults, CleanRunHasNoViolations) {
-    FaultOutcome o = run_fault(Fault::kNone);
+TEST_P(TransferEngineFaults, CleanRunHasNoViolations) {
+    FaultOutcome o = run_fault(mode(), Fault::kNone);
     EXPECT_EQ(o.violations, 0u) << o.report;
     EXPECT_EQ(o.failed, 0u);
 }
 
-TEST(TransferEngineFaults, RecordBeforeWrite) {
-    FaultOutcome o = run_fault(Fault::kRecordBeforeWrite);
+TEST_P(TransferEngineFaults, RecordBeforeWrite) {
+    FaultOutcome o = run_fault(mode(), Fault::kRecordBeforeWrite);
     EXPECT_GT(o.violations, 0u);
     EXPECT_THAT(o.report, HasSubstr("request 101 layer 1"));
     EXPECT_THAT(o.report, HasSubstr("sender read"));
 }
 
-TEST(TransferEngineFaults, SkipRecord) {
-    FaultOutcome o = run_fault(Fault::kSkipRecord);
+TEST_P(TransferEngineFaults, SkipRecord) {
+    FaultOutcome o = run_fault(mode(), Fault::kSkipRecord);
     EXPECT_GT(o.failed, 0u) << o.report;
 }
 
-TEST(TransferEngineFaults, DoubleRecord) {
-    FaultOutcome o = run_fault(Fault::kDoubleRecord);
+TEST_P(TransferEngineFaults, DoubleRecord) {
+    FaultOutcome o = run_fault(mode(), Fault::kDoubleRecord);
     EXPECT_GT(o.violations, 0u);
     EXPECT_THAT(o.report, HasSubstr("request 101 layer 2"));
 }
 
-TEST(TransferEngineFaults, LateWrite) {
-    FaultOutcome o = run_fault(Fault::kLateWrite);
+TEST_P(TransferEngineFaults, LateWrite) {
+    FaultOutcome o = run_fault(mode(), Fault::kLateWrite);
     EXPECT_GT(o.violations, 0u);
     EXPECT_THAT(o.report, HasSubstr("request 101 layer 1"));
 }
 
-TEST(TransferEngineFaults, FreeBeforeTransferIsRefused) {
-    FaultOutcome o = run_fault(Fault::kFreeBeforeTransfer);
+TEST_P(TransferEngineFaults, FreeBeforeTransferIsRefused) {
+    FaultOutcome o = run_fault(mode(), Fault::kFreeBeforeTransfer);
     EXPECT_TRUE(o.prefill_free_refused);
     EXPECT_GT(o.violations, 0u);
     EXPECT_THAT(o.report, HasSubstr("free-before-transfer"));
 }
 
-TEST(TransferEngineFaults, PagesReusedInFlight) {
-    FaultOutcome o = run_fault(Fault::kReuseBeforeTransfer);
+TEST_P(TransferEngineFaults, PagesReusedInFlight) {
+    FaultOutcome o = run_fault(mode(), Fault::kReuseBeforeTransfer);
     EXPECT_GT(o.violations, 0u);
     EXPECT_THAT(o.report, HasSubstr("request 101 layer 0"));
 }
 
-TEST(TransferEngineFaults, DecodeFreesDestinationEarly) {
-    FaultOutcome o = run_fault(Fault::kDecodeFreeEarly);
+TEST_P(TransferEngineFaults, DecodeFreesDestinationEarly) {
+    FaultOutcome o = run_fault(mode(), Fault::kDecodeFreeEarly);
     EXPECT_TRUE(o.decode_free_refused);
     EXPECT_GT(o.violations, 0u);
 }
@@ -1025,19 +1137,44 @@ struct TransportFaultCase {
     int rank;          // the rank whose transport is faulty (0: prefill, 1: decode)
     bool all_succeed;  // the fault is benign (order kept)
     bool must_show;    // the fault must surface (a Failed request or a violation)
+    bool on_data = false;  // the data transport is faulty (write mode), not the control one
 };
 
-TEST(TransferEngineTransportFaults, NeverPassSilently) {
-    const std::vector<TransportFaultCase> cases = {
-        {"delay:ms=2", 0, true, false},
-        {"delay:ms=1,jitter_ms=4,seed=3", 0, false, false},
-        {"drop:p=0.05,seed=3", 0, false, true},
-        {"corrupt:p=0.1,seed=5", 1, false, true},
-        {"reorder:p=0.3,seed=9,hold_ms=5", 0, false, true},
-        {"disconnect:after=60", 0, false, true},
-    };
+class TransferEngineTransportFaults : public EngineModeTest {};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineTransportFaults, ::testing::Values(kTwoSided, kWrites),
+                         mode_name);
+
+TEST_P(TransferEngineTransportFaults, NeverPassSilently) {
+    // Two-sided, the control transport carries the data too. In the write mode a fault on the
+    // control transport hits Chunk / LayerWritten / Completion messages: corruption (of page
+    // lists the write mode does not use, say) and reordering (two LayerWritten) may be benign
+    // there; a fault on the data transport hits the writes (a dropped write completes OK and
+    // lands nothing: the landed-bytes check must catch it).
+    const std::vector<TransportFaultCase> cases =
+        mode().writes()
+            ? std::vector<TransportFaultCase>{
+                  {"delay:ms=2", 0, true, false},
+                  {"delay:ms=1,jitter_ms=4,seed=3", 0, false, false},
+                  {"drop:p=0.05,seed=3", 0, false, true},
+                  {"corrupt:p=0.1,seed=5", 1, false, false},
+                  {"reorder:p=0.3,seed=9,hold_ms=5", 0, false, false},
+                  {"disconnect:after=60", 0, false, true},
+                  {"delay:ms=2", 0, true, false, true},
+                  {"delay:ms=1,jitter_ms=4,seed=3", 0, true, false, true},
+                  {"drop:p=0.05,seed=3", 0, false, true, true},
+                  {"disconnect:after=60", 0, false, true, true},
+              }
+            : std::vector<TransportFaultCase>{
+                  {"delay:ms=2", 0, true, false},
+                  {"delay:ms=1,jitter_ms=4,seed=3", 0, false, false},
+                  {"drop:p=0.05,seed=3", 0, false, true},
+                  {"corrupt:p=0.1,seed=5", 1, false, true},
+                  {"reorder:p=0.3,seed=9,hold_ms=5", 0, false, true},
+                  {"disconnect:after=60", 0, false, true},
+              };
     for (const TransportFaultCase& fc : cases) {
-        SCOPED_TRACE(::testing::Message() << "fault '" << fc.spec << "' on rank " << fc.rank);
+        SCOPED_TRACE(::testing::Message() << "fault '" << fc.spec << "' on rank " << fc.rank
+                                          << (fc.on_data ? " (data)" : " (control)"));
         ClusterSpec c = simple(1, 1, 16, 32);
         auto reqs = fixed_requests({30, 100, 250, 400}, 64);
         size_pools(c, reqs);
@@ -1045,9 +1182,12 @@ TEST(TransferEngineTransportFaults, NeverPassSilently) {
         ReceiverOptions ro = test_options(ReceiverOptions{});
         so.request_timeout = ro.request_timeout = std::chrono::milliseconds(2000 * kSlow);
         so.peer_timeout = ro.peer_timeout = std::chrono::milliseconds(1500 * kSlow);
-        auto run = start_cluster(c, "local", so, ro, [&](int r) {
-            return r == fc.rank ? std::string(fc.spec) : std::string();
-        });
+        auto spec = [&](bool data) {
+            return [&fc, data](int r) {
+                return r == fc.rank && fc.on_data == data ? std::string(fc.spec) : std::string();
+            };
+        };
+        auto run = start_cluster(c, so, ro, spec(false), spec(true));
         RunOptions o;
         o.batch = 2;
         run_ranks(*run, reqs, o);
@@ -1072,31 +1212,38 @@ TEST(TransferEngineTransportFaults, NeverPassSilently) {
         if (fc.must_show) {
             EXPECT_GT(failed + violations, 0u);
         }
-        std::printf("  fault '%s' on rank %d: %zu request-sides failed, %zu violations\n", fc.spec,
-                    fc.rank, failed, violations);
+        std::printf("  fault '%s' on rank %d (%s): %zu request-sides failed, %zu violations\n",
+                    fc.spec, fc.rank, fc.on_data ? "data" : "control", failed, violations);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// The same engine over the tcp transport (real loopback sockets).
+// The same engine over the tcp transport (real loopback sockets): control and data over tcp, tcp
+// control with one-sided writes over a local world, and tcp control with a separate two-sided
+// local data transport.
 
-TEST(TransferEngineTcp, OneToOneChunked) {
-    run_clean(simple(1, 1), fixed_requests({1, 16, 21, 160, 333}, 20), "tcp");
+class TransferEngineTcp : public EngineModeTest {};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineTcp,
+                         ::testing::Values(kTcpTwoSided, kTcpWrites, kTcpControlLocalData),
+                         mode_name);
+
+TEST_P(TransferEngineTcp, OneToOneChunked) {
+    run_clean(simple(1, 1), fixed_requests({1, 16, 21, 160, 333}, 20));
 }
 
-TEST(TransferEngineTcp, HeterogeneousTpAndPages) {
-    run_clean(simple(2, 1, 64, 16), fixed_requests({33, 200}), "tcp");
-    run_clean(simple(1, 2, 16, 64), fixed_requests({33, 200}, 48), "tcp");
-    run_clean(mla(1, 2), fixed_requests({5, 120}), "tcp");
+TEST_P(TransferEngineTcp, HeterogeneousTpAndPages) {
+    run_clean(simple(2, 1, 64, 16), fixed_requests({33, 200}));
+    run_clean(simple(1, 2, 16, 64), fixed_requests({33, 200}, 48));
+    run_clean(mla(1, 2), fixed_requests({5, 120}));
 }
 
-TEST(TransferEngineTcp, RandomMix) {
+TEST_P(TransferEngineTcp, RandomMix) {
     ClusterSpec c = simple(2, 2, 16, 32);
     c.decode.push_back(InstanceSpec{.tp = 1, .page_size = 64, .num_pages = 1});
     auto reqs = random_requests(99, kSlow > 1 ? 8 : 20, 8192, 1, 2, true);
     RunOptions o;
     o.batch = 5;
-    run_clean(c, reqs, "tcp", o);
+    run_clean(c, reqs, o);
 }
 
 }  // namespace

@@ -278,11 +278,14 @@ void KvReceiver::Impl::shutdown(ShutdownMode mode) {
         if (t.joinable()) t.join();
     }
     if (channel_) channel_->stop(graceful);
-    // Writes that may still arrive (requests whose pages stay in use) now fail at the transport
-    // where it checks registrations (local); the caller closes the data transport before it
-    // frees the pool (kv_receiver.h).
-    for (const MemoryRegion& m : regions_) data_.deregister_memory(m.id).ignore_error();
-    regions_.clear();
+    // Graceful: writes that may still arrive (requests whose pages stay in use) now fail where
+    // the transport checks registrations (local). Abrupt (a crash, or a hung process): the
+    // regions stay as they are. Either way the caller closes the data transport before it frees
+    // the pool (kv_receiver.h).
+    if (graceful) {
+        for (const MemoryRegion& m : regions_) data_.deregister_memory(m.id).ignore_error();
+        regions_.clear();
+    }
 }
 
 void KvReceiver::Impl::wait_settled(std::chrono::nanoseconds timeout) {

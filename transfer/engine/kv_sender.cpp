@@ -192,9 +192,10 @@ void KvSender::Impl::shutdown(ShutdownMode mode) {
     std::optional<std::vector<std::shared_ptr<SendReq>>> active = table_.begin_shutdown();
     if (!active) return;
     const bool graceful = mode == ShutdownMode::kGraceful;
-    // Write mode, graceful: the workers let go of their tasks on the way out, so that a failed
-    // request turns quiet and its decode ranks hear Quiesced before the channel stops.
-    quiesce_on_exit_.store(write_mode() && graceful);
+    // Write mode, graceful, with requests to fail: the workers let go of their tasks on the way
+    // out, so that those requests turn quiet and their decode ranks hear Quiesced before the
+    // channel stops.
+    quiesce_on_exit_.store(write_mode() && graceful && !active->empty());
     stopping_.store(true);
     for (auto& r : *active) {
         fail(r,
