@@ -329,8 +329,11 @@ struct RankResult {
     uint64_t bytes_checked = 0;
 };
 
+// `device`: where the pool lives (host by default; a CUDA pool needs a GPU, or the host-backed
+// fake runtime of tests/host_backed_cuda_runtime.h).
 inline std::unique_ptr<kv::KVPool> make_pool(const ModelSpec& m, const InstanceSpec& inst,
-                                             int tp_rank, KvLayout* layout) {
+                                             int tp_rank, KvLayout* layout,
+                                             runtime::Device device = {}) {
     if (m.kind == KvKind::kMHA) {
         auto slice = kv_head_slice(m.kv_heads, inst.tp, tp_rank);
         EXPECT_TRUE(slice.ok()) << slice.status().to_string();
@@ -341,6 +344,7 @@ inline std::unique_ptr<kv::KVPool> make_pool(const ModelSpec& m, const InstanceS
         c.num_kv_heads = slice->count;
         c.head_dim = m.head_dim;
         c.dtype = m.dtype;
+        c.device = device;
         auto pool = kv::MHATokenToKVPool::create(c);
         EXPECT_TRUE(pool.ok()) << pool.status().to_string();
         auto l = KvLayout::from_mha_pool(**pool, inst.tp, tp_rank, m.kv_heads);
@@ -355,6 +359,7 @@ inline std::unique_ptr<kv::KVPool> make_pool(const ModelSpec& m, const InstanceS
     c.kv_lora_rank = m.mla_lora;
     c.rope_dim = m.mla_rope;
     c.dtype = m.dtype;
+    c.device = device;
     auto pool = kv::MLATokenToKVPool::create(c);
     EXPECT_TRUE(pool.ok()) << pool.status().to_string();
     auto l = KvLayout::from_mla_pool(**pool, inst.tp, tp_rank);

@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "tests/host_backed_cuda_runtime.h"
 #include "tests/status_matchers.h"
 #include "tests/transfer_engine_harness.h"
 #include "transfer/engine/control.h"
@@ -1244,6 +1245,496 @@ TEST_P(TransferEngineTcp, RandomMix) {
     RunOptions o;
     o.batch = 5;
     run_clean(c, reqs, o);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The write mode only: page safety with writes in flight, peer death, device layouts, data
+// planes that disagree, and what create() refuses.
+
+// Holds every post_write until release(): a held write is in flight (cancel says so), as a copy
+// queued on a GPU stream is; release() hands them to the inner transport in post order.
+class HeldWrites final : public ForwardingTransport {
+public:
+    explicit HeldWrites(std::unique_ptr<Transport> inner) : ForwardingTransport(std::move(inner)) {}
+    ~HeldWrites() override { close(); }
+
+    StatusOr<RequestHandle> post_write(const RemoteRegion& dst, size_t dst_offset, const void* src,
+                                       size_t bytes) override {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (!released_) {
+                auto op = std::make_shared<OpState>(OpKind::kWrite, dst.peer, 0, bytes);
+                held_.push_back(Held{dst, dst_offset, src, bytes, op});
+                return RequestHandle(op);
+            }
+        }
+        return ForwardingTransport::post_write(dst, dst_offset, src, bytes);
+    }
+    Status cancel(const RequestHandle& handle) override {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            for (const Held& w : held_) {
+                if (w.op == handle.state()) {
+                    return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                                       "held write already in flight");
+                }
+            }
+        }
+        if (handle.done()) return {};
+        return ForwardingTransport::cancel(handle);
+    }
+    StatusOr<bool> test(const RequestHandle& handle) override { return Transport::test(handle); }
+    Status wait(const RequestHandle& handle, Timeout timeout) override {
+        return Transport::wait(handle, timeout);
+    }
+    void close() override {
+        std::vector<Held> now;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            released_ = true;
+            now.swap(held_);
+        }
+        for (Held& w : now) {
+            w.op->complete(Status(StatusCode::kUnavailable, "held writes: transport closed"), 0);
+        }
+        ForwardingTransport::close();
+    }
+
+    [[nodiscard]] size_t held() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return held_.size();
+    }
+    void release() {
+        std::vector<Held> now;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            released_ = true;
+            now.swap(held_);
+        }
+        for (Held& w : now) {
+            auto h = ForwardingTransport::post_write(w.dst, w.offset, w.src, w.bytes);
+            if (!h.ok()) {
+                w.op->complete(h.status(), 0);
+                continue;
+            }
+            std::shared_ptr<OpState> op = w.op;
+            h->on_complete([op](const Status& st, size_t n) { op->complete(st, n); });
+        }
+    }
+
+private:
+    struct Held {
+        RemoteRegion dst;
+        size_t offset;
+        const void* src;
+        size_t bytes;
+        std::shared_ptr<OpState> op;
+    };
+    std::mutex mu_;
+    bool released_ = false;
+    std::vector<Held> held_;
+};
+
+// Prefill rank 0 and decode rank 1 in the write mode, rank 0's writes held (HeldWrites).
+struct HeldPair {
+    std::vector<std::unique_ptr<Transport>> control;
+    std::vector<std::unique_ptr<Transport>> data;
+    HeldWrites* held = nullptr;
+
+    HeldPair() {
+        control = make_transports("local", 2, "");
+        data = make_transports("local_writes", 2, "");
+        auto h = std::make_unique<HeldWrites>(std::move(data[0]));
+        held = h.get();
+        data[0] = std::move(h);
+    }
+};
+
+// One request (id 7, 20 tokens, two layers) from prefill pages {1, 2} into `dst`, its KV written
+// and recorded; returns once every write of it is held.
+void start_held_request(HeldPair& ts, KvSender& send, KvReceiver& recv, const KvLayout& pl,
+                        pd::StepCounter& counter, const std::vector<int32_t>& dst) {
+    const std::vector<int32_t> src = {1, 2};
+    ASSERT_OK(
+        recv.submit({.request_id = 7, .prefill_ranks = {0}, .dst_pages = dst, .num_tokens = 20}));
+    ASSERT_OK(send.add_request({.request_id = 7, .num_tokens = 20}));
+    for (int l = 0; l < pl.num_layers(); ++l) write_layer(pl, src, 3, 7, l, 0, 20, 0);
+    ASSERT_OK(send.submit_chunk({.request_id = 7,
+                                 .src_pages = src,
+                                 .token_begin = 0,
+                                 .token_end = 20,
+                                 .begin_step = counter.advance_step(pl.num_layers()),
+                                 .layer_interval = 1,
+                                 .is_last = true,
+                                 .first_token = 5}));
+    for (int l = 0; l < pl.num_layers(); ++l) ASSERT_OK(counter.record_cache());
+    // 2 layers x 2 buffers x one run (the 20 tokens are contiguous on both sides).
+    ASSERT_TRUE(eventually([&] { return ts.held->held() == 4; }, 10s * kSlow))
+        << ts.held->held() << " writes held";
+}
+
+// How many (layer, buffer, token, head) of request 7 in `dst` hold the prefill side's bytes.
+size_t landed_heads(const KvLayout& dl, const std::vector<int32_t>& dst) {
+    size_t good = 0;
+    std::vector<std::byte> want(dl.head_bytes(0));
+    for (int l = 0; l < dl.num_layers(); ++l) {
+        for (int b = 0; b < dl.buffer_count(); ++b) {
+            for (int64_t t = 0; t < 20; ++t) {
+                for (int h = 0; h < dl.local_heads(); ++h) {
+                    fill_kv(want.data(), want.size(), 3, 7, l, b, h, t, 0);
+                    const std::byte* got = dl.slot_addr(l, b, token_slot(dst, dl.page_size(), t)) +
+                                           static_cast<size_t>(h) * want.size();
+                    good += std::memcmp(got, want.data(), want.size()) == 0;
+                }
+            }
+        }
+    }
+    return good;
+}
+
+TEST(TransferEngineWrite, FailedRequestKeepsPagesPinnedUntilTheSourceQuiesces) {
+    register_test_transports();
+    HeldPair ts;
+    KvLayout pl;
+    KvLayout dl;
+    auto ppool = small_pool(&pl);
+    auto dpool = small_pool(&dl);
+    ASSERT_OK(dpool->fill(0x5A));
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    SenderOptions so = test_options(SenderOptions{});
+    so.data_transport = ts.data[0].get();
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.data_transport = ts.data[1].get();
+    ro.request_timeout = 300ms;
+    auto send = KvSender::create(*ts.control[0], pl, counter, so);
+    auto recv = KvReceiver::create(*ts.control[1], dl, ro);
+    ASSERT_TRUE(send.ok() && recv.ok());
+    auto dst = dpool->allocator().alloc(2);
+    ASSERT_OK(dst);
+    start_held_request(ts, **send, **recv, pl, counter, *dst);
+    // The decode side gives up (no LayerWritten in time) and aborts; the prefill side fails the
+    // request but cannot withdraw writes that are in flight.
+    auto ds = (*recv)->wait_done(7, 30s);
+    ASSERT_OK(ds);
+    ASSERT_EQ(ds->state, RequestState::kFailed);
+    EXPECT_THAT(ds->reason, HasSubstr("timed out"));
+    ASSERT_TRUE(
+        eventually([&] { return (*send)->status(7)->state == RequestState::kFailed; }, 10s));
+    std::this_thread::sleep_for(200ms * kSlow);  // room for a wrong early release
+    EXPECT_TRUE((*recv)->status(7)->pages_in_use);
+    EXPECT_THAT((*recv)->pins().free_pages(dpool->allocator(), *dst),
+                StatusIs(StatusCode::kFailedPrecondition, HasSubstr("request 7")));
+    EXPECT_TRUE((*send)->status(7)->pages_in_use);
+    EXPECT_EQ(landed_heads(dl, *dst), 0u) << "nothing has landed yet";
+    // The writes land now, after the request failed: freed and reused pages would be corrupted.
+    ts.held->release();
+    EXPECT_EQ(landed_heads(dl, *dst), 2u * 2u * 20u * 2u);
+    // Only now does the prefill rank quiesce, and the decode rank let the pages go.
+    EXPECT_TRUE(eventually([&] { return !(*recv)->status(7)->pages_in_use; }, 10s * kSlow));
+    EXPECT_OK((*recv)->pins().free_pages(dpool->allocator(), *dst));
+    EXPECT_TRUE(eventually([&] { return !(*send)->status(7)->pages_in_use; }, 10s * kSlow));
+    EXPECT_EQ((*recv)->stats().tags_quarantined, 0u);
+}
+
+TEST(TransferEngineWrite, DeadSourceReleasesThePages) {
+    // The prefill rank dies with its writes in flight (they never land): once its control link
+    // reports it gone, nothing can write the pages any more.
+    register_test_transports();
+    HeldPair ts;
+    KvLayout pl;
+    KvLayout dl;
+    auto ppool = small_pool(&pl);
+    auto dpool = small_pool(&dl);
+    ASSERT_OK(dpool->fill(0x5A));
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    SenderOptions so = test_options(SenderOptions{});
+    so.data_transport = ts.data[0].get();
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.data_transport = ts.data[1].get();
+    auto send = KvSender::create(*ts.control[0], pl, counter, so);
+    auto recv = KvReceiver::create(*ts.control[1], dl, ro);
+    ASSERT_TRUE(send.ok() && recv.ok());
+    auto dst = dpool->allocator().alloc(2);
+    ASSERT_OK(dst);
+    start_held_request(ts, **send, **recv, pl, counter, *dst);
+    EXPECT_TRUE((*recv)->status(7)->pages_in_use);
+    (*send)->shutdown(ShutdownMode::kAbrupt);
+    ts.control[0]->close();
+    ts.data[0]->close();  // the held writes fail: they never land
+    auto ds = (*recv)->wait_done(7, 30s);
+    ASSERT_OK(ds);
+    ASSERT_EQ(ds->state, RequestState::kFailed);
+    EXPECT_THAT(ds->reason, HasSubstr("prefill rank 0 unreachable"));
+    EXPECT_TRUE(eventually([&] { return !(*recv)->status(7)->pages_in_use; }, 10s * kSlow));
+    EXPECT_OK((*recv)->pins().free_pages(dpool->allocator(), *dst));
+    EXPECT_EQ(landed_heads(dl, *dst), 0u);
+}
+
+TEST(TransferEngineWrite, DataPlanesMustAgree) {
+    // A decode rank that expects writes and a prefill rank that sends (and the other way round):
+    // the prefill rank refuses the bootstrap, naming both planes; nothing hangs.
+    register_test_transports();
+    for (const bool decode_writes : {true, false}) {
+        SCOPED_TRACE(decode_writes ? "decode writes, prefill sends" : "decode sends, prefill writes");
+        auto control = make_transports("local", 2, "");
+        auto data = make_transports("local_writes", 2, "");
+        KvLayout pl;
+        KvLayout dl;
+        auto ppool = small_pool(&pl);
+        auto dpool = small_pool(&dl);
+        runtime::CpuStream stream;
+        pd::StepCounter counter(stream);
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = decode_writes ? nullptr : data[0].get();
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.data_transport = decode_writes ? data[1].get() : nullptr;
+        auto send = KvSender::create(*control[0], pl, counter, so);
+        auto recv = KvReceiver::create(*control[1], dl, ro);
+        ASSERT_TRUE(send.ok() && recv.ok());
+        ASSERT_OK((*send)->add_request({.request_id = 3, .num_tokens = 20}));
+        ASSERT_OK((*recv)->submit(
+            {.request_id = 3, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
+        auto ds = (*recv)->wait_done(3, 30s);
+        ASSERT_OK(ds);
+        EXPECT_EQ(ds->state, RequestState::kFailed);
+        EXPECT_THAT(ds->reason, HasSubstr(decode_writes ? "expects one-sided writes"
+                                                        : "uses the two-sided data plane"));
+        EXPECT_TRUE(eventually([&] { return !(*recv)->status(3)->pages_in_use; }, 10s * kSlow));
+        auto ps = (*send)->wait(3, 30s);
+        ASSERT_OK(ps);
+        EXPECT_EQ(ps->state, RequestState::kFailed);
+    }
+}
+
+// A device (here: host-backed fake CUDA) pool per rank, over a transport that claims device
+// memory: the write mode only does address arithmetic on it, so a transfer without staging and
+// without a validator runs; with a staging copy it is refused as not implemented.
+constexpr runtime::Device kFakeGpu{runtime::DeviceKind::kCuda, 0};
+
+TEST(TransferEngineWrite, DeviceLayoutsWithoutStaging) {
+    register_test_transports();
+    runtime::testing::install_host_backed_cuda_runtime();
+    // Prefill TP2 -> decode TP1 (4 heads): each prefill rank writes its two heads of every token
+    // straight into the decode slots (one write per token: no gather, no scatter).
+    auto control = make_transports("local", 3, "");
+    auto data = make_transports("local_device_writes", 3, "");
+    ModelSpec m;
+    KvLayout pl[2];
+    KvLayout dl;
+    auto p0 = make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 0, &pl[0],
+                        kFakeGpu);
+    auto p1 = make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 1, &pl[1],
+                        kFakeGpu);
+    auto dpool =
+        make_pool(m, InstanceSpec{.tp = 1, .page_size = 32, .num_pages = 16}, 0, &dl, kFakeGpu);
+    ASSERT_FALSE(dl.is_host());
+    ASSERT_EQ(pl[1].device(), kFakeGpu);
+    ASSERT_OK(dpool->fill(0x5A));
+    runtime::CpuStream streams[2] = {runtime::CpuStream("p0"), runtime::CpuStream("p1")};
+    pd::StepCounter counters[2] = {pd::StepCounter(streams[0]), pd::StepCounter(streams[1])};
+    std::unique_ptr<KvSender> senders[2];
+    for (int r = 0; r < 2; ++r) {
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = data[static_cast<size_t>(r)].get();
+        auto s = KvSender::create(*control[static_cast<size_t>(r)], pl[r], counters[r], so);
+        ASSERT_OK(s);
+        senders[r] = std::move(s).value();
+    }
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.data_transport = data[2].get();
+    auto recv = KvReceiver::create(*control[2], dl, ro);
+    ASSERT_OK(recv);
+    const int64_t n = 70;
+    const std::vector<int32_t> src = {3, 1, 4, 2, 5};
+    const std::vector<int32_t> dst = {2, 5, 3};
+    ASSERT_OK((*recv)->submit(
+        {.request_id = 11, .prefill_ranks = {0, 1}, .dst_pages = dst, .num_tokens = n}));
+    for (int r = 0; r < 2; ++r) {
+        ASSERT_OK(senders[r]->add_request({.request_id = 11, .num_tokens = n}));
+        for (int l = 0; l < m.layers; ++l) write_layer(pl[r], src, 4, 11, l, 0, n, 0);
+        ASSERT_OK(senders[r]->submit_chunk({.request_id = 11,
+                                            .src_pages = src,
+                                            .token_begin = 0,
+                                            .token_end = n,
+                                            .begin_step = counters[r].advance_step(m.layers),
+                                            .layer_interval = 1,
+                                            .is_last = true,
+                                            .first_token = 77}));
+        for (int l = 0; l < m.layers; ++l) ASSERT_OK(counters[r].record_cache());
+    }
+    auto ds = (*recv)->wait_done(11, 30s);
+    ASSERT_OK(ds);
+    ASSERT_EQ(ds->state, RequestState::kSuccess) << ds->reason;
+    EXPECT_EQ(ds->first_token, 77);
+    std::vector<std::byte> want(dl.head_bytes(0));
+    size_t bad = 0;
+    for (int l = 0; l < m.layers; ++l) {
+        for (int b = 0; b < 2; ++b) {
+            for (int64_t t = 0; t < n; ++t) {
+                for (int h = 0; h < m.kv_heads; ++h) {
+                    fill_kv(want.data(), want.size(), 4, 11, l, b, h, t, 0);
+                    bad += std::memcmp(dl.slot_addr(l, b, token_slot(dst, 32, t)) +
+                                           static_cast<size_t>(h) * want.size(),
+                                       want.data(), want.size()) != 0;
+                }
+            }
+        }
+    }
+    EXPECT_EQ(bad, 0u);
+    const EngineStats st = (*recv)->stats();
+    EXPECT_EQ(st.bytes, static_cast<uint64_t>(n) * m.layers * 2 * m.kv_heads * want.size());
+    // One write per (source, layer, buffer, token): the decode slot holds both sources' heads.
+    EXPECT_EQ(st.messages, 2u * static_cast<uint64_t>(m.layers) * 2u * static_cast<uint64_t>(n));
+    EXPECT_EQ(st.staged_bytes, 0u);
+    for (auto& s : senders) {
+        auto ps = s->wait(11, 30s);
+        ASSERT_OK(ps);
+        EXPECT_EQ(ps->state, RequestState::kSuccess) << ps->reason;
+        EXPECT_EQ(s->stats().staged_bytes, 0u);
+    }
+}
+
+TEST(TransferEngineWrite, DeviceLayoutThatNeedsAGatherIsRefused) {
+    register_test_transports();
+    runtime::testing::install_host_backed_cuda_runtime();
+    // Prefill TP1 -> decode TP2: each decode rank takes half of every prefill token slot into
+    // whole slots of its own, which the write mode gathers on the host first.
+    auto control = make_transports("local", 3, "");
+    auto data = make_transports("local_device_writes", 3, "");
+    ModelSpec m;
+    KvLayout pl;
+    KvLayout dl[2];
+    auto ppool =
+        make_pool(m, InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 16}, 0, &pl, kFakeGpu);
+    auto d0 = make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 0, &dl[0],
+                        kFakeGpu);
+    auto d1 = make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 1, &dl[1],
+                        kFakeGpu);
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    SenderOptions so = test_options(SenderOptions{});
+    so.data_transport = data[0].get();
+    auto send = KvSender::create(*control[0], pl, counter, so);
+    ASSERT_OK(send);
+    std::unique_ptr<KvReceiver> recvs[2];
+    for (int d = 0; d < 2; ++d) {
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.data_transport = data[static_cast<size_t>(d + 1)].get();
+        auto r = KvReceiver::create(*control[static_cast<size_t>(d + 1)], dl[d], ro);
+        ASSERT_OK(r);
+        recvs[d] = std::move(r).value();
+    }
+    ASSERT_OK((*send)->add_request({.request_id = 12, .num_tokens = 20}));
+    for (auto& r : recvs) {
+        ASSERT_OK(r->submit(
+            {.request_id = 12, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
+    }
+    for (auto& r : recvs) {
+        auto ds = r->wait_done(12, 30s);
+        ASSERT_OK(ds);
+        EXPECT_EQ(ds->state, RequestState::kFailed);
+        EXPECT_THAT(ds->reason, HasSubstr("not implemented for a KV layout in cuda memory"));
+    }
+}
+
+TEST(TransferEngineCreate, DataTransportsWithoutAUsablePlane) {
+    register_test_transports();
+    auto control = make_transports("local", 2, "");
+    auto other = make_transports("local", 2, "");
+    KvLayout layout;
+    auto pool = small_pool(&layout);
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    auto view = [&](int rank, const char* name, std::function<void(Capabilities&)> edit) {
+        return std::make_unique<CapabilityView>(std::move(other[static_cast<size_t>(rank)]), name,
+                                                edit);
+    };
+    auto try_both = [&](Transport& ctl, Transport* data, StatusCode code, const char* what) {
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = data;
+        EXPECT_THAT(KvSender::create(ctl, layout, counter, so).status(),
+                    StatusIs(code, HasSubstr(what)));
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.data_transport = data;
+        EXPECT_THAT(KvReceiver::create(ctl, layout, ro).status(), StatusIs(code, HasSubstr(what)));
+    };
+    // Neither two-sided nor one-sided.
+    auto neither = view(0, "no_data_ops", [](Capabilities& c) {
+        one_sided_only(c);
+        c.one_sided_write = false;
+    });
+    try_both(*control[0], neither.get(), StatusCode::kUnimplemented,
+             "data transport 'no_data_ops': it has neither two-sided tag-matching operations");
+    // Two-sided without tag matching (nccl's kind): not supported yet.
+    auto untagged = view(1, "untagged", [](Capabilities& c) {
+        c.tag_matching = false;
+        c.one_sided_write = false;
+    });
+    try_both(*control[1], untagged.get(), StatusCode::kUnimplemented, "without tag matching");
+    // The control transport must be two-sided and tag-matching.
+    auto one_sided = make_transports("local_writes", 2, "");
+    try_both(*one_sided[0], nullptr, StatusCode::kUnimplemented,
+             "two-sided, tag-matching control transport; 'local_writes' is not");
+    // The data transport must number the ranks as the control transport does.
+    try_both(*control[0], one_sided[1].get(), StatusCode::kInvalidArgument,
+             "data transport 'local_writes' is rank 1 of 2, the control transport 'local' rank 0");
+}
+
+TEST(TransferEngineCreate, LayoutMemoryMustBeReachable) {
+    register_test_transports();
+    auto control = make_transports("local", 2, "");
+    auto host_writes = make_transports("local_writes", 2, "");
+    auto device_writes = make_transports("local_device_writes", 2, "");
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    // A layout that declares CUDA memory (address arithmetic only: nothing touches it here).
+    const KvLayoutSummary s = mha(1, 0, 2, 16);
+    std::vector<std::vector<std::byte>> storage(4, std::vector<std::byte>(8 * 16 * 2 * 32));
+    std::vector<std::byte*> bases;
+    for (auto& v : storage) bases.push_back(v.data());
+    auto device_layout = KvLayout::create(s, 8, bases, kFakeGpu);
+    ASSERT_OK(device_layout);
+    EXPECT_FALSE(device_layout->is_host());
+    OrderingValidator validator(0);
+    auto try_both = [&](const KvLayout& layout, Transport* data, OrderingValidator* v,
+                        StatusCode code, const char* what) {
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = data;
+        so.validator = v;
+        EXPECT_THAT(KvSender::create(*control[0], layout, counter, so).status(),
+                    StatusIs(code, HasSubstr(what)));
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.data_transport = data;
+        ro.validator = v;
+        EXPECT_THAT(KvReceiver::create(*control[0], layout, ro).status(),
+                    StatusIs(code, HasSubstr(what)));
+    };
+    // A device layout and a host-only data transport (the control one, or a one-sided one).
+    try_both(*device_layout, nullptr, nullptr, StatusCode::kInvalidArgument,
+             "is in cuda memory (device 0), which data transport 'local' cannot reach");
+    try_both(*device_layout, host_writes[0].get(), nullptr, StatusCode::kInvalidArgument,
+             "which data transport 'local_writes' cannot reach (no device_memory capability)");
+    // A device layout with a validator: the validator hashes on the host.
+    try_both(*device_layout, device_writes[0].get(), &validator, StatusCode::kUnimplemented,
+             "the ordering validator hashes pages on the host");
+    // ... without one it is accepted.
+    SenderOptions so = test_options(SenderOptions{});
+    so.data_transport = device_writes[0].get();
+    EXPECT_OK(KvSender::create(*control[0], *device_layout, counter, so));
+    // A host layout and a transport that reaches device memory only.
+    auto device_only = std::make_unique<CapabilityView>(
+        std::move(host_writes[1]), "device_only", [](Capabilities& c) {
+            c.host_memory = false;
+            c.device_memory = true;
+        });
+    auto host_layout = KvLayout::create(s, 8, bases);
+    ASSERT_OK(host_layout);
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.data_transport = device_only.get();
+    EXPECT_THAT(KvReceiver::create(*control[1], *host_layout, ro).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("no host_memory capability")));
 }
 
 }  // namespace
