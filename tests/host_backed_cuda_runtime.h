@@ -37,10 +37,9 @@ public:
         if (bytes != 0) std::memset(dst, byte, bytes);
         return {};
     }
-    [[nodiscard]] StatusOr<std::unique_ptr<Stream>> create_stream(
-        int /*index*/, std::string name) override {
-        return std::unique_ptr<Stream>(
-            std::make_unique<CpuStream>(std::move(name)));
+    [[nodiscard]] StatusOr<std::unique_ptr<Stream>> create_stream(int /*index*/,
+                                                                  std::string name) override {
+        return std::unique_ptr<Stream>(std::make_unique<CpuStream>(std::move(name)));
     }
 };
 

@@ -317,8 +317,7 @@ TEST(ControlWire, WrongTypeIsRefused) {
     m.request_id = 1;
     EXPECT_EQ(decode_chunk(encode(m)).status().code(), StatusCode::kDataLoss);
     EXPECT_EQ(decode_abort(encode_heartbeat()).status().code(), StatusCode::kDataLoss);
-    EXPECT_EQ(decode_layer_written(encode(QuiescedMsg{})).status().code(),
-              StatusCode::kDataLoss);
+    EXPECT_EQ(decode_layer_written(encode(QuiescedMsg{})).status().code(), StatusCode::kDataLoss);
     // A type past the last one is unknown.
     Bytes unknown = encode(QuiescedMsg{});
     unknown[6] = static_cast<uint8_t>(static_cast<uint16_t>(MsgType::kQuiesced) + 1);

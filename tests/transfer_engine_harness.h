@@ -129,15 +129,17 @@ inline void register_test_transports() {
             d.caps.tag_matching = false;
             d.caps.device_memory = device;
             d.summary = "tests: local with one-sided writes only";
-            register_transport(d, [name, device](const TransportOptions& o)
-                                      -> StatusOr<std::unique_ptr<Transport>> {
-                PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner, make_local_transport(o));
-                return std::unique_ptr<Transport>(std::make_unique<CapabilityView>(
-                    std::move(inner), name, [device](Capabilities& c) {
-                        one_sided_only(c);
-                        c.device_memory = device;
-                    }));
-            });
+            register_transport(
+                d,
+                [name, device](const TransportOptions& o) -> StatusOr<std::unique_ptr<Transport>> {
+                    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner,
+                                           make_local_transport(o));
+                    return std::unique_ptr<Transport>(std::make_unique<CapabilityView>(
+                        std::move(inner), name, [device](Capabilities& c) {
+                            one_sided_only(c);
+                            c.device_memory = device;
+                        }));
+                });
         }
         return true;
     }();

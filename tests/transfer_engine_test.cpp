@@ -319,10 +319,10 @@ struct ModeTransports {
     }
 };
 
-ModeTransports make_mode_transports(const EngineMode& mode, int n, const std::string& dir,
-                                    const std::function<std::string(int)>& fault_spec = nullptr,
-                                    const std::function<std::string(int)>& data_fault_spec =
-                                        nullptr) {
+ModeTransports make_mode_transports(
+    const EngineMode& mode, int n, const std::string& dir,
+    const std::function<std::string(int)>& fault_spec = nullptr,
+    const std::function<std::string(int)>& data_fault_spec = nullptr) {
     ModeTransports t;
     t.control = make_transports(mode.control, n, dir, fault_spec);
     if (!mode.data.empty()) t.data = make_transports(mode.data, n, dir, data_fault_spec);
@@ -350,8 +350,9 @@ std::unique_ptr<ClusterRun> start_cluster(
         }
         auto role = c.role_of(r);
         Transport& t = *run->transports[static_cast<size_t>(r)];
-        Transport* data =
-            run->data_transports.empty() ? nullptr : run->data_transports[static_cast<size_t>(r)].get();
+        Transport* data = run->data_transports.empty()
+                              ? nullptr
+                              : run->data_transports[static_cast<size_t>(r)].get();
         if (role.is_prefill) {
             SenderOptions o = so;
             o.data_transport = data;
@@ -714,8 +715,7 @@ TEST_P(TransferEngineLocal, DecodeStartsALayerBeforeLaterLayersAreWritten) {
 // Failure paths
 
 class TransferEngineFailure : public EngineModeTest {};
-INSTANTIATE_TEST_SUITE_P(, TransferEngineFailure, ::testing::Values(kTwoSided, kWrites),
-                         mode_name);
+INSTANTIATE_TEST_SUITE_P(, TransferEngineFailure, ::testing::Values(kTwoSided, kWrites), mode_name);
 
 std::unique_ptr<kv::MHATokenToKVPool> small_pool(KvLayout* layout) {
     kv::MHAPoolConfig pc;
@@ -772,7 +772,8 @@ TEST_P(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
     auto dpool = small_pool(&dl);
     runtime::CpuStream stream;
     pd::StepCounter counter(stream);
-    auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
+    auto send =
+        KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
     ASSERT_OK(send);
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.request_timeout = 400ms;
@@ -953,7 +954,8 @@ TEST_P(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
     auto dpool = small_pool(&dl);
     runtime::CpuStream stream;
     pd::StepCounter counter(stream);
-    auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
+    auto send =
+        KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.request_timeout = 200ms;
     auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(ro, 1));
@@ -1135,9 +1137,9 @@ TEST_P(TransferEngineFaults, DecodeFreesDestinationEarly) {
 
 struct TransportFaultCase {
     const char* spec;
-    int rank;          // the rank whose transport is faulty (0: prefill, 1: decode)
-    bool all_succeed;  // the fault is benign (order kept)
-    bool must_show;    // the fault must surface (a Failed request or a violation)
+    int rank;              // the rank whose transport is faulty (0: prefill, 1: decode)
+    bool all_succeed;      // the fault is benign (order kept)
+    bool must_show;        // the fault must surface (a Failed request or a violation)
     bool on_data = false;  // the data transport is faulty (write mode), not the control one
 };
 
@@ -1477,7 +1479,8 @@ TEST(TransferEngineWrite, DataPlanesMustAgree) {
     // the prefill rank refuses the bootstrap, naming both planes; nothing hangs.
     register_test_transports();
     for (const bool decode_writes : {true, false}) {
-        SCOPED_TRACE(decode_writes ? "decode writes, prefill sends" : "decode sends, prefill writes");
+        SCOPED_TRACE(decode_writes ? "decode writes, prefill sends"
+                                   : "decode sends, prefill writes");
         auto control = make_transports("local", 2, "");
         auto data = make_transports("local_writes", 2, "");
         KvLayout pl;
@@ -1523,10 +1526,10 @@ TEST(TransferEngineWrite, DeviceLayoutsWithoutStaging) {
     ModelSpec m;
     KvLayout pl[2];
     KvLayout dl;
-    auto p0 = make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 0, &pl[0],
-                        kFakeGpu);
-    auto p1 = make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 1, &pl[1],
-                        kFakeGpu);
+    auto p0 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 0, &pl[0], kFakeGpu);
+    auto p1 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 1, &pl[1], kFakeGpu);
     auto dpool =
         make_pool(m, InstanceSpec{.tp = 1, .page_size = 32, .num_pages = 16}, 0, &dl, kFakeGpu);
     ASSERT_FALSE(dl.is_host());
@@ -1608,10 +1611,10 @@ TEST(TransferEngineWrite, DeviceLayoutThatNeedsAGatherIsRefused) {
     KvLayout dl[2];
     auto ppool =
         make_pool(m, InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 16}, 0, &pl, kFakeGpu);
-    auto d0 = make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 0, &dl[0],
-                        kFakeGpu);
-    auto d1 = make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 1, &dl[1],
-                        kFakeGpu);
+    auto d0 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 0, &dl[0], kFakeGpu);
+    auto d1 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 1, &dl[1], kFakeGpu);
     runtime::CpuStream stream;
     pd::StepCounter counter(stream);
     SenderOptions so = test_options(SenderOptions{});
@@ -1724,11 +1727,11 @@ TEST(TransferEngineCreate, LayoutMemoryMustBeReachable) {
     so.data_transport = device_writes[0].get();
     EXPECT_OK(KvSender::create(*control[0], *device_layout, counter, so));
     // A host layout and a transport that reaches device memory only.
-    auto device_only = std::make_unique<CapabilityView>(
-        std::move(host_writes[1]), "device_only", [](Capabilities& c) {
-            c.host_memory = false;
-            c.device_memory = true;
-        });
+    auto device_only = std::make_unique<CapabilityView>(std::move(host_writes[1]), "device_only",
+                                                        [](Capabilities& c) {
+                                                            c.host_memory = false;
+                                                            c.device_memory = true;
+                                                        });
     auto host_layout = KvLayout::create(s, 8, bases);
     ASSERT_OK(host_layout);
     ReceiverOptions ro = test_options(ReceiverOptions{});

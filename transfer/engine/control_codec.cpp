@@ -330,8 +330,8 @@ StatusOr<RegionsMsg> decode_regions(std::span<const uint8_t> bytes) {
     uint64_t total = 0;
     for (uint32_t n : m.descriptor_bytes) total += n;
     if (m.num_layers < 1 || m.buffer_count < 1 || m.buffer_count > kMaxKvBuffers ||
-        m.descriptor_bytes.size() != static_cast<size_t>(m.num_layers) *
-                                         static_cast<size_t>(m.buffer_count) ||
+        m.descriptor_bytes.size() !=
+            static_cast<size_t>(m.num_layers) * static_cast<size_t>(m.buffer_count) ||
         total != m.descriptors.size()) {
         return PDSIM_ERROR(StatusCode::kDataLoss,
                            "regions message of decode rank {} carries {} descriptors ({} of {} "

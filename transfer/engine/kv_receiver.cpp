@@ -31,10 +31,10 @@ KvReceiver::Impl::Impl(Transport& transport, DataPlaneChoice plane, KvLayout lay
       table_(RequestTableNames{"receiver", transport.rank()}) {
     const Capabilities caps = data_.capabilities();
     max_msg_ = std::min(opt_.max_message_bytes, caps.max_message_bytes);
-    slot_capacity_ =
-        write_mode() ? 0
-                     : static_cast<uint32_t>(std::min<uint64_t>(
-                           uint64_t{caps.max_tag} - kDataTagBase + 1, uint64_t{1} << 30));
+    slot_capacity_ = write_mode()
+                         ? 0
+                         : static_cast<uint32_t>(std::min<uint64_t>(
+                               uint64_t{caps.max_tag} - kDataTagBase + 1, uint64_t{1} << 30));
 }
 
 Status KvReceiver::Impl::start() {
@@ -46,7 +46,8 @@ Status KvReceiver::Impl::start() {
         regions_msg_.buffer_count = layout_.buffer_count();
         for (int l = 0; l < layout_.num_layers(); ++l) {
             for (int b = 0; b < layout_.buffer_count(); ++b) {
-                const size_t bytes = static_cast<size_t>(layout_.num_pages()) * layout_.page_bytes(b);
+                const size_t bytes =
+                    static_cast<size_t>(layout_.num_pages()) * layout_.page_bytes(b);
                 auto region = data_.register_memory(layout_.base(l, b), bytes);
                 if (!region.ok()) {
                     for (const MemoryRegion& m : regions_) {

@@ -86,7 +86,7 @@ struct RecvReq : RequestLifecycle {
     int layers_arrived = 0;
     int64_t ops_outstanding = 0;
     std::vector<RequestHandle> handles;  // two-sided: posted receives (for cancellation)
-    bool finalizing = false;  // every message matched: the tag slot can be reused
+    bool finalizing = false;             // every message matched: the tag slot can be reused
     bool pins_released = false;
     bool slot_settled = false;
     bool has_first_token = false;
@@ -198,8 +198,8 @@ private:
 
     // One receive (or scatter; write mode: one (chunk, layer) reported written, `messages`
     // writes) finished. `why` non-empty: it failed.
-    void op_done(const std::shared_ptr<RecvReq>& r, int layer, size_t bytes,
-                 const std::string& why, uint64_t messages = 1);
+    void op_done(const std::shared_ptr<RecvReq>& r, int layer, size_t bytes, const std::string& why,
+                 uint64_t messages = 1);
 
     // Control thread: checks what landed against the compute stream's checksums, then Success.
     void finalize(const std::shared_ptr<RecvReq>& r);

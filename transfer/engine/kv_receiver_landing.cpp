@@ -437,8 +437,7 @@ void KvReceiver::Impl::handle_layer_written(int peer, const LayerWrittenMsg& m) 
             for (int b = 0; b < layout_.buffer_count(); ++b) {
                 per_token += s->frag->bytes[static_cast<size_t>(b)];
             }
-            const uint64_t want =
-                per_token * static_cast<uint64_t>(s->chunk_tokens[m.chunk_index]);
+            const uint64_t want = per_token * static_cast<uint64_t>(s->chunk_tokens[m.chunk_index]);
             if (m.bytes != want) {
                 why = fmt::format(
                     "request {}: protocol error: prefill rank {} wrote {} bytes of chunk {} "

@@ -287,9 +287,10 @@ void KvSender::Impl::handle_abort(int peer, const AbortMsg& m) {
             // Never attached here: nothing of ours writes into its pages.
             reply_now = true;
             reason = why;
-        } else if (r->state == RequestState::kFailed && r->pins_released) {
-            reply_now = true;  // quiet already
-            reason = r->reason;
+        } else if (is_terminal(r->state) && r->pins_released) {
+            // Quiet already: failed and let go, or succeeded (every write completed).
+            reply_now = true;
+            reason = r->state == RequestState::kFailed ? r->reason : "it completed here";
         } else {
             // Quiesced goes to this rank too once the request is quiet.
             r->abort_peers.push_back(peer);
@@ -297,8 +298,8 @@ void KvSender::Impl::handle_abort(int peer, const AbortMsg& m) {
     }
     if (reply_now) {
         if (write_mode()) {
-            channel_->send(peer, encode(QuiescedMsg{m.request_id, layout_.summary().tp_rank,
-                                                    reason}));
+            channel_->send(peer,
+                           encode(QuiescedMsg{m.request_id, layout_.summary().tp_rank, reason}));
         }
         return;
     }
@@ -312,8 +313,8 @@ void KvSender::Impl::handle_regions(int peer, const RegionsMsg& m) {
                                "decode rank {} expects one-sided writes; this prefill rank's data "
                                "plane ('{}') is two-sided",
                                peer, data_.name());
-    } else if (m.num_layers != layout_.num_layers() ||
-               m.buffer_count != layout_.buffer_count() || m.decode_rank != peer) {
+    } else if (m.num_layers != layout_.num_layers() || m.buffer_count != layout_.buffer_count() ||
+               m.decode_rank != peer) {
         pr.error = PDSIM_ERROR(StatusCode::kInvalidArgument,
                                "regions of decode rank {} (claims rank {}) are {} layers x {} "
                                "buffers; this rank has {} x {}",
@@ -585,14 +586,13 @@ Status KvSender::Impl::validate_bootstrap(int peer, const BootstrapMsg& m) const
         for (int64_t i = 0; i < (m.num_tokens + ps - 1) / ps; ++i) {
             top = std::max(top, m.dst_pages[static_cast<size_t>(i)]);
         }
-        if (std::any_of(m.dst_pages.begin(), m.dst_pages.end(),
-                        [](int32_t p) { return p < 0; })) {
+        if (std::any_of(m.dst_pages.begin(), m.dst_pages.end(), [](int32_t p) { return p < 0; })) {
             return PDSIM_ERROR(StatusCode::kInvalidArgument, "negative destination page");
         }
         for (size_t i = 0; i < regions.size(); ++i) {
             const int b = static_cast<int>(i % static_cast<size_t>(layout_.buffer_count()));
-            const uint64_t need = (static_cast<uint64_t>(top) + 1) *
-                                  m.layout.token_bytes(b) * static_cast<uint64_t>(ps);
+            const uint64_t need = (static_cast<uint64_t>(top) + 1) * m.layout.token_bytes(b) *
+                                  static_cast<uint64_t>(ps);
             if (regions[i].bytes < need) {
                 return PDSIM_ERROR(StatusCode::kInvalidArgument,
                                    "destination page {} lies outside decode rank {}'s region of "
@@ -811,8 +811,8 @@ StatusOr<std::unique_ptr<KvSender>> KvSender::create(Transport& transport, KvLay
                                                      pd::StepCounter& counter,
                                                      SenderOptions options) {
     PDSIM_ASSIGN_OR_RETURN(DataPlaneChoice plane,
-                           choose_data_plane("KV sender", transport, options.data_transport,
-                                             layout, options.validator != nullptr));
+                           choose_data_plane("KV sender", transport, options.data_transport, layout,
+                                             options.validator != nullptr));
     if (layout.num_layers() < 1) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "empty KV layout");
     }
@@ -821,8 +821,8 @@ StatusOr<std::unique_ptr<KvSender>> KvSender::create(Transport& transport, KvLay
                            "validator of rank {} given to the sender of rank {}",
                            options.validator->rank(), transport.rank());
     }
-    auto impl = std::make_shared<Impl>(transport, plane, std::move(layout), counter,
-                                       std::move(options));
+    auto impl =
+        std::make_shared<Impl>(transport, plane, std::move(layout), counter, std::move(options));
     PDSIM_RETURN_IF_ERROR(impl->start());
     return std::unique_ptr<KvSender>(new KvSender(std::move(impl)));
 }

@@ -283,9 +283,8 @@ private:
                    std::shared_ptr<void> keep, const std::shared_ptr<TaskProgress>& progress);
     // Write mode: posts one write of `bytes` at `offset` of the destination's region of
     // (layer, buf).
-    bool post_write(const Task& t, int layer, int buf, size_t offset, const void* ptr,
-                    size_t bytes, std::shared_ptr<void> keep,
-                    const std::shared_ptr<TaskProgress>& progress);
+    bool post_write(const Task& t, int layer, int buf, size_t offset, const void* ptr, size_t bytes,
+                    std::shared_ptr<void> keep, const std::shared_ptr<TaskProgress>& progress);
     // The bookkeeping shared by both: `post` posts the operation on data_.
     bool post_op(const Task& t, int layer, OpKind kind, std::shared_ptr<void> keep,
                  const std::shared_ptr<TaskProgress>& progress,
