@@ -466,6 +466,22 @@ void expect_clean(ClusterRun& run, const ClusterSpec& c, const std::vector<Reque
     EXPECT_GT(d.checked, 0u);
     EXPECT_GT(d.bytes, 0u);
     compare_with_prefill(run, c, reqs);
+    // The counters, in either data plane: a decode rank counts the bytes it holds (what verify()
+    // walked) and one layer per (request, layer); what the prefill ranks sent is what landed.
+    uint64_t sent = 0;
+    uint64_t landed = 0;
+    for (const RankResult& r : run.results) {
+        if (r.is_prefill) {
+            sent += r.stats.bytes;
+            continue;
+        }
+        landed += r.stats.bytes;
+        EXPECT_EQ(r.stats.bytes, r.bytes_checked) << "decode rank " << r.rank;
+        EXPECT_EQ(r.stats.layers, r.statuses.size() * static_cast<uint64_t>(c.model.layers))
+            << "decode rank " << r.rank;
+        EXPECT_GE(r.stats.messages, r.stats.layers > 0 ? 1u : 0u) << "decode rank " << r.rank;
+    }
+    EXPECT_EQ(sent, landed);
 }
 
 ClusterSpec simple(int prefill_tp, int decode_tp, int p_ps = 16, int d_ps = 16, int pages = 512) {
@@ -786,6 +802,10 @@ TEST_P(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
     EXPECT_EQ(st->state, RequestState::kFailed);
     EXPECT_THAT(st->reason, HasSubstr("timed out"));
     EXPECT_THAT(st->reason, HasSubstr("KV chunks from prefill rank 0"));
+    // Nothing can write the pages any more (write mode: the prefill rank, which never scheduled
+    // the request, answers the Abort with Quiesced), so they are released -- well within the
+    // peer timeout (10 s), after which a silent prefill rank would count as dead anyway.
+    EXPECT_TRUE(eventually([&] { return !(*recv)->status(9)->pages_in_use; }, 5s * kSlow));
 }
 
 TEST_P(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
