@@ -192,10 +192,16 @@ void KvSender::Impl::shutdown(ShutdownMode mode) {
     std::optional<std::vector<std::shared_ptr<SendReq>>> active = table_.begin_shutdown();
     if (!active) return;
     const bool graceful = mode == ShutdownMode::kGraceful;
-    // Write mode, graceful, with requests to fail: the workers let go of their tasks on the way
-    // out, so that those requests turn quiet and their decode ranks hear Quiesced before the
-    // channel stops.
-    quiesce_on_exit_.store(write_mode() && graceful && !active->empty());
+    // Write mode, graceful, with requests that are not quiet (active ones, which fail now, or
+    // failed ones with writes in flight): the workers let go of their tasks on the way out, so
+    // that those requests turn quiet and their decode ranks hear Quiesced before the channel
+    // stops.
+    bool unquiet = false;
+    if (write_mode() && graceful) {
+        MutexLock lock(table_.mu());
+        for (auto& [id, r] : table_.requests_locked()) unquiet |= !r->pins_released;
+    }
+    quiesce_on_exit_.store(unquiet);
     stopping_.store(true);
     for (auto& r : *active) {
         fail(r,
@@ -224,9 +230,10 @@ void KvSender::Impl::shutdown(ShutdownMode mode) {
         });
     }
     // Write mode: the Quiesced messages just posted are what the decode ranks wait for before
-    // they free pages; give the control sends a moment to reach a live peer.
+    // they free pages; give the control sends a moment to reach a live peer (one that is gone
+    // or stuck counts as dead after its peer timeout anyway: our heartbeats stop).
     if (channel_) {
-        channel_->stop(graceful, quiesce_on_exit_.load() ? std::chrono::milliseconds(1000)
+        channel_->stop(graceful, quiesce_on_exit_.load() ? std::chrono::milliseconds(200)
                                                          : std::chrono::milliseconds(0));
     }
 }

@@ -72,10 +72,11 @@
 // the moment pages_in_use turns false) this rank sends Quiesced{request, reason} to each of its
 // decode ranks and to every decode rank that aborted it -- at once for an Abort of a request it
 // never wrote (unknown here, or already quiet). Until then it keeps heartbeating those decode
-// ranks, which keep the pages pinned (kv_receiver.h, "Page safety"). A graceful shutdown that
-// fails requests waits (at most peer_timeout) for them to turn quiet and lets the Quiesced
-// messages reach live peers (at most 1 s) before it stops the control channel; an abrupt one
-// sends nothing.
+// ranks, which keep the pages pinned (kv_receiver.h, "Page safety"). A graceful shutdown with
+// requests that are not quiet (it fails the active ones) waits (at most peer_timeout) for them
+// to turn quiet and lets the Quiesced
+// messages reach live peers (at most 200 ms) before it stops the control channel; an abrupt
+// one sends nothing.
 //
 // Thread-safety: all public methods may be called from any thread. Lifetime: destroy (or
 // shutdown) the sender before closing its transports (control and data) and before freeing the
