@@ -579,8 +579,10 @@ void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
         if (!table_.mark_succeeded_locked(*r)) return;
         r->pins_released = true;
         pins_.unpin_request(r->id);
-        r->slot_settled = true;
-        free_slots_.push_back(r->slot);
+        if (!r->slot_settled) {  // the write mode takes no slot
+            r->slot_settled = true;
+            free_slots_.push_back(r->slot);
+        }
         bytes = r->bytes;
     }
     table_.notify_waiters();
