@@ -36,6 +36,7 @@
 #include "backends/runtime/device.h"
 #include "backends/runtime/tensor.h"
 #include "common/bf16.h"
+#include "tests/host_backed_cuda_runtime.h"
 
 namespace pdsim::attn::test {
 
@@ -184,41 +185,9 @@ inline Batch make_batch(const Shape& s, ForwardMode mode, const std::vector<Req>
     return b;
 }
 
-// Makes runtime::DeviceKind::kCuda allocate host memory in this process (no GPU needed), so tests
-// can build pools that claim to be on a CUDA device and check that host paths reject them. The
-// built-in runtimes are registered first, so the fake is never replaced. Idempotent.
-class HostBackedCudaRuntime final : public runtime::DeviceRuntime {
-public:
-    [[nodiscard]] runtime::DeviceKind kind() const override { return runtime::DeviceKind::kCuda; }
-    [[nodiscard]] int device_count() const override { return 1; }
-    [[nodiscard]] std::string unavailable_reason() const override { return {}; }
-    [[nodiscard]] StatusOr<void*> allocate(size_t bytes, int /*index*/) override {
-        return runtime::make_cpu_runtime()->allocate(bytes, 0);
-    }
-    void deallocate(void* ptr, int /*index*/) noexcept override { std::free(ptr); }
-    [[nodiscard]] Status copy(void* dst, const void* src, size_t bytes) override {
-        if (bytes != 0) std::memcpy(dst, src, bytes);
-        return {};
-    }
-    [[nodiscard]] Status fill(void* dst, int byte, size_t bytes) override {
-        if (bytes != 0) std::memset(dst, byte, bytes);
-        return {};
-    }
-    [[nodiscard]] StatusOr<std::unique_ptr<runtime::Stream>> create_stream(
-        int /*index*/, std::string name) override {
-        return std::unique_ptr<runtime::Stream>(
-            std::make_unique<runtime::CpuStream>(std::move(name)));
-    }
-};
-
-inline void install_host_backed_cuda_runtime() {
-    static const bool installed = [] {
-        (void)runtime::device_runtime(runtime::DeviceKind::kCpu);  // built-ins first
-        runtime::register_device_runtime(std::make_unique<HostBackedCudaRuntime>());
-        return true;
-    }();
-    (void)installed;
-}
+// The host-backed "CUDA" runtime (tests/host_backed_cuda_runtime.h), under its old names here.
+using runtime::testing::HostBackedCudaRuntime;
+using runtime::testing::install_host_backed_cuda_runtime;
 
 // fp32 host views [tokens][heads][dim] of test buffers (a null pointer gives a null view).
 inline runtime::ConstTensorView rows_view(const float* p, int64_t tokens, int heads, int dim) {

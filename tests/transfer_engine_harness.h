@@ -39,6 +39,8 @@
 #include "transfer/engine/kv_sender.h"
 #include "transfer/engine/ordering_validator.h"
 #include "transfer/engine/transfer_plan.h"
+#include "transfer/forwarding_transport.h"
+#include "transfer/local/local_transport.h"
 #include "transfer/transport.h"
 
 namespace pdsim::transfer::testing {
@@ -51,6 +53,98 @@ inline constexpr int kSlow = 8;  // TSan slows everything down
 #else
 inline constexpr int kSlow = 1;
 #endif
+
+// ---- transports for the write mode ----
+
+// A transport with edited capabilities (tests only): what the edit withdraws (two-sided or
+// one-sided operations) returns kUnimplemented, as Transport's defaults do; everything else
+// forwards. "local" without its two-sided operations is a one-sided, host-memory transport --
+// the engine's write mode on the CPU, as cuda_ipc is on device memory.
+class CapabilityView final : public ForwardingTransport {
+public:
+    CapabilityView(std::unique_ptr<Transport> inner, std::string name,
+                   const std::function<void(Capabilities&)>& edit)
+        : ForwardingTransport(std::move(inner)), name_(std::move(name)) {
+        caps_ = ForwardingTransport::capabilities();
+        edit(caps_);
+    }
+    [[nodiscard]] std::string_view name() const override { return name_; }
+    [[nodiscard]] Capabilities capabilities() const override { return caps_; }
+
+    [[nodiscard]] StatusOr<RequestHandle> post_send(int peer, Tag tag, const void* buf,
+                                                    size_t bytes) override {
+        if (!caps_.two_sided) return withdrawn("post_send");
+        return ForwardingTransport::post_send(peer, tag, buf, bytes);
+    }
+    [[nodiscard]] StatusOr<RequestHandle> post_recv(int peer, Tag tag, void* buf,
+                                                    size_t capacity) override {
+        if (!caps_.two_sided) return withdrawn("post_recv");
+        return ForwardingTransport::post_recv(peer, tag, buf, capacity);
+    }
+    [[nodiscard]] StatusOr<MemoryRegion> register_memory(void* base, size_t bytes) override {
+        if (!caps_.one_sided_write) return withdrawn("register_memory");
+        return ForwardingTransport::register_memory(base, bytes);
+    }
+    [[nodiscard]] Status deregister_memory(uint64_t id) override {
+        if (!caps_.one_sided_write) return withdrawn("deregister_memory");
+        return ForwardingTransport::deregister_memory(id);
+    }
+    [[nodiscard]] StatusOr<RemoteRegion> import_remote(
+        int peer, std::span<const uint8_t> descriptor) override {
+        if (!caps_.one_sided_write) return withdrawn("import_remote");
+        return ForwardingTransport::import_remote(peer, descriptor);
+    }
+    [[nodiscard]] StatusOr<RequestHandle> post_write(const RemoteRegion& dst, size_t dst_offset,
+                                                     const void* src, size_t bytes) override {
+        if (!caps_.one_sided_write) return withdrawn("post_write");
+        return ForwardingTransport::post_write(dst, dst_offset, src, bytes);
+    }
+
+private:
+    Status withdrawn(std::string_view op) const {
+        return PDSIM_ERROR(StatusCode::kUnimplemented, "{}: {} is not supported", name_, op);
+    }
+    std::string name_;
+    Capabilities caps_;
+};
+
+// "local" as a one-sided transport: no post_send / post_recv, no tags.
+inline void one_sided_only(Capabilities& c) {
+    c.two_sided = false;
+    c.tag_matching = false;
+    c.max_tag = 0;
+}
+
+// Registers the test transports (idempotent):
+//   local_writes         "local" without two-sided operations (LocalOptions::world).
+//   local_device_writes  ... that also claims device memory: with a host-backed "CUDA" runtime
+//                        (a device-kind pool in host memory) it plays cuda_ipc on the CPU.
+inline void register_test_transports() {
+    static const bool done = [] {
+        for (const bool device : {false, true}) {
+            const std::string name = device ? "local_device_writes" : "local_writes";
+            TransportDescriptor d = local_transport_descriptor();
+            d.name = name;
+            d.caps.two_sided = false;
+            d.caps.tag_matching = false;
+            d.caps.device_memory = device;
+            d.summary = "tests: local with one-sided writes only";
+            register_transport(
+                d,
+                [name, device](const TransportOptions& o) -> StatusOr<std::unique_ptr<Transport>> {
+                    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner,
+                                           make_local_transport(o));
+                    return std::unique_ptr<Transport>(std::make_unique<CapabilityView>(
+                        std::move(inner), name, [device](Capabilities& c) {
+                            one_sided_only(c);
+                            c.device_memory = device;
+                        }));
+                });
+        }
+        return true;
+    }();
+    (void)done;
+}
 
 // ---- deterministic KV content ----
 
@@ -237,8 +331,11 @@ struct RankResult {
     uint64_t bytes_checked = 0;
 };
 
+// `device`: where the pool lives (host by default; a CUDA pool needs a GPU, or the host-backed
+// fake runtime of tests/host_backed_cuda_runtime.h).
 inline std::unique_ptr<kv::KVPool> make_pool(const ModelSpec& m, const InstanceSpec& inst,
-                                             int tp_rank, KvLayout* layout) {
+                                             int tp_rank, KvLayout* layout,
+                                             runtime::Device device = {}) {
     if (m.kind == KvKind::kMHA) {
         auto slice = kv_head_slice(m.kv_heads, inst.tp, tp_rank);
         EXPECT_TRUE(slice.ok()) << slice.status().to_string();
@@ -249,6 +346,7 @@ inline std::unique_ptr<kv::KVPool> make_pool(const ModelSpec& m, const InstanceS
         c.num_kv_heads = slice->count;
         c.head_dim = m.head_dim;
         c.dtype = m.dtype;
+        c.device = device;
         auto pool = kv::MHATokenToKVPool::create(c);
         EXPECT_TRUE(pool.ok()) << pool.status().to_string();
         auto l = KvLayout::from_mha_pool(**pool, inst.tp, tp_rank, m.kv_heads);
@@ -263,6 +361,7 @@ inline std::unique_ptr<kv::KVPool> make_pool(const ModelSpec& m, const InstanceS
     c.kv_lora_rank = m.mla_lora;
     c.rope_dim = m.mla_rope;
     c.dtype = m.dtype;
+    c.device = device;
     auto pool = kv::MLATokenToKVPool::create(c);
     EXPECT_TRUE(pool.ok()) << pool.status().to_string();
     auto l = KvLayout::from_mla_pool(**pool, inst.tp, tp_rank);

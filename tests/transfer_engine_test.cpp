@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "tests/host_backed_cuda_runtime.h"
 #include "tests/status_matchers.h"
 #include "tests/transfer_engine_harness.h"
 #include "transfer/engine/control.h"
@@ -226,18 +227,49 @@ private:
     std::string path_;
 };
 
+// How the ranks of a cluster talk: the control transport, and the data transport (a second world
+// of `data` transports) or none (the control transport carries the data, two-sided).
+struct EngineMode {
+    std::string name;     // the test name's suffix
+    std::string control;  // "local" | "tcp"
+    std::string data;     // "": none; "local_writes": the one-sided write mode; "local": a
+                          // separate two-sided data transport
+    [[nodiscard]] bool writes() const { return data == "local_writes"; }
+};
+const EngineMode kTwoSided{"two_sided", "local", ""};
+const EngineMode kWrites{"writes", "local", "local_writes"};
+const EngineMode kTcpTwoSided{"two_sided", "tcp", ""};
+const EngineMode kTcpWrites{"writes", "tcp", "local_writes"};
+const EngineMode kTcpControlLocalData{"split_two_sided", "tcp", "local"};
+
+std::string mode_name(const ::testing::TestParamInfo<EngineMode>& info) {
+    return info.param.name;
+}
+void PrintTo(const EngineMode& mode, std::ostream* os) {
+    *os << mode.name << " (control " << mode.control << ", data "
+        << (mode.data.empty() ? std::string("the control transport") : mode.data) << ")";
+}
+
 struct ClusterRun {
     TempDir dir;
-    std::vector<std::unique_ptr<Transport>> transports;
+    std::vector<std::unique_ptr<Transport>> transports;       // control
+    std::vector<std::unique_ptr<Transport>> data_transports;  // empty: none
     // Declared after the transports: the engines go first.
     std::vector<std::unique_ptr<PrefillRank>> prefill;  // by world rank (null for decode ranks)
     std::vector<std::unique_ptr<DecodeRank>> decode;
     std::vector<RankResult> results;
 
+    // A dead rank: its transports closed.
+    void close_transports(int rank) {
+        transports[static_cast<size_t>(rank)]->close();
+        if (!data_transports.empty()) data_transports[static_cast<size_t>(rank)]->close();
+    }
+
     ~ClusterRun() {
         prefill.clear();
         decode.clear();
         transports.clear();
+        data_transports.clear();
     }
 };
 
@@ -247,6 +279,7 @@ std::vector<std::unique_ptr<Transport>> make_transports(
     const std::function<std::string(int)>& fault_spec = nullptr) {
     std::vector<std::unique_ptr<Transport>> out(static_cast<size_t>(n));
     auto world = make_local_world(n);
+    register_test_transports();
     std::vector<std::thread> threads;
     for (int r = 0; r < n; ++r) {
         threads.emplace_back([&, r] {
@@ -268,28 +301,68 @@ std::vector<std::unique_ptr<Transport>> make_transports(
     return out;
 }
 
+// The control (and data) transports of `n` ranks for `mode`; `fault_spec` / `data_fault_spec`
+// wrap a rank's control / data transport in the fault decorator.
+struct ModeTransports {
+    std::vector<std::unique_ptr<Transport>> control;
+    std::vector<std::unique_ptr<Transport>> data;  // empty: the control transport carries data
+
+    [[nodiscard]] Transport& at(int rank) const { return *control[static_cast<size_t>(rank)]; }
+    [[nodiscard]] Transport* data_at(int rank) const {
+        return data.empty() ? nullptr : data[static_cast<size_t>(rank)].get();
+    }
+    // `o` with rank `rank`'s data transport.
+    template <typename Opts>
+    Opts for_rank(Opts o, int rank) const {
+        o.data_transport = data_at(rank);
+        return o;
+    }
+};
+
+ModeTransports make_mode_transports(
+    const EngineMode& mode, int n, const std::string& dir,
+    const std::function<std::string(int)>& fault_spec = nullptr,
+    const std::function<std::string(int)>& data_fault_spec = nullptr) {
+    ModeTransports t;
+    t.control = make_transports(mode.control, n, dir, fault_spec);
+    if (!mode.data.empty()) t.data = make_transports(mode.data, n, dir, data_fault_spec);
+    return t;
+}
+
 // Builds the cluster, runs every rank on its own thread, returns with all engines alive.
 std::unique_ptr<ClusterRun> start_cluster(
-    const ClusterSpec& c, const std::string& transport,
-    SenderOptions so = test_options(SenderOptions{}),
+    const ClusterSpec& c, const EngineMode& mode, SenderOptions so = test_options(SenderOptions{}),
     ReceiverOptions ro = test_options(ReceiverOptions{}),
-    const std::function<std::string(int)>& fault_spec = nullptr) {
+    const std::function<std::string(int)>& fault_spec = nullptr,
+    const std::function<std::string(int)>& data_fault_spec = nullptr) {
     auto run = std::make_unique<ClusterRun>();
     const int n = c.world_size();
-    run->transports = make_transports(transport, n, run->dir.path(), fault_spec);
+    ModeTransports ts = make_mode_transports(mode, n, run->dir.path(), fault_spec, data_fault_spec);
+    run->transports = std::move(ts.control);
+    run->data_transports = std::move(ts.data);
     run->prefill.resize(static_cast<size_t>(n));
     run->decode.resize(static_cast<size_t>(n));
     run->results.resize(static_cast<size_t>(n));
     for (int r = 0; r < n; ++r) {
         if (!run->transports[static_cast<size_t>(r)]) return run;
+        if (!run->data_transports.empty() && !run->data_transports[static_cast<size_t>(r)]) {
+            return run;
+        }
         auto role = c.role_of(r);
         Transport& t = *run->transports[static_cast<size_t>(r)];
+        Transport* data = run->data_transports.empty()
+                              ? nullptr
+                              : run->data_transports[static_cast<size_t>(r)].get();
         if (role.is_prefill) {
+            SenderOptions o = so;
+            o.data_transport = data;
             run->prefill[static_cast<size_t>(r)] =
-                std::make_unique<PrefillRank>(t, c, role.instance, role.tp_rank, so);
+                std::make_unique<PrefillRank>(t, c, role.instance, role.tp_rank, o);
         } else {
+            ReceiverOptions o = ro;
+            o.data_transport = data;
             run->decode[static_cast<size_t>(r)] =
-                std::make_unique<DecodeRank>(t, c, role.instance, role.tp_rank, ro);
+                std::make_unique<DecodeRank>(t, c, role.instance, role.tp_rank, o);
         }
         run->results[static_cast<size_t>(r)].rank = r;
     }
@@ -393,6 +466,22 @@ void expect_clean(ClusterRun& run, const ClusterSpec& c, const std::vector<Reque
     EXPECT_GT(d.checked, 0u);
     EXPECT_GT(d.bytes, 0u);
     compare_with_prefill(run, c, reqs);
+    // The counters, in either data plane: a decode rank counts the bytes it holds (what verify()
+    // walked) and one layer per (request, layer); what the prefill ranks sent is what landed.
+    uint64_t sent = 0;
+    uint64_t landed = 0;
+    for (const RankResult& r : run.results) {
+        if (r.is_prefill) {
+            sent += r.stats.bytes;
+            continue;
+        }
+        landed += r.stats.bytes;
+        EXPECT_EQ(r.stats.bytes, r.bytes_checked) << "decode rank " << r.rank;
+        EXPECT_EQ(r.stats.layers, r.statuses.size() * static_cast<uint64_t>(c.model.layers))
+            << "decode rank " << r.rank;
+        EXPECT_GE(r.stats.messages, r.stats.layers > 0 ? 1u : 0u) << "decode rank " << r.rank;
+    }
+    EXPECT_EQ(sent, landed);
 }
 
 ClusterSpec simple(int prefill_tp, int decode_tp, int p_ps = 16, int d_ps = 16, int pages = 512) {
@@ -424,11 +513,11 @@ void size_pools(ClusterSpec& c, const std::vector<RequestSpec>& reqs) {
     }
 }
 
-// Runs `reqs` on cluster `c` over `transport` and expects a clean run.
-void run_clean(ClusterSpec c, std::vector<RequestSpec> reqs, const std::string& transport = "local",
+// Runs `reqs` on cluster `c` in `mode` and expects a clean run.
+void run_clean(ClusterSpec c, std::vector<RequestSpec> reqs, const EngineMode& mode,
                RunOptions o = RunOptions{}) {
     size_pools(c, reqs);
-    auto run = start_cluster(c, transport);
+    auto run = start_cluster(c, mode);
     run_ranks(*run, reqs, o);
     expect_clean(*run, c, reqs);
     Totals p = totals(*run, true);
@@ -444,10 +533,37 @@ std::vector<RequestSpec> fixed_requests(std::initializer_list<int64_t> lengths, 
     return out;
 }
 
-TEST(TransferEngineLocal, OneToOne) {
+// The suites below run every scenario in each mode they are instantiated with (the two-sided data
+// plane over the control transport, the one-sided write mode over a second world, ...). Inside a
+// test, run_clean / start_cluster / transports() use the test's mode.
+class EngineModeTest : public ::testing::TestWithParam<EngineMode> {
+protected:
+    [[nodiscard]] const EngineMode& mode() const { return GetParam(); }
+    void run_clean(ClusterSpec c, std::vector<RequestSpec> reqs, RunOptions o = RunOptions{}) {
+        testing::run_clean(std::move(c), std::move(reqs), mode(), std::move(o));
+    }
+    std::unique_ptr<ClusterRun> start_cluster(
+        const ClusterSpec& c, SenderOptions so = test_options(SenderOptions{}),
+        ReceiverOptions ro = test_options(ReceiverOptions{}),
+        const std::function<std::string(int)>& fault_spec = nullptr,
+        const std::function<std::string(int)>& data_fault_spec = nullptr) {
+        return testing::start_cluster(c, mode(), std::move(so), std::move(ro), fault_spec,
+                                      data_fault_spec);
+    }
+    // `n` ranks' transports in this mode (no engines).
+    ModeTransports transports(int n) { return make_mode_transports(mode(), n, dir_.path()); }
+
+private:
+    TempDir dir_;
+};
+
+class TransferEngineLocal : public EngineModeTest {};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineLocal, ::testing::Values(kTwoSided, kWrites), mode_name);
+
+TEST_P(TransferEngineLocal, OneToOne) {
     ClusterSpec c = simple(1, 1);
     auto reqs = fixed_requests({1, 15, 16, 17, 100, 333});
-    auto run = start_cluster(c, "local");
+    auto run = start_cluster(c);
     run_ranks(*run, reqs, RunOptions{});
     expect_clean(*run, c, reqs);
     Totals p = totals(*run, true);
@@ -455,18 +571,18 @@ TEST(TransferEngineLocal, OneToOne) {
     EXPECT_EQ(p.completed, reqs.size());
 }
 
-TEST(TransferEngineLocal, OneToOneChunked) {
+TEST_P(TransferEngineLocal, OneToOneChunked) {
     // Chunks of 20 tokens with pages of 16: middle chunks hold back the partial page.
     run_clean(simple(1, 1), fixed_requests({1, 16, 20, 21, 47, 160, 333}, 20));
 }
 
-TEST(TransferEngineLocal, LayerIntervals) {
+TEST_P(TransferEngineLocal, LayerIntervals) {
     RunOptions o;
     o.layer_interval = 3;  // 4 layers: intervals [0, 3) and [3, 4)
-    run_clean(simple(1, 1), fixed_requests({5, 64, 200}), "local", o);
+    run_clean(simple(1, 1), fixed_requests({5, 64, 200}), o);
 }
 
-TEST(TransferEngineLocal, OnePrefillTwoDecodeInstances) {
+TEST_P(TransferEngineLocal, OnePrefillTwoDecodeInstances) {
     ClusterSpec c = simple(1, 1);
     c.decode.push_back(InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 512});
     auto reqs = fixed_requests({10, 40, 70, 100, 130, 160});
@@ -474,7 +590,7 @@ TEST(TransferEngineLocal, OnePrefillTwoDecodeInstances) {
     run_clean(c, reqs);
 }
 
-TEST(TransferEngineLocal, TwoPrefillInstancesOneDecode) {
+TEST_P(TransferEngineLocal, TwoPrefillInstancesOneDecode) {
     ClusterSpec c = simple(1, 1);
     c.prefill.push_back(InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 512});
     auto reqs = fixed_requests({10, 40, 70, 100, 130, 160});
@@ -482,22 +598,22 @@ TEST(TransferEngineLocal, TwoPrefillInstancesOneDecode) {
     run_clean(c, reqs);
 }
 
-TEST(TransferEngineLocal, PrefillTp2ToDecodeTp1) {
+TEST_P(TransferEngineLocal, PrefillTp2ToDecodeTp1) {
     // Each prefill rank sends its heads; the decode rank scatters them into [token][head][dim].
     run_clean(simple(2, 1), fixed_requests({1, 17, 100, 250}));
 }
 
-TEST(TransferEngineLocal, PrefillTp1ToDecodeTp2) {
+TEST_P(TransferEngineLocal, PrefillTp1ToDecodeTp2) {
     // The prefill rank gathers each decode rank's head slice.
     run_clean(simple(1, 2), fixed_requests({1, 17, 100, 250}));
 }
 
-TEST(TransferEngineLocal, PrefillTp2ToDecodeTp4AndBack) {
+TEST_P(TransferEngineLocal, PrefillTp2ToDecodeTp4AndBack) {
     run_clean(simple(2, 4), fixed_requests({3, 90}, 32));
     run_clean(simple(4, 2), fixed_requests({3, 90}, 32));
 }
 
-TEST(TransferEngineLocal, PartialFragmentsOnBothSides) {
+TEST_P(TransferEngineLocal, PartialFragmentsOnBothSides) {
     // 6 heads, prefill TP2 (3 heads each) -> decode TP3 (2 each): decode rank 1 takes head 2 from
     // prefill rank 0 and head 3 from prefill rank 1 (gather on the sender, scatter on the
     // receiver).
@@ -506,21 +622,21 @@ TEST(TransferEngineLocal, PartialFragmentsOnBothSides) {
     run_clean(c, fixed_requests({1, 40, 200}, 48));
 }
 
-TEST(TransferEngineLocal, ReplicatedHeads) {
+TEST_P(TransferEngineLocal, ReplicatedHeads) {
     // 4 KV heads over TP 8: each head is held by two prefill ranks; replicas share the sends.
     ClusterSpec c = simple(8, 2);
     run_clean(c, fixed_requests({7, 70}));
 }
 
-TEST(TransferEngineLocal, PageSize16To64) {
+TEST_P(TransferEngineLocal, PageSize16To64) {
     run_clean(simple(1, 1, 16, 64), fixed_requests({1, 63, 64, 65, 300}, 50));
 }
 
-TEST(TransferEngineLocal, PageSize64To16) {
+TEST_P(TransferEngineLocal, PageSize64To16) {
     run_clean(simple(1, 1, 64, 16), fixed_requests({1, 15, 64, 65, 300}, 100));
 }
 
-TEST(TransferEngineLocal, PageSizesAndTpTogether) {
+TEST_P(TransferEngineLocal, PageSizesAndTpTogether) {
     run_clean(simple(2, 1, 64, 16), fixed_requests({33, 200}));
     run_clean(simple(1, 2, 16, 64), fixed_requests({33, 200}, 48));
 }
@@ -532,23 +648,23 @@ ClusterSpec mla(int prefill_tp, int decode_tp, int p_ps = 16, int d_ps = 16) {
     return c;
 }
 
-TEST(TransferEngineLocal, MlaOneToOne) {
+TEST_P(TransferEngineLocal, MlaOneToOne) {
     run_clean(mla(1, 1), fixed_requests({1, 50, 129}));
 }
 
-TEST(TransferEngineLocal, MlaReplicatedReceivers) {
+TEST_P(TransferEngineLocal, MlaReplicatedReceivers) {
     // One prefill rank, every decode TP rank receives the same latent buffer.
     run_clean(mla(1, 2, 64, 16), fixed_requests({1, 50, 129}, 40));
 }
 
-TEST(TransferEngineLocal, MlaOneSenderPerDecodeRank) {
+TEST_P(TransferEngineLocal, MlaOneSenderPerDecodeRank) {
     // Prefill TP2: only prefill rank 0 sends to decode rank 0; with decode TP2 each prefill rank
     // serves one decode rank.
     run_clean(mla(2, 1), fixed_requests({1, 50, 129}));
     run_clean(mla(2, 2, 16, 64), fixed_requests({1, 50, 129}));
 }
 
-TEST(TransferEngineLocal, RandomMixes) {
+TEST_P(TransferEngineLocal, RandomMixes) {
     // Lengths 1..8192 (skewed short; 1..2048 under TSan, whose cost is per byte), chunked and
     // not, many concurrent requests, scrambled decode pages, several cluster shapes.
     const int n = kSlow > 1 ? 6 : 24;
@@ -579,15 +695,15 @@ TEST(TransferEngineLocal, RandomMixes) {
         RunOptions o;
         o.seed = seed;
         o.batch = 6;
-        run_clean(c, reqs, "local", o);
+        run_clean(c, reqs, o);
     }
 }
 
-TEST(TransferEngineLocal, DecodeStartsALayerBeforeLaterLayersAreWritten) {
+TEST_P(TransferEngineLocal, DecodeStartsALayerBeforeLaterLayersAreWritten) {
     ClusterSpec c = simple(1, 1);
     auto reqs = fixed_requests({300});
     size_pools(c, reqs);
-    auto run = start_cluster(c, "local");
+    auto run = start_cluster(c);
     Gate hold;
     Gate submitted;
     RunOptions o;
@@ -614,6 +730,9 @@ TEST(TransferEngineLocal, DecodeStartsALayerBeforeLaterLayersAreWritten) {
 // ---------------------------------------------------------------------------------------------
 // Failure paths
 
+class TransferEngineFailure : public EngineModeTest {};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineFailure, ::testing::Values(kTwoSided, kWrites), mode_name);
+
 std::unique_ptr<kv::MHATokenToKVPool> small_pool(KvLayout* layout) {
     kv::MHAPoolConfig pc;
     pc.num_layers = 2;
@@ -626,15 +745,15 @@ std::unique_ptr<kv::MHATokenToKVPool> small_pool(KvLayout* layout) {
     return pool;
 }
 
-TEST(TransferEngineFailure, SilentPrefillPeerTimesOut) {
+TEST_P(TransferEngineFailure, SilentPrefillPeerTimesOut) {
     // Rank 0 has a transport but no engine: it never acks, never heartbeats.
-    auto ts = make_transports("local", 2, "");
+    auto ts = transports(2);
     KvLayout layout;
     auto pool = small_pool(&layout);
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.peer_timeout = 300ms;
     ro.request_timeout = 60s;
-    auto recv = KvReceiver::create(*ts[1], layout, ro);
+    auto recv = KvReceiver::create(ts.at(1), layout, ts.for_rank(ro, 1));
     ASSERT_OK(recv);
     const auto t0 = Clock::now();
     ASSERT_OK((*recv)->submit(
@@ -652,27 +771,29 @@ TEST(TransferEngineFailure, SilentPrefillPeerTimesOut) {
     EXPECT_EQ((*recv)->wait_layer(5, 0, 10s).code(), StatusCode::kAborted);
     auto stats = (*recv)->stats();
     EXPECT_EQ(stats.requests_failed + stats.requests_completed, stats.requests_submitted);
-    EXPECT_EQ(stats.tags_quarantined, 1u);
+    // Two-sided, its data tag may still match a message in flight; the write mode takes none.
+    EXPECT_EQ(stats.tags_quarantined, mode().writes() ? 0u : 1u);
     // The pages were pinned while the request could still receive, and are released once its
     // receives were withdrawn.
     EXPECT_TRUE(eventually([&] { return !(*recv)->status(5)->pages_in_use; }, 5s));
     EXPECT_EQ((*recv)->pins().pinned_pages(), 0u);
 }
 
-TEST(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
+TEST_P(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
     // The prefill side is alive (heartbeats) but never schedules the request.
-    auto ts = make_transports("local", 2, "");
+    auto ts = transports(2);
     KvLayout pl;
     KvLayout dl;
     auto ppool = small_pool(&pl);
     auto dpool = small_pool(&dl);
     runtime::CpuStream stream;
     pd::StepCounter counter(stream);
-    auto send = KvSender::create(*ts[0], pl, counter, test_options(SenderOptions{}));
+    auto send =
+        KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
     ASSERT_OK(send);
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.request_timeout = 400ms;
-    auto recv = KvReceiver::create(*ts[1], dl, ro);
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(ro, 1));
     ASSERT_OK(recv);
     ASSERT_OK((*recv)->submit(
         {.request_id = 9, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
@@ -681,11 +802,15 @@ TEST(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
     EXPECT_EQ(st->state, RequestState::kFailed);
     EXPECT_THAT(st->reason, HasSubstr("timed out"));
     EXPECT_THAT(st->reason, HasSubstr("KV chunks from prefill rank 0"));
+    // Nothing can write the pages any more (write mode: the prefill rank, which never scheduled
+    // the request, answers the Abort with Quiesced), so they are released -- well within the
+    // peer timeout (10 s), after which a silent prefill rank would count as dead anyway.
+    EXPECT_TRUE(eventually([&] { return !(*recv)->status(9)->pages_in_use; }, 5s * kSlow));
 }
 
-TEST(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
+TEST_P(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
     // The prefill compute never records: the sender's StepCounter wait times out.
-    auto ts = make_transports("local", 2, "");
+    auto ts = transports(2);
     KvLayout pl;
     KvLayout dl;
     auto ppool = small_pool(&pl);
@@ -694,8 +819,8 @@ TEST(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
     pd::StepCounter counter(stream);
     SenderOptions so = test_options(SenderOptions{});
     so.request_timeout = 500ms;
-    auto send = KvSender::create(*ts[0], pl, counter, so);
-    auto recv = KvReceiver::create(*ts[1], dl, test_options(ReceiverOptions{}));
+    auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(so, 0));
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(test_options(ReceiverOptions{}), 1));
     ASSERT_TRUE(send.ok() && recv.ok());
     ASSERT_OK((*recv)->submit(
         {.request_id = 3, .prefill_ranks = {0}, .dst_pages = {4, 5}, .num_tokens = 20}));
@@ -722,9 +847,9 @@ TEST(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
     EXPECT_EQ((*send)->pins().pinned_pages(), 0u);
 }
 
-TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
+TEST_P(TransferEngineFailure, SilentDecodePeerTimesOut) {
     // The decode engine bootstraps, then goes silent (stops without a word, transport open).
-    auto ts = make_transports("local", 2, "");
+    auto ts = transports(2);
     KvLayout pl;
     KvLayout dl;
     auto ppool = small_pool(&pl);
@@ -733,8 +858,8 @@ TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
     pd::StepCounter counter(stream);
     SenderOptions so = test_options(SenderOptions{});
     so.peer_timeout = 300ms;
-    auto send = KvSender::create(*ts[0], pl, counter, so);
-    auto recv = KvReceiver::create(*ts[1], dl, test_options(ReceiverOptions{}));
+    auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(so, 0));
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(test_options(ReceiverOptions{}), 1));
     ASSERT_TRUE(send.ok() && recv.ok());
     ASSERT_OK((*recv)->submit(
         {.request_id = 4, .prefill_ranks = {0}, .dst_pages = {4, 5}, .num_tokens = 20}));
@@ -754,7 +879,13 @@ TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
     c.begin_step = counter.advance_step(2);
     c.is_last = true;
     ASSERT_OK((*send)->submit_chunk(c));
-    for (int l = 0; l < 2; ++l) ASSERT_OK(counter.record_cache());
+    // Two-sided, the sends wait for receives that never come. One-sided writes need nothing
+    // from the decode rank (its regions stay registered, as a hung process's would), so there
+    // the sender is kept waiting on its steps instead: a request that still awaits anything
+    // fails when an awaited decode rank goes silent.
+    if (!mode().writes()) {
+        for (int l = 0; l < 2; ++l) ASSERT_OK(counter.record_cache());
+    }
     auto ps = (*send)->wait(4, 30s);
     ASSERT_OK(ps);
     EXPECT_EQ(ps->state, RequestState::kFailed);
@@ -762,10 +893,10 @@ TEST(TransferEngineFailure, SilentDecodePeerTimesOut) {
     EXPECT_LT(Clock::now() - t0, 300ms + 2s * kSlow);
 }
 
-TEST(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
+TEST_P(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
     // The prefill side computes, records and submits everything before the decode side admits
     // the request: the held chunks go out when the bootstrap arrives, all steps already ready.
-    auto ts = make_transports("local", 2, "");
+    auto ts = transports(2);
     ModelSpec m;
     KvLayout pl;
     KvLayout dl;
@@ -779,8 +910,8 @@ TEST(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
     so.validator = &pv;
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.validator = &dv;
-    auto send = KvSender::create(*ts[0], pl, counter, so);
-    auto recv = KvReceiver::create(*ts[1], dl, ro);
+    auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(so, 0));
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(ro, 1));
     ASSERT_TRUE(send.ok() && recv.ok());
     const int64_t n = 150;
     std::vector<int32_t> src = {9, 3, 4, 5, 1, 2, 7, 8, 10, 11};
@@ -835,18 +966,19 @@ TEST(TransferEngineLocal, LateBootstrapAfterTheForwardFinished) {
     }
 }
 
-TEST(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
-    auto ts = make_transports("local", 2, "");
+TEST_P(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
+    auto ts = transports(2);
     KvLayout pl;
     KvLayout dl;
     auto ppool = small_pool(&pl);
     auto dpool = small_pool(&dl);
     runtime::CpuStream stream;
     pd::StepCounter counter(stream);
-    auto send = KvSender::create(*ts[0], pl, counter, test_options(SenderOptions{}));
+    auto send =
+        KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.request_timeout = 200ms;
-    auto recv = KvReceiver::create(*ts[1], dl, ro);
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(ro, 1));
     ASSERT_TRUE(send.ok() && recv.ok());
     ASSERT_OK((*recv)->submit(
         {.request_id = 8, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
@@ -872,13 +1004,13 @@ TEST(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
               StatusCode::kAborted);
 }
 
-TEST(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
+TEST_P(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
     // P0 serves D1 and D2; D2 dies (engine stops, transport closes) mid-transfer.
     ClusterSpec c = simple(1, 1);
     c.decode.push_back(InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 512});
     auto reqs = fixed_requests({50, 60, 70, 80, 90, 100});
     for (size_t i = 0; i < reqs.size(); ++i) reqs[i].decode_instance = static_cast<int>(i % 2);
-    auto run = start_cluster(c, "local");
+    auto run = start_cluster(c);
     Gate hold;
     std::atomic<int> submitted{0};
     Gate all_submitted;
@@ -902,7 +1034,7 @@ TEST(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
         }
     }
     d2.receiver().shutdown(ShutdownMode::kAbrupt);
-    run->transports[2]->close();
+    run->close_transports(2);
     hold.open();
     ranks.join();
     const RankResult& p = run->results[0];
@@ -926,6 +1058,9 @@ TEST(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
 // ---------------------------------------------------------------------------------------------
 // Ordering faults: each must surface as a violation or a Failed request, never pass silently.
 
+class TransferEngineFaults : public EngineModeTest {};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineFaults, ::testing::Values(kTwoSided, kWrites), mode_name);
+
 struct FaultOutcome {
     size_t violations = 0;
     size_t failed = 0;
@@ -934,7 +1069,7 @@ struct FaultOutcome {
     bool decode_free_refused = false;
 };
 
-FaultOutcome run_fault(Fault::Kind kind, int layer = 1) {
+FaultOutcome run_fault(const EngineMode& mode, Fault::Kind kind, int layer = 1) {
     ClusterSpec c = simple(1, 1);
     auto reqs = fixed_requests({40, 77, 120});
     size_pools(c, reqs);
@@ -945,7 +1080,7 @@ FaultOutcome run_fault(Fault::Kind kind, int layer = 1) {
         so.request_timeout = 800ms;
         ro.request_timeout = 3s;
     }
-    auto run = start_cluster(c, "local", so, ro);
+    auto run = start_cluster(c, mode, so, ro);
     RunOptions o;
     o.fault = {kind, 101, layer};
     run_ranks(*run, reqs, o);
@@ -967,51 +1102,51 @@ FaultOutcome run_fault(Fault::Kind kind, int layer = 1) {
     return out;
 }
 
-TEST(TransferEngineFaults, CleanRunHasNoViolations) {
-    FaultOutcome o = run_fault(Fault::kNone);
+TEST_P(TransferEngineFaults, CleanRunHasNoViolations) {
+    FaultOutcome o = run_fault(mode(), Fault::kNone);
     EXPECT_EQ(o.violations, 0u) << o.report;
     EXPECT_EQ(o.failed, 0u);
 }
 
-TEST(TransferEngineFaults, RecordBeforeWrite) {
-    FaultOutcome o = run_fault(Fault::kRecordBeforeWrite);
+TEST_P(TransferEngineFaults, RecordBeforeWrite) {
+    FaultOutcome o = run_fault(mode(), Fault::kRecordBeforeWrite);
     EXPECT_GT(o.violations, 0u);
     EXPECT_THAT(o.report, HasSubstr("request 101 layer 1"));
     EXPECT_THAT(o.report, HasSubstr("sender read"));
 }
 
-TEST(TransferEngineFaults, SkipRecord) {
-    FaultOutcome o = run_fault(Fault::kSkipRecord);
+TEST_P(TransferEngineFaults, SkipRecord) {
+    FaultOutcome o = run_fault(mode(), Fault::kSkipRecord);
     EXPECT_GT(o.failed, 0u) << o.report;
 }
 
-TEST(TransferEngineFaults, DoubleRecord) {
-    FaultOutcome o = run_fault(Fault::kDoubleRecord);
+TEST_P(TransferEngineFaults, DoubleRecord) {
+    FaultOutcome o = run_fault(mode(), Fault::kDoubleRecord);
     EXPECT_GT(o.violations, 0u);
     EXPECT_THAT(o.report, HasSubstr("request 101 layer 2"));
 }
 
-TEST(TransferEngineFaults, LateWrite) {
-    FaultOutcome o = run_fault(Fault::kLateWrite);
+TEST_P(TransferEngineFaults, LateWrite) {
+    FaultOutcome o = run_fault(mode(), Fault::kLateWrite);
     EXPECT_GT(o.violations, 0u);
     EXPECT_THAT(o.report, HasSubstr("request 101 layer 1"));
 }
 
-TEST(TransferEngineFaults, FreeBeforeTransferIsRefused) {
-    FaultOutcome o = run_fault(Fault::kFreeBeforeTransfer);
+TEST_P(TransferEngineFaults, FreeBeforeTransferIsRefused) {
+    FaultOutcome o = run_fault(mode(), Fault::kFreeBeforeTransfer);
     EXPECT_TRUE(o.prefill_free_refused);
     EXPECT_GT(o.violations, 0u);
     EXPECT_THAT(o.report, HasSubstr("free-before-transfer"));
 }
 
-TEST(TransferEngineFaults, PagesReusedInFlight) {
-    FaultOutcome o = run_fault(Fault::kReuseBeforeTransfer);
+TEST_P(TransferEngineFaults, PagesReusedInFlight) {
+    FaultOutcome o = run_fault(mode(), Fault::kReuseBeforeTransfer);
     EXPECT_GT(o.violations, 0u);
     EXPECT_THAT(o.report, HasSubstr("request 101 layer 0"));
 }
 
-TEST(TransferEngineFaults, DecodeFreesDestinationEarly) {
-    FaultOutcome o = run_fault(Fault::kDecodeFreeEarly);
+TEST_P(TransferEngineFaults, DecodeFreesDestinationEarly) {
+    FaultOutcome o = run_fault(mode(), Fault::kDecodeFreeEarly);
     EXPECT_TRUE(o.decode_free_refused);
     EXPECT_GT(o.violations, 0u);
 }
@@ -1022,22 +1157,47 @@ TEST(TransferEngineFaults, DecodeFreesDestinationEarly) {
 
 struct TransportFaultCase {
     const char* spec;
-    int rank;          // the rank whose transport is faulty (0: prefill, 1: decode)
-    bool all_succeed;  // the fault is benign (order kept)
-    bool must_show;    // the fault must surface (a Failed request or a violation)
+    int rank;              // the rank whose transport is faulty (0: prefill, 1: decode)
+    bool all_succeed;      // the fault is benign (order kept)
+    bool must_show;        // the fault must surface (a Failed request or a violation)
+    bool on_data = false;  // the data transport is faulty (write mode), not the control one
 };
 
-TEST(TransferEngineTransportFaults, NeverPassSilently) {
-    const std::vector<TransportFaultCase> cases = {
-        {"delay:ms=2", 0, true, false},
-        {"delay:ms=1,jitter_ms=4,seed=3", 0, false, false},
-        {"drop:p=0.05,seed=3", 0, false, true},
-        {"corrupt:p=0.1,seed=5", 1, false, true},
-        {"reorder:p=0.3,seed=9,hold_ms=5", 0, false, true},
-        {"disconnect:after=60", 0, false, true},
-    };
+class TransferEngineTransportFaults : public EngineModeTest {};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineTransportFaults, ::testing::Values(kTwoSided, kWrites),
+                         mode_name);
+
+TEST_P(TransferEngineTransportFaults, NeverPassSilently) {
+    // Two-sided, the control transport carries the data too. In the write mode a fault on the
+    // control transport hits Chunk / LayerWritten / Completion messages: corruption (of page
+    // lists the write mode does not use, say) and reordering (two LayerWritten) may be benign
+    // there; a fault on the data transport hits the writes (a dropped write completes OK and
+    // lands nothing: the landed-bytes check must catch it).
+    const std::vector<TransportFaultCase> cases =
+        mode().writes()
+            ? std::vector<TransportFaultCase>{
+                  {"delay:ms=2", 0, true, false},
+                  {"delay:ms=1,jitter_ms=4,seed=3", 0, false, false},
+                  {"drop:p=0.05,seed=3", 0, false, true},
+                  {"corrupt:p=0.1,seed=5", 1, false, false},
+                  {"reorder:p=0.3,seed=9,hold_ms=5", 0, false, false},
+                  {"disconnect:after=60", 0, false, true},
+                  {"delay:ms=2", 0, true, false, true},
+                  {"delay:ms=1,jitter_ms=4,seed=3", 0, true, false, true},
+                  {"drop:p=0.05,seed=3", 0, false, true, true},
+                  {"disconnect:after=60", 0, false, true, true},
+              }
+            : std::vector<TransportFaultCase>{
+                  {"delay:ms=2", 0, true, false},
+                  {"delay:ms=1,jitter_ms=4,seed=3", 0, false, false},
+                  {"drop:p=0.05,seed=3", 0, false, true},
+                  {"corrupt:p=0.1,seed=5", 1, false, true},
+                  {"reorder:p=0.3,seed=9,hold_ms=5", 0, false, true},
+                  {"disconnect:after=60", 0, false, true},
+              };
     for (const TransportFaultCase& fc : cases) {
-        SCOPED_TRACE(::testing::Message() << "fault '" << fc.spec << "' on rank " << fc.rank);
+        SCOPED_TRACE(::testing::Message() << "fault '" << fc.spec << "' on rank " << fc.rank
+                                          << (fc.on_data ? " (data)" : " (control)"));
         ClusterSpec c = simple(1, 1, 16, 32);
         auto reqs = fixed_requests({30, 100, 250, 400}, 64);
         size_pools(c, reqs);
@@ -1045,9 +1205,12 @@ TEST(TransferEngineTransportFaults, NeverPassSilently) {
         ReceiverOptions ro = test_options(ReceiverOptions{});
         so.request_timeout = ro.request_timeout = std::chrono::milliseconds(2000 * kSlow);
         so.peer_timeout = ro.peer_timeout = std::chrono::milliseconds(1500 * kSlow);
-        auto run = start_cluster(c, "local", so, ro, [&](int r) {
-            return r == fc.rank ? std::string(fc.spec) : std::string();
-        });
+        auto spec = [&](bool data) {
+            return [&fc, data](int r) {
+                return r == fc.rank && fc.on_data == data ? std::string(fc.spec) : std::string();
+            };
+        };
+        auto run = start_cluster(c, so, ro, spec(false), spec(true));
         RunOptions o;
         o.batch = 2;
         run_ranks(*run, reqs, o);
@@ -1072,31 +1235,529 @@ TEST(TransferEngineTransportFaults, NeverPassSilently) {
         if (fc.must_show) {
             EXPECT_GT(failed + violations, 0u);
         }
-        std::printf("  fault '%s' on rank %d: %zu request-sides failed, %zu violations\n", fc.spec,
-                    fc.rank, failed, violations);
+        std::printf("  fault '%s' on rank %d (%s): %zu request-sides failed, %zu violations\n",
+                    fc.spec, fc.rank, fc.on_data ? "data" : "control", failed, violations);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// The same engine over the tcp transport (real loopback sockets).
+// The same engine over the tcp transport (real loopback sockets): control and data over tcp, tcp
+// control with one-sided writes over a local world, and tcp control with a separate two-sided
+// local data transport.
 
-TEST(TransferEngineTcp, OneToOneChunked) {
-    run_clean(simple(1, 1), fixed_requests({1, 16, 21, 160, 333}, 20), "tcp");
+class TransferEngineTcp : public EngineModeTest {};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineTcp,
+                         ::testing::Values(kTcpTwoSided, kTcpWrites, kTcpControlLocalData),
+                         mode_name);
+
+TEST_P(TransferEngineTcp, OneToOneChunked) {
+    run_clean(simple(1, 1), fixed_requests({1, 16, 21, 160, 333}, 20));
 }
 
-TEST(TransferEngineTcp, HeterogeneousTpAndPages) {
-    run_clean(simple(2, 1, 64, 16), fixed_requests({33, 200}), "tcp");
-    run_clean(simple(1, 2, 16, 64), fixed_requests({33, 200}, 48), "tcp");
-    run_clean(mla(1, 2), fixed_requests({5, 120}), "tcp");
+TEST_P(TransferEngineTcp, HeterogeneousTpAndPages) {
+    run_clean(simple(2, 1, 64, 16), fixed_requests({33, 200}));
+    run_clean(simple(1, 2, 16, 64), fixed_requests({33, 200}, 48));
+    run_clean(mla(1, 2), fixed_requests({5, 120}));
 }
 
-TEST(TransferEngineTcp, RandomMix) {
+TEST_P(TransferEngineTcp, RandomMix) {
     ClusterSpec c = simple(2, 2, 16, 32);
     c.decode.push_back(InstanceSpec{.tp = 1, .page_size = 64, .num_pages = 1});
     auto reqs = random_requests(99, kSlow > 1 ? 8 : 20, 8192, 1, 2, true);
     RunOptions o;
     o.batch = 5;
-    run_clean(c, reqs, "tcp", o);
+    run_clean(c, reqs, o);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The write mode only: page safety with writes in flight, peer death, device layouts, data
+// planes that disagree, and what create() refuses.
+
+// Holds every post_write until release(): a held write is in flight (cancel says so), as a copy
+// queued on a GPU stream is; release() hands them to the inner transport in post order.
+class HeldWrites final : public ForwardingTransport {
+public:
+    explicit HeldWrites(std::unique_ptr<Transport> inner) : ForwardingTransport(std::move(inner)) {}
+    ~HeldWrites() override { close(); }
+
+    StatusOr<RequestHandle> post_write(const RemoteRegion& dst, size_t dst_offset, const void* src,
+                                       size_t bytes) override {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (!released_) {
+                auto op = std::make_shared<OpState>(OpKind::kWrite, dst.peer, 0, bytes);
+                held_.push_back(Held{dst, dst_offset, src, bytes, op});
+                return RequestHandle(op);
+            }
+        }
+        return ForwardingTransport::post_write(dst, dst_offset, src, bytes);
+    }
+    Status cancel(const RequestHandle& handle) override {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            for (const Held& w : held_) {
+                if (w.op == handle.state()) {
+                    return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                                       "held write already in flight");
+                }
+            }
+        }
+        if (handle.done()) return {};
+        return ForwardingTransport::cancel(handle);
+    }
+    StatusOr<bool> test(const RequestHandle& handle) override { return Transport::test(handle); }
+    Status wait(const RequestHandle& handle, Timeout timeout) override {
+        return Transport::wait(handle, timeout);
+    }
+    void close() override {
+        std::vector<Held> now;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            released_ = true;
+            now.swap(held_);
+        }
+        for (Held& w : now) {
+            w.op->complete(Status(StatusCode::kUnavailable, "held writes: transport closed"), 0);
+        }
+        ForwardingTransport::close();
+    }
+
+    [[nodiscard]] size_t held() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return held_.size();
+    }
+    void release() {
+        std::vector<Held> now;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            released_ = true;
+            now.swap(held_);
+        }
+        for (Held& w : now) {
+            auto h = ForwardingTransport::post_write(w.dst, w.offset, w.src, w.bytes);
+            if (!h.ok()) {
+                w.op->complete(h.status(), 0);
+                continue;
+            }
+            std::shared_ptr<OpState> op = w.op;
+            h->on_complete([op](const Status& st, size_t n) { op->complete(st, n); });
+        }
+    }
+
+private:
+    struct Held {
+        RemoteRegion dst;
+        size_t offset;
+        const void* src;
+        size_t bytes;
+        std::shared_ptr<OpState> op;
+    };
+    std::mutex mu_;
+    bool released_ = false;
+    std::vector<Held> held_;
+};
+
+// Prefill rank 0 and decode rank 1 in the write mode, rank 0's writes held (HeldWrites).
+struct HeldPair {
+    std::vector<std::unique_ptr<Transport>> control;
+    std::vector<std::unique_ptr<Transport>> data;
+    HeldWrites* held = nullptr;
+
+    HeldPair() {
+        control = make_transports("local", 2, "");
+        data = make_transports("local_writes", 2, "");
+        auto h = std::make_unique<HeldWrites>(std::move(data[0]));
+        held = h.get();
+        data[0] = std::move(h);
+    }
+};
+
+// One request (id 7, 20 tokens, two layers) from prefill pages {1, 2} into `dst`, its KV written
+// and recorded; returns once every write of it is held.
+void start_held_request(HeldPair& ts, KvSender& send, KvReceiver& recv, const KvLayout& pl,
+                        pd::StepCounter& counter, const std::vector<int32_t>& dst) {
+    const std::vector<int32_t> src = {1, 2};
+    ASSERT_OK(
+        recv.submit({.request_id = 7, .prefill_ranks = {0}, .dst_pages = dst, .num_tokens = 20}));
+    ASSERT_OK(send.add_request({.request_id = 7, .num_tokens = 20}));
+    for (int l = 0; l < pl.num_layers(); ++l) write_layer(pl, src, 3, 7, l, 0, 20, 0);
+    ASSERT_OK(send.submit_chunk({.request_id = 7,
+                                 .src_pages = src,
+                                 .token_begin = 0,
+                                 .token_end = 20,
+                                 .begin_step = counter.advance_step(pl.num_layers()),
+                                 .layer_interval = 1,
+                                 .is_last = true,
+                                 .first_token = 5}));
+    for (int l = 0; l < pl.num_layers(); ++l) ASSERT_OK(counter.record_cache());
+    // 2 layers x 2 buffers x one run (the 20 tokens are contiguous on both sides).
+    ASSERT_TRUE(eventually([&] { return ts.held->held() == 4; }, 10s * kSlow))
+        << ts.held->held() << " writes held";
+}
+
+// How many (layer, buffer, token, head) of request 7 in `dst` hold the prefill side's bytes.
+size_t landed_heads(const KvLayout& dl, const std::vector<int32_t>& dst) {
+    size_t good = 0;
+    std::vector<std::byte> want(dl.head_bytes(0));
+    for (int l = 0; l < dl.num_layers(); ++l) {
+        for (int b = 0; b < dl.buffer_count(); ++b) {
+            for (int64_t t = 0; t < 20; ++t) {
+                for (int h = 0; h < dl.local_heads(); ++h) {
+                    fill_kv(want.data(), want.size(), 3, 7, l, b, h, t, 0);
+                    const std::byte* got = dl.slot_addr(l, b, token_slot(dst, dl.page_size(), t)) +
+                                           static_cast<size_t>(h) * want.size();
+                    good += std::memcmp(got, want.data(), want.size()) == 0;
+                }
+            }
+        }
+    }
+    return good;
+}
+
+TEST(TransferEngineWrite, FailedRequestKeepsPagesPinnedUntilTheSourceQuiesces) {
+    register_test_transports();
+    HeldPair ts;
+    KvLayout pl;
+    KvLayout dl;
+    auto ppool = small_pool(&pl);
+    auto dpool = small_pool(&dl);
+    ASSERT_OK(dpool->fill(0x5A));
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    SenderOptions so = test_options(SenderOptions{});
+    so.data_transport = ts.data[0].get();
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.data_transport = ts.data[1].get();
+    ro.request_timeout = 300ms;
+    auto send = KvSender::create(*ts.control[0], pl, counter, so);
+    auto recv = KvReceiver::create(*ts.control[1], dl, ro);
+    ASSERT_TRUE(send.ok() && recv.ok());
+    auto dst = dpool->allocator().alloc(2);
+    ASSERT_OK(dst);
+    start_held_request(ts, **send, **recv, pl, counter, *dst);
+    // The decode side gives up (no LayerWritten in time) and aborts; the prefill side fails the
+    // request but cannot withdraw writes that are in flight.
+    auto ds = (*recv)->wait_done(7, 30s);
+    ASSERT_OK(ds);
+    ASSERT_EQ(ds->state, RequestState::kFailed);
+    EXPECT_THAT(ds->reason, HasSubstr("timed out"));
+    ASSERT_TRUE(
+        eventually([&] { return (*send)->status(7)->state == RequestState::kFailed; }, 10s));
+    std::this_thread::sleep_for(200ms * kSlow);  // room for a wrong early release
+    EXPECT_TRUE((*recv)->status(7)->pages_in_use);
+    EXPECT_THAT((*recv)->pins().free_pages(dpool->allocator(), *dst),
+                StatusIs(StatusCode::kFailedPrecondition, HasSubstr("request 7")));
+    EXPECT_TRUE((*send)->status(7)->pages_in_use);
+    EXPECT_EQ(landed_heads(dl, *dst), 0u) << "nothing has landed yet";
+    // The writes land now, after the request failed: freed and reused pages would be corrupted.
+    ts.held->release();
+    EXPECT_EQ(landed_heads(dl, *dst), 2u * 2u * 20u * 2u);
+    // Only now does the prefill rank quiesce, and the decode rank let the pages go.
+    EXPECT_TRUE(eventually([&] { return !(*recv)->status(7)->pages_in_use; }, 10s * kSlow));
+    EXPECT_OK((*recv)->pins().free_pages(dpool->allocator(), *dst));
+    EXPECT_TRUE(eventually([&] { return !(*send)->status(7)->pages_in_use; }, 10s * kSlow));
+    EXPECT_EQ((*recv)->stats().tags_quarantined, 0u);
+}
+
+TEST(TransferEngineWrite, DeadSourceReleasesThePages) {
+    // The prefill rank dies with its writes in flight (they never land): once its control link
+    // reports it gone, nothing can write the pages any more.
+    register_test_transports();
+    HeldPair ts;
+    KvLayout pl;
+    KvLayout dl;
+    auto ppool = small_pool(&pl);
+    auto dpool = small_pool(&dl);
+    ASSERT_OK(dpool->fill(0x5A));
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    SenderOptions so = test_options(SenderOptions{});
+    so.data_transport = ts.data[0].get();
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.data_transport = ts.data[1].get();
+    auto send = KvSender::create(*ts.control[0], pl, counter, so);
+    auto recv = KvReceiver::create(*ts.control[1], dl, ro);
+    ASSERT_TRUE(send.ok() && recv.ok());
+    auto dst = dpool->allocator().alloc(2);
+    ASSERT_OK(dst);
+    start_held_request(ts, **send, **recv, pl, counter, *dst);
+    EXPECT_TRUE((*recv)->status(7)->pages_in_use);
+    (*send)->shutdown(ShutdownMode::kAbrupt);
+    ts.control[0]->close();
+    ts.data[0]->close();  // the held writes fail: they never land
+    auto ds = (*recv)->wait_done(7, 30s);
+    ASSERT_OK(ds);
+    ASSERT_EQ(ds->state, RequestState::kFailed);
+    EXPECT_THAT(ds->reason, HasSubstr("prefill rank 0 unreachable"));
+    EXPECT_TRUE(eventually([&] { return !(*recv)->status(7)->pages_in_use; }, 10s * kSlow));
+    EXPECT_OK((*recv)->pins().free_pages(dpool->allocator(), *dst));
+    EXPECT_EQ(landed_heads(dl, *dst), 0u);
+}
+
+TEST(TransferEngineWrite, DataPlanesMustAgree) {
+    // A decode rank that expects writes and a prefill rank that sends (and the other way round):
+    // the prefill rank refuses the bootstrap, naming both planes; nothing hangs.
+    register_test_transports();
+    for (const bool decode_writes : {true, false}) {
+        SCOPED_TRACE(decode_writes ? "decode writes, prefill sends"
+                                   : "decode sends, prefill writes");
+        auto control = make_transports("local", 2, "");
+        auto data = make_transports("local_writes", 2, "");
+        KvLayout pl;
+        KvLayout dl;
+        auto ppool = small_pool(&pl);
+        auto dpool = small_pool(&dl);
+        runtime::CpuStream stream;
+        pd::StepCounter counter(stream);
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = decode_writes ? nullptr : data[0].get();
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.data_transport = decode_writes ? data[1].get() : nullptr;
+        auto send = KvSender::create(*control[0], pl, counter, so);
+        auto recv = KvReceiver::create(*control[1], dl, ro);
+        ASSERT_TRUE(send.ok() && recv.ok());
+        ASSERT_OK((*send)->add_request({.request_id = 3, .num_tokens = 20}));
+        ASSERT_OK((*recv)->submit(
+            {.request_id = 3, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
+        auto ds = (*recv)->wait_done(3, 30s);
+        ASSERT_OK(ds);
+        EXPECT_EQ(ds->state, RequestState::kFailed);
+        EXPECT_THAT(ds->reason, HasSubstr(decode_writes ? "expects one-sided writes"
+                                                        : "uses the two-sided data plane"));
+        EXPECT_TRUE(eventually([&] { return !(*recv)->status(3)->pages_in_use; }, 10s * kSlow));
+        auto ps = (*send)->wait(3, 30s);
+        ASSERT_OK(ps);
+        EXPECT_EQ(ps->state, RequestState::kFailed);
+    }
+}
+
+// A device (here: host-backed fake CUDA) pool per rank, over a transport that claims device
+// memory: the write mode only does address arithmetic on it, so a transfer without staging and
+// without a validator runs; with a staging copy it is refused as not implemented.
+constexpr runtime::Device kFakeGpu{runtime::DeviceKind::kCuda, 0};
+
+TEST(TransferEngineWrite, DeviceLayoutsWithoutStaging) {
+    register_test_transports();
+    runtime::testing::install_host_backed_cuda_runtime();
+    // Prefill TP2 -> decode TP1 (4 heads): each prefill rank writes its two heads of every token
+    // straight into the decode slots (one write per token: no gather, no scatter).
+    auto control = make_transports("local", 3, "");
+    auto data = make_transports("local_device_writes", 3, "");
+    ModelSpec m;
+    KvLayout pl[2];
+    KvLayout dl;
+    auto p0 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 0, &pl[0], kFakeGpu);
+    auto p1 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 1, &pl[1], kFakeGpu);
+    auto dpool =
+        make_pool(m, InstanceSpec{.tp = 1, .page_size = 32, .num_pages = 16}, 0, &dl, kFakeGpu);
+    ASSERT_FALSE(dl.is_host());
+    ASSERT_EQ(pl[1].device(), kFakeGpu);
+    ASSERT_OK(dpool->fill(0x5A));
+    runtime::CpuStream streams[2] = {runtime::CpuStream("p0"), runtime::CpuStream("p1")};
+    pd::StepCounter counters[2] = {pd::StepCounter(streams[0]), pd::StepCounter(streams[1])};
+    std::unique_ptr<KvSender> senders[2];
+    for (int r = 0; r < 2; ++r) {
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = data[static_cast<size_t>(r)].get();
+        auto s = KvSender::create(*control[static_cast<size_t>(r)], pl[r], counters[r], so);
+        ASSERT_OK(s);
+        senders[r] = std::move(s).value();
+    }
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.data_transport = data[2].get();
+    auto recv = KvReceiver::create(*control[2], dl, ro);
+    ASSERT_OK(recv);
+    const int64_t n = 70;
+    const std::vector<int32_t> src = {3, 1, 4, 2, 5};
+    const std::vector<int32_t> dst = {2, 5, 3};
+    ASSERT_OK((*recv)->submit(
+        {.request_id = 11, .prefill_ranks = {0, 1}, .dst_pages = dst, .num_tokens = n}));
+    for (int r = 0; r < 2; ++r) {
+        ASSERT_OK(senders[r]->add_request({.request_id = 11, .num_tokens = n}));
+        for (int l = 0; l < m.layers; ++l) write_layer(pl[r], src, 4, 11, l, 0, n, 0);
+        ASSERT_OK(senders[r]->submit_chunk({.request_id = 11,
+                                            .src_pages = src,
+                                            .token_begin = 0,
+                                            .token_end = n,
+                                            .begin_step = counters[r].advance_step(m.layers),
+                                            .layer_interval = 1,
+                                            .is_last = true,
+                                            .first_token = 77}));
+        for (int l = 0; l < m.layers; ++l) ASSERT_OK(counters[r].record_cache());
+    }
+    auto ds = (*recv)->wait_done(11, 30s);
+    ASSERT_OK(ds);
+    ASSERT_EQ(ds->state, RequestState::kSuccess) << ds->reason;
+    EXPECT_EQ(ds->first_token, 77);
+    std::vector<std::byte> want(dl.head_bytes(0));
+    size_t bad = 0;
+    for (int l = 0; l < m.layers; ++l) {
+        for (int b = 0; b < 2; ++b) {
+            for (int64_t t = 0; t < n; ++t) {
+                for (int h = 0; h < m.kv_heads; ++h) {
+                    fill_kv(want.data(), want.size(), 4, 11, l, b, h, t, 0);
+                    bad += std::memcmp(dl.slot_addr(l, b, token_slot(dst, 32, t)) +
+                                           static_cast<size_t>(h) * want.size(),
+                                       want.data(), want.size()) != 0;
+                }
+            }
+        }
+    }
+    EXPECT_EQ(bad, 0u);
+    const EngineStats st = (*recv)->stats();
+    EXPECT_EQ(st.bytes, static_cast<uint64_t>(n) * m.layers * 2 * m.kv_heads * want.size());
+    // One write per (source, layer, buffer, token): the decode slot holds both sources' heads.
+    EXPECT_EQ(st.messages, 2u * static_cast<uint64_t>(m.layers) * 2u * static_cast<uint64_t>(n));
+    EXPECT_EQ(st.staged_bytes, 0u);
+    for (auto& s : senders) {
+        auto ps = s->wait(11, 30s);
+        ASSERT_OK(ps);
+        EXPECT_EQ(ps->state, RequestState::kSuccess) << ps->reason;
+        EXPECT_EQ(s->stats().staged_bytes, 0u);
+    }
+}
+
+TEST(TransferEngineWrite, DeviceLayoutThatNeedsAGatherIsRefused) {
+    register_test_transports();
+    runtime::testing::install_host_backed_cuda_runtime();
+    // Prefill TP1 -> decode TP2: each decode rank takes half of every prefill token slot into
+    // whole slots of its own, which the write mode gathers on the host first.
+    auto control = make_transports("local", 3, "");
+    auto data = make_transports("local_device_writes", 3, "");
+    ModelSpec m;
+    KvLayout pl;
+    KvLayout dl[2];
+    auto ppool =
+        make_pool(m, InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 16}, 0, &pl, kFakeGpu);
+    auto d0 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 0, &dl[0], kFakeGpu);
+    auto d1 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 1, &dl[1], kFakeGpu);
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    SenderOptions so = test_options(SenderOptions{});
+    so.data_transport = data[0].get();
+    auto send = KvSender::create(*control[0], pl, counter, so);
+    ASSERT_OK(send);
+    std::unique_ptr<KvReceiver> recvs[2];
+    for (int d = 0; d < 2; ++d) {
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.data_transport = data[static_cast<size_t>(d + 1)].get();
+        auto r = KvReceiver::create(*control[static_cast<size_t>(d + 1)], dl[d], ro);
+        ASSERT_OK(r);
+        recvs[d] = std::move(r).value();
+    }
+    ASSERT_OK((*send)->add_request({.request_id = 12, .num_tokens = 20}));
+    for (auto& r : recvs) {
+        ASSERT_OK(r->submit(
+            {.request_id = 12, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
+    }
+    for (auto& r : recvs) {
+        auto ds = r->wait_done(12, 30s);
+        ASSERT_OK(ds);
+        EXPECT_EQ(ds->state, RequestState::kFailed);
+        EXPECT_THAT(ds->reason, HasSubstr("not implemented for a KV layout in cuda memory"));
+    }
+}
+
+TEST(TransferEngineCreate, DataTransportsWithoutAUsablePlane) {
+    register_test_transports();
+    auto control = make_transports("local", 2, "");
+    auto other = make_transports("local", 2, "");
+    KvLayout layout;
+    auto pool = small_pool(&layout);
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    auto view = [&](int rank, const char* name, std::function<void(Capabilities&)> edit) {
+        return std::make_unique<CapabilityView>(std::move(other[static_cast<size_t>(rank)]), name,
+                                                edit);
+    };
+    auto try_both = [&](Transport& ctl, Transport* data, StatusCode code, const char* what) {
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = data;
+        EXPECT_THAT(KvSender::create(ctl, layout, counter, so).status(),
+                    StatusIs(code, HasSubstr(what)));
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.data_transport = data;
+        EXPECT_THAT(KvReceiver::create(ctl, layout, ro).status(), StatusIs(code, HasSubstr(what)));
+    };
+    // Neither two-sided nor one-sided.
+    auto neither = view(0, "no_data_ops", [](Capabilities& c) {
+        one_sided_only(c);
+        c.one_sided_write = false;
+    });
+    try_both(*control[0], neither.get(), StatusCode::kUnimplemented,
+             "data transport 'no_data_ops': it has neither two-sided tag-matching operations");
+    // Two-sided without tag matching (nccl's kind): not supported yet.
+    auto untagged = view(1, "untagged", [](Capabilities& c) {
+        c.tag_matching = false;
+        c.one_sided_write = false;
+    });
+    try_both(*control[1], untagged.get(), StatusCode::kUnimplemented, "without tag matching");
+    // The control transport must be two-sided and tag-matching.
+    auto one_sided = make_transports("local_writes", 2, "");
+    try_both(*one_sided[0], nullptr, StatusCode::kUnimplemented,
+             "two-sided, tag-matching control transport; 'local_writes' is not");
+    // The data transport must number the ranks as the control transport does.
+    try_both(*control[0], one_sided[1].get(), StatusCode::kInvalidArgument,
+             "data transport 'local_writes' is rank 1 of 2, the control transport 'local' rank 0");
+}
+
+TEST(TransferEngineCreate, LayoutMemoryMustBeReachable) {
+    register_test_transports();
+    auto control = make_transports("local", 2, "");
+    auto host_writes = make_transports("local_writes", 2, "");
+    auto device_writes = make_transports("local_device_writes", 2, "");
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    // A layout that declares CUDA memory (address arithmetic only: nothing touches it here).
+    const KvLayoutSummary s = mha(1, 0, 2, 16);
+    std::vector<std::vector<std::byte>> storage(4, std::vector<std::byte>(8 * 16 * 2 * 32));
+    std::vector<std::byte*> bases;
+    for (auto& v : storage) bases.push_back(v.data());
+    auto device_layout = KvLayout::create(s, 8, bases, kFakeGpu);
+    ASSERT_OK(device_layout);
+    EXPECT_FALSE(device_layout->is_host());
+    OrderingValidator validator(0);
+    auto try_both = [&](const KvLayout& layout, Transport* data, OrderingValidator* v,
+                        StatusCode code, const char* what) {
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = data;
+        so.validator = v;
+        EXPECT_THAT(KvSender::create(*control[0], layout, counter, so).status(),
+                    StatusIs(code, HasSubstr(what)));
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.data_transport = data;
+        ro.validator = v;
+        EXPECT_THAT(KvReceiver::create(*control[0], layout, ro).status(),
+                    StatusIs(code, HasSubstr(what)));
+    };
+    // A device layout and a host-only data transport (the control one, or a one-sided one).
+    try_both(*device_layout, nullptr, nullptr, StatusCode::kInvalidArgument,
+             "is in cuda memory (device 0), which data transport 'local' cannot reach");
+    try_both(*device_layout, host_writes[0].get(), nullptr, StatusCode::kInvalidArgument,
+             "which data transport 'local_writes' cannot reach (no device_memory capability)");
+    // A device layout with a validator: the validator hashes on the host.
+    try_both(*device_layout, device_writes[0].get(), &validator, StatusCode::kUnimplemented,
+             "the ordering validator hashes pages on the host");
+    // ... without one it is accepted.
+    SenderOptions so = test_options(SenderOptions{});
+    so.data_transport = device_writes[0].get();
+    EXPECT_OK(KvSender::create(*control[0], *device_layout, counter, so));
+    // A host layout and a transport that reaches device memory only.
+    auto device_only = std::make_unique<CapabilityView>(std::move(host_writes[1]), "device_only",
+                                                        [](Capabilities& c) {
+                                                            c.host_memory = false;
+                                                            c.device_memory = true;
+                                                        });
+    auto host_layout = KvLayout::create(s, 8, bases);
+    ASSERT_OK(host_layout);
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.data_transport = device_only.get();
+    EXPECT_THAT(KvReceiver::create(*control[1], *host_layout, ro).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("no host_memory capability")));
 }
 
 }  // namespace

@@ -47,7 +47,7 @@ Status ControlChannel::start(ControlListener* listener) {
     return {};
 }
 
-void ControlChannel::stop(bool drain) {
+void ControlChannel::stop(bool drain, std::chrono::milliseconds linger) {
     {
         MutexLock lock(mu_);
         if (stop_) return;
@@ -60,6 +60,11 @@ void ControlChannel::stop(bool drain) {
         MutexLock lock(mu_);
         closed_ = true;
         tasks_.clear();
+    }
+    if (linger.count() > 0) {
+        MutexLock lock(sends_mu_);
+        (void)sends_cv_.wait_for(sends_mu_, linger,
+                                 [&]() PDSIM_REQUIRES(sends_mu_) { return sends_.empty(); });
     }
     // Withdraw what is still posted. A receive or send that is already moving data cannot be
     // cancelled; it completes on its own (its buffer is owned by its callback, so that is safe).
@@ -179,6 +184,7 @@ void ControlChannel::post_tracked_send(int peer, std::shared_ptr<Bytes> buf,
             MutexLock lock(self->sends_mu_);
             self->sends_.erase(id);
         }
+        self->sends_cv_.notify_all();
         if (!st.ok() && st.code() == StatusCode::kUnavailable) {
             self->post([self = self.get(), peer, st] {
                 if (self->failed_[static_cast<size_t>(peer)]) return;

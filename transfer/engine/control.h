@@ -38,7 +38,23 @@
 //   Completion prefill -> decode on the request's DATA tag, after the last chunk's data:
 //              {src tp rank, first sampled token, the compute stream's checksums of the
 //               fragment's heads per (layer, buffer)}. Non-overtaking per tag puts it after
-//              every data message of the request.
+//              every data message of the request. In the write mode (below) it travels on
+//              the control tag instead, after every LayerWritten of the request to that rank.
+//
+// The one-sided write data plane (kv_sender.h / kv_receiver.h; data tag 0 in the Bootstrap: no
+// data tag slot is taken) adds three messages, all on the control tag:
+//   Regions      decode -> prefill, once per (decode engine, prefill rank), before the first
+//                Bootstrap to that rank: {decode world rank, layers, buffers, the data
+//                transport's descriptor of every (layer, buffer) region, [layer][buffer]}. The
+//                request id is the request whose Bootstrap follows (for logs only).
+//   LayerWritten prefill -> decode, once per (chunk, layer) with a fragment, after every write of
+//                that chunk's layer to that decode rank completed (the bytes are visible there):
+//                {src tp rank, chunk index, layer, writes, bytes}.
+//   Quiesced     prefill -> decode, for a Failed request, once none of this prefill rank's writes
+//                of the request to that decode rank can land any more (every write completed
+//                or failed, and none will be posted), or at once in answer to an Abort of a
+//                request it never wrote: {src tp rank, why it failed}. The decode rank keeps the
+//                request's pages pinned until then (see kv_receiver.h).
 //
 // ControlChannel threading: one control thread runs every handler (incoming messages, ticks,
 // tasks posted by other threads), so engine state touched only by handlers needs no lock.
@@ -73,6 +89,9 @@ enum class MsgType : uint16_t {
     kAbort = 4,
     kHeartbeat = 5,
     kCompletion = 6,
+    kRegions = 7,
+    kLayerWritten = 8,
+    kQuiesced = 9,
 };
 std::string_view msg_type_name(MsgType type);
 
@@ -192,6 +211,65 @@ struct CompletionMsg {
     }
 };
 
+// The write mode's region descriptors: descriptor i (of layer i / buffer_count, buffer
+// i % buffer_count) is descriptor_bytes[i] bytes of `descriptors`, after those of 0..i-1.
+struct RegionsMsg {
+    static constexpr MsgType kType = MsgType::kRegions;
+    uint64_t request_id = 0;  // the request whose Bootstrap follows (logs only)
+    int32_t decode_rank = -1;
+    int32_t num_layers = 0;
+    int32_t buffer_count = 0;
+    std::vector<uint32_t> descriptor_bytes;
+    std::vector<uint8_t> descriptors;
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v(m.request_id);
+        v(m.decode_rank);
+        v(m.num_layers);
+        v(m.buffer_count);
+        v(m.descriptor_bytes);
+        v(m.descriptors);
+    }
+
+    // Appends the descriptor of the next (layer, buffer) region.
+    void add(std::span<const uint8_t> descriptor);
+    // Descriptor `index` (layer * buffer_count + buffer). Precondition: decode_regions accepted
+    // the message (or every descriptor was add()ed), index < descriptor_bytes.size().
+    [[nodiscard]] std::span<const uint8_t> descriptor(size_t index) const;
+};
+
+struct LayerWrittenMsg {
+    static constexpr MsgType kType = MsgType::kLayerWritten;
+    uint64_t request_id = 0;
+    int32_t src_tp_rank = 0;
+    uint32_t chunk_index = 0;
+    int32_t layer = 0;
+    uint32_t writes = 0;  // one-sided writes of this (chunk, layer)
+    uint64_t bytes = 0;   // their payload bytes
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v(m.request_id);
+        v(m.src_tp_rank);
+        v(m.chunk_index);
+        v(m.layer);
+        v(m.writes);
+        v(m.bytes);
+    }
+};
+
+struct QuiescedMsg {
+    static constexpr MsgType kType = MsgType::kQuiesced;
+    uint64_t request_id = 0;
+    int32_t src_tp_rank = 0;
+    std::string reason;  // why the request failed on the prefill rank
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v(m.request_id);
+        v(m.src_tp_rank);
+        v(m.reason);
+    }
+};
+
 // The largest encoded CompletionMsg for these dimensions (the receive buffer's capacity).
 [[nodiscard]] size_t completion_capacity(int num_layers, int buffer_count, int head_count);
 
@@ -203,16 +281,22 @@ using Bytes = std::vector<uint8_t>;
 [[nodiscard]] Bytes encode(const AbortMsg& m);
 [[nodiscard]] Bytes encode_heartbeat();
 [[nodiscard]] Bytes encode(const CompletionMsg& m);
+[[nodiscard]] Bytes encode(const RegionsMsg& m);
+[[nodiscard]] Bytes encode(const LayerWrittenMsg& m);
+[[nodiscard]] Bytes encode(const QuiescedMsg& m);
 
 // kDataLoss on a short/garbled message, a bad magic or version, or (decode_*) a message of
-// another type, an invalid layout summary or (completion) a checksum count that disagrees with
-// the dimensions.
+// another type, an invalid layout summary, (completion) a checksum count that disagrees with
+// the dimensions or (regions) descriptor sizes that disagree with the dimensions or the bytes.
 [[nodiscard]] StatusOr<MsgType> peek_type(std::span<const uint8_t> bytes);
 [[nodiscard]] StatusOr<BootstrapMsg> decode_bootstrap(std::span<const uint8_t> bytes);
 [[nodiscard]] StatusOr<AckMsg> decode_ack(std::span<const uint8_t> bytes);
 [[nodiscard]] StatusOr<ChunkMsg> decode_chunk(std::span<const uint8_t> bytes);
 [[nodiscard]] StatusOr<AbortMsg> decode_abort(std::span<const uint8_t> bytes);
 [[nodiscard]] StatusOr<CompletionMsg> decode_completion(std::span<const uint8_t> bytes);
+[[nodiscard]] StatusOr<RegionsMsg> decode_regions(std::span<const uint8_t> bytes);
+[[nodiscard]] StatusOr<LayerWrittenMsg> decode_layer_written(std::span<const uint8_t> bytes);
+[[nodiscard]] StatusOr<QuiescedMsg> decode_quiesced(std::span<const uint8_t> bytes);
 
 struct ControlOptions {
     std::chrono::milliseconds heartbeat_interval{200};
@@ -247,8 +331,10 @@ public:
     // Posts a control receive for every peer and starts the control thread.
     [[nodiscard]] Status start(ControlListener* listener);
     // Stops the thread. drain: run the tasks already posted first (graceful shutdown; they may
-    // send Aborts). Then withdraws (cancels) the pending control receives and sends.
-    void stop(bool drain);
+    // send Aborts). Then waits up to `linger` for the control sends in flight to complete (a
+    // live peer's control receive matches them), and withdraws (cancels) the pending control
+    // receives and whatever sends are still pending.
+    void stop(bool drain, std::chrono::milliseconds linger = std::chrono::milliseconds(0));
 
     // Any thread. Posts `bytes` to `peer` on kControlTag; a failure is reported through
     // on_peer_failed when it means the peer is gone.
@@ -298,6 +384,7 @@ private:
 
     // Pending control sends, for withdrawal at stop.
     Mutex sends_mu_;
+    CondVar sends_cv_;  // signalled when a tracked send completes
     uint64_t next_send_id_ PDSIM_GUARDED_BY(sends_mu_) = 0;
     std::unordered_map<uint64_t, RequestHandle> sends_ PDSIM_GUARDED_BY(sends_mu_);
 };

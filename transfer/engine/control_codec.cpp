@@ -24,6 +24,12 @@ std::string_view msg_type_name(MsgType type) {
             return "heartbeat";
         case MsgType::kCompletion:
             return "completion";
+        case MsgType::kRegions:
+            return "regions";
+        case MsgType::kLayerWritten:
+            return "layer_written";
+        case MsgType::kQuiesced:
+            return "quiesced";
     }
     return "?";
 }
@@ -239,7 +245,7 @@ StatusOr<MsgType> peek_type(std::span<const uint8_t> bytes) {
         return PDSIM_ERROR(StatusCode::kDataLoss, "control message version {} (expected {})",
                            version, kVersion);
     }
-    if (type < 1 || type > 6) {
+    if (type < 1 || type > static_cast<uint16_t>(MsgType::kQuiesced)) {
         return PDSIM_ERROR(StatusCode::kDataLoss, "unknown control message type {}", type);
     }
     return static_cast<MsgType>(type);
@@ -261,6 +267,15 @@ Bytes encode_heartbeat() {
     return encode_message(HeartbeatMsg{});
 }
 Bytes encode(const CompletionMsg& m) {
+    return encode_message(m);
+}
+Bytes encode(const RegionsMsg& m) {
+    return encode_message(m);
+}
+Bytes encode(const LayerWrittenMsg& m) {
+    return encode_message(m);
+}
+Bytes encode(const QuiescedMsg& m) {
     return encode_message(m);
 }
 
@@ -297,6 +312,40 @@ StatusOr<CompletionMsg> decode_completion(std::span<const uint8_t> bytes) {
                            m.head_count);
     }
     return m;
+}
+
+void RegionsMsg::add(std::span<const uint8_t> descriptor) {
+    descriptor_bytes.push_back(static_cast<uint32_t>(descriptor.size()));
+    descriptors.insert(descriptors.end(), descriptor.begin(), descriptor.end());
+}
+
+std::span<const uint8_t> RegionsMsg::descriptor(size_t index) const {
+    size_t at = 0;
+    for (size_t i = 0; i < index; ++i) at += descriptor_bytes[i];
+    return std::span<const uint8_t>(descriptors.data() + at, descriptor_bytes[index]);
+}
+
+StatusOr<RegionsMsg> decode_regions(std::span<const uint8_t> bytes) {
+    PDSIM_ASSIGN_OR_RETURN(RegionsMsg m, decode_message<RegionsMsg>(bytes));
+    uint64_t total = 0;
+    for (uint32_t n : m.descriptor_bytes) total += n;
+    if (m.num_layers < 1 || m.buffer_count < 1 || m.buffer_count > kMaxKvBuffers ||
+        m.descriptor_bytes.size() !=
+            static_cast<size_t>(m.num_layers) * static_cast<size_t>(m.buffer_count) ||
+        total != m.descriptors.size()) {
+        return PDSIM_ERROR(StatusCode::kDataLoss,
+                           "regions message of decode rank {} carries {} descriptors ({} of {} "
+                           "bytes) for {} layers x {} buffers",
+                           m.decode_rank, m.descriptor_bytes.size(), total, m.descriptors.size(),
+                           m.num_layers, m.buffer_count);
+    }
+    return m;
+}
+StatusOr<LayerWrittenMsg> decode_layer_written(std::span<const uint8_t> bytes) {
+    return decode_message<LayerWrittenMsg>(bytes);
+}
+StatusOr<QuiescedMsg> decode_quiesced(std::span<const uint8_t> bytes) {
+    return decode_message<QuiescedMsg>(bytes);
 }
 
 }  // namespace pdsim::transfer

@@ -11,6 +11,7 @@
 namespace pdsim::transfer {
 
 class OrderingValidator;
+class Transport;
 
 // Bootstrapping: waiting for the other side's handshake (decode: the acks; prefill: the
 // bootstraps of every decode rank). Transferring: the handshake is done; data may flow.
@@ -29,9 +30,11 @@ struct RequestStatus {
     int32_t first_token = -1;  // the first sampled token (decode side, on Success)
     uint64_t bytes = 0;        // KV bytes moved by this rank for the request
     int layers_arrived = 0;    // decode side
-    // True while a send/receive of the request may still touch its pages (they stay pinned).
-    // A Failed request turns terminal at once; its pages are released once its operations were
-    // withdrawn or completed -- free them (pins().free_pages) after this turns false.
+    // True while a send/receive/write of the request may still touch its pages (they stay
+    // pinned). A Failed request turns terminal at once; its pages are released once its
+    // operations were withdrawn or completed (decode side, write mode: once every prefill rank
+    // that may write them quiesced, completed or is known dead) -- free them (pins().free_pages)
+    // after this turns false.
     bool pages_in_use = false;
     std::chrono::steady_clock::time_point started{};
     std::chrono::steady_clock::time_point finished{};
@@ -41,7 +44,8 @@ struct TransferEvent {
     enum class Kind : uint8_t {
         kLayerReady,    // sender: the layer's step is ready (its KV is written)
         kLayerPosted,   // sender: every send of the layer (this chunk, this peer) is posted
-        kLayerSent,     // sender: ... and has completed (the pages were read)
+        kLayerSent,     // sender: ... and has completed (the pages were read; write mode:
+                        // the bytes are visible at the decode rank and LayerWritten was sent)
         kLayerArrived,  // receiver: every byte of the layer (all chunks, all sources) landed
         kRequestDone,
         kRequestFailed,
@@ -72,8 +76,16 @@ struct EngineOptions {
     // the smaller of their values in the handshake).
     size_t max_message_bytes = size_t{64} << 20;
     size_t max_control_bytes = size_t{4} << 20;
-    // Not owned; may be null (no checksums). Must outlive the engine.
+    // Not owned; may be null (no checksums). Must outlive the engine. Refused (kUnimplemented)
+    // with a device KvLayout: the validator hashes the pages on the host.
     OrderingValidator* validator = nullptr;
+    // The transport that carries the KV bytes. Not owned; must outlive the engine, with the same
+    // rank and world size as the control transport (the Transport& given to create(); world rank
+    // r is the same process on both). Null: the control transport carries the data too. The data
+    // plane follows from its declared capabilities (kv_sender.h, "Data plane"): two-sided and
+    // tag-matching -> data messages on per-request data tags; else one-sided writes -> the write
+    // mode; else create() is kUnimplemented.
+    Transport* data_transport = nullptr;
     EventHook on_event;
 };
 
@@ -100,11 +112,11 @@ struct EngineStats {
     uint64_t requests_submitted = 0;
     uint64_t requests_completed = 0;  // Success
     uint64_t requests_failed = 0;
-    uint64_t bytes = 0;             // KV payload bytes sent / received
-    uint64_t messages = 0;          // data messages (completions not counted)
+    uint64_t bytes = 0;             // KV payload bytes sent / received (written, write mode)
+    uint64_t messages = 0;          // data messages or one-sided writes (completions not counted)
     uint64_t staged_bytes = 0;      // bytes copied through staging buffers (gather/scatter)
     uint64_t layers = 0;            // (request, layer, peer) transfers completed
-    uint64_t tags_quarantined = 0;  // receiver: data tags retired after failures
+    uint64_t tags_quarantined = 0;  // receiver: data tags retired after failures (two-sided)
 };
 
 }  // namespace pdsim::transfer

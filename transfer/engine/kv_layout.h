@@ -8,6 +8,11 @@
 //   head h (global index) of slot s  at ... + (h - head_begin) * head_bytes(buf)
 // which is exactly the [num_pages][page_size][local_heads][head_dim] layout of kv::KVPool.
 //
+// Memory kind. A layout declares where its memory is (device(): host for CPU pools, a CUDA device
+// for device pools). It is address arithmetic only: building one never touches the memory. What
+// may touch it is the engine's business (kv_sender.h: the data transport must reach that memory
+// kind, and host-side hashing, gathers and scatters are refused on device memory).
+//
 // KvLayoutSummary is the address-free part of a layout, exchanged by the control plane so that
 // each side can map the other's fragments (different TP sizes, page sizes) without knowing its
 // addresses.
@@ -30,6 +35,7 @@
 #include <vector>
 
 #include "backends/kv/kv_pool.h"
+#include "backends/runtime/stream.h"
 #include "common/status.h"
 
 namespace pdsim::transfer {
@@ -78,25 +84,29 @@ class KvLayout {
 public:
     KvLayout() = default;
 
-    // From a CPU pool. `tp_size`/`tp_rank` place the rank in its instance; `total_kv_heads` is the
-    // model's KV head count (the pool holds kv_head_slice(total, tp, rank).count of them).
-    // kUnimplemented for device (GPU) pools: the engine's gathers, scatters and checksums touch
-    // the memory from the host.
+    // From a pool on any device (the layout's device() is the pool's). `tp_size`/`tp_rank` place
+    // the rank in its instance; `total_kv_heads` is the model's KV head count (the pool holds
+    // kv_head_slice(total, tp, rank).count of them).
     [[nodiscard]] static StatusOr<KvLayout> from_mha_pool(const kv::MHATokenToKVPool& pool,
                                                           int tp_size, int tp_rank,
                                                           int total_kv_heads);
     [[nodiscard]] static StatusOr<KvLayout> from_mla_pool(const kv::MLATokenToKVPool& pool,
                                                           int tp_size, int tp_rank);
     // From raw parts (tests, or memory that is not a kv::KVPool). `bases` is [layer][buf]
-    // flattened (layer * buffer_count + buf); each buffer holds `num_pages` pages.
+    // flattened (layer * buffer_count + buf); each buffer holds `num_pages` pages. `device`: where
+    // the memory is (host by default).
     [[nodiscard]] static StatusOr<KvLayout> create(const KvLayoutSummary& summary, int num_pages,
-                                                   std::vector<std::byte*> bases);
+                                                   std::vector<std::byte*> bases,
+                                                   runtime::Device device = {});
 
     [[nodiscard]] const KvLayoutSummary& summary() const { return summary_; }
     [[nodiscard]] int num_layers() const { return summary_.num_layers; }
     [[nodiscard]] int buffer_count() const { return summary_.buffer_count; }
     [[nodiscard]] int page_size() const { return summary_.page_size; }
     [[nodiscard]] int num_pages() const { return num_pages_; }
+    // Where the memory is (kCpu: host memory the engine may read and write itself).
+    [[nodiscard]] const runtime::Device& device() const { return device_; }
+    [[nodiscard]] bool is_host() const { return device_.kind == runtime::DeviceKind::kCpu; }
     [[nodiscard]] int head_begin() const { return summary_.head_begin; }
     [[nodiscard]] int local_heads() const { return summary_.local_heads; }
     [[nodiscard]] size_t head_bytes(int buf) const {
@@ -125,6 +135,7 @@ private:
     KvLayoutSummary summary_;
     int num_pages_ = 0;
     std::vector<std::byte*> bases_;
+    runtime::Device device_{};
 };
 
 // Slot of token t for a page table with `page_size` tokens per page.

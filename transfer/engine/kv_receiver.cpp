@@ -20,19 +20,61 @@
 
 namespace pdsim::transfer {
 
-KvReceiver::Impl::Impl(Transport& transport, KvLayout layout, ReceiverOptions options)
+KvReceiver::Impl::Impl(Transport& transport, DataPlaneChoice plane, KvLayout layout,
+                       ReceiverOptions options)
     : transport_(transport),
+      data_(*plane.data),
+      plane_(plane.plane),
       layout_(std::move(layout)),
       opt_(std::move(options)),
       pins_(transport.rank(), opt_.validator),
       table_(RequestTableNames{"receiver", transport.rank()}) {
-    const Capabilities caps = transport.capabilities();
+    const Capabilities caps = data_.capabilities();
     max_msg_ = std::min(opt_.max_message_bytes, caps.max_message_bytes);
-    slot_capacity_ = static_cast<uint32_t>(
-        std::min<uint64_t>(uint64_t{caps.max_tag} - kDataTagBase + 1, uint64_t{1} << 30));
+    slot_capacity_ = write_mode()
+                         ? 0
+                         : static_cast<uint32_t>(std::min<uint64_t>(
+                               uint64_t{caps.max_tag} - kDataTagBase + 1, uint64_t{1} << 30));
 }
 
 Status KvReceiver::Impl::start() {
+    if (write_mode()) {
+        // One region per (layer, buffer): on a GPU each is its own allocation, which cuda_ipc
+        // needs (it registers the start of an allocation).
+        regions_msg_.decode_rank = transport_.rank();
+        regions_msg_.num_layers = layout_.num_layers();
+        regions_msg_.buffer_count = layout_.buffer_count();
+        for (int l = 0; l < layout_.num_layers(); ++l) {
+            for (int b = 0; b < layout_.buffer_count(); ++b) {
+                const size_t bytes =
+                    static_cast<size_t>(layout_.num_pages()) * layout_.page_bytes(b);
+                auto region = data_.register_memory(layout_.base(l, b), bytes);
+                if (!region.ok()) {
+                    for (const MemoryRegion& m : regions_) {
+                        data_.deregister_memory(m.id).ignore_error();
+                    }
+                    regions_.clear();
+                    return region.status().with_context(
+                        fmt::format("receiver rank {}: registering layer {} buffer {} ({} bytes) "
+                                    "with data transport '{}'",
+                                    transport_.rank(), l, b, bytes, data_.name()));
+                }
+                regions_msg_.add(region->descriptor);
+                regions_.push_back(std::move(region).value());
+            }
+        }
+        const size_t n = encode(regions_msg_).size();
+        if (n > opt_.max_control_bytes) {
+            for (const MemoryRegion& m : regions_) data_.deregister_memory(m.id).ignore_error();
+            regions_.clear();
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "receiver rank {}: the regions message of {} bytes exceeds "
+                               "max_control_bytes {}",
+                               transport_.rank(), n, opt_.max_control_bytes);
+        }
+        MutexLock lock(bootstrap_mu_);
+        regions_sent_.assign(static_cast<size_t>(transport_.world_size()), 0);
+    }
     ControlOptions co;
     co.heartbeat_interval = opt_.heartbeat_interval;
     co.tick = opt_.tick;
@@ -73,8 +115,10 @@ Status KvReceiver::Impl::submit(const ReceiveRequestSpec& spec) {
     {
         MutexLock lock(table_.mu());
         PDSIM_RETURN_IF_ERROR(table_.check_addable_locked(spec.request_id));
-        uint32_t slot;
-        if (!free_slots_.empty()) {
+        uint32_t slot = 0;
+        if (write_mode()) {
+            // No data tag: the write mode takes no slot.
+        } else if (!free_slots_.empty()) {
             slot = free_slots_.back();
             free_slots_.pop_back();
         } else if (next_slot_ < slot_capacity_) {
@@ -97,7 +141,8 @@ Status KvReceiver::Impl::submit(const ReceiveRequestSpec& spec) {
         r->timeout = spec.timeout.count() > 0 ? spec.timeout : opt_.request_timeout;
         r->deadline = r->started + r->timeout;
         r->slot = slot;
-        r->tag = kDataTagBase + slot;
+        r->tag = write_mode() ? kControlTag : kDataTagBase + slot;
+        r->slot_settled = write_mode();
         r->sources.resize(spec.prefill_ranks.size());
         for (size_t i = 0; i < spec.prefill_ranks.size(); ++i) {
             r->sources[i].world_rank = spec.prefill_ranks[i];
@@ -119,14 +164,40 @@ Status KvReceiver::Impl::submit(const ReceiveRequestSpec& spec) {
     m.dst_pages = r->dst_pages;
     Bytes bytes = encode(m);
     if (bytes.size() > opt_.max_control_bytes) {
+        {
+            // Never sent: no prefill rank attached the request, none writes into its pages.
+            MutexLock lock(table_.mu());
+            for (SourceState& s : r->sources) s.detached = true;
+        }
         fail(r,
              fmt::format("request {}: bootstrap of {} bytes exceeds max_control_bytes {}", r->id,
                          bytes.size(), opt_.max_control_bytes),
              false);
         return {};
     }
-    for (int p : r->prefill_ranks) channel_->send(p, bytes);
+    send_bootstrap(*r, bytes);
     return {};
+}
+
+void KvReceiver::Impl::send_bootstrap(const RecvReq& r, const Bytes& bootstrap) {
+    if (!write_mode()) {
+        for (int p : r.prefill_ranks) channel_->send(p, bootstrap);
+        return;
+    }
+    // Control messages to one peer are non-overtaking, and the sends below are posted in this
+    // order under bootstrap_mu_: the Regions message reaches the prefill rank before any
+    // Bootstrap of this engine.
+    MutexLock lock(bootstrap_mu_);
+    for (int p : r.prefill_ranks) {
+        uint8_t& sent = regions_sent_[static_cast<size_t>(p)];
+        if (sent == 0) {
+            sent = 1;
+            RegionsMsg m = regions_msg_;
+            m.request_id = r.id;
+            channel_->send(p, encode(m));
+        }
+        channel_->send(p, bootstrap);
+    }
 }
 
 Status KvReceiver::Impl::wait_layer(uint64_t id, int layer,
@@ -194,6 +265,10 @@ void KvReceiver::Impl::shutdown(ShutdownMode mode) {
                          graceful ? "" : " abruptly"),
              graceful);
     }
+    if (write_mode() && graceful) {
+        // Within one peer timeout every source has quiesced or counts as dead.
+        wait_settled(opt_.peer_timeout + 2 * opt_.tick);
+    }
     {
         MutexLock lock(jobs_mu_);
         stopping_ = true;
@@ -204,6 +279,24 @@ void KvReceiver::Impl::shutdown(ShutdownMode mode) {
         if (t.joinable()) t.join();
     }
     if (channel_) channel_->stop(graceful);
+    // Graceful: writes that may still arrive (requests whose pages stay in use) now fail where
+    // the transport checks registrations (local). Abrupt (a crash, or a hung process): the
+    // regions stay as they are. Either way the caller closes the data transport before it frees
+    // the pool (kv_receiver.h).
+    if (graceful) {
+        for (const MemoryRegion& m : regions_) data_.deregister_memory(m.id).ignore_error();
+        regions_.clear();
+    }
+}
+
+void KvReceiver::Impl::wait_settled(std::chrono::nanoseconds timeout) {
+    MutexLock lock(table_.mu());
+    (void)table_.wait_for_locked(timeout, [&]() PDSIM_REQUIRES(table_.mu()) {
+        for (auto& [id, r] : table_.requests_locked()) {
+            if (r->state == RequestState::kFailed && !r->pins_released) return false;
+        }
+        return true;
+    });
 }
 
 void KvReceiver::Impl::on_control(int peer, std::span<const uint8_t> bytes) {
@@ -238,34 +331,69 @@ void KvReceiver::Impl::on_control(int peer, std::span<const uint8_t> bytes) {
         }
         case MsgType::kHeartbeat:
             return;
+        case MsgType::kLayerWritten: {
+            if (!write_mode()) break;
+            auto m = decode_layer_written(bytes);
+            if (m.ok()) handle_layer_written(peer, *m);
+            return;
+        }
+        case MsgType::kCompletion:
+            if (!write_mode()) break;
+            handle_control_completion(peer, bytes);
+            return;
+        case MsgType::kQuiesced: {
+            if (!write_mode()) break;
+            auto m = decode_quiesced(bytes);
+            if (m.ok()) handle_quiesced(peer, *m);
+            return;
+        }
         default:
-            PDSIM_LOG_WARN("receiver rank {}: unexpected {} message from rank {}",
-                           transport_.rank(), msg_type_name(*type), peer);
+            break;
     }
+    PDSIM_LOG_WARN("receiver rank {}: unexpected {} message from rank {}", transport_.rank(),
+                   msg_type_name(*type), peer);
 }
 
 void KvReceiver::Impl::on_peer_failed(int peer, const Status& st) {
     std::vector<std::pair<std::shared_ptr<RecvReq>, std::string>> to_fail;
+    bool released = false;
     {
         MutexLock lock(table_.mu());
         for (auto& [id, r] : table_.requests_locked()) {
-            if (is_terminal(r->state)) continue;
             const int src = source_index(*r, peer);
             if (src < 0) continue;
+            // Write mode: a dead source writes no more (its pages may be released).
+            if (write_mode()) r->sources[static_cast<size_t>(src)].dead = true;
+            if (is_terminal(r->state)) {
+                released |= maybe_settle_locked(*r);
+                continue;
+            }
             to_fail.emplace_back(
                 r, fmt::format("request {}: prefill rank {} unreachable while awaiting {}: {}", id,
                                peer, describe_awaiting_locked(*r, src), st.message()));
         }
     }
+    if (released) table_.notify_waiters();
     for (auto& [r, why] : to_fail) fail(r, why, true);
 }
 
 void KvReceiver::Impl::on_tick(Clock::time_point now) {
     std::vector<std::pair<std::shared_ptr<RecvReq>, std::string>> to_fail;
     std::vector<uint8_t> interest(static_cast<size_t>(transport_.world_size()), 0);
+    bool released = false;
     {
         MutexLock lock(table_.mu());
         for (auto& [id, r] : table_.requests_locked()) {
+            if (write_mode() && r->state == RequestState::kFailed && !r->pins_released) {
+                // A source that may still write and has been silent past the peer timeout
+                // counts as dead: its writes can no longer be told apart from a crash.
+                for (SourceState& s : r->sources) {
+                    if (s.settled()) continue;
+                    auto heard = std::max(channel_->last_heard(s.world_rank), r->started);
+                    if (now - heard > opt_.peer_timeout) s.dead = true;
+                }
+                released |= maybe_settle_locked(*r);
+            }
             if (is_terminal(r->state)) continue;
             for (int p : r->prefill_ranks) interest[static_cast<size_t>(p)] = 1;
             if (Table::past_deadline(*r, now)) {
@@ -283,12 +411,14 @@ void KvReceiver::Impl::on_tick(Clock::time_point now) {
                                        "awaiting {}",
                                        id, s.world_rank, ms_since(heard, now),
                                        describe_awaiting_locked(*r, static_cast<int>(i))));
+                    if (write_mode()) r->sources[i].dead = true;
                     break;
                 }
             }
         }
     }
     channel_->set_interest(std::move(interest));
+    if (released) table_.notify_waiters();
     for (auto& [r, why] : to_fail) fail(r, why, true);
 }
 
@@ -371,7 +501,7 @@ void KvReceiver::Impl::fail(const std::shared_ptr<RecvReq>& r, std::string reaso
     table_.notify_waiters();
     emit(TransferEvent::Kind::kRequestFailed, r->id, -1, -1, 0);
     if (!notify_peers) return;
-    Transport* t = &transport_;
+    Transport* t = &data_;
     std::shared_ptr<ControlChannel> ch = channel_;
     std::vector<int> peers = r->prefill_ranks;
     const uint64_t id = r->id;
@@ -389,24 +519,15 @@ void KvReceiver::Impl::fail(const std::shared_ptr<RecvReq>& r, std::string reaso
 
 StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::create(Transport& transport, KvLayout layout,
                                                          ReceiverOptions options) {
-    const Capabilities caps = transport.capabilities();
-    if (!caps.two_sided || !caps.tag_matching) {
-        return PDSIM_ERROR(StatusCode::kUnimplemented,
-                           "the KV receiver needs a two-sided, tag-matching transport; '{}' is "
-                           "not",
-                           transport.name());
-    }
-    if (caps.max_tag < kDataTagBase) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                           "transport '{}' max_tag {} leaves no data tags (need >= {})",
-                           transport.name(), caps.max_tag, kDataTagBase);
-    }
+    PDSIM_ASSIGN_OR_RETURN(DataPlaneChoice plane,
+                           choose_data_plane("KV receiver", transport, options.data_transport,
+                                             layout, options.validator != nullptr));
     if (options.validator != nullptr && options.validator->rank() != transport.rank()) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "validator of rank {} given to the receiver of rank {}",
                            options.validator->rank(), transport.rank());
     }
-    auto impl = std::make_shared<Impl>(transport, std::move(layout), std::move(options));
+    auto impl = std::make_shared<Impl>(transport, plane, std::move(layout), std::move(options));
     PDSIM_RETURN_IF_ERROR(impl->start());
     return std::unique_ptr<KvReceiver>(new KvReceiver(std::move(impl)));
 }

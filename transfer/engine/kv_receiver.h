@@ -1,4 +1,4 @@
-// KvReceiver: the decode side of the layerwise KV transfer engine (two-sided transports).
+// KvReceiver: the decode side of the layerwise KV transfer engine.
 //
 // Use (one decode rank):
 //   auto receiver = KvReceiver::create(transport, layout, options);
@@ -7,6 +7,11 @@
 //   for each layer l: receiver->wait_layer(id, l, timeout); run decode layer l ...
 //   auto st = receiver->wait_done(id, timeout);                // first token, Success/Failed
 //   receiver->release(id); pins().free_pages(...) when the request is finished with.
+//
+// Data plane (data_plane.h): as the sender's (kv_sender.h) -- the control transport given to
+// create() carries the control messages; options.data_transport (null: the control transport)
+// chooses from its declared capabilities between the two-sided data plane (this paragraph and
+// the next) and the write mode (below); neither is kUnimplemented at create().
 //
 // Protocol (control.h): submit() pins the pages, takes a data tag slot and sends a Bootstrap to
 // every prefill rank of the instance; each answers with an Ack carrying its layout, from which
@@ -25,12 +30,45 @@
 // Success once every layer arrived, every source's completion was received and (with a
 // validator and checksums in the completions) the landed bytes matched.
 //
+// Write mode (a one-sided data transport). create() registers every (layer, buffer) buffer of the
+// layout with the data transport (register_memory(base(layer, buf), num_pages * page_bytes(buf));
+// on a GPU each is its own allocation, as cuda_ipc needs) and keeps the descriptors; they go to
+// each prefill rank once, in a Regions message before this engine's first Bootstrap to it. No
+// receives are posted, nothing is scattered and no data tag slot is taken (the Bootstrap's data
+// tag is 0). Chunk headers still arrive (token range, prefill pages); each announces one
+// LayerWritten per layer from that source, which that source sends once every write of that
+// chunk's layer has landed. Layer l has arrived once every source with a fragment has sent its
+// last chunk header and a LayerWritten of layer l for every chunk; the Completion (first token,
+// checksums) comes on the control channel after all of them. wait_layer, layer_arrived,
+// wait_done, events and stats behave as in the two-sided mode (stats().messages counts the
+// sources' writes), and the landed pages are checked against the checksums as there. A device
+// layout (KvLayout::device()) needs a data transport with device_memory; its landed pages are
+// not hashed (the hashing runs on the host) and, two-sided, a fragment that needs a scatter
+// fails the request as not implemented.
+//
 // Failure: bounded by the request timeout, the peer timeout (prefill rank silent: no ack, no
 // data, no heartbeat) and transport errors; the reason names request, peer and what was awaited.
 // The prefill ranks get an Abort. Pages stay pinned until no receive can write them any more.
 //
+// Page safety (write mode). Other ranks write into the pages, and a failed request cannot
+// withdraw their writes. A Failed request therefore keeps its pages pinned (pins().free_pages
+// refuses them, RequestStatus::pages_in_use stays true) until every prefill rank of the request
+// that may write them has settled:
+//   - it sent Quiesced (none of its writes for the request can land any more; control.h),
+//   - or its Completion arrived (it sent everything),
+//   - or it never attached the request (it refused the bootstrap, the bootstrap was never sent,
+//     or its ack said it sends this rank nothing),
+//   - or it is known dead: its control link failed (kUnavailable), or it was silent (no message,
+//     heartbeat included) for peer_timeout -- a live prefill rank keeps heartbeating while its
+//     writes of a failed request are in flight.
+// Nothing in this engine frees a page a write can still reach. A graceful shutdown waits (at most
+// peer_timeout) for the failed requests to settle, then deregisters the regions; after an abrupt
+// one (or a graceful one whose wait ran out: pages_in_use still true) the regions stay writable
+// until the data transport is closed -- close it before freeing the pool.
+//
 // Thread-safety: all public methods may be called from any thread. Lifetime: destroy (or
-// shutdown) the receiver before closing the transport and before freeing the pool's memory.
+// shutdown) the receiver before closing its transports (control and data) and before freeing the
+// pool's memory.
 #pragma once
 
 #include <chrono>
@@ -60,6 +98,10 @@ struct ReceiveRequestSpec {
 
 class KvReceiver {
 public:
+    // `transport` carries the control messages; the data goes over options.data_transport or,
+    // when null, `transport` too. Errors as KvSender::create's (data_plane.h), and, in the write
+    // mode, the data transport's error when registering a region (with the layer and buffer), or
+    // kInvalidArgument when the Regions message would exceed max_control_bytes.
     [[nodiscard]] static StatusOr<std::unique_ptr<KvReceiver>> create(Transport& transport,
                                                                       KvLayout layout,
                                                                       ReceiverOptions options);
@@ -68,7 +110,7 @@ public:
     KvReceiver& operator=(const KvReceiver&) = delete;
 
     // kAlreadyExists for a known id; kInvalidArgument for bad ranks/pages; kResourceExhausted
-    // when no data tag slot is free.
+    // when no data tag slot is free (two-sided only: the write mode takes none).
     [[nodiscard]] Status submit(const ReceiveRequestSpec& spec);
 
     // OK once layer `layer` has arrived; kAborted with the request's failure reason if it failed;

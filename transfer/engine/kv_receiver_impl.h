@@ -30,6 +30,7 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "transfer/engine/control.h"
+#include "transfer/engine/data_plane.h"
 #include "transfer/engine/kv_receiver.h"
 #include "transfer/engine/request_table.h"
 #include "transfer/engine/transfer_plan.h"
@@ -49,6 +50,21 @@ struct SourceState {
     bool last_header = false;
     bool completed = false;  // its completion message arrived
     CompletionMsg completion;
+
+    // Write mode: whether this prefill rank may still write into the request's pages (see
+    // settled()). Set on the control thread, under the table's mutex.
+    bool quiesced = false;  // it sent Quiesced: none of its writes can land any more
+    bool dead = false;      // its control link failed, or it was silent past peer_timeout
+    bool detached = false;  // it never attached the request (refused, or never bootstrapped)
+    // Write mode: tokens of each announced chunk, and which (chunk, layer) it reported written
+    // ([chunk * num_layers + layer]).
+    std::vector<int64_t> chunk_tokens;
+    std::vector<uint8_t> written;
+
+    // Write mode: no write of this source can land in the pages any more.
+    [[nodiscard]] bool settled() const {
+        return quiesced || completed || dead || detached || (acked && !frag);
+    }
 };
 
 // A request of this rank; the lifecycle (id, deadline, state, reason) is the table's.
@@ -69,8 +85,8 @@ struct RecvReq : RequestLifecycle {
     std::vector<uint8_t> arrived;
     int layers_arrived = 0;
     int64_t ops_outstanding = 0;
-    std::vector<RequestHandle> handles;
-    bool finalizing = false;  // every message matched: the tag slot can be reused
+    std::vector<RequestHandle> handles;  // two-sided: posted receives (for cancellation)
+    bool finalizing = false;             // every message matched: the tag slot can be reused
     bool pins_released = false;
     bool slot_settled = false;
     bool has_first_token = false;
@@ -108,7 +124,8 @@ class KvReceiver::Impl : public ControlListener, public std::enable_shared_from_
     using Table = RequestTable<RecvReq>;
 
 public:
-    Impl(Transport& transport, KvLayout layout, ReceiverOptions options);
+    Impl(Transport& transport, DataPlaneChoice plane, KvLayout layout, ReceiverOptions options);
+    // Write mode: registers the layout's regions with the data transport first.
     Status start();
 
     // ---- public API ----
@@ -149,11 +166,21 @@ private:
     bool maybe_finish_locked(RecvReq& r) PDSIM_REQUIRES(table_.mu());
 
     // Pins and the tag slot are released only once no receive can write into the pages or match
-    // on the tag any more.
-    void maybe_settle_locked(RecvReq& r) PDSIM_REQUIRES(table_.mu());
+    // on the tag any more (write mode: once every source settled()). True when the pins were
+    // released now (the caller notifies the waiters).
+    bool maybe_settle_locked(RecvReq& r) PDSIM_REQUIRES(table_.mu());
+    [[nodiscard]] bool write_mode() const { return plane_ == DataPlane::kOneSidedWrite; }
     void after_change(const std::shared_ptr<RecvReq>& r, std::vector<int> newly);
     void handle_ack(int peer, const AckMsg& m);
     void handle_chunk(int peer, const ChunkMsg& m);
+
+    // Write mode (control thread): the sources' LayerWritten, Completion and Quiesced messages.
+    void handle_layer_written(int peer, const LayerWrittenMsg& m);
+    void handle_control_completion(int peer, std::span<const uint8_t> bytes);
+    void handle_quiesced(int peer, const QuiescedMsg& m);
+    // Sends the Bootstrap (write mode: preceded by the Regions message to a prefill rank that
+    // has not had it from this engine).
+    void send_bootstrap(const RecvReq& r, const Bytes& bootstrap);
 
     // The receives of one chunk in plan order (layer, buffer, run), then (last chunk) the
     // completion message. Counts them as outstanding before any is posted, so the arrival state
@@ -167,11 +194,12 @@ private:
     void on_recv_complete(const std::shared_ptr<RecvReq>& r, int peer, const Fragment& frag,
                           const std::shared_ptr<RecvOp>& op, const Status& st, size_t n);
     void handle_completion(const std::shared_ptr<RecvReq>& r, int peer, const Fragment& frag,
-                           const Bytes& buf, size_t n);
+                           StatusOr<CompletionMsg> m);
 
-    // One receive (or scatter) finished. `why` non-empty: it failed.
-    void op_done(const std::shared_ptr<RecvReq>& r, int layer, size_t bytes,
-                 const std::string& why);
+    // One receive (or scatter; write mode: one (chunk, layer) reported written, `messages`
+    // writes) finished. `why` non-empty: it failed.
+    void op_done(const std::shared_ptr<RecvReq>& r, int layer, size_t bytes, const std::string& why,
+                 uint64_t messages = 1);
 
     // Control thread: checks what landed against the compute stream's checksums, then Success.
     void finalize(const std::shared_ptr<RecvReq>& r);
@@ -180,7 +208,12 @@ private:
     // and tells the prefill ranks.
     void fail(const std::shared_ptr<RecvReq>& r, std::string reason, bool notify_peers);
     void worker_loop();
+    // Write mode, graceful shutdown: waits (bounded) until no failed request waits for a source
+    // to settle.
+    void wait_settled(std::chrono::nanoseconds timeout);
     Transport& transport_;
+    Transport& data_;  // the data plane's transport (transport_ unless a data transport is given)
+    const DataPlane plane_;
     const KvLayout layout_;
     const ReceiverOptions opt_;
     size_t max_msg_ = 0;
@@ -188,6 +221,15 @@ private:
     std::shared_ptr<ControlChannel> channel_;
     PagePins pins_;
     std::vector<std::thread> workers_;
+
+    // Write mode: this rank's (layer, buffer) regions registered with data_ (deregistered at
+    // shutdown), and the Regions message that announces them. Constant after start().
+    std::vector<MemoryRegion> regions_;
+    RegionsMsg regions_msg_;
+    // Write mode: the prefill ranks that had the Regions message (by world rank). Held across
+    // the Regions + Bootstrap sends so that no Bootstrap overtakes its Regions. A leaf lock.
+    Mutex bootstrap_mu_;
+    std::vector<uint8_t> regions_sent_ PDSIM_GUARDED_BY(bootstrap_mu_);
 
     // The scatter queue: a leaf lock, never held while taking the engine lock, nor taken under it.
     Mutex jobs_mu_;

@@ -42,11 +42,22 @@ bool KvReceiver::Impl::maybe_finish_locked(RecvReq& r) {
     return true;
 }
 
-void KvReceiver::Impl::maybe_settle_locked(RecvReq& r) {
-    if (r.state != RequestState::kFailed || r.ops_outstanding > 0) return;
+bool KvReceiver::Impl::maybe_settle_locked(RecvReq& r) {
+    if (r.state != RequestState::kFailed) return false;
+    if (write_mode()) {
+        // Nothing of ours can write the pages; a source's one-sided writes can, until it
+        // quiesced, completed or is known dead (kv_receiver.h, "Page safety").
+        for (const SourceState& s : r.sources) {
+            if (!s.settled()) return false;
+        }
+    } else if (r.ops_outstanding > 0) {
+        return false;
+    }
+    bool released = false;
     if (!r.pins_released) {
         r.pins_released = true;
         pins_.unpin_request(r.id);
+        released = true;
     }
     if (!r.slot_settled) {
         r.slot_settled = true;
@@ -58,6 +69,7 @@ void KvReceiver::Impl::maybe_settle_locked(RecvReq& r) {
             ++stats_.tags_quarantined;
         }
     }
+    return released;
 }
 
 void KvReceiver::Impl::after_change(const std::shared_ptr<RecvReq>& r, std::vector<int> newly) {
@@ -82,6 +94,8 @@ void KvReceiver::Impl::handle_ack(int peer, const AckMsg& m) {
                 "not match the request's prefill ranks",
                 r->id, peer, m.prefill_tp_rank, m.prefill_tp_size);
         } else if (!m.ok) {
+            // It refused the bootstrap, so it never attached the request: it writes nothing.
+            r->sources[static_cast<size_t>(src)].detached = true;
             why = fmt::format("request {}: prefill rank {} refused: {}", r->id, peer, m.reason);
         } else if (Status c = check_compatible(m.layout, layout_.summary()); !c.ok()) {
             why = fmt::format("request {}: prefill rank {}: {}", r->id, peer, c.message());
@@ -94,13 +108,24 @@ void KvReceiver::Impl::handle_ack(int peer, const AckMsg& m) {
             s.acked = true;
             s.layout = m.layout;
             s.frag = make_fragment(m.layout, layout_.summary());
+            if (s.frag && !write_mode() && !layout_.is_host()) {
+                for (int b = 0; b < layout_.buffer_count(); ++b) {
+                    if (s.frag->dst_contiguous[static_cast<size_t>(b)]) continue;
+                    why = fmt::format(
+                        "request {}: prefill rank {} sends part of a token slot, which the "
+                        "two-sided data plane scatters on the host; not implemented for a KV "
+                        "layout in {} memory",
+                        r->id, peer, runtime::device_kind_name(layout_.device().kind));
+                    break;
+                }
+            }
             if (s.frag) {
                 const size_t agreed = std::min<uint64_t>(max_msg_, m.max_message_bytes);
                 s.max_run = max_run_tokens(*s.frag, layout_.buffer_count(), agreed);
                 ++r->frag_sources;
             }
             ++r->acks;
-            if (r->acks == static_cast<int>(r->sources.size())) {
+            if (why.empty() && r->acks == static_cast<int>(r->sources.size())) {
                 r->state = RequestState::kTransferring;
                 newly = sweep_arrivals_locked(*r);
                 finish = maybe_finish_locked(*r);
@@ -143,7 +168,20 @@ void KvReceiver::Impl::handle_chunk(int peer, const ChunkMsg& m) {
             frag = *s->frag;
             s->next_chunk = m.chunk_index + 1;
             s->next_token = m.token_end;
-            ops = plan_chunk_locked(*r, *s, m);
+            if (write_mode()) {
+                // No receives: the chunk's data arrives as one LayerWritten per layer (each
+                // counted as one outstanding op of its layer), then (last chunk) the completion.
+                const int L = layout_.num_layers();
+                s->chunk_tokens.push_back(m.token_end - m.token_begin);
+                s->written.resize(s->written.size() + static_cast<size_t>(L), 0);
+                for (int l = 0; l < L; ++l) {
+                    ++r->layer_pending[static_cast<size_t>(l)];
+                    ++r->ops_outstanding;
+                }
+                if (m.is_last) ++r->ops_outstanding;
+            } else {
+                ops = plan_chunk_locked(*r, *s, m);
+            }
             if (m.is_last) {
                 s->last_header = true;
                 ++r->last_headers;
@@ -226,7 +264,7 @@ void KvReceiver::Impl::post_ops(const std::shared_ptr<RecvReq>& r, int peer, con
             return;
         }
         auto op = std::make_shared<RecvOp>(std::move(ops[i]));
-        auto h = transport_.post_recv(peer, r->tag, op->ptr, op->bytes);
+        auto h = data_.post_recv(peer, r->tag, op->ptr, op->bytes);
         if (!h.ok()) {
             // This op and the ones never posted are done (failed) as far as accounting goes.
             for (size_t j = i; j < ops.size(); ++j) {
@@ -252,7 +290,7 @@ void KvReceiver::Impl::post_ops(const std::shared_ptr<RecvReq>& r, int peer, con
                 }
             }
         }
-        if (cancel_now) transport_.cancel(*h).ignore_error();
+        if (cancel_now) data_.cancel(*h).ignore_error();
         h->on_complete([weak, r, peer, frag, op](const Status& st, size_t n) {
             if (auto self = weak.lock()) self->on_recv_complete(r, peer, frag, op, st, n);
         });
@@ -273,7 +311,9 @@ void KvReceiver::Impl::on_recv_complete(const std::shared_ptr<RecvReq>& r, int p
     if (op->layer < 0) {
         // Decoding and bookkeeping of the completion happen on the control thread.
         channel_->post([self = shared_from_this(), r, peer, frag, op, n] {
-            self->handle_completion(r, peer, frag, *op->completion, n);
+            self->handle_completion(
+                r, peer, frag,
+                decode_completion(std::span<const uint8_t>(op->completion->data(), n)));
         });
         return;
     }
@@ -298,8 +338,7 @@ void KvReceiver::Impl::on_recv_complete(const std::shared_ptr<RecvReq>& r, int p
 }
 
 void KvReceiver::Impl::handle_completion(const std::shared_ptr<RecvReq>& r, int peer,
-                                         const Fragment& frag, const Bytes& buf, size_t n) {
-    auto m = decode_completion(std::span<const uint8_t>(buf.data(), n));
+                                         const Fragment& frag, StatusOr<CompletionMsg> m) {
     std::string why;
     if (!m.ok()) {
         why = fmt::format("request {}: bad completion message from prefill rank {}: {}", r->id,
@@ -342,10 +381,11 @@ void KvReceiver::Impl::handle_completion(const std::shared_ptr<RecvReq>& r, int 
 }
 
 void KvReceiver::Impl::op_done(const std::shared_ptr<RecvReq>& r, int layer, size_t bytes,
-                               const std::string& why) {
+                               const std::string& why, uint64_t messages) {
     std::vector<int> newly;
     bool finish;
     bool failing = false;
+    bool released;
     {
         MutexLock lock(table_.mu());
         --r->ops_outstanding;
@@ -354,14 +394,15 @@ void KvReceiver::Impl::op_done(const std::shared_ptr<RecvReq>& r, int layer, siz
             if (why.empty()) {
                 r->bytes += bytes;
                 stats_.bytes += bytes;
-                ++stats_.messages;
+                stats_.messages += messages;
             }
         }
         failing = !why.empty() && !is_terminal(r->state);
         newly = sweep_arrivals_locked(*r);
         finish = maybe_finish_locked(*r);
-        maybe_settle_locked(*r);
+        released = maybe_settle_locked(*r);
     }
+    if (released) table_.notify_waiters();
     if (failing) fail(r, why, true);
     after_change(r, std::move(newly));
     if (finish) {
@@ -369,6 +410,113 @@ void KvReceiver::Impl::op_done(const std::shared_ptr<RecvReq>& r, int layer, siz
         channel_->post([weak, r] {
             if (auto self = weak.lock()) self->finalize(r);
         });
+    }
+}
+
+void KvReceiver::Impl::handle_layer_written(int peer, const LayerWrittenMsg& m) {
+    std::string why;
+    std::shared_ptr<RecvReq> r;
+    {
+        MutexLock lock(table_.mu());
+        r = table_.find_locked(m.request_id);
+        if (!r || is_terminal(r->state)) return;
+        const int L = layout_.num_layers();
+        const int src = source_index(*r, peer);
+        SourceState* s = src < 0 ? nullptr : &r->sources[static_cast<size_t>(src)];
+        const size_t at = static_cast<size_t>(m.chunk_index) * static_cast<size_t>(L) +
+                          static_cast<size_t>(std::max(m.layer, 0));
+        if (s == nullptr || !s->acked || !s->frag || m.src_tp_rank != src ||
+            m.chunk_index >= s->chunk_tokens.size() || m.layer < 0 || m.layer >= L ||
+            s->written[at] != 0) {
+            why = fmt::format(
+                "request {}: protocol error: unexpected layer-written message (chunk {}, layer "
+                "{}, tp rank {}) from rank {}",
+                m.request_id, m.chunk_index, m.layer, m.src_tp_rank, peer);
+        } else {
+            uint64_t per_token = 0;
+            for (int b = 0; b < layout_.buffer_count(); ++b) {
+                per_token += s->frag->bytes[static_cast<size_t>(b)];
+            }
+            const uint64_t want = per_token * static_cast<uint64_t>(s->chunk_tokens[m.chunk_index]);
+            if (m.bytes != want) {
+                why = fmt::format(
+                    "request {}: protocol error: prefill rank {} wrote {} bytes of chunk {} "
+                    "layer {}, expected {}",
+                    m.request_id, peer, m.bytes, m.chunk_index, m.layer, want);
+            } else {
+                s->written[at] = 1;
+            }
+        }
+    }
+    if (!why.empty()) {
+        fail(r, why, true);
+        return;
+    }
+    // The sender sent this after its writes completed (visible here), and the control message
+    // that told us synchronizes with it: the layer's bytes of this chunk are in the pages.
+    op_done(r, m.layer, m.bytes, "", m.writes);
+}
+
+void KvReceiver::Impl::handle_control_completion(int peer, std::span<const uint8_t> bytes) {
+    StatusOr<CompletionMsg> m = decode_completion(bytes);
+    if (!m.ok()) {
+        PDSIM_LOG_WARN("receiver rank {}: bad completion message from rank {}: {}",
+                       transport_.rank(), peer, m.status().to_string());
+        return;
+    }
+    std::shared_ptr<RecvReq> r = table_.find(m->request_id);
+    if (!r) return;
+    std::string why;
+    Fragment frag;
+    bool released = false;
+    bool terminal;
+    {
+        MutexLock lock(table_.mu());
+        const int src = source_index(*r, peer);
+        if (src < 0) return;
+        SourceState& s = r->sources[static_cast<size_t>(src)];
+        terminal = is_terminal(r->state);
+        if (terminal) {
+            // It sent everything it had: none of its writes can land any more.
+            s.completed = true;
+            released = maybe_settle_locked(*r);
+        } else if (!s.frag || !s.last_header ||
+                   std::find(s.written.begin(), s.written.end(), 0) != s.written.end()) {
+            why = fmt::format(
+                "request {}: protocol error: completion from prefill rank {} before every "
+                "layer of every chunk was reported written",
+                r->id, peer);
+        } else {
+            frag = *s.frag;
+        }
+    }
+    if (released) table_.notify_waiters();
+    if (terminal) return;
+    if (!why.empty()) {
+        fail(r, why, true);
+        return;
+    }
+    handle_completion(r, peer, frag, std::move(m));
+}
+
+void KvReceiver::Impl::handle_quiesced(int peer, const QuiescedMsg& m) {
+    std::shared_ptr<RecvReq> r = table_.find(m.request_id);
+    if (!r) return;
+    bool active;
+    bool released = false;
+    {
+        MutexLock lock(table_.mu());
+        const int src = source_index(*r, peer);
+        if (src < 0) return;
+        r->sources[static_cast<size_t>(src)].quiesced = true;
+        active = !is_terminal(r->state);
+        if (!active) released = maybe_settle_locked(*r);
+    }
+    if (released) table_.notify_waiters();
+    // A source quiesces only a request that failed there (its Abort may still be on the way).
+    if (active) {
+        fail(r, fmt::format("request {}: prefill rank {} aborted it: {}", r->id, peer, m.reason),
+             true);
     }
 }
 
@@ -387,6 +535,8 @@ void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
     bool checked = false;
     for (const SourceState& s : sources) {
         if (!s.frag || !s.completed || !s.completion.has_checksums) continue;
+        // The landed bytes are hashed on the host: not (yet) for a layout in device memory.
+        if (!layout_.is_host()) continue;
         const Fragment& f = *s.frag;
         checked = true;
         for (int l = 0; l < L; ++l) {
@@ -429,8 +579,10 @@ void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
         if (!table_.mark_succeeded_locked(*r)) return;
         r->pins_released = true;
         pins_.unpin_request(r->id);
-        r->slot_settled = true;
-        free_slots_.push_back(r->slot);
+        if (!r->slot_settled) {  // the write mode takes no slot
+            r->slot_settled = true;
+            free_slots_.push_back(r->slot);
+        }
         bytes = r->bytes;
     }
     table_.notify_waiters();

@@ -39,15 +39,17 @@ std::string_view transfer_event_name(TransferEvent::Kind kind) {
     return "?";
 }
 
-KvSender::Impl::Impl(Transport& transport, KvLayout layout, pd::StepCounter& counter,
-                     SenderOptions options)
+KvSender::Impl::Impl(Transport& transport, DataPlaneChoice plane, KvLayout layout,
+                     pd::StepCounter& counter, SenderOptions options)
     : transport_(transport),
+      data_(*plane.data),
+      plane_(plane.plane),
       layout_(std::move(layout)),
       counter_(counter),
       opt_(std::move(options)),
       pins_(transport.rank(), opt_.validator),
       table_(RequestTableNames{"sender", transport.rank()}) {
-    max_msg_ = std::min(opt_.max_message_bytes, transport.capabilities().max_message_bytes);
+    max_msg_ = std::min(opt_.max_message_bytes, data_.capabilities().max_message_bytes);
 }
 
 Status KvSender::Impl::start() {
@@ -93,7 +95,7 @@ Status KvSender::Impl::add_request(const SendRequestSpec& spec) {
         auto pend = pending_bootstraps_.find(r->id);
         if (pend != pending_bootstraps_.end()) {
             for (const PendingBootstrap& pb : pend->second) {
-                std::string err = attach_locked(*r, pb.peer, pb.msg, tasks);
+                std::string err = attach_locked(*r, pb.peer, pb.msg, pb.regions, tasks);
                 if (!err.empty()) {
                     failures.emplace_back(r, std::move(err));
                     break;
@@ -189,8 +191,18 @@ EngineStats KvSender::Impl::stats() const {
 void KvSender::Impl::shutdown(ShutdownMode mode) {
     std::optional<std::vector<std::shared_ptr<SendReq>>> active = table_.begin_shutdown();
     if (!active) return;
-    stopping_.store(true);
     const bool graceful = mode == ShutdownMode::kGraceful;
+    // Write mode, graceful, with requests that are not quiet (active ones, which fail now, or
+    // failed ones with writes in flight): the workers let go of their tasks on the way out, so
+    // that those requests turn quiet and their decode ranks hear Quiesced before the channel
+    // stops.
+    bool unquiet = false;
+    if (write_mode() && graceful) {
+        MutexLock lock(table_.mu());
+        for (auto& [id, r] : table_.requests_locked()) unquiet |= !r->pins_released;
+    }
+    quiesce_on_exit_.store(unquiet);
+    stopping_.store(true);
     for (auto& r : *active) {
         fail(r,
              fmt::format("request {}: prefill rank {} shut down{}", r->id, transport_.rank(),
@@ -198,7 +210,7 @@ void KvSender::Impl::shutdown(ShutdownMode mode) {
              graceful);
     }
     for (auto& w : workers_) {
-        {
+        if (!quiesce_on_exit_.load()) {
             MutexLock lock(w->mu);
             w->queue.clear();
         }
@@ -207,7 +219,23 @@ void KvSender::Impl::shutdown(ShutdownMode mode) {
     for (auto& w : workers_) {
         if (w->thread.joinable()) w->thread.join();
     }
-    if (channel_) channel_->stop(graceful);
+    if (quiesce_on_exit_.load()) {
+        // Bounded: a write that never completes keeps its request (and its pins) busy.
+        MutexLock lock(table_.mu());
+        (void)table_.wait_for_locked(opt_.peer_timeout, [&]() PDSIM_REQUIRES(table_.mu()) {
+            for (auto& [id, r] : table_.requests_locked()) {
+                if (r->state == RequestState::kFailed && !r->pins_released) return false;
+            }
+            return true;
+        });
+    }
+    // Write mode: the Quiesced messages just posted are what the decode ranks wait for before
+    // they free pages; give the control sends a moment to reach a live peer (one that is gone
+    // or stuck counts as dead after its peer timeout anyway: our heartbeats stop).
+    if (channel_) {
+        channel_->stop(graceful, quiesce_on_exit_.load() ? std::chrono::milliseconds(200)
+                                                         : std::chrono::milliseconds(0));
+    }
 }
 
 void KvSender::Impl::on_control(int peer, std::span<const uint8_t> bytes) {
@@ -229,18 +257,17 @@ void KvSender::Impl::on_control(int peer, std::span<const uint8_t> bytes) {
         }
         case MsgType::kAbort: {
             auto m = decode_abort(bytes);
-            if (!m.ok()) return;
-            std::shared_ptr<SendReq> r;
-            const std::string why = fmt::format("request {}: decode rank {} aborted it: {}",
-                                                m->request_id, peer, m->reason);
-            {
-                MutexLock lock(table_.mu());
-                auto pend = pending_bootstraps_.find(m->request_id);
-                if (pend != pending_bootstraps_.end()) pending_bootstraps_.erase(pend);
-                r = table_.find_locked(m->request_id);
-                if (!r) aborted_[m->request_id] = {why, Clock::now()};
+            if (m.ok()) handle_abort(peer, *m);
+            return;
+        }
+        case MsgType::kRegions: {
+            auto m = decode_regions(bytes);
+            if (!m.ok()) {
+                PDSIM_LOG_WARN("sender rank {}: {}", transport_.rank(), m.status().to_string());
+                peer_regions_[peer] = PeerRegions{{}, m.status()};
+                return;
             }
-            if (r) fail(r, why, true);
+            handle_regions(peer, *m);
             return;
         }
         case MsgType::kHeartbeat:
@@ -249,6 +276,77 @@ void KvSender::Impl::on_control(int peer, std::span<const uint8_t> bytes) {
             PDSIM_LOG_WARN("sender rank {}: unexpected {} message from rank {}", transport_.rank(),
                            msg_type_name(*type), peer);
     }
+}
+
+void KvSender::Impl::handle_abort(int peer, const AbortMsg& m) {
+    std::shared_ptr<SendReq> r;
+    bool reply_now = false;
+    std::string reason;
+    const std::string why =
+        fmt::format("request {}: decode rank {} aborted it: {}", m.request_id, peer, m.reason);
+    {
+        MutexLock lock(table_.mu());
+        auto pend = pending_bootstraps_.find(m.request_id);
+        if (pend != pending_bootstraps_.end()) pending_bootstraps_.erase(pend);
+        r = table_.find_locked(m.request_id);
+        if (!r) {
+            aborted_[m.request_id] = {why, Clock::now()};
+            // Never attached here: nothing of ours writes into its pages.
+            reply_now = true;
+            reason = why;
+        } else if (is_terminal(r->state) && r->pins_released) {
+            // Quiet already: failed and let go, or succeeded (every write completed).
+            reply_now = true;
+            reason = r->state == RequestState::kFailed ? r->reason : "it completed here";
+        } else {
+            // Quiesced goes to this rank too once the request is quiet.
+            r->abort_peers.push_back(peer);
+        }
+    }
+    if (reply_now) {
+        if (write_mode()) {
+            channel_->send(peer,
+                           encode(QuiescedMsg{m.request_id, layout_.summary().tp_rank, reason}));
+        }
+        return;
+    }
+    fail(r, why, true);
+}
+
+void KvSender::Impl::handle_regions(int peer, const RegionsMsg& m) {
+    PeerRegions pr;
+    if (!write_mode()) {
+        pr.error = PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "decode rank {} expects one-sided writes; this prefill rank's data "
+                               "plane ('{}') is two-sided",
+                               peer, data_.name());
+    } else if (m.num_layers != layout_.num_layers() || m.buffer_count != layout_.buffer_count() ||
+               m.decode_rank != peer) {
+        pr.error = PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "regions of decode rank {} (claims rank {}) are {} layers x {} "
+                               "buffers; this rank has {} x {}",
+                               peer, m.decode_rank, m.num_layers, m.buffer_count,
+                               layout_.num_layers(), layout_.buffer_count());
+    } else {
+        // Once per (decode engine, prefill rank): importing may be slow (cuda_ipc opens an IPC
+        // handle), so it happens here and never per request.
+        for (size_t i = 0; i < m.descriptor_bytes.size(); ++i) {
+            auto region = data_.import_remote(peer, m.descriptor(i));
+            if (!region.ok()) {
+                pr.error = region.status().with_context(
+                    fmt::format("importing region {} (layer {} buffer {}) of decode rank {}", i,
+                                i / static_cast<size_t>(m.buffer_count),
+                                i % static_cast<size_t>(m.buffer_count), peer));
+                pr.regions.clear();
+                break;
+            }
+            pr.regions.push_back(*region);
+        }
+    }
+    if (!pr.error.ok()) {
+        PDSIM_LOG_WARN("sender rank {}: {}", transport_.rank(), pr.error.to_string());
+    }
+    peer_regions_[peer] = std::move(pr);
 }
 
 void KvSender::Impl::on_peer_failed(int peer, const Status& st) {
@@ -280,6 +378,11 @@ void KvSender::Impl::on_tick(Clock::time_point now) {
     {
         MutexLock lock(table_.mu());
         for (auto& [id, r] : table_.requests_locked()) {
+            if (write_mode() && r->state == RequestState::kFailed && !r->pins_released) {
+                // Writes may still land at its destinations: stay audibly alive to them, so
+                // they keep the pages pinned until our Quiesced instead of declaring us dead.
+                for (auto& [tp, d] : r->dests) interest[static_cast<size_t>(d->world_rank)] = 1;
+            }
             if (is_terminal(r->state)) continue;
             for (auto& [tp, d] : r->dests) interest[static_cast<size_t>(d->world_rank)] = 1;
             if (Table::past_deadline(*r, now)) {
@@ -345,6 +448,10 @@ std::string KvSender::Impl::describe_awaiting_locked(const SendReq& r) const {
             if (!ranks.empty()) ranks.push_back(',');
             ranks.append(std::to_string(d->world_rank));
         }
+        if (write_mode()) {
+            return fmt::format("{} writes to decode rank(s) {} to complete", r.ops_outstanding,
+                               ranks);
+        }
         return fmt::format("{} sends to decode rank(s) {} to complete (matching receives)",
                            r.ops_outstanding, ranks);
     }
@@ -388,18 +495,21 @@ void KvSender::Impl::handle_bootstrap(int peer, BootstrapMsg m) {
     std::string why;
     std::optional<std::string> abort_reason;
     bool finish = false;
+    std::vector<RemoteRegion> regions;
+    if (write_mode()) regions = peer_regions_.at(peer).regions;  // validate_bootstrap: present
     {
         MutexLock lock(table_.mu());
         std::shared_ptr<SendReq> found = table_.find_locked(m.request_id);
         if (!found) {
-            pending_bootstraps_[m.request_id].push_back({peer, std::move(m), Clock::now()});
+            pending_bootstraps_[m.request_id].push_back(
+                {peer, std::move(m), Clock::now(), std::move(regions)});
             return;
         }
         SendReq& r = *found;
         if (r.state == RequestState::kFailed) {
             abort_reason = r.reason;
         } else if (!is_terminal(r.state)) {
-            why = attach_locked(r, peer, m, tasks);
+            why = attach_locked(r, peer, m, std::move(regions), tasks);
             if (!why.empty()) failed_req = found;
             // A rank with nothing to send (e.g. MLA with more prefill than decode ranks)
             // is done as soon as the last chunk is dispatched.
@@ -425,10 +535,25 @@ Status KvSender::Impl::validate_bootstrap(int peer, const BootstrapMsg& m) const
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "bad decode TP rank {} of {}",
                            m.decode_tp_rank, m.decode_tp_size);
     }
-    const Tag max_tag = transport_.capabilities().max_tag;
-    if (m.data_tag < kDataTagBase || m.data_tag > max_tag) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "data tag {} outside [{}, {}]", m.data_tag,
-                           kDataTagBase, max_tag);
+    if (write_mode()) {
+        if (m.data_tag != kControlTag) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "decode rank {} uses the two-sided data plane (data tag {}); this "
+                               "prefill rank writes one-sided (data transport '{}')",
+                               peer, m.data_tag, data_.name());
+        }
+    } else {
+        const Tag max_tag = data_.capabilities().max_tag;
+        if (m.data_tag == kControlTag) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "decode rank {} expects one-sided writes (no data tag); this "
+                               "prefill rank's data plane ('{}') is two-sided",
+                               peer, data_.name());
+        }
+        if (m.data_tag < kDataTagBase || m.data_tag > max_tag) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "data tag {} outside [{}, {}]",
+                               m.data_tag, kDataTagBase, max_tag);
+        }
     }
     const int64_t ps = m.layout.page_size;
     if (m.num_tokens < 1 ||
@@ -437,10 +562,58 @@ Status KvSender::Impl::validate_bootstrap(int peer, const BootstrapMsg& m) const
                            "{} destination pages of {} tokens cannot hold {} tokens",
                            m.dst_pages.size(), ps, m.num_tokens);
     }
+    std::optional<Fragment> frag = make_fragment(layout_.summary(), m.layout);
+    if (frag && !layout_.is_host()) {
+        // A gather is a host copy (a device kernel for it comes later). The write mode gathers
+        // only when one write per run needs it (a whole decode slot from part of ours).
+        for (int b = 0; b < layout_.buffer_count(); ++b) {
+            const auto bi = static_cast<size_t>(b);
+            const bool gathers =
+                !frag->src_contiguous[bi] && (!write_mode() || frag->dst_contiguous[bi]);
+            if (gathers) {
+                return PDSIM_ERROR(StatusCode::kUnimplemented,
+                                   "decode rank {} needs part of this rank's token slots, "
+                                   "gathered on the host into a staging copy: not implemented "
+                                   "for a KV layout in {} memory",
+                                   peer, runtime::device_kind_name(layout_.device().kind));
+            }
+        }
+    }
+    if (write_mode()) {
+        auto it = peer_regions_.find(peer);
+        if (it == peer_regions_.end()) {
+            return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                               "no memory regions from decode rank {} (its Regions message "
+                               "precedes its first Bootstrap to this engine)",
+                               peer);
+        }
+        PDSIM_RETURN_IF_ERROR(it->second.error);
+        const std::vector<RemoteRegion>& regions = it->second.regions;
+        int32_t top = 0;
+        for (int64_t i = 0; i < (m.num_tokens + ps - 1) / ps; ++i) {
+            top = std::max(top, m.dst_pages[static_cast<size_t>(i)]);
+        }
+        if (std::any_of(m.dst_pages.begin(), m.dst_pages.end(), [](int32_t p) { return p < 0; })) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "negative destination page");
+        }
+        for (size_t i = 0; i < regions.size(); ++i) {
+            const int b = static_cast<int>(i % static_cast<size_t>(layout_.buffer_count()));
+            const uint64_t need = (static_cast<uint64_t>(top) + 1) * m.layout.token_bytes(b) *
+                                  static_cast<uint64_t>(ps);
+            if (regions[i].bytes < need) {
+                return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                                   "destination page {} lies outside decode rank {}'s region of "
+                                   "layer {} buffer {} ({} bytes)",
+                                   top, peer, i / static_cast<size_t>(layout_.buffer_count()), b,
+                                   regions[i].bytes);
+            }
+        }
+    }
     return {};
 }
 
 std::string KvSender::Impl::attach_locked(SendReq& r, int peer, const BootstrapMsg& m,
+                                          std::vector<RemoteRegion> regions,
                                           std::vector<Task>& out) {
     if (m.num_tokens != r.num_tokens) {
         return fmt::format("request {}: decode rank {} expects {} tokens, prefill has {}", r.id,
@@ -459,6 +632,7 @@ std::string KvSender::Impl::attach_locked(SendReq& r, int peer, const BootstrapM
     d->tag = m.data_tag;
     d->layout = m.layout;
     d->dst_pages = m.dst_pages;
+    d->regions = std::move(regions);
     d->frag = make_fragment(layout_.summary(), m.layout);
     if (d->frag) {
         const size_t agreed = std::min<uint64_t>(max_msg_, m.max_message_bytes);
@@ -516,12 +690,37 @@ bool KvSender::Impl::maybe_finish_locked(SendReq& r) {
     return true;
 }
 
-void KvSender::Impl::maybe_release_pins_locked(SendReq& r) {
+bool KvSender::Impl::maybe_release_pins_locked(SendReq& r) {
     // Only once nothing can read the pages any more: no task may post and no send is live.
-    if (r.pins_released || r.tasks_outstanding > 0 || r.ops_outstanding > 0) return;
-    if (r.state != RequestState::kFailed) return;  // Success releases in finalize
+    if (r.pins_released || r.tasks_outstanding > 0 || r.ops_outstanding > 0) return false;
+    if (r.state != RequestState::kFailed) return false;  // Success releases in finalize
     r.pins_released = true;
     pins_.unpin_request(r.id);
+    return true;
+}
+
+void KvSender::Impl::post_quiesced(const std::shared_ptr<SendReq>& r) {
+    if (!write_mode()) return;
+    table_.notify_waiters();  // a graceful shutdown waits for quiet requests
+    std::weak_ptr<Impl> weak = weak_from_this();
+    channel_->post([weak, r] {
+        auto self = weak.lock();
+        if (!self) return;
+        std::vector<int> peers;
+        std::string reason;
+        {
+            MutexLock lock(self->table_.mu());
+            for (auto& [tp, d] : r->dests) peers.push_back(d->world_rank);
+            peers.insert(peers.end(), r->abort_peers.begin(), r->abort_peers.end());
+            reason = r->reason;
+        }
+        std::sort(peers.begin(), peers.end());
+        peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+        const Bytes msg = encode(QuiescedMsg{r->id, self->layout_.summary().tp_rank, reason});
+        for (int p : peers) {
+            if (!self->channel_->peer_failed(p)) self->channel_->send(p, msg);
+        }
+    });
 }
 
 void KvSender::Impl::post_finalize(uint64_t id) {
@@ -581,21 +780,25 @@ void KvSender::Impl::fail(const std::shared_ptr<SendReq>& r, std::string reason,
                           bool notify_peers) {
     std::vector<RequestHandle> handles;
     std::vector<int> peers;
+    bool quiet;
     {
         MutexLock lock(table_.mu());
         if (!table_.mark_failed_locked(*r, reason)) return;
         r->cancelled.store(true);
         handles.swap(r->handles);
         for (auto& [tp, d] : r->dests) peers.push_back(d->world_rank);
-        maybe_release_pins_locked(*r);
+        quiet = maybe_release_pins_locked(*r);
     }
     PDSIM_LOG_DEBUG("sender rank {}: {}", transport_.rank(), reason);
     table_.notify_waiters();
     emit(TransferEvent::Kind::kRequestFailed, r->id, -1, -1, 0, 0);
-    if (!notify_peers) return;
+    if (!notify_peers) {
+        // Abrupt: send nothing (a crash); the decode ranks find out by our silence.
+        return;
+    }
     // Cancelling re-enters the transport: never from inside a transport callback, so it runs
     // on the control thread.
-    Transport* t = &transport_;
+    Transport* t = &data_;
     std::shared_ptr<ControlChannel> ch = channel_;
     const uint64_t id = r->id;
     channel_->post([t, ch, handles = std::move(handles), peers, id, reason] {
@@ -606,6 +809,7 @@ void KvSender::Impl::fail(const std::shared_ptr<SendReq>& r, std::string reason,
             if (!ch->peer_failed(p)) ch->send(p, encode(AbortMsg{id, reason}));
         }
     });
+    if (quiet) post_quiesced(r);
 }
 
 // ---- KvSender ----
@@ -613,17 +817,9 @@ void KvSender::Impl::fail(const std::shared_ptr<SendReq>& r, std::string reason,
 StatusOr<std::unique_ptr<KvSender>> KvSender::create(Transport& transport, KvLayout layout,
                                                      pd::StepCounter& counter,
                                                      SenderOptions options) {
-    const Capabilities caps = transport.capabilities();
-    if (!caps.two_sided || !caps.tag_matching) {
-        return PDSIM_ERROR(StatusCode::kUnimplemented,
-                           "the KV sender needs a two-sided, tag-matching transport; '{}' is not",
-                           transport.name());
-    }
-    if (caps.max_tag < kDataTagBase) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                           "transport '{}' max_tag {} leaves no data tags (need >= {})",
-                           transport.name(), caps.max_tag, kDataTagBase);
-    }
+    PDSIM_ASSIGN_OR_RETURN(DataPlaneChoice plane,
+                           choose_data_plane("KV sender", transport, options.data_transport, layout,
+                                             options.validator != nullptr));
     if (layout.num_layers() < 1) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "empty KV layout");
     }
@@ -632,7 +828,8 @@ StatusOr<std::unique_ptr<KvSender>> KvSender::create(Transport& transport, KvLay
                            "validator of rank {} given to the sender of rank {}",
                            options.validator->rank(), transport.rank());
     }
-    auto impl = std::make_shared<Impl>(transport, std::move(layout), counter, std::move(options));
+    auto impl =
+        std::make_shared<Impl>(transport, plane, std::move(layout), counter, std::move(options));
     PDSIM_RETURN_IF_ERROR(impl->start());
     return std::unique_ptr<KvSender>(new KvSender(std::move(impl)));
 }

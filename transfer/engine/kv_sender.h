@@ -10,6 +10,16 @@
 // The decode ranks' bootstraps may arrive before or after add_request; chunks submitted before
 // every decode rank of the request bootstrapped are held until then.
 //
+// Data plane (data_plane.h). The control transport (the Transport& given to create()) carries
+// every control message and must be two-sided and tag-matching. The KV bytes go over
+// options.data_transport (null: the control transport), whose declared capabilities choose how:
+//   two_sided && tag_matching  -> two-sided: data messages on the request's data tag (below);
+//   else one_sided_write       -> the write mode (below);
+//   else                       -> create() is kUnimplemented, naming the transport and what it
+//                                 lacks (NCCL's untagged in-order matching is a later step).
+// The decode rank chooses the same way; a Bootstrap of the other plane is refused (its data tag
+// says which: 0 = writes).
+//
 // Data path. Per destination decode rank a chunk becomes a task on worker (rank % num_workers).
 // A task sends the Chunk header, then for each interval [l0, l1) of layers, once step
 // begin + l1 - 1 is ready on the StepCounter, posts for each layer, buffer and run one send
@@ -30,6 +40,24 @@
 // this rank's heads (prefill TP < decode TP), the worker gathers the run's fragment into a
 // staging buffer first (one host copy; counted in stats().staged_bytes).
 //
+// Write mode. Each decode rank sends its regions (one per (layer, buffer) of its KvLayout, as
+// registered with its data transport) once per (decode engine, prefill rank), before its first
+// Bootstrap; this rank imports them once and caches them per decode rank (importing may be slow
+// on a GPU). A task then sends the Chunk header as above and, per layer once its step is ready,
+// for each buffer and run post_write()s into the decode rank's page bytes: one write per run at
+// dst_slot * token_bytes when the fragment is a whole decode token slot
+// (Fragment::dst_contiguous), else one write per token at its slot + dst_offset, straight from
+// the page bytes (correct, but many small writes). The source is the page bytes, or the gathered
+// staging copy when a whole decode slot takes part of ours. When every write of (chunk, layer)
+// to that decode rank has completed (the bytes are visible there, transport.h), a LayerWritten
+// goes to it on the control channel; the Completion (first token, checksums) follows there once
+// every LayerWritten of the request to that rank was sent. A request is Success once every write
+// completed and every Completion was handed to the control channel: the decode rank is not
+// waited for (a silent decode rank fails only a request that still awaits something).
+// Device layouts (KvLayout::device() not host): the data transport must declare device_memory
+// (create() is kInvalidArgument otherwise); a validator, and a Bootstrap whose fragment needs a
+// gather (the host staging copy), are kUnimplemented until device kernels exist for them.
+//
 // Pins: a chunk's pages are pinned from submit_chunk until no send can read them any more;
 // pins().free_pages() refuses to free them meanwhile (see page_pins.h). A Failed request turns
 // terminal at once; its pages are released once its sends were withdrawn or completed
@@ -37,11 +65,21 @@
 //
 // Failure: every wait is bounded: the request's timeout (from add_request), the peer timeout
 // (decode rank silent, heartbeats included), transport errors (kUnavailable: the decode rank is
-// gone). A failed request's pending sends are cancelled, the decode ranks get an Abort, and the
-// reason names the request, the peer and what was awaited.
+// gone). A failed request's pending sends (writes) are cancelled, the decode ranks get an Abort,
+// and the reason names the request, the peer and what was awaited.
+// Write mode, quiescence: a failed request stops writing (no task posts again) and cancels what
+// the transport lets it; once none of its writes can still land (every one completed or failed:
+// the moment pages_in_use turns false) this rank sends Quiesced{request, reason} to each of its
+// decode ranks and to every decode rank that aborted it -- at once for an Abort of a request it
+// never wrote (unknown here, or already quiet). Until then it keeps heartbeating those decode
+// ranks, which keep the pages pinned (kv_receiver.h, "Page safety"). A graceful shutdown with
+// requests that are not quiet (it fails the active ones) waits (at most peer_timeout) for them
+// to turn quiet and lets the Quiesced messages reach live peers (at most 200 ms) before it stops
+// the control channel; an abrupt one sends nothing.
 //
 // Thread-safety: all public methods may be called from any thread. Lifetime: destroy (or
-// shutdown) the sender before closing the transport and before freeing the pool's memory.
+// shutdown) the sender before closing its transports (control and data) and before freeing the
+// pool's memory.
 #pragma once
 
 #include <chrono>
@@ -94,8 +132,13 @@ enum class ShutdownMode {
 
 class KvSender {
 public:
-    // Needs a two-sided, tag-matching transport with max_tag >= kDataTagBase. `counter` must
-    // outlive the sender.
+    // `transport` carries the control messages (two-sided, tag-matching); the data goes over
+    // options.data_transport or, when null, `transport` too. `counter` must outlive the sender.
+    // Errors (data_plane.h, choose_data_plane): kUnimplemented for a control transport that is
+    // not two-sided and tag-matching, a data transport with neither data plane, a device layout
+    // with a validator; kInvalidArgument for a data transport whose ranks differ, a two-sided
+    // data transport with max_tag < kDataTagBase, a layout in memory the data transport cannot
+    // reach, an empty layout or a validator of another rank.
     [[nodiscard]] static StatusOr<std::unique_ptr<KvSender>> create(Transport& transport,
                                                                     KvLayout layout,
                                                                     pd::StepCounter& counter,

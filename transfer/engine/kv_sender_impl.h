@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -30,6 +31,7 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "transfer/engine/control.h"
+#include "transfer/engine/data_plane.h"
 #include "transfer/engine/kv_sender.h"
 #include "transfer/engine/request_table.h"
 #include "transfer/engine/transfer_plan.h"
@@ -53,6 +55,16 @@ struct DestState {
     // thread).
     std::vector<uint64_t> observed;
     uint32_t next_chunk_to_post = 0;
+
+    // Write mode: the decode rank's (layer, buffer) regions as imported here ([layer * buffers +
+    // buffer]); constant once attached.
+    std::vector<RemoteRegion> regions;
+    // Write mode: LayerWritten messages not sent yet (one per (chunk, layer) whose writes
+    // started), plus 1 until the last chunk's task has armed `completion`. Whoever brings it to
+    // 0 sends the completion (so it follows every LayerWritten on the control tag). `completion`
+    // is written before the decrement that arms it (acq_rel) and read after reaching 0.
+    std::atomic<int64_t> notices_pending{1};
+    std::shared_ptr<Bytes> completion;
 };
 
 // A request of this rank; the lifecycle (id, deadline, state, reason) is the table's.
@@ -76,9 +88,12 @@ struct SendReq : RequestLifecycle {
     int64_t ops_outstanding = 0;
     bool finalizing = false;
     bool pins_released = false;
-    std::vector<RequestHandle> handles;  // posted sends (for cancellation)
+    std::vector<RequestHandle> handles;  // posted sends / writes (for cancellation)
     std::string awaiting;                // what a worker is blocked on
     uint64_t bytes = 0;
+    // Write mode: decode ranks that aborted the request; they get a Quiesced too (with the
+    // destinations) once the request is quiet.
+    std::vector<int> abort_peers;
 };
 
 // Per (task, layer) sends not yet completed, plus a guard of 1 while the layer is being posted,
@@ -87,19 +102,26 @@ struct TaskProgress {
     explicit TaskProgress(int layers, uint64_t req, int peer, uint32_t chunk)
         : pending(std::make_unique<std::atomic<int64_t>[]>(static_cast<size_t>(layers))),
           bytes(std::make_unique<std::atomic<uint64_t>[]>(static_cast<size_t>(layers))),
+          ops(std::make_unique<std::atomic<uint32_t>[]>(static_cast<size_t>(layers))),
           request(req),
           peer(peer),
           chunk(chunk) {
         for (int l = 0; l < layers; ++l) {
             pending[static_cast<size_t>(l)].store(0);
             bytes[static_cast<size_t>(l)].store(0);
+            ops[static_cast<size_t>(l)].store(0);
         }
     }
     std::unique_ptr<std::atomic<int64_t>[]> pending;
-    std::unique_ptr<std::atomic<uint64_t>[]> bytes;
+    std::unique_ptr<std::atomic<uint64_t>[]> bytes;  // completed OK, per layer
+    std::unique_ptr<std::atomic<uint32_t>[]> ops;    // completed OK, per layer
+    std::atomic<bool> failed{false};                 // an operation of the task failed
     const uint64_t request;
     const int peer;
     const uint32_t chunk;
+    // Write mode: the LayerWritten of a layer goes to this destination of this request.
+    std::shared_ptr<SendReq> req;
+    std::shared_ptr<DestState> dest;
 };
 
 struct Task {
@@ -136,7 +158,8 @@ class KvSender::Impl : public ControlListener, public std::enable_shared_from_th
     using Table = RequestTable<SendReq>;
 
 public:
-    Impl(Transport& transport, KvLayout layout, pd::StepCounter& counter, SenderOptions options);
+    Impl(Transport& transport, DataPlaneChoice plane, KvLayout layout, pd::StepCounter& counter,
+         SenderOptions options);
     Status start();
 
     // ---- public API ----
@@ -163,7 +186,15 @@ private:
         int peer;
         BootstrapMsg msg;
         Clock::time_point at;
+        std::vector<RemoteRegion> regions;  // write mode: the peer's, when it bootstrapped
     };
+    // Write mode: a decode rank's regions as imported from its Regions message (or why not).
+    struct PeerRegions {
+        std::vector<RemoteRegion> regions;
+        Status error;
+    };
+
+    [[nodiscard]] bool write_mode() const { return plane_ == DataPlane::kOneSidedWrite; }
 
     RequestStatus status_locked(const SendReq& r) const PDSIM_REQUIRES(table_.mu());
     std::string describe_awaiting_locked(const SendReq& r) const PDSIM_REQUIRES(table_.mu());
@@ -171,10 +202,14 @@ private:
               uint64_t bytes) const;
     void handle_bootstrap(int peer, BootstrapMsg m);
     Status validate_bootstrap(int peer, const BootstrapMsg& m) const;
+    // Write mode (control thread): imports the decode rank's regions (once per Regions message).
+    void handle_regions(int peer, const RegionsMsg& m);
+    void handle_abort(int peer, const AbortMsg& m);
 
     // Adds decode rank `peer` to `r`; once every decode rank is in, the request is Transferring
     // and its held chunks are dispatched. Returns a failure reason, or "".
-    std::string attach_locked(SendReq& r, int peer, const BootstrapMsg& m, std::vector<Task>& out)
+    std::string attach_locked(SendReq& r, int peer, const BootstrapMsg& m,
+                              std::vector<RemoteRegion> regions, std::vector<Task>& out)
         PDSIM_REQUIRES(table_.mu());
 
     // Turns a chunk into one task per destination that receives a fragment from this rank.
@@ -184,8 +219,14 @@ private:
 
     // True when every send of the request completed: the caller posts the finalization.
     bool maybe_finish_locked(SendReq& r) PDSIM_REQUIRES(table_.mu());
-    void maybe_release_pins_locked(SendReq& r) PDSIM_REQUIRES(table_.mu());
+    // Releases a Failed request's pins once nothing can read them (no task may post, no
+    // operation is live): the request is then quiet. True when that happened now; in the write
+    // mode the caller then calls post_quiesced.
+    bool maybe_release_pins_locked(SendReq& r) PDSIM_REQUIRES(table_.mu());
     void post_finalize(uint64_t id);
+    // Write mode: on the control thread, sends Quiesced to every destination and every decode
+    // rank that aborted the request.
+    void post_quiesced(const std::shared_ptr<SendReq>& r);
 
     // Control thread: after-send verification, then Success.
     void finalize(uint64_t id);
@@ -240,12 +281,26 @@ private:
     // Posts one send of the request on its data tag. layer < 0: the completion message.
     bool post_data(const Task& t, int layer, const void* ptr, size_t bytes,
                    std::shared_ptr<void> keep, const std::shared_ptr<TaskProgress>& progress);
+    // Write mode: posts one write of `bytes` at `offset` of the destination's region of
+    // (layer, buf).
+    bool post_write(const Task& t, int layer, int buf, size_t offset, const void* ptr, size_t bytes,
+                    std::shared_ptr<void> keep, const std::shared_ptr<TaskProgress>& progress);
+    // The bookkeeping shared by both: `post` posts the operation on data_.
+    bool post_op(const Task& t, int layer, OpKind kind, std::shared_ptr<void> keep,
+                 const std::shared_ptr<TaskProgress>& progress,
+                 const std::function<StatusOr<RequestHandle>()>& post);
+    // Write mode: the (chunk, layer) writes of `a` to its destination, in plan order.
+    bool post_run_writes(Active& a, int layer, int buf, const TokenRun& run, uint64_t& staged);
 
     // Any thread (transport callbacks included): never re-enters the transport.
-    void on_send_done(const std::shared_ptr<SendReq>& r, const std::shared_ptr<TaskProgress>& p,
-                      int layer, int peer, const Status& st, size_t n);
+    void on_op_done(const std::shared_ptr<SendReq>& r, const std::shared_ptr<TaskProgress>& p,
+                    int layer, int peer, OpKind kind, const Status& st, size_t n);
     void layer_op_done(const std::shared_ptr<TaskProgress>& p, int layer);
+    // Write mode: one LayerWritten sent (or given up); the last one sends the armed completion.
+    void notice_done(const std::shared_ptr<SendReq>& r, const std::shared_ptr<DestState>& d);
     Transport& transport_;
+    Transport& data_;  // the data plane's transport (transport_ unless a data transport is given)
+    const DataPlane plane_;
     const KvLayout layout_;
     pd::StepCounter& counter_;
     const SenderOptions opt_;
@@ -254,6 +309,9 @@ private:
     PagePins pins_;
     std::vector<std::unique_ptr<Worker>> workers_;
     std::atomic<bool> stopping_{false};
+    // Set by a graceful shutdown in the write mode: exiting workers finish (let go of) their
+    // tasks, so that failed requests turn quiet and are announced Quiesced.
+    std::atomic<bool> quiesce_on_exit_{false};
 
     // The requests and the engine lock: table_.mu() guards what is below and the requests'
     // bookkeeping (see request_table.h).
@@ -266,6 +324,9 @@ private:
         PDSIM_GUARDED_BY(table_.mu());
     // The byte, message, layer and staging counts (the request counts are the table's).
     EngineStats stats_ PDSIM_GUARDED_BY(table_.mu());
+
+    // Write mode, control thread only: every decode rank's regions (by world rank).
+    std::unordered_map<int, PeerRegions> peer_regions_;
 };
 
 }  // namespace pdsim::transfer

@@ -41,13 +41,30 @@ void KvSender::Impl::worker_loop(int index) {
                     return stopping_.load() || !w.queue.empty();
                 });
             }
-            if (stopping_.load()) return;
+            if (stopping_.load()) {
+                if (quiesce_on_exit_.load()) {
+                    // Let go of every task (none posts any more: stopping_), so that their
+                    // requests can turn quiet.
+                    while (!w.queue.empty()) {
+                        Active a;
+                        a.t = std::move(w.queue.front());
+                        w.queue.pop_front();
+                        tasks.push_back(std::move(a));
+                    }
+                } else {
+                    return;
+                }
+            }
             while (!w.queue.empty()) {
                 Active a;
                 a.t = std::move(w.queue.front());
                 w.queue.pop_front();
                 tasks.push_back(std::move(a));
             }
+        }
+        if (stopping_.load()) {
+            for (Active& a : tasks) finish_task(a);
+            return;
         }
         bool moved = false;
         // What to block on if nothing moves (copied: the deque is compacted below).
@@ -189,6 +206,8 @@ void KvSender::Impl::start_task(Active& a) {
         make_runs(a.t.src_pages, ps, 0, d.dst_pages, d.layout.page_size, a.t.t0, a.t.t1, d.max_run);
     a.progress =
         std::make_shared<TaskProgress>(layout_.num_layers(), r.id, d.world_rank, a.t.chunk_index);
+    a.progress->req = a.t.req;
+    a.progress->dest = a.t.dest;
 }
 
 bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
@@ -204,6 +223,8 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
     for (int l = l0; ok && l < l1; ++l) {
         emit(TransferEvent::Kind::kLayerReady, r.id, l, d.world_rank, a.t.chunk_index, 0);
         a.progress->pending[static_cast<size_t>(l)].store(1);  // the posting guard
+        // Write mode: this (chunk, layer) owes the destination one LayerWritten (or gives up).
+        if (write_mode()) d.notices_pending.fetch_add(1);
         for (int b = 0; ok && b < B; ++b) {
             const auto bi = static_cast<size_t>(b);
             uint64_t* obs =
@@ -222,6 +243,10 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
                 if (obs != nullptr) {
                     kv_checksums_add_run(layout_, l, b, run.token_begin, run.count, run.src_slot,
                                          f.src_offset[bi], f.head_count, obs);
+                }
+                if (write_mode()) {
+                    if (!post_run_writes(a, l, b, run, staged)) ok = false;
+                    continue;
                 }
                 const size_t bytes = message_bytes(f, b, run);
                 std::shared_ptr<void> keep;
@@ -249,20 +274,59 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
     return ok;
 }
 
+bool KvSender::Impl::post_run_writes(Active& a, int l, int b, const TokenRun& run,
+                                     uint64_t& staged) {
+    const DestState& d = *a.t.dest;
+    const Fragment& f = *d.frag;
+    const auto bi = static_cast<size_t>(b);
+    const size_t dst_token_bytes = static_cast<size_t>(d.layout.token_bytes(b));
+    if (f.dst_contiguous[bi]) {
+        // Whole decode token slots: the run is one contiguous range there, one write.
+        const size_t bytes = message_bytes(f, b, run);
+        std::shared_ptr<void> keep;
+        const void* ptr;
+        if (f.src_contiguous[bi]) {
+            ptr = layout_.slot_addr(l, b, run.src_slot);
+        } else {
+            // Copy: the decode rank holds only part of this rank's heads (host gather).
+            auto staging = std::make_shared<std::vector<std::byte>>(bytes);
+            gather_run(layout_, f, l, b, run, staging->data());
+            ptr = staging->data();
+            keep = std::move(staging);
+            staged += bytes;
+        }
+        return post_write(a.t, l, b, static_cast<size_t>(run.dst_slot) * dst_token_bytes, ptr,
+                          bytes, std::move(keep), a.progress);
+    }
+    // The decode slot holds more heads than this fragment: one write per token, from the page
+    // bytes straight to its place in the slot (correct, but many small writes; a device-side
+    // packing kernel would make it one).
+    const size_t bytes = f.bytes[bi];
+    for (int64_t i = 0; i < run.count; ++i) {
+        const std::byte* src = layout_.slot_addr(l, b, run.src_slot + i) + f.src_offset[bi];
+        const size_t offset =
+            static_cast<size_t>(run.dst_slot + i) * dst_token_bytes + f.dst_offset[bi];
+        if (!post_write(a.t, l, b, offset, src, bytes, nullptr, a.progress)) return false;
+    }
+    return true;
+}
+
 void KvSender::Impl::finish_task(Active& a) {
     if (a.finished) return;
     a.finished = true;
     a.t.dest->next_chunk_to_post = a.t.chunk_index + 1;
     SendReq& r = *a.t.req;
     bool finish;
+    bool quiet;
     {
         MutexLock lock(table_.mu());
         --r.tasks_outstanding;
         if (r.tasks_outstanding == 0) r.awaiting.clear();
         finish = maybe_finish_locked(r);
-        maybe_release_pins_locked(r);
+        quiet = maybe_release_pins_locked(r);
     }
     if (finish) post_finalize(r.id);
+    if (quiet) post_quiesced(a.t.req);
 }
 
 KvSender::Impl::Progress KvSender::Impl::try_completion(Active& a) {
@@ -305,6 +369,18 @@ KvSender::Impl::Progress KvSender::Impl::try_completion(Active& a) {
     m.has_first_token = a.has_first_token;
     m.first_token = a.first_token;
     if (const Progress sums = add_checksums(a, late, m); sums != Progress::kDone) return sums;
+    if (write_mode()) {
+        // On the control tag, after every LayerWritten of the request to this destination:
+        // armed here, sent by whoever sends the last of them (notice_done).
+        {
+            MutexLock lock(table_.mu());
+            if (is_terminal(r.state)) return Progress::kFailed;
+            ++r.ops_outstanding;  // until it is sent (or given up)
+        }
+        d.completion = std::make_shared<Bytes>(encode(m));
+        notice_done(a.t.req, a.t.dest);  // drops the arming guard
+        return Progress::kDone;
+    }
     auto buf = std::make_shared<Bytes>(encode(m));
     const void* ptr = buf->data();
     const size_t n = buf->size();
@@ -363,6 +439,25 @@ KvSender::Impl::Progress KvSender::Impl::add_checksums(Active& a, bool late, Com
 bool KvSender::Impl::post_data(const Task& t, int layer, const void* ptr, size_t bytes,
                                std::shared_ptr<void> keep,
                                const std::shared_ptr<TaskProgress>& progress) {
+    const int peer = t.dest->world_rank;
+    const Tag tag = t.dest->tag;
+    return post_op(t, layer, OpKind::kSend, std::move(keep), progress,
+                   [&] { return data_.post_send(peer, tag, ptr, bytes); });
+}
+
+bool KvSender::Impl::post_write(const Task& t, int layer, int buf, size_t offset, const void* ptr,
+                                size_t bytes, std::shared_ptr<void> keep,
+                                const std::shared_ptr<TaskProgress>& progress) {
+    const RemoteRegion& region =
+        t.dest->regions[static_cast<size_t>(layer) * static_cast<size_t>(layout_.buffer_count()) +
+                        static_cast<size_t>(buf)];
+    return post_op(t, layer, OpKind::kWrite, std::move(keep), progress,
+                   [&] { return data_.post_write(region, offset, ptr, bytes); });
+}
+
+bool KvSender::Impl::post_op(const Task& t, int layer, OpKind kind, std::shared_ptr<void> keep,
+                             const std::shared_ptr<TaskProgress>& progress,
+                             const std::function<StatusOr<RequestHandle>()>& post) {
     SendReq& r = *t.req;
     const int peer = t.dest->world_rank;
     {
@@ -371,9 +466,9 @@ bool KvSender::Impl::post_data(const Task& t, int layer, const void* ptr, size_t
         ++r.ops_outstanding;
     }
     if (layer >= 0) progress->pending[static_cast<size_t>(layer)].fetch_add(1);
-    auto h = transport_.post_send(peer, t.dest->tag, ptr, bytes);
+    auto h = post();
     if (!h.ok()) {
-        on_send_done(t.req, progress, layer, peer, h.status(), 0);
+        on_op_done(t.req, progress, layer, peer, kind, h.status(), 0);
         return false;
     }
     bool cancel_now = false;
@@ -390,17 +485,18 @@ bool KvSender::Impl::post_data(const Task& t, int layer, const void* ptr, size_t
             }
         }
     }
-    if (cancel_now) transport_.cancel(*h).ignore_error();
+    if (cancel_now) data_.cancel(*h).ignore_error();
     std::weak_ptr<Impl> weak = weak_from_this();
-    h->on_complete([weak, req = t.req, progress, layer, peer, keep](const Status& st, size_t n) {
-        if (auto self = weak.lock()) self->on_send_done(req, progress, layer, peer, st, n);
-    });
+    h->on_complete(
+        [weak, req = t.req, progress, layer, peer, kind, keep](const Status& st, size_t n) {
+            if (auto self = weak.lock()) self->on_op_done(req, progress, layer, peer, kind, st, n);
+        });
     return true;
 }
 
-void KvSender::Impl::on_send_done(const std::shared_ptr<SendReq>& r,
-                                  const std::shared_ptr<TaskProgress>& p, int layer, int peer,
-                                  const Status& st, size_t n) {
+void KvSender::Impl::on_op_done(const std::shared_ptr<SendReq>& r,
+                                const std::shared_ptr<TaskProgress>& p, int layer, int peer,
+                                OpKind kind, const Status& st, size_t n) {
     std::string why;
     {
         MutexLock lock(table_.mu());
@@ -413,22 +509,31 @@ void KvSender::Impl::on_send_done(const std::shared_ptr<SendReq>& r,
             }
         } else if (!is_terminal(r->state)) {
             why = fmt::format(
-                "request {}: send of {} to decode rank {} failed: {}", r->id,
+                "request {}: {} of {} to decode rank {} failed: {}", r->id, op_kind_name(kind),
                 layer >= 0 ? fmt::format("layer {}", layer) : std::string("the completion message"),
                 peer, st.message());
         }
     }
-    if (st.ok() && layer >= 0) p->bytes[static_cast<size_t>(layer)].fetch_add(n);
-    if (layer >= 0) layer_op_done(p, layer);
+    if (layer >= 0) {
+        if (st.ok()) {
+            p->bytes[static_cast<size_t>(layer)].fetch_add(n);
+            p->ops[static_cast<size_t>(layer)].fetch_add(1);
+        } else {
+            p->failed.store(true);
+        }
+        layer_op_done(p, layer);
+    }
     // fail() posts the cancellation to the control thread, so it is safe from a callback.
     if (!why.empty()) fail(r, why, true);
     bool finish;
+    bool quiet;
     {
         MutexLock lock(table_.mu());
         finish = maybe_finish_locked(*r);
-        maybe_release_pins_locked(*r);
+        quiet = maybe_release_pins_locked(*r);
     }
     if (finish) post_finalize(r->id);
+    if (quiet) post_quiesced(r);
 }
 
 void KvSender::Impl::layer_op_done(const std::shared_ptr<TaskProgress>& p, int layer) {
@@ -437,8 +542,46 @@ void KvSender::Impl::layer_op_done(const std::shared_ptr<TaskProgress>& p, int l
         MutexLock lock(table_.mu());
         ++stats_.layers;
     }
-    emit(TransferEvent::Kind::kLayerSent, p->request, layer, p->peer, p->chunk,
-         p->bytes[static_cast<size_t>(layer)].load());
+    const uint64_t bytes = p->bytes[static_cast<size_t>(layer)].load();
+    if (write_mode()) {
+        // Every write of this (chunk, layer) completed: the bytes are visible at the decode
+        // rank. Tell it -- unless a write failed or the request failed (then it learns that).
+        if (!p->failed.load() && !p->req->cancelled.load()) {
+            LayerWrittenMsg m;
+            m.request_id = p->request;
+            m.src_tp_rank = layout_.summary().tp_rank;
+            m.chunk_index = p->chunk;
+            m.layer = layer;
+            m.writes = p->ops[static_cast<size_t>(layer)].load();
+            m.bytes = bytes;
+            channel_->send(p->peer, encode(m));
+        }
+    }
+    emit(TransferEvent::Kind::kLayerSent, p->request, layer, p->peer, p->chunk, bytes);
+    if (write_mode()) notice_done(p->req, p->dest);
+}
+
+void KvSender::Impl::notice_done(const std::shared_ptr<SendReq>& r,
+                                 const std::shared_ptr<DestState>& d) {
+    if (d->notices_pending.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    // Every LayerWritten of the request to this destination went out (or was given up) and the
+    // completion is armed: it follows them on the control tag.
+    bool send;
+    {
+        MutexLock lock(table_.mu());
+        send = !is_terminal(r->state);
+    }
+    if (send) channel_->send(d->world_rank, *d->completion);
+    bool finish;
+    bool quiet;
+    {
+        MutexLock lock(table_.mu());
+        --r->ops_outstanding;
+        finish = maybe_finish_locked(*r);
+        quiet = maybe_release_pins_locked(*r);
+    }
+    if (finish) post_finalize(r->id);
+    if (quiet) post_quiesced(r);
 }
 
 }  // namespace pdsim::transfer
