@@ -64,7 +64,7 @@ Status check_compatible(const KvLayoutSummary& a, const KvLayoutSummary& b) {
 }
 
 StatusOr<KvLayout> KvLayout::create(const KvLayoutSummary& s, int num_pages,
-                                    std::vector<std::byte*> bases) {
+                                    std::vector<std::byte*> bases, runtime::Device memory) {
     if (s.num_layers < 1 || s.buffer_count < 1 || s.buffer_count > kMaxKvBuffers ||
         s.page_size < 1 || s.dtype_bytes < 1 || num_pages < 1) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "bad KV layout ({} pages): {}", num_pages,
@@ -108,13 +108,14 @@ StatusOr<KvLayout> KvLayout::create(const KvLayoutSummary& s, int num_pages,
     out.summary_ = s;
     out.num_pages_ = num_pages;
     out.bases_ = std::move(bases);
+    out.memory_ = memory;
     return out;
 }
 
 namespace {
 
-Status check_cpu_pool(const kv::KVPool& pool) {
-    if (pool.device().kind != runtime::DeviceKind::kCpu) {
+Status check_pool_memory(const kv::KVPool& pool, KvPoolMemory accept) {
+    if (accept == KvPoolMemory::kHostOnly && pool.device().kind != runtime::DeviceKind::kCpu) {
         return PDSIM_ERROR(StatusCode::kUnimplemented,
                            "the transfer engine needs a host (CPU) KV pool; got a {} pool",
                            runtime::device_kind_name(pool.device().kind));
@@ -135,8 +136,8 @@ std::vector<std::byte*> pool_bases(const kv::KVPool& pool) {
 }  // namespace
 
 StatusOr<KvLayout> KvLayout::from_mha_pool(const kv::MHATokenToKVPool& pool, int tp_size,
-                                           int tp_rank, int total_kv_heads) {
-    PDSIM_RETURN_IF_ERROR(check_cpu_pool(pool));
+                                           int tp_rank, int total_kv_heads, KvPoolMemory accept) {
+    PDSIM_RETURN_IF_ERROR(check_pool_memory(pool, accept));
     PDSIM_ASSIGN_OR_RETURN(HeadSlice slice, kv_head_slice(total_kv_heads, tp_size, tp_rank));
     if (slice.count != pool.num_kv_heads()) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
@@ -159,12 +160,12 @@ StatusOr<KvLayout> KvLayout::from_mha_pool(const kv::MHATokenToKVPool& pool, int
         s.head_bytes[static_cast<size_t>(b)] =
             pool.token_bytes(0, b) / static_cast<size_t>(slice.count);
     }
-    return create(s, pool.num_pages(), pool_bases(pool));
+    return create(s, pool.num_pages(), pool_bases(pool), pool.device());
 }
 
 StatusOr<KvLayout> KvLayout::from_mla_pool(const kv::MLATokenToKVPool& pool, int tp_size,
-                                           int tp_rank) {
-    PDSIM_RETURN_IF_ERROR(check_cpu_pool(pool));
+                                           int tp_rank, KvPoolMemory accept) {
+    PDSIM_RETURN_IF_ERROR(check_pool_memory(pool, accept));
     KvLayoutSummary s;
     s.kind = KvKind::kMLA;
     s.num_layers = pool.num_layers();
@@ -177,7 +178,7 @@ StatusOr<KvLayout> KvLayout::from_mla_pool(const kv::MLATokenToKVPool& pool, int
     s.head_begin = 0;
     s.local_heads = 1;
     s.head_bytes[0] = pool.token_bytes(0, 0);
-    return create(s, pool.num_pages(), pool_bases(pool));
+    return create(s, pool.num_pages(), pool_bases(pool), pool.device());
 }
 
 Status KvLayout::check_pages(std::span<const int32_t> pages, int64_t num_tokens) const {

@@ -8,6 +8,11 @@
 //   head h (global index) of slot s  at ... + (h - head_begin) * head_bytes(buf)
 // which is exactly the [num_pages][page_size][local_heads][head_dim] layout of kv::KVPool.
 //
+// Memory. A layout also says where its buffers live (memory(): host, or a CUDA device). The
+// engine (KvSender, KvReceiver, enqueue_layer_checksum) reads and writes the pages from the host,
+// so it takes host layouts only; a layout of device memory is for the KvMemoryOps
+// (kv_memory_ops.h), which the engine does not call yet.
+//
 // KvLayoutSummary is the address-free part of a layout, exchanged by the control plane so that
 // each side can map the other's fragments (different TP sizes, page sizes) without knowing its
 // addresses.
@@ -74,29 +79,43 @@ struct KvLayoutSummary {
 // same kind, layers, buffers, dtype, total heads and per-head bytes. Page sizes and TP may differ.
 [[nodiscard]] Status check_compatible(const KvLayoutSummary& a, const KvLayoutSummary& b);
 
+// Which pools KvLayout::from_*_pool accepts.
+enum class KvPoolMemory : uint8_t {
+    kHostOnly,   // CPU pools; a device pool is kUnimplemented (what the engine needs)
+    kAnyDevice,  // any pool; memory() says where it lives (for KvMemoryOps)
+};
+
 class KvLayout {
 public:
     KvLayout() = default;
 
-    // From a CPU pool. `tp_size`/`tp_rank` place the rank in its instance; `total_kv_heads` is the
+    // From a pool. `tp_size`/`tp_rank` place the rank in its instance; `total_kv_heads` is the
     // model's KV head count (the pool holds kv_head_slice(total, tp, rank).count of them).
-    // kUnimplemented for device (GPU) pools: the engine's gathers, scatters and checksums touch
-    // the memory from the host.
-    [[nodiscard]] static StatusOr<KvLayout> from_mha_pool(const kv::MHATokenToKVPool& pool,
-                                                          int tp_size, int tp_rank,
-                                                          int total_kv_heads);
-    [[nodiscard]] static StatusOr<KvLayout> from_mla_pool(const kv::MLATokenToKVPool& pool,
-                                                          int tp_size, int tp_rank);
+    // With kHostOnly (the default), kUnimplemented for device (GPU) pools: the engine's gathers,
+    // scatters and checksums touch the memory from the host.
+    [[nodiscard]] static StatusOr<KvLayout> from_mha_pool(
+        const kv::MHATokenToKVPool& pool, int tp_size, int tp_rank, int total_kv_heads,
+        KvPoolMemory accept = KvPoolMemory::kHostOnly);
+    [[nodiscard]] static StatusOr<KvLayout> from_mla_pool(
+        const kv::MLATokenToKVPool& pool, int tp_size, int tp_rank,
+        KvPoolMemory accept = KvPoolMemory::kHostOnly);
     // From raw parts (tests, or memory that is not a kv::KVPool). `bases` is [layer][buf]
-    // flattened (layer * buffer_count + buf); each buffer holds `num_pages` pages.
+    // flattened (layer * buffer_count + buf); each buffer holds `num_pages` pages, in `memory`.
     [[nodiscard]] static StatusOr<KvLayout> create(const KvLayoutSummary& summary, int num_pages,
-                                                   std::vector<std::byte*> bases);
+                                                   std::vector<std::byte*> bases,
+                                                   runtime::Device memory = {});
 
     [[nodiscard]] const KvLayoutSummary& summary() const { return summary_; }
     [[nodiscard]] int num_layers() const { return summary_.num_layers; }
     [[nodiscard]] int buffer_count() const { return summary_.buffer_count; }
     [[nodiscard]] int page_size() const { return summary_.page_size; }
     [[nodiscard]] int num_pages() const { return num_pages_; }
+    // Where the buffers live (the CPU unless built from a device pool or with a device).
+    [[nodiscard]] runtime::Device memory() const { return memory_; }
+    // Token slots per buffer: num_pages * page_size.
+    [[nodiscard]] int64_t num_slots() const {
+        return static_cast<int64_t>(num_pages_) * summary_.page_size;
+    }
     [[nodiscard]] int head_begin() const { return summary_.head_begin; }
     [[nodiscard]] int local_heads() const { return summary_.local_heads; }
     [[nodiscard]] size_t head_bytes(int buf) const {
@@ -125,6 +144,7 @@ private:
     KvLayoutSummary summary_;
     int num_pages_ = 0;
     std::vector<std::byte*> bases_;
+    runtime::Device memory_{};
 };
 
 // Slot of token t for a page table with `page_size` tokens per page.
