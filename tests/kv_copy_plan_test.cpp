@@ -3,18 +3,33 @@
 // gather_run, scatter_run and kv_checksums_add_run (transfer/engine/transfer_plan.h,
 // ordering_validator.h). Also pins kv_hash (transfer/engine/kv_hash.h), which the host and the
 // device must compute bit for bit alike.
+#include "transfer/engine/kv_copy_plan.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <thread>
 #include <vector>
 
+#include "backends/runtime/cpu_stream.h"
+#include "tests/kv_memory_ops_test_util.h"
 #include "tests/status_matchers.h"
+#include "transfer/engine/kv_hash.h"
+#include "transfer/engine/kv_memory_ops.h"
 #include "transfer/engine/ordering_validator.h"
 
 namespace pdsim::transfer {
 namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using testing::KvOpsCase;
+using testing::RankPool;
+
+constexpr auto kWait = std::chrono::seconds(30);
 
 // ---------------------------------------------------------------------------------------------
 // kv_hash, pinned
@@ -207,6 +222,7 @@ TEST(KvHashTest, MatchesPinnedValues) {
             const auto [offset, seed] = kHashCases[c];
             EXPECT_EQ(kv_hash(data.data() + offset, pinned.bytes, seed), pinned.hash[c])
                 << "bytes " << pinned.bytes << " offset " << offset << " seed " << seed;
+            EXPECT_EQ(kv_hash_inline(data.data() + offset, pinned.bytes, seed), pinned.hash[c]);
             ++checked;
         }
     }
@@ -226,6 +242,506 @@ TEST(KvHashTest, EveryInputByteAndTheSeedMatter) {
             data[i] ^= 0x01;
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plans and the host ops on the layout matrix, against the oracle
+
+constexpr auto kStagingPoison = std::byte{0xA5};
+constexpr int kPoolPoison = 0x5A;
+
+std::vector<RankPool> make_side(const KvOpsCase& c, bool source) {
+    std::vector<RankPool> side;
+    for (int r = 0; r < (source ? c.src_tp : c.dst_tp); ++r) {
+        auto pool = testing::make_rank_pool(c, source, r);
+        EXPECT_OK(pool);
+        if (!pool.ok()) return {};
+        side.push_back(std::move(*pool));
+    }
+    return side;
+}
+
+// Random sums, so that a test can see the ops add to what is there.
+std::vector<uint64_t> random_sums(size_t n, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<uint64_t> v(n);
+    for (uint64_t& x : v) x = rng();
+    return v;
+}
+
+class KvOpsMatrix : public ::testing::TestWithParam<KvOpsCase> {
+protected:
+    struct Chunk {
+        int64_t t0;
+        int64_t t1;
+    };
+    struct LayerRange {
+        int begin;
+        int end;
+    };
+    void SetUp() override {
+        c_ = GetParam();
+        src_ = make_side(c_, true);
+        dst_ = make_side(c_, false);
+        ASSERT_EQ(static_cast<int>(src_.size()), c_.src_tp);
+        ASSERT_EQ(static_cast<int>(dst_.size()), c_.dst_tp);
+        for (size_t r = 0; r < src_.size(); ++r) testing::fill_random(src_[r].layout, 100 + r);
+        src_pages_ = testing::make_page_table(src_[0].layout.num_pages(), c_.src_page_size,
+                                              c_.num_tokens, c_.shuffled_pages, 7);
+        dst_pages_ = testing::make_page_table(dst_[0].layout.num_pages(), c_.dst_page_size,
+                                              c_.num_tokens, c_.shuffled_pages, 8);
+        pairs_ = testing::fragment_pairs(c_, src_, dst_);
+        ASSERT_FALSE(pairs_.empty());
+    }
+    // Two chunks (the cut is on no page boundary) and two layer ranges.
+    std::vector<Chunk> chunks() const { return {{0, 40}, {40, c_.num_tokens}}; }
+    std::vector<LayerRange> layer_ranges() const {
+        return {{0, c_.num_layers}, {1, c_.num_layers}};
+    }
+    std::vector<TokenRun> runs(const testing::KvOpsPair& p, Chunk ch) const {
+        return testing::chunk_runs(c_, p.frag, src_[0].layout.buffer_count(), src_pages_,
+                                   dst_pages_, ch.t0, ch.t1);
+    }
+
+    KvOpsCase c_;
+    std::vector<RankPool> src_;
+    std::vector<RankPool> dst_;
+    std::vector<int32_t> src_pages_;
+    std::vector<int32_t> dst_pages_;
+    std::vector<testing::KvOpsPair> pairs_;
+    runtime::CpuStream stream_{"kv-ops-test"};
+    HostKvMemoryOps ops_;
+};
+
+TEST_P(KvOpsMatrix, StagingPlansFollowTheEngineMessageOrder) {
+    for (const auto& p : pairs_) {
+        const KvLayout& src = src_[static_cast<size_t>(p.src_rank)].layout;
+        const KvLayout& dst = dst_[static_cast<size_t>(p.dst_rank)].layout;
+        for (Chunk ch : chunks()) {
+            const std::vector<TokenRun> rs = runs(p, ch);
+            for (LayerRange lr : layer_ranges()) {
+                ASSERT_OK_AND_ASSIGN(KvStagingPlan g,
+                                     plan_gather(src, p.frag, rs, lr.begin, lr.end));
+                ASSERT_OK_AND_ASSIGN(KvStagingPlan s,
+                                     plan_scatter(dst, p.frag, rs, lr.begin, lr.end));
+                EXPECT_EQ(g.messages, s.messages) << "gather and scatter staging layouts";
+                ASSERT_EQ(g.messages.size(), static_cast<size_t>(lr.end - lr.begin) *
+                                                 static_cast<size_t>(src.buffer_count()) *
+                                                 rs.size());
+                ASSERT_EQ(g.ops.size(), g.messages.size());
+                uint64_t end = 0;
+                size_t i = 0;
+                for (int l = lr.begin; l < lr.end; ++l) {
+                    for (int b = 0; b < src.buffer_count(); ++b) {
+                        for (size_t r = 0; r < rs.size(); ++r, ++i) {
+                            const KvStagedMessage& m = g.messages[i];
+                            EXPECT_EQ(&g.message(l, b, static_cast<int>(r)), &m);
+                            EXPECT_EQ(m.layer, l);
+                            EXPECT_EQ(m.buf, b);
+                            EXPECT_EQ(m.run, static_cast<int>(r));
+                            EXPECT_EQ(m.bytes, message_bytes(p.frag, b, rs[r]));
+                            EXPECT_EQ(m.staging_offset % kStagingAlignment, 0u);
+                            EXPECT_GE(m.staging_offset, end);
+                            EXPECT_LT(m.staging_offset, end + kStagingAlignment);
+                            end = m.staging_offset + m.bytes;
+                            EXPECT_EQ(g.ops[i].src_slot, rs[r].src_slot);
+                            EXPECT_EQ(s.ops[i].dst_slot, rs[r].dst_slot);
+                        }
+                    }
+                }
+                EXPECT_EQ(g.staging_bytes, end);
+                EXPECT_EQ(staging_extent(g.ops), end);
+                EXPECT_EQ(staging_extent(s.ops), end);
+            }
+        }
+    }
+}
+
+TEST_P(KvOpsMatrix, HostGatherAndScatterMatchGatherRunAndScatterRun) {
+    for (const auto& p : pairs_) {
+        const KvLayout& src = src_[static_cast<size_t>(p.src_rank)].layout;
+        for (Chunk ch : chunks()) {
+            const std::vector<TokenRun> rs = runs(p, ch);
+            for (LayerRange lr : layer_ranges()) {
+                SCOPED_TRACE(::testing::Message()
+                             << "prefill rank " << p.src_rank << " -> decode rank " << p.dst_rank
+                             << ", tokens [" << ch.t0 << ", " << ch.t1 << "), layers [" << lr.begin
+                             << ", " << lr.end << ")");
+                ASSERT_OK_AND_ASSIGN(KvStagingPlan g,
+                                     plan_gather(src, p.frag, rs, lr.begin, lr.end));
+                // Gather: the ops vs gather_run per message, both into poisoned staging.
+                std::vector<std::byte> staged(g.staging_bytes, kStagingPoison);
+                std::vector<std::byte> oracle(g.staging_bytes, kStagingPoison);
+                ASSERT_OK(ops_.enqueue_gather(stream_, src, g.ops, staged.data()));
+                for (const KvStagedMessage& m : g.messages) {
+                    gather_run(src, p.frag, m.layer, m.buf, rs[static_cast<size_t>(m.run)],
+                               oracle.data() + m.staging_offset);
+                }
+                ASSERT_OK(stream_.synchronize(kWait));
+                ASSERT_EQ(testing::first_difference(staged, oracle), std::nullopt);
+
+                // Scatter: the ops from their staging vs scatter_run from the oracle's, into two
+                // decode pools poisoned alike; then the whole pools must be equal.
+                auto landed = testing::make_rank_pool(c_, false, p.dst_rank);
+                auto expected = testing::make_rank_pool(c_, false, p.dst_rank);
+                ASSERT_OK(landed);
+                ASSERT_OK(expected);
+                ASSERT_OK(landed->pool->fill(kPoolPoison));
+                ASSERT_OK(expected->pool->fill(kPoolPoison));
+                ASSERT_OK_AND_ASSIGN(KvStagingPlan s,
+                                     plan_scatter(landed->layout, p.frag, rs, lr.begin, lr.end));
+                ASSERT_OK(ops_.enqueue_scatter(stream_, landed->layout, s.ops, staged.data()));
+                for (const KvStagedMessage& m : s.messages) {
+                    scatter_run(expected->layout, p.frag, m.layer, m.buf,
+                                rs[static_cast<size_t>(m.run)], oracle.data() + m.staging_offset);
+                }
+                ASSERT_OK(stream_.synchronize(kWait));
+                EXPECT_EQ(testing::first_difference(testing::host_bytes(landed->layout),
+                                                    testing::host_bytes(expected->layout)),
+                          std::nullopt);
+                // And something landed: the poison is gone from the first token's fragment.
+                const TokenRun& r0 = rs.front();
+                const std::byte* first =
+                    landed->layout.slot_addr(lr.begin, 0, r0.dst_slot) + p.frag.dst_offset[0];
+                EXPECT_EQ(std::memcmp(
+                              first, src.slot_addr(lr.begin, 0, r0.src_slot) + p.frag.src_offset[0],
+                              p.frag.bytes[0]),
+                          0);
+            }
+        }
+    }
+}
+
+TEST_P(KvOpsMatrix, HostFragmentChecksumsMatchKvChecksumsAddRun) {
+    for (const auto& p : pairs_) {
+        const KvLayout& src = src_[static_cast<size_t>(p.src_rank)].layout;
+        const int B = src.buffer_count();
+        for (Chunk ch : chunks()) {
+            const std::vector<TokenRun> rs = runs(p, ch);
+            for (LayerRange lr : layer_ranges()) {
+                ASSERT_OK_AND_ASSIGN(
+                    KvChecksumPlan plan,
+                    plan_fragment_checksums(src, KvSide::kSource, p.frag, rs, lr.begin, lr.end));
+                ASSERT_EQ(plan.sum_count, static_cast<size_t>(c_.num_layers) *
+                                              static_cast<size_t>(B) *
+                                              static_cast<size_t>(p.frag.head_count));
+                EXPECT_LE(sums_extent(plan.ops), plan.sum_count);
+                // The engine's observed array, [layer][buf][head], starting from random sums.
+                std::vector<uint64_t> sums = random_sums(plan.sum_count, 3);
+                std::vector<uint64_t> oracle = sums;
+                ASSERT_OK(ops_.enqueue_checksums(stream_, src, plan.ops, sums.data()));
+                for (int l = lr.begin; l < lr.end; ++l) {
+                    for (int b = 0; b < B; ++b) {
+                        for (const TokenRun& run : rs) {
+                            kv_checksums_add_run(
+                                src, l, b, run.token_begin, run.count, run.src_slot,
+                                p.frag.src_offset[static_cast<size_t>(b)], p.frag.head_count,
+                                oracle.data() + plan.sum_index(l, b));
+                        }
+                    }
+                }
+                ASSERT_OK(stream_.synchronize(kWait));
+                EXPECT_EQ(sums, oracle);
+                EXPECT_NE(sums, random_sums(plan.sum_count, 3)) << "nothing was added";
+            }
+        }
+    }
+}
+
+TEST_P(KvOpsMatrix, LandedChecksumsEqualTheSendersAndKvChecksums) {
+    // End to end on the host ops: gather, scatter, then the decode side's sums over what landed
+    // (fragment plan on the destination side, and page plan over its whole head slice) equal the
+    // prefill side's and kv_checksums'.
+    for (const auto& p : pairs_) {
+        const KvLayout& src = src_[static_cast<size_t>(p.src_rank)].layout;
+        auto landed = testing::make_rank_pool(c_, false, p.dst_rank);
+        ASSERT_OK(landed);
+        ASSERT_OK(landed->pool->fill(kPoolPoison));
+        const KvLayout& dst = landed->layout;
+        const Chunk ch{0, c_.num_tokens};
+        const std::vector<TokenRun> rs = runs(p, ch);
+        ASSERT_OK_AND_ASSIGN(KvStagingPlan g, plan_gather(src, p.frag, rs, 0, c_.num_layers));
+        ASSERT_OK_AND_ASSIGN(KvStagingPlan s, plan_scatter(dst, p.frag, rs, 0, c_.num_layers));
+        std::vector<std::byte> staging(g.staging_bytes, kStagingPoison);
+        ASSERT_OK(ops_.enqueue_gather(stream_, src, g.ops, staging.data()));
+        ASSERT_OK(ops_.enqueue_scatter(stream_, dst, s.ops, staging.data()));
+
+        ASSERT_OK_AND_ASSIGN(
+            KvChecksumPlan sent,
+            plan_fragment_checksums(src, KvSide::kSource, p.frag, rs, 0, c_.num_layers));
+        ASSERT_OK_AND_ASSIGN(
+            KvChecksumPlan got,
+            plan_fragment_checksums(dst, KvSide::kDestination, p.frag, rs, 0, c_.num_layers));
+        std::vector<uint64_t> sent_sums(sent.sum_count, 0);
+        std::vector<uint64_t> got_sums(got.sum_count, 0);
+        ASSERT_OK(ops_.enqueue_checksums(stream_, src, sent.ops, sent_sums.data()));
+        ASSERT_OK(ops_.enqueue_checksums(stream_, dst, got.ops, got_sums.data()));
+        ASSERT_OK(stream_.synchronize(kWait));
+        EXPECT_EQ(got_sums, sent_sums);
+        EXPECT_NE(got_sums, std::vector<uint64_t>(got.sum_count, 0));
+    }
+    // Page plan vs kv_checksums on a source layout (every head it holds, two token ranges).
+    const KvLayout& src = src_[0].layout;
+    for (Chunk ch : chunks()) {
+        for (LayerRange lr : layer_ranges()) {
+            ASSERT_OK_AND_ASSIGN(KvChecksumPlan plan,
+                                 plan_page_checksums(src, src_pages_, ch.t0, ch.t1, lr.begin,
+                                                     lr.end, src.head_begin(), src.local_heads()));
+            std::vector<uint64_t> sums(plan.sum_count, 0);
+            ASSERT_OK(ops_.enqueue_checksums(stream_, src, plan.ops, sums.data()));
+            ASSERT_OK(stream_.synchronize(kWait));
+            for (int l = 0; l < c_.num_layers; ++l) {
+                for (int b = 0; b < src.buffer_count(); ++b) {
+                    const std::vector<uint64_t> want =
+                        l < lr.begin
+                            ? std::vector<uint64_t>(static_cast<size_t>(src.local_heads()), 0)
+                            : kv_checksums(src, src_pages_, l, b, ch.t0, ch.t1, src.head_begin(),
+                                           src.local_heads());
+                    const auto at = sums.begin() + static_cast<ptrdiff_t>(plan.sum_index(l, b));
+                    EXPECT_EQ(std::vector<uint64_t>(at, at + src.local_heads()), want)
+                        << "layer " << l << " buffer " << b;
+                }
+            }
+        }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, KvOpsMatrix, ::testing::ValuesIn(testing::kv_ops_cases()),
+                         [](const ::testing::TestParamInfo<KvOpsCase>& param) {
+                             return param.param.name;
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// The host ops' contract
+
+class HostKvMemoryOpsTest : public ::testing::Test {
+protected:
+    void SetUp() override {
+        c_ = testing::kv_ops_cases().front();  // TP 1 -> 1, page size 16
+        auto src = testing::make_rank_pool(c_, true, 0);
+        ASSERT_OK(src);
+        src_ = std::move(*src);
+        testing::fill_random(src_.layout, 11);
+        pages_ = testing::make_page_table(src_.layout.num_pages(), c_.src_page_size, c_.num_tokens,
+                                          true, 5);
+        auto frag = make_fragment(src_.layout.summary(), src_.layout.summary());
+        ASSERT_TRUE(frag.has_value());
+        frag_ = *frag;
+        runs_ = make_runs(pages_, c_.src_page_size, 0, pages_, c_.src_page_size, 0, c_.num_tokens,
+                          c_.num_tokens);
+        auto plan = plan_gather(src_.layout, frag_, runs_, 0, c_.num_layers);
+        ASSERT_OK(plan);
+        plan_ = std::move(*plan);
+    }
+
+    KvOpsCase c_;
+    RankPool src_;
+    std::vector<int32_t> pages_;
+    Fragment frag_;
+    std::vector<TokenRun> runs_;
+    KvStagingPlan plan_;
+    runtime::CpuStream stream_{"kv-ops-contract"};
+    HostKvMemoryOps ops_;
+};
+
+TEST_F(HostKvMemoryOpsTest, DescribesItsMemory) {
+    EXPECT_EQ(ops_.memory_kind(), runtime::DeviceKind::kCpu);
+    ASSERT_OK_AND_ASSIGN(auto made, make_kv_memory_ops({runtime::DeviceKind::kCpu, 0}));
+    EXPECT_EQ(made->memory_kind(), runtime::DeviceKind::kCpu);
+    EXPECT_EQ(made->name(), "host");
+}
+
+TEST_F(HostKvMemoryOpsTest, RunsInStreamOrderFromDescriptorsCopiedAtEnqueue) {
+    // A gate holds the stream; the ops are enqueued behind it, then the caller's descriptors
+    // are overwritten. What runs after the gate must be the descriptors as enqueued.
+    std::atomic<bool> open{false};
+    std::atomic<bool> ran_early{false};
+    std::vector<std::byte> staging(plan_.staging_bytes, kStagingPoison);
+    ASSERT_OK(stream_.enqueue([&] {
+        while (!open.load()) std::this_thread::yield();
+        ran_early = staging[0] != kStagingPoison;
+        return Status();
+    }));
+    std::vector<KvCopyOp> ops = plan_.ops;
+    ASSERT_OK(ops_.enqueue_gather(stream_, src_.layout, ops, staging.data()));
+    for (KvCopyOp& op : ops) op = KvCopyOp{};  // the caller reuses its vector at once
+    ops.clear();
+    open = true;
+    ASSERT_OK(stream_.synchronize(kWait));
+    EXPECT_FALSE(ran_early.load()) << "the gather ran before the task enqueued before it";
+    std::vector<std::byte> oracle(plan_.staging_bytes, kStagingPoison);
+    for (const KvStagedMessage& m : plan_.messages) {
+        gather_run(src_.layout, frag_, m.layer, m.buf, runs_[static_cast<size_t>(m.run)],
+                   oracle.data() + m.staging_offset);
+    }
+    EXPECT_EQ(testing::first_difference(staging, oracle), std::nullopt);
+}
+
+TEST_F(HostKvMemoryOpsTest, NoTokensEnqueueNothingAndNeedNoBuffer) {
+    std::vector<KvCopyOp> empty_ops = plan_.ops;
+    for (KvCopyOp& op : empty_ops) op.token_count = 0;
+    EXPECT_OK(ops_.enqueue_gather(stream_, src_.layout, empty_ops, nullptr));
+    EXPECT_OK(ops_.enqueue_gather(stream_, src_.layout, {}, nullptr));
+    EXPECT_OK(ops_.enqueue_checksums(stream_, src_.layout, {}, nullptr));
+    EXPECT_OK(stream_.synchronize(kWait));
+}
+
+TEST_F(HostKvMemoryOpsTest, RejectsBadCallsWithoutEnqueueing) {
+    std::vector<std::byte> staging(plan_.staging_bytes);
+    // Null buffers.
+    EXPECT_THAT(ops_.enqueue_gather(stream_, src_.layout, plan_.ops, nullptr),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("staging: null")));
+    ASSERT_OK_AND_ASSIGN(KvChecksumPlan sums_plan,
+                         plan_fragment_checksums(src_.layout, KvSide::kSource, frag_, runs_, 0, 1));
+    EXPECT_THAT(ops_.enqueue_checksums(stream_, src_.layout, sums_plan.ops, nullptr),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("sums_out: null")));
+    // The wrong direction: gather ops handed to a scatter.
+    EXPECT_THAT(ops_.enqueue_scatter(stream_, src_.layout, plan_.ops, staging.data()),
+                StatusIs(StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("op 0"), HasSubstr("a scatter reads staging"))));
+    // A layout of device memory (never dereferenced: refused first).
+    ASSERT_OK_AND_ASSIGN(
+        KvLayout device_layout,
+        KvLayout::create(
+            src_.layout.summary(), src_.layout.num_pages(),
+            std::vector<std::byte*>(static_cast<size_t>(c_.num_layers * 2), src_.layout.base(0, 0)),
+            {runtime::DeviceKind::kCuda, 0}));
+    EXPECT_THAT(ops_.enqueue_gather(stream_, device_layout, plan_.ops, staging.data()),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("layout: memory on cuda:0")));
+    EXPECT_THAT(enqueue_layer_checksum(stream_, *std::make_unique<OrderingValidator>(0),
+                                       device_layout, 1, 0, pages_, 0, 10),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("memory is on cuda:0")));
+    EXPECT_OK(stream_.synchronize(kWait));
+}
+
+TEST(KvCopyOpsCheck, NamesTheBadOpAndField) {
+    const KvOpsCase c = testing::kv_ops_cases().front();
+    ASSERT_OK_AND_ASSIGN(RankPool p, testing::make_rank_pool(c, true, 0));
+    const KvLayout& layout = p.layout;
+    const uint64_t tb = layout.token_bytes(0);
+    const KvCopyOp good{.layer = 0,
+                        .buf = 0,
+                        .token_count = 4,
+                        .src_slot = 16,
+                        .src_offset = 0,
+                        .src_stride = tb,
+                        .dst_slot = kStagingSlot,
+                        .dst_offset = 0,
+                        .dst_stride = tb,
+                        .bytes = tb};
+    EXPECT_OK(check_copy_ops(layout, std::vector<KvCopyOp>{good}, KvCopyDirection::kGather));
+    auto bad = [&](auto mutate, KvCopyDirection dir = KvCopyDirection::kGather) {
+        std::vector<KvCopyOp> ops{good, good};
+        mutate(ops[1]);
+        return check_copy_ops(layout, ops, dir);
+    };
+    EXPECT_THAT(bad([](KvCopyOp& op) { op.layer = 3; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("op 1: layer 3 outside")));
+    EXPECT_THAT(bad([](KvCopyOp& op) { op.buf = 2; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("op 1: buf 2 outside")));
+    EXPECT_THAT(bad([](KvCopyOp& op) { op.token_count = -1; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("token_count -1")));
+    EXPECT_THAT(bad([](KvCopyOp& op) { op.bytes = 0; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("bytes must be >= 1")));
+    EXPECT_THAT(bad([&](KvCopyOp& op) { op.src_slot = layout.num_slots() - 2; }),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("src_slot " + std::to_string(layout.num_slots() - 2))));
+    EXPECT_THAT(bad([](KvCopyOp& op) { op.src_stride += 1; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("src_stride")));
+    EXPECT_THAT(bad([](KvCopyOp& op) { op.src_offset = 1; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("src_offset 1 + bytes")));
+    EXPECT_THAT(bad([](KvCopyOp& op) { op.dst_stride = op.bytes - 1; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("staging dst_stride")));
+    EXPECT_THAT(bad([](KvCopyOp& op) { op.dst_slot = 16; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("a gather reads slots")));
+    EXPECT_THAT(bad([](KvCopyOp&) {}, KvCopyDirection::kScatter),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("op 0:")));
+}
+
+TEST(KvChecksumOpsCheck, NamesTheBadOpAndField) {
+    const KvOpsCase c = testing::kv_ops_cases().front();
+    ASSERT_OK_AND_ASSIGN(RankPool p, testing::make_rank_pool(c, true, 0));
+    const KvLayout& layout = p.layout;
+    const KvChecksumOp good{.layer = 1,
+                            .buf = 1,
+                            .token_begin = 0,
+                            .token_count = 3,
+                            .slot = 20,
+                            .offset = layout.head_bytes(1),
+                            .slot_stride = layout.token_bytes(1),
+                            .head_count = layout.local_heads() - 1,
+                            .head_bytes = layout.head_bytes(1),
+                            .sum_index = 0};
+    EXPECT_OK(check_checksum_ops(layout, std::vector<KvChecksumOp>{good}));
+    auto bad = [&](auto mutate) {
+        std::vector<KvChecksumOp> ops{good};
+        mutate(ops[0]);
+        return check_checksum_ops(layout, ops);
+    };
+    EXPECT_THAT(bad([](KvChecksumOp& op) { op.head_count = 4; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("op 0: offset")));
+    EXPECT_THAT(bad([](KvChecksumOp& op) { op.head_count = 0; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("head_count 0")));
+    EXPECT_THAT(bad([](KvChecksumOp& op) { op.slot = -1; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("slot -1")));
+    EXPECT_THAT(bad([](KvChecksumOp& op) { op.slot_stride = 0; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("slot_stride 0")));
+    EXPECT_THAT(bad([](KvChecksumOp& op) { op.token_begin = -5; }),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("token_begin -5")));
+}
+
+TEST(KvCopyPlanBuilders, RejectBadInputs) {
+    const KvOpsCase c = testing::kv_ops_cases()[3];  // 6 heads, TP 2 -> 3
+    ASSERT_OK_AND_ASSIGN(RankPool src0, testing::make_rank_pool(c, true, 0));
+    ASSERT_OK_AND_ASSIGN(RankPool src1, testing::make_rank_pool(c, true, 1));
+    ASSERT_OK_AND_ASSIGN(RankPool dst1, testing::make_rank_pool(c, false, 1));
+    // Decode rank 1 holds heads [2, 4): head 2 from prefill rank 0, head 3 from prefill rank 1.
+    const std::optional<Fragment> f0 = make_fragment(src0.layout.summary(), dst1.layout.summary());
+    const std::optional<Fragment> f1 = make_fragment(src1.layout.summary(), dst1.layout.summary());
+    ASSERT_TRUE(f0 && f1);
+    const std::vector<TokenRun> runs{
+        {.token_begin = 0, .count = 10, .src_slot = 64, .dst_slot = 1}};
+    EXPECT_OK(plan_gather(src0.layout, *f0, runs, 0, c.num_layers).status());
+    EXPECT_THAT(plan_gather(src0.layout, *f0, runs, 0, c.num_layers + 1),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("layer range [0, 4)")));
+    EXPECT_THAT(plan_gather(src0.layout, *f0, runs, 2, 1),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("layer range [2, 1)")));
+    // Prefill rank 1's fragment on prefill rank 0's layout: head 3 is not among its heads [0, 3).
+    EXPECT_THAT(plan_gather(src0.layout, *f1, runs, 0, 1),
+                StatusIs(StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("fragment"), HasSubstr("head range [3, 4) is outside "
+                                                                "the layout's heads [0, 3)"))));
+    Fragment shifted = *f0;
+    shifted.src_offset[1] += 2;
+    EXPECT_THAT(plan_gather(src0.layout, shifted, runs, 0, 1),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("fragment buffer 1: src")));
+    std::vector<TokenRun> outside = runs;
+    outside[0].src_slot = src0.layout.num_slots() - 5;  // 10 tokens past the last page
+    EXPECT_THAT(plan_gather(src0.layout, *f0, outside, 0, 1),
+                StatusIs(StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("run 0: src slots"), HasSubstr("outside the pool"))));
+    outside[0].src_slot = 3;  // the null page 0
+    EXPECT_THAT(plan_gather(src0.layout, *f0, outside, 0, 1),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("run 0: src slots [3, 13)")));
+    std::vector<TokenRun> empty_run = runs;
+    empty_run[0].count = 0;
+    EXPECT_THAT(plan_scatter(dst1.layout, *f0, empty_run, 0, 1),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("run 0: tokens [0, 0)")));
+    std::vector<TokenRun> dst_outside = runs;
+    dst_outside[0].dst_slot = dst1.layout.num_slots();
+    EXPECT_THAT(plan_scatter(dst1.layout, *f0, dst_outside, 0, 1),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("run 0: dst slots")));
+    EXPECT_THAT(plan_fragment_checksums(src0.layout, KvSide::kDestination, *f0, runs, 0, 1),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("fragment buffer 0: dst")));
+    // Page plans: heads, tokens and the page table.
+    const std::vector<int32_t> pages{1, 2};
+    EXPECT_OK(plan_page_checksums(src0.layout, pages, 0, 100, 0, 1, 0, 3).status());
+    EXPECT_THAT(plan_page_checksums(src0.layout, pages, 0, 100, 0, 1, 2, 2),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("head range [2, 4)")));
+    EXPECT_THAT(plan_page_checksums(src0.layout, pages, 50, 10, 0, 1, 0, 3),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("token range [50, 10)")));
+    EXPECT_THAT(plan_page_checksums(src0.layout, pages, 0, 200, 0, 1, 0, 3),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("page table of 2 pages")));
 }
 
 }  // namespace
