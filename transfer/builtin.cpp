@@ -4,6 +4,7 @@
 // public header.
 #include <memory>
 
+#include "transfer/cuda/cuda_kv_memory_ops.h"
 #include "transfer/engine/kv_memory_ops.h"
 #include "transfer/fault/fault_transport.h"
 #include "transfer/local/local_transport.h"
@@ -51,8 +52,13 @@ StatusOr<std::unique_ptr<KvMemoryOps>> make_kv_memory_ops(runtime::Device memory
         case runtime::DeviceKind::kCpu:
             return std::unique_ptr<KvMemoryOps>(std::make_unique<HostKvMemoryOps>());
         case runtime::DeviceKind::kCuda:
+#if defined(PDSIM_HAVE_CUDA)
+            return cuda::make_cuda_kv_memory_ops({.device = memory.index});
+#else
             return PDSIM_ERROR(StatusCode::kUnavailable,
-                               "KV memory ops for cuda memory are not implemented yet");
+                               "KV memory ops for cuda memory were not built (pdsim was built "
+                               "without CUDA)");
+#endif
     }
     return PDSIM_ERROR(StatusCode::kInvalidArgument, "memory: unknown device kind {}",
                        static_cast<int>(memory.kind));
