@@ -17,10 +17,12 @@
 #include <cstring>
 #endif
 
+#if !defined(PDSIM_HOST_DEVICE)
 #if defined(__CUDACC__)
 #define PDSIM_HOST_DEVICE __host__ __device__
 #else
 #define PDSIM_HOST_DEVICE
+#endif
 #endif
 
 namespace pdsim::transfer {
