@@ -1,6 +1,11 @@
-// Built-in registration of the transports. This is the one file that knows which optional
-// transports were compiled in: PDSIM_HAVE_CUDA / PDSIM_HAVE_NCCL are private definitions of this
-// file (transfer/CMakeLists.txt), never seen by a public header.
+// Built-in registration of the transports and of the KV memory ops (make_kv_memory_ops). This is
+// the one file that knows which optional parts were compiled in: PDSIM_HAVE_CUDA /
+// PDSIM_HAVE_NCCL are private definitions of this file (transfer/CMakeLists.txt), never seen by a
+// public header.
+#include <memory>
+
+#include "transfer/cuda/cuda_kv_memory_ops.h"
+#include "transfer/engine/kv_memory_ops.h"
 #include "transfer/fault/fault_transport.h"
 #include "transfer/local/local_transport.h"
 #include "transfer/mpi/mpi_transport.h"
@@ -40,6 +45,23 @@ void register_builtin_transports() {
 #else
     register_transport(cuda_ipc_transport_descriptor(), not_built("cuda_ipc", "CUDA"));
 #endif
+}
+
+StatusOr<std::unique_ptr<KvMemoryOps>> make_kv_memory_ops(runtime::Device memory) {
+    switch (memory.kind) {
+        case runtime::DeviceKind::kCpu:
+            return std::unique_ptr<KvMemoryOps>(std::make_unique<HostKvMemoryOps>());
+        case runtime::DeviceKind::kCuda:
+#if defined(PDSIM_HAVE_CUDA)
+            return cuda::make_cuda_kv_memory_ops({.device = memory.index});
+#else
+            return PDSIM_ERROR(StatusCode::kUnavailable,
+                               "KV memory ops for cuda memory were not built (pdsim was built "
+                               "without CUDA)");
+#endif
+    }
+    return PDSIM_ERROR(StatusCode::kInvalidArgument, "memory: unknown device kind {}",
+                       static_cast<int>(memory.kind));
 }
 
 }  // namespace pdsim::transfer

@@ -107,6 +107,10 @@ public:
     // Where the memory is (kCpu: host memory the engine may read and write itself).
     [[nodiscard]] const runtime::Device& device() const { return device_; }
     [[nodiscard]] bool is_host() const { return device_.kind == runtime::DeviceKind::kCpu; }
+    // Token slots per buffer: num_pages * page_size.
+    [[nodiscard]] int64_t num_slots() const {
+        return static_cast<int64_t>(num_pages_) * summary_.page_size;
+    }
     [[nodiscard]] int head_begin() const { return summary_.head_begin; }
     [[nodiscard]] int local_heads() const { return summary_.local_heads; }
     [[nodiscard]] size_t head_bytes(int buf) const {

@@ -4,89 +4,15 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstring>
 #include <memory>
 #include <optional>
 
+#include "transfer/engine/kv_hash.h"
+
 namespace pdsim::transfer {
 
-namespace {
-
-constexpr uint64_t kP1 = 0x9E3779B185EBCA87ull;
-constexpr uint64_t kP2 = 0xC2B2AE3D27D4EB4Full;
-constexpr uint64_t kP3 = 0x165667B19E3779F9ull;
-constexpr uint64_t kP4 = 0x85EBCA77C2B2AE63ull;
-constexpr uint64_t kP5 = 0x27D4EB2F165667C5ull;
-
-inline uint64_t rotl(uint64_t x, int r) {
-    return (x << r) | (x >> (64 - r));
-}
-inline uint64_t read64(const unsigned char* p) {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    return v;
-}
-inline uint64_t round64(uint64_t acc, uint64_t input) {
-    acc += input * kP2;
-    acc = rotl(acc, 31);
-    return acc * kP1;
-}
-inline uint64_t merge64(uint64_t acc, uint64_t val) {
-    acc ^= round64(0, val);
-    return acc * kP1 + kP4;
-}
-
-}  // namespace
-
 uint64_t kv_hash(const void* data, size_t bytes, uint64_t seed) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    const unsigned char* end = p + bytes;
-    uint64_t h;
-    if (bytes >= 32) {
-        uint64_t v1 = seed + kP1 + kP2;
-        uint64_t v2 = seed + kP2;
-        uint64_t v3 = seed;
-        uint64_t v4 = seed - kP1;
-        const unsigned char* limit = end - 32;
-        do {
-            v1 = round64(v1, read64(p));
-            v2 = round64(v2, read64(p + 8));
-            v3 = round64(v3, read64(p + 16));
-            v4 = round64(v4, read64(p + 24));
-            p += 32;
-        } while (p <= limit);
-        h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
-        h = merge64(h, v1);
-        h = merge64(h, v2);
-        h = merge64(h, v3);
-        h = merge64(h, v4);
-    } else {
-        h = seed + kP5;
-    }
-    h += static_cast<uint64_t>(bytes);
-    while (p + 8 <= end) {
-        h ^= round64(0, read64(p));
-        h = rotl(h, 27) * kP1 + kP4;
-        p += 8;
-    }
-    if (p + 4 <= end) {
-        uint32_t v;
-        std::memcpy(&v, p, 4);
-        h ^= static_cast<uint64_t>(v) * kP1;
-        h = rotl(h, 23) * kP2 + kP3;
-        p += 4;
-    }
-    while (p < end) {
-        h ^= static_cast<uint64_t>(*p) * kP5;
-        h = rotl(h, 11) * kP1;
-        ++p;
-    }
-    h ^= h >> 33;
-    h *= kP2;
-    h ^= h >> 29;
-    h *= kP3;
-    h ^= h >> 32;
-    return h;
+    return kv_hash_inline(data, bytes, seed);
 }
 
 void kv_checksums_add_run(const KvLayout& layout, int layer, int buf, int64_t token_begin,
@@ -97,7 +23,7 @@ void kv_checksums_add_run(const KvLayout& layout, int layer, int buf, int64_t to
         const std::byte* tok = layout.slot_addr(layer, buf, slot0 + k) + offset;
         const auto seed = static_cast<uint64_t>(token_begin + k);
         for (int h = 0; h < head_count; ++h) {
-            sums[h] += kv_hash(tok + static_cast<size_t>(h) * hb, hb, seed);
+            sums[h] += kv_hash_inline(tok + static_cast<size_t>(h) * hb, hb, seed);
         }
     }
 }
@@ -247,6 +173,13 @@ Status enqueue_layer_checksum(runtime::Stream& stream, OrderingValidator& valida
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "checksum of layer {} tokens [{}, {}) (layout has {} layers)", layer,
                            token_begin, token_end, layout.num_layers());
+    }
+    if (layout.device().kind != runtime::DeviceKind::kCpu) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "checksum of layer {}: the layout's memory is on {}:{}; "
+                           "enqueue_layer_checksum reads host memory (use KvMemoryOps)",
+                           layer, runtime::device_kind_name(layout.device().kind),
+                           layout.device().index);
     }
     PDSIM_RETURN_IF_ERROR(layout.check_pages(pages, token_end));
     auto shared = std::make_shared<const KvLayout>(layout);

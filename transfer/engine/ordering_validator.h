@@ -44,7 +44,8 @@
 
 namespace pdsim::transfer {
 
-// 64-bit hash of `bytes` bytes (xxHash64 construction; not the reference xxHash output).
+// 64-bit hash of `bytes` bytes (xxHash64 construction; not the reference xxHash output). The
+// function is kv_hash_inline (kv_hash.h), which CUDA kernels compile too.
 [[nodiscard]] uint64_t kv_hash(const void* data, size_t bytes, uint64_t seed);
 
 // Per-head checksums of tokens [t0, t1) of (layer, buf) for heads [head_begin, head_begin + count)
@@ -131,7 +132,9 @@ private:
 // Enqueues, on the compute stream, the checksum of tokens [token_begin, token_end) of every
 // buffer of `layer` for the rank's heads (record_expected). Call it right after enqueueing the
 // layer's KV write (before or after the step record: the sender waits for the sums, bounded by
-// its request timeout). `pages` is the request's page table (copied). Host (CPU) pools only.
+// its request timeout). `pages` is the request's page table (copied). Host (CPU) pools only: a
+// layout of device memory is kInvalidArgument (KvMemoryOps and plan_page_checksums,
+// kv_memory_ops.h, do this on a device).
 [[nodiscard]] Status enqueue_layer_checksum(runtime::Stream& stream, OrderingValidator& validator,
                                             const KvLayout& layout, uint64_t request_id, int layer,
                                             std::vector<int32_t> pages, int64_t token_begin,

@@ -1,0 +1,113 @@
+// HostKvMemoryOps (see kv_memory_ops.h). make_kv_memory_ops is in transfer/builtin.cpp.
+#include "transfer/engine/kv_memory_ops.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <vector>
+
+#include "transfer/engine/kv_hash.h"
+
+namespace pdsim::transfer {
+
+namespace {
+
+Status check_host_layout(const KvLayout& layout) {
+    if (layout.device().kind != runtime::DeviceKind::kCpu) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "layout: memory on {}:{}; HostKvMemoryOps works on cpu memory",
+                           runtime::device_kind_name(layout.device().kind), layout.device().index);
+    }
+    return {};
+}
+
+bool has_tokens(std::span<const KvCopyOp> ops) {
+    for (const KvCopyOp& op : ops) {
+        if (op.token_count > 0) return true;
+    }
+    return false;
+}
+
+// Token k of a slot-side run: `stride` is the buffer's token_bytes (check_copy_ops).
+std::byte* slot_address(const KvLayout& layout, const KvCopyOp& op, int64_t slot, uint64_t offset,
+                        uint64_t stride, int64_t k) {
+    return layout.base(op.layer, op.buf) + static_cast<uint64_t>(slot + k) * stride + offset;
+}
+
+// `ops` passed check_copy_ops(kGather): slots -> staging.
+void run_gather(const KvLayout& layout, const std::vector<KvCopyOp>& ops, std::byte* staging) {
+    for (const KvCopyOp& op : ops) {
+        for (int64_t k = 0; k < op.token_count; ++k) {
+            std::memcpy(staging + op.dst_offset + static_cast<uint64_t>(k) * op.dst_stride,
+                        slot_address(layout, op, op.src_slot, op.src_offset, op.src_stride, k),
+                        op.bytes);
+        }
+    }
+}
+
+// `ops` passed check_copy_ops(kScatter): staging -> slots.
+void run_scatter(const KvLayout& layout, const std::vector<KvCopyOp>& ops,
+                 const std::byte* staging) {
+    for (const KvCopyOp& op : ops) {
+        for (int64_t k = 0; k < op.token_count; ++k) {
+            std::memcpy(slot_address(layout, op, op.dst_slot, op.dst_offset, op.dst_stride, k),
+                        staging + op.src_offset + static_cast<uint64_t>(k) * op.src_stride,
+                        op.bytes);
+        }
+    }
+}
+
+}  // namespace
+
+Status HostKvMemoryOps::enqueue_gather(runtime::Stream& stream, const KvLayout& layout,
+                                       std::span<const KvCopyOp> ops, std::byte* staging) {
+    PDSIM_RETURN_IF_ERROR(check_host_layout(layout));
+    PDSIM_RETURN_IF_ERROR(check_copy_ops(layout, ops, KvCopyDirection::kGather));
+    if (!has_tokens(ops)) return {};
+    if (staging == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "staging: null");
+    return stream.enqueue([layout, ops = std::vector<KvCopyOp>(ops.begin(), ops.end()), staging] {
+        run_gather(layout, ops, staging);
+        return Status();
+    });
+}
+
+Status HostKvMemoryOps::enqueue_scatter(runtime::Stream& stream, const KvLayout& layout,
+                                        std::span<const KvCopyOp> ops, const std::byte* staging) {
+    PDSIM_RETURN_IF_ERROR(check_host_layout(layout));
+    PDSIM_RETURN_IF_ERROR(check_copy_ops(layout, ops, KvCopyDirection::kScatter));
+    if (!has_tokens(ops)) return {};
+    if (staging == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "staging: null");
+    return stream.enqueue([layout, ops = std::vector<KvCopyOp>(ops.begin(), ops.end()), staging] {
+        run_scatter(layout, ops, staging);
+        return Status();
+    });
+}
+
+Status HostKvMemoryOps::enqueue_checksums(runtime::Stream& stream, const KvLayout& layout,
+                                          std::span<const KvChecksumOp> ops, uint64_t* sums_out) {
+    PDSIM_RETURN_IF_ERROR(check_host_layout(layout));
+    PDSIM_RETURN_IF_ERROR(check_checksum_ops(layout, ops));
+    bool work = false;
+    for (const KvChecksumOp& op : ops) work = work || op.token_count > 0;
+    if (!work) return {};
+    if (sums_out == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "sums_out: null");
+    return stream.enqueue(
+        [layout, ops = std::vector<KvChecksumOp>(ops.begin(), ops.end()), sums_out] {
+            for (const KvChecksumOp& op : ops) {
+                const std::byte* base = layout.base(op.layer, op.buf);
+                uint64_t* sums = sums_out + op.sum_index;
+                for (int64_t k = 0; k < op.token_count; ++k) {
+                    const std::byte* token =
+                        base + static_cast<uint64_t>(op.slot + k) * op.slot_stride + op.offset;
+                    const auto seed = static_cast<uint64_t>(op.token_begin + k);
+                    for (int h = 0; h < op.head_count; ++h) {
+                        sums[h] += kv_hash_inline(token + static_cast<uint64_t>(h) * op.head_bytes,
+                                                  op.head_bytes, seed);
+                    }
+                }
+            }
+            return Status();
+        });
+}
+
+}  // namespace pdsim::transfer
