@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 
 namespace pdsim::testbed {
 
@@ -38,7 +39,8 @@ model::cuda::CudaModelOptions gpu_model_options(const GpuModelSizing& s, int dev
     o.max_bs = static_cast<int>(std::max<int64_t>(s.max_decode_batch, extend_requests));
     constexpr int64_t kRopeRows = 64;
     const int64_t positions = (std::max<int64_t>(1, s.max_sequence) + kRopeRows - 1) / kRopeRows;
-    o.max_positions = static_cast<int>(std::min<int64_t>(positions * kRopeRows, INT32_MAX));
+    o.max_positions =
+        static_cast<int>(std::min<int64_t>(positions * kRopeRows, std::numeric_limits<int>::max()));
     return o;
 }
 

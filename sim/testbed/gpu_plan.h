@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "backends/cuda/cuda_synthetic_model_plan.h"
 #include "backends/model/model_config.h"

@@ -23,6 +23,7 @@
 // Thread-safety: one host thread (the rank's) drives a GpuRank.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>

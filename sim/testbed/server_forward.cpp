@@ -101,7 +101,11 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
 void Server::add_gpu_compute_slices(const std::string& label, double t_done_us) {
     StatusOr<GpuForwardTiming> timing = ctx_.gpu->last_forward_timing();
     if (!timing.ok()) {
-        PDSIM_LOG_WARN("rank {}: forward timing: {}", ctx_.rank, timing.status().to_string());
+        if (!timing_warned_) {
+            PDSIM_LOG_WARN("rank {}: no compute slices: forward timing: {}", ctx_.rank,
+                           timing.status().to_string());
+        }
+        timing_warned_ = true;
         return;
     }
     const double t0 = t_done_us - 1e3 * timing->total_ms;

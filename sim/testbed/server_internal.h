@@ -234,6 +234,7 @@ private:
     std::string hook_label_;
     int64_t forwards_ = 0, forward_tokens_ = 0;
     int64_t graph_forwards_ = 0;  // GPU rank: decode forwards that replayed a CUDA graph
+    bool timing_warned_ = false;  // GPU rank: a forward's device times could not be read
     double compute_us_ = 0;
     int64_t record_violations_ = 0;
     // CPU seconds per thread name over run() (the testbed's own threads compete with the compute
