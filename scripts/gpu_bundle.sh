@@ -10,6 +10,10 @@
 #                    .gpu/lib/ld-linux-x86-64.so.2 --library-path .gpu/lib:<nccl dir>:<driver dir> BIN
 #                    Libraries above 8 MiB are stored gzip'd (*.gz); gpu_check.sh unpacks them.
 #   .gpu/nccl-stub/  a stand-in libnccl.so.2 for a machine that has none (scripts/nccl_stub.cpp)
+#   .gpu/share/pdsim/topologies/  the example topologies (topology/examples), where the binaries
+#                    look for shipped data next to themselves (common/data_dir.h: <dir of the
+#                    binary>/../share/pdsim): testbed_gpu_test runs `pdsim testbed --topology
+#                    gpu-1c` and resolves the same name in-process
 #   .gpu/tests.txt   the cuda test binaries; .gpu/MANIFEST.txt what was built from what
 #   .gpu/cublas.txt  the cuBLAS libraries the binaries load and the bundle leaves out (sonames)
 # Left out on purpose: the driver (libcuda.so.1, libnvidia-*: must be the GPU machine's),
@@ -48,7 +52,9 @@ cmake --build "$BUILD" -j "$JOBS" --target pdsim "${tests[@]}"
 
 echo "== pack $BUNDLE"
 rm -rf "$BUNDLE"
-mkdir -p "$BUNDLE/bin" "$BUNDLE/lib" "$BUNDLE/nccl-stub"
+mkdir -p "$BUNDLE/bin" "$BUNDLE/lib" "$BUNDLE/nccl-stub" "$BUNDLE/share/pdsim/topologies"
+install -m 644 topology/examples/*.yaml "$BUNDLE/share/pdsim/topologies/"
+[ -f "$BUNDLE/share/pdsim/topologies/gpu-1c.yaml" ] || { echo "no topology/examples/gpu-1c.yaml" >&2; exit 1; }
 bins=("$BUILD/sim/pdsim")
 for t in "${tests[@]}"; do bins+=("$BUILD/tests/$t"); done
 printf '%s\n' "${tests[@]}" >"$BUNDLE/tests.txt"

@@ -1,13 +1,24 @@
 // testbed::resolve's checks of options and environment, before any rank runs (docs/inputs.md
 // "Flags and environment"): the ranges of TestbedLimits, the --transport-fault spec and rank, and
 // PDSIM_TCP_ENDPOINTS for the tcp transport, so that --mode both fails before its first phase.
+// GPU ranks (--backend cuda, docs/testbed.md "GPU rank"), against a fake GPU probe: a build
+// without CUDA, no GPU, a mode other than colocated (the default `both` included), shaping, TP >
+// 1, models the GPU model or the cuda attention backend cannot run, the KV pool against each
+// GPU's free memory; which GPU each rank gets (choose_gpu); and that CPU runs resolve as before.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
+#include <vector>
 
+#include "sim/testbed/gpu_plan.h"
 #include "sim/testbed/options.h"
 #include "tests/status_matchers.h"
+#include "topology/builders.h"
+#include "topology/loader.h"
 
 namespace pdsim::testbed {
 namespace {
@@ -62,6 +73,318 @@ TEST(TestbedOptions, RangesOfTestbedLimits) {
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("--max-batch-tokens")));
     EXPECT_THAT(resolve(TestbedOptions{.synthetic = 2147483647}, 1),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("--synthetic")));
+}
+
+// ---- GPU ranks --------------------------------------------------------------------------------
+
+const std::string kExamples = std::string(PDSIM_SOURCE_DIR) + "/topology/examples/";
+
+// This host's GPUs as a test wants them.
+class FakeGpus final : public GpuProbe {
+public:
+    std::string problem;  // build_problem()
+    int count = 1;        // 0: no device
+    int64_t total_bytes = int64_t{141} << 30;
+    int64_t free_bytes = int64_t{139} << 30;
+    mutable std::vector<int> asked;  // device_info's arguments
+
+    [[nodiscard]] std::string build_problem() const override { return problem; }
+    [[nodiscard]] StatusOr<int> device_count() const override {
+        if (count == 0) return Status(StatusCode::kUnavailable, "no device: no CUDA GPU visible");
+        return count;
+    }
+    [[nodiscard]] StatusOr<GpuInfo> device_info(int device) const override {
+        asked.push_back(device);
+        return GpuInfo{.device = device,
+                       .name = "Fake H200 " + std::to_string(device),
+                       .total_bytes = total_bytes,
+                       .free_bytes = free_bytes};
+    }
+};
+
+// --backend cuda --mode colocated on `topology` with 4 small synthetic requests.
+TestbedOptions gpu_options(const std::string& topology = kExamples + "gpu-1c.yaml") {
+    return TestbedOptions{.topology = topology,
+                          .synthetic = 4,
+                          .max_input_len = 128,
+                          .max_output_len = 8,
+                          .backend = "cuda",
+                          .mode = Mode::kColocated,
+                          .kv_pool_mb = 64};
+}
+
+StatusOr<ResolvedConfig> resolve_on(const TestbedOptions& o, const FakeGpus& gpus,
+                                    int world_size = 1, int rank = 0, int local_rank = 0) {
+    return resolve(
+        o, ResolveEnv{
+               .world_size = world_size, .rank = rank, .local_rank = local_rank, .gpus = &gpus});
+}
+
+// A file with `body`, removed at the end of the scope.
+class TempFile {
+public:
+    TempFile(const std::string& tag, const std::string& body)
+        : path_(std::filesystem::temp_directory_path() /
+                ("pdsim_testbed_options_" + tag + "_" + std::to_string(::getpid()) + ".yaml")) {
+        std::ofstream(path_) << body;
+    }
+    ~TempFile() { std::filesystem::remove(path_); }
+    TempFile(const TempFile&) = delete;
+    TempFile& operator=(const TempFile&) = delete;
+    [[nodiscard]] std::string path() const { return path_.string(); }
+
+private:
+    std::filesystem::path path_;
+};
+
+TEST(TestbedGpuOptions, RunsOnAFakeGpu) {
+    FakeGpus gpus;
+    auto rc = resolve_on(gpu_options(), gpus);
+    ASSERT_OK(rc);
+    EXPECT_TRUE(rc->gpu_ranks());
+    ASSERT_EQ(rc->gpus.size(), 1u);
+    EXPECT_EQ(rc->gpus[0].rank, 0);
+    EXPECT_EQ(rc->gpus[0].choice.device, 0);
+    EXPECT_TRUE(rc->gpus[0].choice.from_topology);
+    EXPECT_EQ(rc->gpus[0].info.name, "Fake H200 0");
+    EXPECT_EQ(gpus.asked, (std::vector<int>{0}));
+    // The GPU model holds the run's batches and sequences.
+    int64_t longest = 0;
+    for (const auto& r : rc->requests)
+        longest = std::max<int64_t>(longest, r.input_len + r.output_len);
+    EXPECT_GE(rc->gpu_model.max_positions, longest);
+    EXPECT_GE(rc->gpu_model.max_tokens, rc->options.max_batch_tokens);
+    EXPECT_GE(rc->gpu_model.max_bs, rc->options.max_decode_batch);
+    EXPECT_GE(rc->gpu_model.max_bs, static_cast<int>(rc->requests.size()));
+    EXPECT_THAT(describe(rc->options), HasSubstr("--backend cuda --decode-graphs on"));
+}
+
+TEST(TestbedGpuOptions, BuildWithoutCudaNamesTheFlag) {
+    FakeGpus gpus;
+    gpus.problem = "this pdsim was built without CUDA (configure with a CUDA toolkit)";
+    EXPECT_THAT(resolve_on(gpu_options(), gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--backend cuda: this pdsim was built without CUDA")));
+    // The real probe of this build: either it has CUDA (then no GPU here is kUnavailable, a GPU
+    // resolves), or it says it was built without.
+    const GpuProbe& real = system_gpu_probe();
+    auto rc = resolve(gpu_options(), 1);
+    if (!real.build_problem().empty()) {
+        EXPECT_THAT(rc, StatusIs(StatusCode::kInvalidArgument,
+                                 HasSubstr("--backend cuda: this pdsim was built without")));
+    } else if (!real.device_count().ok()) {
+        EXPECT_THAT(rc, StatusIs(StatusCode::kUnavailable, HasSubstr("--backend cuda: no device")));
+    } else {
+        EXPECT_OK(rc);
+    }
+}
+
+TEST(TestbedGpuOptions, NoDeviceIsUnavailable) {
+    FakeGpus gpus;
+    gpus.count = 0;
+    EXPECT_THAT(resolve_on(gpu_options(), gpus),
+                StatusIs(StatusCode::kUnavailable, HasSubstr("--backend cuda: no device")));
+}
+
+TEST(TestbedGpuOptions, ColocatedOnlyAndTheDefaultModeSaysSo) {
+    FakeGpus gpus;
+    TestbedOptions o = gpu_options();
+    o.mode = Mode::kBoth;  // the default
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--mode both: --backend cuda runs --mode colocated only, until "
+                                   "the device transfer engine lands")));
+    EXPECT_EQ(TestbedOptions{.backend = "cuda"}.mode, Mode::kBoth);
+    o.mode = Mode::kDisagg;
+    EXPECT_THAT(resolve_on(o, gpus), StatusIs(StatusCode::kInvalidArgument,
+                                              HasSubstr("--mode disagg: --backend cuda runs")));
+    o = gpu_options();
+    o.shaping = "0.5:10";
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("--shaping 0.5:10")));
+    EXPECT_TRUE(gpus.asked.empty()) << "refused before asking the GPUs";
+}
+
+TEST(TestbedGpuOptions, TpAboveOneIsRefused) {
+    FakeGpus gpus;
+    gpus.count = 8;
+    auto rc = resolve_on(gpu_options(kExamples + "cpu-2p1d-tp2-to-tp1.yaml"), gpus);
+    // A disaggregated topology runs colocated too; its TP-2 instances do not on the GPU model.
+    EXPECT_THAT(rc, StatusIs(StatusCode::kInvalidArgument,
+                             HasSubstr("instance prefill0 has tp 2; the GPU model runs TP 1")));
+}
+
+TEST(TestbedGpuOptions, ModelsTheGpuModelCannotRun) {
+    FakeGpus gpus;
+    TestbedOptions o = gpu_options();
+    o.model = "deepseek-v3";  // MLA
+    o.layers = 2;
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--model deepseek-v3: the GPU model cannot run it")));
+    o.model = "hybrid-tiny";  // sliding-window layers
+    o.layers = 0;
+    EXPECT_THAT(resolve_on(o, gpus), StatusIs(StatusCode::kInvalidArgument,
+                                              HasSubstr("--model hybrid-tiny: the GPU model")));
+    // head_dim 96: the model's kernels take it, FlashInfer's are built for 64 and 128.
+    TempFile hd96("hd96", "base: tiny\nname: tiny-hd96\nhead_dim: 96\n");
+    o.model = hd96.path();
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("the cuda attention backend cannot run it")));
+    // The same model on CPU ranks is fine (nothing GPU is checked there).
+    o.backend = "cpu";
+    o.topology = kExamples + "cpu-1p1d.yaml";
+    EXPECT_OK(resolve_on(o, gpus));
+}
+
+TEST(TestbedGpuOptions, KvPoolAgainstFreeMemory) {
+    FakeGpus gpus;
+    gpus.free_bytes = int64_t{2} << 30;
+    TestbedOptions o = gpu_options();
+    o.kv_pool_mb = 4096;
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--kv-pool-mb 4096: GPU 0 (Fake H200 0) has 2048 MiB free")));
+    o.kv_pool_mb = 512;  // 512 MiB + 1 GiB headroom + tiny's weights and workspace fit in 2 GiB
+    auto one = resolve_on(o, gpus);
+    ASSERT_OK(one);
+    // Two ranks on the one GPU need twice that.
+    o.topology = kExamples + "cpu-1p1d.yaml";
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("its 2 ranks need")));
+    // The need is what the pool, the model's weights and workspace and the headroom take.
+    const GpuMemoryNeed need =
+        gpu_memory_need(one->model, one->gpu_model,
+                        kv_pool_pages(one->model, 1, o.page_size, 512, runtime::DType::kBF16) *
+                            kv_page_bytes(one->model, 1, o.page_size, runtime::DType::kBF16));
+    EXPECT_GE(need.kv_pool_bytes, int64_t{512} << 20);
+    EXPECT_GT(need.weight_bytes, 0);
+    EXPECT_GT(need.workspace_bytes, 0);
+    EXPECT_EQ(need.total(),
+              need.kv_pool_bytes + need.weight_bytes + need.workspace_bytes + kGpuHeadroomBytes);
+}
+
+TEST(TestbedGpuOptions, DeviceChoice) {
+    // A topology that maps ranks to GPUs: each rank's GPU ordinal, whatever its local index.
+    topo::GpuHostOptions host;
+    host.gpus = 4;
+    host.colocated = 4;
+    host.prefill = host.decode = 0;
+    auto four = topo::make_gpu_host("H100", host);
+    ASSERT_OK(four);
+    const topo::RankMap map = four->rank_map();
+    for (int r = 0; r < 4; ++r) {
+        auto c = choose_gpu(*four, map.at(r), /*local_index=*/0, 4, "four.yaml");
+        ASSERT_OK(c);
+        EXPECT_EQ(c->device, r);
+        EXPECT_TRUE(c->from_topology);
+        EXPECT_THAT(c->how, HasSubstr("node0.gpu" + std::to_string(r)));
+    }
+    // ... which must be a GPU this process sees.
+    EXPECT_THAT(choose_gpu(*four, map.at(3), 0, 2, "four.yaml"),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("four.yaml: rank 3 runs on H100 device node0.gpu3 (CUDA "
+                                   "ordinal 3), but this process sees 2 GPUs")));
+    // cpu devices: the local index modulo the visible GPUs.
+    auto cpu = topo::load_topology(kExamples + "cpu-1p2d.yaml");
+    ASSERT_OK(cpu);
+    const topo::RankMap cmap = cpu->rank_map();
+    for (int r = 0; r < 3; ++r) {
+        auto c = choose_gpu(*cpu, cmap.at(r), r, 2, "cpu-1p2d.yaml");
+        ASSERT_OK(c);
+        EXPECT_EQ(c->device, r % 2);
+        EXPECT_FALSE(c->from_topology);
+        EXPECT_EQ(c->how, "local rank " + std::to_string(r) + " % 2 GPUs");
+    }
+    // Through resolve: without mpirun every rank is placed (the local index is the rank) ...
+    FakeGpus gpus;
+    gpus.count = 2;
+    auto all = resolve_on(gpu_options(kExamples + "cpu-1p2d.yaml"), gpus);
+    ASSERT_OK(all);
+    ASSERT_EQ(all->gpus.size(), 3u);
+    EXPECT_EQ(all->gpu_of(2)->choice.device, 0);
+    EXPECT_EQ(all->gpu_of(1)->choice.device, 1);
+    // ... under mpirun only this process's rank, by its local rank on the host.
+    auto mine = resolve_on(gpu_options(kExamples + "cpu-1p2d.yaml"), gpus, /*world_size=*/3,
+                           /*rank=*/2, /*local_rank=*/1);
+    ASSERT_OK(mine);
+    ASSERT_EQ(mine->gpus.size(), 1u);
+    EXPECT_EQ(mine->gpus[0].rank, 2);
+    EXPECT_EQ(mine->gpus[0].choice.device, 1);
+    EXPECT_EQ(mine->gpu_of(0), nullptr);
+}
+
+TEST(TestbedGpuOptions, ModelSizing) {
+    const model::cuda::CudaModelOptions o = gpu_model_options(
+        {.max_batch_tokens = 2048, .max_decode_batch = 64, .requests = 8, .max_sequence = 1056}, 3);
+    EXPECT_EQ(o.device, 3);
+    EXPECT_EQ(o.max_tokens, 2048);
+    EXPECT_EQ(o.max_bs, 64);  // 8 requests per extend forward at most, 64 per decode forward
+    EXPECT_EQ(o.max_positions, 1088);  // 1056 up to a multiple of 64
+    const model::cuda::CudaModelOptions many = gpu_model_options(
+        {.max_batch_tokens = 512, .max_decode_batch = 16, .requests = 1000, .max_sequence = 1}, 0);
+    EXPECT_EQ(many.max_bs, 512);  // an extend forward of 512 one-token chunks
+    EXPECT_EQ(many.max_positions, 64);
+    EXPECT_EQ(gpu_decode_buckets(16), (std::vector<int>{1, 2, 4, 8, 16}));
+    EXPECT_EQ(gpu_decode_buckets(24), (std::vector<int>{1, 2, 4, 8, 16, 24}));
+}
+
+// A colocated topology (every instance serves whole requests) has nothing to disaggregate.
+TEST(TestbedGpuOptions, ColocatedTopologyNeedsColocatedMode) {
+    FakeGpus gpus;
+    TestbedOptions o = gpu_options();
+    o.backend = "cpu";
+    // gpu-1c's device is a GPU: CPU ranks refuse it, naming the backend.
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("device node0.gpu0 is a H200 GPU; CPU ranks (--backend cpu) "
+                                   "run on `cpu` devices")));
+    TempFile topo("colocated_cpu", R"(name: cpu-1c
+model: tiny
+nodes:
+  - id: node0
+    devices:
+      - {id: node0.cpu0, type: cpu}
+instances:
+  - {id: both0, role: colocated, tp: 1, devices: [node0.cpu0]}
+)");
+    o.topology = topo.path();
+    o.mode = Mode::kBoth;
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--mode both: topology " +
+                                   std::filesystem::path(topo.path()).filename().string() +
+                                   " has colocated instances only")));
+    o.mode = Mode::kColocated;
+    EXPECT_OK(resolve_on(o, gpus));
+}
+
+// CPU runs resolve as they did: the cpu backend, no GPU asked, the same pool size.
+TEST(TestbedGpuOptions, CpuRunsAreUnchanged) {
+    FakeGpus gpus;
+    auto rc = resolve_on(TestbedOptions{}, gpus);
+    ASSERT_OK(rc);
+    EXPECT_EQ(rc->options.backend, "cpu");
+    EXPECT_EQ(rc->options.mode, Mode::kBoth);
+    EXPECT_FALSE(rc->gpu_ranks());
+    EXPECT_TRUE(rc->gpus.empty());
+    EXPECT_TRUE(gpus.asked.empty());
+    EXPECT_THAT(describe(rc->options), Not(HasSubstr("decode-graphs")));
+    EXPECT_THAT(resolve_on(TestbedOptions{.backend = "cuda_ref"}, gpus),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("--backend cuda_ref")));
+    // The KV pool: --kv-pool-mb MiB of fp32 pages (K and V of every layer and KV head) plus the
+    // null page, as the CPU testbed always sized it.
+    const model::ModelConfig& m = rc->model;
+    const int64_t page_bytes =
+        int64_t{m.num_layers} * 2 * m.num_kv_heads * m.head_dim * 4 * rc->options.page_size;
+    EXPECT_EQ(kv_page_bytes(m, 1, rc->options.page_size, runtime::DType::kF32), page_bytes);
+    EXPECT_EQ(kv_pool_pages(m, 1, rc->options.page_size, 512, runtime::DType::kF32),
+              (int64_t{512} << 20) / page_bytes + 1);
+    EXPECT_EQ(kv_pool_pages(m, 2, rc->options.page_size, 512, runtime::DType::kF32),
+              (int64_t{512} << 20) / (page_bytes / 2) + 1);
+    EXPECT_EQ(kv_pool_pages(m, 1, rc->options.page_size, 512, runtime::DType::kBF16),
+              (int64_t{512} << 20) / (page_bytes / 2) + 1);
 }
 
 }  // namespace

@@ -69,12 +69,12 @@ TEST(TopologyScripts, EveryExampleValidatesShowsAndWritesHostfiles) {
         check_with_binary(e.path().string(), out);
         ++n;
     }
-    for (const char* required :
-         {"cpu-1p1d.yaml", "cpu-2p1d-tp2-to-tp1.yaml", "cpu-1p2d.yaml",
-          "dgx-h100-2node-1p1d-tp8.yaml", "dgx-h200-4node-3p1d.yaml", "gb200-nvl72-8p4d.yaml"}) {
+    for (const char* required : {"cpu-1p1d.yaml", "cpu-2p1d-tp2-to-tp1.yaml", "cpu-1p2d.yaml",
+                                 "dgx-h100-2node-1p1d-tp8.yaml", "dgx-h200-4node-3p1d.yaml",
+                                 "gb200-nvl72-8p4d.yaml", "gpu-1c.yaml"}) {
         EXPECT_TRUE(fs::exists(fs::path(kExamples) / required)) << required;
     }
-    EXPECT_GE(n, 6);
+    EXPECT_GE(n, 7);
 }
 
 TEST(TopologyScripts, ExamplesAreWhatTheirGeneratorCommandWrites) {
@@ -113,6 +113,9 @@ TEST(TopologyScripts, GeneratorsOutputValidates) {
         {"cpu-scaled", "cpu --pd 1:3 --cpus 16 --emulate gb200-nvl72-nvlink --time-scale 250"},
         {"cpu-b200",
          "cpu --pd 3:1 --prefill-tp 1 --decode-tp 2 --emulate dgx-b200-ib --model llama3-8b"},
+        {"gpu-1c", "gpu --gpu H200 --gpus 1 --colocated 1"},
+        {"gpu-2c-tp2", "gpu --gpu H100 --gpus 4 --colocated 2 --tp 2 --model llama3-8b"},
+        {"gpu-1p1d", "gpu --gpu A100 --gpus 2 --pd 1:1 --cpus 32"},
     };
     for (const auto& [name, args] : cases) {
         SCOPED_TRACE(args);

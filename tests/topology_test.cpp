@@ -424,6 +424,43 @@ TEST(RankMap, PrefillFirstThenDecodeInFileOrder) {
     EXPECT_EQ(rm.ranks_on_node(0), (std::vector<int>{0, 1, 2}));
 }
 
+// Colocated instances (each serves whole requests): ranks in file order; no prefill or decode
+// instance needed, none allowed alongside; the report says there is no KV path.
+TEST(RankMap, ColocatedOnlyTopologiesRankInFileOrder) {
+    std::string text = kSmallYaml;
+    auto replace = [](std::string& s, const std::string& from, const std::string& to) {
+        s.replace(s.find(from), from.size(), to);
+    };
+    replace(text, "{id: decode0, role: decode,", "{id: c1, role: colocated,");
+    replace(text, "id: prefill0\n    role: prefill", "id: c0\n    role: colocated");
+    auto t = parse_topology(text, "c.yaml");
+    ASSERT_OK(t);
+    const RankMap rm = t->rank_map();
+    ASSERT_EQ(rm.world_size(), 3);
+    EXPECT_EQ(rm.num_prefill_ranks(), 0);
+    EXPECT_EQ(rm.first_rank(0), 0);  // c1, listed first, TP 1
+    EXPECT_EQ(rm.first_rank(1), 1);  // c0, TP 2
+    EXPECT_EQ(rm.at(0).role, Role::kColocated);
+    EXPECT_EQ(rm.at(2).device, "node0.cpu1");
+    EXPECT_EQ(role_name(Role::kColocated), "colocated");
+    EXPECT_EQ(parse_role("colocated"), Role::kColocated);
+    EXPECT_THAT(summary_text(*t), HasSubstr("ranks     3: colocated 0-2"));
+    EXPECT_THAT(summary_text(*t), HasSubstr("prefill -> decode KV paths: none (colocated"));
+    EXPECT_THAT(one_line_summary(*t), HasSubstr("2 instances (2 colocated)"));
+    auto back = parse_topology(to_yaml(*t), "<roundtrip>", Format::kYaml);
+    ASSERT_OK(back);
+    EXPECT_EQ(*back, *t);
+
+    // Mixed with a prefill or decode instance: refused, naming both.
+    std::string mixed = kSmallYaml;
+    replace(mixed, "{id: decode0, role: decode,", "{id: c1, role: colocated,");
+    auto m = parse_topology(mixed, "m.yaml");
+    ASSERT_FALSE(m.ok());
+    EXPECT_THAT(m.status(), StatusIs(StatusCode::kInvalidArgument,
+                                     HasSubstr("instances[1].role: prefill instance after "
+                                               "colocated instance instances[0]")));
+}
+
 TEST(RankMap, DeclaredRanksAndWorldSizeAreChecked) {
     std::string text = kSmallYaml;
     text += "world_size: 3\n";
@@ -602,6 +639,31 @@ TEST(Builders, Gb200AndCpu) {
     EXPECT_FALSE(make_cpu(c)->shaping.has_value());
     c.emulate = "dgx-h999-ib";
     EXPECT_FALSE(make_cpu(c).ok());
+
+    GpuHostOptions g;
+    g.gpus = 4;
+    g.prefill_tp = g.decode_tp = 2;
+    auto pd = make_gpu_host("H100", g);
+    ASSERT_OK(pd);
+    EXPECT_EQ(pd->name, "gpu-4xh100-1p1d-tp2");
+    EXPECT_EQ(pd->instances[1].devices, (std::vector<std::string>{"node0.gpu2", "node0.gpu3"}));
+    EXPECT_DOUBLE_EQ(pd->bottleneck_gbps("node0.gpu0", "node0.gpu3"), 64.0);
+    g.prefill = g.decode = 0;
+    g.colocated = 2;
+    g.colocated_tp = 2;
+    auto col = make_gpu_host("H100", g);
+    ASSERT_OK(col);
+    EXPECT_EQ(col->name, "gpu-4xh100-2c-tp2");
+    EXPECT_EQ(col->instances[1].id, "colocated1");
+    EXPECT_EQ(col->instances[1].role, Role::kColocated);
+    g.colocated = 3;  // 6 GPUs
+    EXPECT_THAT(make_gpu_host("H100", g).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("do not fit on 4 GPUs")));
+    g.colocated = 1;
+    g.prefill = 1;
+    EXPECT_THAT(make_gpu_host("H100", g).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("disaggregated or colocated")));
+    EXPECT_FALSE(make_gpu_host("H999", GpuHostOptions{}).ok());
 }
 
 TEST(Builders, EmulationPresets) {
@@ -645,6 +707,10 @@ TEST(Builders, GeneratedExamplesEqualBuilders) {
     c21.prefill_tp = 2;
     CpuOptions c12;
     c12.decode = 2;
+    GpuHostOptions g1c;
+    g1c.colocated = 1;
+    g1c.prefill = g1c.decode = 0;
+    g1c.name = "gpu-1c";
     std::vector<Case> cases;
     cases.push_back({"dgx-h100-2node-1p1d-tp8.yaml", make_dgx("H100", 2, h100)});
     cases.push_back({"dgx-h200-4node-3p1d.yaml", make_dgx("H200", 4, h200)});
@@ -652,6 +718,7 @@ TEST(Builders, GeneratedExamplesEqualBuilders) {
     cases.push_back({"cpu-1p1d.yaml", make_cpu(c11)});
     cases.push_back({"cpu-2p1d-tp2-to-tp1.yaml", make_cpu(c21)});
     cases.push_back({"cpu-1p2d.yaml", make_cpu(c12)});
+    cases.push_back({"gpu-1c.yaml", make_gpu_host("H200", g1c)});
     for (const Case& c : cases) {
         SCOPED_TRACE(c.file);
         ASSERT_OK(c.built);

@@ -46,15 +46,20 @@ Status check_counts(int prefill, int decode, int ptp, int dtp) {
     return ok_status();
 }
 
-// Places prefill then decode instances on `gpus` (global order), never straddling a domain of
-// `domain` GPUs unless tp is a multiple of it.
+// Places prefill, then decode, then colocated instances on `gpus` (global order), never
+// straddling a domain of `domain` GPUs unless tp is a multiple of it.
 Status place(const std::vector<std::string>& gpus, int domain, int prefill, int decode,
-             int prefill_tp, int decode_tp, std::vector<Instance>* out) {
+             int prefill_tp, int decode_tp, std::vector<Instance>* out, int colocated = 0,
+             int colocated_tp = 1) {
     size_t cursor = 0;
     const size_t dom = static_cast<size_t>(domain);
-    for (Role role : {Role::kPrefill, Role::kDecode}) {
-        const int count = role == Role::kPrefill ? prefill : decode;
-        const int tp = role == Role::kPrefill ? prefill_tp : decode_tp;
+    for (Role role : {Role::kPrefill, Role::kDecode, Role::kColocated}) {
+        const int count = role == Role::kPrefill  ? prefill
+                          : role == Role::kDecode ? decode
+                                                  : colocated;
+        const int tp = role == Role::kPrefill  ? prefill_tp
+                       : role == Role::kDecode ? decode_tp
+                                               : colocated_tp;
         const size_t utp = static_cast<size_t>(tp);
         for (int k = 0; k < count; ++k) {
             if (utp <= dom) {
@@ -69,6 +74,11 @@ Status place(const std::vector<std::string>& gpus, int domain, int prefill, int 
                 cursor = (cursor + dom - 1) / dom * dom;
             }
             if (cursor + utp > gpus.size()) {
+                if (colocated > 0) {
+                    return invalid(
+                        fmt::format("{} colocated instances at TP {} do not fit on {} GPUs",
+                                    colocated, colocated_tp, gpus.size()));
+                }
                 return invalid(
                     fmt::format("{}:{} instances at TP {}:{} do not fit on {} GPUs "
                                 "(instances do not straddle {}-GPU NVLink domains)",
@@ -235,6 +245,61 @@ StatusOr<Topology> make_cpu(const CpuOptions& o) {
         s.time_scale = o.time_scale;
         t.shaping = std::move(s);
     }
+    PDSIM_RETURN_IF_ERROR(validate(t));
+    return t;
+}
+
+StatusOr<Topology> make_gpu_host(std::string_view gpu, const GpuHostOptions& o) {
+    const GpuSpec* spec = gpu_spec(gpu);
+    if (spec == nullptr) {
+        return invalid(fmt::format("make_gpu_host: unknown GPU \"{}\" (expected one of: {})", gpu,
+                                   gpu_spec_names()));
+    }
+    if (o.gpus < 1 || o.gpus > 64)
+        return invalid(fmt::format("make_gpu_host: gpus must be in [1, 64], got {}", o.gpus));
+    if (o.cpus < 0) return invalid(fmt::format("make_gpu_host: cpus must be >= 0, got {}", o.cpus));
+    if (o.colocated > 0) {
+        if (o.prefill != 0 || o.decode != 0) {
+            return invalid(fmt::format(
+                "make_gpu_host: {} colocated with {}:{} prefill:decode instances (a topology is "
+                "disaggregated or colocated)",
+                o.colocated, o.prefill, o.decode));
+        }
+        if (o.colocated_tp < 1)
+            return invalid(fmt::format("TP sizes must be >= 1, got {}", o.colocated_tp));
+    } else {
+        PDSIM_RETURN_IF_ERROR(check_counts(o.prefill, o.decode, o.prefill_tp, o.decode_tp));
+    }
+    const std::string type = lower(spec->name);
+    Topology t;
+    if (!o.name.empty()) {
+        t.name = o.name;
+    } else if (o.colocated > 0) {
+        t.name = fmt::format("gpu-{}x{}-{}c-tp{}", o.gpus, type, o.colocated, o.colocated_tp);
+    } else {
+        t.name =
+            fmt::format("gpu-{}x{}-{}p{}d-tp{}", o.gpus, type, o.prefill, o.decode, o.prefill_tp);
+        if (o.decode_tp != o.prefill_tp) t.name += fmt::format("-tp{}", o.decode_tp);
+    }
+    t.description = fmt::format("one host: {}x {} on a PCIe switch", o.gpus, spec->name);
+    t.source.name = "<builder:gpu>";
+    PDSIM_RETURN_IF_ERROR(set_model(o.model, &t));
+    Node n;
+    n.id = "node0";
+    n.hostname = "localhost";
+    n.cpus = o.cpus;
+    std::vector<std::string> devs;
+    for (int j = 0; j < o.gpus; ++j) {
+        devs.push_back(fmt::format("node0.gpu{}", j));
+        n.devices.push_back({devs.back(), std::string(spec->name), j, ""});
+        t.links.push_back(
+            {devs.back(), "node0.pcie", LinkType::kPcie, spec->pcie_gbps, kHopPcieUs});
+    }
+    n.switches.push_back({"node0.pcie", LinkType::kPcie});
+    t.nodes.push_back(std::move(n));
+    PDSIM_RETURN_IF_ERROR(place(devs, o.gpus, o.prefill, o.decode, o.prefill_tp, o.decode_tp,
+                                &t.instances, o.colocated, o.colocated_tp));
+    t.world_size = t.num_ranks();
     PDSIM_RETURN_IF_ERROR(validate(t));
     return t;
 }

@@ -13,10 +13,13 @@
 //   4 NICs per tray as above on "ib-fabric".
 //   CPU: one node "node0" (hostname localhost) with one `cpu` device per rank
 //   "node0.cpu<j>" on a loopback switch "node0.shm" (10 GB/s, 1.0 us: nominal, informational).
-// Placement: prefill instances then decode instances take GPUs in order; an instance never
-// straddles an NVLink domain (a DGX node, an NVL72 rack) unless its TP is a multiple of the
-// domain size, in which case it starts on a domain boundary. Instance ids "prefill<k>",
-// "decode<k>".
+//   GPU host: one node "node0" (hostname localhost) with N GPUs "node0.gpu<j>" (CUDA ordinal j)
+//   on a PCIe switch "node0.pcie" (the GPU's PCIe bandwidth, 0.5 us a hop): a workstation or a
+//   cloud GPU box, for the testbed's GPU ranks (docs/testbed.md "GPU rank").
+// Placement: prefill instances, then decode instances, then colocated instances take GPUs in
+// order; an instance never straddles an NVLink domain (a DGX node, an NVL72 rack, a GPU host)
+// unless its TP is a multiple of the domain size, in which case it starts on a domain boundary.
+// Instance ids "prefill<k>", "decode<k>", "colocated<k>".
 //
 // Thread-safety: pure functions.
 #pragma once
@@ -56,6 +59,22 @@ struct CpuOptions {
     double time_scale = 0;                // 0 = auto
 };
 StatusOr<Topology> make_cpu(const CpuOptions& options);
+
+struct GpuHostOptions {
+    int gpus = 1;       // GPUs on the host
+    int colocated = 0;  // colocated instances; > 0: prefill and decode must be 0
+    int colocated_tp = 1;
+    int prefill = 1;  // prefill / decode instances (when not colocated)
+    int decode = 1;
+    int prefill_tp = 1;
+    int decode_tp = 1;
+    std::string model = "tiny";
+    std::string name;  // "" = "gpu-<N>x<gpu>-<C>c-tp<T>" or "gpu-<N>x<gpu>-<P>p<D>d-tp<T>[-tp<T>]"
+    int cpus = 0;      // cores on the host; 0 = unknown (not written)
+};
+// gpu: a GPU model of gpu_spec.h. A topology with only colocated instances (o.colocated > 0) or
+// with prefill and decode instances.
+StatusOr<Topology> make_gpu_host(std::string_view gpu, const GpuHostOptions& options);
 
 // Emulation presets for a CPU topology's `shaping` section, each the GPU->GPU path of a
 // builder's cluster: dgx-{a100,h100,h200,b200}-{ib,nvlink}, gb200-nvl72-nvlink, gb200-nvl72-ib.

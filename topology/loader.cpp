@@ -380,7 +380,7 @@ public:
         const auto r = parse_role(role);
         if (!r) {
             return error(join(path, "role"), v->line,
-                         fmt::format("unknown role {} (expected prefill or decode)",
+                         fmt::format("unknown role {} (expected prefill, decode or colocated)",
                                      detail::quoted_for_message(role)));
         }
         out->role = *r;

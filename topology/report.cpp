@@ -64,13 +64,18 @@ std::string table(const std::vector<std::vector<std::string>>& rows, std::string
 }  // namespace
 
 std::string one_line_summary(const Topology& t) {
-    int prefill = 0, decode = 0;
-    for (const Instance& in : t.instances) (in.role == Role::kPrefill ? prefill : decode)++;
-    std::string s = fmt::format("{}: {}, {} ({}), {} ({} prefill, {} decode), {}", t.name,
-                                plural(t.nodes.size(), "node"),
-                                plural(static_cast<size_t>(t.num_devices()), "device"),
-                                device_types(t), plural(t.instances.size(), "instance"), prefill,
-                                decode, plural(static_cast<size_t>(t.num_ranks()), "rank"));
+    int prefill = 0, decode = 0, colocated = 0;
+    for (const Instance& in : t.instances) {
+        ++(in.role == Role::kPrefill ? prefill : in.role == Role::kDecode ? decode : colocated);
+    }
+    const std::string roles = colocated > 0 && prefill + decode == 0
+                                  ? fmt::format("{} colocated", colocated)
+                                  : fmt::format("{} prefill, {} decode", prefill, decode);
+    std::string s =
+        fmt::format("{}: {}, {} ({}), {} ({}), {}", t.name, plural(t.nodes.size(), "node"),
+                    plural(static_cast<size_t>(t.num_devices()), "device"), device_types(t),
+                    plural(t.instances.size(), "instance"), roles,
+                    plural(static_cast<size_t>(t.num_ranks()), "rank"));
     if (t.model) s += ", model " + t.model->name;
     return s;
 }
@@ -102,8 +107,15 @@ std::string summary_text(const Topology& t) {
         plural(t.links.size(), "link"));
     const RankMap rm = t.rank_map();
     const int np = rm.num_prefill_ranks();
-    out += fmt::format("ranks     {}: prefill {}, decode {}\n", rm.world_size(), rank_range(0, np),
-                       rank_range(np, rm.world_size() - np));
+    bool colocated = !t.instances.empty();
+    for (const Instance& in : t.instances) colocated = colocated && in.role == Role::kColocated;
+    if (colocated) {
+        out += fmt::format("ranks     {}: colocated {}\n", rm.world_size(),
+                           rank_range(0, rm.world_size()));
+    } else {
+        out += fmt::format("ranks     {}: prefill {}, decode {}\n", rm.world_size(),
+                           rank_range(0, np), rank_range(np, rm.world_size() - np));
+    }
 
     // Instances in rank order.
     std::vector<size_t> order(t.instances.size());
@@ -130,7 +142,9 @@ std::string summary_text(const Topology& t) {
                         fmt::format("{} ({}x {})", devs, in.devices.size(), dev ? dev->type : "?"),
                         fmt::format("{}", fmt::join(on_order, ", "))});
     }
-    out += "\ninstances (rank order: prefill instances, then decode, each in file order)\n";
+    out += colocated
+               ? "\ninstances (rank order: file order)\n"
+               : "\ninstances (rank order: prefill instances, then decode, each in file order)\n";
     out += table(rows, "  ");
 
     rows = {{"rank", "instance", "role", "tp_rank", "node", "host", "device", "type"}};
@@ -180,9 +194,14 @@ std::string summary_text(const Topology& t) {
                             fmt::format("{:.2f}", worst_lat), worst_path});
         }
     }
-    out +=
-        "\nprefill -> decode KV paths (per instance pair: bottleneck of the worst TP rank pair)\n";
-    out += table(rows, "  ");
+    if (colocated) {
+        out += "\nprefill -> decode KV paths: none (colocated instances: no KV transfer)\n";
+    } else {
+        out +=
+            "\nprefill -> decode KV paths (per instance pair: bottleneck of the worst TP rank "
+            "pair)\n";
+        out += table(rows, "  ");
+    }
 
     if (t.shaping) {
         const ShapingSpec& s = *t.shaping;

@@ -36,12 +36,21 @@ std::optional<LinkType> parse_link_type(std::string_view name) {
 }
 
 std::string_view role_name(Role role) {
-    return role == Role::kPrefill ? "prefill" : "decode";
+    switch (role) {
+        case Role::kPrefill:
+            return "prefill";
+        case Role::kDecode:
+            return "decode";
+        case Role::kColocated:
+            return "colocated";
+    }
+    return "?";
 }
 
 std::optional<Role> parse_role(std::string_view name) {
-    if (name == "prefill") return Role::kPrefill;
-    if (name == "decode") return Role::kDecode;
+    for (Role r : {Role::kPrefill, Role::kDecode, Role::kColocated}) {
+        if (role_name(r) == name) return r;
+    }
     return std::nullopt;
 }
 
@@ -346,7 +355,7 @@ double Topology::path_latency_us(std::string_view a, std::string_view b) const {
 RankMap Topology::rank_map() const {
     std::vector<RankInfo> ranks;
     std::vector<int> first(instances.size(), -1);
-    for (Role role : {Role::kPrefill, Role::kDecode}) {
+    for (Role role : {Role::kPrefill, Role::kDecode, Role::kColocated}) {
         for (size_t i = 0; i < instances.size(); ++i) {
             const Instance& in = instances[i];
             if (in.role != role) continue;

@@ -10,9 +10,15 @@
 // Units: bandwidth in GB/s (10^9 bytes per second, per direction: links are full duplex);
 // latency in microseconds. `gbps` everywhere in pdsim means GB/s, not Gb/s.
 //
+// Instances are disaggregated (prefill and decode instances, the KV moving from one to the other)
+// or colocated (each serves whole requests, prefill and decode, on its own devices: no KV
+// transfer). A topology holds at least one prefill and one decode instance, or colocated instances
+// only (validate.h).
+//
 // Rank map rule: MPI ranks are given to instances in this order: every prefill instance in file
-// order, then every decode instance in file order; inside an instance, TP rank i is the i-th
-// listed device and ranks are consecutive. So ranks [0, P) are prefill and [P, world) decode.
+// order, then every decode instance in file order, then every colocated instance in file order;
+// inside an instance, TP rank i is the i-th listed device and ranks are consecutive. So ranks
+// [0, P) are prefill and [P, world) decode (or every rank colocated).
 //
 // Paths: a path between two endpoints is a chain of links whose intermediate endpoints are NICs
 // or switches (devices never forward). The chosen path is the widest one (largest bottleneck
@@ -42,8 +48,8 @@ enum class LinkType : uint8_t { kNvlink, kPcie, kIb, kEthernet, kLoopback };
 std::string_view link_type_name(LinkType type);  // "nvlink", "pcie", "ib", "ethernet", "loopback"
 std::optional<LinkType> parse_link_type(std::string_view name);
 
-enum class Role : uint8_t { kPrefill, kDecode };
-std::string_view role_name(Role role);  // "prefill", "decode"
+enum class Role : uint8_t { kPrefill, kDecode, kColocated };
+std::string_view role_name(Role role);  // "prefill", "decode", "colocated"
 std::optional<Role> parse_role(std::string_view name);
 
 inline constexpr std::string_view kCpuDeviceType = "cpu";

@@ -306,12 +306,25 @@ Status validate(const Topology& t, const ModelShape* model_override) {
     std::unordered_map<std::string, std::string> used;  // device id -> instance path
     int64_t total_ranks = 0;
     bool has_prefill = false, has_decode = false;
+    int first_colocated = -1, first_pd = -1;  // instance indices; -1: none
     for (size_t m = 0; m < t.instances.size(); ++m) {
         const Instance& in = t.instances[m];
         const std::string ip = fmt::format("instances[{}]", m);
         PDSIM_RETURN_IF_ERROR(define(in.id, ip, EndpointKind::kInstance));
         has_prefill = has_prefill || in.role == Role::kPrefill;
         has_decode = has_decode || in.role == Role::kDecode;
+        int& first_of_kind = in.role == Role::kColocated ? first_colocated : first_pd;
+        if (first_of_kind < 0) first_of_kind = static_cast<int>(m);
+        if (first_colocated >= 0 && first_pd >= 0) {
+            const int other = in.role == Role::kColocated ? first_pd : first_colocated;
+            return c.bad(
+                join(ip, "role"),
+                fmt::format("{} instance after {} instance instances[{}]: a topology is "
+                            "disaggregated (prefill and decode instances) or colocated "
+                            "(colocated instances only), not both",
+                            role_name(in.role),
+                            role_name(t.instances[static_cast<size_t>(other)].role), other));
+        }
         if (in.tp < 1)
             return c.bad(join(ip, "tp"), fmt::format("must be at least 1, got {}", in.tp));
         if (in.tp > kMaxRanks) {
@@ -361,10 +374,10 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             return c.bad(join(ip, "tp"), fmt::format("more than {} ranks in all", kMaxRanks));
         }
     }
-    if (!has_prefill || !has_decode) {
+    if (first_colocated < 0 && (!has_prefill || !has_decode)) {
         return c.bad("instances",
-                     fmt::format("no {} instance (a PD topology needs at least one prefill and one "
-                                 "decode instance)",
+                     fmt::format("no {} instance (a topology needs at least one prefill and one "
+                                 "decode instance, or colocated instances only)",
                                  has_prefill ? "decode" : "prefill"));
     }
 

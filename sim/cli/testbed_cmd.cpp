@@ -42,6 +42,7 @@ struct Flags {
     std::string mode = "both";
     std::string layerwise = "on";
     std::string fault = "none";
+    std::string decode_graphs = "on";
 };
 
 Status run(Flags& f) {
@@ -55,6 +56,12 @@ Status run(Flags& f) {
     } else {
         return Status(StatusCode::kInvalidArgument,
                       "--layerwise " + f.layerwise + ": expected on or off");
+    }
+    if (f.decode_graphs == "on" || f.decode_graphs == "off") {
+        o.decode_graphs = f.decode_graphs == "on";
+    } else {
+        return Status(StatusCode::kInvalidArgument,
+                      "--decode-graphs " + f.decode_graphs + ": expected on or off");
     }
     testbed::RunInfo info;
     Status st = testbed::run_testbed(o, &info);
@@ -115,10 +122,16 @@ void add_run_flags(CLI::App* sub, Flags& f) {
                     "KV transport: mpi|tcp|local (default: mpi under mpirun, local "
                     "without)")
         ->check(non_empty());
-    sub->add_option("--backend", o.backend, "attention backend: cpu|cpu_ref")
+    sub->add_option("--backend", o.backend,
+                    "attention backend: cpu|cpu_ref (CPU ranks), or cuda (GPU ranks: the GPU "
+                    "model on each rank's GPU; --mode colocated only)")
         ->check(non_empty())
         ->capture_default_str();
     sub->add_option("--mode", f.mode, "disagg|colocated|both")->capture_default_str();
+    sub->add_option("--decode-graphs", f.decode_graphs,
+                    "--backend cuda: on: decode forwards replay CUDA graphs (captured per batch "
+                    "size bucket 1, 2, 4, ... --max-decode-batch); off: eager")
+        ->capture_default_str();
     sub->add_option("--layerwise", f.layerwise,
                     "on: send each layer once its step is recorded; off: after the "
                     "forward (the no-overlap baseline)")

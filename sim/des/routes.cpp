@@ -77,7 +77,7 @@ StatusOr<std::vector<std::vector<ResourceLane>>> resource_lanes(const topo::Topo
         if (prefill.role != topo::Role::kPrefill) continue;
         for (size_t d = 0; d < n; ++d) {
             const topo::Instance& decode = t.instances[d];
-            if (decode.role == topo::Role::kPrefill) continue;
+            if (decode.role != topo::Role::kDecode) continue;
             for (const KvRankPair& pair : kv_rank_pairs(model, prefill.tp, decode.tp)) {
                 const std::string& from = prefill.devices[static_cast<size_t>(pair.prefill_rank)];
                 const std::string& to = decode.devices[static_cast<size_t>(pair.decode_rank)];

@@ -189,7 +189,7 @@ Status Simulation::setup() {
         const bool p = t.instances[i].role == topo::Role::kPrefill;
         is_prefill.push_back(p);
         any_prefill |= p;
-        any_decode |= !p;
+        any_decode |= t.instances[i].role == topo::Role::kDecode;
         const InstanceRole role = colocated_ ? InstanceRole::kColocated
                                              : (p ? InstanceRole::kPrefill : InstanceRole::kDecode);
         const bool cache = cfg_.prefix_cache && role != InstanceRole::kDecode;
@@ -201,8 +201,11 @@ Status Simulation::setup() {
     }
     if (n == 0 || (!colocated_ && (!any_prefill || !any_decode))) {
         return invalid_argument_error(
-            fmt::format("{}: the disaggregated mode needs a prefill and a decode instance",
-                        cfg_.topology_label));
+            fmt::format("{}: the disaggregated mode needs a prefill and a decode instance{}",
+                        cfg_.topology_label,
+                        n > 0 && !any_prefill && !any_decode
+                            ? " (its instances are colocated: run the colocated mode)"
+                            : ""));
     }
     std::vector<int> cpu_cores(n, 0);
     std::vector<const cost::CostModel*> costs;

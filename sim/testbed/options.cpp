@@ -6,7 +6,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 
+#include "backends/cuda/cuda_attention_plan.h"
 #include "common/data_dir.h"
 #include "common/text.h"
 #include "topology/gpu_spec.h"
@@ -137,7 +139,122 @@ Status check_tcp_environment(const std::string& transport, int ranks) {
     return {};
 }
 
+// --backend cuda, what needs the topology and the model: TP 1 instances, and a model the GPU model
+// and the cuda attention backend run.
+Status check_gpu_model(const ResolvedConfig& rc) {
+    for (const auto& inst : rc.topology.instances) {
+        if (inst.tp > 1) {
+            return invalid_argument_error(fmt::format(
+                "--backend cuda: {}: instance {} has tp {}; the GPU model runs TP 1 (TP > 1 "
+                "needs an NCCL reduction across GPUs, not built yet): use tp: 1 instances",
+                rc.topology_label, inst.id, inst.tp));
+        }
+    }
+    const std::string name = rc.options.model.empty() ? rc.model.name : rc.options.model;
+    if (Status st = model::cuda::check_cuda_model_config(rc.model, 1, {}); !st.ok()) {
+        return invalid_argument_error(
+            fmt::format("--model {}: the GPU model cannot run it: {}", name, st.message()));
+    }
+    attn::AttentionConfig ac;
+    ac.num_q_heads = rc.model.num_q_heads;
+    ac.num_kv_heads = rc.model.num_kv_heads;
+    ac.head_dim = rc.model.head_dim;
+    ac.kv_dtype = runtime::DType::kBF16;
+    if (Status st = attn::cuda::check_backend_config(ac); !st.ok()) {
+        return invalid_argument_error(fmt::format(
+            "--model {}: the cuda attention backend cannot run it: {}", name, st.message()));
+    }
+    return {};
+}
+
+// --backend cuda, once the requests are known: sizes the GPU model, picks each rank's GPU (every
+// rank without mpirun, else this process's) and checks that what the ranks on each GPU allocate
+// fits its free memory.
+Status plan_gpus(ResolvedConfig& rc, const ResolveEnv& env, const GpuProbe& probe) {
+    const TestbedOptions& o = rc.options;
+    int64_t max_sequence = 1;
+    for (const auto& r : rc.requests) {
+        max_sequence = std::max<int64_t>(max_sequence, int64_t{r.input_len} + r.output_len);
+    }
+    rc.gpu_model = gpu_model_options({.max_batch_tokens = o.max_batch_tokens,
+                                      .max_decode_batch = o.max_decode_batch,
+                                      .requests = static_cast<int64_t>(rc.requests.size()),
+                                      .max_sequence = max_sequence},
+                                     0);
+    if (Status st = model::cuda::check_cuda_model_config(rc.model, 1, rc.gpu_model); !st.ok()) {
+        return invalid_argument_error(fmt::format(
+            "--backend cuda: the GPU model sized for this run ({} tokens, {} requests per "
+            "forward, {} positions): {}",
+            rc.gpu_model.max_tokens, rc.gpu_model.max_bs, rc.gpu_model.max_positions,
+            st.message()));
+    }
+    StatusOr<int> visible = probe.device_count();
+    if (!visible.ok()) {
+        // No GPU is not the user's input: kUnavailable (exit 1), with the runtime's reason.
+        return Status(visible.status().code(), "--backend cuda: " + visible.status().message());
+    }
+    const topo::RankMap map = rc.topology.rank_map();
+    std::vector<int> ranks;
+    if (env.world_size <= 1) {
+        for (int r = 0; r < map.world_size(); ++r) ranks.push_back(r);
+    } else if (env.rank >= 0 && env.rank < map.world_size()) {
+        ranks.push_back(env.rank);
+    }
+    std::map<int, int> per_device;  // device -> ranks of this process on it
+    for (int r : ranks) {
+        const int local = env.world_size <= 1 ? r : env.local_rank;
+        PDSIM_ASSIGN_OR_RETURN(GpuChoice choice, choose_gpu(rc.topology, map.at(r), local, *visible,
+                                                            rc.topology_label));
+        ++per_device[choice.device];
+        rc.gpus.push_back({.rank = r, .choice = std::move(choice), .info = {}});
+    }
+    const int64_t pool_bytes =
+        kv_pool_pages(rc.model, 1, o.page_size, o.kv_pool_mb, runtime::DType::kBF16) *
+        kv_page_bytes(rc.model, 1, o.page_size, runtime::DType::kBF16);
+    const GpuMemoryNeed need = gpu_memory_need(rc.model, rc.gpu_model, pool_bytes);
+    std::map<int, GpuInfo> infos;
+    for (const auto& [device, count] : per_device) {
+        PDSIM_ASSIGN_OR_RETURN(GpuInfo info, probe.device_info(device));
+        const auto mib = [](int64_t b) { return static_cast<double>(b) / (1 << 20); };
+        if (need.total() * count > info.free_bytes) {
+            return invalid_argument_error(fmt::format(
+                "--kv-pool-mb {}: GPU {} ({}) has {:.0f} MiB free of {:.0f} MiB, and its {} "
+                "rank{} need {:.0f} MiB{}: KV pool {:.0f} MiB + model weights {:.0f} MiB + "
+                "workspace {:.0f} MiB + {:.0f} MiB for the attention and GEMM workspaces and the "
+                "decode graphs; lower --kv-pool-mb (or --max-batch-tokens, or use a smaller "
+                "--model)",
+                o.kv_pool_mb, device, info.name, mib(info.free_bytes), mib(info.total_bytes), count,
+                count == 1 ? "" : "s", mib(need.total() * count), count == 1 ? "" : " each",
+                mib(need.kv_pool_bytes), mib(need.weight_bytes), mib(need.workspace_bytes),
+                mib(need.headroom_bytes)));
+        }
+        infos.emplace(device, std::move(info));
+    }
+    for (RankGpu& g : rc.gpus) g.info = infos.at(g.choice.device);
+    return {};
+}
+
 }  // namespace
+
+const RankGpu* ResolvedConfig::gpu_of(int rank) const {
+    for (const RankGpu& g : gpus) {
+        if (g.rank == rank) return &g;
+    }
+    return nullptr;
+}
+
+int64_t kv_page_bytes(const model::ModelConfig& m, int tp, int page_size, runtime::DType dtype) {
+    const int64_t hkv = m.num_kv_heads / std::max(1, tp);
+    return static_cast<int64_t>(m.num_layers) * 2 * hkv * m.head_dim *
+           static_cast<int64_t>(runtime::dtype_size(dtype)) * page_size;
+}
+
+int64_t kv_pool_pages(const model::ModelConfig& m, int tp, int page_size, int64_t kv_pool_mb,
+                      runtime::DType dtype) {
+    const int64_t page_bytes = std::max<int64_t>(1, kv_page_bytes(m, tp, page_size, dtype));
+    const int64_t pages = std::max<int64_t>(2, (kv_pool_mb << 20) / page_bytes + 1);
+    return std::min<int64_t>(pages, int64_t{1} << 24);
+}
 
 std::string_view mode_name(Mode mode) {
     switch (mode) {
@@ -210,7 +327,12 @@ std::string_view embedded_default_topology() {
     return kEmbeddedCpu1p1d;
 }
 
-StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
+StatusOr<ResolvedConfig> resolve(const TestbedOptions& options, int world_size) {
+    return resolve(options, ResolveEnv{.world_size = world_size});
+}
+
+StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env) {
+    const int world_size = env.world_size;
     ResolvedConfig rc;
     rc.options = in;
     TestbedOptions& o = rc.options;
@@ -219,11 +341,32 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     PDSIM_RETURN_IF_ERROR(check_ranges(o));
     if (o.synthetic > 0 && !o.trace.empty())
         return invalid_argument_error("--trace and --synthetic are exclusive");
-    if (o.backend != "cpu" && o.backend != "cpu_ref") {
+    const bool cuda = o.backend == kCudaBackend;
+    if (o.backend != "cpu" && o.backend != "cpu_ref" && !cuda) {
         return invalid_argument_error(
-            fmt::format("--backend {}: the CPU testbed runs the `cpu` or `cpu_ref` attention "
-                        "backend (its KV pools are host memory)",
+            fmt::format("--backend {}: the testbed runs the `cpu` or `cpu_ref` attention "
+                        "backend (CPU ranks, KV pools in host memory) or `cuda` (GPU ranks)",
                         o.backend));
+    }
+    const GpuProbe& probe = env.gpus != nullptr ? *env.gpus : system_gpu_probe();
+    if (cuda) {
+        if (std::string why = probe.build_problem(); !why.empty()) {
+            return invalid_argument_error("--backend cuda: " + why);
+        }
+        if (o.mode != Mode::kColocated) {
+            return invalid_argument_error(fmt::format(
+                "--mode {}: --backend cuda runs --mode colocated only, until the device transfer "
+                "engine lands (the disaggregated phase{} moves KV between GPU ranks, and the "
+                "transfer engine does not move device memory yet); pass --mode colocated",
+                mode_name(o.mode),
+                o.mode == Mode::kBoth ? ", which `both` (the default) runs too," : ""));
+        }
+        if (o.shaping != "off") {
+            return invalid_argument_error(fmt::format(
+                "--shaping {}: it shapes the disaggregated KV transfer, which --backend cuda "
+                "(--mode colocated) does not run",
+                o.shaping));
+        }
     }
     // Transport name: known to the registry, and usable with host-memory KV pools.
     transfer::StaticCapabilities transport_caps;  // of o.transport, once it is known
@@ -346,15 +489,27 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
     }
     for (const auto& node : rc.topology.nodes) {
         for (const auto& d : node.devices) {
-            if (!d.is_cpu()) {
-                return invalid_argument_error(
-                    fmt::format("{}: device {} is a {} GPU; the CPU testbed runs on `cpu` devices "
-                                "(a GPU topology is for `pdsim simulate`, or use a cpu-* topology "
-                                "with a `shaping` section to emulate its links)",
-                                rc.topology_label, d.id, d.type));
+            if (!d.is_cpu() && !cuda) {
+                return invalid_argument_error(fmt::format(
+                    "{}: device {} is a {} GPU; CPU ranks (--backend {}) run on `cpu` devices "
+                    "(a GPU topology is for `pdsim simulate` or `--backend cuda --mode "
+                    "colocated`, or use a cpu-* topology with a `shaping` section to emulate its "
+                    "links)",
+                    rc.topology_label, d.id, d.type, o.backend));
             }
         }
     }
+    bool colocated_topology = !rc.topology.instances.empty();
+    for (const auto& inst : rc.topology.instances) {
+        colocated_topology = colocated_topology && inst.role == topo::Role::kColocated;
+    }
+    if (colocated_topology && o.mode != Mode::kColocated) {
+        return invalid_argument_error(
+            fmt::format("--mode {}: topology {} has colocated instances only (no prefill or "
+                        "decode instance to disaggregate); pass --mode colocated",
+                        mode_name(o.mode), rc.topology_label));
+    }
+    if (cuda) PDSIM_RETURN_IF_ERROR(check_gpu_model(rc));
 
     if (o.shaping == "topology") {
         if (!rc.topology.shaping) {
@@ -470,15 +625,20 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, int world_size) {
             rc.trace_duration_ms > 0 ? std::min(1.0, target_ms / rc.trace_duration_ms) : 1.0;
     }
     for (auto& r : rc.requests) r.arrival_ms *= o.time_scale;
+    if (cuda) PDSIM_RETURN_IF_ERROR(plan_gpus(rc, env, probe));
     return rc;
 }
 
 std::string describe(const TestbedOptions& o) {
     return fmt::format(
-        "--mode {} --layerwise {} --transport {} --backend {} --fault {} --chunk-size {} "
+        "--mode {} --layerwise {} --transport {} --backend {}{} --fault {} --chunk-size {} "
         "--max-batch-tokens {} --time-scale {:.6g} --max-input-len {} --max-output-len {}",
-        mode_name(o.mode), o.layerwise ? "on" : "off", o.transport, o.backend, fault_name(o.fault),
-        o.chunk_size, o.max_batch_tokens, o.time_scale, o.max_input_len, o.max_output_len);
+        mode_name(o.mode), o.layerwise ? "on" : "off", o.transport, o.backend,
+        o.backend == kCudaBackend
+            ? (o.decode_graphs ? " --decode-graphs on" : " --decode-graphs off")
+            : "",
+        fault_name(o.fault), o.chunk_size, o.max_batch_tokens, o.time_scale, o.max_input_len,
+        o.max_output_len);
 }
 
 }  // namespace pdsim::testbed

@@ -9,7 +9,19 @@
 // Built-in default (no options): topology cpu-1p1d.yaml from the shipped topologies (else an
 // embedded copy), the topology's model (`tiny`), a sample of 16 requests of the shipped
 // traces/mooncake_conversation.jsonl (see find_trace_dir), inputs capped to 1024 tokens and
-// outputs to 32, --mode both.
+// outputs to 32, --mode both, the `cpu` attention backend.
+//
+// GPU ranks (--backend cuda, docs/testbed.md "GPU rank"): resolve() also checks, before anything
+// runs, that this build has CUDA (kInvalidArgument "--backend cuda: this pdsim was built without
+// CUDA"), that the mode is colocated (the default `both` included: kInvalidArgument "--mode both:
+// --backend cuda runs --mode colocated until the device transfer engine lands"), that --shaping
+// is off (it shapes the disaggregated transfer), that every instance is TP 1 and the model is one
+// the GPU model and the cuda attention backend run (kInvalidArgument naming --model or the
+// instance), that this process sees a GPU (kUnavailable "--backend cuda: no device: ..."; exit 1,
+// as cli::exit_code_for maps it), that each rank's topology GPU is one of them, and that the KV
+// pool, weights and workspace of the ranks on each GPU fit its free memory (kInvalidArgument
+// naming --kv-pool-mb). It picks each rank's GPU (gpu_plan.h, choose_gpu) and sizes the GPU model
+// (ResolvedConfig::gpu_model, gpus).
 //
 // Thread-safety: pure functions.
 #pragma once
@@ -20,8 +32,11 @@
 #include <string_view>
 #include <vector>
 
+#include "backends/cuda/cuda_synthetic_model_plan.h"
 #include "backends/model/model_config.h"
+#include "backends/runtime/tensor.h"
 #include "common/status.h"
+#include "sim/testbed/gpu_plan.h"
 #include "sim/workload/workload.h"
 #include "topology/topology.h"
 
@@ -76,7 +91,8 @@ struct TestbedOptions {
     int32_t max_input_len = 1024;  // 0: no cap
     int32_t max_output_len = 32;   // 0: no cap
     std::string transport;         // "": mpi under mpirun, local in one process
-    std::string backend = "cpu";
+    std::string backend = "cpu";   // cpu | cpu_ref (CPU ranks) | cuda (GPU ranks, colocated)
+    bool decode_graphs = true;     // --backend cuda: replay decode forwards as CUDA graphs
     Mode mode = Mode::kBoth;
     bool layerwise = true;
     Fault fault = Fault::kNone;
@@ -112,6 +128,13 @@ struct TestbedOptions {
 // The embedded copy of topology/examples/cpu-1p1d.yaml.
 [[nodiscard]] std::string_view embedded_default_topology();
 
+// The GPU of a rank this process runs (--backend cuda).
+struct RankGpu {
+    int rank = 0;
+    GpuChoice choice;
+    GpuInfo info;  // name and memory as resolve() found them
+};
+
 struct ResolvedConfig {
     TestbedOptions options;  // with defaults filled in (transport, time_scale, ...)
     topo::Topology topology;
@@ -126,6 +149,22 @@ struct ResolvedConfig {
     double shape_latency_us = 0;
     double shape_time_scale = 1;  // 1 for explicit; the topology's value; 0: auto
     std::string shape_gpu;
+    // --backend cuda: the GPU model's sizes (its device set per rank from `gpus`), and the GPU of
+    // every rank this process runs (every rank without mpirun; its own rank under mpirun), in
+    // rank order. Empty for CPU backends.
+    model::cuda::CudaModelOptions gpu_model;
+    std::vector<RankGpu> gpus;
+    [[nodiscard]] bool gpu_ranks() const { return options.backend == kCudaBackend; }
+    // This process's entry for `rank`, or nullptr.
+    [[nodiscard]] const RankGpu* gpu_of(int rank) const;
+};
+
+// Where resolve() runs.
+struct ResolveEnv {
+    int world_size = 1;  // the launcher's world size (1 without mpirun: every rank runs here)
+    int rank = 0;        // under mpirun: this process's rank ...
+    int local_rank = 0;  // ... and its index among the processes on this host (the GPU choice)
+    const GpuProbe* gpus = nullptr;  // --backend cuda: what this host has; nullptr: the system's
 };
 
 // Loads and validates everything. `world_size`: the launcher's world size (1 without mpirun).
@@ -135,7 +174,18 @@ struct ResolvedConfig {
 // rank). kInvalidArgument naming the option (or variable) and the bad part.
 // The process model: world_size == topology ranks (one process per rank), or world_size == 1
 // and every rank runs as a thread of this process (transport `local`).
+[[nodiscard]] StatusOr<ResolvedConfig> resolve(const TestbedOptions& options,
+                                               const ResolveEnv& env);
+// resolve(options, {.world_size = world_size}): under mpirun, rank 0's view.
 [[nodiscard]] StatusOr<ResolvedConfig> resolve(const TestbedOptions& options, int world_size);
+
+// A rank's KV pool: pages of page_size tokens of this rank's KV heads (num_kv_heads / tp) in
+// `dtype`, every layer, K and V; --kv-pool-mb MiB of them plus the null page 0 (at least 2 pages,
+// at most 2^24).
+[[nodiscard]] int64_t kv_page_bytes(const model::ModelConfig& model, int tp, int page_size,
+                                    runtime::DType dtype);
+[[nodiscard]] int64_t kv_pool_pages(const model::ModelConfig& model, int tp, int page_size,
+                                    int64_t kv_pool_mb, runtime::DType dtype);
 
 // The CLI flag string of the options that matter for a report ("--mode both --layerwise on ...").
 [[nodiscard]] std::string describe(const TestbedOptions& options);

@@ -21,6 +21,15 @@ StatusOr<std::unique_ptr<PdAttentionBackend>> PdAttentionBackend::create(
     std::unique_ptr<attn::AttentionBackend> inner, PdBackendOptions options) {
     if (inner == nullptr)
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "PdAttentionBackend: no backend");
+    const runtime::Device device = inner->stream().device();
+    if (device.kind != runtime::DeviceKind::kCpu &&
+        (options.validator != nullptr || options.fault != Fault::kNone)) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "PdAttentionBackend: ordering checksums and --fault {} read and write "
+                           "KV in host memory: CPU ranks only, and stream {} is on {}:{}",
+                           fault_name(options.fault), inner->stream().name(),
+                           runtime::device_kind_name(device.kind), device.index);
+    }
     std::unique_ptr<PdAttentionBackend> b(
         new PdAttentionBackend(std::move(inner), std::move(options)));
     if (b->opts_.counter != nullptr && !b->owns_records()) {
@@ -58,6 +67,21 @@ Status PdAttentionBackend::init_forward_metadata(const attn::ForwardBatch& batch
     // The bug: replay the captured graph without init_forward_metadata_replay_cuda_graph, so the
     // kernels read the first batch's q_lens / page table / bs with this batch's seq_lens.
     return inner_->init_forward_metadata_capture_cuda_graph(opts_.max_bs, batch.mode);
+}
+
+Status PdAttentionBackend::init_cuda_graph_state(int max_bs, const int32_t* seq_lens_buf,
+                                                 const attn::GraphStateExtras& extras) {
+    return inner_->init_cuda_graph_state(max_bs, seq_lens_buf, extras);
+}
+
+Status PdAttentionBackend::init_forward_metadata_capture_cuda_graph(int bs,
+                                                                    attn::ForwardMode mode) {
+    return inner_->init_forward_metadata_capture_cuda_graph(bs, mode);
+}
+
+Status PdAttentionBackend::init_forward_metadata_replay_cuda_graph(
+    const attn::ForwardBatch& batch) {
+    return inner_->init_forward_metadata_replay_cuda_graph(batch);
 }
 
 Status PdAttentionBackend::record(int layer) {

@@ -27,6 +27,18 @@
 //                         later extend forwards only refresh the aliased seq_lens buffer and
 //                         replay without init_forward_metadata_replay_cuda_graph's in-place update.
 //
+// Graph state is the wrapped backend's: init_cuda_graph_state, the capture and replay metadata
+// calls and accepted_graph_state_extras go to it (a model capturing decode graphs through the
+// wrapper, e.g. the GPU model of a GPU rank, captures the wrapped backend's kernels on its graph
+// metadata). The wrapper's own metadata stays eager; after a capture the wrapped backend returns
+// to eager metadata at its next init_forward_metadata (every backend's does).
+//
+// CPU only (create() refuses them on a stream of another device with kFailedPrecondition): the
+// checksums (they hash K and V in host memory) and the faults (late-write rewrites the pool from
+// the host; the record-order ones time their race windows with host sleeps; stale-graph-metadata
+// installs a host seq_lens buffer). A GPU rank runs the wrapper with neither: its records (the
+// StepCounter registered on the wrapped backend) and on_record callbacks work on any stream.
+//
 // Thread-safety: like any backend, one host thread drives it. set_segments() must be called by
 // that thread before each forward's layers are enqueued (the segments are captured by value).
 #pragma once
@@ -35,6 +47,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "backends/attention/attention_backend.h"
@@ -83,6 +97,16 @@ public:
         return inner_->support_kv_cache_prewrite(mode);
     }
     [[nodiscard]] Status init_forward_metadata(const attn::ForwardBatch& batch) override;
+    // The graph state of the wrapped backend (see the file comment).
+    [[nodiscard]] Status init_cuda_graph_state(int max_bs, const int32_t* seq_lens_buf,
+                                               const attn::GraphStateExtras& extras) override;
+    [[nodiscard]] std::set<std::string> accepted_graph_state_extras() const override {
+        return inner_->accepted_graph_state_extras();
+    }
+    [[nodiscard]] Status init_forward_metadata_capture_cuda_graph(int bs,
+                                                                  attn::ForwardMode mode) override;
+    [[nodiscard]] Status init_forward_metadata_replay_cuda_graph(
+        const attn::ForwardBatch& batch) override;
 
     void set_segments(std::shared_ptr<const Segments> segments) { segments_ = std::move(segments); }
     [[nodiscard]] attn::AttentionBackend& inner() { return *inner_; }

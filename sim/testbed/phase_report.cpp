@@ -305,7 +305,8 @@ void build_phase_report(const ResolvedConfig& cfg, PhaseData& pd,
                              {"e2e_ms", q.ok ? json(q.e2e_ms()) : json()},
                              {"transfer_ms", q.transfer_ms},
                              {"exposed_transfer_ms", q.exposed_transfer_ms},
-                             {"token_ms", pd.router.token_ms[i]}});
+                             {"token_ms", pd.router.token_ms[i]},
+                             {"tokens", q.tokens}});
     }
     rep.extra["lifecycle"] = std::move(lifecycle);
     if (pd.phase == Phase::kDisagg) {
@@ -327,26 +328,44 @@ json testbed_config_json(const ResolvedConfig& cfg) {
     for (const topo::ModelDimension& dim : topo::kModelDimensions) {
         model[std::string(dim.key)] = m.*dim.field;
     }
-    return {{"command", "pdsim testbed " + describe(o)},
-            {"topology", cfg.topology_label},
-            {"ranks", cfg.topology.num_ranks()},
-            {"model", model},
-            {"workload", cfg.workload_label},
-            {"requests", cfg.requests.size()},
-            {"trace_duration_s", cfg.trace_duration_ms / 1000},
-            {"time_scale", o.time_scale},
-            {"transport", o.transport},
-            {"backend", o.backend},
-            {"layerwise", o.layerwise},
-            {"fault", fault_name(o.fault)},
-            {"chunk_size", o.chunk_size},
-            {"max_batch_tokens", o.max_batch_tokens},
-            {"max_decode_batch", o.max_decode_batch},
-            {"page_size", o.page_size},
-            {"max_input_len", o.max_input_len},
-            {"max_output_len", o.max_output_len},
-            {"seed", o.seed},
-            {"request_timeout_s", o.request_timeout_s}};
+    json config = {{"command", "pdsim testbed " + describe(o)},
+                   {"topology", cfg.topology_label},
+                   {"ranks", cfg.topology.num_ranks()},
+                   {"model", model},
+                   {"workload", cfg.workload_label},
+                   {"requests", cfg.requests.size()},
+                   {"trace_duration_s", cfg.trace_duration_ms / 1000},
+                   {"time_scale", o.time_scale},
+                   {"transport", o.transport},
+                   {"backend", o.backend},
+                   {"layerwise", o.layerwise},
+                   {"fault", fault_name(o.fault)},
+                   {"chunk_size", o.chunk_size},
+                   {"max_batch_tokens", o.max_batch_tokens},
+                   {"max_decode_batch", o.max_decode_batch},
+                   {"page_size", o.page_size},
+                   {"max_input_len", o.max_input_len},
+                   {"max_output_len", o.max_output_len},
+                   {"seed", o.seed},
+                   {"request_timeout_s", o.request_timeout_s}};
+    if (cfg.gpu_ranks()) {
+        // The GPU of rank 0 (the process that writes the report; under mpirun it knows only its
+        // own, and every rank's `device` is in its `ranks` entry) and how the model is sized.
+        json gpu = json::object();
+        if (const RankGpu* g = cfg.gpu_of(0)) {
+            gpu = {{"name", g->info.name},
+                   {"device", g->choice.device},
+                   {"chosen_by", g->choice.how},
+                   {"memory_mib", g->info.total_bytes >> 20}};
+        }
+        config["gpu"] = std::move(gpu);
+        config["decode_graphs"] = o.decode_graphs;
+        config["gpu_model"] = {{"max_tokens", cfg.gpu_model.max_tokens},
+                               {"max_bs", cfg.gpu_model.max_bs},
+                               {"max_positions", cfg.gpu_model.max_positions},
+                               {"kv_dtype", "bf16"}};
+    }
+    return config;
 }
 
 }  // namespace pdsim::testbed

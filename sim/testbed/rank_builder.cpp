@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "backends/attention/attention_backend.h"
+#include "backends/runtime/cpu_stream.h"
 #include "transfer/engine/kv_layout.h"
 
 namespace pdsim::testbed {
@@ -10,14 +11,21 @@ namespace pdsim::testbed {
 StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options) {
     const model::ModelConfig& m = *options.model;
     RankParts parts;
-    parts.stream =
-        std::make_unique<runtime::CpuStream>(options.stream_name, options.stream_timeout);
+    if (options.stream != nullptr) {
+        parts.stream = options.stream;
+    } else {
+        parts.owned_stream =
+            std::make_unique<runtime::CpuStream>(options.stream_name, options.stream_timeout);
+        parts.stream = parts.owned_stream.get();
+    }
     kv::MHAPoolConfig pc;
     pc.num_layers = m.num_layers;
     pc.page_size = options.page_size;
     pc.num_kv_heads = m.num_kv_heads / options.tp_size;
     pc.head_dim = m.head_dim;
     pc.num_pages = options.num_pages;
+    pc.dtype = options.kv_dtype;
+    pc.device = parts.stream->device();
     PDSIM_ASSIGN_OR_RETURN(parts.pool, kv::MHATokenToKVPool::create(pc));
     if (options.step_counter) parts.counter = std::make_unique<pd::StepCounter>(*parts.stream);
     if (options.validator) {
@@ -34,8 +42,9 @@ StatusOr<std::unique_ptr<PdAttentionBackend>> build_pd_backend(const RankBuildOp
     ac.num_q_heads = m.num_q_heads / options.tp_size;
     ac.num_kv_heads = m.num_kv_heads / options.tp_size;
     ac.head_dim = m.head_dim;
-    ac.stream = parts.stream.get();
+    ac.stream = parts.stream;
     ac.num_threads = options.threads;
+    ac.kv_dtype = options.kv_dtype;
     PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<attn::AttentionBackend> inner,
                            attn::create_attention_backend(options.backend, ac));
     PdBackendOptions bo;

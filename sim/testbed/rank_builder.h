@@ -1,8 +1,10 @@
 // What one testbed rank builds to run forwards, in one place for the testbed server
 // (Server::setup in sim/testbed/server.cpp, Server::execute in server_forward.cpp) and
 // `pdsim calibrate`, which times the same forwards on the same objects (sim/cli/calibrate_cmd.cpp):
-//   build_rank_parts: the rank's compute stream, its fp32 MHA KV pool (this rank's KV heads),
-//     and, when asked, the prefill side's StepCounter and the ordering validator;
+//   build_rank_parts: the rank's compute stream (a new CpuStream, or the GPU rank's CUDA stream
+//     passed in), its MHA KV pool (this rank's KV heads; fp32 in host memory for CPU ranks, bf16
+//     on the stream's GPU for GPU ranks), and, when asked, the prefill side's StepCounter and the
+//     ordering validator;
 //   build_pd_backend: the attention backend (`backend`, `threads` kernel threads) wrapped in the
 //     testbed's PdAttentionBackend, for the prefill side (records into the StepCounter, ordering
 //     checksums) or not;
@@ -10,8 +12,9 @@
 //     page tables, and the segments that tell the backend which tokens are whose.
 // Ownership: the caller owns what is returned; a RankParts' stream must outlive everything that
 // enqueues on it (its members are declared in reverse destruction order; keep that order when
-// moving them into other members). Thread-safety: the functions are reentrant; the objects they
-// return have their own contracts (backends/runtime/cpu_stream.h, sim/testbed/pd_backend.h).
+// moving them into other members). A borrowed stream (RankBuildOptions::stream) is the lender's
+// and must outlive the parts. Thread-safety: the functions are reentrant; the objects they
+// return have their own contracts (backends/runtime/stream.h, sim/testbed/pd_backend.h).
 #pragma once
 
 #include <chrono>
@@ -25,7 +28,7 @@
 #include "backends/model/model.h"
 #include "backends/model/model_config.h"
 #include "backends/pd/step_counter.h"
-#include "backends/runtime/cpu_stream.h"
+#include "backends/runtime/stream.h"
 #include "common/status.h"
 #include "sim/testbed/options.h"
 #include "sim/testbed/pd_backend.h"
@@ -44,22 +47,29 @@ struct RankBuildOptions {
     std::string stream_name = "cpu";
     // The stream's bound on waits (CpuStream's wait_timeout).
     std::chrono::milliseconds stream_timeout = runtime::kDefaultWaitTimeout;
-    bool step_counter = false;  // build the prefill side's StepCounter
-    bool validator = false;     // build an ordering validator
-    int validator_rank = 0;     // the rank the validator reports violations as
+    // A stream to compute on instead of a new CpuStream (borrowed: the GPU rank's CUDA stream);
+    // the pool goes on its device. stream_name and stream_timeout are then unused.
+    runtime::Stream* stream = nullptr;
+    kv::KVDtype kv_dtype = kv::KVDtype::kF32;  // the pool's (and the backend's) KV dtype
+    bool step_counter = false;                 // build the prefill side's StepCounter
+    bool validator = false;                    // build an ordering validator
+    int validator_rank = 0;                    // the rank the validator reports violations as
 };
 
 // Declaration order is the reverse of destruction: the stream outlives everything that enqueues
 // on it.
 struct RankParts {
-    std::unique_ptr<runtime::CpuStream> stream;
+    std::unique_ptr<runtime::Stream> owned_stream;  // null when the stream is borrowed
+    runtime::Stream* stream = nullptr;              // owned_stream, or RankBuildOptions::stream
     std::unique_ptr<kv::MHATokenToKVPool> pool;
     std::unique_ptr<pd::StepCounter> counter;                // null unless step_counter
     std::unique_ptr<transfer::OrderingValidator> validator;  // null unless validator
 };
 
-// Builds the stream, then the pool (num_kv_heads / tp_size heads of head_dim), then the counter
-// and the validator. Errors: the pool's (kInvalidArgument for a bad shape, kResourceExhausted).
+// Builds (or takes) the stream, then the pool (num_kv_heads / tp_size heads of head_dim, kv_dtype,
+// on the stream's device), then the counter and the validator. Errors: the pool's
+// (kInvalidArgument for a bad shape, kResourceExhausted; kUnavailable for a device allocation
+// that failed), the StepCounter's for a device it has no implementation for.
 [[nodiscard]] StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options);
 
 struct PdBackendSide {

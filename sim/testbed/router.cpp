@@ -58,9 +58,9 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
     std::vector<int> prefill, decode, all;
     for (int i = 0; i < ninst; ++i) {
         all.push_back(i);
-        (cfg.topology.instances[static_cast<size_t>(i)].role == topo::Role::kPrefill ? prefill
-                                                                                     : decode)
-            .push_back(i);
+        const topo::Role role = cfg.topology.instances[static_cast<size_t>(i)].role;
+        if (role == topo::Role::kPrefill) prefill.push_back(i);
+        if (role == topo::Role::kDecode) decode.push_back(i);
     }
     const bool colocated = rc.phase == Phase::kColocated;
     std::vector<double> load_a(static_cast<size_t>(ninst), 0),

@@ -32,18 +32,19 @@ Server::Server(RankContext& ctx, Phase phase, transfer::Transport* kv)
 }
 
 Server::~Server() {
-    ctx_.model->set_layer_hook(nullptr);
+    if (ctx_.cpu_model != nullptr) ctx_.cpu_model->set_layer_hook(nullptr);
+    // Before the phase's pool and backend go (members, destroyed after this body): nothing may
+    // still run on them, and the decode graphs captured on them are not replayed again.
+    if (ctx_.gpu != nullptr) ctx_.gpu->end_phase();
     shutdown_engines();
 }
 
 Status Server::setup() {
     const model::ModelConfig& m = cfg_.model;
     const int tp = ctx_.info.tp_size;
-    const int hkv = m.num_kv_heads / tp;
-    const int64_t page_bytes =
-        static_cast<int64_t>(m.num_layers) * 2 * hkv * m.head_dim * 4 * o_.page_size;
-    const int64_t pages =
-        std::max<int64_t>(2, (o_.kv_pool_mb << 20) / std::max<int64_t>(1, page_bytes) + 1);
+    // CPU ranks: fp32 KV in host memory; GPU ranks: bf16 KV on the GPU (the cuda backend's).
+    const kv::KVDtype kv_dtype = ctx_.gpu != nullptr ? kv::KVDtype::kBF16 : kv::KVDtype::kF32;
+    const int64_t pages = kv_pool_pages(m, tp, o_.page_size, o_.kv_pool_mb, kv_dtype);
     RankBuildOptions build;
     build.model = &m;
     build.tp_size = tp;
@@ -51,9 +52,11 @@ Status Server::setup() {
     build.threads = ctx_.threads;
     build.backend = o_.backend;
     build.page_size = o_.page_size;
-    build.num_pages = static_cast<int>(std::min<int64_t>(pages, 1 << 24));
+    build.num_pages = static_cast<int>(pages);
     build.stream_name = fmt::format("compute-r{}", ctx_.rank);
     build.stream_timeout = timeout_ + milliseconds(5000);
+    build.stream = ctx_.gpu != nullptr ? &ctx_.gpu->stream() : nullptr;
+    build.kv_dtype = kv_dtype;
     build.step_counter = role_ == Role::kPrefill;
     build.validator = role_ != Role::kColocated;
     build.validator_rank = ctx_.rank;
@@ -68,23 +71,30 @@ Status Server::setup() {
     };
     auto backend = build_pd_backend(build, parts, side);
     // Members in the parts' order (the stream outlives what enqueues on it), built or not.
-    stream_ = std::move(parts.stream);
+    owned_stream_ = std::move(parts.owned_stream);
+    stream_ = parts.stream;
     pool_ = std::move(parts.pool);
     counter_ = std::move(parts.counter);
     validator_ = std::move(parts.validator);
     PDSIM_ASSIGN_OR_RETURN(backend_, std::move(backend));
 
     layer_t0_.assign(static_cast<size_t>(m.num_layers), 0.0);
-    ctx_.model->set_layer_hook([this](int layer, bool begin) {
-        const double t = now_us();
-        if (begin) {
-            layer_t0_[static_cast<size_t>(layer)] = t;
-        } else {
-            const double t0 = layer_t0_[static_cast<size_t>(layer)];
-            timeline_.slice(kTidCompute, fmt::format("L{} {}", layer, hook_label_), "compute", t0,
-                            t - t0);
-        }
-    });
+    if (ctx_.cpu_model != nullptr) {
+        ctx_.cpu_model->set_layer_hook([this](int layer, bool begin) {
+            const double t = now_us();
+            if (begin) {
+                layer_t0_[static_cast<size_t>(layer)] = t;
+            } else {
+                const double t0 = layer_t0_[static_cast<size_t>(layer)];
+                timeline_.slice(kTidCompute, fmt::format("L{} {}", layer, hook_label_), "compute",
+                                t0, t - t0);
+            }
+        });
+    }
+    if (ctx_.gpu != nullptr) {
+        // Decode graphs on this phase's backend and pool; layer timing by device events.
+        PDSIM_RETURN_IF_ERROR(ctx_.gpu->begin_phase(*backend_, *pool_));
+    }
 
     if (role_ != Role::kColocated) {
         if (kv_ == nullptr)
@@ -244,6 +254,12 @@ RankResult Server::result() {
                   {"compute_us", compute_us_},
                   {"record_violations", record_violations_},
                   {"broken", broken_ ? broken_reason_ : ""}};
+    if (ctx_.gpu != nullptr) {
+        const GpuInfo& g = ctx_.gpu->info();
+        stats["device"] = fmt::format("cuda:{} ({})", g.device, g.name);
+        stats["decode_graphs"] = ctx_.gpu->decode_graphs_state();
+        stats["graph_forwards"] = graph_forwards_;
+    }
     auto engine_stats = [](const transfer::EngineStats& s) {
         return json{{"submitted", s.requests_submitted},
                     {"completed", s.requests_completed},

@@ -27,6 +27,13 @@
 // tokens, or the failure), "pdone" (prefill side finished with a request). Every engine wait is
 // bounded by --request-timeout-s; a broken compute stream fails the instance's requests.
 //
+// Devices: a CPU rank builds a CpuStream, an fp32 host KV pool and the `cpu`/`cpu_ref` backend per
+// phase and times layers with the CPU model's layer hook; a GPU rank (RankContext::gpu) computes
+// on the GpuRank's CUDA stream with a bf16 device pool and the `cuda` backend built per phase, and
+// times layers with device events read after each forward (the compute track of the timeline).
+// The scheduling is the same code for both, except that a GPU rank's decode batches have no KV
+// token bound (the cuda backend never splits KV, so its batches stay invariant without it).
+//
 // Thread-safety: run() runs on the rank's main thread; the engine's event hook and the model's
 // layer hook run on engine / stream threads and only append to locked buffers.
 #pragma once
@@ -35,9 +42,11 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "backends/model/model.h"
 #include "backends/model/synthetic_model.h"
 #include "common/status.h"
 #include "sim/testbed/comm.h"
+#include "sim/testbed/gpu_rank.h"
 #include "sim/testbed/options.h"
 #include "sim/testbed/protocol.h"
 #include "topology/topology.h"
@@ -59,9 +68,13 @@ struct RankContext {
     topo::RankInfo info;
     std::vector<int> instance_ranks;  // world ranks of this rank's instance, by TP rank
     Mailbox* mbox = nullptr;
-    model::TpComm* tp = nullptr;  // null for TP 1
-    model::SyntheticModel* model = nullptr;
-    int threads = 1;  // attention kernel threads
+    model::TpComm* tp = nullptr;    // null for TP 1
+    model::Model* model = nullptr;  // the rank's model (cpu_model's, or gpu's)
+    // A CPU rank: its model (the layer hook feeds the timeline); null on a GPU rank.
+    model::SyntheticModel* cpu_model = nullptr;
+    // A GPU rank (--backend cuda): its stream and GPU model, for every phase; null on a CPU rank.
+    GpuRank* gpu = nullptr;
+    int threads = 1;  // attention kernel threads (CPU ranks)
     [[nodiscard]] bool is_leader() const { return info.tp_rank == 0; }
     [[nodiscard]] int leader() const { return instance_ranks.front(); }
 };

@@ -61,17 +61,26 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
     const std::string label = attn::is_decode(plan.mode)
                                   ? fmt::format("decode bs={}", plan.entries.size())
                                   : fmt::format("extend bs={} T={}", plan.entries.size(), off);
-    PDSIM_RETURN_IF_ERROR(stream_->enqueue([this, label] {
-        hook_label_ = label;
-        return Status();
-    }));
+    if (ctx_.cpu_model != nullptr) {
+        // The CPU model's layer hook names its slices with the label of the forward it runs.
+        PDSIM_RETURN_IF_ERROR(stream_->enqueue([this, label] {
+            hook_label_ = label;
+            return Status();
+        }));
+    }
     auto out = std::make_shared<std::vector<int32_t>>(plan.entries.size(), -1);
     const double t_start = now_us();
     Status st = ctx_.model->forward(b, *backend_, *pool_, out->data());
     if (st.ok() && prefill && any_last) st = publish_first_tokens(plan, out);
     if (st.ok() && prefill && o_.layerwise) submit_chunks(plan, steps, false);
-    if (st.ok()) st = stream_->synchronize(timeout_ + milliseconds(5000));
+    // Always synchronize, also after a forward that failed part-way: what it enqueued writes
+    // `out`, and a sticky stream error (a CUDA fault, non-finite logits) surfaces here.
+    const Status synced = stream_->synchronize(timeout_ + milliseconds(5000));
+    if (st.ok()) st = synced;
     const double t_done = now_us();
+    if (synced.code() == StatusCode::kDeadlineExceeded) {
+        abandoned_outputs_.push_back(out);  // the stream may still write it
+    }
     ++forwards_;
     forward_tokens_ += off;
     compute_us_ += t_done - t_start;
@@ -80,9 +89,38 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
         mark_broken(st);
         return st;
     }
+    if (ctx_.gpu != nullptr) add_gpu_compute_slices(label, t_done);
     if (prefill) PDSIM_RETURN_IF_ERROR(finish_prefill_forward(plan, steps, t_done));
     *next = *out;
     return {};
+}
+
+// The compute track of a GPU rank: the forward's device events (one slice per layer of an eager
+// forward, one for a graph replay), placed so that the forward ends at t_done_us, the host time
+// its synchronize returned (late by that poll's interval and the token copy: microseconds).
+void Server::add_gpu_compute_slices(const std::string& label, double t_done_us) {
+    StatusOr<GpuForwardTiming> timing = ctx_.gpu->last_forward_timing();
+    if (!timing.ok()) {
+        if (!timing_warned_) {
+            PDSIM_LOG_WARN("rank {}: no compute slices: forward timing: {}", ctx_.rank,
+                           timing.status().to_string());
+        }
+        timing_warned_ = true;
+        return;
+    }
+    const double t0 = t_done_us - 1e3 * timing->total_ms;
+    if (timing->graph) {
+        ++graph_forwards_;
+        timeline_.slice(kTidCompute,
+                        fmt::format("{} (graph bucket {})", label, ctx_.gpu->last_forward_bucket()),
+                        "compute", t0, 1e3 * timing->total_ms);
+        return;
+    }
+    for (size_t l = 0; l < timing->layer_begin_ms.size(); ++l) {
+        const double b = 1e3 * timing->layer_begin_ms[l];
+        const double e = 1e3 * timing->layer_end_ms[l];
+        timeline_.slice(kTidCompute, fmt::format("L{} {}", l, label), "compute", t0 + b, e - b);
+    }
 }
 
 // Before a prefill forward: new requests join the sender (each gets a first-token slot), and the

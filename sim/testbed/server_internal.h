@@ -27,7 +27,7 @@
 
 #include "backends/kv/kv_pool.h"
 #include "backends/pd/step_counter.h"
-#include "backends/runtime/cpu_stream.h"
+#include "backends/runtime/stream.h"
 #include "common/status.h"
 #include "common/thread_info.h"
 #include "sim/policy/batching.h"
@@ -127,6 +127,9 @@ public:
 private:
     // ---- shared (server.cpp, server_forward.cpp) ----
     Status execute(const Plan& plan, std::vector<int32_t>* next);
+    // A GPU rank, after a forward's stream synchronized at host time t_done_us: the compute
+    // track's slices from the forward's device events.
+    void add_gpu_compute_slices(const std::string& label, double t_done_us);
     PrefillSteps begin_prefill_forward(const Plan& plan, bool any_last);
     Status publish_first_tokens(const Plan& plan,
                                 const std::shared_ptr<std::vector<int32_t>>& sampled);
@@ -172,7 +175,9 @@ private:
     Status finish_request(Req& r);
     Status try_free(Req& r);
     Status report_first(Req& r);
+    // The cpu backend's bound (see server.h); none on a GPU rank (0).
     int64_t decode_kv_cap() const {
+        if (ctx_.gpu != nullptr) return 0;
         return kMaxDecodeKvTokensPerThread * std::max(1, ctx_.threads);
     }
     policy::BatchingOptions batching() const {
@@ -193,8 +198,13 @@ private:
     int num_layers_ = 1;
     std::chrono::milliseconds timeout_;
 
-    // Per-phase device objects (declaration order = reverse destruction order).
-    std::unique_ptr<runtime::CpuStream> stream_;
+    // Token buffers of forwards whose stream did not finish in time (a stream task may still
+    // write them): kept until the server goes, after the device objects below.
+    std::vector<std::shared_ptr<std::vector<int32_t>>> abandoned_outputs_;
+    // Per-phase device objects (declaration order = reverse destruction order). A GPU rank's
+    // stream is the GpuRank's (owned_stream_ null), which outlives the server.
+    std::unique_ptr<runtime::Stream> owned_stream_;
+    runtime::Stream* stream_ = nullptr;
     std::unique_ptr<kv::MHATokenToKVPool> pool_;
     std::unique_ptr<pd::StepCounter> counter_;
     std::unique_ptr<transfer::OrderingValidator> validator_;
@@ -223,6 +233,8 @@ private:
     std::vector<double> layer_t0_;
     std::string hook_label_;
     int64_t forwards_ = 0, forward_tokens_ = 0;
+    int64_t graph_forwards_ = 0;  // GPU rank: decode forwards that replayed a CUDA graph
+    bool timing_warned_ = false;  // GPU rank: a forward's device times could not be read
     double compute_us_ = 0;
     int64_t record_violations_ = 0;
     // CPU seconds per thread name over run() (the testbed's own threads compete with the compute

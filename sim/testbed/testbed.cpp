@@ -22,6 +22,7 @@
 #include "sim/metrics/report.h"
 #include "sim/metrics/timeline.h"
 #include "sim/testbed/comm.h"
+#include "sim/testbed/gpu_rank.h"
 #include "sim/testbed/phase_report.h"
 #include "sim/testbed/prompt.h"
 #include "sim/testbed/protocol.h"
@@ -231,8 +232,12 @@ Status decide_shaping(Shared& sh, RankContext& ctx) {
     if (ctx.rank == 0) {
         if (ts <= 0) {
             const int tokens = std::min(512, cfg.options.max_batch_tokens);
+            if (ctx.cpu_model == nullptr) {
+                return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                                   "--shaping: measuring the CPU layer time needs CPU ranks");
+            }
             PDSIM_ASSIGN_OR_RETURN(double cpu_s,
-                                   measure_cpu_layer_s(cfg, *ctx.model, ctx.threads, tokens));
+                                   measure_cpu_layer_s(cfg, *ctx.cpu_model, ctx.threads, tokens));
             const double gpu_s = gpu_layer_s(cfg.model, *topo::gpu_spec(cfg.shape_gpu), tokens);
             PDSIM_ASSIGN_OR_RETURN(ts, topo::time_scale_from(cpu_s, gpu_s));
             info = {{"measured_cpu_layer_ms", cpu_s * 1e3},
@@ -486,13 +491,37 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
     const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     ctx.threads = o.threads > 0 ? o.threads : std::max(1, hw / std::max(1, sh.local_ranks));
     const int max_tokens = std::max(o.max_batch_tokens, o.max_decode_batch);
-    std::unique_ptr<model::SyntheticModel> model;
+    // The rank's model for every phase: the CPU model, or the GPU rank's stream and GPU model
+    // (the GpuRank outlives every phase's server, which borrows its stream).
+    std::unique_ptr<model::SyntheticModel> cpu_model;
+    std::unique_ptr<GpuRank> gpu;
     std::vector<double> offsets(static_cast<size_t>(ctx.world), 0.0);
     const double t_origin = now_us();
     std::vector<PhaseData> phases;
     Status st = [&]() -> Status {
-        PDSIM_ASSIGN_OR_RETURN(model, model::SyntheticModel::create(cfg.model, ctx.tp, max_tokens));
-        ctx.model = model.get();
+        if (cfg.gpu_ranks()) {
+            const RankGpu* g = cfg.gpu_of(rank);
+            if (g == nullptr) {
+                return PDSIM_ERROR(StatusCode::kInternal, "rank {}: no GPU chosen for it", rank);
+            }
+            GpuRankOptions go;
+            go.model = cfg.gpu_model;
+            go.model.device = g->choice.device;
+            go.stream_name = fmt::format("compute-r{}-cuda{}", rank, g->choice.device);
+            go.decode_graphs = o.decode_graphs;
+            go.graph_buckets = gpu_decode_buckets(o.max_decode_batch);
+            go.sync_timeout = milliseconds(static_cast<int64_t>(o.request_timeout_s * 1000) + 5000);
+            PDSIM_ASSIGN_OR_RETURN(gpu, GpuRank::create(cfg.model, go));
+            PDSIM_LOG_INFO("rank {}: GPU cuda:{} ({}; {})", rank, g->choice.device,
+                           gpu->info().name, g->choice.how);
+            ctx.gpu = gpu.get();
+            ctx.model = &gpu->model();
+        } else {
+            PDSIM_ASSIGN_OR_RETURN(cpu_model,
+                                   model::SyntheticModel::create(cfg.model, ctx.tp, max_tokens));
+            ctx.cpu_model = cpu_model.get();
+            ctx.model = cpu_model.get();
+        }
         PDSIM_RETURN_IF_ERROR(decide_shaping(sh, ctx));
         if (!sh.local) {
             PDSIM_ASSIGN_OR_RETURN(std::vector<double> off,
@@ -634,7 +663,10 @@ Status run_testbed(const TestbedOptions& options, RunInfo* info) {
     const Launcher launcher = detect_launcher();
     info->rank = launcher.rank;
     if (launcher.rank != 0) spdlog::set_level(spdlog::level::warn);
-    StatusOr<ResolvedConfig> resolved = resolve(options, launcher.world);
+    StatusOr<ResolvedConfig> resolved =
+        resolve(options, ResolveEnv{.world_size = launcher.world,
+                                    .rank = launcher.rank,
+                                    .local_rank = launcher.local_rank});
     if (launcher.world > 1) return run_mpi_ranks(launcher, std::move(resolved), info);
 
     // Every rank a thread of this process.
