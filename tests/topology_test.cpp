@@ -727,7 +727,7 @@ instances:
     };
     EXPECT_THAT(with("").status(),
                 StatusIs(StatusCode::kInvalidArgument,
-                         ::testing::AllOf(HasSubstr("two.yaml:10: instances[1].devices[0]"),
+                         ::testing::AllOf(HasSubstr("two.yaml:11: instances[1].devices[0]"),
                                HasSubstr("already used by instances[0]"),
                                HasSubstr("shared: true"))));
     auto ok = with(", shared: true");
