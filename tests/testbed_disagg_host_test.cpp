@@ -35,8 +35,8 @@
 namespace pdsim::testbed {
 namespace {
 
-using ::testing::HasSubstr;
 using std::chrono::milliseconds;
+using ::testing::HasSubstr;
 
 constexpr int kLayers = 3;
 constexpr int kPageSize = 4;
@@ -72,7 +72,7 @@ struct Rig {
     std::unique_ptr<PdAttentionBackend> backend;
     std::unique_ptr<model::SyntheticModel> model;
     std::mutex mu;
-    std::vector<RecordSeen> records;  // under mu
+    std::vector<RecordSeen> records;           // under mu
     std::function<void(int layer)> at_record;  // also called at each record (stream thread)
 };
 
@@ -103,11 +103,11 @@ std::unique_ptr<Rig> make_rig(ChecksumSource checksums, Fault fault = Fault::kNo
         bool all = true;
         for (const Request& q : reqs) {
             for (int buf = 0; buf < 2; ++buf) {
-                all = all && r->parts.validator
-                                 ->wait_expected(q.id, layer, buf,
-                                                 static_cast<int64_t>(q.tokens.size()), 0,
-                                                 r->cfg.num_kv_heads, milliseconds(0))
-                                 .ok();
+                all = all &&
+                      r->parts.validator
+                          ->wait_expected(q.id, layer, buf, static_cast<int64_t>(q.tokens.size()),
+                                          0, r->cfg.num_kv_heads, milliseconds(0))
+                          .ok();
             }
         }
         std::lock_guard<std::mutex> lock(r->mu);
@@ -143,9 +143,9 @@ Status run_forward(Rig& rig) {
 }
 
 std::vector<uint64_t> expected(Rig& rig, const Request& q, int layer, int buf) {
-    auto sums = rig.parts.validator->wait_expected(q.id, layer, buf,
-                                                   static_cast<int64_t>(q.tokens.size()), 0,
-                                                   rig.cfg.num_kv_heads, milliseconds(1000));
+    auto sums =
+        rig.parts.validator->wait_expected(q.id, layer, buf, static_cast<int64_t>(q.tokens.size()),
+                                           0, rig.cfg.num_kv_heads, milliseconds(1000));
     EXPECT_OK(sums);
     return sums.ok() ? *sums : std::vector<uint64_t>();
 }
@@ -188,8 +188,8 @@ TEST(PdBackendPages, ChecksumsFromThePagesBeforeEachRecord) {
     for (const Request& q : requests()) {
         for (int layer = 0; layer < kLayers; ++layer) {
             for (int buf = 0; buf < 2; ++buf) {
-                SCOPED_TRACE("request " + std::to_string(q.id) + " layer " +
-                             std::to_string(layer) + " buf " + std::to_string(buf));
+                SCOPED_TRACE("request " + std::to_string(q.id) + " layer " + std::to_string(layer) +
+                             " buf " + std::to_string(buf));
                 const std::vector<uint64_t> truth = expected(*activations, q, layer, buf);
                 ASSERT_EQ(truth.size(), static_cast<size_t>(pages->cfg.num_kv_heads));
                 EXPECT_EQ(expected(*pages, q, layer, buf), truth);
@@ -212,9 +212,9 @@ TEST(PdBackendPages, ChecksumsFromThePagesBeforeEachRecord) {
 TEST(PdBackendPages, RecordOrderFaults) {
     struct Case {
         Fault fault;
-        int published;             // steps after one forward
-        std::vector<int> layers;   // the records, in order
-        bool sums_before_record;   // at every record
+        int published;            // steps after one forward
+        std::vector<int> layers;  // the records, in order
+        bool sums_before_record;  // at every record
     };
     const std::vector<Case> cases = {
         {Fault::kRecordBeforeWrite, kLayers, {0, 1, 2}, false},
@@ -353,9 +353,8 @@ std::vector<Status> agree_all(const std::vector<Status>& mine, const std::vector
     for (int r = 0; r < n; ++r) {
         if (!take_part[static_cast<size_t>(r)]) continue;
         threads.emplace_back([&, r] {
-            got[static_cast<size_t>(r)] =
-                agree(*boxes[static_cast<size_t>(r)], "setup-test", mine[static_cast<size_t>(r)],
-                      timeout);
+            got[static_cast<size_t>(r)] = agree(*boxes[static_cast<size_t>(r)], "setup-test",
+                                                mine[static_cast<size_t>(r)], timeout);
         });
     }
     for (auto& t : threads) t.join();
@@ -364,8 +363,8 @@ std::vector<Status> agree_all(const std::vector<Status>& mine, const std::vector
 
 TEST(PhaseAgreement, EveryRankGetsTheLowestFailure) {
     const std::vector<bool> all(4, true);
-    for (const Status& st : agree_all({Status(), Status(), Status(), Status()}, all,
-                                      milliseconds(10'000))) {
+    for (const Status& st :
+         agree_all({Status(), Status(), Status(), Status()}, all, milliseconds(10'000))) {
         EXPECT_OK(st);
     }
     const std::vector<Status> got = agree_all(
@@ -377,10 +376,9 @@ TEST(PhaseAgreement, EveryRankGetsTheLowestFailure) {
                                  HasSubstr("rank 2: KV receiver: device layout")));
     }
     // Rank 0's own failure is the lowest.
-    for (const Status& st :
-         agree_all({Status(StatusCode::kUnavailable, "no device"), Status(),
-                    Status(StatusCode::kInternal, "x")},
-                   {true, true, true}, milliseconds(10'000))) {
+    for (const Status& st : agree_all({Status(StatusCode::kUnavailable, "no device"), Status(),
+                                       Status(StatusCode::kInternal, "x")},
+                                      {true, true, true}, milliseconds(10'000))) {
         EXPECT_THAT(st, StatusIs(StatusCode::kUnavailable, HasSubstr("rank 0: no device")));
     }
 }

@@ -58,7 +58,7 @@ bool run_clean(const GpuPdRun& run, const TempDir& dir, json* rep, int timeout_s
     double wall_s = 0;
     const CmdResult r = run_gpu_pdsim(run.args(dir), timeout_s, &wall_s);
     if (const std::string refusal = engine_refusal(r); !refusal.empty()) {
-        EXPECT_LT(wall_s, run.request_timeout_s) << "the refusal must stop the run at set-up";
+        EXPECT_LT(wall_s, kRefusalBoundS) << "the refusal must stop the run at set-up";
         EXPECT_THAT(refusal, ::testing::HasSubstr("disagg phase set-up failed on rank"));
         std::cout << "[ refused ] " << refusal << " (" << wall_s << " s)\n";
         return false;
@@ -73,7 +73,9 @@ bool run_clean(const GpuPdRun& run, const TempDir& dir, json* rep, int timeout_s
 void expect_clean(const GpuPdRun& run, const json& rep) {
     const int n = static_cast<int>(run.options().trace.empty() ? run.requests : 0);
     const int submitted = rep.value("requests_submitted", -1);
-    if (n > 0) EXPECT_EQ(submitted, n);
+    if (n > 0) {
+        EXPECT_EQ(submitted, n);
+    }
     EXPECT_EQ(rep.value("requests_completed", -1), submitted) << rep.dump(1).substr(0, 4000);
     EXPECT_EQ(rep.value("requests_failed", -1), 0);
     ASSERT_TRUE(rep.contains("ordering"));
@@ -116,7 +118,8 @@ TEST(TestbedGpuDisagg, TinyBothOnOneGpu) {
 
 TEST(TestbedGpuDisagg, TinyBothOnTwoGpus) {
     if (std::string why = gpu_skip_reason(); !why.empty()) GTEST_SKIP() << why;
-    if (gpu_count() < 2) GTEST_SKIP() << "gpu-2g-1p1d needs 2 GPUs, this process sees " << gpu_count();
+    if (gpu_count() < 2)
+        GTEST_SKIP() << "gpu-2g-1p1d needs 2 GPUs, this process sees " << gpu_count();
     TempDir dir("tb_gpu_pd_2g");
     GpuPdRun run;
     run.topology = "gpu-2g-1p1d";

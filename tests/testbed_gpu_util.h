@@ -141,9 +141,14 @@ inline std::string engine_refusal(const CmdResult& r) {
     const size_t begin = r.err.rfind('\n', at);
     const size_t end = r.err.find('\n', at);
     return r.err.substr(begin == std::string::npos ? 0 : begin + 1,
-                        end == std::string::npos ? std::string::npos
-                                                 : end - (begin == std::string::npos ? 0 : begin + 1));
+                        end == std::string::npos
+                            ? std::string::npos
+                            : end - (begin == std::string::npos ? 0 : begin + 1));
 }
+
+// How long a run refused by the engine may take, at most: the GPU set-up of both ranks (and, with
+// --mode both, the colocated phase) and the agreement; no request timeout is waited for.
+inline constexpr double kRefusalBoundS = 30;
 
 // A disaggregated GPU run of `pdsim testbed` (tiny by default), as flags and as TestbedOptions.
 struct GpuPdRun {
@@ -160,7 +165,9 @@ struct GpuPdRun {
     int max_decode_batch = 8;
     int kv_pool_mb = 256;
     std::string fault = "none";
-    double request_timeout_s = 20;
+    // Above kRefusalBoundS: a run that waited for a request timeout is told from one that stopped
+    // at set-up.
+    double request_timeout_s = 40;
 
     [[nodiscard]] testbed::TestbedOptions options() const {
         testbed::TestbedOptions o{.topology = topology,
@@ -182,16 +189,35 @@ struct GpuPdRun {
         return o;
     }
     [[nodiscard]] std::vector<std::string> args(const TempDir& dir) const {
-        std::vector<std::string> a = {"testbed", "--backend", "cuda", "--topology", topology,
-                                      "--mode", mode, "--model", model, "--seed", "5",
-                                      "--max-input-len", std::to_string(max_input_len),
-                                      "--max-output-len", std::to_string(max_output_len),
-                                      "--chunk-size", std::to_string(chunk_size),
-                                      "--max-batch-tokens", std::to_string(max_batch_tokens),
-                                      "--max-decode-batch", std::to_string(max_decode_batch),
-                                      "--kv-pool-mb", std::to_string(kv_pool_mb), "--fault",
-                                      fault, "--request-timeout-s",
-                                      std::to_string(request_timeout_s), "--quiet", "--report",
+        std::vector<std::string> a = {"testbed",
+                                      "--backend",
+                                      "cuda",
+                                      "--topology",
+                                      topology,
+                                      "--mode",
+                                      mode,
+                                      "--model",
+                                      model,
+                                      "--seed",
+                                      "5",
+                                      "--max-input-len",
+                                      std::to_string(max_input_len),
+                                      "--max-output-len",
+                                      std::to_string(max_output_len),
+                                      "--chunk-size",
+                                      std::to_string(chunk_size),
+                                      "--max-batch-tokens",
+                                      std::to_string(max_batch_tokens),
+                                      "--max-decode-batch",
+                                      std::to_string(max_decode_batch),
+                                      "--kv-pool-mb",
+                                      std::to_string(kv_pool_mb),
+                                      "--fault",
+                                      fault,
+                                      "--request-timeout-s",
+                                      std::to_string(request_timeout_s),
+                                      "--quiet",
+                                      "--report",
                                       dir.str("report.json")};
         if (trace.empty()) {
             a.insert(a.end(), {"--synthetic", std::to_string(requests)});

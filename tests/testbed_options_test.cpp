@@ -439,8 +439,7 @@ TEST(TestbedGpuOptions, FaultsOnGpuRanks) {
     o.mode = Mode::kBoth;
     o.decode_graphs = false;
     EXPECT_THAT(resolve_on(o, gpus),
-                StatusIs(StatusCode::kInvalidArgument,
-                         HasSubstr("use --decode-graphs on")));
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("use --decode-graphs on")));
 }
 
 TEST(TestbedGpuOptions, TpAboveOneIsRefused) {

@@ -728,8 +728,8 @@ instances:
     EXPECT_THAT(with("").status(),
                 StatusIs(StatusCode::kInvalidArgument,
                          ::testing::AllOf(HasSubstr("two.yaml:11: instances[1].devices[0]"),
-                               HasSubstr("already used by instances[0]"),
-                               HasSubstr("shared: true"))));
+                                          HasSubstr("already used by instances[0]"),
+                                          HasSubstr("shared: true"))));
     auto ok = with(", shared: true");
     ASSERT_OK(ok);
     EXPECT_TRUE(ok->nodes[0].devices[0].shared);
@@ -740,8 +740,8 @@ instances:
     EXPECT_EQ(*back, *ok);
     // false is the default and is not written.
     auto unshared = with(", shared: false");
-    EXPECT_THAT(unshared.status(), StatusIs(StatusCode::kInvalidArgument,
-                                            HasSubstr("already used by instances[0]")));
+    EXPECT_THAT(unshared.status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("already used by instances[0]")));
     EXPECT_THAT(with(", shared: \"true\"").status(),
                 StatusIs(StatusCode::kInvalidArgument,
                          HasSubstr("nodes[0].devices[0].shared: expected true or false")));

@@ -271,8 +271,9 @@ StatusOr<Topology> make_gpu_host(std::string_view gpu, const GpuHostOptions& o) 
         if (o.colocated_tp < 1)
             return invalid(fmt::format("TP sizes must be >= 1, got {}", o.colocated_tp));
         if (o.share_gpus) {
-            return invalid("make_gpu_host: share_gpus places prefill and decode instances on the "
-                           "same GPUs; colocated instances share nothing");
+            return invalid(
+                "make_gpu_host: share_gpus places prefill and decode instances on the "
+                "same GPUs; colocated instances share nothing");
         }
     } else {
         PDSIM_RETURN_IF_ERROR(check_counts(o.prefill, o.decode, o.prefill_tp, o.decode_tp));

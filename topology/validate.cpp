@@ -350,8 +350,8 @@ Status validate(const Topology& t, const ModelShape* model_override) {
             }
             const Device* dev = t.find_device(id);
             if (!mine.insert(id).second) {
-                return c.bad(dp,
-                             fmt::format("device {} is listed twice", detail::quoted_for_message(id)));
+                return c.bad(
+                    dp, fmt::format("device {} is listed twice", detail::quoted_for_message(id)));
             }
             if (auto [u, inserted] = used.emplace(id, ip); !inserted && !dev->shared) {
                 return c.bad(dp, fmt::format("device {} is already used by {} (mark the device "

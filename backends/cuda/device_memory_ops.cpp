@@ -16,8 +16,8 @@ Status enqueue_device_fill(Stream& stream, void* dst, int byte, size_t bytes) {
     }
     if (bytes == 0) return {};
     if (dst == nullptr) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "device fill: null destination of {} bytes",
-                           bytes);
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "device fill: null destination of {} bytes", bytes);
     }
     ScopedDevice device(stream.device().index);
     PDSIM_RETURN_IF_ERROR(device.status());

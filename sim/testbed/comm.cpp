@@ -408,8 +408,8 @@ Status agree(Mailbox& mbox, const std::string& name, const Status& mine,
         // Twice rank 0's bound: when rank 0 gives up on a missing rank, its verdict gets here.
         PDSIM_ASSIGN_OR_RETURN(auto m, mbox.recv_kind(Channel::kCollect, verdict, 2 * timeout));
         if (!m) {
-            return PDSIM_ERROR(StatusCode::kDeadlineExceeded, "agreement {}: no verdict from rank 0",
-                               name);
+            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                               "agreement {}: no verdict from rank 0", name);
         }
         return decode(m->body);
     }
@@ -423,9 +423,9 @@ Status agree(Mailbox& mbox, const std::string& name, const Status& mine,
     for (int got = 1; got < mbox.size();) {
         const auto left =
             std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
-        PDSIM_ASSIGN_OR_RETURN(
-            auto m, mbox.recv_kind(Channel::kCollect, arrive,
-                                   std::max(left, std::chrono::microseconds(0))));
+        PDSIM_ASSIGN_OR_RETURN(auto m,
+                               mbox.recv_kind(Channel::kCollect, arrive,
+                                              std::max(left, std::chrono::microseconds(0))));
         if (!m) {
             std::string missing;
             for (int r = 1; r < mbox.size(); ++r) {

@@ -83,8 +83,8 @@ public:
     [[nodiscard]] virtual int last_forward_bucket() const = 0;
 
     // Faults (--fault) a device stream carries:
-    // Enqueues on stream() a fill of `bytes` bytes at `dst` (device memory of the rank's GPU, e.g. KV
-    // slots of its pool) with `byte`: runtime::cuda::enqueue_device_fill, a cudaMemsetAsync in
+    // Enqueues on stream() a fill of `bytes` bytes at `dst` (device memory of the rank's GPU, e.g.
+    // KV slots of its pool) with `byte`: runtime::cuda::enqueue_device_fill, a cudaMemsetAsync in
     // stream order (the `late-write` fault's write after the record). Its errors.
     [[nodiscard]] virtual Status enqueue_fill(void* dst, int byte, size_t bytes) = 0;
     // The `stale-graph-metadata` fault: true makes the phase's decode graph replays skip the

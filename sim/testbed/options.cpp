@@ -285,8 +285,8 @@ Status check_pd_ranks_on_one_node(const DataTransportQuery& q, std::string_view 
                 "of one node (CUDA IPC handles open only there); put every prefill and decode "
                 "instance on one node",
                 name, q.topology_label, t.instances[static_cast<size_t>(p.instance)].id, p.rank,
-                node_name(p), t.instances[static_cast<size_t>(d.instance)].id, d.rank,
-                node_name(d), name));
+                node_name(p), t.instances[static_cast<size_t>(d.instance)].id, d.rank, node_name(d),
+                name));
         }
     }
     return {};

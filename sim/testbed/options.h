@@ -27,12 +27,12 @@
 // The KV transports of the disaggregated phase: --transport is the control transport (two-sided,
 // tag-matching: local without mpirun, mpi or tcp under it), which also carries the KV of CPU ranks;
 // --data-transport (resolve_data_transport) is the transport the KV bytes take when not that one:
-// `auto` is cuda_ipc for GPU ranks (one-sided writes into the decode rank's device pool; the engine's
-// write mode) and none for CPU ranks. Refused (kInvalidArgument naming the flag): a data transport
-// that cannot reach the ranks' KV memory (cuda_ipc with CPU ranks; none with GPU ranks, whose
-// control transport moves host memory only), one that offers no one-sided writes, and cuda_ipc
-// between a prefill and a decode rank of different topology nodes (CUDA IPC handles open only on
-// the node that made them).
+// `auto` is cuda_ipc for GPU ranks (one-sided writes into the decode rank's device pool; the
+// engine's write mode) and none for CPU ranks. Refused (kInvalidArgument naming the flag): a data
+// transport that cannot reach the ranks' KV memory (cuda_ipc with CPU ranks; none with GPU ranks,
+// whose control transport moves host memory only), one that offers no one-sided writes, and
+// cuda_ipc between a prefill and a decode rank of different topology nodes (CUDA IPC handles open
+// only on the node that made them).
 //
 // Thread-safety: pure functions.
 #pragma once
@@ -105,8 +105,8 @@ struct TestbedOptions {
     // The KV bytes' own transport (see the file comment): auto | none | cuda_ipc; resolve() leaves
     // none or cuda_ipc (none too when the mode has no disaggregated phase).
     std::string data_transport = "auto";
-    std::string backend = "cpu";   // cpu | cpu_ref (CPU ranks) | cuda (GPU ranks)
-    bool decode_graphs = true;     // --backend cuda: replay decode forwards as CUDA graphs
+    std::string backend = "cpu";  // cpu | cpu_ref (CPU ranks) | cuda (GPU ranks)
+    bool decode_graphs = true;    // --backend cuda: replay decode forwards as CUDA graphs
     Mode mode = Mode::kBoth;
     bool layerwise = true;
     Fault fault = Fault::kNone;
@@ -200,11 +200,11 @@ inline constexpr std::string_view kDataTransportNone = "none";
 struct DataTransportQuery {
     std::string_view requested = kDataTransportAuto;  // --data-transport: auto, none, cuda_ipc
     Mode mode = Mode::kBoth;
-    bool gpu_ranks = false;           // --backend cuda
-    std::string_view control;         // the resolved --transport (local, mpi, tcp)
-    int world_size = 1;               // the launcher's (1: every rank a thread of this process)
+    bool gpu_ranks = false;    // --backend cuda
+    std::string_view control;  // the resolved --transport (local, mpi, tcp)
+    int world_size = 1;        // the launcher's (1: every rank a thread of this process)
     const topo::Topology* topology = nullptr;  // required
-    std::string_view topology_label;  // its name in messages
+    std::string_view topology_label;           // its name in messages
 };
 // What --data-transport resolves to: "none" (the control transport carries the KV; also whenever
 // the mode has no disaggregated phase) or the data transport's name. kInvalidArgument naming the

@@ -39,8 +39,8 @@ StatusOr<std::unique_ptr<PdAttentionBackend>> PdAttentionBackend::create(
                                runtime::device_kind_name(device.kind), device.index);
         }
     }
-    if (pages && !options.layout && (options.validator != nullptr ||
-                                     options.fault == Fault::kLateWrite)) {
+    if (pages && !options.layout &&
+        (options.validator != nullptr || options.fault == Fault::kLateWrite)) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "PdAttentionBackend: page checksums and late writes need the rank's "
                            "KV layout (options.layout)");

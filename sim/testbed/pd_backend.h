@@ -39,10 +39,11 @@
 //                         PdBackendOptions::fill on the stream (a GPU rank's cudaMemsetAsync,
 //                         GpuRank::enqueue_fill) of each segment's layer-0 K slots;
 //   stale-graph-metadata  (CPU streams) the first extend batch is installed in graph metadata
-//                         buffers (init_cuda_graph_state + init_forward_metadata_replay_cuda_graph);
-//                         later extend forwards only refresh the aliased seq_lens buffer and
-//                         replay without init_forward_metadata_replay_cuda_graph's in-place update.
-//                         GPU ranks plant it in the decode CUDA graphs instead (GpuRank::
+//                         buffers (init_cuda_graph_state +
+//                         init_forward_metadata_replay_cuda_graph); later extend forwards only
+//                         refresh the aliased seq_lens buffer and replay without
+//                         init_forward_metadata_replay_cuda_graph's in-place update. GPU ranks
+//                         plant it in the decode CUDA graphs instead (GpuRank::
 //                         set_stale_graph_metadata), not here.
 //
 // Graph state is the wrapped backend's: init_cuda_graph_state, the capture and replay metadata

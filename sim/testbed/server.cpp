@@ -129,8 +129,8 @@ Status Server::setup() {
             so.on_event = hook;
             so.num_workers = 1;
             so.data_transport = kv_.data;
-            PDSIM_ASSIGN_OR_RETURN(
-                sender_, transfer::KvSender::create(*kv_.control, layout, *counter_, so));
+            PDSIM_ASSIGN_OR_RETURN(sender_,
+                                   transfer::KvSender::create(*kv_.control, layout, *counter_, so));
         } else {
             transfer::ReceiverOptions ro;
             ro.request_timeout = timeout_;

@@ -189,9 +189,9 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_data_transport(const Resolve
     auto t = transfer::create_transport(name, to);
     if (!t.ok()) {
         const Status& st = t.status();
-        return Status(st.code() == StatusCode::kUnavailable ? StatusCode::kInvalidArgument
-                                                            : st.code(),
-                      fmt::format("--data-transport {}: {}", name, st.message()));
+        return Status(
+            st.code() == StatusCode::kUnavailable ? StatusCode::kInvalidArgument : st.code(),
+            fmt::format("--data-transport {}: {}", name, st.message()));
     }
     return std::move(*t);
 }
@@ -321,8 +321,7 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
             PDSIM_ASSIGN_OR_RETURN(data, make_data_transport(cfg, ctx.rank, ctx.world, ctx.gpu));
             return {};
         }();
-        auto server =
-            std::make_unique<PhaseServer>(ctx, phase, KvTransports{kv.get(), data.get()});
+        auto server = std::make_unique<PhaseServer>(ctx, phase, KvTransports{kv.get(), data.get()});
         if (setup.ok()) setup = server->setup();
         if (!setup.ok()) {
             PDSIM_LOG_ERROR("rank {}: {} phase set-up: {}", ctx.rank, phase_name(phase),
