@@ -1,13 +1,14 @@
-// runtime::cuda::enqueue_device_fill (backends/cuda/device_memory_ops.h), the stream-ordered fill the
-// testbed's GPU ranks plant their late-write fault with: the bytes it writes, in stream order, and
-// its refusals. Label cuda: the fills skip with the runtime's reason where there is no GPU; the
+// runtime::cuda::enqueue_device_fill (backends/cuda/device_memory_ops.h), the stream-ordered fill
+// the testbed's GPU ranks plant their late-write fault with: the bytes it writes, in stream order,
+// and its refusals. Label cuda: the fills skip with the runtime's reason where there is no GPU; the
 // refusal of a stream that is not a CUDA stream runs in any CUDA build.
+#include "backends/cuda/device_memory_ops.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <vector>
 
-#include "backends/cuda/device_memory_ops.h"
 #include "backends/runtime/cpu_stream.h"
 #include "backends/runtime/device.h"
 #include "tests/status_matchers.h"

@@ -345,6 +345,24 @@ std::string chosen(const DataTransportQuery& q) {
     return name.ok() ? *name : "error: " + name.status().message();
 }
 
+// The DGX examples map ranks to GPUs by the rank map (prefill instances first, TP ranks in the
+// instance's device order) and each device's `index` on its node: every rank of a two-node DGX
+// topology gets its node's ordinal, whatever its local index (as under mpirun on those nodes).
+TEST(TestbedGpuOptions, DgxRanksTakeTheirNodesOrdinals) {
+    auto dgx = topo::load_topology(kExamples + "dgx-h100-2node-1p1d-tp8.yaml");
+    ASSERT_OK(dgx);
+    const topo::RankMap map = dgx->rank_map();
+    ASSERT_EQ(map.world_size(), 16);
+    for (int r = 0; r < 16; ++r) {
+        auto c = choose_gpu(*dgx, map.at(r), /*local_index=*/7 - r % 8, 8, "dgx.yaml");
+        ASSERT_OK(c);
+        EXPECT_EQ(c->device, r % 8) << "rank " << r;
+        EXPECT_TRUE(c->from_topology);
+        EXPECT_EQ(c->how,
+                  "topology device n" + std::to_string(r / 8) + ".gpu" + std::to_string(r % 8));
+    }
+}
+
 // The pure choice, case by case.
 TEST(TestbedGpuOptions, DataTransportChoice) {
     auto pd = topo::parse_topology(two_nodes("prefill", "decode"), "gpu-2node.yaml");

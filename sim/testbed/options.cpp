@@ -251,10 +251,6 @@ Status plan_gpus(ResolvedConfig& rc, const ResolveEnv& env, const GpuProbe& prob
     return {};
 }
 
-}  // namespace
-
-namespace {
-
 // Whether a transport's peers must be processes of one node. The registry's descriptor has no
 // field for it (transfer/transport.h), so it is read from what it does declare: a GPU transport
 // that needs no connection set-up (cuda_ipc) hands process-local handles (CUDA IPC memory
@@ -269,10 +265,8 @@ bool peers_on_one_node(const transfer::TransportDescriptor& d) {
 Status check_pd_ranks_on_one_node(const DataTransportQuery& q, std::string_view name) {
     const topo::Topology& t = *q.topology;
     const topo::RankMap map = t.rank_map();
-    const topo::RankInfo* first_prefill = nullptr;
     for (const topo::RankInfo& p : map.ranks()) {
         if (p.role != topo::Role::kPrefill) continue;
-        if (first_prefill == nullptr) first_prefill = &p;
         for (const topo::RankInfo& d : map.ranks()) {
             if (d.role != topo::Role::kDecode || (p.node == d.node && p.node >= 0)) continue;
             auto node_name = [&](const topo::RankInfo& r) {
