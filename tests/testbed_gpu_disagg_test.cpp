@@ -52,21 +52,24 @@ int64_t prompt_tokens(const testbed::TestbedOptions& options) {
     return n;
 }
 
-// Runs `run`; on the engine's refusal of device layouts checks that it was a prompt, clear error
-// and returns false (the caller skips); else expects a clean run and returns its report in `rep`.
+// Runs `run`; on the engine's refusal of device layouts (in this run or an earlier one of this
+// binary) checks that it was a prompt, clear error and returns false (the caller skips); else
+// expects exit 0, puts the report in `rep` and returns true.
 bool run_clean(const GpuPdRun& run, const TempDir& dir, json* rep, int timeout_s = 150) {
+    if (!first_engine_refusal().empty()) return false;
     double wall_s = 0;
     const CmdResult r = run_gpu_pdsim(run.args(dir), timeout_s, &wall_s);
     if (const std::string refusal = engine_refusal(r); !refusal.empty()) {
         EXPECT_LT(wall_s, kRefusalBoundS) << "the refusal must stop the run at set-up";
         EXPECT_THAT(refusal, ::testing::HasSubstr("disagg phase set-up failed on rank"));
         std::cout << "[ refused ] " << refusal << " (" << wall_s << " s)\n";
+        first_engine_refusal() = refusal;
         return false;
     }
     EXPECT_EQ(r.rc, 0) << r.describe();
     *rep = load_json(dir.str("report.json"));
     EXPECT_TRUE(rep->is_object()) << r.describe();
-    return rep->is_object();
+    return true;
 }
 
 // What every clean disaggregated run must show.
@@ -103,7 +106,10 @@ TEST(TestbedGpuDisagg, TinyBothOnOneGpu) {
     TempDir dir("tb_gpu_pd_tiny");
     const GpuPdRun run;
     json rep;
-    if (!run_clean(run, dir, &rep)) GTEST_SKIP() << "the transfer engine refuses device layouts";
+    if (!run_clean(run, dir, &rep)) {
+        GTEST_SKIP() << "the transfer engine refuses device layouts: " << first_engine_refusal();
+    }
+    ASSERT_TRUE(rep.is_object());
     expect_clean(run, rep);
     // Both ranks on GPU 0, sending and receiving.
     ASSERT_TRUE(rep["ranks"].is_array());
@@ -124,7 +130,10 @@ TEST(TestbedGpuDisagg, TinyBothOnTwoGpus) {
     GpuPdRun run;
     run.topology = "gpu-2g-1p1d";
     json rep;
-    if (!run_clean(run, dir, &rep)) GTEST_SKIP() << "the transfer engine refuses device layouts";
+    if (!run_clean(run, dir, &rep)) {
+        GTEST_SKIP() << "the transfer engine refuses device layouts: " << first_engine_refusal();
+    }
+    ASSERT_TRUE(rep.is_object());
     expect_clean(run, rep);
     EXPECT_THAT(rep["ranks"][0]["stats"].value("device", ""), ::testing::StartsWith("cuda:0 "));
     EXPECT_THAT(rep["ranks"][1]["stats"].value("device", ""), ::testing::StartsWith("cuda:1 "));
@@ -155,8 +164,9 @@ TEST(TestbedGpuDisagg, Llama3TwoLayersLongPrompts) {
     run.request_timeout_s = 60;
     json rep;
     if (!run_clean(run, dir, &rep, 240)) {
-        GTEST_SKIP() << "the transfer engine refuses device layouts";
+        GTEST_SKIP() << "the transfer engine refuses device layouts: " << first_engine_refusal();
     }
+    ASSERT_TRUE(rep.is_object());
     expect_clean(run, rep);
     EXPECT_EQ(rep.value("requests_submitted", -1), 2);
     EXPECT_EQ(rep["config"]["model"]["name"], "llama3-8b");

@@ -146,6 +146,13 @@ inline std::string engine_refusal(const CmdResult& r) {
                             : end - (begin == std::string::npos ? 0 : begin + 1));
 }
 
+// The first engine refusal a test binary saw ("" while none): later tests of that binary skip
+// without spending device time on a run the engine will refuse the same way.
+inline std::string& first_engine_refusal() {
+    static std::string refusal;
+    return refusal;
+}
+
 // How long a run refused by the engine may take, at most: the GPU set-up of both ranks (and, with
 // --mode both, the colocated phase) and the agreement; no request timeout is waited for.
 inline constexpr double kRefusalBoundS = 30;
