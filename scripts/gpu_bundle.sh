@@ -13,7 +13,8 @@
 #   .gpu/share/pdsim/topologies/  the example topologies (topology/examples), where the binaries
 #                    look for shipped data next to themselves (common/data_dir.h: <dir of the
 #                    binary>/../share/pdsim): testbed_gpu_test runs `pdsim testbed --topology
-#                    gpu-1c` and resolves the same name in-process
+#                    gpu-1c`, testbed_gpu_disagg_test and testbed_gpu_fault_test gpu-1p1d and
+#                    gpu-2g-1p1d, and they resolve the same names in-process
 #   .gpu/tests.txt   the cuda test binaries; .gpu/MANIFEST.txt what was built from what
 #   .gpu/cublas.txt  the cuBLAS libraries the binaries load and the bundle leaves out (sonames)
 # Left out on purpose: the driver (libcuda.so.1, libnvidia-*: must be the GPU machine's),
@@ -54,7 +55,9 @@ echo "== pack $BUNDLE"
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/bin" "$BUNDLE/lib" "$BUNDLE/nccl-stub" "$BUNDLE/share/pdsim/topologies"
 install -m 644 topology/examples/*.yaml "$BUNDLE/share/pdsim/topologies/"
-[ -f "$BUNDLE/share/pdsim/topologies/gpu-1c.yaml" ] || { echo "no topology/examples/gpu-1c.yaml" >&2; exit 1; }
+for t in gpu-1c gpu-1p1d gpu-2g-1p1d; do
+  [ -f "$BUNDLE/share/pdsim/topologies/$t.yaml" ] || { echo "no topology/examples/$t.yaml" >&2; exit 1; }
+done
 bins=("$BUILD/sim/pdsim")
 for t in "${tests[@]}"; do bins+=("$BUILD/tests/$t"); done
 printf '%s\n' "${tests[@]}" >"$BUNDLE/tests.txt"

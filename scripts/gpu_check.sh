@@ -21,9 +21,11 @@
 # Time: each test binary gets at most 120 s, and the tests together leave PDSIM_GPU_BENCH_RESERVE_S
 # of the budget to the benchmarks (bench transfer at most 100 s, bench attention at most 120 s).
 # The cuda tests that run pdsim (bench_attention_cuda_gpu_test, testbed_gpu_test: `pdsim testbed
-# --backend cuda --mode colocated --topology gpu-1c`) get it through $PDSIM_GPU_TEST_PDSIM (the
-# bundle's pdsim behind its loader, or the one built here); the bundle carries the example
-# topologies in .gpu/share/pdsim/topologies, where both binaries find gpu-1c by name.
+# --backend cuda --mode colocated --topology gpu-1c`; testbed_gpu_disagg_test and
+# testbed_gpu_fault_test: `--mode both|disagg --topology gpu-1p1d`, KV over cuda_ipc) get it
+# through $PDSIM_GPU_TEST_PDSIM (the bundle's pdsim behind its loader, or the one built here); the
+# bundle carries the example topologies in .gpu/share/pdsim/topologies, where both binaries find
+# them by name.
 # Env: PDSIM_GPU_MODE=auto|build|bundle (auto), PDSIM_GPU_BUILD_DIR (build/gpu),
 #      PDSIM_GPU_CHECK_BUDGET_S (270: the whole run), PDSIM_GPU_BENCH_RESERVE_S (90),
 #      PDSIM_NCCL_DIR / PDSIM_CUDA_DRIVER_DIR / PDSIM_CUBLAS_DIR (a folder to try first; "none":

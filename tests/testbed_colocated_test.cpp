@@ -4,9 +4,11 @@
 //    request alone (tests/testbed_solo_oracle.h), so the server computes what it computed before;
 //    the CPU layer hook still fills the timeline's compute track, and the report has the keys of
 //    sim/metrics/report.h plus each request's tokens;
-//  - --backend cuda's refusals through the binary: exit 2 naming the flag for a mode other than
-//    colocated (the default `both` included) and for a bad --decode-graphs; exit 1 ("no device")
-//    where this process sees no GPU (skipped where it sees one: the cuda test runs that).
+//  - --backend cuda's and --data-transport's refusals through the binary: exit 2 naming the flag
+//    (a bad --decode-graphs or --data-transport, cuda_ipc with CPU ranks, shaping with GPU ranks,
+//    --data-transport none with GPU ranks, stale-graph-metadata outside --mode both); exit 1 ("no
+//    device") where this process sees no GPU, colocated (gpu-1c) and disaggregated (gpu-1p1d)
+//    (skipped where it sees one: the cuda tests run those).
 // Label unit; the GPU run itself is tests/testbed_gpu_test.cpp (label cuda).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -134,35 +136,61 @@ TEST(TestbedColocatedCpu, CudaRefusalsThroughTheBinary) {
     const testbed::GpuProbe& gpus = testbed::system_gpu_probe();
     const bool built = gpus.build_problem().empty();
     const std::string no_cuda = "--backend cuda: this pdsim was built without";
-    // The default mode is `both`: refused, saying why, exit 2.
-    CmdResult r = run_pdsim({"testbed", "--backend", "cuda"}, 60);
-    EXPECT_EQ(r.rc, 2) << r.describe();
-    EXPECT_THAT(r.err, HasSubstr(built ? "--mode both: --backend cuda runs --mode colocated only, "
-                                         "until the device transfer engine lands"
-                                       : no_cuda));
-    r = run_pdsim({"testbed", "--backend", "cuda", "--mode", "disagg"}, 60);
-    EXPECT_EQ(r.rc, 2) << r.describe();
-    EXPECT_THAT(r.err, HasSubstr(built ? "--mode disagg: --backend cuda" : no_cuda));
-    // The flag's own value is checked by the command, in every build.
-    r = run_pdsim(
+    // The flags' own values are checked by the command, in every build.
+    CmdResult r = run_pdsim(
         {"testbed", "--backend", "cuda", "--mode", "colocated", "--decode-graphs", "sometimes"},
         60);
     EXPECT_EQ(r.rc, 2) << r.describe();
     EXPECT_THAT(r.err, HasSubstr("--decode-graphs sometimes: expected on or off"));
+    r = run_pdsim({"testbed", "--data-transport", "nccl"}, 60);
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("--data-transport"));
+    // cuda_ipc writes GPU memory: CPU ranks refuse it, in every build (its descriptor is
+    // registered either way).
+    r = run_pdsim({"testbed", "--data-transport", "cuda_ipc", "--synthetic", "2"}, 60);
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("--data-transport cuda_ipc: it moves GPU memory only, and CPU "
+                                 "ranks' KV pools are host memory"));
+    // Disaggregated GPU runs on one GPU (the default mode, both).
+    const std::vector<std::string> pd_on_gpu = {"testbed",  "--backend",   "cuda", "--topology",
+                                                "gpu-1p1d", "--synthetic", "2"};
+    std::vector<std::string> args = pd_on_gpu;
+    args.insert(args.end(), {"--shaping", "0.5:10"});
+    r = run_pdsim(args, 60);
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr(built ? "--shaping 0.5:10: not with --backend cuda" : no_cuda));
+    if (built) {
+        args = pd_on_gpu;
+        args.insert(args.end(), {"--mode", "disagg", "--data-transport", "none"});
+        r = run_pdsim(args, 60);
+        EXPECT_EQ(r.rc, 2) << r.describe();
+        EXPECT_THAT(r.err, HasSubstr("--data-transport none: the KV would go over the control "
+                                     "transport local"));
+        args = pd_on_gpu;
+        args.insert(args.end(), {"--fault", "stale-graph-metadata", "--mode", "disagg"});
+        r = run_pdsim(args, 60);
+        EXPECT_EQ(r.rc, 2) << r.describe();
+        EXPECT_THAT(r.err, HasSubstr("use --mode both (not disagg)"));
+    }
     const std::vector<std::string> run_on_gpu = {"testbed", "--backend",   "cuda",
                                                  "--mode",  "colocated",   "--topology",
                                                  "gpu-1c",  "--synthetic", "2"};
     if (!built) {
-        r = run_pdsim(run_on_gpu, 60);
-        EXPECT_EQ(r.rc, 2) << r.describe();
-        EXPECT_THAT(r.err, HasSubstr(no_cuda));
+        for (const auto& cmd : {run_on_gpu, pd_on_gpu}) {
+            r = run_pdsim(cmd, 60);
+            EXPECT_EQ(r.rc, 2) << r.describe();
+            EXPECT_THAT(r.err, HasSubstr(no_cuda));
+        }
         return;
     }
     if (gpus.device_count().ok()) GTEST_SKIP() << "a GPU is present: testbed_gpu_test runs it";
-    // No GPU: kUnavailable, which the CLI maps to exit 1 (cli::exit_code_for).
-    r = run_pdsim(run_on_gpu, 60);
-    EXPECT_EQ(r.rc, 1) << r.describe();
-    EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE: --backend cuda: no device"));
+    // No GPU: kUnavailable, which the CLI maps to exit 1 (cli::exit_code_for), colocated and
+    // disaggregated alike (the options themselves are fine).
+    for (const auto& cmd : {run_on_gpu, pd_on_gpu}) {
+        r = run_pdsim(cmd, 60);
+        EXPECT_EQ(r.rc, 1) << r.describe();
+        EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE: --backend cuda: no device"));
+    }
 }
 
 }  // namespace

@@ -29,15 +29,11 @@
 #include <string>
 #include <vector>
 
-#include "backends/attention/attention_backend.h"
 #include "backends/cuda/cuda_device_info.h"
-#include "backends/cuda/cuda_synthetic_model.h"
-#include "backends/kv/kv_pool.h"
-#include "backends/runtime/device.h"
-#include "sim/testbed/gpu_plan.h"
 #include "sim/testbed/options.h"
 #include "tests/cli_test_util.h"
 #include "tests/status_matchers.h"
+#include "tests/testbed_gpu_util.h"
 #include "tests/testbed_solo_oracle.h"
 
 namespace pdsim::test {
@@ -48,49 +44,11 @@ using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
 std::string skip_reason() {
-    if (std::string why = testbed::system_gpu_probe().build_problem(); !why.empty()) return why;
-    auto rt = runtime::device_runtime(runtime::DeviceKind::kCuda);
-    if (!rt.ok()) return rt.status().to_string();
-    return (*rt)->device_count() > 0 ? std::string() : (*rt)->unavailable_reason();
-}
-
-std::string pdsim_command() {
-    const char* env = std::getenv("PDSIM_GPU_TEST_PDSIM");
-    if (env != nullptr && *env != '\0') return env;
-    return shell_quote(PDSIM_BINARY);
+    return gpu_skip_reason();
 }
 
 CmdResult run_binary(const std::vector<std::string>& args, int timeout_s) {
-    TempDir io("tb_gpu_cmd");
-    std::string cmd = "timeout -k 5 ";
-    cmd += std::to_string(timeout_s);
-    cmd += " ";
-    cmd += pdsim_command();
-    for (const auto& a : args) {
-        cmd += ' ';
-        cmd += shell_quote(a);
-    }
-    cmd += " >";
-    cmd += shell_quote(io.str("out"));
-    cmd += " 2>";
-    cmd += shell_quote(io.str("err"));
-    cmd += " </dev/null";
-    CmdResult r;
-    const int st = std::system(cmd.c_str());
-    if (st != -1 && WIFEXITED(st)) {
-        r.rc = WEXITSTATUS(st);
-    } else if (st != -1 && WIFSIGNALED(st)) {
-        r.rc = 128 + WTERMSIG(st);
-    }
-    r.out = slurp(io.path() / "out");
-    r.err = slurp(io.path() / "err");
-    return r;
-}
-
-json load_json(const std::string& path) {
-    std::ifstream f(path);
-    if (!f) return json();
-    return json::parse(f, nullptr, false);
+    return run_gpu_pdsim(args, timeout_s);
 }
 
 std::set<std::string> keys(const json& j) {
@@ -173,50 +131,7 @@ json run_ok(const TestbedRun& run_opts, const TempDir& dir, int timeout_s = 120)
 
 // Every request's tokens in `rep` against the GPU model run on that request alone on GPU 0.
 void expect_solo_tokens(const TestbedRun& run_opts, const json& rep) {
-    auto cfg = testbed::resolve(run_opts.options(), 1);
-    ASSERT_OK(cfg);
-    // Declared in construction order: the stream first, destroyed last (after the model, the
-    // pool and the backend, which enqueue on it).
-    auto rt = runtime::device_runtime(runtime::DeviceKind::kCuda);
-    ASSERT_OK(rt);
-    auto stream = (*rt)->create_stream(0, "oracle");
-    ASSERT_OK(stream);
-    model::cuda::CudaModelOptions mo;
-    mo.max_tokens = 256;
-    mo.max_bs = 8;
-    mo.max_positions = 256;
-    auto model = model::cuda::CudaSyntheticModel::create(cfg->model, nullptr, mo);
-    ASSERT_OK(model);
-    kv::MHAPoolConfig pc;
-    pc.num_layers = cfg->model.num_layers;
-    pc.num_kv_heads = cfg->model.num_kv_heads;
-    pc.head_dim = cfg->model.head_dim;
-    pc.page_size = cfg->options.page_size;
-    pc.num_pages = 32;
-    pc.dtype = kv::KVDtype::kBF16;
-    pc.device = {runtime::DeviceKind::kCuda, 0};
-    auto pool = kv::MHATokenToKVPool::create(pc);
-    ASSERT_OK(pool);
-    attn::AttentionConfig ac;
-    ac.num_q_heads = cfg->model.num_q_heads;
-    ac.num_kv_heads = cfg->model.num_kv_heads;
-    ac.head_dim = cfg->model.head_dim;
-    ac.kv_dtype = kv::KVDtype::kBF16;
-    ac.stream = stream->get();
-    auto backend = attn::create_attention_backend("cuda", ac);
-    ASSERT_OK(backend);
-    int compared = 0;
-    for (size_t i = 0; i < cfg->requests.size(); ++i) {
-        SCOPED_TRACE("request " + std::to_string(i));
-        const std::vector<int32_t> got = report_tokens(rep, i);
-        ASSERT_EQ(static_cast<int>(got.size()), cfg->requests[i].output_len);
-        auto want = solo_tokens(**model, **backend, **pool, **stream, testbed_prompt(*cfg, i),
-                                cfg->requests[i].output_len);
-        ASSERT_OK(want);
-        EXPECT_EQ(got, *want);
-        compared += static_cast<int>(got.size());
-    }
-    EXPECT_GE(compared, run_opts.requests);
+    expect_solo_gpu_tokens(run_opts.options(), rep);
 }
 
 TEST(TestbedGpu, TinyColocatedOnOneGpu) {

@@ -2,9 +2,11 @@
 // "Flags and environment"): the ranges of TestbedLimits, the --transport-fault spec and rank, and
 // PDSIM_TCP_ENDPOINTS for the tcp transport, so that --mode both fails before its first phase.
 // GPU ranks (--backend cuda, docs/testbed.md "GPU rank"), against a fake GPU probe: a build
-// without CUDA, no GPU, a mode other than colocated (the default `both` included), shaping, TP >
-// 1, models the GPU model or the cuda attention backend cannot run, the KV pool against each
-// GPU's free memory; which GPU each rank gets (choose_gpu); and that CPU runs resolve as before.
+// without CUDA, no GPU, shaping, TP > 1, models the GPU model or the cuda attention backend cannot
+// run, faults a device stream cannot carry, the KV pool against each GPU's free memory (two ranks
+// on one GPU in gpu-1p1d); which GPU each rank gets (choose_gpu; gpu-1p1d, gpu-2g-1p1d, several
+// nodes); the KV data transport (--data-transport: auto, none, cuda_ipc and what each refuses);
+// and that CPU runs resolve as before.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -186,23 +188,276 @@ TEST(TestbedGpuOptions, NoDeviceIsUnavailable) {
                 StatusIs(StatusCode::kUnavailable, HasSubstr("--backend cuda: no device")));
 }
 
-TEST(TestbedGpuOptions, ColocatedOnlyAndTheDefaultModeSaysSo) {
+// Shaping throttles two-sided sends; GPU ranks' KV moves by one-sided writes: refused, before the
+// GPUs are asked anything. The default mode (both) is not refused any more.
+TEST(TestbedGpuOptions, ShapingIsRefused) {
     FakeGpus gpus;
-    TestbedOptions o = gpu_options();
-    o.mode = Mode::kBoth;  // the default
-    EXPECT_THAT(resolve_on(o, gpus),
-                StatusIs(StatusCode::kInvalidArgument,
-                         HasSubstr("--mode both: --backend cuda runs --mode colocated only, until "
-                                   "the device transfer engine lands")));
-    EXPECT_EQ(TestbedOptions{.backend = "cuda"}.mode, Mode::kBoth);
-    o.mode = Mode::kDisagg;
-    EXPECT_THAT(resolve_on(o, gpus), StatusIs(StatusCode::kInvalidArgument,
-                                              HasSubstr("--mode disagg: --backend cuda runs")));
-    o = gpu_options();
+    TestbedOptions o = gpu_options(kExamples + "gpu-1p1d.yaml");
+    o.mode = Mode::kBoth;
     o.shaping = "0.5:10";
     EXPECT_THAT(resolve_on(o, gpus),
-                StatusIs(StatusCode::kInvalidArgument, HasSubstr("--shaping 0.5:10")));
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--shaping 0.5:10: not with --backend cuda: the shaping "
+                                   "decorator throttles two-sided sends")));
+    o.shaping = "topology";
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("--shaping topology: not with")));
     EXPECT_TRUE(gpus.asked.empty()) << "refused before asking the GPUs";
+    EXPECT_EQ(TestbedOptions{.backend = "cuda"}.mode, Mode::kBoth);
+    o.shaping = "off";
+    EXPECT_OK(resolve_on(o, gpus));
+}
+
+// One GPU, a prefill and a decode instance on it (gpu-1p1d): --mode both and disagg resolve, both
+// ranks compute on CUDA ordinal 0 (the topology's), the KV goes over cuda_ipc, and the memory check
+// counts two ranks on the GPU.
+TEST(TestbedGpuOptions, DisaggregatedOnOneGpu) {
+    FakeGpus gpus;
+    for (Mode mode : {Mode::kBoth, Mode::kDisagg}) {
+        SCOPED_TRACE(std::string(mode_name(mode)));
+        TestbedOptions o = gpu_options(kExamples + "gpu-1p1d.yaml");
+        o.mode = mode;
+        auto rc = resolve_on(o, gpus);
+        ASSERT_OK(rc);
+        EXPECT_EQ(rc->options.transport, "local");
+        EXPECT_EQ(rc->options.data_transport, "cuda_ipc");
+        ASSERT_EQ(rc->gpus.size(), 2u);
+        for (int r = 0; r < 2; ++r) {
+            EXPECT_EQ(rc->gpu_of(r)->choice.device, 0);
+            EXPECT_TRUE(rc->gpu_of(r)->choice.from_topology);
+            EXPECT_EQ(rc->gpu_of(r)->choice.how, "topology device node0.gpu0");
+        }
+        EXPECT_THAT(describe(rc->options),
+                    HasSubstr("--transport local --data-transport cuda_ipc --backend cuda"));
+    }
+    // Two ranks' pools, weights and workspaces on the one GPU.
+    TestbedOptions o = gpu_options(kExamples + "gpu-1p1d.yaml");
+    o.mode = Mode::kDisagg;
+    o.kv_pool_mb = 512;
+    gpus.free_bytes = int64_t{2} << 30;  // one rank fits (KvPoolAgainstFreeMemory), two do not
+    EXPECT_THAT(resolve_on(o, gpus), StatusIs(StatusCode::kInvalidArgument,
+                                              HasSubstr("GPU 0 (Fake H200 0) has 2048 MiB free of "
+                                                        "144384 MiB, and its 2 ranks need")));
+    // Under mpirun each process places its own rank: the decode rank on GPU 0 too.
+    gpus.free_bytes = int64_t{139} << 30;
+    auto decode = resolve_on(o, gpus, /*world_size=*/2, /*rank=*/1, /*local_rank=*/1);
+    ASSERT_OK(decode);
+    EXPECT_EQ(decode->options.transport, "mpi");
+    EXPECT_EQ(decode->options.data_transport, "cuda_ipc");
+    ASSERT_EQ(decode->gpus.size(), 1u);
+    EXPECT_EQ(decode->gpus[0].rank, 1);
+    EXPECT_EQ(decode->gpus[0].choice.device, 0);
+}
+
+// Two GPUs (gpu-2g-1p1d): prefill on GPU 0, decode on GPU 1, as the topology maps them (as the DGX
+// examples do: a GPU device's `index` is its CUDA ordinal on its node), whatever the local rank.
+TEST(TestbedGpuOptions, DisaggregatedOnTwoGpus) {
+    FakeGpus gpus;
+    gpus.count = 2;
+    TestbedOptions o = gpu_options(kExamples + "gpu-2g-1p1d.yaml");
+    o.mode = Mode::kBoth;
+    auto rc = resolve_on(o, gpus);
+    ASSERT_OK(rc);
+    EXPECT_EQ(rc->gpu_of(0)->choice.device, 0);
+    EXPECT_EQ(rc->gpu_of(1)->choice.device, 1);
+    EXPECT_EQ(rc->gpu_of(1)->choice.how, "topology device node0.gpu1");
+    auto decode = resolve_on(o, gpus, 2, /*rank=*/1, /*local_rank=*/0);
+    ASSERT_OK(decode);
+    EXPECT_EQ(decode->gpus[0].choice.device, 1);
+    // The decode rank's GPU must be one this process sees.
+    gpus.count = 1;
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("gpu-2g-1p1d.yaml: rank 1 runs on H200 device node0.gpu1 (CUDA "
+                                   "ordinal 1), but this process sees 1 GPU")));
+}
+
+// --data-transport through resolve(): auto picks by the ranks' memory, and what cannot reach that
+// memory is refused naming the flag.
+TEST(TestbedGpuOptions, DataTransportChoiceThroughResolve) {
+    FakeGpus gpus;
+    TestbedOptions o = gpu_options(kExamples + "gpu-1p1d.yaml");
+    o.mode = Mode::kDisagg;
+    o.data_transport = "none";
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--data-transport none: the KV would go over the control "
+                                   "transport local, which moves host memory only")));
+    o.data_transport = "cuda_ipc";
+    EXPECT_OK(resolve_on(o, gpus));
+    // --transport is the control transport: a GPU-only transport there is refused, saying where
+    // the KV goes.
+    o.transport = "cuda_ipc";
+    EXPECT_THAT(resolve_on(o, gpus), StatusIs(StatusCode::kInvalidArgument,
+                                              HasSubstr("--transport cuda_ipc: --transport is the "
+                                                        "control transport")));
+    // CPU ranks: auto is none, cuda_ipc is refused.
+    auto cpu = resolve_on(TestbedOptions{.synthetic = 2}, gpus);
+    ASSERT_OK(cpu);
+    EXPECT_EQ(cpu->options.data_transport, "none");
+    EXPECT_THAT(describe(cpu->options), HasSubstr("--data-transport none"));
+    EXPECT_THAT(resolve_on(TestbedOptions{.synthetic = 2, .data_transport = "cuda_ipc"}, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--data-transport cuda_ipc: it moves GPU memory only, and CPU "
+                                   "ranks' KV pools are host memory; use --data-transport none")));
+    // Colocated runs move no KV: none, whatever auto would pick.
+    auto colocated = resolve_on(gpu_options(), gpus);
+    ASSERT_OK(colocated);
+    EXPECT_EQ(colocated->options.data_transport, "none");
+}
+
+// A prefill rank and a decode rank on different nodes (a two-node GPU topology).
+const char* kTwoNodes = R"(name: gpu-2node
+model: tiny
+nodes:
+  - id: node0
+    devices:
+      - {id: node0.gpu0, type: H200, index: 0}
+    nics:
+      - {id: node0.nic0, type: ib, gbps: 50}
+  - id: node1
+    devices:
+      - {id: node1.gpu0, type: H200, index: 0}
+    nics:
+      - {id: node1.nic0, type: ib, gbps: 50}
+switches:
+  - {id: ib-fabric, type: ib}
+links:
+  - {a: node0.gpu0, b: node0.nic0, type: pcie, gbps: 64, latency_us: 0.5}
+  - {a: node1.gpu0, b: node1.nic0, type: pcie, gbps: 64, latency_us: 0.5}
+  - {a: node0.nic0, b: ib-fabric, type: ib, gbps: 50, latency_us: 1}
+  - {a: node1.nic0, b: ib-fabric, type: ib, gbps: 50, latency_us: 1}
+instances:
+  - {id: prefill0, role: ROLE0, tp: 1, devices: [node0.gpu0]}
+  - {id: decode0, role: ROLE1, tp: 1, devices: [node1.gpu0]}
+)";
+
+std::string two_nodes(const std::string& role0, const std::string& role1) {
+    std::string text = kTwoNodes;
+    text.replace(text.find("ROLE0"), 5, role0);
+    text.replace(text.find("ROLE1"), 5, role1);
+    return text;
+}
+
+// What resolve_data_transport chose, or "error: <message>".
+std::string chosen(const DataTransportQuery& q) {
+    StatusOr<std::string> name = resolve_data_transport(q);
+    return name.ok() ? *name : "error: " + name.status().message();
+}
+
+// The DGX examples map ranks to GPUs by the rank map (prefill instances first, TP ranks in the
+// instance's device order) and each device's `index` on its node: every rank of a two-node DGX
+// topology gets its node's ordinal, whatever its local index (as under mpirun on those nodes).
+TEST(TestbedGpuOptions, DgxRanksTakeTheirNodesOrdinals) {
+    auto dgx = topo::load_topology(kExamples + "dgx-h100-2node-1p1d-tp8.yaml");
+    ASSERT_OK(dgx);
+    const topo::RankMap map = dgx->rank_map();
+    ASSERT_EQ(map.world_size(), 16);
+    for (int r = 0; r < 16; ++r) {
+        auto c = choose_gpu(*dgx, map.at(r), /*local_index=*/7 - r % 8, 8, "dgx.yaml");
+        ASSERT_OK(c);
+        EXPECT_EQ(c->device, r % 8) << "rank " << r;
+        EXPECT_TRUE(c->from_topology);
+        EXPECT_EQ(c->how,
+                  "topology device n" + std::to_string(r / 8) + ".gpu" + std::to_string(r % 8));
+    }
+}
+
+// The pure choice, case by case.
+TEST(TestbedGpuOptions, DataTransportChoice) {
+    auto pd = topo::parse_topology(two_nodes("prefill", "decode"), "gpu-2node.yaml");
+    ASSERT_OK(pd);
+    auto one = topo::load_topology(kExamples + "gpu-1p1d.yaml");
+    ASSERT_OK(one);
+    DataTransportQuery q{.requested = "auto",
+                         .mode = Mode::kBoth,
+                         .gpu_ranks = true,
+                         .control = "mpi",
+                         .world_size = 2,
+                         .topology = &*one,
+                         .topology_label = "gpu-1p1d.yaml"};
+    EXPECT_EQ(chosen(q), "cuda_ipc");
+    q.world_size = 1;
+    q.control = "local";
+    EXPECT_EQ(chosen(q), "cuda_ipc");
+    q.mode = Mode::kColocated;
+    EXPECT_EQ(chosen(q), "none");
+    q.requested = "cuda_ipc";
+    EXPECT_EQ(chosen(q), "none");
+    q.mode = Mode::kDisagg;
+    q.gpu_ranks = false;
+    EXPECT_THAT(resolve_data_transport(q),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("--data-transport cuda_ipc")));
+    q.requested = "auto";
+    EXPECT_EQ(chosen(q), "none");
+    q.requested = "none";
+    EXPECT_EQ(chosen(q), "none");
+    q.gpu_ranks = true;
+    EXPECT_THAT(resolve_data_transport(q),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("--data-transport none")));
+    q.requested = "nccl";  // two-sided: not a data transport of the write mode
+    EXPECT_THAT(resolve_data_transport(q),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--data-transport nccl: expected auto, none or cuda_ipc")));
+    // cuda_ipc between nodes: refused, naming the pair, threads or processes alike.
+    q.requested = "auto";
+    q.topology = &*pd;
+    q.topology_label = "gpu-2node.yaml";
+    for (int world : {1, 2}) {
+        q.world_size = world;
+        EXPECT_THAT(resolve_data_transport(q),
+                    StatusIs(StatusCode::kInvalidArgument,
+                             HasSubstr("--data-transport cuda_ipc: gpu-2node.yaml: prefill "
+                                       "instance prefill0 (rank 0, node0) and decode instance "
+                                       "decode0 (rank 1, node1) are on different nodes")));
+    }
+    // ... but a colocated run of it moves no KV.
+    q.mode = Mode::kColocated;
+    EXPECT_EQ(chosen(q), "none");
+}
+
+// Without mpirun every rank is a thread of this process on this host's GPUs: a topology whose
+// ranks are on several nodes is refused (its CUDA ordinals are per node); under mpirun each
+// process runs its own rank on its node's GPU.
+TEST(TestbedGpuOptions, RanksOfSeveralNodesNeedMpirun) {
+    FakeGpus gpus;
+    TempFile topo("two_nodes", two_nodes("colocated", "colocated"));
+    TestbedOptions o = gpu_options(topo.path());
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("rank 0 is on node node0 and rank 1 on node node1; without "
+                                   "mpirun every rank is a thread of this process")));
+    auto second = resolve_on(o, gpus, /*world_size=*/2, /*rank=*/1, /*local_rank=*/0);
+    ASSERT_OK(second);
+    EXPECT_EQ(second->gpus[0].choice.device, 0);
+    EXPECT_EQ(second->gpus[0].choice.how, "topology device node1.gpu0");
+}
+
+// --fault on GPU ranks: every kind a device stream carries resolves; stale-graph-metadata lives in
+// the decode CUDA graphs and only the colocated comparison catches it.
+TEST(TestbedGpuOptions, FaultsOnGpuRanks) {
+    FakeGpus gpus;
+    for (Fault f : {Fault::kRecordBeforeWrite, Fault::kSkipRecord, Fault::kDoubleRecord,
+                    Fault::kFreeBeforeTransfer, Fault::kLateWrite}) {
+        SCOPED_TRACE(std::string(fault_name(f)));
+        TestbedOptions o = gpu_options(kExamples + "gpu-1p1d.yaml");
+        o.mode = Mode::kDisagg;
+        o.fault = f;
+        EXPECT_OK(resolve_on(o, gpus));
+    }
+    TestbedOptions o = gpu_options(kExamples + "gpu-1p1d.yaml");
+    o.fault = Fault::kStaleGraphMetadata;
+    o.mode = Mode::kBoth;
+    EXPECT_OK(resolve_on(o, gpus));
+    o.mode = Mode::kDisagg;
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--fault stale-graph-metadata: with --backend cuda the stale "
+                                   "decode replays compute wrong tokens")));
+    o.mode = Mode::kBoth;
+    o.decode_graphs = false;
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("use --decode-graphs on")));
 }
 
 TEST(TestbedGpuOptions, TpAboveOneIsRefused) {

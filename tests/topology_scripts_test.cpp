@@ -69,12 +69,13 @@ TEST(TopologyScripts, EveryExampleValidatesShowsAndWritesHostfiles) {
         check_with_binary(e.path().string(), out);
         ++n;
     }
-    for (const char* required : {"cpu-1p1d.yaml", "cpu-2p1d-tp2-to-tp1.yaml", "cpu-1p2d.yaml",
-                                 "dgx-h100-2node-1p1d-tp8.yaml", "dgx-h200-4node-3p1d.yaml",
-                                 "gb200-nvl72-8p4d.yaml", "gpu-1c.yaml"}) {
+    for (const char* required :
+         {"cpu-1p1d.yaml", "cpu-2p1d-tp2-to-tp1.yaml", "cpu-1p2d.yaml",
+          "dgx-h100-2node-1p1d-tp8.yaml", "dgx-h200-4node-3p1d.yaml", "gb200-nvl72-8p4d.yaml",
+          "gpu-1c.yaml", "gpu-1p1d.yaml", "gpu-2g-1p1d.yaml"}) {
         EXPECT_TRUE(fs::exists(fs::path(kExamples) / required)) << required;
     }
-    EXPECT_GE(n, 7);
+    EXPECT_GE(n, 9);
 }
 
 TEST(TopologyScripts, ExamplesAreWhatTheirGeneratorCommandWrites) {
@@ -116,6 +117,8 @@ TEST(TopologyScripts, GeneratorsOutputValidates) {
         {"gpu-1c", "gpu --gpu H200 --gpus 1 --colocated 1"},
         {"gpu-2c-tp2", "gpu --gpu H100 --gpus 4 --colocated 2 --tp 2 --model llama3-8b"},
         {"gpu-1p1d", "gpu --gpu A100 --gpus 2 --pd 1:1 --cpus 32"},
+        {"gpu-1p1d-shared", "gpu --gpu H200 --gpus 1 --pd 1:1 --share-gpus"},
+        {"gpu-2p2d-shared", "gpu --gpu H100 --gpus 2 --pd 2:2 --share-gpus --model llama3-8b"},
     };
     for (const auto& [name, args] : cases) {
         SCOPED_TRACE(args);
@@ -144,6 +147,14 @@ TEST(TopologyScripts, GeneratorRejectsWhatDoesNotFit) {
     EXPECT_EQ(run_command(gen + " dgx-h100 --pd 1-1").rc, 2);
     EXPECT_EQ(run_command(gen + " cpu --emulate nowhere").rc, 2);
     EXPECT_EQ(run_command(gen + " tpu-v5").rc, 2);
+    // One GPU holds a prefill and a decode instance only when they share it.
+    r = run_command(gen + " gpu --gpus 1 --pd 1:1");
+    EXPECT_EQ(r.rc, 2);
+    EXPECT_THAT(r.err, HasSubstr("do not fit on 1 GPUs"));
+    r = run_command(gen + " gpu --gpus 1 --colocated 1 --share-gpus");
+    EXPECT_EQ(r.rc, 2);
+    EXPECT_THAT(r.err, HasSubstr("--share-gpus"));
+    EXPECT_EQ(run_command(gen + " cpu --share-gpus").rc, 2);
 }
 
 }  // namespace

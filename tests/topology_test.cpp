@@ -666,6 +666,89 @@ TEST(Builders, Gb200AndCpu) {
     EXPECT_FALSE(make_gpu_host("H999", GpuHostOptions{}).ok());
 }
 
+// share_gpus: prefill and decode instances each from GPU 0; a GPU both use is shared, one only one
+// role uses is not; the rank map puts both ranks of a pair on the same CUDA ordinal.
+TEST(Builders, GpuHostSharedGpus) {
+    GpuHostOptions g;
+    g.gpus = 3;
+    g.prefill = 2;
+    g.decode = 1;
+    g.share_gpus = true;
+    auto t = make_gpu_host("H200", g);
+    ASSERT_OK(t);
+    EXPECT_EQ(t->name, "gpu-3xh200-2p1d-tp1-shared");
+    ASSERT_EQ(t->instances.size(), 3u);
+    EXPECT_EQ(t->instances[0].devices, (std::vector<std::string>{"node0.gpu0"}));
+    EXPECT_EQ(t->instances[1].devices, (std::vector<std::string>{"node0.gpu1"}));
+    EXPECT_EQ(t->instances[2].role, Role::kDecode);
+    EXPECT_EQ(t->instances[2].devices, (std::vector<std::string>{"node0.gpu0"}));
+    const auto& devices = t->nodes[0].devices;
+    ASSERT_EQ(devices.size(), 3u);
+    EXPECT_TRUE(devices[0].shared);
+    EXPECT_FALSE(devices[1].shared);
+    EXPECT_FALSE(devices[2].shared);
+    const RankMap rm = t->rank_map();
+    ASSERT_EQ(rm.world_size(), 3);
+    EXPECT_EQ(rm.at(0).device_index, 0);
+    EXPECT_EQ(rm.at(2).role, Role::kDecode);
+    EXPECT_EQ(rm.at(2).device_index, 0);
+    // A KV path inside one device has no link.
+    EXPECT_TRUE(t->path_info("node0.gpu0", "node0.gpu0").links.empty());
+
+    g.decode = 4;  // decode instances must fit on their own
+    EXPECT_THAT(make_gpu_host("H200", g).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("do not fit on 3 GPUs")));
+    g.decode = 1;
+    g.prefill = g.decode = 0;
+    g.colocated = 1;
+    EXPECT_THAT(make_gpu_host("H200", g).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("share_gpus")));
+}
+
+// `shared: true` lets several instances list a device; without it the second is refused, with a
+// hint; one instance never lists a device twice; the flag round-trips and is a strict boolean.
+TEST(Validate, SharedDevices) {
+    const std::string kTwoOnOne = R"(nodes:
+  - id: node0
+    devices:
+      - {id: node0.gpu0, type: H200, index: 0SHARED}
+    switches:
+      - {id: node0.pcie, type: pcie}
+links:
+  - {a: node0.gpu0, b: node0.pcie, type: pcie, gbps: 64, latency_us: 0.5}
+instances:
+  - {id: prefill0, role: prefill, tp: 1, devices: [node0.gpu0]}
+  - {id: decode0, role: decode, tp: 1, devices: [node0.gpu0]}
+)";
+    auto with = [&](const std::string& shared) {
+        std::string text = kTwoOnOne;
+        text.replace(text.find("SHARED"), 6, shared);
+        return parse_topology(text, "two.yaml");
+    };
+    EXPECT_THAT(with("").status(),
+                StatusIs(StatusCode::kInvalidArgument,
+                         ::testing::AllOf(HasSubstr("two.yaml:11: instances[1].devices[0]"),
+                                          HasSubstr("already used by instances[0]"),
+                                          HasSubstr("shared: true"))));
+    auto ok = with(", shared: true");
+    ASSERT_OK(ok);
+    EXPECT_TRUE(ok->nodes[0].devices[0].shared);
+    const std::string yaml = to_yaml(*ok);
+    EXPECT_THAT(yaml, HasSubstr("shared: true"));
+    auto back = parse_topology(yaml, "<roundtrip>", Format::kYaml);
+    ASSERT_OK(back);
+    EXPECT_EQ(*back, *ok);
+    // false is the default and is not written.
+    auto unshared = with(", shared: false");
+    EXPECT_THAT(unshared.status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("already used by instances[0]")));
+    EXPECT_THAT(with(", shared: \"true\"").status(),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("nodes[0].devices[0].shared: expected true or false")));
+    EXPECT_THAT(with(", shared: 1").status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("expected true or false")));
+}
+
 TEST(Builders, EmulationPresets) {
     for (const std::string& name : emulation_preset_names()) {
         auto s = emulation_preset(name);
@@ -719,6 +802,14 @@ TEST(Builders, GeneratedExamplesEqualBuilders) {
     cases.push_back({"cpu-2p1d-tp2-to-tp1.yaml", make_cpu(c21)});
     cases.push_back({"cpu-1p2d.yaml", make_cpu(c12)});
     cases.push_back({"gpu-1c.yaml", make_gpu_host("H200", g1c)});
+    GpuHostOptions g1p1d;
+    g1p1d.share_gpus = true;
+    g1p1d.name = "gpu-1p1d";
+    cases.push_back({"gpu-1p1d.yaml", make_gpu_host("H200", g1p1d)});
+    GpuHostOptions g2g;
+    g2g.gpus = 2;
+    g2g.name = "gpu-2g-1p1d";
+    cases.push_back({"gpu-2g-1p1d.yaml", make_gpu_host("H200", g2g)});
     for (const Case& c : cases) {
         SCOPED_TRACE(c.file);
         ASSERT_OK(c.built);

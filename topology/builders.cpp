@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <map>
+
 #include "topology/validate.h"
 
 namespace pdsim::topo {
@@ -121,7 +123,8 @@ void add_gpu_tray(Topology* t, const std::string& node_id, const std::string& ho
     n.hostname = hostname;
     n.cpus = cpus;
     for (int j = 0; j < gpus; ++j) {
-        n.devices.push_back({fmt::format("{}.gpu{}", node_id, j), std::string(gpu.name), j, ""});
+        n.devices.push_back(
+            {.id = fmt::format("{}.gpu{}", node_id, j), .type = std::string(gpu.name), .index = j});
     }
     for (int j = 0; j < gpus; ++j) {
         n.nics.push_back({fmt::format("{}.nic{}", node_id, j), LinkType::kIb, nic_gbps});
@@ -232,7 +235,7 @@ StatusOr<Topology> make_cpu(const CpuOptions& o) {
     std::vector<std::string> devs;
     for (int j = 0; j < world; ++j) {
         devs.push_back(fmt::format("node0.cpu{}", j));
-        n.devices.push_back({devs.back(), "cpu", -1, ""});
+        n.devices.push_back({.id = devs.back(), .type = "cpu", .index = -1});
         t.links.push_back({devs.back(), "node0.shm", LinkType::kLoopback, 10.0, 1.0});
     }
     n.switches.push_back({"node0.shm", LinkType::kLoopback});
@@ -267,6 +270,11 @@ StatusOr<Topology> make_gpu_host(std::string_view gpu, const GpuHostOptions& o) 
         }
         if (o.colocated_tp < 1)
             return invalid(fmt::format("TP sizes must be >= 1, got {}", o.colocated_tp));
+        if (o.share_gpus) {
+            return invalid(
+                "make_gpu_host: share_gpus places prefill and decode instances on the "
+                "same GPUs; colocated instances share nothing");
+        }
     } else {
         PDSIM_RETURN_IF_ERROR(check_counts(o.prefill, o.decode, o.prefill_tp, o.decode_tp));
     }
@@ -280,6 +288,7 @@ StatusOr<Topology> make_gpu_host(std::string_view gpu, const GpuHostOptions& o) 
         t.name =
             fmt::format("gpu-{}x{}-{}p{}d-tp{}", o.gpus, type, o.prefill, o.decode, o.prefill_tp);
         if (o.decode_tp != o.prefill_tp) t.name += fmt::format("-tp{}", o.decode_tp);
+        if (o.share_gpus) t.name += "-shared";
     }
     t.description = fmt::format("one host: {}x {} on a PCIe switch", o.gpus, spec->name);
     t.source.name = "<builder:gpu>";
@@ -291,14 +300,27 @@ StatusOr<Topology> make_gpu_host(std::string_view gpu, const GpuHostOptions& o) 
     std::vector<std::string> devs;
     for (int j = 0; j < o.gpus; ++j) {
         devs.push_back(fmt::format("node0.gpu{}", j));
-        n.devices.push_back({devs.back(), std::string(spec->name), j, ""});
+        n.devices.push_back({.id = devs.back(), .type = std::string(spec->name), .index = j});
         t.links.push_back(
             {devs.back(), "node0.pcie", LinkType::kPcie, spec->pcie_gbps, kHopPcieUs});
     }
     n.switches.push_back({"node0.pcie", LinkType::kPcie});
+    if (o.share_gpus) {
+        // Each role on its own from GPU 0; the GPUs both roles use are shared.
+        PDSIM_RETURN_IF_ERROR(
+            place(devs, o.gpus, o.prefill, 0, o.prefill_tp, o.decode_tp, &t.instances));
+        PDSIM_RETURN_IF_ERROR(
+            place(devs, o.gpus, 0, o.decode, o.prefill_tp, o.decode_tp, &t.instances));
+        std::map<std::string, int> users;
+        for (const Instance& in : t.instances) {
+            for (const std::string& d : in.devices) ++users[d];
+        }
+        for (Device& d : n.devices) d.shared = users[d.id] > 1;
+    } else {
+        PDSIM_RETURN_IF_ERROR(place(devs, o.gpus, o.prefill, o.decode, o.prefill_tp, o.decode_tp,
+                                    &t.instances, o.colocated, o.colocated_tp));
+    }
     t.nodes.push_back(std::move(n));
-    PDSIM_RETURN_IF_ERROR(place(devs, o.gpus, o.prefill, o.decode, o.prefill_tp, o.decode_tp,
-                                &t.instances, o.colocated, o.colocated_tp));
     t.world_size = t.num_ranks();
     PDSIM_RETURN_IF_ERROR(validate(t));
     return t;

@@ -68,12 +68,16 @@ struct GpuHostOptions {
     int decode = 1;
     int prefill_tp = 1;
     int decode_tp = 1;
+    // Prefill and decode instances each take GPUs from GPU 0 (so prefill i and decode i share
+    // GPUs); a GPU both use is `shared` (Device::shared). false: decode GPUs follow prefill GPUs.
+    bool share_gpus = false;
     std::string model = "tiny";
-    std::string name;  // "" = "gpu-<N>x<gpu>-<C>c-tp<T>" or "gpu-<N>x<gpu>-<P>p<D>d-tp<T>[-tp<T>]"
-    int cpus = 0;      // cores on the host; 0 = unknown (not written)
+    // "" = "gpu-<N>x<gpu>-<C>c-tp<T>" or "gpu-<N>x<gpu>-<P>p<D>d-tp<T>[-tp<T>][-shared]"
+    std::string name;
+    int cpus = 0;  // cores on the host; 0 = unknown (not written)
 };
 // gpu: a GPU model of gpu_spec.h. A topology with only colocated instances (o.colocated > 0) or
-// with prefill and decode instances.
+// with prefill and decode instances (share_gpus: both roles from GPU 0; not with colocated).
 StatusOr<Topology> make_gpu_host(std::string_view gpu, const GpuHostOptions& options);
 
 // Emulation presets for a CPU topology's `shaping` section, each the GPU->GPU path of a

@@ -100,6 +100,15 @@ public:
         return ok_status();
     }
 
+    // An unquoted true or false (YAML and JSON alike).
+    Status boolean(const DocNode& n, const std::string& path, bool* out) {
+        if (n.kind != Kind::kScalar || n.quoted || (n.scalar != "true" && n.scalar != "false")) {
+            return error(path, n.line, fmt::format("expected true or false, got {}", describe(n)));
+        }
+        *out = n.scalar == "true";
+        return ok_status();
+    }
+
     Status integer(const DocNode& n, const std::string& path, int* out) {
         if (n.kind != Kind::kScalar || n.quoted) {
             return error(path, n.line, fmt::format("expected an integer, got {}", describe(n)));
@@ -273,7 +282,7 @@ public:
     }
 
     Status device(const DocNode& n, const std::string& path, Device* out) {
-        PDSIM_RETURN_IF_ERROR(expect_map(n, path, {"id", "type", "index", "cores"}));
+        PDSIM_RETURN_IF_ERROR(expect_map(n, path, {"id", "type", "index", "cores", "shared"}));
         const DocNode* v = nullptr;
         PDSIM_RETURN_IF_ERROR(required(n, path, "id", &v));
         PDSIM_RETURN_IF_ERROR(string(*v, join(path, "id"), &out->id));
@@ -288,6 +297,9 @@ public:
         }
         if ((v = optional(n, "cores")) != nullptr) {
             PDSIM_RETURN_IF_ERROR(string(*v, join(path, "cores"), &out->cores));
+        }
+        if ((v = optional(n, "shared")) != nullptr) {
+            PDSIM_RETURN_IF_ERROR(boolean(*v, join(path, "shared"), &out->shared));
         }
         return ok_status();
     }

@@ -336,6 +336,7 @@ Status validate(const Topology& t, const ModelShape* model_override) {
                                      in.devices.size(), in.devices.size() == 1 ? "" : "s", in.tp));
         }
         const Device* first = nullptr;
+        std::unordered_set<std::string> mine;  // this instance's devices
         for (size_t d = 0; d < in.devices.size(); ++d) {
             const std::string dp = fmt::format("{}.devices[{}]", ip, d);
             const std::string& id = in.devices[d];
@@ -347,14 +348,16 @@ Status validate(const Topology& t, const ModelShape* model_override) {
                              fmt::format("{} is {}, not a device", detail::quoted_for_message(id),
                                          kind_name(it->second.kind)));
             }
-            if (auto [u, inserted] = used.emplace(id, ip); !inserted) {
-                return c.bad(dp, u->second == ip ? fmt::format("device {} is listed twice",
-                                                               detail::quoted_for_message(id))
-                                                 : fmt::format("device {} is already used by {}",
-                                                               detail::quoted_for_message(id),
-                                                               c.at(u->second)));
-            }
             const Device* dev = t.find_device(id);
+            if (!mine.insert(id).second) {
+                return c.bad(
+                    dp, fmt::format("device {} is listed twice", detail::quoted_for_message(id)));
+            }
+            if (auto [u, inserted] = used.emplace(id, ip); !inserted && !dev->shared) {
+                return c.bad(dp, fmt::format("device {} is already used by {} (mark the device "
+                                             "`shared: true` to run both instances on it)",
+                                             detail::quoted_for_message(id), c.at(u->second)));
+            }
             if (first == nullptr) {
                 first = dev;
             } else if (dev->type != first->type) {

@@ -95,6 +95,7 @@ std::string to_yaml(const Topology& t) {
             o += "      - {id: " + str(d.id) + ", type: " + str(d.type);
             if (d.index >= 0) o += fmt::format(", index: {}", d.index);
             if (!d.cores.empty()) o += ", cores: " + str(d.cores);
+            if (d.shared) o += ", shared: true";
             o += "}\n";
         }
         if (!n.nics.empty()) {

@@ -6,11 +6,14 @@
     gen_topology.py gb200-nvl72 --pd 8:4 --prefill-tp 4 --decode-tp 8 --model deepseek-v3
     gen_topology.py cpu --pd 1:1            # this machine: one cpu device per MPI rank
     gen_topology.py gpu --gpu H200 --gpus 1 --colocated 1   # one GPU box, one colocated instance
+    gen_topology.py gpu --gpu H200 --gpus 1 --pd 1:1 --share-gpus  # prefill and decode on GPU 0
 
 Clusters: dgx-a100, dgx-h100, dgx-h200, dgx-b200 (N nodes of 8 GPUs, NVSwitch, 8 NICs of
 400 Gb/s -- 200 Gb/s for A100 -- on one InfiniBand fabric), gb200-nvl72 (racks of 18 trays x 4
 GB200 on one NVLink domain per rack), cpu (one node, this machine), gpu (one host with --gpus
-GPUs of type --gpu on a PCIe switch; --colocated N makes N colocated instances instead of --pd).
+GPUs of type --gpu on a PCIe switch; --colocated N makes N colocated instances instead of --pd;
+--share-gpus places prefill and decode instances each from GPU 0, so that they share GPUs, which
+are marked `shared: true`).
 
 The output is the same topology the C++ builders make (topology/builders.h): same ids, links,
 numbers and placement; tests/topology_test.cpp checks that. Validate it with
@@ -224,16 +227,27 @@ def make_gpu(a):
             name += f"{a.prefill}p{a.decode}d-tp{a.prefill_tp}"
             if a.decode_tp != a.prefill_tp:
                 name += f"-tp{a.decode_tp}"
+            if a.share_gpus:
+                name += "-shared"
     devs = [f"node0.gpu{j}" for j in range(a.gpus)]
+    if a.share_gpus:
+        # Each role on its own from GPU 0 (as make_gpu_host() with share_gpus).
+        instances = (place(devs, a.gpus, a.prefill, 0, a.prefill_tp, a.decode_tp)
+                     + place(devs, a.gpus, 0, a.decode, a.prefill_tp, a.decode_tp))
+    else:
+        instances = place(devs, a.gpus, a.prefill, a.decode, a.prefill_tp, a.decode_tp,
+                          a.colocated, a.colocated_tp)
+    users = {d: sum(d in i["devices"] for i in instances) for d in devs}
     t = {"name": name, "description": f"one host: {a.gpus}x {a.gpu} on a PCIe switch",
          "nodes": [{"id": "node0", "hostname": "localhost", "cpus": a.cpus or 0,
-                    "devices": [{"id": d, "type": a.gpu, "index": j} for j, d in enumerate(devs)],
+                    "devices": [dict({"id": d, "type": a.gpu, "index": j},
+                                     **({"shared": True} if users[d] > 1 else {}))
+                                for j, d in enumerate(devs)],
                     "nics": [], "switches": [{"id": "node0.pcie", "type": "pcie"}]}],
          "switches": [],
          "links": [("GPUs on node0's PCIe switch",
                     [(d, "node0.pcie", "pcie", pcie, HOP_PCIE_US) for d in devs])]}
-    t["instances"] = place(devs, a.gpus, a.prefill, a.decode, a.prefill_tp, a.decode_tp,
-                           a.colocated, a.colocated_tp)
+    t["instances"] = instances
     return t
 
 
@@ -259,7 +273,8 @@ def emit(t, model, command):
         o.append("    devices:")
         for d in n["devices"]:
             idx = f", index: {d['index']}" if "index" in d else ""
-            o.append(f"      - {{id: {d['id']}, type: {d['type']}{idx}}}")
+            shared = ", shared: true" if d.get("shared") else ""
+            o.append(f"      - {{id: {d['id']}, type: {d['type']}{idx}{shared}}}")
         if n["nics"]:
             o.append("    nics:")
             for nic in n["nics"]:
@@ -307,6 +322,9 @@ def parse_args(argv):
     p.add_argument("--colocated", type=int, default=0,
                    help="gpu: this many colocated instances (each serves whole requests) "
                         "instead of --pd")
+    p.add_argument("--share-gpus", action="store_true",
+                   help="gpu: prefill and decode instances each take GPUs from GPU 0, sharing "
+                        "them (a one-GPU machine's only prefill/decode layout)")
     p.add_argument("--gpu", default="H200", help=f"gpu: GPU type, one of {', '.join(GPUS)}")
     p.add_argument("--gpus", type=int, default=1, help="gpu: GPUs on the host (default 1)")
     p.add_argument("--tp", type=int, help="TP size of every instance")
@@ -327,6 +345,10 @@ def parse_args(argv):
     a = p.parse_args(argv)
     if a.colocated and a.cluster != "gpu":
         p.error("--colocated: only with the gpu cluster")
+    if a.share_gpus and a.cluster != "gpu":
+        p.error("--share-gpus: only with the gpu cluster")
+    if a.share_gpus and a.colocated:
+        p.error("--share-gpus places prefill and decode instances; not with --colocated")
     if a.colocated and a.pd is not None:
         p.error("--pd and --colocated are exclusive (a topology is disaggregated or colocated)")
     if a.colocated < 0:

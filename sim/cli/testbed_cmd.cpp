@@ -119,12 +119,18 @@ void add_workload_flags(CLI::App* sub, testbed::TestbedOptions& o) {
 void add_run_flags(CLI::App* sub, Flags& f) {
     testbed::TestbedOptions& o = f.o;
     sub->add_option("--transport", o.transport,
-                    "KV transport: mpi|tcp|local (default: mpi under mpirun, local "
-                    "without)")
+                    "KV transport (the engine's control messages, and the KV of CPU ranks): "
+                    "mpi|tcp|local (default: mpi under mpirun, local without)")
         ->check(non_empty());
+    sub->add_option("--data-transport", o.data_transport,
+                    "the KV bytes' own transport: auto (cuda_ipc for GPU ranks, none for CPU "
+                    "ranks), none (--transport carries them) or cuda_ipc (one-sided writes into "
+                    "the decode rank's GPU pool; every prefill and decode rank on one node)")
+        ->check(CLI::IsMember({"auto", "none", "cuda_ipc"}))
+        ->capture_default_str();
     sub->add_option("--backend", o.backend,
                     "attention backend: cpu|cpu_ref (CPU ranks), or cuda (GPU ranks: the GPU "
-                    "model on each rank's GPU; --mode colocated only)")
+                    "model on each rank's GPU, TP 1; KV over cuda_ipc)")
         ->check(non_empty())
         ->capture_default_str();
     sub->add_option("--mode", f.mode, "disagg|colocated|both")->capture_default_str();

@@ -1,5 +1,7 @@
 #include "sim/testbed/comm.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -384,6 +386,78 @@ Status barrier(Mailbox& mbox, const std::string& name, std::chrono::milliseconds
     for (int r = 1; r < mbox.size(); ++r)
         PDSIM_RETURN_IF_ERROR(mbox.send(r, Channel::kCollect, {{"k", leave}}));
     return {};
+}
+
+Status agree(Mailbox& mbox, const std::string& name, const Status& mine,
+             std::chrono::milliseconds timeout) {
+    const std::string arrive = "agree-in:" + name, verdict = "agree-out:" + name;
+    auto encode = [](std::string_view kind, const Status& st) {
+        return nlohmann::json{{"k", kind},
+                              {"code", static_cast<int>(st.code())},
+                              {"msg", st.ok() ? std::string() : st.message()}};
+    };
+    auto decode = [](const nlohmann::json& j) -> Status {
+        const int code = j.value("code", static_cast<int>(StatusCode::kInternal));
+        if (code == 0) return {};
+        const bool known = code > 0 && code <= static_cast<int>(StatusCode::kInternal);
+        return Status(known ? static_cast<StatusCode>(code) : StatusCode::kInternal,
+                      j.value("msg", std::string("?")));
+    };
+    if (mbox.rank() != 0) {
+        PDSIM_RETURN_IF_ERROR(mbox.send(0, Channel::kCollect, encode(arrive, mine)));
+        // Twice rank 0's bound: when rank 0 gives up on a missing rank, its verdict gets here.
+        PDSIM_ASSIGN_OR_RETURN(auto m, mbox.recv_kind(Channel::kCollect, verdict, 2 * timeout));
+        if (!m) {
+            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                               "agreement {}: no verdict from rank 0", name);
+        }
+        return decode(m->body);
+    }
+    // Rank 0: the lowest failing rank decides.
+    std::vector<Status> outcome(static_cast<size_t>(mbox.size()));
+    std::vector<bool> arrived(static_cast<size_t>(mbox.size()), false);
+    outcome[0] = mine;
+    arrived[0] = true;
+    const auto deadline = Clock::now() + timeout;
+    Status verdict_status;
+    for (int got = 1; got < mbox.size();) {
+        const auto left =
+            std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+        PDSIM_ASSIGN_OR_RETURN(auto m,
+                               mbox.recv_kind(Channel::kCollect, arrive,
+                                              std::max(left, std::chrono::microseconds(0))));
+        if (!m) {
+            std::string missing;
+            for (int r = 1; r < mbox.size(); ++r) {
+                if (!arrived[static_cast<size_t>(r)]) {
+                    missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+                }
+            }
+            verdict_status = Status(StatusCode::kDeadlineExceeded,
+                                    fmt::format("agreement {}: rank(s) {} did not report within "
+                                                "{} ms",
+                                                name, missing, timeout.count()));
+            break;
+        }
+        if (m->src <= 0 || m->src >= mbox.size() || arrived[static_cast<size_t>(m->src)]) continue;
+        arrived[static_cast<size_t>(m->src)] = true;
+        outcome[static_cast<size_t>(m->src)] = decode(m->body);
+        ++got;
+    }
+    if (verdict_status.ok()) {
+        for (int r = 0; r < mbox.size(); ++r) {
+            const Status& st = outcome[static_cast<size_t>(r)];
+            if (!st.ok()) {
+                verdict_status = Status(st.code(), fmt::format("rank {}: {}", r, st.message()));
+                break;
+            }
+        }
+    }
+    for (int r = 1; r < mbox.size(); ++r) {
+        if (!arrived[static_cast<size_t>(r)]) continue;
+        PDSIM_RETURN_IF_ERROR(mbox.send(r, Channel::kCollect, encode(verdict, verdict_status)));
+    }
+    return verdict_status;
 }
 
 }  // namespace pdsim::testbed

@@ -171,5 +171,15 @@ private:
 // Every rank sends a token to rank 0, which answers once it has them all. Bounded.
 [[nodiscard]] Status barrier(Mailbox& mbox, const std::string& name,
                              std::chrono::milliseconds timeout);
+// A barrier that carries each rank's outcome: every rank sends `mine` to rank 0, which answers
+// every rank with the verdict, and every rank returns it: OK when every rank's was OK, else the
+// failure of the lowest failing rank, with its code and "rank R: <its message>" (so that every
+// rank stops the same way when one could not, e.g., set up a phase). Collective on kCollect (its
+// messages carry `name`: agreements and barriers of other names are kept for their own calls).
+// Bounded: rank 0 waits `timeout` for the others, then answers the ranks that arrived with
+// kDeadlineExceeded naming the missing ones (and returns it); another rank waits 2 x `timeout`
+// for the verdict (so that rank 0's reaches it), then returns kDeadlineExceeded.
+[[nodiscard]] Status agree(Mailbox& mbox, const std::string& name, const Status& mine,
+                           std::chrono::milliseconds timeout);
 
 }  // namespace pdsim::testbed

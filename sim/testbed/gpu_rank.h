@@ -82,6 +82,16 @@ public:
     // Whether the latest forward replayed a decode graph, and which bucket (0: eager).
     [[nodiscard]] virtual int last_forward_bucket() const = 0;
 
+    // Faults (--fault) a device stream carries:
+    // Enqueues on stream() a fill of `bytes` bytes at `dst` (device memory of the rank's GPU, e.g.
+    // KV slots of its pool) with `byte`: runtime::cuda::enqueue_device_fill, a cudaMemsetAsync in
+    // stream order (the `late-write` fault's write after the record). Its errors.
+    [[nodiscard]] virtual Status enqueue_fill(void* dst, int byte, size_t bytes) = 0;
+    // The `stale-graph-metadata` fault: true makes the phase's decode graph replays skip the
+    // backend's metadata refresh (CudaSyntheticModel::set_skip_graph_metadata_refresh), so they
+    // attend with the metadata of the capture's padding batch; end_phase() turns it off.
+    virtual void set_stale_graph_metadata(bool stale) = 0;
+
 protected:
     GpuRank() = default;
 };

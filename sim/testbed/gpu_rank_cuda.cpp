@@ -4,6 +4,7 @@
 
 #include "backends/cuda/cuda_device_info.h"
 #include "backends/cuda/cuda_synthetic_model.h"
+#include "backends/cuda/device_memory_ops.h"
 #include "backends/runtime/device.h"
 #include "common/logging.h"
 #include "sim/testbed/gpu_rank.h"
@@ -101,6 +102,14 @@ public:
         // The graphs hold the phase's backend and pool: never replay them again (the next
         // begin_phase() captures new ones, which replaces these).
         model_->set_decode_graphs_enabled(false);
+        model_->set_skip_graph_metadata_refresh(false);
+    }
+
+    [[nodiscard]] Status enqueue_fill(void* dst, int byte, size_t bytes) override {
+        return runtime::cuda::enqueue_device_fill(*stream_, dst, byte, bytes);
+    }
+    void set_stale_graph_metadata(bool stale) override {
+        model_->set_skip_graph_metadata_refresh(stale);
     }
 
     [[nodiscard]] StatusOr<GpuForwardTiming> last_forward_timing() const override {

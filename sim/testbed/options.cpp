@@ -200,6 +200,23 @@ Status plan_gpus(ResolvedConfig& rc, const ResolveEnv& env, const GpuProbe& prob
     } else if (env.rank >= 0 && env.rank < map.world_size()) {
         ranks.push_back(env.rank);
     }
+    if (env.world_size <= 1) {
+        // Every rank is a thread of this process and computes on a GPU this process sees: the
+        // topology's CUDA ordinals are per node, so its ranks must be on one node.
+        for (int r : ranks) {
+            const topo::RankInfo& a = map.at(r);
+            const topo::RankInfo& b = map.at(ranks.front());
+            if (a.node != b.node) {
+                return invalid_argument_error(fmt::format(
+                    "--backend cuda: {}: rank {} is on node {} and rank {} on node {}; without "
+                    "mpirun every rank is a thread of this process, on this host's GPUs: run it "
+                    "under mpirun with one process per rank on its node",
+                    rc.topology_label, b.rank,
+                    b.node >= 0 ? rc.topology.nodes[static_cast<size_t>(b.node)].id : "?", a.rank,
+                    a.node >= 0 ? rc.topology.nodes[static_cast<size_t>(a.node)].id : "?"));
+            }
+        }
+    }
     std::map<int, int> per_device;  // device -> ranks of this process on it
     for (int r : ranks) {
         const int local = env.world_size <= 1 ? r : env.local_rank;
@@ -234,7 +251,104 @@ Status plan_gpus(ResolvedConfig& rc, const ResolveEnv& env, const GpuProbe& prob
     return {};
 }
 
+// Whether a transport's peers must be processes of one node. The registry's descriptor has no
+// field for it (transfer/transport.h), so it is read from what it does declare: a GPU transport
+// that needs no connection set-up (cuda_ipc) hands process-local handles (CUDA IPC memory
+// handles) to its peers over the control plane, and those open only on the node that made them.
+bool peers_on_one_node(const transfer::TransportDescriptor& d) {
+    return d.caps.medium == transfer::TransportMedium::kGpu &&
+           d.caps.setup == transfer::TransportSetup::kNone;
+}
+
+// Every prefill rank and every decode rank on one topology node (any prefill instance may send to
+// any decode instance); else kInvalidArgument naming the first pair that is not.
+Status check_pd_ranks_on_one_node(const DataTransportQuery& q, std::string_view name) {
+    const topo::Topology& t = *q.topology;
+    const topo::RankMap map = t.rank_map();
+    for (const topo::RankInfo& p : map.ranks()) {
+        if (p.role != topo::Role::kPrefill) continue;
+        for (const topo::RankInfo& d : map.ranks()) {
+            if (d.role != topo::Role::kDecode || (p.node == d.node && p.node >= 0)) continue;
+            auto node_name = [&](const topo::RankInfo& r) {
+                return r.node >= 0 ? t.nodes[static_cast<size_t>(r.node)].id
+                                   : std::string("no node");
+            };
+            return invalid_argument_error(fmt::format(
+                "--data-transport {}: {}: prefill instance {} (rank {}, {}) and decode instance "
+                "{} (rank {}, {}) are on different nodes, and {} writes only between processes "
+                "of one node (CUDA IPC handles open only there); put every prefill and decode "
+                "instance on one node",
+                name, q.topology_label, t.instances[static_cast<size_t>(p.instance)].id, p.rank,
+                node_name(p), t.instances[static_cast<size_t>(d.instance)].id, d.rank, node_name(d),
+                name));
+        }
+    }
+    return {};
+}
+
 }  // namespace
+
+StatusOr<std::string> resolve_data_transport(const DataTransportQuery& q) {
+    const bool disagg = q.mode != Mode::kColocated;
+    const std::string none(kDataTransportNone);
+    std::string name(q.requested);
+    if (name == kDataTransportAuto) {
+        if (!disagg || !q.gpu_ranks) return none;
+        name = "cuda_ipc";
+    }
+    if (name == kDataTransportNone) {
+        if (disagg && q.gpu_ranks) {
+            StatusOr<transfer::TransportDescriptor> control = transfer::find_transport(q.control);
+            if (control.ok() && !control->caps.device_memory) {
+                return invalid_argument_error(fmt::format(
+                    "--data-transport none: the KV would go over the control transport {}, which "
+                    "moves host memory only, and GPU ranks' (--backend cuda) KV pools are device "
+                    "memory; use --data-transport cuda_ipc (the default, auto)",
+                    q.control));
+            }
+        }
+        return none;
+    }
+    if (name != "cuda_ipc") {
+        return invalid_argument_error(fmt::format(
+            "--data-transport {}: expected auto, none or cuda_ipc", text::excerpt(name)));
+    }
+    StatusOr<transfer::TransportDescriptor> d = transfer::find_transport(name);
+    if (!d.ok()) {
+        return invalid_argument_error(
+            fmt::format("--data-transport {}: {}", name, d.status().message()));
+    }
+    const transfer::StaticCapabilities& caps = d->caps;
+    if (!caps.one_sided_write) {
+        return invalid_argument_error(fmt::format(
+            "--data-transport {}: it has no one-sided writes, which a separate data transport is "
+            "for (the engine's write mode); two-sided transports carry the KV as the control "
+            "transport (--data-transport none)",
+            name));
+    }
+    if (q.gpu_ranks ? !caps.device_memory : !caps.host_memory) {
+        return invalid_argument_error(fmt::format(
+            "--data-transport {}: it moves {} memory only, and {} ranks' KV pools are {} memory; "
+            "use --data-transport {}",
+            name, caps.device_memory ? "GPU" : "host", q.gpu_ranks ? "GPU" : "CPU",
+            q.gpu_ranks ? "device" : "host", q.gpu_ranks ? "cuda_ipc" : "none (the default)"));
+    }
+    if (!disagg) return none;
+    const int ranks = q.topology->num_ranks();
+    if (q.world_size > 1 && !caps.spans_processes) {
+        return invalid_argument_error(fmt::format(
+            "--data-transport {}: its ranks are threads of one process; launch pdsim without "
+            "mpirun",
+            name));
+    }
+    if (q.world_size <= 1 && ranks > 1 && !caps.threads_of_one_process) {
+        return invalid_argument_error(fmt::format(
+            "--data-transport {}: it needs one process per rank; run pdsim under mpirun -np {}",
+            name, ranks));
+    }
+    if (peers_on_one_node(*d)) PDSIM_RETURN_IF_ERROR(check_pd_ranks_on_one_node(q, name));
+    return name;
+}
 
 const RankGpu* ResolvedConfig::gpu_of(int rank) const {
     for (const RankGpu& g : gpus) {
@@ -353,19 +467,31 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
         if (std::string why = probe.build_problem(); !why.empty()) {
             return invalid_argument_error("--backend cuda: " + why);
         }
-        if (o.mode != Mode::kColocated) {
-            return invalid_argument_error(fmt::format(
-                "--mode {}: --backend cuda runs --mode colocated only, until the device transfer "
-                "engine lands (the disaggregated phase{} moves KV between GPU ranks, and the "
-                "transfer engine does not move device memory yet); pass --mode colocated",
-                mode_name(o.mode),
-                o.mode == Mode::kBoth ? ", which `both` (the default) runs too," : ""));
-        }
         if (o.shaping != "off") {
             return invalid_argument_error(fmt::format(
-                "--shaping {}: it shapes the disaggregated KV transfer, which --backend cuda "
-                "(--mode colocated) does not run",
+                "--shaping {}: not with --backend cuda: the shaping decorator throttles two-sided "
+                "sends, and GPU ranks move their KV by one-sided writes over the data transport "
+                "(cuda_ipc), which it would not slow down (a GPU run's links are real: there is "
+                "no CPU compute to keep a ratio with)",
                 o.shaping));
+        }
+        if (o.fault == Fault::kStaleGraphMetadata) {
+            // On GPU ranks the fault is planted in the decode CUDA graphs' replays (the decode
+            // instances' metadata refresh is skipped): the KV is right and only the tokens are
+            // wrong, which nothing but the comparison with the colocated run sees.
+            if (!o.decode_graphs) {
+                return invalid_argument_error(
+                    "--fault stale-graph-metadata: on GPU ranks it is planted in the decode CUDA "
+                    "graphs' replays, and --decode-graphs off replays none; use --decode-graphs "
+                    "on");
+            }
+            if (o.mode != Mode::kBoth) {
+                return invalid_argument_error(fmt::format(
+                    "--fault stale-graph-metadata: with --backend cuda the stale decode replays "
+                    "compute wrong tokens from the right KV, which only the comparison with the "
+                    "colocated run catches; use --mode both (not {})",
+                    mode_name(o.mode)));
+            }
         }
     }
     // Transport name: known to the registry, and usable with host-memory KV pools.
@@ -381,12 +507,19 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
                 "--transport {}: unknown transport (available: {})", o.transport, known));
         }
         transport_caps = descriptor->caps;
+        if (!transport_caps.host_memory && cuda) {
+            return invalid_argument_error(fmt::format(
+                "--transport {}: --transport is the control transport (the engine's messages: "
+                "two-sided and tag-matching in host memory: local, mpi or tcp); GPU ranks' KV goes "
+                "over --data-transport (cuda_ipc)",
+                o.transport));
+        }
         if (!transport_caps.host_memory) {
             return invalid_argument_error(
-                fmt::format("--transport {}: moves GPU memory only, and this testbed's KV pools "
-                            "are host memory (CPU backends); use mpi or tcp (a GPU build "
-                            "with the cuda backend is needed for {})",
-                            o.transport, o.transport));
+                fmt::format("--transport {}: moves GPU memory only, and CPU ranks' KV pools "
+                            "are host memory; use mpi or tcp (GPU ranks, --backend cuda, move "
+                            "their KV over --data-transport cuda_ipc)",
+                            o.transport));
         }
         if (transport_caps.decorator) {
             return invalid_argument_error(
@@ -564,6 +697,14 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
                         o.transport_fault_rank, rc.topology_label, ranks - 1));
     }
     PDSIM_RETURN_IF_ERROR(check_tcp_environment(o.transport, ranks));
+    PDSIM_ASSIGN_OR_RETURN(o.data_transport,
+                           resolve_data_transport({.requested = o.data_transport,
+                                                   .mode = o.mode,
+                                                   .gpu_ranks = cuda,
+                                                   .control = o.transport,
+                                                   .world_size = world_size,
+                                                   .topology = &rc.topology,
+                                                   .topology_label = rc.topology_label}));
 
     // ---- workload ----
     workload::LoadOptions wl;
@@ -631,9 +772,10 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
 
 std::string describe(const TestbedOptions& o) {
     return fmt::format(
-        "--mode {} --layerwise {} --transport {} --backend {}{} --fault {} --chunk-size {} "
-        "--max-batch-tokens {} --time-scale {:.6g} --max-input-len {} --max-output-len {}",
-        mode_name(o.mode), o.layerwise ? "on" : "off", o.transport, o.backend,
+        "--mode {} --layerwise {} --transport {} --data-transport {} --backend {}{} --fault {} "
+        "--chunk-size {} --max-batch-tokens {} --time-scale {:.6g} --max-input-len {} "
+        "--max-output-len {}",
+        mode_name(o.mode), o.layerwise ? "on" : "off", o.transport, o.data_transport, o.backend,
         o.backend == kCudaBackend
             ? (o.decode_graphs ? " --decode-graphs on" : " --decode-graphs off")
             : "",

@@ -13,15 +13,26 @@
 //
 // GPU ranks (--backend cuda, docs/testbed.md "GPU rank"): resolve() also checks, before anything
 // runs, that this build has CUDA (kInvalidArgument "--backend cuda: this pdsim was built without
-// CUDA"), that the mode is colocated (the default `both` included: kInvalidArgument "--mode both:
-// --backend cuda runs --mode colocated until the device transfer engine lands"), that --shaping
-// is off (it shapes the disaggregated transfer), that every instance is TP 1 and the model is one
-// the GPU model and the cuda attention backend run (kInvalidArgument naming --model or the
-// instance), that this process sees a GPU (kUnavailable "--backend cuda: no device: ..."; exit 1,
-// as cli::exit_code_for maps it), that each rank's topology GPU is one of them, and that the KV
-// pool, weights and workspace of the ranks on each GPU fit its free memory (kInvalidArgument
+// CUDA"), that --shaping is off (the shaping decorator throttles two-sided sends; GPU ranks' KV
+// moves by one-sided cuda_ipc writes), that every instance is TP 1 and the model is one the GPU
+// model and the cuda attention backend run (kInvalidArgument naming --model or the instance),
+// that --fault is one a device stream can carry (stale-graph-metadata: --decode-graphs on and
+// --mode both), that this process sees a GPU (kUnavailable "--backend cuda: no device: ..."; exit
+// 1, as cli::exit_code_for maps it), that each rank's topology GPU is one of them (and, without
+// mpirun, that the ranks are on one node: every rank is a thread of this process), and that the
+// KV pool, weights and workspace of the ranks on each GPU fit its free memory (kInvalidArgument
 // naming --kv-pool-mb). It picks each rank's GPU (gpu_plan.h, choose_gpu) and sizes the GPU model
 // (ResolvedConfig::gpu_model, gpus).
+//
+// The KV transports of the disaggregated phase: --transport is the control transport (two-sided,
+// tag-matching: local without mpirun, mpi or tcp under it), which also carries the KV of CPU ranks;
+// --data-transport (resolve_data_transport) is the transport the KV bytes take when not that one:
+// `auto` is cuda_ipc for GPU ranks (one-sided writes into the decode rank's device pool; the
+// engine's write mode) and none for CPU ranks. Refused (kInvalidArgument naming the flag): a data
+// transport that cannot reach the ranks' KV memory (cuda_ipc with CPU ranks; none with GPU ranks,
+// whose control transport moves host memory only), one that offers no one-sided writes, and
+// cuda_ipc between a prefill and a decode rank of different topology nodes (CUDA IPC handles open
+// only on the node that made them).
 //
 // Thread-safety: pure functions.
 #pragma once
@@ -91,8 +102,11 @@ struct TestbedOptions {
     int32_t max_input_len = 1024;  // 0: no cap
     int32_t max_output_len = 32;   // 0: no cap
     std::string transport;         // "": mpi under mpirun, local in one process
-    std::string backend = "cpu";   // cpu | cpu_ref (CPU ranks) | cuda (GPU ranks, colocated)
-    bool decode_graphs = true;     // --backend cuda: replay decode forwards as CUDA graphs
+    // The KV bytes' own transport (see the file comment): auto | none | cuda_ipc; resolve() leaves
+    // none or cuda_ipc (none too when the mode has no disaggregated phase).
+    std::string data_transport = "auto";
+    std::string backend = "cpu";  // cpu | cpu_ref (CPU ranks) | cuda (GPU ranks)
+    bool decode_graphs = true;    // --backend cuda: replay decode forwards as CUDA graphs
     Mode mode = Mode::kBoth;
     bool layerwise = true;
     Fault fault = Fault::kNone;
@@ -178,6 +192,26 @@ struct ResolveEnv {
                                                const ResolveEnv& env);
 // resolve(options, {.world_size = world_size}): under mpirun, rank 0's view.
 [[nodiscard]] StatusOr<ResolvedConfig> resolve(const TestbedOptions& options, int world_size);
+
+// The values of --data-transport.
+inline constexpr std::string_view kDataTransportAuto = "auto";
+inline constexpr std::string_view kDataTransportNone = "none";
+// Where resolve_data_transport decides.
+struct DataTransportQuery {
+    std::string_view requested = kDataTransportAuto;  // --data-transport: auto, none, cuda_ipc
+    Mode mode = Mode::kBoth;
+    bool gpu_ranks = false;    // --backend cuda
+    std::string_view control;  // the resolved --transport (local, mpi, tcp)
+    int world_size = 1;        // the launcher's (1: every rank a thread of this process)
+    const topo::Topology* topology = nullptr;  // required
+    std::string_view topology_label;           // its name in messages
+};
+// What --data-transport resolves to: "none" (the control transport carries the KV; also whenever
+// the mode has no disaggregated phase) or the data transport's name. kInvalidArgument naming the
+// flag for the refusals of the file comment, and for a transport whose ranks cannot be what the
+// launcher makes them (processes under mpirun, threads without). Pure: it reads the transport
+// registry's descriptors, never a transport.
+[[nodiscard]] StatusOr<std::string> resolve_data_transport(const DataTransportQuery& query);
 
 // A rank's KV pool: pages of page_size tokens of this rank's KV heads (num_kv_heads / tp) in
 // `dtype`, every layer, K and V; --kv-pool-mb MiB of them plus the null page 0 (at least 2 pages,

@@ -22,13 +22,33 @@ StatusOr<std::unique_ptr<PdAttentionBackend>> PdAttentionBackend::create(
     if (inner == nullptr)
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "PdAttentionBackend: no backend");
     const runtime::Device device = inner->stream().device();
-    if (device.kind != runtime::DeviceKind::kCpu &&
-        (options.validator != nullptr || options.fault != Fault::kNone)) {
-        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
-                           "PdAttentionBackend: ordering checksums and --fault {} read and write "
-                           "KV in host memory: CPU ranks only, and stream {} is on {}:{}",
-                           fault_name(options.fault), inner->stream().name(),
-                           runtime::device_kind_name(device.kind), device.index);
+    const bool pages = options.checksums == ChecksumSource::kPages;
+    if (device.kind != runtime::DeviceKind::kCpu) {
+        // What reads or writes KV (or graph buffers) in host memory.
+        std::string host_only;
+        if (!pages && options.validator != nullptr) host_only = "activation checksums";
+        if (!pages && options.fault == Fault::kLateWrite) host_only = "--fault late-write";
+        if (options.fault == Fault::kStaleGraphMetadata) {
+            host_only = "--fault stale-graph-metadata (GPU ranks plant it in the decode graphs)";
+        }
+        if (!host_only.empty()) {
+            return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                               "PdAttentionBackend: {} read and write host memory: CPU streams "
+                               "only, and stream {} is on {}:{}",
+                               host_only, inner->stream().name(),
+                               runtime::device_kind_name(device.kind), device.index);
+        }
+    }
+    if (pages && !options.layout &&
+        (options.validator != nullptr || options.fault == Fault::kLateWrite)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "PdAttentionBackend: page checksums and late writes need the rank's "
+                           "KV layout (options.layout)");
+    }
+    if (pages && options.fault == Fault::kLateWrite && !options.fill) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "PdAttentionBackend: --fault late-write with page checksums needs a "
+                           "stream fill (options.fill)");
     }
     std::unique_ptr<PdAttentionBackend> b(
         new PdAttentionBackend(std::move(inner), std::move(options)));
@@ -41,7 +61,8 @@ StatusOr<std::unique_ptr<PdAttentionBackend>> PdAttentionBackend::create(
 
 bool PdAttentionBackend::owns_records() const {
     return opts_.fault == Fault::kRecordBeforeWrite || opts_.fault == Fault::kSkipRecord ||
-           opts_.fault == Fault::kDoubleRecord;
+           opts_.fault == Fault::kDoubleRecord ||
+           (opts_.checksums == ChecksumSource::kPages && opts_.counter != nullptr);
 }
 
 Status PdAttentionBackend::init_forward_metadata(const attn::ForwardBatch& batch) {
@@ -142,6 +163,45 @@ Status PdAttentionBackend::enqueue_checksums(const attn::ForwardArgs& args) {
     });
 }
 
+Status PdAttentionBackend::enqueue_page_checksums(int layer) {
+    if (opts_.validator == nullptr || segments_ == nullptr) return {};
+    for (const BatchSegment& s : *segments_) {
+        PDSIM_RETURN_IF_ERROR(transfer::enqueue_layer_checksum(
+            stream(), *opts_.validator, *opts_.layout, s.request, layer, s.pages, s.t0, s.t1));
+    }
+    return {};
+}
+
+// Layer 0's K of every token of the batch, overwritten by the stream fill: one fill per run of
+// consecutive slots.
+Status PdAttentionBackend::enqueue_page_late_write() {
+    if (segments_ == nullptr) return {};
+    const transfer::KvLayout& layout = *opts_.layout;
+    const int64_t ps = layout.page_size();
+    const size_t token_bytes = layout.token_bytes(0);
+    for (const BatchSegment& s : *segments_) {
+        PDSIM_RETURN_IF_ERROR(layout.check_pages(s.pages, s.t1));
+        int64_t run_begin = -1, run_len = 0;
+        auto flush = [&]() -> Status {
+            if (run_len == 0) return {};
+            return opts_.fill(layout.slot_addr(0, 0, run_begin), kLateWriteByte,
+                              token_bytes * static_cast<size_t>(run_len));
+        };
+        for (int64_t t = s.t0; t < s.t1; ++t) {
+            const int64_t slot = int64_t{s.pages[static_cast<size_t>(t / ps)]} * ps + t % ps;
+            if (run_len > 0 && slot == run_begin + run_len) {
+                ++run_len;
+                continue;
+            }
+            PDSIM_RETURN_IF_ERROR(flush());
+            run_begin = slot;
+            run_len = 1;
+        }
+        PDSIM_RETURN_IF_ERROR(flush());
+    }
+    return {};
+}
+
 Status PdAttentionBackend::enqueue_late_write(const attn::ForwardArgs& args) {
     if (segments_ == nullptr) return {};
     int64_t n = 0;
@@ -169,7 +229,62 @@ Status PdAttentionBackend::forward_decode(const attn::ForwardArgs& args) {
     return call_inner(args);
 }
 
+// kPages: write -> checksum -> record (see the file comment), faults included.
+Status PdAttentionBackend::forward_extend_pages(const attn::ForwardArgs& args) {
+    const int layer = args.layer.layer_id;
+    if (opts_.counter == nullptr) {
+        // No records here (decode or colocated ranks); checksums only when asked.
+        PDSIM_RETURN_IF_ERROR(call_inner(args));
+        return enqueue_page_checksums(layer);
+    }
+    const bool late_write = opts_.fault == Fault::kLateWrite;
+    if (!args.save_kv_cache) {
+        // The KV is in the pages already: its checksum and record come before the attention.
+        if (opts_.fault != Fault::kNone && opts_.fault != Fault::kFreeBeforeTransfer) {
+            return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                               "--fault {} on a forward whose KV was written before it "
+                               "(save_kv_cache = false)",
+                               fault_name(opts_.fault));
+        }
+        PDSIM_RETURN_IF_ERROR(enqueue_page_checksums(layer));
+        PDSIM_RETURN_IF_ERROR(record(layer));
+        return call_inner(args);
+    }
+    switch (opts_.fault) {
+        case Fault::kRecordBeforeWrite:
+            PDSIM_RETURN_IF_ERROR(record(layer));
+            PDSIM_RETURN_IF_ERROR(race_window());
+            PDSIM_RETURN_IF_ERROR(call_inner(args));
+            return enqueue_page_checksums(layer);
+        case Fault::kSkipRecord:
+            PDSIM_RETURN_IF_ERROR(call_inner(args));
+            PDSIM_RETURN_IF_ERROR(enqueue_page_checksums(layer));
+            if (layer != opts_.num_layers - 1) PDSIM_RETURN_IF_ERROR(record(layer));
+            return {};
+        case Fault::kDoubleRecord:
+            PDSIM_RETURN_IF_ERROR(call_inner(args));
+            PDSIM_RETURN_IF_ERROR(enqueue_page_checksums(layer));
+            PDSIM_RETURN_IF_ERROR(record(layer));
+            if (layer == 0) {
+                PDSIM_RETURN_IF_ERROR(record(layer));
+                PDSIM_RETURN_IF_ERROR(race_window());
+            }
+            return {};
+        default:
+            break;
+    }
+    if (late_write && layer == opts_.num_layers - 1 && opts_.num_layers > 1) {
+        PDSIM_RETURN_IF_ERROR(enqueue_page_late_write());
+    }
+    PDSIM_RETURN_IF_ERROR(call_inner(args));
+    PDSIM_RETURN_IF_ERROR(enqueue_page_checksums(layer));
+    PDSIM_RETURN_IF_ERROR(record(layer));
+    if (late_write && opts_.num_layers == 1) PDSIM_RETURN_IF_ERROR(enqueue_page_late_write());
+    return {};
+}
+
 Status PdAttentionBackend::forward_extend(const attn::ForwardArgs& args) {
+    if (opts_.checksums == ChecksumSource::kPages) return forward_extend_pages(args);
     const int layer = args.layer.layer_id;
     const bool records = opts_.counter != nullptr;
     PDSIM_RETURN_IF_ERROR(enqueue_checksums(args));

@@ -1,31 +1,50 @@
-// PdAttentionBackend: the attention backend a testbed rank runs, wrapping a real one ("cpu" or
-// "cpu_ref" from the registry) to (1) take the compute stream's checksums for the ordering
-// validator, (2) timestamp the StepCounter records for the timeline, and (3) inject the prefill
-// side's ordering faults (--fault).
+// PdAttentionBackend: the attention backend a testbed rank runs, wrapping a real one ("cpu",
+// "cpu_ref" or "cuda" from the registry) to (1) take the compute stream's checksums for the
+// ordering validator, (2) timestamp the StepCounter records for the timeline, and (3) inject the
+// prefill side's ordering faults (--fault).
 //
 // Records. Without a fault, or with a fault that keeps the records right (late-write,
-// stale-graph-metadata, free-before-transfer), the StepCounter is registered on the wrapped
-// backend itself, so its own RecordPdCacheStep rule places the records (one per layer of an
-// extend forward, after the backend's KV write). The record-order faults take the records over:
+// stale-graph-metadata, free-before-transfer), and with activation checksums, the StepCounter is
+// registered on the wrapped backend itself, so its own RecordPdCacheStep rule places the records
+// (one per layer of an extend forward, after the backend's KV write). With page checksums (below)
+// the wrapper records itself, right after the layer's checksum. The record-order faults take the
+// records over:
 //   record-before-write  the layer's step is recorded, then (after a race window that lets the
 //                        sender read) the KV is written;
 //   skip-record          the last layer of every extend forward records nothing;
 //   double-record        layer 0 of every extend forward records twice (then a race window).
+// The race window is a stream task that sleeps (on a CUDA stream a host function: it holds the
+// stream, not the device's other streams, on which the sender's reads run).
 //
-// Checksums. Before each extend layer's KV write, a stream task hashes the K and V the model
-// produced for the layer (the bytes the write is about to store, for every request segment of
-// the batch, keyed by token position) and records them in the validator as the expected sums:
-// the truth the sender and receiver compare against. Taking them from the model's output rather
-// than from the pages means a write that misses its slots (stale metadata) is caught too. The
-// pool and the K/V activations must be fp32 (a bf16 pool stores rounded bytes).
+// Checksums: the compute-side truth of the ordering validator, one of two sources
+// (PdBackendOptions::checksums):
+//   kActivations (CPU ranks)  before each extend layer's KV write, a stream task hashes the K and
+//       V the model produced for the layer (the bytes the write is about to store, for every
+//       request segment of the batch, keyed by token position) and records them as the expected
+//       sums. Taking them from the model's output rather than from the pages means a write that
+//       misses its slots (stale metadata) is caught too. The pool and the K/V activations must be
+//       fp32 in host memory (a bf16 pool stores rounded bytes).
+//   kPages (GPU ranks; any device)  right after each extend layer's KV write,
+//       transfer::enqueue_layer_checksum on the rank's KvLayout hashes what the write stored in
+//       each segment's pages (on a device layout through the engine's device KV memory ops, and a
+//       host task that records the sums: a host round trip per layer), and then the wrapper
+//       records the layer's step: write -> checksum -> record, in stream order, so that the sums
+//       are recorded before the step that lets the sender read. (When the KV was written before
+//       the forward, save_kv_cache = false: checksum -> record -> attention.)
 //
 // Faults on the data itself:
 //   late-write            before the last layer's write, layer 0's K of every token of the
-//                         batch is overwritten (after layer 0's step was recorded);
-//   stale-graph-metadata  the first extend batch is installed in graph metadata buffers
-//                         (init_cuda_graph_state + init_forward_metadata_replay_cuda_graph);
-//                         later extend forwards only refresh the aliased seq_lens buffer and
-//                         replay without init_forward_metadata_replay_cuda_graph's in-place update.
+//                         batch is overwritten (after layer 0's step was recorded): from the host
+//                         (kActivations: + 1.0 per element) or, with kPages, by
+//                         PdBackendOptions::fill on the stream (a GPU rank's cudaMemsetAsync,
+//                         GpuRank::enqueue_fill) of each segment's layer-0 K slots;
+//   stale-graph-metadata  (CPU streams) the first extend batch is installed in graph metadata
+//                         buffers (init_cuda_graph_state +
+//                         init_forward_metadata_replay_cuda_graph); later extend forwards only
+//                         refresh the aliased seq_lens buffer and replay without
+//                         init_forward_metadata_replay_cuda_graph's in-place update. GPU ranks
+//                         plant it in the decode CUDA graphs instead (GpuRank::
+//                         set_stale_graph_metadata), not here.
 //
 // Graph state is the wrapped backend's: init_cuda_graph_state, the capture and replay metadata
 // calls and accepted_graph_state_extras go to it (a model capturing decode graphs through the
@@ -33,11 +52,11 @@
 // metadata). The wrapper's own metadata stays eager; after a capture the wrapped backend returns
 // to eager metadata at its next init_forward_metadata (every backend's does).
 //
-// CPU only (create() refuses them on a stream of another device with kFailedPrecondition): the
-// checksums (they hash K and V in host memory) and the faults (late-write rewrites the pool from
-// the host; the record-order ones time their race windows with host sleeps; stale-graph-metadata
-// installs a host seq_lens buffer). A GPU rank runs the wrapper with neither: its records (the
-// StepCounter registered on the wrapped backend) and on_record callbacks work on any stream.
+// Devices: create() refuses (kFailedPrecondition) on a stream of another device than the CPU what
+// reads or writes KV in host memory: kActivations with a validator, late-write without kPages,
+// and stale-graph-metadata. A GPU rank runs kPages, its faults through the StepCounter (records),
+// the fill (late-write) and the GPU rank (stale graphs); on_record callbacks (host tasks) work on
+// any stream, but a GPU rank leaves them unset (they would be a host round trip per layer).
 //
 // Thread-safety: like any backend, one host thread drives it. set_segments() must be called by
 // that thread before each forward's layers are enqueued (the segments are captured by value).
@@ -47,6 +66,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -55,19 +75,28 @@
 #include "backends/pd/step_counter.h"
 #include "common/status.h"
 #include "sim/testbed/options.h"
+#include "transfer/engine/kv_layout.h"
 #include "transfer/engine/ordering_validator.h"
 
 namespace pdsim::testbed {
 
 // Tokens [batch_offset, batch_offset + (t1 - t0)) of the forward are positions [t0, t1) of
-// `request`.
+// `request`, whose page table is `pages` (pages[t / page_size] holds position t).
 struct BatchSegment {
     uint64_t request = 0;
     int64_t t0 = 0;
     int64_t t1 = 0;
     int64_t batch_offset = 0;
+    std::vector<int32_t> pages;
 };
 using Segments = std::vector<BatchSegment>;
+
+// Where the compute-side truth of the ordering checksums comes from (see the file comment).
+enum class ChecksumSource { kActivations, kPages };
+
+// Enqueues, on the compute stream, a fill of `bytes` bytes at `dst` with `byte` (a GPU rank's:
+// GpuRank::enqueue_fill).
+using StreamFill = std::function<Status(void* dst, int byte, size_t bytes)>;
 
 struct PdBackendOptions {
     Fault fault = Fault::kNone;
@@ -80,7 +109,16 @@ struct PdBackendOptions {
     std::chrono::microseconds race_window{3000};
     // Called on the stream thread right after a record (layer, time in now_us()).
     std::function<void(int layer, double t_us)> on_record;
+    ChecksumSource checksums = ChecksumSource::kActivations;
+    // kPages: the rank's KV in the pool this backend writes (KvLayout::from_mha_pool with the
+    // rank's head slice); required with a validator or with late-write.
+    std::optional<transfer::KvLayout> layout;
+    // kPages with late-write: overwrites the KV on the stream (required then).
+    StreamFill fill;
 };
+
+// The byte the late-write fault fills a slot with (kPages).
+inline constexpr int kLateWriteByte = 0x5A;
 
 class PdAttentionBackend final : public attn::AttentionBackend {
 public:
@@ -121,8 +159,11 @@ private:
     [[nodiscard]] Status record(int layer);
     [[nodiscard]] Status race_window();
     [[nodiscard]] Status enqueue_checksums(const attn::ForwardArgs& args);
+    [[nodiscard]] Status enqueue_page_checksums(int layer);
     [[nodiscard]] Status enqueue_late_write(const attn::ForwardArgs& args);
+    [[nodiscard]] Status enqueue_page_late_write();
     [[nodiscard]] Status call_inner(const attn::ForwardArgs& args);
+    [[nodiscard]] Status forward_extend_pages(const attn::ForwardArgs& args);
 
     std::vector<int32_t> graph_seq_lens_;  // aliased by the inner backend's graph buffers
     PdBackendOptions opts_;

@@ -27,7 +27,10 @@ StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options) {
     pc.dtype = options.kv_dtype;
     pc.device = parts.stream->device();
     PDSIM_ASSIGN_OR_RETURN(parts.pool, kv::MHATokenToKVPool::create(pc));
-    if (options.step_counter) parts.counter = std::make_unique<pd::StepCounter>(*parts.stream);
+    if (options.step_counter) {
+        // The stream's device picks the implementation (a CUDA stream: the device counter).
+        PDSIM_ASSIGN_OR_RETURN(parts.counter, pd::StepCounter::create(*parts.stream));
+    }
     if (options.validator) {
         parts.validator = std::make_unique<transfer::OrderingValidator>(options.validator_rank);
     }
@@ -59,6 +62,13 @@ StatusOr<std::unique_ptr<PdAttentionBackend>> build_pd_backend(const RankBuildOp
     bo.max_bs = side.max_bs;
     bo.max_pages_per_seq = side.max_pages_per_seq;
     bo.on_record = std::move(side.on_record);
+    bo.checksums = side.checksums;
+    bo.fill = std::move(side.fill);
+    if (side.checksums == ChecksumSource::kPages) {
+        PDSIM_ASSIGN_OR_RETURN(bo.layout,
+                               transfer::KvLayout::from_mha_pool(*parts.pool, options.tp_size,
+                                                                 options.tp_rank, m.num_kv_heads));
+    }
     return PdAttentionBackend::create(std::move(inner), bo);
 }
 
@@ -83,7 +93,11 @@ model::StepBatch build_step_batch(attn::ForwardMode mode, std::span<const Forwar
             b.page_table.push_back(
                 p < static_cast<int>(e.pages.size()) ? e.pages[static_cast<size_t>(p)] : 0);
         }
-        segments->push_back({e.request, e.t0, e.t1, off});
+        segments->push_back({.request = e.request,
+                             .t0 = e.t0,
+                             .t1 = e.t1,
+                             .batch_offset = off,
+                             .pages = std::vector<int32_t>(e.pages.begin(), e.pages.end())});
         off += e.t1 - e.t0;
     }
     return b;

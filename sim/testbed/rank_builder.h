@@ -7,7 +7,7 @@
 //     ordering validator;
 //   build_pd_backend: the attention backend (`backend`, `threads` kernel threads) wrapped in the
 //     testbed's PdAttentionBackend, for the prefill side (records into the StepCounter, ordering
-//     checksums) or not;
+//     checksums from the activations on CPU ranks or from the pool's pages on GPU ranks) or not;
 //   build_step_batch: the model batch of one forward from its requests' positions, tokens and
 //     page tables, and the segments that tell the backend which tokens are whose.
 // Ownership: the caller owns what is returned; a RankParts' stream must outlive everything that
@@ -67,9 +67,10 @@ struct RankParts {
 };
 
 // Builds (or takes) the stream, then the pool (num_kv_heads / tp_size heads of head_dim, kv_dtype,
-// on the stream's device), then the counter and the validator. Errors: the pool's
-// (kInvalidArgument for a bad shape, kResourceExhausted; kUnavailable for a device allocation
-// that failed), the StepCounter's for a device it has no implementation for.
+// on the stream's device), then the counter (pd::StepCounter::create: on a CUDA stream the device
+// counter) and the validator. Errors: the pool's (kInvalidArgument for a bad shape,
+// kResourceExhausted; kUnavailable for a device allocation that failed), the StepCounter's
+// (kUnavailable for a device it has no implementation for, or a CUDA error).
 [[nodiscard]] StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options);
 
 struct PdBackendSide {
@@ -80,11 +81,15 @@ struct PdBackendSide {
     int max_bs = 256;  // graph buffers: the most tokens (extend) or requests (decode) a forward has
     int max_pages_per_seq = 1024;
     std::function<void(int layer, double t_us)> on_record;  // see PdBackendOptions
+    // The checksums' source; kPages: the layout is the pool's (parts.pool, this rank's heads).
+    ChecksumSource checksums = ChecksumSource::kActivations;
+    StreamFill fill;  // kPages with --fault late-write (see PdBackendOptions)
 };
 
 // The attention backend `options.backend` on `parts.stream` with this rank's heads (the KV head
 // slice of transfer/engine/kv_layout.h), wrapped in a PdAttentionBackend. Errors: an unknown
-// backend or a TP size the heads do not divide (kInvalidArgument), the backend's own.
+// backend or a TP size the heads do not divide (kInvalidArgument), the layout's (kPages), the
+// backend's and the wrapper's own (PdAttentionBackend::create).
 [[nodiscard]] StatusOr<std::unique_ptr<PdAttentionBackend>> build_pd_backend(
     const RankBuildOptions& options, const RankParts& parts, PdBackendSide side);
 

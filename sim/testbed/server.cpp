@@ -20,7 +20,7 @@ namespace detail {
 using std::chrono::microseconds;
 using std::chrono::milliseconds;
 
-Server::Server(RankContext& ctx, Phase phase, transfer::Transport* kv)
+Server::Server(RankContext& ctx, Phase phase, KvTransports kv)
     : ctx_(ctx), cfg_(*ctx.config), o_(ctx.config->options), phase_(phase), kv_(kv) {
     if (phase == Phase::kColocated) {
         role_ = Role::kColocated;
@@ -61,14 +61,28 @@ Status Server::setup() {
     build.validator = role_ != Role::kColocated;
     build.validator_rank = ctx_.rank;
     PDSIM_ASSIGN_OR_RETURN(RankParts parts, build_rank_parts(build));
+    const bool gpu = ctx_.gpu != nullptr;
     PdBackendSide side;
     side.prefill = role_ == Role::kPrefill;
     side.fault = role_ == Role::kPrefill ? o_.fault : Fault::kNone;
     side.max_bs = std::max(o_.max_batch_tokens, o_.max_decode_batch);
     side.max_pages_per_seq = build.num_pages;
-    side.on_record = [this](int layer, double t) {
-        timeline_.instant(kTidRecord, fmt::format("record L{}", layer), "record", t);
-    };
+    if (!gpu) {
+        side.on_record = [this](int layer, double t) {
+            timeline_.instant(kTidRecord, fmt::format("record L{}", layer), "record", t);
+        };
+    } else {
+        // GPU ranks: the pages' checksums (the activations are on the device); records without
+        // timeline callbacks (each a host round trip); stale graph metadata lives in the decode
+        // ranks' graphs (below), late writes are stream fills.
+        side.checksums = ChecksumSource::kPages;
+        if (side.fault == Fault::kStaleGraphMetadata) side.fault = Fault::kNone;
+        if (side.fault == Fault::kLateWrite) {
+            side.fill = [g = ctx_.gpu](void* dst, int byte, size_t bytes) {
+                return g->enqueue_fill(dst, byte, bytes);
+            };
+        }
+    }
     auto backend = build_pd_backend(build, parts, side);
     // Members in the parts' order (the stream outlives what enqueues on it), built or not.
     owned_stream_ = std::move(parts.owned_stream);
@@ -91,13 +105,18 @@ Status Server::setup() {
             }
         });
     }
-    if (ctx_.gpu != nullptr) {
+    if (gpu) {
         // Decode graphs on this phase's backend and pool; layer timing by device events.
         PDSIM_RETURN_IF_ERROR(ctx_.gpu->begin_phase(*backend_, *pool_));
+        // --fault stale-graph-metadata on GPU ranks: the decode instances' graph replays skip the
+        // metadata refresh (end_phase() turns it off).
+        if (role_ == Role::kDecode && o_.fault == Fault::kStaleGraphMetadata) {
+            ctx_.gpu->set_stale_graph_metadata(true);
+        }
     }
 
     if (role_ != Role::kColocated) {
-        if (kv_ == nullptr)
+        if (kv_.control == nullptr)
             return PDSIM_ERROR(StatusCode::kInternal, "disaggregated phase without a KV transport");
         PDSIM_ASSIGN_OR_RETURN(
             transfer::KvLayout layout,
@@ -109,15 +128,18 @@ Status Server::setup() {
             so.validator = validator_.get();
             so.on_event = hook;
             so.num_workers = 1;
+            so.data_transport = kv_.data;
             PDSIM_ASSIGN_OR_RETURN(sender_,
-                                   transfer::KvSender::create(*kv_, layout, *counter_, so));
+                                   transfer::KvSender::create(*kv_.control, layout, *counter_, so));
         } else {
             transfer::ReceiverOptions ro;
             ro.request_timeout = timeout_;
             ro.validator = validator_.get();
             ro.on_event = hook;
             ro.num_workers = 1;
-            PDSIM_ASSIGN_OR_RETURN(receiver_, transfer::KvReceiver::create(*kv_, layout, ro));
+            ro.data_transport = kv_.data;
+            PDSIM_ASSIGN_OR_RETURN(receiver_,
+                                   transfer::KvReceiver::create(*kv_.control, layout, ro));
         }
     }
     return {};
@@ -280,21 +302,34 @@ RankResult Server::result() {
 
 }  // namespace detail
 
-Status run_server(RankContext& ctx, Phase phase, transfer::Transport* kv, RankResult* result) {
-    auto server = std::make_unique<detail::Server>(ctx, phase, kv);
-    Status st;
+PhaseServer::PhaseServer(RankContext& ctx, Phase phase, KvTransports kv)
+    : server_(std::make_unique<detail::Server>(ctx, phase, kv)) {}
+
+PhaseServer::~PhaseServer() = default;
+
+// Messages are decoded without exceptions (protocol.h); what is left is nlohmann::json's own
+// (e.g. the forward arguments): an error of this rank.
+Status PhaseServer::setup() {
     try {
-        st = server->setup();
-        if (st.ok()) st = server->run();
+        return server_->setup();
     } catch (const std::exception& e) {
-        // Messages are decoded without exceptions (protocol.h); what is left is nlohmann::json's
-        // own (e.g. the forward arguments).
-        st = PDSIM_ERROR(StatusCode::kInternal, "rank {}: {}", ctx.rank, e.what());
+        return PDSIM_ERROR(StatusCode::kInternal, "set-up: {}", e.what());
     }
-    server->shutdown_engines();
-    *result = server->result();
-    if (!st.ok()) result->error = st.to_string();
-    return st;
+}
+
+Status PhaseServer::run() {
+    try {
+        return server_->run();
+    } catch (const std::exception& e) {
+        return PDSIM_ERROR(StatusCode::kInternal, "{}", e.what());
+    }
+}
+
+RankResult PhaseServer::finish(const Status& error) {
+    server_->shutdown_engines();
+    RankResult result = server_->result();
+    if (!error.ok()) result.error = error.to_string();
+    return result;
 }
 
 }  // namespace pdsim::testbed

@@ -33,6 +33,14 @@
 // times layers with device events read after each forward (the compute track of the timeline).
 // The scheduling is the same code for both, except that a GPU rank's decode batches have no KV
 // token bound (the cuda backend never splits KV, so its batches stay invariant without it).
+// Disaggregated GPU ranks (docs/testbed.md "GPU rank"): a prefill rank's StepCounter is the
+// device counter on its CUDA stream (records are kernels); its ordering truth is the pages'
+// checksum after each layer's write (PdAttentionBackend, ChecksumSource::kPages); the first token
+// goes as on a CPU rank (a host task on the stream copies it, then record_aux); its records have
+// no timeline callbacks (a host round trip each). Its KvSender / KvReceiver take the data
+// transport (cuda_ipc) as EngineOptions::data_transport. Faults: as on CPU ranks, except that
+// late-write is a stream fill (GpuRank::enqueue_fill) and stale-graph-metadata is planted in the
+// decode ranks' graph replays (GpuRank::set_stale_graph_metadata).
 //
 // Thread-safety: run() runs on the rank's main thread; the engine's event hook and the model's
 // layer hook run on engine / stream threads and only append to locked buffers.
@@ -79,10 +87,43 @@ struct RankContext {
     [[nodiscard]] int leader() const { return instance_ranks.front(); }
 };
 
-// Runs this rank's part of `phase` until the router ends it. `kv` is the KV transport (disagg
-// only; null for colocated). Fills `result` with what rank 0 needs for the report (timeline
-// events, engine events, ordering report, stats; times on this rank's clock).
-[[nodiscard]] Status run_server(RankContext& ctx, Phase phase, transfer::Transport* kv,
-                                RankResult* result);
+// The transports of a disaggregated phase (both null for colocated; not owned, they outlive the
+// phase's server). `control` carries the engine's messages (and the KV when `data` is null);
+// `data` carries the KV bytes (EngineOptions::data_transport: GPU ranks' cuda_ipc).
+struct KvTransports {
+    transfer::Transport* control = nullptr;
+    transfer::Transport* data = nullptr;
+};
+
+namespace detail {
+class Server;
+}  // namespace detail
+
+// This rank's part of one phase, in three steps, so that the ranks can agree that every one of
+// them set up before any starts serving (testbed.cpp):
+//   setup()   builds the phase's device objects (stream, KV pool, StepCounter, validator, the
+//             attention backend; a GPU rank's decode graphs) and, disaggregated, the KvSender
+//             (prefill) or KvReceiver (decode) over `kv`. Its error is the rank's set-up failure:
+//             e.g. the transfer engine refusing the rank's KV layout (a device layout it cannot
+//             move yet is kUnimplemented, naming the engine and what is missing).
+//   run()     serves until the router ends the phase (only after a setup() that succeeded).
+//   finish()  shuts the engines down (graceful) and returns what rank 0 needs for the report
+//             (timeline events, engine events, ordering report, stats; times on this rank's
+//             clock), with `error` (not OK) as the rank's error.
+// Destroying it releases the phase's objects (the engines before the pool).
+class PhaseServer {
+public:
+    PhaseServer(RankContext& ctx, Phase phase, KvTransports kv);
+    ~PhaseServer();
+    PhaseServer(const PhaseServer&) = delete;
+    PhaseServer& operator=(const PhaseServer&) = delete;
+
+    [[nodiscard]] Status setup();
+    [[nodiscard]] Status run();
+    [[nodiscard]] RankResult finish(const Status& error);
+
+private:
+    std::unique_ptr<detail::Server> server_;
+};
 
 }  // namespace pdsim::testbed

@@ -1,7 +1,7 @@
 // The testbed server's own parts, shared by its translation units only (not an interface: include
 // sim/testbed/server.h instead). One rank's serving loop is the class Server, split by role:
 //   server.cpp          setup (the rank's parts, the engine), the engine event hook, the follower
-//                       loop, run() and what the rank reports (result()), run_server;
+//                       loop, run() and what the rank reports (result()), PhaseServer;
 //   server_forward.cpp  one forward on this rank (execute: batch, StepCounter steps, the chunks
 //                       handed to the KV sender) and polling the engine's request states;
 //   server_leader.cpp   the instance leader: submissions, admission, extend/decode scheduling,
@@ -113,7 +113,7 @@ struct PrefillSteps {
 
 class Server {
 public:
-    Server(RankContext& ctx, Phase phase, transfer::Transport* kv);
+    Server(RankContext& ctx, Phase phase, KvTransports kv);
     ~Server();
 
     Status setup();
@@ -194,7 +194,7 @@ private:
     const TestbedOptions& o_;
     Phase phase_;
     Role role_;
-    transfer::Transport* kv_;
+    KvTransports kv_;
     int num_layers_ = 1;
     std::chrono::milliseconds timeout_;
 

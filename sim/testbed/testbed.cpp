@@ -33,6 +33,7 @@
 #include "topology/shaping.h"
 #include "transfer/fault/fault_transport.h"
 #include "transfer/local/local_transport.h"
+#include "transfer/nccl/gpu_transports.h"
 #include "transfer/tcp/tcp_transport.h"
 #include "transfer/transport.h"
 
@@ -172,6 +173,29 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
     return t;
 }
 
+// The rank's KV data transport (--data-transport, resolved): null for none; else the named
+// transport, on the rank's GPU (`gpu`; a GPU transport's device), numbering the ranks as the
+// control transport does. A transport that cannot work here (not built, no device) is the
+// option's fault: kInvalidArgument naming it.
+StatusOr<std::unique_ptr<transfer::Transport>> make_data_transport(const ResolvedConfig& cfg,
+                                                                   int rank, int world,
+                                                                   const GpuRank* gpu) {
+    const std::string& name = cfg.options.data_transport;
+    if (name.empty() || name == kDataTransportNone) return std::unique_ptr<transfer::Transport>();
+    transfer::TransportOptions to;
+    to.rank = rank;
+    to.world_size = world;
+    to.set(transfer::GpuTransportOptions{.device_index = gpu != nullptr ? gpu->info().device : 0});
+    auto t = transfer::create_transport(name, to);
+    if (!t.ok()) {
+        const Status& st = t.status();
+        return Status(
+            st.code() == StatusCode::kUnavailable ? StatusCode::kInvalidArgument : st.code(),
+            fmt::format("--data-transport {}: {}", name, st.message()));
+    }
+    return std::move(*t);
+}
+
 // Seconds of one prefill layer of `tokens` tokens on this CPU (best of two forwards).
 StatusOr<double> measure_cpu_layer_s(const ResolvedConfig& cfg, model::SyntheticModel& model,
                                      int threads, int tokens) {
@@ -285,13 +309,42 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
     const auto collect_timeout =
         milliseconds(static_cast<int64_t>(o.request_timeout_s * 1000) + 60'000);
     for (Phase phase : order) {
-        std::unique_ptr<transfer::Transport> kv;
+        // Set-up: the phase's transports and this rank's server; then every rank agrees that all
+        // of them could, before any serves (one that could not, e.g. an engine refusing its KV
+        // layout, stops every rank with its error instead of leaving the others to time out).
+        std::unique_ptr<transfer::Transport> kv;    // control
+        std::unique_ptr<transfer::Transport> data;  // the KV bytes' own (GPU ranks: cuda_ipc)
         std::string tcp_dir;
-        if (phase == Phase::kDisagg) {
+        Status setup = [&]() -> Status {
+            if (phase != Phase::kDisagg) return {};
             PDSIM_ASSIGN_OR_RETURN(kv, make_kv_transport(sh, mbox, ctx.rank, &tcp_dir));
+            PDSIM_ASSIGN_OR_RETURN(data, make_data_transport(cfg, ctx.rank, ctx.world, ctx.gpu));
+            return {};
+        }();
+        auto server = std::make_unique<PhaseServer>(ctx, phase, KvTransports{kv.get(), data.get()});
+        if (setup.ok()) setup = server->setup();
+        if (!setup.ok()) {
+            PDSIM_LOG_ERROR("rank {}: {} phase set-up: {}", ctx.rank, phase_name(phase),
+                            setup.to_string());
         }
-        PDSIM_RETURN_IF_ERROR(
-            barrier(mbox, fmt::format("start-{}", phase_name(phase)), std::chrono::seconds(120)));
+        const Status agreed = agree(mbox, fmt::format("setup-{}", phase_name(phase)), setup,
+                                    std::chrono::seconds(120));
+        auto close_transports = [&] {
+            if (data) data->close();
+            if (kv) kv->close();
+            data.reset();
+            kv.reset();
+            if (!tcp_dir.empty()) {
+                std::error_code ec;
+                std::filesystem::remove_all(tcp_dir, ec);
+            }
+        };
+        if (!agreed.ok()) {
+            server.reset();  // stops the engines, then frees the phase's objects
+            close_transports();
+            return Status(agreed.code(), fmt::format("{} phase set-up failed on {}",
+                                                     phase_name(phase), agreed.message()));
+        }
         PhaseData pd;
         pd.phase = phase;
         Status router_st;
@@ -317,10 +370,11 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
                 }
             });
         }
-        RankResult result;
-        Status st = run_server(ctx, phase, kv.get(), &result);
+        Status st = server->run();
         if (!st.ok())
             PDSIM_LOG_ERROR("rank {}: {} phase: {}", ctx.rank, phase_name(phase), st.to_string());
+        RankResult result = server->finish(st);
+        server.reset();
         if (ctx.rank != 0) {
             PDSIM_RETURN_IF_ERROR(mbox.send(0, Channel::kCollect, encode_message(result)));
         } else {
@@ -344,12 +398,7 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
         }
         PDSIM_RETURN_IF_ERROR(
             barrier(mbox, fmt::format("end-{}", phase_name(phase)), collect_timeout));
-        if (kv) kv->close();
-        kv.reset();
-        if (!tcp_dir.empty()) {
-            std::error_code ec;
-            std::filesystem::remove_all(tcp_dir, ec);
-        }
+        close_transports();
         if (ctx.rank == 0) phases->push_back(std::move(pd));
     }
     return {};
