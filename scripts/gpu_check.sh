@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check, for a machine with an NVIDIA GPU, in under 5 minutes whatever hangs: runs
+# One-shot GPU check, for a machine with an NVIDIA GPU, in under 8 minutes whatever hangs: runs
 # every test labelled `cuda`, `pdsim bench transfer --transport cuda_ipc` (the cuda_ipc transport's
 # completion poller vs raw cudaMemcpyAsync) and `pdsim bench attention --backend cuda` (decode vs a
 # device-to-device copy, causal extend vs a cuBLASLt GEMM, the GPU model per layer vs the roofline
@@ -27,7 +27,7 @@
 # bundle carries the example topologies in .gpu/share/pdsim/topologies, where both binaries find
 # them by name.
 # Env: PDSIM_GPU_MODE=auto|build|bundle (auto), PDSIM_GPU_BUILD_DIR (build/gpu),
-#      PDSIM_GPU_CHECK_BUDGET_S (270: the whole run), PDSIM_GPU_BENCH_RESERVE_S (90),
+#      PDSIM_GPU_CHECK_BUDGET_S (450: the whole run), PDSIM_GPU_BENCH_RESERVE_S (90),
 #      PDSIM_NCCL_DIR / PDSIM_CUDA_DRIVER_DIR / PDSIM_CUBLAS_DIR (a folder to try first; "none":
 #      do not search),
 #      PDSIM_GPU_BENCH_ARGS (extra bench transfer arguments, e.g. "--sizes 1M,64M --reps 3"),
@@ -40,7 +40,7 @@ mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 MODE=${PDSIM_GPU_MODE:-auto}
 BUILD_DIR=${PDSIM_GPU_BUILD_DIR:-build/gpu}
-BUDGET=${PDSIM_GPU_CHECK_BUDGET_S:-270}
+BUDGET=${PDSIM_GPU_CHECK_BUDGET_S:-450}
 BENCH_RESERVE=${PDSIM_GPU_BENCH_RESERVE_S:-90}
 START=$SECONDS
 ENV_TXT=$OUT_DIR/env.txt
