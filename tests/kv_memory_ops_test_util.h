@@ -134,9 +134,8 @@ inline StatusOr<RankPool> make_rank_pool(const KvOpsCase& c, bool source, int tp
                                                              .head_dim = c.head_dim,
                                                              .dtype = c.dtype,
                                                              .device = device}));
-        PDSIM_ASSIGN_OR_RETURN(
-            out.layout,
-            KvLayout::from_mha_pool(*pool, tp, tp_rank, c.total_heads));
+        PDSIM_ASSIGN_OR_RETURN(out.layout,
+                               KvLayout::from_mha_pool(*pool, tp, tp_rank, c.total_heads));
         out.pool = std::move(pool);
     } else {
         PDSIM_ASSIGN_OR_RETURN(auto pool,
@@ -147,8 +146,7 @@ inline StatusOr<RankPool> make_rank_pool(const KvOpsCase& c, bool source, int tp
                                                              .rope_dim = c.rope_dim,
                                                              .dtype = c.dtype,
                                                              .device = device}));
-        PDSIM_ASSIGN_OR_RETURN(
-            out.layout, KvLayout::from_mla_pool(*pool, tp, tp_rank));
+        PDSIM_ASSIGN_OR_RETURN(out.layout, KvLayout::from_mla_pool(*pool, tp, tp_rank));
         out.pool = std::move(pool);
     }
     return out;
