@@ -2,8 +2,9 @@
 // so that tests without a GPU can build pools (and KV layouts) that claim to be on a CUDA device:
 // to check that host-only paths refuse them, or to run code that only does address arithmetic
 // on device memory (the transfer engine's one-sided writes) over a transport that copies host
-// memory, or that runs stand-in device ops on streams of the fake device (HostBackedCudaStream). Installing it replaces the process's CUDA runtime (a test binary that installs it
-// must not need a real GPU elsewhere).
+// memory, or that runs stand-in device ops on streams of the fake device (HostBackedCudaStream).
+// Installing it replaces the process's CUDA runtime (a test binary that installs it must not need a
+// real GPU elsewhere).
 #pragma once
 
 #include <cstdlib>

@@ -589,9 +589,9 @@ TEST_F(HostKvMemoryOpsTest, AllocatesStagingAndZeroedSumsTheOpsUse) {
     ASSERT_OK(ops_.enqueue_gather(stream_, src_.layout, plan_.ops, staging.data()));
     // Sums: `count` zeroed values (written over first by a discarded allocation of the same size:
     // fresh memory could be zero by chance, recycled memory must be zeroed on purpose).
-    ASSERT_OK_AND_ASSIGN(KvChecksumPlan sums_plan,
-                         plan_fragment_checksums(src_.layout, KvSide::kSource, frag_, runs_, 0,
-                                                 c_.num_layers));
+    ASSERT_OK_AND_ASSIGN(
+        KvChecksumPlan sums_plan,
+        plan_fragment_checksums(src_.layout, KvSide::kSource, frag_, runs_, 0, c_.num_layers));
     {
         ASSERT_OK_AND_ASSIGN(KvOpsMemory dirty, ops_.allocate_sums(sums_plan.sum_count));
         std::memset(dirty.data(), 0xFF, dirty.size());
@@ -607,15 +607,14 @@ TEST_F(HostKvMemoryOpsTest, AllocatesStagingAndZeroedSumsTheOpsUse) {
         gather_run(src_.layout, frag_, m.layer, m.buf, runs_[static_cast<size_t>(m.run)],
                    oracle.data() + m.staging_offset);
     }
-    EXPECT_EQ(testing::first_difference(
-                  std::vector<std::byte>(staging.data(), staging.data() + plan_.staging_bytes),
-                  oracle),
-              std::nullopt);
+    EXPECT_EQ(
+        testing::first_difference(
+            std::vector<std::byte>(staging.data(), staging.data() + plan_.staging_bytes), oracle),
+        std::nullopt);
     for (int l = 0; l < c_.num_layers; ++l) {
         for (int b = 0; b < src_.layout.buffer_count(); ++b) {
-            const std::vector<uint64_t> want =
-                kv_checksums(src_.layout, pages_, l, b, 0, c_.num_tokens, frag_.head_begin,
-                             frag_.head_count);
+            const std::vector<uint64_t> want = kv_checksums(
+                src_.layout, pages_, l, b, 0, c_.num_tokens, frag_.head_begin, frag_.head_count);
             const uint64_t* got = sums.as<uint64_t>() + sums_plan.sum_index(l, b);
             EXPECT_EQ(std::vector<uint64_t>(got, got + frag_.head_count), want)
                 << "layer " << l << " buffer " << b;

@@ -305,13 +305,12 @@ TEST_P(CudaKvOpsMatrix, AllocatedStagingAndSumsWork) {
     const int L = c_.num_layers;
     const auto& p = pairs_[0];
     const auto s = static_cast<size_t>(p.src_rank);
-    const std::vector<TokenRun> rs =
-        testing::chunk_runs(c_, p.frag, src_.host[s].layout.buffer_count(), src_pages_,
-                            dst_pages_, 0, c_.num_tokens);
+    const std::vector<TokenRun> rs = testing::chunk_runs(
+        c_, p.frag, src_.host[s].layout.buffer_count(), src_pages_, dst_pages_, 0, c_.num_tokens);
     ASSERT_OK_AND_ASSIGN(KvStagingPlan g, plan_gather(src_.host[s].layout, p.frag, rs, 0, L));
-    ASSERT_OK_AND_ASSIGN(KvChecksumPlan sums_plan,
-                         plan_fragment_checksums(src_.host[s].layout, KvSide::kSource, p.frag, rs,
-                                                 0, L));
+    ASSERT_OK_AND_ASSIGN(
+        KvChecksumPlan sums_plan,
+        plan_fragment_checksums(src_.host[s].layout, KvSide::kSource, p.frag, rs, 0, L));
     {
         // Dirty a block of the sums' size and give it back: the next one may be that block.
         ASSERT_OK_AND_ASSIGN(KvOpsMemory dirty, gpu.allocate_sums(sums_plan.sum_count));

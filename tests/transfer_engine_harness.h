@@ -209,9 +209,9 @@ public:
         return stream.enqueue([host, ops = std::vector<KvCopyOp>(ops.begin(), ops.end())] {
             for (const KvCopyOp& op : ops) {
                 for (int64_t k = 0; k < op.token_count; ++k) {
-                    host.base(op.layer, op.buf)[static_cast<uint64_t>(op.dst_slot + k) *
-                                                    op.dst_stride +
-                                                op.dst_offset] ^= std::byte{0xFF};
+                    host.base(op.layer,
+                              op.buf)[static_cast<uint64_t>(op.dst_slot + k) * op.dst_stride +
+                                      op.dst_offset] ^= std::byte{0xFF};
                 }
             }
             return Status();

@@ -2018,8 +2018,9 @@ TEST(TransferEngineDeviceStreams, StalledSenderCommStreamFailsTheRequest) {
     auto ps = (*send)->wait(21, 30s * kSlow);
     ASSERT_OK(ps);
     EXPECT_EQ(ps->state, RequestState::kFailed);
-    EXPECT_THAT(ps->reason, ::testing::AllOf(HasSubstr("request 21"), HasSubstr("timed out"),
-                                  HasSubstr("comm stream 'stalled'"), HasSubstr("layers 0..0")));
+    EXPECT_THAT(ps->reason,
+                ::testing::AllOf(HasSubstr("request 21"), HasSubstr("timed out"),
+                                 HasSubstr("comm stream 'stalled'"), HasSubstr("layers 0..0")));
     for (auto& r : recvs) {
         auto ds = r->wait_done(21, 30s * kSlow);
         ASSERT_OK(ds);
@@ -2088,8 +2089,9 @@ TEST(TransferEngineDeviceStreams, StalledReceiverCommStreamKeepsThePagesPinned) 
     auto ds = (*recv)->wait_done(31, 30s * kSlow);
     ASSERT_OK(ds);
     EXPECT_EQ(ds->state, RequestState::kFailed);
-    EXPECT_THAT(ds->reason, ::testing::AllOf(HasSubstr("request 31"), HasSubstr("timed out"),
-                                  HasSubstr("comm stream 'stalled'"), HasSubstr("scatters of")));
+    EXPECT_THAT(ds->reason,
+                ::testing::AllOf(HasSubstr("request 31"), HasSubstr("timed out"),
+                                 HasSubstr("comm stream 'stalled'"), HasSubstr("scatters of")));
     std::this_thread::sleep_for(100ms * kSlow);  // room for a wrong early release
     EXPECT_TRUE((*recv)->status(31)->pages_in_use) << "a scatter may still write the pages";
     EXPECT_THAT((*recv)->pins().free_pages(dpool->allocator(), dst),

@@ -22,8 +22,8 @@ StatusOr<std::unique_ptr<KvCommStream>> KvCommStream::create(std::string_view en
     if (ops == nullptr) {
         auto made = make_kv_memory_ops(device);
         if (!made.ok()) {
-            return made.status().with_context(
-                fmt::format("the {}'s KV layout is in {} memory: its KV memory ops", engine, where));
+            return made.status().with_context(fmt::format(
+                "the {}'s KV layout is in {} memory: its KV memory ops", engine, where));
         }
         owned = std::move(made).value();
         ops = owned.get();
@@ -49,8 +49,7 @@ StatusOr<std::unique_ptr<KvCommStream>> KvCommStream::create(std::string_view en
             fmt::format("the {}'s comm stream on {}", engine, where));
     }
     if (*stream == nullptr || (*stream)->device().kind != device.kind ||
-        ((*stream)->device().index != device.index &&
-         device.kind != runtime::DeviceKind::kCpu)) {
+        ((*stream)->device().index != device.index && device.kind != runtime::DeviceKind::kCpu)) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "the {}'s comm stream is not a stream of {} (the KV layout's memory)",
                            engine, where);

@@ -120,9 +120,8 @@ StatusOr<KvOpsMemory> HostKvMemoryOps::allocate_staging(size_t bytes) {
         return PDSIM_ERROR(StatusCode::kResourceExhausted,
                            "host KV memory ops: staging of {} bytes could not be allocated", bytes);
     }
-    return KvOpsMemory(p, rounded, /*host_readable=*/true, [](void* data, size_t) {
-        std::free(data);
-    });
+    return KvOpsMemory(p, rounded, /*host_readable=*/true,
+                       [](void* data, size_t) { std::free(data); });
 }
 
 StatusOr<KvOpsMemory> HostKvMemoryOps::allocate_sums(size_t count) {

@@ -527,9 +527,9 @@ void KvReceiver::Impl::fail(const std::shared_ptr<RecvReq>& r, std::string reaso
 
 StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::create(Transport& transport, KvLayout layout,
                                                          ReceiverOptions options) {
-    PDSIM_ASSIGN_OR_RETURN(DataPlaneChoice plane,
-                           choose_data_plane("KV receiver", transport, options.data_transport,
-                                             layout));
+    PDSIM_ASSIGN_OR_RETURN(
+        DataPlaneChoice plane,
+        choose_data_plane("KV receiver", transport, options.data_transport, layout));
     if (options.validator != nullptr && options.validator->rank() != transport.rank()) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "validator of rank {} given to the receiver of rank {}",

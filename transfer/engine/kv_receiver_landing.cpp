@@ -240,8 +240,9 @@ std::vector<receiver_detail::RecvOp> KvReceiver::Impl::plan_chunk_locked(RecvReq
         if (partial) {
             StatusOr<KvStagingPlan> plan = plan_scatter(layout_, f, runs, 0, L);
             if (!plan.ok()) {
-                why = fmt::format("request {}: the scatter plan of chunk {} from prefill rank {}: {}",
-                                  r.id, m.chunk_index, s.world_rank, plan.status().message());
+                why =
+                    fmt::format("request {}: the scatter plan of chunk {} from prefill rank {}: {}",
+                                r.id, m.chunk_index, s.world_rank, plan.status().message());
                 return {};
             }
             device_staging = std::make_shared<DeviceStaging>();
@@ -263,10 +264,10 @@ std::vector<receiver_detail::RecvOp> KvReceiver::Impl::plan_chunk_locked(RecvReq
                 } else if (device_staging) {
                     // op.ptr is set once the staging memory is allocated (handle_chunk).
                     op.device_staging = device_staging;
-                    op.message = (static_cast<size_t>(l) * static_cast<size_t>(B) +
-                                  static_cast<size_t>(b)) *
-                                     runs.size() +
-                                 k;
+                    op.message =
+                        (static_cast<size_t>(l) * static_cast<size_t>(B) + static_cast<size_t>(b)) *
+                            runs.size() +
+                        k;
                 } else {
                     op.staging = std::make_shared<std::vector<std::byte>>(op.bytes);
                     op.ptr = op.staging->data();

@@ -837,9 +837,9 @@ void KvSender::Impl::fail(const std::shared_ptr<SendReq>& r, std::string reason,
 StatusOr<std::unique_ptr<KvSender>> KvSender::create(Transport& transport, KvLayout layout,
                                                      pd::StepCounter& counter,
                                                      SenderOptions options) {
-    PDSIM_ASSIGN_OR_RETURN(DataPlaneChoice plane,
-                           choose_data_plane("KV sender", transport, options.data_transport,
-                                             layout));
+    PDSIM_ASSIGN_OR_RETURN(
+        DataPlaneChoice plane,
+        choose_data_plane("KV sender", transport, options.data_transport, layout));
     if (layout.num_layers() < 1) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "empty KV layout");
     }

@@ -240,10 +240,11 @@ bool KvSender::Impl::run_device_interval(Active& a, int l0, int l1, DeviceInterv
     // the stream has passed it. The request fails unless it already has (or the sender stops).
     auto give_up = [&](const Status& st) {
         if (enqueued) {
-            comm_->retire(std::make_shared<std::pair<std::shared_ptr<KvOpsMemory>,
-                                                     std::shared_ptr<KvOpsMemory>>>(out.staging,
-                                                                                    sums),
-                          nullptr);
+            comm_->retire(
+                std::make_shared<
+                    std::pair<std::shared_ptr<KvOpsMemory>, std::shared_ptr<KvOpsMemory>>>(
+                    out.staging, sums),
+                nullptr);
         }
         out.staging.reset();
         if (r.cancelled.load() || stopping_.load()) return false;
@@ -291,8 +292,8 @@ bool KvSender::Impl::run_device_interval(Active& a, int l0, int l1, DeviceInterv
         StatusOr<KvOpsMemory> memory = ops.allocate_sums(plan->sum_count);
         if (!memory.ok()) return give_up(memory.status());
         sums = std::make_shared<KvOpsMemory>(std::move(memory).value());
-        if (Status st = ops.enqueue_checksums(comm_->stream(), layout_, plan->ops,
-                                              sums->as<uint64_t>());
+        if (Status st =
+                ops.enqueue_checksums(comm_->stream(), layout_, plan->ops, sums->as<uint64_t>());
             !st.ok()) {
             return give_up(st);
         }
@@ -391,8 +392,8 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
     return ok;
 }
 
-bool KvSender::Impl::post_run_writes(Active& a, int l, int b, const TokenRun& run,
-                                     uint64_t& staged, const std::byte* gathered,
+bool KvSender::Impl::post_run_writes(Active& a, int l, int b, const TokenRun& run, uint64_t& staged,
+                                     const std::byte* gathered,
                                      const std::shared_ptr<KvOpsMemory>& gathered_keep) {
     const DestState& d = *a.t.dest;
     const Fragment& f = *d.frag;

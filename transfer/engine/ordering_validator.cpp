@@ -177,21 +177,20 @@ Status enqueue_device_layer_checksum(runtime::Stream& stream, OrderingValidator&
                                      const std::vector<int32_t>& pages, int64_t token_begin,
                                      int64_t token_end, KvMemoryOps* ops) {
     if (ops == nullptr || ops->memory_kind() != layout.device().kind) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                           "checksum of layer {}: the layout's memory is on {}:{}; ops: {} (KV "
-                           "memory ops of that memory kind are needed)",
-                           layer, runtime::device_kind_name(layout.device().kind),
-                           layout.device().index,
-                           ops == nullptr ? std::string("null")
-                                          : fmt::format("'{}' works on {} memory", ops->name(),
-                                                        runtime::device_kind_name(
-                                                            ops->memory_kind())));
+        return PDSIM_ERROR(
+            StatusCode::kInvalidArgument,
+            "checksum of layer {}: the layout's memory is on {}:{}; ops: {} (KV "
+            "memory ops of that memory kind are needed)",
+            layer, runtime::device_kind_name(layout.device().kind), layout.device().index,
+            ops == nullptr ? std::string("null")
+                           : fmt::format("'{}' works on {} memory", ops->name(),
+                                         runtime::device_kind_name(ops->memory_kind())));
     }
     PDSIM_RETURN_IF_ERROR(layout.check_pages(pages, token_end));
-    PDSIM_ASSIGN_OR_RETURN(KvChecksumPlan plan,
-                           plan_page_checksums(layout, pages, token_begin, token_end, layer,
-                                               layer + 1, layout.head_begin(),
-                                               layout.local_heads()));
+    PDSIM_ASSIGN_OR_RETURN(
+        KvChecksumPlan plan,
+        plan_page_checksums(layout, pages, token_begin, token_end, layer, layer + 1,
+                            layout.head_begin(), layout.local_heads()));
     PDSIM_ASSIGN_OR_RETURN(KvOpsMemory sums, ops->allocate_sums(plan.sum_count));
     auto held = std::make_shared<KvOpsMemory>(std::move(sums));
     PDSIM_RETURN_IF_ERROR(ops->enqueue_checksums(stream, layout, plan.ops, held->as<uint64_t>()));
