@@ -231,12 +231,14 @@ void KvSender::Impl::shutdown(ShutdownMode mode) {
             return true;
         });
     }
-    // Write mode: the Quiesced messages just posted are what the decode ranks wait for before
-    // they free pages; give the control sends a moment to reach a live peer (one that is gone
-    // or stuck counts as dead after its peer timeout anyway: our heartbeats stop).
+    // Write mode: the Quiesced messages (those just posted, and those posted earlier that a
+    // decode rank has not matched yet) are what the decode ranks wait for before they free
+    // pages; give the control sends a moment to reach a live peer (one that is gone or stuck
+    // counts as dead after its peer timeout anyway: our heartbeats stop). stop() lingers only
+    // while sends are still unmatched.
     if (channel_) {
-        channel_->stop(graceful, quiesce_on_exit_.load() ? std::chrono::milliseconds(200)
-                                                         : std::chrono::milliseconds(0));
+        channel_->stop(graceful, write_mode() && graceful ? std::chrono::milliseconds(200)
+                                                          : std::chrono::milliseconds(0));
     }
 }
 

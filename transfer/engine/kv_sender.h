@@ -101,8 +101,9 @@
 // never wrote (unknown here, or already quiet). Until then it keeps heartbeating those decode
 // ranks, which keep the pages pinned (kv_receiver.h, "Page safety"). A graceful shutdown with
 // requests that are not quiet (it fails the active ones) waits (at most peer_timeout) for them
-// to turn quiet and lets the Quiesced messages reach live peers (at most 200 ms) before it stops
-// the control channel; an abrupt one sends nothing.
+// to turn quiet; every graceful shutdown then lets the control messages still unmatched (the
+// Quiesced ones, including those sent before the shutdown) reach live peers (at most 200 ms)
+// before it stops the control channel; an abrupt one sends nothing.
 //
 // Thread-safety: all public methods may be called from any thread. Lifetime: destroy (or
 // shutdown) the sender before closing its transports (control and data) and before freeing the
