@@ -11,6 +11,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -575,6 +576,63 @@ TEST_F(HostKvMemoryOpsTest, RunsInStreamOrderFromDescriptorsCopiedAtEnqueue) {
                    oracle.data() + m.staging_offset);
     }
     EXPECT_EQ(testing::first_difference(staging, oracle), std::nullopt);
+}
+
+TEST_F(HostKvMemoryOpsTest, AllocatesStagingAndZeroedSumsTheOpsUse) {
+    // Staging: at least the bytes asked for, 16-byte aligned, host-readable; the gather into it
+    // equals the oracle (poisoned first: a gather that did not run shows).
+    ASSERT_OK_AND_ASSIGN(KvOpsMemory staging, ops_.allocate_staging(plan_.staging_bytes));
+    EXPECT_GE(staging.size(), plan_.staging_bytes);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(staging.data()) % 16, 0u);
+    EXPECT_TRUE(staging.host_readable());
+    std::memset(staging.data(), static_cast<int>(kStagingPoison), staging.size());
+    ASSERT_OK(ops_.enqueue_gather(stream_, src_.layout, plan_.ops, staging.data()));
+    // Sums: `count` zeroed values (written over first by a discarded allocation of the same size:
+    // fresh memory could be zero by chance, recycled memory must be zeroed on purpose).
+    ASSERT_OK_AND_ASSIGN(
+        KvChecksumPlan sums_plan,
+        plan_fragment_checksums(src_.layout, KvSide::kSource, frag_, runs_, 0, c_.num_layers));
+    {
+        ASSERT_OK_AND_ASSIGN(KvOpsMemory dirty, ops_.allocate_sums(sums_plan.sum_count));
+        std::memset(dirty.data(), 0xFF, dirty.size());
+    }
+    ASSERT_OK_AND_ASSIGN(KvOpsMemory sums, ops_.allocate_sums(sums_plan.sum_count));
+    ASSERT_GE(sums.size(), sums_plan.sum_count * sizeof(uint64_t));
+    EXPECT_TRUE(sums.host_readable());
+    for (size_t i = 0; i < sums_plan.sum_count; ++i) ASSERT_EQ(sums.as<uint64_t>()[i], 0u) << i;
+    ASSERT_OK(ops_.enqueue_checksums(stream_, src_.layout, sums_plan.ops, sums.as<uint64_t>()));
+    ASSERT_OK(stream_.synchronize(kWait));
+    std::vector<std::byte> oracle(plan_.staging_bytes, kStagingPoison);
+    for (const KvStagedMessage& m : plan_.messages) {
+        gather_run(src_.layout, frag_, m.layer, m.buf, runs_[static_cast<size_t>(m.run)],
+                   oracle.data() + m.staging_offset);
+    }
+    EXPECT_EQ(
+        testing::first_difference(
+            std::vector<std::byte>(staging.data(), staging.data() + plan_.staging_bytes), oracle),
+        std::nullopt);
+    for (int l = 0; l < c_.num_layers; ++l) {
+        for (int b = 0; b < src_.layout.buffer_count(); ++b) {
+            const std::vector<uint64_t> want = kv_checksums(
+                src_.layout, pages_, l, b, 0, c_.num_tokens, frag_.head_begin, frag_.head_count);
+            const uint64_t* got = sums.as<uint64_t>() + sums_plan.sum_index(l, b);
+            EXPECT_EQ(std::vector<uint64_t>(got, got + frag_.head_count), want)
+                << "layer " << l << " buffer " << b;
+        }
+    }
+    // 0 is taken as 1; a handle is move-only and gives its memory back once.
+    ASSERT_OK_AND_ASSIGN(KvOpsMemory tiny, ops_.allocate_staging(0));
+    EXPECT_GE(tiny.size(), 1u);
+    int released = 0;
+    {
+        KvOpsMemory counted(tiny.data(), tiny.size(), true,
+                            [&released](void*, size_t) { ++released; });
+        KvOpsMemory moved = std::move(counted);
+        EXPECT_TRUE(counted.empty());  // NOLINT(bugprone-use-after-move): the contract
+        EXPECT_EQ(moved.data(), tiny.data());
+        EXPECT_EQ(released, 0);
+    }
+    EXPECT_EQ(released, 1);
 }
 
 TEST_F(HostKvMemoryOpsTest, NoTokensEnqueueNothingAndNeedNoBuffer) {

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -293,6 +294,59 @@ TEST_P(CudaKvOpsMatrix, RejectsWhatItCannotRun) {
     auto graph = stream_->end_capture();
     EXPECT_THAT(captured, StatusIs(StatusCode::kFailedPrecondition, HasSubstr("capturing")));
     EXPECT_OK(stream_->synchronize(kWait));
+}
+
+// The memory the CUDA ops hand out (allocate_staging / allocate_sums): staging in device memory
+// of the ops' device, sums in mapped pinned host memory, zeroed every time (also when a
+// released block is reused), and both usable by the ops: a gather into that staging and checksums
+// into those sums equal the host ops'.
+TEST_P(CudaKvOpsMatrix, AllocatedStagingAndSumsWork) {
+    KvMemoryOps& gpu = *cuda_ops_[0];
+    const int L = c_.num_layers;
+    const auto& p = pairs_[0];
+    const auto s = static_cast<size_t>(p.src_rank);
+    const std::vector<TokenRun> rs = testing::chunk_runs(
+        c_, p.frag, src_.host[s].layout.buffer_count(), src_pages_, dst_pages_, 0, c_.num_tokens);
+    ASSERT_OK_AND_ASSIGN(KvStagingPlan g, plan_gather(src_.host[s].layout, p.frag, rs, 0, L));
+    ASSERT_OK_AND_ASSIGN(
+        KvChecksumPlan sums_plan,
+        plan_fragment_checksums(src_.host[s].layout, KvSide::kSource, p.frag, rs, 0, L));
+    {
+        // Dirty a block of the sums' size and give it back: the next one may be that block.
+        ASSERT_OK_AND_ASSIGN(KvOpsMemory dirty, gpu.allocate_sums(sums_plan.sum_count));
+        std::memset(dirty.data(), 0xFF, dirty.size());
+    }
+    ASSERT_OK_AND_ASSIGN(KvOpsMemory staging, gpu.allocate_staging(g.staging_bytes));
+    ASSERT_OK_AND_ASSIGN(KvOpsMemory sums, gpu.allocate_sums(sums_plan.sum_count));
+    ASSERT_GE(staging.size(), g.staging_bytes);
+    ASSERT_GE(sums.size(), sums_plan.sum_count * sizeof(uint64_t));
+    EXPECT_FALSE(staging.host_readable());
+    EXPECT_TRUE(sums.host_readable());
+    cudaPointerAttributes a{};
+    ASSERT_EQ(cudaPointerGetAttributes(&a, staging.data()), cudaSuccess);
+    EXPECT_EQ(a.type, cudaMemoryTypeDevice);
+    EXPECT_EQ(a.device, 0);
+    ASSERT_EQ(cudaPointerGetAttributes(&a, sums.data()), cudaSuccess);
+    EXPECT_EQ(a.type, cudaMemoryTypeHost);
+    EXPECT_NE(a.devicePointer, nullptr) << "sums must be mapped";
+    for (size_t i = 0; i < sums_plan.sum_count; ++i) ASSERT_EQ(sums.as<uint64_t>()[i], 0u) << i;
+    ASSERT_OK(rt_->fill(staging.data(), kStagingPoison, staging.size()));
+    ASSERT_OK(gpu.enqueue_gather(*stream_, src_.device[s].layout, g.ops, staging.data()));
+    ASSERT_OK(
+        gpu.enqueue_checksums(*stream_, src_.device[s].layout, sums_plan.ops, sums.as<uint64_t>()));
+    ASSERT_OK(stream_->synchronize(kWait));
+
+    std::vector<std::byte> want(g.staging_bytes, std::byte{kStagingPoison});
+    std::vector<uint64_t> want_sums(sums_plan.sum_count, 0);
+    ASSERT_OK(host_ops_.enqueue_gather(host_stream_, src_.host[s].layout, g.ops, want.data()));
+    ASSERT_OK(host_ops_.enqueue_checksums(host_stream_, src_.host[s].layout, sums_plan.ops,
+                                          want_sums.data()));
+    ASSERT_OK(host_stream_.synchronize(kWait));
+    std::vector<std::byte> got(g.staging_bytes);
+    ASSERT_OK(rt_->copy(got.data(), staging.data(), got.size()));
+    EXPECT_EQ(testing::first_difference(got, want), std::nullopt);
+    EXPECT_EQ(std::vector<uint64_t>(sums.as<uint64_t>(), sums.as<uint64_t>() + want_sums.size()),
+              want_sums);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, CudaKvOpsMatrix, ::testing::ValuesIn(testing::kv_ops_cases()),

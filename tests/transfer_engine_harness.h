@@ -11,6 +11,9 @@
 // Decode rank: pre-allocates (scrambled, partly non-contiguous) pages, submits every request,
 // waits layer by layer, then checks every byte it holds against fill_kv -- which is what the
 // prefill side wrote -- and, in-process, the harness also compares against the prefill pages.
+// Device layouts (ClusterSpec::device): every pool on a device (the host-backed fake CUDA runtime
+// of tests/host_backed_cuda_runtime.h: host memory that says it is not), the engines' and the
+// compute stream's gathers, scatters and checksums through KV memory ops (InProcessDeviceOps).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -35,6 +38,7 @@
 #include "backends/pd/step_counter.h"
 #include "backends/runtime/cpu_stream.h"
 #include "transfer/engine/kv_layout.h"
+#include "transfer/engine/kv_memory_ops.h"
 #include "transfer/engine/kv_receiver.h"
 #include "transfer/engine/kv_sender.h"
 #include "transfer/engine/ordering_validator.h"
@@ -119,8 +123,21 @@ inline void one_sided_only(Capabilities& c) {
 //   local_writes         "local" without two-sided operations (LocalOptions::world).
 //   local_device_writes  ... that also claims device memory: with a host-backed "CUDA" runtime
 //                        (a device-kind pool in host memory) it plays cuda_ipc on the CPU.
+//   local_device         "local" (two-sided) that also claims device memory: a two-sided data
+//                        transport of device layouts over the host-backed runtime.
 inline void register_test_transports() {
     static const bool done = [] {
+        TransportDescriptor two_sided = local_transport_descriptor();
+        two_sided.name = "local_device";
+        two_sided.caps.device_memory = true;
+        two_sided.summary = "tests: local claiming device memory";
+        register_transport(
+            two_sided, [](const TransportOptions& o) -> StatusOr<std::unique_ptr<Transport>> {
+                PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner, make_local_transport(o));
+                return std::unique_ptr<Transport>(std::make_unique<CapabilityView>(
+                    std::move(inner), "local_device",
+                    [](Capabilities& c) { c.device_memory = true; }));
+            });
         for (const bool device : {false, true}) {
             const std::string name = device ? "local_device_writes" : "local_writes";
             TransportDescriptor d = local_transport_descriptor();
@@ -145,6 +162,116 @@ inline void register_test_transports() {
     }();
     (void)done;
 }
+
+// ---- device memory ----
+
+// An in-process stand-in for a GPU's KV memory ops (tests only): HostKvMemoryOps running on the
+// memory of the host-backed fake CUDA runtime (tests/host_backed_cuda_runtime.h), which is host
+// memory, while declaring kCuda memory as the CUDA ops do; its staging and sums are host memory
+// too. It counts its calls, so a test can prove that the engine's device path ran them, and can
+// be poisoned, so a test can prove that a wrong result of an op is caught:
+//   kGather     every gathered message's first byte is flipped after the gather;
+//   kScatter    every scattered token's first byte is flipped in the pages after the scatter;
+//   kChecksums  1 is added to the first sum of every checksum op.
+// Its staging is handed out filled with 0xA5 (a gather that did not run shows).
+class InProcessDeviceOps final : public KvMemoryOps {
+public:
+    enum class Poison { kNone, kGather, kScatter, kChecksums };
+    explicit InProcessDeviceOps(Poison poison = Poison::kNone) : poison_(poison) {}
+
+    [[nodiscard]] runtime::DeviceKind memory_kind() const override {
+        return runtime::DeviceKind::kCuda;
+    }
+    [[nodiscard]] std::string_view name() const override {
+        return "in-process stand-in (host ops on host-backed cuda memory)";
+    }
+    [[nodiscard]] Status enqueue_gather(runtime::Stream& stream, const KvLayout& layout,
+                                        std::span<const KvCopyOp> ops,
+                                        std::byte* staging) override {
+        PDSIM_ASSIGN_OR_RETURN(KvLayout host, as_host(layout));
+        PDSIM_RETURN_IF_ERROR(host_.enqueue_gather(stream, host, ops, staging));
+        gathers_.fetch_add(1);
+        if (poison_ != Poison::kGather) return {};
+        return stream.enqueue([staging, ops = std::vector<KvCopyOp>(ops.begin(), ops.end())] {
+            for (const KvCopyOp& op : ops) {
+                if (op.token_count > 0) staging[op.dst_offset] ^= std::byte{0xFF};
+            }
+            return Status();
+        });
+    }
+    [[nodiscard]] Status enqueue_scatter(runtime::Stream& stream, const KvLayout& layout,
+                                         std::span<const KvCopyOp> ops,
+                                         const std::byte* staging) override {
+        PDSIM_ASSIGN_OR_RETURN(KvLayout host, as_host(layout));
+        PDSIM_RETURN_IF_ERROR(host_.enqueue_scatter(stream, host, ops, staging));
+        scatters_.fetch_add(1);
+        if (poison_ != Poison::kScatter) return {};
+        return stream.enqueue([host, ops = std::vector<KvCopyOp>(ops.begin(), ops.end())] {
+            for (const KvCopyOp& op : ops) {
+                for (int64_t k = 0; k < op.token_count; ++k) {
+                    host.base(op.layer,
+                              op.buf)[static_cast<uint64_t>(op.dst_slot + k) * op.dst_stride +
+                                      op.dst_offset] ^= std::byte{0xFF};
+                }
+            }
+            return Status();
+        });
+    }
+    [[nodiscard]] Status enqueue_checksums(runtime::Stream& stream, const KvLayout& layout,
+                                           std::span<const KvChecksumOp> ops,
+                                           uint64_t* sums_out) override {
+        PDSIM_ASSIGN_OR_RETURN(KvLayout host, as_host(layout));
+        PDSIM_RETURN_IF_ERROR(host_.enqueue_checksums(stream, host, ops, sums_out));
+        checksums_.fetch_add(1);
+        if (poison_ != Poison::kChecksums) return {};
+        return stream.enqueue([sums_out, ops = std::vector<KvChecksumOp>(ops.begin(), ops.end())] {
+            for (const KvChecksumOp& op : ops) {
+                if (op.token_count > 0) sums_out[op.sum_index] += 1;
+            }
+            return Status();
+        });
+    }
+    [[nodiscard]] StatusOr<KvOpsMemory> allocate_staging(size_t bytes) override {
+        PDSIM_ASSIGN_OR_RETURN(KvOpsMemory m, host_.allocate_staging(bytes));
+        std::memset(m.data(), 0xA5, m.size());
+        staging_allocations_.fetch_add(1);
+        return m;
+    }
+    [[nodiscard]] StatusOr<KvOpsMemory> allocate_sums(size_t count) override {
+        sums_allocations_.fetch_add(1);
+        return host_.allocate_sums(count);
+    }
+
+    [[nodiscard]] uint64_t gathers() const { return gathers_.load(); }
+    [[nodiscard]] uint64_t scatters() const { return scatters_.load(); }
+    [[nodiscard]] uint64_t checksums() const { return checksums_.load(); }
+    [[nodiscard]] uint64_t staging_allocations() const { return staging_allocations_.load(); }
+    [[nodiscard]] uint64_t sums_allocations() const { return sums_allocations_.load(); }
+
+private:
+    // The same memory, declared as host memory (it is: the fake runtime allocates on the heap),
+    // for the host ops. A layout of another memory than kCuda is refused as the CUDA ops do.
+    static StatusOr<KvLayout> as_host(const KvLayout& layout) {
+        if (layout.device().kind != runtime::DeviceKind::kCuda) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "layout: memory on {}; the stand-in device ops work on cuda memory",
+                               runtime::device_kind_name(layout.device().kind));
+        }
+        std::vector<std::byte*> bases;
+        for (int l = 0; l < layout.num_layers(); ++l) {
+            for (int b = 0; b < layout.buffer_count(); ++b) bases.push_back(layout.base(l, b));
+        }
+        return KvLayout::create(layout.summary(), layout.num_pages(), std::move(bases));
+    }
+
+    const Poison poison_;
+    HostKvMemoryOps host_;
+    std::atomic<uint64_t> gathers_{0};
+    std::atomic<uint64_t> scatters_{0};
+    std::atomic<uint64_t> checksums_{0};
+    std::atomic<uint64_t> staging_allocations_{0};
+    std::atomic<uint64_t> sums_allocations_{0};
+};
 
 // ---- deterministic KV content ----
 
@@ -186,10 +313,19 @@ struct InstanceSpec {
     int num_pages = 256;
 };
 
+// Where the ranks' KV lives. Host by default; a device (the host-backed fake CUDA runtime)
+// needs the compute stream's checksums through `compute_ops` (enqueue_layer_checksum), and the
+// engines their ops through their options (kv_memory_ops_for_testing).
+struct DeviceSpec {
+    runtime::Device memory{};
+    KvMemoryOps* compute_ops = nullptr;
+};
+
 struct ClusterSpec {
     ModelSpec model;
     std::vector<InstanceSpec> prefill;
     std::vector<InstanceSpec> decode;
+    DeviceSpec device;
 
     [[nodiscard]] int world_size() const {
         int n = 0;
@@ -412,7 +548,7 @@ public:
           stream_("prefill-compute"),
           counter_(stream_),
           validator_(t.rank()) {
-        pool_ = make_pool(cluster.model, inst_, tp_rank, &layout_);
+        pool_ = make_pool(cluster.model, inst_, tp_rank, &layout_, cluster.device.memory);
         // Poison: a read before the write must not find the right bytes left over from an
         // earlier run in recycled memory.
         EXPECT_TRUE(pool_->fill(0xA5).ok());
@@ -664,9 +800,9 @@ private:
 
     void enqueue_checksums(const std::vector<Piece>& fwd, int l) {
         for (const Piece& p : fwd) {
-            check(
-                enqueue_layer_checksum(stream_, validator_, layout_, p.id, l, *p.pages, p.t0, p.t1),
-                "checksum");
+            check(enqueue_layer_checksum(stream_, validator_, layout_, p.id, l, *p.pages, p.t0,
+                                         p.t1, cluster_.device.compute_ops),
+                  "checksum");
         }
     }
 
@@ -720,7 +856,7 @@ public:
           instance_(instance),
           rank_(t.rank()),
           validator_(t.rank()) {
-        pool_ = make_pool(cluster.model, inst_, tp_rank, &layout_);
+        pool_ = make_pool(cluster.model, inst_, tp_rank, &layout_, cluster.device.memory);
         EXPECT_TRUE(pool_->fill(0x5A).ok());
         opts.validator = &validator_;
         auto r = KvReceiver::create(t, layout_, opts);

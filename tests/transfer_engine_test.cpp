@@ -233,14 +233,23 @@ struct EngineMode {
     std::string name;     // the test name's suffix
     std::string control;  // "local" | "tcp"
     std::string data;     // "": none; "local_writes": the one-sided write mode; "local": a
-                          // separate two-sided data transport
-    [[nodiscard]] bool writes() const { return data == "local_writes"; }
+                          // separate two-sided data transport; "local_device(_writes)": the
+                          // same, claiming device memory
+    // Every pool on the host-backed fake CUDA device (the engines' device path: their gathers,
+    // scatters and checksums through InProcessDeviceOps on a comm stream of the fake runtime).
+    bool device = false;
+    [[nodiscard]] bool writes() const { return data.ends_with("_writes"); }
 };
 const EngineMode kTwoSided{"two_sided", "local", ""};
 const EngineMode kWrites{"writes", "local", "local_writes"};
 const EngineMode kTcpTwoSided{"two_sided", "tcp", ""};
 const EngineMode kTcpWrites{"writes", "tcp", "local_writes"};
 const EngineMode kTcpControlLocalData{"split_two_sided", "tcp", "local"};
+const EngineMode kDeviceTwoSided{"device_two_sided", "local", "local_device", true};
+const EngineMode kDeviceWrites{"device_writes", "local", "local_device_writes", true};
+
+// The fake GPU of the device modes (tests/host_backed_cuda_runtime.h).
+constexpr runtime::Device kFakeGpu{runtime::DeviceKind::kCuda, 0};
 
 std::string mode_name(const ::testing::TestParamInfo<EngineMode>& info) {
     return info.param.name;
@@ -252,6 +261,10 @@ void PrintTo(const EngineMode& mode, std::ostream* os) {
 
 struct ClusterRun {
     TempDir dir;
+    // The cluster the ranks were built for (device modes: on the fake GPU), and the device ops of
+    // a device mode (the compute streams' and, unless the test gave others, the engines').
+    ClusterSpec spec;
+    std::unique_ptr<InProcessDeviceOps> device_ops;
     std::vector<std::unique_ptr<Transport>> transports;       // control
     std::vector<std::unique_ptr<Transport>> data_transports;  // empty: none
     // Declared after the transports: the engines go first.
@@ -329,13 +342,29 @@ ModeTransports make_mode_transports(
     return t;
 }
 
-// Builds the cluster, runs every rank on its own thread, returns with all engines alive.
+// Builds the cluster, runs every rank on its own thread, returns with all engines alive. Device
+// modes: every pool on the fake GPU, the compute streams' checksums through run->device_ops,
+// and the engines' ops those too unless `so` / `ro` carry others.
 std::unique_ptr<ClusterRun> start_cluster(
-    const ClusterSpec& c, const EngineMode& mode, SenderOptions so = test_options(SenderOptions{}),
+    const ClusterSpec& spec, const EngineMode& mode,
+    SenderOptions so = test_options(SenderOptions{}),
     ReceiverOptions ro = test_options(ReceiverOptions{}),
     const std::function<std::string(int)>& fault_spec = nullptr,
     const std::function<std::string(int)>& data_fault_spec = nullptr) {
     auto run = std::make_unique<ClusterRun>();
+    run->spec = spec;
+    if (mode.device) {
+        runtime::testing::install_host_backed_cuda_runtime();
+        run->device_ops = std::make_unique<InProcessDeviceOps>();
+        run->spec.device = DeviceSpec{.memory = kFakeGpu, .compute_ops = run->device_ops.get()};
+        if (so.kv_memory_ops_for_testing == nullptr) {
+            so.kv_memory_ops_for_testing = run->device_ops.get();
+        }
+        if (ro.kv_memory_ops_for_testing == nullptr) {
+            ro.kv_memory_ops_for_testing = run->device_ops.get();
+        }
+    }
+    const ClusterSpec& c = run->spec;
     const int n = c.world_size();
     ModeTransports ts = make_mode_transports(mode, n, run->dir.path(), fault_spec, data_fault_spec);
     run->transports = std::move(ts.control);
@@ -1060,6 +1089,10 @@ TEST_P(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
 
 class TransferEngineFaults : public EngineModeTest {};
 INSTANTIATE_TEST_SUITE_P(, TransferEngineFaults, ::testing::Values(kTwoSided, kWrites), mode_name);
+// The same faults on device layouts: the compute stream's truth, the sender's reads, the
+// after-send verification and the receiver's landed check all hash through the device ops.
+INSTANTIATE_TEST_SUITE_P(Device, TransferEngineFaults,
+                         ::testing::Values(kDeviceTwoSided, kDeviceWrites), mode_name);
 
 struct FaultOutcome {
     size_t violations = 0;
@@ -1532,13 +1565,12 @@ TEST(TransferEngineWrite, DataPlanesMustAgree) {
 }
 
 // A device (here: host-backed fake CUDA) pool per rank, over a transport that claims device
-// memory: the write mode only does address arithmetic on it, so a transfer without staging and
-// without a validator runs; with a staging copy it is refused as not implemented.
-constexpr runtime::Device kFakeGpu{runtime::DeviceKind::kCuda, 0};
-
+// memory: without a validator and without a staging copy the write mode only does address
+// arithmetic on it and never calls the KV memory ops.
 TEST(TransferEngineWrite, DeviceLayoutsWithoutStaging) {
     register_test_transports();
     runtime::testing::install_host_backed_cuda_runtime();
+    InProcessDeviceOps ops;
     // Prefill TP2 -> decode TP1 (4 heads): each prefill rank writes its two heads of every token
     // straight into the decode slots (one write per token: no gather, no scatter).
     auto control = make_transports("local", 3, "");
@@ -1561,12 +1593,14 @@ TEST(TransferEngineWrite, DeviceLayoutsWithoutStaging) {
     for (int r = 0; r < 2; ++r) {
         SenderOptions so = test_options(SenderOptions{});
         so.data_transport = data[static_cast<size_t>(r)].get();
+        so.kv_memory_ops_for_testing = &ops;
         auto s = KvSender::create(*control[static_cast<size_t>(r)], pl[r], counters[r], so);
         ASSERT_OK(s);
         senders[r] = std::move(s).value();
     }
     ReceiverOptions ro = test_options(ReceiverOptions{});
     ro.data_transport = data[2].get();
+    ro.kv_memory_ops_for_testing = &ops;
     auto recv = KvReceiver::create(*control[2], dl, ro);
     ASSERT_OK(recv);
     const int64_t n = 70;
@@ -1617,49 +1651,9 @@ TEST(TransferEngineWrite, DeviceLayoutsWithoutStaging) {
         EXPECT_EQ(ps->state, RequestState::kSuccess) << ps->reason;
         EXPECT_EQ(s->stats().staged_bytes, 0u);
     }
-}
-
-TEST(TransferEngineWrite, DeviceLayoutThatNeedsAGatherIsRefused) {
-    register_test_transports();
-    runtime::testing::install_host_backed_cuda_runtime();
-    // Prefill TP1 -> decode TP2: each decode rank takes half of every prefill token slot into
-    // whole slots of its own, which the write mode gathers on the host first.
-    auto control = make_transports("local", 3, "");
-    auto data = make_transports("local_device_writes", 3, "");
-    ModelSpec m;
-    KvLayout pl;
-    KvLayout dl[2];
-    auto ppool =
-        make_pool(m, InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 16}, 0, &pl, kFakeGpu);
-    auto d0 =
-        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 0, &dl[0], kFakeGpu);
-    auto d1 =
-        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, 1, &dl[1], kFakeGpu);
-    runtime::CpuStream stream;
-    pd::StepCounter counter(stream);
-    SenderOptions so = test_options(SenderOptions{});
-    so.data_transport = data[0].get();
-    auto send = KvSender::create(*control[0], pl, counter, so);
-    ASSERT_OK(send);
-    std::unique_ptr<KvReceiver> recvs[2];
-    for (int d = 0; d < 2; ++d) {
-        ReceiverOptions ro = test_options(ReceiverOptions{});
-        ro.data_transport = data[static_cast<size_t>(d + 1)].get();
-        auto r = KvReceiver::create(*control[static_cast<size_t>(d + 1)], dl[d], ro);
-        ASSERT_OK(r);
-        recvs[d] = std::move(r).value();
-    }
-    ASSERT_OK((*send)->add_request({.request_id = 12, .num_tokens = 20}));
-    for (auto& r : recvs) {
-        ASSERT_OK(r->submit(
-            {.request_id = 12, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
-    }
-    for (auto& r : recvs) {
-        auto ds = r->wait_done(12, 30s);
-        ASSERT_OK(ds);
-        EXPECT_EQ(ds->state, RequestState::kFailed);
-        EXPECT_THAT(ds->reason, HasSubstr("not implemented for a KV layout in cuda memory"));
-    }
+    // Zero-copy and no validator: nothing for the device ops to do.
+    EXPECT_EQ(ops.gathers() + ops.scatters() + ops.checksums(), 0u);
+    EXPECT_EQ(ops.staging_allocations() + ops.sums_allocations(), 0u);
 }
 
 TEST(TransferEngineCreate, DataTransportsWithoutAUsablePlane) {
@@ -1739,13 +1733,53 @@ TEST(TransferEngineCreate, LayoutMemoryMustBeReachable) {
              "is in cuda memory (device 0), which data transport 'local' cannot reach");
     try_both(*device_layout, host_writes[0].get(), nullptr, StatusCode::kInvalidArgument,
              "which data transport 'local_writes' cannot reach (no device_memory capability)");
-    // A device layout with a validator: the validator hashes on the host.
-    try_both(*device_layout, device_writes[0].get(), &validator, StatusCode::kUnimplemented,
-             "the ordering validator hashes pages on the host");
-    // ... without one it is accepted.
-    SenderOptions so = test_options(SenderOptions{});
-    so.data_transport = device_writes[0].get();
-    EXPECT_OK(KvSender::create(*control[0], *device_layout, counter, so));
+    // A device layout needs KV memory ops of its memory kind: made by make_kv_memory_ops (here
+    // whatever it says: no GPU, or not built with CUDA), or injected.
+    {
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = device_writes[0].get();
+        so.validator = &validator;
+        auto made = make_kv_memory_ops(device_layout->device());
+        if (made.ok()) {
+            EXPECT_OK(KvSender::create(*control[0], *device_layout, counter, so));
+        } else {
+            EXPECT_THAT(KvSender::create(*control[0], *device_layout, counter, so).status(),
+                        StatusIs(made.status().code(), HasSubstr("its KV memory ops")));
+        }
+        HostKvMemoryOps host_ops;
+        so.kv_memory_ops_for_testing = &host_ops;
+        EXPECT_THAT(
+            KvSender::create(*control[0], *device_layout, counter, so).status(),
+            StatusIs(StatusCode::kInvalidArgument, HasSubstr("work on cpu memory; its KV layout")));
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.data_transport = device_writes[0].get();
+        ro.kv_memory_ops_for_testing = &host_ops;
+        EXPECT_THAT(KvReceiver::create(*control[0], *device_layout, ro).status(),
+                    StatusIs(StatusCode::kInvalidArgument, HasSubstr("KV receiver's KV memory")));
+    }
+    // ... with them it is accepted, with a validator (the ops hash) or without one.
+    runtime::testing::install_host_backed_cuda_runtime();  // the comm stream's device
+    InProcessDeviceOps device_ops;
+    for (OrderingValidator* v : {&validator, static_cast<OrderingValidator*>(nullptr)}) {
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = device_writes[0].get();
+        so.validator = v;
+        so.kv_memory_ops_for_testing = &device_ops;
+        EXPECT_OK(KvSender::create(*control[0], *device_layout, counter, so));
+    }
+    // A comm stream on another device than the layout's.
+    {
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = device_writes[0].get();
+        so.kv_memory_ops_for_testing = &device_ops;
+        so.comm_stream_factory_for_testing =
+            [](runtime::Device) -> StatusOr<std::unique_ptr<runtime::Stream>> {
+            return std::unique_ptr<runtime::Stream>(std::make_unique<runtime::CpuStream>());
+        };
+        EXPECT_THAT(KvSender::create(*control[0], *device_layout, counter, so).status(),
+                    StatusIs(StatusCode::kInvalidArgument,
+                             HasSubstr("comm stream is not a stream of cuda:0")));
+    }
     // A host layout and a transport that reaches device memory only.
     auto device_only = std::make_unique<CapabilityView>(std::move(host_writes[1]), "device_only",
                                                         [](Capabilities& c) {
@@ -1758,6 +1792,369 @@ TEST(TransferEngineCreate, LayoutMemoryMustBeReachable) {
     ro.data_transport = device_only.get();
     EXPECT_THAT(KvReceiver::create(*control[1], *host_layout, ro).status(),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("no host_memory capability")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device layouts: every pool on the host-backed fake GPU; the engines' gathers, scatters and
+// checksums (and the compute stream's) run through KV memory ops -- InProcessDeviceOps, an
+// in-process stand-in for the CUDA ops (HostKvMemoryOps on the fake GPU's host memory) -- on comm
+// streams the fake runtime makes. Every byte and every checksum is checked as on the host.
+
+class TransferEngineDevice : public EngineModeTest {
+protected:
+    struct OpCalls {
+        uint64_t gathers = 0;
+        uint64_t scatters = 0;
+        uint64_t checksums = 0;
+    };
+    // Runs `reqs` on `c` (pools sized), expects a clean run, returns the device ops' calls.
+    OpCalls run_device_clean(ClusterSpec c, const std::vector<RequestSpec>& reqs,
+                             RunOptions o = RunOptions{}) {
+        size_pools(c, reqs);
+        auto run = start_cluster(c);
+        run_ranks(*run, reqs, o);
+        expect_clean(*run, c, reqs);
+        Totals p = totals(*run, true);
+        EXPECT_EQ(p.completed, p.submitted);
+        EXPECT_GE(p.submitted, reqs.size());
+        return OpCalls{run->device_ops->gathers(), run->device_ops->scatters(),
+                       run->device_ops->checksums()};
+    }
+};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineDevice, ::testing::Values(kDeviceTwoSided, kDeviceWrites),
+                         mode_name);
+
+TEST_P(TransferEngineDevice, OneToOneChunked) {
+    // Whole slots on both sides: no gather, no scatter; the ops hash (the compute stream's truth,
+    // the sender's reads, the after-send check, the receiver's landed check).
+    // (Fewer and shorter requests under TSan, whose cost is per byte and per thread switch.)
+    const OpCalls n = run_device_clean(
+        simple(1, 1), kSlow > 1 ? fixed_requests({1, 21, 47, 90}, 20)
+                                : fixed_requests({1, 16, 20, 21, 47, 160, 333}, 20));
+    EXPECT_EQ(n.gathers, 0u);
+    EXPECT_EQ(n.scatters, 0u);
+    EXPECT_GT(n.checksums, 0u);
+}
+
+TEST_P(TransferEngineDevice, PrefillTp1ToDecodeTp2Gathers) {
+    // Each decode rank takes half of every prefill slot into whole slots of its own: gathered on
+    // the comm stream (both planes), sent or written from the staging copy.
+    const OpCalls n = run_device_clean(simple(1, 2), fixed_requests({1, 17, 100, 250}));
+    EXPECT_GT(n.gathers, 0u);
+    EXPECT_EQ(n.scatters, 0u);
+}
+
+TEST_P(TransferEngineDevice, PrefillTp2ToDecodeTp1) {
+    // Each prefill rank's heads are part of a decode slot: two-sided, received into staging and
+    // scattered on the comm stream; the write mode writes each token into its slot (no copy).
+    const OpCalls n = run_device_clean(simple(2, 1), fixed_requests({1, 17, 100, 250}, 64));
+    EXPECT_EQ(n.gathers, 0u);
+    if (mode().writes()) {
+        EXPECT_EQ(n.scatters, 0u);
+    } else {
+        EXPECT_GT(n.scatters, 0u);
+    }
+}
+
+TEST_P(TransferEngineDevice, PartialFragmentsTp2ToTp3) {
+    // 6 heads, prefill TP2 -> decode TP3: decode ranks 0 and 2 take part of a prefill slot into a
+    // whole slot (gather); decode rank 1 takes one head of each prefill rank (two-sided: gather
+    // and scatter; write mode: per-token writes).
+    ClusterSpec c = simple(2, 3, 16, 32);
+    c.model.kv_heads = 6;
+    const OpCalls n =
+        run_device_clean(c, fixed_requests(kSlow > 1 ? std::initializer_list<int64_t>{1, 100}
+                                                     : std::initializer_list<int64_t>{1, 40, 200},
+                                           48));
+    EXPECT_GT(n.gathers, 0u);
+    if (mode().writes()) {
+        EXPECT_EQ(n.scatters, 0u);
+    } else {
+        EXPECT_GT(n.scatters, 0u);
+    }
+}
+
+TEST_P(TransferEngineDevice, PageSizeMismatch) {
+    const int64_t longest = kSlow > 1 ? 130 : 300;
+    run_device_clean(simple(1, 1, 16, 64), fixed_requests({1, 63, 64, 65, longest}, 50));
+    run_device_clean(simple(2, 1, 64, 16), fixed_requests({1, 15, 65, longest}, 100));
+}
+
+TEST_P(TransferEngineDevice, Mla) {
+    run_device_clean(mla(1, 2, 64, 16), fixed_requests({1, 50, 129}, 40));
+    run_device_clean(mla(2, 1), fixed_requests({1, 50, 129}));
+}
+
+TEST_P(TransferEngineDevice, LayerIntervals) {
+    RunOptions o;
+    o.layer_interval = 3;  // 4 layers: one comm-stream pass for [0, 3), one for [3, 4)
+    run_device_clean(simple(1, 2), fixed_requests({5, 64, 200}), o);
+}
+
+// Wrong device ops fail the run: the engine's results really come from them. The compute stream
+// keeps clean ops (its truth), the engines get poisoned ones.
+TEST_P(TransferEngineDevice, PoisonedOpsAreCaught) {
+    struct Case {
+        InProcessDeviceOps::Poison poison;
+        ClusterSpec cluster;
+        const char* finding;  // in the violations
+    };
+    std::vector<Case> cases = {
+        {InProcessDeviceOps::Poison::kGather, simple(1, 2), "receiver landed"},
+        {InProcessDeviceOps::Poison::kChecksums, simple(1, 1), "sender read"},
+    };
+    if (!mode().writes()) {
+        cases.push_back({InProcessDeviceOps::Poison::kScatter, simple(2, 1), "receiver landed"});
+    }
+    for (Case& k : cases) {
+        SCOPED_TRACE(::testing::Message() << "poison " << static_cast<int>(k.poison));
+        auto reqs = fixed_requests({20, 77});
+        size_pools(k.cluster, reqs);
+        InProcessDeviceOps poisoned(k.poison);
+        SenderOptions so = test_options(SenderOptions{});
+        so.kv_memory_ops_for_testing = &poisoned;
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.kv_memory_ops_for_testing = &poisoned;
+        auto run = start_cluster(k.cluster, so, ro);
+        RunOptions o;
+        o.wait_layers = false;
+        run_ranks(*run, reqs, o);
+        size_t failed = 0;
+        for (const RankResult& r : run->results) {
+            if (r.is_prefill) continue;
+            for (const auto& [id, st] : r.statuses) failed += st.state == RequestState::kFailed;
+        }
+        EXPECT_GT(failed, 0u) << "poisoned device ops went unnoticed";
+        EXPECT_THAT(all_violations(*run), HasSubstr(k.finding));
+        const uint64_t calls = k.poison == InProcessDeviceOps::Poison::kGather ? poisoned.gathers()
+                               : k.poison == InProcessDeviceOps::Poison::kScatter
+                                   ? poisoned.scatters()
+                                   : poisoned.checksums();
+        EXPECT_GT(calls, 0u);
+    }
+}
+
+// Comm streams that stall: a bounded wait fails the request, naming the comm stream and what it
+// awaited; the pages stay pinned while an op that writes them may still run.
+
+// One prefill and two decode ranks' engines over device layouts (two-sided, "local_device").
+struct DevicePair {
+    std::vector<std::unique_ptr<Transport>> control;
+    std::vector<std::unique_ptr<Transport>> data;
+    DevicePair(int n) {
+        register_test_transports();
+        runtime::testing::install_host_backed_cuda_runtime();
+        control = make_transports("local", n, "");
+        data = make_transports("local_device", n, "");
+    }
+};
+
+// A factory of comm streams of the fake GPU that hands the test the stream it made.
+CommStreamFactory keep_stream(runtime::Stream** out) {
+    return [out](runtime::Device device) -> StatusOr<std::unique_ptr<runtime::Stream>> {
+        auto s = std::make_unique<runtime::testing::HostBackedCudaStream>(device.index, "stalled");
+        *out = s.get();
+        return std::unique_ptr<runtime::Stream>(std::move(s));
+    };
+}
+
+// Holds `stream` until the gate opens (bounded).
+void stall(runtime::Stream& stream, Gate& gate) {
+    ASSERT_OK(stream.enqueue([&gate] {
+        gate.wait(60s * kSlow);
+        return Status();
+    }));
+}
+
+TEST(TransferEngineDeviceStreams, StalledSenderCommStreamFailsTheRequest) {
+    // Prefill TP1 -> decode TP2: the interval's gathers and checksums wait on the stalled stream.
+    DevicePair ts(3);
+    ModelSpec m;
+    m.layers = 2;
+    InProcessDeviceOps ops;
+    KvLayout pl;
+    KvLayout dl[2];
+    auto ppool =
+        make_pool(m, InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 8}, 0, &pl, kFakeGpu);
+    auto d0 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 8}, 0, &dl[0], kFakeGpu);
+    auto d1 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 8}, 1, &dl[1], kFakeGpu);
+    runtime::CpuStream compute;
+    pd::StepCounter counter(compute);
+    OrderingValidator pv(0);
+    runtime::Stream* comm = nullptr;
+    Gate gate;
+    SenderOptions so = test_options(SenderOptions{});
+    so.data_transport = ts.data[0].get();
+    so.validator = &pv;
+    so.request_timeout = 500ms * kSlow;
+    so.kv_memory_ops_for_testing = &ops;
+    so.comm_stream_factory_for_testing = keep_stream(&comm);
+    auto send = KvSender::create(*ts.control[0], pl, counter, so);
+    ASSERT_OK(send);
+    ASSERT_NE(comm, nullptr);
+    stall(*comm, gate);
+    std::unique_ptr<KvReceiver> recvs[2];
+    for (int d = 0; d < 2; ++d) {
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.data_transport = ts.data[static_cast<size_t>(d + 1)].get();
+        ro.kv_memory_ops_for_testing = &ops;
+        auto r = KvReceiver::create(*ts.control[static_cast<size_t>(d + 1)], dl[d], ro);
+        ASSERT_OK(r);
+        recvs[d] = std::move(r).value();
+        ASSERT_OK(recvs[d]->submit(
+            {.request_id = 21, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
+    }
+    const std::vector<int32_t> src = {3, 4};
+    ASSERT_OK((*send)->add_request({.request_id = 21, .num_tokens = 20}));
+    ASSERT_OK((*send)->submit_chunk({.request_id = 21,
+                                     .src_pages = src,
+                                     .token_begin = 0,
+                                     .token_end = 20,
+                                     .begin_step = counter.advance_step(m.layers),
+                                     .layer_interval = 1,
+                                     .is_last = true,
+                                     .first_token = 5}));
+    for (int l = 0; l < m.layers; ++l) {
+        write_layer(pl, src, 9, 21, l, 0, 20, 0);
+        ASSERT_OK(enqueue_layer_checksum(compute, pv, pl, 21, l, src, 0, 20, &ops));
+        ASSERT_OK(counter.record_cache());
+    }
+    auto ps = (*send)->wait(21, 30s * kSlow);
+    ASSERT_OK(ps);
+    EXPECT_EQ(ps->state, RequestState::kFailed);
+    EXPECT_THAT(ps->reason,
+                ::testing::AllOf(HasSubstr("request 21"), HasSubstr("timed out"),
+                                 HasSubstr("comm stream 'stalled'"), HasSubstr("layers 0..0")));
+    for (auto& r : recvs) {
+        auto ds = r->wait_done(21, 30s * kSlow);
+        ASSERT_OK(ds);
+        EXPECT_EQ(ds->state, RequestState::kFailed);
+    }
+    EXPECT_EQ(ops.gathers(), 2u) << "layer 0 for each decode rank, nothing after it";
+    gate.open();
+    ASSERT_OK(compute.synchronize());
+}
+
+TEST(TransferEngineDeviceStreams, StalledReceiverCommStreamKeepsThePagesPinned) {
+    // Prefill TP2 -> decode TP1, two-sided: the decode rank scatters each prefill rank's heads on
+    // its (stalled) comm stream. The request times out naming it, and its pages stay pinned until
+    // the stream has passed the scatters that may still write them.
+    DevicePair ts(3);
+    ModelSpec m;
+    m.layers = 2;
+    InProcessDeviceOps ops;
+    KvLayout pl[2];
+    KvLayout dl;
+    auto p0 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 8}, 0, &pl[0], kFakeGpu);
+    auto p1 =
+        make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 8}, 1, &pl[1], kFakeGpu);
+    auto dpool =
+        make_pool(m, InstanceSpec{.tp = 1, .page_size = 16, .num_pages = 8}, 0, &dl, kFakeGpu);
+    runtime::CpuStream computes[2] = {runtime::CpuStream("p0"), runtime::CpuStream("p1")};
+    pd::StepCounter counters[2] = {pd::StepCounter(computes[0]), pd::StepCounter(computes[1])};
+    std::unique_ptr<KvSender> senders[2];
+    for (int r = 0; r < 2; ++r) {
+        SenderOptions so = test_options(SenderOptions{});
+        so.data_transport = ts.data[static_cast<size_t>(r)].get();
+        so.kv_memory_ops_for_testing = &ops;
+        auto s = KvSender::create(*ts.control[static_cast<size_t>(r)], pl[r], counters[r], so);
+        ASSERT_OK(s);
+        senders[r] = std::move(s).value();
+    }
+    runtime::Stream* comm = nullptr;
+    Gate gate;
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.data_transport = ts.data[2].get();
+    ro.request_timeout = 500ms * kSlow;
+    ro.kv_memory_ops_for_testing = &ops;
+    ro.comm_stream_factory_for_testing = keep_stream(&comm);
+    auto recv = KvReceiver::create(*ts.control[2], dl, ro);
+    ASSERT_OK(recv);
+    ASSERT_NE(comm, nullptr);
+    stall(*comm, gate);
+    const std::vector<int32_t> dst = {1, 2};
+    ASSERT_OK((*recv)->submit(
+        {.request_id = 31, .prefill_ranks = {0, 1}, .dst_pages = dst, .num_tokens = 20}));
+    const std::vector<int32_t> src = {5, 6};
+    for (int r = 0; r < 2; ++r) {
+        ASSERT_OK(senders[r]->add_request({.request_id = 31, .num_tokens = 20}));
+        for (int l = 0; l < m.layers; ++l) write_layer(pl[r], src, 9, 31, l, 0, 20, 0);
+        ASSERT_OK(senders[r]->submit_chunk({.request_id = 31,
+                                            .src_pages = src,
+                                            .token_begin = 0,
+                                            .token_end = 20,
+                                            .begin_step = counters[r].advance_step(m.layers),
+                                            .layer_interval = 1,
+                                            .is_last = true,
+                                            .first_token = 5}));
+        for (int l = 0; l < m.layers; ++l) ASSERT_OK(counters[r].record_cache());
+    }
+    auto ds = (*recv)->wait_done(31, 30s * kSlow);
+    ASSERT_OK(ds);
+    EXPECT_EQ(ds->state, RequestState::kFailed);
+    EXPECT_THAT(ds->reason,
+                ::testing::AllOf(HasSubstr("request 31"), HasSubstr("timed out"),
+                                 HasSubstr("comm stream 'stalled'"), HasSubstr("scatters of")));
+    std::this_thread::sleep_for(100ms * kSlow);  // room for a wrong early release
+    EXPECT_TRUE((*recv)->status(31)->pages_in_use) << "a scatter may still write the pages";
+    EXPECT_THAT((*recv)->pins().free_pages(dpool->allocator(), dst),
+                StatusIs(StatusCode::kFailedPrecondition, HasSubstr("request 31")));
+    gate.open();
+    EXPECT_TRUE(eventually([&] { return !(*recv)->status(31)->pages_in_use; }, 10s * kSlow));
+    EXPECT_GT(ops.scatters(), 0u);
+}
+
+// enqueue_layer_checksum on a device layout (the ops' checksums, then a host task recording
+// them) records exactly what the host path records for the same bytes.
+TEST(TransferEngineDeviceStreams, LayerChecksumOnADeviceLayoutMatchesTheHost) {
+    runtime::testing::install_host_backed_cuda_runtime();
+    ModelSpec m;
+    m.kv_heads = 4;
+    const InstanceSpec inst{.tp = 2, .page_size = 16, .num_pages = 16};
+    KvLayout host;
+    KvLayout device;
+    auto hp = make_pool(m, inst, 1, &host);
+    auto dp = make_pool(m, inst, 1, &device, kFakeGpu);
+    ASSERT_FALSE(device.is_host());
+    const std::vector<int32_t> pages = {7, 2, 9, 4, 11};
+    const int64_t n = 70;
+    for (int l = 0; l < m.layers; ++l) {
+        write_layer(host, pages, 3, 5, l, 0, n, 0);
+        write_layer(device, pages, 3, 5, l, 0, n, 0);
+    }
+    InProcessDeviceOps ops;
+    runtime::testing::HostBackedCudaStream stream(0, "compute");
+    OrderingValidator on_host(0);
+    OrderingValidator on_device(0);
+    for (int l = 0; l < m.layers; ++l) {
+        // Two chunks, as a chunked prefill records them.
+        ASSERT_OK(enqueue_layer_checksum(stream, on_host, host, 5, l, pages, 0, 30));
+        ASSERT_OK(enqueue_layer_checksum(stream, on_host, host, 5, l, pages, 30, n));
+        ASSERT_OK(enqueue_layer_checksum(stream, on_device, device, 5, l, pages, 0, 30, &ops));
+        ASSERT_OK(enqueue_layer_checksum(stream, on_device, device, 5, l, pages, 30, n, &ops));
+    }
+    ASSERT_OK(stream.synchronize());
+    EXPECT_EQ(ops.checksums(), 2u * static_cast<uint64_t>(m.layers));
+    for (int l = 0; l < m.layers; ++l) {
+        for (int b = 0; b < 2; ++b) {
+            ASSERT_OK_AND_ASSIGN(auto want, on_host.wait_expected(5, l, b, n, 2, 2, 0ms));
+            ASSERT_OK_AND_ASSIGN(auto got, on_device.wait_expected(5, l, b, n, 2, 2, 0ms));
+            EXPECT_EQ(got, want) << "layer " << l << " buffer " << b;
+            // An independent oracle: kv_checksums of the host pool.
+            EXPECT_EQ(want, kv_checksums(host, pages, l, b, 0, n, 2, 2));
+        }
+    }
+    EXPECT_EQ(on_device.violation_count(), 0u);
+    // A device layout needs ops of its memory kind.
+    EXPECT_THAT(enqueue_layer_checksum(stream, on_device, device, 6, 0, pages, 0, 10),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("ops: null")));
+    HostKvMemoryOps host_ops;
+    EXPECT_THAT(enqueue_layer_checksum(stream, on_device, device, 6, 0, pages, 0, 10, &host_ops),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("works on cpu memory")));
+    ASSERT_OK(stream.synchronize());
 }
 
 }  // namespace

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "backends/cuda/cuda_pinned_memory.h"
@@ -40,6 +42,122 @@ struct CallerMemory {
     bool host = false;       // mapped pinned host memory
 };
 
+// The memory of allocate_staging (device memory, runtime::DeviceBuffer) and allocate_sums (mapped
+// pinned host memory), in power-of-two size classes. A handle gives its block back to the free
+// list of its class without a CUDA call (so it may be dropped on any thread); take() reuses a
+// free block of the class, trims the free lists to kMaxCachedBytes (CUDA calls: take() runs on
+// a caller's thread), and allocates otherwise. Everything is freed when the cache goes: the ops
+// and every handle share it. Thread-safe.
+class MemoryCache : public std::enable_shared_from_this<MemoryCache> {
+public:
+    static constexpr size_t kMinBlock = 4096;
+    static constexpr size_t kMaxCachedBytes = size_t{256} << 20;
+
+    explicit MemoryCache(int device) : device_(device) {}
+    ~MemoryCache() {
+        runtime::cuda::ScopedDevice scoped(device_);
+        for (auto& [p, bytes] : host_blocks_) cudaFreeHost(p);
+        device_blocks_.clear();  // cudaFree through the runtime
+    }
+    MemoryCache(const MemoryCache&) = delete;
+    MemoryCache& operator=(const MemoryCache&) = delete;
+
+    // Device memory (`host` false) or zeroed mapped pinned host memory (`host` true).
+    StatusOr<KvOpsMemory> take(bool host, size_t bytes) {
+        const size_t block = block_size(bytes);
+        void* p = nullptr;
+        std::vector<runtime::DeviceBuffer> drop_device;
+        std::vector<void*> drop_host;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto& free = host ? free_host_ : free_device_;
+            if (auto it = free.find(block); it != free.end() && !it->second.empty()) {
+                p = it->second.back();
+                it->second.pop_back();
+                cached_bytes_ -= block;
+            }
+            trim_locked(drop_device, drop_host);
+        }
+        if (!drop_host.empty() || !drop_device.empty()) {
+            runtime::cuda::ScopedDevice scoped(device_);
+            for (void* h : drop_host) cudaFreeHost(h);
+            drop_device.clear();
+        }
+        if (p == nullptr) {
+            PDSIM_ASSIGN_OR_RETURN(p, allocate(host, block));
+        }
+        if (host) std::memset(p, 0, block);
+        std::shared_ptr<MemoryCache> self = shared_from_this();
+        return KvOpsMemory(p, block, host, [self, host](void* data, size_t size) {
+            self->give_back(host, data, size);
+        });
+    }
+
+private:
+    static size_t block_size(size_t bytes) {
+        size_t block = kMinBlock;
+        while (block < bytes) block *= 2;
+        return block;
+    }
+
+    StatusOr<void*> allocate(bool host, size_t block) {
+        if (host) {
+            runtime::cuda::ScopedDevice scoped(device_);
+            PDSIM_RETURN_IF_ERROR(scoped.status());
+            void* p = nullptr;
+            CUDA_CHECK(cudaHostAlloc(&p, block, cudaHostAllocMapped | cudaHostAllocPortable));
+            std::lock_guard<std::mutex> lock(mu_);
+            host_blocks_[p] = block;
+            return p;
+        }
+        PDSIM_ASSIGN_OR_RETURN(
+            runtime::DeviceBuffer buffer,
+            runtime::DeviceBuffer::allocate({runtime::DeviceKind::kCuda, device_}, block));
+        void* p = buffer.data();
+        std::lock_guard<std::mutex> lock(mu_);
+        device_blocks_.emplace(p, std::move(buffer));
+        return p;
+    }
+
+    void give_back(bool host, void* p, size_t block) {
+        std::lock_guard<std::mutex> lock(mu_);
+        (host ? free_host_ : free_device_)[block].push_back(p);
+        cached_bytes_ += block;
+    }
+
+    // Takes free blocks (largest classes first) out of the cache until it holds at most
+    // kMaxCachedBytes; the caller frees them outside the lock.
+    void trim_locked(std::vector<runtime::DeviceBuffer>& drop_device,
+                     std::vector<void*>& drop_host) {
+        for (auto* free : {&free_device_, &free_host_}) {
+            for (auto it = free->rbegin(); it != free->rend() && cached_bytes_ > kMaxCachedBytes;
+                 ++it) {
+                while (!it->second.empty() && cached_bytes_ > kMaxCachedBytes) {
+                    void* p = it->second.back();
+                    it->second.pop_back();
+                    cached_bytes_ -= it->first;
+                    if (free == &free_host_) {
+                        host_blocks_.erase(p);
+                        drop_host.push_back(p);
+                    } else {
+                        auto block = device_blocks_.find(p);
+                        drop_device.push_back(std::move(block->second));
+                        device_blocks_.erase(block);
+                    }
+                }
+            }
+        }
+    }
+
+    const int device_;
+    std::mutex mu_;
+    std::unordered_map<void*, runtime::DeviceBuffer> device_blocks_;  // every device block
+    std::unordered_map<void*, size_t> host_blocks_;                   // every pinned block
+    std::map<size_t, std::vector<void*>> free_device_;                // by block size
+    std::map<size_t, std::vector<void*>> free_host_;
+    size_t cached_bytes_ = 0;  // in the free lists
+};
+
 // One launch's share of a call: items [begin, end); for checksums into host sums, the sums
 // [sum_lo, sum_hi) it touches (its device scratch).
 struct LaunchBatch {
@@ -53,7 +171,10 @@ class CudaKvMemoryOps final : public KvMemoryOps {
 public:
     CudaKvMemoryOps(const CudaKvMemoryOpsOptions& options, runtime::DeviceBuffer device_slots,
                     std::unique_ptr<attn::cuda::PinnedStagingRing> ring)
-        : options_(options), device_slots_(std::move(device_slots)), ring_(std::move(ring)) {}
+        : options_(options),
+          device_slots_(std::move(device_slots)),
+          ring_(std::move(ring)),
+          memory_(std::make_shared<MemoryCache>(options.device)) {}
 
     [[nodiscard]] runtime::DeviceKind memory_kind() const override {
         return runtime::DeviceKind::kCuda;
@@ -73,6 +194,12 @@ public:
     [[nodiscard]] Status enqueue_checksums(runtime::Stream& stream, const KvLayout& layout,
                                            std::span<const KvChecksumOp> ops,
                                            uint64_t* sums_out) override;
+    [[nodiscard]] StatusOr<KvOpsMemory> allocate_staging(size_t bytes) override {
+        return memory_->take(/*host=*/false, std::max<size_t>(bytes, 1));
+    }
+    [[nodiscard]] StatusOr<KvOpsMemory> allocate_sums(size_t count) override {
+        return memory_->take(/*host=*/true, std::max<size_t>(count, 1) * sizeof(uint64_t));
+    }
 
 private:
     [[nodiscard]] StatusOr<cudaStream_t> check_target(runtime::Stream& stream,
@@ -92,6 +219,8 @@ private:
     runtime::DeviceBuffer device_slots_;  // slots * slot_bytes, slot i at i * slot_bytes
     // Destroyed before device_slots_: its destructor waits for the slots in flight.
     std::unique_ptr<attn::cuda::PinnedStagingRing> ring_;
+    // allocate_staging / allocate_sums (shared with the handles, which may outlive the ops).
+    std::shared_ptr<MemoryCache> memory_;
 };
 
 StatusOr<cudaStream_t> CudaKvMemoryOps::check_target(runtime::Stream& stream,

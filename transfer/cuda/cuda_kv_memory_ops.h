@@ -26,6 +26,14 @@
 // folded into sums_out by one thread per sum, so no atomic ever targets host memory. Pageable
 // host memory is kInvalidArgument.
 //
+// Memory for callers (KvMemoryOps::allocate_staging / allocate_sums): staging is device memory of
+// this device (runtime::DeviceBuffer, cudaMalloc), sums are mapped pinned host memory
+// (cudaHostAllocMapped, zeroed), both in power-of-two blocks of at least 4 KiB. A released
+// handle's block goes back to a free list of this ops object for reuse (no CUDA call), so the
+// engine's per-interval staging costs no cudaMalloc / cudaFree (whose implicit device
+// synchronization would stall the compute stream) once warm; free blocks above 256 MiB are
+// freed on the next allocation, and everything when the ops object and every handle are gone.
+//
 // Streams: `stream` must be a CudaStream (backends/cuda/cuda_stream.h) of this device, else
 // kInvalidArgument; a stream that is capturing a graph is kFailedPrecondition (the descriptors
 // travel through a ring slot that is reused after the kernel, which a replay would not respect).

@@ -13,8 +13,7 @@ std::string_view data_plane_name(DataPlane plane) {
 }
 
 StatusOr<DataPlaneChoice> choose_data_plane(std::string_view engine, Transport& control,
-                                            Transport* data, const KvLayout& layout,
-                                            bool has_validator) {
+                                            Transport* data, const KvLayout& layout) {
     const Capabilities cc = control.capabilities();
     if (!cc.two_sided || !cc.tag_matching) {
         return PDSIM_ERROR(StatusCode::kUnimplemented,
@@ -62,13 +61,6 @@ StatusOr<DataPlaneChoice> choose_data_plane(std::string_view engine, Transport& 
                            "the {}'s KV layout is in host memory, which data transport '{}' cannot "
                            "reach (no host_memory capability)",
                            engine, dt.name());
-    }
-    if (!layout.is_host() && has_validator) {
-        return PDSIM_ERROR(StatusCode::kUnimplemented,
-                           "the {}: checksums of a KV layout in {} memory are not implemented yet "
-                           "(the ordering validator hashes pages on the host); create it without "
-                           "a validator",
-                           engine, runtime::device_kind_name(layout.device().kind));
     }
     return choice;
 }

@@ -37,19 +37,21 @@ struct DataPlaneChoice {
 
 // The data plane of an engine (`engine`: "KV sender" / "KV receiver", for messages) over
 // `control` (the Transport& given to create()) and `data` (EngineOptions::data_transport; null:
-// `control` carries the data), for a KvLayout `layout`, with or without a validator. Errors:
+// `control` carries the data), for a KvLayout `layout`. Errors:
 //   kUnimplemented    `control` is not two-sided and tag-matching (control messages need both);
 //                     the data transport offers neither data plane (the message names it and
-//                     what it lacks); a device layout with a validator (the validator hashes on
-//                     the host).
+//                     what it lacks).
 //   kInvalidArgument  the data transport's rank or world size differ from the control
 //                     transport's; a two-sided data transport whose max_tag leaves no data tags;
 //                     a layout in memory the data transport cannot reach (a device layout with a
 //                     transport without device_memory, a host layout with one without
-//                     host_memory).
+//                     host_memory). The transport sends, receives and writes from and into the
+//                     layout's pages and the staging memory of the engine's KV memory ops, which
+//                     is of the layout's memory kind (kv_memory_ops.h).
+// (A device layout's gathers, scatters and checksums run on the engine's comm stream: nothing
+// here depends on a validator or on the TP / page layouts.)
 [[nodiscard]] StatusOr<DataPlaneChoice> choose_data_plane(std::string_view engine,
                                                           Transport& control, Transport* data,
-                                                          const KvLayout& layout,
-                                                          bool has_validator);
+                                                          const KvLayout& layout);
 
 }  // namespace pdsim::transfer

@@ -5,13 +5,22 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 
+#include "backends/runtime/stream.h"
+#include "common/status.h"
+
 namespace pdsim::transfer {
 
+class KvMemoryOps;
 class OrderingValidator;
 class Transport;
+
+// Makes the engine's comm stream on `device` (EngineOptions::comm_stream_factory_for_testing).
+using CommStreamFactory =
+    std::function<StatusOr<std::unique_ptr<runtime::Stream>>(runtime::Device device)>;
 
 // Bootstrapping: waiting for the other side's handshake (decode: the acks; prefill: the
 // bootstraps of every decode rank). Transferring: the handshake is done; data may flow.
@@ -76,8 +85,8 @@ struct EngineOptions {
     // the smaller of their values in the handshake).
     size_t max_message_bytes = size_t{64} << 20;
     size_t max_control_bytes = size_t{4} << 20;
-    // Not owned; may be null (no checksums). Must outlive the engine. Refused (kUnimplemented)
-    // with a device KvLayout: the validator hashes the pages on the host.
+    // Not owned; may be null (no checksums). Must outlive the engine. With a device KvLayout the
+    // engine hashes through its KV memory ops on its comm stream (below).
     OrderingValidator* validator = nullptr;
     // The transport that carries the KV bytes. Not owned; must outlive the engine, with the same
     // rank and world size as the control transport (the Transport& given to create(); world rank
@@ -87,6 +96,14 @@ struct EngineOptions {
     // mode; else create() is kUnimplemented.
     Transport* data_transport = nullptr;
     EventHook on_event;
+    // Device layouts (KvLayout::device() not the CPU; kv_sender.h, "Device memory"): the engine
+    // gets its KV memory ops from make_kv_memory_ops(layout.device()) and creates one comm stream
+    // on that device through the runtime registry (runtime::device_runtime(kind)->create_stream)
+    // at create(). Tests only: these replace either (the ops are not owned and must outlive the
+    // engine, and must declare the layout's memory kind; the factory is called once, at create(),
+    // and the engine owns the stream it returns). Ignored for host layouts.
+    KvMemoryOps* kv_memory_ops_for_testing = nullptr;
+    CommStreamFactory comm_stream_factory_for_testing;
 };
 
 struct SenderOptions : EngineOptions {

@@ -10,8 +10,9 @@
 //
 // Memory kind. A layout declares where its memory is (device(): host for CPU pools, a CUDA device
 // for device pools). It is address arithmetic only: building one never touches the memory. What
-// may touch it is the engine's business (kv_sender.h: the data transport must reach that memory
-// kind, and host-side hashing, gathers and scatters are refused on device memory).
+// may touch it is the engine's business (kv_sender.h, "Device memory": the data transport must
+// reach that memory kind, and on device memory the engine hashes, gathers and scatters through
+// the KV memory ops of that device on a comm stream, never on the host).
 //
 // KvLayoutSummary is the address-free part of a layout, exchanged by the control plane so that
 // each side can map the other's fragments (different TP sizes, page sizes) without knowing its

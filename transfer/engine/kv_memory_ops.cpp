@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -108,6 +110,29 @@ Status HostKvMemoryOps::enqueue_checksums(runtime::Stream& stream, const KvLayou
             }
             return Status();
         });
+}
+
+StatusOr<KvOpsMemory> HostKvMemoryOps::allocate_staging(size_t bytes) {
+    constexpr size_t kAlign = 256;
+    const size_t rounded = (std::max<size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
+    void* p = std::aligned_alloc(kAlign, rounded);
+    if (p == nullptr) {
+        return PDSIM_ERROR(StatusCode::kResourceExhausted,
+                           "host KV memory ops: staging of {} bytes could not be allocated", bytes);
+    }
+    return KvOpsMemory(p, rounded, /*host_readable=*/true,
+                       [](void* data, size_t) { std::free(data); });
+}
+
+StatusOr<KvOpsMemory> HostKvMemoryOps::allocate_sums(size_t count) {
+    const size_t n = std::max<size_t>(count, 1);
+    void* p = std::calloc(n, sizeof(uint64_t));
+    if (p == nullptr) {
+        return PDSIM_ERROR(StatusCode::kResourceExhausted,
+                           "host KV memory ops: {} sums could not be allocated", count);
+    }
+    return KvOpsMemory(p, n * sizeof(uint64_t), /*host_readable=*/true,
+                       [](void* data, size_t) { std::free(data); });
 }
 
 }  // namespace pdsim::transfer

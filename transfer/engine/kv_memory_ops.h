@@ -2,8 +2,10 @@
 // the memory kind it declares. HostKvMemoryOps runs them in stream tasks on host memory; the CUDA
 // implementation (transfer/cuda/cuda_kv_memory_ops.h, CUDA builds) runs them as kernels on a
 // CudaStream over device memory, producing the same bytes and bit-identical sums. The engine
-// (KvSender, KvReceiver) does not call them yet: it gathers, scatters and hashes on the host with
-// gather_run, scatter_run and kv_checksums_add_run, which the tests use as the oracle.
+// (KvSender, KvReceiver) runs them on a comm stream of its own for a KvLayout in device memory
+// (kv_sender.h, "Device memory"), and enqueue_layer_checksum on the compute stream; for host
+// layouts it keeps gather_run, scatter_run and kv_checksums_add_run, which the tests use as the
+// oracle of the ops.
 //
 // Contract (every implementation):
 //  - Stream order: each enqueue_* returns once the work is enqueued; the work runs after
@@ -26,12 +28,31 @@
 //  - Errors of the work itself (a CUDA fault) surface through the stream (its sticky error).
 //  - Ops that overlap in what they write race (the result is unspecified).
 //
+// Memory for the ops (allocate_staging / allocate_sums): each ops object says what memory its
+// callers need, so that a caller (the engine) allocates it without knowing the device:
+//   staging: at least `bytes` bytes that enqueue_gather can write and enqueue_scatter read, and
+//            that a data transport reaching this memory kind can read and write (the engine
+//            sends or writes from it, and receives into it). Contents unspecified.
+//   sums:    `count` uint64 sums, zeroed, that enqueue_checksums can add into and the host can
+//            read (without a copy) once the stream has passed the op.
+// Both come as a KvOpsMemory, an owning handle (below). Lifetime: the caller keeps the handle
+// until every op it enqueued on the memory has been passed by its stream (an event recorded
+// after the op, or synchronize), and until every transport operation on it completed. Dropping
+// a handle never calls the device runtime (the CUDA ops keep released memory for reuse, and
+// return it to the runtime once the ops object and every handle are gone), so a handle may be
+// dropped on any thread, a transport's completion callback included; the last reference to the
+// ops' memory (the ops object or the last handle, whichever goes last) must not be dropped
+// inside a stream's host task (a CUDA host function may not call CUDA).
+//
 // Where the memory may live:
 //   HostKvMemoryOps (memory_kind kCpu): layout, staging and sums_out in host memory. Any stream:
 //     the work is a host task (runtime::Stream::enqueue), so on a CudaStream it also runs after
 //     the GPU work before it. Graph capture is allowed (the task holds its own descriptors).
+//     allocate_staging: host memory (256-byte aligned); allocate_sums: zeroed host memory.
 //   CudaKvMemoryOps (memory_kind kCuda): see transfer/cuda/cuda_kv_memory_ops.h (layout on that
 //     device; staging and sums_out in device memory or mapped pinned host memory).
+//     allocate_staging: device memory of its device (runtime::DeviceBuffer); allocate_sums:
+//     mapped pinned host memory (cudaHostAllocMapped), zeroed.
 //
 // Thread-safety: an implementation may be called from any thread; calls on one stream from one
 // thread run in that thread's call order.
@@ -39,9 +60,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string_view>
+#include <utility>
 
 #include "backends/runtime/stream.h"
 #include "common/status.h"
@@ -49,6 +72,57 @@
 #include "transfer/engine/kv_layout.h"
 
 namespace pdsim::transfer {
+
+// Memory a KvMemoryOps allocated for its caller: move-only; the destructor gives it back
+// (`release`, which never calls the device runtime; see "Memory for the ops" above).
+class KvOpsMemory {
+public:
+    // Gives back `data` (`bytes` long); called once, from the destructor or reset().
+    using Release = std::function<void(void* data, size_t bytes)>;
+
+    KvOpsMemory() = default;
+    KvOpsMemory(void* data, size_t bytes, bool host_readable, Release release)
+        : data_(data), bytes_(bytes), host_readable_(host_readable), release_(std::move(release)) {}
+    ~KvOpsMemory() { reset(); }
+    KvOpsMemory(KvOpsMemory&& other) noexcept { *this = std::move(other); }
+    KvOpsMemory& operator=(KvOpsMemory&& other) noexcept {
+        if (this != &other) {
+            reset();
+            data_ = std::exchange(other.data_, nullptr);
+            bytes_ = std::exchange(other.bytes_, 0);
+            host_readable_ = other.host_readable_;
+            release_ = std::move(other.release_);
+            other.release_ = nullptr;
+        }
+        return *this;
+    }
+    KvOpsMemory(const KvOpsMemory&) = delete;
+    KvOpsMemory& operator=(const KvOpsMemory&) = delete;
+
+    [[nodiscard]] std::byte* data() const { return static_cast<std::byte*>(data_); }
+    template <typename T>
+    [[nodiscard]] T* as() const {
+        return static_cast<T*>(data_);
+    }
+    [[nodiscard]] size_t size() const { return bytes_; }
+    [[nodiscard]] bool empty() const { return data_ == nullptr; }
+    // Whether the host may read (and write) the memory directly (sums always are; staging is on
+    // host ops, not on a device).
+    [[nodiscard]] bool host_readable() const { return host_readable_; }
+
+    void reset() {
+        if (data_ != nullptr && release_) release_(data_, bytes_);
+        data_ = nullptr;
+        bytes_ = 0;
+        release_ = nullptr;
+    }
+
+private:
+    void* data_ = nullptr;
+    size_t bytes_ = 0;
+    bool host_readable_ = false;
+    Release release_;
+};
 
 class KvMemoryOps {
 public:
@@ -73,6 +147,14 @@ public:
                                                    std::span<const KvChecksumOp> ops,
                                                    uint64_t* sums_out) = 0;
 
+    // Staging memory of at least `bytes` bytes (0 is taken as 1), 16-byte aligned, of the kind
+    // described above. kResourceExhausted / kUnavailable (the runtime's reason) when it cannot be
+    // had. Thread-safe.
+    [[nodiscard]] virtual StatusOr<KvOpsMemory> allocate_staging(size_t bytes) = 0;
+    // `count` zeroed sums (0 is taken as 1), host-readable, that enqueue_checksums can add into.
+    // Errors as allocate_staging's. Thread-safe.
+    [[nodiscard]] virtual StatusOr<KvOpsMemory> allocate_sums(size_t count) = 0;
+
 protected:
     KvMemoryOps() = default;
 };
@@ -95,6 +177,8 @@ public:
     [[nodiscard]] Status enqueue_checksums(runtime::Stream& stream, const KvLayout& layout,
                                            std::span<const KvChecksumOp> ops,
                                            uint64_t* sums_out) override;
+    [[nodiscard]] StatusOr<KvOpsMemory> allocate_staging(size_t bytes) override;
+    [[nodiscard]] StatusOr<KvOpsMemory> allocate_sums(size_t count) override;
 };
 
 // The ops for memory of `memory` (its kind; a CUDA device's index): HostKvMemoryOps for kCpu,

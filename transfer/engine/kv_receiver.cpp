@@ -21,12 +21,13 @@
 namespace pdsim::transfer {
 
 KvReceiver::Impl::Impl(Transport& transport, DataPlaneChoice plane, KvLayout layout,
-                       ReceiverOptions options)
+                       ReceiverOptions options, std::unique_ptr<KvCommStream> comm)
     : transport_(transport),
       data_(*plane.data),
       plane_(plane.plane),
       layout_(std::move(layout)),
       opt_(std::move(options)),
+      comm_(std::move(comm)),
       pins_(transport.rank(), opt_.validator),
       table_(RequestTableNames{"receiver", transport.rank()}) {
     const Capabilities caps = data_.capabilities();
@@ -278,6 +279,10 @@ void KvReceiver::Impl::shutdown(ShutdownMode mode) {
     for (auto& t : workers_) {
         if (t.joinable()) t.join();
     }
+    // Device layouts: scatters whose wait failed write the pages until the stream passes them;
+    // their requests release the pages then (bounded: what the stream has not passed by then
+    // keeps its pages pinned).
+    if (comm_) comm_->drain(graceful ? opt_.peer_timeout : std::chrono::milliseconds(0));
     if (channel_) channel_->stop(graceful);
     // Graceful: writes that may still arrive (requests whose pages stay in use) now fail where
     // the transport checks registrations (local). Abrupt (a crash, or a hung process): the
@@ -378,6 +383,8 @@ void KvReceiver::Impl::on_peer_failed(int peer, const Status& st) {
 }
 
 void KvReceiver::Impl::on_tick(Clock::time_point now) {
+    // Device layouts: scatters whose wait failed, once the comm stream passed them.
+    if (comm_) comm_->sweep();
     std::vector<std::pair<std::shared_ptr<RecvReq>, std::string>> to_fail;
     std::vector<uint8_t> interest(static_cast<size_t>(transport_.world_size()), 0);
     bool released = false;
@@ -448,6 +455,7 @@ RequestStatus KvReceiver::Impl::status_locked(const RecvReq& r) const {
 }
 
 std::string KvReceiver::Impl::describe_awaiting_locked(const RecvReq& r, int src) const {
+    if (!r.awaiting_comm.empty()) return r.awaiting_comm;
     const int L = layout_.num_layers();
     for (size_t i = 0; i < r.sources.size(); ++i) {
         if (src >= 0 && static_cast<int>(i) != src) continue;
@@ -519,15 +527,20 @@ void KvReceiver::Impl::fail(const std::shared_ptr<RecvReq>& r, std::string reaso
 
 StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::create(Transport& transport, KvLayout layout,
                                                          ReceiverOptions options) {
-    PDSIM_ASSIGN_OR_RETURN(DataPlaneChoice plane,
-                           choose_data_plane("KV receiver", transport, options.data_transport,
-                                             layout, options.validator != nullptr));
+    PDSIM_ASSIGN_OR_RETURN(
+        DataPlaneChoice plane,
+        choose_data_plane("KV receiver", transport, options.data_transport, layout));
     if (options.validator != nullptr && options.validator->rank() != transport.rank()) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "validator of rank {} given to the receiver of rank {}",
                            options.validator->rank(), transport.rank());
     }
-    auto impl = std::make_shared<Impl>(transport, plane, std::move(layout), std::move(options));
+    std::unique_ptr<KvCommStream> comm;
+    if (!layout.is_host()) {
+        PDSIM_ASSIGN_OR_RETURN(comm, KvCommStream::create("KV receiver", layout, options));
+    }
+    auto impl = std::make_shared<Impl>(transport, plane, std::move(layout), std::move(options),
+                                       std::move(comm));
     PDSIM_RETURN_IF_ERROR(impl->start());
     return std::unique_ptr<KvReceiver>(new KvReceiver(std::move(impl)));
 }

@@ -20,7 +20,8 @@
 // buffer, run) straight into the pages, or into a staging buffer when the fragment is only
 // part of a token slot (prefill TP > decode TP with a partial slice, or any case where the
 // decode rank holds more heads than the fragment): a receiver worker then scatters it into
-// [token][head][dim] (one host copy; counted in stats().staged_bytes). After its last chunk a
+// [token][head][dim] (one host copy, or on a device layout a scatter on the comm stream, see
+// "Device memory"; counted in stats().staged_bytes). After its last chunk a
 // source's Completion message (first token, the compute stream's checksums) is received on the
 // same tag.
 //
@@ -41,10 +42,23 @@
 // last chunk header and a LayerWritten of layer l for every chunk; the Completion (first token,
 // checksums) comes on the control channel after all of them. wait_layer, layer_arrived,
 // wait_done, events and stats behave as in the two-sided mode (stats().messages counts the
-// sources' writes), and the landed pages are checked against the checksums as there. A device
-// layout (KvLayout::device()) needs a data transport with device_memory; its landed pages are
-// not hashed (the hashing runs on the host) and, two-sided, a fragment that needs a scatter
-// fails the request as not implemented.
+// sources' writes), and the landed pages are checked against the checksums as there.
+//
+// Device memory (as the sender's, kv_sender.h: KV memory ops and one comm stream per engine,
+// made at create(); kv_comm_stream.h). Two-sided, the messages that fill part of a decode slot of
+// one chunk from one source land in one staging buffer of the ops (plan_scatter over every
+// layer; same message order and sizes as on the host), allocated once the chunk's header arrived;
+// a worker then takes every queued scatter, enqueues them on the comm stream (one call per
+// staging buffer), waits on the host for the stream, bounded by the request's deadline, in
+// slices of `tick`, and reports the layers. A wait that fails (a timeout, the stream's error)
+// fails the request naming the comm stream and the layers; its scatters may still write the
+// pages, so they count as outstanding -- the pages stay pinned, pages_in_use true -- until the
+// stream has passed them (seen on the control thread's tick, or at shutdown, bounded by
+// peer_timeout). The final check hashes the landed pages through the ops
+// (plan_page_checksums) on the control thread, waiting for the comm stream (bounded by the
+// request's deadline; a timeout fails the request naming it). Still refused: a data transport
+// without device_memory, ops that cannot be made, injected ops or streams of another device
+// (as the sender's create()).
 //
 // Failure: bounded by the request timeout, the peer timeout (prefill rank silent: no ack, no
 // data, no heartbeat) and transport errors; the reason names request, peer and what was awaited.

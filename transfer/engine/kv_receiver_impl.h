@@ -31,6 +31,9 @@
 #include "common/status.h"
 #include "transfer/engine/control.h"
 #include "transfer/engine/data_plane.h"
+#include "transfer/engine/kv_comm_stream.h"
+#include "transfer/engine/kv_copy_plan.h"
+#include "transfer/engine/kv_memory_ops.h"
 #include "transfer/engine/kv_receiver.h"
 #include "transfer/engine/request_table.h"
 #include "transfer/engine/transfer_plan.h"
@@ -92,6 +95,17 @@ struct RecvReq : RequestLifecycle {
     bool has_first_token = false;
     int32_t first_token = -1;
     uint64_t bytes = 0;
+    // Device layouts: what a worker waits for on the comm stream (its scatters), while it waits.
+    std::string awaiting_comm;
+};
+
+// Device layouts: the staging of one chunk's messages from one source (plan_scatter over every
+// layer, the engine's message order): the receives of the messages that fill only part of a
+// decode slot land there, and the comm stream scatters them into the pages. `memory` (the ops'
+// staging memory) is allocated outside the engine lock, before any receive is posted.
+struct DeviceStaging {
+    KvStagingPlan plan;
+    KvOpsMemory memory;
 };
 
 struct ScatterJob {
@@ -100,7 +114,10 @@ struct ScatterJob {
     int layer = 0;
     int buf = 0;
     TokenRun run;
-    std::shared_ptr<std::vector<std::byte>> staging;
+    std::shared_ptr<std::vector<std::byte>> staging;  // host layouts
+    // Device layouts: message `message` of `device_staging` (its op scatters it).
+    std::shared_ptr<DeviceStaging> device_staging;
+    size_t message = 0;
 };
 
 // One receive to post (computed under the lock, posted outside it).
@@ -110,7 +127,10 @@ struct RecvOp {
     TokenRun run;
     void* ptr = nullptr;
     size_t bytes = 0;
-    std::shared_ptr<std::vector<std::byte>> staging;
+    std::shared_ptr<std::vector<std::byte>> staging;  // host layouts: lands here, then scattered
+    // Device layouts: lands in message `message` of `device_staging`, then scattered.
+    std::shared_ptr<DeviceStaging> device_staging;
+    size_t message = 0;
     std::shared_ptr<Bytes> completion;
 };
 
@@ -121,10 +141,13 @@ class KvReceiver::Impl : public ControlListener, public std::enable_shared_from_
     using RecvReq = receiver_detail::RecvReq;
     using ScatterJob = receiver_detail::ScatterJob;
     using RecvOp = receiver_detail::RecvOp;
+    using DeviceStaging = receiver_detail::DeviceStaging;
     using Table = RequestTable<RecvReq>;
 
 public:
-    Impl(Transport& transport, DataPlaneChoice plane, KvLayout layout, ReceiverOptions options);
+    // `comm`: the device-memory path (kv_comm_stream.h) of a device layout; null for a host one.
+    Impl(Transport& transport, DataPlaneChoice plane, KvLayout layout, ReceiverOptions options,
+         std::unique_ptr<KvCommStream> comm);
     // Write mode: registers the layout's regions with the data transport first.
     Status start();
 
@@ -184,9 +207,11 @@ private:
 
     // The receives of one chunk in plan order (layer, buffer, run), then (last chunk) the
     // completion message. Counts them as outstanding before any is posted, so the arrival state
-    // can never look complete while a chunk is half posted.
-    std::vector<RecvOp> plan_chunk_locked(RecvReq& r, const SourceState& s, const ChunkMsg& m)
-        PDSIM_REQUIRES(table_.mu());
+    // can never look complete while a chunk is half posted. Device layouts: the ops of messages
+    // that need a scatter share one DeviceStaging (its memory still to be allocated); `why` is set
+    // (and nothing counted) when its plan fails.
+    std::vector<RecvOp> plan_chunk_locked(RecvReq& r, const SourceState& s, const ChunkMsg& m,
+                                          std::string& why) PDSIM_REQUIRES(table_.mu());
     void post_ops(const std::shared_ptr<RecvReq>& r, int peer, const Fragment& frag,
                   std::vector<RecvOp> ops);
 
@@ -208,6 +233,13 @@ private:
     // and tells the prefill ranks.
     void fail(const std::shared_ptr<RecvReq>& r, std::string reason, bool notify_peers);
     void worker_loop();
+    // Device layouts (a worker): enqueues the jobs' scatters on the comm stream, one request at a
+    // time, and waits for it (bounded by the request's deadline); a failed wait fails the request
+    // naming the layers and the comm stream, and the scatters stay outstanding (the pages
+    // pinned) until the stream has passed them.
+    void scatter_on_device(std::vector<ScatterJob> jobs);
+    // Whether the workers stop (for the comm-stream waits).
+    bool stopping() const;
     // Write mode, graceful shutdown: waits (bounded) until no failed request waits for a source
     // to settle.
     void wait_settled(std::chrono::nanoseconds timeout);
@@ -216,6 +248,8 @@ private:
     const DataPlane plane_;
     const KvLayout layout_;
     const ReceiverOptions opt_;
+    // Device layouts: the KV memory ops and the comm stream (null: a host layout).
+    const std::unique_ptr<KvCommStream> comm_;
     size_t max_msg_ = 0;
     uint32_t slot_capacity_ = 0;
     std::shared_ptr<ControlChannel> channel_;
@@ -232,7 +266,7 @@ private:
     std::vector<uint8_t> regions_sent_ PDSIM_GUARDED_BY(bootstrap_mu_);
 
     // The scatter queue: a leaf lock, never held while taking the engine lock, nor taken under it.
-    Mutex jobs_mu_;
+    mutable Mutex jobs_mu_;
     CondVar jobs_cv_;
     std::deque<ScatterJob> jobs_ PDSIM_GUARDED_BY(jobs_mu_);
     bool stopping_ PDSIM_GUARDED_BY(jobs_mu_) = false;

@@ -4,7 +4,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <iterator>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -108,17 +110,6 @@ void KvReceiver::Impl::handle_ack(int peer, const AckMsg& m) {
             s.acked = true;
             s.layout = m.layout;
             s.frag = make_fragment(m.layout, layout_.summary());
-            if (s.frag && !write_mode() && !layout_.is_host()) {
-                for (int b = 0; b < layout_.buffer_count(); ++b) {
-                    if (s.frag->dst_contiguous[static_cast<size_t>(b)]) continue;
-                    why = fmt::format(
-                        "request {}: prefill rank {} sends part of a token slot, which the "
-                        "two-sided data plane scatters on the host; not implemented for a KV "
-                        "layout in {} memory",
-                        r->id, peer, runtime::device_kind_name(layout_.device().kind));
-                    break;
-                }
-            }
             if (s.frag) {
                 const size_t agreed = std::min<uint64_t>(max_msg_, m.max_message_bytes);
                 s.max_run = max_run_tokens(*s.frag, layout_.buffer_count(), agreed);
@@ -180,9 +171,9 @@ void KvReceiver::Impl::handle_chunk(int peer, const ChunkMsg& m) {
                 }
                 if (m.is_last) ++r->ops_outstanding;
             } else {
-                ops = plan_chunk_locked(*r, *s, m);
+                ops = plan_chunk_locked(*r, *s, m, why);
             }
-            if (m.is_last) {
+            if (why.empty() && m.is_last) {
                 s->last_header = true;
                 ++r->last_headers;
             }
@@ -191,6 +182,29 @@ void KvReceiver::Impl::handle_chunk(int peer, const ChunkMsg& m) {
     if (!why.empty()) {
         fail(r, why, true);
         return;
+    }
+    // Device layouts: the chunk's staging memory (the ops' allocate_staging), outside the lock.
+    std::shared_ptr<DeviceStaging> staging;
+    for (const RecvOp& op : ops) {
+        if (op.device_staging) staging = op.device_staging;
+    }
+    if (staging) {
+        StatusOr<KvOpsMemory> memory = comm_->ops().allocate_staging(staging->plan.staging_bytes);
+        if (memory.ok()) {
+            staging->memory = std::move(memory).value();
+            for (RecvOp& op : ops) {
+                if (!op.device_staging) continue;
+                op.ptr = staging->memory.data() + staging->plan.messages[op.message].staging_offset;
+            }
+        } else {
+            // post_ops withdraws every receive of the failed request.
+            fail(r,
+                 fmt::format("request {}: staging memory of {} bytes for chunk {} from prefill "
+                             "rank {}: {}",
+                             r->id, staging->plan.staging_bytes, m.chunk_index, peer,
+                             memory.status().message()),
+                 true);
+        }
     }
     // Posted from this (the control) thread only, in plan order: per (source, tag) the k-th
     // receive matches the source's k-th send.
@@ -208,7 +222,8 @@ void KvReceiver::Impl::handle_chunk(int peer, const ChunkMsg& m) {
 
 std::vector<receiver_detail::RecvOp> KvReceiver::Impl::plan_chunk_locked(RecvReq& r,
                                                                          const SourceState& s,
-                                                                         const ChunkMsg& m) {
+                                                                         const ChunkMsg& m,
+                                                                         std::string& why) {
     const Fragment& f = *s.frag;
     const std::vector<TokenRun> runs =
         make_runs(m.src_pages, s.layout.page_size, m.src_first_page, r.dst_pages,
@@ -216,10 +231,29 @@ std::vector<receiver_detail::RecvOp> KvReceiver::Impl::plan_chunk_locked(RecvReq
     std::vector<RecvOp> ops;
     const int L = layout_.num_layers();
     const int B = layout_.buffer_count();
+    // Device layouts: messages that fill part of a decode slot land in one staging buffer of the
+    // chunk (same message order and sizes), which the comm stream scatters.
+    std::shared_ptr<DeviceStaging> device_staging;
+    if (comm_) {
+        bool partial = false;
+        for (int b = 0; b < B; ++b) partial = partial || !f.dst_contiguous[static_cast<size_t>(b)];
+        if (partial) {
+            StatusOr<KvStagingPlan> plan = plan_scatter(layout_, f, runs, 0, L);
+            if (!plan.ok()) {
+                why =
+                    fmt::format("request {}: the scatter plan of chunk {} from prefill rank {}: {}",
+                                r.id, m.chunk_index, s.world_rank, plan.status().message());
+                return {};
+            }
+            device_staging = std::make_shared<DeviceStaging>();
+            device_staging->plan = std::move(plan).value();
+        }
+    }
     ops.reserve(static_cast<size_t>(L * B) * runs.size() + 1);
     for (int l = 0; l < L; ++l) {
         for (int b = 0; b < B; ++b) {
-            for (const TokenRun& run : runs) {
+            for (size_t k = 0; k < runs.size(); ++k) {
+                const TokenRun& run = runs[k];
                 RecvOp op;
                 op.layer = l;
                 op.buf = b;
@@ -227,6 +261,13 @@ std::vector<receiver_detail::RecvOp> KvReceiver::Impl::plan_chunk_locked(RecvReq
                 op.bytes = message_bytes(f, b, run);
                 if (f.dst_contiguous[static_cast<size_t>(b)]) {
                     op.ptr = layout_.slot_addr(l, b, run.dst_slot);
+                } else if (device_staging) {
+                    // op.ptr is set once the staging memory is allocated (handle_chunk).
+                    op.device_staging = device_staging;
+                    op.message =
+                        (static_cast<size_t>(l) * static_cast<size_t>(B) + static_cast<size_t>(b)) *
+                            runs.size() +
+                        k;
                 } else {
                     op.staging = std::make_shared<std::vector<std::byte>>(op.bytes);
                     op.ptr = op.staging->data();
@@ -324,11 +365,12 @@ void KvReceiver::Impl::on_recv_complete(const std::shared_ptr<RecvReq>& r, int p
                             r->id, op->layer, op->buf, peer, n, op->bytes));
         return;
     }
-    if (op->staging) {
+    if (op->staging || op->device_staging) {
         {
             MutexLock lock(jobs_mu_);
             if (!stopping_) {
-                jobs_.push_back(ScatterJob{r, frag, op->layer, op->buf, op->run, op->staging});
+                jobs_.push_back(ScatterJob{r, frag, op->layer, op->buf, op->run, op->staging,
+                                           op->device_staging, op->message});
             }
         }
         jobs_cv_.notify_one();
@@ -535,14 +577,45 @@ void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
     bool checked = false;
     for (const SourceState& s : sources) {
         if (!s.frag || !s.completed || !s.completion.has_checksums) continue;
-        // The landed bytes are hashed on the host: not (yet) for a layout in device memory.
-        if (!layout_.is_host()) continue;
         const Fragment& f = *s.frag;
+        // Device layouts: the landed pages are hashed by the KV memory ops on the comm stream;
+        // this (control) thread waits for it, bounded by the request's deadline.
+        KvChecksumPlan device_plan;
+        std::vector<uint64_t> device_sums;
+        if (comm_) {
+            StatusOr<KvChecksumPlan> plan = plan_page_checksums(
+                layout_, r->dst_pages, 0, r->num_tokens, 0, L, f.head_begin, f.head_count);
+            StatusOr<std::vector<uint64_t>> sums =
+                plan.ok() ? comm_->checksums(layout_, *plan, r->deadline, opt_.tick,
+                                             [this] { return stopping(); })
+                          : StatusOr<std::vector<uint64_t>>(plan.status());
+            if (!sums.ok()) {
+                const bool late = sums.status().code() == StatusCode::kDeadlineExceeded;
+                fail(r,
+                     fmt::format("request {}: {} awaiting the {} (the landed-bytes checksums of "
+                                 "layers 0..{} from prefill rank {}): {}",
+                                 r->id,
+                                 late ? fmt::format("timed out after {} ms", r->timeout.count())
+                                      : std::string("failed"),
+                                 comm_->describe(), L - 1, s.world_rank, sums.status().message()),
+                     true);
+                return;
+            }
+            device_plan = std::move(plan).value();
+            device_sums = std::move(sums).value();
+        }
         checked = true;
         for (int l = 0; l < L; ++l) {
             for (int b = 0; b < B; ++b) {
-                std::vector<uint64_t> landed = kv_checksums(
-                    layout_, r->dst_pages, l, b, 0, r->num_tokens, f.head_begin, f.head_count);
+                std::vector<uint64_t> landed;
+                if (comm_) {
+                    const auto at = static_cast<std::ptrdiff_t>(device_plan.sum_index(l, b));
+                    landed.assign(device_sums.begin() + at,
+                                  device_sums.begin() + at + f.head_count);
+                } else {
+                    landed = kv_checksums(layout_, r->dst_pages, l, b, 0, r->num_tokens,
+                                          f.head_begin, f.head_count);
+                }
                 std::vector<uint64_t> expected(static_cast<size_t>(f.head_count));
                 for (int h = 0; h < f.head_count; ++h) {
                     expected[static_cast<size_t>(h)] = s.completion.checksum(l, b, h);
@@ -589,16 +662,113 @@ void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
     emit(TransferEvent::Kind::kRequestDone, r->id, -1, -1, bytes);
 }
 
+bool KvReceiver::Impl::stopping() const {
+    MutexLock lock(jobs_mu_);
+    return stopping_;
+}
+
+void KvReceiver::Impl::scatter_on_device(std::vector<ScatterJob> jobs) {
+    KvMemoryOps& ops = comm_->ops();
+    size_t begin = 0;
+    while (begin < jobs.size()) {
+        // One request at a time: its deadline bounds the wait.
+        size_t end = begin + 1;
+        while (end < jobs.size() && jobs[end].req == jobs[begin].req) ++end;
+        const std::shared_ptr<RecvReq> r = jobs[begin].req;
+        std::set<int> layer_set;
+        for (size_t i = begin; i < end; ++i) layer_set.insert(jobs[i].layer);
+        std::string layers;
+        for (int l : layer_set) {
+            if (!layers.empty()) layers.push_back(',');
+            layers.append(std::to_string(l));
+        }
+        const std::string what =
+            fmt::format("the {} (scatters of layer(s) {})", comm_->describe(), layers);
+        Status st;
+        bool enqueued = false;
+        // One enqueue per staging buffer (chunk): its ops in arrival order.
+        for (size_t i = begin; st.ok() && i < end;) {
+            const std::shared_ptr<DeviceStaging>& staging = jobs[i].device_staging;
+            std::vector<KvCopyOp> copies;
+            for (; i < end && jobs[i].device_staging == staging; ++i) {
+                copies.push_back(staging->plan.ops[jobs[i].message]);
+            }
+            st = ops.enqueue_scatter(comm_->stream(), layout_, copies, staging->memory.data());
+            enqueued = enqueued || st.ok();
+        }
+        // A host wait (a later step may let the arrival wait on the stream's event instead).
+        if (st.ok()) {
+            {
+                MutexLock lock(table_.mu());
+                r->awaiting_comm = what;  // the watchdog's timeout reason names it too
+            }
+            st = comm_->wait(r->deadline, opt_.tick, [this] { return stopping(); });
+            MutexLock lock(table_.mu());
+            r->awaiting_comm.clear();
+        }
+        if (st.ok()) {
+            uint64_t staged = 0;
+            for (size_t i = begin; i < end; ++i) {
+                staged += jobs[i].device_staging->plan.messages[jobs[i].message].bytes;
+            }
+            {
+                MutexLock lock(table_.mu());
+                stats_.staged_bytes += staged;
+            }
+            for (size_t i = begin; i < end; ++i) {
+                op_done(r, jobs[i].layer,
+                        jobs[i].device_staging->plan.messages[jobs[i].message].bytes, "");
+            }
+            begin = end;
+            continue;
+        }
+        const bool late = st.code() == StatusCode::kDeadlineExceeded;
+        const std::string why = fmt::format(
+            "request {}: {} awaiting {}: {}", r->id,
+            late ? fmt::format("timed out after {} ms", r->timeout.count()) : std::string("failed"),
+            what, st.message());
+        if (!stopping()) fail(r, why, true);
+        auto done = std::make_shared<std::vector<ScatterJob>>(
+            std::make_move_iterator(jobs.begin() + static_cast<std::ptrdiff_t>(begin)),
+            std::make_move_iterator(jobs.begin() + static_cast<std::ptrdiff_t>(end)));
+        auto finish = [weak = weak_from_this(), done, why] {
+            auto self = weak.lock();
+            if (!self) return;
+            for (const ScatterJob& job : *done) self->op_done(job.req, job.layer, 0, why);
+        };
+        if (enqueued) {
+            // The scatters may still write the pages: they stay outstanding (the pages pinned)
+            // until the stream has passed them.
+            comm_->retire(done, finish);
+        } else {
+            finish();
+        }
+        begin = end;
+    }
+}
+
 void KvReceiver::Impl::worker_loop() {
     while (true) {
         ScatterJob job;
+        std::vector<ScatterJob> device_jobs;
         {
             MutexLock lock(jobs_mu_);
             jobs_cv_.wait(jobs_mu_,
                           [&]() PDSIM_REQUIRES(jobs_mu_) { return stopping_ || !jobs_.empty(); });
             if (stopping_) return;
-            job = std::move(jobs_.front());
-            jobs_.pop_front();
+            if (comm_) {
+                // Device layouts: everything queued, in one pass of the comm stream.
+                device_jobs.assign(std::make_move_iterator(jobs_.begin()),
+                                   std::make_move_iterator(jobs_.end()));
+                jobs_.clear();
+            } else {
+                job = std::move(jobs_.front());
+                jobs_.pop_front();
+            }
+        }
+        if (comm_) {
+            scatter_on_device(std::move(device_jobs));
+            continue;
         }
         scatter_run(layout_, job.frag, job.layer, job.buf, job.run, job.staging->data());
         const size_t n = job.staging->size();

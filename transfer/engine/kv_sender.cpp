@@ -40,13 +40,15 @@ std::string_view transfer_event_name(TransferEvent::Kind kind) {
 }
 
 KvSender::Impl::Impl(Transport& transport, DataPlaneChoice plane, KvLayout layout,
-                     pd::StepCounter& counter, SenderOptions options)
+                     pd::StepCounter& counter, SenderOptions options,
+                     std::unique_ptr<KvCommStream> comm)
     : transport_(transport),
       data_(*plane.data),
       plane_(plane.plane),
       layout_(std::move(layout)),
       counter_(counter),
       opt_(std::move(options)),
+      comm_(std::move(comm)),
       pins_(transport.rank(), opt_.validator),
       table_(RequestTableNames{"sender", transport.rank()}) {
     max_msg_ = std::min(opt_.max_message_bytes, data_.capabilities().max_message_bytes);
@@ -229,12 +231,14 @@ void KvSender::Impl::shutdown(ShutdownMode mode) {
             return true;
         });
     }
-    // Write mode: the Quiesced messages just posted are what the decode ranks wait for before
-    // they free pages; give the control sends a moment to reach a live peer (one that is gone
-    // or stuck counts as dead after its peer timeout anyway: our heartbeats stop).
+    // Write mode: the Quiesced messages (those just posted, and those posted earlier that a
+    // decode rank has not matched yet) are what the decode ranks wait for before they free
+    // pages; give the control sends a moment to reach a live peer (one that is gone or stuck
+    // counts as dead after its peer timeout anyway: our heartbeats stop). stop() lingers only
+    // while sends are still unmatched.
     if (channel_) {
-        channel_->stop(graceful, quiesce_on_exit_.load() ? std::chrono::milliseconds(200)
-                                                         : std::chrono::milliseconds(0));
+        channel_->stop(graceful, write_mode() && graceful ? std::chrono::milliseconds(200)
+                                                          : std::chrono::milliseconds(0));
     }
 }
 
@@ -373,6 +377,8 @@ void KvSender::Impl::on_peer_failed(int peer, const Status& st) {
 }
 
 void KvSender::Impl::on_tick(Clock::time_point now) {
+    // Device layouts: memory of comm-stream work whose wait failed, once the stream passed it.
+    if (comm_) comm_->sweep();
     std::vector<std::pair<std::shared_ptr<SendReq>, std::string>> to_fail;
     std::vector<uint8_t> interest(static_cast<size_t>(transport_.world_size()), 0);
     {
@@ -562,23 +568,6 @@ Status KvSender::Impl::validate_bootstrap(int peer, const BootstrapMsg& m) const
                            "{} destination pages of {} tokens cannot hold {} tokens",
                            m.dst_pages.size(), ps, m.num_tokens);
     }
-    std::optional<Fragment> frag = make_fragment(layout_.summary(), m.layout);
-    if (frag && !layout_.is_host()) {
-        // A gather is a host copy (a device kernel for it comes later). The write mode gathers
-        // only when one write per run needs it (a whole decode slot from part of ours).
-        for (int b = 0; b < layout_.buffer_count(); ++b) {
-            const auto bi = static_cast<size_t>(b);
-            const bool gathers =
-                !frag->src_contiguous[bi] && (!write_mode() || frag->dst_contiguous[bi]);
-            if (gathers) {
-                return PDSIM_ERROR(StatusCode::kUnimplemented,
-                                   "decode rank {} needs part of this rank's token slots, "
-                                   "gathered on the host into a staging copy: not implemented "
-                                   "for a KV layout in {} memory",
-                                   peer, runtime::device_kind_name(layout_.device().kind));
-            }
-        }
-    }
     if (write_mode()) {
         auto it = peer_regions_.find(peer);
         if (it == peer_regions_.end()) {
@@ -750,12 +739,45 @@ void KvSender::Impl::finalize(uint64_t id) {
     if (v != nullptr && opt_.verify_after_send && lo >= 0) {
         // Every send completed, so the pages are what the decode side got -- unless the
         // compute stream (or a new owner of a reused page) wrote them after the record.
+        // Device layouts: the pages are hashed by the KV memory ops on the comm stream, and this
+        // (control) thread waits for it, bounded by the request's deadline.
+        KvChecksumPlan device_plan;
+        std::vector<uint64_t> device_sums;
+        if (comm_) {
+            const int L = layout_.num_layers();
+            StatusOr<KvChecksumPlan> plan =
+                plan_page_checksums(layout_, pages, 0, r->num_tokens, 0, L, lo, hi - lo);
+            StatusOr<std::vector<uint64_t>> sums =
+                plan.ok() ? comm_->checksums(layout_, *plan, r->deadline, opt_.cancel_check,
+                                             [this] { return stopping_.load(); })
+                          : StatusOr<std::vector<uint64_t>>(plan.status());
+            if (!sums.ok()) {
+                const bool late = sums.status().code() == StatusCode::kDeadlineExceeded;
+                fail(r,
+                     fmt::format("request {}: {} awaiting the {} (the after-send checksums of "
+                                 "layers 0..{}): {}",
+                                 id,
+                                 late ? fmt::format("timed out after {} ms", r->timeout.count())
+                                      : std::string("failed"),
+                                 comm_->describe(), L - 1, sums.status().message()),
+                     true);
+                return;
+            }
+            device_plan = std::move(plan).value();
+            device_sums = std::move(sums).value();
+        }
         for (int l = 0; l < layout_.num_layers(); ++l) {
             for (int b = 0; b < layout_.buffer_count(); ++b) {
                 auto expected = v->wait_expected(id, l, b, r->num_tokens, lo, hi - lo,
                                                  std::chrono::milliseconds(0));
                 if (!expected.ok()) continue;  // the workers already reported it
-                auto now = kv_checksums(layout_, pages, l, b, 0, r->num_tokens, lo, hi - lo);
+                std::vector<uint64_t> now;
+                if (comm_) {
+                    const auto at = static_cast<std::ptrdiff_t>(device_plan.sum_index(l, b));
+                    now.assign(device_sums.begin() + at, device_sums.begin() + at + (hi - lo));
+                } else {
+                    now = kv_checksums(layout_, pages, l, b, 0, r->num_tokens, lo, hi - lo);
+                }
                 v->compare(id, l, b, lo, now, *expected,
                            fmt::format("after-send (prefill rank {}: pages changed after "
                                        "they were sent: late write or reuse in flight)",
@@ -817,9 +839,9 @@ void KvSender::Impl::fail(const std::shared_ptr<SendReq>& r, std::string reason,
 StatusOr<std::unique_ptr<KvSender>> KvSender::create(Transport& transport, KvLayout layout,
                                                      pd::StepCounter& counter,
                                                      SenderOptions options) {
-    PDSIM_ASSIGN_OR_RETURN(DataPlaneChoice plane,
-                           choose_data_plane("KV sender", transport, options.data_transport, layout,
-                                             options.validator != nullptr));
+    PDSIM_ASSIGN_OR_RETURN(
+        DataPlaneChoice plane,
+        choose_data_plane("KV sender", transport, options.data_transport, layout));
     if (layout.num_layers() < 1) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "empty KV layout");
     }
@@ -828,8 +850,12 @@ StatusOr<std::unique_ptr<KvSender>> KvSender::create(Transport& transport, KvLay
                            "validator of rank {} given to the sender of rank {}",
                            options.validator->rank(), transport.rank());
     }
-    auto impl =
-        std::make_shared<Impl>(transport, plane, std::move(layout), counter, std::move(options));
+    std::unique_ptr<KvCommStream> comm;
+    if (!layout.is_host()) {
+        PDSIM_ASSIGN_OR_RETURN(comm, KvCommStream::create("KV sender", layout, options));
+    }
+    auto impl = std::make_shared<Impl>(transport, plane, std::move(layout), counter,
+                                       std::move(options), std::move(comm));
     PDSIM_RETURN_IF_ERROR(impl->start());
     return std::unique_ptr<KvSender>(new KvSender(std::move(impl)));
 }

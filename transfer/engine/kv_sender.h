@@ -38,7 +38,8 @@
 // Copies: none when the fragment is a whole prefill token slot (same TP, prefill TP > decode TP,
 // MLA, any page sizes): the transport reads the pages. When the decode rank needs only some of
 // this rank's heads (prefill TP < decode TP), the worker gathers the run's fragment into a
-// staging buffer first (one host copy; counted in stats().staged_bytes).
+// staging buffer first (one host copy, or on a device layout one gather on the comm stream, see
+// "Device memory"; counted in stats().staged_bytes).
 //
 // Write mode. Each decode rank sends its regions (one per (layer, buffer) of its KvLayout, as
 // registered with its data transport) once per (decode engine, prefill rank), before its first
@@ -54,9 +55,35 @@
 // every LayerWritten of the request to that rank was sent. A request is Success once every write
 // completed and every Completion was handed to the control channel: the decode rank is not
 // waited for (a silent decode rank fails only a request that still awaits something).
-// Device layouts (KvLayout::device() not host): the data transport must declare device_memory
-// (create() is kInvalidArgument otherwise); a validator, and a Bootstrap whose fragment needs a
-// gather (the host staging copy), are kUnimplemented until device kernels exist for them.
+//
+// Device memory. A KvLayout whose device() is not the CPU (a GPU rank's pools) is never touched
+// by the host. create() gets the KV memory ops of that memory (kv_memory_ops.h:
+// make_kv_memory_ops(layout.device()), or options.kv_memory_ops_for_testing) and makes one comm
+// stream on that device through the runtime registry (runtime::device_runtime(kind)->
+// create_stream; or options.comm_stream_factory_for_testing); kv_comm_stream.h. Per (chunk,
+// destination, layer interval), once the interval's step is ready, the worker
+//   1. plans the interval's gathers (plan_gather: the buffers a host layout would gather) and,
+//      with a validator, the fragment's read checksums (plan_fragment_checksums);
+//   2. enqueues them on the comm stream, into staging and sums memory of the ops
+//      (allocate_staging / allocate_sums);
+//   3. waits on the host for an event behind them, in slices of cancel_check, bounded by the
+//      request's deadline (a timeout fails the request with a reason naming the layers, the
+//      decode rank and the comm stream; the stream's sticky error fails it too);
+//   4. adds the sums into the destination's observed sums, and posts the sends (writes) in the
+//      host path's order and sizes -- from the staging memory for gathered messages, straight
+//      from the pages otherwise -- so the decode rank cannot tell the two paths apart.
+// The after-send verification hashes the pages through the ops too (plan_page_checksums), on
+// the control thread, which waits for the comm stream (bounded by the request's deadline).
+// Work whose wait failed may still run: its staging and sums stay alive until the stream has
+// passed it (the control thread's tick sweeps them); it only reads the pages, so their pins are
+// released as on the host path. Host waits today: the comm stream runs after the host has seen
+// the StepCounter record (not after a device-side wait on the compute stream), and the sends
+// are posted after a host wait for the gathers; a later device-gated step can make the comm
+// stream wait on the compute stream's event and the transport on the comm stream's.
+// What is still refused: a data transport without device_memory (kInvalidArgument; it must
+// reach the pages and the staging memory), KV memory ops that cannot be made (make_kv_memory_ops'
+// error: kUnavailable without CUDA or without that GPU), injected ops of another memory kind or a
+// comm stream of another device (kInvalidArgument).
 //
 // Pins: a chunk's pages are pinned from submit_chunk until no send can read them any more;
 // pins().free_pages() refuses to free them meanwhile (see page_pins.h). A Failed request turns
@@ -74,8 +101,9 @@
 // never wrote (unknown here, or already quiet). Until then it keeps heartbeating those decode
 // ranks, which keep the pages pinned (kv_receiver.h, "Page safety"). A graceful shutdown with
 // requests that are not quiet (it fails the active ones) waits (at most peer_timeout) for them
-// to turn quiet and lets the Quiesced messages reach live peers (at most 200 ms) before it stops
-// the control channel; an abrupt one sends nothing.
+// to turn quiet; every graceful shutdown then lets the control messages still unmatched (the
+// Quiesced ones, including those sent before the shutdown) reach live peers (at most 200 ms)
+// before it stops the control channel; an abrupt one sends nothing.
 //
 // Thread-safety: all public methods may be called from any thread. Lifetime: destroy (or
 // shutdown) the sender before closing its transports (control and data) and before freeing the
@@ -135,10 +163,12 @@ public:
     // `transport` carries the control messages (two-sided, tag-matching); the data goes over
     // options.data_transport or, when null, `transport` too. `counter` must outlive the sender.
     // Errors (data_plane.h, choose_data_plane): kUnimplemented for a control transport that is
-    // not two-sided and tag-matching, a data transport with neither data plane, a device layout
-    // with a validator; kInvalidArgument for a data transport whose ranks differ, a two-sided
-    // data transport with max_tag < kDataTagBase, a layout in memory the data transport cannot
-    // reach, an empty layout or a validator of another rank.
+    // not two-sided and tag-matching, a data transport with neither data plane; kInvalidArgument
+    // for a data transport whose ranks differ, a two-sided data transport with max_tag <
+    // kDataTagBase, a layout in memory the data transport cannot reach, an empty layout or a
+    // validator of another rank. A device layout (above, "Device memory"): the errors of its KV
+    // memory ops and comm stream (kUnavailable without that GPU or without CUDA; kInvalidArgument
+    // for injected ops of another memory kind or a stream of another device).
     [[nodiscard]] static StatusOr<std::unique_ptr<KvSender>> create(Transport& transport,
                                                                     KvLayout layout,
                                                                     pd::StepCounter& counter,

@@ -14,6 +14,7 @@
 // A function named *_locked is called with the engine lock held.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -32,6 +33,9 @@
 #include "common/status.h"
 #include "transfer/engine/control.h"
 #include "transfer/engine/data_plane.h"
+#include "transfer/engine/kv_comm_stream.h"
+#include "transfer/engine/kv_copy_plan.h"
+#include "transfer/engine/kv_memory_ops.h"
 #include "transfer/engine/kv_sender.h"
 #include "transfer/engine/request_table.h"
 #include "transfer/engine/transfer_plan.h"
@@ -139,6 +143,21 @@ struct Task {
     int64_t first_token_aux_step = 0;
 };
 
+// Device layouts: one layer interval of a task after its comm-stream work (gathers into staging,
+// the read checksums added into the destination's `observed`) completed: where each gathered
+// message is, for the posts. `staging` is kept alive by every send or write posted from it.
+struct DeviceInterval {
+    std::array<bool, kMaxKvBuffers> gathered{};  // per buffer: sent from the staging copy
+    std::optional<KvStagingPlan> plan;
+    std::shared_ptr<KvOpsMemory> staging;
+
+    // The gathered copy of (layer, buf, run), or null when that buffer is not gathered.
+    [[nodiscard]] const std::byte* address(int layer, int buf, size_t run) const {
+        if (!staging || !gathered[static_cast<size_t>(buf)]) return nullptr;
+        return staging->data() + plan->message(layer, buf, static_cast<int>(run)).staging_offset;
+    }
+};
+
 // One worker thread and its queue of tasks (filled by enqueue(), drained by worker_loop()).
 struct Worker {
     Mutex mu;  // a leaf: never held while taking the engine lock, nor taken under it
@@ -155,11 +174,13 @@ class KvSender::Impl : public ControlListener, public std::enable_shared_from_th
     using TaskProgress = sender_detail::TaskProgress;
     using Task = sender_detail::Task;
     using Worker = sender_detail::Worker;
+    using DeviceInterval = sender_detail::DeviceInterval;
     using Table = RequestTable<SendReq>;
 
 public:
+    // `comm`: the device-memory path (kv_comm_stream.h) of a device layout; null for a host one.
     Impl(Transport& transport, DataPlaneChoice plane, KvLayout layout, pd::StepCounter& counter,
-         SenderOptions options);
+         SenderOptions options, std::unique_ptr<KvCommStream> comm);
     Status start();
 
     // ---- public API ----
@@ -267,6 +288,12 @@ private:
 
     // Posts every send of layers [l0, l1) (plan order: layer, buffer, run). False: stop the task.
     bool post_interval(Active& a, int l0, int l1);
+    // Device layouts, before post_interval posts: plans the interval's gathers (plan_gather) and
+    // read checksums (plan_fragment_checksums), enqueues them on the comm stream and waits for it
+    // (bounded by the request's deadline; a timeout fails the request naming the layers and the
+    // comm stream); adds the sums into the destination's `observed`. False: stop the task (the
+    // request failed, or the sender stops).
+    bool run_device_interval(Active& a, int l0, int l1, DeviceInterval& out);
     void finish_task(Active& a);
 
     enum class Progress { kDone, kWaiting, kFailed };
@@ -289,8 +316,11 @@ private:
     bool post_op(const Task& t, int layer, OpKind kind, std::shared_ptr<void> keep,
                  const std::shared_ptr<TaskProgress>& progress,
                  const std::function<StatusOr<RequestHandle>()>& post);
-    // Write mode: the (chunk, layer) writes of `a` to its destination, in plan order.
-    bool post_run_writes(Active& a, int layer, int buf, const TokenRun& run, uint64_t& staged);
+    // Write mode: the (chunk, layer) writes of `a` to its destination, in plan order. `gathered`
+    // (device layouts): the run's gathered copy in `gathered_keep`, when the write reads one.
+    bool post_run_writes(Active& a, int layer, int buf, const TokenRun& run, uint64_t& staged,
+                         const std::byte* gathered,
+                         const std::shared_ptr<KvOpsMemory>& gathered_keep);
 
     // Any thread (transport callbacks included): never re-enters the transport.
     void on_op_done(const std::shared_ptr<SendReq>& r, const std::shared_ptr<TaskProgress>& p,
@@ -304,6 +334,8 @@ private:
     const KvLayout layout_;
     pd::StepCounter& counter_;
     const SenderOptions opt_;
+    // Device layouts: the KV memory ops and the comm stream (null: a host layout).
+    const std::unique_ptr<KvCommStream> comm_;
     size_t max_msg_ = 0;
     std::shared_ptr<ControlChannel> channel_;
     PagePins pins_;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/logging.h"
@@ -210,18 +211,128 @@ void KvSender::Impl::start_task(Active& a) {
     a.progress->dest = a.t.dest;
 }
 
-bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
+bool KvSender::Impl::run_device_interval(Active& a, int l0, int l1, DeviceInterval& out) {
     SendReq& r = *a.t.req;
     DestState& d = *a.t.dest;
     const Fragment& f = *d.frag;
     const int B = layout_.buffer_count();
     OrderingValidator* v = opt_.validator;
+    KvMemoryOps& ops = comm_->ops();
+    bool gathers = false;
+    for (int b = 0; b < B; ++b) {
+        const auto bi = static_cast<size_t>(b);
+        // As on the host: a message (two-sided) or a write of whole decode slots taking part of
+        // this rank's slots goes out from a gathered copy; per-token writes read the pages.
+        out.gathered[bi] = !f.src_contiguous[bi] && (!write_mode() || f.dst_contiguous[bi]);
+        gathers = gathers || out.gathered[bi];
+    }
+    if (!gathers && v == nullptr) return true;
+    const std::string what =
+        fmt::format("{}{}of layers {}..{} for decode rank {}", gathers ? "gathers " : "",
+                    gathers && v != nullptr ? "and checksums "
+                    : v != nullptr          ? "checksums "
+                                            : "",
+                    l0, l1 - 1, d.world_rank);
+    set_awaiting(r, fmt::format("the {} ({})", comm_->describe(), what));
+    std::shared_ptr<KvOpsMemory> sums;
+    bool enqueued = false;
+    // Gives up the interval: whatever was enqueued may still run, so its memory stays alive until
+    // the stream has passed it. The request fails unless it already has (or the sender stops).
+    auto give_up = [&](const Status& st) {
+        if (enqueued) {
+            comm_->retire(
+                std::make_shared<
+                    std::pair<std::shared_ptr<KvOpsMemory>, std::shared_ptr<KvOpsMemory>>>(
+                    out.staging, sums),
+                nullptr);
+        }
+        out.staging.reset();
+        if (r.cancelled.load() || stopping_.load()) return false;
+        const bool late = st.code() == StatusCode::kDeadlineExceeded;
+        fail(a.t.req,
+             fmt::format("request {}: {} awaiting the {} ({}): {}", r.id,
+                         late ? fmt::format("timed out after {} ms", r.timeout.count())
+                              : std::string("failed"),
+                         comm_->describe(), what, st.message()),
+             true);
+        return false;
+    };
+    if (gathers) {
+        StatusOr<KvStagingPlan> plan = plan_gather(layout_, f, a.runs, l0, l1);
+        if (!plan.ok()) return give_up(plan.status());
+        std::vector<KvCopyOp> copies;
+        copies.reserve(plan->ops.size());
+        for (size_t i = 0; i < plan->ops.size(); ++i) {
+            if (out.gathered[static_cast<size_t>(plan->messages[i].buf)]) {
+                copies.push_back(plan->ops[i]);
+            }
+        }
+        StatusOr<KvOpsMemory> staging = ops.allocate_staging(plan->staging_bytes);
+        if (!staging.ok()) return give_up(staging.status());
+        out.staging = std::make_shared<KvOpsMemory>(std::move(staging).value());
+        if (Status st = ops.enqueue_gather(comm_->stream(), layout_, copies, out.staging->data());
+            !st.ok()) {
+            return give_up(st);
+        }
+        enqueued = true;
+        out.plan = std::move(plan).value();
+    }
+    if (v != nullptr) {
+        // What this rank reads now is what the sends carry (the transport reads the same bytes
+        // later unless someone writes them meanwhile, which the after-send verification catches):
+        // in stream order with the gathers.
+        StatusOr<KvChecksumPlan> plan =
+            plan_fragment_checksums(layout_, KvSide::kSource, f, a.runs, l0, l1);
+        if (!plan.ok()) return give_up(plan.status());
+        if (plan->sum_count != d.observed.size()) {
+            return give_up(PDSIM_ERROR(StatusCode::kInternal,
+                                       "the checksum plan has {} sums, the fragment {}",
+                                       plan->sum_count, d.observed.size()));
+        }
+        StatusOr<KvOpsMemory> memory = ops.allocate_sums(plan->sum_count);
+        if (!memory.ok()) return give_up(memory.status());
+        sums = std::make_shared<KvOpsMemory>(std::move(memory).value());
+        if (Status st =
+                ops.enqueue_checksums(comm_->stream(), layout_, plan->ops, sums->as<uint64_t>());
+            !st.ok()) {
+            return give_up(st);
+        }
+        enqueued = true;
+    }
+    // A host wait (a later step may gate the sends on the stream's event instead).
+    Status waited = comm_->wait(r.deadline, opt_.cancel_check,
+                                [&] { return r.cancelled.load() || stopping_.load(); });
+    if (!waited.ok()) return give_up(waited);
+    if (sums) {
+        // Sums of layers outside [l0, l1) are 0: the array accumulates over the intervals.
+        const uint64_t* read = sums->as<uint64_t>();
+        for (size_t i = 0; i < d.observed.size(); ++i) d.observed[i] += read[i];
+    }
+    return true;
+}
+
+bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
+    SendReq& r = *a.t.req;
+    DestState& d = *a.t.dest;
+    const Fragment& f = *d.frag;
+    const int B = layout_.buffer_count();
+    // Device layouts hash and gather on the comm stream first (run_device_interval).
+    OrderingValidator* v = comm_ ? nullptr : opt_.validator;
+    DeviceInterval dev;
+    if (comm_) {
+        for (int l = l0; l < l1; ++l) {
+            emit(TransferEvent::Kind::kLayerReady, r.id, l, d.world_rank, a.t.chunk_index, 0);
+        }
+        if (!run_device_interval(a, l0, l1, dev)) return false;
+    }
     set_awaiting(r,
                  fmt::format("posting layers {}..{} to decode rank {}", l0, l1 - 1, d.world_rank));
     uint64_t staged = 0;
     bool ok = true;
     for (int l = l0; ok && l < l1; ++l) {
-        emit(TransferEvent::Kind::kLayerReady, r.id, l, d.world_rank, a.t.chunk_index, 0);
+        if (!comm_) {
+            emit(TransferEvent::Kind::kLayerReady, r.id, l, d.world_rank, a.t.chunk_index, 0);
+        }
         a.progress->pending[static_cast<size_t>(l)].store(1);  // the posting guard
         // Write mode: this (chunk, layer) owes the destination one LayerWritten (or gives up).
         if (write_mode()) d.notices_pending.fetch_add(1);
@@ -232,7 +343,8 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
                     ? nullptr
                     : d.observed.data() + (static_cast<size_t>(l) * static_cast<size_t>(B) + bi) *
                                               static_cast<size_t>(f.head_count);
-            for (const TokenRun& run : a.runs) {
+            for (size_t k = 0; k < a.runs.size(); ++k) {
+                const TokenRun& run = a.runs[k];
                 if (r.cancelled.load() || stopping_.load()) {
                     ok = false;
                     break;
@@ -244,8 +356,9 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
                     kv_checksums_add_run(layout_, l, b, run.token_begin, run.count, run.src_slot,
                                          f.src_offset[bi], f.head_count, obs);
                 }
+                const std::byte* gathered = dev.address(l, b, k);
                 if (write_mode()) {
-                    if (!post_run_writes(a, l, b, run, staged)) ok = false;
+                    if (!post_run_writes(a, l, b, run, staged, gathered, dev.staging)) ok = false;
                     continue;
                 }
                 const size_t bytes = message_bytes(f, b, run);
@@ -253,6 +366,11 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
                 const void* ptr;
                 if (f.src_contiguous[bi]) {
                     ptr = layout_.slot_addr(l, b, run.src_slot);
+                } else if (comm_) {
+                    // The comm stream's gathered copy (run_device_interval).
+                    ptr = gathered;
+                    keep = dev.staging;
+                    staged += bytes;
                 } else {
                     // Copy: the decode rank holds only part of this rank's heads.
                     auto staging = std::make_shared<std::vector<std::byte>>(bytes);
@@ -274,8 +392,9 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
     return ok;
 }
 
-bool KvSender::Impl::post_run_writes(Active& a, int l, int b, const TokenRun& run,
-                                     uint64_t& staged) {
+bool KvSender::Impl::post_run_writes(Active& a, int l, int b, const TokenRun& run, uint64_t& staged,
+                                     const std::byte* gathered,
+                                     const std::shared_ptr<KvOpsMemory>& gathered_keep) {
     const DestState& d = *a.t.dest;
     const Fragment& f = *d.frag;
     const auto bi = static_cast<size_t>(b);
@@ -287,6 +406,11 @@ bool KvSender::Impl::post_run_writes(Active& a, int l, int b, const TokenRun& ru
         const void* ptr;
         if (f.src_contiguous[bi]) {
             ptr = layout_.slot_addr(l, b, run.src_slot);
+        } else if (comm_) {
+            // The comm stream's gathered copy (run_device_interval).
+            ptr = gathered;
+            keep = gathered_keep;
+            staged += bytes;
         } else {
             // Copy: the decode rank holds only part of this rank's heads (host gather).
             auto staging = std::make_shared<std::vector<std::byte>>(bytes);

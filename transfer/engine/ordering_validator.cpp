@@ -7,7 +7,9 @@
 #include <memory>
 #include <optional>
 
+#include "transfer/engine/kv_copy_plan.h"
 #include "transfer/engine/kv_hash.h"
+#include "transfer/engine/kv_memory_ops.h"
 
 namespace pdsim::transfer {
 
@@ -166,20 +168,61 @@ void OrderingValidator::forget(uint64_t request) {
     while (it != expected_.end() && std::get<0>(it->first) == request) it = expected_.erase(it);
 }
 
+namespace {
+
+// enqueue_layer_checksum of a device layout: the ops' checksums into their sums memory, then a
+// host task that records them.
+Status enqueue_device_layer_checksum(runtime::Stream& stream, OrderingValidator& validator,
+                                     const KvLayout& layout, uint64_t request_id, int layer,
+                                     const std::vector<int32_t>& pages, int64_t token_begin,
+                                     int64_t token_end, KvMemoryOps* ops) {
+    if (ops == nullptr || ops->memory_kind() != layout.device().kind) {
+        return PDSIM_ERROR(
+            StatusCode::kInvalidArgument,
+            "checksum of layer {}: the layout's memory is on {}:{}; ops: {} (KV "
+            "memory ops of that memory kind are needed)",
+            layer, runtime::device_kind_name(layout.device().kind), layout.device().index,
+            ops == nullptr ? std::string("null")
+                           : fmt::format("'{}' works on {} memory", ops->name(),
+                                         runtime::device_kind_name(ops->memory_kind())));
+    }
+    PDSIM_RETURN_IF_ERROR(layout.check_pages(pages, token_end));
+    PDSIM_ASSIGN_OR_RETURN(
+        KvChecksumPlan plan,
+        plan_page_checksums(layout, pages, token_begin, token_end, layer, layer + 1,
+                            layout.head_begin(), layout.local_heads()));
+    PDSIM_ASSIGN_OR_RETURN(KvOpsMemory sums, ops->allocate_sums(plan.sum_count));
+    auto held = std::make_shared<KvOpsMemory>(std::move(sums));
+    PDSIM_RETURN_IF_ERROR(ops->enqueue_checksums(stream, layout, plan.ops, held->as<uint64_t>()));
+    std::vector<size_t> at;
+    for (int b = 0; b < layout.buffer_count(); ++b) at.push_back(plan.sum_index(layer, b));
+    return stream.enqueue([&validator, held, at = std::move(at), request_id, layer,
+                           head_begin = layout.head_begin(), heads = layout.local_heads(),
+                           token_begin, token_end]() {
+        for (size_t b = 0; b < at.size(); ++b) {
+            validator.record_expected(
+                request_id, layer, static_cast<int>(b), head_begin,
+                std::span<const uint64_t>(held->as<uint64_t>() + at[b], static_cast<size_t>(heads)),
+                token_begin, token_end);
+        }
+        return Status();
+    });
+}
+
+}  // namespace
+
 Status enqueue_layer_checksum(runtime::Stream& stream, OrderingValidator& validator,
                               const KvLayout& layout, uint64_t request_id, int layer,
-                              std::vector<int32_t> pages, int64_t token_begin, int64_t token_end) {
+                              std::vector<int32_t> pages, int64_t token_begin, int64_t token_end,
+                              KvMemoryOps* ops) {
     if (layer < 0 || layer >= layout.num_layers() || token_begin < 0 || token_end < token_begin) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "checksum of layer {} tokens [{}, {}) (layout has {} layers)", layer,
                            token_begin, token_end, layout.num_layers());
     }
-    if (layout.device().kind != runtime::DeviceKind::kCpu) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                           "checksum of layer {}: the layout's memory is on {}:{}; "
-                           "enqueue_layer_checksum reads host memory (use KvMemoryOps)",
-                           layer, runtime::device_kind_name(layout.device().kind),
-                           layout.device().index);
+    if (!layout.is_host()) {
+        return enqueue_device_layer_checksum(stream, validator, layout, request_id, layer, pages,
+                                             token_begin, token_end, ops);
     }
     PDSIM_RETURN_IF_ERROR(layout.check_pages(pages, token_end));
     auto shared = std::make_shared<const KvLayout>(layout);

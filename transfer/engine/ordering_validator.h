@@ -13,7 +13,8 @@
 // Where each side checks:
 //  1. Compute (the truth): enqueue_layer_checksum() is enqueued on the compute stream right after
 //     a layer's KV write; in stream order it sums the tokens that write produced and records them
-//     as the expected checksums of (request, layer, buffer, head) for this rank's heads.
+//     as the expected checksums of (request, layer, buffer, head) for this rank's heads (on a
+//     device layout the sums are taken by the KV memory ops, kv_memory_ops.h).
 //  2. Sender: hashes what it reads from the pages at send time (before each post), per
 //     destination; with the last chunk it compares that to the expected sums. A read before the
 //     write finished (record-before-write, double-record), or after a late overwrite, differs.
@@ -22,6 +23,8 @@
 //     the read itself raced ahead of it.
 //  3. Receiver: the expected sums travel in the completion message; once everything landed the
 //     receiver hashes its pages and compares.
+// On a device layout the sender's and the receiver's hashing runs through the engine's KV memory
+// ops on its comm stream (kv_sender.h, "Device memory"): the same sums, bit for bit.
 // Every mismatch is a Violation naming request, layer, buffer, rank and what differed.
 //
 // Thread-safety: OrderingValidator is internally synchronized; any thread (stream tasks, engine
@@ -43,6 +46,8 @@
 #include "transfer/engine/kv_layout.h"
 
 namespace pdsim::transfer {
+
+class KvMemoryOps;
 
 // 64-bit hash of `bytes` bytes (xxHash64 construction; not the reference xxHash output). The
 // function is kv_hash_inline (kv_hash.h), which CUDA kernels compile too.
@@ -132,12 +137,22 @@ private:
 // Enqueues, on the compute stream, the checksum of tokens [token_begin, token_end) of every
 // buffer of `layer` for the rank's heads (record_expected). Call it right after enqueueing the
 // layer's KV write (before or after the step record: the sender waits for the sums, bounded by
-// its request timeout). `pages` is the request's page table (copied). Host (CPU) pools only: a
-// layout of device memory is kInvalidArgument (KvMemoryOps and plan_page_checksums,
-// kv_memory_ops.h, do this on a device).
+// its request timeout). `pages` is the request's page table (copied).
+//   Host layout: one stream task hashes the pages (kv_checksums) and records them; `ops` is
+//   ignored.
+//   Device layout: `ops` (of the layout's memory kind; the caller keeps it alive until the stream
+//   has passed the work) enqueue the checksums (plan_page_checksums) into sums memory of the ops
+//   (allocate_sums), then one host task on the same stream records them. On a CudaStream that
+//   host task is a host round trip per layer (cudaLaunchHostFunc: the stream waits for it); a
+//   later step may replace it with a record on the device. The sums memory is given back by the
+//   task itself (no device call: kv_memory_ops.h). Not in a graph capture with the CUDA ops
+//   (kFailedPrecondition, theirs).
+// Errors (nothing enqueued): kInvalidArgument for a bad layer, token range or page table, a
+// device layout without `ops` or with ops of another memory kind (naming `ops`); the ops'
+// errors.
 [[nodiscard]] Status enqueue_layer_checksum(runtime::Stream& stream, OrderingValidator& validator,
                                             const KvLayout& layout, uint64_t request_id, int layer,
                                             std::vector<int32_t> pages, int64_t token_begin,
-                                            int64_t token_end);
+                                            int64_t token_end, KvMemoryOps* ops = nullptr);
 
 }  // namespace pdsim::transfer
