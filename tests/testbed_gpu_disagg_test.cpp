@@ -53,8 +53,9 @@ int64_t prompt_tokens(const testbed::TestbedOptions& options) {
 }
 
 // Runs `run`; on the engine's refusal of device layouts (in this run or an earlier one of this
-// binary) checks that it was a prompt, clear error and returns false (the caller skips); else
-// expects exit 0, puts the report in `rep` and returns true.
+// binary) checks that it was a prompt, clear error and returns false (the caller fails: the engine
+// takes device layouts, so a refusal is a bug; later tests fail at once instead of spending device
+// time on the same refusal); else expects exit 0, puts the report in `rep` and returns true.
 bool run_clean(const GpuPdRun& run, const TempDir& dir, json* rep, int timeout_s = 150) {
     if (!first_engine_refusal().empty()) return false;
     double wall_s = 0;
@@ -107,7 +108,7 @@ TEST(TestbedGpuDisagg, TinyBothOnOneGpu) {
     const GpuPdRun run;
     json rep;
     if (!run_clean(run, dir, &rep)) {
-        GTEST_SKIP() << "the transfer engine refuses device layouts: " << first_engine_refusal();
+        FAIL() << "the transfer engine refused device layouts: " << first_engine_refusal();
     }
     ASSERT_TRUE(rep.is_object());
     expect_clean(run, rep);
@@ -131,7 +132,7 @@ TEST(TestbedGpuDisagg, TinyBothOnTwoGpus) {
     run.topology = "gpu-2g-1p1d";
     json rep;
     if (!run_clean(run, dir, &rep)) {
-        GTEST_SKIP() << "the transfer engine refuses device layouts: " << first_engine_refusal();
+        FAIL() << "the transfer engine refused device layouts: " << first_engine_refusal();
     }
     ASSERT_TRUE(rep.is_object());
     expect_clean(run, rep);
@@ -164,7 +165,7 @@ TEST(TestbedGpuDisagg, Llama3TwoLayersLongPrompts) {
     run.request_timeout_s = 60;
     json rep;
     if (!run_clean(run, dir, &rep, 240)) {
-        GTEST_SKIP() << "the transfer engine refuses device layouts: " << first_engine_refusal();
+        FAIL() << "the transfer engine refused device layouts: " << first_engine_refusal();
     }
     ASSERT_TRUE(rep.is_object());
     expect_clean(run, rep);

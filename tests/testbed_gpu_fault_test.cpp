@@ -34,7 +34,7 @@ class TestbedGpuFault : public ::testing::TestWithParam<std::string> {};
 TEST_P(TestbedGpuFault, IsCaught) {
     if (std::string why = gpu_skip_reason(); !why.empty()) GTEST_SKIP() << why;
     if (!first_engine_refusal().empty()) {
-        GTEST_SKIP() << "the transfer engine refuses device layouts: " << first_engine_refusal();
+        FAIL() << "the transfer engine refused device layouts: " << first_engine_refusal();
     }
     const std::string fault = GetParam();
     TempDir dir("tb_gpu_fault");
@@ -47,7 +47,7 @@ TEST_P(TestbedGpuFault, IsCaught) {
     if (const std::string refusal = engine_refusal(r); !refusal.empty()) {
         EXPECT_LT(wall_s, kRefusalBoundS) << "the refusal must stop the run at set-up";
         first_engine_refusal() = refusal;
-        GTEST_SKIP() << "the transfer engine refuses device layouts: " << refusal;
+        FAIL() << "the transfer engine refused device layouts: " << refusal;
     }
     EXPECT_EQ(r.rc, 1) << r.describe();
     EXPECT_THAT(r.err, HasSubstr("testbed:"));

@@ -131,9 +131,9 @@ inline void expect_solo_gpu_tokens(const testbed::TestbedOptions& options,
 }
 
 // The transfer engine's refusal of a device KV layout, as a disaggregated GPU run reports it: exit
-// 1, "<phase> phase set-up failed on rank R: ..." with the engine's kUnimplemented (today the
-// KvSender / KvReceiver refuse a device layout with a validator; the device-engine work removes
-// that). Returns the error line, or "" when `r` is not that refusal.
+// 1, "<phase> phase set-up failed on rank R: ..." with the engine's kUnimplemented (the engine
+// takes device layouts, so the tests fail on it). Returns the error line, or "" when `r` is not
+// that refusal.
 inline std::string engine_refusal(const CmdResult& r) {
     if (r.rc != 1) return {};
     const size_t at = r.err.find("phase set-up failed on rank");
@@ -146,8 +146,8 @@ inline std::string engine_refusal(const CmdResult& r) {
                             : end - (begin == std::string::npos ? 0 : begin + 1));
 }
 
-// The first engine refusal a test binary saw ("" while none): later tests of that binary skip
-// without spending device time on a run the engine will refuse the same way.
+// The first engine refusal a test binary saw ("" while none): later tests of that binary fail at
+// once without spending device time on a run the engine would refuse the same way.
 inline std::string& first_engine_refusal() {
     static std::string refusal;
     return refusal;

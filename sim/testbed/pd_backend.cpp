@@ -50,6 +50,12 @@ StatusOr<std::unique_ptr<PdAttentionBackend>> PdAttentionBackend::create(
                            "PdAttentionBackend: --fault late-write with page checksums needs a "
                            "stream fill (options.fill)");
     }
+    if (pages && options.validator != nullptr && options.layout && !options.layout->is_host() &&
+        options.memory_ops == nullptr) {
+        PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<transfer::KvMemoryOps> ops,
+                               transfer::make_kv_memory_ops(options.layout->device()));
+        options.memory_ops = std::move(ops);
+    }
     std::unique_ptr<PdAttentionBackend> b(
         new PdAttentionBackend(std::move(inner), std::move(options)));
     if (b->opts_.counter != nullptr && !b->owns_records()) {
@@ -167,7 +173,8 @@ Status PdAttentionBackend::enqueue_page_checksums(int layer) {
     if (opts_.validator == nullptr || segments_ == nullptr) return {};
     for (const BatchSegment& s : *segments_) {
         PDSIM_RETURN_IF_ERROR(transfer::enqueue_layer_checksum(
-            stream(), *opts_.validator, *opts_.layout, s.request, layer, s.pages, s.t0, s.t1));
+            stream(), *opts_.validator, *opts_.layout, s.request, layer, s.pages, s.t0, s.t1,
+            opts_.memory_ops.get()));
     }
     return {};
 }

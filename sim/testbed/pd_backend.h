@@ -76,6 +76,7 @@
 #include "common/status.h"
 #include "sim/testbed/options.h"
 #include "transfer/engine/kv_layout.h"
+#include "transfer/engine/kv_memory_ops.h"
 #include "transfer/engine/ordering_validator.h"
 
 namespace pdsim::testbed {
@@ -115,6 +116,11 @@ struct PdBackendOptions {
     std::optional<transfer::KvLayout> layout;
     // kPages with late-write: overwrites the KV on the stream (required then).
     StreamFill fill;
+    // kPages with a validator on a device layout: the KV memory ops that take the checksums on
+    // the compute stream (transfer::enqueue_layer_checksum). Null: create() makes them with
+    // transfer::make_kv_memory_ops(layout->device()). Kept by the backend, which must outlive the
+    // stream's work (the testbed synchronizes the stream before it destroys the backend).
+    std::shared_ptr<transfer::KvMemoryOps> memory_ops;
 };
 
 // The byte the late-write fault fills a slot with (kPages).

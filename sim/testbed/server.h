@@ -104,8 +104,8 @@ class Server;
 //   setup()   builds the phase's device objects (stream, KV pool, StepCounter, validator, the
 //             attention backend; a GPU rank's decode graphs) and, disaggregated, the KvSender
 //             (prefill) or KvReceiver (decode) over `kv`. Its error is the rank's set-up failure:
-//             e.g. the transfer engine refusing the rank's KV layout (a device layout it cannot
-//             move yet is kUnimplemented, naming the engine and what is missing).
+//             e.g. the transfer engine refusing the rank's KV layout or transports (the
+//             message names the engine and what is missing).
 //   run()     serves until the router ends the phase (only after a setup() that succeeded).
 //   finish()  shuts the engines down (graceful) and returns what rank 0 needs for the report
 //             (timeline events, engine events, ordering report, stats; times on this rank's
