@@ -172,9 +172,9 @@ Status PdAttentionBackend::enqueue_checksums(const attn::ForwardArgs& args) {
 Status PdAttentionBackend::enqueue_page_checksums(int layer) {
     if (opts_.validator == nullptr || segments_ == nullptr) return {};
     for (const BatchSegment& s : *segments_) {
-        PDSIM_RETURN_IF_ERROR(transfer::enqueue_layer_checksum(
-            stream(), *opts_.validator, *opts_.layout, s.request, layer, s.pages, s.t0, s.t1,
-            opts_.memory_ops.get()));
+        PDSIM_RETURN_IF_ERROR(
+            transfer::enqueue_layer_checksum(stream(), *opts_.validator, *opts_.layout, s.request,
+                                             layer, s.pages, s.t0, s.t1, opts_.memory_ops.get()));
     }
     return {};
 }
