@@ -821,7 +821,9 @@ TEST_P(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
         KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
     ASSERT_OK(send);
     ReceiverOptions ro = test_options(ReceiverOptions{});
-    ro.request_timeout = 400ms;
+    // Long enough for the bootstrap and its ack on a loaded machine (TSan: 3.2 s), so that what
+    // times out is the wait for KV chunks, never the handshake.
+    ro.request_timeout = 400ms * kSlow;
     auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(ro, 1));
     ASSERT_OK(recv);
     ASSERT_OK((*recv)->submit(
