@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -62,14 +63,20 @@ inline std::string slurp(const std::filesystem::path& p) {
     return ss.str();
 }
 
-// Runs `pdsim <args...>` with a time limit.
-inline CmdResult run_pdsim(const std::vector<std::string>& args, int timeout_s = 300) {
+// Runs `<program> <args...>` (`program`: shell words, already quoted) with a time limit, stdin
+// from /dev/null; `wall_s` (not null) gets how long it ran.
+inline CmdResult run_command(const std::string& program, const std::vector<std::string>& args,
+                             int timeout_s, double* wall_s = nullptr) {
     TempDir io("cmd");
-    std::string cmd = "timeout -k 5 " + std::to_string(timeout_s) + " " + shell_quote(PDSIM_BINARY);
+    std::string cmd = "timeout -k 5 " + std::to_string(timeout_s) + " " + program;
     for (const auto& a : args) cmd += " " + shell_quote(a);
     cmd += " >" + shell_quote(io.str("out")) + " 2>" + shell_quote(io.str("err")) + " </dev/null";
     CmdResult r;
+    const auto t0 = std::chrono::steady_clock::now();
     const int st = std::system(cmd.c_str());
+    if (wall_s != nullptr) {
+        *wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
     if (st != -1 && WIFEXITED(st)) {
         r.rc = WEXITSTATUS(st);
     } else if (st != -1 && WIFSIGNALED(st)) {
@@ -78,6 +85,11 @@ inline CmdResult run_pdsim(const std::vector<std::string>& args, int timeout_s =
     r.out = slurp(io.path() / "out");
     r.err = slurp(io.path() / "err");
     return r;
+}
+
+// Runs `pdsim <args...>` with a time limit.
+inline CmdResult run_pdsim(const std::vector<std::string>& args, int timeout_s = 300) {
+    return run_command(shell_quote(PDSIM_BINARY), args, timeout_s);
 }
 
 }  // namespace pdsim::test

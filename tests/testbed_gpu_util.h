@@ -52,24 +52,7 @@ inline std::string gpu_pdsim_command() {
 // it ran.
 inline CmdResult run_gpu_pdsim(const std::vector<std::string>& args, int timeout_s,
                                double* wall_s = nullptr) {
-    TempDir io("tb_gpu_cmd");
-    std::string cmd = "timeout -k 5 " + std::to_string(timeout_s) + " " + gpu_pdsim_command();
-    for (const auto& a : args) cmd += " " + shell_quote(a);
-    cmd += " >" + shell_quote(io.str("out")) + " 2>" + shell_quote(io.str("err")) + " </dev/null";
-    CmdResult r;
-    const auto t0 = std::chrono::steady_clock::now();
-    const int st = std::system(cmd.c_str());
-    if (wall_s != nullptr) {
-        *wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-    if (st != -1 && WIFEXITED(st)) {
-        r.rc = WEXITSTATUS(st);
-    } else if (st != -1 && WIFSIGNALED(st)) {
-        r.rc = 128 + WTERMSIG(st);
-    }
-    r.out = slurp(io.path() / "out");
-    r.err = slurp(io.path() / "err");
-    return r;
+    return run_command(gpu_pdsim_command(), args, timeout_s, wall_s);
 }
 
 inline nlohmann::json load_json(const std::string& path) {

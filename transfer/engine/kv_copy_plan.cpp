@@ -193,6 +193,21 @@ Status check_copy_side(const KvLayout& layout, size_t index, const char* what, i
     return {};
 }
 
+// Op `i`'s (layer, buf) inside the layout; else kInvalidArgument naming them.
+Status check_layer_buf(const KvLayout& layout, size_t i, int layer, int buf) {
+    if (layer < 0 || layer >= layout.num_layers()) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "op {}: layer {} outside the layout's {} layers", i, layer,
+                           layout.num_layers());
+    }
+    if (buf < 0 || buf >= layout.buffer_count()) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "op {}: buf {} outside the layout's {} buffers", i, buf,
+                           layout.buffer_count());
+    }
+    return {};
+}
+
 }  // namespace
 
 StatusOr<KvStagingPlan> plan_gather(const KvLayout& src, const Fragment& frag,
@@ -259,16 +274,7 @@ Status check_copy_ops(const KvLayout& layout, std::span<const KvCopyOp> ops,
     const bool gather = direction == KvCopyDirection::kGather;
     for (size_t i = 0; i < ops.size(); ++i) {
         const KvCopyOp& op = ops[i];
-        if (op.layer < 0 || op.layer >= layout.num_layers()) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "op {}: layer {} outside the layout's {} layers", i, op.layer,
-                               layout.num_layers());
-        }
-        if (op.buf < 0 || op.buf >= layout.buffer_count()) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "op {}: buf {} outside the layout's {} buffers", i, op.buf,
-                               layout.buffer_count());
-        }
+        PDSIM_RETURN_IF_ERROR(check_layer_buf(layout, i, op.layer, op.buf));
         if (op.token_count < 0) {
             return PDSIM_ERROR(StatusCode::kInvalidArgument, "op {}: token_count {} is negative", i,
                                op.token_count);
@@ -297,16 +303,7 @@ Status check_copy_ops(const KvLayout& layout, std::span<const KvCopyOp> ops,
 Status check_checksum_ops(const KvLayout& layout, std::span<const KvChecksumOp> ops) {
     for (size_t i = 0; i < ops.size(); ++i) {
         const KvChecksumOp& op = ops[i];
-        if (op.layer < 0 || op.layer >= layout.num_layers()) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "op {}: layer {} outside the layout's {} layers", i, op.layer,
-                               layout.num_layers());
-        }
-        if (op.buf < 0 || op.buf >= layout.buffer_count()) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "op {}: buf {} outside the layout's {} buffers", i, op.buf,
-                               layout.buffer_count());
-        }
+        PDSIM_RETURN_IF_ERROR(check_layer_buf(layout, i, op.layer, op.buf));
         if (op.token_count < 0 || op.token_begin < 0) {
             return PDSIM_ERROR(StatusCode::kInvalidArgument,
                                "op {}: token_begin {} / token_count {} must not be negative", i,
