@@ -2238,10 +2238,13 @@ TEST_P(TransferEngineGating, AStreamOrderedTransportThatIgnoresTheEventIsCaught)
     o.wait = 20s;
     std::thread ranks([&] { run_ranks(*run, reqs, o); });
     StreamOrderedFake& fake = gated_transport(*run, 0);
-    const auto until = Clock::now() + 30s;
-    while (fake.posted_ahead() == 0 && Clock::now() < until) std::this_thread::sleep_for(1ms);
+    // Layer 1 lands at the decode rank while it is provably unwritten (the hold is closed).
+    const auto until = Clock::now() + 30s * kSlow;
+    while (!run->decode[1]->receiver().layer_arrived(reqs[0].id, 1) && Clock::now() < until) {
+        std::this_thread::sleep_for(1ms);
+    }
     EXPECT_GT(fake.posted_ahead(), 0);
-    std::this_thread::sleep_for(20ms);  // let the broken posts read the unwritten pages
+    EXPECT_TRUE(run->decode[1]->receiver().layer_arrived(reqs[0].id, 1));
     hold.open();
     ranks.join();
     const Totals p = totals(*run, true);
