@@ -398,6 +398,55 @@ TEST_P(CpuGate, GatedTaskSeesTheFinalData) {
 
 INSTANTIATE_TEST_SUITE_P(RecordBeforeOrAfter, CpuGate, ::testing::Bool());
 
+// is_step_enqueued: enqueued (not yet run) vs ready vs neither, across the wrap, and never after a
+// capture made the host's bookkeeping inexact.
+TEST(StepCounter, IsStepEnqueuedTracksEagerRecordsNotTheirCompletion) {
+    runtime::CpuStream s("compute");
+    StepCounter c(s, kMax - 2);
+    const int64_t begin = c.advance_step(3);  // steps kMax-2, kMax-1, 0 (wrapped)
+    EXPECT_FALSE(c.is_step_enqueued(begin));
+    std::atomic<bool> release{false};
+    int data = 0;
+    enqueue_slow_write(s, release, data, 1);  // holds the stream: records below do not run yet
+    ASSERT_OK(c.record_cache());
+    ASSERT_OK(c.record_cache());
+    EXPECT_FALSE(StepCounter::is_step_ready(c.query_ready_cache_step(), begin));
+    EXPECT_TRUE(c.is_step_enqueued(begin));
+    EXPECT_TRUE(c.is_step_enqueued(wrap_step(begin + 1)));
+    EXPECT_FALSE(c.is_step_enqueued(wrap_step(begin + 2)));  // across the wrap: step 0
+    ASSERT_OK(c.record_cache());
+    EXPECT_TRUE(c.is_step_enqueued(wrap_step(begin + 2)));
+    EXPECT_FALSE(c.is_step_enqueued(wrap_step(begin + 3)));
+    // wait_until_enqueued: at once for an enqueued step, false at its timeout for a step no
+    // record was enqueued for, and woken by the record that enqueues it.
+    EXPECT_TRUE(c.wait_until_enqueued(wrap_step(begin + 2), 0ms));
+    EXPECT_FALSE(c.wait_until_enqueued(wrap_step(begin + 3), 20ms));
+    std::thread recorder([&] {
+        std::this_thread::sleep_for(20ms);
+        EXPECT_OK(c.record_cache());
+    });
+    EXPECT_TRUE(c.wait_until_enqueued(wrap_step(begin + 3), 10s));
+    recorder.join();
+    EXPECT_FALSE(StepCounter::is_step_ready(c.query_ready_cache_step(), wrap_step(begin + 3)));
+    release = true;
+    ASSERT_OK(s.synchronize(10s));
+    EXPECT_TRUE(c.is_step_enqueued(wrap_step(begin + 2)));  // ready now
+    EXPECT_FALSE(c.is_step_enqueued(wrap_step(begin + 4)));
+
+    // A captured record: the host no longer knows what an eager record publishes.
+    ASSERT_OK(s.begin_capture());
+    ASSERT_OK(c.record_cache());
+    auto graph = s.end_capture();
+    ASSERT_OK(graph);
+    std::atomic<bool> release_again{false};
+    enqueue_slow_write(s, release_again, data, 2);  // the eager record below waits behind it
+    ASSERT_OK(c.record_cache());                    // eager, but the bookkeeping is inexact now
+    EXPECT_FALSE(c.is_step_enqueued(wrap_step(begin + 4)));
+    release_again = true;
+    ASSERT_OK(s.synchronize(10s));
+    EXPECT_TRUE(c.is_step_enqueued(wrap_step(begin + 4)));  // ready: true again
+}
+
 TEST(StepCounter, CpuGateTimesOutWithTheTargetAndTheLastReadyStep) {
     runtime::CpuStream s("compute");
     runtime::CpuStream other("other");

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -37,6 +38,7 @@
 #include "backends/kv/kv_pool.h"
 #include "backends/pd/step_counter.h"
 #include "backends/runtime/cpu_stream.h"
+#include "tests/host_backed_cuda_runtime.h"
 #include "transfer/engine/kv_layout.h"
 #include "transfer/engine/kv_memory_ops.h"
 #include "transfer/engine/kv_receiver.h"
@@ -119,6 +121,153 @@ inline void one_sided_only(Capabilities& c) {
     c.max_tag = 0;
 }
 
+// A fake of a GPU transport's stream-ordered posts (tests only): post_send_after /
+// post_write_after hand the operation to the inner transport once `ready` has fired, from one
+// thread in posting order, as a GPU transport's stream waiting on the event would; the host of
+// the posting thread does not wait. Plain sends and writes posted while something is held queue
+// behind it (one stream: posting order is kept, as transport.h requires). `honour_ready` false
+// makes a broken one that posts at once (a test proves the engine's checks catch what that lets
+// through). Capabilities: the inner transport's, with stream_ordered.
+class StreamOrderedFake final : public ForwardingTransport {
+public:
+    StreamOrderedFake(std::unique_ptr<Transport> inner, std::string name, bool honour_ready)
+        : ForwardingTransport(std::move(inner)), name_(std::move(name)), honour_(honour_ready) {
+        thread_ = std::thread([this] { run(); });
+    }
+    ~StreamOrderedFake() override { close(); }
+
+    [[nodiscard]] std::string_view name() const override { return name_; }
+    [[nodiscard]] Capabilities capabilities() const override {
+        Capabilities c = ForwardingTransport::capabilities();
+        c.stream_ordered = true;
+        return c;
+    }
+    [[nodiscard]] StatusOr<RequestHandle> post_send_after(const runtime::Event& ready, int peer,
+                                                          Tag tag, const void* buf,
+                                                          size_t bytes) override {
+        PDSIM_RETURN_IF_ERROR(check_post(peer, tag, buf, bytes, /*is_send=*/true));
+        return hold(&ready, OpKind::kSend, peer, tag, bytes, [this, peer, tag, buf, bytes] {
+            return inner().post_send(peer, tag, buf, bytes);
+        });
+    }
+    [[nodiscard]] StatusOr<RequestHandle> post_write_after(const runtime::Event& ready,
+                                                           const RemoteRegion& dst,
+                                                           size_t dst_offset, const void* src,
+                                                           size_t bytes) override {
+        return hold(&ready, OpKind::kWrite, dst.peer, 0, bytes,
+                    [this, dst, dst_offset, src, bytes] {
+                        return inner().post_write(dst, dst_offset, src, bytes);
+                    });
+    }
+    [[nodiscard]] StatusOr<RequestHandle> post_send(int peer, Tag tag, const void* buf,
+                                                    size_t bytes) override {
+        PDSIM_RETURN_IF_ERROR(check_post(peer, tag, buf, bytes, /*is_send=*/true));
+        return hold(nullptr, OpKind::kSend, peer, tag, bytes, [this, peer, tag, buf, bytes] {
+            return inner().post_send(peer, tag, buf, bytes);
+        });
+    }
+    [[nodiscard]] StatusOr<RequestHandle> post_write(const RemoteRegion& dst, size_t dst_offset,
+                                                     const void* src, size_t bytes) override {
+        return hold(nullptr, OpKind::kWrite, dst.peer, 0, bytes,
+                    [this, dst, dst_offset, src, bytes] {
+                        return inner().post_write(dst, dst_offset, src, bytes);
+                    });
+    }
+    // Ops held here are handed to the device already (kFailedPrecondition), as on a GPU.
+    [[nodiscard]] Status cancel(const RequestHandle& handle) override {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            for (const Held& h : held_) {
+                if (h.op == handle.state()) {
+                    return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                                       "{}: the operation waits on the device", name_);
+                }
+            }
+        }
+        return ForwardingTransport::cancel(handle);
+    }
+    void close() override {
+        std::deque<Held> dropped;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (closed_) return;
+            closed_ = true;
+            dropped.swap(held_);
+        }
+        cv_.notify_all();
+        if (thread_.joinable()) thread_.join();
+        for (Held& h : dropped) {
+            h.op->complete(Status(StatusCode::kUnavailable, name_ + ": transport closed"), 0);
+        }
+        ForwardingTransport::close();
+    }
+    // Operations posted ahead of their event so far (held when posted).
+    [[nodiscard]] int posted_ahead() const { return posted_ahead_.load(); }
+
+private:
+    struct Held {
+        const runtime::Event* ready;
+        std::function<StatusOr<RequestHandle>()> post;
+        std::shared_ptr<OpState> op;
+    };
+
+    // `ready` null: a plain post (queued only behind what is held).
+    StatusOr<RequestHandle> hold(const runtime::Event* ready, OpKind kind, int peer, Tag tag,
+                                 size_t bytes, std::function<StatusOr<RequestHandle>()> post) {
+        auto op = std::make_shared<OpState>(kind, peer, tag, bytes);
+        if (ready != nullptr && !ready->query()) posted_ahead_.fetch_add(1);
+        {
+            std::unique_lock<std::mutex> lock(mu_);
+            if (closed_) {
+                return PDSIM_ERROR(StatusCode::kUnavailable, "{}: transport closed", name_);
+            }
+            if (!honour_ || (ready == nullptr && held_.empty())) {
+                lock.unlock();
+                forward(Held{nullptr, std::move(post), op});
+                return RequestHandle(op);
+            }
+            held_.push_back(Held{ready, std::move(post), op});
+        }
+        cv_.notify_all();
+        return RequestHandle(op);
+    }
+    static void forward(Held h) {
+        StatusOr<RequestHandle> inner = h.post();
+        if (!inner.ok()) {
+            h.op->complete(inner.status(), 0);
+            return;
+        }
+        inner->on_complete([op = h.op](const Status& st, size_t n) { op->complete(st, n); });
+    }
+    void run() {
+        std::unique_lock<std::mutex> lock(mu_);
+        for (;;) {
+            cv_.wait(lock, [&] { return closed_ || !held_.empty(); });
+            if (closed_) return;
+            const runtime::Event* ready = held_.front().ready;
+            lock.unlock();
+            const bool fired =
+                ready == nullptr || ready->synchronize(std::chrono::milliseconds(5)).ok();
+            lock.lock();
+            if (!fired || closed_ || held_.empty()) continue;
+            Held h = std::move(held_.front());
+            held_.pop_front();
+            lock.unlock();
+            forward(std::move(h));
+            lock.lock();
+        }
+    }
+
+    const std::string name_;
+    const bool honour_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<Held> held_;  // under mu_
+    bool closed_ = false;    // under mu_
+    std::atomic<int> posted_ahead_{0};
+    std::thread thread_;
+};
+
 // Registers the test transports (idempotent):
 //   local_writes         "local" without two-sided operations (LocalOptions::world).
 //   local_device_writes  ... that also claims device memory: with a host-backed "CUDA" runtime
@@ -157,6 +306,38 @@ inline void register_test_transports() {
                             c.device_memory = device;
                         }));
                 });
+        }
+        // Stream-ordered fakes of a GPU transport (StreamOrderedFake) over local_device and
+        // local_device_writes; "_broken" ones post without waiting for the event.
+        for (const bool writes : {false, true}) {
+            for (const bool broken : {false, true}) {
+                const std::string name = std::string("local_device_gated") +
+                                         (writes ? "_writes" : "") + (broken ? "_broken" : "");
+                TransportDescriptor d = local_transport_descriptor();
+                d.name = name;
+                d.caps.device_memory = true;
+                d.caps.stream_ordered = true;
+                if (writes) {
+                    d.caps.two_sided = false;
+                    d.caps.tag_matching = false;
+                }
+                d.summary = "tests: stream-ordered fake over local";
+                register_transport(
+                    d,
+                    [name, writes,
+                     broken](const TransportOptions& o) -> StatusOr<std::unique_ptr<Transport>> {
+                        PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner,
+                                               make_local_transport(o));
+                        auto view = std::make_unique<CapabilityView>(std::move(inner), name,
+                                                                     [writes](Capabilities& c) {
+                                                                         if (writes)
+                                                                             one_sided_only(c);
+                                                                         c.device_memory = true;
+                                                                     });
+                        return std::unique_ptr<Transport>(
+                            std::make_unique<StreamOrderedFake>(std::move(view), name, !broken));
+                    });
+            }
         }
         return true;
     }();
@@ -319,7 +500,26 @@ struct InstanceSpec {
 struct DeviceSpec {
     runtime::Device memory{};
     KvMemoryOps* compute_ops = nullptr;
+    // The prefill ranks' compute streams (and StepCounters) on the fake GPU too, as on a GPU
+    // rank, so that the engine's comm stream can be gated on them (device gating); the counters
+    // use the CPU implementation, registered for the fake device's kind. False: CPU streams.
+    bool compute_on_device = false;
 };
+
+// A prefill rank's compute stream: a CpuStream, or (DeviceSpec::compute_on_device) a stream of
+// the host-backed fake GPU with the CPU StepCounter registered for it.
+inline std::unique_ptr<runtime::Stream> make_compute_stream(const DeviceSpec& device) {
+    if (!device.compute_on_device) {
+        return std::make_unique<runtime::CpuStream>("prefill-compute");
+    }
+    static const bool registered = [] {
+        pd::register_step_counter_impl(runtime::DeviceKind::kCuda, &pd::make_cpu_step_counter_impl);
+        return true;
+    }();
+    (void)registered;
+    return std::make_unique<runtime::testing::HostBackedCudaStream>(device.memory.index,
+                                                                    "prefill-compute");
+}
 
 struct ClusterSpec {
     ModelSpec model;
@@ -450,6 +650,10 @@ struct RunOptions {
     // until `hold` opens (overlap tests, kill tests).
     Gate* hold = nullptr;
     int hold_layer = -1;
+    // How long a fault's compute-stream wait for the engine (e.g. "layer sent") lasts at most.
+    // Device gating lets the transport queue sends behind a send whose record is behind that
+    // very wait, so there it cannot be met and only bounds the fault's window.
+    std::chrono::milliseconds fault_wait{5000 * kSlow};
     // Decode: wait for every layer in order (wait_layer) before waiting for completion.
     bool wait_layers = true;
     bool scramble_pages = true;
@@ -545,8 +749,8 @@ public:
         : cluster_(cluster),
           inst_(cluster.prefill[static_cast<size_t>(instance)]),
           instance_(instance),
-          stream_("prefill-compute"),
-          counter_(stream_),
+          stream_(make_compute_stream(cluster.device)),
+          counter_(*stream_),
           validator_(t.rank()) {
         pool_ = make_pool(cluster.model, inst_, tp_rank, &layout_, cluster.device.memory);
         // Poison: a read before the write must not find the right bytes left over from an
@@ -565,7 +769,7 @@ public:
 
     ~PrefillRank() {
         sender_.reset();
-        stream_.synchronize().ignore_error();
+        stream_->synchronize().ignore_error();
     }
 
     KvSender& sender() { return *sender_; }
@@ -667,7 +871,7 @@ public:
             }
             out->statuses[r.id] = *st;
         }
-        Status sync = stream_.synchronize();
+        Status sync = stream_->synchronize();
         if (!sync.ok()) out->errors.push_back("prefill stream: " + sync.to_string());
         out->stats = sender_->stats();
         out->report = validator_.report();
@@ -718,7 +922,7 @@ private:
         for (int l = 0; l < L; ++l) {
             if (first && o.hold != nullptr && l == o.hold_layer) {
                 Gate* g = o.hold;
-                check(stream_.enqueue([g, o] {
+                check(stream_->enqueue([g, o] {
                     // A bounded hold: a test that forgets to open fails, not hangs.
                     return g->wait(o.wait) ? Status()
                                            : Status(StatusCode::kDeadlineExceeded, "hold");
@@ -731,20 +935,20 @@ private:
                 // The write waits (bounded) until the sender has sent this layer: the engine
                 // read it before it was written.
                 auto g = sent_gate(f.request, l);
-                check(stream_.enqueue([g] {
-                    g->wait(5000ms * kSlow);
+                check(stream_->enqueue([g, wait = o.fault_wait] {
+                    g->wait(wait);
                     return Status();
                 }),
                       "gate");
-                check(stream_.enqueue(write(l, 0)), "write");
+                check(stream_->enqueue(write(l, 0)), "write");
                 enqueue_checksums(fwd, l);
                 continue;
             }
             if (faulty && f.kind == Fault::kDoubleRecord && l == f.layer + 1) {
                 // Layer f was recorded twice, so layer f+1 looks ready before it is written.
                 auto g = sent_gate(f.request, l);
-                check(stream_.enqueue([g] {
-                    g->wait(5000ms * kSlow);
+                check(stream_->enqueue([g, wait = o.fault_wait] {
+                    g->wait(wait);
                     return Status();
                 }),
                       "gate");
@@ -760,21 +964,22 @@ private:
                 for (const Piece& p : fwd) {
                     if (p.id == id) pages = p.pages;
                 }
-                check(stream_.enqueue([this, g, id, kind, pages, seed = o.seed] {
-                    g->wait(5000ms * kSlow);
-                    free_mid_transfer(id, kind, *pages, seed);
-                    return Status();
-                }),
+                check(stream_->enqueue(
+                          [this, g, id, kind, pages, seed = o.seed, wait = o.fault_wait] {
+                              g->wait(wait);
+                              free_mid_transfer(id, kind, *pages, seed);
+                              return Status();
+                          }),
                       "free");
             }
-            check(stream_.enqueue(write(l, 0)), "write");
+            check(stream_->enqueue(write(l, 0)), "write");
             enqueue_checksums(fwd, l);
             if (faulty && f.kind == Fault::kLateWrite && l == L - 1) {
                 // Rewrite layer f after its record, before the last record (so the engine
                 // cannot have finished the request before the late write).
                 for (const Piece& p : fwd) {
                     if (p.id != f.request) continue;
-                    check(stream_.enqueue([this, p, seed = o.seed, layer = f.layer] {
+                    check(stream_->enqueue([this, p, seed = o.seed, layer = f.layer] {
                         write_layer(layout_, *p.pages, seed, p.id, layer, p.t0, p.t1, 7);
                         return Status();
                     }),
@@ -790,7 +995,7 @@ private:
         for (const Piece& p : fwd) {
             if (p.last) toks.emplace_back(tokens_.at(p.id).get(), first_token_of(p.id));
         }
-        check(stream_.enqueue([toks] {
+        check(stream_->enqueue([toks] {
             for (auto& [ptr, v] : toks) *ptr = v;
             return Status();
         }),
@@ -800,7 +1005,7 @@ private:
 
     void enqueue_checksums(const std::vector<Piece>& fwd, int l) {
         for (const Piece& p : fwd) {
-            check(enqueue_layer_checksum(stream_, validator_, layout_, p.id, l, *p.pages, p.t0,
+            check(enqueue_layer_checksum(*stream_, validator_, layout_, p.id, l, *p.pages, p.t0,
                                          p.t1, cluster_.device.compute_ops),
                   "checksum");
         }
@@ -832,7 +1037,7 @@ private:
     const ClusterSpec& cluster_;
     const InstanceSpec inst_;
     const int instance_;
-    runtime::CpuStream stream_;
+    std::unique_ptr<runtime::Stream> stream_;
     pd::StepCounter counter_;
     std::unique_ptr<kv::KVPool> pool_;
     KvLayout layout_;

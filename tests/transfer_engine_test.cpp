@@ -238,6 +238,10 @@ struct EngineMode {
     // Every pool on the host-backed fake CUDA device (the engines' device path: their gathers,
     // scatters and checksums through InProcessDeviceOps on a comm stream of the fake runtime).
     bool device = false;
+    // Device gating (kv_sender.h): the prefill compute streams on the fake GPU too, and a
+    // stream-ordered data transport (StreamOrderedFake), so the sender gates its comm stream on
+    // the StepCounter and posts ahead of the records.
+    bool gated = false;
     [[nodiscard]] bool writes() const { return data.ends_with("_writes"); }
 };
 const EngineMode kTwoSided{"two_sided", "local", ""};
@@ -247,6 +251,8 @@ const EngineMode kTcpWrites{"writes", "tcp", "local_writes"};
 const EngineMode kTcpControlLocalData{"split_two_sided", "tcp", "local"};
 const EngineMode kDeviceTwoSided{"device_two_sided", "local", "local_device", true};
 const EngineMode kDeviceWrites{"device_writes", "local", "local_device_writes", true};
+const EngineMode kGatedTwoSided{"gated_two_sided", "local", "local_device_gated", true, true};
+const EngineMode kGatedWrites{"gated_writes", "local", "local_device_gated_writes", true, true};
 
 // The fake GPU of the device modes (tests/host_backed_cuda_runtime.h).
 constexpr runtime::Device kFakeGpu{runtime::DeviceKind::kCuda, 0};
@@ -356,7 +362,9 @@ std::unique_ptr<ClusterRun> start_cluster(
     if (mode.device) {
         runtime::testing::install_host_backed_cuda_runtime();
         run->device_ops = std::make_unique<InProcessDeviceOps>();
-        run->spec.device = DeviceSpec{.memory = kFakeGpu, .compute_ops = run->device_ops.get()};
+        run->spec.device = DeviceSpec{.memory = kFakeGpu,
+                                      .compute_ops = run->device_ops.get(),
+                                      .compute_on_device = mode.gated};
         if (so.kv_memory_ops_for_testing == nullptr) {
             so.kv_memory_ops_for_testing = run->device_ops.get();
         }
@@ -1094,7 +1102,9 @@ INSTANTIATE_TEST_SUITE_P(, TransferEngineFaults, ::testing::Values(kTwoSided, kW
 // The same faults on device layouts: the compute stream's truth, the sender's reads, the
 // after-send verification and the receiver's landed check all hash through the device ops.
 INSTANTIATE_TEST_SUITE_P(Device, TransferEngineFaults,
-                         ::testing::Values(kDeviceTwoSided, kDeviceWrites), mode_name);
+                         ::testing::Values(kDeviceTwoSided, kDeviceWrites, kGatedTwoSided,
+                                           kGatedWrites),
+                         mode_name);
 
 struct FaultOutcome {
     size_t violations = 0;
@@ -1118,6 +1128,7 @@ FaultOutcome run_fault(const EngineMode& mode, Fault::Kind kind, int layer = 1) 
     auto run = start_cluster(c, mode, so, ro);
     RunOptions o;
     o.fault = {kind, 101, layer};
+    if (mode.gated) o.fault_wait = 200ms * kSlow;  // RunOptions::fault_wait
     run_ranks(*run, reqs, o);
     FaultOutcome out;
     for (const RankResult& r : run->results) {
@@ -1143,10 +1154,19 @@ TEST_P(TransferEngineFaults, CleanRunHasNoViolations) {
     EXPECT_EQ(o.failed, 0u);
 }
 
+// The faulty forward's requests (100..102) read the faulty layer before it is written; the
+// host path posts in step order, so the fault's request (101) is among them for sure, while
+// device gating may hold 101's layer behind another request's (RunOptions::fault_wait): there
+// it is some request of the forward.
+std::string faulty_layer(const EngineMode& mode, int layer) {
+    return mode.gated ? fmt::format("layer {} ", layer)
+                      : fmt::format("request 101 layer {}", layer);
+}
+
 TEST_P(TransferEngineFaults, RecordBeforeWrite) {
     FaultOutcome o = run_fault(mode(), Fault::kRecordBeforeWrite);
     EXPECT_GT(o.violations, 0u);
-    EXPECT_THAT(o.report, HasSubstr("request 101 layer 1"));
+    EXPECT_THAT(o.report, HasSubstr(faulty_layer(mode(), 1)));
     EXPECT_THAT(o.report, HasSubstr("sender read"));
 }
 
@@ -1158,7 +1178,7 @@ TEST_P(TransferEngineFaults, SkipRecord) {
 TEST_P(TransferEngineFaults, DoubleRecord) {
     FaultOutcome o = run_fault(mode(), Fault::kDoubleRecord);
     EXPECT_GT(o.violations, 0u);
-    EXPECT_THAT(o.report, HasSubstr("request 101 layer 2"));
+    EXPECT_THAT(o.report, HasSubstr(faulty_layer(mode(), 2)));
 }
 
 TEST_P(TransferEngineFaults, LateWrite) {
@@ -1823,7 +1843,9 @@ protected:
                        run->device_ops->checksums()};
     }
 };
-INSTANTIATE_TEST_SUITE_P(, TransferEngineDevice, ::testing::Values(kDeviceTwoSided, kDeviceWrites),
+INSTANTIATE_TEST_SUITE_P(, TransferEngineDevice,
+                         ::testing::Values(kDeviceTwoSided, kDeviceWrites, kGatedTwoSided,
+                                           kGatedWrites),
                          mode_name);
 
 TEST_P(TransferEngineDevice, OneToOneChunked) {
@@ -2157,6 +2179,78 @@ TEST(TransferEngineDeviceStreams, LayerChecksumOnADeviceLayoutMatchesTheHost) {
     EXPECT_THAT(enqueue_layer_checksum(stream, on_device, device, 6, 0, pages, 0, 10, &host_ops),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("works on cpu memory")));
     ASSERT_OK(stream.synchronize());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device gating: the sender gates its comm stream on the StepCounter and posts each interval as
+// soon as its record is enqueued; the stream-ordered transport holds the operation until the comm
+// stream passed the gate. Layer 1's write is held on the prefill compute stream: the sends of
+// layers >= 1 must be posted before it is written (the fake counts posts whose event had not
+// fired), and the bytes must still be right. The broken fake posts at once: the engine's checks
+// must catch the unwritten bytes it sends.
+
+class TransferEngineGating : public EngineModeTest {};
+INSTANTIATE_TEST_SUITE_P(, TransferEngineGating, ::testing::Values(kGatedTwoSided, kGatedWrites),
+                         mode_name);
+
+StreamOrderedFake& gated_transport(ClusterRun& run, int rank) {
+    auto* fake =
+        dynamic_cast<StreamOrderedFake*>(run.data_transports.at(static_cast<size_t>(rank)).get());
+    EXPECT_NE(fake, nullptr);
+    return *fake;
+}
+
+TEST_P(TransferEngineGating, PostsAheadOfTheRecordAndDeliversTheWrittenBytes) {
+    ClusterSpec c = simple(1, 1);
+    auto reqs = fixed_requests({120, 40});
+    size_pools(c, reqs);
+    auto run = testing::start_cluster(c, GetParam());
+    Gate hold;
+    RunOptions o;
+    o.hold = &hold;
+    o.hold_layer = 1;  // the prefill compute stops before writing layer 1
+    std::thread ranks([&] { run_ranks(*run, reqs, o); });
+    StreamOrderedFake& fake = gated_transport(*run, 0);
+    // The sends of the held layers go out (held by the transport) before layer 1 is written.
+    const auto until = Clock::now() + 30s;
+    while (fake.posted_ahead() == 0 && Clock::now() < until) std::this_thread::sleep_for(1ms);
+    EXPECT_GT(fake.posted_ahead(), 0) << "nothing was posted ahead of its record";
+    auto written = run->prefill[0]->validator().wait_expected(reqs[0].id, 1, 0, reqs[0].tokens, 0,
+                                                              c.model.kv_heads, 0ms);
+    EXPECT_EQ(written.status().code(), StatusCode::kDeadlineExceeded) << "layer 1 was written";
+    EXPECT_FALSE(run->decode[1]->receiver().layer_arrived(reqs[0].id, 1));
+    hold.open();
+    ranks.join();
+    expect_clean(*run, c, reqs);
+}
+
+TEST_P(TransferEngineGating, AStreamOrderedTransportThatIgnoresTheEventIsCaught) {
+    EngineMode broken = GetParam();
+    broken.data += "_broken";
+    ClusterSpec c = simple(1, 1);
+    auto reqs = fixed_requests({120});
+    size_pools(c, reqs);
+    auto run = testing::start_cluster(c, broken);
+    Gate hold;
+    RunOptions o;
+    o.hold = &hold;
+    o.hold_layer = 1;
+    o.wait = 20s;
+    std::thread ranks([&] { run_ranks(*run, reqs, o); });
+    StreamOrderedFake& fake = gated_transport(*run, 0);
+    // Layer 1 lands at the decode rank while it is provably unwritten (the hold is closed).
+    const auto until = Clock::now() + 30s * kSlow;
+    while (!run->decode[1]->receiver().layer_arrived(reqs[0].id, 1) && Clock::now() < until) {
+        std::this_thread::sleep_for(1ms);
+    }
+    EXPECT_GT(fake.posted_ahead(), 0);
+    EXPECT_TRUE(run->decode[1]->receiver().layer_arrived(reqs[0].id, 1));
+    hold.open();
+    ranks.join();
+    const Totals p = totals(*run, true);
+    const Totals d = totals(*run, false);
+    EXPECT_GT(p.violations + d.violations + d.failed, 0u)
+        << "bytes sent before they were written went unnoticed";
 }
 
 }  // namespace

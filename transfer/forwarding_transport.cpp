@@ -48,6 +48,19 @@ StatusOr<RequestHandle> ForwardingTransport::post_write(const RemoteRegion& dst,
     return inner_->post_write(dst, dst_offset, src, bytes);
 }
 
+StatusOr<RequestHandle> ForwardingTransport::post_send_after(const runtime::Event& ready, int peer,
+                                                             Tag tag, const void* buf,
+                                                             size_t bytes) {
+    return inner_->post_send_after(ready, peer, tag, buf, bytes);
+}
+
+StatusOr<RequestHandle> ForwardingTransport::post_write_after(const runtime::Event& ready,
+                                                              const RemoteRegion& dst,
+                                                              size_t dst_offset, const void* src,
+                                                              size_t bytes) {
+    return inner_->post_write_after(ready, dst, dst_offset, src, bytes);
+}
+
 StatusOr<bool> ForwardingTransport::test(const RequestHandle& handle) {
     return inner_->test(handle);
 }

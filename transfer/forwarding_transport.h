@@ -56,6 +56,13 @@ public:
         int peer, std::span<const uint8_t> descriptor) override;
     [[nodiscard]] StatusOr<RequestHandle> post_write(const RemoteRegion& dst, size_t dst_offset,
                                                      const void* src, size_t bytes) override;
+    [[nodiscard]] StatusOr<RequestHandle> post_send_after(const runtime::Event& ready, int peer,
+                                                          Tag tag, const void* buf,
+                                                          size_t bytes) override;
+    [[nodiscard]] StatusOr<RequestHandle> post_write_after(const runtime::Event& ready,
+                                                           const RemoteRegion& dst,
+                                                           size_t dst_offset, const void* src,
+                                                           size_t bytes) override;
 
     [[nodiscard]] StatusOr<bool> test(const RequestHandle& handle) override;
     [[nodiscard]] Status wait(const RequestHandle& handle, Timeout timeout) override;

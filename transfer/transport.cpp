@@ -81,6 +81,21 @@ StatusOr<RequestHandle> Transport::post_write(const RemoteRegion& /*dst*/, size_
                        name());
 }
 
+StatusOr<RequestHandle> Transport::post_send_after(const runtime::Event& /*ready*/, int /*peer*/,
+                                                   Tag /*tag*/, const void* /*buf*/,
+                                                   size_t /*bytes*/) {
+    return PDSIM_ERROR(StatusCode::kUnimplemented, "{}: stream-ordered posts are not supported",
+                       name());
+}
+
+StatusOr<RequestHandle> Transport::post_write_after(const runtime::Event& /*ready*/,
+                                                    const RemoteRegion& /*dst*/,
+                                                    size_t /*dst_offset*/, const void* /*src*/,
+                                                    size_t /*bytes*/) {
+    return PDSIM_ERROR(StatusCode::kUnimplemented, "{}: stream-ordered posts are not supported",
+                       name());
+}
+
 StatusOr<bool> Transport::test(const RequestHandle& handle) {
     if (!handle.valid()) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "{}: test on an invalid handle", name());

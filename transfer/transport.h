@@ -93,6 +93,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include "backends/runtime/stream.h"
 #include "common/status.h"
 
 namespace pdsim::transfer {
@@ -183,6 +184,7 @@ struct Capabilities {
     bool host_memory = true;       // buffers may be host memory
     bool tag_matching = true;      // false: match per peer in post order (see the header note)
     bool detects_peer_failure = false;
+    bool stream_ordered = false;   // post_send_after / post_write_after (see below)
     Tag max_tag = 0;               // tags in [0, max_tag] are accepted
     size_t max_message_bytes = 0;  // larger posts fail with kInvalidArgument
 };
@@ -235,6 +237,7 @@ struct StaticCapabilities {
     bool one_sided_write = false;  // register_memory / import_remote / post_write
     bool tag_matching = true;      // false: match per peer in post order
     bool detects_peer_failure = false;
+    bool stream_ordered = false;          // post_send_after / post_write_after
     bool spans_processes = false;         // the ranks may be separate processes (mpirun, hosts)
     bool threads_of_one_process = false;  // the ranks may be threads of one process
     bool decorator = false;               // wraps another transport (fault)
@@ -323,6 +326,23 @@ public:
     [[nodiscard]] virtual StatusOr<RequestHandle> post_write(const RemoteRegion& dst,
                                                              size_t dst_offset, const void* src,
                                                              size_t bytes);
+
+    // Stream-ordered posts (capabilities().stream_ordered; the defaults return kUnimplemented):
+    // as post_send / post_write, but the operation does not start moving data before `ready`
+    // (an event of the device runtime, recorded by the caller on a stream of the device the
+    // transport works on) has fired; the host does not wait for it. This is how a GPU transport
+    // lets a device-side producer (a kernel, a gate on a StepCounter) order its reads without a
+    // host round trip. The caller keeps `ready` alive until the handle completes. An event that
+    // never fires leaves the operation pending (wait() times out; cancel() of an operation already
+    // handed to the device is kFailedPrecondition); what else it holds up is the transport's to
+    // say. kInvalidArgument: an event this transport cannot wait on (another device or kind).
+    [[nodiscard]] virtual StatusOr<RequestHandle> post_send_after(const runtime::Event& ready,
+                                                                  int peer, Tag tag,
+                                                                  const void* buf, size_t bytes);
+    [[nodiscard]] virtual StatusOr<RequestHandle> post_write_after(const runtime::Event& ready,
+                                                                   const RemoteRegion& dst,
+                                                                   size_t dst_offset,
+                                                                   const void* src, size_t bytes);
 
     // false: pending; true: completed OK; an error: the operation failed (see Error codes).
     [[nodiscard]] virtual StatusOr<bool> test(const RequestHandle& handle);

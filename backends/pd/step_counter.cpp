@@ -126,6 +126,15 @@ StatusOr<std::unique_ptr<StepCounterImpl>> make_cpu_impl(runtime::Stream& stream
         std::make_unique<CpuStepCounterImpl>(stream, initial_raw));
 }
 
+}  // namespace
+
+StatusOr<std::unique_ptr<StepCounterImpl>> make_cpu_step_counter_impl(runtime::Stream& stream,
+                                                                      uint64_t initial_raw) {
+    return make_cpu_impl(stream, initial_raw);
+}
+
+namespace {
+
 // ---- The registry ----
 
 struct ImplRegistry {
@@ -245,11 +254,50 @@ Status StepCounter::record(CounterId id) {
         return st;
     }
     if (b.exact) b.enqueued_raw += 1;
+    enqueued_cv_.notify_all();
     return {};
 }
 
 int64_t StepCounter::query_ready(CounterId id) const {
     return wrap_raw(impl_ != nullptr ? impl_->ready_raw(id) : initial_raw_);
+}
+
+namespace {
+
+// Whether the record that makes `step` ready has been enqueued (or has run), given the counter's
+// published raw value and the host's bookkeeping of eager records.
+bool enqueued_locked(uint64_t ready_raw, uint64_t enqueued_raw, bool exact, int64_t step) {
+    const uint64_t target_raw = raw_wait_target(step, ready_raw);
+    if (raw_reached(ready_raw, target_raw)) return true;
+    return exact && raw_reached(enqueued_raw, target_raw);
+}
+
+}  // namespace
+
+bool StepCounter::is_enqueued(CounterId id, int64_t step) {
+    if (impl_ == nullptr) return false;
+    std::lock_guard<std::mutex> lock(mu_);
+    const Bookkeeping& b = books_[index_of(id)];
+    return enqueued_locked(impl_->ready_raw(id), b.enqueued_raw, b.exact, step);
+}
+
+bool StepCounter::wait_until_enqueued(int64_t step, std::chrono::nanoseconds timeout) {
+    if (impl_ == nullptr) return false;
+    const Clock::time_point deadline = deadline_after(timeout);
+    std::unique_lock<std::mutex> lock(mu_);
+    const Bookkeeping& b = books_[index_of(CounterId::kCache)];
+    for (;;) {
+        if (enqueued_locked(impl_->ready_raw(CounterId::kCache), b.enqueued_raw, b.exact, step)) {
+            return true;
+        }
+        const Clock::time_point now = Clock::now();
+        if (now >= deadline) return false;
+        // An inexact counter (after a capture) learns of a step only from the ready mirror,
+        // which no notification covers: look again within 1 ms.
+        const Clock::time_point wake =
+            b.exact ? deadline : std::min(deadline, now + std::chrono::milliseconds(1));
+        enqueued_cv_.wait_until(lock, wake);
+    }
 }
 
 uint64_t StepCounter::records_published() const {

@@ -80,6 +80,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -133,6 +134,11 @@ public:
 // `initial_raw`. Errors: kInvalidArgument (wrong kind of stream), kUnavailable (device errors).
 using StepCounterImplFactory = std::function<StatusOr<std::unique_ptr<StepCounterImpl>>(
     runtime::Stream& stream, uint64_t initial_raw)>;
+
+// The CPU implementation's factory (it needs only Stream::enqueue), e.g. for a fake device whose
+// streams run on host threads in tests (register it for that device kind).
+[[nodiscard]] StatusOr<std::unique_ptr<StepCounterImpl>> make_cpu_step_counter_impl(
+    runtime::Stream& stream, uint64_t initial_raw);
 
 // Registers the implementation for streams of `kind` and returns the one it replaces (empty when
 // none). An empty factory unregisters (StepCounters on such streams then get kUnavailable). The
@@ -195,6 +201,22 @@ public:
         return wait_until(CounterId::kAux, target, timeout);
     }
 
+    // True when the record that makes cache step `step` ready has been enqueued on the compute
+    // stream (it has not necessarily run): the step is ready already, or the host's bookkeeping
+    // is exact (no record was ever captured into a graph or failed part-way) and an eager record
+    // that publishes the step's raw target was enqueued. A consumer may then gate a stream on
+    // the step (gate() takes the kEvent or kStreamOrder path, never a wait ahead of the record)
+    // and enqueue the work that reads the layer before the layer is computed. False also for a
+    // counter whose implementation could not be made. Takes the record/gate mutex; never blocks
+    // on the device.
+    [[nodiscard]] bool is_step_enqueued(int64_t step) {
+        return is_enqueued(CounterId::kCache, step);
+    }
+    // Blocks until is_step_enqueued(step) or `timeout` (false then, no error: the caller decides
+    // what a late record means). Woken by every eager record; once the bookkeeping is inexact
+    // (after a capture) only the ready mirror can tell, and it looks at it every 1 ms.
+    [[nodiscard]] bool wait_until_enqueued(int64_t step, std::chrono::nanoseconds timeout);
+
     // Work enqueued on `other` after this call does not start before cache step `step` is ready
     // (see the header comment for the mechanisms, the errors and `host_timeout`, which bounds
     // only a host-side wait on a CPU stream). Returns the mechanism used.
@@ -221,6 +243,7 @@ private:
 
     [[nodiscard]] Status record(CounterId id);
     [[nodiscard]] int64_t query_ready(CounterId id) const;
+    [[nodiscard]] bool is_enqueued(CounterId id, int64_t step);
     [[nodiscard]] Status wait_until(CounterId id, int64_t target,
                                     std::chrono::nanoseconds timeout) const;
     [[nodiscard]] StatusOr<GatePath> gate_on(CounterId id, runtime::Stream& other, int64_t step,
@@ -231,6 +254,7 @@ private:
     Status status_;
     std::unique_ptr<StepCounterImpl> impl_;          // null iff !status_.ok()
     std::mutex mu_;                                  // serializes record and gate
+    std::condition_variable enqueued_cv_;            // under mu_: every eager record
     std::array<Bookkeeping, kNumCounters> books_{};  // under mu_
     std::atomic<int64_t> cache_step_;
     std::atomic<int64_t> aux_step_;

@@ -116,6 +116,13 @@ struct SenderOptions : EngineOptions {
     // wakes on every record): after it the worker re-checks shutdown, cancellation, deadlines and
     // tasks queued meanwhile (e.g. chunks held until a late bootstrap, whose steps may be ready).
     std::chrono::milliseconds cancel_check{20};
+    // Device gating (kv_sender.h, "Device gating"): with a device layout, a StepCounter on the
+    // layout's device and a data transport that posts in stream order
+    // (Capabilities::stream_ordered), the comm stream waits on the device for each layer's
+    // record and the sends (writes) wait for the comm stream, so an interval is posted as soon
+    // as its record is enqueued on the compute stream, not after the host saw it land. False, or
+    // any of those missing: the host path (wait for the step on the host, then post).
+    bool device_gate = true;
 };
 
 struct ReceiverOptions : EngineOptions {

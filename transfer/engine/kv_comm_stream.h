@@ -5,10 +5,10 @@
 //
 // What runs where (kv_sender.h, "Device memory"): the engine's threads plan the work
 // (kv_copy_plan.h), enqueue it on the comm stream through the ops, and wait on the host for an
-// event recorded behind it (wait()): today every wait is a host wait, bounded by the request's
-// deadline, that notices cancellation and the stream's sticky error between slices. A later,
-// device-gated step can let the transport wait on that event instead (and the comm stream wait
-// on the compute stream's record instead of the host's StepCounter check).
+// event recorded behind it (wait()): a host wait, bounded by the request's deadline, that notices
+// cancellation and the stream's sticky error between slices. With device gating (kv_sender.h)
+// the sender instead gates this stream on the StepCounter and lets the transport wait on an
+// event recorded here (Transport::post_*_after); its memory is then retired at once.
 //
 // Work whose wait failed (timed out, cancelled, the stream failed) may still run: retire() keeps
 // its memory alive (staging, sums) and runs its completion (e.g. "this scatter no longer writes

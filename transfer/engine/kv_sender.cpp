@@ -52,6 +52,8 @@ KvSender::Impl::Impl(Transport& transport, DataPlaneChoice plane, KvLayout layou
       pins_(transport.rank(), opt_.validator),
       table_(RequestTableNames{"sender", transport.rank()}) {
     max_msg_ = std::min(opt_.max_message_bytes, data_.capabilities().max_message_bytes);
+    gate_ahead_ = comm_ != nullptr && opt_.device_gate && data_.capabilities().stream_ordered &&
+                  counter_.stream().device() == layout_.device();
 }
 
 Status KvSender::Impl::start() {

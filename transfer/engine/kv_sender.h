@@ -76,10 +76,29 @@
 // the control thread, which waits for the comm stream (bounded by the request's deadline).
 // Work whose wait failed may still run: its staging and sums stay alive until the stream has
 // passed it (the control thread's tick sweeps them); it only reads the pages, so their pins are
-// released as on the host path. Host waits today: the comm stream runs after the host has seen
-// the StepCounter record (not after a device-side wait on the compute stream), and the sends
-// are posted after a host wait for the gathers; a later device-gated step can make the comm
-// stream wait on the compute stream's event and the transport on the comm stream's.
+// released as on the host path. Those are host waits: the comm stream runs after the host has
+// seen the StepCounter record, and the sends are posted after a host wait for the gathers.
+//
+// Device gating (SenderOptions::device_gate, on by default) removes both where it can: with a
+// device layout, a StepCounter whose stream is on the layout's device (a GPU rank's compute
+// stream) and a data transport that declares stream_ordered (transfer/transport.h:
+// post_send_after / post_write_after; the GPU transports), per interval the worker
+//   1. waits only until the interval's record is *enqueued* on the compute stream
+//      (StepCounter::is_step_enqueued / wait_until_enqueued), not until it ran;
+//   2. gates the comm stream on the step (StepCounter::gate: an event wait, since the record is
+//      enqueued), enqueues the gathers and read checksums behind it, and records an event;
+//   3. posts the interval's sends (writes) with post_*_after(that event), in the host path's
+//      order and sizes, and goes on: no host wait. The transport's stream starts them when the
+//      layer's record lands on the device.
+// The read checksums of those intervals are added into the destination's sums before the
+// completion, once the comm stream has passed them (a bounded host wait there, not on the
+// data path). kLayerReady is still emitted when the host sees the step (the worker polls for
+// it while nothing else is due), so the timeline's ready -> sent latency keeps its meaning.
+// The gathers' staging and sums are retired at once (kept until the stream passed them), so a
+// failed post or request never frees memory a gather still writes. A record that never comes
+// leaves the interval's operations pending on the transport: the request fails at its deadline
+// as on the host path, and its pins stay until they complete or the transport fails them (a GPU
+// transport's watchdog, or close()).
 // What is still refused: a data transport without device_memory (kInvalidArgument; it must
 // reach the pages and the staging memory), KV memory ops that cannot be made (make_kv_memory_ops'
 // error: kUnavailable without CUDA or without that GPU), injected ops of another memory kind or a

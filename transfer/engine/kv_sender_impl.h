@@ -59,6 +59,13 @@ struct DestState {
     // thread).
     std::vector<uint64_t> observed;
     uint32_t next_chunk_to_post = 0;
+    // Device gating: read checksums of intervals posted ahead of their records, final once the
+    // comm stream passed `passed`; added into `observed` before the completion (worker only).
+    struct PendingSums {
+        std::shared_ptr<runtime::Event> passed;
+        std::shared_ptr<KvOpsMemory> sums;
+    };
+    std::vector<PendingSums> pending_sums;
 
     // Write mode: the decode rank's (layer, buffer) regions as imported here ([layer * buffers +
     // buffer]); constant once attached.
@@ -150,6 +157,9 @@ struct DeviceInterval {
     std::array<bool, kMaxKvBuffers> gathered{};  // per buffer: sent from the staging copy
     std::optional<KvStagingPlan> plan;
     std::shared_ptr<KvOpsMemory> staging;
+    // Device gating: recorded on the comm stream behind the gate and the interval's work; every
+    // send (write) of the interval is posted to start after it (Transport::post_*_after).
+    std::shared_ptr<runtime::Event> after;
 
     // The gathered copy of (layer, buf, run), or null when that buffer is not gathered.
     [[nodiscard]] const std::byte* address(int layer, int buf, size_t run) const {
@@ -269,6 +279,15 @@ private:
         bool finished = false;
         bool has_first_token = false;
         int32_t first_token = -1;
+        // Device gating: intervals posted before the host saw their step ([l0, l1), target),
+        // oldest first; kLayerReady is emitted for them when the host sees the step (timeline
+        // only: nothing on the data path waits for it).
+        struct Ahead {
+            int l0 = 0;
+            int l1 = 0;
+            int64_t target = 0;
+        };
+        std::deque<Ahead> ahead;
     };
 
     int64_t next_target(const Active& a) const;
@@ -304,14 +323,23 @@ private:
     // With a validator: the compute stream's checksums of the fragment, compared with what this
     // rank read and put into `m`; kWaiting while they are not recorded yet (kFailed once `late`).
     Progress add_checksums(Active& a, bool late, CompletionMsg& m);
+    // Device gating: emits kLayerReady for the intervals of `a` posted ahead whose step the host
+    // now sees ready. True if any.
+    bool note_ready_ahead(Active& a, int64_t ready);
+    // Device gating: adds the pending sums whose comm-stream work has passed into `observed`;
+    // kWaiting while some have not (kFailed once `late`, or the comm stream failed).
+    Progress settle_pending_sums(Active& a, bool late);
 
     // Posts one send of the request on its data tag. layer < 0: the completion message.
+    // `after` (device gating): the op starts on the device once it has fired.
     bool post_data(const Task& t, int layer, const void* ptr, size_t bytes,
-                   std::shared_ptr<void> keep, const std::shared_ptr<TaskProgress>& progress);
+                   std::shared_ptr<void> keep, const std::shared_ptr<TaskProgress>& progress,
+                   const std::shared_ptr<runtime::Event>& after = nullptr);
     // Write mode: posts one write of `bytes` at `offset` of the destination's region of
     // (layer, buf).
     bool post_write(const Task& t, int layer, int buf, size_t offset, const void* ptr, size_t bytes,
-                    std::shared_ptr<void> keep, const std::shared_ptr<TaskProgress>& progress);
+                    std::shared_ptr<void> keep, const std::shared_ptr<TaskProgress>& progress,
+                    const std::shared_ptr<runtime::Event>& after = nullptr);
     // The bookkeeping shared by both: `post` posts the operation on data_.
     bool post_op(const Task& t, int layer, OpKind kind, std::shared_ptr<void> keep,
                  const std::shared_ptr<TaskProgress>& progress,
@@ -319,8 +347,7 @@ private:
     // Write mode: the (chunk, layer) writes of `a` to its destination, in plan order. `gathered`
     // (device layouts): the run's gathered copy in `gathered_keep`, when the write reads one.
     bool post_run_writes(Active& a, int layer, int buf, const TokenRun& run, uint64_t& staged,
-                         const std::byte* gathered,
-                         const std::shared_ptr<KvOpsMemory>& gathered_keep);
+                         const std::byte* gathered, const DeviceInterval& dev);
 
     // Any thread (transport callbacks included): never re-enters the transport.
     void on_op_done(const std::shared_ptr<SendReq>& r, const std::shared_ptr<TaskProgress>& p,
@@ -336,6 +363,8 @@ private:
     const SenderOptions opt_;
     // Device layouts: the KV memory ops and the comm stream (null: a host layout).
     const std::unique_ptr<KvCommStream> comm_;
+    // Device gating is on (SenderOptions::device_gate and what it needs; set at create()).
+    bool gate_ahead_ = false;
     size_t max_msg_ = 0;
     std::shared_ptr<ControlChannel> channel_;
     PagePins pins_;

@@ -72,6 +72,10 @@ void KvSender::Impl::worker_loop(int index) {
         std::optional<std::pair<int64_t, Clock::duration>> data_wait;
         std::optional<std::pair<int64_t, Clock::duration>> aux_wait;
         std::optional<std::pair<const Active*, Clock::duration>> sums_wait;
+        // Device gating: a step posted ahead (its kLayerReady pending) or a comm-stream pass
+        // the completion's sums wait for.
+        std::optional<std::pair<int64_t, Clock::duration>> ahead_wait;
+        std::optional<std::pair<runtime::Event*, Clock::duration>> event_wait;
         int64_t best_distance = 0;
         const int64_t ready = counter_.query_ready_cache_step();
         for (Active& a : tasks) {
@@ -79,6 +83,9 @@ void KvSender::Impl::worker_loop(int index) {
             if (a.t.chunk_index != a.t.dest->next_chunk_to_post) continue;
             moved |= step_task(a);
             if (a.finished) continue;
+            if (!a.ahead.empty() && !ahead_wait) {
+                ahead_wait.emplace(a.ahead.front().target, wait_slice(a));
+            }
             if (!a.data_done) {
                 const int64_t target = next_target(a);
                 const int64_t distance = pd::StepCounter::wrap(target - ready);
@@ -90,6 +97,10 @@ void KvSender::Impl::worker_loop(int index) {
                 if (!aux_wait) {
                     aux_wait.emplace(pd::StepCounter::wrap(a.t.first_token_aux_step),
                                      wait_slice(a));
+                }
+            } else if (!a.t.dest->pending_sums.empty()) {
+                if (!event_wait) {
+                    event_wait.emplace(a.t.dest->pending_sums.front().passed.get(), wait_slice(a));
                 }
             } else if (!sums_wait) {
                 sums_wait.emplace(&a, wait_slice(a));
@@ -104,8 +115,18 @@ void KvSender::Impl::worker_loop(int index) {
         // comes after its cache records, so a pending first token is waited for first.
         if (aux_wait) {
             counter_.wait_until_aux_ready(aux_wait->first, aux_wait->second).ignore_error();
+        } else if (data_wait && gate_ahead_) {
+            // The next interval goes out once its record is enqueued (device gating).
+            (void)counter_.wait_until_enqueued(data_wait->first, data_wait->second);
         } else if (data_wait) {
             counter_.wait_until_ready(data_wait->first, data_wait->second).ignore_error();
+        } else if (ahead_wait) {
+            counter_.wait_until_ready(ahead_wait->first, ahead_wait->second).ignore_error();
+        } else if (event_wait) {
+            const auto slice =
+                std::chrono::duration_cast<std::chrono::milliseconds>(event_wait->second);
+            event_wait->first->synchronize(std::max(slice, std::chrono::milliseconds(1)))
+                .ignore_error();
         } else if (sums_wait && opt_.validator != nullptr) {
             const Active& a = *sums_wait->first;
             const Fragment& f = *a.t.dest->frag;
@@ -147,11 +168,21 @@ bool KvSender::Impl::step_task(Active& a) {
         start_task(a);
         moved = true;
     }
+    moved |= note_ready_ahead(a, counter_.query_ready_cache_step());
     while (!a.data_done) {
         const int l0 = a.next_l0;
         const int l1 = std::min(L, l0 + a.t.interval);
         const int64_t target = next_target(a);
-        if (!pd::StepCounter::is_step_ready(counter_.query_ready_cache_step(), target)) {
+        const bool ready =
+            pd::StepCounter::is_step_ready(counter_.query_ready_cache_step(), target);
+        // Device gating: the comm stream waits for the record on the device, so the interval
+        // may go out as soon as the record is enqueued -- one interval ahead per task: what a
+        // transport queues behind an interval whose record has not landed (the next request's
+        // ready layers, on the same peer's stream) waits for it, so looking further ahead would
+        // delay them by more than one layer's compute.
+        const bool may_go_ahead =
+            gate_ahead_ && a.ahead.empty() && counter_.is_step_enqueued(target);
+        if (!ready && !may_go_ahead) {
             if (Clock::now() >= r.deadline) {
                 fail(a.t.req,
                      fmt::format("request {}: timed out after {} ms awaiting step {} (layers "
@@ -167,8 +198,10 @@ bool KvSender::Impl::step_task(Active& a) {
                 r, fmt::format("step {} (layers {}..{}) from the StepCounter", target, l0, l1 - 1));
             return moved;
         }
-        // The acquire load in query_ready_cache_step() synchronizes with the record's
-        // release store: every KV write enqueued before the record is visible here.
+        // Host path: the acquire load in query_ready_cache_step() synchronizes with the
+        // record's release store: every KV write enqueued before the record is visible here.
+        // Device gating: the comm stream's gate orders the reads after the record instead.
+        if (gate_ahead_ && !ready) a.ahead.push_back({l0, l1, target});
         if (!post_interval(a, l0, l1)) {
             finish_task(a);
             return true;
@@ -176,8 +209,15 @@ bool KvSender::Impl::step_task(Active& a) {
         a.next_l0 = l1;
         a.data_done = l1 >= L;
         moved = true;
+        // Device gating: one interval per task and pass, so the comm stream (and the transport's
+        // stream) see the batch's requests layer by layer; posting a request's every enqueued
+        // layer at once would queue the next request's layer 0 behind this one's last record.
+        if (gate_ahead_ && !a.data_done) return true;
     }
     if (!a.t.is_last) {
+        // Device gating: stay until the host has seen the steps posted ahead (their
+        // kLayerReady); the late ones are given up at the deadline.
+        if (!a.ahead.empty() && Clock::now() < r.deadline) return moved;
         finish_task(a);
         return true;
     }
@@ -226,7 +266,9 @@ bool KvSender::Impl::run_device_interval(Active& a, int l0, int l1, DeviceInterv
         out.gathered[bi] = !f.src_contiguous[bi] && (!write_mode() || f.dst_contiguous[bi]);
         gathers = gathers || out.gathered[bi];
     }
-    if (!gathers && v == nullptr) return true;
+    // Device gating: even with nothing to gather or hash, the sends read the pages, so they wait
+    // for the gate through the comm stream's event.
+    if (!gathers && v == nullptr && !gate_ahead_) return true;
     const std::string what =
         fmt::format("{}{}of layers {}..{} for decode rank {}", gathers ? "gathers " : "",
                     gathers && v != nullptr ? "and checksums "
@@ -257,6 +299,13 @@ bool KvSender::Impl::run_device_interval(Active& a, int l0, int l1, DeviceInterv
              true);
         return false;
     };
+    if (gate_ahead_) {
+        // Everything enqueued on the comm stream from here on runs after the record of the
+        // interval's last layer (an event wait: the record is enqueued; step_counter.h).
+        const int64_t target = pd::StepCounter::wrap(a.t.begin_step + l1 - 1);
+        StatusOr<pd::GatePath> gated = counter_.gate(comm_->stream(), target);
+        if (!gated.ok()) return give_up(gated.status());
+    }
     if (gathers) {
         StatusOr<KvStagingPlan> plan = plan_gather(layout_, f, a.runs, l0, l1);
         if (!plan.ok()) return give_up(plan.status());
@@ -299,7 +348,26 @@ bool KvSender::Impl::run_device_interval(Active& a, int l0, int l1, DeviceInterv
         }
         enqueued = true;
     }
-    // A host wait (a later step may gate the sends on the stream's event instead).
+    if (gate_ahead_) {
+        // No host wait: the sends start on the device once the comm stream passed this event;
+        // the sums are added before the completion (settle_pending_sums).
+        std::unique_ptr<runtime::Event> event = comm_->stream().create_event();
+        if (event == nullptr) {
+            return give_up(
+                PDSIM_ERROR(StatusCode::kUnavailable, "no event on {}", comm_->describe()));
+        }
+        if (Status st = comm_->stream().record(*event); !st.ok()) return give_up(st);
+        out.after = std::shared_ptr<runtime::Event>(std::move(event));
+        // Whatever becomes of the sends (a failed post, a failed request), the gathers and sums
+        // may still run: their memory stays alive until the comm stream has passed them.
+        comm_->retire(
+            std::make_shared<std::pair<std::shared_ptr<KvOpsMemory>, std::shared_ptr<KvOpsMemory>>>(
+                out.staging, sums),
+            nullptr);
+        if (sums) d.pending_sums.push_back({out.after, std::move(sums)});
+        return true;
+    }
+    // The host path: a host wait for the gathers and sums, then the posts.
     Status waited = comm_->wait(r.deadline, opt_.cancel_check,
                                 [&] { return r.cancelled.load() || stopping_.load(); });
     if (!waited.ok()) return give_up(waited);
@@ -320,7 +388,9 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
     OrderingValidator* v = comm_ ? nullptr : opt_.validator;
     DeviceInterval dev;
     if (comm_) {
-        for (int l = l0; l < l1; ++l) {
+        // Posted ahead of its step (device gating): kLayerReady comes when the host sees it.
+        const bool ahead = !a.ahead.empty() && a.ahead.back().l0 == l0;
+        for (int l = l0; l < l1 && !ahead; ++l) {
             emit(TransferEvent::Kind::kLayerReady, r.id, l, d.world_rank, a.t.chunk_index, 0);
         }
         if (!run_device_interval(a, l0, l1, dev)) return false;
@@ -358,7 +428,7 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
                 }
                 const std::byte* gathered = dev.address(l, b, k);
                 if (write_mode()) {
-                    if (!post_run_writes(a, l, b, run, staged, gathered, dev.staging)) ok = false;
+                    if (!post_run_writes(a, l, b, run, staged, gathered, dev)) ok = false;
                     continue;
                 }
                 const size_t bytes = message_bytes(f, b, run);
@@ -379,7 +449,9 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
                     keep = std::move(staging);
                     staged += bytes;
                 }
-                if (!post_data(a.t, l, ptr, bytes, std::move(keep), a.progress)) ok = false;
+                if (!post_data(a.t, l, ptr, bytes, std::move(keep), a.progress, dev.after)) {
+                    ok = false;
+                }
             }
         }
         emit(TransferEvent::Kind::kLayerPosted, r.id, l, d.world_rank, a.t.chunk_index, 0);
@@ -393,8 +465,7 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
 }
 
 bool KvSender::Impl::post_run_writes(Active& a, int l, int b, const TokenRun& run, uint64_t& staged,
-                                     const std::byte* gathered,
-                                     const std::shared_ptr<KvOpsMemory>& gathered_keep) {
+                                     const std::byte* gathered, const DeviceInterval& dev) {
     const DestState& d = *a.t.dest;
     const Fragment& f = *d.frag;
     const auto bi = static_cast<size_t>(b);
@@ -409,7 +480,7 @@ bool KvSender::Impl::post_run_writes(Active& a, int l, int b, const TokenRun& ru
         } else if (comm_) {
             // The comm stream's gathered copy (run_device_interval).
             ptr = gathered;
-            keep = gathered_keep;
+            keep = dev.staging;
             staged += bytes;
         } else {
             // Copy: the decode rank holds only part of this rank's heads (host gather).
@@ -420,7 +491,7 @@ bool KvSender::Impl::post_run_writes(Active& a, int l, int b, const TokenRun& ru
             staged += bytes;
         }
         return post_write(a.t, l, b, static_cast<size_t>(run.dst_slot) * dst_token_bytes, ptr,
-                          bytes, std::move(keep), a.progress);
+                          bytes, std::move(keep), a.progress, dev.after);
     }
     // The decode slot holds more heads than this fragment: one write per token, from the page
     // bytes straight to its place in the slot (correct, but many small writes; a device-side
@@ -430,13 +501,64 @@ bool KvSender::Impl::post_run_writes(Active& a, int l, int b, const TokenRun& ru
         const std::byte* src = layout_.slot_addr(l, b, run.src_slot + i) + f.src_offset[bi];
         const size_t offset =
             static_cast<size_t>(run.dst_slot + i) * dst_token_bytes + f.dst_offset[bi];
-        if (!post_write(a.t, l, b, offset, src, bytes, nullptr, a.progress)) return false;
+        if (!post_write(a.t, l, b, offset, src, bytes, nullptr, a.progress, dev.after)) {
+            return false;
+        }
     }
     return true;
 }
 
+bool KvSender::Impl::note_ready_ahead(Active& a, int64_t ready) {
+    bool any = false;
+    while (!a.ahead.empty() && pd::StepCounter::is_step_ready(ready, a.ahead.front().target)) {
+        const Active::Ahead& x = a.ahead.front();
+        for (int l = x.l0; l < x.l1; ++l) {
+            emit(TransferEvent::Kind::kLayerReady, a.t.req->id, l, a.t.dest->world_rank,
+                 a.t.chunk_index, 0);
+        }
+        a.ahead.pop_front();
+        any = true;
+    }
+    return any;
+}
+
+KvSender::Impl::Progress KvSender::Impl::settle_pending_sums(Active& a, bool late) {
+    SendReq& r = *a.t.req;
+    DestState& d = *a.t.dest;
+    while (!d.pending_sums.empty()) {
+        const DestState::PendingSums& p = d.pending_sums.front();
+        if (!p.passed->query()) {
+            Status st = comm_->stream().error();
+            if (st.ok() && !late) {
+                set_awaiting(r, fmt::format("the {} (read checksums of layers posted ahead of "
+                                            "their records, for decode rank {})",
+                                            comm_->describe(), d.world_rank));
+                return Progress::kWaiting;
+            }
+            // The work may still run: run_device_interval retired its memory, kept until the
+            // stream has passed it.
+            d.pending_sums.clear();
+            fail(a.t.req,
+                 fmt::format("request {}: {} awaiting the {} (read checksums for decode rank "
+                             "{}){}",
+                             r.id,
+                             st.ok() ? fmt::format("timed out after {} ms", r.timeout.count())
+                                     : std::string("failed"),
+                             comm_->describe(), d.world_rank,
+                             st.ok() ? std::string() : ": " + st.message()),
+                 true);
+            return Progress::kFailed;
+        }
+        const uint64_t* read = p.sums->as<uint64_t>();
+        for (size_t i = 0; i < d.observed.size(); ++i) d.observed[i] += read[i];
+        d.pending_sums.erase(d.pending_sums.begin());
+    }
+    return Progress::kDone;
+}
+
 void KvSender::Impl::finish_task(Active& a) {
     if (a.finished) return;
+    if (!a.ahead.empty()) note_ready_ahead(a, counter_.query_ready_cache_step());
     a.finished = true;
     a.t.dest->next_chunk_to_post = a.t.chunk_index + 1;
     SendReq& r = *a.t.req;
@@ -492,6 +614,9 @@ KvSender::Impl::Progress KvSender::Impl::try_completion(Active& a) {
     m.chunks = a.t.chunk_index + 1;
     m.has_first_token = a.has_first_token;
     m.first_token = a.first_token;
+    if (const Progress settled = settle_pending_sums(a, late); settled != Progress::kDone) {
+        return settled;
+    }
     if (const Progress sums = add_checksums(a, late, m); sums != Progress::kDone) return sums;
     if (write_mode()) {
         // On the control tag, after every LayerWritten of the request to this destination:
@@ -562,21 +687,33 @@ KvSender::Impl::Progress KvSender::Impl::add_checksums(Active& a, bool late, Com
 
 bool KvSender::Impl::post_data(const Task& t, int layer, const void* ptr, size_t bytes,
                                std::shared_ptr<void> keep,
-                               const std::shared_ptr<TaskProgress>& progress) {
+                               const std::shared_ptr<TaskProgress>& progress,
+                               const std::shared_ptr<runtime::Event>& after) {
     const int peer = t.dest->world_rank;
     const Tag tag = t.dest->tag;
-    return post_op(t, layer, OpKind::kSend, std::move(keep), progress,
-                   [&] { return data_.post_send(peer, tag, ptr, bytes); });
+    if (after)
+        keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<runtime::Event>>>(
+            keep, after);
+    return post_op(t, layer, OpKind::kSend, std::move(keep), progress, [&] {
+        return after ? data_.post_send_after(*after, peer, tag, ptr, bytes)
+                     : data_.post_send(peer, tag, ptr, bytes);
+    });
 }
 
 bool KvSender::Impl::post_write(const Task& t, int layer, int buf, size_t offset, const void* ptr,
                                 size_t bytes, std::shared_ptr<void> keep,
-                                const std::shared_ptr<TaskProgress>& progress) {
+                                const std::shared_ptr<TaskProgress>& progress,
+                                const std::shared_ptr<runtime::Event>& after) {
     const RemoteRegion& region =
         t.dest->regions[static_cast<size_t>(layer) * static_cast<size_t>(layout_.buffer_count()) +
                         static_cast<size_t>(buf)];
-    return post_op(t, layer, OpKind::kWrite, std::move(keep), progress,
-                   [&] { return data_.post_write(region, offset, ptr, bytes); });
+    if (after)
+        keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<runtime::Event>>>(
+            keep, after);
+    return post_op(t, layer, OpKind::kWrite, std::move(keep), progress, [&] {
+        return after ? data_.post_write_after(*after, region, offset, ptr, bytes)
+                     : data_.post_write(region, offset, ptr, bytes);
+    });
 }
 
 bool KvSender::Impl::post_op(const Task& t, int layer, OpKind kind, std::shared_ptr<void> keep,

@@ -236,6 +236,27 @@ public:
                              });
     }
 
+    // Stream-ordered posts meet the same faults; the inner post then waits for `ready` (which
+    // the caller keeps alive until the handle completes).
+    StatusOr<RequestHandle> post_send_after(const runtime::Event& ready, int peer, Tag tag,
+                                            const void* buf, size_t bytes) override {
+        PDSIM_RETURN_IF_ERROR(check_post(peer, tag, buf, bytes, /*is_send=*/true));
+        return post_outgoing(peer, OpKind::kSend, tag, bytes,
+                             [this, &ready, peer, tag, buf, bytes] {
+                                 return inner().post_send_after(ready, peer, tag, buf, bytes);
+                             });
+    }
+
+    StatusOr<RequestHandle> post_write_after(const runtime::Event& ready, const RemoteRegion& dst,
+                                             size_t dst_offset, const void* src,
+                                             size_t bytes) override {
+        PDSIM_RETURN_IF_ERROR(check_post(dst.peer, 0, src, bytes, /*is_send=*/true));
+        return post_outgoing(
+            dst.peer, OpKind::kWrite, 0, bytes, [this, &ready, dst, dst_offset, src, bytes] {
+                return inner().post_write_after(ready, dst, dst_offset, src, bytes);
+            });
+    }
+
     StatusOr<RequestHandle> post_recv(int peer, Tag tag, void* buf, size_t capacity) override {
         bool corrupt = false;
         uint64_t index = 0;
