@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # One-shot GPU check, for a machine with an NVIDIA GPU, in under 8 minutes whatever hangs: runs
-# every test labelled `cuda`, `pdsim bench transfer --transport cuda_ipc` (the cuda_ipc transport's
-# completion poller vs raw cudaMemcpyAsync) and `pdsim bench attention --backend cuda` (decode vs a
-# device-to-device copy, causal extend vs a cuBLASLt GEMM, the GPU model per layer vs the roofline
-# cost model), and prints a markdown table (also $OUT/summary.md). Run from anywhere:
-# bash scripts/gpu_check.sh
+# every test labelled `cuda` (among them the testbed 1P1D on one GPU in --mode both,
+# testbed_gpu_disagg_test, and the faulted runs, testbed_gpu_fault_test), the layerwise on/off pair
+# (scripts/gpu_layerwise.sh: 4096-token llama3-8b prompts on gpu-1p1d at 50 GB/s and at the
+# transfer == prefill rate), the fidelity pair (scripts/gpu_fidelity.sh: a GPU testbed run,
+# calibrate --from-timeline on it, simulate of the same run), `pdsim bench transfer --transport
+# cuda_ipc` (the cuda_ipc transport's completion poller vs raw cudaMemcpyAsync) and `pdsim bench
+# attention --backend cuda` (decode vs a device-to-device copy, causal extend vs a cuBLASLt GEMM,
+# the GPU model per layer vs the roofline cost model), and prints a markdown table (also
+# $OUT/summary.md) with pass/fail against the targets (docs/gpu-results.md "Ready to run"). Run
+# from anywhere: bash scripts/gpu_check.sh
 #
 # Binaries: when every build dependency is there (CMake configures), it builds pdsim and the cuda
 # tests in build/gpu; otherwise it uses the bundle .gpu/ made by scripts/gpu_bundle.sh on another
@@ -15,11 +20,16 @@
 # found in pip's nvidia-cublas (nvidia/cu13/lib, nvidia/cublas/lib), ldconfig or /usr/local/cuda*;
 # without it the binaries that link cuBLAS do not load, and the table says so.
 #
-# Writes to $OUT (default out/), at most 7 files: summary.md, env.txt (what it found),
-# build.log (when it tried to build), tests.log (all gtest output), bench.log (both benches'
-# output), bench_cuda_ipc.json, bench_attention_cuda.json.
-# Time: each test binary gets at most 120 s, and the tests together leave PDSIM_GPU_BENCH_RESERVE_S
-# of the budget to the benchmarks (bench transfer at most 100 s, bench attention at most 120 s).
+# Writes to $OUT (default out/): summary.md, env.txt (what it found), build.log (when it tried to
+# build), tests.log (all gtest output), bench.log (both benches' output), bench_cuda_ipc.json,
+# bench_attention_cuda.json, layerwise.log and layerwise/ (gpu_layerwise.sh's JSON, table, reports
+# and logs), fidelity.log and fidelity/ (gpu_fidelity.sh's).
+# Time: each test binary gets at most 120 s, and the tests together leave PDSIM_GPU_LAYERWISE_S +
+# PDSIM_GPU_FIDELITY_S + PDSIM_GPU_BENCH_RESERVE_S of the budget to what follows: the layerwise
+# pair (at most PDSIM_GPU_LAYERWISE_S, 40 s per testbed run), then the fidelity pair (at most
+# PDSIM_GPU_FIDELITY_S, leaving the benches their reserve), then the benchmarks (bench transfer at
+# most 100 s, bench attention at most 120 s, within what is left). A missed target shows as FAIL in
+# the table; it does not change the exit status (as the benches' BELOW).
 # The cuda tests that run pdsim (bench_attention_cuda_gpu_test, testbed_gpu_test: `pdsim testbed
 # --backend cuda --mode colocated --topology gpu-1c`; testbed_gpu_disagg_test and
 # testbed_gpu_fault_test: `--mode both|disagg --topology gpu-1p1d`, KV over cuda_ipc) get it
@@ -27,11 +37,13 @@
 # bundle carries the example topologies in .gpu/share/pdsim/topologies, where both binaries find
 # them by name.
 # Env: PDSIM_GPU_MODE=auto|build|bundle (auto), PDSIM_GPU_BUILD_DIR (build/gpu),
-#      PDSIM_GPU_CHECK_BUDGET_S (450: the whole run), PDSIM_GPU_BENCH_RESERVE_S (90),
+#      PDSIM_GPU_CHECK_BUDGET_S (450: the whole run), PDSIM_GPU_LAYERWISE_S (100),
+#      PDSIM_GPU_FIDELITY_S (60), PDSIM_GPU_BENCH_RESERVE_S (90),
 #      PDSIM_NCCL_DIR / PDSIM_CUDA_DRIVER_DIR / PDSIM_CUBLAS_DIR (a folder to try first; "none":
 #      do not search),
 #      PDSIM_GPU_BENCH_ARGS (extra bench transfer arguments, e.g. "--sizes 1M,64M --reps 3"),
-#      PDSIM_GPU_ATTN_ARGS (extra bench attention arguments, e.g. "--reps 50 --layers 8").
+#      PDSIM_GPU_ATTN_ARGS (extra bench attention arguments, e.g. "--reps 50 --layers 8"),
+#      and the PDSIM_GPU_LAYERWISE_* / PDSIM_GPU_FIDELITY_* settings of those two scripts.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -42,6 +54,8 @@ MODE=${PDSIM_GPU_MODE:-auto}
 BUILD_DIR=${PDSIM_GPU_BUILD_DIR:-build/gpu}
 BUDGET=${PDSIM_GPU_CHECK_BUDGET_S:-450}
 BENCH_RESERVE=${PDSIM_GPU_BENCH_RESERVE_S:-90}
+LW_S=${PDSIM_GPU_LAYERWISE_S:-100}
+FID_S=${PDSIM_GPU_FIDELITY_S:-60}
 START=$SECONDS
 ENV_TXT=$OUT_DIR/env.txt
 TESTS_LOG=$OUT_DIR/tests.log
@@ -49,7 +63,11 @@ BENCH_LOG=$OUT_DIR/bench.log
 BENCH_JSON=$OUT_DIR/bench_cuda_ipc.json
 ATTN_JSON=$OUT_DIR/bench_attention_cuda.json
 SUMMARY=$OUT_DIR/summary.md
-rm -f "$ENV_TXT" "$TESTS_LOG" "$BENCH_LOG" "$BENCH_JSON" "$ATTN_JSON" "$SUMMARY" "$OUT_DIR/build.log"
+LW_DIR=$OUT_DIR/layerwise
+FID_DIR=$OUT_DIR/fidelity
+rm -f "$ENV_TXT" "$TESTS_LOG" "$BENCH_LOG" "$BENCH_JSON" "$ATTN_JSON" "$SUMMARY" "$OUT_DIR/build.log" \
+  "$OUT_DIR/layerwise.log" "$OUT_DIR/fidelity.log"
+rm -rf "$LW_DIR" "$FID_DIR"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 GTEST_COLOR=no
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/pdsim-gpu-check.XXXXXX")
 trap 'rm -rf "$SCRATCH"' EXIT
@@ -68,18 +86,21 @@ to() {
   fi
   timeout -k 5 "$want" "$@"
 }
-# to_tests <seconds> cmd...: `to`, but leaving BENCH_RESERVE seconds of the budget to the benches.
-to_tests() {
-  local want=$1 l
-  shift
-  l=$(( $(left) - BENCH_RESERVE ))
+# to_leaving <reserve> <seconds> cmd...: `to`, but leaving <reserve> seconds of the budget to the
+# steps after this one.
+to_leaving() {
+  local reserve=$1 want=$2 l
+  shift 2
+  l=$(( $(left) - reserve ))
   [ "$l" -lt "$want" ] && want=$l
   if [ "$want" -lt 2 ]; then
-    echo "(not run: the tests' share of the time budget is spent)"
+    echo "(not run: this step's share of the time budget is spent)"
     return 124
   fi
   timeout -k 5 "$want" "$@"
 }
+# to_tests <seconds> cmd...: leaves the layerwise and fidelity pairs and the benches their time.
+to_tests() { to_leaving $((LW_S + FID_S + BENCH_RESERVE)) "$@"; }
 
 # ---- the GPU and its driver ----
 gpu="nvidia-smi not found"
@@ -285,6 +306,7 @@ count() { sed -n "s/^\[  $1 *\] \([0-9]*\) tests\{0,1\}[,.].*/\1/p" "$2" | tail 
 failed=0
 rows=()
 skips=()
+declare -A test_result=()
 for bin in "${TEST_BINS[@]}"; do
   name=$(basename "$bin")
   log=$SCRATCH/$name.log
@@ -306,6 +328,7 @@ for bin in "${TEST_BINS[@]}"; do
     r="${p:-0} passed, ${f:-0} failed, ${s:-0} skipped$([ $rc -ne 0 ] && echo " (exit $rc)")"
   fi
   rows+=("| $name | $r |")
+  test_result[$name]=$r
   echo "   $r"
   # "file:line: Skipped" is followed by the reason, then "[  SKIPPED ] Suite.Test (N ms)".
   while IFS= read -r line; do skips+=("$line"); done < <(awk '
@@ -314,6 +337,43 @@ for bin in "${TEST_BINS[@]}"; do
                                           print "| skip | " $0 ": " next_reason " |"; have = 0 }' "$log")
 done
 if [ ${#TEST_BINS[@]} -eq 0 ]; then rows+=("| tests | not run: no binaries |"); failed=1; fi
+
+# ---- the layerwise pair and the fidelity pair ----
+# run_pair <script> <log> <reserve> <seconds> [VAR=value...]: runs scripts/<script> (its pdsim:
+# $PDSIM_GPU_TEST_PDSIM) with those settings, leaving <reserve> seconds of the budget; its output
+# goes to <log> and here. Sets $pair to ok, "no device: ..." (not a failure), TIMED OUT or
+# "exit N: <its message>".
+run_pair() {
+  local script=$1 log=$2 reserve=$3 secs=$4 rc
+  shift 4
+  echo "== $script" | tee "$log"
+  to_leaving "$reserve" "$secs" env "$@" bash "scripts/$script" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ]; then
+    pair=ok
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    pair="TIMED OUT"
+    failed=1
+  elif grep -q "no device" "$log"; then
+    pair="no device (exit $rc): $(grep -m1 -o 'no device.*' "$log" | cut -c1-160)"
+  else
+    pair="exit $rc: $(grep -m1 "^$script: " "$log" | cut -c1-160)"
+    pair+=" $(grep -m1 -o 'error: .*' "$log" | cut -c1-240)"
+    failed=1
+  fi
+}
+lw_pair="not run: no pdsim binary"
+fid_pair="not run: no pdsim binary"
+if [ -n "$BIN_PDSIM" ]; then
+  run_pair gpu_layerwise.sh "$OUT_DIR/layerwise.log" $((FID_S + BENCH_RESERVE)) "$LW_S" \
+    OUT="$LW_DIR" \
+    PDSIM_GPU_LAYERWISE_RUN_S="${PDSIM_GPU_LAYERWISE_RUN_S:-40}"
+  lw_pair=$pair
+  run_pair gpu_fidelity.sh "$OUT_DIR/fidelity.log" "$BENCH_RESERVE" "$FID_S" \
+    OUT="$FID_DIR" \
+    PDSIM_GPU_FIDELITY_RUN_S="${PDSIM_GPU_FIDELITY_RUN_S:-45}"
+  fid_pair=$pair
+fi
 
 # ---- benchmarks ----
 # run_bench <json> <seconds> args...: runs pdsim with args, appending its output to bench.log;
@@ -377,6 +437,54 @@ bench_attn=$bench
   echo "| ${CUBLAS_LIBS[*]} | $cublas_row |"
   printf '%s\n' "${rows[@]}"
   [ ${#skips[@]} -gt 0 ] && printf '%s\n' "${skips[@]}"
+  # The testbed 1P1D on one GPU in --mode both, and the faulted runs: the cuda tests run them.
+  echo "| testbed 1P1D on one GPU, --mode both (gpu-1p1d, tiny and llama3-8b --layers 2) |" \
+    "testbed_gpu_disagg_test: ${test_result[testbed_gpu_disagg_test]:-not run} |"
+  echo "| faulted runs (every --fault kind on gpu-1p1d) |" \
+    "testbed_gpu_fault_test: ${test_result[testbed_gpu_fault_test]:-not run} |"
+  echo "| layerwise pair (gpu_layerwise.sh) | $lw_pair |"
+  if [ -s "$LW_DIR/layerwise.json" ] && command -v python3 >/dev/null; then
+    python3 - "$LW_DIR/layerwise.json" <<'EOF' || echo "| layerwise | (could not read $LW_DIR/layerwise.json) |"
+import json, math, sys
+j = json.load(open(sys.argv[1]))
+r, t, eq = j["rows"], j["targets"], j["equal_rate"]
+num = lambda x: isinstance(x, (int, float)) and math.isfinite(x)
+f = lambda x, spec: format(x, spec) if num(x) else "-"
+pf = lambda b: "PASS" if b else "FAIL"
+for off, on in ((r[0], r[1]), (r[2], r[3])):
+    if on is r[1]:
+        what = f"layerwise at {on['gbps']:.4g} GB/s"
+    else:
+        what = (f"layerwise at transfer == prefill ({eq['gbps']:.4g} GB/s = "
+                f"{eq['kv_bytes_per_prompt'] / 2**20:.1f} MiB / {eq['prefill_ms']:.1f} ms)")
+    red = on.get("ttft_reduction_vs_off")
+    cell = (f"TTFT p50 on {f(on['ttft_p50_ms'], '.1f')} ms, off {f(off['ttft_p50_ms'], '.1f')} "
+            f"ms: {'-' if not num(red) else format(-red, '+.1%')}")
+    if "reduction_target_met" in on:
+        cell += (f" (reduction >= {t['ttft_reduction_min_at_equal_rate']:.0%} "
+                 f"{pf(on['reduction_target_met'])}; SGLang 48-68% at 1k-8k tokens)")
+    cell += (f"; exposed fraction on {f(on['exposed_fraction'], '.3f')} (<= "
+             f"{t['exposed_fraction_max']:.2f} {pf(on['exposed_target_met'])}), off "
+             f"{f(off['exposed_fraction'], '.3f')}; per-layer latency p50 on "
+             f"{f(on['layer_latency_p50_us'], '.0f')} us, off "
+             f"{f(off['layer_latency_p50_us'], '.0f')} us")
+    print(f"| {what} | {cell} |")
+EOF
+  fi
+  echo "| fidelity pair (gpu_fidelity.sh) | $fid_pair |"
+  if [ -s "$FID_DIR/fidelity.json" ] && command -v python3 >/dev/null; then
+    python3 - "$FID_DIR/fidelity.json" <<'EOF' || echo "| fidelity | (could not read $FID_DIR/fidelity.json) |"
+import json, sys
+j = json.load(open(sys.argv[1]))
+for r in j["rows"]:
+    if r.get("simulator_p50_ms") is None:
+        print(f"| fidelity {r['metric']} p50 | no simulator figure: FAIL |")
+        continue
+    print(f"| fidelity {r['metric']} p50 (simulator / GPU testbed) | {r['simulator_p50_ms']:.2f} / "
+          f"{r['testbed_p50_ms']:.2f} ms = {r['ratio']:.3f} (within "
+          f"{j['target_within']:.0%} {'PASS' if r['within_target'] else 'FAIL'}) |")
+EOF
+  fi
   echo "| bench transfer cuda_ipc | $bench_ipc |"
   # That bench is the measurement of the cuda_ipc completion poller (spin for 200 us, then sleep):
   # its 1 and 4 MiB rows were 0.889x and 0.807x before it (H200, docs/gpu-results.md 2026-11-30).
@@ -435,6 +543,9 @@ for phase in ("prefill", "decode"):
           f"{p['per_layer_ms']:.3f} ms | {base} | {ratio} | - (measured / roofline) |")
 EOF
   fi
+  for md in "$LW_DIR/layerwise.md" "$FID_DIR/fidelity.md"; do
+    if [ -s "$md" ]; then echo; cat "$md"; fi
+  done
   if [ "$bench_ipc" = ok ] && command -v python3 >/dev/null; then
     echo
     python3 - "$BENCH_JSON" <<'EOF' || echo "(could not read $BENCH_JSON)"
