@@ -9,9 +9,11 @@
 # capped, arrival times scaled. The comparison is in-sample (the fit and the simulation see the
 # same run), as the issue asks; docs/fidelity.md's CPU comparison calibrates on other requests.
 #
-# How the simulator takes a GPU run: `pdsim simulate` refuses a calibrated cost file for a GPU
-# device (sim/cost/calibrated.cpp: "the cost file measures the CPU testbed"), so it simulates a
-# cpu twin of gpu-1p1d written here: one node, two cpu devices (prefill, decode), the run's
+# How the simulator takes a GPU run: calibrate marks the fit `device: gpu` (the timeline's
+# forwards ran on GPU ranks), and `pdsim simulate` would take it for gpu-1p1d itself, but the
+# simulator does not model two instances sharing one GPU (each would compute as if alone). So it
+# simulates a cpu twin of gpu-1p1d written here, with a copy of the fit marked `device: cpu`
+# (fid-cost-twin.json): one node, two cpu devices (prefill, decode), the run's
 # measured KV rate on their link, and --cpu-cores 2 (one core per instance: no core sharing). The
 # testbed runs with --threads 1, so the fit is (tp 1, threads 1), and calibrate --node-cpus 2 fits
 # the slowdown of a forward while the other instance computes (two ranks on one shared GPU) as the
@@ -134,10 +136,21 @@ EOF
   echo "gpu_fidelity.sh: could not read transfer.gbps from $OUT_DIR/fid-testbed.json" >&2
   exit 1
 fi
+# The fit for the twin's cpu devices (the same coefficients; see the header).
+if ! python3 - "$OUT_DIR/fid-cost.json" "$OUT_DIR/fid-cost-twin.json" <<'EOF'
+import json, sys
+cost = json.load(open(sys.argv[1]))
+cost["device"] = "cpu"
+json.dump(cost, open(sys.argv[2], "w"), indent=1)
+EOF
+then
+  echo "gpu_fidelity.sh: could not write $OUT_DIR/fid-cost-twin.json" >&2
+  exit 1
+fi
 TWIN=$OUT_DIR/fid-twin.yaml
 cat >"$TWIN" <<EOF
-# The cpu twin of $TOPO for pdsim simulate (scripts/gpu_fidelity.sh): a calibrated cost file is
-# for cpu devices only. Link: the testbed run's measured KV rate x $KV_FACTOR (fp32 KV here).
+# The cpu twin of $TOPO for pdsim simulate (scripts/gpu_fidelity.sh): the simulator does not
+# model two instances sharing one GPU; the twin's core sharing (interference) stands in for it. Link: the testbed run's measured KV rate x $KV_FACTOR (fp32 KV here).
 name: "$TOPO-cpu-twin"
 description: "cpu twin of $TOPO: one prefill and one decode instance on one node"
 model: $MODEL
@@ -166,7 +179,7 @@ EOF
 for ((s = 1; s <= SEEDS; s++)); do
   step "simulate-seed$s" 60 simulate --topology "$TWIN" --mode disagg --model "$MODEL_FILE" \
     "${WORKLOAD[@]}" "${SCHED[@]}" --kv-pool-mb $((POOL_MB * KV_FACTOR)) \
-    --cost-model "$OUT_DIR/fid-cost.json" --prefix-cache off --kv-admission full \
+    --cost-model "$OUT_DIR/fid-cost-twin.json" --prefix-cache off --kv-admission full \
     --max-decode-kv-tokens "$DECODE_KV" --cpu-cores 2 --noise-seed "$s" --quiet \
     --report "$OUT_DIR/fid-sim-seed$s.json"
 done

@@ -251,6 +251,30 @@ TEST(Calibrated, HandWrittenFileGivesTheLinearValue) {
     EXPECT_FALSE(f->transport("mpi").has_value());
 }
 
+// A file fitted on GPU ranks' timelines (device: gpu) serves GPU devices and only them; a CPU
+// file refuses GPU devices; the field is checked.
+TEST(Calibrated, TheFilesDeviceKindDecidesWhichDevicesItServes) {
+    InstanceSpec gpu = cpu_spec("tiny", 1, 0);
+    gpu.device = "h200";
+    auto cpu_file = CostFile::from_json(hand_written(), "hand.json");
+    ASSERT_OK(cpu_file);
+    EXPECT_THAT(make_cost_model("calibrated", gpu, &*cpu_file),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("device 'h200' is not cpu")));
+    json g = hand_written();
+    g["device"] = "gpu";
+    auto gpu_file = CostFile::from_json(g, "gpu.json");
+    ASSERT_OK(gpu_file);
+    auto m = make_cost_model("calibrated", gpu, &*gpu_file);
+    ASSERT_OK(m);
+    const std::vector<ExtendItem> batch = {{100, 50}, {20, 0}};
+    EXPECT_NEAR((*m)->extend_s(batch), 0.00423078, 1e-12);  // the same fit as on the CPU
+    EXPECT_THAT(make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*gpu_file),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("fitted on GPU ranks")));
+    g["device"] = "tpu";
+    EXPECT_THAT(CostFile::from_json(g, "bad.json"),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("device")));
+}
+
 TEST(Calibrated, MonotoneInBatchAndKvTokens) {
     auto f = CostFile::from_json(hand_written(), "hand.json");
     ASSERT_OK(f);

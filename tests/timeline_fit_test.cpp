@@ -153,6 +153,32 @@ TEST(TimelineFit, RecoversExactCoefficients) {
     }
 }
 
+// GPU ranks' forwards (device "gpu" in their slices) make a cost file for GPU devices; one fit
+// never mixes the two kinds.
+TEST(TimelineFit, RecordsTheDeviceKindAndRefusesAMix) {
+    Noise none(0);
+    Recorder rec = grid_of_forwards(none);
+    TimelineFitter cpu({});
+    ASSERT_OK(cpu.add_timeline("cpu.json", rec.forwards));
+    auto cpu_part = cpu.fit(nullptr);
+    ASSERT_OK(cpu_part);
+    EXPECT_EQ((*cpu_part)["device"], "cpu");
+
+    Recorder gpu = grid_of_forwards(none);
+    for (TimelineForward& f : gpu.forwards) f.device = "gpu";
+    TimelineFitter fitter({});
+    ASSERT_OK(fitter.add_timeline("gpu.json", gpu.forwards));
+    auto part = fitter.fit(nullptr);
+    ASSERT_OK(part);
+    EXPECT_EQ((*part)["device"], "gpu");
+
+    TimelineFitter mixed({});
+    ASSERT_OK(mixed.add_timeline("gpu.json", gpu.forwards));
+    ASSERT_OK(mixed.add_timeline("cpu.json", rec.forwards));
+    EXPECT_THAT(mixed.fit(nullptr),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("mix CPU and GPU")));
+}
+
 TEST(TimelineFit, RecoversCoefficientsUnderSmallNoise) {
     Noise noise(0.01);  // +-1%
     Recorder rec = grid_of_forwards(noise);

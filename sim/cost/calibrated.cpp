@@ -235,10 +235,20 @@ StatusOr<std::unique_ptr<CostModel>> make_calibrated_model(const InstanceSpec& s
                                                            const CostFile& file) {
     const json& j = file.json();
     const std::string& src = file.source();
-    if (spec.device != "cpu") {
+    // What the file measured: the CPU testbed (calibrate's microbenchmark, or CPU ranks'
+    // timelines), or GPU ranks' timelines (`device: gpu`). It serves devices of that kind only.
+    const std::string file_device = j.value("device", std::string("cpu"));
+    if (file_device == "gpu" && spec.device == "cpu") {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("calibrated cost model ({}): device 'cpu', but the file was "
+                                  "fitted on GPU ranks' timelines (device: gpu)",
+                                  src));
+    }
+    if (file_device != "gpu" && spec.device != "cpu") {
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("calibrated cost model ({}): device '{}' is not cpu; the cost "
-                                  "file measures the CPU testbed (use roofline for GPUs)",
+                                  "file measures the CPU testbed (calibrate --from-timeline on a "
+                                  "GPU testbed run's timelines, or use roofline for GPUs)",
                                   src, spec.device));
     }
     const std::string file_model = j.at("model").get<std::string>();

@@ -104,6 +104,12 @@ Status validate(const json& j, const std::string& source) {
             PDSIM_RETURN_IF_ERROR(c.integer(j["model_config"], "model_config", key, 1).status());
         }
     }
+    if (j.contains("device")) {
+        const json& d = j["device"];
+        if (!d.is_string() || (d.get<std::string>() != "cpu" && d.get<std::string>() != "gpu")) {
+            return c.error("device", "expected \"cpu\" or \"gpu\", got " + d.dump());
+        }
+    }
     PDSIM_ASSIGN_OR_RETURN(const json* fits, c.field(j, "", "fits"));
     if (!fits->is_array()) return c.error("fits", "expected an array, got " + type_name(*fits));
     if (fits->empty()) return c.error("fits", "empty (no calibrated TP size)");

@@ -61,6 +61,13 @@ StatusOr<std::vector<TimelineForward>> read_slices(const json& events, const std
             f.compute_threads = a.at("tp").get<double>() * std::max(1, a.at("threads").get<int>());
             f.tp = a.at("tp").get<int>();
             f.threads = a.at("threads").get<int>();
+            f.device = a.value("device", std::string("cpu"));
+            if (f.device != "cpu" && f.device != "gpu") {
+                return bad_timeline(flag, path,
+                                    fmt::format("forward slice at ts {}: device '{}': expected "
+                                                "cpu or gpu",
+                                                f.begin_us, f.device));
+            }
             slices.push_back(std::move(f));
             args->push_back(&a);
         } catch (const json::exception& ex) {
@@ -294,6 +301,7 @@ StatusOr<TimelineFileSummary> TimelineFitter::add_timeline(
     for (size_t i = 0; i < forwards.size(); ++i) {
         const TimelineForward& x = forwards[i];
         if (x.tp_rank != 0) continue;
+        devices_.insert(x.device);
         const double s = x.duration_us * 1e-6;
         if (!(s > 0)) continue;
         const GroupKey key{x.tp, x.threads};
@@ -476,6 +484,12 @@ StatusOr<json> TimelineFitter::fit(const CostFile* base) const {
     Levels level;
     json levels = json::array();
     if (files_.size() >= 2) level = run_levels(&groups, &levels);
+    if (devices_.size() > 1) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{} {}: the timelines mix CPU and GPU ranks' forwards; "
+                                  "calibrate each kind from its own runs",
+                                  options_.flag, options_.timelines_label));
+    }
     Coefficients coef;
     PDSIM_ASSIGN_OR_RETURN(json fits, fit_groups(groups, base, &coef));
     json interference = json::object();
@@ -510,7 +524,11 @@ StatusOr<json> TimelineFitter::fit(const CostFile* base) const {
                          {"overlapped_skipped", f.overlapped_skipped}});
     }
     const std::string& base_path = options_.base_path;
+    // The device the forwards ran on: the calibrated model serves topology devices of that kind
+    // only (sim/cost/calibrated.h).
+    const std::string device = devices_.empty() ? std::string("cpu") : *devices_.begin();
     return json{{"fits", fits},
+                {"device", device},
                 {"interference", interference},
                 {"noise", noise},
                 {"source",

@@ -18,6 +18,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <span>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +46,8 @@ struct TimelineForward {
     int tp = 1;
     int tp_rank = 0;  // 0: the instance's leader, the only rank whose forwards are fitted
     int threads = 1;
+    // "cpu" or "gpu" (a GPU rank's forward; timelines before GPU ranks say nothing: "cpu").
+    std::string device = "cpu";
     double compute_threads = 0;  // tp x max(1, threads): the cores the instance computes on
     // The batch, read for leader forwards of positive duration only (the others are used only to
     // tell which forwards overlap):
@@ -141,6 +144,7 @@ private:
     TimelineFitOptions options_;
     std::vector<TimelineFileSummary> files_;
     std::map<std::pair<int, int>, Group> groups_;
+    std::set<std::string> devices_;  // of the leader forwards added ("cpu", "gpu")
     std::vector<OverlappedForward> overlapped_;
 };
 

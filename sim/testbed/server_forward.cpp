@@ -18,7 +18,8 @@ json Server::forward_args(const Plan& plan) const {
     json a = {{"instance", ctx_.info.instance},
               {"tp", ctx_.info.tp_size},
               {"tp_rank", ctx_.info.tp_rank},
-              {"threads", ctx_.threads}};
+              {"threads", ctx_.threads},
+              {"device", ctx_.gpu != nullptr ? "gpu" : "cpu"}};
     if (attn::is_decode(plan.mode)) {
         int64_t kv = 0;
         for (const auto& e : plan.entries) kv += e.t1;
