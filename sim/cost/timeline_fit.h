@@ -17,8 +17,8 @@
 #include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <span>
 #include <set>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
