@@ -150,7 +150,8 @@ fi
 TWIN=$OUT_DIR/fid-twin.yaml
 cat >"$TWIN" <<EOF
 # The cpu twin of $TOPO for pdsim simulate (scripts/gpu_fidelity.sh): the simulator does not
-# model two instances sharing one GPU; the twin's core sharing (interference) stands in for it. Link: the testbed run's measured KV rate x $KV_FACTOR (fp32 KV here).
+# model two instances sharing one GPU; the twin's core sharing (interference) stands in for it.
+# Link: the testbed run's measured KV rate x $KV_FACTOR (fp32 KV here).
 name: "$TOPO-cpu-twin"
 description: "cpu twin of $TOPO: one prefill and one decode instance on one node"
 model: $MODEL
