@@ -1,7 +1,7 @@
 // ShapedTransport (sim/testbed/shaped_transport.h) over the local transport: a held send reaches
 // the peer no earlier than latency + bytes / bandwidth after its post, sends to one peer keep their
 // order, cancel withdraws a held send, close fails what is held, receives and unlimited links pass
-// straight through, and the one-sided calls are off.
+// straight through, and one-sided writes are shaped as sends are.
 #include "sim/testbed/shaped_transport.h"
 
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "backends/runtime/cpu_stream.h"
 #include "tests/status_matchers.h"
 #include "transfer/local/local_transport.h"
 
@@ -160,16 +161,48 @@ TEST(ShapedTransport, ReceivesAndUnlimitedLinksPassStraightThrough) {
     ASSERT_OK(p.peer->wait(*send, 30s));
 }
 
-TEST(ShapedTransport, OneSidedCallsAreOff) {
-    auto p = make_pair_shaped(latency_only(100));
+// One-sided writes (a GPU rank's KV over cuda_ipc) are shaped as sends are: held for latency +
+// bytes / bandwidth, in one bucket with the sends to that peer (a write posted after a send goes
+// out after it), cancellable while held. The stream-ordered posts are withdrawn.
+TEST(ShapedTransport, WritesAreHeldAsSendsAreInTheSameBucket) {
+    topo::LinkShaping shaping;
+    shaping.latency_us = 20'000;      // 20 ms
+    shaping.bytes_per_s = 1'000'000;  // 1 MB/s: 10 kB take 10 ms
+    auto p = make_pair_shaped(shaping);
     ASSERT_TRUE(p.shaped && p.peer);
-    EXPECT_FALSE(p.shaped->capabilities().one_sided_write);
-    EXPECT_TRUE(p.shaped->capabilities().two_sided);
-    uint8_t buf[8] = {};
-    EXPECT_THAT(p.shaped->register_memory(buf, sizeof(buf)).status(),
+    EXPECT_TRUE(p.shaped->capabilities().one_sided_write);
+    EXPECT_FALSE(p.shaped->capabilities().stream_ordered);
+    std::vector<uint8_t> region(20'000, 0);
+    auto mine = p.peer->register_memory(region.data(), region.size());
+    ASSERT_OK(mine);
+    auto remote = p.shaped->import_remote(1, mine->descriptor);
+    ASSERT_OK(remote);
+    std::vector<uint8_t> first(10'000, 5), second(10'000, 9), got(10'000, 0);
+    auto recv = p.peer->post_recv(0, 3, got.data(), got.size());
+    ASSERT_OK(recv);
+    const auto posted = Clock::now();
+    auto send = p.shaped->post_send(1, 3, first.data(), first.size());
+    ASSERT_OK(send);
+    auto write = p.shaped->post_write(*remote, 10'000, second.data(), second.size());
+    ASSERT_OK(write);
+    EXPECT_FALSE(write->done());  // held
+    EXPECT_EQ(region[10'000], 0);
+    ASSERT_OK(p.shaped->wait(*write, 30s));
+    // The oracle: the send's 10 ms of the bucket, then the write's 10 ms, then 20 ms latency.
+    EXPECT_GE(Clock::now() - posted, 40ms);
+    EXPECT_TRUE(recv->done()) << "the write went out before the send posted ahead of it";
+    EXPECT_EQ(std::vector<uint8_t>(region.begin() + 10'000, region.end()), second);
+    // Cancel withdraws a held write: its bytes never land.
+    auto late = p.shaped->post_write(*remote, 0, first.data(), first.size());
+    ASSERT_OK(late);
+    ASSERT_OK(p.shaped->cancel(*late));
+    EXPECT_THAT(p.shaped->wait(*late, 1s), StatusIs(StatusCode::kAborted));
+    EXPECT_EQ(region[0], 0);
+    runtime::CpuStream stream("events");
+    std::unique_ptr<runtime::Event> ready = stream.create_event();
+    EXPECT_THAT(p.shaped->post_write_after(*ready, *remote, 0, first.data(), 1).status(),
                 StatusIs(StatusCode::kUnimplemented));
-    EXPECT_THAT(p.shaped->import_remote(1, {}).status(), StatusIs(StatusCode::kUnimplemented));
-    EXPECT_THAT(p.shaped->post_write(transfer::RemoteRegion{.peer = 1}, 0, buf, 1).status(),
+    EXPECT_THAT(p.shaped->post_send_after(*ready, 1, 3, first.data(), 1).status(),
                 StatusIs(StatusCode::kUnimplemented));
 }
 

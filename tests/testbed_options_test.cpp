@@ -188,21 +188,26 @@ TEST(TestbedGpuOptions, NoDeviceIsUnavailable) {
                 StatusIs(StatusCode::kUnavailable, HasSubstr("--backend cuda: no device")));
 }
 
-// Shaping throttles two-sided sends; GPU ranks' KV moves by one-sided writes: refused, before the
-// GPUs are asked anything. The default mode (both) is not refused any more.
-TEST(TestbedGpuOptions, ShapingIsRefused) {
+// GPU ranks take a link rate (--shaping GBPS[:LAT]: the data transport's writes are throttled,
+// sim/testbed/shaped_transport.h) at time scale 1; `topology` (a CPU run's time-scaled link) is
+// refused before the GPUs are asked anything.
+TEST(TestbedGpuOptions, ShapingTakesALinkRateNotATopologysTimeScale) {
     FakeGpus gpus;
     TestbedOptions o = gpu_options(kExamples + "gpu-1p1d.yaml");
     o.mode = Mode::kBoth;
-    o.shaping = "0.5:10";
-    EXPECT_THAT(resolve_on(o, gpus),
-                StatusIs(StatusCode::kInvalidArgument,
-                         HasSubstr("--shaping 0.5:10: not with --backend cuda: the shaping "
-                                   "decorator throttles two-sided sends")));
     o.shaping = "topology";
     EXPECT_THAT(resolve_on(o, gpus),
-                StatusIs(StatusCode::kInvalidArgument, HasSubstr("--shaping topology: not with")));
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--shaping topology: not with --backend cuda")));
     EXPECT_TRUE(gpus.asked.empty()) << "refused before asking the GPUs";
+    o.shaping = "50:2";
+    auto rc = resolve_on(o, gpus);
+    ASSERT_OK(rc);
+    EXPECT_TRUE(rc->shape);
+    EXPECT_DOUBLE_EQ(rc->shape_gbps, 50);
+    EXPECT_DOUBLE_EQ(rc->shape_latency_us, 2);
+    EXPECT_DOUBLE_EQ(rc->shape_time_scale, 1);
+    EXPECT_EQ(rc->options.data_transport, "cuda_ipc");
     EXPECT_EQ(TestbedOptions{.backend = "cuda"}.mode, Mode::kBoth);
     o.shaping = "off";
     EXPECT_OK(resolve_on(o, gpus));

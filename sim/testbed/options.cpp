@@ -467,13 +467,11 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
         if (std::string why = probe.build_problem(); !why.empty()) {
             return invalid_argument_error("--backend cuda: " + why);
         }
-        if (o.shaping != "off") {
-            return invalid_argument_error(fmt::format(
-                "--shaping {}: not with --backend cuda: the shaping decorator throttles two-sided "
-                "sends, and GPU ranks move their KV by one-sided writes over the data transport "
-                "(cuda_ipc), which it would not slow down (a GPU run's links are real: there is "
-                "no CPU compute to keep a ratio with)",
-                o.shaping));
+        if (o.shaping == "topology") {
+            return invalid_argument_error(
+                "--shaping topology: not with --backend cuda: a topology's shaping keeps a CPU "
+                "run's compute:transfer ratio (time_scale), and a GPU computes at its own speed; "
+                "give the link as --shaping GBPS[:LATENCY_US] (e.g. 50 for one 400 Gb/s NIC)");
         }
         if (o.fault == Fault::kStaleGraphMetadata) {
             // On GPU ranks the fault is planted in the decode CUDA graphs' replays (the decode

@@ -1,5 +1,6 @@
 #include "sim/testbed/shaped_transport.h"
 
+#include <functional>
 #include <map>
 #include <mutex>
 #include <span>
@@ -16,9 +17,10 @@ using Clock = std::chrono::steady_clock;
 using transfer::OpState;
 using transfer::RequestHandle;
 
-// Forwards receives and everything else; overrides post_send (the shaping), the one-sided calls
-// (shaped transports offer none: capabilities() turns them off), test/wait/cancel (held sends
-// have handles of their own) and close (it holds sends back).
+// Forwards receives, the one-sided set-up calls and everything else; overrides post_send and
+// post_write (the shaping), the stream-ordered posts (withdrawn: capabilities() turns them off,
+// so the engine posts once a layer is ready and the bucket starts then), test/wait/cancel (held
+// operations have handles of their own) and close (it holds operations back).
 class ShapedTransport final : public transfer::ForwardingTransport {
 public:
     ShapedTransport(std::unique_ptr<transfer::Transport> inner, const topo::LinkShaping& shaping)
@@ -29,7 +31,7 @@ public:
 
     [[nodiscard]] transfer::Capabilities capabilities() const override {
         transfer::Capabilities c = inner().capabilities();
-        c.one_sided_write = false;
+        c.stream_ordered = false;
         return c;
     }
 
@@ -38,36 +40,36 @@ public:
         if (shaping_.unlimited() && shaping_.latency_us <= 0)
             return inner().post_send(peer, tag, buf, bytes);
         PDSIM_RETURN_IF_ERROR(check_post(peer, tag, buf, bytes, true));
-        auto op = std::make_shared<OpState>(transfer::OpKind::kSend, peer, tag, bytes);
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (closed_)
-                return PDSIM_ERROR(StatusCode::kUnavailable, "shaped {}: closed", inner().name());
-            const HeldKey key{due_locked(peer, bytes), seq_++};
-            held_.emplace(key, Held{peer, tag, buf, bytes, op});
-            // Pushed under mu_, so the queue's order of equal due times is the keys' order (and
-            // close(), which stops the queue after setting closed_, never refuses this push).
-            scheduler_.push(key.first, [this, key] { release(key); });
-        }
-        return RequestHandle(op);
+        return hold(transfer::OpKind::kSend, peer, tag, bytes, [this, peer, tag, buf, bytes] {
+            return inner().post_send(peer, tag, buf, bytes);
+        });
     }
 
-    // One-sided writes would bypass the shaping: Transport's defaults (kUnimplemented).
-    [[nodiscard]] StatusOr<transfer::MemoryRegion> register_memory(void* base,
-                                                                   size_t bytes) override {
-        return Transport::register_memory(base, bytes);
-    }
-    [[nodiscard]] Status deregister_memory(uint64_t id) override {
-        return Transport::deregister_memory(id);
-    }
-    [[nodiscard]] StatusOr<transfer::RemoteRegion> import_remote(
-        int peer, std::span<const uint8_t> descriptor) override {
-        return Transport::import_remote(peer, descriptor);
-    }
+    // A write is held as a send is (its bytes cross the same link to dst.peer).
     [[nodiscard]] StatusOr<RequestHandle> post_write(const transfer::RemoteRegion& dst,
                                                      size_t dst_offset, const void* src,
                                                      size_t bytes) override {
-        return Transport::post_write(dst, dst_offset, src, bytes);
+        if (shaping_.unlimited() && shaping_.latency_us <= 0)
+            return inner().post_write(dst, dst_offset, src, bytes);
+        PDSIM_RETURN_IF_ERROR(check_post(dst.peer, 0, src, bytes, true));
+        return hold(transfer::OpKind::kWrite, dst.peer, 0, bytes,
+                    [this, dst, dst_offset, src, bytes] {
+                        return inner().post_write(dst, dst_offset, src, bytes);
+                    });
+    }
+
+    // Stream-ordered posts would start on the device whenever their event fires, past the
+    // bucket: withdrawn (Transport's defaults, kUnimplemented), as capabilities() says.
+    [[nodiscard]] StatusOr<RequestHandle> post_send_after(const runtime::Event& ready, int peer,
+                                                          transfer::Tag tag, const void* buf,
+                                                          size_t bytes) override {
+        return Transport::post_send_after(ready, peer, tag, buf, bytes);
+    }
+    [[nodiscard]] StatusOr<RequestHandle> post_write_after(const runtime::Event& ready,
+                                                           const transfer::RemoteRegion& dst,
+                                                           size_t dst_offset, const void* src,
+                                                           size_t bytes) override {
+        return Transport::post_write_after(ready, dst, dst_offset, src, bytes);
     }
 
     // The generic completion checks (transfer/transport.h): held sends are handles of our own.
@@ -121,12 +123,23 @@ public:
 
 private:
     struct Held {
-        int peer;
-        transfer::Tag tag;
-        const void* buf;
-        size_t bytes;
+        std::function<StatusOr<RequestHandle>()> post;  // the inner transport's post
         std::shared_ptr<OpState> op;
     };
+
+    StatusOr<RequestHandle> hold(transfer::OpKind kind, int peer, transfer::Tag tag, size_t bytes,
+                                 std::function<StatusOr<RequestHandle>()> post) {
+        auto op = std::make_shared<OpState>(kind, peer, tag, bytes);
+        std::lock_guard<std::mutex> lock(mu_);
+        if (closed_)
+            return PDSIM_ERROR(StatusCode::kUnavailable, "shaped {}: closed", inner().name());
+        const HeldKey key{due_locked(peer, bytes), seq_++};
+        held_.emplace(key, Held{std::move(post), op});
+        // Pushed under mu_, so the queue's order of equal due times is the keys' order (and
+        // close(), which stops the queue after setting closed_, never refuses this push).
+        scheduler_.push(key.first, [this, key] { release(key); });
+        return RequestHandle(op);
+    }
     // (due time, posting sequence): the order in which held sends go out.
     using HeldKey = std::pair<Clock::time_point, uint64_t>;
 
@@ -144,15 +157,15 @@ private:
                              std::chrono::duration<double, std::micro>(shaping_.latency_us));
     }
 
-    // Scheduler thread: hands the held send `key` to the inner transport, unless it was cancelled
-    // or failed by close() meanwhile.
+    // Scheduler thread: hands the held operation `key` to the inner transport, unless it was
+    // cancelled or failed by close() meanwhile.
     void release(const HeldKey& key) {
         std::unique_lock<std::mutex> lock(mu_);
         auto found = held_.find(key);
         if (found == held_.end()) return;
         Held h = std::move(found->second);
         held_.erase(found);
-        auto inner = this->inner().post_send(h.peer, h.tag, h.buf, h.bytes);
+        auto inner = h.post();
         if (!inner.ok()) {
             lock.unlock();
             h.op->complete(inner.status(), 0);

@@ -5,10 +5,13 @@
 // Contract (topology/shaping.h): a message of n bytes posted at t is handed to the inner
 // transport no earlier than t + latency_us + n / bytes_per_s; messages to one destination share
 // the bandwidth through one token bucket, in posting order (so per-peer order, and with it the
-// transport's non-overtaking rule, is kept). Receives, and sends to an unlimited link, pass
-// straight through. A held send completes when the inner send completes; cancel() withdraws it
-// while it is still held; close() fails what is held and closes the inner transport.
-// Only two-sided sends are shaped (the testbed's engine uses no one-sided writes).
+// transport's non-overtaking rule, is kept). One-sided writes are shaped as sends are (per
+// destination dst.peer, in the same bucket): a GPU rank's KV over cuda_ipc. Receives, the
+// one-sided set-up calls, and sends and writes to an unlimited link pass straight through. A held
+// operation completes when the inner one completes; cancel() withdraws it while it is still held;
+// close() fails what is held and closes the inner transport. Stream-ordered posts
+// (post_*_after) are withdrawn (capabilities().stream_ordered false): a device-side start would
+// escape the bucket, so the engine posts each layer once the host saw it ready.
 //
 // Thread-safety: as transfer/transport.h; one scheduler thread posts the held sends.
 #pragma once

@@ -168,18 +168,22 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
         }
         return st.with_context(fmt::format("--transport {}", o.transport));
     }
+    // The shaping throttles the transport that carries the KV: this one, unless a data transport
+    // does (GPU ranks: make_data_transport shapes it instead).
+    const bool carries_kv = o.data_transport.empty() || o.data_transport == kDataTransportNone;
     std::lock_guard<std::mutex> lock(sh.shape_mu);
-    if (sh.shape) return make_shaped_transport(std::move(*t), sh.shaping);
+    if (sh.shape && carries_kv) return make_shaped_transport(std::move(*t), sh.shaping);
     return t;
 }
 
 // The rank's KV data transport (--data-transport, resolved): null for none; else the named
 // transport, on the rank's GPU (`gpu`; a GPU transport's device), numbering the ranks as the
-// control transport does. A transport that cannot work here (not built, no device) is the
-// option's fault: kInvalidArgument naming it.
-StatusOr<std::unique_ptr<transfer::Transport>> make_data_transport(const ResolvedConfig& cfg,
-                                                                   int rank, int world,
+// control transport does, throttled by the run's shaping when it has one (its one-sided writes
+// held as sends are). A transport that cannot work here (not built, no device) is the option's
+// fault: kInvalidArgument naming it.
+StatusOr<std::unique_ptr<transfer::Transport>> make_data_transport(Shared& sh, int rank, int world,
                                                                    const GpuRank* gpu) {
+    const ResolvedConfig& cfg = *sh.cfg;
     const std::string& name = cfg.options.data_transport;
     if (name.empty() || name == kDataTransportNone) return std::unique_ptr<transfer::Transport>();
     transfer::TransportOptions to;
@@ -193,6 +197,8 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_data_transport(const Resolve
             st.code() == StatusCode::kUnavailable ? StatusCode::kInvalidArgument : st.code(),
             fmt::format("--data-transport {}: {}", name, st.message()));
     }
+    std::lock_guard<std::mutex> lock(sh.shape_mu);
+    if (sh.shape) return make_shaped_transport(std::move(*t), sh.shaping);
     return std::move(*t);
 }
 
@@ -318,7 +324,7 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
         Status setup = [&]() -> Status {
             if (phase != Phase::kDisagg) return {};
             PDSIM_ASSIGN_OR_RETURN(kv, make_kv_transport(sh, mbox, ctx.rank, &tcp_dir));
-            PDSIM_ASSIGN_OR_RETURN(data, make_data_transport(cfg, ctx.rank, ctx.world, ctx.gpu));
+            PDSIM_ASSIGN_OR_RETURN(data, make_data_transport(sh, ctx.rank, ctx.world, ctx.gpu));
             return {};
         }();
         auto server = std::make_unique<PhaseServer>(ctx, phase, KvTransports{kv.get(), data.get()});
