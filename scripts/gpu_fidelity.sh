@@ -114,8 +114,10 @@ CAL=(calibrate --from-timeline "$OUT_DIR/fid-timeline.json" --model "$MODEL_FILE
      --out "$OUT_DIR/fid-cost.json")
 CALIBRATION="forwards alone fitted; interference from the overlapped ones"
 try calibrate 60 "${CAL[@]}"
-if [ $rc -eq 2 ] && grep -q 'too few to fit' "$OUT_DIR/fid-calibrate.log"; then
-  echo "   $(grep -o 'tp [0-9]* threads .*too few to fit.*' "$OUT_DIR/fid-calibrate.log")"
+# None alone at all (every extend overlapped a decode, as on a loaded machine) reads "has no".
+FEW='too few to fit|has no (extend|decode) forwards'
+if [ $rc -eq 2 ] && grep -Eq "$FEW" "$OUT_DIR/fid-calibrate.log"; then
+  echo "   $(grep -Eo "tp [0-9]* threads [0-9]* ($FEW)" "$OUT_DIR/fid-calibrate.log")"
   CALIBRATION="every forward fitted (--include-overlapped: too few ran alone)"
   step calibrate-overlapped 60 "${CAL[@]}" --include-overlapped
   cp "$OUT_DIR/fid-calibrate-overlapped.log" "$OUT_DIR/fid-calibrate.log"

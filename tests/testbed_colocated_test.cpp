@@ -5,10 +5,10 @@
 //    the CPU layer hook still fills the timeline's compute track, and the report has the keys of
 //    sim/metrics/report.h plus each request's tokens;
 //  - --backend cuda's and --data-transport's refusals through the binary: exit 2 naming the flag
-//    (a bad --decode-graphs or --data-transport, cuda_ipc with CPU ranks, shaping with GPU ranks,
-//    --data-transport none with GPU ranks, stale-graph-metadata outside --mode both); exit 1 ("no
-//    device") where this process sees no GPU, colocated (gpu-1c) and disaggregated (gpu-1p1d)
-//    (skipped where it sees one: the cuda tests run those).
+//    (a bad --decode-graphs or --data-transport, cuda_ipc with CPU ranks, a topology's shaping
+//    with GPU ranks, --data-transport none with GPU ranks, stale-graph-metadata outside --mode
+//    both); exit 1 ("no device") where this process sees no GPU, colocated (gpu-1c) and
+//    disaggregated (gpu-1p1d) (skipped where it sees one: the cuda tests run those).
 // Label unit; the GPU run itself is tests/testbed_gpu_test.cpp (label cuda).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -155,10 +155,10 @@ TEST(TestbedColocatedCpu, CudaRefusalsThroughTheBinary) {
     const std::vector<std::string> pd_on_gpu = {"testbed",  "--backend",   "cuda", "--topology",
                                                 "gpu-1p1d", "--synthetic", "2"};
     std::vector<std::string> args = pd_on_gpu;
-    args.insert(args.end(), {"--shaping", "0.5:10"});
+    args.insert(args.end(), {"--shaping", "topology"});
     r = run_pdsim(args, 60);
     EXPECT_EQ(r.rc, 2) << r.describe();
-    EXPECT_THAT(r.err, HasSubstr(built ? "--shaping 0.5:10: not with --backend cuda" : no_cuda));
+    EXPECT_THAT(r.err, HasSubstr(built ? "--shaping topology: not with --backend cuda" : no_cuda));
     if (built) {
         args = pd_on_gpu;
         args.insert(args.end(), {"--mode", "disagg", "--data-transport", "none"});
