@@ -142,6 +142,9 @@ TEST(TestbedColocatedCpu, CudaRefusalsThroughTheBinary) {
         60);
     EXPECT_EQ(r.rc, 2) << r.describe();
     EXPECT_THAT(r.err, HasSubstr("--decode-graphs sometimes: expected on or off"));
+    r = run_pdsim({"testbed", "--backend", "cuda", "--device-gate", "1"}, 60);
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("--device-gate 1: expected on or off"));
     r = run_pdsim({"testbed", "--data-transport", "nccl"}, 60);
     EXPECT_EQ(r.rc, 2) << r.describe();
     EXPECT_THAT(r.err, HasSubstr("--data-transport"));

@@ -8,7 +8,9 @@
 //    (outputs_match), and both equal the GPU model run on each request alone (an oracle outside
 //    the testbed); the KV bytes received are exactly what the requests' prompts hold (layers x K,V
 //    x KV heads x head_dim x 2 bytes per token); the config names the transports;
-//  - the same on gpu-2g-1p1d (prefill on GPU 0, decode on GPU 1) where two GPUs are visible;
+//  - the same on gpu-2g-1p1d (prefill on GPU 0, decode on GPU 1) where two GPUs are visible, and
+//    there over nccl (--data-transport nccl: the engine's ordered plane);
+//  - tiny on gpu-1p1d with --device-gate off (the host posts each layer once it sees the record);
 //  - llama3-8b --layers 2 with two 4096-token prompts (one chunk each) on gpu-1p1d.
 // Until the transfer engine moves device KV layouts (a separate change to transfer/engine/), the
 // engine refuses them at set-up: a run then ends at once with exit 1 and the engine's
@@ -87,7 +89,9 @@ void expect_clean(const GpuPdRun& run, const json& rep) {
     EXPECT_GT(rep["ordering"].value("checked_layers", 0), 0);
     EXPECT_EQ(rep["config"]["backend"], "cuda");
     EXPECT_EQ(rep["config"]["transport"], "local");
-    EXPECT_EQ(rep["config"]["data_transport"], "cuda_ipc");
+    EXPECT_EQ(rep["config"]["data_transport"],
+              run.data_transport == "auto" ? "cuda_ipc" : run.data_transport);
+    EXPECT_EQ(rep["config"].value("device_gate", !run.device_gate), run.device_gate);
     const testbed::TestbedOptions o = run.options();
     EXPECT_EQ(rep["transfer"].value("bytes", int64_t{-1}), kv_bytes(o, prompt_tokens(o)));
     if (run.mode == "both") {
@@ -138,6 +142,39 @@ TEST(TestbedGpuDisagg, TinyBothOnTwoGpus) {
     expect_clean(run, rep);
     EXPECT_THAT(rep["ranks"][0]["stats"].value("device", ""), ::testing::StartsWith("cuda:0 "));
     EXPECT_THAT(rep["ranks"][1]["stats"].value("device", ""), ::testing::StartsWith("cuda:1 "));
+}
+
+// The gate's baseline: the host posts each layer's writes once it sees the record.
+TEST(TestbedGpuDisagg, TinyBothOnOneGpuWithoutTheDeviceGate) {
+    if (std::string why = gpu_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+    TempDir dir("tb_gpu_pd_nogate");
+    GpuPdRun run;
+    run.device_gate = false;
+    json rep;
+    if (!run_clean(run, dir, &rep)) {
+        FAIL() << "the transfer engine refused device layouts: " << first_engine_refusal();
+    }
+    ASSERT_TRUE(rep.is_object());
+    expect_clean(run, rep);
+}
+
+// The KV over nccl (the engine's ordered plane: sends announced on the control transport, received
+// in that order), one GPU per rank, the ranks threads of one process meeting in a directory.
+TEST(TestbedGpuDisagg, TinyBothOnTwoGpusOverNccl) {
+    if (std::string why = gpu_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (gpu_count() < 2)
+        GTEST_SKIP() << "gpu-2g-1p1d needs 2 GPUs, this process sees " << gpu_count();
+    TempDir dir("tb_gpu_pd_nccl");
+    GpuPdRun run;
+    run.topology = "gpu-2g-1p1d";
+    run.data_transport = "nccl";
+    json rep;
+    if (!run_clean(run, dir, &rep)) {
+        FAIL() << "the transfer engine refused device layouts: " << first_engine_refusal();
+    }
+    ASSERT_TRUE(rep.is_object());
+    expect_clean(run, rep);
+    expect_solo_gpu_tokens(run.options(), rep);
 }
 
 // llama3-8b's shapes (head_dim 128, GQA 4) with 2 layers and two 4096-token prompts, each one

@@ -155,6 +155,8 @@ struct GpuPdRun {
     int max_decode_batch = 8;
     int kv_pool_mb = 256;
     std::string fault = "none";
+    std::string data_transport = "auto";  // --data-transport
+    bool device_gate = true;              // --device-gate
     // Above kRefusalBoundS: a run that waited for a request timeout is told from one that stopped
     // at set-up.
     double request_timeout_s = 40;
@@ -168,6 +170,7 @@ struct GpuPdRun {
                                   .seed = 5,
                                   .max_input_len = max_input_len,
                                   .max_output_len = max_output_len,
+                                  .data_transport = data_transport,
                                   .backend = "cuda",
                                   .mode = *testbed::parse_mode(mode),
                                   .fault = *testbed::parse_fault(fault),
@@ -176,6 +179,7 @@ struct GpuPdRun {
                                   .max_decode_batch = max_decode_batch,
                                   .kv_pool_mb = kv_pool_mb,
                                   .request_timeout_s = request_timeout_s};
+        o.device_gate = device_gate;
         return o;
     }
     [[nodiscard]] std::vector<std::string> args(const TempDir& dir) const {
@@ -215,6 +219,8 @@ struct GpuPdRun {
             a.insert(a.end(), {"--trace", trace});
         }
         if (layers > 0) a.insert(a.end(), {"--layers", std::to_string(layers)});
+        a.insert(a.end(),
+                 {"--data-transport", data_transport, "--device-gate", device_gate ? "on" : "off"});
         return a;
     }
 };

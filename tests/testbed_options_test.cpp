@@ -400,16 +400,36 @@ TEST(TestbedGpuOptions, DataTransportChoice) {
     q.gpu_ranks = true;
     EXPECT_THAT(resolve_data_transport(q),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("--data-transport none")));
-    q.requested = "nccl";  // two-sided: not a data transport of the write mode
+    // nccl (two-sided, matched in post order: the engine's ordered plane) on one shared GPU:
+    // NCCL refuses two ranks of a communicator on one device.
+    q.requested = "nccl";
     EXPECT_THAT(resolve_data_transport(q),
                 StatusIs(StatusCode::kInvalidArgument,
-                         HasSubstr("--data-transport nccl: expected auto, none or cuda_ipc")));
-    // cuda_ipc between nodes: refused, naming the pair, threads or processes alike.
-    q.requested = "auto";
+                         HasSubstr("--data-transport nccl: gpu-1p1d.yaml: prefill instance "
+                                   "prefill0 (rank 0) and decode instance decode0 (rank 1) share "
+                                   "GPU node0.gpu0, and NCCL refuses two ranks")));
+    q.requested = "rdma";
+    EXPECT_THAT(resolve_data_transport(q),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--data-transport rdma: expected auto, none, cuda_ipc or "
+                                   "nccl")));
+    q.requested = "nccl";
+    q.gpu_ranks = false;
+    EXPECT_THAT(resolve_data_transport(q),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--data-transport nccl: it moves GPU memory only")));
+    q.gpu_ranks = true;
+    // Between nodes: auto is nccl, threads or processes alike; cuda_ipc is refused, naming the
+    // pair.
     q.topology = &*pd;
     q.topology_label = "gpu-2node.yaml";
     for (int world : {1, 2}) {
         q.world_size = world;
+        q.requested = "auto";
+        EXPECT_EQ(chosen(q), "nccl");
+        q.requested = "nccl";
+        EXPECT_EQ(chosen(q), "nccl");
+        q.requested = "cuda_ipc";
         EXPECT_THAT(resolve_data_transport(q),
                     StatusIs(StatusCode::kInvalidArgument,
                              HasSubstr("--data-transport cuda_ipc: gpu-2node.yaml: prefill "
@@ -417,8 +437,36 @@ TEST(TestbedGpuOptions, DataTransportChoice) {
                                        "decode0 (rank 1, node1) are on different nodes")));
     }
     // ... but a colocated run of it moves no KV.
+    q.requested = "auto";
     q.mode = Mode::kColocated;
     EXPECT_EQ(chosen(q), "none");
+}
+
+// The DGX H200 examples: one node (4 prefill and 4 decode instances, a GPU each) takes
+// cuda_ipc, or nccl when asked; two nodes (prefill on n0, decode on n1) take nccl.
+TEST(TestbedGpuOptions, DgxExamplesDataTransport) {
+    auto one_node = topo::load_topology(kExamples + "dgx-h200-1node-4p4d.yaml");
+    ASSERT_OK(one_node);
+    auto two_nodes = topo::load_topology(kExamples + "dgx-h200-2node-8p8d.yaml");
+    ASSERT_OK(two_nodes);
+    DataTransportQuery q{.requested = "auto",
+                         .mode = Mode::kDisagg,
+                         .gpu_ranks = true,
+                         .control = "mpi",
+                         .world_size = 8,
+                         .topology = &*one_node,
+                         .topology_label = "dgx-h200-1node-4p4d.yaml"};
+    EXPECT_EQ(chosen(q), "cuda_ipc");
+    q.requested = "nccl";
+    EXPECT_EQ(chosen(q), "nccl");
+    q.requested = "auto";
+    q.world_size = 16;
+    q.topology = &*two_nodes;
+    q.topology_label = "dgx-h200-2node-8p8d.yaml";
+    EXPECT_EQ(chosen(q), "nccl");
+    q.requested = "cuda_ipc";
+    EXPECT_THAT(resolve_data_transport(q),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("are on different nodes")));
 }
 
 // Without mpirun every rank is a thread of this process on this host's GPUs: a topology whose

@@ -43,6 +43,7 @@ struct Flags {
     std::string layerwise = "on";
     std::string fault = "none";
     std::string decode_graphs = "on";
+    std::string device_gate = "on";
 };
 
 Status run(Flags& f) {
@@ -62,6 +63,12 @@ Status run(Flags& f) {
     } else {
         return Status(StatusCode::kInvalidArgument,
                       "--decode-graphs " + f.decode_graphs + ": expected on or off");
+    }
+    if (f.device_gate == "on" || f.device_gate == "off") {
+        o.device_gate = f.device_gate == "on";
+    } else {
+        return Status(StatusCode::kInvalidArgument,
+                      "--device-gate " + f.device_gate + ": expected on or off");
     }
     testbed::RunInfo info;
     Status st = testbed::run_testbed(o, &info);
@@ -123,20 +130,27 @@ void add_run_flags(CLI::App* sub, Flags& f) {
                     "mpi|tcp|local (default: mpi under mpirun, local without)")
         ->check(non_empty());
     sub->add_option("--data-transport", o.data_transport,
-                    "the KV bytes' own transport: auto (cuda_ipc for GPU ranks, none for CPU "
-                    "ranks), none (--transport carries them) or cuda_ipc (one-sided writes into "
-                    "the decode rank's GPU pool; every prefill and decode rank on one node)")
-        ->check(CLI::IsMember({"auto", "none", "cuda_ipc"}))
+                    "the KV bytes' own transport: auto (GPU ranks: cuda_ipc when prefill and "
+                    "decode share a node, else nccl; CPU ranks: none), none (--transport carries "
+                    "them), cuda_ipc (one-sided writes into the decode rank's GPU pool; every "
+                    "prefill and decode rank on one node) or nccl (ncclSend/ncclRecv; a GPU each)")
+        ->check(CLI::IsMember({"auto", "none", "cuda_ipc", "nccl"}))
         ->capture_default_str();
     sub->add_option("--backend", o.backend,
                     "attention backend: cpu|cpu_ref (CPU ranks), or cuda (GPU ranks: the GPU "
-                    "model on each rank's GPU, TP 1; KV over cuda_ipc)")
+                    "model on each rank's GPU, TP 1; KV over --data-transport)")
         ->check(non_empty())
         ->capture_default_str();
     sub->add_option("--mode", f.mode, "disagg|colocated|both")->capture_default_str();
     sub->add_option("--decode-graphs", f.decode_graphs,
                     "--backend cuda: on: decode forwards replay CUDA graphs (captured per batch "
                     "size bucket 1, 2, 4, ... --max-decode-batch); off: eager")
+        ->capture_default_str();
+    sub->add_option("--device-gate", f.device_gate,
+                    "--backend cuda: on: each layer's KV transfer is enqueued ahead of its step, "
+                    "on a comm stream that waits for the StepCounter record on the device (no "
+                    "host thread between the record and the copy); off: posted by the host once "
+                    "it sees the record")
         ->capture_default_str();
     sub->add_option("--layerwise", f.layerwise,
                     "on: send each layer once its step is recorded; off: after the "

@@ -286,6 +286,26 @@ Status check_pd_ranks_on_one_node(const DataTransportQuery& q, std::string_view 
     return {};
 }
 
+// No prefill rank on the GPU of a decode rank (two instances on one `shared` device): NCCL refuses
+// two ranks of one communicator on one GPU; else kInvalidArgument naming the first such pair.
+Status check_pd_ranks_on_distinct_gpus(const DataTransportQuery& q, std::string_view name) {
+    const topo::Topology& t = *q.topology;
+    const topo::RankMap map = t.rank_map();
+    for (const topo::RankInfo& p : map.ranks()) {
+        if (p.role != topo::Role::kPrefill || p.node < 0) continue;
+        for (const topo::RankInfo& d : map.ranks()) {
+            if (d.role != topo::Role::kDecode || d.node != p.node || d.device != p.device) continue;
+            return invalid_argument_error(fmt::format(
+                "--data-transport {}: {}: prefill instance {} (rank {}) and decode instance {} "
+                "(rank {}) share GPU {}, and NCCL refuses two ranks of one communicator on one "
+                "GPU; use --data-transport cuda_ipc (auto) or a topology with a GPU each",
+                name, q.topology_label, t.instances[static_cast<size_t>(p.instance)].id, p.rank,
+                t.instances[static_cast<size_t>(d.instance)].id, d.rank, p.device));
+        }
+    }
+    return {};
+}
+
 }  // namespace
 
 StatusOr<std::string> resolve_data_transport(const DataTransportQuery& q) {
@@ -294,7 +314,8 @@ StatusOr<std::string> resolve_data_transport(const DataTransportQuery& q) {
     std::string name(q.requested);
     if (name == kDataTransportAuto) {
         if (!disagg || !q.gpu_ranks) return none;
-        name = "cuda_ipc";
+        // cuda_ipc where every prefill and decode rank shares a node, nccl across nodes.
+        name = check_pd_ranks_on_one_node(q, "cuda_ipc").ok() ? "cuda_ipc" : "nccl";
     }
     if (name == kDataTransportNone) {
         if (disagg && q.gpu_ranks) {
@@ -303,15 +324,15 @@ StatusOr<std::string> resolve_data_transport(const DataTransportQuery& q) {
                 return invalid_argument_error(fmt::format(
                     "--data-transport none: the KV would go over the control transport {}, which "
                     "moves host memory only, and GPU ranks' (--backend cuda) KV pools are device "
-                    "memory; use --data-transport cuda_ipc (the default, auto)",
+                    "memory; use --data-transport auto (cuda_ipc on one node, nccl across nodes)",
                     q.control));
             }
         }
         return none;
     }
-    if (name != "cuda_ipc") {
+    if (name != "cuda_ipc" && name != "nccl") {
         return invalid_argument_error(fmt::format(
-            "--data-transport {}: expected auto, none or cuda_ipc", text::excerpt(name)));
+            "--data-transport {}: expected auto, none, cuda_ipc or nccl", text::excerpt(name)));
     }
     StatusOr<transfer::TransportDescriptor> d = transfer::find_transport(name);
     if (!d.ok()) {
@@ -319,11 +340,16 @@ StatusOr<std::string> resolve_data_transport(const DataTransportQuery& q) {
             fmt::format("--data-transport {}: {}", name, d.status().message()));
     }
     const transfer::StaticCapabilities& caps = d->caps;
-    if (!caps.one_sided_write) {
+    // The engine's planes for a separate data transport (transfer/engine/data_plane.h):
+    // one-sided writes, or two-sided operations matched in post order (NCCL's; the ordered
+    // plane). A two-sided tag-matching transport carries the KV as the control transport does.
+    const bool ordered = caps.two_sided && !caps.tag_matching;
+    if (!caps.one_sided_write && !ordered) {
         return invalid_argument_error(fmt::format(
-            "--data-transport {}: it has no one-sided writes, which a separate data transport is "
-            "for (the engine's write mode); two-sided transports carry the KV as the control "
-            "transport (--data-transport none)",
+            "--data-transport {}: it has neither one-sided writes (the engine's write plane) nor "
+            "two-sided operations matched in post order (its ordered plane); a two-sided "
+            "tag-matching transport carries the KV as the control transport "
+            "(--data-transport none)",
             name));
     }
     if (q.gpu_ranks ? !caps.device_memory : !caps.host_memory) {
@@ -331,7 +357,8 @@ StatusOr<std::string> resolve_data_transport(const DataTransportQuery& q) {
             "--data-transport {}: it moves {} memory only, and {} ranks' KV pools are {} memory; "
             "use --data-transport {}",
             name, caps.device_memory ? "GPU" : "host", q.gpu_ranks ? "GPU" : "CPU",
-            q.gpu_ranks ? "device" : "host", q.gpu_ranks ? "cuda_ipc" : "none (the default)"));
+            q.gpu_ranks ? "device" : "host",
+            q.gpu_ranks ? "cuda_ipc or nccl" : "none (the default)"));
     }
     if (!disagg) return none;
     const int ranks = q.topology->num_ranks();
@@ -347,6 +374,7 @@ StatusOr<std::string> resolve_data_transport(const DataTransportQuery& q) {
             name, ranks));
     }
     if (peers_on_one_node(*d)) PDSIM_RETURN_IF_ERROR(check_pd_ranks_on_one_node(q, name));
+    if (ordered) PDSIM_RETURN_IF_ERROR(check_pd_ranks_on_distinct_gpus(q, name));
     return name;
 }
 
@@ -509,14 +537,14 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
             return invalid_argument_error(fmt::format(
                 "--transport {}: --transport is the control transport (the engine's messages: "
                 "two-sided and tag-matching in host memory: local, mpi or tcp); GPU ranks' KV goes "
-                "over --data-transport (cuda_ipc)",
+                "over --data-transport (cuda_ipc or nccl)",
                 o.transport));
         }
         if (!transport_caps.host_memory) {
             return invalid_argument_error(
                 fmt::format("--transport {}: moves GPU memory only, and CPU ranks' KV pools "
                             "are host memory; use mpi or tcp (GPU ranks, --backend cuda, move "
-                            "their KV over --data-transport cuda_ipc)",
+                            "their KV over --data-transport cuda_ipc or nccl)",
                             o.transport));
         }
         if (transport_caps.decorator) {
@@ -775,7 +803,8 @@ std::string describe(const TestbedOptions& o) {
         "--max-output-len {}",
         mode_name(o.mode), o.layerwise ? "on" : "off", o.transport, o.data_transport, o.backend,
         o.backend == kCudaBackend
-            ? (o.decode_graphs ? " --decode-graphs on" : " --decode-graphs off")
+            ? fmt::format(" --decode-graphs {} --device-gate {}", o.decode_graphs ? "on" : "off",
+                          o.device_gate ? "on" : "off")
             : "",
         fault_name(o.fault), o.chunk_size, o.max_batch_tokens, o.time_scale, o.max_input_len,
         o.max_output_len);

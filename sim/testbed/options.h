@@ -27,12 +27,15 @@
 // The KV transports of the disaggregated phase: --transport is the control transport (two-sided,
 // tag-matching: local without mpirun, mpi or tcp under it), which also carries the KV of CPU ranks;
 // --data-transport (resolve_data_transport) is the transport the KV bytes take when not that one:
-// `auto` is cuda_ipc for GPU ranks (one-sided writes into the decode rank's device pool; the
-// engine's write mode) and none for CPU ranks. Refused (kInvalidArgument naming the flag): a data
-// transport that cannot reach the ranks' KV memory (cuda_ipc with CPU ranks; none with GPU ranks,
-// whose control transport moves host memory only), one that offers no one-sided writes, and
-// cuda_ipc between a prefill and a decode rank of different topology nodes (CUDA IPC handles open
-// only on the node that made them).
+// `auto` is, for GPU ranks, cuda_ipc when every prefill and decode rank is on one topology node
+// (one-sided writes into the decode rank's device pool; the engine's write plane) and nccl
+// otherwise (ncclSend/ncclRecv matched in post order; the engine's ordered plane), and none for
+// CPU ranks. Refused (kInvalidArgument naming the flag): a data transport that cannot reach the
+// ranks' KV memory (cuda_ipc or nccl with CPU ranks; none with GPU ranks, whose control transport
+// moves host memory only), one that offers neither one-sided writes nor two-sided operations
+// matched in post order, cuda_ipc between a prefill and a decode rank of different topology nodes
+// (CUDA IPC handles open only on the node that made them), and nccl between a prefill and a
+// decode rank on one GPU (NCCL refuses two ranks of a communicator on one device).
 //
 // Thread-safety: pure functions.
 #pragma once
@@ -102,11 +105,16 @@ struct TestbedOptions {
     int32_t max_input_len = 1024;  // 0: no cap
     int32_t max_output_len = 32;   // 0: no cap
     std::string transport;         // "": mpi under mpirun, local in one process
-    // The KV bytes' own transport (see the file comment): auto | none | cuda_ipc; resolve() leaves
-    // none or cuda_ipc (none too when the mode has no disaggregated phase).
+    // The KV bytes' own transport (see the file comment): auto | none | cuda_ipc | nccl; resolve()
+    // leaves none, cuda_ipc or nccl (none too when the mode has no disaggregated phase).
     std::string data_transport = "auto";
     std::string backend = "cpu";  // cpu | cpu_ref (CPU ranks) | cuda (GPU ranks)
     bool decode_graphs = true;    // --backend cuda: replay decode forwards as CUDA graphs
+    // The KV sender posts a layer's transfer ahead of its StepCounter record, on a comm stream
+    // gated on the record (transfer::SenderOptions::device_gate); in effect only where the data
+    // transport is stream-ordered (cuda_ipc, nccl) and the ranks are GPU ranks. Off: the host
+    // posts each layer once it sees the record (the gate's baseline).
+    bool device_gate = true;
     Mode mode = Mode::kBoth;
     bool layerwise = true;
     Fault fault = Fault::kNone;
@@ -198,7 +206,7 @@ inline constexpr std::string_view kDataTransportAuto = "auto";
 inline constexpr std::string_view kDataTransportNone = "none";
 // Where resolve_data_transport decides.
 struct DataTransportQuery {
-    std::string_view requested = kDataTransportAuto;  // --data-transport: auto, none, cuda_ipc
+    std::string_view requested = kDataTransportAuto;  // --data-transport: auto|none|cuda_ipc|nccl
     Mode mode = Mode::kBoth;
     bool gpu_ranks = false;    // --backend cuda
     std::string_view control;  // the resolved --transport (local, mpi, tcp)

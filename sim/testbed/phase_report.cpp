@@ -361,6 +361,7 @@ json testbed_config_json(const ResolvedConfig& cfg) {
         }
         config["gpu"] = std::move(gpu);
         config["decode_graphs"] = o.decode_graphs;
+        config["device_gate"] = o.device_gate;
         config["gpu_model"] = {{"max_tokens", cfg.gpu_model.max_tokens},
                                {"max_bs", cfg.gpu_model.max_bs},
                                {"max_positions", cfg.gpu_model.max_positions},

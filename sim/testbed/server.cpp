@@ -129,6 +129,7 @@ Status Server::setup() {
             so.on_event = hook;
             so.num_workers = 1;
             so.data_transport = kv_.data;
+            so.device_gate = cfg_.options.device_gate;
             PDSIM_ASSIGN_OR_RETURN(sender_,
                                    transfer::KvSender::create(*kv_.control, layout, *counter_, so));
         } else {

@@ -99,6 +99,19 @@ struct Shared {
     topo::LinkShaping shaping;
     json shaping_info;
     bool error_printed = false;  // rank 0
+    // A data transport that meets through a rendezvous (nccl) with the ranks as threads: the
+    // directory its ranks meet in (made by the first rank that asks; removed with this).
+    std::mutex data_mu;
+    std::string data_rendezvous_dir;
+
+    Shared() = default;
+    Shared(const Shared&) = delete;
+    Shared& operator=(const Shared&) = delete;
+    ~Shared() {
+        if (data_rendezvous_dir.empty()) return;
+        std::error_code ec;
+        std::filesystem::remove_all(data_rendezvous_dir, ec);
+    }
 };
 
 StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mailbox& mbox,
@@ -189,7 +202,27 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_data_transport(Shared& sh, i
     transfer::TransportOptions to;
     to.rank = rank;
     to.world_size = world;
-    to.set(transfer::GpuTransportOptions{.device_index = gpu != nullptr ? gpu->info().device : 0});
+    to.connect_timeout = milliseconds(60'000);
+    transfer::GpuTransportOptions gto{.device_index = gpu != nullptr ? gpu->info().device : 0};
+    PDSIM_ASSIGN_OR_RETURN(const transfer::TransportDescriptor descriptor,
+                           transfer::find_transport(name));
+    if (sh.local && descriptor.caps.setup == transfer::TransportSetup::kRendezvous) {
+        // Threads of this process: they meet in a fresh directory (under mpirun, over MPI).
+        std::lock_guard<std::mutex> lock(sh.data_mu);
+        if (sh.data_rendezvous_dir.empty()) {
+            std::string tmpl =
+                (std::filesystem::temp_directory_path() / "pdsim-data-XXXXXX").string();
+            if (::mkdtemp(tmpl.data()) == nullptr) {
+                return PDSIM_ERROR(StatusCode::kUnavailable,
+                                   "--data-transport {}: cannot create a rendezvous directory in "
+                                   "{}",
+                                   name, std::filesystem::temp_directory_path().string());
+            }
+            sh.data_rendezvous_dir = tmpl;
+        }
+        gto.rendezvous_dir = sh.data_rendezvous_dir;
+    }
+    to.set(std::move(gto));
     auto t = transfer::create_transport(name, to);
     if (!t.ok()) {
         const Status& st = t.status();
