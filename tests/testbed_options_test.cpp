@@ -243,7 +243,14 @@ TEST(TestbedGpuOptions, DisaggregatedOnOneGpu) {
     EXPECT_THAT(resolve_on(o, gpus), StatusIs(StatusCode::kInvalidArgument,
                                               HasSubstr("GPU 0 (Fake H200 0) has 2048 MiB free of "
                                                         "144384 MiB, and its 2 ranks need")));
-    // Under mpirun each process places its own rank: the decode rank on GPU 0 too.
+    // Under mpirun each process places its own rank, and counts the other process's rank on its
+    // GPU: neither fits where two do not.
+    for (int rank : {0, 1}) {
+        EXPECT_THAT(resolve_on(o, gpus, /*world_size=*/2, rank, /*local_rank=*/rank),
+                    StatusIs(StatusCode::kInvalidArgument, HasSubstr("and its 2 ranks need")))
+            << "rank " << rank;
+    }
+    // ... the decode rank on GPU 0 too.
     gpus.free_bytes = int64_t{139} << 30;
     auto decode = resolve_on(o, gpus, /*world_size=*/2, /*rank=*/1, /*local_rank=*/1);
     ASSERT_OK(decode);

@@ -217,12 +217,23 @@ Status plan_gpus(ResolvedConfig& rc, const ResolveEnv& env, const GpuProbe& prob
             }
         }
     }
-    std::map<int, int> per_device;  // device -> ranks of this process on it
+    std::map<int, int> per_device;  // device -> ranks on it (this process's, and under mpirun
+                                    // the other processes' ranks on the same topology GPU)
     for (int r : ranks) {
         const int local = env.world_size <= 1 ? r : env.local_rank;
         PDSIM_ASSIGN_OR_RETURN(GpuChoice choice, choose_gpu(rc.topology, map.at(r), local, *visible,
                                                             rc.topology_label));
         ++per_device[choice.device];
+        if (env.world_size > 1 && choice.from_topology) {
+            // Under mpirun every process checks before any allocates: the ranks of a `shared`
+            // GPU (gpu-1p1d: prefill and decode) would each see it free and fit alone.
+            const topo::RankInfo& me = map.at(r);
+            for (const topo::RankInfo& other : map.ranks()) {
+                if (other.rank != r && other.node == me.node && other.device == me.device) {
+                    ++per_device[choice.device];
+                }
+            }
+        }
         rc.gpus.push_back({.rank = r, .choice = std::move(choice), .info = {}});
     }
     const int64_t pool_bytes =
