@@ -120,6 +120,73 @@ TEST(SimulateCli, BadInputExitsTwoNamingTheFlagOrFile) {
     }
 }
 
+// `kDgx` with its `model: llama3-70b` line replaced by `model_line`.
+std::string dgx_with_model(const TempDir& dir, const std::string& tag,
+                           const std::string& model_line) {
+    std::string text = slurp(kDgx);
+    const std::string from = "\nmodel: llama3-70b\n";
+    const size_t at = text.find(from);
+    EXPECT_NE(at, std::string::npos);
+    if (at != std::string::npos) text.replace(at, from.size(), "\n" + model_line + "\n");
+    const std::string path = dir.str(tag + ".yaml");
+    std::ofstream(path) << text;
+    return path;
+}
+
+// A topology's model section with overrides (`base` plus fields) is the model every command runs:
+// `topology show`, `simulate` and `testbed` agree on it, and an absurd override is refused.
+TEST(SimulateCli, TopologyModelOverrideIsTheModelEveryCommandRuns) {
+    TempDir dir("simulate_model_override");
+    const std::string trace = write_trace(dir);
+    const std::string two = dgx_with_model(dir, "two", "model: {base: llama3-70b, num_layers: 2}");
+    const std::string four =
+        dgx_with_model(dir, "four", "model: {base: llama3-70b, num_layers: 4}");
+    CmdResult show = run_pdsim({"topology", "show", two}, 60);
+    ASSERT_EQ(show.rc, 0) << show.describe();
+    EXPECT_THAT(show.out, HasSubstr("llama3-70b: 2 layers"));
+    // The simulated KV bytes scale with the layers the topology gives, and equal those of
+    // --model llama3-70b --layers 2 (the flags' way to the same model).
+    auto bytes = [&](std::vector<std::string> args) {
+        const std::string report = dir.str("r.json");
+        args.insert(args.end(), {"--trace", trace, "--mode", "disagg", "--report", report});
+        CmdResult r = run_pdsim(args, 120);
+        EXPECT_EQ(r.rc, 0) << r.describe();
+        const json rep = json::parse(slurp(report), nullptr, false);
+        return rep.is_object() ? rep["transfer"]["bytes"].get<double>() : -1.0;
+    };
+    const double b2 = bytes({"simulate", "--topology", two});
+    const double b4 = bytes({"simulate", "--topology", four});
+    const double flags =
+        bytes({"simulate", "--topology", kDgx, "--model", "llama3-70b", "--layers", "2"});
+    const double b80 = bytes({"simulate", "--topology", kDgx});
+    EXPECT_GT(b2, 0);
+    EXPECT_DOUBLE_EQ(b4, 2 * b2);
+    EXPECT_DOUBLE_EQ(flags, b2);
+    EXPECT_DOUBLE_EQ(b80, 40 * b2);
+    // The testbed runs the section's model too (tiny with 3 layers on the CPU topology).
+    std::string cpu = slurp(kCpu);
+    const size_t at = cpu.find("\nmodel: tiny\n");
+    ASSERT_NE(at, std::string::npos);
+    cpu.replace(at, 13, "\nmodel: {base: tiny, num_layers: 3}\n");
+    std::ofstream(dir.str("cpu3.yaml")) << cpu;
+    CmdResult tb = run_pdsim({"testbed", "--topology", dir.str("cpu3.yaml"), "--synthetic", "2",
+                              "--mode", "colocated", "--quiet", "--report", dir.str("tb.json")},
+                             120);
+    ASSERT_EQ(tb.rc, 0) << tb.describe();
+    const json tb_rep = json::parse(slurp(dir.path() / "tb.json"));
+    EXPECT_EQ(tb_rep["config"]["model"]["num_layers"], 3);
+    // An absurd override is refused by every command, naming the field.
+    const std::string huge =
+        dgx_with_model(dir, "huge", "model: {base: llama3-70b, num_layers: 100000000}");
+    for (const std::vector<std::string>& args :
+         {std::vector<std::string>{"simulate", "--topology", huge, "--trace", trace},
+          std::vector<std::string>{"testbed", "--topology", huge, "--synthetic", "2"}}) {
+        CmdResult r = run_pdsim(args, 60);
+        EXPECT_EQ(r.rc, 2) << r.describe();
+        EXPECT_THAT(r.err, HasSubstr("num_layers: 100000000 must be <= 4096")) << r.describe();
+    }
+}
+
 TEST(SimulateCli, BenchReportsRequestsPerWallSecond) {
     TempDir dir("bench_simulate");
     const std::string trace = write_trace(dir);

@@ -256,6 +256,8 @@ TEST(Loader, ModelMappingWithBaseAndOverrides) {
     EXPECT_EQ(t->model->name, "small8b");
     EXPECT_EQ(t->model->num_layers, 2);
     EXPECT_EQ(t->model->num_kv_heads, 8);
+    EXPECT_EQ(t->model->vocab, 99);  // the synthetic model's fields are read too
+    EXPECT_EQ(t->model->intermediate, builtin_model_shape("llama3-8b")->intermediate);
     // tp 2 divides llama3-8b's 8 KV heads.
     EXPECT_OK(validate(*t));
 
@@ -267,6 +269,28 @@ TEST(Loader, ModelMappingWithBaseAndOverrides) {
     ASSERT_OK(t);
     EXPECT_EQ(t->model->num_kv_heads, 1);
     EXPECT_EQ(t->model->attention, AttentionKind::kMla);
+
+    // Every field of a model file is read, none ignored; a bad one names its line.
+    text = kSmallYaml;
+    text.replace(text.find("model: tiny"), 11,
+                 "model: {base: tiny, intermediate: 640, rope_theta: 500000.0, rms_eps: 0.001, "
+                 "seed: 9, layer_kinds: [full, sliding], sliding_window: 32}");
+    t = parse_topology(text, "m.yaml");
+    ASSERT_OK(t);
+    EXPECT_EQ(t->model->intermediate, 640);
+    EXPECT_DOUBLE_EQ(t->model->rope_theta, 500000.0);
+    EXPECT_FLOAT_EQ(t->model->rms_eps, 0.001f);
+    EXPECT_EQ(t->model->seed, 9u);
+    EXPECT_EQ(t->model->layer_kinds,
+              (std::vector<LayerKind>{LayerKind::kFullAttention, LayerKind::kSlidingWindow}));
+    EXPECT_EQ(t->model->sliding_window, 32);
+    text = kSmallYaml;
+    text.replace(text.find("model: tiny"), 11, "model: {base: tiny, layer_kinds: [full, local]}");
+    EXPECT_THAT(
+        parse_topology(text, "m.yaml"),
+        StatusIs(
+            StatusCode::kInvalidArgument,
+            HasSubstr("m.yaml:2: model.layer_kinds[1]: expected full or sliding, got \"local\"")));
 }
 
 TEST(Validate, ModelOverride) {

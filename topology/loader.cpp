@@ -200,9 +200,9 @@ public:
 
     // A built-in name, or a mapping with the fields of a model file (backends/model): `base`
     // (or a built-in `name`) starts from a built-in shape and the fields given override it;
-    // without one the shape fields are required. Fields only the synthetic model uses
-    // (intermediate, vocab, rope_theta, rms_eps, seed, layer_kinds, sliding_window) are
-    // accepted and ignored here.
+    // without one the shape fields are required. The fields the synthetic model adds
+    // (intermediate, vocab, rope_theta, rms_eps, seed, layer_kinds, sliding_window) are read
+    // too: the testbed and the simulator run the model this section describes, whole.
     Status model(const DocNode& n, const std::string& path, ModelShape* out) {
         note(path, n);
         if (n.kind == Kind::kScalar) {
@@ -271,11 +271,47 @@ public:
             {"head_dim", &out->head_dim, base == nullptr},
             {"kv_lora_rank", &out->kv_lora_rank, base == nullptr && mla},
             {"rope_dim", &out->rope_dim, false},
+            {"intermediate", &out->intermediate, false},
+            {"vocab", &out->vocab, false},
+            {"sliding_window", &out->sliding_window, false},
         };
         for (const IntField& f : fields) {
             if (f.required) PDSIM_RETURN_IF_ERROR(required(n, path, f.key, &v));
             if ((v = optional(n, f.key)) != nullptr) {
                 PDSIM_RETURN_IF_ERROR(integer(*v, join(path, f.key), f.dst));
+            }
+        }
+        if ((v = optional(n, "rope_theta")) != nullptr) {
+            PDSIM_RETURN_IF_ERROR(number(*v, join(path, "rope_theta"), &out->rope_theta));
+        }
+        if ((v = optional(n, "rms_eps")) != nullptr) {
+            double eps = 0;
+            PDSIM_RETURN_IF_ERROR(number(*v, join(path, "rms_eps"), &eps));
+            out->rms_eps = static_cast<float>(eps);
+        }
+        if ((v = optional(n, "seed")) != nullptr) {
+            int seed = 0;
+            PDSIM_RETURN_IF_ERROR(integer(*v, join(path, "seed"), &seed));
+            if (seed < 0) {
+                return error(join(path, "seed"), v->line,
+                             fmt::format("must be >= 0, got {}", seed));
+            }
+            out->seed = static_cast<uint64_t>(seed);
+        }
+        if ((v = optional(n, "layer_kinds")) != nullptr) {
+            std::vector<std::string> kinds;
+            PDSIM_RETURN_IF_ERROR(string_list(*v, join(path, "layer_kinds"), &kinds));
+            out->layer_kinds.clear();
+            for (size_t i = 0; i < kinds.size(); ++i) {
+                if (kinds[i] == "full") {
+                    out->layer_kinds.push_back(LayerKind::kFullAttention);
+                } else if (kinds[i] == "sliding") {
+                    out->layer_kinds.push_back(LayerKind::kSlidingWindow);
+                } else {
+                    return error(index_path(join(path, "layer_kinds"), i), v->items[i].line,
+                                 fmt::format("expected full or sliding, got {}",
+                                             detail::quoted_for_message(kinds[i])));
+                }
             }
         }
         return ok_status();

@@ -109,6 +109,23 @@ Status validate_model(const ModelConfig& c) {
                       fmt::format("model {}: {}: {}", c.name, field, what));
     };
     if (c.num_layers < 1) return bad("num_layers", fmt::format("{} must be >= 1", c.num_layers));
+    if (c.num_layers > kMaxModelLayers) {
+        return bad("num_layers", fmt::format("{} must be <= {}", c.num_layers, kMaxModelLayers));
+    }
+    const std::pair<const char*, int> dims[] = {{"hidden", c.hidden},
+                                                {"num_q_heads", c.num_q_heads},
+                                                {"num_kv_heads", c.num_kv_heads},
+                                                {"head_dim", c.head_dim},
+                                                {"intermediate", c.intermediate},
+                                                {"vocab", c.vocab},
+                                                {"kv_lora_rank", c.kv_lora_rank},
+                                                {"rope_dim", c.rope_dim},
+                                                {"sliding_window", c.sliding_window}};
+    for (const auto& [field, value] : dims) {
+        if (value > kMaxModelDim) {
+            return bad(field, fmt::format("{} must be <= {}", value, kMaxModelDim));
+        }
+    }
     if (c.hidden < 1) return bad("hidden", fmt::format("{} must be >= 1", c.hidden));
     if (c.num_q_heads < 1) return bad("num_q_heads", fmt::format("{} must be >= 1", c.num_q_heads));
     if (c.num_kv_heads < 1)
@@ -130,6 +147,13 @@ Status validate_model(const ModelConfig& c) {
         }
     }
     return {};
+}
+
+StatusOr<ModelConfig> model_from_shape(const topo::ModelShape& shape, int layers) {
+    ModelConfig c(shape);
+    if (layers > 0) c.num_layers = layers;
+    PDSIM_RETURN_IF_ERROR(validate_model(c));
+    return c;
 }
 
 Status check_tp(const ModelConfig& c, int tp) {

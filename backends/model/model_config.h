@@ -36,8 +36,16 @@ struct ModelConfig : topo::ModelShape {
 // file, line and key. The file must be a regular file of at most 16 MiB (common/input_file.h)
 // holding one YAML/JSON document whose keys and strings are valid UTF-8.
 [[nodiscard]] StatusOr<ModelConfig> resolve_model(const std::string& name_or_file);
-// Checks internal consistency (heads divide, dims positive). The message names the field.
+// Checks internal consistency (heads divide, dims positive and at most kMaxModelDim, layers at
+// most kMaxModelLayers). The message names the field.
 [[nodiscard]] Status validate_model(const ModelConfig& config);
+inline constexpr int kMaxModelLayers = 4096;
+inline constexpr int kMaxModelDim = 1 << 24;  // hidden, heads, head_dim, intermediate, vocab...
+// The model a topology's `model` section describes (topo::Topology::model: a built-in shape with
+// the section's overrides, or one spelled out), whole, so a run computes what `pdsim topology
+// show` says; `layers` > 0 replaces num_layers (--layers). Validated (validate_model: a
+// spelled-out section without intermediate or vocab is kInvalidArgument naming the field).
+[[nodiscard]] StatusOr<ModelConfig> model_from_shape(const topo::ModelShape& shape, int layers = 0);
 // kInvalidArgument unless tp divides the KV heads (MHA) and the query heads (topo::check_tp).
 [[nodiscard]] Status check_tp(const ModelConfig& config, int tp);
 // The shape the topology validator checks: the ModelShape part of `config`.

@@ -8,8 +8,10 @@
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
+#include "backends/model/model_config.h"
 #include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
 #include "sim/cli/sim_flags.h"
@@ -80,7 +82,8 @@ Status check_flags(const SearchFlags& f) {
     return check_scheduling_flags(f.sched);
 }
 
-StatusOr<des::SearchSpace> make_space(const SearchFlags& f, std::string* model_from_topology) {
+StatusOr<des::SearchSpace> make_space(const SearchFlags& f,
+                                      std::optional<topo::ModelShape>* model_from_topology) {
     des::SearchSpace s;
     s.gpu = f.gpu;
     s.gpus = f.gpus;
@@ -109,7 +112,7 @@ StatusOr<des::SearchSpace> make_space(const SearchFlags& f, std::string* model_f
         }
         if (s.gpu.empty()) s.gpu = type;
         if (s.gpus == 0) s.gpus = count;
-        if (t.model) *model_from_topology = t.model->name;
+        *model_from_topology = t.model;
     }
     if (s.gpu.empty()) s.gpu = "H100";
     PDSIM_RETURN_IF_ERROR(des::nvlink_domain(s.gpu).status());
@@ -337,12 +340,22 @@ std::string search_report(const SearchRun& run) {
 
 Status run_search_cmd(const SearchFlags& f) {
     PDSIM_RETURN_IF_ERROR(check_flags(f));
-    std::string topo_model;
+    std::optional<topo::ModelShape> topo_model;
     PDSIM_ASSIGN_OR_RETURN(des::SearchSpace space, make_space(f, &topo_model));
-    const std::string model_name = f.model.empty() ? topo_model : f.model;
-    if (model_name.empty())
+    if (f.model.empty() && !topo_model)
         return invalid_argument_error("--model: required (the topology names no model)");
-    PDSIM_ASSIGN_OR_RETURN(model::ModelConfig model, des::load_model(model_name, f.layers));
+    model::ModelConfig model;
+    if (!f.model.empty()) {
+        PDSIM_ASSIGN_OR_RETURN(model, des::load_model(f.model, f.layers));
+    } else {
+        // The topology's model section, whole (its overrides of a built-in included).
+        auto m = model::model_from_shape(*topo_model, f.layers);
+        if (!m.ok()) {
+            return invalid_argument_error(fmt::format("--topology {}: model: {}; pass --model",
+                                                      f.topology, m.status().message()));
+        }
+        model = *std::move(m);
+    }
     des::RequestSource src;
     PDSIM_ASSIGN_OR_RETURN(std::vector<workload::Request> requests, search_requests(f, &src));
     const workload::TraceStats ts = workload::summarize(requests);

@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 
+#include "backends/model/model_config.h"
 #include "common/data_dir.h"
 #include "common/text.h"
 #include "sim/cli/cli_util.h"
@@ -135,11 +136,11 @@ Status load_model_and_topology(const SimulateFlags& f, Prepared* p) {
             return invalid_argument_error(
                 fmt::format("{}: no model in the topology; pass --model NAME|F", f.topology));
         }
-        const std::string name = p->topology.model->name;
-        auto r = des::load_model(name, f.layers, "model");
+        // The topology's model section, whole (its overrides of a built-in included).
+        auto r = model::model_from_shape(*p->topology.model, f.layers);
         if (!r.ok()) {
-            return invalid_argument_error(
-                fmt::format("{}: {}; pass --model NAME|F", f.topology, r.status().message()));
+            return invalid_argument_error(fmt::format("{}: model: {}; pass --model NAME|F",
+                                                      f.topology, r.status().message()));
         }
         m = *std::move(r);
         shape = model::to_model_shape(*m);

@@ -636,13 +636,14 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
         rc.topology_label = fs::path(topo_path).filename().string();
     }
     if (!model_cfg) {
-        const std::string name = rc.topology.model ? rc.topology.model->name : std::string("tiny");
-        auto m = model::resolve_model(name);
+        // The topology's model section, whole (its overrides of a built-in included), else tiny.
+        auto m = rc.topology.model ? model::model_from_shape(*rc.topology.model)
+                                   : model::resolve_model("tiny");
         if (!m.ok()) {
             return invalid_argument_error(
-                fmt::format("{}: model: '{}' is not a model the synthetic model knows ({}); pass "
+                fmt::format("{}: model: the synthetic model cannot run it ({}); pass "
                             "--model NAME|F",
-                            rc.topology_label, name, m.status().message()));
+                            rc.topology_label, m.status().message()));
         }
         model_cfg = *m;
         PDSIM_RETURN_IF_ERROR(apply_layers(*model_cfg));
