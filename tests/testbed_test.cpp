@@ -228,6 +228,116 @@ TEST(TestbedPeer, DisconnectFailsRequestsWithoutHanging) {
               rep["requests_submitted"].get<int>());
 }
 
+// A run stopped from outside: `pdsim testbed <args>` (under mpirun -np `np`; 0: without) in the
+// background; once its journal (`<report>.journal.jsonl`: a header line and one line per finished
+// request) holds `finished` requests, `stop` (a shell command; $pid is pdsim's or mpirun's pid) is
+// run; the exit status and the seconds from the stop to the end are returned.
+struct StopResult {
+    CmdResult cmd;
+    double end_s = -1;  // seconds from the stop to the end; -1: never stopped
+};
+StopResult run_and_stop(int np, const std::vector<std::string>& args, const std::string& journal,
+                        int finished, const std::string& stop) {
+    TempDir io("testbed_stop");
+    std::string launch =
+        np > 0 ? shell_quote(PDSIM_MPIEXEC) + " --oversubscribe -np " + std::to_string(np) + " "
+               : "";
+    launch += shell_quote(PDSIM_BINARY) + " testbed";
+    for (const auto& a : args) launch += " " + shell_quote(a);
+    // Poll the journal's line count (for at most 90 s, or until pdsim ends), stop, wait.
+    std::string script = launch + " >" + shell_quote(io.str("out")) + " 2>" +
+                         shell_quote(io.str("err")) + " </dev/null & pid=$!\n";
+    script += "i=0; while [ $i -lt 900 ]; do\n";
+    script += "  n=$(cat " + shell_quote(journal) + " 2>/dev/null | wc -l)\n";
+    script += "  [ \"$n\" -gt " + std::to_string(finished) + " ] && break\n";
+    script += "  kill -0 $pid 2>/dev/null || break; sleep 0.1; i=$((i+1)); done\n";
+    script += stop + "\n";
+    script += "t0=$(date +%s.%N); wait $pid; rc=$?; t1=$(date +%s.%N)\n";
+    script += "echo \"$rc $t0 $t1\" > " + shell_quote(io.str("rc")) + "\n";
+    std::ofstream(io.str("run.sh")) << script;
+    const int st = std::system(("timeout -k 10 300 sh " + shell_quote(io.str("run.sh"))).c_str());
+    StopResult r;
+    EXPECT_TRUE(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0) << script;
+    std::istringstream rc(slurp(io.path() / "rc"));
+    double t0 = 0, t1 = 0;
+    if (rc >> r.cmd.rc >> t0 >> t1) r.end_s = t1 - t0;
+    r.cmd.out = slurp(io.path() / "out");
+    r.cmd.err = slurp(io.path() / "err");
+    return r;
+}
+
+// What a report of a run that stopped early must hold: every request completed, failed or lost,
+// the lost ones named, the cause given; the CSV has a row per finished request.
+void expect_partial_report(const TempDir& dir, const std::string& cause, const CmdResult& r) {
+    json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << r.describe();
+    const int submitted = rep["requests_submitted"].get<int>();
+    const int completed = rep["requests_completed"].get<int>();
+    const int failed = rep["requests_failed"].get<int>();
+    const int lost = rep["requests_lost"].get<int>();
+    EXPECT_GT(submitted, 0);
+    EXPECT_GT(completed, 0) << "the requests that finished before the stop";
+    EXPECT_GT(lost, 0) << "a stop half-way loses the requests in flight";
+    EXPECT_EQ(completed + failed + lost, submitted) << rep.dump(1).substr(0, 3000);
+    ASSERT_TRUE(rep["lost_requests"].is_array());
+    EXPECT_EQ(static_cast<int>(rep["lost_requests"].size()), lost);
+    EXPECT_THAT(rep["incomplete"].value("cause", ""), HasSubstr(cause));
+    EXPECT_GT(rep["incomplete"].value("at_s", 0.0), 0.0);
+    std::istringstream csv(slurp(dir.path() / "r.csv"));
+    std::string line;
+    int rows = -1;  // the header
+    while (std::getline(csv, line)) ++rows;
+    EXPECT_EQ(rows, completed + failed);
+    // The journal stays beside the report, one line per finished request after its header.
+    std::istringstream journal(slurp(dir.str("r.json") + ".journal.jsonl"));
+    int lines = -1;
+    while (std::getline(journal, line)) ++lines;
+    EXPECT_EQ(lines, completed + failed);
+}
+
+// SIGTERM (a user's ^C is SIGINT, handled alike) half-way through a run of ranks as threads:
+// the report of what finished is written at once, then exit 128 + 15.
+TEST(TestbedStop, SigtermWritesTheReportOfWhatFinished) {
+    TempDir dir("tb_stop_term");
+    const std::vector<std::string> args = {"--synthetic",     "300",        "--mode",
+                                           "disagg",          "--quiet",    "--report",
+                                           dir.str("r.json"), "--requests", dir.str("r.csv")};
+    StopResult s =
+        run_and_stop(0, args, dir.str("r.json") + ".journal.jsonl", 3, "kill -TERM $pid");
+    EXPECT_EQ(s.cmd.rc, 128 + 15) << s.cmd.describe();
+    EXPECT_THAT(s.cmd.err, HasSubstr("pdsim: stopped by SIGTERM: wrote " + dir.str("r.json")));
+    EXPECT_LT(s.end_s, 15);
+    expect_partial_report(dir, "stopped by SIGTERM", s.cmd);
+}
+
+// kill -9 of the decode rank under mpirun (over mpi): mpirun stops the job, its SIGTERM reaches
+// rank 0, which writes the report of what finished before the job ends, within 15 s.
+TEST(TestbedStop, DeadDecodeRankUnderMpirunLeavesAReport) {
+    TempDir dir("tb_stop_kill");
+    const std::vector<std::string> args = {"--synthetic",     "300",        "--mode",
+                                           "disagg",          "--quiet",    "--report",
+                                           dir.str("r.json"), "--requests", dir.str("r.csv")};
+    // The decode rank: the pdsim process whose environment says MPI rank 1.
+    const std::string kill_decode = "for p in $(pgrep -f " +
+                                    shell_quote(std::string(PDSIM_BINARY) + " testbed") +
+                                    "); do if tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | "
+                                    "grep -qx OMPI_COMM_WORLD_RANK=1; then kill -9 $p; fi; done";
+    StopResult s = run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3, kill_decode);
+    EXPECT_NE(s.cmd.rc, 0) << s.cmd.describe();
+    EXPECT_LT(s.end_s, 15) << s.cmd.describe();
+    expect_partial_report(dir, "stopped by SIGTERM", s.cmd);
+}
+
+// A run that ends normally removes its journal: the report supersedes it.
+TEST(TestbedStop, ANormalEndRemovesTheJournal) {
+    TempDir dir("tb_stop_none");
+    CmdResult r = run_testbed(0, small({"--mode", "disagg", "--report", dir.str("r.json")}, 3));
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    json rep = load_json(dir.path() / "r.json");
+    EXPECT_EQ(rep["requests_lost"], 0);
+    EXPECT_FALSE(std::filesystem::exists(dir.str("r.json") + ".journal.jsonl"));
+}
+
 // Bad input: exit 2, one message naming the file:line or the flag.
 TEST(TestbedBadInput, TraceLineIsNamed) {
     TempDir dir("tb_bad");

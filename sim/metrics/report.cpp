@@ -81,6 +81,7 @@ nlohmann::json to_json(const Report& r) {
     j["requests_submitted"] = r.requests_submitted;
     j["requests_completed"] = r.requests_completed;
     j["requests_failed"] = r.requests_failed;
+    j["requests_lost"] = r.requests_lost;
     j["ttft_ms"] = pj(r.ttft_ms);
     j["tpot_ms"] = pj(r.tpot_ms);
     j["e2e_ms"] = pj(r.e2e_ms);

@@ -85,6 +85,9 @@ struct Report {
     int64_t requests_submitted = 0;
     int64_t requests_completed = 0;
     int64_t requests_failed = 0;
+    // In flight when the run stopped early (the testbed's partial report, named in
+    // extra["lost_requests"]); completed + failed + lost == submitted in every report.
+    int64_t requests_lost = 0;
     Percentiles ttft_ms, tpot_ms, e2e_ms;
     double goodput_rps = 0;
     double slo_attainment = 0;

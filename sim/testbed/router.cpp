@@ -71,6 +71,7 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
     out->prefill_start_ms.assign(n, -1);
     out->token_ms.assign(n, {});
     std::vector<Track> tr(n);
+    if (rc.journal != nullptr) rc.journal->begin_phase(rc.phase);
     for (size_t i = 0; i < n; ++i) {
         auto& r = out->records[i];
         r.id = static_cast<int64_t>(i);
@@ -129,6 +130,7 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         } else {
             r.finish_ms = t_ms;
         }
+        if (rc.journal != nullptr) rc.journal->record(rc.phase, r);
         last_finish_us = std::max(last_finish_us, now_us());
         return {};
     };

@@ -26,6 +26,7 @@
 #include "sim/metrics/report.h"
 #include "sim/testbed/comm.h"
 #include "sim/testbed/options.h"
+#include "sim/testbed/result_journal.h"
 #include "sim/testbed/server.h"
 
 namespace pdsim::testbed {
@@ -37,6 +38,9 @@ struct RouterConfig {
     std::vector<double> offsets;  // per rank: its clock - rank 0's clock (us)
     bool progress = false;
     std::string label;  // for the progress line
+    // Rank 0's journal (result_journal.h): told of the phase and of every request that reaches
+    // its end, as it does. Null: none.
+    ResultJournal* journal = nullptr;
 };
 
 struct RouterResult {

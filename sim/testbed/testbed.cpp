@@ -103,6 +103,7 @@ struct Shared {
     // directory its ranks meet in (made by the first rank that asks; removed with this).
     std::mutex data_mu;
     std::string data_rendezvous_dir;
+    ResultJournal* journal = nullptr;  // rank 0's (result_journal.h); null on other ranks
 
     Shared() = default;
     Shared(const Shared&) = delete;
@@ -398,6 +399,7 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
                 rc.offsets = offsets;
                 rc.progress = o.progress;
                 rc.label = std::string(phase_name(phase));
+                rc.journal = sh.journal;
                 router_st = run_router(rc, &pd.router);
                 if (!router_st.ok()) {
                     // Never leave the instances waiting for an end.
@@ -445,7 +447,8 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
 
 // Rank 0: builds the reports, writes the files, prints; returns the run's outcome.
 Status finish(const ResolvedConfig& cfg, std::vector<PhaseData>& phases,
-              const std::vector<double>& offsets, double t_origin, const json& shaping_info) {
+              const std::vector<double>& offsets, double t_origin, const json& shaping_info,
+              ResultJournal* journal) {
     const TestbedOptions& o = cfg.options;
     metrics::Timeline tl;
     metrics::Timeline* tlp = o.timeline_path.empty() ? nullptr : &tl;
@@ -489,6 +492,7 @@ Status finish(const ResolvedConfig& cfg, std::vector<PhaseData>& phases,
     if (!o.report_path.empty()) PDSIM_RETURN_IF_ERROR(metrics::write_report(o.report_path, report));
     if (!o.requests_path.empty())
         PDSIM_RETURN_IF_ERROR(metrics::write_requests_csv(o.requests_path, csv));
+    if (journal != nullptr) journal->finish_normally();
     if (tlp != nullptr) PDSIM_RETURN_IF_ERROR(tl.write(o.timeline_path));
     if (!o.quiet) {
         std::string s =
@@ -621,7 +625,21 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
     if (!st.ok() && rank != 0) PDSIM_LOG_ERROR("rank {}: {}", rank, st.to_string());
     // Rank 0 decides; everyone returns the same outcome.
     if (rank == 0) {
-        if (st.ok()) st = finish(cfg, phases, offsets, t_origin, sh.shaping_info);
+        if (st.ok()) {
+            st = finish(cfg, phases, offsets, t_origin, sh.shaping_info, sh.journal);
+        } else if (sh.journal != nullptr) {
+            // The run stopped early: the report of what finished, and what was lost.
+            StatusOr<std::string> counts = sh.journal->write_partial(st.to_string());
+            if (counts.ok()) {
+                PDSIM_LOG_ERROR("the run stopped early; {}: {}",
+                                o.report_path.empty() ? std::string("no --report given")
+                                                      : "wrote " + o.report_path,
+                                *counts);
+            } else {
+                PDSIM_LOG_ERROR("the run stopped early, and its partial report failed: {}",
+                                counts.status().to_string());
+            }
+        }
         const int code = exit_code_of(st);
         if (!st.ok()) {
             // Print before releasing the other ranks: once one exits non-zero, mpirun kills us.
@@ -698,6 +716,17 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
                     fmt::format("mpirun -np {} but topology {} has {} ranks", world,
                                 resolved->topology_label, resolved->topology.num_ranks()));
     }
+    // Rank 0's journal (result_journal.h): its file is checked before the agreement.
+    std::unique_ptr<ResultJournal> journal;
+    if (st.ok() && rank == 0) {
+        StatusOr<std::unique_ptr<ResultJournal>> j = ResultJournal::open(*resolved);
+        if (j.ok()) {
+            journal = std::move(*j);
+            st = journal->arm_signals();
+        } else {
+            st = j.status();
+        }
+    }
     // The agreement: the lowest rank whose set-up failed (world if none).
     const int mine = st.ok() ? world : rank;
     int first_failed = world;
@@ -726,6 +755,7 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
     ResolvedConfig& cfg = *resolved;
     Shared sh;
     sh.cfg = &cfg;
+    sh.journal = journal.get();
     sh.local = false;
     sh.local_ranks = local_ranks;
     {
@@ -760,8 +790,11 @@ Status run_testbed(const TestbedOptions& options, RunInfo* info) {
     // Every rank a thread of this process.
     PDSIM_RETURN_IF_ERROR(resolved.status());
     ResolvedConfig& cfg = *resolved;
+    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<ResultJournal> journal, ResultJournal::open(cfg));
+    PDSIM_RETURN_IF_ERROR(journal->arm_signals());
     Shared sh;
     sh.cfg = &cfg;
+    sh.journal = journal.get();
     const int ranks = cfg.topology.num_ranks();
     sh.local = true;
     const topo::RankMap map = cfg.topology.rank_map();

@@ -25,7 +25,10 @@
 //     StepCounter check (an extend forward must publish exactly num_layers steps).
 //   outputs_match (--mode both): every request completed in both runs with identical tokens.
 // Exit status: 0 when every request completed, no ordering violation and (both) outputs match;
-// 2 for bad input; 1 otherwise (the report is written first).
+// 2 for bad input; 1 otherwise (the report is written first). A run that stops early (a phase
+// fails, SIGTERM or SIGINT) still writes a report of what finished, from rank 0's journal
+// (result_journal.h; 128 + the signal's number on a signal).
+//   requests_lost: 0, or (stopped early) the requests that had not finished, named.
 //
 // Output: only rank 0 prints (summary table on stdout, progress on stderr) and writes files.
 #pragma once

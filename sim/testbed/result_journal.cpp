@@ -1,0 +1,238 @@
+#include "sim/testbed/result_journal.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "common/text.h"
+#include "sim/testbed/comm.h"
+#include "sim/testbed/phase_report.h"
+#include "sim/testbed/server.h"
+
+namespace pdsim::testbed {
+
+namespace {
+
+using json = nlohmann::json;
+
+// The armed journal's pipe (write end) for the signal handler; -1 when none is armed.
+std::atomic<int> g_signal_fd{-1};
+std::atomic<bool> g_armed{false};
+int g_pipe_read = -1;
+struct sigaction g_old_term {};
+struct sigaction g_old_int {};
+
+extern "C" void on_stop_signal(int sig) {
+    const int fd = g_signal_fd.load();
+    if (fd < 0) return;
+    const unsigned char b = static_cast<unsigned char>(sig);
+    const int saved = errno;
+    [[maybe_unused]] const ssize_t n = ::write(fd, &b, 1);
+    errno = saved;
+}
+
+const char* signal_name(int sig) {
+    switch (sig) {
+        case SIGTERM: return "SIGTERM";
+        case SIGINT: return "SIGINT";
+        default: return "a signal";
+    }
+}
+
+json record_json(Phase phase, const metrics::RequestRecord& r) {
+    return {{"phase", phase_name(phase)},
+            {"id", r.id},
+            {"ok", r.ok},
+            {"error", text::sanitize_utf8(r.error)},
+            {"arrival_ms", r.arrival_ms},
+            {"first_token_ms", r.first_token_ms},
+            {"finish_ms", r.finish_ms},
+            {"input_len", r.input_len},
+            {"output_len", r.output_len},
+            {"generated", r.generated},
+            {"prefill_instance", r.prefill_instance},
+            {"decode_instance", r.decode_instance}};
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<ResultJournal>> ResultJournal::open(const ResolvedConfig& cfg) {
+    std::unique_ptr<ResultJournal> j(new ResultJournal(cfg));
+    j->t_start_us_ = now_us();
+    const std::string& report = cfg.options.report_path;
+    if (!report.empty()) {
+        j->path_ = report + ".journal.jsonl";
+        j->file_ = std::fopen(j->path_.c_str(), "w");
+        if (j->file_ == nullptr) {
+            return Status(StatusCode::kInvalidArgument,
+                          fmt::format("--report {}: cannot create its journal {}: {}", report,
+                                      j->path_, std::strerror(errno)));
+        }
+        const json head = {{"journal", "pdsim testbed"},
+                           {"requests_submitted", cfg.requests.size()},
+                           {"config", text::sanitize_utf8(describe(cfg.options))}};
+        std::fprintf(j->file_, "%s\n", text::dump_json(head).c_str());
+        std::fflush(j->file_);
+    }
+    return j;
+}
+
+ResultJournal::~ResultJournal() {
+    disarm();
+    if (file_ != nullptr) std::fclose(file_);
+}
+
+void ResultJournal::begin_phase(Phase phase) {
+    std::lock_guard<std::mutex> lock(mu_);
+    phases_.push_back({.phase = phase, .records = {}, .seen = std::vector<bool>(cfg_.requests.size())});
+}
+
+void ResultJournal::record(Phase phase, const metrics::RequestRecord& r) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (phases_.empty() || phases_.back().phase != phase) {
+        phases_.push_back(
+            {.phase = phase, .records = {}, .seen = std::vector<bool>(cfg_.requests.size())});
+    }
+    PhaseLog& log = phases_.back();
+    const auto id = static_cast<size_t>(r.id);
+    if (r.id < 0 || id >= log.seen.size() || log.seen[id]) return;
+    log.seen[id] = true;
+    log.records.push_back(r);
+    if (file_ != nullptr) {
+        std::fprintf(file_, "%s\n", text::dump_json(record_json(phase, r)).c_str());
+        std::fflush(file_);
+    }
+}
+
+StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const TestbedOptions& o = cfg_.options;
+    const auto submitted = static_cast<int64_t>(cfg_.requests.size());
+    const double at_s = (now_us() - t_start_us_) / 1e6;
+    auto phase_report = [&](const PhaseLog& log) {
+        metrics::Report r;
+        metrics::summarize_requests(log.records, metrics::Slo{o.slo_ttft_ms, o.slo_tpot_ms}, &r);
+        r.mode = std::string(phase_name(log.phase));
+        r.topology = cfg_.topology.name;
+        r.model = cfg_.model.name;
+        r.requests_submitted = submitted;
+        const int64_t lost = submitted - r.requests_completed - r.requests_failed;
+        json named = json::array();
+        for (size_t i = 0; i < log.seen.size() && named.size() < kMaxLostNamed; ++i) {
+            if (!log.seen[i]) named.push_back(i);
+        }
+        r.requests_lost = lost;
+        r.extra["lost_requests"] = std::move(named);
+        r.extra["incomplete"] = {{"cause", text::sanitize_utf8(cause)}, {"at_s", at_s}};
+        return r;
+    };
+    metrics::Report report;
+    std::vector<metrics::RequestRecord> csv;
+    const PhaseLog* dis = nullptr;
+    const PhaseLog* col = nullptr;
+    for (const PhaseLog& log : phases_) (log.phase == Phase::kDisagg ? dis : col) = &log;
+    PhaseLog none{.phase = o.mode == Mode::kColocated ? Phase::kColocated : Phase::kDisagg,
+                  .records = {},
+                  .seen = std::vector<bool>(cfg_.requests.size())};
+    if (dis == nullptr && col == nullptr) (o.mode == Mode::kColocated ? col : dis) = &none;
+    if (dis != nullptr) {
+        report = phase_report(*dis);
+        csv = dis->records;
+        if (col != nullptr) report.colocated = std::make_shared<metrics::Report>(phase_report(*col));
+    } else {
+        report = phase_report(*col);
+        csv = col->records;
+    }
+    // A mode-both run stopped in its colocated phase never started the disaggregated one.
+    if (o.mode == Mode::kBoth && dis == nullptr) {
+        metrics::Report colocated = report;
+        report = phase_report(none);
+        report.colocated = std::make_shared<metrics::Report>(std::move(colocated));
+    }
+    report.extra["config"] = testbed_config_json(cfg_);
+    if (!o.report_path.empty()) PDSIM_RETURN_IF_ERROR(metrics::write_report(o.report_path, report));
+    if (!o.requests_path.empty()) {
+        PDSIM_RETURN_IF_ERROR(metrics::write_requests_csv(o.requests_path, csv));
+    }
+    return fmt::format("{} completed, {} failed, {} lost of {}", report.requests_completed,
+                       report.requests_failed, report.requests_lost,
+                       submitted);
+}
+
+void ResultJournal::finish_normally() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (file_ != nullptr) {
+        std::fclose(file_);
+        file_ = nullptr;
+        std::remove(path_.c_str());
+    }
+}
+
+Status ResultJournal::arm_signals() {
+    bool expected = false;
+    if (!g_armed.compare_exchange_strong(expected, true)) {
+        return PDSIM_ERROR(StatusCode::kInternal, "another result journal is armed");
+    }
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) {
+        g_armed = false;
+        return PDSIM_ERROR(StatusCode::kInternal, "result journal: pipe: {}", std::strerror(errno));
+    }
+    g_pipe_read = fds[0];
+    g_signal_fd = fds[1];
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    ::sigaction(SIGTERM, &sa, &g_old_term);
+    ::sigaction(SIGINT, &sa, &g_old_int);
+    armed_ = true;
+    watcher_ = std::thread([this] { watch(); });
+    return {};
+}
+
+void ResultJournal::watch() {
+    unsigned char sig = 0;
+    for (;;) {
+        const ssize_t n = ::read(g_pipe_read, &sig, 1);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0 || sig == 0) return;  // disarm()
+        break;
+    }
+    const std::string cause = fmt::format("stopped by {}", signal_name(sig));
+    StatusOr<std::string> counts = write_partial(cause);
+    const std::string where = cfg_.options.report_path.empty()
+                                  ? std::string("no --report given")
+                                  : "wrote " + cfg_.options.report_path;
+    std::fprintf(stderr, "pdsim: %s: %s (%s)\n", cause.c_str(),
+                 counts.ok() ? (where + ": " + *counts).c_str()
+                             : counts.status().to_string().c_str(),
+                 path_.empty() ? "no journal" : ("journal " + path_).c_str());
+    std::fflush(stderr);
+    std::fflush(stdout);
+    std::_Exit(128 + sig);
+}
+
+void ResultJournal::disarm() {
+    if (!armed_) return;
+    armed_ = false;
+    ::sigaction(SIGTERM, &g_old_term, nullptr);
+    ::sigaction(SIGINT, &g_old_int, nullptr);
+    const int wfd = g_signal_fd.exchange(-1);
+    const unsigned char stop = 0;
+    [[maybe_unused]] const ssize_t n = ::write(wfd, &stop, 1);
+    if (watcher_.joinable()) watcher_.join();
+    ::close(wfd);
+    ::close(g_pipe_read);
+    g_pipe_read = -1;
+    g_armed = false;
+}
+
+}  // namespace pdsim::testbed

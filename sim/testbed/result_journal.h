@@ -1,0 +1,93 @@
+// ResultJournal: rank 0's record of every request that reached an end, kept so that a run that
+// stops early still leaves a report that adds up (docs/testbed.md "When a run stops early").
+//
+// The router calls record() as each request becomes terminal (completed or failed); the journal
+// keeps a copy and appends it as one JSON line to `<report>.journal.jsonl` (flushed per line, so a
+// SIGKILL of rank 0 itself still leaves the finished requests on disk). When the run cannot end
+// normally (a phase fails, a peer dies, a wait times out, SIGTERM or SIGINT arrives, as mpirun
+// sends when another rank died), write_partial() writes the report (and the --requests CSV) from
+// what it holds: requests_submitted is the run's request count, requests_completed and
+// requests_failed what was recorded, and requests_lost the rest, named in `lost_requests` (first
+// kMaxLostNamed ids) and each phase's `incomplete` object says why and when the run stopped. So
+// requests_completed + requests_failed + requests_lost == requests_submitted in every report.
+// On a normal end finish_normally() removes the journal file (the full report supersedes it).
+//
+// Signals: arm_signals() installs SIGTERM and SIGINT handlers (async-signal-safe: they write the
+// signal number to a pipe) and starts a watcher thread; on a signal the watcher writes the
+// partial report, prints one line to stderr and ends the process with 128 + the signal number
+// (std::_Exit: the other threads may hold locks, so nothing else runs). disarm() (also the
+// destructor) restores the previous handlers and joins the watcher. One journal may be armed per
+// process at a time.
+//
+// Thread-safety: record(), write_partial() and the watcher are safe to run concurrently (one
+// mutex); arm_signals() / disarm() / the destructor from one thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "sim/metrics/report.h"
+#include "sim/testbed/options.h"
+
+namespace pdsim::testbed {
+
+enum class Phase;
+
+inline constexpr size_t kMaxLostNamed = 1000;
+
+class ResultJournal {
+public:
+    // `cfg` outlives the journal. The journal file is `<report_path>.journal.jsonl` when the run
+    // writes a report (else the journal is in memory only). kInvalidArgument naming --report when
+    // the file cannot be created (checked before any phase runs).
+    [[nodiscard]] static StatusOr<std::unique_ptr<ResultJournal>> open(const ResolvedConfig& cfg);
+    ~ResultJournal();
+    ResultJournal(const ResultJournal&) = delete;
+    ResultJournal& operator=(const ResultJournal&) = delete;
+
+    // A phase starts: its submitted count is the run's request count.
+    void begin_phase(Phase phase);
+    // Request `record.id` of `phase` reached its end (ok or failed). Idempotent per (phase, id).
+    void record(Phase phase, const metrics::RequestRecord& record);
+
+    // Writes the report (when the run has --report) and the --requests CSV from what was
+    // recorded, with `cause` (why the run stopped: an error, "SIGTERM") in each phase's
+    // `incomplete`; returns the counts line printed for the user ("3 completed, 0 failed, 7 lost
+    // of 10"). Errors: writing the files failed.
+    [[nodiscard]] StatusOr<std::string> write_partial(const std::string& cause);
+    // The run ended normally and wrote its own report: removes the journal file.
+    void finish_normally();
+
+    // See the file comment. kInternal when another journal is armed or the pipe cannot be made.
+    [[nodiscard]] Status arm_signals();
+    void disarm();
+
+    [[nodiscard]] const std::string& journal_path() const { return path_; }
+
+private:
+    struct PhaseLog {
+        Phase phase;
+        std::vector<metrics::RequestRecord> records;  // terminal ones, in record() order
+        std::vector<bool> seen;                       // per request id
+    };
+    explicit ResultJournal(const ResolvedConfig& cfg) : cfg_(cfg) {}
+    void watch();
+
+    const ResolvedConfig& cfg_;
+    std::mutex mu_;
+    std::string path_;     // "" when there is no --report
+    std::FILE* file_ = nullptr;
+    std::vector<PhaseLog> phases_;
+    double t_start_us_ = 0;
+    // Signals.
+    bool armed_ = false;
+    std::thread watcher_;
+};
+
+}  // namespace pdsim::testbed
