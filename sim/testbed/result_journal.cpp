@@ -40,9 +40,12 @@ extern "C" void on_stop_signal(int sig) {
 
 const char* signal_name(int sig) {
     switch (sig) {
-        case SIGTERM: return "SIGTERM";
-        case SIGINT: return "SIGINT";
-        default: return "a signal";
+        case SIGTERM:
+            return "SIGTERM";
+        case SIGINT:
+            return "SIGINT";
+        default:
+            return "a signal";
     }
 }
 
@@ -91,7 +94,8 @@ ResultJournal::~ResultJournal() {
 
 void ResultJournal::begin_phase(Phase phase) {
     std::lock_guard<std::mutex> lock(mu_);
-    phases_.push_back({.phase = phase, .records = {}, .seen = std::vector<bool>(cfg_.requests.size())});
+    phases_.push_back(
+        {.phase = phase, .records = {}, .seen = std::vector<bool>(cfg_.requests.size())});
 }
 
 void ResultJournal::record(Phase phase, const metrics::RequestRecord& r) {
@@ -145,7 +149,8 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
     if (dis != nullptr) {
         report = phase_report(*dis);
         csv = dis->records;
-        if (col != nullptr) report.colocated = std::make_shared<metrics::Report>(phase_report(*col));
+        if (col != nullptr)
+            report.colocated = std::make_shared<metrics::Report>(phase_report(*col));
     } else {
         report = phase_report(*col);
         csv = col->records;
@@ -162,8 +167,7 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
         PDSIM_RETURN_IF_ERROR(metrics::write_requests_csv(o.requests_path, csv));
     }
     return fmt::format("{} completed, {} failed, {} lost of {}", report.requests_completed,
-                       report.requests_failed, report.requests_lost,
-                       submitted);
+                       report.requests_failed, report.requests_lost, submitted);
 }
 
 void ResultJournal::finish_normally() {
@@ -211,10 +215,10 @@ void ResultJournal::watch() {
     const std::string where = cfg_.options.report_path.empty()
                                   ? std::string("no --report given")
                                   : "wrote " + cfg_.options.report_path;
-    std::fprintf(stderr, "pdsim: %s: %s (%s)\n", cause.c_str(),
-                 counts.ok() ? (where + ": " + *counts).c_str()
-                             : counts.status().to_string().c_str(),
-                 path_.empty() ? "no journal" : ("journal " + path_).c_str());
+    std::fprintf(
+        stderr, "pdsim: %s: %s (%s)\n", cause.c_str(),
+        counts.ok() ? (where + ": " + *counts).c_str() : counts.status().to_string().c_str(),
+        path_.empty() ? "no journal" : ("journal " + path_).c_str());
     std::fflush(stderr);
     std::fflush(stdout);
     std::_Exit(128 + sig);

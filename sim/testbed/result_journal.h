@@ -81,7 +81,7 @@ private:
 
     const ResolvedConfig& cfg_;
     std::mutex mu_;
-    std::string path_;     // "" when there is no --report
+    std::string path_;  // "" when there is no --report
     std::FILE* file_ = nullptr;
     std::vector<PhaseLog> phases_;
     double t_start_us_ = 0;
