@@ -237,11 +237,11 @@ struct StopResult {
     double end_s = -1;  // seconds from the stop to the end; -1: never stopped
 };
 StopResult run_and_stop(int np, const std::vector<std::string>& args, const std::string& journal,
-                        int finished, const std::string& stop) {
+                        int finished, const std::string& stop, const std::string& env = "") {
     TempDir io("testbed_stop");
-    std::string launch =
-        np > 0 ? shell_quote(PDSIM_MPIEXEC) + " --oversubscribe -np " + std::to_string(np) + " "
-               : "";
+    std::string launch = env.empty() ? "" : env + " ";
+    if (np > 0)
+        launch += shell_quote(PDSIM_MPIEXEC) + " --oversubscribe -np " + std::to_string(np) + " ";
     launch += shell_quote(PDSIM_BINARY) + " testbed";
     for (const auto& a : args) launch += " " + shell_quote(a);
     // Poll the journal's line count (for at most 90 s, or until pdsim ends), stop, wait.
@@ -308,6 +308,26 @@ TEST(TestbedStop, SigtermWritesTheReportOfWhatFinished) {
     EXPECT_THAT(s.cmd.err, HasSubstr("pdsim: stopped by SIGTERM: wrote " + dir.str("r.json")));
     EXPECT_LT(s.end_s, 15);
     expect_partial_report(dir, "stopped by SIGTERM", s.cmd);
+}
+
+// SIGTERM to mpirun (as a batch system's time limit sends) over tcp: mpirun passes it on, rank 0
+// writes the report, and the run's bootstrap directory (under $TMPDIR) goes with it.
+TEST(TestbedStop, SigtermRemovesTheTcpBootstrapDirectory) {
+    TempDir dir("tb_stop_tcp");
+    std::filesystem::create_directories(dir.path() / "tmp");
+    const std::vector<std::string> args = {
+        "--synthetic", "300",      "--mode",          "disagg",     "--transport",   "tcp",
+        "--quiet",     "--report", dir.str("r.json"), "--requests", dir.str("r.csv")};
+    StopResult s = run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3, "kill -TERM $pid",
+                                "TMPDIR=" + shell_quote(dir.str("tmp")));
+    EXPECT_NE(s.cmd.rc, 0) << s.cmd.describe();
+    EXPECT_LT(s.end_s, 15) << s.cmd.describe();
+    expect_partial_report(dir, "stopped by SIGTERM", s.cmd);
+    std::vector<std::string> left;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path() / "tmp")) {
+        left.push_back(e.path().filename().string());
+    }
+    EXPECT_TRUE(left.empty()) << left.front();
 }
 
 // kill -9 of the decode rank under mpirun (over mpi): mpirun stops the job, its SIGTERM reaches

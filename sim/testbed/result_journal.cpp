@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "common/text.h"
@@ -170,6 +171,16 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
                        report.requests_failed, report.requests_lost, submitted);
 }
 
+void ResultJournal::add_temp_dir(const std::string& dir) {
+    std::lock_guard<std::mutex> lock(mu_);
+    temp_dirs_.push_back(dir);
+}
+
+void ResultJournal::forget_temp_dir(const std::string& dir) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase(temp_dirs_, dir);
+}
+
 void ResultJournal::finish_normally() {
     std::lock_guard<std::mutex> lock(mu_);
     if (file_ != nullptr) {
@@ -212,6 +223,13 @@ void ResultJournal::watch() {
     }
     const std::string cause = fmt::format("stopped by {}", signal_name(sig));
     StatusOr<std::string> counts = write_partial(cause);
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const std::string& dir : temp_dirs_) {
+            std::error_code ec;
+            std::filesystem::remove_all(dir, ec);
+        }
+    }
     const std::string where = cfg_.options.report_path.empty()
                                   ? std::string("no --report given")
                                   : "wrote " + cfg_.options.report_path;

@@ -15,7 +15,8 @@
 // Signals: arm_signals() installs SIGTERM and SIGINT handlers (async-signal-safe: they write the
 // signal number to a pipe) and starts a watcher thread; on a signal the watcher writes the
 // partial report, prints one line to stderr and ends the process with 128 + the signal number
-// (std::_Exit: the other threads may hold locks, so nothing else runs). disarm() (also the
+// (std::_Exit: the other threads may hold locks, so nothing else runs but the removal of the temp
+// directories registered with add_temp_dir). disarm() (also the
 // destructor) restores the previous handlers and joins the watcher. One journal may be armed per
 // process at a time.
 //
@@ -67,6 +68,10 @@ public:
     // See the file comment. kInternal when another journal is armed or the pipe cannot be made.
     [[nodiscard]] Status arm_signals();
     void disarm();
+    // A temporary directory of the run (a tcp bootstrap directory) that a signal's end removes
+    // too (a normal end removes it itself, then calls forget_temp_dir).
+    void add_temp_dir(const std::string& dir);
+    void forget_temp_dir(const std::string& dir);
 
     [[nodiscard]] const std::string& journal_path() const { return path_; }
 
@@ -84,6 +89,7 @@ private:
     std::string path_;  // "" when there is no --report
     std::FILE* file_ = nullptr;
     std::vector<PhaseLog> phases_;
+    std::vector<std::string> temp_dirs_;
     double t_start_us_ = 0;
     // Signals.
     bool armed_ = false;

@@ -220,6 +220,7 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_data_transport(Shared& sh, i
                                    name, std::filesystem::temp_directory_path().string());
             }
             sh.data_rendezvous_dir = tmpl;
+            if (sh.journal != nullptr) sh.journal->add_temp_dir(tmpl);
         }
         gto.rendezvous_dir = sh.data_rendezvous_dir;
     }
@@ -358,6 +359,7 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
         Status setup = [&]() -> Status {
             if (phase != Phase::kDisagg) return {};
             PDSIM_ASSIGN_OR_RETURN(kv, make_kv_transport(sh, mbox, ctx.rank, &tcp_dir));
+            if (!tcp_dir.empty() && sh.journal != nullptr) sh.journal->add_temp_dir(tcp_dir);
             PDSIM_ASSIGN_OR_RETURN(data, make_data_transport(sh, ctx.rank, ctx.world, ctx.gpu));
             return {};
         }();
@@ -377,6 +379,7 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
             if (!tcp_dir.empty()) {
                 std::error_code ec;
                 std::filesystem::remove_all(tcp_dir, ec);
+                if (sh.journal != nullptr) sh.journal->forget_temp_dir(tcp_dir);
             }
         };
         if (!agreed.ok()) {
