@@ -372,6 +372,8 @@ Status barrier(Mailbox& mbox, const std::string& name, std::chrono::milliseconds
         return {};
     }
     const auto deadline = Clock::now() + timeout;
+    std::vector<bool> arrived(static_cast<size_t>(mbox.size()), false);
+    arrived[0] = true;
     for (int i = 1; i < mbox.size(); ++i) {
         const auto left =
             std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
@@ -379,9 +381,17 @@ Status barrier(Mailbox& mbox, const std::string& name, std::chrono::milliseconds
                                mbox.recv_kind(Channel::kCollect, arrive,
                                               std::max(left, std::chrono::microseconds(0))));
         if (!m) {
+            std::string missing;
+            for (size_t r = 0; r < arrived.size(); ++r) {
+                if (!arrived[r]) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+            }
             return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                               "barrier {}: only {} of {} ranks arrived", name, i, mbox.size());
+                               "barrier {}: only {} of {} ranks arrived within {} s; rank{} {} "
+                               "did not (dead or hung)",
+                               name, i, mbox.size(), timeout.count() / 1000,
+                               mbox.size() - i > 1 ? "s" : "", missing);
         }
+        if (m->src > 0 && m->src < mbox.size()) arrived[static_cast<size_t>(m->src)] = true;
     }
     for (int r = 1; r < mbox.size(); ++r)
         PDSIM_RETURN_IF_ERROR(mbox.send(r, Channel::kCollect, {{"k", leave}}));

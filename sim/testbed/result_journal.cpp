@@ -163,6 +163,7 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
         report.colocated = std::make_shared<metrics::Report>(std::move(colocated));
     }
     report.extra["config"] = testbed_config_json(cfg_);
+    report_written_ = true;
     if (!o.report_path.empty()) PDSIM_RETURN_IF_ERROR(metrics::write_report(o.report_path, report));
     if (!o.requests_path.empty()) {
         PDSIM_RETURN_IF_ERROR(metrics::write_requests_csv(o.requests_path, csv));
@@ -183,6 +184,7 @@ void ResultJournal::forget_temp_dir(const std::string& dir) {
 
 void ResultJournal::finish_normally() {
     std::lock_guard<std::mutex> lock(mu_);
+    report_written_ = true;
     if (file_ != nullptr) {
         std::fclose(file_);
         file_ = nullptr;
@@ -222,6 +224,18 @@ void ResultJournal::watch() {
         break;
     }
     const std::string cause = fmt::format("stopped by {}", signal_name(sig));
+    bool written = false;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        written = report_written_;
+    }
+    if (written) {
+        // The run wrote its report already (an error's partial one, with its cause, or the full
+        // one): keep it.
+        std::fprintf(stderr, "pdsim: %s after the report was written (it stands)\n", cause.c_str());
+        std::fflush(stderr);
+        std::_Exit(128 + sig);
+    }
     StatusOr<std::string> counts = write_partial(cause);
     {
         std::lock_guard<std::mutex> lock(mu_);

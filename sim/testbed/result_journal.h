@@ -91,6 +91,7 @@ private:
     std::vector<PhaseLog> phases_;
     std::vector<std::string> temp_dirs_;
     double t_start_us_ = 0;
+    bool report_written_ = false;  // partial or full: a signal then keeps it (and its cause)
     // Signals.
     bool armed_ = false;
     std::thread watcher_;

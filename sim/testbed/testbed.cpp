@@ -773,8 +773,17 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
             st = run_rank(sh, rank, std::move(*mbox), tp->get());
         }
     }
-    MPI_Finalize();
     info->error_printed = sh.error_printed;
+    if (st.code() == StatusCode::kDeadlineExceeded || st.code() == StatusCode::kUnavailable) {
+        // A peer is dead or hung (it missed a barrier, a collection, the outcome): MPI_Finalize
+        // would wait for it forever. The report is written (rank 0) and the error printed; end the
+        // job here.
+        PDSIM_LOG_ERROR("rank {}: ending the job (MPI_Abort): a peer did not answer", rank);
+        std::fflush(stdout);
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, exit_code_of(st));
+    }
+    MPI_Finalize();
     return st;
 }
 
