@@ -348,6 +348,35 @@ TEST(TestbedStop, DeadDecodeRankUnderMpirunLeavesAReport) {
     expect_partial_report(dir, "stopped by SIGTERM", s.cmd);
 }
 
+// kill -STOP of the decode rank under mpirun (a hung process): the request timeouts fail what it
+// held, the end-of-phase barrier names it, rank 0 writes the report with that cause and ends the
+// job (MPI_Abort: MPI_Finalize would wait for the hung rank) -- bounded by --request-timeout-s +
+// 60 s after the last arrival, not by mpirun noticing anything.
+TEST(TestbedStop, HungDecodeRankUnderMpirunEndsTheRunWithAReport) {
+    TempDir dir("tb_stop_hung");
+    const std::vector<std::string> args = {
+        "--synthetic",         "40", "--time-scale", "0.05",     "--mode",          "disagg",
+        "--request-timeout-s", "2",  "--quiet",      "--report", dir.str("r.json"), "--requests",
+        dir.str("r.csv")};
+    const std::string stop_decode = "for p in $(pgrep -f " +
+                                    shell_quote(std::string(PDSIM_BINARY) + " testbed") +
+                                    "); do if tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | "
+                                    "grep -qx OMPI_COMM_WORLD_RANK=1; then kill -STOP $p; fi; done";
+    StopResult s = run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3, stop_decode);
+    EXPECT_EQ(s.cmd.rc, 1) << s.cmd.describe();
+    EXPECT_LT(s.end_s, 120) << s.cmd.describe();
+    EXPECT_THAT(s.cmd.err,
+                HasSubstr("no results from rank 1 within 62 s of the phase's end (dead or hung)"));
+    json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << s.cmd.describe();
+    EXPECT_EQ(rep["requests_completed"].get<int>() + rep["requests_failed"].get<int>() +
+                  rep["requests_lost"].get<int>(),
+              rep["requests_submitted"].get<int>());
+    EXPECT_GT(rep["requests_completed"].get<int>(), 0);
+    EXPECT_GT(rep["requests_failed"].get<int>(), 0);
+    EXPECT_THAT(rep["incomplete"].value("cause", ""), HasSubstr("no results from rank 1"));
+}
+
 // A run that ends normally removes its journal: the report supersedes it.
 TEST(TestbedStop, ANormalEndRemovesTheJournal) {
     TempDir dir("tb_stop_none");

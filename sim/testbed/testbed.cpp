@@ -439,6 +439,18 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
                 pd.results[static_cast<size_t>(m->src)] = std::move(res);
                 ++got;
             }
+            // A rank that sent nothing is dead or hung: the barrier below would only wait for
+            // it as long again.
+            std::string missing;
+            for (size_t r = 1; r < pd.results.size(); ++r) {
+                if (!pd.results[r]) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+            }
+            if (!missing.empty()) {
+                return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                                   "{} phase: no results from rank {} within {} s of the phase's "
+                                   "end (dead or hung)",
+                                   phase_name(phase), missing, collect_timeout.count() / 1000);
+            }
         }
         PDSIM_RETURN_IF_ERROR(
             barrier(mbox, fmt::format("end-{}", phase_name(phase)), collect_timeout));
