@@ -189,6 +189,11 @@ void add_limit_flags(CLI::App* sub, testbed::TestbedOptions& o) {
                     "a request not finished this long after its arrival fails")
         ->check(real_in(0, L::kMaxRequestTimeoutS, /*lo_open=*/true))
         ->capture_default_str();
+    sub->add_option("--heartbeat-timeout-s", o.heartbeat_timeout_s,
+                    "a rank silent this long (heartbeats go once a second) is dead or hung: the "
+                    "requests its instance holds fail, the rest of the run goes on (0: off)")
+        ->check(real_in(0, L::kMaxHeartbeatTimeoutS))
+        ->capture_default_str();
     sub->add_option("--threads", o.threads,
                     "compute threads per rank (default: cores / ranks on the node)")
         ->check(int_in(1, L::kMaxThreads));

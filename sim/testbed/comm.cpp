@@ -241,7 +241,7 @@ private:
 }  // namespace
 
 LocalHub::LocalHub(int size) : size_(size) {
-    for (int i = 0; i < size * 4; ++i) queues_.push_back(std::make_unique<Queue>());
+    for (int i = 0; i < size * kNumChannels; ++i) queues_.push_back(std::make_unique<Queue>());
 }
 
 std::unique_ptr<Mailbox> LocalHub::mailbox(int rank) {
@@ -249,7 +249,7 @@ std::unique_ptr<Mailbox> LocalHub::mailbox(int rank) {
 }
 
 void LocalHub::push(int dst, Channel channel, Message m) {
-    Queue& q = *queues_[static_cast<size_t>(dst * 4 + static_cast<int>(channel))];
+    Queue& q = *queues_[static_cast<size_t>(dst * kNumChannels + static_cast<int>(channel))];
     {
         std::lock_guard<std::mutex> lock(q.mu);
         q.q.push_back(std::move(m));
@@ -258,7 +258,7 @@ void LocalHub::push(int dst, Channel channel, Message m) {
 }
 
 std::optional<Message> LocalHub::pop(int rank, Channel channel, std::chrono::microseconds timeout) {
-    Queue& q = *queues_[static_cast<size_t>(rank * 4 + static_cast<int>(channel))];
+    Queue& q = *queues_[static_cast<size_t>(rank * kNumChannels + static_cast<int>(channel))];
     std::unique_lock<std::mutex> lock(q.mu);
     if (!q.cv.wait_for(lock, timeout, [&] { return !q.q.empty(); })) return std::nullopt;
     Message m = std::move(q.q.front());

@@ -45,7 +45,9 @@ namespace pdsim::testbed {
 // steady_clock time point -> now_us() scale.
 [[nodiscard]] double to_us(std::chrono::steady_clock::time_point t);
 
-enum class Channel : int { kInstance = 1, kRouter = 2, kCollect = 3 };
+// kHeartbeat: every rank but 0 tells rank 0's router once a second that it is alive (router.h).
+enum class Channel : int { kInstance = 1, kRouter = 2, kCollect = 3, kHeartbeat = 4 };
+inline constexpr int kNumChannels = 5;  // indices 0 .. kHeartbeat
 
 struct Message {
     int src = -1;
@@ -74,7 +76,7 @@ protected:
 
 private:
     std::mutex stash_mu_;
-    std::deque<Message> stash_[4];
+    std::deque<Message> stash_[kNumChannels];
 };
 
 // ---- MPI ----
@@ -141,7 +143,7 @@ private:
         std::deque<Message> q;
     };
     int size_;
-    std::vector<std::unique_ptr<Queue>> queues_;  // [rank * 4 + channel]
+    std::vector<std::unique_ptr<Queue>> queues_;  // [rank * kNumChannels + channel]
 };
 
 class LocalTpGroup {

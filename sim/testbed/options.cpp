@@ -97,6 +97,13 @@ Status check_ranges(const TestbedOptions& o) {
     PDSIM_RETURN_IF_ERROR(check_real("--slo-tpot-ms", o.slo_tpot_ms, 0, L::kMaxSloMs));
     PDSIM_RETURN_IF_ERROR(check_real("--request-timeout-s", o.request_timeout_s, 0,
                                      L::kMaxRequestTimeoutS, /*lo_open=*/true));
+    PDSIM_RETURN_IF_ERROR(
+        check_real("--heartbeat-timeout-s", o.heartbeat_timeout_s, 0, L::kMaxHeartbeatTimeoutS));
+    if (o.heartbeat_timeout_s > 0 && o.heartbeat_timeout_s < 2) {
+        return invalid_argument_error(fmt::format(
+            "--heartbeat-timeout-s {}: at least 2 (heartbeats go once a second), or 0 for off",
+            o.heartbeat_timeout_s));
+    }
     PDSIM_RETURN_IF_ERROR(check_int("--threads", o.threads, 0, L::kMaxThreads));
     PDSIM_RETURN_IF_ERROR(
         check_int("--transport-fault-rank", o.transport_fault_rank, -1, int64_t{1} << 20));

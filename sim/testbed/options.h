@@ -88,7 +88,8 @@ struct TestbedLimits {
     static constexpr int64_t kMaxKvPoolMb = 65'536;  // 64 GiB per rank
     static constexpr double kMaxSloMs = 1e9;
     static constexpr double kMaxRequestTimeoutS = 86'400;  // one day
-    static constexpr int64_t kMaxThreads = 512;            // compute threads per rank
+    static constexpr double kMaxHeartbeatTimeoutS = 3'600;
+    static constexpr int64_t kMaxThreads = 512;  // compute threads per rank
 };
 
 struct TestbedOptions {
@@ -126,6 +127,9 @@ struct TestbedOptions {
     double slo_ttft_ms = 0;
     double slo_tpot_ms = 0;
     double request_timeout_s = 30;  // per request, prefill submit -> decode finish
+    // A rank silent this long (no heartbeat; they go once a second) is dead or hung: the router
+    // fails the requests its instance holds and routes no more to it (router.h). 0: off.
+    double heartbeat_timeout_s = 5;
     std::string report_path;
     std::string timeline_path;
     std::string requests_path;

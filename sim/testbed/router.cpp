@@ -90,6 +90,13 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
     };
     auto leader = [&](int inst) { return map.first_rank(inst); };
 
+    // Liveness (heartbeats; see router.h).
+    const double hb_timeout_us = cfg.options.heartbeat_timeout_s * 1e6;
+    const int world = map.world_size();
+    std::vector<double> last_seen(static_cast<size_t>(world), t_base);
+    std::vector<bool> rank_dead(static_cast<size_t>(world), false);
+    std::vector<bool> inst_dead(static_cast<size_t>(ninst), false);
+
     size_t next = 0, terminal = 0, failed = 0;
     double last_finish_us = t_base;
     // Load bookkeeping: what a request contributes until its first token (a) and until terminal
@@ -99,10 +106,12 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         if (t.first_seen || t.prefill_done) return;
         t.prefill_done = true;
         const int inst = colocated ? t.d : t.p;
+        if (inst < 0) return;  // never assigned (no live instance)
         load_a[static_cast<size_t>(inst)] -= reqs[i].input_len;
     };
     auto release_b = [&](size_t i) {
         Track& t = tr[i];
+        if (t.d < 0) return;  // never assigned (no live instance)
         if (colocated) {
             load_a[static_cast<size_t>(t.d)] -= reqs[i].output_len;
         } else {
@@ -124,7 +133,7 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             r.finish_ms = -1;
             // Tell the instances to drop it (no-op where it is already gone).
             const json c = encode_message(CancelMsg{.id = i});
-            PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.d), Channel::kInstance, c));
+            if (t.d >= 0) PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.d), Channel::kInstance, c));
             if (!colocated && t.p >= 0)
                 PDSIM_RETURN_IF_ERROR(rc.mbox->send(leader(t.p), Channel::kInstance, c));
         } else {
@@ -210,8 +219,44 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         std::fflush(stderr);
     };
 
+    // A rank silent past the heartbeat timeout: its instance is dead (see router.h).
+    auto check_liveness = [&](double now) -> Status {
+        if (hb_timeout_us <= 0) return {};
+        for (int r = 1; r < world; ++r) {
+            const auto ri = static_cast<size_t>(r);
+            if (rank_dead[ri] || now - last_seen[ri] <= hb_timeout_us) continue;
+            rank_dead[ri] = true;
+            out->dead_ranks.push_back(r);
+            const int inst = map.at(r).instance;
+            const std::string& id = cfg.topology.instances[static_cast<size_t>(inst)].id;
+            const std::string why = fmt::format(
+                "instance {} (rank {}) silent for {:.0f} s: dead or hung (--heartbeat-timeout-s)",
+                id, r, (now - last_seen[ri]) / 1e6);
+            PDSIM_LOG_ERROR("router: {}; its requests fail, the rest of the run goes on", why);
+            if (inst_dead[static_cast<size_t>(inst)]) continue;
+            inst_dead[static_cast<size_t>(inst)] = true;
+            for (auto* list : {&prefill, &decode, &all}) std::erase(*list, inst);
+            for (size_t i = 0; i < next; ++i) {
+                if (!tr[i].terminal && (tr[i].p == inst || tr[i].d == inst)) {
+                    PDSIM_RETURN_IF_ERROR(make_terminal(i, false, "request: " + why, -1));
+                }
+            }
+        }
+        return {};
+    };
+
     while (terminal < n) {
         const double now = now_us();
+        {
+            // Heartbeats (and any report) say who is alive.
+            PDSIM_ASSIGN_OR_RETURN(std::optional<Message> hb,
+                                   rc.mbox->recv(Channel::kHeartbeat, microseconds(0)));
+            while (hb) {
+                if (hb->src > 0 && hb->src < world) last_seen[static_cast<size_t>(hb->src)] = now;
+                PDSIM_ASSIGN_OR_RETURN(hb, rc.mbox->recv(Channel::kHeartbeat, microseconds(0)));
+            }
+            PDSIM_RETURN_IF_ERROR(check_liveness(now));
+        }
         // Dispatch what is due.
         while (next < n && t_base + reqs[next].arrival_ms * 1000.0 <= now) {
             const size_t i = next++;
@@ -223,6 +268,18 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             sub.input_len = reqs[i].input_len;
             sub.output_len = reqs[i].output_len;
             sub.hash = reqs[i].hash_ids;
+            const bool no_live = colocated ? all.empty() : prefill.empty() || decode.empty();
+            if (no_live) {
+                PDSIM_RETURN_IF_ERROR(make_terminal(
+                    i, false,
+                    fmt::format("no live {} instance left (the others were silent past "
+                                "--heartbeat-timeout-s)",
+                                colocated         ? "colocated"
+                                : prefill.empty() ? "prefill"
+                                                  : "decode"),
+                    -1));
+                continue;
+            }
             if (colocated) {
                 t.d = t.p = pick(all, load_a, &last_a);
                 load_a[static_cast<size_t>(t.d)] += reqs[i].input_len + reqs[i].output_len;
@@ -270,6 +327,7 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             std::optional<Message> m,
             rc.mbox->recv(Channel::kRouter, microseconds(static_cast<int64_t>(wait_us))));
         while (m) {
+            if (m->src > 0 && m->src < world) last_seen[static_cast<size_t>(m->src)] = now_us();
             PDSIM_RETURN_IF_ERROR(on_report(*m));
             PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));
         }

@@ -16,6 +16,12 @@
 // its arrival plus a grace period: the router then fails it and tells its instances to drop it).
 // So requests_completed + requests_failed == requests_submitted, always.
 //
+// Liveness: every rank but 0 sends a heartbeat on Channel::kHeartbeat once a second; a rank
+// silent for --heartbeat-timeout-s (or whose reports stopped) is dead or hung: the router fails
+// every unfinished request its instance holds ("instance X (rank R) silent for N s: dead or
+// hung"), routes nothing more to it (requests that find no live instance of a role fail at
+// once), lists it in RouterResult::dead_ranks, and the rest of the run goes on.
+//
 // When every request is terminal the router sends "end" to every instance leader.
 // Thread-safety: run_router owns its state; it uses the mailbox's kRouter channel only.
 #pragma once
@@ -49,6 +55,7 @@ struct RouterResult {
     std::vector<std::vector<double>> token_ms;    // per request: time of each token
     double t_base_us = 0;                         // phase start on rank 0's clock
     double wall_s = 0;                            // phase start -> last request terminal
+    std::vector<int> dead_ranks;                  // silent past --heartbeat-timeout-s
 };
 
 [[nodiscard]] Status run_router(const RouterConfig& config, RouterResult* result);

@@ -5,10 +5,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -339,6 +342,40 @@ Status decide_shaping(Shared& sh, RankContext& ctx) {
 
 // ---- one rank ----
 
+// A rank's heartbeat to rank 0's router (router.h "Liveness"): once a second while it lives.
+class Heartbeat {
+public:
+    explicit Heartbeat(Mailbox& mbox) : mbox_(mbox) {
+        thread_ = std::thread([this] {
+            set_thread_name("pdsim-heartbeat");
+            std::unique_lock<std::mutex> lock(mu_);
+            while (!stop_) {
+                lock.unlock();
+                mbox_.send(0, Channel::kHeartbeat, {{"k", "hb"}}).ignore_error();
+                lock.lock();
+                cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; });
+            }
+        });
+    }
+    ~Heartbeat() {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            stop_ = true;
+        }
+        cv_.notify_all();
+        thread_.join();
+    }
+    Heartbeat(const Heartbeat&) = delete;
+    Heartbeat& operator=(const Heartbeat&) = delete;
+
+private:
+    Mailbox& mbox_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool stop_ = false;
+    std::thread thread_;
+};
+
 Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offsets,
                   std::vector<PhaseData>* phases) {
     const ResolvedConfig& cfg = *sh.cfg;
@@ -414,7 +451,10 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
                 }
             });
         }
+        std::optional<Heartbeat> heartbeat;
+        if (ctx.rank != 0) heartbeat.emplace(mbox);
         Status st = server->run();
+        heartbeat.reset();
         if (!st.ok())
             PDSIM_LOG_ERROR("rank {}: {} phase: {}", ctx.rank, phase_name(phase), st.to_string());
         RankResult result = server->finish(st);
@@ -427,7 +467,9 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
             pd.results.assign(static_cast<size_t>(ctx.world), std::nullopt);
             pd.results[0] = std::move(result);
             const auto deadline = std::chrono::steady_clock::now() + collect_timeout;
-            for (int got = 1; got < ctx.world;) {
+            // Ranks the router found dead send nothing: not waited for.
+            const int dead = static_cast<int>(pd.router.dead_ranks.size());
+            for (int got = 1; got < ctx.world - dead;) {
                 const auto left = std::chrono::duration_cast<std::chrono::microseconds>(
                     deadline - std::chrono::steady_clock::now());
                 if (left.count() <= 0) break;
@@ -441,6 +483,17 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
             }
             // A rank that sent nothing is dead or hung: the barrier below would only wait for
             // it as long again.
+            if (!pd.router.dead_ranks.empty()) {
+                std::string ranks;
+                for (int r : pd.router.dead_ranks) {
+                    ranks += fmt::format("{}{}", ranks.empty() ? "" : ", ", r);
+                }
+                return PDSIM_ERROR(StatusCode::kUnavailable,
+                                   "{} phase: rank {} went silent (dead or hung; no heartbeat for "
+                                   "{} s): the requests its instance held failed, the others ran "
+                                   "on",
+                                   phase_name(phase), ranks, o.heartbeat_timeout_s);
+            }
             std::string missing;
             for (size_t r = 1; r < pd.results.size(); ++r) {
                 if (!pd.results[r]) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
