@@ -47,9 +47,8 @@ protected:
 std::string id_of(const RankPair& p) {
     std::string id(kIdBytes, '\0');
     for (size_t i = 0; i < kIdBytes; ++i) {
-        id[i] = static_cast<char>((i * 31 + static_cast<size_t>(p.low) * 7 +
-                                   static_cast<size_t>(p.high) * 13) &
-                                  0xff);
+        id[i] = static_cast<char>(
+            (i * 31 + static_cast<size_t>(p.low) * 7 + static_cast<size_t>(p.high) * 13) & 0xff);
     }
     id[5] = '\n';
     id[6] = '\0';

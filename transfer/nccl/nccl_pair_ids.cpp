@@ -3,6 +3,7 @@
 
 #include <mpi.h>
 
+#include <memory>
 #include <optional>
 #include <thread>
 
@@ -53,7 +54,9 @@ StatusOr<RankPair> rank_pair(int a, int b) {
     return RankPair{std::min(a, b), std::max(a, b)};
 }
 
-int rank_in_pair(const RankPair& pair, int self) { return self == pair.low ? 0 : 1; }
+int rank_in_pair(const RankPair& pair, int self) {
+    return self == pair.low ? 0 : 1;
+}
 
 std::vector<RankPair> pairs_of(int rank, int world) {
     std::vector<RankPair> out;
@@ -72,8 +75,7 @@ std::string pair_id_path(const std::string& directory, const RankPair& pair) {
 }
 
 StatusOr<std::vector<std::string>> exchange_pair_ids_via_files(const std::string& directory,
-                                                               int rank, int world,
-                                                               size_t id_bytes,
+                                                               int rank, int world, size_t id_bytes,
                                                                const MakePairId& make_id,
                                                                std::chrono::milliseconds timeout) {
     PDSIM_RETURN_IF_ERROR(check_world(rank, world));
@@ -134,16 +136,22 @@ StatusOr<std::vector<std::string>> exchange_pair_ids_via_mpi(int rank, int world
                                                              std::chrono::milliseconds timeout) {
     PDSIM_RETURN_IF_ERROR(check_world(rank, world));
     const auto deadline = std::chrono::steady_clock::now() + timeout;
-    std::vector<std::string> ids(static_cast<size_t>(world));
+    // The ids are the requests' buffers. A request given up on (cancelled and freed) may still
+    // complete in the background (a send already under way, a receive matched meanwhile), so
+    // then the buffers are leaked rather than freed (world x 128 bytes, once, on a failed setup).
+    auto owned = std::make_unique<std::vector<std::string>>(static_cast<size_t>(world));
+    std::vector<std::string>& ids = *owned;
     std::vector<MPI_Request> requests;
     std::vector<int> request_peer;  // the peer of each request
-    std::vector<bool> is_recv;
     auto release = [&] {
+        bool active = false;
         for (MPI_Request& r : requests) {
             if (r == MPI_REQUEST_NULL) continue;
+            active = true;
             MPI_Cancel(&r);
             MPI_Request_free(&r);
         }
+        if (active) static_cast<void>(owned.release());
     };
     for (const RankPair& pair : pairs_of(rank, world)) {
         const int peer = pair.low == rank ? pair.high : pair.low;
@@ -166,13 +174,13 @@ StatusOr<std::vector<std::string>> exchange_pair_ids_via_mpi(int rank, int world
         }
         if (rc != MPI_SUCCESS) {
             release();
-            return PDSIM_ERROR(StatusCode::kUnavailable, "nccl rank {}: MPI_I{} of the id for {} "
-                               "failed (MPI error {})", rank,
-                               creates_pair_id(pair, rank) ? "send" : "recv", peer, rc);
+            return PDSIM_ERROR(StatusCode::kUnavailable,
+                               "nccl rank {}: MPI_I{} of the id for {} "
+                               "failed (MPI error {})",
+                               rank, creates_pair_id(pair, rank) ? "send" : "recv", peer, rc);
         }
         requests.push_back(req);
         request_peer.push_back(peer);
-        is_recv.push_back(!creates_pair_id(pair, rank));
     }
     for (;;) {
         int all_done = 0;

@@ -18,7 +18,8 @@
 // was initialized with MPI_THREAD_MULTIPLE). Blocking: the exchanges poll (every 2-10 ms) until
 // every id is through or `timeout` has passed; nothing waits without that bound.
 // Errors: kInvalidArgument  bad ranks / world, empty directory;
-//         kDeadlineExceeded  the timeout passed: the message names this rank, the peers whose id did
+//         kDeadlineExceeded  the timeout passed: the message names this rank, the peers whose id
+//         did
 //                            not arrive (and, for files, the directory and the files), and the
 //                            timeout;
 //         kDataLoss          an id of the wrong size; kUnavailable: a file or MPI call failed;
