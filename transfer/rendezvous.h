@@ -4,8 +4,8 @@
 // "<directory>/rank-<r>.<key>"; the others read it. Publishing is atomic (a temporary file renamed
 // into place), so a reader sees either no file or the whole value. The directory may be local
 // (ranks on one host) or on a file system every host shares. tcp publishes each rank's listening
-// address under key "addr" (transfer/tcp/tcp_transport.h), nccl rank 0's unique id under
-// "nccl-id" (transfer/nccl/gpu_transports.h).
+// address under key "addr" (transfer/tcp/tcp_transport.h), nccl each rank pair's unique id under
+// "nccl-pair-<low>-<high>", published by the lower rank (transfer/nccl/nccl_pair_ids.h).
 //
 // Thread-safety: the object is immutable; every method may be called from any thread at once.
 // Blocking: publish and try_read do a few file-system calls; only collect waits (polling every

@@ -17,7 +17,7 @@ namespace {
 
 class CudaEvent final : public Event {
 public:
-    explicit CudaEvent(cudaEvent_t ev) : ev_(ev) {}
+    CudaEvent(cudaEvent_t ev, int device) : ev_(ev), device_(device) {}
     ~CudaEvent() override { cudaEventDestroy(ev_); }
     [[nodiscard]] bool query() const override { return cudaEventQuery(ev_) == cudaSuccess; }
     [[nodiscard]] Status synchronize(std::chrono::milliseconds timeout) const override {
@@ -34,9 +34,11 @@ public:
         }
     }
     cudaEvent_t handle() const { return ev_; }
+    int device() const { return device_; }
 
 private:
     cudaEvent_t ev_;
+    int device_;
 };
 
 class CudaGraph final : public Graph {
@@ -104,7 +106,7 @@ public:
         cudaEvent_t ev = nullptr;
         cudaSetDevice(device_);
         if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) return nullptr;
-        return std::make_unique<CudaEvent>(ev);
+        return std::make_unique<CudaEvent>(ev, device_);
     }
     [[nodiscard]] Status record(Event& event) override {
         auto* ev = dynamic_cast<CudaEvent*>(&event);
@@ -270,6 +272,12 @@ StatusOr<cudaEvent_t> native_event(Event& event) {
     auto* ev = dynamic_cast<CudaEvent*>(&event);
     if (ev == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "not a CUDA event");
     return ev->handle();
+}
+
+StatusOr<NativeEvent> native_event_of(const Event& event) {
+    const auto* ev = dynamic_cast<const CudaEvent*>(&event);
+    if (ev == nullptr) return PDSIM_ERROR(StatusCode::kInvalidArgument, "not a CUDA event");
+    return NativeEvent{ev->handle(), ev->device()};
 }
 
 }  // namespace pdsim::runtime::cuda

@@ -18,6 +18,16 @@ namespace pdsim::runtime::cuda {
 // The cudaEvent_t behind an event created by a CudaStream; kInvalidArgument otherwise.
 [[nodiscard]] StatusOr<cudaEvent_t> native_event(Event& event);
 
+// An event's handle and the device it was created on (CUDA has no query for the latter; a stream
+// can wait on another device's event, but a transport that must refuse one needs to know).
+struct NativeEvent {
+    cudaEvent_t event = nullptr;
+    int device = -1;
+};
+// As native_event, for a const Event (waiting on an event does not change it) and with its
+// device; kInvalidArgument when `event` was not created by a CudaStream.
+[[nodiscard]] StatusOr<NativeEvent> native_event_of(const Event& event);
+
 // Makes `device` current for a scope (kernel launches, allocations and events go to the current
 // device) and restores the caller's device afterwards. status() is kUnavailable with the CUDA
 // error when the switch failed (nothing is restored then). Header-only: usable from any library.

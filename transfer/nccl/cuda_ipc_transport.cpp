@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 
+#include "backends/cuda/cuda_stream.h"
 #include "common/cuda_check.h"
 #include "common/thread_info.h"
 #include "transfer/nccl/gpu_transports.h"
@@ -79,6 +80,7 @@ public:
         c.one_sided_write = true;
         c.device_memory = true;
         c.host_memory = false;
+        c.stream_ordered = true;
         c.max_tag = 0;
         c.max_message_bytes = std::numeric_limits<size_t>::max();
         return c;
@@ -152,38 +154,24 @@ public:
 
     StatusOr<RequestHandle> post_write(const RemoteRegion& dst, size_t dst_offset, const void* src,
                                        size_t bytes) override {
-        void* target = nullptr;
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (closed_) return PDSIM_ERROR(StatusCode::kUnavailable, "cuda_ipc: transport closed");
-            auto it = remote_.find(dst.id);
-            if (it == remote_.end()) {
-                return PDSIM_ERROR(StatusCode::kNotFound, "cuda_ipc: region {} not imported",
-                                   dst.id);
-            }
-            if (dst_offset > it->second.bytes || bytes > it->second.bytes - dst_offset) {
-                return PDSIM_ERROR(StatusCode::kOutOfRange,
-                                   "cuda_ipc: write of {} bytes at {} outside {} bytes", bytes,
-                                   dst_offset, it->second.bytes);
-            }
-            target = static_cast<uint8_t*>(it->second.ptr) + dst_offset;
+        return write(nullptr, dst, dst_offset, src, bytes);
+    }
+
+    StatusOr<RequestHandle> post_write_after(const runtime::Event& ready, const RemoteRegion& dst,
+                                             size_t dst_offset, const void* src,
+                                             size_t bytes) override {
+        auto native = runtime::cuda::native_event_of(ready);
+        if (!native.ok()) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "cuda_ipc: post_write_after: the ready event is not a CUDA event");
         }
-        auto op = std::make_shared<OpState>(OpKind::kWrite, dst.peer, 0, bytes);
-        cudaEvent_t ev = nullptr;
-        {
-            // One stream shared by all posting threads: serialize enqueue + record.
-            std::lock_guard<std::mutex> lock(stream_mu_);
-            CUDA_CHECK(cudaSetDevice(device_));
-            CUDA_CHECK(cudaMemcpyAsync(target, src, bytes, cudaMemcpyDefault, stream_));
-            CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-            CUDA_CHECK(cudaEventRecord(ev, stream_));
+        if (native->device != device_) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "cuda_ipc: post_write_after: the ready event belongs to GPU {}, the "
+                               "transport works on GPU {} (GpuTransportOptions.device_index)",
+                               native->device, device_);
         }
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            pending_.push_back(Pending{ev, op, bytes});
-        }
-        cv_.notify_one();
-        return RequestHandle(std::move(op));
+        return write(native->event, dst, dst_offset, src, bytes);
     }
 
     Status cancel(const RequestHandle& handle) override {
@@ -218,6 +206,44 @@ private:
         size_t bytes;
         bool opened;
     };
+
+    // post_write / post_write_after: the copy on the stream, after `ready` when it is set.
+    StatusOr<RequestHandle> write(cudaEvent_t ready, const RemoteRegion& dst, size_t dst_offset,
+                                  const void* src, size_t bytes) {
+        void* target = nullptr;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (closed_) return PDSIM_ERROR(StatusCode::kUnavailable, "cuda_ipc: transport closed");
+            auto it = remote_.find(dst.id);
+            if (it == remote_.end()) {
+                return PDSIM_ERROR(StatusCode::kNotFound, "cuda_ipc: region {} not imported",
+                                   dst.id);
+            }
+            if (dst_offset > it->second.bytes || bytes > it->second.bytes - dst_offset) {
+                return PDSIM_ERROR(StatusCode::kOutOfRange,
+                                   "cuda_ipc: write of {} bytes at {} outside {} bytes", bytes,
+                                   dst_offset, it->second.bytes);
+            }
+            target = static_cast<uint8_t*>(it->second.ptr) + dst_offset;
+        }
+        auto op = std::make_shared<OpState>(OpKind::kWrite, dst.peer, 0, bytes);
+        cudaEvent_t ev = nullptr;
+        {
+            // One stream shared by all posting threads: serialize wait + enqueue + record.
+            std::lock_guard<std::mutex> lock(stream_mu_);
+            CUDA_CHECK(cudaSetDevice(device_));
+            if (ready != nullptr) CUDA_CHECK(cudaStreamWaitEvent(stream_, ready, 0));
+            CUDA_CHECK(cudaMemcpyAsync(target, src, bytes, cudaMemcpyDefault, stream_));
+            CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+            CUDA_CHECK(cudaEventRecord(ev, stream_));
+        }
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            pending_.push_back(Pending{ev, op, bytes});
+        }
+        cv_.notify_one();
+        return RequestHandle(std::move(op));
+    }
 
     void progress_loop() {
         cudaSetDevice(device_);
@@ -288,7 +314,9 @@ private:
 }  // namespace
 
 StatusOr<std::unique_ptr<Transport>> make_cuda_ipc_transport(const TransportOptions& options) {
-    const int device_index = options.get<GpuTransportOptions>().device_index;
+    const GpuTransportOptions gpu = options.get<GpuTransportOptions>();
+    PDSIM_RETURN_IF_ERROR(validate_gpu_transport_options(gpu));
+    const int device_index = gpu.device_index;
     PDSIM_RETURN_IF_ERROR(check_cuda_device(device_index));
     auto t = std::make_unique<CudaIpcTransport>(options.rank, std::max(options.world_size, 1),
                                                 device_index);

@@ -1,26 +1,64 @@
 // Entry points of the GPU transports (compiled only when pdsim is built with CUDA / NCCL; the
 // registration in transfer/builtin.cpp is the only caller). Plain C++: no CUDA headers here.
 //
-// "nccl" (transfer/nccl/nccl_transport.cpp): two-sided ncclSend/ncclRecv on a dedicated
-//   non-blocking comm stream. Everything posted since the progress thread last looked is issued
-//   as one ncclGroupStart/ncclGroupEnd batch, followed by an event; the progress thread polls the
-//   events (and ncclCommGetAsyncError) and completes the handles. Capabilities: device memory only,
-//   no tag matching (NCCL matches per peer in issue order: both sides must post in the same order
-//   and a receive's capacity must equal the message size; bytes() of a receive is its capacity).
-//   The ncclUniqueId is broadcast over MPI_COMM_WORLD when MPI is initialized (rank and size then
-//   come from MPI), else through a FileRendezvous (transfer/rendezvous.h) in
-//   GpuTransportOptions::rendezvous_dir.
-//   No dead-peer detection (waits time out; close() then aborts the communicator).
+// "nccl" (transfer/nccl/nccl_transport.cpp): two-sided ncclSend/ncclRecv, device memory only.
+//   - One two-rank communicator per pair of ranks (transfer/nccl/nccl_pair_ids.h), each with its
+//     own non-blocking comm stream, all created eagerly when the transport is created: a dead or
+//     stuck peer then holds up only its own pair (its stream, its communicator), never the others.
+//     Each pair's ncclUniqueId is made by the lower rank and sent to the higher one over MPI (when
+//     MPI is initialized and no rendezvous_dir is set; rank and size then come from
+//     MPI_COMM_WORLD), else through one FileRendezvous file per pair in
+//     GpuTransportOptions::rendezvous_dir ("rank-<low>.nccl-pair-<low>-<high>"; use a fresh
+//     directory per run). A world of N ranks holds N-1 communicators per rank.
+//   - Setup is bounded by TransportOptions::connect_timeout (the id exchange and the inits
+//     together): the communicators are non-blocking (ncclCommInitRankConfig, config.blocking = 0)
+//     and polled with ncclCommGetAsyncError; past the timeout the unfinished ones are aborted
+//     (ncclCommAbort) and creation fails with kDeadlineExceeded naming the peer rank(s) and the
+//     timeout.
+//   - Posting: everything posted to one peer since the progress thread last looked is issued as
+//     one ncclGroupStart/ncclGroupEnd on that pair's communicator and stream, followed by an event;
+//     the progress thread polls the events and completes the handles. No tag matching (NCCL matches
+//     per peer in issue order: both sides must post in the same order, and a receive's capacity
+//     must equal the message size; bytes() of a receive is its capacity).
+//   - Stream-ordered: post_send_after(ready, ...) captures `ready`'s latest record at post time (a
+//     per-pair gate stream waits on it and records an event of the transport's own) and the comm
+//     stream waits on that (cudaStreamWaitEvent) before the send's group: the send does not read
+//     its buffer before `ready` has fired, and the host never waits. An event that never fires
+//     holds up every later operation of that pair (one stream per pair) and, past op_timeout, the
+//     watchdog aborts the pair. kInvalidArgument: `ready` is not a CUDA event, or is one of
+//     another GPU than device_index.
+//   - Watchdog (GpuTransportOptions::op_timeout): an operation pending longer than that (from its
+//     post, including time spent waiting for `ready`) aborts its pair's communicator
+//     (ncclCommAbort); every pending operation of the pair completes with kDeadlineExceeded
+//     ("nccl: op to/from rank R pending > T s; communicator aborted") and later posts to that peer
+//     fail at once with kUnavailable. An asynchronous NCCL error of a pair's communicator
+//     (ncclCommGetAsyncError) does the same with kUnavailable naming the error. Other pairs carry
+//     on. The transport does not detect a dead peer otherwise (capabilities: no
+//     detects_peer_failure): without the watchdog, waits time out and close() aborts.
+//   - close(): fails the pending operations with kUnavailable, aborts the communicators that still
+//     had operations in flight and finalizes and destroys the others.
 // "cuda_ipc" (transfer/nccl/cuda_ipc_transport.cpp): one-sided writes between processes on one
 //   node. register_memory takes the start of a cudaMalloc allocation and returns a descriptor
 //   holding its cudaIpcMemHandle; import_remote opens it (or, in the same process, uses the
-//   pointer); post_write is a cudaMemcpyAsync on a dedicated stream, completed when its event
-//   has fired. No two-sided operations.
+//   pointer); post_write is a cudaMemcpyAsync on one dedicated stream, completed when its event
+//   has fired. post_write_after(ready, ...) makes that stream wait on `ready` (cudaStreamWaitEvent,
+//   at post time) before the copy: one stream, so an event that never fires holds up every later
+//   write of the transport. kInvalidArgument: `ready` not a CUDA event of device_index's GPU. No
+//   two-sided operations; op_timeout and rendezvous_dir are ignored.
 // With no usable GPU both factories return kUnavailable "no device: ...".
 // The descriptors below are declared whether or not the transports were built (a compiled-out
 // transport stays registered with its descriptor and a "not built" factory).
+//
+// NCCL's environment: the transports never set, change or unset an NCCL_* variable; NCCL reads
+// the process environment as the user left it. Those users typically set: NCCL_DEBUG=WARN|INFO
+// (and NCCL_DEBUG_SUBSYS) to see what NCCL does, NCCL_SOCKET_IFNAME (the interface of NCCL's
+// bootstrap and socket transport, e.g. =eth0 or =^docker), NCCL_P2P_DISABLE=1 / NCCL_SHM_DISABLE=1
+// / NCCL_IB_DISABLE=1 (force another path between GPUs), NCCL_P2P_LEVEL, NCCL_NET_GDR_LEVEL,
+// NCCL_BUFFSIZE, NCCL_NTHREADS. Each pair communicator is named "pdsim-nccl-<low>-<high>"
+// (config.commName) in NCCL's logs.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -31,10 +69,20 @@ namespace pdsim::transfer {
 // The option block of nccl and cuda_ipc (TransportOptions::set).
 struct GpuTransportOptions {
     int device_index = 0;  // the CUDA device to use
-    // nccl without MPI: the directory where rank 0 publishes the ncclUniqueId (rank-0.nccl-id) and
-    // the other ranks read it. Set: used even under MPI. Ignored by cuda_ipc.
+    // nccl without MPI: the directory where each pair's lower rank publishes the pair's
+    // ncclUniqueId (rank-<low>.nccl-pair-<low>-<high>) and the higher rank reads it. Set: used even
+    // under MPI. Ignored by cuda_ipc.
     std::string rendezvous_dir;
+    // nccl's watchdog: an operation pending longer than this aborts its pair (see above); 0 turns
+    // the watchdog off; negative is refused (kInvalidArgument naming the field). Ignored by
+    // cuda_ipc.
+    std::chrono::milliseconds op_timeout{120'000};
 };
+
+// OK, or kInvalidArgument naming the first bad field ("GpuTransportOptions.op_timeout ...").
+// Both factories call it first. (Host code: defined in nccl_pair_ids.cpp, built with or without
+// CUDA.)
+[[nodiscard]] Status validate_gpu_transport_options(const GpuTransportOptions& options);
 
 // What "nccl" declares (registered with it, see transfer/transport.h).
 [[nodiscard]] inline TransportDescriptor nccl_transport_descriptor() {
@@ -43,13 +91,15 @@ struct GpuTransportOptions {
                      .device_memory = true,
                      .two_sided = true,
                      .tag_matching = false,
+                     .stream_ordered = true,
                      .spans_processes = true,
                      .threads_of_one_process = true,
                      .setup = TransportSetup::kRendezvous,
                      .medium = TransportMedium::kGpu},
             .summary =
-                "two-sided ncclSend/ncclRecv of GPU memory; the unique id over MPI or "
-                "GpuTransportOptions::rendezvous_dir"};
+                "two-sided ncclSend/ncclRecv of GPU memory, stream-ordered sends; one "
+                "communicator per rank pair (ids over MPI or GpuTransportOptions::rendezvous_dir), "
+                "a watchdog (op_timeout)"};
 }
 
 // What "cuda_ipc" declares (registered with it, see transfer/transport.h).
@@ -59,13 +109,14 @@ struct GpuTransportOptions {
                      .device_memory = true,
                      .two_sided = false,
                      .one_sided_write = true,
+                     .stream_ordered = true,
                      .spans_processes = true,
                      .threads_of_one_process = true,
                      .setup = TransportSetup::kNone,
                      .medium = TransportMedium::kGpu},
             .summary =
                 "one-sided writes into GPU memory of processes on one node "
-                "(cudaIpcMemHandle)"};
+                "(cudaIpcMemHandle), stream-ordered writes"};
 }
 
 [[nodiscard]] StatusOr<std::unique_ptr<Transport>> make_nccl_transport(
