@@ -14,6 +14,7 @@
 #include "tests/status_matchers.h"
 #include "tests/transfer_engine_harness.h"
 #include "transfer/engine/control.h"
+#include "transfer/engine/data_plane.h"
 #include "transfer/fault/fault_transport.h"
 #include "transfer/local/local_transport.h"
 #include "transfer/tcp/tcp_transport.h"
@@ -253,6 +254,12 @@ const EngineMode kDeviceTwoSided{"device_two_sided", "local", "local_device", tr
 const EngineMode kDeviceWrites{"device_writes", "local", "local_device_writes", true};
 const EngineMode kGatedTwoSided{"gated_two_sided", "local", "local_device_gated", true, true};
 const EngineMode kGatedWrites{"gated_writes", "local", "local_device_gated_writes", true, true};
+// The ordered data plane (data_plane.h): NCCL's untagged in-order matching, faked over local
+// (OrderedMatchingFake), on host and device layouts, and with device gating.
+const EngineMode kOrdered{"ordered", "local", "local_ordered"};
+const EngineMode kTcpControlOrderedData{"split_ordered", "tcp", "local_ordered"};
+const EngineMode kDeviceOrdered{"device_ordered", "local", "local_device_ordered", true};
+const EngineMode kGatedOrdered{"gated_ordered", "local", "local_device_gated_ordered", true, true};
 
 // The fake GPU of the device modes (tests/host_backed_cuda_runtime.h).
 constexpr runtime::Device kFakeGpu{runtime::DeviceKind::kCuda, 0};
@@ -595,7 +602,8 @@ private:
 };
 
 class TransferEngineLocal : public EngineModeTest {};
-INSTANTIATE_TEST_SUITE_P(, TransferEngineLocal, ::testing::Values(kTwoSided, kWrites), mode_name);
+INSTANTIATE_TEST_SUITE_P(, TransferEngineLocal, ::testing::Values(kTwoSided, kWrites, kOrdered),
+                         mode_name);
 
 TEST_P(TransferEngineLocal, OneToOne) {
     ClusterSpec c = simple(1, 1);
@@ -768,7 +776,8 @@ TEST_P(TransferEngineLocal, DecodeStartsALayerBeforeLaterLayersAreWritten) {
 // Failure paths
 
 class TransferEngineFailure : public EngineModeTest {};
-INSTANTIATE_TEST_SUITE_P(, TransferEngineFailure, ::testing::Values(kTwoSided, kWrites), mode_name);
+INSTANTIATE_TEST_SUITE_P(, TransferEngineFailure, ::testing::Values(kTwoSided, kWrites, kOrdered),
+                         mode_name);
 
 std::unique_ptr<kv::MHATokenToKVPool> small_pool(KvLayout* layout) {
     kv::MHAPoolConfig pc;
@@ -1098,12 +1107,13 @@ TEST_P(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
 // Ordering faults: each must surface as a violation or a Failed request, never pass silently.
 
 class TransferEngineFaults : public EngineModeTest {};
-INSTANTIATE_TEST_SUITE_P(, TransferEngineFaults, ::testing::Values(kTwoSided, kWrites), mode_name);
+INSTANTIATE_TEST_SUITE_P(, TransferEngineFaults, ::testing::Values(kTwoSided, kWrites, kOrdered),
+                         mode_name);
 // The same faults on device layouts: the compute stream's truth, the sender's reads, the
 // after-send verification and the receiver's landed check all hash through the device ops.
 INSTANTIATE_TEST_SUITE_P(Device, TransferEngineFaults,
                          ::testing::Values(kDeviceTwoSided, kDeviceWrites, kGatedTwoSided,
-                                           kGatedWrites),
+                                           kGatedWrites, kDeviceOrdered, kGatedOrdered),
                          mode_name);
 
 struct FaultOutcome {
@@ -1219,7 +1229,8 @@ struct TransportFaultCase {
 };
 
 class TransferEngineTransportFaults : public EngineModeTest {};
-INSTANTIATE_TEST_SUITE_P(, TransferEngineTransportFaults, ::testing::Values(kTwoSided, kWrites),
+INSTANTIATE_TEST_SUITE_P(, TransferEngineTransportFaults,
+                         ::testing::Values(kTwoSided, kWrites, kOrdered),
                          mode_name);
 
 TEST_P(TransferEngineTransportFaults, NeverPassSilently) {
@@ -1302,7 +1313,8 @@ TEST_P(TransferEngineTransportFaults, NeverPassSilently) {
 
 class TransferEngineTcp : public EngineModeTest {};
 INSTANTIATE_TEST_SUITE_P(, TransferEngineTcp,
-                         ::testing::Values(kTcpTwoSided, kTcpWrites, kTcpControlLocalData),
+                         ::testing::Values(kTcpTwoSided, kTcpWrites, kTcpControlLocalData,
+                                           kTcpControlOrderedData),
                          mode_name);
 
 TEST_P(TransferEngineTcp, OneToOneChunked) {
@@ -1577,7 +1589,7 @@ TEST(TransferEngineWrite, DataPlanesMustAgree) {
         auto ds = (*recv)->wait_done(3, 30s);
         ASSERT_OK(ds);
         EXPECT_EQ(ds->state, RequestState::kFailed);
-        EXPECT_THAT(ds->reason, HasSubstr(decode_writes ? "expects one-sided writes"
+        EXPECT_THAT(ds->reason, HasSubstr(decode_writes ? "uses the one-sided write data plane"
                                                         : "uses the two-sided data plane"));
         EXPECT_TRUE(eventually([&] { return !(*recv)->status(3)->pages_in_use; }, 10s * kSlow));
         auto ps = (*send)->wait(3, 30s);
@@ -1705,13 +1717,20 @@ TEST(TransferEngineCreate, DataTransportsWithoutAUsablePlane) {
         c.one_sided_write = false;
     });
     try_both(*control[0], neither.get(), StatusCode::kUnimplemented,
-             "data transport 'no_data_ops': it has neither two-sided tag-matching operations");
-    // Two-sided without tag matching (nccl's kind): not supported yet.
+             "data transport 'no_data_ops': it has neither two-sided operations nor one-sided "
+             "writes");
+    // Two-sided without tag matching (nccl's kind) is the ordered plane: accepted.
     auto untagged = view(1, "untagged", [](Capabilities& c) {
         c.tag_matching = false;
         c.one_sided_write = false;
     });
-    try_both(*control[1], untagged.get(), StatusCode::kUnimplemented, "without tag matching");
+    {
+        StatusOr<DataPlaneChoice> choice =
+            choose_data_plane("KV sender", *control[1], untagged.get(), layout);
+        ASSERT_OK(choice);
+        EXPECT_EQ(choice->plane, DataPlane::kOrdered);
+        EXPECT_EQ(data_plane_name(choice->plane), "ordered");
+    }
     // The control transport must be two-sided and tag-matching.
     auto one_sided = make_transports("local_writes", 2, "");
     try_both(*one_sided[0], nullptr, StatusCode::kUnimplemented,
@@ -1845,7 +1864,7 @@ protected:
 };
 INSTANTIATE_TEST_SUITE_P(, TransferEngineDevice,
                          ::testing::Values(kDeviceTwoSided, kDeviceWrites, kGatedTwoSided,
-                                           kGatedWrites),
+                                           kGatedWrites, kDeviceOrdered, kGatedOrdered),
                          mode_name);
 
 TEST_P(TransferEngineDevice, OneToOneChunked) {
@@ -2190,7 +2209,8 @@ TEST(TransferEngineDeviceStreams, LayerChecksumOnADeviceLayoutMatchesTheHost) {
 // must catch the unwritten bytes it sends.
 
 class TransferEngineGating : public EngineModeTest {};
-INSTANTIATE_TEST_SUITE_P(, TransferEngineGating, ::testing::Values(kGatedTwoSided, kGatedWrites),
+INSTANTIATE_TEST_SUITE_P(, TransferEngineGating,
+                         ::testing::Values(kGatedTwoSided, kGatedWrites, kGatedOrdered),
                          mode_name);
 
 StreamOrderedFake& gated_transport(ClusterRun& run, int rank) {
