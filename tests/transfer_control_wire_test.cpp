@@ -2,8 +2,8 @@
 // encodes to exactly the bytes the hand-written encoders of 7fa4a7f produced (captured from that
 // code, as hex, below), decodes back to the same fields, and a truncated message is refused. The
 // write mode's messages (Regions, LayerWritten, Quiesced) and the ordered plane's DataPosted came
-// later: their golden bytes pin the encoding they were introduced with. Running with PDSIM_PRINT_WIRE=1 prints the current
-// encodings (how the golden bytes were taken).
+// later: their golden bytes pin the encoding they were introduced with. Running with
+// PDSIM_PRINT_WIRE=1 prints the current encodings (how the golden bytes were taken).
 #include <gtest/gtest.h>
 
 #include <cstdio>

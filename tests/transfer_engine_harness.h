@@ -319,8 +319,7 @@ public:
     [[nodiscard]] StatusOr<RequestHandle> post_recv(int peer, Tag tag, void* buf,
                                                     size_t capacity) override {
         PDSIM_RETURN_IF_ERROR(check_post(peer, tag, buf, capacity, /*is_send=*/false));
-        PDSIM_ASSIGN_OR_RETURN(RequestHandle in,
-                               inner().post_recv(peer, kInnerTag, buf, capacity));
+        PDSIM_ASSIGN_OR_RETURN(RequestHandle in, inner().post_recv(peer, kInnerTag, buf, capacity));
         auto op = std::make_shared<OpState>(OpKind::kRecv, peer, tag, capacity);
         in.on_complete([op, capacity, name = name_](const Status& st, size_t n) {
             if (st.code() == StatusCode::kOutOfRange || (st.ok() && n != capacity)) {
@@ -375,9 +374,9 @@ private:
     const std::string name_;
     const bool misorder_;
     std::mutex mu_;
-    std::map<int, int> sends_;   // under mu_: sends posted per peer (misorder)
-    std::map<int, Held> held_;   // under mu_
-    bool closed_ = false;        // under mu_
+    std::map<int, int> sends_;  // under mu_: sends posted per peer (misorder)
+    std::map<int, Held> held_;  // under mu_
+    bool closed_ = false;       // under mu_
     std::atomic<int> cancels_{0};
 };
 
@@ -398,27 +397,26 @@ inline void register_test_transports() {
         for (const bool device : {false, true}) {
             for (const bool misorder : {false, true}) {
                 if (device && misorder) continue;
-                const std::string name = std::string(device ? "local_device_ordered"
-                                                            : "local_ordered") +
-                                         (misorder ? "_misordered" : "");
+                const std::string name =
+                    std::string(device ? "local_device_ordered" : "local_ordered") +
+                    (misorder ? "_misordered" : "");
                 TransportDescriptor d = local_transport_descriptor();
                 d.name = name;
                 d.caps.tag_matching = false;
                 d.caps.device_memory = device;
                 d.summary = "tests: local matching in post order without tags (nccl's kind)";
-                register_transport(d,
-                                   [name, device, misorder](const TransportOptions& o)
-                                       -> StatusOr<std::unique_ptr<Transport>> {
-                                       PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner,
-                                                              make_local_transport(o));
-                                       auto view = std::make_unique<CapabilityView>(
-                                           std::move(inner), name, [device](Capabilities& c) {
-                                               c.device_memory = device;
-                                           });
-                                       return std::unique_ptr<Transport>(
-                                           std::make_unique<OrderedMatchingFake>(
-                                               std::move(view), name, misorder));
-                                   });
+                register_transport(
+                    d,
+                    [name, device,
+                     misorder](const TransportOptions& o) -> StatusOr<std::unique_ptr<Transport>> {
+                        PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner,
+                                               make_local_transport(o));
+                        auto view = std::make_unique<CapabilityView>(
+                            std::move(inner), name,
+                            [device](Capabilities& c) { c.device_memory = device; });
+                        return std::unique_ptr<Transport>(
+                            std::make_unique<OrderedMatchingFake>(std::move(view), name, misorder));
+                    });
             }
         }
         for (const bool broken : {false, true}) {

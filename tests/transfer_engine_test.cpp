@@ -1232,8 +1232,7 @@ struct TransportFaultCase {
 
 class TransferEngineTransportFaults : public EngineModeTest {};
 INSTANTIATE_TEST_SUITE_P(, TransferEngineTransportFaults,
-                         ::testing::Values(kTwoSided, kWrites, kOrdered),
-                         mode_name);
+                         ::testing::Values(kTwoSided, kWrites, kOrdered), mode_name);
 
 TEST_P(TransferEngineTransportFaults, NeverPassSilently) {
     // Two-sided, the control transport carries the data too. In the write mode a fault on the
@@ -2212,8 +2211,7 @@ TEST(TransferEngineDeviceStreams, LayerChecksumOnADeviceLayoutMatchesTheHost) {
 
 class TransferEngineGating : public EngineModeTest {};
 INSTANTIATE_TEST_SUITE_P(, TransferEngineGating,
-                         ::testing::Values(kGatedTwoSided, kGatedWrites, kGatedOrdered),
-                         mode_name);
+                         ::testing::Values(kGatedTwoSided, kGatedWrites, kGatedOrdered), mode_name);
 
 StreamOrderedFake& gated_transport(ClusterRun& run, int rank) {
     auto* fake =
@@ -2345,7 +2343,8 @@ public:
                 std::byte* base = layout_.base(l, b);
                 const size_t n = static_cast<size_t>(layout_.num_pages()) * layout_.page_bytes(b);
                 for (size_t i = 0; i < n; ++i) {
-                    base[i] = static_cast<std::byte>((i * 7 + static_cast<size_t>(l * 3 + b)) & 255);
+                    base[i] =
+                        static_cast<std::byte>((i * 7 + static_cast<size_t>(l * 3 + b)) & 255);
                 }
             }
         }
@@ -2465,8 +2464,8 @@ TEST(TransferEngineOrdered, AnnouncedMessagesAreAlwaysDrained) {
     uint64_t drained = 0;
     auto expect_drained = [&](uint64_t more, const char* what) {
         drained += more;
-        EXPECT_TRUE(eventually([&] { return (*recv)->stats().messages_drained == drained; },
-                               10s * kSlow))
+        EXPECT_TRUE(
+            eventually([&] { return (*recv)->stats().messages_drained == drained; }, 10s * kSlow))
             << what << ": " << (*recv)->stats().messages_drained << " drained, expected "
             << drained;
     };
@@ -2477,8 +2476,8 @@ TEST(TransferEngineOrdered, AnnouncedMessagesAreAlwaysDrained) {
     // (which has not heard) announces and sends all of it anyway.
     submit(1, 200ms);
     BootstrapMsg b1 = prefill.ack(1);
-    EXPECT_TRUE(eventually(
-        [&] { return (*recv)->status(1)->state == RequestState::kFailed; }, 10s * kSlow));
+    EXPECT_TRUE(eventually([&] { return (*recv)->status(1)->state == RequestState::kFailed; },
+                           10s * kSlow));
     prefill.transfer(b1, src_pages);
     expect_drained(per_layer * static_cast<uint64_t>(L), "the failed request");
     EXPECT_TRUE(eventually([&] { return !(*recv)->status(1)->pages_in_use; }, 10s * kSlow));

@@ -360,8 +360,7 @@ StatusOr<DataPostedMsg> decode_data_posted(std::span<const uint8_t> bytes) {
         return PDSIM_ERROR(StatusCode::kDataLoss,
                            "data-posted message of request {} (chunk {}) announces layers [{}, {}) "
                            "with {} message sizes (none may be 0)",
-                           m.request_id, m.chunk_index, m.layer_begin, m.layer_end,
-                           m.sizes.size());
+                           m.request_id, m.chunk_index, m.layer_begin, m.layer_end, m.sizes.size());
     }
     return m;
 }

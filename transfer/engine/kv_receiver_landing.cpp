@@ -607,12 +607,12 @@ void KvReceiver::Impl::handle_data_posted(int peer, const DataPostedMsg& m) {
                 // what the chunk headers planned, in the same (layer, buffer, run) order.
                 const std::deque<RecvOp>& q = s->unposted;
                 size_t n = 0;
-                while (n < q.size() && q[n].chunk == m.chunk_index &&
-                       q[n].layer >= m.layer_begin && q[n].layer < m.layer_end) {
+                while (n < q.size() && q[n].chunk == m.chunk_index && q[n].layer >= m.layer_begin &&
+                       q[n].layer < m.layer_end) {
                     ++n;
                 }
-                const bool covers = n > 0 && q.front().layer == m.layer_begin &&
-                                    q[n - 1].layer == m.layer_end - 1;
+                const bool covers =
+                    n > 0 && q.front().layer == m.layer_begin && q[n - 1].layer == m.layer_end - 1;
                 size_t diff = 0;  // the first message whose size disagrees
                 while (diff < std::min(n, m.sizes.size()) && q[diff].bytes == m.sizes[diff]) {
                     ++diff;
@@ -624,8 +624,8 @@ void KvReceiver::Impl::handle_data_posted(int peer, const DataPostedMsg& m) {
                         "request {}: prefill rank {} announced {} messages of chunk {} layers "
                         "{}..{}, the plan expects {}{} (first difference: message {}, layer {}: "
                         "announced {} bytes, planned {})",
-                        r->id, peer, m.sizes.size(), m.chunk_index, m.layer_begin,
-                        m.layer_end - 1, n, covers ? "" : " for that interval", diff, layer,
+                        r->id, peer, m.sizes.size(), m.chunk_index, m.layer_begin, m.layer_end - 1,
+                        n, covers ? "" : " for that interval", diff, layer,
                         diff < m.sizes.size() ? m.sizes[diff] : 0, diff < n ? q[diff].bytes : 0);
                     why = loss.to_string();
                 } else {
@@ -661,10 +661,10 @@ void KvReceiver::Impl::drain_announced(int peer, const DataPostedMsg& m) {
                 ptr = owned->data();
                 keep = std::move(owned);
             } else {
-                PDSIM_LOG_WARN("receiver rank {}: no scratch memory of {} bytes for a message "
-                               "of request {} from rank {} (the stream is out of step): {}",
-                               transport_.rank(), bytes, m.request_id, peer,
-                               memory.status().to_string());
+                PDSIM_LOG_WARN(
+                    "receiver rank {}: no scratch memory of {} bytes for a message "
+                    "of request {} from rank {} (the stream is out of step): {}",
+                    transport_.rank(), bytes, m.request_id, peer, memory.status().to_string());
                 continue;
             }
         } else {

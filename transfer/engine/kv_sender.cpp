@@ -558,8 +558,8 @@ Status KvSender::Impl::validate_bootstrap(int peer, const BootstrapMsg& m) const
                            data_.name());
     }
     if (plane_ == DataPlane::kTwoSided && m.data_tag > data_.capabilities().max_tag) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "data tag {} outside [{}, {}]",
-                           m.data_tag, kDataTagBase, data_.capabilities().max_tag);
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "data tag {} outside [{}, {}]", m.data_tag,
+                           kDataTagBase, data_.capabilities().max_tag);
     }
     const int64_t ps = m.layout.page_size;
     if (m.num_tokens < 1 ||

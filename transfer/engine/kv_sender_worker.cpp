@@ -453,8 +453,7 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
                 if (ordered()) {
                     // Announced first, posted below (post_ordered).
                     batch.push_back({l, ptr, bytes, std::move(keep)});
-                } else if (!post_data(a.t, l, ptr, bytes, std::move(keep), a.progress,
-                                      dev.after)) {
+                } else if (!post_data(a.t, l, ptr, bytes, std::move(keep), a.progress, dev.after)) {
                     ok = false;
                 }
             }
@@ -511,8 +510,9 @@ bool KvSender::Impl::post_ordered(Active& a, int l0, int l1, std::vector<Ordered
     for (OrderedSend& s : sends) {
         std::shared_ptr<void> keep = std::move(s.keep);
         if (after) {
-            keep = std::make_shared<
-                std::pair<std::shared_ptr<void>, std::shared_ptr<runtime::Event>>>(keep, after);
+            keep =
+                std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<runtime::Event>>>(
+                    keep, after);
         }
         Status post_error;
         const bool posted = post_op(
@@ -531,9 +531,10 @@ bool KvSender::Impl::post_ordered(Active& a, int l0, int l1, std::vector<Ordered
             // post when it is closed or the peer is gone, in practice.)
             peer.broken = fmt::format("posting a message of request {} layer {} failed: {}", r.id,
                                       s.layer, post_error.message());
-            PDSIM_LOG_WARN("sender rank {}: the ordered data stream to decode rank {} is out of "
-                           "step: {}",
-                           transport_.rank(), d.world_rank, peer.broken);
+            PDSIM_LOG_WARN(
+                "sender rank {}: the ordered data stream to decode rank {} is out of "
+                "step: {}",
+                transport_.rank(), d.world_rank, peer.broken);
         }
         ok = ok && posted;
     }
@@ -804,8 +805,7 @@ bool KvSender::Impl::post_write(const Task& t, int layer, int buf, size_t offset
 
 bool KvSender::Impl::post_op(const Task& t, int layer, OpKind kind, std::shared_ptr<void> keep,
                              const std::shared_ptr<TaskProgress>& progress,
-                             const std::function<StatusOr<RequestHandle>()>& post,
-                             bool announced) {
+                             const std::function<StatusOr<RequestHandle>()>& post, bool announced) {
     SendReq& r = *t.req;
     const int peer = t.dest->world_rank;
     {
