@@ -1,9 +1,9 @@
 // The transfer engine's control messages (transfer/engine/control.h) on the wire: every kind
 // encodes to exactly the bytes the hand-written encoders of 7fa4a7f produced (captured from that
 // code, as hex, below), decodes back to the same fields, and a truncated message is refused. The
-// write mode's messages (Regions, LayerWritten, Quiesced) came later: their golden bytes pin the
-// encoding they were introduced with. Running with PDSIM_PRINT_WIRE=1 prints the current
-// encodings (how the golden bytes were taken).
+// write mode's messages (Regions, LayerWritten, Quiesced) and the ordered plane's DataPosted came
+// later: their golden bytes pin the encoding they were introduced with. Running with
+// PDSIM_PRINT_WIRE=1 prints the current encodings (how the golden bytes were taken).
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -48,6 +48,10 @@ const std::string kGoldenLayerWritten =
 const std::string kGoldenQuiesced =
     "50444b56010009002c0000000000000001000000180000006465636f64652072616e6b20322061626f"
     "72746564206974";
+// The ordered data plane's DataPosted, as encoded when it was introduced.
+const std::string kGoldenDataPosted =
+    "50444b5601000a002d00000000000000020000000300000004000000060000000200000000010000"
+    "000000000020000000000000";
 
 std::string hex(const Bytes& bytes) {
     static const char* kDigits = "0123456789abcdef";
@@ -312,17 +316,65 @@ TEST(ControlWire, Quiesced) {
     EXPECT_EQ(msg_type_name(*type), "quiesced");
 }
 
+TEST(ControlWire, DataPosted) {
+    DataPostedMsg m;
+    m.request_id = 45;
+    m.src_tp_rank = 2;
+    m.chunk_index = 3;
+    m.layer_begin = 4;
+    m.layer_end = 6;
+    m.sizes = {0x100, 0x2000};
+    const Bytes bytes = encode(m);
+    check_bytes("data_posted", bytes, kGoldenDataPosted);
+    StatusOr<DataPostedMsg> back = decode_data_posted(bytes);
+    ASSERT_OK(back);
+    EXPECT_EQ(back->request_id, m.request_id);
+    EXPECT_EQ(back->src_tp_rank, m.src_tp_rank);
+    EXPECT_EQ(back->chunk_index, m.chunk_index);
+    EXPECT_EQ(back->layer_begin, m.layer_begin);
+    EXPECT_EQ(back->layer_end, m.layer_end);
+    EXPECT_EQ(back->sizes, m.sizes);
+    expect_truncations_refused(bytes, [](auto b) { return decode_data_posted(b).status(); });
+    StatusOr<MsgType> type = peek_type(bytes);
+    ASSERT_OK(type);
+    EXPECT_EQ(*type, MsgType::kDataPosted);
+    EXPECT_EQ(msg_type_name(*type), "data_posted");
+    // Frames that encode fine but announce nothing sensible are refused.
+    DataPostedMsg empty_interval = m;
+    empty_interval.layer_end = empty_interval.layer_begin;
+    EXPECT_THAT(decode_data_posted(encode(empty_interval)).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("announces layers [4, 4)")));
+    DataPostedMsg negative = m;
+    negative.layer_begin = -1;
+    EXPECT_THAT(decode_data_posted(encode(negative)).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("layers [-1, 6)")));
+    DataPostedMsg no_sizes = m;
+    no_sizes.sizes.clear();
+    EXPECT_THAT(decode_data_posted(encode(no_sizes)).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("with 0 message sizes")));
+    DataPostedMsg zero_size = m;
+    zero_size.sizes[1] = 0;
+    EXPECT_THAT(decode_data_posted(encode(zero_size)).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("none may be 0")));
+    // A size count past the frame's end is a truncation.
+    Bytes overlong = bytes;
+    overlong[32] = 3;
+    EXPECT_THAT(decode_data_posted(overlong).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("truncated or malformed data_posted")));
+}
+
 TEST(ControlWire, WrongTypeIsRefused) {
     AbortMsg m;
     m.request_id = 1;
     EXPECT_EQ(decode_chunk(encode(m)).status().code(), StatusCode::kDataLoss);
     EXPECT_EQ(decode_abort(encode_heartbeat()).status().code(), StatusCode::kDataLoss);
     EXPECT_EQ(decode_layer_written(encode(QuiescedMsg{})).status().code(), StatusCode::kDataLoss);
+    EXPECT_EQ(decode_data_posted(encode(QuiescedMsg{})).status().code(), StatusCode::kDataLoss);
     // A type past the last one is unknown.
     Bytes unknown = encode(QuiescedMsg{});
-    unknown[6] = static_cast<uint8_t>(static_cast<uint16_t>(MsgType::kQuiesced) + 1);
+    unknown[6] = static_cast<uint8_t>(static_cast<uint16_t>(MsgType::kDataPosted) + 1);
     EXPECT_THAT(peek_type(unknown).status(),
-                StatusIs(StatusCode::kDataLoss, HasSubstr("unknown control message type 10")));
+                StatusIs(StatusCode::kDataLoss, HasSubstr("unknown control message type 11")));
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 // compute stream's gathers, scatters and checksums through KV memory ops (InProcessDeviceOps).
 #pragma once
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -268,14 +269,178 @@ private:
     std::thread thread_;
 };
 
+// A fake of NCCL's two-sided matching (tests only), over a tag-matching transport ("local"):
+// capabilities say tag_matching = false, and it behaves so -- every send and receive of a (source,
+// destination) pair goes to the inner transport on one tag (kInnerTag), whatever tag it was posted
+// with, so messages match in post order; a receive whose capacity differs from the message's size
+// fails with kDataLoss (NCCL would silently misdeliver). cancel() is kFailedPrecondition (the
+// operation is handed to the device) and counted: the ordered plane never withdraws one.
+// `misorder` makes a broken one that posts the first two sends to each peer in swapped order (it
+// holds the first until the second comes), so a test can prove the engine catches a transport
+// that does not keep the announced order.
+class OrderedMatchingFake final : public ForwardingTransport {
+public:
+    static constexpr Tag kInnerTag = 0;
+
+    OrderedMatchingFake(std::unique_ptr<Transport> inner, std::string name, bool misorder)
+        : ForwardingTransport(std::move(inner)), name_(std::move(name)), misorder_(misorder) {}
+    ~OrderedMatchingFake() override { close(); }
+
+    [[nodiscard]] std::string_view name() const override { return name_; }
+    [[nodiscard]] Capabilities capabilities() const override {
+        Capabilities c = ForwardingTransport::capabilities();
+        c.tag_matching = false;
+        return c;
+    }
+    [[nodiscard]] StatusOr<RequestHandle> post_send(int peer, Tag tag, const void* buf,
+                                                    size_t bytes) override {
+        PDSIM_RETURN_IF_ERROR(check_post(peer, tag, buf, bytes, /*is_send=*/true));
+        if (!misorder_) return inner().post_send(peer, kInnerTag, buf, bytes);
+        std::unique_lock<std::mutex> lock(mu_);
+        if (closed_) return PDSIM_ERROR(StatusCode::kUnavailable, "{}: transport closed", name_);
+        int& sends = sends_[peer];
+        ++sends;
+        if (sends == 1) {
+            // Held until the next send to this peer overtakes it.
+            auto op = std::make_shared<OpState>(OpKind::kSend, peer, tag, bytes);
+            held_[peer] = Held{op, buf, bytes};
+            return RequestHandle(op);
+        }
+        StatusOr<RequestHandle> h = inner().post_send(peer, kInnerTag, buf, bytes);
+        auto it = held_.find(peer);
+        if (it != held_.end()) {
+            Held first = it->second;
+            held_.erase(it);
+            lock.unlock();
+            forward(first, inner().post_send(peer, kInnerTag, first.buf, first.bytes));
+        }
+        return h;
+    }
+    [[nodiscard]] StatusOr<RequestHandle> post_recv(int peer, Tag tag, void* buf,
+                                                    size_t capacity) override {
+        PDSIM_RETURN_IF_ERROR(check_post(peer, tag, buf, capacity, /*is_send=*/false));
+        PDSIM_ASSIGN_OR_RETURN(RequestHandle in, inner().post_recv(peer, kInnerTag, buf, capacity));
+        auto op = std::make_shared<OpState>(OpKind::kRecv, peer, tag, capacity);
+        in.on_complete([op, capacity, name = name_](const Status& st, size_t n) {
+            if (st.code() == StatusCode::kOutOfRange || (st.ok() && n != capacity)) {
+                op->complete(Status(StatusCode::kDataLoss,
+                                    fmt::format("{}: a message of {} bytes matched a receive of "
+                                                "{} bytes (sizes must be equal){}",
+                                                name, st.ok() ? std::to_string(n) : "more",
+                                                capacity, st.ok() ? "" : ": " + st.message())),
+                             0);
+                return;
+            }
+            op->complete(st, n);
+        });
+        return RequestHandle(op);
+    }
+    [[nodiscard]] Status cancel(const RequestHandle& handle) override {
+        if (handle.done()) return {};
+        cancels_.fetch_add(1);
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "{}: a posted operation cannot be withdrawn", name_);
+    }
+    void close() override {
+        std::map<int, Held> dropped;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (closed_) return;
+            closed_ = true;
+            dropped.swap(held_);
+        }
+        for (auto& [peer, h] : dropped) {
+            h.op->complete(Status(StatusCode::kUnavailable, name_ + ": transport closed"), 0);
+        }
+        ForwardingTransport::close();
+    }
+    // cancel() calls on pending operations so far.
+    [[nodiscard]] int cancels() const { return cancels_.load(); }
+
+private:
+    struct Held {
+        std::shared_ptr<OpState> op;
+        const void* buf = nullptr;
+        size_t bytes = 0;
+    };
+    static void forward(const Held& h, StatusOr<RequestHandle> inner) {
+        if (!inner.ok()) {
+            h.op->complete(inner.status(), 0);
+            return;
+        }
+        inner->on_complete([op = h.op](const Status& st, size_t n) { op->complete(st, n); });
+    }
+
+    const std::string name_;
+    const bool misorder_;
+    std::mutex mu_;
+    std::map<int, int> sends_;  // under mu_: sends posted per peer (misorder)
+    std::map<int, Held> held_;  // under mu_
+    bool closed_ = false;       // under mu_
+    std::atomic<int> cancels_{0};
+};
+
 // Registers the test transports (idempotent):
 //   local_writes         "local" without two-sided operations (LocalOptions::world).
 //   local_device_writes  ... that also claims device memory: with a host-backed "CUDA" runtime
 //                        (a device-kind pool in host memory) it plays cuda_ipc on the CPU.
 //   local_device         "local" (two-sided) that also claims device memory: a two-sided data
 //                        transport of device layouts over the host-backed runtime.
+//   local_ordered, local_device_ordered
+//                        OrderedMatchingFake over "local" (over local_device): NCCL's untagged
+//                        in-order matching, for the engine's ordered data plane;
+//   local_ordered_misordered  ... broken: swaps the first two sends to each peer.
+//   local_device_gated_ordered(_broken)  StreamOrderedFake over local_device_ordered (NCCL's
+//                        stream order; "_broken": posts without waiting for the event).
 inline void register_test_transports() {
     static const bool done = [] {
+        for (const bool device : {false, true}) {
+            for (const bool misorder : {false, true}) {
+                if (device && misorder) continue;
+                const std::string name =
+                    std::string(device ? "local_device_ordered" : "local_ordered") +
+                    (misorder ? "_misordered" : "");
+                TransportDescriptor d = local_transport_descriptor();
+                d.name = name;
+                d.caps.tag_matching = false;
+                d.caps.device_memory = device;
+                d.summary = "tests: local matching in post order without tags (nccl's kind)";
+                register_transport(
+                    d,
+                    [name, device,
+                     misorder](const TransportOptions& o) -> StatusOr<std::unique_ptr<Transport>> {
+                        PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner,
+                                               make_local_transport(o));
+                        auto view = std::make_unique<CapabilityView>(
+                            std::move(inner), name,
+                            [device](Capabilities& c) { c.device_memory = device; });
+                        return std::unique_ptr<Transport>(
+                            std::make_unique<OrderedMatchingFake>(std::move(view), name, misorder));
+                    });
+            }
+        }
+        for (const bool broken : {false, true}) {
+            const std::string name =
+                std::string("local_device_gated_ordered") + (broken ? "_broken" : "");
+            TransportDescriptor d = local_transport_descriptor();
+            d.name = name;
+            d.caps.tag_matching = false;
+            d.caps.device_memory = true;
+            d.caps.stream_ordered = true;
+            d.summary = "tests: stream-ordered fake over the ordered fake over local";
+            register_transport(
+                d,
+                [name, broken](const TransportOptions& o) -> StatusOr<std::unique_ptr<Transport>> {
+                    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner,
+                                           make_local_transport(o));
+                    auto view = std::make_unique<CapabilityView>(
+                        std::move(inner), name, [](Capabilities& c) { c.device_memory = true; });
+                    auto ordered =
+                        std::make_unique<OrderedMatchingFake>(std::move(view), name, false);
+                    return std::unique_ptr<Transport>(
+                        std::make_unique<StreamOrderedFake>(std::move(ordered), name, !broken));
+                });
+        }
         TransportDescriptor two_sided = local_transport_descriptor();
         two_sided.name = "local_device";
         two_sided.caps.device_memory = true;

@@ -14,6 +14,7 @@
 #include "tests/status_matchers.h"
 #include "tests/transfer_engine_harness.h"
 #include "transfer/engine/control.h"
+#include "transfer/engine/data_plane.h"
 #include "transfer/fault/fault_transport.h"
 #include "transfer/local/local_transport.h"
 #include "transfer/tcp/tcp_transport.h"
@@ -243,6 +244,7 @@ struct EngineMode {
     // the StepCounter and posts ahead of the records.
     bool gated = false;
     [[nodiscard]] bool writes() const { return data.ends_with("_writes"); }
+    [[nodiscard]] bool ordered() const { return data.find("_ordered") != std::string::npos; }
 };
 const EngineMode kTwoSided{"two_sided", "local", ""};
 const EngineMode kWrites{"writes", "local", "local_writes"};
@@ -253,6 +255,12 @@ const EngineMode kDeviceTwoSided{"device_two_sided", "local", "local_device", tr
 const EngineMode kDeviceWrites{"device_writes", "local", "local_device_writes", true};
 const EngineMode kGatedTwoSided{"gated_two_sided", "local", "local_device_gated", true, true};
 const EngineMode kGatedWrites{"gated_writes", "local", "local_device_gated_writes", true, true};
+// The ordered data plane (data_plane.h): NCCL's untagged in-order matching, faked over local
+// (OrderedMatchingFake), on host and device layouts, and with device gating.
+const EngineMode kOrdered{"ordered", "local", "local_ordered"};
+const EngineMode kTcpControlOrderedData{"split_ordered", "tcp", "local_ordered"};
+const EngineMode kDeviceOrdered{"device_ordered", "local", "local_device_ordered", true};
+const EngineMode kGatedOrdered{"gated_ordered", "local", "local_device_gated_ordered", true, true};
 
 // The fake GPU of the device modes (tests/host_backed_cuda_runtime.h).
 constexpr runtime::Device kFakeGpu{runtime::DeviceKind::kCuda, 0};
@@ -595,7 +603,8 @@ private:
 };
 
 class TransferEngineLocal : public EngineModeTest {};
-INSTANTIATE_TEST_SUITE_P(, TransferEngineLocal, ::testing::Values(kTwoSided, kWrites), mode_name);
+INSTANTIATE_TEST_SUITE_P(, TransferEngineLocal, ::testing::Values(kTwoSided, kWrites, kOrdered),
+                         mode_name);
 
 TEST_P(TransferEngineLocal, OneToOne) {
     ClusterSpec c = simple(1, 1);
@@ -768,7 +777,8 @@ TEST_P(TransferEngineLocal, DecodeStartsALayerBeforeLaterLayersAreWritten) {
 // Failure paths
 
 class TransferEngineFailure : public EngineModeTest {};
-INSTANTIATE_TEST_SUITE_P(, TransferEngineFailure, ::testing::Values(kTwoSided, kWrites), mode_name);
+INSTANTIATE_TEST_SUITE_P(, TransferEngineFailure, ::testing::Values(kTwoSided, kWrites, kOrdered),
+                         mode_name);
 
 std::unique_ptr<kv::MHATokenToKVPool> small_pool(KvLayout* layout) {
     kv::MHAPoolConfig pc;
@@ -808,8 +818,9 @@ TEST_P(TransferEngineFailure, SilentPrefillPeerTimesOut) {
     EXPECT_EQ((*recv)->wait_layer(5, 0, 10s).code(), StatusCode::kAborted);
     auto stats = (*recv)->stats();
     EXPECT_EQ(stats.requests_failed + stats.requests_completed, stats.requests_submitted);
-    // Two-sided, its data tag may still match a message in flight; the write mode takes none.
-    EXPECT_EQ(stats.tags_quarantined, mode().writes() ? 0u : 1u);
+    // Two-sided, its data tag may still match a message in flight; the write mode and the ordered
+    // plane take none.
+    EXPECT_EQ(stats.tags_quarantined, mode().writes() || mode().ordered() ? 0u : 1u);
     // The pages were pinned while the request could still receive, and are released once its
     // receives were withdrawn.
     EXPECT_TRUE(eventually([&] { return !(*recv)->status(5)->pages_in_use; }, 5s));
@@ -1098,12 +1109,13 @@ TEST_P(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
 // Ordering faults: each must surface as a violation or a Failed request, never pass silently.
 
 class TransferEngineFaults : public EngineModeTest {};
-INSTANTIATE_TEST_SUITE_P(, TransferEngineFaults, ::testing::Values(kTwoSided, kWrites), mode_name);
+INSTANTIATE_TEST_SUITE_P(, TransferEngineFaults, ::testing::Values(kTwoSided, kWrites, kOrdered),
+                         mode_name);
 // The same faults on device layouts: the compute stream's truth, the sender's reads, the
 // after-send verification and the receiver's landed check all hash through the device ops.
 INSTANTIATE_TEST_SUITE_P(Device, TransferEngineFaults,
                          ::testing::Values(kDeviceTwoSided, kDeviceWrites, kGatedTwoSided,
-                                           kGatedWrites),
+                                           kGatedWrites, kDeviceOrdered, kGatedOrdered),
                          mode_name);
 
 struct FaultOutcome {
@@ -1219,8 +1231,8 @@ struct TransportFaultCase {
 };
 
 class TransferEngineTransportFaults : public EngineModeTest {};
-INSTANTIATE_TEST_SUITE_P(, TransferEngineTransportFaults, ::testing::Values(kTwoSided, kWrites),
-                         mode_name);
+INSTANTIATE_TEST_SUITE_P(, TransferEngineTransportFaults,
+                         ::testing::Values(kTwoSided, kWrites, kOrdered), mode_name);
 
 TEST_P(TransferEngineTransportFaults, NeverPassSilently) {
     // Two-sided, the control transport carries the data too. In the write mode a fault on the
@@ -1302,7 +1314,8 @@ TEST_P(TransferEngineTransportFaults, NeverPassSilently) {
 
 class TransferEngineTcp : public EngineModeTest {};
 INSTANTIATE_TEST_SUITE_P(, TransferEngineTcp,
-                         ::testing::Values(kTcpTwoSided, kTcpWrites, kTcpControlLocalData),
+                         ::testing::Values(kTcpTwoSided, kTcpWrites, kTcpControlLocalData,
+                                           kTcpControlOrderedData),
                          mode_name);
 
 TEST_P(TransferEngineTcp, OneToOneChunked) {
@@ -1577,7 +1590,7 @@ TEST(TransferEngineWrite, DataPlanesMustAgree) {
         auto ds = (*recv)->wait_done(3, 30s);
         ASSERT_OK(ds);
         EXPECT_EQ(ds->state, RequestState::kFailed);
-        EXPECT_THAT(ds->reason, HasSubstr(decode_writes ? "expects one-sided writes"
+        EXPECT_THAT(ds->reason, HasSubstr(decode_writes ? "uses the one-sided write data plane"
                                                         : "uses the two-sided data plane"));
         EXPECT_TRUE(eventually([&] { return !(*recv)->status(3)->pages_in_use; }, 10s * kSlow));
         auto ps = (*send)->wait(3, 30s);
@@ -1705,13 +1718,20 @@ TEST(TransferEngineCreate, DataTransportsWithoutAUsablePlane) {
         c.one_sided_write = false;
     });
     try_both(*control[0], neither.get(), StatusCode::kUnimplemented,
-             "data transport 'no_data_ops': it has neither two-sided tag-matching operations");
-    // Two-sided without tag matching (nccl's kind): not supported yet.
+             "data transport 'no_data_ops': it has neither two-sided operations nor one-sided "
+             "writes");
+    // Two-sided without tag matching (nccl's kind) is the ordered plane: accepted.
     auto untagged = view(1, "untagged", [](Capabilities& c) {
         c.tag_matching = false;
         c.one_sided_write = false;
     });
-    try_both(*control[1], untagged.get(), StatusCode::kUnimplemented, "without tag matching");
+    {
+        StatusOr<DataPlaneChoice> choice =
+            choose_data_plane("KV sender", *control[1], untagged.get(), layout);
+        ASSERT_OK(choice);
+        EXPECT_EQ(choice->plane, DataPlane::kOrdered);
+        EXPECT_EQ(data_plane_name(choice->plane), "ordered");
+    }
     // The control transport must be two-sided and tag-matching.
     auto one_sided = make_transports("local_writes", 2, "");
     try_both(*one_sided[0], nullptr, StatusCode::kUnimplemented,
@@ -1845,7 +1865,7 @@ protected:
 };
 INSTANTIATE_TEST_SUITE_P(, TransferEngineDevice,
                          ::testing::Values(kDeviceTwoSided, kDeviceWrites, kGatedTwoSided,
-                                           kGatedWrites),
+                                           kGatedWrites, kDeviceOrdered, kGatedOrdered),
                          mode_name);
 
 TEST_P(TransferEngineDevice, OneToOneChunked) {
@@ -2190,8 +2210,8 @@ TEST(TransferEngineDeviceStreams, LayerChecksumOnADeviceLayoutMatchesTheHost) {
 // must catch the unwritten bytes it sends.
 
 class TransferEngineGating : public EngineModeTest {};
-INSTANTIATE_TEST_SUITE_P(, TransferEngineGating, ::testing::Values(kGatedTwoSided, kGatedWrites),
-                         mode_name);
+INSTANTIATE_TEST_SUITE_P(, TransferEngineGating,
+                         ::testing::Values(kGatedTwoSided, kGatedWrites, kGatedOrdered), mode_name);
 
 StreamOrderedFake& gated_transport(ClusterRun& run, int rank) {
     auto* fake =
@@ -2251,6 +2271,259 @@ TEST_P(TransferEngineGating, AStreamOrderedTransportThatIgnoresTheEventIsCaught)
     const Totals d = totals(*run, false);
     EXPECT_GT(p.violations + d.violations + d.failed, 0u)
         << "bytes sent before they were written went unnoticed";
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ordered data plane (data_plane.h) specifically. The suites above run every scenario in it
+// too (the ordered, device_ordered, gated_ordered and split_ordered modes).
+
+// Many requests between one prefill and one decode rank, chunked differently, batched so that
+// their layers interleave on the pair's one stream, in several orders: every one matches.
+TEST(TransferEngineOrdered, InterleavedRequestsToOneDecodeRankMatch) {
+    for (const uint64_t seed : {1u, 2u, 3u}) {
+        SCOPED_TRACE(::testing::Message() << "seed " << seed);
+        std::vector<RequestSpec> reqs;
+        std::mt19937_64 rng(seed);
+        const int64_t lengths[] = {17, 300, 64, 129, 5, 250, 33, 96};
+        uint64_t id = 10 * seed;
+        for (int64_t n : lengths) {
+            const int64_t chunk = rng() % 3 == 0 ? 0 : 16 * static_cast<int64_t>(1 + rng() % 4);
+            reqs.push_back({.id = id++, .tokens = n, .chunk = chunk});
+        }
+        std::shuffle(reqs.begin(), reqs.end(), rng);
+        ClusterSpec c = simple(1, 1, 16, 32);
+        size_pools(c, reqs);
+        auto run = start_cluster(c, kOrdered);
+        RunOptions o;
+        o.seed = seed;
+        o.batch = 3;
+        o.layer_interval = static_cast<int>(1 + seed % 2);
+        run_ranks(*run, reqs, o);
+        expect_clean(*run, c, reqs);
+        for (const RankResult& r : run->results) {
+            EXPECT_EQ(r.stats.messages_drained, 0u) << "rank " << r.rank;
+        }
+    }
+}
+
+// A transport that does not keep the announced order (it swaps the first two sends to each
+// peer) is caught: the swapped messages land in each other's receives (a size mismatch is a
+// kDataLoss of the receive, equal sizes put the bytes in the wrong place: the landed check).
+TEST(TransferEngineOrdered, ATransportThatBreaksTheAnnouncedOrderIsCaught) {
+    const EngineMode broken{"ordered_misordered", "local", "local_ordered_misordered"};
+    ClusterSpec c = simple(1, 1);
+    auto reqs = fixed_requests({40, 70});
+    size_pools(c, reqs);
+    SenderOptions so = test_options(SenderOptions{});
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    so.request_timeout = ro.request_timeout = std::chrono::milliseconds(5000 * kSlow);
+    auto run = start_cluster(c, broken, so, ro);
+    RunOptions o;
+    o.wait = 20s * kSlow;
+    run_ranks(*run, reqs, o);
+    const Totals p = totals(*run, true);
+    const Totals d = totals(*run, false);
+    EXPECT_GT(p.violations + d.violations + d.failed, 0u)
+        << "messages posted out of the announced order went unnoticed";
+    // And with the order kept (the same scenario), everything is clean.
+    run_clean(c, reqs, kOrdered);
+}
+
+// A hand-driven prefill rank (raw control and data transports, no engine) against a KvReceiver:
+// announced messages of a request the receiver does not know, of one that failed there, and of
+// one whose sizes disagree with the plan are all received (into scratch memory) and dropped, so
+// the pair's stream stays in step and the next request completes; the disagreement fails its
+// request with a data loss naming the request and the layer.
+class RawOrderedPrefill {
+public:
+    RawOrderedPrefill(Transport& control, Transport& data) : control_(control), data_(data) {
+        pool_ = small_pool(&layout_);
+        for (int l = 0; l < layout_.num_layers(); ++l) {
+            for (int b = 0; b < layout_.buffer_count(); ++b) {
+                std::byte* base = layout_.base(l, b);
+                const size_t n = static_cast<size_t>(layout_.num_pages()) * layout_.page_bytes(b);
+                for (size_t i = 0; i < n; ++i) {
+                    base[i] =
+                        static_cast<std::byte>((i * 7 + static_cast<size_t>(l * 3 + b)) & 255);
+                }
+            }
+        }
+    }
+    const KvLayout& layout() const { return layout_; }
+
+    // The next control message from the decode rank (rank 1) that is not a heartbeat.
+    Bytes next_control() {
+        for (;;) {
+            Bytes buf(size_t{1} << 20);
+            auto h = control_.post_recv(1, kControlTag, buf.data(), buf.size());
+            EXPECT_OK(h);
+            if (!h.ok()) return {};
+            EXPECT_OK(control_.wait(*h, 10s * kSlow));
+            buf.resize(h->bytes());
+            auto type = peek_type(buf);
+            if (type.ok() && *type == MsgType::kHeartbeat) continue;
+            return buf;
+        }
+    }
+    void send_control(const Bytes& bytes) {
+        auto h = control_.post_send(1, kControlTag, bytes.data(), bytes.size());
+        ASSERT_OK(h);
+        ASSERT_OK(control_.wait(*h, 10s * kSlow));
+    }
+    // Answers the Bootstrap of request `id` with an Ack (skipping the Aborts of requests that
+    // failed on the decode side); returns the bootstrap.
+    BootstrapMsg ack(uint64_t id) {
+        Bytes msg = next_control();
+        while (peek_type(msg).ok() && *peek_type(msg) == MsgType::kAbort) msg = next_control();
+        StatusOr<BootstrapMsg> b = decode_bootstrap(msg);
+        EXPECT_OK(b);
+        if (!b.ok()) return {};
+        EXPECT_EQ(b->request_id, id);
+        EXPECT_EQ(b->data_tag, kOrderedDataTag);
+        AckMsg a;
+        a.request_id = id;
+        a.max_message_bytes = b->max_message_bytes;
+        a.layout = layout_.summary();
+        send_control(encode(a));
+        return *b;
+    }
+    // Sends the Chunk header of the whole request (one chunk), then per layer a DataPosted and
+    // its sends (sizes edited by `edit` in the announcement only), then the Completion; waits for
+    // every send.
+    void transfer(const BootstrapMsg& b, const std::vector<int32_t>& src_pages,
+                  const std::function<void(int layer, std::vector<uint64_t>&)>& edit = nullptr) {
+        const int64_t n = b.num_tokens;
+        const int ps = layout_.page_size();
+        send_control(encode(ChunkMsg{b.request_id, 0, 0, n, true, 0, src_pages}));
+        const Fragment f = *make_fragment(layout_.summary(), b.layout);
+        const int64_t max_run = max_run_tokens(f, layout_.buffer_count(), b.max_message_bytes);
+        const auto runs =
+            make_runs(src_pages, ps, 0, b.dst_pages, b.layout.page_size, 0, n, max_run);
+        std::vector<RequestHandle> sends;
+        for (int l = 0; l < layout_.num_layers(); ++l) {
+            DataPostedMsg m{b.request_id, 0, 0, l, l + 1, {}};
+            std::vector<std::pair<const void*, size_t>> msgs;
+            for (int buf = 0; buf < layout_.buffer_count(); ++buf) {
+                for (const TokenRun& run : runs) {
+                    msgs.emplace_back(layout_.slot_addr(l, buf, run.src_slot),
+                                      message_bytes(f, buf, run));
+                }
+            }
+            for (const auto& [ptr, bytes] : msgs) m.sizes.push_back(bytes);
+            if (edit) edit(l, m.sizes);
+            send_control(encode(m));
+            // What is announced is what goes out (the edited sizes included).
+            for (size_t i = 0; i < msgs.size(); ++i) {
+                auto h = data_.post_send(1, 0, msgs[i].first, m.sizes[i]);
+                ASSERT_OK(h);
+                sends.push_back(*h);
+            }
+        }
+        CompletionMsg c;
+        c.request_id = b.request_id;
+        c.has_first_token = true;
+        c.first_token = 42;
+        c.num_layers = layout_.num_layers();
+        c.buffer_count = layout_.buffer_count();
+        c.head_begin = f.head_begin;
+        c.head_count = f.head_count;
+        c.chunks = 1;
+        send_control(encode(c));
+        // The receiver matches every announced message, whatever became of the request.
+        EXPECT_OK(wait_all(data_, sends, 10s * kSlow));
+    }
+
+private:
+    Transport& control_;
+    Transport& data_;
+    KvLayout layout_;
+    std::unique_ptr<kv::MHATokenToKVPool> pool_;
+};
+
+TEST(TransferEngineOrdered, AnnouncedMessagesAreAlwaysDrained) {
+    register_test_transports();
+    TempDir dir;
+    ModeTransports ts = make_mode_transports(kOrdered, 2, dir.path());
+    KvLayout dl;
+    auto dpool = small_pool(&dl);
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(ro, 1));
+    ASSERT_OK(recv);
+    RawOrderedPrefill prefill(ts.at(0), *ts.data_at(0));
+    const std::vector<int32_t> src_pages = {3, 5};
+    const std::vector<int32_t> dst_pages = {7, 2};
+    const int64_t tokens = 20;
+    const int L = dl.num_layers();
+    auto submit = [&](uint64_t id, std::chrono::milliseconds timeout) {
+        ASSERT_OK((*recv)->submit({.request_id = id,
+                                   .prefill_ranks = {0},
+                                   .dst_pages = dst_pages,
+                                   .num_tokens = tokens,
+                                   .timeout = timeout}));
+    };
+    uint64_t drained = 0;
+    auto expect_drained = [&](uint64_t more, const char* what) {
+        drained += more;
+        EXPECT_TRUE(
+            eventually([&] { return (*recv)->stats().messages_drained == drained; }, 10s * kSlow))
+            << what << ": " << (*recv)->stats().messages_drained << " drained, expected "
+            << drained;
+    };
+    // Messages per layer: 2 buffers x the runs (dst pages 7, 2 are not consecutive: 2 runs).
+    const uint64_t per_layer = 2 * 2;
+
+    // 1. Request 1 fails on the decode side (its timeout) after its header; the prefill rank
+    // (which has not heard) announces and sends all of it anyway.
+    submit(1, 200ms);
+    BootstrapMsg b1 = prefill.ack(1);
+    EXPECT_TRUE(eventually([&] { return (*recv)->status(1)->state == RequestState::kFailed; },
+                           10s * kSlow));
+    prefill.transfer(b1, src_pages);
+    expect_drained(per_layer * static_cast<uint64_t>(L), "the failed request");
+    EXPECT_TRUE(eventually([&] { return !(*recv)->status(1)->pages_in_use; }, 10s * kSlow));
+
+    // 2. A request the decode rank never heard of (request 1's bootstrap, replayed as 99).
+    BootstrapMsg unknown = b1;
+    unknown.request_id = 99;
+    prefill.transfer(unknown, src_pages);
+    expect_drained(per_layer * static_cast<uint64_t>(L), "the unknown request");
+
+    // 3. Request 2 announces a wrong size for layer 1: it fails with a data loss naming the
+    // request and the layer; the messages are received all the same.
+    submit(2, 60s);
+    BootstrapMsg b2 = prefill.ack(2);
+    prefill.transfer(b2, src_pages, [](int layer, std::vector<uint64_t>& sizes) {
+        if (layer == 1) sizes[1] += 16;
+    });
+    auto st2 = (*recv)->wait_done(2, 10s * kSlow);
+    ASSERT_OK(st2);
+    EXPECT_EQ(st2->state, RequestState::kFailed);
+    EXPECT_THAT(st2->reason, HasSubstr("DATA_LOSS"));
+    EXPECT_THAT(st2->reason, HasSubstr("request 2"));
+    EXPECT_THAT(st2->reason, HasSubstr("layer 1"));
+    expect_drained(per_layer, "the request whose sizes disagree (its layer 1)");
+
+    // 4. The stream is still in step: request 3 lands every byte.
+    submit(3, 60s);
+    BootstrapMsg b3 = prefill.ack(3);
+    prefill.transfer(b3, src_pages);
+    auto st3 = (*recv)->wait_done(3, 10s * kSlow);
+    ASSERT_OK(st3);
+    EXPECT_EQ(st3->state, RequestState::kSuccess) << st3->reason;
+    EXPECT_EQ(st3->first_token, 42);
+    const KvLayout& pl = prefill.layout();
+    size_t bad = 0;
+    for (int l = 0; l < L; ++l) {
+        for (int b = 0; b < dl.buffer_count(); ++b) {
+            for (int64_t t = 0; t < tokens; ++t) {
+                bad += std::memcmp(dl.slot_addr(l, b, token_slot(dst_pages, dl.page_size(), t)),
+                                   pl.slot_addr(l, b, token_slot(src_pages, pl.page_size(), t)),
+                                   dl.token_bytes(b)) != 0;
+            }
+        }
+    }
+    EXPECT_EQ(bad, 0u);
+    EXPECT_EQ((*recv)->stats().messages_drained, drained);
 }
 
 }  // namespace

@@ -4,7 +4,8 @@
 // Tags (capabilities().max_tag bounds them; the engine needs max_tag >= kDataTagBase):
 //   kControlTag (0)        every control message between two engines, in both directions.
 //                          Each engine keeps one receive per peer posted on it at all times.
-//   [1, kDataTagBase)      reserved (unused).
+//   kOrderedDataTag (1)    in a Bootstrap only: the decode rank uses the ordered data plane.
+//   [2, kDataTagBase)      reserved (unused).
 //   kDataTagBase + slot    the data tag of one request at one decode rank: the KV data messages
 //                          and the completion message every prefill rank sends to that decode
 //                          rank for that request. The DECODE rank allocates the slot (it is the
@@ -56,6 +57,18 @@
 //                request it never wrote: {src tp rank, why it failed}. The decode rank keeps the
 //                request's pages pinned until then (see kv_receiver.h).
 //
+// The ordered data plane (data_plane.h: a two-sided data transport that matches per peer in post
+// order, without tags: NCCL) sends the data messages on the data transport with no data tag (the
+// Bootstrap's data tag is kOrderedDataTag: no slot is taken) and adds one message, on the control
+// tag; its Completion travels on the control tag too, after the request's last DataPosted:
+//   DataPosted   prefill -> decode, before each batch of data sends of a (chunk, layer interval),
+//                posted under the destination's lock so that the announcements to a decode rank
+//                are in the order of the sends on the data transport: {src tp rank, chunk
+//                index, layer interval, the exact byte size of every message in post order}.
+//                The decode rank posts one receive of exactly each size, in that order -- into
+//                scratch memory when the request is unknown, failed or the sizes disagree with
+//                its plan -- so the pair's stream never falls out of step.
+//
 // ControlChannel threading: one control thread runs every handler (incoming messages, ticks,
 // tasks posted by other threads), so engine state touched only by handlers needs no lock.
 // Transport callbacks only enqueue work for it (they never re-enter the transport or block).
@@ -80,6 +93,7 @@
 namespace pdsim::transfer {
 
 inline constexpr Tag kControlTag = 0;
+inline constexpr Tag kOrderedDataTag = 1;
 inline constexpr Tag kDataTagBase = 16;
 
 enum class MsgType : uint16_t {
@@ -92,6 +106,7 @@ enum class MsgType : uint16_t {
     kRegions = 7,
     kLayerWritten = 8,
     kQuiesced = 9,
+    kDataPosted = 10,
 };
 std::string_view msg_type_name(MsgType type);
 
@@ -270,6 +285,30 @@ struct QuiescedMsg {
     }
 };
 
+// The ordered data plane (data_plane.h: a two-sided data transport without tag matching, NCCL)
+// announces every batch of data sends before posting it: the data transport matches per (source,
+// destination) pair in post order and needs a receive of exactly the message's size, so the
+// decode rank posts its receives from these, in their order.
+struct DataPostedMsg {
+    static constexpr MsgType kType = MsgType::kDataPosted;
+    uint64_t request_id = 0;
+    int32_t src_tp_rank = 0;
+    uint32_t chunk_index = 0;
+    int32_t layer_begin = 0;  // the layer interval [layer_begin, layer_end) of the chunk
+    int32_t layer_end = 0;
+    // The exact size of every data message of the interval, in post order (layer, buffer, run).
+    std::vector<uint64_t> sizes;
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v(m.request_id);
+        v(m.src_tp_rank);
+        v(m.chunk_index);
+        v(m.layer_begin);
+        v(m.layer_end);
+        v(m.sizes);
+    }
+};
+
 // The largest encoded CompletionMsg for these dimensions (the receive buffer's capacity).
 [[nodiscard]] size_t completion_capacity(int num_layers, int buffer_count, int head_count);
 
@@ -284,10 +323,12 @@ using Bytes = std::vector<uint8_t>;
 [[nodiscard]] Bytes encode(const RegionsMsg& m);
 [[nodiscard]] Bytes encode(const LayerWrittenMsg& m);
 [[nodiscard]] Bytes encode(const QuiescedMsg& m);
+[[nodiscard]] Bytes encode(const DataPostedMsg& m);
 
 // kDataLoss on a short/garbled message, a bad magic or version, or (decode_*) a message of
 // another type, an invalid layout summary, (completion) a checksum count that disagrees with
-// the dimensions or (regions) descriptor sizes that disagree with the dimensions or the bytes.
+// the dimensions, (regions) descriptor sizes that disagree with the dimensions or the bytes, or
+// (data posted) an empty or inverted layer interval, no sizes, or a zero size.
 [[nodiscard]] StatusOr<MsgType> peek_type(std::span<const uint8_t> bytes);
 [[nodiscard]] StatusOr<BootstrapMsg> decode_bootstrap(std::span<const uint8_t> bytes);
 [[nodiscard]] StatusOr<AckMsg> decode_ack(std::span<const uint8_t> bytes);
@@ -297,6 +338,7 @@ using Bytes = std::vector<uint8_t>;
 [[nodiscard]] StatusOr<RegionsMsg> decode_regions(std::span<const uint8_t> bytes);
 [[nodiscard]] StatusOr<LayerWrittenMsg> decode_layer_written(std::span<const uint8_t> bytes);
 [[nodiscard]] StatusOr<QuiescedMsg> decode_quiesced(std::span<const uint8_t> bytes);
+[[nodiscard]] StatusOr<DataPostedMsg> decode_data_posted(std::span<const uint8_t> bytes);
 
 struct ControlOptions {
     std::chrono::milliseconds heartbeat_interval{200};

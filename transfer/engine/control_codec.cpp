@@ -2,6 +2,7 @@
 // own library (pdsim_control_codec) so that its tests need no transport.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <type_traits>
@@ -30,6 +31,8 @@ std::string_view msg_type_name(MsgType type) {
             return "layer_written";
         case MsgType::kQuiesced:
             return "quiesced";
+        case MsgType::kDataPosted:
+            return "data_posted";
     }
     return "?";
 }
@@ -245,7 +248,7 @@ StatusOr<MsgType> peek_type(std::span<const uint8_t> bytes) {
         return PDSIM_ERROR(StatusCode::kDataLoss, "control message version {} (expected {})",
                            version, kVersion);
     }
-    if (type < 1 || type > static_cast<uint16_t>(MsgType::kQuiesced)) {
+    if (type < 1 || type > static_cast<uint16_t>(MsgType::kDataPosted)) {
         return PDSIM_ERROR(StatusCode::kDataLoss, "unknown control message type {}", type);
     }
     return static_cast<MsgType>(type);
@@ -276,6 +279,9 @@ Bytes encode(const LayerWrittenMsg& m) {
     return encode_message(m);
 }
 Bytes encode(const QuiescedMsg& m) {
+    return encode_message(m);
+}
+Bytes encode(const DataPostedMsg& m) {
     return encode_message(m);
 }
 
@@ -346,6 +352,17 @@ StatusOr<LayerWrittenMsg> decode_layer_written(std::span<const uint8_t> bytes) {
 }
 StatusOr<QuiescedMsg> decode_quiesced(std::span<const uint8_t> bytes) {
     return decode_message<QuiescedMsg>(bytes);
+}
+StatusOr<DataPostedMsg> decode_data_posted(std::span<const uint8_t> bytes) {
+    PDSIM_ASSIGN_OR_RETURN(DataPostedMsg m, decode_message<DataPostedMsg>(bytes));
+    if (m.layer_begin < 0 || m.layer_end <= m.layer_begin || m.sizes.empty() ||
+        std::find(m.sizes.begin(), m.sizes.end(), uint64_t{0}) != m.sizes.end()) {
+        return PDSIM_ERROR(StatusCode::kDataLoss,
+                           "data-posted message of request {} (chunk {}) announces layers [{}, {}) "
+                           "with {} message sizes (none may be 0)",
+                           m.request_id, m.chunk_index, m.layer_begin, m.layer_end, m.sizes.size());
+    }
+    return m;
 }
 
 }  // namespace pdsim::transfer

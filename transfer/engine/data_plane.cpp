@@ -9,7 +9,24 @@
 namespace pdsim::transfer {
 
 std::string_view data_plane_name(DataPlane plane) {
-    return plane == DataPlane::kTwoSided ? "two-sided" : "one-sided write";
+    switch (plane) {
+        case DataPlane::kTwoSided:
+            return "two-sided";
+        case DataPlane::kOneSidedWrite:
+            return "one-sided write";
+        case DataPlane::kOrdered:
+            return "ordered";
+    }
+    return "?";
+}
+
+StatusOr<DataPlane> data_plane_of_tag(Tag data_tag) {
+    if (data_tag == kControlTag) return DataPlane::kOneSidedWrite;
+    if (data_tag == kOrderedDataTag) return DataPlane::kOrdered;
+    if (data_tag >= kDataTagBase) return DataPlane::kTwoSided;
+    return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                       "data tag {} is reserved (0: writes, {}: ordered, >= {}: two-sided)",
+                       data_tag, kOrderedDataTag, kDataTagBase);
 }
 
 StatusOr<DataPlaneChoice> choose_data_plane(std::string_view engine, Transport& control,
@@ -38,16 +55,16 @@ StatusOr<DataPlaneChoice> choose_data_plane(std::string_view engine, Transport& 
                                "transport '{}' max_tag {} leaves no data tags (need >= {})",
                                dt.name(), dc.max_tag, kDataTagBase);
         }
+    } else if (dc.two_sided) {
+        // No tags (NCCL): matched per pair in post order, announced on the control channel.
+        choice.plane = DataPlane::kOrdered;
     } else if (dc.one_sided_write) {
         choice.plane = DataPlane::kOneSidedWrite;
     } else {
         return PDSIM_ERROR(StatusCode::kUnimplemented,
                            "the {} cannot move KV over data transport '{}': it has neither "
-                           "two-sided tag-matching operations ({}) nor one-sided writes",
-                           engine, dt.name(),
-                           dc.two_sided ? "two-sided but without tag matching, which is not "
-                                          "supported yet"
-                                        : "no two-sided operations");
+                           "two-sided operations nor one-sided writes",
+                           engine, dt.name());
     }
     if (!layout.is_host() && !dc.device_memory) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,

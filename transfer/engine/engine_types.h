@@ -92,8 +92,9 @@ struct EngineOptions {
     // rank and world size as the control transport (the Transport& given to create(); world rank
     // r is the same process on both). Null: the control transport carries the data too. The data
     // plane follows from its declared capabilities (kv_sender.h, "Data plane"): two-sided and
-    // tag-matching -> data messages on per-request data tags; else one-sided writes -> the write
-    // mode; else create() is kUnimplemented.
+    // tag-matching -> data messages on per-request data tags; two-sided without tag matching
+    // (nccl) -> the ordered plane (untagged messages announced on the control channel); else
+    // one-sided writes -> the write mode; else create() is kUnimplemented.
     Transport* data_transport = nullptr;
     EventHook on_event;
     // Device layouts (KvLayout::device() not the CPU; kv_sender.h, "Device memory"): the engine
@@ -141,6 +142,9 @@ struct EngineStats {
     uint64_t staged_bytes = 0;      // bytes copied through staging buffers (gather/scatter)
     uint64_t layers = 0;            // (request, layer, peer) transfers completed
     uint64_t tags_quarantined = 0;  // receiver: data tags retired after failures (two-sided)
+    // Receiver, ordered plane: announced data messages received into scratch memory and dropped
+    // (their request was unknown, failed, or disagreed with the announcement).
+    uint64_t messages_drained = 0;
 };
 
 }  // namespace pdsim::transfer

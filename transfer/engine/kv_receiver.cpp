@@ -32,7 +32,7 @@ KvReceiver::Impl::Impl(Transport& transport, DataPlaneChoice plane, KvLayout lay
       table_(RequestTableNames{"receiver", transport.rank()}) {
     const Capabilities caps = data_.capabilities();
     max_msg_ = std::min(opt_.max_message_bytes, caps.max_message_bytes);
-    slot_capacity_ = write_mode()
+    slot_capacity_ = plane_ != DataPlane::kTwoSided
                          ? 0
                          : static_cast<uint32_t>(std::min<uint64_t>(
                                uint64_t{caps.max_tag} - kDataTagBase + 1, uint64_t{1} << 30));
@@ -117,8 +117,8 @@ Status KvReceiver::Impl::submit(const ReceiveRequestSpec& spec) {
         MutexLock lock(table_.mu());
         PDSIM_RETURN_IF_ERROR(table_.check_addable_locked(spec.request_id));
         uint32_t slot = 0;
-        if (write_mode()) {
-            // No data tag: the write mode takes no slot.
+        if (plane_ != DataPlane::kTwoSided) {
+            // No data tag: the write mode and the ordered plane take no slot.
         } else if (!free_slots_.empty()) {
             slot = free_slots_.back();
             free_slots_.pop_back();
@@ -142,8 +142,10 @@ Status KvReceiver::Impl::submit(const ReceiveRequestSpec& spec) {
         r->timeout = spec.timeout.count() > 0 ? spec.timeout : opt_.request_timeout;
         r->deadline = r->started + r->timeout;
         r->slot = slot;
-        r->tag = write_mode() ? kControlTag : kDataTagBase + slot;
-        r->slot_settled = write_mode();
+        r->tag = write_mode() ? kControlTag
+                 : ordered()  ? kOrderedDataTag  // in the Bootstrap; data is posted untagged
+                              : kDataTagBase + slot;
+        r->slot_settled = plane_ != DataPlane::kTwoSided;
         r->sources.resize(spec.prefill_ranks.size());
         for (size_t i = 0; i < spec.prefill_ranks.size(); ++i) {
             r->sources[i].world_rank = spec.prefill_ranks[i];
@@ -343,9 +345,22 @@ void KvReceiver::Impl::on_control(int peer, std::span<const uint8_t> bytes) {
             return;
         }
         case MsgType::kCompletion:
-            if (!write_mode()) break;
+            if (!write_mode() && !ordered()) break;
             handle_control_completion(peer, bytes);
             return;
+        case MsgType::kDataPosted: {
+            if (!ordered()) break;
+            auto m = decode_data_posted(bytes);
+            if (!m.ok()) {
+                // The announced messages cannot be matched: the pair's stream is lost from here
+                // (a garbled control frame; the control transport checks its frames).
+                PDSIM_LOG_WARN("receiver rank {}: bad data-posted message from rank {}: {}",
+                               transport_.rank(), peer, m.status().to_string());
+                return;
+            }
+            handle_data_posted(peer, *m);
+            return;
+        }
         case MsgType::kQuiesced: {
             if (!write_mode()) break;
             auto m = decode_quiesced(bytes);
@@ -502,7 +517,24 @@ void KvReceiver::Impl::fail(const std::shared_ptr<RecvReq>& r, std::string reaso
     {
         MutexLock lock(table_.mu());
         if (!table_.mark_failed_locked(*r, reason)) return;
-        handles.swap(r->handles);
+        if (ordered()) {
+            // Posted receives stay (each matches an announced message; withdrawing one would put
+            // the pair's stream out of step); what no DataPosted announced yet is never posted,
+            // nor is the completion awaited any more.
+            for (SourceState& s : r->sources) {
+                for (const RecvOp& op : s.unposted) {
+                    --r->ops_outstanding;
+                    if (op.layer >= 0) --r->layer_pending[static_cast<size_t>(op.layer)];
+                }
+                s.unposted.clear();
+                if (s.completion_pending) {
+                    s.completion_pending = false;
+                    --r->ops_outstanding;
+                }
+            }
+        } else {
+            handles.swap(r->handles);
+        }
         maybe_settle_locked(*r);
     }
     PDSIM_LOG_DEBUG("receiver rank {}: {}", transport_.rank(), reason);

@@ -11,7 +11,21 @@
 // Data plane (data_plane.h): as the sender's (kv_sender.h) -- the control transport given to
 // create() carries the control messages; options.data_transport (null: the control transport)
 // chooses from its declared capabilities between the two-sided data plane (this paragraph and
-// the next) and the write mode (below); neither is kUnimplemented at create().
+// the next), the ordered plane (nccl; below) and the write mode (below); none of them is
+// kUnimplemented at create().
+//
+// Ordered plane (a two-sided data transport without tag matching: NCCL matches per pair in post
+// order and needs receives of the exact size). No data tag slot is taken (the Bootstrap's data
+// tag is kOrderedDataTag). A Chunk header plans the chunk's receives as two-sided (counted
+// outstanding) but posts none; each DataPosted of a source (control.h) posts, from the control
+// thread, in announcement order, one receive of each announced size: the planned ones when the
+// announcement agrees with the plan, else receives into scratch memory whose bytes are dropped
+// (stats().messages_drained) -- for a request that is unknown or failed, and for one whose plan
+// disagrees (which fails with a DATA_LOSS reason naming the request and the layer). Every
+// announced message is matched, so the pair's stream stays in step. Posted receives are never
+// cancelled: a failed request withdraws only what is not announced yet, and keeps its pages
+// pinned until its posted receives completed. The Completion arrives on the control channel,
+// after the source's last DataPosted.
 //
 // Protocol (control.h): submit() pins the pages, takes a data tag slot and sends a Bootstrap to
 // every prefill rank of the instance; each answers with an Ack carrying its layout, from which

@@ -41,6 +41,44 @@
 namespace pdsim::transfer {
 namespace receiver_detail {
 
+struct RecvReq;
+
+// Device layouts: the staging of one chunk's messages from one source (plan_scatter over every
+// layer, the engine's message order): the receives of the messages that fill only part of a
+// decode slot land there, and the comm stream scatters them into the pages. `memory` (the ops'
+// staging memory) is allocated outside the engine lock, before any receive is posted.
+struct DeviceStaging {
+    KvStagingPlan plan;
+    KvOpsMemory memory;
+};
+
+struct ScatterJob {
+    std::shared_ptr<RecvReq> req;
+    Fragment frag;
+    int layer = 0;
+    int buf = 0;
+    TokenRun run;
+    std::shared_ptr<std::vector<std::byte>> staging;  // host layouts
+    // Device layouts: message `message` of `device_staging` (its op scatters it).
+    std::shared_ptr<DeviceStaging> device_staging;
+    size_t message = 0;
+};
+
+// One receive to post (computed under the lock, posted outside it).
+struct RecvOp {
+    int layer = -1;  // -1: the completion message
+    uint32_t chunk = 0;
+    int buf = 0;
+    TokenRun run;
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    std::shared_ptr<std::vector<std::byte>> staging;  // host layouts: lands here, then scattered
+    // Device layouts: lands in message `message` of `device_staging`, then scattered.
+    std::shared_ptr<DeviceStaging> device_staging;
+    size_t message = 0;
+    std::shared_ptr<Bytes> completion;
+};
+
 // One prefill rank of a request.
 struct SourceState {
     int world_rank = -1;
@@ -63,6 +101,13 @@ struct SourceState {
     // ([chunk * num_layers + layer]).
     std::vector<int64_t> chunk_tokens;
     std::vector<uint8_t> written;
+
+    // Ordered plane: the planned receives of the chunks announced by headers that no DataPosted
+    // has announced yet, in plan order (each counted outstanding), and whether the completion
+    // (on the control channel) is still awaited (counted outstanding too). Both are withdrawn
+    // when the request fails.
+    std::deque<RecvOp> unposted;
+    bool completion_pending = false;
 
     // Write mode: no write of this source can land in the pages any more.
     [[nodiscard]] bool settled() const {
@@ -97,41 +142,6 @@ struct RecvReq : RequestLifecycle {
     uint64_t bytes = 0;
     // Device layouts: what a worker waits for on the comm stream (its scatters), while it waits.
     std::string awaiting_comm;
-};
-
-// Device layouts: the staging of one chunk's messages from one source (plan_scatter over every
-// layer, the engine's message order): the receives of the messages that fill only part of a
-// decode slot land there, and the comm stream scatters them into the pages. `memory` (the ops'
-// staging memory) is allocated outside the engine lock, before any receive is posted.
-struct DeviceStaging {
-    KvStagingPlan plan;
-    KvOpsMemory memory;
-};
-
-struct ScatterJob {
-    std::shared_ptr<RecvReq> req;
-    Fragment frag;
-    int layer = 0;
-    int buf = 0;
-    TokenRun run;
-    std::shared_ptr<std::vector<std::byte>> staging;  // host layouts
-    // Device layouts: message `message` of `device_staging` (its op scatters it).
-    std::shared_ptr<DeviceStaging> device_staging;
-    size_t message = 0;
-};
-
-// One receive to post (computed under the lock, posted outside it).
-struct RecvOp {
-    int layer = -1;  // -1: the completion message
-    int buf = 0;
-    TokenRun run;
-    void* ptr = nullptr;
-    size_t bytes = 0;
-    std::shared_ptr<std::vector<std::byte>> staging;  // host layouts: lands here, then scattered
-    // Device layouts: lands in message `message` of `device_staging`, then scattered.
-    std::shared_ptr<DeviceStaging> device_staging;
-    size_t message = 0;
-    std::shared_ptr<Bytes> completion;
 };
 
 }  // namespace receiver_detail
@@ -193,6 +203,7 @@ private:
     // released now (the caller notifies the waiters).
     bool maybe_settle_locked(RecvReq& r) PDSIM_REQUIRES(table_.mu());
     [[nodiscard]] bool write_mode() const { return plane_ == DataPlane::kOneSidedWrite; }
+    [[nodiscard]] bool ordered() const { return plane_ == DataPlane::kOrdered; }
     void after_change(const std::shared_ptr<RecvReq>& r, std::vector<int> newly);
     void handle_ack(int peer, const AckMsg& m);
     void handle_chunk(int peer, const ChunkMsg& m);
@@ -212,8 +223,17 @@ private:
     // (and nothing counted) when its plan fails.
     std::vector<RecvOp> plan_chunk_locked(RecvReq& r, const SourceState& s, const ChunkMsg& m,
                                           std::string& why) PDSIM_REQUIRES(table_.mu());
+    // `announced` (ordered plane): the sender announced these messages, so every one is posted
+    // even if the request failed meanwhile, and none is withdrawn.
     void post_ops(const std::shared_ptr<RecvReq>& r, int peer, const Fragment& frag,
-                  std::vector<RecvOp> ops);
+                  std::vector<RecvOp> ops, bool announced = false);
+
+    // Ordered plane (control thread): posts the receives a DataPosted announces, in its order --
+    // the planned ones of the request, or, for a request that is unknown, failed, or whose plan
+    // disagrees (which fails it: a data loss naming the request and the layer), receives of
+    // exactly the announced sizes into scratch memory whose bytes are dropped.
+    void handle_data_posted(int peer, const DataPostedMsg& m);
+    void drain_announced(int peer, const DataPostedMsg& m);
 
     // Any thread (transport callbacks included): never re-enters the transport.
     void on_recv_complete(const std::shared_ptr<RecvReq>& r, int peer, const Fragment& frag,

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <deque>
 #include <iterator>
 #include <memory>
 #include <set>
@@ -172,6 +173,11 @@ void KvReceiver::Impl::handle_chunk(int peer, const ChunkMsg& m) {
                 if (m.is_last) ++r->ops_outstanding;
             } else {
                 ops = plan_chunk_locked(*r, *s, m, why);
+                if (why.empty() && ordered() && m.is_last) {
+                    // The completion comes on the control channel, after the last DataPosted.
+                    s->completion_pending = true;
+                    ++r->ops_outstanding;
+                }
             }
             if (why.empty() && m.is_last) {
                 s->last_header = true;
@@ -205,6 +211,23 @@ void KvReceiver::Impl::handle_chunk(int peer, const ChunkMsg& m) {
                              memory.status().message()),
                  true);
         }
+    }
+    if (ordered()) {
+        // Posted once a DataPosted announces them (handle_data_posted).
+        MutexLock lock(table_.mu());
+        const int src = source_index(*r, peer);
+        if (is_terminal(r->state)) {
+            // Failed meanwhile (fail() withdrew what it saw): never posted.
+            for (const RecvOp& op : ops) {
+                --r->ops_outstanding;
+                if (op.layer >= 0) --r->layer_pending[static_cast<size_t>(op.layer)];
+            }
+            maybe_settle_locked(*r);
+        } else {
+            std::deque<RecvOp>& q = r->sources[static_cast<size_t>(src)].unposted;
+            for (RecvOp& op : ops) q.push_back(std::move(op));
+        }
+        ops.clear();
     }
     // Posted from this (the control) thread only, in plan order: per (source, tag) the k-th
     // receive matches the source's k-th send.
@@ -256,6 +279,7 @@ std::vector<receiver_detail::RecvOp> KvReceiver::Impl::plan_chunk_locked(RecvReq
                 const TokenRun& run = runs[k];
                 RecvOp op;
                 op.layer = l;
+                op.chunk = m.chunk_index;
                 op.buf = b;
                 op.run = run;
                 op.bytes = message_bytes(f, b, run);
@@ -278,7 +302,7 @@ std::vector<receiver_detail::RecvOp> KvReceiver::Impl::plan_chunk_locked(RecvReq
             }
         }
     }
-    if (m.is_last) {
+    if (m.is_last && !ordered()) {
         RecvOp op;
         op.layer = -1;
         op.completion = std::make_shared<Bytes>(completion_capacity(L, B, f.head_count));
@@ -291,21 +315,31 @@ std::vector<receiver_detail::RecvOp> KvReceiver::Impl::plan_chunk_locked(RecvReq
 }
 
 void KvReceiver::Impl::post_ops(const std::shared_ptr<RecvReq>& r, int peer, const Fragment& frag,
-                                std::vector<RecvOp> ops) {
+                                std::vector<RecvOp> ops, bool announced) {
     std::weak_ptr<Impl> weak = weak_from_this();
+    const Tag tag = ordered() ? kOrderedPostTag : r->tag;
     for (size_t i = 0; i < ops.size(); ++i) {
         bool failed;
         {
             MutexLock lock(table_.mu());
             failed = r->state == RequestState::kFailed;
         }
-        if (failed) {
+        if (failed && !announced) {
             // The request failed meanwhile: the rest is never posted (and counted as done).
             for (size_t j = i; j < ops.size(); ++j) op_done(r, ops[j].layer, 0, "withdrawn");
             return;
         }
         auto op = std::make_shared<RecvOp>(std::move(ops[i]));
-        auto h = data_.post_recv(peer, r->tag, op->ptr, op->bytes);
+        auto h = data_.post_recv(peer, tag, op->ptr, op->bytes);
+        if (!h.ok() && announced) {
+            // The announced message stays unmatched: the pair's stream is out of step from here
+            // (a transport refuses a post when it is closed or the peer is gone, in practice).
+            op_done(r, op->layer, 0,
+                    fmt::format("request {}: posting the receive of an announced message of layer "
+                                "{} from prefill rank {} failed: {}",
+                                r->id, op->layer, peer, h.status().message()));
+            continue;
+        }
         if (!h.ok()) {
             // This op and the ones never posted are done (failed) as far as accounting goes.
             for (size_t j = i; j < ops.size(); ++j) {
@@ -320,7 +354,7 @@ void KvReceiver::Impl::post_ops(const std::shared_ptr<RecvReq>& r, int peer, con
         bool cancel_now = false;
         {
             MutexLock lock(table_.mu());
-            if (r->state == RequestState::kFailed) {
+            if (r->state == RequestState::kFailed && !announced) {
                 // fail() already withdrew the handles it knew of; this one came later.
                 cancel_now = true;
             } else {
@@ -522,6 +556,16 @@ void KvReceiver::Impl::handle_control_completion(int peer, std::span<const uint8
             // It sent everything it had: none of its writes can land any more.
             s.completed = true;
             released = maybe_settle_locked(*r);
+        } else if (ordered()) {
+            if (!s.frag || !s.last_header || !s.unposted.empty() || !s.completion_pending) {
+                why = fmt::format(
+                    "request {}: protocol error: completion from prefill rank {} before every "
+                    "message of every chunk was announced",
+                    r->id, peer);
+            } else {
+                s.completion_pending = false;  // handle_completion's op_done counts it
+                frag = *s.frag;
+            }
         } else if (!s.frag || !s.last_header ||
                    std::find(s.written.begin(), s.written.end(), 0) != s.written.end()) {
             why = fmt::format(
@@ -539,6 +583,108 @@ void KvReceiver::Impl::handle_control_completion(int peer, std::span<const uint8
         return;
     }
     handle_completion(r, peer, frag, std::move(m));
+}
+
+void KvReceiver::Impl::handle_data_posted(int peer, const DataPostedMsg& m) {
+    std::shared_ptr<RecvReq> r;
+    std::vector<RecvOp> ops;
+    Fragment frag;
+    std::string why;
+    {
+        MutexLock lock(table_.mu());
+        r = table_.find_locked(m.request_id);
+        if (r && !is_terminal(r->state)) {
+            const int src = source_index(*r, peer);
+            SourceState* s = src < 0 ? nullptr : &r->sources[static_cast<size_t>(src)];
+            if (s == nullptr || !s->frag || m.src_tp_rank != src) {
+                why = fmt::format(
+                    "request {}: protocol error: unexpected data-posted message (chunk {}, "
+                    "layers {}..{}, tp rank {}) from rank {}",
+                    m.request_id, m.chunk_index, m.layer_begin, m.layer_end - 1, m.src_tp_rank,
+                    peer);
+            } else {
+                // The plan's receives of the announced (chunk, layer interval): the front of
+                // what the chunk headers planned, in the same (layer, buffer, run) order.
+                const std::deque<RecvOp>& q = s->unposted;
+                size_t n = 0;
+                while (n < q.size() && q[n].chunk == m.chunk_index && q[n].layer >= m.layer_begin &&
+                       q[n].layer < m.layer_end) {
+                    ++n;
+                }
+                const bool covers =
+                    n > 0 && q.front().layer == m.layer_begin && q[n - 1].layer == m.layer_end - 1;
+                size_t diff = 0;  // the first message whose size disagrees
+                while (diff < std::min(n, m.sizes.size()) && q[diff].bytes == m.sizes[diff]) {
+                    ++diff;
+                }
+                if (!covers || n != m.sizes.size() || diff != n) {
+                    const int layer = diff < n ? q[diff].layer : m.layer_begin;
+                    const Status loss = PDSIM_ERROR(
+                        StatusCode::kDataLoss,
+                        "request {}: prefill rank {} announced {} messages of chunk {} layers "
+                        "{}..{}, the plan expects {}{} (first difference: message {}, layer {}: "
+                        "announced {} bytes, planned {})",
+                        r->id, peer, m.sizes.size(), m.chunk_index, m.layer_begin, m.layer_end - 1,
+                        n, covers ? "" : " for that interval", diff, layer,
+                        diff < m.sizes.size() ? m.sizes[diff] : 0, diff < n ? q[diff].bytes : 0);
+                    why = loss.to_string();
+                } else {
+                    for (size_t i = 0; i < n; ++i) {
+                        ops.push_back(std::move(s->unposted.front()));
+                        s->unposted.pop_front();
+                    }
+                    frag = *s->frag;
+                }
+            }
+        }
+    }
+    if (!why.empty()) fail(r, why, true);
+    if (ops.empty()) {
+        drain_announced(peer, m);
+        return;
+    }
+    // From this (the control) thread only, in announcement order: the k-th receive posted for
+    // this source matches its k-th send.
+    post_ops(r, peer, frag, std::move(ops), /*announced=*/true);
+}
+
+void KvReceiver::Impl::drain_announced(int peer, const DataPostedMsg& m) {
+    std::weak_ptr<Impl> weak = weak_from_this();
+    for (const uint64_t bytes : m.sizes) {
+        // Memory the data transport reaches: the ops' staging memory on device layouts.
+        std::shared_ptr<void> keep;
+        void* ptr = nullptr;
+        if (comm_) {
+            StatusOr<KvOpsMemory> memory = comm_->ops().allocate_staging(bytes);
+            if (memory.ok()) {
+                auto owned = std::make_shared<KvOpsMemory>(std::move(memory).value());
+                ptr = owned->data();
+                keep = std::move(owned);
+            } else {
+                PDSIM_LOG_WARN(
+                    "receiver rank {}: no scratch memory of {} bytes for a message "
+                    "of request {} from rank {} (the stream is out of step): {}",
+                    transport_.rank(), bytes, m.request_id, peer, memory.status().to_string());
+                continue;
+            }
+        } else {
+            auto owned = std::make_shared<std::vector<std::byte>>(bytes);
+            ptr = owned->data();
+            keep = std::move(owned);
+        }
+        auto h = data_.post_recv(peer, kOrderedPostTag, ptr, bytes);
+        if (!h.ok()) {
+            PDSIM_LOG_WARN("receiver rank {}: draining a message of request {} from rank {}: {}",
+                           transport_.rank(), m.request_id, peer, h.status().to_string());
+            continue;
+        }
+        h->on_complete([weak, keep](const Status& st, size_t) {
+            auto self = weak.lock();
+            if (!self || !st.ok()) return;
+            MutexLock lock(self->table_.mu());
+            ++self->stats_.messages_drained;
+        });
+    }
 }
 
 void KvReceiver::Impl::handle_quiesced(int peer, const QuiescedMsg& m) {

@@ -54,6 +54,11 @@ KvSender::Impl::Impl(Transport& transport, DataPlaneChoice plane, KvLayout layou
     max_msg_ = std::min(opt_.max_message_bytes, data_.capabilities().max_message_bytes);
     gate_ahead_ = comm_ != nullptr && opt_.device_gate && data_.capabilities().stream_ordered &&
                   counter_.stream().device() == layout_.device();
+    if (ordered()) {
+        for (int p = 0; p < transport.world_size(); ++p) {
+            ordered_peers_.push_back(std::make_unique<OrderedPeer>());
+        }
+    }
 }
 
 Status KvSender::Impl::start() {
@@ -543,25 +548,18 @@ Status KvSender::Impl::validate_bootstrap(int peer, const BootstrapMsg& m) const
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "bad decode TP rank {} of {}",
                            m.decode_tp_rank, m.decode_tp_size);
     }
-    if (write_mode()) {
-        if (m.data_tag != kControlTag) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "decode rank {} uses the two-sided data plane (data tag {}); this "
-                               "prefill rank writes one-sided (data transport '{}')",
-                               peer, m.data_tag, data_.name());
-        }
-    } else {
-        const Tag max_tag = data_.capabilities().max_tag;
-        if (m.data_tag == kControlTag) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument,
-                               "decode rank {} expects one-sided writes (no data tag); this "
-                               "prefill rank's data plane ('{}') is two-sided",
-                               peer, data_.name());
-        }
-        if (m.data_tag < kDataTagBase || m.data_tag > max_tag) {
-            return PDSIM_ERROR(StatusCode::kInvalidArgument, "data tag {} outside [{}, {}]",
-                               m.data_tag, kDataTagBase, max_tag);
-        }
+    StatusOr<DataPlane> theirs = data_plane_of_tag(m.data_tag);
+    if (!theirs.ok()) return theirs.status().with_context(fmt::format("decode rank {}", peer));
+    if (*theirs != plane_) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "decode rank {} uses the {} data plane (data tag {}); this prefill "
+                           "rank's data plane is {} (data transport '{}')",
+                           peer, data_plane_name(*theirs), m.data_tag, data_plane_name(plane_),
+                           data_.name());
+    }
+    if (plane_ == DataPlane::kTwoSided && m.data_tag > data_.capabilities().max_tag) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "data tag {} outside [{}, {}]", m.data_tag,
+                           kDataTagBase, data_.capabilities().max_tag);
     }
     const int64_t ps = m.layout.page_size;
     if (m.num_tokens < 1 ||
@@ -620,7 +618,8 @@ std::string KvSender::Impl::attach_locked(SendReq& r, int peer, const BootstrapM
     auto d = std::make_shared<DestState>();
     d->world_rank = peer;
     d->tp_rank = m.decode_tp_rank;
-    d->tag = m.data_tag;
+    // The ordered plane posts untagged (the transport ignores tags).
+    d->tag = plane_ == DataPlane::kOrdered ? kOrderedPostTag : m.data_tag;
     d->layout = m.layout;
     d->dst_pages = m.dst_pages;
     d->regions = std::move(regions);
@@ -809,7 +808,9 @@ void KvSender::Impl::fail(const std::shared_ptr<SendReq>& r, std::string reason,
         MutexLock lock(table_.mu());
         if (!table_.mark_failed_locked(*r, reason)) return;
         r->cancelled.store(true);
-        handles.swap(r->handles);
+        // Ordered plane: an announced send is never withdrawn (the decode rank posts its receive
+        // whatever becomes of the request; withdrawing would put the pair's stream out of step).
+        if (!ordered()) handles.swap(r->handles);
         for (auto& [tp, d] : r->dests) peers.push_back(d->world_rank);
         quiet = maybe_release_pins_locked(*r);
     }

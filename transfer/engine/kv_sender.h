@@ -14,11 +14,25 @@
 // every control message and must be two-sided and tag-matching. The KV bytes go over
 // options.data_transport (null: the control transport), whose declared capabilities choose how:
 //   two_sided && tag_matching  -> two-sided: data messages on the request's data tag (below);
+//   two_sided, no tag matching -> ordered (nccl; below);
 //   else one_sided_write       -> the write mode (below);
-//   else                       -> create() is kUnimplemented, naming the transport and what it
-//                                 lacks (NCCL's untagged in-order matching is a later step).
-// The decode rank chooses the same way; a Bootstrap of the other plane is refused (its data tag
-// says which: 0 = writes).
+//   else                       -> create() is kUnimplemented, naming the transport.
+// The decode rank chooses the same way; a Bootstrap of another plane is refused (its data tag
+// says which: 0 = writes, kOrderedDataTag = ordered, kDataTagBase and up = two-sided).
+//
+// Ordered plane (the data transport matches per pair in post order, ignores tags and needs
+// receives of the exact size). The data path is the two-sided one (same messages, order, sizes,
+// copies) except how an interval is posted: the worker collects its messages, then, holding the
+// destination's lock, sends DataPosted{request, chunk, [l0, l1), every message's size in post
+// order} on the control channel and posts the sends in exactly that order (untagged), so that
+// per (this rank, decode rank) the announcements and the posts are in the same order. Nothing is
+// announced for a failed request; an announced send is posted even if the request failed
+// meanwhile and is never cancelled (the decode rank posts its receive whatever happens), so a
+// failed request's pages stay pinned until those sends complete. The Completion goes on the
+// control channel after the request's last DataPosted to that rank. A send the data transport
+// refuses to post after its announcement puts that pair's stream out of step: every later
+// interval to that decode rank fails, naming it. Device gating works unchanged: the DataPosted
+// goes out when the interval is posted (ahead of the record); the sends wait on the event.
 //
 // Data path. Per destination decode rank a chunk becomes a task on worker (rank % num_workers).
 // A task sends the Chunk header, then for each interval [l0, l1) of layers, once step

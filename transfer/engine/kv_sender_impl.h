@@ -11,6 +11,8 @@
 // fields marked "under the table's mutex", pending_bootstraps_, aborted_ and stats_. Each
 // Worker::mu guards only its queue. The two are never nested: the engine lock is released before
 // a task is queued, and a worker takes the engine lock only after releasing its queue lock.
+// Ordered plane: a destination's OrderedPeer::mu is taken by its worker around an announcement
+// and its posts; the engine lock may be taken under it, never the other way round.
 // A function named *_locked is called with the engine lock held.
 #pragma once
 
@@ -226,6 +228,7 @@ private:
     };
 
     [[nodiscard]] bool write_mode() const { return plane_ == DataPlane::kOneSidedWrite; }
+    [[nodiscard]] bool ordered() const { return plane_ == DataPlane::kOrdered; }
 
     RequestStatus status_locked(const SendReq& r) const PDSIM_REQUIRES(table_.mu());
     std::string describe_awaiting_locked(const SendReq& r) const PDSIM_REQUIRES(table_.mu());
@@ -340,10 +343,26 @@ private:
     bool post_write(const Task& t, int layer, int buf, size_t offset, const void* ptr, size_t bytes,
                     std::shared_ptr<void> keep, const std::shared_ptr<TaskProgress>& progress,
                     const std::shared_ptr<runtime::Event>& after = nullptr);
-    // The bookkeeping shared by both: `post` posts the operation on data_.
+    // The bookkeeping shared by both: `post` posts the operation on data_. `announced` (ordered
+    // plane): the operation was announced, so it is posted even if the request failed meanwhile
+    // and never withdrawn.
     bool post_op(const Task& t, int layer, OpKind kind, std::shared_ptr<void> keep,
                  const std::shared_ptr<TaskProgress>& progress,
-                 const std::function<StatusOr<RequestHandle>()>& post);
+                 const std::function<StatusOr<RequestHandle>()>& post, bool announced = false);
+    // Ordered plane: one data message of an interval, collected before the announcement.
+    struct OrderedSend {
+        int layer = 0;
+        const void* ptr = nullptr;
+        size_t bytes = 0;
+        std::shared_ptr<void> keep;
+    };
+    // Ordered plane: under the destination's lock, announces `sends` (DataPosted: layers
+    // [l0, l1) of the task's chunk) on the control channel and posts them in that order on the
+    // data transport. Nothing is announced when the request failed or the destination's stream is
+    // out of step (a post of an announced message failed before); once announced, every message
+    // is posted. False: stop the task.
+    bool post_ordered(Active& a, int l0, int l1, std::vector<OrderedSend>& sends,
+                      const std::shared_ptr<runtime::Event>& after);
     // Write mode: the (chunk, layer) writes of `a` to its destination, in plan order. `gathered`
     // (device layouts): the run's gathered copy in `gathered_keep`, when the write reads one.
     bool post_run_writes(Active& a, int layer, int buf, const TokenRun& run, uint64_t& staged,
@@ -385,6 +404,16 @@ private:
         PDSIM_GUARDED_BY(table_.mu());
     // The byte, message, layer and staging counts (the request counts are the table's).
     EngineStats stats_ PDSIM_GUARDED_BY(table_.mu());
+
+    // Ordered plane: per destination world rank, the lock that keeps the announcements on the
+    // control transport in the order of the posts on the data transport, and (under it) why the
+    // pair's stream is out of step ("" while it is not). Leaves: nothing else is taken under
+    // them except the engine lock inside post_op (never the other way round).
+    struct OrderedPeer {
+        Mutex mu;
+        std::string broken PDSIM_GUARDED_BY(mu);
+    };
+    std::vector<std::unique_ptr<OrderedPeer>> ordered_peers_;
 
     // Write mode, control thread only: every decode rank's regions (by world rank).
     std::unordered_map<int, PeerRegions> peer_regions_;

@@ -399,6 +399,7 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
                  fmt::format("posting layers {}..{} to decode rank {}", l0, l1 - 1, d.world_rank));
     uint64_t staged = 0;
     bool ok = true;
+    std::vector<OrderedSend> batch;  // ordered plane: the interval's sends, in post order
     for (int l = l0; ok && l < l1; ++l) {
         if (!comm_) {
             emit(TransferEvent::Kind::kLayerReady, r.id, l, d.world_rank, a.t.chunk_index, 0);
@@ -449,17 +450,93 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
                     keep = std::move(staging);
                     staged += bytes;
                 }
-                if (!post_data(a.t, l, ptr, bytes, std::move(keep), a.progress, dev.after)) {
+                if (ordered()) {
+                    // Announced first, posted below (post_ordered).
+                    batch.push_back({l, ptr, bytes, std::move(keep)});
+                } else if (!post_data(a.t, l, ptr, bytes, std::move(keep), a.progress, dev.after)) {
                     ok = false;
                 }
             }
         }
+        if (ordered()) continue;  // the guards drop once the batch is posted
         emit(TransferEvent::Kind::kLayerPosted, r.id, l, d.world_rank, a.t.chunk_index, 0);
         layer_op_done(a.progress, l);  // drop the guard
+    }
+    if (ordered()) {
+        const int posted_end = ok ? l1 : l0;
+        if (ok) ok = post_ordered(a, l0, l1, batch, dev.after);
+        for (int l = l0; l < l1; ++l) {
+            if (a.progress->pending[static_cast<size_t>(l)].load() == 0) continue;  // never guarded
+            if (l < posted_end) {
+                emit(TransferEvent::Kind::kLayerPosted, r.id, l, d.world_rank, a.t.chunk_index, 0);
+            }
+            layer_op_done(a.progress, l);  // drop the guard
+        }
     }
     if (staged > 0) {
         MutexLock lock(table_.mu());
         stats_.staged_bytes += staged;
+    }
+    return ok;
+}
+
+bool KvSender::Impl::post_ordered(Active& a, int l0, int l1, std::vector<OrderedSend>& sends,
+                                  const std::shared_ptr<runtime::Event>& after) {
+    SendReq& r = *a.t.req;
+    DestState& d = *a.t.dest;
+    OrderedPeer& peer = *ordered_peers_[static_cast<size_t>(d.world_rank)];
+    MutexLock lock(peer.mu);
+    if (!peer.broken.empty()) {
+        fail(a.t.req,
+             fmt::format("request {}: the ordered data stream to decode rank {} is out of step "
+                         "({}); layers {}..{} cannot be sent",
+                         r.id, d.world_rank, peer.broken, l0, l1 - 1),
+             true);
+        return false;
+    }
+    // Nothing announced for a request that failed: its decode rank need not match anything more.
+    // (It may fail from here on: what is announced is posted all the same.)
+    if (r.cancelled.load() || stopping_.load()) return false;
+    DataPostedMsg m;
+    m.request_id = r.id;
+    m.src_tp_rank = layout_.summary().tp_rank;
+    m.chunk_index = a.t.chunk_index;
+    m.layer_begin = l0;
+    m.layer_end = l1;
+    m.sizes.reserve(sends.size());
+    for (const OrderedSend& s : sends) m.sizes.push_back(s.bytes);
+    channel_->send(d.world_rank, encode(m));
+    bool ok = true;
+    for (OrderedSend& s : sends) {
+        std::shared_ptr<void> keep = std::move(s.keep);
+        if (after) {
+            keep =
+                std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<runtime::Event>>>(
+                    keep, after);
+        }
+        Status post_error;
+        const bool posted = post_op(
+            a.t, s.layer, OpKind::kSend, std::move(keep), a.progress,
+            [&]() -> StatusOr<RequestHandle> {
+                StatusOr<RequestHandle> h =
+                    after ? data_.post_send_after(*after, d.world_rank, d.tag, s.ptr, s.bytes)
+                          : data_.post_send(d.world_rank, d.tag, s.ptr, s.bytes);
+                if (!h.ok()) post_error = h.status();
+                return h;
+            },
+            /*announced=*/true);
+        if (!posted && !post_error.ok() && peer.broken.empty()) {
+            // The decode rank posts a receive for this message that no send of ours will match:
+            // every later message to it would land in the wrong receive. (A transport refuses a
+            // post when it is closed or the peer is gone, in practice.)
+            peer.broken = fmt::format("posting a message of request {} layer {} failed: {}", r.id,
+                                      s.layer, post_error.message());
+            PDSIM_LOG_WARN(
+                "sender rank {}: the ordered data stream to decode rank {} is out of "
+                "step: {}",
+                transport_.rank(), d.world_rank, peer.broken);
+        }
+        ok = ok && posted;
     }
     return ok;
 }
@@ -630,6 +707,16 @@ KvSender::Impl::Progress KvSender::Impl::try_completion(Active& a) {
         notice_done(a.t.req, a.t.dest);  // drops the arming guard
         return Progress::kDone;
     }
+    if (ordered()) {
+        // On the control tag, after every DataPosted of the request to this destination (this
+        // worker sent them all, in order): the decode rank has posted every receive by then.
+        {
+            MutexLock lock(table_.mu());
+            if (is_terminal(r.state)) return Progress::kFailed;
+        }
+        channel_->send(d.world_rank, encode(m));
+        return Progress::kDone;
+    }
     auto buf = std::make_shared<Bytes>(encode(m));
     const void* ptr = buf->data();
     const size_t n = buf->size();
@@ -718,12 +805,12 @@ bool KvSender::Impl::post_write(const Task& t, int layer, int buf, size_t offset
 
 bool KvSender::Impl::post_op(const Task& t, int layer, OpKind kind, std::shared_ptr<void> keep,
                              const std::shared_ptr<TaskProgress>& progress,
-                             const std::function<StatusOr<RequestHandle>()>& post) {
+                             const std::function<StatusOr<RequestHandle>()>& post, bool announced) {
     SendReq& r = *t.req;
     const int peer = t.dest->world_rank;
     {
         MutexLock lock(table_.mu());
-        if (is_terminal(r.state)) return false;
+        if (is_terminal(r.state) && !announced) return false;
         ++r.ops_outstanding;
     }
     if (layer >= 0) progress->pending[static_cast<size_t>(layer)].fetch_add(1);
@@ -735,7 +822,7 @@ bool KvSender::Impl::post_op(const Task& t, int layer, OpKind kind, std::shared_
     bool cancel_now = false;
     {
         MutexLock lock(table_.mu());
-        if (is_terminal(r.state)) {
+        if (is_terminal(r.state) && !announced) {
             // fail() already withdrew the handles it knew of; this one came later.
             cancel_now = true;
         } else {
