@@ -12,10 +12,9 @@
 //    there over nccl (--data-transport nccl: the engine's ordered plane);
 //  - tiny on gpu-1p1d with --device-gate off (the host posts each layer once it sees the record);
 //  - llama3-8b --layers 2 with two 4096-token prompts (one chunk each) on gpu-1p1d.
-// Until the transfer engine moves device KV layouts (a separate change to transfer/engine/), the
-// engine refuses them at set-up: a run then ends at once with exit 1 and the engine's
-// kUnimplemented ("disagg phase set-up failed on rank R: ..."), which these tests check (no hang:
-// well under the request timeout) and then skip with that message.
+// Should the engine refuse the device layouts at set-up (a regression), a run ends at once with
+// exit 1 ("disagg phase set-up failed on rank R: ..."): these tests check that it stopped there
+// (no hang: well under the request timeout) and fail with that message.
 // Skips where there is no GPU, before spawning anything.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
