@@ -266,6 +266,15 @@ StopResult run_and_stop(int np, const std::vector<std::string>& args, const std:
     return r;
 }
 
+// A shell command that sends `signal` (kill's option: "-9", "-STOP") to the pdsim process of MPI
+// rank `rank` (the one whose environment says so) of a run under mpirun.
+std::string signal_mpi_rank(int rank, const std::string& signal) {
+    return "for p in $(pgrep -f " + shell_quote(std::string(PDSIM_BINARY) + " testbed") +
+           "); do if tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | grep -qx " +
+           "OMPI_COMM_WORLD_RANK=" + std::to_string(rank) + "; then kill " + signal +
+           " $p; fi; done";
+}
+
 // What a report of a run that stopped early must hold: every request completed, failed or lost,
 // the lost ones named, the cause given; the CSV has a row per finished request.
 void expect_partial_report(const TempDir& dir, const std::string& cause, const CmdResult& r) {
@@ -337,12 +346,8 @@ TEST(TestbedStop, DeadDecodeRankUnderMpirunLeavesAReport) {
     const std::vector<std::string> args = {"--synthetic",     "300",        "--mode",
                                            "disagg",          "--quiet",    "--report",
                                            dir.str("r.json"), "--requests", dir.str("r.csv")};
-    // The decode rank: the pdsim process whose environment says MPI rank 1.
-    const std::string kill_decode = "for p in $(pgrep -f " +
-                                    shell_quote(std::string(PDSIM_BINARY) + " testbed") +
-                                    "); do if tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | "
-                                    "grep -qx OMPI_COMM_WORLD_RANK=1; then kill -9 $p; fi; done";
-    StopResult s = run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3, kill_decode);
+    StopResult s =
+        run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3, signal_mpi_rank(1, "-9"));
     EXPECT_NE(s.cmd.rc, 0) << s.cmd.describe();
     EXPECT_LT(s.end_s, 15) << s.cmd.describe();
     expect_partial_report(dir, "stopped by SIGTERM", s.cmd);
@@ -358,11 +363,8 @@ TEST(TestbedStop, HungDecodeRankUnderMpirunEndsTheRunWithAReport) {
         "--synthetic",         "40", "--time-scale", "0.05",     "--mode",          "disagg",
         "--request-timeout-s", "2",  "--quiet",      "--report", dir.str("r.json"), "--requests",
         dir.str("r.csv")};
-    const std::string stop_decode = "for p in $(pgrep -f " +
-                                    shell_quote(std::string(PDSIM_BINARY) + " testbed") +
-                                    "); do if tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | "
-                                    "grep -qx OMPI_COMM_WORLD_RANK=1; then kill -STOP $p; fi; done";
-    StopResult s = run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3, stop_decode);
+    StopResult s =
+        run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3, signal_mpi_rank(1, "-STOP"));
     EXPECT_EQ(s.cmd.rc, 1) << s.cmd.describe();
     EXPECT_LT(s.end_s, 40) << s.cmd.describe();
     EXPECT_THAT(s.cmd.err, HasSubstr("disagg phase: rank 1 went silent (dead or hung; no "
