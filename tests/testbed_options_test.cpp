@@ -75,6 +75,17 @@ TEST(TestbedOptions, RangesOfTestbedLimits) {
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("--max-batch-tokens")));
     EXPECT_THAT(resolve(TestbedOptions{.synthetic = 2147483647}, 1),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("--synthetic")));
+    TestbedOptions o{.synthetic = 2};
+    for (double bad : {-1.0, 1.0, 1e9}) {
+        o.heartbeat_timeout_s = bad;
+        EXPECT_THAT(resolve(o, 1),
+                    StatusIs(StatusCode::kInvalidArgument, HasSubstr("--heartbeat-timeout-s")))
+            << bad;
+    }
+    for (double good : {0.0, 2.0, 30.0}) {
+        o.heartbeat_timeout_s = good;
+        EXPECT_OK(resolve(o, 1)) << good;
+    }
 }
 
 // ---- GPU ranks --------------------------------------------------------------------------------
