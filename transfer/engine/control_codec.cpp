@@ -157,7 +157,8 @@ public:
                 return;
             }
             v.resize(n);
-            std::memcpy(v.data(), in_.data() + pos_, n * sizeof(E));
+            // (An empty vector's data() may be null, which memcpy must not get even for 0 bytes.)
+            if (n > 0) std::memcpy(v.data(), in_.data() + pos_, n * sizeof(E));
             pos_ += n * sizeof(E);
         } else if constexpr (IsArray<T>::value) {
             for (auto& x : v) (*this)(x);
