@@ -379,6 +379,44 @@ TEST(TestbedStop, HungDecodeRankUnderMpirunEndsTheRunWithAReport) {
     EXPECT_THAT(rep["incomplete"].value("cause", ""), HasSubstr("rank 1 went silent"));
 }
 
+// kill -9 of one of two decode instances over tcp with OpenMPI's recovery on (the environment
+// form of `mpirun --enable-recovery`): mpirun keeps the job, the router finds the rank silent
+// after --heartbeat-timeout-s, fails only what that instance held and routes the rest to the
+// other decode instance; every request reaches an end (none lost), the report names the dead rank
+// and when it was found. (Under recovery OpenMPI 4.1's mpirun exits 0 whatever the ranks do, so
+// the report, not the exit status, is what is checked.)
+TEST(TestbedStop, DeadDecodeInstanceOverTcpWithRecoveryTheOthersRunOn) {
+    TempDir dir("tb_stop_recovery");
+    const std::vector<std::string> args = {
+        "--topology", "cpu-1p2d", "--synthetic", "60",          "--mode",     "disagg",
+        "--transport", "tcp",     "--quiet",     "--report",    dir.str("r.json"),
+        "--requests", dir.str("r.csv")};
+    StopResult s = run_and_stop(3, args, dir.str("r.json") + ".journal.jsonl", 3,
+                                signal_mpi_rank(2, "-9"), "OMPI_MCA_orte_enable_recovery=1");
+    EXPECT_GT(s.end_s, 0) << s.cmd.describe();
+    json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << s.cmd.describe();
+    const int submitted = rep["requests_submitted"].get<int>();
+    const int completed = rep["requests_completed"].get<int>();
+    const int failed = rep["requests_failed"].get<int>();
+    EXPECT_EQ(submitted, 60);
+    EXPECT_EQ(rep["requests_lost"].get<int>(), 0) << "the survivors finish every request";
+    EXPECT_EQ(completed + failed, submitted);
+    EXPECT_GT(failed, 0) << "the dead instance held requests";
+    EXPECT_GE(completed, submitted / 2) << "the other decode instance took the rest";
+    for (const auto& f : rep["failures"]) {
+        EXPECT_THAT(f.get<std::string>(), AnyOf(HasSubstr("rank 2"), HasSubstr("decode1")));
+    }
+    ASSERT_TRUE(rep["dead_ranks"].is_array()) << rep.dump(1).substr(0, 3000);
+    ASSERT_EQ(rep["dead_ranks"].size(), 1u);
+    EXPECT_EQ(rep["dead_ranks"][0]["rank"], 2);
+    EXPECT_EQ(rep["dead_ranks"][0]["instance"], "decode1");
+    EXPECT_GT(rep["dead_ranks"][0]["detected_at_s"].get<double>(), 0.0);
+    EXPECT_GE(rep["dead_ranks"][0]["silent_s"].get<double>(), 5.0);
+    EXPECT_EQ(rep["ordering"]["violations"], 0);
+    EXPECT_THAT(s.cmd.err, HasSubstr("instance decode1 (rank 2) silent for"));
+}
+
 // A run that ends normally removes its journal: the report supersedes it.
 TEST(TestbedStop, ANormalEndRemovesTheJournal) {
     TempDir dir("tb_stop_none");

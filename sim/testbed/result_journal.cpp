@@ -99,13 +99,26 @@ void ResultJournal::begin_phase(Phase phase) {
         {.phase = phase, .records = {}, .seen = std::vector<bool>(cfg_.requests.size())});
 }
 
-void ResultJournal::record(Phase phase, const metrics::RequestRecord& r) {
-    std::lock_guard<std::mutex> lock(mu_);
+ResultJournal::PhaseLog& ResultJournal::log_of(Phase phase) {
     if (phases_.empty() || phases_.back().phase != phase) {
         phases_.push_back(
             {.phase = phase, .records = {}, .seen = std::vector<bool>(cfg_.requests.size())});
     }
-    PhaseLog& log = phases_.back();
+    return phases_.back();
+}
+
+void ResultJournal::record_dead_rank(Phase phase, int rank, const std::string& instance,
+                                     double silent_s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    log_of(phase).dead_ranks.push_back({.rank = rank,
+                                        .instance = instance,
+                                        .detected_at_s = (now_us() - t_start_us_) / 1e6,
+                                        .silent_s = silent_s});
+}
+
+void ResultJournal::record(Phase phase, const metrics::RequestRecord& r) {
+    std::lock_guard<std::mutex> lock(mu_);
+    PhaseLog& log = log_of(phase);
     const auto id = static_cast<size_t>(r.id);
     if (r.id < 0 || id >= log.seen.size() || log.seen[id]) return;
     log.seen[id] = true;
@@ -136,6 +149,16 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
         r.requests_lost = lost;
         r.extra["lost_requests"] = std::move(named);
         r.extra["incomplete"] = {{"cause", text::sanitize_utf8(cause)}, {"at_s", at_s}};
+        if (!log.dead_ranks.empty()) {
+            json dead = json::array();
+            for (const auto& d : log.dead_ranks) {
+                dead.push_back({{"rank", d.rank},
+                                {"instance", text::sanitize_utf8(d.instance)},
+                                {"detected_at_s", d.detected_at_s},
+                                {"silent_s", d.silent_s}});
+            }
+            r.extra["dead_ranks"] = std::move(dead);
+        }
         return r;
     };
     metrics::Report report;

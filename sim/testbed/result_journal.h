@@ -57,6 +57,11 @@ public:
     // Request `record.id` of `phase` reached its end (ok or failed). Idempotent per (phase, id).
     void record(Phase phase, const metrics::RequestRecord& record);
 
+    // The router found `rank` (of instance `instance`) silent for `silent_s` seconds past the
+    // heartbeat timeout: dead or hung. Listed in the phase's report as `dead_ranks`
+    // ([{rank, instance, detected_at_s, silent_s}], detected_at_s from the journal's opening).
+    void record_dead_rank(Phase phase, int rank, const std::string& instance, double silent_s);
+
     // Writes the report (when the run has --report) and the --requests CSV from what was
     // recorded, with `cause` (why the run stopped: an error, "SIGTERM") in each phase's
     // `incomplete`; returns the counts line printed for the user ("3 completed, 0 failed, 7 lost
@@ -80,7 +85,15 @@ private:
         Phase phase;
         std::vector<metrics::RequestRecord> records;  // terminal ones, in record() order
         std::vector<bool> seen;                       // per request id
+        struct DeadRank {
+            int rank;
+            std::string instance;
+            double detected_at_s;
+            double silent_s;
+        };
+        std::vector<DeadRank> dead_ranks;
     };
+    PhaseLog& log_of(Phase phase);  // mu_ held
     explicit ResultJournal(const ResolvedConfig& cfg) : cfg_(cfg) {}
     void watch();
 

@@ -233,6 +233,9 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
                 "instance {} (rank {}) silent for {:.0f} s: dead or hung (--heartbeat-timeout-s)",
                 id, r, (now - last_seen[ri]) / 1e6);
             PDSIM_LOG_ERROR("router: {}; its requests fail, the rest of the run goes on", why);
+            if (rc.journal != nullptr) {
+                rc.journal->record_dead_rank(rc.phase, r, id, (now - last_seen[ri]) / 1e6);
+            }
             if (inst_dead[static_cast<size_t>(inst)]) continue;
             inst_dead[static_cast<size_t>(inst)] = true;
             for (auto* list : {&prefill, &decode, &all}) std::erase(*list, inst);
