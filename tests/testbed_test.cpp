@@ -388,9 +388,9 @@ TEST(TestbedStop, HungDecodeRankUnderMpirunEndsTheRunWithAReport) {
 TEST(TestbedStop, DeadDecodeInstanceOverTcpWithRecoveryTheOthersRunOn) {
     TempDir dir("tb_stop_recovery");
     const std::vector<std::string> args = {
-        "--topology", "cpu-1p2d", "--synthetic", "60",          "--mode",     "disagg",
-        "--transport", "tcp",     "--quiet",     "--report",    dir.str("r.json"),
-        "--requests", dir.str("r.csv")};
+        "--topology",      "cpu-1p2d",    "--synthetic",   "60",      "--mode",
+        "disagg",          "--transport", "tcp",           "--quiet", "--report",
+        dir.str("r.json"), "--requests",  dir.str("r.csv")};
     StopResult s = run_and_stop(3, args, dir.str("r.json") + ".journal.jsonl", 3,
                                 signal_mpi_rank(2, "-9"), "OMPI_MCA_orte_enable_recovery=1");
     EXPECT_GT(s.end_s, 0) << s.cmd.describe();

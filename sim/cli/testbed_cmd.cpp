@@ -206,6 +206,10 @@ void add_limit_flags(CLI::App* sub, testbed::TestbedOptions& o) {
     sub->add_option("--transport-fault", o.transport_fault,
                     "wrap the KV transport in the fault transport, e.g. disconnect:after=20")
         ->check(fault_spec());
+    sub->add_option("--tcp-interface", o.tcp_interface,
+                    "--transport tcp across hosts: each rank listens on this interface's IPv4 "
+                    "address (as NCCL_SOCKET_IFNAME names it, e.g. eth0); default loopback")
+        ->check(non_empty());
     sub->add_option("--transport-fault-rank", o.transport_fault_rank,
                     "apply --transport-fault on this rank only")
         ->check(int_in(0, int64_t{1} << 20));

@@ -369,6 +369,10 @@ Status barrier(Mailbox& mbox, const std::string& name, std::chrono::milliseconds
         if (!m)
             return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
                                "barrier {}: rank 0 never released it", name);
+        if (m->body.contains("stopped")) {
+            return PDSIM_ERROR(StatusCode::kUnavailable, "barrier {}: rank 0 stopped the run: {}",
+                               name, m->body.value("stopped", std::string()));
+        }
         return {};
     }
     const auto deadline = Clock::now() + timeout;
@@ -396,6 +400,14 @@ Status barrier(Mailbox& mbox, const std::string& name, std::chrono::milliseconds
     for (int r = 1; r < mbox.size(); ++r)
         PDSIM_RETURN_IF_ERROR(mbox.send(r, Channel::kCollect, {{"k", leave}}));
     return {};
+}
+
+void stop_barrier(Mailbox& mbox, const std::string& name, const std::vector<int>& ranks,
+                  const std::string& why) {
+    for (int r : ranks) {
+        mbox.send(r, Channel::kCollect, {{"k", "barrier-out:" + name}, {"stopped", why}})
+            .ignore_error();
+    }
 }
 
 Status agree(Mailbox& mbox, const std::string& name, const Status& mine,

@@ -171,8 +171,15 @@ private:
 [[nodiscard]] StatusOr<std::vector<double>> estimate_offsets(Mailbox& mbox, int rounds,
                                                              std::chrono::milliseconds timeout);
 // Every rank sends a token to rank 0, which answers once it has them all. Bounded.
+// A rank other than 0 released with stop_barrier() returns kUnavailable "barrier N: rank 0
+// stopped the run: <why>".
 [[nodiscard]] Status barrier(Mailbox& mbox, const std::string& name,
                              std::chrono::milliseconds timeout);
+// Rank 0, ending the run early (a peer is dead): releases `ranks` from barrier `name` at once with
+// `why`, so that the live ranks end now instead of at the barrier's timeout. Best effort (sends
+// that fail are ignored); does not block.
+void stop_barrier(Mailbox& mbox, const std::string& name, const std::vector<int>& ranks,
+                  const std::string& why);
 // A barrier that carries each rank's outcome: every rank sends `mine` to rank 0, which answers
 // every rank with the verdict, and every rank returns it: OK when every rank's was OK, else the
 // failure of the lowest failing rank, with its code and "rank R: <its message>" (so that every

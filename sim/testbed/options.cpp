@@ -10,6 +10,7 @@
 
 #include "backends/cuda/cuda_attention_plan.h"
 #include "common/data_dir.h"
+#include "common/net_interface.h"
 #include "common/text.h"
 #include "topology/gpu_spec.h"
 #include "topology/loader.h"
@@ -593,6 +594,18 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
             }
             rc.shape = true;
             rc.shape_time_scale = 1;
+        }
+    }
+    if (!o.tcp_interface.empty()) {
+        if (o.transport != "tcp") {
+            return invalid_argument_error(fmt::format(
+                "--tcp-interface {}: only with --transport tcp", excerpt(o.tcp_interface)));
+        }
+        // This rank's host must have it (the others check theirs when they listen).
+        StatusOr<std::string> addr = net::interface_ipv4(o.tcp_interface);
+        if (!addr.ok()) {
+            return invalid_argument_error(
+                fmt::format("--tcp-interface: {}", addr.status().message()));
         }
     }
     if (!o.transport_fault.empty()) {

@@ -142,6 +142,9 @@ struct TestbedOptions {
     std::string shaping = "off";
     std::string transport_fault;    // FaultTransport spec applied to the KV transport
     int transport_fault_rank = -1;  // ... on this rank only (-1: every rank)
+    // --transport tcp: listen on this network interface's IPv4 address (each rank its own host's;
+    // ranks on several hosts), not loopback. "": loopback (one host), or PDSIM_TCP_ENDPOINTS.
+    std::string tcp_interface;
 };
 
 // Where the real traces live: data::find_data_dir(kTraces) (common/data_dir.h: $PDSIM_DATA_DIR,

@@ -337,6 +337,7 @@ json testbed_config_json(const ResolvedConfig& cfg) {
                    {"trace_duration_s", cfg.trace_duration_ms / 1000},
                    {"time_scale", o.time_scale},
                    {"transport", o.transport},
+                   {"tcp_interface", o.tcp_interface},
                    {"data_transport", o.data_transport},
                    {"backend", o.backend},
                    {"layerwise", o.layerwise},

@@ -265,11 +265,15 @@ struct ExitMsg {
     static constexpr std::string_view kKind = "exit";
     int code = 0;         // exit code (exit_code_of)
     std::string message;  // the error's message ("" when code is 0)
+    // A peer is dead or hung: MPI_Finalize would wait for it, so every rank ends the job with
+    // MPI_Abort instead.
+    bool peer_lost = false;
     bool operator==(const ExitMsg&) const = default;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
         v("code", m.code);
         v("msg", m.message);
+        v("peer_lost", m.peer_lost);
     }
 };
 

@@ -21,6 +21,7 @@
 #include "backends/runtime/cpu_stream.h"
 #include "common/logging.h"
 #include "common/mpi_check.h"
+#include "common/net_interface.h"
 #include "common/thread_info.h"
 #include "sim/metrics/report.h"
 #include "sim/metrics/timeline.h"
@@ -128,8 +129,17 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
     to.connect_timeout = milliseconds(30'000);
     PDSIM_ASSIGN_OR_RETURN(const transfer::TransportDescriptor descriptor,
                            transfer::find_transport(o.transport));
-    // A transport whose ranks meet through a rendezvous gets a directory (and a session token).
+    // A transport whose ranks meet through a rendezvous gets a directory (and a session token),
+    // and with --tcp-interface the address it listens on.
     if (descriptor.caps.setup == transfer::TransportSetup::kRendezvous) {
+        transfer::TcpOptions tcp;
+        if (!o.tcp_interface.empty()) {
+            StatusOr<std::string> addr = net::interface_ipv4(o.tcp_interface);
+            if (!addr.ok()) {
+                return addr.status().with_context(fmt::format("rank {}: --tcp-interface", rank));
+            }
+            tcp.bind_address = *addr;
+        }
         const bool env = std::getenv("PDSIM_TCP_ENDPOINTS") != nullptr ||
                          std::getenv("PDSIM_TCP_BOOTSTRAP_DIR") != nullptr;
         if (!env) {
@@ -151,7 +161,8 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
                         mbox.send(r, Channel::kCollect,
                                   encode_message(TcpBootstrapMsg{.dir = tmpl, .token = token})));
                 }
-                to.set(transfer::TcpOptions{.bootstrap_dir = tmpl, .session_token = token});
+                tcp.bootstrap_dir = tmpl;
+                tcp.session_token = token;
             } else {
                 PDSIM_ASSIGN_OR_RETURN(auto m,
                                        mbox.recv_kind(Channel::kCollect, TcpBootstrapMsg::kKind,
@@ -161,10 +172,11 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
                                        "tcp: no bootstrap directory from rank 0");
                 PDSIM_ASSIGN_OR_RETURN(TcpBootstrapMsg boot,
                                        decode_message<TcpBootstrapMsg>(m->body));
-                to.set(transfer::TcpOptions{.bootstrap_dir = std::move(boot.dir),
-                                            .session_token = std::move(boot.token)});
+                tcp.bootstrap_dir = std::move(boot.dir);
+                tcp.session_token = std::move(boot.token);
             }
         }
+        to.set(std::move(tcp));
     }
     std::string name = o.transport;
     if (!o.transport_fault.empty() &&
@@ -488,11 +500,20 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
                 for (int r : pd.router.dead_ranks) {
                     ranks += fmt::format("{}{}", ranks.empty() ? "" : ", ", r);
                 }
-                return PDSIM_ERROR(StatusCode::kUnavailable,
-                                   "{} phase: rank {} went silent (dead or hung; no heartbeat for "
-                                   "{} s): the requests its instance held failed, the others ran "
-                                   "on",
-                                   phase_name(phase), ranks, o.heartbeat_timeout_s);
+                Status stopped = PDSIM_ERROR(StatusCode::kUnavailable,
+                                             "{} phase: rank {} went silent (dead or hung; no "
+                                             "heartbeat for {} s): the requests its instance held "
+                                             "failed, the others ran on",
+                                             phase_name(phase), ranks, o.heartbeat_timeout_s);
+                // The live ranks wait at the phase's end barrier: let them go now.
+                std::vector<int> live;
+                for (int r = 1; r < ctx.world; ++r) {
+                    if (std::ranges::find(pd.router.dead_ranks, r) == pd.router.dead_ranks.end())
+                        live.push_back(r);
+                }
+                stop_barrier(mbox, fmt::format("end-{}", phase_name(phase)), live,
+                             stopped.message());
+                return stopped;
             }
             std::string missing;
             for (size_t r = 1; r < pd.results.size(); ++r) {
@@ -624,6 +645,12 @@ Status status_for_code(int code, const std::string& msg) {
 
 Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model::TpComm* tp);
 
+// A peer is dead or hung (it missed a barrier, a collection, the outcome): under mpirun the job
+// must end with MPI_Abort, since MPI_Finalize would wait for that peer.
+bool peer_lost(const Status& st) {
+    return st.code() == StatusCode::kDeadlineExceeded || st.code() == StatusCode::kUnavailable;
+}
+
 Status run_rank(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model::TpComm* tp) {
     try {
         return run_rank_impl(sh, rank, std::move(mbox), tp);
@@ -717,10 +744,15 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
         }
         for (int r = 1; r < ctx.world; ++r) {
             mbox->send(r, Channel::kCollect,
-                       encode_message(ExitMsg{.code = code, .message = st.message()}))
+                       encode_message(ExitMsg{.code = code,
+                                              .message = st.message(),
+                                              .peer_lost = peer_lost(st)}))
                 .ignore_error();
         }
-        if (auto* m = dynamic_cast<MpiMailbox*>(mbox.get())) m->drain(milliseconds(5000));
+        if (auto* m = dynamic_cast<MpiMailbox*>(mbox.get())) {
+            // A dead peer's messages never drain: a short wait for the live ones only.
+            m->drain(milliseconds(peer_lost(st) ? 1000 : 5000));
+        }
         return st;
     }
     const auto wait = milliseconds(static_cast<int64_t>(o.request_timeout_s * 1000) * 2 + 120'000);
@@ -729,6 +761,9 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
     if (!m->has_value())
         return st.ok() ? Status(StatusCode::kDeadlineExceeded, "no outcome from rank 0") : st;
     PDSIM_ASSIGN_OR_RETURN(ExitMsg exit_msg, decode_message<ExitMsg>((*m)->body));
+    if (exit_msg.peer_lost) {
+        return Status(StatusCode::kUnavailable, std::string(kOutcomePrefix) + exit_msg.message);
+    }
     return status_for_code(exit_msg.code, exit_msg.message);
 }
 
@@ -839,14 +874,21 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
         }
     }
     info->error_printed = sh.error_printed;
-    if (st.code() == StatusCode::kDeadlineExceeded || st.code() == StatusCode::kUnavailable) {
+    if (peer_lost(st)) {
         // A peer is dead or hung (it missed a barrier, a collection, the outcome): MPI_Finalize
         // would wait for it forever. The report is written (rank 0) and the error printed; end the
         // job here.
         PDSIM_LOG_ERROR("rank {}: ending the job (MPI_Abort): a peer did not answer", rank);
         std::fflush(stdout);
         std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, exit_code_of(st));
+        // Under mpirun --enable-recovery MPI_Abort only tells the daemon and then waits to be
+        // killed, which recovery never does: this rank would sleep forever and mpirun with it.
+        const int code = exit_code_of(st);
+        std::thread([code] {
+            std::this_thread::sleep_for(std::chrono::seconds(3));
+            std::_Exit(code);
+        }).detach();
+        MPI_Abort(MPI_COMM_WORLD, code);
     }
     MPI_Finalize();
     return st;
