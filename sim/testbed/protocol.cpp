@@ -7,6 +7,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "common/text.h"
+
 namespace pdsim::testbed {
 namespace {
 
@@ -173,7 +175,8 @@ std::string read_value(const json& j, T* out, std::string* path) {
         } else if (j.is_string() && j.get_ref<const std::string&>() == "e") {
             *out = attn::ForwardMode::kExtend;
         } else {
-            return fmt::format("expected \"e\" (extend) or \"d\" (decode), got {}", j.dump());
+            return fmt::format("expected \"e\" (extend) or \"d\" (decode), got {}",
+                               text::excerpt(text::dump_json(j)));
         }
         return {};
     } else if constexpr (std::is_same_v<T, transfer::TransferEvent::Kind>) {
@@ -245,7 +248,8 @@ StatusOr<Msg> decode_message(const json& body) {
         kind->get_ref<const std::string&>() != Msg::kKind) {
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("testbed message '{}': field 'k' is {}", Msg::kKind,
-                                  kind == body.end() ? std::string("missing") : kind->dump()));
+                                  kind == body.end() ? std::string("missing")
+                                                     : text::excerpt(text::dump_json(*kind))));
     }
     Msg msg;
     std::string path;
