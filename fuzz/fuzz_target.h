@@ -19,23 +19,22 @@
 #ifdef PDSIM_FUZZ_REPLAY
 #define PDSIM_FUZZ_ENTRY(name)
 #else
-#define PDSIM_FUZZ_ENTRY(name)                                                    \
-    extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {     \
-        return pdsim_fuzz_##name(data, size);                                     \
+#define PDSIM_FUZZ_ENTRY(name)                                                \
+    extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) { \
+        return pdsim_fuzz_##name(data, size);                                 \
     }
 #endif
 
-#define PDSIM_FUZZ_TARGET(name)                                 \
-    int pdsim_fuzz_##name(const uint8_t* data, size_t size);    \
-    PDSIM_FUZZ_ENTRY(name)                                      \
-    int pdsim_fuzz_##name([[maybe_unused]] const uint8_t* data, \
-                          [[maybe_unused]] size_t size)
+#define PDSIM_FUZZ_TARGET(name)                              \
+    int pdsim_fuzz_##name(const uint8_t* data, size_t size); \
+    PDSIM_FUZZ_ENTRY(name)                                   \
+    int pdsim_fuzz_##name([[maybe_unused]] const uint8_t* data, [[maybe_unused]] size_t size)
 
-#define PDSIM_FUZZ_CHECK(cond, what)                                                    \
-    do {                                                                                \
-        if (!(cond)) {                                                                  \
-            std::fprintf(stderr, "%s:%d: fuzz invariant failed: %s (%s)\n", __FILE__,   \
-                         __LINE__, #cond, what);                                        \
-            __builtin_trap();                                                           \
-        }                                                                               \
+#define PDSIM_FUZZ_CHECK(cond, what)                                                            \
+    do {                                                                                        \
+        if (!(cond)) {                                                                          \
+            std::fprintf(stderr, "%s:%d: fuzz invariant failed: %s (%s)\n", __FILE__, __LINE__, \
+                         #cond, what);                                                          \
+            __builtin_trap();                                                                   \
+        }                                                                                       \
     } while (false)

@@ -81,7 +81,8 @@ TEST_P(FuzzReplay, SeedsAndRegressionsRunClean) {
 INSTANTIATE_TEST_SUITE_P(
     Targets, FuzzReplay,
     ::testing::Values(
-        Case{"topology_loader_fuzz", pdsim_fuzz_topology_loader_fuzz,
+        Case{"topology_loader_fuzz",
+             pdsim_fuzz_topology_loader_fuzz,
              {{"topology/examples", ".yaml"}, {"tests/data/topology/bad", ".yaml"}}},
         Case{"trace_jsonl_fuzz", pdsim_fuzz_trace_jsonl_fuzz, {{"data/traces", ".jsonl"}}},
         Case{"trace_azure_fuzz", pdsim_fuzz_trace_azure_fuzz, {{"data/traces", ".csv"}}},

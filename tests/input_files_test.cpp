@@ -232,8 +232,8 @@ TEST(TraceAzure, TimestampSecondsNaNAndYearOutOfRangeAreRefused) {
     for (const char* row : {"2023-11-16 18:17:nan,10,2\n", "2023-11-16 18:17:NAN(1),10,2\n",
                             "-2147483648-11-16 18:17:03.97,10,2\n",
                             "2147483647-11-16 18:17:03.97,10,2\n", "0-11-16 18:17:03.97,10,2\n"}) {
-        EXPECT_THAT(azure(row), StatusIs(StatusCode::kInvalidArgument,
-                                         HasSubstr("t.csv:2: TIMESTAMP: ")))
+        EXPECT_THAT(azure(row),
+                    StatusIs(StatusCode::kInvalidArgument, HasSubstr("t.csv:2: TIMESTAMP: ")))
             << row;
     }
     ASSERT_OK(azure("9999-12-31 23:59:60.5,10,2\n0001-01-01 00:00:00,10,2\n"));

@@ -2,9 +2,8 @@
 // arbitrary bytes, through an in-memory file (fuzz/mem_file.h). A file it accepts must validate
 // again from its own JSON, and give, for every fit it holds, a calibrated model (or a Status)
 // whose costs, noise and transports evaluate without a throw or undefined behaviour.
-#include <nlohmann/json.hpp>
-
 #include <climits>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 

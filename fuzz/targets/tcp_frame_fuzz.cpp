@@ -32,17 +32,17 @@ PDSIM_FUZZ_TARGET(tcp_frame_fuzz) {
             auto hello = decode_hello(payload);
             if (hello.ok()) {
                 const std::vector<uint8_t> again = encode_hello(*hello);
-                PDSIM_FUZZ_CHECK(std::equal(again.begin(), again.end(), payload.begin(),
-                                            payload.end()),
-                                 "a hello round-trips");
+                PDSIM_FUZZ_CHECK(
+                    std::equal(again.begin(), again.end(), payload.begin(), payload.end()),
+                    "a hello round-trips");
             }
         }
         const std::vector<uint8_t> frame = make_frame(h->type, h->tag, payload);
-        PDSIM_FUZZ_CHECK(frame.size() == kFrameHeaderBytes + payload.size() &&
-                             std::equal(canonical.begin(), canonical.end(), frame.begin()) &&
-                             std::equal(payload.begin(), payload.end(),
-                                        frame.begin() + kFrameHeaderBytes),
-                         "make_frame rebuilds the frame");
+        PDSIM_FUZZ_CHECK(
+            frame.size() == kFrameHeaderBytes + payload.size() &&
+                std::equal(canonical.begin(), canonical.end(), frame.begin()) &&
+                std::equal(payload.begin(), payload.end(), frame.begin() + kFrameHeaderBytes),
+            "make_frame rebuilds the frame");
     }
     return 0;
 }

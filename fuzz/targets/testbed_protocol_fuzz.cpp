@@ -3,7 +3,6 @@
 // decode_message of every message kind. A message a decoder accepts must re-encode to a body
 // that decodes again and re-encodes to the same CBOR bytes.
 #include <nlohmann/json.hpp>
-
 #include <vector>
 
 #include "fuzz/fuzz_target.h"

@@ -40,8 +40,7 @@ inline void check_trace(const std::vector<workload::Request>& reqs,
                          "arrivals are finite and >= 0");
         PDSIM_FUZZ_CHECK(i == 0 || reqs[i - 1].arrival_ms <= r.arrival_ms, "sorted by arrival");
         PDSIM_FUZZ_CHECK(r.input_len >= 1 && r.input_len <= kMaxTraceTokens, "input_len range");
-        PDSIM_FUZZ_CHECK(r.output_len >= 1 && r.output_len <= kMaxTraceTokens,
-                         "output_len range");
+        PDSIM_FUZZ_CHECK(r.output_len >= 1 && r.output_len <= kMaxTraceTokens, "output_len range");
         PDSIM_FUZZ_CHECK(o.max_input_len == 0 || r.input_len <= o.max_input_len, "input cap");
         PDSIM_FUZZ_CHECK(o.max_output_len == 0 || r.output_len <= o.max_output_len, "output cap");
         const auto blocks = static_cast<size_t>((r.input_len - 1) / kHashBlockTokens + 1);

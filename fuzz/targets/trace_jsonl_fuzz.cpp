@@ -1,6 +1,7 @@
-// libFuzzer target: the Mooncake JSONL trace reader (workload::parse_mooncake) on arbitrary bytes, from memory, with the default options and with
-// caps, skip and sampling. A parse either fails with a Status or gives a trace that keeps every
-// promise of sim/workload/workload.h (fuzz/targets/trace_check.h).
+// libFuzzer target: the Mooncake JSONL trace reader (workload::parse_mooncake) on arbitrary bytes,
+// from memory, with the default options and with caps, skip and sampling. A parse either fails with
+// a Status or gives a trace that keeps every promise of sim/workload/workload.h
+// (fuzz/targets/trace_check.h).
 #include <sstream>
 #include <string>
 
