@@ -91,6 +91,8 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"tcp_frame_fuzz", pdsim_fuzz_tcp_frame_fuzz, {}},
         Case{"control_codec_fuzz", pdsim_fuzz_control_codec_fuzz, {}},
         Case{"testbed_protocol_fuzz", pdsim_fuzz_testbed_protocol_fuzz, {}}),
-    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+    [](const ::testing::TestParamInfo<Case>& param_info) {
+        return std::string(param_info.param.name);
+    });
 
 }  // namespace

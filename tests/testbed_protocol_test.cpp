@@ -260,6 +260,18 @@ TEST(TestbedProtocol, AKindOrModeThatIsNotUtf8IsAnError) {
     EXPECT_THAT(decode_error<Plan>(plan), HasSubstr("field 'm': expected \"e\" (extend)"));
 }
 
+// Found by testbed_protocol_fuzz: a CBOR array header declaring 2^63 elements made nlohmann's
+// from_cbor throw out_of_range 408 although exceptions were off, out of the Mailbox's receive.
+TEST(TestbedProtocol, CborWithAnExcessiveArraySizeIsDataLoss) {
+    const std::vector<uint8_t> huge = {0x9b, 0x8c, 0x8c, 0x8c, 0x8c, 0x8c, 0x8c, 0x8c, 0x8c};
+    EXPECT_THAT(decode_cbor(huge).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("garbled CBOR (9 bytes)")));
+    EXPECT_THAT(decode_cbor(std::vector<uint8_t>{0xa1}).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("not one CBOR value")));
+    ASSERT_OK_AND_ASSIGN(json body, decode_cbor(json::to_cbor(encode_message(EndMsg{}))));
+    EXPECT_OK(decode_message<EndMsg>(body));
+}
+
 TEST(TestbedProtocol, MistypedFieldIsNamed) {
     json submit = encode_message(sample_submit());
     submit["in"] = "1200";

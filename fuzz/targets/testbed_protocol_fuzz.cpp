@@ -1,5 +1,5 @@
 // libFuzzer target: the testbed protocol's decoder (sim/testbed/protocol.h) on arbitrary bytes,
-// the way the Mailbox (sim/testbed/comm.cpp) reads a message: CBOR (strict, no exceptions), then
+// the way the Mailbox (sim/testbed/comm.cpp) reads a message: decode_cbor, then
 // decode_message of every message kind. A message a decoder accepts must re-encode to a body
 // that decodes again and re-encodes to the same CBOR bytes.
 #include <nlohmann/json.hpp>
@@ -28,9 +28,9 @@ void round_trip(const json& body) {
 
 PDSIM_FUZZ_TARGET(testbed_protocol_fuzz) {
     using namespace pdsim::testbed;
-    const json body = json::from_cbor(data, data + size, /*strict=*/true,
-                                      /*allow_exceptions=*/false);
-    if (body.is_discarded()) return 0;
+    auto parsed = decode_cbor(std::span<const uint8_t>(data, size));
+    if (!parsed.ok()) return 0;
+    const json& body = *parsed;
     round_trip<SubmitMsg>(body);
     round_trip<CancelMsg>(body);
     round_trip<EndMsg>(body);

@@ -229,6 +229,22 @@ std::string read_value(const json& j, T* out, std::string* path) {
 
 }  // namespace
 
+StatusOr<json> decode_cbor(std::span<const uint8_t> bytes) {
+    json body;
+    try {
+        body = json::from_cbor(bytes.begin(), bytes.end(), /*strict=*/true,
+                               /*allow_exceptions=*/false);
+    } catch (const json::exception& e) {
+        return Status(StatusCode::kDataLoss,
+                      fmt::format("garbled CBOR ({} bytes): {}", bytes.size(), e.what()));
+    }
+    if (body.is_discarded()) {
+        return Status(StatusCode::kDataLoss,
+                      fmt::format("garbled CBOR ({} bytes): not one CBOR value", bytes.size()));
+    }
+    return body;
+}
+
 template <class Msg>
 json encode_message(const Msg& msg) {
     json out = to_wire(msg);
