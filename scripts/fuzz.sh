@@ -96,6 +96,7 @@ run_one() {
     local t=$1
     local corpus=$build/corpus/$t crashes=$build/crashes/$t log=$build/logs/$t.log
     mkdir -p "$corpus" "$crashes" "$build/logs"
+    rm -f "$build/logs/$t.rc"
     local dict=()
     [ -f "$root/fuzz/dict/$t.dict" ] && dict=(-dict="$root/fuzz/dict/$t.dict")
     local rc=0
@@ -110,12 +111,14 @@ summary() {
     rc=$(cat "$build/logs/$t.rc")
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
     cov=$(grep -oE 'cov: [0-9]+ ft: [0-9]+ corp: [0-9]+' "$log" | tail -1 || true)
-    crashes=$(find "$build/crashes/$t" -type f | wc -l)
-    printf '%-22s execs %-10s %-34s crash files %s, exit %s%s\n' "$t" "${execs:-?}" \
+    crashes=$(find "$build/crashes/$t" -type f -newer "$build/logs/.run-start" | wc -l)
+    printf '%-22s execs %-10s %-34s new crash files %s, exit %s%s\n' "$t" "${execs:-?}" \
         "${cov:-cov: ?}" "$crashes" "$rc" "$([ "$rc" != 0 ] && echo "  <- CRASH: $log")"
 }
 
 for t in "${targets[@]}"; do seed "$t"; done
+mkdir -p "$build/logs"
+touch "$build/logs/.run-start"  # crash files older than this run are not counted
 echo "== fuzz: ${#targets[@]} targets, ${secs} s each, ${parallel} at a time"
 running=0
 for t in "${targets[@]}"; do
