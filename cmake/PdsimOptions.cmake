@@ -31,6 +31,16 @@ if(PDSIM_CPU_ARCH AND CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
   add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-march=${PDSIM_CPU_ARCH}>)
 endif()
 
+# libFuzzer targets (fuzz/, scripts/fuzz.sh): clang only, in a build dir of their own. Every
+# library is compiled with libFuzzer's coverage instrumentation (fuzzer-no-link); the targets
+# link the fuzzer's main.
+option(PDSIM_FUZZ "Build the libFuzzer targets in fuzz/ (needs clang)" OFF)
+if(PDSIM_FUZZ)
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    message(FATAL_ERROR "PDSIM_FUZZ=ON needs clang++ (got ${CMAKE_CXX_COMPILER_ID})")
+  endif()
+  add_compile_options(-fsanitize=fuzzer-no-link)
+endif()
 if(PDSIM_SANITIZER STREQUAL "address")
   add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
   add_link_options(-fsanitize=address,undefined)

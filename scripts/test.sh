@@ -2,8 +2,9 @@
 # Installs what is missing, builds pdsim and runs its tests (ctest).
 #   scripts/test.sh                 release build, all tests except label `slow`
 #   PDSIM_TEST_ALL=1 scripts/test.sh   include `slow` tests
-#   PDSIM_SANITIZERS=1 scripts/test.sh also build the asan and tsan presets and run their suites
-#                                      (on by default when CI=true)
+#   PDSIM_SANITIZERS=1 scripts/test.sh also build the asan and tsan presets and run their suites,
+#                                      then each fuzz target for 60 s (scripts/fuzz.sh; on by
+#                                      default when CI=true)
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 cd "$PDSIM_ROOT"
@@ -98,5 +99,9 @@ if [ "$sanitizers" = "1" ]; then
   echo "== ctest (tsan: label tsan)"
   GTEST_FILTER="$tsan_filter" TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
     ctest --preset tsan --no-tests=error "${tsan_sel[@]}" -j "$PDSIM_JOBS"
+  # The libFuzzer targets (fuzz/, docs/inputs.md): their own clang build of only the targets and
+  # the sources they parse with, then a minute each, two at a time. A crash fails the run.
+  echo "== fuzz (60 s per target)"
+  PDSIM_FUZZ_PARALLEL=2 PDSIM_FUZZ_JOBS="$PDSIM_JOBS" "$PDSIM_ROOT/scripts/fuzz.sh" 60
 fi
 echo "== test.sh: all passed in $(( $(date +%s) - start )) s"

@@ -225,6 +225,20 @@ TEST(TraceAzure, NumbersAreStrictWithTheSameRangeAndNoClamp) {
     EXPECT_EQ(reqs.front().input_len, workload::kMaxTraceTokens);
 }
 
+// Found by trace_azure_fuzz (fuzz/regressions/trace_azure_fuzz/): sscanf's %lf reads "nan" as the
+// seconds, which passed the range check and gave a NaN arrival; a year far from 1900 overflowed
+// Y - 1900 (UBSan).
+TEST(TraceAzure, TimestampSecondsNaNAndYearOutOfRangeAreRefused) {
+    for (const char* row : {"2023-11-16 18:17:nan,10,2\n", "2023-11-16 18:17:NAN(1),10,2\n",
+                            "-2147483648-11-16 18:17:03.97,10,2\n",
+                            "2147483647-11-16 18:17:03.97,10,2\n", "0-11-16 18:17:03.97,10,2\n"}) {
+        EXPECT_THAT(azure(row),
+                    StatusIs(StatusCode::kInvalidArgument, HasSubstr("t.csv:2: TIMESTAMP: ")))
+            << row;
+    }
+    ASSERT_OK(azure("9999-12-31 23:59:60.5,10,2\n0001-01-01 00:00:00,10,2\n"));
+}
+
 TEST(TraceMessages, QuoteAtMostABoundedExcerpt) {
     const std::string field(100 << 20, '9');  // 100 MB, as in the probe
     auto csv = azure("2023-11-16 18:17:03.97," + field + ",2\n");
@@ -337,6 +351,17 @@ TEST(CostFile, RegularFileAndSyntaxErrorsNameTheLine) {
     write(broken, "{\n  \"model\": \"x\",\n  oops\n}\n");
     EXPECT_THAT(cost::CostFile::load(broken),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("c.json:3: not valid JSON")));
+}
+
+// Found by cost_file_fuzz (fuzz/regressions/cost_file_fuzz/): a number that overflows a double
+// makes nlohmann's parse throw out_of_range (406), not parse_error; it escaped load and
+// terminated the process.
+TEST(CostFile, ANumberThatOverflowsADoubleIsAnError) {
+    TempDir dir("cost_overflow");
+    const std::string f = dir.str("c.json");
+    write(f, "{\"schema_version\": 11e308, \"model\": \"tiny\"}\n");
+    EXPECT_THAT(cost::CostFile::load(f),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("c.json: not valid JSON")));
 }
 
 // ---- report writers ----

@@ -249,6 +249,29 @@ TEST(TestbedProtocol, MissingFieldIsNamed) {
     EXPECT_THAT(decode_error<CancelMsg>(json::array()), HasSubstr("expected an object"));
 }
 
+// Found by testbed_protocol_fuzz (fuzz/regressions/testbed_protocol_fuzz/): CBOR strings are not
+// checked for UTF-8 on the way in, and quoting one in the error (json::dump) threw type_error 316
+// out of decode_message, which terminated the rank. The error now quotes it with U+FFFD.
+TEST(TestbedProtocol, AKindOrModeThatIsNotUtf8IsAnError) {
+    const json kind = json::from_cbor(std::vector<uint8_t>{0xa1, 0x61, 'k', 0x62, 0x72, 0x98});
+    EXPECT_THAT(decode_error<SubmitMsg>(kind), HasSubstr("field 'k' is \"r\xEF\xBF\xBD\""));
+    json plan = encode_message(sample_plan());
+    plan["m"] = std::string("\xC0");
+    EXPECT_THAT(decode_error<Plan>(plan), HasSubstr("field 'm': expected \"e\" (extend)"));
+}
+
+// Found by testbed_protocol_fuzz: a CBOR array header declaring 2^63 elements made nlohmann's
+// from_cbor throw out_of_range 408 although exceptions were off, out of the Mailbox's receive.
+TEST(TestbedProtocol, CborWithAnExcessiveArraySizeIsDataLoss) {
+    const std::vector<uint8_t> huge = {0x9b, 0x8c, 0x8c, 0x8c, 0x8c, 0x8c, 0x8c, 0x8c, 0x8c};
+    EXPECT_THAT(decode_cbor(huge).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("garbled CBOR (9 bytes)")));
+    EXPECT_THAT(decode_cbor(std::vector<uint8_t>{0xa1}).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("not one CBOR value")));
+    ASSERT_OK_AND_ASSIGN(json body, decode_cbor(json::to_cbor(encode_message(EndMsg{}))));
+    EXPECT_OK(decode_message<EndMsg>(body));
+}
+
 TEST(TestbedProtocol, MistypedFieldIsNamed) {
     json submit = encode_message(sample_submit());
     submit["in"] = "1200";

@@ -212,6 +212,11 @@ StatusOr<CostFile> CostFile::load(const std::string& path) {
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("{}:{}: not valid JSON (byte {}): {}", path, line, e.byte,
                                   text::excerpt(e.what(), 160)));
+    } catch (const nlohmann::json::exception& e) {
+        // Not a syntax error but a value nlohmann cannot hold (out_of_range 406: a number such as
+        // 1e400 that overflows a double), thrown by the same parse.
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{}: not valid JSON: {}", path, text::excerpt(e.what(), 160)));
     }
     return from_json(j, path);
 }

@@ -146,11 +146,13 @@ StatusOr<std::optional<Message>> MpiMailbox::recv_raw(Channel channel,
             MPI_CHECK(MPI_Mrecv(bytes.data(), count, MPI_BYTE, &msg, MPI_STATUS_IGNORE));
             Message m;
             m.src = status.MPI_SOURCE;
-            m.body = nlohmann::json::from_cbor(bytes, true, false);
-            if (m.body.is_discarded()) {
-                return PDSIM_ERROR(StatusCode::kDataLoss, "mailbox: garbled message from rank {}",
-                                   m.src);
+            StatusOr<nlohmann::json> body = decode_cbor(bytes);
+            if (!body.ok()) {
+                return PDSIM_ERROR(StatusCode::kDataLoss,
+                                   "mailbox: garbled message from rank {}: {}", m.src,
+                                   body.status().message());
             }
+            m.body = std::move(*body);
             return std::optional<Message>(std::move(m));
         }
         if (Clock::now() >= deadline) return std::optional<Message>();

@@ -7,6 +7,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "common/text.h"
+
 namespace pdsim::testbed {
 namespace {
 
@@ -173,7 +175,8 @@ std::string read_value(const json& j, T* out, std::string* path) {
         } else if (j.is_string() && j.get_ref<const std::string&>() == "e") {
             *out = attn::ForwardMode::kExtend;
         } else {
-            return fmt::format("expected \"e\" (extend) or \"d\" (decode), got {}", j.dump());
+            return fmt::format("expected \"e\" (extend) or \"d\" (decode), got {}",
+                               text::excerpt(text::dump_json(j)));
         }
         return {};
     } else if constexpr (std::is_same_v<T, transfer::TransferEvent::Kind>) {
@@ -226,6 +229,22 @@ std::string read_value(const json& j, T* out, std::string* path) {
 
 }  // namespace
 
+StatusOr<json> decode_cbor(std::span<const uint8_t> bytes) {
+    json body;
+    try {
+        body = json::from_cbor(bytes.begin(), bytes.end(), /*strict=*/true,
+                               /*allow_exceptions=*/false);
+    } catch (const json::exception& e) {
+        return Status(StatusCode::kDataLoss,
+                      fmt::format("garbled CBOR ({} bytes): {}", bytes.size(), e.what()));
+    }
+    if (body.is_discarded()) {
+        return Status(StatusCode::kDataLoss,
+                      fmt::format("garbled CBOR ({} bytes): not one CBOR value", bytes.size()));
+    }
+    return body;
+}
+
 template <class Msg>
 json encode_message(const Msg& msg) {
     json out = to_wire(msg);
@@ -245,7 +264,8 @@ StatusOr<Msg> decode_message(const json& body) {
         kind->get_ref<const std::string&>() != Msg::kKind) {
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("testbed message '{}': field 'k' is {}", Msg::kKind,
-                                  kind == body.end() ? std::string("missing") : kind->dump()));
+                                  kind == body.end() ? std::string("missing")
+                                                     : text::excerpt(text::dump_json(*kind))));
     }
     Msg msg;
     std::string path;

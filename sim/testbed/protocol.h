@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -359,6 +360,11 @@ struct RankResult {
         v("error", m.error);
     }
 };
+
+// A message body from its CBOR bytes (the Mailbox's wire form), strict (no trailing bytes).
+// kDataLoss for bytes that are not one CBOR value -- including a declared array or map size that
+// nlohmann rejects by throwing even with exceptions off (out_of_range 408). Never throws.
+[[nodiscard]] StatusOr<nlohmann::json> decode_cbor(std::span<const uint8_t> bytes);
 
 // The wire form of `msg`: {"k": Msg::kKind, <key>: <field>...}.
 template <class Msg>

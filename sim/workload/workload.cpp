@@ -178,8 +178,10 @@ bool parse_azure_time(std::string_view s, double* ms) {
     double sec;
     std::string buf(s);
     if (std::sscanf(buf.c_str(), "%d-%d-%d %d:%d:%lf", &Y, &M, &D, &h, &m, &sec) != 6) return false;
-    if (M < 1 || M > 12 || D < 1 || D > 31 || h < 0 || h > 23 || m < 0 || m > 59 || sec < 0 ||
-        sec >= 61)
+    // (sec as !(0 <= sec < 61): sscanf's %lf reads "nan" too. The year's range keeps Y - 1900
+    // from overflowing.)
+    if (Y < 1 || Y > 9999 || M < 1 || M > 12 || D < 1 || D > 31 || h < 0 || h > 23 || m < 0 ||
+        m > 59 || !(sec >= 0 && sec < 61))
         return false;
     std::tm tm{};
     tm.tm_year = Y - 1900;

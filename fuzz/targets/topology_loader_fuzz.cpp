@@ -1,11 +1,9 @@
 // libFuzzer target: parse_topology() on arbitrary bytes, as YAML and as JSON. A valid result is
 // also pushed through the queries, the text reports and a to_yaml() round trip, which must give
-// back an equal topology. Build and run with scripts/fuzz_topology.sh.
-#include <cstddef>
-#include <cstdint>
-#include <cstdlib>
+// back an equal topology. Build and run with scripts/fuzz.sh (fuzz/README.md).
 #include <string_view>
 
+#include "fuzz/fuzz_target.h"
 #include "topology/loader.h"
 #include "topology/report.h"
 #include "topology/shaping.h"
@@ -25,15 +23,13 @@ void exercise(const pdsim::topo::Topology& t) {
         (void)shaping_for_path(t, rm.at(0).device, rm.at(rm.world_size() - 1).device, 2.0);
     }
     auto back = parse_topology(to_yaml(t), "<roundtrip>", Format::kYaml);
-    if (!back.ok() || !(*back == t)) {
-        std::abort();  // to_yaml must round-trip every valid topology
-    }
+    PDSIM_FUZZ_CHECK(back.ok() && *back == t, "to_yaml must round-trip every valid topology");
     for (const ModelShape& m : builtin_model_shapes()) (void)validate(t, &m);
 }
 
 }  // namespace
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+PDSIM_FUZZ_TARGET(topology_loader_fuzz) {
     using namespace pdsim::topo;
     const std::string_view text(reinterpret_cast<const char*>(data), size);
     for (Format f : {Format::kYaml, Format::kJson}) {
