@@ -30,7 +30,7 @@ std::shared_ptr<TestReq> make_req(uint64_t id, milliseconds timeout = millisecon
     r->id = id;
     r->started = Clock::now();
     r->timeout = timeout;
-    r->deadline = r->started + timeout;
+    r->deadline.set(r->started + timeout);
     return r;
 }
 
@@ -265,10 +265,10 @@ TEST(RequestTable, ConcurrentWaiters) {
 TEST(RequestTable, DeadlineTest) {
     auto r = make_req(21, milliseconds(250));
     EXPECT_FALSE(Table::past_deadline(*r, r->started));
-    EXPECT_FALSE(Table::past_deadline(*r, r->deadline - milliseconds(1)));
-    EXPECT_TRUE(Table::past_deadline(*r, r->deadline));
+    EXPECT_FALSE(Table::past_deadline(*r, r->deadline.get() - milliseconds(1)));
+    EXPECT_TRUE(Table::past_deadline(*r, r->deadline.get()));
     EXPECT_EQ(Table::timed_out_reason(*r, "the next chunk"),
-              "request 21: timed out after 250 ms while awaiting the next chunk");
+              "request 21: no progress for 250 ms while awaiting the next chunk");
 }
 
 }  // namespace

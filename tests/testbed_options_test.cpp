@@ -86,6 +86,17 @@ TEST(TestbedOptions, RangesOfTestbedLimits) {
         o.heartbeat_timeout_s = good;
         EXPECT_OK(resolve(o, 1)) << good;
     }
+    o.heartbeat_timeout_s = 5;
+    for (int64_t bad : {int64_t{-1}, int64_t{1'000'001}}) {
+        o.max_inflight_per_instance = bad;
+        EXPECT_THAT(resolve(o, 1), StatusIs(StatusCode::kInvalidArgument,
+                                            HasSubstr("--max-inflight-per-instance")))
+            << bad;
+    }
+    for (int64_t good : {int64_t{0}, int64_t{1}, int64_t{1'000'000}}) {
+        o.max_inflight_per_instance = good;
+        EXPECT_OK(resolve(o, 1)) << good;
+    }
 }
 
 // ---- GPU ranks --------------------------------------------------------------------------------

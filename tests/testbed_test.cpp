@@ -482,12 +482,98 @@ TEST(TestbedBadInput, FlagsAreNamed) {
         {{"--transport", "mpi"}, "--transport mpi needs one process per rank"},
         {{"--topology", "/nonexistent/topo.yaml"}, "/nonexistent/topo.yaml"},
         {{"--trace", "/nonexistent/trace.jsonl"}, "/nonexistent/trace.jsonl"},
+        {{"--max-inflight-per-instance", "-3"}, "--max-inflight-per-instance"},
+        {{"--max-inflight-per-instance", "2000000"}, "--max-inflight-per-instance"},
     };
     for (const auto& c : cases) {
         CmdResult r = run_testbed(0, c.args, 60);
         EXPECT_EQ(r.rc, 2) << c.expect << "\n" << r.describe();
         EXPECT_THAT(r.err, HasSubstr(c.expect)) << r.describe();
     }
+}
+
+// ---- overload: measured, not failed ----
+
+// The Azure code trace's first requests at 5x their real rate (about 50 requests/s, prompts of
+// up to 1024 tokens; cpu-1p1d serves one or two per second on a 2-core box) with a request
+// timeout (2 s) far below the time most of them wait: the router queues what the instances cannot
+// take (two in flight each), every request completes -- late -- in both runs, outputs match, no
+// ordering violation, and the queueing delay is in the report and the CSV.
+TEST(TestbedOverload, QueuesInsteadOfFailingMpi) {
+    TempDir dir("tb_overload");
+    const int n = 20;
+    const std::vector<std::string> args = {"--mode",
+                                           "both",
+                                           "--trace",
+                                           trace_dir() + "/azure_llm_code.csv",
+                                           "--max-requests",
+                                           std::to_string(n),
+                                           "--time-scale",
+                                           "0.2",
+                                           "--max-input-len",
+                                           "1024",
+                                           "--max-output-len",
+                                           "8",
+                                           "--kv-pool-mb",
+                                           "128",
+                                           "--request-timeout-s",
+                                           "2",
+                                           "--max-inflight-per-instance",
+                                           "2",
+                                           "--quiet",
+                                           "--report",
+                                           dir.str("r.json"),
+                                           "--requests",
+                                           dir.str("r.csv")};
+    CmdResult r = run_testbed(2, args);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << r.describe();
+    for (const json* run : {&rep, &rep["colocated"]}) {
+        const json& x = *run;
+        EXPECT_EQ(x["requests_submitted"].get<int>(), n);
+        EXPECT_EQ(x["requests_completed"].get<int>(), n) << x["failures"].dump();
+        EXPECT_EQ(x["requests_failed"].get<int>(), 0);
+        EXPECT_EQ(x["requests_lost"].get<int>(), 0);
+        EXPECT_GT(x["queue_ms"]["count"].get<int>(), 0);
+        EXPECT_GT(x["queue_ms"]["p90"].get<double>(), 0.0) << "nothing waited in the queue";
+        // Most requests waited longer in all than the request timeout: only progress counts.
+        EXPECT_GT(x["e2e_ms"]["p90"].get<double>(), 2000.0) << "not overloaded";
+    }
+    EXPECT_EQ(rep["config"]["max_inflight_per_instance"].get<int>(), 2);
+    EXPECT_TRUE(rep["outputs_match"].get<bool>());
+    EXPECT_EQ(rep["ordering"]["violations"].get<int>(), 0) << rep["ordering"].dump();
+    std::istringstream csv(slurp(dir.path() / "r.csv"));
+    std::string header;
+    std::getline(csv, header);
+    EXPECT_THAT(header, HasSubstr(",queue_ms,error"));
+}
+
+// A decode rank stopped (SIGSTOP) for 12 s -- past the engine's 10 s peer timeout, so the prefill
+// side gives up on the requests in flight and aborts them, but within the router's heartbeat
+// timeout (30 s) -- then continued: its clean-up of the aborted requests frees no page a
+// transfer may still reach (0 free-before-transfer violations; before, the refused frees of its
+// clean-up counted tens of thousands), and the run ends with every request accounted for.
+TEST(TestbedStop, ShortStopOfTheDecodeRankFreesNoPageInFlight) {
+    TempDir dir("tb_stop_short");
+    const std::vector<std::string> args = {
+        "--synthetic",      "24",         "--time-scale",          "0.2", "--mode",  "disagg",
+        "--max-output-len", "6",          "--heartbeat-timeout-s", "30",  "--quiet", "--report",
+        dir.str("r.json"),  "--requests", dir.str("r.csv")};
+    StopResult s =
+        run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3,
+                     signal_mpi_rank(1, "-STOP") + "; sleep 12; " + signal_mpi_rank(1, "-CONT"));
+    // The requests in flight during the stop may fail (the prefill side's peer timeout): exit 1
+    // for failed requests then, never for ordering violations.
+    EXPECT_TRUE(s.cmd.rc == 0 || s.cmd.rc == 1) << s.cmd.describe();
+    EXPECT_THAT(s.cmd.err, ::testing::Not(HasSubstr("ordering violations")));
+    json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << s.cmd.describe();
+    EXPECT_EQ(rep["requests_completed"].get<int>() + rep["requests_failed"].get<int>() +
+                  rep["requests_lost"].get<int>(),
+              rep["requests_submitted"].get<int>());
+    EXPECT_EQ(rep["ordering"]["violations"].get<int>(), 0) << rep["ordering"].dump();
+    EXPECT_THAT(rep["ordering"].dump(), ::testing::Not(HasSubstr("free-before-transfer")));
 }
 
 // ---- slow: the 200-request replays ----

@@ -827,8 +827,11 @@ TEST_P(TransferEngineFailure, SilentPrefillPeerTimesOut) {
     EXPECT_EQ((*recv)->pins().pinned_pages(), 0u);
 }
 
-TEST_P(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
-    // The prefill side is alive (heartbeats) but never schedules the request.
+TEST_P(TransferEngineFailure, QueuedRequestIsNotTimedOutAStalledOneIs) {
+    // The request timeout is "no progress for this long". The prefill side is alive
+    // (heartbeats) but schedules the request only after several request timeouts (it waits in
+    // the prefill queue): no fault. Once it started sending, a stall (the next chunk never
+    // comes) is one, and the reason names what was awaited.
     auto ts = transports(2);
     KvLayout pl;
     KvLayout dl;
@@ -840,22 +843,112 @@ TEST_P(TransferEngineFailure, RequestTimeoutNamesWhatWasAwaited) {
         KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
     ASSERT_OK(send);
     ReceiverOptions ro = test_options(ReceiverOptions{});
-    // Long enough for the bootstrap and its ack on a loaded machine (TSan: 3.2 s), so that what
-    // times out is the wait for KV chunks, never the handshake.
+    // Long enough for a chunk header and its data on a loaded machine (TSan: 3.2 s), so that
+    // what times out is the wait for the next chunk.
     ro.request_timeout = 400ms * kSlow;
     auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(ro, 1));
     ASSERT_OK(recv);
     ASSERT_OK((*recv)->submit(
         {.request_id = 9, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
+    std::this_thread::sleep_for(3 * ro.request_timeout);
+    auto queued = (*recv)->status(9);
+    ASSERT_OK(queued);
+    EXPECT_FALSE(is_terminal(queued->state))
+        << "a request waiting in the prefill queue failed: " << queued->reason;
+    // The prefill side starts it: a chunk whose layer 0 is computed and layer 1 never is -- its
+    // data is announced and stays in flight (waiting between chunks would be no fault either).
+    ASSERT_OK((*send)->add_request({.request_id = 9, .num_tokens = 20}));
+    SendChunk c;
+    c.request_id = 9;
+    c.src_pages = {1, 2};
+    c.token_end = 16;  // a middle chunk sends whole prefill pages only
+    c.begin_step = counter.advance_step(2);
+    c.is_last = false;
+    ASSERT_OK((*send)->submit_chunk(c));
+    ASSERT_OK(counter.record_cache());
     auto st = (*recv)->wait_done(9, 30s);
     ASSERT_OK(st);
     EXPECT_EQ(st->state, RequestState::kFailed);
-    EXPECT_THAT(st->reason, HasSubstr("timed out"));
+    EXPECT_THAT(st->reason, HasSubstr("no progress for"));
     EXPECT_THAT(st->reason, HasSubstr("KV chunks from prefill rank 0"));
-    // Nothing can write the pages any more (write mode: the prefill rank, which never scheduled
-    // the request, answers the Abort with Quiesced), so they are released -- well within the
-    // peer timeout (10 s), after which a silent prefill rank would count as dead anyway.
+    // Nothing can write the pages any more once the prefill rank has the Abort (two-sided: the
+    // receives are withdrawn; ordered: none is announced; writes: it answers with Quiesced), so
+    // they are released -- well within the peer timeout (10 s).
     EXPECT_TRUE(eventually([&] { return !(*recv)->status(9)->pages_in_use; }, 5s * kSlow));
+    EXPECT_FALSE((*recv)->pins().is_pinned(1) || (*recv)->pins().is_pinned(2));
+}
+
+TEST_P(TransferEngineFailure, AbortedRequestsPagesAreReleasedOnlyWhenNothingCanLand) {
+    // The decode side aborts a request mid-transfer (the router cancelled it): one chunk landed,
+    // the next one announced (its receives planned or posted, its sends not yet). The pages are
+    // released once nothing can land in them any more -- two-sided: the posted receives are
+    // cancelled; ordered: nothing unannounced is ever posted; writes: the prefill rank quiesces
+    // -- and nothing of the request lands in them after that, when they were freed and reused.
+    auto ts = transports(2);
+    KvLayout pl;
+    KvLayout dl;
+    auto ppool = small_pool(&pl);
+    auto dpool = small_pool(&dl);
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    auto send =
+        KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
+    auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(test_options(ReceiverOptions{}), 1));
+    ASSERT_TRUE(send.ok() && recv.ok());
+    auto dst = dpool->allocator().alloc(2);
+    ASSERT_OK(dst);
+    const std::vector<int32_t> src = {1, 2};
+    ASSERT_OK((*recv)->submit(
+        {.request_id = 12, .prefill_ranks = {0}, .dst_pages = *dst, .num_tokens = 20}));
+    ASSERT_OK((*send)->add_request({.request_id = 12, .num_tokens = 20}));
+    for (int chunk = 0; chunk < 2; ++chunk) {
+        // [0, 16) and [16, 20): a middle chunk sends whole prefill pages only.
+        const int64_t t0 = chunk * 16;
+        const int64_t t1 = chunk == 0 ? 16 : 20;
+        for (int l = 0; l < 2; ++l) write_layer(pl, src, 3, 12, l, t0, t1, 0);
+        ASSERT_OK((*send)->submit_chunk({.request_id = 12,
+                                         .src_pages = src,
+                                         .token_begin = t0,
+                                         .token_end = t1,
+                                         .begin_step = counter.advance_step(2),
+                                         .layer_interval = 1,
+                                         .is_last = chunk == 1,
+                                         .first_token = 5}));
+        if (chunk == 0) {
+            for (int l = 0; l < 2; ++l) ASSERT_OK(counter.record_cache());
+            ASSERT_TRUE(eventually([&] { return (*recv)->status(12)->bytes > 0; }, 10s * kSlow))
+                << "the first chunk never landed";
+        }
+    }
+    std::this_thread::sleep_for(100ms * kSlow);  // the second chunk's header arrives
+    ASSERT_OK((*recv)->abort(12, "cancelled by the router"));
+    auto ds = (*recv)->wait_done(12, 30s);
+    ASSERT_OK(ds);
+    ASSERT_EQ(ds->state, RequestState::kFailed);
+    EXPECT_THAT(ds->reason, HasSubstr("cancelled by the router"));
+    // The testbed's rule: free only once pages_in_use turned false -- never refused then.
+    ASSERT_TRUE(eventually([&] { return !(*recv)->status(12)->pages_in_use; }, 10s * kSlow));
+    ASSERT_OK((*recv)->pins().free_pages(dpool->allocator(), *dst));
+    ASSERT_OK(dpool->fill(0x77));  // freed and reused
+    // The second chunk's steps come now: none of its bytes may land.
+    for (int l = 0; l < 2; ++l) ASSERT_OK(counter.record_cache());
+    auto ps = (*send)->wait(12, 30s);
+    ASSERT_OK(ps);
+    EXPECT_EQ(ps->state, RequestState::kFailed);
+    EXPECT_TRUE(eventually([&] { return !(*send)->status(12)->pages_in_use; }, 10s * kSlow));
+    std::this_thread::sleep_for(100ms * kSlow);
+    for (int l = 0; l < 2; ++l) {
+        for (int b = 0; b < dl.buffer_count(); ++b) {
+            for (int64_t t = 0; t < 20; ++t) {
+                const std::byte* p = dl.slot_addr(l, b, token_slot(*dst, 16, t));
+                for (size_t i = 0; i < 2 * dl.head_bytes(b); ++i) {
+                    ASSERT_EQ(p[i], std::byte{0x77})
+                        << "layer " << l << " buffer " << b << " token " << t << ": a transfer "
+                        << "landed in pages released after the abort";
+                }
+            }
+        }
+    }
 }
 
 TEST_P(TransferEngineFailure, StepNeverRecordedFailsBothSides) {
@@ -1027,14 +1120,19 @@ TEST_P(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
     auto send =
         KvSender::create(ts.at(0), pl, counter, ts.for_rank(test_options(SenderOptions{}), 0));
     ReceiverOptions ro = test_options(ReceiverOptions{});
-    ro.request_timeout = 200ms;
     auto recv = KvReceiver::create(ts.at(1), dl, ts.for_rank(ro, 1));
     ASSERT_TRUE(send.ok() && recv.ok());
     ASSERT_OK((*recv)->submit(
         {.request_id = 8, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
+    // The decode side gives up on it (e.g. the router cancelled it) while it waits in the
+    // prefill queue.
+    ASSERT_OK((*recv)->abort(8, "the test gave up on it"));
     auto ds = (*recv)->wait_done(8, 30s);
     ASSERT_OK(ds);
     ASSERT_EQ(ds->state, RequestState::kFailed);
+    EXPECT_THAT(ds->reason, HasSubstr("the test gave up on it"));
+    EXPECT_OK((*recv)->abort(8, "again")) << "aborting a terminal request is a no-op";
+    EXPECT_EQ((*recv)->abort(99, "unknown").code(), StatusCode::kNotFound);
     // The Abort reaches the prefill rank before it schedules the request.
     std::this_thread::sleep_for(100ms * kSlow);
     ASSERT_OK((*send)->add_request({.request_id = 8, .num_tokens = 20}));
@@ -1508,7 +1606,7 @@ TEST(TransferEngineWrite, FailedRequestKeepsPagesPinnedUntilTheSourceQuiesces) {
     auto ds = (*recv)->wait_done(7, 30s);
     ASSERT_OK(ds);
     ASSERT_EQ(ds->state, RequestState::kFailed);
-    EXPECT_THAT(ds->reason, HasSubstr("timed out"));
+    EXPECT_THAT(ds->reason, HasSubstr("no progress for"));
     ASSERT_TRUE(
         eventually([&] { return (*send)->status(7)->state == RequestState::kFailed; }, 10s));
     std::this_thread::sleep_for(200ms * kSlow);  // room for a wrong early release

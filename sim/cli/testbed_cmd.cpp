@@ -186,13 +186,19 @@ void add_limit_flags(CLI::App* sub, testbed::TestbedOptions& o) {
     sub->add_option("--slo-tpot-ms", o.slo_tpot_ms, "TPOT SLO for goodput/attainment (0: none)")
         ->check(real_in(0, L::kMaxSloMs));
     sub->add_option("--request-timeout-s", o.request_timeout_s,
-                    "a request not finished this long after its arrival fails")
+                    "a request that makes no progress for this long fails (waiting in a queue "
+                    "is not lack of progress)")
         ->check(real_in(0, L::kMaxRequestTimeoutS, /*lo_open=*/true))
         ->capture_default_str();
     sub->add_option("--heartbeat-timeout-s", o.heartbeat_timeout_s,
                     "a rank silent this long (heartbeats go once a second) is dead or hung: the "
                     "requests its instance holds fail, the rest of the run goes on (0: off)")
         ->check(real_in(0, L::kMaxHeartbeatTimeoutS))
+        ->capture_default_str();
+    sub->add_option("--max-inflight-per-instance", o.max_inflight_per_instance,
+                    "router backpressure: requests in flight per instance, the rest wait in the "
+                    "router's queue in arrival order (0: auto, from the KV pool and batch limits)")
+        ->check(int_in(0, L::kMaxInflightPerInstance))
         ->capture_default_str();
     sub->add_option("--threads", o.threads,
                     "compute threads per rank (default: cores / ranks on the node)")

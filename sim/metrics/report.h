@@ -51,6 +51,9 @@ struct RequestRecord {
     double transfer_ms = 0;          // first layer sent -> last layer landed
     double exposed_transfer_ms = 0;  // transfer time not hidden behind prefill compute
     std::vector<int32_t> tokens;     // generated token ids (testbed; for outputs_match)
+    // Time it waited in the router's queue (arrival -> dispatched to its instances; testbed
+    // backpressure, --max-inflight-per-instance); -1: not measured (or never dispatched).
+    double queue_ms = -1;
 
     [[nodiscard]] double ttft_ms() const { return first_token_ms - arrival_ms; }
     [[nodiscard]] double e2e_ms() const { return finish_ms - arrival_ms; }
@@ -89,6 +92,9 @@ struct Report {
     // extra["lost_requests"]); completed + failed + lost == submitted in every report.
     int64_t requests_lost = 0;
     Percentiles ttft_ms, tpot_ms, e2e_ms;
+    // Router queueing delay over the requests it was measured for (RequestRecord::queue_ms >= 0,
+    // completed or not); count 0 where none was.
+    Percentiles queue_ms;
     double goodput_rps = 0;
     double slo_attainment = 0;
     double throughput_tokens_s = 0;
@@ -108,7 +114,8 @@ void summarize_requests(const std::vector<RequestRecord>& records, const Slo& sl
 [[nodiscard]] nlohmann::json to_json(const Report& report);
 [[nodiscard]] Status write_report(const std::string& path, const Report& report);
 // Per-request CSV: id, arrival_ms, ttft_ms, tpot_ms, e2e_ms, input_len, output_len, generated,
-// ok, prefill_instance, decode_instance, transfer_bytes, transfer_ms, error.
+// ok, prefill_instance, decode_instance, transfer_bytes, transfer_ms, queue_ms (empty: not
+// measured), error.
 [[nodiscard]] Status write_requests_csv(const std::string& path,
                                         const std::vector<RequestRecord>& records);
 // A human summary table (both runs side by side with --mode both).

@@ -105,6 +105,8 @@ Status check_ranges(const TestbedOptions& o) {
             "--heartbeat-timeout-s {}: at least 2 (heartbeats go once a second), or 0 for off",
             o.heartbeat_timeout_s));
     }
+    PDSIM_RETURN_IF_ERROR(check_int("--max-inflight-per-instance", o.max_inflight_per_instance, 0,
+                                    L::kMaxInflightPerInstance));
     PDSIM_RETURN_IF_ERROR(check_int("--threads", o.threads, 0, L::kMaxThreads));
     PDSIM_RETURN_IF_ERROR(
         check_int("--transport-fault-rank", o.transport_fault_rank, -1, int64_t{1} << 20));

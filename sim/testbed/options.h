@@ -89,6 +89,7 @@ struct TestbedLimits {
     static constexpr double kMaxSloMs = 1e9;
     static constexpr double kMaxRequestTimeoutS = 86'400;  // one day
     static constexpr double kMaxHeartbeatTimeoutS = 3'600;
+    static constexpr int64_t kMaxInflightPerInstance = 1'000'000;
     static constexpr int64_t kMaxThreads = 512;  // compute threads per rank
 };
 
@@ -126,7 +127,14 @@ struct TestbedOptions {
     int64_t kv_pool_mb = 512;  // KV pool per rank
     double slo_ttft_ms = 0;
     double slo_tpot_ms = 0;
-    double request_timeout_s = 30;  // per request, prefill submit -> decode finish
+    // A request fails after this long without progress (not after this long in all): its
+    // clocks run only while it is dispatched and nothing of it moves (router.h, "Deadlines";
+    // the engine's transfer::EngineOptions::request_timeout).
+    double request_timeout_s = 30;
+    // Router backpressure: at most this many requests in flight per instance (dispatched and
+    // not yet past it: prefill done / finished); the rest wait in the router's queue in arrival
+    // order. 0: auto (router.h, "Backpressure").
+    int64_t max_inflight_per_instance = 0;
     // A rank silent this long (no heartbeat; they go once a second) is dead or hung: the router
     // fails the requests its instance holds and routes no more to it (router.h). 0: off.
     double heartbeat_timeout_s = 5;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "sim/metrics/report.h"
+#include "sim/testbed/router.h"
 #include "sim/testbed/server.h"
 #include "topology/model_shape.h"
 #include "topology/topology.h"
@@ -349,7 +350,8 @@ json testbed_config_json(const ResolvedConfig& cfg) {
                    {"max_input_len", o.max_input_len},
                    {"max_output_len", o.max_output_len},
                    {"seed", o.seed},
-                   {"request_timeout_s", o.request_timeout_s}};
+                   {"request_timeout_s", o.request_timeout_s},
+                   {"max_inflight_per_instance", effective_max_inflight(cfg)}};
     if (cfg.gpu_ranks()) {
         // The GPU of rank 0 (the process that writes the report; under mpirun it knows only its
         // own, and every rank's `device` is in its `ranks` entry) and how the model is sized.

@@ -137,6 +137,19 @@ struct ReleaseMsg {
     }
 };
 
+// The leader gave up on a request its engines may still transfer (router cancel, instance
+// failure): the follower aborts its engine request (its pages stay pinned until no transfer can
+// land; the leader frees them later, as for any terminal request).
+struct EngineAbortMsg {
+    static constexpr std::string_view kKind = "eabort";
+    uint64_t id = 0;
+    bool operator==(const EngineAbortMsg&) const = default;
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v("id", m.id);
+    }
+};
+
 // ---- TP follower -> its leader (Channel::kInstance) ----
 
 // A follower's engine outcome for one request. ok false: `error` says why (first_token and bytes

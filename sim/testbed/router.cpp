@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <deque>
 #include <limits>
 
 #include "common/logging.h"
@@ -26,7 +27,10 @@ struct Track {
     bool first_seen = false;
     bool prefill_done = false;
     int p = -1, d = -1;  // instance indices
-    double deadline_us = 0;
+    // Backpressure: the request counts against its prefill (colocated: its) instance's in-flight
+    // requests (a) and its decode instance's (b) while these are set.
+    bool holds_a = false, holds_b = false;
+    double progress_us = 0;  // dispatch, then its own last report (first token, prefill done)
 };
 
 // Least loaded among `candidates` (instance indices); ties round-robin after `last`.
@@ -39,6 +43,26 @@ int pick(const std::vector<int>& candidates, const std::vector<double>& load, in
 namespace {
 Status run_router_impl(const RouterConfig& rc, RouterResult* out);
 }  // namespace
+
+int64_t effective_max_inflight(const ResolvedConfig& cfg) {
+    const TestbedOptions& o = cfg.options;
+    if (o.max_inflight_per_instance > 0) return o.max_inflight_per_instance;
+    // Auto: what one instance can hold at once -- a decode batch, and no more requests of the
+    // trace's mean size than its KV pool holds (TP 1's pool: the smallest per-rank share).
+    double mean_tokens = 1;
+    if (!cfg.requests.empty()) {
+        double sum = 0;
+        for (const auto& r : cfg.requests) sum += r.input_len + r.output_len;
+        mean_tokens = std::max(1.0, sum / static_cast<double>(cfg.requests.size()));
+    }
+    const runtime::DType dtype = cfg.gpu_ranks() ? runtime::DType::kBF16 : runtime::DType::kF32;
+    const double pool_tokens =
+        static_cast<double>(kv_pool_pages(cfg.model, 1, o.page_size, o.kv_pool_mb, dtype) - 1) *
+        o.page_size;
+    const auto by_kv = static_cast<int64_t>(pool_tokens / mean_tokens);
+    return std::clamp<int64_t>(std::min<int64_t>(o.max_decode_batch, by_kv), 1,
+                               TestbedLimits::kMaxInflightPerInstance);
+}
 
 Status run_router(const RouterConfig& rc, RouterResult* out) {
     try {
@@ -80,6 +104,14 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         r.output_len = reqs[i].output_len;
     }
     const double timeout_us = cfg.options.request_timeout_s * 1e6 + kGraceMs * 1e3;
+    const int64_t max_inflight = effective_max_inflight(cfg);
+    std::vector<int64_t> inflight_a(static_cast<size_t>(ninst), 0),
+        inflight_b(static_cast<size_t>(ninst), 0);
+    // Instance progress (router.h, "Deadlines"): when an instance last reported something or
+    // heartbeated a changed progress count.
+    std::vector<double> inst_progress(static_cast<size_t>(ninst), 0);
+    std::deque<size_t> queue;  // arrived, not dispatched yet (arrival order)
+    size_t dispatched = 0;
     const double t_base = now_us() + 20'000;  // let every rank enter its loop
     out->t_base_us = t_base;
     auto rel_ms = [&](int src, double t_remote) {
@@ -96,6 +128,8 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
     std::vector<double> last_seen(static_cast<size_t>(world), t_base);
     std::vector<bool> rank_dead(static_cast<size_t>(world), false);
     std::vector<bool> inst_dead(static_cast<size_t>(ninst), false);
+    std::vector<int64_t> hb_progress(static_cast<size_t>(world), -1);
+    for (double& t : inst_progress) t = t_base;
 
     size_t next = 0, terminal = 0, failed = 0;
     double last_finish_us = t_base;
@@ -107,6 +141,10 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         t.prefill_done = true;
         const int inst = colocated ? t.d : t.p;
         if (inst < 0) return;  // never assigned (no live instance)
+        if (!colocated && t.holds_a) {
+            t.holds_a = false;
+            --inflight_a[static_cast<size_t>(inst)];
+        }
         load_a[static_cast<size_t>(inst)] -= reqs[i].input_len;
     };
     auto release_b = [&](size_t i) {
@@ -123,6 +161,14 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         if (t.terminal) return {};
         release_a(i);
         release_b(i);
+        if (t.holds_a) {
+            t.holds_a = false;
+            --inflight_a[static_cast<size_t>(colocated ? t.d : t.p)];
+        }
+        if (t.holds_b) {
+            t.holds_b = false;
+            --inflight_b[static_cast<size_t>(t.d)];
+        }
         t.terminal = true;
         ++terminal;
         auto& r = out->records[i];
@@ -167,6 +213,7 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             const auto id = static_cast<size_t>(rep.id);
             note_prefill_start(id, m.src, rep.prefill_start_us);
             if (!tr[id].terminal) {
+                tr[id].progress_us = now_us();
                 out->records[id].first_token_ms = rel_ms(m.src, rep.t_us);
                 release_a(id);
                 tr[id].first_seen = true;
@@ -179,6 +226,7 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             const auto id = static_cast<size_t>(rep.id);
             note_prefill_start(id, m.src, rep.prefill_start_us);
             if (!rep.ok) return make_terminal(id, false, rep.error, -1);
+            tr[id].progress_us = now_us();
             release_a(id);
         } else if (k == RequestDoneReport::kKind) {
             PDSIM_ASSIGN_OR_RETURN(RequestDoneReport rep,
@@ -208,9 +256,9 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
     auto progress = [&](bool final) {
         if (!rc.progress && !tty) return;
         const double el = (now_us() - t_base) / 1e6;
-        std::string line =
-            fmt::format("[pdsim testbed {}] {}/{} done ({} failed), {} submitted, {:.1f} s",
-                        rc.label, terminal, n, failed, next, std::max(0.0, el));
+        std::string line = fmt::format(
+            "[pdsim testbed {}] {}/{} done ({} failed), {} submitted, {} queued, {:.1f} s",
+            rc.label, terminal, n, failed, dispatched, queue.size(), std::max(0.0, el));
         if (tty) {
             std::fprintf(stderr, "\r%s%s", line.c_str(), final ? "\n" : "");
         } else {
@@ -240,7 +288,7 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             inst_dead[static_cast<size_t>(inst)] = true;
             for (auto* list : {&prefill, &decode, &all}) std::erase(*list, inst);
             for (size_t i = 0; i < next; ++i) {
-                if (!tr[i].terminal && (tr[i].p == inst || tr[i].d == inst)) {
+                if (tr[i].dispatched && !tr[i].terminal && (tr[i].p == inst || tr[i].d == inst)) {
                     PDSIM_RETURN_IF_ERROR(make_terminal(i, false, "request: " + why, -1));
                 }
             }
@@ -255,24 +303,29 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             PDSIM_ASSIGN_OR_RETURN(std::optional<Message> hb,
                                    rc.mbox->recv(Channel::kHeartbeat, microseconds(0)));
             while (hb) {
-                if (hb->src > 0 && hb->src < world) last_seen[static_cast<size_t>(hb->src)] = now;
+                if (hb->src > 0 && hb->src < world) {
+                    const auto si = static_cast<size_t>(hb->src);
+                    last_seen[si] = now;
+                    // A changed progress count: the rank's instance moved (router.h).
+                    const int64_t pc = hb->body.value("p", int64_t{-1});
+                    if (pc >= 0 && pc != hb_progress[si]) {
+                        hb_progress[si] = pc;
+                        inst_progress[static_cast<size_t>(map.at(hb->src).instance)] = now;
+                    }
+                }
                 PDSIM_ASSIGN_OR_RETURN(hb, rc.mbox->recv(Channel::kHeartbeat, microseconds(0)));
             }
             PDSIM_RETURN_IF_ERROR(check_liveness(now));
         }
-        // Dispatch what is due.
-        while (next < n && t_base + reqs[next].arrival_ms * 1000.0 <= now) {
-            const size_t i = next++;
+        // Arrivals join the router's queue; its head is dispatched while its instances have room
+        // (router.h, "Backpressure"): strict arrival order.
+        while (next < n && t_base + reqs[next].arrival_ms * 1000.0 <= now) queue.push_back(next++);
+        while (!queue.empty()) {
+            const size_t i = queue.front();
             Track& t = tr[i];
-            t.dispatched = true;
-            t.deadline_us = t_base + reqs[i].arrival_ms * 1000.0 + timeout_us;
-            SubmitMsg sub;
-            sub.id = i;
-            sub.input_len = reqs[i].input_len;
-            sub.output_len = reqs[i].output_len;
-            sub.hash = reqs[i].hash_ids;
             const bool no_live = colocated ? all.empty() : prefill.empty() || decode.empty();
             if (no_live) {
+                queue.pop_front();
                 PDSIM_RETURN_IF_ERROR(make_terminal(
                     i, false,
                     fmt::format("no live {} instance left (the others were silent past "
@@ -283,18 +336,44 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
                     -1));
                 continue;
             }
+            auto with_room = [&](const std::vector<int>& list, const std::vector<int64_t>& in) {
+                std::vector<int> room;
+                for (int inst : list) {
+                    if (in[static_cast<size_t>(inst)] < max_inflight) room.push_back(inst);
+                }
+                return room;
+            };
+            const std::vector<int> room_a = with_room(colocated ? all : prefill, inflight_a);
+            const std::vector<int> room_b = colocated ? room_a : with_room(decode, inflight_b);
+            if (room_a.empty() || room_b.empty()) break;  // the head waits; so does the rest
+            queue.pop_front();
+            ++dispatched;
+            t.dispatched = true;
+            t.progress_us = now;
+            out->records[i].queue_ms =
+                std::max(0.0, (now - (t_base + reqs[i].arrival_ms * 1000.0)) / 1000.0);
+            SubmitMsg sub;
+            sub.id = i;
+            sub.input_len = reqs[i].input_len;
+            sub.output_len = reqs[i].output_len;
+            sub.hash = reqs[i].hash_ids;
             if (colocated) {
-                t.d = t.p = pick(all, load_a, &last_a);
+                t.d = t.p = pick(room_a, load_a, &last_a);
                 load_a[static_cast<size_t>(t.d)] += reqs[i].input_len + reqs[i].output_len;
+                t.holds_a = true;
+                ++inflight_a[static_cast<size_t>(t.d)];
                 sub.prefill_instance = t.p;
                 sub.decode_instance = t.d;
                 PDSIM_RETURN_IF_ERROR(
                     rc.mbox->send(leader(t.d), Channel::kInstance, encode_message(sub)));
             } else {
-                t.p = pick(prefill, load_a, &last_a);
-                t.d = pick(decode, load_b, &last_b);
+                t.p = pick(room_a, load_a, &last_a);
+                t.d = pick(room_b, load_b, &last_b);
                 load_a[static_cast<size_t>(t.p)] += reqs[i].input_len;
                 load_b[static_cast<size_t>(t.d)] += reqs[i].input_len + reqs[i].output_len;
+                t.holds_a = t.holds_b = true;
+                ++inflight_a[static_cast<size_t>(t.p)];
+                ++inflight_b[static_cast<size_t>(t.d)];
                 sub.prefill_instance = t.p;
                 sub.decode_instance = t.d;
                 const json wire = encode_message(sub);
@@ -305,15 +384,19 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             out->records[i].prefill_instance = t.p;
             out->records[i].decode_instance = t.d;
         }
-        // Deadlines.
+        // Deadlines (router.h): no progress of the request, nor of the instance it waits on.
         for (size_t i = 0; i < next; ++i) {
-            if (!tr[i].terminal && now > tr[i].deadline_us) {
-                PDSIM_RETURN_IF_ERROR(
-                    make_terminal(i, false,
-                                  fmt::format("no result within {:.0f} s of its arrival (router "
-                                              "timeout; instances {} / {})",
-                                              timeout_us / 1e6, tr[i].p, tr[i].d),
-                                  -1));
+            const Track& t = tr[i];
+            if (!t.dispatched || t.terminal) continue;
+            const int stage = colocated || t.prefill_done || t.first_seen ? t.d : t.p;
+            const double last = std::max(t.progress_us, inst_progress[static_cast<size_t>(stage)]);
+            if (now - last > timeout_us) {
+                PDSIM_RETURN_IF_ERROR(make_terminal(
+                    i, false,
+                    fmt::format("no progress for {:.0f} s (router timeout, --request-timeout-s "
+                                "plus {:.0f} s grace; waiting on instance {}; instances {} / {})",
+                                timeout_us / 1e6, kGraceMs / 1e3, stage, t.p, t.d),
+                    -1));
             }
         }
         if (now >= next_progress) {
@@ -330,7 +413,11 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             std::optional<Message> m,
             rc.mbox->recv(Channel::kRouter, microseconds(static_cast<int64_t>(wait_us))));
         while (m) {
-            if (m->src > 0 && m->src < world) last_seen[static_cast<size_t>(m->src)] = now_us();
+            if (m->src > 0 && m->src < world) {
+                const double t = now_us();
+                last_seen[static_cast<size_t>(m->src)] = t;
+                inst_progress[static_cast<size_t>(map.at(m->src).instance)] = t;
+            }
             PDSIM_RETURN_IF_ERROR(on_report(*m));
             PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));
         }

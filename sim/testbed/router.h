@@ -8,15 +8,37 @@
 //     and the decode instance with the fewest KV tokens (input + output) of unfinished requests.
 // The request goes to the leader (TP rank 0) of each chosen instance ("submit").
 //
-// Lifecycle: arrival (the trace time, scaled, from the phase start), prefill start, first token
-// (colocated: sampled at the end of the last prefill chunk; disaggregated: the decode instance
-// has every layer and the first token), each token, finish. Remote timestamps are converted with
-// the clock offsets estimated at start. The first terminal report wins: a request is completed
-// ("done" ok) or failed (a failed "done" or "pdone", or no result within --request-timeout-s of
-// its arrival plus a grace period: the router then fails it and tells its instances to drop it).
-// So requests_completed + requests_failed == requests_submitted, always.
+// Lifecycle: arrival (the trace time, scaled, from the phase start), the router's queue,
+// dispatch, prefill start, first token (colocated: sampled at the end of the last prefill chunk;
+// disaggregated: the decode instance has every layer and the first token), each token, finish.
+// Remote timestamps are converted with the clock offsets estimated at start. The first terminal
+// report wins: a request is completed ("done" ok) or failed (a failed "done" or "pdone", or its
+// deadline below: the router then fails it and tells its instances to drop it, and they abort
+// its transfers, keeping its pages until no transfer can land in them). So
+// requests_completed + requests_failed == requests_submitted, always.
 //
-// Liveness: every rank but 0 sends a heartbeat on Channel::kHeartbeat once a second; a rank
+// Backpressure: at most effective_max_inflight() requests are in flight per instance -- on a
+// prefill instance until its prefill is done, on a decode (or colocated) instance until it is
+// terminal. Arrivals wait in the router's queue and are dispatched in arrival order (the head
+// waits until a prefill and a decode instance -- colocated: an instance -- have room; so does
+// every later arrival). RequestRecord::queue_ms is the time a request waited there (arrival ->
+// dispatch): the report's queue_ms percentiles and the requests CSV's queue_ms column.
+//
+// Deadlines: --request-timeout-s is "no progress for this long", not a bound on the wait. A
+// request's clock starts at dispatch (never while it waits in the router's queue) and restarts
+// at each of its own reports (first token, prefill done) and at every sign of progress of the
+// instance it waits on (its prefill instance until the prefill is done, then its decode
+// instance; colocated: its instance): any report from a rank of that instance, or a heartbeat
+// whose progress count (forwards run, KV layers moved) changed. A request waiting in its
+// instance's queue behind others that move is not failed; one whose instance stops moving (a
+// hung forward or transfer, while its heartbeat thread lives) fails after --request-timeout-s
+// plus a grace period ("no progress for N s (router timeout ...)"), which lets the engine's own
+// timeout (also "no progress": transfer::EngineOptions::request_timeout) report first. A dead
+// instance is the heartbeat's business (below). A request lost by a busy instance is failed
+// only once that instance stops moving.
+//
+// Liveness: every rank but 0 sends a heartbeat on Channel::kHeartbeat once a second (with its
+// progress count, RankContext::progress); a rank
 // silent for --heartbeat-timeout-s (or whose reports stopped) is dead or hung: the router fails
 // every unfinished request its instance holds ("instance X (rank R) silent for N s: dead or
 // hung"), routes nothing more to it (requests that find no live instance of a role fail at
@@ -59,5 +81,10 @@ struct RouterResult {
 };
 
 [[nodiscard]] Status run_router(const RouterConfig& config, RouterResult* result);
+
+// The in-flight bound per instance (Backpressure): --max-inflight-per-instance, or for 0 (auto)
+// min(--max-decode-batch, the requests of the trace's mean input + output length that one TP-1
+// rank's KV pool holds), at least 1.
+[[nodiscard]] int64_t effective_max_inflight(const ResolvedConfig& config);
 
 }  // namespace pdsim::testbed

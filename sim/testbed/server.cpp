@@ -148,6 +148,7 @@ Status Server::setup() {
 
 void Server::on_engine_event(const transfer::TransferEvent& ev) {
     using K = transfer::TransferEvent::Kind;
+    ctx_.note_progress();
     const double t = to_us(ev.time);
     {
         std::lock_guard<std::mutex> lock(ev_mu_);
@@ -226,6 +227,14 @@ Status Server::on_follower_message(const Message& m, std::vector<int32_t>* next)
         if (receiver_) receiver_->release(id).ignore_error();
         if (sender_) sender_->release(id).ignore_error();
         first_slots_.erase(id);
+    } else if (k == EngineAbortMsg::kKind) {
+        PDSIM_ASSIGN_OR_RETURN(EngineAbortMsg abort, decode_message<EngineAbortMsg>(m.body));
+        Status st = Status();
+        if (receiver_) st = receiver_->abort(abort.id, "its instance leader gave up on it");
+        if (sender_) st = sender_->abort(abort.id, "its instance leader gave up on it");
+        if (!st.ok() && st.code() != StatusCode::kNotFound) {
+            PDSIM_LOG_WARN("rank {}: abort request {}: {}", ctx_.rank, abort.id, st.to_string());
+        }
     } else if (k == EndMsg::kKind) {
         ended_ = true;
     }

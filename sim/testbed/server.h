@@ -46,6 +46,7 @@
 // layer hook run on engine / stream threads and only append to locked buffers.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -83,6 +84,13 @@ struct RankContext {
     // A GPU rank (--backend cuda): its stream and GPU model, for every phase; null on a CPU rank.
     GpuRank* gpu = nullptr;
     int threads = 1;  // attention kernel threads (CPU ranks)
+    // The rank's progress count (forwards run, KV layers moved), which its heartbeat carries to
+    // the router (router.h, "Deadlines"); bumped from the server's and the engine's threads.
+    // Null: not counted.
+    std::atomic<uint64_t>* progress = nullptr;
+    void note_progress() const {
+        if (progress != nullptr) progress->fetch_add(1, std::memory_order_relaxed);
+    }
     [[nodiscard]] bool is_leader() const { return info.tp_rank == 0; }
     [[nodiscard]] int leader() const { return instance_ranks.front(); }
 };

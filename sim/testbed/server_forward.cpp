@@ -83,6 +83,7 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
         abandoned_outputs_.push_back(out);  // the stream may still write it
     }
     ++forwards_;
+    ctx_.note_progress();
     forward_tokens_ += off;
     compute_us_ += t_done - t_start;
     timeline_.slice(kTidSched, label, "forward", t_start, t_done - t_start, forward_args(plan));

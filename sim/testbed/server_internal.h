@@ -92,6 +92,7 @@ struct Req {
     double t_first = -1;
     bool terminal = false;
     bool cancelled = false;
+    bool engine_aborted = false;  // the leader aborted its engine request (try_free)
     // disaggregated prefill: TP ranks whose sender finished the request (ok or not)
     std::set<int> sent;
     bool last_submitted = false;

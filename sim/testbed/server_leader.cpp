@@ -65,14 +65,38 @@ Status Server::fail_request(Req& r, const std::string& why) {
     return try_free(r);
 }
 
-// Frees the request's pages once no transfer can touch them (pinned pages are refused: retried).
+// Frees the request's pages once no transfer can touch them, else retried (the leader loop calls
+// it again for every terminal request whose pages are not freed yet). An engine request that is
+// still active when the request ended here (the router cancelled it, or the instance failed it)
+// is aborted in the engine first; a failed engine request keeps its pages pinned until no
+// send / receive / write of it can land (RequestStatus::pages_in_use): the pages stay
+// quarantined until then, and free_pages is never tried on pinned pages (a refused free is a
+// free-before-transfer violation).
 Status Server::try_free(Req& r) {
     if (r.pages_freed || r.pages.empty()) {
         r.pages_freed = true;
         return {};
     }
     if (sender_ || receiver_) {
-        if (engine_active_.count(r.id) != 0) return {};  // still in flight: retried later
+        if (engine_active_.count(r.id) != 0) {
+            if (!r.engine_aborted) {
+                r.engine_aborted = true;
+                const std::string why = r.cancelled ? std::string("cancelled by the router")
+                                                    : "failed on instance leader: " + r.error;
+                Status ab = sender_ ? sender_->abort(r.id, why) : receiver_->abort(r.id, why);
+                if (!ab.ok() && ab.code() != StatusCode::kNotFound) {
+                    PDSIM_LOG_WARN("rank {}: abort request {}: {}", ctx_.rank, r.id,
+                                   ab.to_string());
+                }
+                if (ctx_.instance_ranks.size() > 1) {
+                    PDSIM_RETURN_IF_ERROR(send_followers(EngineAbortMsg{.id = r.id}));
+                }
+            }
+            return {};  // still in flight: retried once the engine has it terminal
+        }
+        StatusOr<transfer::RequestStatus> es =
+            sender_ ? sender_->status(r.id) : receiver_->status(r.id);
+        if (es.ok() && es->pages_in_use) return {};  // quarantined: a transfer may still land
         transfer::PagePins& pins = sender_ ? sender_->pins() : receiver_->pins();
         Status st = pins.free_pages(pool_->allocator(), r.pages);
         if (st.code() == StatusCode::kFailedPrecondition) return {};  // pinned: later

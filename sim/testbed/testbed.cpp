@@ -357,13 +357,16 @@ Status decide_shaping(Shared& sh, RankContext& ctx) {
 // A rank's heartbeat to rank 0's router (router.h "Liveness"): once a second while it lives.
 class Heartbeat {
 public:
-    explicit Heartbeat(Mailbox& mbox) : mbox_(mbox) {
-        thread_ = std::thread([this] {
+    // `progress` (may be null): the rank's progress count, sent with each heartbeat.
+    Heartbeat(Mailbox& mbox, const std::atomic<uint64_t>* progress) : mbox_(mbox) {
+        thread_ = std::thread([this, progress] {
             set_thread_name("pdsim-heartbeat");
             std::unique_lock<std::mutex> lock(mu_);
             while (!stop_) {
                 lock.unlock();
-                mbox_.send(0, Channel::kHeartbeat, {{"k", "hb"}}).ignore_error();
+                nlohmann::json hb = {{"k", "hb"}};
+                if (progress != nullptr) hb["p"] = progress->load(std::memory_order_relaxed);
+                mbox_.send(0, Channel::kHeartbeat, hb).ignore_error();
                 lock.lock();
                 cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; });
             }
@@ -464,7 +467,7 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
             });
         }
         std::optional<Heartbeat> heartbeat;
-        if (ctx.rank != 0) heartbeat.emplace(mbox);
+        if (ctx.rank != 0) heartbeat.emplace(mbox, ctx.progress);
         Status st = server->run();
         heartbeat.reset();
         if (!st.ok())
@@ -674,6 +677,8 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
     for (int i = 0; i < inst.tp; ++i)
         ctx.instance_ranks.push_back(map.first_rank(ctx.info.instance) + i);
     ctx.mbox = mbox.get();
+    std::atomic<uint64_t> progress{0};
+    ctx.progress = &progress;
     ctx.tp = inst.tp > 1 ? tp : nullptr;
     const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     ctx.threads = o.threads > 0 ? o.threads : std::max(1, hw / std::max(1, sh.local_ranks));

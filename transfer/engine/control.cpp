@@ -96,6 +96,7 @@ void ControlChannel::post(std::function<void()> fn) {
 
 void ControlChannel::loop() {
     auto next_tick = Clock::now() + options_.tick;
+    auto last_tick = Clock::now();
     while (true) {
         // One task at a time, with the lock released while it runs; stop(false) clears what is
         // still queued. The tick runs once the queue is empty.
@@ -119,6 +120,12 @@ void ControlChannel::loop() {
         if (stopping) return;
         const auto now = Clock::now();
         if (now >= next_tick) {
+            if (now - last_tick > options_.stall) {
+                // We did not run (SIGSTOP, starvation): nobody's silence over the gap is theirs.
+                for (auto& t : last_heard_) t = now;
+                listener_->on_stall(now);
+            }
+            last_tick = now;
             send_heartbeats(now);
             listener_->on_tick(now);
             next_tick = now + options_.tick;

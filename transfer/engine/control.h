@@ -344,6 +344,9 @@ struct ControlOptions {
     std::chrono::milliseconds heartbeat_interval{200};
     // Period of on_tick (timeouts are detected within one tick).
     std::chrono::milliseconds tick{10};
+    // A gap between two ticks longer than this is a stall of this process (ControlListener::
+    // on_stall), not silence of the peers.
+    std::chrono::milliseconds stall{1000};
     // Capacity of each posted control receive; a larger control message is a protocol error.
     size_t max_control_bytes = size_t{4} << 20;
 };
@@ -357,6 +360,11 @@ public:
     // kDataLoss: oversized or garbled control message). No more control messages from it.
     virtual void on_peer_failed(int peer, const Status& status) = 0;
     virtual void on_tick(std::chrono::steady_clock::time_point now) = 0;
+    // The control thread did not run for longer than ControlOptions::stall (this process was
+    // stopped or starved): the peers' silence over that gap is ours, not theirs (last_heard() of
+    // every peer restarts at `now`), and the listener should not count it against its requests'
+    // progress either. Called before the tick at `now`.
+    virtual void on_stall(std::chrono::steady_clock::time_point /*now*/) {}
 };
 
 class ControlChannel : public std::enable_shared_from_this<ControlChannel> {

@@ -140,7 +140,7 @@ Status KvReceiver::Impl::submit(const ReceiveRequestSpec& spec) {
         r->prefill_ranks = spec.prefill_ranks;
         r->started = Clock::now();
         r->timeout = spec.timeout.count() > 0 ? spec.timeout : opt_.request_timeout;
-        r->deadline = r->started + r->timeout;
+        r->deadline.set(r->started + r->timeout);
         r->slot = slot;
         r->tag = write_mode() ? kControlTag
                  : ordered()  ? kOrderedDataTag  // in the Bootstrap; data is posted untagged
@@ -418,6 +418,13 @@ void KvReceiver::Impl::on_tick(Clock::time_point now) {
             }
             if (is_terminal(r->state)) continue;
             for (int p : r->prefill_ranks) interest[static_cast<size_t>(p)] = 1;
+            // The progress clock runs only while announced data is in flight (receives, scatters,
+            // written layers, the completion after the last chunk header). Not started by any
+            // prefill rank yet (no chunk header), or everything announced landed and the next
+            // chunk is not announced yet: the request waits for the prefill instance's scheduler
+            // (its queue, other requests' chunks), which is no fault; a dead or hung prefill rank
+            // is the peer timeout's (below).
+            if (!started_locked(*r) || r->ops_outstanding == 0) r->touch(now);
             if (Table::past_deadline(*r, now)) {
                 to_fail.emplace_back(r,
                                      Table::timed_out_reason(*r, describe_awaiting_locked(*r, -1)));
@@ -442,6 +449,28 @@ void KvReceiver::Impl::on_tick(Clock::time_point now) {
     channel_->set_interest(std::move(interest));
     if (released) table_.notify_waiters();
     for (auto& [r, why] : to_fail) fail(r, why, true);
+}
+
+bool KvReceiver::Impl::started_locked(const RecvReq& r) {
+    for (const SourceState& s : r.sources) {
+        if (s.next_chunk > 0 || s.last_header || s.completed) return true;
+    }
+    return false;
+}
+
+void KvReceiver::Impl::on_stall(Clock::time_point now) {
+    // This process did not run (stopped, starved): no request's progress clock counts the gap.
+    MutexLock lock(table_.mu());
+    for (auto& [id, r] : table_.requests_locked()) {
+        if (!is_terminal(r->state)) r->touch(now);
+    }
+}
+
+Status KvReceiver::Impl::abort(uint64_t id, const std::string& reason) {
+    std::shared_ptr<RecvReq> r = table_.find(id);
+    if (!r) return request_table_detail::not_known_error(id);
+    fail(r, fmt::format("request {}: aborted here: {}", id, reason), true);
+    return {};
 }
 
 int KvReceiver::Impl::source_index(const RecvReq& r, int world_rank) {
@@ -599,6 +628,9 @@ StatusOr<RequestStatus> KvReceiver::status(uint64_t id) const {
 }
 Status KvReceiver::release(uint64_t id) {
     return impl_->release(id);
+}
+Status KvReceiver::abort(uint64_t id, const std::string& reason) {
+    return impl_->abort(id, reason);
 }
 PagePins& KvReceiver::pins() {
     return impl_->pins();

@@ -102,6 +102,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/status.h"
@@ -154,6 +155,11 @@ public:
     [[nodiscard]] StatusOr<RequestStatus> status(uint64_t request_id) const;
     // Forgets a terminal request. kFailedPrecondition while it is active.
     [[nodiscard]] Status release(uint64_t request_id);
+    // Fails an active request now (the caller gave up on it: e.g. the router cancelled it), with
+    // a reason naming `reason`; the prefill ranks get an Abort. As for any failed request, its
+    // pages stay pinned (RequestStatus::pages_in_use) until no receive or write can land in them
+    // any more. No-op for a terminal request; kNotFound for an unknown one.
+    [[nodiscard]] Status abort(uint64_t request_id, const std::string& reason);
 
     [[nodiscard]] PagePins& pins();
     [[nodiscard]] EngineStats stats() const;

@@ -169,6 +169,7 @@ public:
     StatusOr<RequestStatus> wait_done(uint64_t id, std::chrono::nanoseconds timeout) const;
     StatusOr<RequestStatus> status(uint64_t id) const;
     Status release(uint64_t id) { return table_.release(id); }
+    Status abort(uint64_t id, const std::string& reason);
 
     PagePins& pins() { return pins_; }
     const KvLayout& layout() const { return layout_; }
@@ -180,9 +181,12 @@ public:
     void on_control(int peer, std::span<const uint8_t> bytes) override;
     void on_peer_failed(int peer, const Status& st) override;
     void on_tick(Clock::time_point now) override;
+    void on_stall(Clock::time_point now) override;
 
 private:
     static int source_index(const RecvReq& r, int world_rank);
+    // Whether any prefill rank started sending the request (a chunk header or its completion).
+    static bool started_locked(const RecvReq& r);
 
     // Whether the request still waits for something from source `s`.
     static bool source_pending(const RecvReq& /*r*/, const SourceState& s);

@@ -88,6 +88,7 @@ void KvReceiver::Impl::handle_ack(int peer, const AckMsg& m) {
     {
         MutexLock lock(table_.mu());
         r = table_.find_locked(m.request_id);
+        if (r) r->touch();  // a message of the request: progress
         if (!r || is_terminal(r->state)) return;
         const int src = source_index(*r, peer);
         if (src < 0 || m.prefill_tp_rank != src ||
@@ -140,6 +141,7 @@ void KvReceiver::Impl::handle_chunk(int peer, const ChunkMsg& m) {
     {
         MutexLock lock(table_.mu());
         r = table_.find_locked(m.request_id);
+        if (r) r->touch();  // a message of the request: progress
         if (!r || is_terminal(r->state)) return;
         const int src = source_index(*r, peer);
         SourceState* s = src < 0 ? nullptr : &r->sources[static_cast<size_t>(src)];
@@ -375,6 +377,7 @@ void KvReceiver::Impl::post_ops(const std::shared_ptr<RecvReq>& r, int peer, con
 void KvReceiver::Impl::on_recv_complete(const std::shared_ptr<RecvReq>& r, int peer,
                                         const Fragment& frag, const std::shared_ptr<RecvOp>& op,
                                         const Status& st, size_t n) {
+    r->touch();  // a receive landed (or failed): progress
     if (!st.ok()) {
         op_done(r, op->layer, 0,
                 fmt::format("request {}: receive of {} from prefill rank {} failed: {}", r->id,
@@ -464,6 +467,7 @@ void KvReceiver::Impl::op_done(const std::shared_ptr<RecvReq>& r, int layer, siz
     bool released;
     {
         MutexLock lock(table_.mu());
+        if (why.empty()) r->touch();  // a receive / scatter / written layer done: progress
         --r->ops_outstanding;
         if (layer >= 0) {
             --r->layer_pending[static_cast<size_t>(layer)];
@@ -495,6 +499,7 @@ void KvReceiver::Impl::handle_layer_written(int peer, const LayerWrittenMsg& m) 
     {
         MutexLock lock(table_.mu());
         r = table_.find_locked(m.request_id);
+        if (r) r->touch();  // a message of the request: progress
         if (!r || is_terminal(r->state)) return;
         const int L = layout_.num_layers();
         const int src = source_index(*r, peer);
@@ -541,6 +546,7 @@ void KvReceiver::Impl::handle_control_completion(int peer, std::span<const uint8
         return;
     }
     std::shared_ptr<RecvReq> r = table_.find(m->request_id);
+    if (r) r->touch();  // a message of the request: progress
     if (!r) return;
     std::string why;
     Fragment frag;
@@ -593,6 +599,7 @@ void KvReceiver::Impl::handle_data_posted(int peer, const DataPostedMsg& m) {
     {
         MutexLock lock(table_.mu());
         r = table_.find_locked(m.request_id);
+        if (r) r->touch();  // a message of the request: progress
         if (r && !is_terminal(r->state)) {
             const int src = source_index(*r, peer);
             SourceState* s = src < 0 ? nullptr : &r->sources[static_cast<size_t>(src)];
@@ -689,6 +696,7 @@ void KvReceiver::Impl::drain_announced(int peer, const DataPostedMsg& m) {
 
 void KvReceiver::Impl::handle_quiesced(int peer, const QuiescedMsg& m) {
     std::shared_ptr<RecvReq> r = table_.find(m.request_id);
+    if (r) r->touch();  // a message of the request: progress
     if (!r) return;
     bool active;
     bool released = false;
@@ -732,7 +740,7 @@ void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
             StatusOr<KvChecksumPlan> plan = plan_page_checksums(
                 layout_, r->dst_pages, 0, r->num_tokens, 0, L, f.head_begin, f.head_count);
             StatusOr<std::vector<uint64_t>> sums =
-                plan.ok() ? comm_->checksums(layout_, *plan, r->deadline, opt_.tick,
+                plan.ok() ? comm_->checksums(layout_, *plan, r->deadline.get(), opt_.tick,
                                              [this] { return stopping(); })
                           : StatusOr<std::vector<uint64_t>>(plan.status());
             if (!sums.ok()) {
@@ -848,7 +856,7 @@ void KvReceiver::Impl::scatter_on_device(std::vector<ScatterJob> jobs) {
                 MutexLock lock(table_.mu());
                 r->awaiting_comm = what;  // the watchdog's timeout reason names it too
             }
-            st = comm_->wait(r->deadline, opt_.tick, [this] { return stopping(); });
+            st = comm_->wait(r->deadline.get(), opt_.tick, [this] { return stopping(); });
             MutexLock lock(table_.mu());
             r->awaiting_comm.clear();
         }

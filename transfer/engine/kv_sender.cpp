@@ -95,7 +95,7 @@ Status KvSender::Impl::add_request(const SendRequestSpec& spec) {
         r->num_tokens = spec.num_tokens;
         r->started = Clock::now();
         r->timeout = spec.timeout.count() > 0 ? spec.timeout : opt_.request_timeout;
-        r->deadline = r->started + r->timeout;
+        r->deadline.set(r->started + r->timeout);
         table_.insert_locked(r);
         if (auto ab = aborted_.find(r->id); ab != aborted_.end()) {
             failures.emplace_back(r, ab->second.first);
@@ -138,6 +138,7 @@ Status KvSender::Impl::submit_chunk(SendChunk c) {
             return PDSIM_ERROR(StatusCode::kNotFound, "request {} was not added", c.request_id);
         }
         SendReq& r = *found;
+        r.touch();  // a chunk computed, or the decode side attached it: progress
         if (r.state == RequestState::kFailed) {
             return PDSIM_ERROR(StatusCode::kAborted, "request {} failed: {}", r.id, r.reason);
         }
@@ -383,6 +384,21 @@ void KvSender::Impl::on_peer_failed(int peer, const Status& st) {
     for (auto& [r, why] : to_fail) fail(r, why, true);
 }
 
+void KvSender::Impl::on_stall(Clock::time_point now) {
+    // This process did not run (stopped, starved): no request's progress clock counts the gap.
+    MutexLock lock(table_.mu());
+    for (auto& [id, r] : table_.requests_locked()) {
+        if (!is_terminal(r->state)) r->touch(now);
+    }
+}
+
+Status KvSender::Impl::abort(uint64_t id, const std::string& reason) {
+    std::shared_ptr<SendReq> r = table_.find(id);
+    if (!r) return request_table_detail::not_known_error(id);
+    fail(r, fmt::format("request {}: aborted here: {}", id, reason), true);
+    return {};
+}
+
 void KvSender::Impl::on_tick(Clock::time_point now) {
     // Device layouts: memory of comm-stream work whose wait failed, once the stream passed it.
     if (comm_) comm_->sweep();
@@ -398,6 +414,11 @@ void KvSender::Impl::on_tick(Clock::time_point now) {
             }
             if (is_terminal(r->state)) continue;
             for (auto& [tp, d] : r->dests) interest[static_cast<size_t>(d->world_rank)] = 1;
+            // Not bootstrapped by every decode rank yet: the request waits for the decode
+            // instance's admission (a queue, no fault) -- the progress clock does not run.
+            if (r->decode_tp_size < 0 || static_cast<int>(r->dests.size()) < r->decode_tp_size) {
+                r->touch(now);
+            }
             if (Table::past_deadline(*r, now)) {
                 to_fail.emplace_back(r, Table::timed_out_reason(*r, describe_awaiting_locked(*r)));
                 continue;
@@ -414,14 +435,17 @@ void KvSender::Impl::on_tick(Clock::time_point now) {
                 }
             }
         }
+        // Aborts of requests not added yet: kept long enough for a request that waited in the
+        // prefill queue (add_request comes at its first forward) to find its abort.
         std::erase_if(aborted_, [&](const auto& kv) {
-            return now - kv.second.second > opt_.request_timeout;
+            return now - kv.second.second > kAbortMemory * opt_.request_timeout;
         });
-        // Bootstraps for requests this rank never scheduled: the decode side times out on
-        // its own; drop them after one request timeout.
+        // Bootstraps for requests this rank has not scheduled yet (they wait in its queue, which
+        // is no fault): kept while their decode rank lives (heard within the peer timeout; an
+        // Abort drops them too).
         for (auto it = pending_bootstraps_.begin(); it != pending_bootstraps_.end();) {
             std::erase_if(it->second, [&](const PendingBootstrap& p) {
-                return now - p.at > opt_.request_timeout;
+                return now - std::max(channel_->last_heard(p.peer), p.at) > opt_.peer_timeout;
             });
             it = it->second.empty() ? pending_bootstraps_.erase(it) : std::next(it);
         }
@@ -519,6 +543,7 @@ void KvSender::Impl::handle_bootstrap(int peer, BootstrapMsg m) {
             return;
         }
         SendReq& r = *found;
+        r.touch();  // a chunk computed, or the decode side attached it: progress
         if (r.state == RequestState::kFailed) {
             abort_reason = r.reason;
         } else if (!is_terminal(r.state)) {
@@ -749,7 +774,7 @@ void KvSender::Impl::finalize(uint64_t id) {
             StatusOr<KvChecksumPlan> plan =
                 plan_page_checksums(layout_, pages, 0, r->num_tokens, 0, L, lo, hi - lo);
             StatusOr<std::vector<uint64_t>> sums =
-                plan.ok() ? comm_->checksums(layout_, *plan, r->deadline, opt_.cancel_check,
+                plan.ok() ? comm_->checksums(layout_, *plan, r->deadline.get(), opt_.cancel_check,
                                              [this] { return stopping_.load(); })
                           : StatusOr<std::vector<uint64_t>>(plan.status());
             if (!sums.ok()) {
@@ -879,6 +904,9 @@ StatusOr<RequestStatus> KvSender::status(uint64_t id) const {
 }
 StatusOr<RequestStatus> KvSender::wait(uint64_t id, std::chrono::nanoseconds timeout) const {
     return impl_->wait(id, timeout);
+}
+Status KvSender::abort(uint64_t id, const std::string& reason) {
+    return impl_->abort(id, reason);
 }
 Status KvSender::release(uint64_t id) {
     return impl_->release(id);

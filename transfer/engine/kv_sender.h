@@ -146,6 +146,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "backends/pd/step_counter.h"
@@ -222,6 +223,11 @@ public:
                                                std::chrono::nanoseconds timeout) const;
     // Forgets a terminal request (and its validator checksums). kFailedPrecondition if active.
     [[nodiscard]] Status release(uint64_t request_id);
+    // Fails an active request now (the caller gave up on it: e.g. the router cancelled it), with
+    // a reason naming `reason`; its decode ranks get an Abort. As for any failed request, its
+    // pages stay pinned (RequestStatus::pages_in_use) until no send or write can read them any
+    // more. No-op for a terminal request; kNotFound for an unknown one.
+    [[nodiscard]] Status abort(uint64_t request_id, const std::string& reason);
 
     [[nodiscard]] PagePins& pins();
     [[nodiscard]] EngineStats stats() const;

@@ -202,6 +202,7 @@ public:
     StatusOr<RequestStatus> status(uint64_t id) const;
     StatusOr<RequestStatus> wait(uint64_t id, std::chrono::nanoseconds timeout) const;
     Status release(uint64_t id);
+    Status abort(uint64_t id, const std::string& reason);
     PagePins& pins() { return pins_; }
     const KvLayout& layout() const { return layout_; }
 
@@ -213,6 +214,7 @@ public:
     void on_control(int peer, std::span<const uint8_t> bytes) override;
     void on_peer_failed(int peer, const Status& st) override;
     void on_tick(Clock::time_point now) override;
+    void on_stall(Clock::time_point now) override;
 
 private:
     struct PendingBootstrap {
@@ -402,6 +404,8 @@ private:
     // later add_request fails at once instead of waiting for a bootstrap that will not come.
     std::unordered_map<uint64_t, std::pair<std::string, Clock::time_point>> aborted_
         PDSIM_GUARDED_BY(table_.mu());
+    // How many request timeouts an entry of aborted_ is kept.
+    static constexpr int kAbortMemory = 20;
     // The byte, message, layer and staging counts (the request counts are the table's).
     EngineStats stats_ PDSIM_GUARDED_BY(table_.mu());
 

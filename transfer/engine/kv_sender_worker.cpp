@@ -146,7 +146,7 @@ void KvSender::Impl::worker_loop(int index) {
 
 Clock::duration KvSender::Impl::wait_slice(const Active& a) const {
     auto left =
-        std::max<Clock::duration>(a.t.req->deadline - Clock::now(), Clock::duration::zero());
+        std::max<Clock::duration>(a.t.req->deadline.get() - Clock::now(), Clock::duration::zero());
     return std::min<Clock::duration>(left + std::chrono::milliseconds(1), opt_.cancel_check);
 }
 
@@ -183,7 +183,7 @@ bool KvSender::Impl::step_task(Active& a) {
         const bool may_go_ahead =
             gate_ahead_ && a.ahead.empty() && counter_.is_step_enqueued(target);
         if (!ready && !may_go_ahead) {
-            if (Clock::now() >= r.deadline) {
+            if (Clock::now() >= r.deadline.get()) {
                 fail(a.t.req,
                      fmt::format("request {}: timed out after {} ms awaiting step {} (layers "
                                  "{}..{}) from the StepCounter (last ready step {}) to send "
@@ -217,7 +217,7 @@ bool KvSender::Impl::step_task(Active& a) {
     if (!a.t.is_last) {
         // Device gating: stay until the host has seen the steps posted ahead (their
         // kLayerReady); the late ones are given up at the deadline.
-        if (!a.ahead.empty() && Clock::now() < r.deadline) return moved;
+        if (!a.ahead.empty() && Clock::now() < r.deadline.get()) return moved;
         finish_task(a);
         return true;
     }
@@ -368,7 +368,7 @@ bool KvSender::Impl::run_device_interval(Active& a, int l0, int l1, DeviceInterv
         return true;
     }
     // The host path: a host wait for the gathers and sums, then the posts.
-    Status waited = comm_->wait(r.deadline, opt_.cancel_check,
+    Status waited = comm_->wait(r.deadline.get(), opt_.cancel_check,
                                 [&] { return r.cancelled.load() || stopping_.load(); });
     if (!waited.ok()) return give_up(waited);
     if (sums) {
@@ -459,6 +459,7 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
             }
         }
         if (ordered()) continue;  // the guards drop once the batch is posted
+        r.touch();                // a layer posted: progress
         emit(TransferEvent::Kind::kLayerPosted, r.id, l, d.world_rank, a.t.chunk_index, 0);
         layer_op_done(a.progress, l);  // drop the guard
     }
@@ -658,7 +659,7 @@ KvSender::Impl::Progress KvSender::Impl::try_completion(Active& a) {
     const Fragment& f = *d.frag;
     const int L = layout_.num_layers();
     const int B = layout_.buffer_count();
-    const bool late = Clock::now() >= r.deadline;
+    const bool late = Clock::now() >= r.deadline.get();
     if (a.t.first_token_src != nullptr && !a.has_first_token) {
         const int64_t target = pd::StepCounter::wrap(a.t.first_token_aux_step);
         if (!pd::StepCounter::is_step_ready(counter_.query_ready_aux_step(), target)) {
@@ -889,6 +890,7 @@ void KvSender::Impl::layer_op_done(const std::shared_ptr<TaskProgress>& p, int l
     {
         MutexLock lock(table_.mu());
         ++stats_.layers;
+        if (std::shared_ptr<SendReq> r = table_.find_locked(p->request)) r->touch();  // progress
     }
     const uint64_t bytes = p->bytes[static_cast<size_t>(layer)].load();
     if (write_mode()) {

@@ -47,7 +47,7 @@ Status wait_timed_out_error(uint64_t id, RequestState state, std::chrono::nanose
 
 std::string timed_out_reason(uint64_t id, std::chrono::milliseconds timeout,
                              std::string_view awaiting) {
-    return fmt::format("request {}: timed out after {} ms while awaiting {}", id, timeout.count(),
+    return fmt::format("request {}: no progress for {} ms while awaiting {}", id, timeout.count(),
                        awaiting);
 }
 

@@ -40,6 +40,7 @@
 // others take it themselves, so callers must not hold it).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -64,14 +65,46 @@ using Clock = std::chrono::steady_clock;
     return std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count();
 }
 
+// A request's progress deadline (EngineOptions::request_timeout): "no progress for `timeout`".
+// arm(now) restarts the clock (now + timeout); each side arms it when the request is created and
+// again at every sign of progress (a message of the request, a landed or sent layer, a chunk
+// handed over) and, while the request only waits for the other side to start it (queued there:
+// the peer's liveness is the peer timeout's business), on every watchdog tick. Readable and
+// armable from any thread without a lock (an atomic); the deadline only ever moves forward.
+class ProgressDeadline {
+public:
+    using Clock = std::chrono::steady_clock;
+    [[nodiscard]] Clock::time_point get() const {
+        return Clock::time_point(Clock::duration(at_.load(std::memory_order_relaxed)));
+    }
+    // Sets the deadline to `at` unconditionally (creation).
+    void set(Clock::time_point at) {
+        at_.store(at.time_since_epoch().count(), std::memory_order_relaxed);
+    }
+    // Moves the deadline to `at` unless it is later already.
+    void extend_to(Clock::time_point at) {
+        const Clock::rep v = at.time_since_epoch().count();
+        Clock::rep cur = at_.load(std::memory_order_relaxed);
+        while (cur < v && !at_.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
+        }
+    }
+
+private:
+    std::atomic<Clock::rep> at_{0};
+};
+
 // The fields of a request that the table's lifecycle reads and writes. A side's record derives
 // from it (and is owned by std::shared_ptr: the table, the side's tasks and callbacks share it).
 struct RequestLifecycle {
     // Set before insert_locked, then constant: readable without the lock.
     uint64_t id = 0;
     Clock::time_point started;
-    Clock::time_point deadline;
     std::chrono::milliseconds timeout{0};
+    // The progress deadline (see ProgressDeadline; any thread, no lock): set to started + timeout
+    // before insert_locked, extended by touch() at every sign of progress.
+    ProgressDeadline deadline;
+    // Restarts the progress clock: the request moved at `now`.
+    void touch(Clock::time_point now = Clock::now()) { deadline.extend_to(now + timeout); }
 
     // Under the table's mutex; written only by the table (mark_succeeded_locked /
     // mark_failed_locked).
@@ -228,10 +261,11 @@ public:
         return active;
     }
 
-    // The watchdog's deadline test: whether an active request's deadline passed at `now`, and
-    // the reason it then fails with ("request N: timed out after T ms while awaiting <what>").
+    // The watchdog's deadline test: whether an active request made no progress for its timeout
+    // at `now`, and the reason it then fails with ("request N: no progress for T ms while
+    // awaiting <what>").
     [[nodiscard]] static bool past_deadline(const Record& record, Clock::time_point now) {
-        return now >= record.deadline;
+        return now >= record.deadline.get();
     }
     [[nodiscard]] static std::string timed_out_reason(const Record& record,
                                                       std::string_view awaiting) {
