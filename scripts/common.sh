@@ -12,7 +12,7 @@ pdsim_bootstrap() {
 
 pdsim_configure() {
   local preset="$1"; shift
-  echo "== configure ($preset)"
+  echo "== configure ($preset) [+$(( $(date +%s) - ${PDSIM_STAGE_T0:-$(date +%s)} )) s]"
   cmake --preset "$preset" "$@" >"$PDSIM_ROOT/build/configure-$preset.log" 2>&1 || {
     cat "$PDSIM_ROOT/build/configure-$preset.log"; return 1; }
 }
@@ -25,17 +25,17 @@ pdsim_build_tests() {
   local targets
   targets=$(cd "$PDSIM_ROOT/build/$preset" && ctest -N "$@" | sed -n 's/^ *Test *#[0-9]*: //p' \
             | sed -E 's/_(avx2|scalar|shard[0-9]+)$//' | sort -u | tr '\n' ' ')
-  echo "== build ($preset, -j$PDSIM_JOBS): $targets"
+  echo "== build ($preset, -j$PDSIM_JOBS): $targets [+$(( $(date +%s) - ${PDSIM_STAGE_T0:-$(date +%s)} )) s]"
   # shellcheck disable=SC2086
   cmake --build --preset "$preset" -j "$PDSIM_JOBS" --target $targets
 }
 
 pdsim_build() {
   local preset="$1"; shift
-  echo "== configure ($preset)"
+  echo "== configure ($preset) [+$(( $(date +%s) - ${PDSIM_STAGE_T0:-$(date +%s)} )) s]"
   cmake --preset "$preset" "$@" >"$PDSIM_ROOT/build/configure-$preset.log" 2>&1 || {
     cat "$PDSIM_ROOT/build/configure-$preset.log"; return 1; }
   sed -n '/pdsim .* configuration/,/^-- $/p' "$PDSIM_ROOT/build/configure-$preset.log"
-  echo "== build ($preset, -j$PDSIM_JOBS)"
+  echo "== build ($preset, -j$PDSIM_JOBS) [+$(( $(date +%s) - ${PDSIM_STAGE_T0:-$(date +%s)} )) s]"
   cmake --build --preset "$preset" -j "$PDSIM_JOBS"
 }

@@ -10,6 +10,7 @@ source "$(dirname "$0")/common.sh"
 cd "$PDSIM_ROOT"
 mkdir -p build
 start=$(date +%s)
+export PDSIM_STAGE_T0=$start  # scripts/common.sh prints each stage's start against it
 
 pdsim_bootstrap
 # BUILD_TESTING=ON explicitly: scripts/run.sh configures the same build folder without tests. CI
@@ -78,12 +79,12 @@ exclude=(-LE slow)
 [ "${PDSIM_TEST_ALL:-0}" = "1" ] && exclude=()
 # One test more than cores: the release suites wait on processes and sockets (mpirun start-up,
 # peers that time out), so at -j2 the cores were 14% idle (86% busy over the 145 s stage).
-echo "== ctest (default)"
+echo "== ctest (default) [+$(( $(date +%s) - ${PDSIM_STAGE_T0:-$(date +%s)} )) s]"
 ctest --preset default --no-tests=error "${exclude[@]}" -j "$((PDSIM_JOBS + 1))"
 
 if [ "$sanitizers" = "1" ]; then
   pdsim_build_tests asan "${asan_sel[@]}"
-  echo "== ctest (asan: unit)"
+  echo "== ctest (asan: unit) [+$(( $(date +%s) - ${PDSIM_STAGE_T0:-$(date +%s)} )) s]"
   GTEST_FILTER="$asan_filter" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --preset asan --no-tests=error "${asan_sel[@]}" -j "$PDSIM_JOBS"
   tsan_sel=(-L tsan -LE slow)
@@ -96,12 +97,12 @@ if [ "$sanitizers" = "1" ]; then
   tsan_filter+=":*/split_two_sided"
   pdsim_configure tsan -DBUILD_TESTING=ON "${ci_unity[@]}"
   pdsim_build_tests tsan "${tsan_sel[@]}"
-  echo "== ctest (tsan: label tsan)"
+  echo "== ctest (tsan: label tsan) [+$(( $(date +%s) - ${PDSIM_STAGE_T0:-$(date +%s)} )) s]"
   GTEST_FILTER="$tsan_filter" TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
     ctest --preset tsan --no-tests=error "${tsan_sel[@]}" -j "$PDSIM_JOBS"
   # The libFuzzer targets (fuzz/, docs/inputs.md): their own clang build of only the targets and
   # the sources they parse with, then a minute each, two at a time. A crash fails the run.
-  echo "== fuzz (60 s per target)"
+  echo "== fuzz (60 s per target) [+$(( $(date +%s) - ${PDSIM_STAGE_T0:-$(date +%s)} )) s]"
   PDSIM_FUZZ_PARALLEL=2 PDSIM_FUZZ_JOBS="$PDSIM_JOBS" "$PDSIM_ROOT/scripts/fuzz.sh" 60
 fi
 echo "== test.sh: all passed in $(( $(date +%s) - start )) s"

@@ -86,8 +86,10 @@ except Exception as e:
 s, c, f, l = (r.get(k, -1) for k in
               ("requests_submitted", "requests_completed", "requests_failed", "requests_lost"))
 dead = [d["rank"] for d in r.get("dead_ranks", [])]
+quiet = [d["rank"] for d in r.get("silent_ranks", [])]
 viol = r.get("ordering", {}).get("violations", 0)
 print(f"   {c} completed, {f} failed, {l} lost of {s}; violations {viol}; dead ranks {dead}; "
+      f"silent {quiet}; "
       f"incomplete: {r.get('incomplete', {}).get('cause', '-')[:120]}")
 bad = []
 if c + f + l != s or s != 24: bad.append("the counts do not add up to 24")
@@ -95,8 +97,9 @@ if viol: bad.append("ordering violations")
 if case in ("clean", "delay", "loss") and c != s: bad.append("not every request completed")
 if case == "link-down":
     if after > 15: bad.append(f"ended {after} s after the cut (> 15)")
-    if 2 not in dead and "rank 2" not in json.dumps(r.get("incomplete", {})):
-        bad.append("rank 2 not named")
+    silent = [d["rank"] for d in r.get("silent_ranks", [])]
+    if 2 not in dead and 2 not in silent:
+        bad.append("rank 2 not named (dead_ranks or silent_ranks)")
 if case == "kill-rank":
     if l != 0: bad.append("requests lost")
     if 2 not in dead: bad.append("dead_ranks does not name rank 2")

@@ -66,6 +66,23 @@ TEST(TestbedOptions, TransportFaultSpecAndRank) {
         StatusIs(StatusCode::kInvalidArgument, HasSubstr("--transport-fault-rank 2")));
 }
 
+// --tcp-interface: only with tcp, and an interface this host has (loopback "lo" always has
+// 127.0.0.1); a missing one is named with the host's interfaces, before any phase.
+TEST(TestbedOptions, TcpInterfaceIsCheckedAtTheEdge) {
+    TestbedOptions o{.synthetic = 2};
+    o.tcp_interface = "lo";
+    EXPECT_THAT(resolve(o, 1),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--tcp-interface lo: only with --transport tcp")));
+    o.transport = "tcp";
+    EXPECT_OK(resolve(o, 2));
+    o.tcp_interface = "pdsim-no-such0";
+    EXPECT_THAT(resolve(o, 2), StatusIs(StatusCode::kInvalidArgument,
+                                        AllOf(HasSubstr("--tcp-interface: no interface "
+                                                        "'pdsim-no-such0'"),
+                                              HasSubstr("have: "), HasSubstr("lo"))));
+}
+
 TEST(TestbedOptions, RangesOfTestbedLimits) {
     EXPECT_THAT(resolve(TestbedOptions{.threads = 100000}, 1),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("--threads 100000")));

@@ -163,7 +163,7 @@ TEST(TestbedProtocol, CollectMessages) {
                       json{{"k", "tcp"}, {"dir", "/tmp/pdsim-tcp-abc"}, {"tok", "00ff"}});
     expect_round_trip(ShapeMsg{.time_scale = 0.125}, json{{"k", "shape"}, {"ts", 0.125}});
     expect_round_trip(ExitMsg{.code = 2, .message = "bad flag"},
-                      json{{"k", "exit"}, {"code", 2}, {"msg", "bad flag"}});
+                      json{{"k", "exit"}, {"code", 2}, {"msg", "bad flag"}, {"peer_lost", false}});
 }
 
 RankResult sample_result() {

@@ -2570,10 +2570,13 @@ TEST(TransferEngineOrdered, AnnouncedMessagesAreAlwaysDrained) {
     // Messages per layer: 2 buffers x the runs (dst pages 7, 2 are not consecutive: 2 runs).
     const uint64_t per_layer = 2 * 2;
 
-    // 1. Request 1 fails on the decode side (its timeout) after its header; the prefill rank
-    // (which has not heard) announces and sends all of it anyway.
-    submit(1, 200ms);
+    // 1. Request 1 fails on the decode side (aborted: the router gave up on it) after its
+    // header; the prefill rank (which has not heard) announces and sends all of it anyway.
+    // (A timeout does not fail it here: the clock measures a lack of progress, and it does not
+    // run while the request waits for the prefill side to start sending.)
+    submit(1, 60s);
     BootstrapMsg b1 = prefill.ack(1);
+    ASSERT_OK((*recv)->abort(1, "test: aborted after its header"));
     EXPECT_TRUE(eventually([&] { return (*recv)->status(1)->state == RequestState::kFailed; },
                            10s * kSlow));
     prefill.transfer(b1, src_pages);

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "common/mpi_check.h"
+#include "sim/testbed/protocol.h"
 
 namespace pdsim::testbed {
 

@@ -116,6 +116,14 @@ void ResultJournal::record_dead_rank(Phase phase, int rank, const std::string& i
                                         .silent_s = silent_s});
 }
 
+void ResultJournal::heard_from(int rank) {
+    if (rank <= 0) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto r = static_cast<size_t>(rank);
+    if (last_heard_us_.size() <= r) last_heard_us_.resize(r + 1, 0);
+    last_heard_us_[r] = now_us();
+}
+
 void ResultJournal::record(Phase phase, const metrics::RequestRecord& r) {
     std::lock_guard<std::mutex> lock(mu_);
     PhaseLog& log = log_of(phase);
@@ -149,6 +157,14 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
         r.requests_lost = lost;
         r.extra["lost_requests"] = std::move(named);
         r.extra["incomplete"] = {{"cause", text::sanitize_utf8(cause)}, {"at_s", at_s}};
+        json silent = json::array();
+        for (size_t rank = 1; rank < last_heard_us_.size(); ++rank) {
+            const double quiet_s = (now_us() - last_heard_us_[rank]) / 1e6;
+            if (last_heard_us_[rank] > 0 && quiet_s > 2.0) {
+                silent.push_back({{"rank", rank}, {"silent_s", quiet_s}});
+            }
+        }
+        if (!silent.empty()) r.extra["silent_ranks"] = std::move(silent);
         if (!log.dead_ranks.empty()) {
             json dead = json::array();
             for (const auto& d : log.dead_ranks) {

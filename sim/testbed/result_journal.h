@@ -62,6 +62,12 @@ public:
     // ([{rank, instance, detected_at_s, silent_s}], detected_at_s from the journal's opening).
     void record_dead_rank(Phase phase, int rank, const std::string& instance, double silent_s);
 
+    // A heartbeat of `rank` arrived (the router, once a second per rank). A partial report lists
+    // the ranks silent for more than 2 s when it was written as `silent_ranks`
+    // ([{rank, silent_s}]): when mpirun ends the job because a host went away, the rank that
+    // went quiet is the one to look at.
+    void heard_from(int rank);
+
     // Writes the report (when the run has --report) and the --requests CSV from what was
     // recorded, with `cause` (why the run stopped: an error, "SIGTERM") in each phase's
     // `incomplete`; returns the counts line printed for the user ("3 completed, 0 failed, 7 lost
@@ -103,6 +109,7 @@ private:
     std::FILE* file_ = nullptr;
     std::vector<PhaseLog> phases_;
     std::vector<std::string> temp_dirs_;
+    std::vector<double> last_heard_us_;  // per rank > 0; 0: not heard from yet
     double t_start_us_ = 0;
     bool report_written_ = false;  // partial or full: a signal then keeps it (and its cause)
     // Signals.

@@ -306,6 +306,7 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
                 if (hb->src > 0 && hb->src < world) {
                     const auto si = static_cast<size_t>(hb->src);
                     last_seen[si] = now;
+                    if (rc.journal != nullptr) rc.journal->heard_from(hb->src);
                     // A changed progress count: the rank's instance moved (router.h).
                     const int64_t pc = hb->body.value("p", int64_t{-1});
                     if (pc >= 0 && pc != hb_progress[si]) {

@@ -749,9 +749,8 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
         }
         for (int r = 1; r < ctx.world; ++r) {
             mbox->send(r, Channel::kCollect,
-                       encode_message(ExitMsg{.code = code,
-                                              .message = st.message(),
-                                              .peer_lost = peer_lost(st)}))
+                       encode_message(ExitMsg{
+                           .code = code, .message = st.message(), .peer_lost = peer_lost(st)}))
                 .ignore_error();
         }
         if (auto* m = dynamic_cast<MpiMailbox*>(mbox.get())) {
