@@ -267,11 +267,14 @@ StopResult run_and_stop(int np, const std::vector<std::string>& args, const std:
 }
 
 // A shell command that sends `signal` (kill's option: "-9", "-STOP") to the pdsim process of MPI
-// rank `rank` (the one whose environment says so) of a run under mpirun.
-std::string signal_mpi_rank(int rank, const std::string& signal) {
+// rank `rank` (the one whose environment says so) of the run whose command line holds
+// `run_marker` (an argument only that run has, such as its report path: ctest runs tests side by
+// side, and a signal meant for this run must never reach another test's ranks).
+std::string signal_mpi_rank(int rank, const std::string& signal, const std::string& run_marker) {
     return "for p in $(pgrep -f " + shell_quote(std::string(PDSIM_BINARY) + " testbed") +
-           "); do if tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | grep -qx " +
-           "OMPI_COMM_WORLD_RANK=" + std::to_string(rank) + "; then kill " + signal +
+           "); do if tr '\\0' '\\n' < /proc/$p/cmdline 2>/dev/null | grep -qxF " +
+           shell_quote(run_marker) + " && tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | " +
+           "grep -qx OMPI_COMM_WORLD_RANK=" + std::to_string(rank) + "; then kill " + signal +
            " $p; fi; done";
 }
 
@@ -346,8 +349,8 @@ TEST(TestbedStop, DeadDecodeRankUnderMpirunLeavesAReport) {
     const std::vector<std::string> args = {"--synthetic",     "300",        "--mode",
                                            "disagg",          "--quiet",    "--report",
                                            dir.str("r.json"), "--requests", dir.str("r.csv")};
-    StopResult s =
-        run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3, signal_mpi_rank(1, "-9"));
+    StopResult s = run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3,
+                                signal_mpi_rank(1, "-9", dir.str("r.json")));
     EXPECT_NE(s.cmd.rc, 0) << s.cmd.describe();
     EXPECT_LT(s.end_s, 15) << s.cmd.describe();
     expect_partial_report(dir, "stopped by SIGTERM", s.cmd);
@@ -363,8 +366,8 @@ TEST(TestbedStop, HungDecodeRankUnderMpirunEndsTheRunWithAReport) {
         "--synthetic",         "40", "--time-scale", "0.05",     "--mode",          "disagg",
         "--request-timeout-s", "2",  "--quiet",      "--report", dir.str("r.json"), "--requests",
         dir.str("r.csv")};
-    StopResult s =
-        run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3, signal_mpi_rank(1, "-STOP"));
+    StopResult s = run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3,
+                                signal_mpi_rank(1, "-STOP", dir.str("r.json")));
     EXPECT_EQ(s.cmd.rc, 1) << s.cmd.describe();
     EXPECT_LT(s.end_s, 40) << s.cmd.describe();
     EXPECT_THAT(s.cmd.err, HasSubstr("disagg phase: rank 1 went silent (dead or hung; no "
@@ -392,7 +395,8 @@ TEST(TestbedStop, DeadDecodeInstanceOverTcpWithRecoveryTheOthersRunOn) {
         "disagg",          "--transport", "tcp",           "--quiet", "--report",
         dir.str("r.json"), "--requests",  dir.str("r.csv")};
     StopResult s = run_and_stop(3, args, dir.str("r.json") + ".journal.jsonl", 3,
-                                signal_mpi_rank(2, "-9"), "OMPI_MCA_orte_enable_recovery=1");
+                                signal_mpi_rank(2, "-9", dir.str("r.json")),
+                                "OMPI_MCA_orte_enable_recovery=1");
     EXPECT_GT(s.end_s, 0) << s.cmd.describe();
     json rep = load_json(dir.path() / "r.json");
     ASSERT_TRUE(rep.is_object()) << s.cmd.describe();
@@ -560,9 +564,9 @@ TEST(TestbedStop, ShortStopOfTheDecodeRankFreesNoPageInFlight) {
         "--synthetic",      "24",         "--time-scale",          "0.2", "--mode",  "disagg",
         "--max-output-len", "6",          "--heartbeat-timeout-s", "30",  "--quiet", "--report",
         dir.str("r.json"),  "--requests", dir.str("r.csv")};
-    StopResult s =
-        run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3,
-                     signal_mpi_rank(1, "-STOP") + "; sleep 12; " + signal_mpi_rank(1, "-CONT"));
+    StopResult s = run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3,
+                                signal_mpi_rank(1, "-STOP", dir.str("r.json")) + "; sleep 12; " +
+                                    signal_mpi_rank(1, "-CONT", dir.str("r.json")));
     // The requests in flight during the stop may fail (the prefill side's peer timeout): exit 1
     // for failed requests then, never for ordering violations.
     EXPECT_TRUE(s.cmd.rc == 0 || s.cmd.rc == 1) << s.cmd.describe();
