@@ -37,10 +37,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 BACKEND=${PDSIM_GPU_FIDELITY_BACKEND:-cuda}
 case $BACKEND in
-  cuda) d_layers=32 d_sample=48 d_scale=0.003 d_in=2048 d_out=32 d_run=120
+  cuda) d_layers=32 d_sample=48 d_scale=0.003 d_in=2048 d_out=32 d_run=120 d_batch=2048
         TOPO=gpu-1p1d MODEL=llama3-8b POOL_MB=4096 KV_FACTOR=2 DECODE_KV=0
         BACKEND_ARGS=(--backend cuda) ;;
-  cpu) d_layers=2 d_sample=24 d_scale=0.001 d_in=256 d_out=16 d_run=60
+  cpu) d_layers=2 d_sample=24 d_scale=0.001 d_in=256 d_out=16 d_run=60 d_batch=256
        TOPO=cpu-1p1d MODEL=tiny POOL_MB=256 KV_FACTOR=1 DECODE_KV=2048
        BACKEND_ARGS=(--backend cpu --transport local) ;;
   *) echo "gpu_fidelity.sh: PDSIM_GPU_FIDELITY_BACKEND=$BACKEND: cuda or cpu" >&2; exit 2 ;;
@@ -80,7 +80,9 @@ printf 'base: %s\nname: %s-%dl\nnum_layers: %d\n' "$MODEL" "$MODEL" "$LAYERS" "$
 # The same requests and scheduling on both sides.
 WORKLOAD=(--trace "$TRACE" --sample "$SAMPLE" --seed 1 --time-scale "$SCALE"
           --max-input-len "$MAX_IN" --max-output-len "$MAX_OUT")
-SCHED=(--chunk-size 512 --max-batch-tokens 2048 --max-decode-batch 16 --page-size 16)
+# The cpu dry run's prompts arrive almost at once: a batch of one prompt's tokens keeps its extend
+# forwards as many as its requests (the fit needs 8 of a kind, however loaded the machine is).
+SCHED=(--chunk-size 512 --max-batch-tokens "$d_batch" --max-decode-batch 16 --page-size 16)
 
 # try <name> <seconds> pdsim-args...: runs pdsim, output to $OUT/fid-<name>.log; sets $rc.
 try() {

@@ -40,6 +40,22 @@ private:
     const char* name_;
 };
 
+TEST(TestbedOptions, SessionTokenIsCheckedAtTheEdge) {
+    const TestbedOptions tcp{.transport = "tcp", .mode = Mode::kBoth};
+    {
+        ScopedEnv env("PDSIM_SESSION_TOKEN", "short");
+        EXPECT_THAT(resolve(tcp, 2), StatusIs(StatusCode::kInvalidArgument,
+                                              HasSubstr("PDSIM_SESSION_TOKEN: 5 characters")));
+        // Only a rendezvous transport reads it.
+        const TestbedOptions mpi{.transport = "mpi", .mode = Mode::kBoth};
+        EXPECT_THAT(resolve(mpi, 2).status().message(), Not(HasSubstr("PDSIM_SESSION_TOKEN")));
+    }
+    {
+        ScopedEnv env("PDSIM_SESSION_TOKEN", "0123456789abcdef");
+        EXPECT_THAT(resolve(tcp, 2).status().message(), Not(HasSubstr("PDSIM_SESSION_TOKEN")));
+    }
+}
+
 TEST(TestbedOptions, TcpEndpointsCheckedBeforeAnyPhase) {
     const TestbedOptions tcp{.transport = "tcp", .mode = Mode::kBoth};
     {

@@ -103,21 +103,28 @@ TEST(TestbedProtocol, FollowerReports) {
     SentReport sent;
     sent.id = 2;
     sent.ok = true;
-    expect_round_trip(
-        sent,
-        json{{"k", "fsent"}, {"id", 2}, {"ok", true}, {"err", ""}, {"tok", -1}, {"bytes", 0}});
+    expect_round_trip(sent, json{{"k", "fsent"},
+                                 {"id", 2},
+                                 {"ok", true},
+                                 {"err", ""},
+                                 {"tok", -1},
+                                 {"bytes", 0},
+                                 {"idle", true}});
     ReadyReport ready;
     ready.id = 8;
     ready.ok = false;
     ready.error = "receiver submit: busy";
     ready.first_token = 41;
     ready.bytes = 1ULL << 40;
+    ready.pages_idle = false;
     expect_round_trip(ready, json{{"k", "fready"},
                                   {"id", 8},
                                   {"ok", false},
                                   {"err", "receiver submit: busy"},
                                   {"tok", 41},
-                                  {"bytes", 1ULL << 40}});
+                                  {"bytes", 1ULL << 40},
+                                  {"idle", false}});
+    expect_round_trip(PagesIdleMsg{.id = 8}, json{{"k", "fidle"}, {"id", 8}});
     // The two kinds share fields but not their kind.
     EXPECT_THAT(decode_error<SentReport>(encode_message(ready)), HasSubstr("'k'"));
 }

@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -92,7 +93,8 @@ class RawPeer {
 public:
     ~RawPeer() { close_socket(); }
 
-    // Connects to the rank whose address is published in `dir` and says hello as `rank`.
+    // Connects to the rank whose address is published in `dir` and says hello as `rank` with
+    // `token` ("": the session token the ranks publish in `dir`).
     ::testing::AssertionResult join(const std::string& dir, int to_rank, int rank, int world,
                                     const std::string& token, bool expect_ack = true) {
         std::string line;
@@ -104,6 +106,12 @@ public:
         }
         auto hp = parse_host_port(line);
         if (!hp.ok()) return ::testing::AssertionFailure() << hp.status().to_string();
+        std::string session_token = token;
+        if (session_token.empty()) {
+            // The one the ranks share through the directory (written before any address).
+            std::ifstream tf(dir + "/session.token");
+            std::getline(tf, session_token);
+        }
         fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
         sockaddr_in addr{};
         addr.sin_family = AF_INET;
@@ -115,7 +123,7 @@ public:
         if (!expect_ack) return ::testing::AssertionSuccess();
         auto hello = frame::make_frame(
             frame::FrameType::kHello, static_cast<Tag>(rank),
-            frame::encode_hello(frame::Hello{.world_size = world, .token = token}));
+            frame::encode_hello(frame::Hello{.world_size = world, .token = session_token}));
         if (!send_all(hello.data(), hello.size())) return ::testing::AssertionFailure() << "send";
         frame::HeaderBytes hb{};
         if (!recv_all(hb.data(), hb.size())) return ::testing::AssertionFailure() << "recv ack";
@@ -234,6 +242,7 @@ TEST(TcpTransport, ExplicitEndpoints) {
         opts[r].rank = r;
         opts[r].world_size = 2;
         opts[r].edit<TcpOptions>().endpoints = eps;
+        opts[r].edit<TcpOptions>().session_token = "explicit-endpoints-test-secret";
         opts[r].connect_timeout = 10s;
     }
     auto ts = make_world(opts);
@@ -296,12 +305,123 @@ TEST(TcpTransport, BadHelloIsRejectedAndTheRealPeerStillJoins) {
     }
     {
         RawPeer wrong_world;
-        EXPECT_FALSE(wrong_world.join(dir.path(), 0, 1, 5, "pdsim"));
+        EXPECT_FALSE(wrong_world.join(dir.path(), 0, 1, 5, ""));
     }
     RawPeer good;
-    ASSERT_TRUE(good.join(dir.path(), 0, 1, 2, "pdsim"));
+    ASSERT_TRUE(good.join(dir.path(), 0, 1, 2, ""));
     th.join();
     ASSERT_TRUE(t0->ok()) << t0->status().to_string();
+}
+
+// No built-in token: ranks that meet through a directory share the random token the first of
+// them wrote there (private to its owner); endpoints without a token are refused.
+TEST(TcpTransport, SessionTokenIsRandomPrivateAndNeverBuiltIn) {
+    ::unsetenv("PDSIM_SESSION_TOKEN");
+    std::string tokens[2];
+    for (std::string& token : tokens) {
+        TempDir dir;
+        auto ts = make_world({tcp_options(0, 2, dir.path()), tcp_options(1, 2, dir.path())});
+        ASSERT_OK(ts[0]);
+        ASSERT_OK(ts[1]);
+        const std::string path = dir.path() + "/session.token";
+        struct stat st {};
+        ASSERT_EQ(::stat(path.c_str(), &st), 0) << path;
+        EXPECT_EQ(st.st_mode & 0777, 0600u);
+        std::ifstream(path) >> token;
+        EXPECT_EQ(token.size(), 32u) << token;
+        EXPECT_NE(token, "pdsim");
+    }
+    EXPECT_NE(tokens[0], tokens[1]) << "two sessions, one token";
+
+    TransportOptions o;
+    o.world_size = 2;
+    o.edit<TcpOptions>().endpoints = {"127.0.0.1:1", "127.0.0.1:2"};
+    EXPECT_THAT(create_transport("tcp", o),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("without a session token")));
+
+    // A token file others can read is refused, not used.
+    TempDir dir;
+    const std::string path = dir.path() + "/session.token";
+    std::ofstream(path) << "0123456789abcdef0123456789abcdef";
+    ::chmod(path.c_str(), 0644);
+    auto o2 = tcp_options(0, 2, dir.path());
+    o2.connect_timeout = 200ms;
+    EXPECT_THAT(create_transport("tcp", o2),
+                StatusIs(StatusCode::kFailedPrecondition, HasSubstr("only its owner can read")));
+}
+
+// Hostile clients during the setup -- garbage, a hello announcing 2^63 bytes, a half frame left
+// open, a data frame instead of a hello, a wrong token -- are each dropped (none allocates what
+// it announces, none holds the setup up); the real rank still joins and messages flow; after the
+// setup the listener is closed.
+TEST(TcpTransport, HostileClientsDuringSetupLeaveTheRunGoing) {
+    TempDir dir;
+    auto o0 = tcp_options(0, 2, dir.path());
+    o0.edit<TcpOptions>().handshake_timeout = 500ms;
+    std::optional<StatusOr<std::unique_ptr<Transport>>> t0;
+    std::thread th([&] { t0.emplace(create_transport("tcp", o0)); });
+    auto answer_of = [](RawPeer& p) {
+        frame::HeaderBytes hb{};
+        if (!p.recv_all(hb.data(), hb.size())) return std::string("closed");
+        auto h = frame::decode_header(hb, 1 << 20);
+        if (!h.ok()) return h.status().to_string();
+        std::string text(h->length, '\0');
+        p.recv_all(text.data(), text.size());
+        return (h->type == frame::FrameType::kReject ? "reject: " : "other: ") + text;
+    };
+    {
+        RawPeer garbage;
+        ASSERT_TRUE(garbage.join(dir.path(), 0, 1, 2, "", /*expect_ack=*/false));
+        std::vector<uint8_t> junk(64);
+        std::mt19937 rng(7);
+        for (auto& b : junk) b = static_cast<uint8_t>(rng());
+        ASSERT_TRUE(garbage.send_all(junk.data(), junk.size()));
+        EXPECT_THAT(answer_of(garbage), HasSubstr("reject: bad hello"));
+    }
+    {
+        RawPeer huge;
+        ASSERT_TRUE(huge.join(dir.path(), 0, 1, 2, "", /*expect_ack=*/false));
+        auto hb = frame::encode_header(
+            {.type = frame::FrameType::kHello, .tag = 1, .length = uint64_t{1} << 63});
+        ASSERT_TRUE(huge.send_all(hb.data(), hb.size()));
+        EXPECT_THAT(answer_of(huge), HasSubstr("reject: bad hello"));
+    }
+    {
+        RawPeer data_first;
+        ASSERT_TRUE(data_first.join(dir.path(), 0, 1, 2, "", /*expect_ack=*/false));
+        auto f = frame::make_frame(frame::FrameType::kData, 1, std::vector<uint8_t>(8, 1));
+        ASSERT_TRUE(data_first.send_all(f.data(), f.size()));
+        EXPECT_THAT(answer_of(data_first), HasSubstr("reject: expected a hello frame"));
+    }
+    RawPeer half;  // stays open: its handshake timer drops it
+    ASSERT_TRUE(half.join(dir.path(), 0, 1, 2, "", /*expect_ack=*/false));
+    auto hello = frame::make_frame(frame::FrameType::kHello, 1,
+                                   frame::encode_hello({.world_size = 2, .token = "x"}));
+    ASSERT_TRUE(half.send_all(hello.data(), hello.size() / 2));
+    {
+        RawPeer wrong;
+        EXPECT_FALSE(wrong.join(dir.path(), 0, 1, 2, "not-the-session-token"));
+    }
+    const auto t_half = std::chrono::steady_clock::now();
+    // The half frame is dropped once its handshake time is up (not when the setup ends).
+    EXPECT_EQ(answer_of(half), "closed");
+    EXPECT_LT(std::chrono::steady_clock::now() - t_half, 5s);
+
+    RawPeer good;
+    ASSERT_TRUE(good.join(dir.path(), 0, 1, 2, ""));
+    th.join();
+    ASSERT_TRUE(t0->ok()) << t0->status().to_string();
+    Transport& t = ***t0;
+    std::vector<uint8_t> in(16);
+    auto r = t.post_recv(1, 3, in.data(), in.size());
+    ASSERT_OK(r);
+    auto f = frame::make_frame(frame::FrameType::kData, 3, std::vector<uint8_t>(16, 0xAB));
+    ASSERT_TRUE(good.send_all(f.data(), f.size()));
+    ASSERT_OK(t.wait(*r, kWait));
+    EXPECT_EQ(in, std::vector<uint8_t>(16, 0xAB));
+    // The mesh is complete: no one else can connect.
+    RawPeer late;
+    EXPECT_FALSE(late.join(dir.path(), 0, 1, 2, ""));
 }
 
 // A raw rank sends a frame header announcing 4096 bytes, 1000 of them, then closes: the posted
@@ -312,7 +432,7 @@ TEST(TcpTransport, TruncatedFrameFailsThePendingReceive) {
         std::optional<StatusOr<std::unique_ptr<Transport>>> t0;
         std::thread th([&] { t0.emplace(create_transport("tcp", tcp_options(0, 2, dir.path()))); });
         RawPeer raw;
-        ASSERT_TRUE(raw.join(dir.path(), 0, 1, 2, "pdsim"));
+        ASSERT_TRUE(raw.join(dir.path(), 0, 1, 2, ""));
         th.join();
         ASSERT_TRUE(t0->ok()) << t0->status().to_string();
         Transport& t = ***t0;
@@ -403,8 +523,8 @@ TEST(TcpTransport, PeerDisconnectMidTransfer) {
     std::thread th1([&] { t1.emplace(create_transport("tcp", tcp_options(1, 3, dir.path()))); });
     RawPeer raw0;
     RawPeer raw1;
-    ASSERT_TRUE(raw0.join(dir.path(), 0, 2, 3, "pdsim"));
-    ASSERT_TRUE(raw1.join(dir.path(), 1, 2, 3, "pdsim"));
+    ASSERT_TRUE(raw0.join(dir.path(), 0, 2, 3, ""));
+    ASSERT_TRUE(raw1.join(dir.path(), 1, 2, 3, ""));
     th0.join();
     th1.join();
     ASSERT_TRUE(t0->ok()) << t0->status().to_string();

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 
@@ -117,10 +118,20 @@ Status check_ranges(const TestbedOptions& o) {
 // one host:port per rank, each well formed, checked here rather than when the transport starts
 // (after --mode both's colocated phase).
 Status check_tcp_environment(const std::string& transport, int ranks) {
-    const char* env = std::getenv("PDSIM_TCP_ENDPOINTS");
-    if (env == nullptr || *env == '\0') return {};
     StatusOr<transfer::TransportDescriptor> d = transfer::find_transport(transport);
     if (!d.ok() || d->caps.setup != transfer::TransportSetup::kRendezvous) return {};
+    // PDSIM_SESSION_TOKEN, when set: a secret worth the name (a guessable token is no guard).
+    if (const char* token = std::getenv("PDSIM_SESSION_TOKEN"); token != nullptr) {
+        const size_t length = std::strlen(token);
+        if (length < 16 || length > 256) {
+            return invalid_argument_error(fmt::format(
+                "PDSIM_SESSION_TOKEN: {} characters; a session token has 16 to 256 (e.g. "
+                "`openssl rand -hex 16`)",
+                length));
+        }
+    }
+    const char* env = std::getenv("PDSIM_TCP_ENDPOINTS");
+    if (env == nullptr || *env == '\0') return {};
     const std::string list(env);
     int count = 0;
     size_t start = 0;

@@ -138,8 +138,9 @@ struct ReleaseMsg {
 };
 
 // The leader gave up on a request its engines may still transfer (router cancel, instance
-// failure): the follower aborts its engine request (its pages stay pinned until no transfer can
-// land; the leader frees them later, as for any terminal request).
+// failure), or frees a request that a follower has not reported idle: the follower aborts its
+// engine request (its pages stay pinned until no transfer can land, then it sends PagesIdleMsg;
+// at once if its engine does not hold the request).
 struct EngineAbortMsg {
     static constexpr std::string_view kKind = "eabort";
     uint64_t id = 0;
@@ -153,13 +154,16 @@ struct EngineAbortMsg {
 // ---- TP follower -> its leader (Channel::kInstance) ----
 
 // A follower's engine outcome for one request. ok false: `error` says why (first_token and bytes
-// are then -1 and 0).
+// are then -1 and 0). pages_idle: no transfer into or out of the request's pages on this follower
+// can still land (always so for ok; a failed request may stay in use until its transfers drain,
+// and then the follower sends a PagesIdleMsg).
 struct EngineOutcomeFields {
     uint64_t id = 0;
     bool ok = false;
     std::string error;
     int32_t first_token = -1;  // receiver: the first token that came with the KV
     uint64_t bytes = 0;        // receiver: KV bytes received
+    bool pages_idle = true;
     bool operator==(const EngineOutcomeFields&) const = default;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
@@ -168,6 +172,20 @@ struct EngineOutcomeFields {
         v("err", m.error);
         v("tok", m.first_token);
         v("bytes", m.bytes);
+        v("idle", m.pages_idle);
+    }
+};
+// A follower's pages of the request are idle: no transfer into or out of them can still land
+// (after a failed outcome that was not idle yet, or in answer to an EngineAbortMsg for a request
+// its engine does not hold). The leader frees a request's pages only once every TP rank of the
+// instance is idle for it.
+struct PagesIdleMsg {
+    static constexpr std::string_view kKind = "fidle";
+    uint64_t id = 0;
+    bool operator==(const PagesIdleMsg&) const = default;
+    template <class Self, class V>
+    static void fields(Self& m, V& v) {
+        v("id", m.id);
     }
 };
 // Prefill follower: its sender finished the request.

@@ -235,6 +235,12 @@ Status Server::on_follower_message(const Message& m, std::vector<int32_t>* next)
         if (!st.ok() && st.code() != StatusCode::kNotFound) {
             PDSIM_LOG_WARN("rank {}: abort request {}: {}", ctx_.rank, abort.id, st.to_string());
         }
+        // Its outcome (and idleness) comes from the engine when the engine holds it; else the
+        // pages are idle now (never submitted, or already finished and reported).
+        if (engine_active_.count(abort.id) == 0 && quiescing_.count(abort.id) == 0) {
+            PDSIM_RETURN_IF_ERROR(ctx_.mbox->send(ctx_.leader(), Channel::kInstance,
+                                                  encode_message(PagesIdleMsg{.id = abort.id})));
+        }
     } else if (k == EndMsg::kKind) {
         ended_ = true;
     }
@@ -243,17 +249,41 @@ Status Server::on_follower_message(const Message& m, std::vector<int32_t>* next)
 
 // Each request this rank's engine finished goes to the leader (a sender's request is released
 // here at once; a receiver's when the leader frees its pages).
+// A failed request whose pages are still in use is quiesced: kept in quiescing_ until no transfer
+// of it can land, then reported idle (PagesIdleMsg) and, for a sender, released.
 Status Server::report_engine_outcomes_to_leader() {
     std::vector<EngineOutcomeFields> outcomes;
     poll_engine(&outcomes);
-    for (const EngineOutcomeFields& outcome : outcomes) {
+    for (EngineOutcomeFields& outcome : outcomes) {
+        if (!outcome.ok) {
+            StatusOr<transfer::RequestStatus> es =
+                sender_ ? sender_->status(outcome.id) : receiver_->status(outcome.id);
+            outcome.pages_idle = !(es.ok() && es->pages_in_use);
+        }
         const json report =
             sender_ ? encode_message(SentReport{outcome}) : encode_message(ReadyReport{outcome});
         PDSIM_RETURN_IF_ERROR(ctx_.mbox->send(ctx_.leader(), Channel::kInstance, report));
-        if (sender_) {
+        if (!outcome.pages_idle) {
+            quiescing_.insert(outcome.id);
+        } else if (sender_) {
             sender_->release(outcome.id).ignore_error();
             first_slots_.erase(outcome.id);
         }
+    }
+    for (auto it = quiescing_.begin(); it != quiescing_.end();) {
+        StatusOr<transfer::RequestStatus> es =
+            sender_ ? sender_->status(*it) : receiver_->status(*it);
+        if (es.ok() && es->pages_in_use) {
+            ++it;
+            continue;
+        }
+        PDSIM_RETURN_IF_ERROR(ctx_.mbox->send(ctx_.leader(), Channel::kInstance,
+                                              encode_message(PagesIdleMsg{.id = *it})));
+        if (sender_) {
+            sender_->release(*it).ignore_error();
+            first_slots_.erase(*it);
+        }
+        it = quiescing_.erase(it);
     }
     return {};
 }

@@ -92,7 +92,11 @@ struct Req {
     double t_first = -1;
     bool terminal = false;
     bool cancelled = false;
-    bool engine_aborted = false;  // the leader aborted its engine request (try_free)
+    bool engine_aborted = false;     // the leader aborted its engine request (try_free)
+    bool followers_aborted = false;  // the leader sent its followers EngineAbortMsg
+    // TP followers (indices in instance_ranks) whose pages of the request are idle: the leader
+    // frees the pages only once every follower is.
+    std::set<int> followers_idle;
     // disaggregated prefill: TP ranks whose sender finished the request (ok or not)
     std::set<int> sent;
     bool last_submitted = false;
@@ -216,6 +220,8 @@ private:
 
     // Engine bookkeeping of this rank (leader and followers).
     std::set<uint64_t> engine_active_;  // added to the sender / submitted to the receiver
+    // Follower: failed requests whose pages a transfer may still reach (reported idle later).
+    std::set<uint64_t> quiescing_;
 
     // Leader state.
     std::map<uint64_t, Req> reqs_;

@@ -88,7 +88,8 @@ Status Server::try_free(Req& r) {
                     PDSIM_LOG_WARN("rank {}: abort request {}: {}", ctx_.rank, r.id,
                                    ab.to_string());
                 }
-                if (ctx_.instance_ranks.size() > 1) {
+                if (ctx_.instance_ranks.size() > 1 && !r.followers_aborted) {
+                    r.followers_aborted = true;
                     PDSIM_RETURN_IF_ERROR(send_followers(EngineAbortMsg{.id = r.id}));
                 }
             }
@@ -97,6 +98,17 @@ Status Server::try_free(Req& r) {
         StatusOr<transfer::RequestStatus> es =
             sender_ ? sender_->status(r.id) : receiver_->status(r.id);
         if (es.ok() && es->pages_in_use) return {};  // quarantined: a transfer may still land
+        // The followers' copies of the pages too: each must say that no transfer of its own can
+        // still reach them (its engine's outcome, or a PagesIdleMsg); one that has not is told to
+        // abort the request, once.
+        const int followers = static_cast<int>(ctx_.instance_ranks.size()) - 1;
+        if (static_cast<int>(r.followers_idle.size()) < followers) {
+            if (!r.followers_aborted) {
+                r.followers_aborted = true;
+                PDSIM_RETURN_IF_ERROR(send_followers(EngineAbortMsg{.id = r.id}));
+            }
+            return {};
+        }
         transfer::PagePins& pins = sender_ ? sender_->pins() : receiver_->pins();
         Status st = pins.free_pages(pool_->allocator(), r.pages);
         if (st.code() == StatusCode::kFailedPrecondition) return {};  // pinned: later
@@ -383,6 +395,7 @@ void Server::apply_engine_outcome(const EngineOutcomeFields& outcome, bool sent,
     auto it = reqs_.find(outcome.id);
     if (it == reqs_.end()) return;
     Req& r = it->second;
+    if (tp_index > 0 && outcome.pages_idle) r.followers_idle.insert(tp_index);
     if (!outcome.ok) {
         (sent ? r.send_failed : r.receive_failed) = true;
         if (r.error.empty()) r.error = fmt::format("rank {}: {}", world_rank, outcome.error);
@@ -430,6 +443,14 @@ Status Server::on_leader_message(const Message& m) {
     } else if (k == ReadyReport::kKind) {
         PDSIM_ASSIGN_OR_RETURN(ReadyReport ready, decode_message<ReadyReport>(m.body));
         on_follower_outcome(ready, false, m.src);
+    } else if (k == PagesIdleMsg::kKind) {
+        PDSIM_ASSIGN_OR_RETURN(PagesIdleMsg idle, decode_message<PagesIdleMsg>(m.body));
+        auto it = reqs_.find(idle.id);
+        const auto pos = std::find(ctx_.instance_ranks.begin(), ctx_.instance_ranks.end(), m.src);
+        if (it != reqs_.end() && pos != ctx_.instance_ranks.begin() &&
+            pos != ctx_.instance_ranks.end()) {
+            it->second.followers_idle.insert(static_cast<int>(pos - ctx_.instance_ranks.begin()));
+        }
     } else if (k == EndMsg::kKind) {
         ended_ = true;
     } else {

@@ -140,41 +140,51 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_kv_transport(Shared& sh, Mai
             }
             tcp.bind_address = *addr;
         }
-        const bool env = std::getenv("PDSIM_TCP_ENDPOINTS") != nullptr ||
-                         std::getenv("PDSIM_TCP_BOOTSTRAP_DIR") != nullptr;
-        if (!env) {
-            // Rendezvous through a fresh directory (one host; set PDSIM_TCP_BOOTSTRAP_DIR to a
-            // shared directory or PDSIM_TCP_ENDPOINTS across hosts) and a per-run session token.
-            if (rank == 0) {
-                std::string tmpl =
-                    (std::filesystem::temp_directory_path() / "pdsim-tcp-XXXXXX").string();
-                if (::mkdtemp(tmpl.data()) == nullptr) {
+        // Rendezvous through a fresh directory (one host), unless PDSIM_TCP_ENDPOINTS or
+        // PDSIM_TCP_BOOTSTRAP_DIR says where the ranks meet (several hosts). The session token is
+        // PDSIM_SESSION_TOKEN when set (on every rank: mpirun -x), else a fresh random one that
+        // rank 0 sends to every rank over the control plane, in every case.
+        const bool env_rendezvous = std::getenv("PDSIM_TCP_ENDPOINTS") != nullptr ||
+                                    std::getenv("PDSIM_TCP_BOOTSTRAP_DIR") != nullptr;
+        const char* env_token = std::getenv("PDSIM_SESSION_TOKEN");
+        const bool given_token = env_token != nullptr && *env_token != '\0';
+        if (rank == 0) {
+            std::string dir;
+            if (!env_rendezvous) {
+                dir = (std::filesystem::temp_directory_path() / "pdsim-tcp-XXXXXX").string();
+                if (::mkdtemp(dir.data()) == nullptr) {
                     return PDSIM_ERROR(StatusCode::kUnavailable,
                                        "tcp: cannot create a bootstrap directory");
                 }
-                std::random_device rd;
-                const std::string token = fmt::format(
-                    "{:016x}{:016x}", (uint64_t{rd()} << 32) | rd(), (uint64_t{rd()} << 32) | rd());
-                *tcp_dir = tmpl;
-                for (int r = 1; r < mbox.size(); ++r) {
-                    PDSIM_RETURN_IF_ERROR(
-                        mbox.send(r, Channel::kCollect,
-                                  encode_message(TcpBootstrapMsg{.dir = tmpl, .token = token})));
-                }
-                tcp.bootstrap_dir = tmpl;
-                tcp.session_token = token;
-            } else {
-                PDSIM_ASSIGN_OR_RETURN(auto m,
-                                       mbox.recv_kind(Channel::kCollect, TcpBootstrapMsg::kKind,
-                                                      std::chrono::seconds(60)));
-                if (!m)
-                    return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                                       "tcp: no bootstrap directory from rank 0");
-                PDSIM_ASSIGN_OR_RETURN(TcpBootstrapMsg boot,
-                                       decode_message<TcpBootstrapMsg>(m->body));
-                tcp.bootstrap_dir = std::move(boot.dir);
-                tcp.session_token = std::move(boot.token);
+                *tcp_dir = dir;
             }
+            std::string token;
+            if (!given_token) {
+                std::random_device rd;
+                for (int i = 0; i < 4; ++i) token += fmt::format("{:08x}", rd());
+            }
+            for (int r = 1; r < mbox.size(); ++r) {
+                PDSIM_RETURN_IF_ERROR(
+                    mbox.send(r, Channel::kCollect,
+                              encode_message(TcpBootstrapMsg{.dir = dir, .token = token})));
+            }
+            tcp.bootstrap_dir = std::move(dir);
+            tcp.session_token = std::move(token);
+        } else {
+            PDSIM_ASSIGN_OR_RETURN(auto m, mbox.recv_kind(Channel::kCollect, TcpBootstrapMsg::kKind,
+                                                          std::chrono::seconds(60)));
+            if (!m)
+                return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                                   "tcp: no bootstrap message from rank 0 within 60 s");
+            PDSIM_ASSIGN_OR_RETURN(TcpBootstrapMsg boot, decode_message<TcpBootstrapMsg>(m->body));
+            if (boot.token.empty() && !given_token) {
+                return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                                   "tcp: PDSIM_SESSION_TOKEN is set on rank 0 but not on rank {}: "
+                                   "pass it to every rank (mpirun -x PDSIM_SESSION_TOKEN)",
+                                   rank);
+            }
+            tcp.bootstrap_dir = std::move(boot.dir);
+            tcp.session_token = std::move(boot.token);
         }
         to.set(std::move(tcp));
     }

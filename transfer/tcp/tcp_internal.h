@@ -30,6 +30,11 @@
 namespace pdsim::transfer::tcp_detail {
 
 namespace asio = boost::asio;
+
+// The session token of a rendezvous through `dir`: the one in <dir>/session.token, or, when no
+// rank has published one yet, a fresh 128-bit random token published there (mode 0600, atomically:
+// link() of a complete file). Fails if the file is not a regular file private to its owner.
+[[nodiscard]] StatusOr<std::string> bootstrap_session_token(const std::string& dir, int rank);
 using asio::ip::tcp;
 using boost::system::error_code;
 using tcp_frame = frame::FrameType;

@@ -1,9 +1,17 @@
 // The tcp transport's setup: listening, publishing this rank's address, the full mesh (connect
 // to lower ranks, accept higher ones) with its hello handshake, and the factory. See
 // transfer/tcp/tcp_internal.h.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <future>
+#include <random>
 #include <sstream>
 
 #include "common/logging.h"
@@ -88,7 +96,67 @@ bool tokens_equal(const std::string& a, const std::string& b) {
     return diff == 0;
 }
 
+// Reads a session token file: regular, private to its owner, 16..256 printable characters.
+StatusOr<std::string> read_token_file(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+        return PDSIM_ERROR(errno == ENOENT ? StatusCode::kNotFound : StatusCode::kUnavailable,
+                           "tcp: cannot open the session token file {}: {}", path,
+                           std::strerror(errno));
+    }
+    struct stat st {};
+    std::string token(257, '\0');
+    ssize_t n = -1;
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (st.st_mode & 077) == 0) {
+        n = ::read(fd, token.data(), token.size());
+    }
+    ::close(fd);
+    if (!S_ISREG(st.st_mode) || (st.st_mode & 077) != 0) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "tcp: the session token file {} must be a regular file that only its "
+                           "owner can read (mode {:o})",
+                           path, st.st_mode & 0777);
+    }
+    if (n < 16 || n > 256) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "tcp: the session token file {} holds {} bytes (16..256 expected)", path,
+                           n);
+    }
+    token.resize(static_cast<size_t>(n));
+    return token;
+}
+
 }  // namespace
+
+StatusOr<std::string> bootstrap_session_token(const std::string& dir, int rank) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);  // as the rendezvous does; it may exist
+    const std::string path = dir + "/session.token";
+    StatusOr<std::string> existing = read_token_file(path);
+    if (existing.ok() || existing.status().code() != StatusCode::kNotFound) return existing;
+    // The first rank to get here publishes a fresh random token; link() makes the whole file
+    // appear at once (a rank never reads half a token) and fails if another rank won the race.
+    std::random_device rd;
+    std::string token;
+    for (int i = 0; i < 4; ++i) token += fmt::format("{:08x}", rd());
+    const std::string tmp = fmt::format("{}/session.token.{}.{}.tmp", dir, rank, ::getpid());
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        return PDSIM_ERROR(StatusCode::kUnavailable, "tcp: cannot write {}: {}", tmp,
+                           std::strerror(errno));
+    }
+    const bool written =
+        ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
+    ::close(fd);
+    const int linked = written ? ::link(tmp.c_str(), path.c_str()) : -1;
+    const int link_errno = errno;
+    ::unlink(tmp.c_str());
+    if (!written || (linked != 0 && link_errno != EEXIST)) {
+        return PDSIM_ERROR(StatusCode::kUnavailable, "tcp: cannot publish {}: {}", path,
+                           std::strerror(written ? link_errno : EIO));
+    }
+    return read_token_file(path);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Setup
@@ -503,8 +571,20 @@ StatusOr<std::unique_ptr<Transport>> make_tcp_transport(const TransportOptions& 
     if (tcp.max_frame_bytes == 0) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "tcp: max_frame_bytes must be > 0");
     }
+    // The session token: given, or PDSIM_SESSION_TOKEN, or (with a bootstrap directory) the one
+    // the first rank publishes there. Never a built-in string: with explicit endpoints and no
+    // token any process that can reach the port could join.
     std::string token = tcp.session_token;
-    if (token.empty()) token = tcp_detail::env_or("PDSIM_SESSION_TOKEN", "pdsim");
+    if (token.empty()) token = tcp_detail::env_or("PDSIM_SESSION_TOKEN", "");
+    if (token.empty() && options.world_size > 1) {
+        if (dir.empty()) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "tcp: endpoints without a session token: set "
+                               "TcpOptions.session_token or PDSIM_SESSION_TOKEN (the same secret "
+                               "of at least 16 characters on every rank)");
+        }
+        PDSIM_ASSIGN_OR_RETURN(token, tcp_detail::bootstrap_session_token(dir, options.rank));
+    }
     if (token.size() > frame::kMaxControlPayload - 64) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "tcp: session token of {} bytes is too long", token.size());

@@ -44,8 +44,10 @@ struct TcpOptions {
     std::string bootstrap_dir;
     // Address to listen on. Empty: the host of this rank's endpoint, or 127.0.0.1 (loopback).
     std::string bind_address;
-    // Shared secret of the session; a hello with another token is rejected. Empty: env
-    // PDSIM_SESSION_TOKEN, else "pdsim".
+    // Shared secret of the session; a hello with another token is rejected (checked before any
+    // other field of the hello is acted on). Empty: env PDSIM_SESSION_TOKEN; else, with a
+    // bootstrap directory, <dir>/session.token (the first rank there writes a random one, mode
+    // 0600); else make_tcp_transport fails with kInvalidArgument. There is no built-in token.
     std::string session_token;
     // A frame whose payload is larger is a protocol error (and larger sends are refused).
     size_t max_frame_bytes = size_t{1} << 30;
