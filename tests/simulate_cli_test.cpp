@@ -89,6 +89,33 @@ TEST(SimulateCli, SmallRunWritesReportCsvAndTimeline) {
     EXPECT_GT(forwards, 0);
 }
 
+// A single colocated instance (the usual baseline) simulates by default (--mode auto picks what
+// the topology describes); disagg on it is refused, naming the topology and the way out.
+TEST(SimulateCli, SingleColocatedInstanceSimulatesByDefault) {
+    TempDir dir("simulate_1c");
+    const std::string trace = write_trace(dir);
+    const std::string one = std::string(PDSIM_SOURCE_DIR) + "/topology/examples/gpu-1c.yaml";
+    CmdResult r = run_pdsim(
+        {"simulate", "--topology", one, "--trace", trace, "--report", dir.str("r.json")}, 120);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    const json rep = json::parse(slurp(dir.path() / "r.json"));
+    expect_report_keys(rep);
+    EXPECT_EQ(rep["mode"], "colocated");
+    EXPECT_EQ(rep["requests_completed"], 40);
+    EXPECT_FALSE(rep.contains("colocated")) << "one mode ran";
+    EXPECT_EQ(rep["transfer"]["bytes"].get<double>(), 0.0);
+
+    CmdResult d = run_pdsim({"simulate", "--topology", one, "--trace", trace, "--mode", "disagg"});
+    EXPECT_EQ(d.rc, 2) << d.describe();
+    EXPECT_THAT(d.err, HasSubstr("gpu-1c.yaml"));
+    EXPECT_THAT(d.err, HasSubstr("run the colocated mode"));
+    // auto on a prefill/decode topology is disagg.
+    CmdResult pd = run_pdsim(
+        {"simulate", "--topology", kDgx, "--trace", trace, "--report", dir.str("pd.json")}, 120);
+    ASSERT_EQ(pd.rc, 0) << pd.describe();
+    EXPECT_EQ(json::parse(slurp(dir.path() / "pd.json"))["mode"], "disagg");
+}
+
 TEST(SimulateCli, BadInputExitsTwoNamingTheFlagOrFile) {
     TempDir dir("simulate_bad");
     const std::string trace = write_trace(dir);

@@ -5,6 +5,7 @@
 // only the defaults differ (no length caps, the trace's own time scale).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -39,7 +40,7 @@ struct SimulateFlags {
     des::RequestSource req;  // a trace (required), its caps, first N or sample, time scale
     std::string cost_model = "roofline";
     int layers = 0;
-    std::string mode = "disagg", layerwise = "on";
+    std::string mode = "auto", layerwise = "on";
     SchedulingFlags sched;
     int64_t max_decode_kv_tokens = 0;
     std::string cpu_contention = "on";
@@ -105,9 +106,9 @@ Status check_flags(const SimulateFlags& f) {
         return invalid_argument_error(
             fmt::format("--timeline-sample {}: must be >= 0", f.timeline_sample));
     }
-    if (f.mode != "disagg" && f.mode != "colocated" && f.mode != "both") {
+    if (f.mode != "auto" && f.mode != "disagg" && f.mode != "colocated" && f.mode != "both") {
         return invalid_argument_error(
-            fmt::format("--mode {}: expected disagg, colocated or both", f.mode));
+            fmt::format("--mode {}: expected auto, disagg, colocated or both", f.mode));
     }
     PDSIM_RETURN_IF_ERROR(on_off("--layerwise", f.layerwise).status());
     PDSIM_RETURN_IF_ERROR(on_off("--cpu-contention", f.cpu_contention).status());
@@ -264,9 +265,18 @@ StatusOr<std::vector<des::SimResult>> simulate_modes(const Prepared& p, const Si
     const int64_t n = static_cast<int64_t>(p.requests.size());
     const int64_t sample =
         f.timeline_sample > 0 ? f.timeline_sample : std::max<int64_t>(1, n / kTimelineRequests);
+    // auto: what the topology describes (prefill and decode instances: disagg; colocated ones, such
+    // as a single instance, the usual baseline: colocated).
+    std::string mode = f.mode;
+    if (mode == "auto") {
+        const bool any_prefill =
+            std::any_of(p.topology.instances.begin(), p.topology.instances.end(),
+                        [](const topo::Instance& i) { return i.role == topo::Role::kPrefill; });
+        mode = any_prefill ? "disagg" : "colocated";
+    }
     std::vector<des::SimMode> modes;
-    if (f.mode != "colocated") modes.push_back(des::SimMode::kDisagg);
-    if (f.mode != "disagg") modes.push_back(des::SimMode::kColocated);
+    if (mode != "colocated") modes.push_back(des::SimMode::kDisagg);
+    if (mode != "disagg") modes.push_back(des::SimMode::kColocated);
     std::vector<des::SimResult> results;
     for (size_t k = 0; k < modes.size(); ++k) {
         des::SimConfig c = make_config(p, f, modes[k]);
@@ -493,8 +503,11 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
     sub->add_option("--max-output-len", f->req.max_output_len, "cap output lengths (0: none)")
         ->check(int_in(0, kMaxLengthCap))
         ->capture_default_str();
-    sub->add_option("--mode", f->mode, "disagg|colocated|both")
-        ->check(CLI::IsMember({"disagg", "colocated", "both"}))
+    sub->add_option("--mode", f->mode,
+                    "auto|disagg|colocated|both (auto: disagg where the topology has prefill and "
+                    "decode instances, colocated where its instances are colocated, e.g. one "
+                    "instance serving whole requests)")
+        ->check(CLI::IsMember({"auto", "disagg", "colocated", "both"}))
         ->capture_default_str();
     sub->add_option("--layerwise", f->layerwise,
                     "on: each chunk's KV streams while its forward computes; off: after it")
