@@ -7,6 +7,11 @@
 //   tcp    one process, two endpoints on two threads over real loopback sockets. Baseline: a raw
 //          loopback TCP stream (TCP_NODELAY, plain blocking send()/recv(MSG_WAITALL) of the same
 //          messages, one thread per side). Target >= 0.80x at >= 1 MiB.
+//          Under `mpirun -np 2`: the two processes, rank 0 sends, rank 1 receives (MPI only
+//          agrees the rendezvous and the session token, and times the rounds between barriers).
+//          Baseline: a raw TCP stream between the same two processes. One host: loopback; several
+//          hosts: the transport meets through PDSIM_TCP_ENDPOINTS or PDSIM_TCP_BOOTSTRAP_DIR and
+//          the baseline connects to rank 0's host name.
 //   local  one process, two endpoints on two threads. Baseline: memcpy of the same messages.
 //   cuda_ipc  one process, one GPU: one-sided post_write from a device buffer into a registered
 //          device region of W slots (the transport takes its own pointer for a same-process
@@ -24,6 +29,7 @@
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <mpi.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -41,6 +47,7 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -527,6 +534,247 @@ private:
     Buffers buf_;
 };
 
+// ---- a rendezvous transport (tcp) between the two processes of mpirun -np 2 ----
+
+// The world size mpirun (OpenMPI, or a PMI launcher) gave this process; 1 without a launcher.
+int launcher_world_size() {
+    for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+        const char* v = std::getenv(name);
+        if (v != nullptr && *v != '\0') return std::atoi(v);
+    }
+    return 1;
+}
+
+class CrossProcessRunner : public Runner {
+public:
+    static StatusOr<std::unique_ptr<CrossProcessRunner>> create(const std::string& name) {
+        auto r = std::unique_ptr<CrossProcessRunner>(new CrossProcessRunner(name));
+        PDSIM_RETURN_IF_ERROR(r->init());
+        return r;
+    }
+    ~CrossProcessRunner() override {
+        t_.reset();
+        if (sock_ >= 0) ::close(sock_);
+        std::error_code ec;
+        if (rank_ == 0 && !dir_.empty()) std::filesystem::remove_all(dir_, ec);
+        if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+        if (we_initialized_) MPI_Finalize();
+    }
+
+    StatusOr<double> baseline(const Plan& p) override {
+        buf_.prepare(p, true, rank_ == 1);
+        if (rank_ == 1) {
+            for (auto& d : buf_.dst) std::memset(d.data(), 0, std::min<size_t>(d.size(), 64));
+        }
+        MPI_CHECK(MPI_Barrier(comm_));
+        auto t0 = Clock::now();
+        Status st;
+        for (size_t i = 0; i < p.messages && st.ok(); ++i) {
+            uint8_t* d = rank_ == 1 ? buf_.dst[i % static_cast<size_t>(p.window)].data() : nullptr;
+            size_t off = 0;
+            while (off < p.bytes) {
+                const ssize_t k =
+                    rank_ == 0 ? ::send(sock_, buf_.src.data() + off, p.bytes - off, MSG_NOSIGNAL)
+                               : ::recv(sock_, d + off, p.bytes - off, MSG_WAITALL);
+                if (k <= 0) {
+                    st = Status(StatusCode::kUnavailable,
+                                fmt::format("baseline {} failed: {}", rank_ == 0 ? "send" : "recv",
+                                            k == 0 ? "closed" : std::strerror(errno)));
+                    break;
+                }
+                off += static_cast<size_t>(k);
+            }
+        }
+        if (st.ok() && rank_ == 1) st = check_landed(buf_, p);
+        return finish_round(st, t0);
+    }
+
+    StatusOr<double> transport(const Plan& p) override {
+        buf_.prepare(p, true, rank_ == 1);
+        if (rank_ == 1) {
+            for (auto& d : buf_.dst) std::memset(d.data(), 0, std::min<size_t>(d.size(), 64));
+        }
+        MPI_CHECK(MPI_Barrier(comm_));
+        auto t0 = Clock::now();
+        Status st = rank_ == 0 ? pump(*t_, 1, p, buf_.src.data(), nullptr)
+                               : pump(*t_, 0, p, nullptr, &buf_.dst);
+        if (st.ok() && rank_ == 1) st = check_landed(buf_, p);
+        return finish_round(st, t0);
+    }
+
+    [[nodiscard]] bool reports() const override { return rank_ == 0; }
+    [[nodiscard]] std::string description() const override {
+        return fmt::format("{}: two processes (mpirun -np 2), rank 0 sends, rank 1 receives{}",
+                           name_, same_host_ ? ", one host (loopback)" : ", across hosts");
+    }
+    [[nodiscard]] std::string baseline_name() const override {
+        return "raw TCP stream between the two processes (blocking send/recv, TCP_NODELAY)";
+    }
+
+private:
+    explicit CrossProcessRunner(std::string name) : name_(std::move(name)) {}
+
+    // Both ranks end each round together (nobody hangs on the other's error); the round's time
+    // is from the barrier before it to this one, so it covers the whole transfer on both sides.
+    StatusOr<double> finish_round(const Status& st, Clock::time_point t0) {
+        int ok = st.ok() ? 1 : 0;
+        int all_ok = 0;
+        MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm_));
+        const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+        PDSIM_RETURN_IF_ERROR(st);
+        if (!all_ok) return Status(StatusCode::kUnavailable, "bench: the other rank failed");
+        return s;
+    }
+
+    Status init() {
+        int initialized = 0;
+        MPI_CHECK(MPI_Initialized(&initialized));
+        if (!initialized) {
+            int provided = 0;
+            MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
+            we_initialized_ = true;
+        }
+        MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
+        MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+        MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+        int size = 0;
+        MPI_CHECK(MPI_Comm_size(comm_, &size));
+        if (size != 2) {
+            return invalid_argument_error(
+                fmt::format("bench transfer --transport {} under mpirun needs exactly 2 ranks "
+                            "(mpirun -np 2 pdsim bench transfer ...), got {}",
+                            name_, size));
+        }
+        // Rank 0's host, the baseline's listening port, the rendezvous directory and the token.
+        struct Setup {
+            char host[256] = {};
+            char dir[512] = {};
+            char token[64] = {};
+            int port = 0;
+            int status = 0;  // errno of a failed listen on rank 0
+        } setup;
+        char host[256] = {};
+        ::gethostname(host, sizeof(host) - 1);
+        const bool env_rendezvous = std::getenv("PDSIM_TCP_ENDPOINTS") != nullptr ||
+                                    std::getenv("PDSIM_TCP_BOOTSTRAP_DIR") != nullptr;
+        int listen_fd = -1;
+        if (rank_ == 0) {
+            std::snprintf(setup.host, sizeof(setup.host), "%s", host);
+            listen_fd = ::socket(AF_INET, SOCK_STREAM, 0);
+            sockaddr_in a{};
+            a.sin_family = AF_INET;
+            a.sin_addr.s_addr = htonl(env_rendezvous ? INADDR_ANY : INADDR_LOOPBACK);
+            socklen_t len = sizeof(a);
+            if (listen_fd < 0 ||
+                ::bind(listen_fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+                ::listen(listen_fd, 1) != 0 ||
+                ::getsockname(listen_fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+                setup.status = errno != 0 ? errno : EINVAL;
+            }
+            setup.port = ntohs(a.sin_port);
+            if (!env_rendezvous) {
+                std::string dir =
+                    (std::filesystem::temp_directory_path() / "pdsim-bench-tcp-XXXXXX").string();
+                if (::mkdtemp(dir.data()) == nullptr) setup.status = errno;
+                dir_ = dir;
+                std::snprintf(setup.dir, sizeof(setup.dir), "%s", dir.c_str());
+            }
+            const char* given = std::getenv("PDSIM_SESSION_TOKEN");
+            if (given == nullptr || *given == '\0') {
+                std::random_device rd;
+                std::string token;
+                for (int i = 0; i < 4; ++i) token += fmt::format("{:08x}", rd());
+                std::snprintf(setup.token, sizeof(setup.token), "%s", token.c_str());
+            }
+        }
+        MPI_CHECK(MPI_Bcast(&setup, sizeof(setup), MPI_BYTE, 0, comm_));
+        if (setup.status != 0) {
+            if (listen_fd >= 0) ::close(listen_fd);
+            return Status(StatusCode::kUnavailable,
+                          fmt::format("bench: rank 0 could not set up its baseline socket or "
+                                      "rendezvous directory: {}",
+                                      std::strerror(setup.status)));
+        }
+        same_host_ = std::string(host) == setup.host;
+        if (!same_host_ && !env_rendezvous) {
+            return invalid_argument_error(
+                "bench transfer --transport " + name_ +
+                ": the two ranks are on different hosts; set PDSIM_TCP_ENDPOINTS or "
+                "PDSIM_TCP_BOOTSTRAP_DIR (mpirun -x) so that they can meet");
+        }
+        // The baseline stream first (rank 0 accepts what rank 1 connects), then the transport.
+        Status st;
+        if (rank_ == 1) {
+            st = connect_baseline(same_host_ ? "127.0.0.1" : setup.host, setup.port);
+        }
+        int connected = st.ok() ? 1 : 0;
+        MPI_CHECK(MPI_Bcast(&connected, 1, MPI_INT, 1, comm_));
+        if (rank_ == 0) {
+            if (connected) sock_ = ::accept(listen_fd, nullptr, nullptr);
+            ::close(listen_fd);
+            if (connected && sock_ < 0) {
+                st = Status(StatusCode::kUnavailable,
+                            fmt::format("baseline accept: {}", std::strerror(errno)));
+            }
+        }
+        int ok = st.ok() && connected ? 1 : 0;
+        int all_ok = 0;
+        MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm_));
+        PDSIM_RETURN_IF_ERROR(st);
+        if (!all_ok) return Status(StatusCode::kUnavailable, "bench: the baseline socket failed");
+        int one = 1;
+        ::setsockopt(sock_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+
+        TransportOptions o;
+        o.rank = rank_;
+        o.world_size = 2;
+        o.connect_timeout = std::chrono::seconds(30);
+        transfer::TcpOptions tcp;
+        tcp.bootstrap_dir = setup.dir;
+        tcp.session_token = setup.token;
+        o.set(std::move(tcp));
+        StatusOr<std::unique_ptr<Transport>> made = transfer::create_transport(name_, o);
+        ok = made.ok() ? 1 : 0;
+        MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm_));
+        if (!made.ok()) return made.status();
+        if (!all_ok) return Status(StatusCode::kUnavailable, "bench: the other rank failed");
+        t_ = std::move(made).value();
+        return {};
+    }
+
+    Status connect_baseline(const std::string& host, int port) {
+        addrinfo hints{};
+        hints.ai_family = AF_INET;
+        hints.ai_socktype = SOCK_STREAM;
+        addrinfo* found = nullptr;
+        const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+        if (rc != 0) {
+            return Status(StatusCode::kUnavailable,
+                          fmt::format("baseline: cannot resolve rank 0's host '{}': {}", host,
+                                      ::gai_strerror(rc)));
+        }
+        sock_ = ::socket(AF_INET, SOCK_STREAM, 0);
+        const int c = sock_ < 0 ? -1 : ::connect(sock_, found->ai_addr, found->ai_addrlen);
+        const int err = errno;
+        ::freeaddrinfo(found);
+        if (c != 0) {
+            return Status(StatusCode::kUnavailable, fmt::format("baseline connect to {}:{}: {}",
+                                                                host, port, std::strerror(err)));
+        }
+        return {};
+    }
+
+    std::string name_;
+    bool we_initialized_ = false;
+    MPI_Comm comm_ = MPI_COMM_NULL;
+    int rank_ = 0;
+    bool same_host_ = true;
+    std::string dir_;
+    int sock_ = -1;
+    std::unique_ptr<Transport> t_;
+    Buffers buf_;
+};
+
 // ---- cuda_ipc: one process, one GPU ----
 
 // pump() for one-sided writes: write k goes to slot k % W of `dst`; its completion callback posts
@@ -642,9 +890,19 @@ StatusOr<std::unique_ptr<Runner>> make_runner(const std::string& transport, doub
     const transfer::StaticCapabilities caps =
         found.ok() ? found->caps : transfer::StaticCapabilities{};
     const bool known = found.ok() && !caps.decorator;
+    const bool under_launcher = launcher_world_size() > 1;
     if (known && caps.setup == transfer::TransportSetup::kLauncher) {
         PDSIM_ASSIGN_OR_RETURN(runner, MpiRunner::create());
         *target = 0.90;
+    } else if (known && under_launcher && caps.setup == transfer::TransportSetup::kRendezvous &&
+               caps.spans_processes && caps.host_memory && caps.two_sided) {
+        PDSIM_ASSIGN_OR_RETURN(runner, CrossProcessRunner::create(transport));
+        *target = 0.80;
+    } else if (known && under_launcher) {
+        return invalid_argument_error(fmt::format(
+            "--transport {}: under mpirun the bench measures rank 0 to rank 1, and {} does not "
+            "cross processes; run it without mpirun (one process, two endpoints)",
+            transport, transport));
     } else if (known && caps.threads_of_one_process && caps.host_memory && caps.two_sided) {
         PDSIM_ASSIGN_OR_RETURN(runner, InProcessRunner::create(*found));
         *target = caps.medium == TransportMedium::kSocket ? 0.80 : 0.0;
@@ -756,7 +1014,8 @@ void add_bench_transfer_command(CLI::App& bench, CommandSet& commands) {
         "transfer",
         "Transport bandwidth at layer-sized messages vs an in-run baseline: mpi (under mpirun -np\n"
         "2) vs raw MPI_Isend/Irecv (target >= 0.90x at >= 1 MiB), tcp (in-process, two endpoints\n"
-        "over loopback) vs a raw loopback socket stream (target >= 0.80x), local vs memcpy,\n"
+        "over loopback; under mpirun -np 2, rank 0 to rank 1) vs a raw socket stream between the\n"
+        "same two endpoints (target >= 0.80x), local vs memcpy (one process only),\n"
         "cuda_ipc (one GPU) vs raw cudaMemcpyAsync device-to-device (target >= 0.90x).");
     a->add_option("--transport", o->transport, "mpi | tcp | local | cuda_ipc")
         ->check(CLI::IsMember({"mpi", "tcp", "local", "cuda_ipc"}))
