@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -114,6 +115,116 @@ TEST(SimulateCli, SingleColocatedInstanceSimulatesByDefault) {
         {"simulate", "--topology", kDgx, "--trace", trace, "--report", dir.str("pd.json")}, 120);
     ASSERT_EQ(pd.rc, 0) << pd.describe();
     EXPECT_EQ(json::parse(slurp(dir.path() / "pd.json"))["mode"], "disagg");
+}
+
+// CSV rows as id -> "arrival_ms,input_len,output_len" (the columns a replay must reproduce).
+std::map<std::string, std::string> request_columns(const std::string& csv_text) {
+    std::map<std::string, std::string> rows;
+    std::istringstream in(csv_text);
+    std::string line;
+    std::getline(in, line);  // header: id,arrival_ms,ttft_ms,tpot_ms,e2e_ms,input_len,output_len
+    while (std::getline(in, line)) {
+        std::vector<std::string> cells;
+        std::istringstream cut(line);
+        for (std::string c; std::getline(cut, c, ',');) cells.push_back(c);
+        if (cells.size() < 7) continue;
+        rows[cells[0]] = cells[1] + "," + cells[5] + "," + cells[6];
+    }
+    return rows;
+}
+
+// `pdsim simulate --like` of a testbed report replays exactly the testbed's requests (ids,
+// lengths, arrival times) with its topology, model, mode and scheduling; bad reports and flags
+// that contradict the replay exit 2 naming the file or flag.
+TEST(SimulateCli, LikeReplaysTheTestbedsRequestSet) {
+    TempDir dir("simulate_like");
+    std::ofstream(dir.str("cost.json")) << R"({"schema_version": 1, "model": "tiny",
+      "fits": [{"tp": 1, "threads": 1,
+        "extend": {"const_s": 0.001, "per_token_s": 2e-5, "per_attn_pair_s": 3e-9,
+                   "per_request_s": 4e-4},
+        "decode": {"const_s": 5e-4, "per_request_s": 1e-5, "per_kv_token_s": 2e-8}}],
+      "transports": {"local": {"gbps": 2.5, "latency_us": 30}}})";
+    CmdResult tb = run_pdsim({"testbed",
+                              "--topology",
+                              kCpu,
+                              "--trace",
+                              std::string(PDSIM_SOURCE_DIR) + "/data/traces/azure_llm_code.csv",
+                              "--sample",
+                              "9",
+                              "--seed",
+                              "5",
+                              "--time-scale",
+                              "0.002",  // the sample's arrivals span 48 min: 6 s here
+                              "--max-input-len",
+                              "300",
+                              "--max-output-len",
+                              "5",
+                              "--chunk-size",
+                              "256",
+                              "--mode",
+                              "disagg",
+                              "--quiet",
+                              "--report",
+                              dir.str("tb.json"),
+                              "--requests",
+                              dir.str("tb.csv")},
+                             120);
+    ASSERT_EQ(tb.rc, 0) << tb.describe();
+    CmdResult sim =
+        run_pdsim({"simulate", "--like", dir.str("tb.json"), "--cost-model", dir.str("cost.json"),
+                   "--quiet", "--report", dir.str("sim.json"), "--requests", dir.str("sim.csv")},
+                  120);
+    ASSERT_EQ(sim.rc, 0) << sim.describe();
+    const auto want = request_columns(slurp(dir.path() / "tb.csv"));
+    const auto got = request_columns(slurp(dir.path() / "sim.csv"));
+    ASSERT_EQ(want.size(), 9u);
+    EXPECT_EQ(got, want);
+    const json tb_rep = json::parse(slurp(dir.path() / "tb.json"));
+    const json rep = json::parse(slurp(dir.path() / "sim.json"));
+    EXPECT_EQ(rep["mode"], "disagg");
+    EXPECT_FALSE(rep.contains("colocated"));
+    EXPECT_EQ(rep["model"], tb_rep["model"]);
+    EXPECT_EQ(rep["config"]["like"], dir.str("tb.json"));
+    // The testbed's rules: no prefix cache, full reservation, its decode ranks' KV-token bound.
+    EXPECT_EQ(rep["config"]["prefix_cache"], false);
+    EXPECT_EQ(rep["config"]["kv_admission"], "full");
+    const json& decode_rank = tb_rep["ranks"][1];
+    ASSERT_EQ(decode_rank["role"], "decode");
+    EXPECT_EQ(rep["config"]["max_decode_kv_tokens"],
+              2048 * decode_rank["stats"]["threads"].get<int64_t>());
+    EXPECT_EQ(rep["config"]["chunk_size"], 256);
+    // Explicit flags win over the report's (here --mode both: two runs).
+    CmdResult both =
+        run_pdsim({"simulate", "--like", dir.str("tb.json"), "--cost-model", dir.str("cost.json"),
+                   "--mode", "both", "--quiet", "--report", dir.str("both.json")},
+                  120);
+    ASSERT_EQ(both.rc, 0) << both.describe();
+    EXPECT_TRUE(json::parse(slurp(dir.path() / "both.json")).contains("colocated"));
+
+    // Flags that would change the request set; a file that is no testbed report; a report whose
+    // model no longer resolves to what ran.
+    CmdResult with_trace = run_pdsim({"simulate", "--like", dir.str("tb.json"), "--trace",
+                                      dir.str("tb.csv"), "--cost-model", dir.str("cost.json")});
+    EXPECT_EQ(with_trace.rc, 2) << with_trace.describe();
+    EXPECT_THAT(with_trace.err, HasSubstr("--trace with --like"));
+    std::ofstream(dir.str("other.json")) << R"({"requests": []})";
+    CmdResult other = run_pdsim({"simulate", "--like", dir.str("other.json")});
+    EXPECT_EQ(other.rc, 2) << other.describe();
+    EXPECT_THAT(other.err, HasSubstr("other.json: not a pdsim testbed report"));
+    json changed = tb_rep;
+    changed["config"]["model"]["num_layers"] = 7;
+    std::ofstream(dir.str("changed.json")) << changed.dump();
+    CmdResult mismatch = run_pdsim(
+        {"simulate", "--like", dir.str("changed.json"), "--cost-model", dir.str("cost.json")});
+    EXPECT_EQ(mismatch.rc, 2) << mismatch.describe();
+    EXPECT_THAT(mismatch.err, HasSubstr("but the testbed ran tiny with 7"));
+    changed = tb_rep;
+    changed["config"]["request_set"]["input_len"][2] = -4;
+    std::ofstream(dir.str("bad_len.json")) << changed.dump();
+    CmdResult bad_len = run_pdsim(
+        {"simulate", "--like", dir.str("bad_len.json"), "--cost-model", dir.str("cost.json")});
+    EXPECT_EQ(bad_len.rc, 2) << bad_len.describe();
+    EXPECT_THAT(bad_len.err, HasSubstr("request 2"));
 }
 
 TEST(SimulateCli, BadInputExitsTwoNamingTheFlagOrFile) {

@@ -11,11 +11,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 
 #include "backends/model/model_config.h"
 #include "common/data_dir.h"
+#include "common/input_file.h"
 #include "common/text.h"
 #include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
@@ -36,6 +38,7 @@ constexpr double kTargetRequestsPerWallS = 20000;
 constexpr int64_t kTimelineRequests = 1000;  // --timeline-sample auto: about this many lifecycles
 
 struct SimulateFlags {
+    std::string like;  // a testbed report to replay (--like)
     std::string topology, model;
     des::RequestSource req;  // a trace (required), its caps, first N or sample, time scale
     std::string cost_model = "roofline";
@@ -52,6 +55,16 @@ struct SimulateFlags {
     std::string report, timeline, requests;
     int64_t timeline_sample = 0;
     bool progress = false, quiet = false;
+    bool model_default_tiny =
+        false;  // --like: no model in the topology means tiny (as the testbed)
+};
+
+// What --like takes from a testbed report besides flags: its requests, exactly, and the model it
+// ran (checked against what the flags resolve to now).
+struct LikeRun {
+    std::vector<workload::Request> requests;
+    std::string label;
+    json model;  // config.model: name and dimensions
 };
 
 // Everything a run needs, loaded and validated.
@@ -74,8 +87,10 @@ StatusOr<bool> on_off(const std::string& flag, const std::string& v) {
 }
 
 Status check_flags(const SimulateFlags& f) {
-    if (f.topology.empty()) return invalid_argument_error("--topology: required");
-    if (f.req.trace.empty()) return invalid_argument_error("--trace: required");
+    if (f.topology.empty())
+        return invalid_argument_error("--topology: required (or --like REPORT.json)");
+    if (f.req.trace.empty() && f.like.empty())
+        return invalid_argument_error("--trace: required (or --like REPORT.json)");
     if (f.layers < 0)
         return invalid_argument_error(fmt::format("--layers {}: must be >= 1", f.layers));
     PDSIM_RETURN_IF_ERROR(check_scheduling_flags(f.sched));
@@ -122,6 +137,9 @@ Status check_flags(const SimulateFlags& f) {
 // Model and topology as `pdsim testbed` resolves them (sim/testbed/options.cpp), minus its
 // CPU-only checks.
 Status load_model_and_topology(const SimulateFlags& f, Prepared* p) {
+    if (f.topology.empty()) {
+        return invalid_argument_error("--topology is required (or --like REPORT.json)");
+    }
     topo::LoadOptions lo;
     topo::ModelShape shape;
     std::optional<model::ModelConfig> m;
@@ -132,6 +150,11 @@ Status load_model_and_topology(const SimulateFlags& f, Prepared* p) {
     }
     PDSIM_ASSIGN_OR_RETURN(p->topology, topo::load_topology(f.topology, lo));
     p->topology_label = fs::path(f.topology).filename().string();
+    if (!m && !p->topology.model && f.model_default_tiny) {
+        PDSIM_ASSIGN_OR_RETURN(m, des::load_model("tiny", f.layers));
+        shape = model::to_model_shape(*m);
+        PDSIM_RETURN_IF_ERROR(topo::validate(p->topology, &shape));
+    }
     if (!m) {
         if (!p->topology.model) {
             return invalid_argument_error(
@@ -168,10 +191,26 @@ Status load_requests(const SimulateFlags& f, Prepared* p) {
     return {};
 }
 
-StatusOr<Prepared> prepare(const SimulateFlags& f) {
+StatusOr<Prepared> prepare(const SimulateFlags& f, const LikeRun* like = nullptr) {
     PDSIM_RETURN_IF_ERROR(check_flags(f));
+    if (like == nullptr && f.req.trace.empty()) {
+        return invalid_argument_error("--trace is required (or --like REPORT.json)");
+    }
     Prepared p;
     PDSIM_RETURN_IF_ERROR(load_model_and_topology(f, &p));
+    if (like != nullptr) {
+        // The model the flags resolve to now must be the one the testbed ran.
+        for (const topo::ModelDimension& dim : topo::kModelDimensions) {
+            const json& want = like->model[std::string(dim.key)];
+            if (want.is_number_integer() && want.get<int64_t>() != p.model.*dim.field) {
+                return invalid_argument_error(fmt::format(
+                    "--like {}: the model resolves to {} with {} {}, but the testbed ran {} with "
+                    "{} (did the model or topology file change? pass --model and --layers)",
+                    f.like, p.model.name, dim.key, p.model.*dim.field,
+                    like->model.value("name", "?"), want.get<int64_t>()));
+            }
+        }
+    }
     if (f.cost_model == "roofline") {
         p.cost_kind = "roofline";
     } else {
@@ -190,7 +229,12 @@ StatusOr<Prepared> prepare(const SimulateFlags& f) {
     }
     p.setups = std::move(*setups);
     const auto t0 = std::chrono::steady_clock::now();
-    PDSIM_RETURN_IF_ERROR(load_requests(f, &p));
+    if (like != nullptr) {
+        p.requests = like->requests;
+        p.workload_label = like->label;
+    } else {
+        PDSIM_RETURN_IF_ERROR(load_requests(f, &p));
+    }
     p.load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return p;
 }
@@ -305,6 +349,7 @@ metrics::Report simulate_report(const Prepared& p, const SimulateFlags& f,
         r.extra["config"]["time_scale"] = f.req.time_scale;
         r.extra["config"]["max_input_len"] = f.req.max_input_len;
         r.extra["config"]["max_output_len"] = f.req.max_output_len;
+        if (!f.like.empty()) r.extra["config"]["like"] = f.like;
         r.extra["simulator"]["trace_load_s"] = p.load_s;
     };
     annotate(report);
@@ -339,8 +384,181 @@ std::string simulate_summary(const Prepared& p, const SimulateFlags& f,
     return s;
 }
 
-Status run_simulate(const SimulateFlags& f) {
-    PDSIM_ASSIGN_OR_RETURN(Prepared p, prepare(f));
+// ---- --like REPORT.json ----
+
+constexpr uint64_t kMaxLikeReportBytes = uint64_t{1} << 30;
+
+// `report`[key] as a T, or kInvalidArgument naming the file and the key.
+template <typename T>
+StatusOr<T> like_field(const std::string& file, const json& object, const std::string& path,
+                       const char* key) {
+    const auto it = object.find(key);
+    if (it == object.end()) {
+        return invalid_argument_error(fmt::format("--like {}: {}{} is missing", file, path, key));
+    }
+    try {
+        return it->get<T>();
+    } catch (const json::exception&) {
+        return invalid_argument_error(
+            fmt::format("--like {}: {}{}: {} is not what a testbed report holds there", file, path,
+                        key, text::excerpt(it->dump())));
+    }
+}
+
+// Reads a testbed report: its exact request set, and the flags it ran with into `f` (those not
+// given on the command line: `given(flag)`).
+StatusOr<LikeRun> load_like(SimulateFlags* f, const std::function<bool(const char*)>& given) {
+    for (const char* flag : {"--trace", "--trace-format", "--max-requests", "--sample", "--seed",
+                             "--time-scale", "--max-input-len", "--max-output-len"}) {
+        if (given(flag)) {
+            return invalid_argument_error(fmt::format(
+                "{} with --like: --like replays the report's own requests (ids, lengths and "
+                "arrival times, already scaled); drop {}",
+                flag, flag));
+        }
+    }
+    const std::string& file = f->like;
+    PDSIM_ASSIGN_OR_RETURN(std::string text, files::read_input_file(file, kMaxLikeReportBytes));
+    const json rep = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!rep.is_object() || !rep.contains("config") || !rep["config"].is_object()) {
+        return invalid_argument_error(fmt::format(
+            "--like {}: not a pdsim testbed report (a JSON object with a `config` section)", file));
+    }
+    const json& config = rep["config"];
+    if (!config.contains("request_set")) {
+        return invalid_argument_error(fmt::format(
+            "--like {}: config.request_set is missing: the report of an older pdsim testbed, or "
+            "not a testbed report (rerun the testbed to replay it)",
+            file));
+    }
+    const json& set = config["request_set"];
+    if (!set.is_object()) {
+        return invalid_argument_error(
+            fmt::format("--like {}: config.request_set is not an object", file));
+    }
+    LikeRun like;
+    const std::string at = "config.request_set.";
+    PDSIM_ASSIGN_OR_RETURN(auto ids, like_field<std::vector<int64_t>>(file, set, at, "id"));
+    PDSIM_ASSIGN_OR_RETURN(auto arrivals,
+                           like_field<std::vector<double>>(file, set, at, "arrival_ms"));
+    PDSIM_ASSIGN_OR_RETURN(auto inputs,
+                           like_field<std::vector<int64_t>>(file, set, at, "input_len"));
+    PDSIM_ASSIGN_OR_RETURN(auto outputs,
+                           like_field<std::vector<int64_t>>(file, set, at, "output_len"));
+    std::vector<std::vector<int64_t>> hashes;
+    if (set.contains("hash_ids")) {
+        PDSIM_ASSIGN_OR_RETURN(
+            hashes, like_field<std::vector<std::vector<int64_t>>>(file, set, at, "hash_ids"));
+    }
+    const size_t n = ids.size();
+    if (n == 0 || arrivals.size() != n || inputs.size() != n || outputs.size() != n ||
+        (!hashes.empty() && hashes.size() != n)) {
+        return invalid_argument_error(fmt::format(
+            "--like {}: config.request_set: {} ids, {} arrival_ms, {} input_len, {} output_len{}: "
+            "expected as many of each, at least one",
+            file, n, arrivals.size(), inputs.size(), outputs.size(),
+            hashes.empty() ? "" : fmt::format(", {} hash_ids", hashes.size())));
+    }
+    like.requests.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+        if (ids[i] < 0 || !std::isfinite(arrivals[i]) || arrivals[i] < 0 || inputs[i] < 1 ||
+            inputs[i] > kMaxLengthCap || outputs[i] < 1 || outputs[i] > kMaxLengthCap ||
+            (i > 0 && arrivals[i] < arrivals[i - 1])) {
+            return invalid_argument_error(fmt::format(
+                "--like {}: config.request_set, request {} (id {}): arrival_ms {}, input_len {}, "
+                "output_len {}: ids >= 0, arrivals finite and in order, lengths in [1, {}]",
+                file, i, ids[i], arrivals[i], inputs[i], outputs[i], kMaxLengthCap));
+        }
+        workload::Request& q = like.requests[i];
+        q.id = ids[i];
+        q.arrival_ms = arrivals[i];
+        q.input_len = static_cast<int32_t>(inputs[i]);
+        q.output_len = static_cast<int32_t>(outputs[i]);
+        if (!hashes.empty()) q.hash_ids = std::move(hashes[i]);
+    }
+    like.model = config.value("model", json::object());
+    like.label = fmt::format("like {} ({} requests{})", fs::path(file).filename().string(), n,
+                             config.contains("workload") && config["workload"].is_string()
+                                 ? " of " + config["workload"].get<std::string>()
+                                 : "");
+    // The run's settings, unless the command line says otherwise.
+    if (!given("--topology")) {
+        PDSIM_ASSIGN_OR_RETURN(f->topology,
+                               like_field<std::string>(file, config, "config.", "topology_file"));
+        if (f->topology.empty()) {
+            return invalid_argument_error(fmt::format(
+                "--like {}: the testbed ran its embedded built-in topology (no file); pass "
+                "--topology",
+                file));
+        }
+    }
+    if (!given("--model")) {
+        PDSIM_ASSIGN_OR_RETURN(f->model,
+                               like_field<std::string>(file, config, "config.", "model_source"));
+        f->model_default_tiny = true;
+    }
+    if (!given("--layers")) {
+        PDSIM_ASSIGN_OR_RETURN(f->layers, like_field<int>(file, config, "config.", "layers"));
+    }
+    const std::pair<const char*, int64_t*> sched[] = {
+        {"chunk_size", &f->sched.chunk_size},
+        {"max_batch_tokens", &f->sched.max_batch_tokens},
+        {"max_decode_batch", &f->sched.max_decode_batch},
+        {"kv_pool_mb", &f->kv_pool_mb}};
+    for (const auto& [key, field] : sched) {
+        const std::string flag = "--" + std::string(key);
+        std::string dashed = flag;
+        std::replace(dashed.begin(), dashed.end(), '_', '-');
+        if (!given(dashed.c_str())) {
+            PDSIM_ASSIGN_OR_RETURN(*field, like_field<int64_t>(file, config, "config.", key));
+        }
+    }
+    if (!given("--page-size")) {
+        PDSIM_ASSIGN_OR_RETURN(f->sched.page_size,
+                               like_field<int>(file, config, "config.", "page_size"));
+    }
+    if (!given("--layerwise")) {
+        PDSIM_ASSIGN_OR_RETURN(const bool layerwise,
+                               like_field<bool>(file, config, "config.", "layerwise"));
+        f->layerwise = layerwise ? "on" : "off";
+    }
+    // The testbed's rules where the simulator's defaults differ: no prefix cache, decode pages
+    // for prompt + output reserved at admission, and its decode ranks' KV-token bound per decode
+    // batch (the cpu backend's, 2048 x attention threads; 0 on GPU ranks), from the ranks' stats.
+    if (!given("--prefix-cache")) f->sched.prefix_cache = "off";
+    if (!given("--kv-admission")) f->sched.kv_admission = "full";
+    if (!given("--max-decode-kv-tokens") && rep.contains("ranks") && rep["ranks"].is_array()) {
+        int64_t cap = 0;
+        for (const json& rank : rep["ranks"]) {
+            if (!rank.is_object() || rank.value("role", "") == "prefill") continue;
+            const json stats = rank.value("stats", json::object());
+            if (stats.is_object() && stats.contains("decode_kv_cap") &&
+                stats["decode_kv_cap"].is_number_integer()) {
+                const int64_t rank_cap = stats["decode_kv_cap"].get<int64_t>();
+                if (rank_cap < 0) {
+                    return invalid_argument_error(fmt::format(
+                        "--like {}: ranks[].stats.decode_kv_cap {}: must be >= 0", file, rank_cap));
+                }
+                cap = std::max(cap, rank_cap);
+            }
+        }
+        f->max_decode_kv_tokens = cap;
+    }
+    if (!given("--mode")) {
+        PDSIM_ASSIGN_OR_RETURN(const std::string mode,
+                               like_field<std::string>(file, rep, "", "mode"));
+        f->mode = mode == "disagg" && rep.contains("colocated") ? "both" : mode;
+    }
+    return like;
+}
+
+Status run_simulate(const SimulateFlags& flags, const std::function<bool(const char*)>& given) {
+    SimulateFlags f = flags;
+    std::optional<LikeRun> like;
+    if (!f.like.empty()) {
+        PDSIM_ASSIGN_OR_RETURN(like, load_like(&f, given));
+    }
+    PDSIM_ASSIGN_OR_RETURN(Prepared p, prepare(f, like ? &*like : nullptr));
     // Outputs are opened before the run so a bad path fails fast.
     std::unique_ptr<CsvStream> csv;
     if (!f.requests.empty()) {
@@ -482,11 +700,16 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
         "fair flows over the topology's links. Writes the testbed's report keys. Exit 0 when "
         "every\n"
         "request completed; 2 on bad input; else 1.");
-    sub->add_option("--topology", f->topology, "topology file (YAML or JSON)")
-        ->required()
+    sub->add_option("--topology", f->topology,
+                    "topology file (YAML or JSON; required unless --like)")
         ->check(non_empty());
-    sub->add_option("--trace", f->req.trace, "trace file: Mooncake .jsonl or Azure .csv")
-        ->required()
+    sub->add_option("--trace", f->req.trace,
+                    "trace file: Mooncake .jsonl or Azure .csv (required unless --like)")
+        ->check(non_empty());
+    sub->add_option("--like", f->like,
+                    "replay a `pdsim testbed` report: its exact requests (ids, lengths, arrival "
+                    "times), topology, model, mode, layerwise, scheduling and KV pool, unless a "
+                    "flag here says otherwise; add --cost-model (e.g. from pdsim calibrate)")
         ->check(non_empty());
     add_common_flags(sub, *f);
     sub->add_option("--max-requests", f->req.max_requests, "simulate the first N requests")
@@ -550,7 +773,12 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
         ->check(output_file());
     sub->add_flag("--progress", f->progress, "print a progress line on stderr");
     sub->add_flag("--quiet", f->quiet, "no summary table");
-    commands.add(sub, [f] { return run_simulate(*f); });
+    commands.add(sub, [f, sub] {
+        return run_simulate(*f, [sub](const char* flag) {
+            const CLI::Option* option = sub->get_option_no_throw(flag);
+            return option != nullptr && option->count() > 0;
+        });
+    });
 }
 
 void add_bench_simulate_command(CLI::App& bench, CommandSet& commands) {

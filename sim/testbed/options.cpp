@@ -667,6 +667,14 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
     if (!topo_path.empty()) {
         PDSIM_ASSIGN_OR_RETURN(rc.topology, topo::load_topology(topo_path, lo));
         rc.topology_label = fs::path(topo_path).filename().string();
+        std::error_code ec;
+        const fs::path absolute = fs::absolute(topo_path, ec);
+        rc.topology_file = ec ? topo_path : absolute.lexically_normal().string();
+    }
+    rc.model_source = o.model;
+    if (std::error_code ec; !o.model.empty() && fs::is_regular_file(o.model, ec)) {
+        const fs::path absolute = fs::absolute(o.model, ec);
+        if (!ec) rc.model_source = absolute.lexically_normal().string();
     }
     if (!model_cfg) {
         // The topology's model section, whole (its overrides of a built-in included), else tiny.

@@ -176,6 +176,11 @@ struct ResolvedConfig {
     TestbedOptions options;  // with defaults filled in (transport, time_scale, ...)
     topo::Topology topology;
     std::string topology_label;  // file name (or "cpu-1p1d (built-in)")
+    // What `pdsim simulate --like` reloads: the topology file's absolute path ("" for the
+    // embedded built-in), and --model as given (a name, or a file's absolute path; "": the
+    // topology's model, else tiny).
+    std::string topology_file;
+    std::string model_source;
     model::ModelConfig model;
     std::vector<workload::Request> requests;
     std::string workload_label;    // "mooncake_conversation.jsonl (sample 16)"

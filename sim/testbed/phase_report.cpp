@@ -322,6 +322,29 @@ void build_phase_report(const ResolvedConfig& cfg, PhaseData& pd,
                      tl);
 }
 
+// Every request the run submitted, as columns (`pdsim simulate --like` replays exactly these):
+// id, arrival_ms (scaled, from the phase start), input_len, output_len, and hash_ids (prefix
+// blocks) when the trace has them.
+json request_set_json(const std::vector<workload::Request>& requests) {
+    json ids = json::array(), arrivals = json::array(), inputs = json::array(),
+         outputs = json::array(), hashes = json::array();
+    bool any_hash = false;
+    for (const workload::Request& q : requests) {
+        ids.push_back(q.id);
+        arrivals.push_back(q.arrival_ms);
+        inputs.push_back(q.input_len);
+        outputs.push_back(q.output_len);
+        hashes.push_back(q.hash_ids);
+        any_hash |= !q.hash_ids.empty();
+    }
+    json set = {{"id", std::move(ids)},
+                {"arrival_ms", std::move(arrivals)},
+                {"input_len", std::move(inputs)},
+                {"output_len", std::move(outputs)}};
+    if (any_hash) set["hash_ids"] = std::move(hashes);
+    return set;
+}
+
 json testbed_config_json(const ResolvedConfig& cfg) {
     const TestbedOptions& o = cfg.options;
     const model::ModelConfig& m = cfg.model;
@@ -351,7 +374,12 @@ json testbed_config_json(const ResolvedConfig& cfg) {
                    {"max_output_len", o.max_output_len},
                    {"seed", o.seed},
                    {"request_timeout_s", o.request_timeout_s},
-                   {"max_inflight_per_instance", effective_max_inflight(cfg)}};
+                   {"max_inflight_per_instance", effective_max_inflight(cfg)},
+                   {"kv_pool_mb", o.kv_pool_mb},
+                   {"topology_file", cfg.topology_file},
+                   {"model_source", cfg.model_source},
+                   {"layers", o.layers},
+                   {"request_set", request_set_json(cfg.requests)}};
     if (cfg.gpu_ranks()) {
         // The GPU of rank 0 (the process that writes the report; under mpirun it knows only its
         // own, and every rank's `device` is in its `ranks` entry) and how the model is sized.

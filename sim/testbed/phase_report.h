@@ -37,7 +37,12 @@ void build_phase_report(const ResolvedConfig& cfg, PhaseData& phase,
                         const std::vector<double>& offsets, double t_origin,
                         metrics::Timeline* timeline);
 
-// The report's "config" section: the command line and the settings of the run.
+// The report's "config" section: the command line and the settings of the run, with what
+// `pdsim simulate --like` needs to replay it: topology_file, model_source, layers, kv_pool_mb and
+// the request set.
 [[nodiscard]] nlohmann::json testbed_config_json(const ResolvedConfig& cfg);
+// config.request_set: the run's requests as columns (id, arrival_ms, input_len, output_len, and
+// hash_ids when any request has prefix blocks).
+[[nodiscard]] nlohmann::json request_set_json(const std::vector<workload::Request>& requests);
 
 }  // namespace pdsim::testbed

@@ -315,6 +315,8 @@ RankResult Server::result() {
                   {"forward_tokens", forward_tokens_},
                   {"compute_us", compute_us_},
                   {"record_violations", record_violations_},
+                  {"threads", ctx_.threads},
+                  {"decode_kv_cap", decode_kv_cap()},  // 0: none (`pdsim simulate --like`)
                   {"broken", broken_ ? broken_reason_ : ""}};
     if (ctx_.gpu != nullptr) {
         const GpuInfo& g = ctx_.gpu->info();
