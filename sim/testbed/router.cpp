@@ -321,6 +321,12 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         // Arrivals join the router's queue; its head is dispatched while its instances have room
         // (router.h, "Backpressure"): strict arrival order.
         while (next < n && t_base + reqs[next].arrival_ms * 1000.0 <= now) queue.push_back(next++);
+        // With no live instance of a role left, no request can be served: the ones still to
+        // arrive fail now (below) rather than one by one at their arrival times, so a run whose
+        // only decode (or prefill) instance died ends within the heartbeat timeout.
+        if (next < n && (colocated ? all.empty() : prefill.empty() || decode.empty())) {
+            while (next < n) queue.push_back(next++);
+        }
         while (!queue.empty()) {
             const size_t i = queue.front();
             Track& t = tr[i];
