@@ -366,7 +366,7 @@ TEST(TestbedStop, HungDecodeRankUnderMpirunEndsTheRunWithAReport) {
     TempDir dir("tb_stop_hung");
     const std::vector<std::string> args = {
         "--synthetic",         "100", "--time-scale", "1",        "--mode",          "disagg",
-        "--request-timeout-s", "2",  "--quiet",      "--report", dir.str("r.json"), "--requests",
+        "--request-timeout-s", "2",   "--quiet",      "--report", dir.str("r.json"), "--requests",
         dir.str("r.csv")};
     StopResult s = run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3,
                                 signal_mpi_rank(1, "-STOP", dir.str("r.json")));

@@ -42,7 +42,8 @@
 // silent for --heartbeat-timeout-s (or whose reports stopped) is dead or hung: the router fails
 // every unfinished request its instance holds ("instance X (rank R) silent for N s: dead or
 // hung"), routes nothing more to it (once no live instance of a role is left, every request
-// not yet served fails at once, those still to arrive included), lists it in RouterResult::dead_ranks, and the rest of the run goes on.
+// not yet served fails at once, those still to arrive included), lists it in
+// RouterResult::dead_ranks, and the rest of the run goes on.
 //
 // When every request is terminal the router sends "end" to every instance leader.
 // Thread-safety: run_router owns its state; it uses the mailbox's kRouter channel only.
