@@ -384,6 +384,27 @@ TEST(TestbedStop, HungDecodeRankUnderMpirunEndsTheRunWithAReport) {
     EXPECT_THAT(rep["incomplete"].value("cause", ""), HasSubstr("rank 1 went silent"));
 }
 
+// kill -STOP of rank 0 (the prefill leader, the router and the report's writer) under mpirun:
+// the decode rank watches rank 0's pulse, finds it silent after --heartbeat-timeout-s, says where
+// the finished requests are and ends the job (MPI_Abort). mpirun then continues and terminates
+// the stopped rank (SIGCONT, SIGTERM), whose handler writes the report from its journal.
+TEST(TestbedStop, HungRouterRankUnderMpirunEndsTheJob) {
+    TempDir dir("tb_stop_router");
+    const std::vector<std::string> args = {
+        "--synthetic",         "100", "--time-scale", "1",        "--mode",          "disagg",
+        "--request-timeout-s", "2",   "--quiet",      "--report", dir.str("r.json"), "--requests",
+        dir.str("r.csv")};
+    StopResult s = run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3,
+                                signal_mpi_rank(0, "-STOP", dir.str("r.json")));
+    EXPECT_NE(s.cmd.rc, 0) << s.cmd.describe();
+    EXPECT_GT(s.end_s, 0) << s.cmd.describe();
+    EXPECT_LT(s.end_s, 15) << s.cmd.describe();
+    EXPECT_THAT(s.cmd.err, HasSubstr("rank 1: rank 0 (the router, which writes the report) "
+                                     "silent for"));
+    EXPECT_THAT(s.cmd.err, HasSubstr("r.json.journal.jsonl on rank 0's host"));
+    expect_partial_report(dir, "SIGTERM", s.cmd);
+}
+
 // kill -9 of one of two decode instances over tcp with OpenMPI's recovery on (the environment
 // form of `mpirun --enable-recovery`): mpirun keeps the job, the router finds the rank silent
 // after --heartbeat-timeout-s, fails only what that instance held and routes the rest to the

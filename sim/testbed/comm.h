@@ -45,7 +45,8 @@ namespace pdsim::testbed {
 // steady_clock time point -> now_us() scale.
 [[nodiscard]] double to_us(std::chrono::steady_clock::time_point t);
 
-// kHeartbeat: every rank but 0 tells rank 0's router once a second that it is alive (router.h).
+// kHeartbeat: every rank but 0 tells rank 0's router once a second that it is alive, and rank 0
+// pulses every other rank under mpirun (router.h, "Liveness").
 enum class Channel : int { kInstance = 1, kRouter = 2, kCollect = 3, kHeartbeat = 4 };
 inline constexpr int kNumChannels = 5;  // indices 0 .. kHeartbeat
 

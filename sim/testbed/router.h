@@ -38,7 +38,8 @@
 // only once that instance stops moving.
 //
 // Liveness: every rank but 0 sends a heartbeat on Channel::kHeartbeat once a second (with its
-// progress count, RankContext::progress); a rank
+// progress count, RankContext::progress), and under mpirun rank 0 pulses every rank the same way
+// (a rank that stops hearing it ends the job: testbed.cpp, Heartbeat); a rank
 // silent for --heartbeat-timeout-s (or whose reports stopped) is dead or hung: the router fails
 // every unfinished request its instance holds ("instance X (rank R) silent for N s: dead or
 // hung"), routes nothing more to it (once no live instance of a role is left, every request

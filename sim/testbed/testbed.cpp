@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -364,19 +365,57 @@ Status decide_shaping(Shared& sh, RankContext& ctx) {
 
 // ---- one rank ----
 
-// A rank's heartbeat to rank 0's router (router.h "Liveness"): once a second while it lives.
+// Heartbeats (router.h "Liveness"), once a second on Channel::kHeartbeat while the object
+// lives. A rank but 0 sends its own (with its progress count) to rank 0's router and, when given
+// `on_rank0_silent`, watches rank 0's: once it heard one, `silent_s` seconds without any is
+// reported to the callback (once; it runs on the heartbeat thread and may end the process).
+// Rank 0 sends a pulse to every other rank (`pulse_to`) and watches nothing: its router watches
+// the others. Rank 0's pulse lives from before its phase's run until its results are collected,
+// so it outlives every other rank's watch of the same phase.
 class Heartbeat {
 public:
-    // `progress` (may be null): the rank's progress count, sent with each heartbeat.
-    Heartbeat(Mailbox& mbox, const std::atomic<uint64_t>* progress) : mbox_(mbox) {
-        thread_ = std::thread([this, progress] {
+    struct Options {
+        const std::atomic<uint64_t>* progress = nullptr;  // may be null
+        std::vector<int> pulse_to;                        // rank 0: the ranks to pulse
+        double silent_s = 0;                              // 0: no watch of rank 0
+        std::function<void(double silent_s)> on_rank0_silent;
+    };
+    Heartbeat(Mailbox& mbox, Options opts) : mbox_(mbox), opts_(std::move(opts)) {
+        thread_ = std::thread([this] {
             set_thread_name("pdsim-heartbeat");
+            using Clock = std::chrono::steady_clock;
+            std::optional<Clock::time_point> heard_rank0;
+            bool reported = false;
             std::unique_lock<std::mutex> lock(mu_);
             while (!stop_) {
                 lock.unlock();
-                nlohmann::json hb = {{"k", "hb"}};
-                if (progress != nullptr) hb["p"] = progress->load(std::memory_order_relaxed);
-                mbox_.send(0, Channel::kHeartbeat, hb).ignore_error();
+                if (opts_.pulse_to.empty()) {
+                    nlohmann::json hb = {{"k", "hb"}};
+                    if (opts_.progress != nullptr)
+                        hb["p"] = opts_.progress->load(std::memory_order_relaxed);
+                    mbox_.send(0, Channel::kHeartbeat, hb).ignore_error();
+                } else {
+                    for (int to : opts_.pulse_to) {
+                        mbox_.send(to, Channel::kHeartbeat, nlohmann::json{{"k", "hb"}})
+                            .ignore_error();
+                    }
+                }
+                if (opts_.silent_s > 0 && opts_.on_rank0_silent && !reported) {
+                    for (;;) {
+                        StatusOr<std::optional<Message>> m =
+                            mbox_.recv(Channel::kHeartbeat, std::chrono::microseconds(0));
+                        if (!m.ok() || !*m) break;
+                        if ((*m)->src == 0) heard_rank0 = Clock::now();
+                    }
+                    const double quiet =
+                        heard_rank0
+                            ? std::chrono::duration<double>(Clock::now() - *heard_rank0).count()
+                            : 0;
+                    if (quiet > opts_.silent_s) {
+                        reported = true;
+                        opts_.on_rank0_silent(quiet);
+                    }
+                }
                 lock.lock();
                 cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; });
             }
@@ -395,11 +434,34 @@ public:
 
 private:
     Mailbox& mbox_;
+    const Options opts_;
     std::mutex mu_;
     std::condition_variable cv_;
     bool stop_ = false;
     std::thread thread_;
 };
+
+// A rank but 0 under mpirun whose watch found rank 0 (the router, the report's writer) silent:
+// nothing can end the run but this rank, and no report can be written but by rank 0; say where
+// the finished requests are and end the job (MPI_Abort, with an _Exit behind it as in
+// run_mpi_rank: under --enable-recovery MPI_Abort only waits to be killed).
+void end_job_rank0_silent(const ResolvedConfig& cfg, int rank, double silent_s) {
+    const std::string journal = cfg.options.report_path.empty()
+                                    ? std::string("(no --report: no journal)")
+                                    : cfg.options.report_path + ".journal.jsonl";
+    std::fprintf(stderr,
+                 "pdsim: error: rank %d: rank 0 (the router, which writes the report) silent for "
+                 "%.0f s: dead or hung (--heartbeat-timeout-s); the requests that finished are in "
+                 "%s on rank 0's host; ending the job\n",
+                 rank, silent_s, journal.c_str());
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::thread([] {
+        std::this_thread::sleep_for(std::chrono::seconds(3));
+        std::_Exit(1);
+    }).detach();
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
 
 Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offsets,
                   std::vector<PhaseData>* phases) {
@@ -476,8 +538,24 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
                 }
             });
         }
+        // Rank 0's pulse lives until its results are collected (Heartbeat's comment).
+        std::optional<Heartbeat> pulse;
         std::optional<Heartbeat> heartbeat;
-        if (ctx.rank != 0) heartbeat.emplace(mbox, ctx.progress);
+        const bool watch_rank0 = !sh.local && o.heartbeat_timeout_s > 0;
+        if (ctx.rank == 0 && watch_rank0) {
+            Heartbeat::Options pulse_opts;
+            for (int r = 1; r < ctx.world; ++r) pulse_opts.pulse_to.push_back(r);
+            if (!pulse_opts.pulse_to.empty()) pulse.emplace(mbox, std::move(pulse_opts));
+        } else if (ctx.rank != 0) {
+            Heartbeat::Options hb_opts{.progress = ctx.progress};
+            if (watch_rank0) {
+                hb_opts.silent_s = o.heartbeat_timeout_s;
+                hb_opts.on_rank0_silent = [&cfg, rank = ctx.rank](double silent_s) {
+                    end_job_rank0_silent(cfg, rank, silent_s);
+                };
+            }
+            heartbeat.emplace(mbox, std::move(hb_opts));
+        }
         Status st = server->run();
         heartbeat.reset();
         if (!st.ok())
