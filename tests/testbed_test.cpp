@@ -300,10 +300,13 @@ void expect_partial_report(const TempDir& dir, const std::string& cause, const C
     int rows = -1;  // the header
     while (std::getline(csv, line)) ++rows;
     EXPECT_EQ(rows, completed + failed);
-    // The journal stays beside the report, one line per finished request after its header.
+    // The journal stays beside the report, one line per finished request after its header (and
+    // the mark that the report was written, when rank 0 wrote it).
     std::istringstream journal(slurp(dir.str("r.json") + ".journal.jsonl"));
     int lines = -1;
-    while (std::getline(journal, line)) ++lines;
+    while (std::getline(journal, line)) {
+        if (line.find("\"report_written\"") == std::string::npos) ++lines;
+    }
     EXPECT_EQ(lines, completed + failed);
 }
 
@@ -382,6 +385,28 @@ TEST(TestbedStop, HungDecodeRankUnderMpirunEndsTheRunWithAReport) {
     EXPECT_GT(rep["requests_completed"].get<int>(), 0);
     EXPECT_GT(rep["requests_failed"].get<int>(), 0);
     EXPECT_THAT(rep["incomplete"].value("cause", ""), HasSubstr("rank 1 went silent"));
+}
+
+// kill -9 of rank 0 (the prefill leader, the router and the report's writer) under mpirun: it
+// cannot write the report, so the decode rank, on the same host and told rank 0's pid by its
+// pulse, finds it gone when mpirun terminates the job and writes the report from rank 0's journal
+// (ResultJournal::standby), naming rank 0 as dead.
+TEST(TestbedStop, DeadRouterRankUnderMpirunLeavesAReport) {
+    TempDir dir("tb_stop_router_dead");
+    const std::vector<std::string> args = {"--synthetic",     "100",        "--mode",
+                                           "disagg",          "--quiet",    "--report",
+                                           dir.str("r.json"), "--requests", dir.str("r.csv")};
+    StopResult s = run_and_stop(2, args, dir.str("r.json") + ".journal.jsonl", 3,
+                                signal_mpi_rank(0, "-KILL", dir.str("r.json")));
+    EXPECT_NE(s.cmd.rc, 0) << s.cmd.describe();
+    EXPECT_GT(s.end_s, 0) << s.cmd.describe();
+    EXPECT_LT(s.end_s, 15) << s.cmd.describe();
+    EXPECT_THAT(s.cmd.err, HasSubstr("pdsim: rank 1: rank 0 died: wrote "));
+    expect_partial_report(dir, "rank 0 (prefill leader, router, report writer) died", s.cmd);
+    const json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.contains("dead_ranks")) << rep.dump(1).substr(0, 2000);
+    EXPECT_EQ(rep["dead_ranks"][0]["rank"], 0);
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "r.json.recover")) << "the lock is removed";
 }
 
 // kill -STOP of rank 0 (the prefill leader, the router and the report's writer) under mpirun:

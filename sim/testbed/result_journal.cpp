@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/text.h"
@@ -86,6 +87,93 @@ StatusOr<std::unique_ptr<ResultJournal>> ResultJournal::open(const ResolvedConfi
         std::fflush(j->file_);
     }
     return j;
+}
+
+std::unique_ptr<ResultJournal> ResultJournal::standby(const ResolvedConfig& cfg, int rank,
+                                                      std::function<bool()> rank0_dead) {
+    std::unique_ptr<ResultJournal> j(new ResultJournal(cfg));
+    j->t_start_us_ = now_us();
+    if (!cfg.options.report_path.empty()) j->path_ = cfg.options.report_path + ".journal.jsonl";
+    j->standby_ = true;
+    j->rank_ = rank;
+    j->rank0_dead_ = std::move(rank0_dead);
+    return j;
+}
+
+Status ResultJournal::load_file() {
+    std::ifstream in(path_);
+    if (!in) {
+        return PDSIM_ERROR(StatusCode::kNotFound, "rank 0's journal {}: {}", path_,
+                           std::strerror(errno));
+    }
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+        const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+        if (!j.is_object()) continue;  // a line cut by the death
+        if (j.contains("report_written")) {
+            return PDSIM_ERROR(StatusCode::kAlreadyExists, "rank 0 wrote the report");
+        }
+        const std::string phase = j.value("phase", "");
+        metrics::RequestRecord r;
+        r.id = j.value("id", int64_t{-1});
+        r.ok = j.value("ok", false);
+        r.error = j.value("error", "");
+        r.arrival_ms = j.value("arrival_ms", 0.0);
+        r.first_token_ms = j.value("first_token_ms", -1.0);
+        r.finish_ms = j.value("finish_ms", -1.0);
+        r.input_len = j.value("input_len", 0);
+        r.output_len = j.value("output_len", 0);
+        r.generated = j.value("generated", 0);
+        r.prefill_instance = j.value("prefill_instance", -1);
+        r.decode_instance = j.value("decode_instance", -1);
+        record(phase == phase_name(Phase::kColocated) ? Phase::kColocated : Phase::kDisagg, r);
+    }
+    return {};
+}
+
+void ResultJournal::recover_or_exit(int sig) {
+    if (path_.empty() || !rank0_dead_ || !rank0_dead_()) std::_Exit(128 + sig);
+    const std::string lock = cfg_.options.report_path + ".recover";
+    const int fd = ::open(lock.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+    if (fd < 0) std::_Exit(128 + sig);  // another rank writes it
+    ::close(fd);
+    Status loaded = load_file();
+    if (loaded.code() == StatusCode::kAlreadyExists || loaded.code() == StatusCode::kNotFound) {
+        // Rank 0 wrote its report (a partial one marks the journal; a full one removes it)
+        // before it ended: it stands.
+        std::remove(lock.c_str());
+        std::_Exit(128 + sig);
+    }
+    const std::string cause = fmt::format(
+        "rank 0 (prefill leader, router, report writer) died; rank {} wrote this report from "
+        "rank 0's journal {} when mpirun stopped the job ({})",
+        rank_, path_, signal_name(sig));
+    std::string line;
+    if (loaded.ok()) {
+        {
+            std::lock_guard<std::mutex> guard(mu_);
+            const Phase last =
+                phases_.empty()
+                    ? (cfg_.options.mode == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
+                    : phases_.back().phase;
+            const std::string instance =
+                cfg_.topology.instances.empty() ? std::string() : cfg_.topology.instances[0].id;
+            log_of(last).dead_ranks.push_back({.rank = 0,
+                                               .instance = instance,
+                                               .detected_at_s = (now_us() - t_start_us_) / 1e6,
+                                               .silent_s = 0});
+        }
+        StatusOr<std::string> counts = write_partial(cause);
+        line = counts.ok() ? fmt::format("wrote {}: {}", cfg_.options.report_path, *counts)
+                           : counts.status().to_string();
+    } else {
+        line = loaded.to_string();
+    }
+    std::remove(lock.c_str());
+    std::fprintf(stderr, "pdsim: rank %d: rank 0 died: %s\n", rank_, line.c_str());
+    std::fflush(stderr);
+    std::_Exit(128 + sig);
 }
 
 ResultJournal::~ResultJournal() {
@@ -207,6 +295,11 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
     if (!o.requests_path.empty()) {
         PDSIM_RETURN_IF_ERROR(metrics::write_requests_csv(o.requests_path, csv));
     }
+    if (file_ != nullptr) {
+        // The report stands: a standby rank that outlives this one must not replace it.
+        std::fprintf(file_, "%s\n", text::dump_json(json{{"report_written", true}}).c_str());
+        std::fflush(file_);
+    }
     return fmt::format("{} completed, {} failed, {} lost of {}", report.requests_completed,
                        report.requests_failed, report.requests_lost, submitted);
 }
@@ -262,6 +355,7 @@ void ResultJournal::watch() {
         if (n <= 0 || sig == 0) return;  // disarm()
         break;
     }
+    if (standby_) recover_or_exit(sig);
     const std::string cause = fmt::format("stopped by {}", signal_name(sig));
     bool written = false;
     {

@@ -26,6 +26,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -71,10 +72,24 @@ public:
     // Writes the report (when the run has --report) and the --requests CSV from what was
     // recorded, with `cause` (why the run stopped: an error, "SIGTERM") in each phase's
     // `incomplete`; returns the counts line printed for the user ("3 completed, 0 failed, 7 lost
-    // of 10"). Errors: writing the files failed.
+    // of 10"), and appends {"report_written": true} to the journal file (a standby rank then
+    // leaves the report alone). Errors: writing the files failed.
     [[nodiscard]] StatusOr<std::string> write_partial(const std::string& cause);
     // The run ended normally and wrote its own report: removes the journal file.
     void finish_normally();
+
+    // A stand-in on a rank but 0 under mpirun, for the one death rank 0 cannot report: its own.
+    // It records nothing and creates no file. Armed (arm_signals), a SIGTERM or SIGINT asks
+    // `rank0_dead` (called on the watcher thread); when rank 0 is gone (mpirun terminates every
+    // other rank once one was killed) and this rank is the first to create `<report>.recover`
+    // (O_EXCL: one writer per run), it reads rank 0's journal file (it must be on this host),
+    // writes the partial report and CSV from it with the cause "rank 0 ... died" and rank 0 in
+    // `dead_ranks`, removes the lock, prints one line and exits 128 + the signal. Otherwise it
+    // exits 128 + the signal at once (a live rank 0 writes the report itself; a journal that
+    // says its report was written, or none, means rank 0 wrote it before it ended). `rank` is this
+    // rank, for the messages.
+    [[nodiscard]] static std::unique_ptr<ResultJournal> standby(const ResolvedConfig& cfg, int rank,
+                                                                std::function<bool()> rank0_dead);
 
     // See the file comment. kInternal when another journal is armed or the pipe cannot be made.
     [[nodiscard]] Status arm_signals();
@@ -102,6 +117,10 @@ private:
     PhaseLog& log_of(Phase phase);  // mu_ held
     explicit ResultJournal(const ResolvedConfig& cfg) : cfg_(cfg) {}
     void watch();
+    // standby(): on a signal, the report from rank 0's journal file if rank 0 died; never returns.
+    [[noreturn]] void recover_or_exit(int sig);
+    // Replays the journal file at path_ into this (in-memory) journal. Errors: unreadable file.
+    [[nodiscard]] Status load_file();
 
     const ResolvedConfig& cfg_;
     std::mutex mu_;
@@ -112,6 +131,10 @@ private:
     std::vector<double> last_heard_us_;  // per rank > 0; 0: not heard from yet
     double t_start_us_ = 0;
     bool report_written_ = false;  // partial or full: a signal then keeps it (and its cause)
+    // standby() only.
+    bool standby_ = false;
+    int rank_ = 0;
+    std::function<bool()> rank0_dead_;
     // Signals.
     bool armed_ = false;
     std::thread watcher_;

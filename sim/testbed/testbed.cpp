@@ -5,10 +5,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -364,6 +366,33 @@ Status decide_shaping(Shared& sh, RankContext& ctx) {
 }
 
 // ---- one rank ----
+
+std::string this_host() {
+    char name[256] = {};
+    if (::gethostname(name, sizeof(name) - 1) != 0) return {};
+    return name;
+}
+
+// Rank 0's process, as rank 0 broadcast it at start (run_mpi_rank; pid 0: not known).
+std::atomic<int> g_rank0_pid{0};
+std::mutex g_rank0_mu;
+std::string g_rank0_host;  // g_rank0_mu
+
+// Whether rank 0's process, on this host, is gone (or a zombie): ResultJournal::standby's test.
+// False when its pid is not known yet or it runs on another host.
+bool rank0_died() {
+    const int pid = g_rank0_pid.load();
+    if (pid <= 0) return false;
+    {
+        std::lock_guard<std::mutex> lock(g_rank0_mu);
+        if (g_rank0_host != this_host()) return false;
+    }
+    std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+    if (!stat) return true;
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const size_t paren = text.rfind(')');
+    return paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'Z';
+}
 
 // Heartbeats (router.h "Liveness"), once a second on Channel::kHeartbeat while the object
 // lives. A rank but 0 sends its own (with its progress count) to rank 0's router and, when given
@@ -921,6 +950,11 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
         } else {
             st = j.status();
         }
+    } else if (st.ok() && !resolved->options.report_path.empty() &&
+               resolved->options.heartbeat_timeout_s > 0) {
+        // The stand-in that writes the report when rank 0 itself was killed (result_journal.h).
+        journal = ResultJournal::standby(*resolved, rank, rank0_died);
+        st = journal->arm_signals();
     }
     // The agreement: the lowest rank whose set-up failed (world if none).
     const int mine = st.ok() ? world : rank;
@@ -947,10 +981,26 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
         return st;
     }
 
+    // Who rank 0 is: a rank on its host can then tell its death (rank0_died()).
+    {
+        int pid = rank == 0 ? static_cast<int>(::getpid()) : 0;
+        std::array<char, 256> host{};
+        if (rank == 0) {
+            const std::string name = this_host();
+            std::copy_n(name.begin(), std::min(name.size(), host.size() - 1), host.begin());
+        }
+        MPI_CHECK(MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD));
+        MPI_CHECK(
+            MPI_Bcast(host.data(), static_cast<int>(host.size()), MPI_CHAR, 0, MPI_COMM_WORLD));
+        std::lock_guard<std::mutex> lock(g_rank0_mu);
+        g_rank0_host = host.data();
+        g_rank0_pid = pid;
+    }
+
     ResolvedConfig& cfg = *resolved;
     Shared sh;
     sh.cfg = &cfg;
-    sh.journal = journal.get();
+    sh.journal = rank == 0 ? journal.get() : nullptr;  // a follower's stand-in is not used
     sh.local = false;
     sh.local_ranks = local_ranks;
     {

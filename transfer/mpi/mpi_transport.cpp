@@ -21,6 +21,8 @@ namespace {
 constexpr auto kStallAfter = std::chrono::milliseconds(100);
 constexpr auto kStallSleep = std::chrono::microseconds(200);
 constexpr auto kCancelWait = std::chrono::seconds(10);
+// close(): how long matched sends still in flight may take to finish (shutdown_active).
+constexpr auto kCloseDrain = std::chrono::seconds(2);
 
 std::string_view thread_level_name(int level) {
     switch (level) {
@@ -363,7 +365,29 @@ private:
     void shutdown_active() {
         Status closed(StatusCode::kUnavailable,
                       fmt::format("mpi rank {}: transport closed", rank_));
+        // A send still in flight may be read by MPI until it completes, and its caller frees the
+        // buffer once its handle completes here. A send whose receive the peer has matched
+        // finishes within moments once the peer runs (a peer that was stopped and continued
+        // acknowledges the rendezvous late: freeing before that made MPI copy from unmapped
+        // memory, a SIGSEGV). Give those up to kCloseDrain; a send that no receive matched is
+        // never read again, so releasing it after the bound is safe.
+        const auto drain_until = std::chrono::steady_clock::now() + kCloseDrain;
         for (size_t i = 0; i < active_.size(); ++i) {
+            if (active_[i].what != Post::What::kSend || reqs_[i] == MPI_REQUEST_NULL) continue;
+            for (;;) {
+                int done = 0;
+                MPI_Status st;
+                if (MPI_Test(&reqs_[i], &done, &st) != MPI_SUCCESS) break;
+                if (done) {
+                    finish(active_[i], st, /*error_in_status=*/false);
+                    break;
+                }
+                if (std::chrono::steady_clock::now() >= drain_until) break;
+                std::this_thread::sleep_for(std::chrono::microseconds(200));
+            }
+        }
+        for (size_t i = 0; i < active_.size(); ++i) {
+            if (reqs_[i] == MPI_REQUEST_NULL) continue;  // drained above
             if (active_[i].what == Post::What::kRecv) {
                 // Unmatched receives cancel promptly; a matched one finishes its data first.
                 MPI_Cancel(&reqs_[i]);
