@@ -279,6 +279,38 @@ TEST(TestbedProtocol, CborWithAnExcessiveArraySizeIsDataLoss) {
     EXPECT_OK(decode_message<EndMsg>(body));
 }
 
+// Found by testbed_protocol_fuzz: 4,000 nested CBOR arrays overflowed the stack in nlohmann's
+// recursive reader. Nesting is checked before parsing: kMaxCborDepth levels decode, one more is
+// kDataLoss, whatever the container kind (definite or indefinite arrays, maps; tags).
+TEST(TestbedProtocol, CborNestedTooDeepIsDataLoss) {
+    auto nested = [](size_t depth, uint8_t open, bool needs_break) {
+        std::vector<uint8_t> bytes(depth, open);
+        if (open == 0xa1) {  // a map of one pair per level: key "", value the next level
+            bytes.clear();
+            for (size_t i = 0; i < depth; ++i) bytes.insert(bytes.end(), {0xa1, 0x60});
+        }
+        bytes.push_back(0x00);  // the innermost item
+        if (needs_break) bytes.insert(bytes.end(), depth, 0xff);
+        return bytes;
+    };
+    for (const auto& [open, needs_break] :
+         std::vector<std::pair<uint8_t, bool>>{{0x81, false}, {0x9f, true}, {0xa1, false}}) {
+        SCOPED_TRACE(fmt::format("container byte {:#04x}", open));
+        EXPECT_OK(decode_cbor(nested(kMaxCborDepth, open, needs_break)).status());
+        EXPECT_THAT(decode_cbor(nested(kMaxCborDepth + 1, open, needs_break)).status(),
+                    StatusIs(StatusCode::kDataLoss, HasSubstr("nested deeper than 32 levels")));
+        EXPECT_THAT(decode_cbor(nested(4000, open, needs_break)).status(),
+                    StatusIs(StatusCode::kDataLoss, HasSubstr("nested deeper")));
+    }
+    // Tags (which from_cbor refuses anyway) count as levels before it sees them.
+    EXPECT_THAT(decode_cbor(nested(4000, 0xc6, false)).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("nested deeper")));
+    // Siblings do not add up: 1,000 arrays side by side in one array are one level.
+    std::vector<uint8_t> wide = {0x99, 0x03, 0xe8};  // array of 1000
+    for (int i = 0; i < 1000; ++i) wide.insert(wide.end(), {0x81, 0x00});
+    EXPECT_OK(decode_cbor(wide).status());
+}
+
 TEST(TestbedProtocol, MistypedFieldIsNamed) {
     json submit = encode_message(sample_submit());
     submit["in"] = "1200";

@@ -2,10 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <concepts>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "common/text.h"
 
@@ -227,9 +229,85 @@ std::string read_value(const json& j, T* out, std::string* path) {
     }
 }
 
+// Whether the CBOR value in `bytes` nests arrays, maps, tags and indefinite strings at most
+// `max_depth` deep. Iterative (nlohmann's reader recurses once per level: 4,000 nested arrays
+// overflowed the stack, found by testbed_protocol_fuzz). Malformed input is not judged here
+// (true): from_cbor rejects it; only the depth is.
+bool cbor_depth_at_most(std::span<const uint8_t> bytes, size_t max_depth) {
+    constexpr int64_t kIndefinite = -1;
+    constexpr int64_t kMany = int64_t{1} << 60;  // a count larger than any input holds
+    std::vector<int64_t> open;                   // items left in each open container
+    size_t pos = 0;
+    const size_t n = bytes.size();
+    while (pos < n) {
+        const uint8_t head = bytes[pos++];
+        const int major = head >> 5;
+        const int info = head & 31;
+        bool completed = true;
+        if (head == 0xff) {  // "break": ends the innermost indefinite container
+            if (open.empty() || open.back() != kIndefinite) return true;
+            open.pop_back();
+        } else {
+            uint64_t arg = static_cast<uint64_t>(info);
+            const bool indefinite = info == 31;
+            if (info >= 24 && info <= 27) {
+                const size_t len = size_t{1} << (info - 24);
+                if (n - pos < len) return true;
+                arg = 0;
+                for (size_t i = 0; i < len; ++i) arg = (arg << 8) | bytes[pos++];
+            } else if (info > 27 && !indefinite) {
+                return true;
+            }
+            const int64_t count =
+                arg > static_cast<uint64_t>(kMany) ? kMany : static_cast<int64_t>(arg);
+            switch (major) {
+                case 2:
+                case 3:  // byte / text string: its bytes, or chunks until a break
+                    if (indefinite) {
+                        open.push_back(kIndefinite);
+                        completed = false;
+                    } else {
+                        if (static_cast<uint64_t>(n - pos) < arg) return true;
+                        pos += static_cast<size_t>(arg);
+                    }
+                    break;
+                case 4:
+                case 5:  // array / map: count items (pairs for a map)
+                    if (indefinite) {
+                        open.push_back(kIndefinite);
+                        completed = false;
+                    } else if (count > 0) {
+                        open.push_back(major == 5 ? std::min(kMany, 2 * count) : count);
+                        completed = false;
+                    }
+                    break;
+                case 6:  // tag: the next item is its content
+                    open.push_back(1);
+                    completed = false;
+                    break;
+                default:  // integers, simple values, floats: done
+                    break;
+            }
+            if (open.size() > max_depth) return false;
+        }
+        // An item ended: count it in its container, closing the containers it completes.
+        while (completed && !open.empty() && open.back() != kIndefinite) {
+            if (--open.back() > 0) break;
+            open.pop_back();
+        }
+        if (completed && open.empty()) return true;  // the top-level value ended
+    }
+    return true;
+}
+
 }  // namespace
 
 StatusOr<json> decode_cbor(std::span<const uint8_t> bytes) {
+    if (!cbor_depth_at_most(bytes, kMaxCborDepth)) {
+        return Status(StatusCode::kDataLoss,
+                      fmt::format("garbled CBOR ({} bytes): nested deeper than {} levels",
+                                  bytes.size(), kMaxCborDepth));
+    }
     json body;
     try {
         body = json::from_cbor(bytes.begin(), bytes.end(), /*strict=*/true,

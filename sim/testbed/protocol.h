@@ -394,7 +394,9 @@ struct RankResult {
 
 // A message body from its CBOR bytes (the Mailbox's wire form), strict (no trailing bytes).
 // kDataLoss for bytes that are not one CBOR value -- including a declared array or map size that
-// nlohmann rejects by throwing even with exceptions off (out_of_range 408). Never throws.
+// nlohmann rejects by throwing even with exceptions off (out_of_range 408), and a value nested
+// deeper than kMaxCborDepth (checked before parsing: the parser recurses per level). Never throws.
+inline constexpr size_t kMaxCborDepth = 32;
 [[nodiscard]] StatusOr<nlohmann::json> decode_cbor(std::span<const uint8_t> bytes);
 
 // The wire form of `msg`: {"k": Msg::kKind, <key>: <field>...}.
