@@ -154,6 +154,24 @@ TEST(Simulator, TwoRequestsShareAnExtendForwardAndDecodeOnTheirOwnTimes) {
     EXPECT_NEAR(r.report.ttft_ms.p50, 150 + kLatencyMs, kEps);
 }
 
+// The wait before compute: B arrives at 50 ms while A's first chunk runs [0, 100 ms]; B's first
+// chunk rides A's second forward at 100 ms: waited 50 ms. A waited nothing.
+TEST(Simulator, PrefillWaitIsArrivalToTheFirstChunksForward) {
+    auto cost = std::make_shared<FakeCostModel>(0.1, 0.01);
+    const SimConfig c = make_config(cpu_1p1d_topology(), cost);
+    const SimResult r = run(c, {req(0, 0, 2000, 2), req(1, 50, 100, 2)});
+    ASSERT_EQ(r.report.requests_completed, 2);
+    ASSERT_TRUE(r.records[0].prefill_wait_ms().has_value());
+    ASSERT_TRUE(r.records[1].prefill_wait_ms().has_value());
+    EXPECT_NEAR(*r.records[0].prefill_wait_ms(), 0, kEps);
+    EXPECT_NEAR(*r.records[1].prefill_wait_ms(), 50, kEps);
+    ASSERT_EQ(cost->extends.size(), 4u);
+    ASSERT_EQ(cost->extends[1].size(), 2u);
+    EXPECT_EQ(cost->extends[1][1].new_tokens, 100);
+    EXPECT_EQ(r.report.prefill_wait_ms.count, 2);
+    EXPECT_NEAR(r.report.prefill_wait_ms.mean, 25, kEps);
+}
+
 TEST(Simulator, OneRequestColocated) {
     auto cost = std::make_shared<FakeCostModel>(0.1, 0.01);
     const SimConfig c = make_config(cpu_1p1d_topology(), cost, 100000, SimMode::kColocated);

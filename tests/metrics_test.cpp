@@ -62,6 +62,30 @@ TEST(Summarize, CountsLatenciesSloAndGoodput) {
     EXPECT_THAT(rep.failures[0], HasSubstr("transfer timed out"));
 }
 
+// The wait before compute: arrival -> first prefill chunk, over the requests whose start is
+// known (failed ones included: a request that waited and then timed out waited all the same).
+TEST(Summarize, PrefillWaitIsArrivalToFirstChunkWhereKnown) {
+    std::vector<RequestRecord> r = sample_records();
+    r[0].prefill_start_ms = 40;    // waited 40
+    r[1].prefill_start_ms = 760;   // waited 260
+    r[3].prefill_start_ms = 1510;  // failed later; waited 10
+    // r[2]'s start is unknown: left out, not counted as 0.
+    EXPECT_FALSE(r[2].prefill_wait_ms().has_value());
+    ASSERT_TRUE(r[1].prefill_wait_ms().has_value());
+    EXPECT_DOUBLE_EQ(*r[1].prefill_wait_ms(), 260);
+    Report rep;
+    summarize_requests(r, Slo{}, &rep);
+    EXPECT_EQ(rep.prefill_wait_ms.count, 3);
+    EXPECT_DOUBLE_EQ(rep.prefill_wait_ms.p50, 40);
+    EXPECT_DOUBLE_EQ(rep.prefill_wait_ms.mean, 310.0 / 3);
+    EXPECT_DOUBLE_EQ(to_json(rep)["prefill_wait_ms"]["p50"].get<double>(), 40);
+    EXPECT_THAT(summary_table(rep), HasSubstr("wait for prefill ms p50/p90"));
+    Report none;
+    summarize_requests(sample_records(), Slo{}, &none);
+    EXPECT_EQ(none.prefill_wait_ms.count, 0);
+    EXPECT_THAT(summary_table(none), ::testing::Not(HasSubstr("wait for prefill")));
+}
+
 TEST(ReportJson, HasTheDesignKeys) {
     Report rep;
     rep.mode = "disagg";
@@ -70,10 +94,10 @@ TEST(ReportJson, HasTheDesignKeys) {
     rep.colocated = std::make_shared<Report>(rep);
     rep.colocated->mode = "colocated";
     auto j = to_json(rep);
-    for (const char* k :
-         {"schema_version", "mode", "topology", "model", "requests_submitted", "requests_completed",
-          "requests_failed", "ttft_ms", "tpot_ms", "e2e_ms", "goodput_rps", "slo_attainment",
-          "transfer", "ordering", "outputs_match", "wall_s", "colocated"}) {
+    for (const char* k : {"schema_version", "mode", "topology", "model", "requests_submitted",
+                          "requests_completed", "requests_failed", "ttft_ms", "tpot_ms", "e2e_ms",
+                          "queue_ms", "prefill_wait_ms", "goodput_rps", "slo_attainment",
+                          "transfer", "ordering", "outputs_match", "wall_s", "colocated"}) {
         EXPECT_TRUE(j.contains(k)) << k;
     }
     for (const char* k : {"mean", "p50", "p90", "p99"}) EXPECT_TRUE(j["ttft_ms"].contains(k)) << k;
@@ -88,12 +112,22 @@ TEST(ReportJson, HasTheDesignKeys) {
 
 TEST(RequestsCsv, OneLinePerRequest) {
     auto path = (std::filesystem::temp_directory_path() / "pdsim_requests.csv").string();
-    ASSERT_OK(write_requests_csv(path, sample_records()));
+    std::vector<RequestRecord> records = sample_records();
+    records[0].queue_ms = 5;
+    records[0].prefill_start_ms = 40;
+    ASSERT_OK(write_requests_csv(path, records));
     std::ifstream f(path);
     std::string line;
     int n = 0;
     std::getline(f, line);
     EXPECT_EQ(line.rfind("id,arrival_ms,ttft_ms", 0), 0u);
+    EXPECT_THAT(line, HasSubstr(",queue_ms,prefill_wait_ms,error"));
+    std::getline(f, line);
+    EXPECT_THAT(line, HasSubstr(",5.000,40.000,\"\""));  // queue 5, waited 40, no error
+    ++n;
+    std::getline(f, line);
+    EXPECT_THAT(line, HasSubstr(",,,\"\""));  // neither measured
+    ++n;
     while (std::getline(f, line)) ++n;
     EXPECT_EQ(n, 4);
     EXPECT_EQ(write_requests_csv("/nonexistent/dir/x.csv", {}).code(),

@@ -589,6 +589,9 @@ TEST(TestbedOverload, QueuesInsteadOfFailingMpi) {
         EXPECT_EQ(x["requests_lost"].get<int>(), 0);
         EXPECT_GT(x["queue_ms"]["count"].get<int>(), 0);
         EXPECT_GT(x["queue_ms"]["p90"].get<double>(), 0.0) << "nothing waited in the queue";
+        // The whole wait before compute: known for every request, at least the router's part.
+        EXPECT_EQ(x["prefill_wait_ms"]["count"].get<int>(), n);
+        EXPECT_GE(x["prefill_wait_ms"]["p90"].get<double>(), x["queue_ms"]["p90"].get<double>());
         // Most requests took longer in all than the request timeout (2 s) and still completed:
         // only progress counts. (A 2-core CI box serves about 10 of these a second.)
         EXPECT_GT(x["e2e_ms"]["p90"].get<double>(), 2000.0) << "not overloaded";
@@ -599,7 +602,7 @@ TEST(TestbedOverload, QueuesInsteadOfFailingMpi) {
     std::istringstream csv(slurp(dir.path() / "r.csv"));
     std::string header;
     std::getline(csv, header);
-    EXPECT_THAT(header, HasSubstr(",queue_ms,error"));
+    EXPECT_THAT(header, HasSubstr(",queue_ms,prefill_wait_ms,error"));
 }
 
 // A decode rank stopped (SIGSTOP) for 12 s -- past the engine's 10 s peer timeout, so the prefill

@@ -267,21 +267,10 @@ public:
         if (!f_)
             return invalid_argument_error(
                 fmt::format("{}: cannot open requests file for writing", path));
-        f_ << "id,arrival_ms,ttft_ms,tpot_ms,e2e_ms,input_len,output_len,generated,ok,"
-              "prefill_instance,decode_instance,transfer_bytes,transfer_ms,queue_ms,error\n";
+        f_ << metrics::requests_csv_header();
         return {};
     }
-    void row(const metrics::RequestRecord& q) {
-        std::string err = text::sanitize_utf8(q.error);  // a CSV of valid UTF-8 whatever the text
-        std::replace(err.begin(), err.end(), '"', '\'');
-        const auto tp = q.tpot_ms();
-        f_ << fmt::format(
-            "{},{:.3f},{},{},{},{},{},{},{},{},{},{},{:.3f},{},\"{}\"\n", q.id, q.arrival_ms,
-            q.ok ? fmt::format("{:.3f}", q.ttft_ms()) : "", tp ? fmt::format("{:.3f}", *tp) : "",
-            q.ok ? fmt::format("{:.3f}", q.e2e_ms()) : "", q.input_len, q.output_len, q.generated,
-            q.ok ? 1 : 0, q.prefill_instance, q.decode_instance, q.transfer_bytes, q.transfer_ms,
-            q.queue_ms >= 0 ? fmt::format("{:.3f}", q.queue_ms) : "", err);
-    }
+    void row(const metrics::RequestRecord& q) { f_ << metrics::requests_csv_row(q); }
     Status close() {
         f_.close();
         if (!f_) return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path_));

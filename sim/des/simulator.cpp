@@ -372,6 +372,10 @@ void Simulation::start_extend(Instance& x) {
     x.busy = true;
     x.forward_is_extend = true;
     x.forward_start_s = loop_.now();
+    for (const ExtendEntry& e : x.extend_batch) {
+        RequestRecord& rec = records_[reqs_[e.slot].trace_index];
+        if (rec.prefill_start_ms < 0) rec.prefill_start_ms = loop_.now() * 1000;
+    }
     ++stats_.extend_forwards;
     if (x.role == InstanceRole::kPrefill) start_extend_flows(x, dur);
     x.forward_batch_size = x.extend_batch.size();

@@ -33,12 +33,13 @@ void summarize_requests(const std::vector<RequestRecord>& records, const Slo& sl
     r->requests_completed = 0;
     r->requests_failed = 0;
     r->failures.clear();
-    std::vector<double> ttft, tpot, e2e, queue;
+    std::vector<double> ttft, tpot, e2e, queue, wait;
     double first_arrival = std::numeric_limits<double>::infinity(), last_finish = 0;
     int64_t attained = 0, tokens = 0;
     for (const auto& q : records) {
         first_arrival = std::min(first_arrival, q.arrival_ms);
         if (q.queue_ms >= 0) queue.push_back(q.queue_ms);
+        if (const auto w = q.prefill_wait_ms()) wait.push_back(*w);
         if (!q.ok) {
             ++r->requests_failed;
             if (r->failures.size() < 20)
@@ -60,6 +61,7 @@ void summarize_requests(const std::vector<RequestRecord>& records, const Slo& sl
     r->tpot_ms = percentiles(std::move(tpot));
     r->e2e_ms = percentiles(std::move(e2e));
     r->queue_ms = percentiles(std::move(queue));
+    r->prefill_wait_ms = percentiles(std::move(wait));
     const double makespan_s =
         (r->requests_completed > 0) ? (last_finish - first_arrival) / 1000.0 : 0;
     r->goodput_rps = makespan_s > 0 ? static_cast<double>(attained) / makespan_s : 0;
@@ -88,6 +90,7 @@ nlohmann::json to_json(const Report& r) {
     j["tpot_ms"] = pj(r.tpot_ms);
     j["e2e_ms"] = pj(r.e2e_ms);
     j["queue_ms"] = pj(r.queue_ms);
+    j["prefill_wait_ms"] = pj(r.prefill_wait_ms);
     j["goodput_rps"] = r.goodput_rps;
     j["slo_attainment"] = r.slo_attainment;
     j["throughput_tokens_s"] = r.throughput_tokens_s;
@@ -116,25 +119,33 @@ Status write_report(const std::string& path, const Report& report) {
     return {};
 }
 
+std::string requests_csv_header() {
+    return "id,arrival_ms,ttft_ms,tpot_ms,e2e_ms,input_len,output_len,generated,ok,"
+           "prefill_instance,decode_instance,transfer_bytes,transfer_ms,queue_ms,prefill_wait_ms,"
+           "error\n";
+}
+
+std::string requests_csv_row(const RequestRecord& q) {
+    std::string err = text::sanitize_utf8(q.error);  // a CSV of valid UTF-8 whatever the text
+    std::replace(err.begin(), err.end(), '"', '\'');
+    const auto tp = q.tpot_ms();
+    const auto wait = q.prefill_wait_ms();
+    return fmt::format(
+        "{},{:.3f},{},{},{},{},{},{},{},{},{},{},{:.3f},{},{},\"{}\"\n", q.id, q.arrival_ms,
+        q.ok ? fmt::format("{:.3f}", q.ttft_ms()) : "", tp ? fmt::format("{:.3f}", *tp) : "",
+        q.ok ? fmt::format("{:.3f}", q.e2e_ms()) : "", q.input_len, q.output_len, q.generated,
+        q.ok ? 1 : 0, q.prefill_instance, q.decode_instance, q.transfer_bytes, q.transfer_ms,
+        q.queue_ms >= 0 ? fmt::format("{:.3f}", q.queue_ms) : "",
+        wait ? fmt::format("{:.3f}", *wait) : "", err);
+}
+
 Status write_requests_csv(const std::string& path, const std::vector<RequestRecord>& records) {
     std::ofstream f(path);
     if (!f)
         return Status(StatusCode::kInvalidArgument,
                       fmt::format("{}: cannot open requests file for writing", path));
-    f << "id,arrival_ms,ttft_ms,tpot_ms,e2e_ms,input_len,output_len,generated,ok,prefill_instance,"
-         "decode_instance,"
-         "transfer_bytes,transfer_ms,queue_ms,error\n";
-    for (const auto& q : records) {
-        std::string err = text::sanitize_utf8(q.error);
-        std::replace(err.begin(), err.end(), '"', '\'');
-        const auto tp = q.tpot_ms();
-        f << fmt::format(
-            "{},{:.3f},{},{},{},{},{},{},{},{},{},{},{:.3f},{},\"{}\"\n", q.id, q.arrival_ms,
-            q.ok ? fmt::format("{:.3f}", q.ttft_ms()) : "", tp ? fmt::format("{:.3f}", *tp) : "",
-            q.ok ? fmt::format("{:.3f}", q.e2e_ms()) : "", q.input_len, q.output_len, q.generated,
-            q.ok ? 1 : 0, q.prefill_instance, q.decode_instance, q.transfer_bytes, q.transfer_ms,
-            q.queue_ms >= 0 ? fmt::format("{:.3f}", q.queue_ms) : "", err);
-    }
+    f << requests_csv_header();
+    for (const auto& q : records) f << requests_csv_row(q);
     if (!f) return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path));
     return {};
 }
@@ -164,6 +175,11 @@ std::string summary_table(const Report& r) {
     if (r.queue_ms.count > 0 || (c && c->queue_ms.count > 0)) {
         row("router queue ms p50/p90", fmt::format("{:.1f}/{:.1f}", r.queue_ms.p50, r.queue_ms.p90),
             c ? fmt::format("{:.1f}/{:.1f}", c->queue_ms.p50, c->queue_ms.p90) : "");
+    }
+    if (r.prefill_wait_ms.count > 0 || (c && c->prefill_wait_ms.count > 0)) {
+        row("wait for prefill ms p50/p90",
+            fmt::format("{:.1f}/{:.1f}", r.prefill_wait_ms.p50, r.prefill_wait_ms.p90),
+            c ? fmt::format("{:.1f}/{:.1f}", c->prefill_wait_ms.p50, c->prefill_wait_ms.p90) : "");
     }
     row("goodput req/s", f1(r.goodput_rps), c ? f1(c->goodput_rps) : "");
     row("SLO attainment", f1(r.slo_attainment), c ? f1(c->slo_attainment) : "");

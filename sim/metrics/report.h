@@ -2,7 +2,8 @@
 // JSON").
 //
 // Top-level keys: schema_version, mode, topology, model, requests_submitted, requests_completed,
-// requests_failed, ttft_ms, tpot_ms, e2e_ms ({mean, p50, p90, p99}), goodput_rps, slo_attainment,
+// requests_failed, ttft_ms, tpot_ms, e2e_ms, queue_ms, prefill_wait_ms ({mean, p50, p90, p99,
+// count}), goodput_rps, slo_attainment,
 // transfer {bytes, gbps, layer_latency_us {..}, exposed_fraction}, ordering {checked_layers,
 // violations, details}, outputs_match (testbed --mode both), wall_s; with --mode both the
 // top-level metrics are the disaggregated run's and `colocated` holds the same keys.
@@ -16,6 +17,7 @@
 // Thread-safety: plain values and pure functions.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -54,8 +56,17 @@ struct RequestRecord {
     // Time it waited in the router's queue (arrival -> dispatched to its instances; testbed
     // backpressure, --max-inflight-per-instance); -1: not measured (or never dispatched).
     double queue_ms = -1;
+    // Absolute time its first prefill chunk began (its first extend forward, on the prefill
+    // instance or, colocated, on its one instance); -1: unknown (or never scheduled).
+    double prefill_start_ms = -1;
 
     [[nodiscard]] double ttft_ms() const { return first_token_ms - arrival_ms; }
+    // arrival -> first prefill chunk: the whole wait before compute (router queue + the
+    // instance's waiting queue); nullopt where prefill_start_ms is unknown.
+    [[nodiscard]] std::optional<double> prefill_wait_ms() const {
+        if (prefill_start_ms < 0) return std::nullopt;
+        return std::max(0.0, prefill_start_ms - arrival_ms);
+    }
     [[nodiscard]] double e2e_ms() const { return finish_ms - arrival_ms; }
     [[nodiscard]] std::optional<double> tpot_ms() const {
         if (generated < 2 || finish_ms < 0 || first_token_ms < 0) return std::nullopt;
@@ -95,6 +106,9 @@ struct Report {
     // Router queueing delay over the requests it was measured for (RequestRecord::queue_ms >= 0,
     // completed or not); count 0 where none was.
     Percentiles queue_ms;
+    // Wait before compute (RequestRecord::prefill_wait_ms) over the requests it is known for,
+    // completed or not; the queueing delay of an overloaded run, wherever the request queued.
+    Percentiles prefill_wait_ms;
     double goodput_rps = 0;
     double slo_attainment = 0;
     double throughput_tokens_s = 0;
@@ -114,10 +128,14 @@ void summarize_requests(const std::vector<RequestRecord>& records, const Slo& sl
 [[nodiscard]] nlohmann::json to_json(const Report& report);
 [[nodiscard]] Status write_report(const std::string& path, const Report& report);
 // Per-request CSV: id, arrival_ms, ttft_ms, tpot_ms, e2e_ms, input_len, output_len, generated,
-// ok, prefill_instance, decode_instance, transfer_bytes, transfer_ms, queue_ms (empty: not
-// measured), error.
+// ok, prefill_instance, decode_instance, transfer_bytes, transfer_ms, queue_ms, prefill_wait_ms
+// (these two empty: not measured), error.
 [[nodiscard]] Status write_requests_csv(const std::string& path,
                                         const std::vector<RequestRecord>& records);
+// The same CSV's header line and one record's line (each ending in a newline), for a writer that
+// streams rows as requests finish.
+[[nodiscard]] std::string requests_csv_header();
+[[nodiscard]] std::string requests_csv_row(const RequestRecord& record);
 // A human summary table (both runs side by side with --mode both).
 [[nodiscard]] std::string summary_table(const Report& report);
 

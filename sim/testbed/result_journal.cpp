@@ -63,7 +63,9 @@ json record_json(Phase phase, const metrics::RequestRecord& r) {
             {"output_len", r.output_len},
             {"generated", r.generated},
             {"prefill_instance", r.prefill_instance},
-            {"decode_instance", r.decode_instance}};
+            {"decode_instance", r.decode_instance},
+            {"queue_ms", r.queue_ms},
+            {"prefill_start_ms", r.prefill_start_ms}};
 }
 
 }  // namespace
@@ -127,6 +129,8 @@ Status ResultJournal::load_file() {
         r.generated = j.value("generated", 0);
         r.prefill_instance = j.value("prefill_instance", -1);
         r.decode_instance = j.value("decode_instance", -1);
+        r.queue_ms = j.value("queue_ms", -1.0);
+        r.prefill_start_ms = j.value("prefill_start_ms", -1.0);
         record(phase == phase_name(Phase::kColocated) ? Phase::kColocated : Phase::kDisagg, r);
     }
     return {};

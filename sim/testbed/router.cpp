@@ -92,7 +92,6 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
     int last_a = -1, last_b = -1;
 
     out->records.assign(n, {});
-    out->prefill_start_ms.assign(n, -1);
     out->token_ms.assign(n, {});
     std::vector<Track> tr(n);
     if (rc.journal != nullptr) rc.journal->begin_phase(rc.phase);
@@ -199,8 +198,8 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         return {};
     };
     auto note_prefill_start = [&](size_t id, int src, double prefill_start_us) {
-        if (prefill_start_us > 0 && out->prefill_start_ms[id] < 0) {
-            out->prefill_start_ms[id] = rel_ms(src, prefill_start_us);
+        if (prefill_start_us > 0 && out->records[id].prefill_start_ms < 0) {
+            out->records[id].prefill_start_ms = rel_ms(src, prefill_start_us);
         }
     };
     auto on_report = [&](const Message& m) -> Status {

@@ -75,7 +75,6 @@ struct RouterConfig {
 
 struct RouterResult {
     std::vector<metrics::RequestRecord> records;  // times in ms from t_base
-    std::vector<double> prefill_start_ms;         // per request; -1: unknown
     std::vector<std::vector<double>> token_ms;    // per request: time of each token
     double t_base_us = 0;                         // phase start on rank 0's clock
     double wall_s = 0;                            // phase start -> last request terminal
