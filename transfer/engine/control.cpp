@@ -135,7 +135,13 @@ void ControlChannel::loop() {
 
 void ControlChannel::post_control_recv(int peer) {
     if (failed_[static_cast<size_t>(peer)]) return;
-    auto buf = std::make_shared<Bytes>(options_.max_control_bytes);
+    std::shared_ptr<Bytes> buf;
+    if (!spare_recv_buffers_.empty()) {
+        buf = std::move(spare_recv_buffers_.back());
+        spare_recv_buffers_.pop_back();
+    } else {
+        buf = std::make_shared<Bytes>(options_.max_control_bytes);
+    }
     auto h = transport_.post_recv(peer, kControlTag, buf->data(), buf->size());
     if (!h.ok()) {
         failed_[static_cast<size_t>(peer)] = 1;
@@ -167,6 +173,9 @@ void ControlChannel::on_recv_done(int peer, const std::shared_ptr<Bytes>& buf, c
     // Repost before handling: the next message from this peer can land while we work.
     post_control_recv(peer);
     listener_->on_control(peer, std::span<const uint8_t>(buf->data(), n));
+    // Handled, and its receive completed: the transport writes into it no more. One spare per
+    // peer covers the steady state (one receive posted per peer, one message being handled).
+    if (spare_recv_buffers_.size() < last_heard_.size()) spare_recv_buffers_.push_back(buf);
 }
 
 void ControlChannel::send(int peer, Bytes bytes) {

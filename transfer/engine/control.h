@@ -355,6 +355,7 @@ struct ControlOptions {
 class ControlListener {
 public:
     virtual ~ControlListener() = default;
+    // `bytes` is valid only during the call (its buffer receives a later message).
     virtual void on_control(int peer, std::span<const uint8_t> bytes) = 0;
     // The control link to `peer` failed (kUnavailable: peer gone or this transport closed;
     // kDataLoss: oversized or garbled control message). No more control messages from it.
@@ -428,6 +429,10 @@ private:
     std::vector<uint8_t> interest_;
     std::vector<Clock::time_point> last_heartbeat_;
     std::vector<RequestHandle> recv_handles_;
+    // Receive buffers (max_control_bytes each) whose message was handled, reused by the next
+    // post: a fresh zero-filled buffer per message cost a 4 MiB memset per control message (and,
+    // under TSan, a page-fault storm that stalled the control thread for seconds).
+    std::vector<std::shared_ptr<Bytes>> spare_recv_buffers_;
 
     // Heartbeat in flight per peer (set by the control thread, cleared by the send's callback).
     std::unique_ptr<std::atomic<bool>[]> heartbeat_busy_;
