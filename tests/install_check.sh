@@ -11,7 +11,7 @@ trap 'rm -rf "$pfx"' EXIT
 fail() { echo "install_test: FAILED: $*" >&2; exit 1; }
 
 cmake --install "$build" --prefix "$pfx" >"$pfx/install.log" 2>&1 || { cat "$pfx/install.log"; fail "cmake --install"; }
-for f in bin/pdsim share/pdsim/traces/mooncake_conversation.jsonl share/pdsim/traces/azure_llm_code.csv \
+for f in bin/pdsim share/pdsim/traces/mooncake_conversation.jsonl share/pdsim/traces/azure_llm_code.csv share/pdsim/traces/azure_llm_conv.csv \
          share/pdsim/topologies/cpu-1p1d.yaml share/pdsim/topologies/dgx-h100-2node-1p1d-tp8.yaml \
          share/pdsim/models/llama3-8b-4l.yaml share/pdsim/plot_report.py share/pdsim/README.md; do
   [ -e "$pfx/$f" ] || fail "$f not installed"
