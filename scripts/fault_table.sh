@@ -95,5 +95,6 @@ v = len(v) if isinstance(v, list) else v
 print(f"| {name} | {rc} | {after} | {c}/{f}/{l} of {s} | {'yes' if c + f + l == s else 'NO'} "
       f"| {cause} | {dead} / {silent} | {v} |")
 EOF
-  [ -n "$env" ] && unset "${env%%=*}"
+  if [ -n "$env" ]; then unset "${env%%=*}"; fi
 done
+exit 0
