@@ -839,5 +839,54 @@ TEST(CalibrateTimeline, BadTimelinesExit2NamingTheFile) {
     }
 }
 
+// pdsim cost-check: a cost file fitted from a timeline predicts that timeline's isolated forwards
+// exactly (the synthetic forwards are exact); bad input exits 2 naming the file or the TP.
+TEST(CostCheckCli, ComparesForwardsAndRefusesBadInput) {
+    test::TempDir dir("cost-check");
+    const std::string tl = dir.str("tl.json"), cost = dir.str("cost.json");
+    const std::string tp4 = dir.str("tp4.json");
+    write_json(tl, synthetic_timeline(false));
+    test::CmdResult fit =
+        test::run_pdsim({"calibrate", "--from-timeline", tl, "--model", "tiny", "--out", cost}, 60);
+    ASSERT_EQ(fit.rc, 0) << fit.describe();
+    test::CmdResult r = test::run_pdsim(
+        {"cost-check", "--timeline", tl, "--cost-model", cost, "--json", dir.str("rows.json")}, 60);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    EXPECT_THAT(r.out, HasSubstr("| extend | 1 | 1 | no | all |"));
+    EXPECT_THAT(r.out, HasSubstr("| 1.00 / 1.00 / 1.00 |"));
+    const json rows = json::parse(std::ifstream(dir.str("rows.json")));
+    ASSERT_TRUE(rows.is_array());
+    bool saw_isolated_decode = false;
+    for (const json& row : rows) {
+        if (row["kind"] == "decode" && !row["overlapped"].get<bool>() && row["bucket"] == "all") {
+            saw_isolated_decode = true;
+            EXPECT_NEAR(row["ratio_p50"].get<double>(), 1.0, 1e-6) << row.dump();
+        }
+    }
+    EXPECT_TRUE(saw_isolated_decode) << rows.dump();
+    // A timeline with a TP-4 forward, which the cost file has no fit for; a missing timeline; no
+    // flags.
+    json t = synthetic_timeline(false);
+    for (json& ev : t["traceEvents"]) {
+        if (ev.contains("args") && ev["args"].contains("tp")) {
+            ev["args"]["tp"] = 4;
+            break;
+        }
+    }
+    write_json(tp4, t);
+    test::CmdResult no_tp4 =
+        test::run_pdsim({"cost-check", "--timeline", tp4, "--cost-model", cost}, 60);
+    EXPECT_EQ(no_tp4.rc, 2) << no_tp4.describe();
+    EXPECT_THAT(no_tp4.err, HasSubstr("tp 4")) << no_tp4.describe();
+    const std::string missing = dir.str("missing.json");
+    test::CmdResult gone =
+        test::run_pdsim({"cost-check", "--timeline", missing, "--cost-model", cost}, 60);
+    EXPECT_EQ(gone.rc, 2) << gone.describe();
+    EXPECT_THAT(gone.err, HasSubstr(missing)) << gone.describe();
+    test::CmdResult bare = test::run_pdsim({"cost-check"}, 60);
+    EXPECT_EQ(bare.rc, 2) << bare.describe();
+    EXPECT_THAT(bare.err, HasSubstr("--timeline")) << bare.describe();
+}
+
 }  // namespace
 }  // namespace pdsim::cost

@@ -1,7 +1,8 @@
 // sim/cost/timeline_fit.h without a subprocess: forward records generated from known cost
 // coefficients (the features computed here by hand from docs/cost-models.md's forms, not with
 // the library's), fitted, and the coefficients recovered; the overlap and interference rules; and
-// the parser's errors, which name the file and the field.
+// the parser's errors, which name the file and the field. Also `pdsim cost-check`'s library
+// (sim/cost/forward_check.h) on forwards whose predictions are worked by hand.
 #include "sim/cost/timeline_fit.h"
 
 #include <gtest/gtest.h>
@@ -13,6 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "backends/model/model_config.h"
+#include "common/check.h"
+#include "sim/cost/forward_check.h"
 #include "tests/cli_test_util.h"
 #include "tests/status_matchers.h"
 
@@ -386,6 +390,87 @@ TEST(TimelineParser, ErrorsNameTheFileAndTheField) {
     auto ok = read_timeline_forwards(
         write(dir, "follower.json", json{{"traceEvents", {slice(5, 2, follower)}}}.dump()));
     EXPECT_OK(ok);
+}
+
+// ---- pdsim cost-check (sim/cost/forward_check.h) ---------------------------------------------
+
+// A hand-written cost file (tp 1, 1 thread): the predictions below are worked by hand.
+CostFile check_cost_file() {
+    auto f = CostFile::from_json(json::parse(R"({
+      "schema_version": 1, "model": "tiny",
+      "fits": [{"tp": 1, "threads": 1,
+        "extend": {"const_s": 0.001, "per_token_s": 2e-5, "per_attn_pair_s": 3e-9,
+                   "per_request_s": 4e-4},
+        "decode": {"const_s": 5e-4, "per_request_s": 1e-5, "per_weight_pass_s": 3e-4,
+                   "per_kv_token_s": 2e-8}}],
+      "transports": {}})"),
+                                 "check.json");
+    PDSIM_CHECK_OK(f.status());
+    return std::move(*f);
+}
+
+TimelineForward forward(double begin_us, double dur_us, int instance, bool decode) {
+    TimelineForward f;
+    f.begin_us = begin_us;
+    f.duration_us = dur_us;
+    f.end_us = begin_us + dur_us;
+    f.instance = instance;
+    f.decode = decode;
+    if (decode) {
+        f.batch = 1;
+        f.kv_tokens = 1000;
+    } else {
+        f.items = {{100, 0}};
+    }
+    return f;
+}
+
+TEST(ForwardCheck, RatiosPerKindBucketAndOverlap) {
+    // extend of 100 new tokens: 0.001 + 100 * 2e-5 + 5050 pairs * 3e-9 + 4e-4 = 3.41515 ms.
+    // decode of 1 request, 1000 KV tokens: 5e-4 + 1e-5 + 3e-4 (one weight pass) + 2e-5 = 0.83 ms.
+    const double extend_ms = 3.41515, decode_ms = 0.83;
+    std::vector<TimelineForward> fs = {
+        forward(0, 2 * extend_ms * 1000, 0, false),      // alone, twice as slow as predicted
+        forward(20000, decode_ms * 1000, 1, true),       // alone, as predicted
+        forward(40000, 3 * extend_ms * 1000, 0, false),  // overlapped by the next
+        forward(41000, 1.5 * decode_ms * 1000, 1, true),
+    };
+    TimelineForward follower = forward(60000, 1000, 0, false);
+    follower.tp_rank = 1;  // a TP follower times the same forward again: not counted
+    fs.push_back(follower);
+    auto rows = check_forwards(fs, check_cost_file(), *model::resolve_model("tiny"));
+    ASSERT_OK(rows);
+    auto find = [&](bool decode, bool overlapped, const std::string& bucket) {
+        for (const ForwardCheckRow& r : *rows) {
+            if (r.decode == decode && r.overlapped == overlapped && r.bucket == bucket) return r;
+        }
+        ADD_FAILURE() << "no row " << decode << " " << overlapped << " " << bucket;
+        return ForwardCheckRow{};
+    };
+    const ForwardCheckRow e = find(false, false, "new tokens 64-255");
+    EXPECT_EQ(e.count, 1u);
+    EXPECT_NEAR(e.predicted_ms_p50, extend_ms, 1e-9);
+    EXPECT_NEAR(e.ratio_p50, 2.0, 1e-9);
+    EXPECT_NEAR(find(false, false, "all").ratio_p50, 2.0, 1e-9);
+    const ForwardCheckRow d = find(true, false, "batch 1");
+    EXPECT_NEAR(d.predicted_ms_p50, decode_ms, 1e-9);
+    EXPECT_NEAR(d.ratio_p50, 1.0, 1e-9);
+    EXPECT_NEAR(find(false, true, "all").ratio_p50, 3.0, 1e-9);
+    EXPECT_NEAR(find(true, true, "batch 1").ratio_p50, 1.5, 1e-9);
+    size_t counted = 0;
+    for (const ForwardCheckRow& r : *rows) counted += r.bucket == "all" ? r.count : 0;
+    EXPECT_EQ(counted, 4u);  // the follower's forward is not one of them
+    EXPECT_THAT(forward_check_table(*rows), HasSubstr("| extend | 1 | 1 | no | all | 1 |"));
+}
+
+TEST(ForwardCheck, ErrorsNameWhatIsMissing) {
+    const model::ModelConfig tiny = *model::resolve_model("tiny");
+    EXPECT_THAT(check_forwards({}, check_cost_file(), tiny),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("no instance leader forward")));
+    std::vector<TimelineForward> fs = {forward(0, 1000, 0, false)};
+    fs[0].tp = 4;
+    EXPECT_THAT(check_forwards(fs, check_cost_file(), tiny),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("tp 4")));
 }
 
 }  // namespace

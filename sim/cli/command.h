@@ -46,6 +46,9 @@ void add_simulate_command(CLI::App& app, CommandSet& commands);
 // `pdsim calibrate [...]`: measures the CPU testbed, writes a cost file
 // (sim/cli/calibrate_cmd.cpp).
 void add_calibrate_command(CLI::App& app, CommandSet& commands);
+// `pdsim cost-check [...]`: a cost file against a testbed timeline's forwards
+// (sim/cli/cost_check_cmd.cpp).
+void add_cost_check_command(CLI::App& app, CommandSet& commands);
 // `pdsim search [...]`: placement search over a GPU budget (sim/cli/search_cmd.cpp).
 void add_search_command(CLI::App& app, CommandSet& commands);
 

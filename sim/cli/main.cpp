@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
     pdsim::cli::add_testbed_command(app, commands);
     pdsim::cli::add_simulate_command(app, commands);
     pdsim::cli::add_calibrate_command(app, commands);
+    pdsim::cli::add_cost_check_command(app, commands);
     pdsim::cli::add_search_command(app, commands);
 
     try {

@@ -241,6 +241,13 @@ json noise_of(Residuals& res) {
 
 }  // namespace
 
+std::vector<bool> overlapped_forwards(std::span<const TimelineForward> forwards) {
+    const OverlapIndex index(forwards);
+    std::vector<bool> out(forwards.size());
+    for (size_t i = 0; i < forwards.size(); ++i) out[i] = index.overlapped(i);
+    return out;
+}
+
 StatusOr<std::vector<TimelineForward>> read_timeline_forwards(const std::string& path,
                                                               const std::string& flag) {
     PDSIM_ASSIGN_OR_RETURN(json doc, load_timeline_json(path, flag));

@@ -66,6 +66,11 @@ struct TimelineForward {
 [[nodiscard]] StatusOr<std::vector<TimelineForward>> read_timeline_forwards(
     const std::string& path, const std::string& flag = "--from-timeline");
 
+// For forwards sorted by begin (as read_timeline_forwards returns them): whether each overlaps a
+// forward of another instance (any TP rank's), the forwards the simulator's CPU contention model
+// slows down.
+[[nodiscard]] std::vector<bool> overlapped_forwards(std::span<const TimelineForward> forwards);
+
 // One fit as the cost file stores it (coefficients under `keys`, fit statistics, num_points);
 // `source` (a --from-timeline fit's origin) when not empty.
 [[nodiscard]] nlohmann::json fit_to_json(std::span<const char* const> keys, const LinearFit& fit,

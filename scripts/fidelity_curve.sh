@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# The simulator's fidelity over load (docs/fidelity.md section 8): for each topology, measure
+# what the testbed serves, replay the trace at fractions of that, and put each testbed run beside
+# `pdsim simulate --like` of its own report, as a user would check a simulation against their run.
+#
+#   1. cost model: COST if given, else the default calibration path for the topologies' TP sizes,
+#      `pdsim calibrate --model tiny --tp <their TP sizes> --out $OUT/cost.json`;
+#   2. capacity: a testbed run with every request arriving at once (--time-scale 1e-6); its
+#      completed requests over its makespan (goodput_rps, no SLO) is the capacity C, req/s;
+#   3. per load L in LOADS: the time scale that offers L x C (the N requests' span at scale 1 is
+#      read from the trace), a testbed run at it (--report), then
+#      `pdsim simulate --like <that report> --cost-model <cost>`;
+#   4. a markdown table per topology -> $OUT/curve.md: offered rate, TTFT and TPOT p50 / p90 on
+#      both sides and their ratios, throughput, the wait before prefill (queueing), and whether
+#      the p50 ratios are within 10% (L <= 0.8) or 25% (above).
+#
+# Env: PDSIM (default build/default/sim/pdsim), OUT (out/fidelity-curve), TRACE
+# (data/traces/azure_llm_conv.csv: a trace no calibration uses), N (requests, 100), LOADS
+# ("0.3 0.5 0.7 0.8 0.9 1.1"), TOPOS ("cpu-1p1d cpu-2p1d-tp2-to-tp1"), COST (a cost file; empty:
+# calibrate), BIND (core | none: rank binding as docs/fidelity.md section 2), TESTBED (run |
+# reuse: keep $OUT's testbed reports and redo only the simulator side).
+# Prints a progress line per run. About 25 minutes on the 2-core machine with the defaults.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+PDSIM="${PDSIM:-build/default/sim/pdsim}"
+OUT="${OUT:-out/fidelity-curve}"
+TRACE="${TRACE:-data/traces/azure_llm_conv.csv}"
+N="${N:-100}"
+LOADS="${LOADS:-0.3 0.5 0.7 0.8 0.9 1.1}"
+TOPOS="${TOPOS:-cpu-1p1d cpu-2p1d-tp2-to-tp1}"
+COST="${COST:-}"
+BIND="${BIND:-core}"
+TESTBED="${TESTBED:-run}"
+die() { echo "fidelity_curve.sh: $*" >&2; exit 2; }
+[ -x "$PDSIM" ] || die "PDSIM=$PDSIM: no such binary (build first)"
+[ -f "$TRACE" ] || die "TRACE=$TRACE: no such file"
+[[ "$N" =~ ^[0-9]+$ ]] && [ "$N" -ge 2 ] || die "N=$N: an integer >= 2"
+for l in $LOADS; do
+  python3 -c "import sys; v = float(sys.argv[1]); sys.exit(0 if 0 < v <= 10 else 1)" "$l" \
+    2>/dev/null || die "LOADS: '$l' is not a number in (0, 10]"
+done
+for t in $TOPOS; do [ -f "topology/examples/$t.yaml" ] || die "TOPOS: no topology/examples/$t.yaml"; done
+[ -z "$COST" ] || [ -f "$COST" ] || die "COST=$COST: no such file"
+case "$BIND" in core | none) ;; *) die "BIND=$BIND: core or none" ;; esac
+case "$TESTBED" in run | reuse) ;; *) die "TESTBED=$TESTBED: run or reuse" ;; esac
+mkdir -p "$OUT"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+bind=()
+[ "$BIND" = core ] && bind=(--map-by core --bind-to core:overload-allowed)
+loadavg() { cut -d' ' -f1-3 /proc/loadavg; }
+
+testbed() {  # testbed TOPOLOGY REPORT ARGS...
+  local topo=$1 report=$2
+  shift 2
+  local np
+  np=$(awk '/^world_size:/ {print $2}' "topology/examples/$topo.yaml")
+  mpirun --oversubscribe -np "$np" "${bind[@]}" --mca pml ob1 --mca btl self,vader,tcp \
+    "$PDSIM" testbed --topology "topology/examples/$topo.yaml" --mode disagg --trace "$TRACE" \
+    --max-requests "$N" --quiet "$@" --report "$report" > "${report%.json}.log" 2>&1 ||
+    { echo "fidelity_curve.sh: testbed failed, see ${report%.json}.log" >&2; tail -5 "${report%.json}.log" >&2; exit 1; }
+}
+
+if [ -z "$COST" ]; then
+  COST="$OUT/cost.json"
+  tps=$(for t in $TOPOS; do awk '/^ *tp:/ {print $2}' "topology/examples/$t.yaml"; done |
+    sort -un | paste -sd, -)
+  if [ ! -f "$COST" ] || [ "$TESTBED" = run ]; then
+    echo "== calibrate: $PDSIM calibrate --model tiny --tp ${tps:-1} --out $COST (load $(loadavg))"
+    "$PDSIM" calibrate --model tiny --tp "${tps:-1}" --out "$COST" > "$OUT/calibrate.log" 2>&1
+  fi
+fi
+
+# The N requests' span at time scale 1, ms (the testbed replays the first N of the trace).
+span_ms=$(python3 - "$TRACE" "$N" <<'EOF'
+import csv, datetime, json, sys
+path, n = sys.argv[1], int(sys.argv[2])
+if path.endswith(".csv"):
+    rows = [r["TIMESTAMP"] for _, r in zip(range(n), csv.DictReader(open(path)))]
+    t = [datetime.datetime.strptime(x[:26], "%Y-%m-%d %H:%M:%S.%f").timestamp() * 1000 for x in rows]
+else:
+    t = [json.loads(line)["timestamp"] for _, line in zip(range(n), open(path))]
+print(max(t) - min(t))
+EOF
+)
+echo "machine: $(nproc) cores; binding $BIND; trace $TRACE, first $N requests over $span_ms ms at scale 1"
+
+for topo in $TOPOS; do
+  cap_report="$OUT/capacity-$topo.json"
+  if [ "$TESTBED" = run ] || [ ! -f "$cap_report" ]; then
+    echo "== $topo: capacity (every request at once; load $(loadavg))"
+    testbed "$topo" "$cap_report" --time-scale 1e-6
+  fi
+  cap=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['goodput_rps'])" "$cap_report")
+  echo "   capacity $cap req/s"
+  for l in $LOADS; do
+    scale=$(python3 -c "import sys; n, s, l, c = map(float, sys.argv[1:]); print(f'{(n - 1) * 1000 / (s * l * c):.6g}')" \
+      "$N" "$span_ms" "$l" "$cap")
+    tb="$OUT/testbed-$topo-$l.json"
+    if [ "$TESTBED" = run ] || [ ! -f "$tb" ]; then
+      echo "== $topo: load $l (time scale $scale; load $(loadavg))"
+      testbed "$topo" "$tb" --time-scale "$scale"
+    fi
+    "$PDSIM" simulate --like "$tb" --cost-model "$COST" --quiet --report "$OUT/sim-$topo-$l.json" \
+      > "$OUT/sim-$topo-$l.log" 2>&1 ||
+      { echo "fidelity_curve.sh: simulate failed, see $OUT/sim-$topo-$l.log" >&2; exit 1; }
+  done
+done
+
+python3 - "$OUT" "$TOPOS" "$LOADS" <<'EOF'
+import json, sys
+out, topos, loads = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
+load = lambda p: json.load(open(f"{out}/{p}.json"))
+rows = []
+for topo in topos:
+    cap = load(f"capacity-{topo}")["goodput_rps"]
+    rows += [f"\n### {topo} (capacity {cap:.2f} req/s)\n",
+             "| load | offered req/s | TTFT p50 tb / sim (ratio) | TTFT p90 tb / sim | "
+             "TPOT p50 tb / sim (ratio) | TPOT p90 tb / sim | throughput req/s tb / sim | "
+             "wait for prefill p50 tb / sim | within |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for l in loads:
+        tb, sim = load(f"testbed-{topo}-{l}"), load(f"sim-{topo}-{l}")
+        arr = tb["config"]["request_set"]["arrival_ms"]  # the testbed's scaled arrivals
+        offered = (len(arr) - 1) * 1000 / (max(arr) - min(arr)) if len(arr) > 1 else float("nan")
+        ratio = lambda k: sim[k]["p50"] / tb[k]["p50"] if tb[k]["p50"] > 0 else float("nan")
+        bound = 0.10 if float(l) <= 0.8 else 0.25
+        ok = all(abs(ratio(k) - 1) <= bound for k in ("ttft_ms", "tpot_ms"))
+        rows.append(
+            f"| {l} | {offered:.2f} | {tb['ttft_ms']['p50']:.1f} / {sim['ttft_ms']['p50']:.1f} "
+            f"({ratio('ttft_ms'):.2f}) | {tb['ttft_ms']['p90']:.1f} / {sim['ttft_ms']['p90']:.1f} | "
+            f"{tb['tpot_ms']['p50']:.2f} / {sim['tpot_ms']['p50']:.2f} ({ratio('tpot_ms'):.2f}) | "
+            f"{tb['tpot_ms']['p90']:.2f} / {sim['tpot_ms']['p90']:.2f} | "
+            f"{tb['goodput_rps']:.2f} / {sim['goodput_rps']:.2f} | "
+            f"{tb['prefill_wait_ms']['p50']:.1f} / {sim['prefill_wait_ms']['p50']:.1f} | "
+            f"{'yes' if ok else 'no'} (±{bound:.0%}) |")
+table = "\n".join(rows)
+print(table)
+open(f"{out}/curve.md", "w").write(table + "\n")
+EOF

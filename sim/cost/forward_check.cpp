@@ -1,0 +1,135 @@
+#include "sim/cost/forward_check.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <utility>
+
+namespace pdsim::cost {
+
+namespace {
+
+// Buckets: (order, label).
+std::pair<int, std::string> bucket_of(const TimelineForward& f) {
+    if (f.decode) {
+        const int64_t b = f.batch;
+        if (b <= 1) return {0, "batch 1"};
+        if (b <= 3) return {1, "batch 2-3"};
+        if (b <= 7) return {2, "batch 4-7"};
+        if (b <= 15) return {3, "batch 8-15"};
+        return {4, "batch 16+"};
+    }
+    int64_t tokens = 0;
+    for (const ExtendItem& item : f.items) tokens += item.new_tokens;
+    if (tokens < 64) return {0, "new tokens 1-63"};
+    if (tokens < 256) return {1, "new tokens 64-255"};
+    if (tokens < 1024) return {2, "new tokens 256-1023"};
+    return {3, "new tokens 1024+"};
+}
+
+// Linear-interpolated percentile of a sorted, non-empty sample.
+double at(const std::vector<double>& sorted, double q) {
+    const double x = q * static_cast<double>(sorted.size() - 1);
+    const auto lo = static_cast<size_t>(x);
+    const size_t hi = std::min(lo + 1, sorted.size() - 1);
+    return sorted[lo] + (sorted[hi] - sorted[lo]) * (x - static_cast<double>(lo));
+}
+
+struct Sample {
+    std::vector<double> measured_ms, predicted_ms, ratio;
+};
+
+ForwardCheckRow summarize(Sample s) {
+    ForwardCheckRow row;
+    row.count = s.ratio.size();
+    for (double v : s.measured_ms) row.measured_ms_sum += v;
+    for (double v : s.predicted_ms) row.predicted_ms_sum += v;
+    std::sort(s.measured_ms.begin(), s.measured_ms.end());
+    std::sort(s.predicted_ms.begin(), s.predicted_ms.end());
+    std::sort(s.ratio.begin(), s.ratio.end());
+    row.measured_ms_p50 = at(s.measured_ms, 0.5);
+    row.predicted_ms_p50 = at(s.predicted_ms, 0.5);
+    row.ratio_p10 = at(s.ratio, 0.1);
+    row.ratio_p50 = at(s.ratio, 0.5);
+    row.ratio_p90 = at(s.ratio, 0.9);
+    return row;
+}
+
+}  // namespace
+
+StatusOr<std::vector<ForwardCheckRow>> check_forwards(std::span<const TimelineForward> forwards,
+                                                      const CostFile& cost,
+                                                      const model::ModelConfig& model) {
+    const std::vector<bool> overlapped = overlapped_forwards(forwards);
+    // (decode, tp, threads) -> the cost model of that instance shape.
+    std::map<std::tuple<bool, int, int>, std::unique_ptr<CostModel>> models;
+    // (decode, tp, threads, overlapped, bucket order) -> bucket label and sample.
+    using Key = std::tuple<bool, int, int, bool, int>;
+    std::map<Key, std::pair<std::string, Sample>> groups;
+    for (size_t i = 0; i < forwards.size(); ++i) {
+        const TimelineForward& f = forwards[i];
+        if (f.tp_rank != 0 || f.duration_us <= 0) continue;
+        const auto shape = std::make_tuple(f.decode, f.tp, f.threads);
+        auto it = models.find(shape);
+        if (it == models.end()) {
+            InstanceSpec spec;
+            spec.model = model;
+            spec.tp = f.tp;
+            spec.device = "cpu";
+            spec.kv_dtype_bytes = 4;
+            spec.threads = f.threads;
+            auto m = make_cost_model("calibrated", spec, &cost);
+            if (!m.ok()) {
+                return m.status().with_context(fmt::format(
+                    "the timeline's forwards ran with tp {} and {} threads", f.tp, f.threads));
+            }
+            it = models.emplace(shape, std::move(*m)).first;
+        }
+        const double predicted_s =
+            f.decode ? it->second->decode_s(f.batch, f.kv_tokens) : it->second->extend_s(f.items);
+        if (!(predicted_s > 0)) continue;  // nothing to compare with (an empty batch)
+        const double measured_ms = f.duration_us / 1000.0;
+        auto [order, label] = bucket_of(f);
+        for (int b : {order, 100}) {  // 100: the "all" row of the group
+            auto& [name, sample] = groups[Key{f.decode, f.tp, f.threads, overlapped[i], b}];
+            name = b == 100 ? "all" : label;
+            sample.measured_ms.push_back(measured_ms);
+            sample.predicted_ms.push_back(predicted_s * 1000.0);
+            sample.ratio.push_back(measured_ms / (predicted_s * 1000.0));
+        }
+    }
+    if (groups.empty()) {
+        return Status(StatusCode::kInvalidArgument,
+                      "no instance leader forward with a batch to compare (a timeline of "
+                      "`pdsim testbed --timeline`?)");
+    }
+    std::vector<ForwardCheckRow> rows;
+    for (auto& [key, group] : groups) {
+        ForwardCheckRow row = summarize(std::move(group.second));
+        std::tie(row.decode, row.tp, row.threads, row.overlapped, std::ignore) = key;
+        row.bucket = group.first;
+        rows.push_back(std::move(row));
+    }
+    return rows;
+}
+
+std::string forward_check_table(std::span<const ForwardCheckRow> rows) {
+    std::string out =
+        "| kind | tp | threads | other instance computing | batch | forwards | measured ms p50 | "
+        "predicted ms p50 | measured / predicted p10 / p50 / p90 | share of measured time "
+        "explained |\n|---|---|---|---|---|---|---|---|---|---|\n";
+    for (const ForwardCheckRow& r : rows) {
+        out += fmt::format(
+            "| {} | {} | {} | {} | {} | {} | {:.3f} | {:.3f} | {:.2f} / {:.2f} / {:.2f} | {:.0f}% "
+            "|\n",
+            r.decode ? "decode" : "extend", r.tp, r.threads, r.overlapped ? "yes" : "no", r.bucket,
+            r.count, r.measured_ms_p50, r.predicted_ms_p50, r.ratio_p10, r.ratio_p50, r.ratio_p90,
+            r.measured_ms_sum > 0 ? 100.0 * r.predicted_ms_sum / r.measured_ms_sum : 0.0);
+    }
+    return out;
+}
+
+}  // namespace pdsim::cost

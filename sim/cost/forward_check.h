@@ -1,0 +1,51 @@
+// The per-forward check of a cost model against a testbed run (`pdsim calibrate --check`,
+// docs/cost-models.md): every forward an instance leader timed in a `pdsim testbed --timeline`
+// run, beside what the cost model predicts for the same batch, grouped by what a forward is
+// (kind, TP, threads, batch size) and by whether another instance computed at the same time. It
+// answers "which forwards does the simulator get wrong, and by how much", the question behind a
+// simulated TTFT that is short of the testbed's.
+//
+// Thread-safety: pure functions.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backends/model/model_config.h"
+#include "common/status.h"
+#include "sim/cost/cost_model.h"
+#include "sim/cost/timeline_fit.h"
+
+namespace pdsim::cost {
+
+// One group of forwards. ratio = measured / predicted per forward; its percentiles are over the
+// group's forwards (a ratio above 1: the testbed was slower than the model).
+struct ForwardCheckRow {
+    bool decode = false;
+    int tp = 1;
+    int threads = 1;
+    bool overlapped = false;  // another instance's forward overlapped these (contention)
+    std::string bucket;       // "new tokens 256-1023" (extend), "batch 4-7" (decode)
+    size_t count = 0;
+    double measured_ms_p50 = 0;
+    double predicted_ms_p50 = 0;
+    double ratio_p10 = 0, ratio_p50 = 0, ratio_p90 = 0;
+    double measured_ms_sum = 0, predicted_ms_sum = 0;  // the group's share of the run's time
+};
+
+// Leader forwards of positive duration only (a TP follower times the same forward again).
+// Batches group as extend by new tokens of the forward (1-63, 64-255, 256-1023, 1024+) and decode
+// by requests (1, 2-3, 4-7, 8-15, 16+). `model` is the model the run served (the cost file's fits
+// are per model). Rows are sorted by kind, tp, threads, overlapped, then bucket order, plus one
+// "all" row per (kind, tp, threads, overlapped). kInvalidArgument when the cost file has no fit for
+// a (tp, threads) the forwards ran with (naming it), or when there is no leader forward at all.
+[[nodiscard]] StatusOr<std::vector<ForwardCheckRow>> check_forwards(
+    std::span<const TimelineForward> forwards, const CostFile& cost,
+    const model::ModelConfig& model);
+
+// The rows as a markdown table (one line each).
+[[nodiscard]] std::string forward_check_table(std::span<const ForwardCheckRow> rows);
+
+}  // namespace pdsim::cost
