@@ -346,7 +346,8 @@ TEST(TestbedStop, SigtermRemovesTheTcpBootstrapDirectory) {
 }
 
 // kill -9 of the decode rank under mpirun (over mpi): mpirun stops the job, its SIGTERM reaches
-// rank 0, which writes the report of what finished before the job ends, within 15 s.
+// rank 0, which writes the report of what finished before the job ends, within 15 s, and names
+// the rank whose process is gone from its host.
 TEST(TestbedStop, DeadDecodeRankUnderMpirunLeavesAReport) {
     TempDir dir("tb_stop_kill");
     const std::vector<std::string> args = {"--synthetic",     "300",        "--mode",
@@ -357,6 +358,13 @@ TEST(TestbedStop, DeadDecodeRankUnderMpirunLeavesAReport) {
     EXPECT_NE(s.cmd.rc, 0) << s.cmd.describe();
     EXPECT_LT(s.end_s, 15) << s.cmd.describe();
     expect_partial_report(dir, "stopped by SIGTERM", s.cmd);
+    const json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << s.cmd.describe();
+    EXPECT_THAT(rep["incomplete"].value("cause", ""),
+                HasSubstr("the process of rank 1 (decode0) is gone"));
+    ASSERT_TRUE(rep.contains("dead_ranks")) << rep.dump(1).substr(0, 2000);
+    EXPECT_EQ(rep["dead_ranks"][0]["rank"], 1);
+    EXPECT_EQ(rep["dead_ranks"][0]["silent_s"], -1);
 }
 
 // kill -STOP of the decode rank under mpirun (a hung process): its heartbeats stop, and 5 s later

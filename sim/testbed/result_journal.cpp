@@ -360,7 +360,37 @@ void ResultJournal::watch() {
         break;
     }
     if (standby_) recover_or_exit(sig);
-    const std::string cause = fmt::format("stopped by {}", signal_name(sig));
+    std::string cause = fmt::format("stopped by {}", signal_name(sig));
+    std::function<std::vector<int>()> probe;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        probe = dead_rank_probe_;
+    }
+    if (probe) {
+        const std::vector<int> gone = probe();
+        if (!gone.empty()) {
+            std::lock_guard<std::mutex> lock(mu_);
+            const Phase last =
+                phases_.empty()
+                    ? (cfg_.options.mode == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
+                    : phases_.back().phase;
+            const topo::RankMap map = cfg_.topology.rank_map();
+            std::string names;
+            for (int rank : gone) {
+                const std::string instance =
+                    rank >= 0 && rank < map.world_size()
+                        ? cfg_.topology.instances[static_cast<size_t>(map.at(rank).instance)].id
+                        : std::string();
+                log_of(last).dead_ranks.push_back({.rank = rank,
+                                                   .instance = instance,
+                                                   .detected_at_s = (now_us() - t_start_us_) / 1e6,
+                                                   .silent_s = -1});
+                names += fmt::format("{}rank {} ({})", names.empty() ? "" : ", ", rank, instance);
+            }
+            cause += fmt::format(": the process of {} is gone from this host (killed or crashed)",
+                                 names);
+        }
+    }
     bool written = false;
     {
         std::lock_guard<std::mutex> lock(mu_);
@@ -391,6 +421,11 @@ void ResultJournal::watch() {
     std::fflush(stderr);
     std::fflush(stdout);
     std::_Exit(128 + sig);
+}
+
+void ResultJournal::set_dead_rank_probe(std::function<std::vector<int>()> probe) {
+    std::lock_guard<std::mutex> lock(mu_);
+    dead_rank_probe_ = std::move(probe);
 }
 
 void ResultJournal::disarm() {

@@ -91,6 +91,14 @@ public:
     [[nodiscard]] static std::unique_ptr<ResultJournal> standby(const ResolvedConfig& cfg, int rank,
                                                                 std::function<bool()> rank0_dead);
 
+    // Rank 0 under mpirun: on a SIGTERM or SIGINT, before the partial report is written, `probe`
+    // (called on the watcher thread; it must not block) names the ranks whose process this host
+    // can tell is gone (killed or crashed: mpirun then terminates the others, rank 0 included).
+    // Each is listed in the report's `dead_ranks` (silent_s -1: found gone at the signal, not by
+    // the heartbeat) and the cause says "rank R's process is gone". Thread-safe: may be set after
+    // arm_signals().
+    void set_dead_rank_probe(std::function<std::vector<int>()> probe);
+
     // See the file comment. kInternal when another journal is armed or the pipe cannot be made.
     [[nodiscard]] Status arm_signals();
     void disarm();
@@ -135,6 +143,7 @@ private:
     bool standby_ = false;
     int rank_ = 0;
     std::function<bool()> rank0_dead_;
+    std::function<std::vector<int>()> dead_rank_probe_;  // mu_
     // Signals.
     bool armed_ = false;
     std::thread watcher_;

@@ -378,6 +378,20 @@ std::atomic<int> g_rank0_pid{0};
 std::mutex g_rank0_mu;
 std::string g_rank0_host;  // g_rank0_mu
 
+// Every rank's pid and host, as gathered at start (run_mpi_rank; empty before).
+constexpr int kHostBytes = 256;
+std::vector<int> g_rank_pids;           // g_rank0_mu
+std::vector<std::string> g_rank_hosts;  // g_rank0_mu
+
+// Whether process `pid` is gone (or a zombie). Only meaningful for a process of this host.
+bool process_gone(int pid) {
+    std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+    if (!stat) return true;
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const size_t paren = text.rfind(')');
+    return paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'Z';
+}
+
 // Whether rank 0's process, on this host, is gone (or a zombie): ResultJournal::standby's test.
 // False when its pid is not known yet or it runs on another host.
 bool rank0_died() {
@@ -387,11 +401,22 @@ bool rank0_died() {
         std::lock_guard<std::mutex> lock(g_rank0_mu);
         if (g_rank0_host != this_host()) return false;
     }
-    std::ifstream stat(fmt::format("/proc/{}/stat", pid));
-    if (!stat) return true;
-    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-    const size_t paren = text.rfind(')');
-    return paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'Z';
+    return process_gone(pid);
+}
+
+// The ranks but this one whose process on this host is gone: rank 0's dead-rank probe
+// (ResultJournal::set_dead_rank_probe), asked when mpirun stops it.
+std::vector<int> rank_processes_gone() {
+    const std::string here = this_host();
+    const int self = static_cast<int>(::getpid());
+    std::vector<int> gone;
+    std::lock_guard<std::mutex> lock(g_rank0_mu);
+    for (size_t r = 0; r < g_rank_pids.size() && r < g_rank_hosts.size(); ++r) {
+        const int pid = g_rank_pids[r];
+        if (pid <= 0 || pid == self || g_rank_hosts[r] != here) continue;
+        if (process_gone(pid)) gone.push_back(static_cast<int>(r));
+    }
+    return gone;
 }
 
 // Heartbeats (router.h "Liveness"), once a second on Channel::kHeartbeat while the object
@@ -981,21 +1006,29 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
         return st;
     }
 
-    // Who rank 0 is: a rank on its host can then tell its death (rank0_died()).
+    // Every rank's process (pid and host), gathered: a rank on rank 0's host can then tell rank
+    // 0's death (rank0_died()), and rank 0 the death of the ranks on its own host when mpirun
+    // stops it (rank_processes_gone()).
     {
-        int pid = rank == 0 ? static_cast<int>(::getpid()) : 0;
-        std::array<char, 256> host{};
-        if (rank == 0) {
-            const std::string name = this_host();
-            std::copy_n(name.begin(), std::min(name.size(), host.size() - 1), host.begin());
-        }
-        MPI_CHECK(MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD));
-        MPI_CHECK(
-            MPI_Bcast(host.data(), static_cast<int>(host.size()), MPI_CHAR, 0, MPI_COMM_WORLD));
+        const int pid = static_cast<int>(::getpid());
+        std::array<char, kHostBytes> host{};
+        const std::string name = this_host();
+        std::copy_n(name.begin(), std::min(name.size(), host.size() - 1), host.begin());
+        std::vector<int> pids(static_cast<size_t>(world));
+        std::vector<char> hosts(static_cast<size_t>(world) * kHostBytes);
+        MPI_CHECK(MPI_Allgather(&pid, 1, MPI_INT, pids.data(), 1, MPI_INT, MPI_COMM_WORLD));
+        MPI_CHECK(MPI_Allgather(host.data(), kHostBytes, MPI_CHAR, hosts.data(), kHostBytes,
+                                MPI_CHAR, MPI_COMM_WORLD));
         std::lock_guard<std::mutex> lock(g_rank0_mu);
-        g_rank0_host = host.data();
-        g_rank0_pid = pid;
+        g_rank_pids = pids;
+        g_rank_hosts.clear();
+        for (int r = 0; r < world; ++r) {
+            g_rank_hosts.emplace_back(hosts.data() + static_cast<size_t>(r) * kHostBytes);
+        }
+        g_rank0_host = g_rank_hosts[0];
+        g_rank0_pid = pids[0];
     }
+    if (rank == 0) journal->set_dead_rank_probe(rank_processes_gone);
 
     ResolvedConfig& cfg = *resolved;
     Shared sh;
