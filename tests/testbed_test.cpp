@@ -436,6 +436,10 @@ TEST(TestbedStop, HungRouterRankUnderMpirunEndsTheJob) {
                                      "silent for"));
     EXPECT_THAT(s.cmd.err, HasSubstr("r.json.journal.jsonl on rank 0's host"));
     expect_partial_report(dir, "SIGTERM", s.cmd);
+    // The report says why: rank 0 itself stopped running (about the heartbeat timeout, 5 s).
+    const json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << s.cmd.describe();
+    EXPECT_THAT(rep["incomplete"].value("cause", ""), HasSubstr("rank 0 itself did not run for"));
 }
 
 // kill -9 of one of two decode instances over tcp with OpenMPI's recovery on (the environment

@@ -361,13 +361,20 @@ void ResultJournal::watch() {
     }
     if (standby_) recover_or_exit(sig);
     std::string cause = fmt::format("stopped by {}", signal_name(sig));
-    std::function<std::vector<int>()> probe;
+    std::function<SignalFindings()> probe;
     {
         std::lock_guard<std::mutex> lock(mu_);
-        probe = dead_rank_probe_;
+        probe = signal_probe_;
     }
-    if (probe) {
-        const std::vector<int> gone = probe();
+    const SignalFindings found = probe ? probe() : SignalFindings{};
+    if (found.self_stalled_s > 0) {
+        cause += fmt::format(
+            ": rank 0 itself did not run for {:.1f} s before the signal (stopped, e.g. by SIGSTOP, "
+            "or starved), and the other ranks ended the job when its pulses stopped",
+            found.self_stalled_s);
+    }
+    {
+        const std::vector<int>& gone = found.gone_ranks;
         if (!gone.empty()) {
             std::lock_guard<std::mutex> lock(mu_);
             const Phase last =
@@ -423,9 +430,9 @@ void ResultJournal::watch() {
     std::_Exit(128 + sig);
 }
 
-void ResultJournal::set_dead_rank_probe(std::function<std::vector<int>()> probe) {
+void ResultJournal::set_signal_probe(std::function<SignalFindings()> probe) {
     std::lock_guard<std::mutex> lock(mu_);
-    dead_rank_probe_ = std::move(probe);
+    signal_probe_ = std::move(probe);
 }
 
 void ResultJournal::disarm() {

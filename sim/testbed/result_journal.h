@@ -91,13 +91,22 @@ public:
     [[nodiscard]] static std::unique_ptr<ResultJournal> standby(const ResolvedConfig& cfg, int rank,
                                                                 std::function<bool()> rank0_dead);
 
+    // What rank 0 can find out about the job's end when mpirun stops it.
+    struct SignalFindings {
+        // Ranks whose process this host can tell is gone (killed or crashed: mpirun then
+        // terminates the others, rank 0 included).
+        std::vector<int> gone_ranks;
+        // How long this process did not run just before the signal (stopped by SIGSTOP, or
+        // starved), seconds; 0: it ran. A rank 0 that stops running is ended by the other ranks
+        // (they stop hearing its pulse) and gets SIGCONT and SIGTERM from mpirun.
+        double self_stalled_s = 0;
+    };
     // Rank 0 under mpirun: on a SIGTERM or SIGINT, before the partial report is written, `probe`
-    // (called on the watcher thread; it must not block) names the ranks whose process this host
-    // can tell is gone (killed or crashed: mpirun then terminates the others, rank 0 included).
-    // Each is listed in the report's `dead_ranks` (silent_s -1: found gone at the signal, not by
-    // the heartbeat) and the cause says "rank R's process is gone". Thread-safe: may be set after
-    // arm_signals().
-    void set_dead_rank_probe(std::function<std::vector<int>()> probe);
+    // (called on the watcher thread; it must not block) says what it finds. Each gone rank is
+    // listed in the report's `dead_ranks` (silent_s -1: found gone at the signal, not by the
+    // heartbeat); the cause names the gone ranks and a stall of rank 0 itself. Thread-safe: may
+    // be set after arm_signals().
+    void set_signal_probe(std::function<SignalFindings()> probe);
 
     // See the file comment. kInternal when another journal is armed or the pipe cannot be made.
     [[nodiscard]] Status arm_signals();
@@ -143,7 +152,7 @@ private:
     bool standby_ = false;
     int rank_ = 0;
     std::function<bool()> rank0_dead_;
-    std::function<std::vector<int>()> dead_rank_probe_;  // mu_
+    std::function<SignalFindings()> signal_probe_;  // mu_
     // Signals.
     bool armed_ = false;
     std::thread watcher_;

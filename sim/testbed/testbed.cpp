@@ -404,8 +404,28 @@ bool rank0_died() {
     return process_gone(pid);
 }
 
-// The ranks but this one whose process on this host is gone: rank 0's dead-rank probe
-// (ResultJournal::set_dead_rank_probe), asked when mpirun stops it.
+// Rank 0's pulse thread (Heartbeat with pulse_to): when it last woke, and the longest gap between
+// two of its wakes (due every second) in the last 30 s, with when it ended; steady-clock us.
+std::atomic<double> g_pulse_last_us{0};
+std::atomic<double> g_pulse_gap_s{0};
+std::atomic<double> g_pulse_gap_at_us{0};
+
+// How long rank 0 did not run before now: the pulse thread's gaps past its one-second period,
+// the last one it saw (within 30 s) or the one it is in (it may not have woken since a SIGCONT).
+double rank0_stalled_s() {
+    const double now = static_cast<double>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                               std::chrono::steady_clock::now().time_since_epoch())
+                                               .count());
+    const double last = g_pulse_last_us.load();
+    if (last <= 0) return 0;
+    double stalled = (now - last) / 1e6 - 1.0;
+    if (now - g_pulse_gap_at_us.load() < 30e6)
+        stalled = std::max(stalled, g_pulse_gap_s.load() - 1.0);
+    return stalled > 1.5 ? stalled : 0;
+}
+
+// The ranks but this one whose process on this host is gone: rank 0's probe when mpirun stops
+// it (ResultJournal::set_signal_probe).
 std::vector<int> rank_processes_gone() {
     const std::string here = this_host();
     const int self = static_cast<int>(::getpid());
@@ -443,6 +463,7 @@ public:
             std::unique_lock<std::mutex> lock(mu_);
             while (!stop_) {
                 lock.unlock();
+                if (!opts_.pulse_to.empty()) note_pulse_wake();
                 if (opts_.pulse_to.empty()) {
                     nlohmann::json hb = {{"k", "hb"}};
                     if (opts_.progress != nullptr)
@@ -487,6 +508,19 @@ public:
     Heartbeat& operator=(const Heartbeat&) = delete;
 
 private:
+    // Rank 0: when the pulse thread woke, and a gap since its previous wake (rank0_stalled_s).
+    static void note_pulse_wake() {
+        const double now =
+            static_cast<double>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                    std::chrono::steady_clock::now().time_since_epoch())
+                                    .count());
+        const double last = g_pulse_last_us.exchange(now);
+        if (last > 0 && (now - last) / 1e6 > 2.5) {
+            g_pulse_gap_s = (now - last) / 1e6;
+            g_pulse_gap_at_us = now;
+        }
+    }
+
     Mailbox& mbox_;
     const Options opts_;
     std::mutex mu_;
@@ -1028,7 +1062,12 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
         g_rank0_host = g_rank_hosts[0];
         g_rank0_pid = pids[0];
     }
-    if (rank == 0) journal->set_dead_rank_probe(rank_processes_gone);
+    if (rank == 0) {
+        journal->set_signal_probe([] {
+            return ResultJournal::SignalFindings{.gone_ranks = rank_processes_gone(),
+                                                 .self_stalled_s = rank0_stalled_s()};
+        });
+    }
 
     ResolvedConfig& cfg = *resolved;
     Shared sh;
