@@ -14,9 +14,13 @@
 // pools poisoned (see attention_test_util.h). After each run the whole pool must equal the
 // expected image: prefix + the new tokens' KV (bf16: rounded to nearest even) and nothing else.
 // bf16 activations (q, k, v, out as bf16 views) are checked against the fp32 path on their own.
+// Sliding-window layers (LayerSpec::sliding_window) have their own suite (CpuWindowVsRef) and
+// checks: the oracle against a windowed naive computation, the window changing the output, and a
+// negative window refused.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <set>
 #include <string>
@@ -59,12 +63,81 @@ Shape shape_for(int ratio, int head_dim, int page_size, kv::KVDtype dtype) {
     return s;
 }
 
+// The layer of `s` with a sliding window (Shape::layer() has none).
+LayerSpec windowed_layer(const Shape& s, int window) {
+    LayerSpec layer = s.layer();
+    layer.sliding_window = window;
+    return layer;
+}
+
+// Runner::launch with `layer` in place of Shape::layer() (a sliding window): poisons r.out() with
+// NaN, then init_forward_metadata + forward, not waited for. save_kv == false hands the backend
+// NaN decoys for k and v, kept in `decoys`, which must outlive the run.
+Status launch_layer(Runner& r, const Shape& s, const Batch& b, const LayerSpec& layer,
+                    kv::MHATokenToKVPool& pool, bool save_kv, std::vector<float>& decoys) {
+    PDSIM_RETURN_IF_ERROR(r.create_status());
+    r.out().assign(static_cast<size_t>(b.num_tokens) * s.q_width(), kNaN);
+    decoys.assign(std::max(b.k.size(), b.v.size()), kNaN);
+    PDSIM_RETURN_IF_ERROR(r.backend().init_forward_metadata(b.forward_batch()));
+    return forward_host(r.backend(), b.q.data(), save_kv ? b.k.data() : decoys.data(),
+                        save_kv ? b.v.data() : decoys.data(), layer, b.locs.data(), b.num_tokens,
+                        pool, b.mode, b.bs, r.out().data(), save_kv);
+}
+
+// naive_attention (attention_test_util.h) with a sliding window, from the batch's logical data:
+// the query at position p attends keys [max(0, p - window + 1), p]; window 0: every key up to p.
+// Written out here on its own (fp64, no pool, no page table), independent of every backend.
+std::vector<float> naive_window_attention(const Shape& s, const Batch& b, int window) {
+    const int hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
+    const double scale = s.scaling > 0.f ? s.scaling : 1.0 / std::sqrt(static_cast<double>(d));
+    const bool bf = s.dtype == kv::KVDtype::kBF16;
+    std::vector<float> out(static_cast<size_t>(b.num_tokens) * s.q_width());
+    int token = 0;
+    for (int i = 0; i < b.bs; ++i) {
+        const int seq = b.seq_lens[static_cast<size_t>(i)],
+                  ql = b.extend_lens[static_cast<size_t>(i)];
+        auto kv_at = [&](const std::vector<float>& a, int t, int h, int e) -> double {
+            const float x = a[(static_cast<size_t>(t) * hkv + h) * d + e];
+            return bf ? round_bf16(x) : x;
+        };
+        for (int j = 0; j < ql; ++j, ++token) {
+            const int pos = seq - ql + j;
+            const int lo = window > 0 ? std::max(0, pos - window + 1) : 0;
+            for (int h = 0; h < hq; ++h) {
+                const int kh = h / (hq / hkv);
+                const float* qv = &b.q[(static_cast<size_t>(token) * hq + h) * d];
+                std::vector<double> sc;
+                for (int t = lo; t <= pos; ++t) {
+                    double dot = 0;
+                    for (int e = 0; e < d; ++e)
+                        dot += qv[e] * kv_at(b.req_k[static_cast<size_t>(i)], t, kh, e);
+                    sc.push_back(dot * scale);
+                }
+                const double mx = *std::max_element(sc.begin(), sc.end());
+                double sum = 0;
+                for (auto& x : sc) sum += (x = std::exp(x - mx));
+                for (int e = 0; e < d; ++e) {
+                    double acc = 0;
+                    for (int t = lo; t <= pos; ++t) {
+                        acc += sc[static_cast<size_t>(t - lo)] *
+                               kv_at(b.req_v[static_cast<size_t>(i)], t, kh, e);
+                    }
+                    out[(static_cast<size_t>(token) * hq + h) * d + e] =
+                        static_cast<float>(acc / sum);
+                }
+            }
+        }
+    }
+    return out;
+}
+
 // Runs `b` through cpu_ref and cpu (concurrently, each on its own stream and pool) and checks the
-// outputs and both pools.
+// outputs and both pools. window > 0: a sliding-window layer.
 void check_batch(const Shape& s, const Batch& b, bool save_kv, const std::string& label,
-                 int cpu_threads = 0) {
+                 int cpu_threads = 0, int window = 0) {
     SCOPED_TRACE(label + " | " + s.describe() +
-                 " | save_kv=" + (save_kv ? "true" : "false (prewrite)") + " | " + b.describe());
+                 " | save_kv=" + (save_kv ? "true" : "false (prewrite)") + " | " + b.describe() +
+                 " | sliding_window=" + std::to_string(window));
     auto ref_pool = make_pool(s, b.num_pages);
     auto cpu_pool = make_pool(s, b.num_pages);
     auto want_pool = make_pool(s, b.num_pages);
@@ -77,8 +150,16 @@ void check_batch(const Shape& s, const Batch& b, bool save_kv, const std::string
     Runner cpu("cpu", s, cpu_threads);
     ASSERT_OK(ref.create_status());
     ASSERT_OK(cpu.create_status());
-    Status ref_launch = ref.launch(b, *ref_pool, save_kv);
-    Status cpu_launch = cpu.launch(b, *cpu_pool, save_kv);
+    std::vector<float> ref_decoys, cpu_decoys;
+    Status ref_launch, cpu_launch;
+    if (window == 0) {
+        ref_launch = ref.launch(b, *ref_pool, save_kv);
+        cpu_launch = cpu.launch(b, *cpu_pool, save_kv);
+    } else {
+        const LayerSpec layer = windowed_layer(s, window);
+        ref_launch = launch_layer(ref, s, b, layer, *ref_pool, save_kv, ref_decoys);
+        cpu_launch = launch_layer(cpu, s, b, layer, *cpu_pool, save_kv, cpu_decoys);
+    }
     Status ref_done = ref.wait();
     Status cpu_done = cpu.wait();
     ASSERT_OK(ref_launch) << "cpu_ref: " << ref_launch.to_string();
@@ -184,6 +265,177 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(kv::KVDtype::kF32, kv::KVDtype::kBF16), ::testing::Bool()),
     param_name);
 
+// ---- sliding-window attention (LayerSpec::sliding_window) -----------------------------------
+// Every combination of window W (1, 3, 16, 63, 128, 700, and more than every sequence), q/kv ratio
+// 1, 4, 8 (GQA), page_size 1, 16 and KV fp32, bf16, at head_dim 64, over decode, extend (fresh
+// prefill and chunked prefill with a cached prefix, q_len < seq_len) and mixed batches. The sizes
+// make the decode kernel split long requests into several KV chunks (4096 tokens; W = 700 still
+// spans three 256-token chunks) and give the extend kernel several key blocks and query tiles
+// (300 new tokens; 150 new over a 500-token prefix), with windows that start inside a block, a
+// page, the cached prefix, or before the first key.
+using WindowParam = std::tuple<int /*window*/, int /*ratio*/, int /*page_size*/, kv::KVDtype>;
+
+class CpuWindowVsRef : public ::testing::TestWithParam<WindowParam> {};
+
+constexpr int kWindowBeyondEverySeq = 1 << 20;
+
+TEST_P(CpuWindowVsRef, MatchesOracle) {
+    const auto [window, ratio, ps, dtype] = GetParam();
+    const Shape s = shape_for(ratio, 64, ps, dtype);
+    const uint64_t seed = 7919ull * static_cast<uint64_t>(window % 10007) +
+                          131ull * static_cast<uint64_t>(ratio) +
+                          17ull * static_cast<uint64_t>(ps) + (dtype == kv::KVDtype::kBF16 ? 5 : 0);
+    const std::string w = "window " + std::to_string(window);
+    // Lengths around the page size and around the window.
+    std::vector<int> lens = boundary_lens(ps, {100, 1000, 4096});
+    for (int l : {window - 1, window, window + 1, window + ps + 1}) {
+        if (l >= 1 && l <= 4096) lens.push_back(l);
+    }
+    std::vector<Req> dec;
+    for (int l : lens) dec.push_back({l - 1, 1});
+    check_batch(s, make_batch(s, ForwardMode::kDecode, shuffled(dec, seed), seed), true,
+                w + ", decode", 0, window);
+    const int wl = std::min(window, 900);  // a prefix about the window's length
+    std::vector<Req> ext{{0, 300},     {500, 150}, {0, 1},  {4000, 3},
+                         {ps, ps + 2}, {wl, 5},    {3, 70}, {wl + 40, 90}};
+    check_batch(s, make_batch(s, ForwardMode::kExtend, shuffled(ext, seed + 1), seed + 1), true,
+                w + ", extend (prefill + chunked)", 0, window);
+    std::vector<Req> mixed{{4095, 1}, {0, 70}, {130, 40}, {2000, 1}, {10, 1}, {wl, 1}};
+    check_batch(s, make_batch(s, ForwardMode::kMixed, shuffled(mixed, seed + 2), seed + 2), true,
+                w + ", mixed", 0, window);
+}
+
+std::string window_param_name(const ::testing::TestParamInfo<WindowParam>& info) {
+    const auto [window, ratio, ps, dtype] = info.param;
+    return "w" + (window == kWindowBeyondEverySeq ? std::string("huge") : std::to_string(window)) +
+           "_ratio" + std::to_string(ratio) + "_ps" + std::to_string(ps) + "_" +
+           std::string(kv::dtype_name(dtype));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Windows, CpuWindowVsRef,
+    ::testing::Combine(::testing::Values(1, 3, 16, 63, 128, 700, kWindowBeyondEverySeq),
+                       ::testing::Values(1, 4, 8), ::testing::Values(1, 16),
+                       ::testing::Values(kv::KVDtype::kF32, kv::KVDtype::kBF16)),
+    window_param_name);
+
+// Windows on the other kernel paths: head dims the decode kernel's vectors do not divide (q_len 1
+// requests then go through the extend kernel), head_dim 128, the prewrite path (save_kv false),
+// and thread counts that change the work partition.
+TEST(CpuAttention, WindowOtherHeadDimsAndThreads) {
+    for (int d : {36, 80, 128}) {
+        for (int window : {5, 100}) {
+            Shape s = shape_for(4, d, 16, kv::KVDtype::kBF16);
+            const std::string w = ", window " + std::to_string(window);
+            check_batch(s, make_batch(s, ForwardMode::kDecode, {{0, 1}, {16, 1}, {700, 1}}, 60 + d),
+                        false, "decode, head_dim " + std::to_string(d) + w, 0, window);
+            check_batch(s,
+                        make_batch(s, ForwardMode::kExtend, {{0, 37}, {120, 12}, {5, 1}}, 70 + d),
+                        true, "extend, head_dim " + std::to_string(d) + w, 0, window);
+        }
+    }
+    for (int threads : {1, 3}) {
+        Shape s = shape_for(8, 128, 16, kv::KVDtype::kF32);
+        std::vector<Req> dec, ext;
+        for (int i = 0; i < 9; ++i) dec.push_back({i * 397 % 3000, 1});
+        for (int i = 0; i < 5; ++i) ext.push_back({i * 53 % 200, 1 + i * 37 % 90});
+        check_batch(s, make_batch(s, ForwardMode::kDecode, dec, 8 + threads), true,
+                    "decode, window 300, threads " + std::to_string(threads), threads, 300);
+        check_batch(s, make_batch(s, ForwardMode::kExtend, ext, 9 + threads), false,
+                    "extend, window 20, threads " + std::to_string(threads), threads, 20);
+    }
+}
+
+// The window matters: on the same inputs, a query whose position is at least W sees fewer keys
+// than with full attention and its output differs; a query at position < W sees the same keys
+// and its output is the same. W = 1 attends only the query's own key: the output is its own V
+// row. (A kernel that ignored the window would fail all three.)
+TEST(CpuAttention, WindowChangesTheOutput) {
+    constexpr int kWindow = 4;
+    const Shape s = shape_for(4, 64, 16, kv::KVDtype::kF32);
+    const int hq = s.num_q_heads, d = s.head_dim, group = s.num_q_heads / s.num_kv_heads;
+    for (auto mode : {ForwardMode::kExtend, ForwardMode::kDecode}) {
+        const Batch b = make_batch(s, mode,
+                                   mode == ForwardMode::kDecode
+                                       ? std::vector<Req>{{2, 1}, {50, 1}, {300, 1}, {3, 1}}
+                                       : std::vector<Req>{{0, 40}, {100, 20}, {1, 2}},
+                                   31);
+        // Request and position of every query token.
+        std::vector<int> req_of, pos_of;
+        for (int i = 0; i < b.bs; ++i) {
+            const int seq = b.seq_lens[static_cast<size_t>(i)],
+                      ql = b.extend_lens[static_cast<size_t>(i)];
+            for (int j = 0; j < ql; ++j) {
+                req_of.push_back(i);
+                pos_of.push_back(seq - ql + j);
+            }
+        }
+        for (const char* name : {"cpu_ref", "cpu"}) {
+            SCOPED_TRACE(std::string(name) + " | " + b.describe());
+            std::vector<std::vector<float>> outs;
+            for (int window : {0, kWindow, 1}) {
+                auto pool = make_pool(s, b.num_pages);
+                ASSERT_TRUE(pool);
+                init_pool(*pool, s, b, false);
+                Runner r(name, s);
+                std::vector<float> decoys;
+                ASSERT_OK(launch_layer(r, s, b, windowed_layer(s, window), *pool, true, decoys));
+                ASSERT_OK(r.wait());
+                outs.push_back(r.out());
+            }
+            const std::vector<float>&full = outs[0], &windowed = outs[1], &own = outs[2];
+            EXPECT_FALSE(outputs_close(windowed, full, 1e-2, s, b))
+                << "a window of " << kWindow << " did not change the output";
+            for (int token = 0; token < b.num_tokens; ++token) {
+                const int pos = pos_of[static_cast<size_t>(token)];
+                const auto& v = b.req_v[static_cast<size_t>(req_of[static_cast<size_t>(token)])];
+                for (int h = 0; h < hq; ++h) {
+                    double diff = 0.0, own_err = 0.0;
+                    for (int e = 0; e < d; ++e) {
+                        const size_t idx = (static_cast<size_t>(token) * hq + h) * d + e;
+                        diff = std::max(diff, std::fabs(double{windowed[idx]} - full[idx]));
+                        const float want =
+                            v[(static_cast<size_t>(pos) * s.num_kv_heads + h / group) * d + e];
+                        own_err = std::max(own_err, std::fabs(double{own[idx]} - want));
+                    }
+                    if (pos < kWindow) {
+                        EXPECT_LE(diff, 1e-5) << "token " << token << " position " << pos
+                                              << " head " << h << ": inside the window";
+                    } else {
+                        EXPECT_GT(diff, 1e-3) << "token " << token << " position " << pos
+                                              << " head " << h << ": the window was ignored";
+                    }
+                    EXPECT_LE(own_err, 1e-5) << "token " << token << " position " << pos << " head "
+                                             << h << ": window 1 != own V row";
+                }
+            }
+        }
+    }
+}
+
+// Both CPU backends declare sliding-window attention; a negative window is refused by forward()
+// (kInvalidArgument, nothing enqueued: the output stays poisoned).
+TEST(CpuAttention, NegativeWindowIsRejected) {
+    const Shape s = shape_for(4, 64, 16, kv::KVDtype::kF32);
+    const Batch b = make_batch(s, ForwardMode::kExtend, {{10, 4}, {0, 3}}, 3);
+    for (const char* name : {"cpu_ref", "cpu"}) {
+        SCOPED_TRACE(name);
+        auto pool = make_pool(s, b.num_pages);
+        ASSERT_TRUE(pool);
+        init_pool(*pool, s, b, false);
+        Runner r(name, s);
+        ASSERT_OK(r.create_status());
+        EXPECT_TRUE(r.backend().capabilities().sliding_window);
+        std::vector<float> decoys;
+        EXPECT_THAT(launch_layer(r, s, b, windowed_layer(s, -1), *pool, true, decoys),
+                    StatusIs(StatusCode::kInvalidArgument, HasSubstr("sliding_window")));
+        ASSERT_OK(r.wait());
+        EXPECT_TRUE(std::all_of(r.out().begin(), r.out().end(), [](float x) {
+            return std::isnan(x);
+        })) << "the output was written";
+    }
+}
+
 // The comparison can fail: an element nudged just past the tolerance, or a NaN, is reported.
 TEST(CpuAttention, ComparisonRejectsPerturbedOutputs) {
     Shape s = shape_for(4, 64, 16, kv::KVDtype::kF32);
@@ -206,33 +458,35 @@ TEST(CpuAttention, ComparisonRejectsPerturbedOutputs) {
 
 // The oracle itself against a naive fp64 computation from the logical (unpaged) data, and `cpu`
 // against the same: if cpu_ref were wrong, the suite above would compare against a wrong answer.
+// Full attention (naive_attention) and sliding windows (naive_window_attention): windows shorter
+// than, equal to and longer than the sequences.
 TEST(CpuAttention, OracleMatchesNaiveAttention) {
     for (auto dtype : {kv::KVDtype::kF32, kv::KVDtype::kBF16}) {
         for (int ps : {1, 16}) {
             Shape s = shape_for(4, 64, ps, dtype);
             Batch b = make_batch(s, ForwardMode::kExtend, {{0, 33}, {17, 5}, {40, 1}}, 77 + ps);
-            const std::vector<float> naive = naive_attention(s, b);
-            for (const char* name : {"cpu_ref", "cpu"}) {
-                SCOPED_TRACE(std::string(name) + " | " + s.describe() + " | " + b.describe());
-                auto pool = make_pool(s, b.num_pages);
-                ASSERT_TRUE(pool);
-                init_pool(*pool, s, b, false);
-                Runner r(name, s);
-                ASSERT_OK(r.run(b, *pool, true));
-                EXPECT_TRUE(outputs_close(r.out(), naive, tolerance(dtype), s, b))
-                    << name << " vs naive";
-            }
             Batch d = make_batch(s, ForwardMode::kDecode, {{0, 1}, {ps, 1}, {300, 1}}, 91 + ps);
-            const std::vector<float> naive_d = naive_attention(s, d);
-            for (const char* name : {"cpu_ref", "cpu"}) {
-                SCOPED_TRACE(std::string(name) + " | " + s.describe() + " | " + d.describe());
-                auto pool = make_pool(s, d.num_pages);
-                ASSERT_TRUE(pool);
-                init_pool(*pool, s, d, false);
-                Runner r(name, s);
-                ASSERT_OK(r.run(d, *pool, true));
-                EXPECT_TRUE(outputs_close(r.out(), naive_d, tolerance(dtype), s, d))
-                    << name << " vs naive";
+            for (int window : {0, 1, 5, 16, 33, 1000}) {
+                for (const Batch* batch : {&b, &d}) {
+                    const std::vector<float> naive =
+                        window == 0 ? naive_attention(s, *batch)
+                                    : naive_window_attention(s, *batch, window);
+                    for (const char* name : {"cpu_ref", "cpu"}) {
+                        SCOPED_TRACE(std::string(name) + " | " + s.describe() + " | " +
+                                     batch->describe() + " | sliding_window " +
+                                     std::to_string(window));
+                        auto pool = make_pool(s, batch->num_pages);
+                        ASSERT_TRUE(pool);
+                        init_pool(*pool, s, *batch, false);
+                        Runner r(name, s);
+                        std::vector<float> decoys;
+                        ASSERT_OK(launch_layer(r, s, *batch, windowed_layer(s, window), *pool, true,
+                                               decoys));
+                        ASSERT_OK(r.wait());
+                        EXPECT_TRUE(outputs_close(r.out(), naive, tolerance(dtype), s, *batch))
+                            << name << " vs naive";
+                    }
+                }
             }
         }
     }

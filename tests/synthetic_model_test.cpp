@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -24,6 +25,26 @@ ModelConfig test_config() {
     c.num_layers = 2;
     c.vocab = 256;
     return c;
+}
+
+// hybrid-tiny's layer pattern (full, sliding) over 3 layers with a window of 8 tokens, far
+// shorter than the test sequences: layer 1 attends to its last 8 positions, and layer 2 (full)
+// reads what it wrote.
+ModelConfig hybrid_test_config() {
+    ModelConfig c = test_config();
+    c.name = "hybrid-test";
+    c.num_layers = 3;
+    c.layer_kinds = resolve_model("hybrid-tiny")->layer_kinds;
+    c.sliding_window = 8;
+    return c;
+}
+
+// ModelInvariance's parameter: "<backend>" (tiny) or "<backend>/hybrid" (hybrid_test_config()).
+std::string backend_of(const std::string& param) {
+    return param.substr(0, param.find('/'));
+}
+ModelConfig config_of(const std::string& param) {
+    return param.find("/hybrid") != std::string::npos ? hybrid_test_config() : test_config();
 }
 
 // One rank: a stream, a backend, a pool and the model.
@@ -194,22 +215,22 @@ TEST(SyntheticModel, RejectsBadBatchesAndHugeModels) {
 class ModelInvariance : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ModelInvariance, BatchChunkAndPrewriteInvariant) {
-    const ModelConfig cfg = test_config();
+    const ModelConfig cfg = config_of(GetParam());
     const int ps = 16;
     Seq a{random_tokens(70, cfg.vocab, 11), {3, 9, 4, 20, 21}};
     Seq b{random_tokens(33, cfg.vocab, 12), {7, 30, 31}};
     // Reference: each request alone, in one forward.
-    Rank solo(cfg, GetParam());
+    Rank solo(cfg, backend_of(GetParam()));
     auto na = run(solo, make_batch({&a}, {{0, 70}}, attn::ForwardMode::kExtend, ps, 8));
     auto nb = run(solo, make_batch({&b}, {{0, 33}}, attn::ForwardMode::kExtend, ps, 8));
     // Batched together.
-    Rank batched(cfg, GetParam());
+    Rank batched(cfg, backend_of(GetParam()));
     auto nab =
         run(batched, make_batch({&a, &b}, {{0, 70}, {0, 33}}, attn::ForwardMode::kExtend, ps, 8));
     EXPECT_EQ(nab[0], na[0]);
     EXPECT_EQ(nab[1], nb[0]);
     // Chunked prefill (chunks of 29 tokens), with the prewrite path.
-    Rank chunked(cfg, GetParam());
+    Rank chunked(cfg, backend_of(GetParam()));
     std::vector<int32_t> nc;
     for (int begin = 0; begin < 70; begin += 29) {
         nc = run(chunked,
@@ -229,23 +250,64 @@ TEST_P(ModelInvariance, BatchChunkAndPrewriteInvariant) {
 }
 
 TEST_P(ModelInvariance, CachedDecodeEqualsRecompute) {
-    const ModelConfig cfg = test_config();
+    const ModelConfig cfg = config_of(GetParam());
     const int ps = 16;
     Seq s{random_tokens(20, cfg.vocab, 5), {2, 5, 6}};
-    Rank r(cfg, GetParam());
+    Rank r(cfg, backend_of(GetParam()));
     auto next = run(r, make_batch({&s}, {{0, 20}}, attn::ForwardMode::kExtend, ps, 3));
     for (int step = 0; step < 8; ++step) {
         s.tokens.push_back(next[0]);
         const int n = static_cast<int>(s.tokens.size());
         next = run(r, make_batch({&s}, {{n - 1, n}}, attn::ForwardMode::kDecode, ps, 3));
         // Recompute the whole sequence from scratch in a fresh rank: same next token.
-        Rank fresh(cfg, GetParam());
+        Rank fresh(cfg, backend_of(GetParam()));
         auto again = run(fresh, make_batch({&s}, {{0, n}}, attn::ForwardMode::kExtend, ps, 3));
         ASSERT_EQ(next[0], again[0]) << "step " << step;
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, ModelInvariance, ::testing::Values("cpu_ref", "cpu"));
+INSTANTIATE_TEST_SUITE_P(Backends, ModelInvariance,
+                         ::testing::Values("cpu_ref", "cpu", "cpu_ref/hybrid", "cpu/hybrid"),
+                         [](const ::testing::TestParamInfo<std::string>& param_info) {
+                             std::string name = param_info.param;
+                             std::replace(name.begin(), name.end(), '/', '_');
+                             return name;
+                         });
+
+// The window is applied: the hybrid model's sliding layer (1) attends to 8 positions, so the KV
+// that the full layer after it (2) writes differs from the same model with every layer full from
+// position 8 on, and equals it before (where the window holds every earlier position). The cpu
+// backend and the cpu_ref oracle agree on the hybrid model's next tokens.
+TEST(SyntheticModel, SlidingWindowLayersAttendToTheirWindowOnly) {
+    const ModelConfig hybrid = hybrid_test_config();
+    ModelConfig dense = hybrid;
+    dense.layer_kinds.clear();
+    const int ps = 16;
+    Seq a{random_tokens(40, hybrid.vocab, 31), {1, 2, 3}};
+    Rank rh(hybrid, "cpu");
+    Rank rd(dense, "cpu");
+    Rank rref(hybrid, "cpu_ref");
+    const auto batch = make_batch({&a}, {{0, 40}}, attn::ForwardMode::kExtend, ps, 3);
+    const auto nh = run(rh, batch);
+    run(rd, batch);
+    EXPECT_EQ(run(rref, batch), nh);
+    const size_t tb = rh.pool->token_bytes(2, 0);
+    const auto kh = kv_bytes(*rh.pool, a, 40, 2, 0);
+    const auto kd = kv_bytes(*rd.pool, a, 40, 2, 0);
+    ASSERT_EQ(kh.size(), 40 * tb);
+    // Positions 0..7: the window covers every earlier key; layer 2's K is the same.
+    EXPECT_TRUE(
+        std::equal(kh.begin(), kh.begin() + static_cast<std::ptrdiff_t>(8 * tb), kd.begin()));
+    // Each later position's K differs (its layer-1 input left positions out).
+    for (int t = 8; t < 40; ++t) {
+        const auto at = static_cast<std::ptrdiff_t>(static_cast<size_t>(t) * tb);
+        EXPECT_FALSE(std::equal(kh.begin() + at, kh.begin() + at + static_cast<std::ptrdiff_t>(tb),
+                                kd.begin() + at))
+            << "position " << t;
+    }
+    // Layer 1 (the sliding layer) itself writes the same K in both: its input is layer 0's.
+    EXPECT_EQ(kv_bytes(*rh.pool, a, 40, 1, 0), kv_bytes(*rd.pool, a, 40, 1, 0));
+}
 
 // In-process TP group for the test: ranks are threads, allgather is a rendezvous.
 class InProcessTpGroup {

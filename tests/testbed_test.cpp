@@ -179,6 +179,17 @@ TEST(TestbedBoth, LayerwiseOffCpuRefBackend) {
     expect_clean_both(2, {"--layerwise", "off", "--backend", "cpu_ref"}, 4);
 }
 
+// hybrid-tiny: every other layer attends to a 128-token sliding window (prompts up to 384 tokens,
+// chunks of 256, so windows cross chunk boundaries); disaggregated outputs equal colocated ones on
+// both topologies (issue 15's first "Done when" with every page sent).
+TEST(TestbedBoth, Hybrid1p1dMpi) {
+    expect_clean_both(2, {"--topology", topo("cpu-1p1d"), "--model", "hybrid-tiny"});
+}
+
+TEST(TestbedBoth, Hybrid2p1dTp2ToTp1Mpi) {
+    expect_clean_both(5, {"--topology", topo("cpu-2p1d-tp2-to-tp1"), "--model", "hybrid-tiny"});
+}
+
 TEST(TestbedBoth, InProcessLocalTransport) {
     expect_clean_both(0, {"--topology", topo("cpu-2p1d-tp2-to-tp1")}, 4);
 }

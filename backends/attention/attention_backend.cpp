@@ -328,6 +328,17 @@ Status AttentionBackend::validate_forward(const ForwardArgs& a) const {
             "positive, v_head_dim {} >= 0",
             L.layer_id, L.num_q_heads, L.num_kv_heads, L.head_dim, L.v_head_dim);
     }
+    if (L.sliding_window < 0) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "layer {}: sliding_window {} must be >= 0 (0: full attention)",
+                           L.layer_id, L.sliding_window);
+    }
+    if (L.sliding_window > 0 && !caps.sliding_window) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "layer {}: sliding_window {}: backend '{}' does not declare "
+                           "sliding-window attention",
+                           L.layer_id, L.sliding_window, name());
+    }
     if (L.layer_id < 0 || L.layer_id >= pool.num_layers()) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "layer: layer_id {} out of range [0, {}) of the pool", L.layer_id,

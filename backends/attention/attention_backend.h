@@ -22,7 +22,8 @@
 // and device kinds it accepts. forward() checks every call against that declaration, the layer
 // spec and the batch before anything is enqueued (nothing is recorded or enqueued on a mismatch):
 //   - the pool's device kind and dtype are declared ones; the layer's heads are positive, query
-//     heads a multiple of KV heads, layer_id a layer of the pool;
+//     heads a multiple of KV heads, layer_id a layer of the pool; sliding_window >= 0, and > 0
+//     only where the backend declares sliding-window attention;
 //   - q's dtype is a declared activation dtype and k, v, out have the same one;
 //   - every view is on the pool's device (kind and index), of the shape above, contiguous;
 //   - eager metadata (init_forward_metadata): num_tokens is the batch's; graph metadata (capture
@@ -88,6 +89,11 @@ struct LayerSpec {
     int head_dim = 64;
     int v_head_dim = 0;   // 0: head_dim
     float scaling = 0.f;  // 0: 1/sqrt(head_dim)
+    // Sliding-window attention (a Gemma / GPT-OSS sliding layer): W > 0 makes the query at
+    // position p attend to the keys at positions [max(0, p - W + 1), p] only (the window counts
+    // the query's own position); 0: every key up to p (full causal attention). Only backends
+    // that declare BackendCapabilities::sliding_window accept W > 0.
+    int sliding_window = 0;
 };
 
 struct AttentionConfig {
@@ -170,6 +176,7 @@ struct BackendCapabilities {
     std::vector<runtime::DType> activation_dtypes;  // q, k, v, out (one dtype per forward)
     std::vector<runtime::DType> kv_dtypes;          // the pool's dtype
     std::vector<runtime::DeviceKind> devices;       // where the pool and every view live
+    bool sliding_window = false;                    // LayerSpec::sliding_window > 0 accepted
 };
 
 // Extra arguments of init_cuda_graph_state; a backend declares which it accepts.

@@ -4,8 +4,10 @@ namespace pdsim::attn::cpu {
 
 BackendCapabilities cpu_capabilities() {
     using runtime::DType;
-    return BackendCapabilities{
+    BackendCapabilities caps{
         {DType::kF32, DType::kBF16}, {DType::kF32, DType::kBF16}, {runtime::DeviceKind::kCpu}};
+    caps.sliding_window = true;
+    return caps;
 }
 
 Status validate_view(const BatchView& view, const kv::KVPool& pool, const LayerSpec& layer) {

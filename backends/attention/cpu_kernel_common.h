@@ -12,7 +12,8 @@
 namespace pdsim::attn::cpu {
 
 // What cpu and cpu_ref accept: fp32 or bf16 activations (bf16 is widened to fp32 for the kernels
-// and the output rounded back), fp32 or bf16 KV, host memory.
+// and the output rounded back), fp32 or bf16 KV, host memory, sliding-window attention
+// (LayerSpec::sliding_window > 0).
 [[nodiscard]] BackendCapabilities cpu_capabilities();
 
 // Checks, when the kernel runs, that `view` fits `pool` and `layer`: an MHA pool on the CPU with

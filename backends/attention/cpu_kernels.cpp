@@ -26,6 +26,12 @@
 
 namespace pdsim::attn::cpu {
 
+// First key the query at position `pos` attends: pos - W + 1 (at least 0) with a window W > 0,
+// else 0.
+inline int window_start(int pos, int window) {
+    return window > 0 ? std::max(0, pos - window + 1) : 0;
+}
+
 // Per-worker scratch: a few independent 64-byte-aligned buffers, grown on demand (contents are
 // unspecified after growth), reused across calls so a steady state allocates nothing.
 struct CpuAttentionKernels::Scratch {
@@ -71,6 +77,7 @@ AttnProblem make_problem(const ForwardArgs& args, const BatchView& view) {
     p.head_dim = args.layer.head_dim;
     p.v_head_dim = v_dim(args.layer);
     p.scale = layer_scaling(args.layer);
+    p.sliding_window = args.layer.sliding_window;
     return p;
 }
 
@@ -144,7 +151,8 @@ constexpr int kMR = 2, kNR = 8, kNE = 8, kBc = 64, kPanels = 2;
 namespace {
 
 // Scalar fallback (CPUs without AVX2): the extend work item with plain loops, fp32 accumulation,
-// two passes over the keys per query row.
+// two passes over the keys per query row (keys [lo, pos]: its window, or every key up to pos; the
+// row's own key is always among them, so its max is finite).
 template <typename KT>
 void scalar_extend_item_t(const AttnProblem& p, const ExtendTask& t, Scratch& s) {
     const BatchView& view = p.view;
@@ -163,12 +171,13 @@ void scalar_extend_item_t(const AttnProblem& p, const ExtendTask& t, Scratch& s)
     float* acc = sc + seq;
     for (int j = t.j0; j < t.j1; ++j) {
         const int pos = seq - ql + j;
+        const int lo = window_start(pos, p.sliding_window);
         const int tok = view.q_start[t.req] + j;
         for (int g = 0; g < G; ++g) {
             const int h = t.kh * G + g;
             const float* qv = p.q + (static_cast<size_t>(tok) * H + h) * d;
             float mx = -std::numeric_limits<float>::infinity();
-            for (int k = 0; k <= pos; ++k) {
+            for (int k = lo; k <= pos; ++k) {
                 const KT* kr =
                     kc +
                     (static_cast<size_t>(kv_slot(view, t.req, k, p.page_size)) * Hkv + t.kh) * d;
@@ -179,7 +188,7 @@ void scalar_extend_item_t(const AttnProblem& p, const ExtendTask& t, Scratch& s)
             }
             float sum = 0.f;
             std::fill_n(acc, dv, 0.f);
-            for (int k = 0; k <= pos; ++k) {
+            for (int k = lo; k <= pos; ++k) {
                 const float w = std::exp(sc[k] - mx);
                 sum += w;
                 const KT* vr =
@@ -271,6 +280,7 @@ void CpuAttentionKernels::run(const AttnProblem& p) {
     if (isa_ >= Isa::kAvx512 && d % 16 == 0 && dv % 16 == 0) decode_isa = Isa::kAvx512;
     const bool vec_decode = decode_isa != Isa::kScalar;
     const double esize = static_cast<double>(kv::dtype_size(p.kv_dtype));
+    const int W = p.sliding_window;
 
     // Split-KV chunk length for decode requests: enough chunks over the batch to feed every
     // worker several items, but never under kMinChunk tokens (each chunk re-reads q and writes a
@@ -278,7 +288,9 @@ void CpuAttentionKernels::run(const AttnProblem& p) {
     constexpr int64_t kMinChunk = 256;
     int64_t decode_tokens = 0;
     for (int i = 0; i < view.bs; ++i) {
-        if (vec_decode && view.q_lens[i] == 1) decode_tokens += view.seq_lens[i];
+        if (vec_decode && view.q_lens[i] == 1) {
+            decode_tokens += view.seq_lens[i] - window_start(view.seq_lens[i] - 1, W);
+        }
     }
     const int64_t chunk =
         std::max<int64_t>(kMinChunk, (decode_tokens + 8 * threads - 1) / (8 * threads));
@@ -297,14 +309,16 @@ void CpuAttentionKernels::run(const AttnProblem& p) {
     for (int i = 0; i < view.bs; ++i) {
         const int s = view.seq_lens[i], ql = view.q_lens[i];
         if (vec_decode && ql == 1) {
-            const int nc = static_cast<int>((s + chunk - 1) / chunk);
+            // The KV the query sees: [ws, s), its window (or all of it).
+            const int ws = window_start(s - 1, W);
+            const int nc = static_cast<int>((s - ws + chunk - 1) / chunk);
             if (nc > 1) {
                 split_chunks[static_cast<size_t>(i)] = nc;
                 split_base[static_cast<size_t>(i)] = partial_floats;
             }
             for (int c = 0; c < nc; ++c) {
-                const int t0 = static_cast<int>(c * chunk),
-                          t1 = static_cast<int>(std::min<int64_t>(s, (c + 1) * chunk));
+                const int t0 = static_cast<int>(ws + c * chunk),
+                          t1 = static_cast<int>(std::min<int64_t>(s, ws + (c + 1) * chunk));
                 // Bytes read at ~20 GB/s (memory-bound).
                 const double cost = (t1 - t0) * Hkv * (d + dv) * esize / 20e9;
                 items.push_back({cost, true, i, t0, t1, 0, nc > 1 ? partial_floats : -1});
@@ -316,7 +330,8 @@ void CpuAttentionKernels::run(const AttnProblem& p) {
             for (int j0 = 0; j0 < ql; j0 += tile_tokens) {
                 const int j1 = std::min(ql, j0 + tile_tokens);
                 const int rows = (j1 - j0) * G;
-                const int keys = s - ql + j1;
+                // Keys the tile reads: from its first row's window start to its last position.
+                const int keys = s - ql + j1 - window_start(s - ql + j0, W);
                 // Flops at ~50 GFLOP/s (compute-bound; padded rows cost as much as real ones).
                 const double cost = 2.0 * ((rows + 15) / 16 * 16) * keys * (d + dv) / 50e9;
                 items.push_back({cost, false, i, j0, j1, kh, -1});

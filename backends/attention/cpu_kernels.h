@@ -1,6 +1,7 @@
 // The kernels of the `cpu` attention backend: paged attention over an MHA KV pool, fp32 or bf16 KV,
 // causal over each request's last q_len positions (decode, extend, cached prefix, chunked prefill),
-// GQA (query head h reads KV head h / (num_q_heads / num_kv_heads)).
+// GQA (query head h reads KV head h / (num_q_heads / num_kv_heads)), optionally a sliding window
+// (the query at position p attends keys [max(0, p - W + 1), p] for AttnProblem::sliding_window W).
 //
 // Two kernels, chosen per request:
 //   decode (q_len == 1): memory-bound. One work item is a (request, KV-token chunk) pair that reads
@@ -8,13 +9,17 @@
 //     tokens, keeps every query head's online-softmax state (lane-wise over heads), and prefetches
 //     K/V in software along the page table (the hardware prefetchers cannot follow a page table).
 //     Long requests are split over several chunks ("split-KV") whose partial states the last
-//     chunk to finish merges.
+//     chunk to finish merges. With a window, only the window's tokens [seq - W, seq) are
+//     planned into chunks: the tokens before it are never read.
 //   extend (q_len > 1, or head dims the decode kernel's vectors do not divide): compute-bound. One
 //     work item is (request, KV head, tile of query tokens); all query heads of the KV group are
 //     rows of the tile, so each K/V element is loaded once per group. Flash-attention style: K/V
 //     blocks are gathered into contiguous fp32 scratch, then S^T = K Q^T and O^T += V^T P^T run
 //     as register-blocked micro-kernels whose vectors run along the query rows (so the
-//     online-softmax max/sum are lane-wise, never horizontal).
+//     online-softmax max/sum are lane-wise, never horizontal). With a window, the key loop starts
+//     at the tile's first window start, blocks before every row's window are skipped per panel,
+//     and keys before a row's window are masked to -inf like future keys (a row whose every key
+//     so far is masked keeps a -inf max: its rescale and probabilities are 0, never NaN).
 // Both accumulate in fp32 (bf16 KV is widened on load: a 16-bit shift) and use exp2 with log2(e)
 // folded into the query scale. Work items are sorted by estimated cost and claimed one at a time
 // by the pool's workers.
@@ -52,6 +57,8 @@ struct AttnProblem {
     int head_dim = 0;
     int v_head_dim = 0;
     float scale = 1.f;  // softmax scale applied to q.k
+    // W > 0: the query at position p attends keys [max(0, p - W + 1), p]; 0: keys [0, p].
+    int sliding_window = 0;
 };
 
 // Builds the problem of one forward from its arguments and the view read at run time.

@@ -1,5 +1,6 @@
 #include "backends/attention/cpu_ref_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -26,14 +27,16 @@ void CpuRefBackend::attend(const ForwardArgs& args, const BatchView& view) {
     for (int i = 0; i < view.bs; ++i) {
         const int s = view.seq_lens[i], ql = view.q_lens[i];
         for (int j = 0; j < ql; ++j) {
-            const int pos = s - ql + j;  // causal: attends keys 0..pos
+            const int pos = s - ql + j;  // causal: attends keys lo..pos
+            // Sliding window W > 0: keys [max(0, pos - W + 1), pos]; W == 0: keys [0, pos].
+            const int lo = L.sliding_window > 0 ? std::max(0, pos - L.sliding_window + 1) : 0;
             const int token = view.q_start[i] + j;
             scores.assign(static_cast<size_t>(pos) + 1, 0.0);
             for (int h = 0; h < hq; ++h) {
                 const int kh = h / group;
                 const float* qv = args.q.as<float>() + (static_cast<size_t>(token) * hq + h) * d;
                 double mx = -std::numeric_limits<double>::infinity();
-                for (int t = 0; t <= pos; ++t) {
+                for (int t = lo; t <= pos; ++t) {
                     const int64_t slot = cpu::kv_slot(view, i, t, ps);
                     double dot = 0.0;
                     for (int e = 0; e < d; ++e) {
@@ -44,13 +47,13 @@ void CpuRefBackend::attend(const ForwardArgs& args, const BatchView& view) {
                     mx = std::max(mx, scores[static_cast<size_t>(t)]);
                 }
                 double sum = 0.0;
-                for (int t = 0; t <= pos; ++t) {
+                for (int t = lo; t <= pos; ++t) {
                     double p = std::exp(scores[static_cast<size_t>(t)] - mx);
                     scores[static_cast<size_t>(t)] = p;
                     sum += p;
                 }
                 std::fill(acc.begin(), acc.end(), 0.0);
-                for (int t = 0; t <= pos; ++t) {
+                for (int t = lo; t <= pos; ++t) {
                     const int64_t slot = cpu::kv_slot(view, i, t, ps);
                     const double p = scores[static_cast<size_t>(t)];
                     for (int e = 0; e < dv; ++e) {

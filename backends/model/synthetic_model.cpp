@@ -164,7 +164,9 @@ size_t SyntheticModel::weight_bytes() const {
 }
 
 attn::LayerSpec SyntheticModel::layer_spec(int layer) const {
-    return attn::LayerSpec{layer, hq_, hkv_, cfg_.head_dim, 0, 0.f};
+    const bool sliding = cfg_.layer_kind(layer) == LayerKind::kSlidingWindow;
+    return attn::LayerSpec{
+        layer, hq_, hkv_, cfg_.head_dim, 0, 0.f, sliding ? cfg_.sliding_window : 0};
 }
 
 StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::create(const ModelConfig& config,
@@ -176,15 +178,6 @@ StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::create(const ModelConf
             fmt::format(
                 "model {}: the synthetic model runs MHA/GQA attention only (MLA is not built yet)",
                 config.name));
-    }
-    if (!config.layer_kinds.empty()) {
-        for (LayerKind k : config.layer_kinds) {
-            if (k != LayerKind::kFullAttention) {
-                return Status(
-                    StatusCode::kUnimplemented,
-                    fmt::format("model {}: sliding-window layers are not built yet", config.name));
-            }
-        }
     }
     const int tp_size = tp != nullptr ? tp->size() : 1;
     PDSIM_RETURN_IF_ERROR(check_tp(config, tp_size).with_context("model " + config.name + ": tp"));
