@@ -53,7 +53,8 @@ asan_sel=(-L unit -LE '^(slow|transports)$' -E "(_(avx2|scalar)|^(${spawn_suites
 # of the kept suites that spawn pdsim. The suites that hold these cases are `asan_partial`.
 asan_filter="-AllCombinations/CpuVsRef.*_ps1_*:AllCombinations/CpuVsRef.*_ps64_*"
 asan_filter+=":AllCombinations/CpuVsRef.*_ratio4_*"
-asan_filter+=":CalibrateCli.*:CalibrateTimeline.*:SearchCli.*"
+asan_filter+=":Windows/CpuWindowVsRef.*_ps1_*:Windows/CpuWindowVsRef.*_ratio4_*"
+asan_filter+=":CalibrateCli.*:CalibrateTimeline.*:CostCheckCli.*:SearchCli.*"
 asan_filter+=":*MalformedTopology.BinaryExitsTwoWithPath*:MalformedTopologyCli.*"
 asan_partial='cpu_attention_test|cost_model_test|search_test|topology_malformed_test'
 
