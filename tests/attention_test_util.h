@@ -408,9 +408,10 @@ inline float round_bf16(float x) {
 }
 
 // The naive fp64 oracle, from the batch's logical data (no pool, no page table): query j of
-// request i sits at position seq_len - q_len + j and attends keys 0..position; query head h reads
-// KV head h / (q_heads / kv_heads). bf16 pools: K and V rounded to bf16 first.
-inline std::vector<float> naive_attention(const Shape& s, const Batch& b) {
+// request i sits at position seq_len - q_len + j and attends keys 0..position (with a sliding
+// window W > 0, keys max(0, position - W + 1)..position); query head h reads KV head
+// h / (q_heads / kv_heads). bf16 pools: K and V rounded to bf16 first.
+inline std::vector<float> naive_attention(const Shape& s, const Batch& b, int window = 0) {
     const int hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
     const double scale = s.scaling > 0.f ? s.scaling : 1.0 / std::sqrt(static_cast<double>(d));
     const bool bf = s.dtype == kv::KVDtype::kBF16;
@@ -425,24 +426,25 @@ inline std::vector<float> naive_attention(const Shape& s, const Batch& b) {
         };
         for (int j = 0; j < ql; ++j, ++token) {
             const int pos = seq - ql + j;
+            const int lo = window > 0 ? std::max(0, pos - window + 1) : 0;
             for (int h = 0; h < hq; ++h) {
                 const int kh = h / (hq / hkv);
                 const float* qv = &b.q[(static_cast<size_t>(token) * hq + h) * d];
-                std::vector<double> sc(static_cast<size_t>(pos) + 1);
+                std::vector<double> sc(static_cast<size_t>(pos - lo) + 1);
                 double mx = -1e300;
-                for (int t = 0; t <= pos; ++t) {
+                for (int t = lo; t <= pos; ++t) {
                     double dot = 0;
                     for (int e = 0; e < d; ++e)
                         dot += qv[e] * kv_at(b.req_k[static_cast<size_t>(i)], t, kh, e);
-                    sc[static_cast<size_t>(t)] = dot * scale;
-                    mx = std::max(mx, sc[static_cast<size_t>(t)]);
+                    sc[static_cast<size_t>(t - lo)] = dot * scale;
+                    mx = std::max(mx, sc[static_cast<size_t>(t - lo)]);
                 }
                 double sum = 0;
                 for (auto& x : sc) sum += (x = std::exp(x - mx));
                 for (int e = 0; e < d; ++e) {
                     double acc = 0;
-                    for (int t = 0; t <= pos; ++t) {
-                        acc += sc[static_cast<size_t>(t)] *
+                    for (int t = lo; t <= pos; ++t) {
+                        acc += sc[static_cast<size_t>(t - lo)] *
                                kv_at(b.req_v[static_cast<size_t>(i)], t, kh, e);
                     }
                     out[(static_cast<size_t>(token) * hq + h) * d + e] =

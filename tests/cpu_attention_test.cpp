@@ -84,53 +84,6 @@ Status launch_layer(Runner& r, const Shape& s, const Batch& b, const LayerSpec& 
                         pool, b.mode, b.bs, r.out().data(), save_kv);
 }
 
-// naive_attention (attention_test_util.h) with a sliding window, from the batch's logical data:
-// the query at position p attends keys [max(0, p - window + 1), p]; window 0: every key up to p.
-// Written out here on its own (fp64, no pool, no page table), independent of every backend.
-std::vector<float> naive_window_attention(const Shape& s, const Batch& b, int window) {
-    const int hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
-    const double scale = s.scaling > 0.f ? s.scaling : 1.0 / std::sqrt(static_cast<double>(d));
-    const bool bf = s.dtype == kv::KVDtype::kBF16;
-    std::vector<float> out(static_cast<size_t>(b.num_tokens) * s.q_width());
-    int token = 0;
-    for (int i = 0; i < b.bs; ++i) {
-        const int seq = b.seq_lens[static_cast<size_t>(i)],
-                  ql = b.extend_lens[static_cast<size_t>(i)];
-        auto kv_at = [&](const std::vector<float>& a, int t, int h, int e) -> double {
-            const float x = a[(static_cast<size_t>(t) * hkv + h) * d + e];
-            return bf ? round_bf16(x) : x;
-        };
-        for (int j = 0; j < ql; ++j, ++token) {
-            const int pos = seq - ql + j;
-            const int lo = window > 0 ? std::max(0, pos - window + 1) : 0;
-            for (int h = 0; h < hq; ++h) {
-                const int kh = h / (hq / hkv);
-                const float* qv = &b.q[(static_cast<size_t>(token) * hq + h) * d];
-                std::vector<double> sc;
-                for (int t = lo; t <= pos; ++t) {
-                    double dot = 0;
-                    for (int e = 0; e < d; ++e)
-                        dot += qv[e] * kv_at(b.req_k[static_cast<size_t>(i)], t, kh, e);
-                    sc.push_back(dot * scale);
-                }
-                const double mx = *std::max_element(sc.begin(), sc.end());
-                double sum = 0;
-                for (auto& x : sc) sum += (x = std::exp(x - mx));
-                for (int e = 0; e < d; ++e) {
-                    double acc = 0;
-                    for (int t = lo; t <= pos; ++t) {
-                        acc += sc[static_cast<size_t>(t - lo)] *
-                               kv_at(b.req_v[static_cast<size_t>(i)], t, kh, e);
-                    }
-                    out[(static_cast<size_t>(token) * hq + h) * d + e] =
-                        static_cast<float>(acc / sum);
-                }
-            }
-        }
-    }
-    return out;
-}
-
 // Runs `b` through cpu_ref and cpu (concurrently, each on its own stream and pool) and checks the
 // outputs and both pools. window > 0: a sliding-window layer.
 void check_batch(const Shape& s, const Batch& b, bool save_kv, const std::string& label,
@@ -458,7 +411,7 @@ TEST(CpuAttention, ComparisonRejectsPerturbedOutputs) {
 
 // The oracle itself against a naive fp64 computation from the logical (unpaged) data, and `cpu`
 // against the same: if cpu_ref were wrong, the suite above would compare against a wrong answer.
-// Full attention (naive_attention) and sliding windows (naive_window_attention): windows shorter
+// Full attention and sliding windows (naive_attention's window): windows shorter
 // than, equal to and longer than the sequences.
 TEST(CpuAttention, OracleMatchesNaiveAttention) {
     for (auto dtype : {kv::KVDtype::kF32, kv::KVDtype::kBF16}) {
@@ -468,9 +421,7 @@ TEST(CpuAttention, OracleMatchesNaiveAttention) {
             Batch d = make_batch(s, ForwardMode::kDecode, {{0, 1}, {ps, 1}, {300, 1}}, 91 + ps);
             for (int window : {0, 1, 5, 16, 33, 1000}) {
                 for (const Batch* batch : {&b, &d}) {
-                    const std::vector<float> naive =
-                        window == 0 ? naive_attention(s, *batch)
-                                    : naive_window_attention(s, *batch, window);
+                    const std::vector<float> naive = naive_attention(s, *batch, window);
                     for (const char* name : {"cpu_ref", "cpu"}) {
                         SCOPED_TRACE(std::string(name) + " | " + s.describe() + " | " +
                                      batch->describe() + " | sliding_window " +
