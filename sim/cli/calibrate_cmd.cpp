@@ -202,16 +202,6 @@ std::string iso_now() {
 
 // ---- --from-timeline: the testbed's own forwards (the fit: sim/cost/timeline_fit.h) ----
 
-std::vector<std::string> split_paths(const std::string& text) {
-    std::vector<std::string> out;
-    std::stringstream ss(text);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-        if (!item.empty()) out.push_back(item);
-    }
-    return out;
-}
-
 StatusOr<std::optional<cost::CostFile>> load_base(const CalibrateOptions& o,
                                                   const model::ModelConfig& m) {
     if (o.base.empty()) return std::optional<cost::CostFile>();

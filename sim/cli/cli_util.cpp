@@ -153,4 +153,14 @@ CLI::Validator output_file() {
         "writable file");
 }
 
+std::vector<std::string> split_paths(const std::string& text) {
+    std::vector<std::string> out;
+    std::stringstream ss(text);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+        if (!item.empty()) out.push_back(item);
+    }
+    return out;
+}
+
 }  // namespace pdsim::cli

@@ -62,6 +62,8 @@ inline constexpr int64_t kMaxKvPoolMb = int64_t{1} << 20;    // --kv-pool-mb (1 
 [[nodiscard]] CLI::Validator real_in(double lo, double hi, bool lo_open = false);
 // A string that is not empty (nor only blanks).
 [[nodiscard]] CLI::Validator non_empty();
+// The non-empty items of a comma-separated list ("a.json,,b.json" -> a.json, b.json).
+[[nodiscard]] std::vector<std::string> split_paths(const std::string& text);
 // An output file path that check_writable("", path) accepts.
 [[nodiscard]] CLI::Validator output_file();
 

@@ -32,13 +32,7 @@ Status run_cost_check(const CostCheckOptions& o) {
     if (!cost.ok()) return cost.status().with_context("--cost-model");
     std::vector<cost::TimelineForward> forwards;
     size_t files = 0;
-    size_t begin = 0;
-    while (begin <= o.timeline.size()) {
-        size_t end = o.timeline.find(',', begin);
-        if (end == std::string::npos) end = o.timeline.size();
-        const std::string path = o.timeline.substr(begin, end - begin);
-        begin = end + 1;
-        if (path.empty()) continue;
+    for (const std::string& path : split_paths(o.timeline)) {
         PDSIM_ASSIGN_OR_RETURN(std::vector<cost::TimelineForward> one,
                                cost::read_timeline_forwards(path, "--timeline"));
         // Overlap is within one run: offset each file's clock past the previous file's end.
