@@ -13,7 +13,10 @@
 #include <thread>
 
 #include "backends/attention/attention_backend.h"
+#include "backends/attention/hybrid_backend.h"
 #include "backends/kv/kv_pool.h"
+#include "backends/kv/state_pool.h"
+#include "backends/pd/step_counter.h"
 #include "backends/runtime/cpu_stream.h"
 #include "tests/status_matchers.h"
 
@@ -39,11 +42,26 @@ ModelConfig hybrid_test_config() {
     return c;
 }
 
-// ModelInvariance's parameter: "<backend>" (tiny) or "<backend>/hybrid" (hybrid_test_config()).
+// Every layer kind: full, recurrent (4 state heads of 16, conv 4), sliding (window 8).
+ModelConfig recurrent_test_config() {
+    ModelConfig c = test_config();
+    c.name = "recurrent-test";
+    c.num_layers = 3;
+    c.layer_kinds = {LayerKind::kFullAttention, LayerKind::kRecurrent, LayerKind::kSlidingWindow};
+    c.sliding_window = 8;
+    c.state_heads = 4;
+    c.state_head_dim = 16;
+    c.conv_kernel = 4;
+    return c;
+}
+
+// ModelInvariance's parameter: "<backend>" (tiny), "<backend>/hybrid" (hybrid_test_config()) or
+// "<backend>/recurrent" (recurrent_test_config()).
 std::string backend_of(const std::string& param) {
     return param.substr(0, param.find('/'));
 }
 ModelConfig config_of(const std::string& param) {
+    if (param.find("/recurrent") != std::string::npos) return recurrent_test_config();
     return param.find("/hybrid") != std::string::npos ? hybrid_test_config() : test_config();
 }
 
@@ -52,6 +70,7 @@ struct Rank {
     runtime::CpuStream stream{"compute"};
     std::unique_ptr<attn::AttentionBackend> backend;
     std::unique_ptr<kv::MHATokenToKVPool> pool;
+    std::unique_ptr<kv::StatePool> states;  // models with recurrent layers
     std::unique_ptr<SyntheticModel> model;
 
     Rank(const ModelConfig& cfg, const std::string& backend_name, TpComm* tp = nullptr,
@@ -64,6 +83,14 @@ struct Rank {
         ac.head_dim = cfg.head_dim;
         ac.stream = &stream;
         backend = std::move(attn::create_attention_backend(backend_name, ac).value());
+        if (model->num_recurrent_layers() > 0) {
+            backend = std::move(
+                attn::HybridBackend::create(std::move(backend), attn::make_cpu_recurrent_mixer())
+                    .value());
+            states = std::move(kv::StatePool::create(model->state_pool_config(8)).value());
+            EXPECT_OK(states->fill(0xFF));  // NaN: a request must start from a zero state
+            EXPECT_OK(model->attach_state_pool(states.get()));
+        }
         kv::MHAPoolConfig pc;
         pc.num_layers = cfg.num_layers;
         pc.num_pages = 128;
@@ -79,6 +106,7 @@ struct Rank {
 struct Seq {
     std::vector<int32_t> tokens;  // prompt + generated
     std::vector<int32_t> pages;
+    int32_t state_slot = 1;  // in the state pool (models with recurrent layers)
 };
 
 std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
@@ -104,6 +132,7 @@ StepBatch make_batch(const std::vector<Seq*>& seqs, const std::vector<std::pair<
         }
         b.seq_lens.push_back(end);
         b.extend_lens.push_back(end - begin);
+        b.state_slots.push_back(seqs[i]->state_slot);
         for (int p = 0; p < stride; ++p) {
             b.page_table.push_back(p < static_cast<int>(seqs[i]->pages.size())
                                        ? seqs[i]->pages[static_cast<size_t>(p)]
@@ -217,8 +246,8 @@ class ModelInvariance : public ::testing::TestWithParam<std::string> {};
 TEST_P(ModelInvariance, BatchChunkAndPrewriteInvariant) {
     const ModelConfig cfg = config_of(GetParam());
     const int ps = 16;
-    Seq a{random_tokens(70, cfg.vocab, 11), {3, 9, 4, 20, 21}};
-    Seq b{random_tokens(33, cfg.vocab, 12), {7, 30, 31}};
+    Seq a{random_tokens(70, cfg.vocab, 11), {3, 9, 4, 20, 21}, 2};
+    Seq b{random_tokens(33, cfg.vocab, 12), {7, 30, 31}, 5};
     // Reference: each request alone, in one forward.
     Rank solo(cfg, backend_of(GetParam()));
     auto na = run(solo, make_batch({&a}, {{0, 70}}, attn::ForwardMode::kExtend, ps, 8));
@@ -247,6 +276,20 @@ TEST_P(ModelInvariance, BatchChunkAndPrewriteInvariant) {
                 << l << "/" << buf;
         }
     }
+    if (solo.states != nullptr) {
+        // The recurrent states after the prompt: the same bytes whether batched or chunked.
+        for (int l = 0; l < solo.states->num_layers(); ++l) {
+            for (int buf = 0; buf < 2; ++buf) {
+                Seq slot_of_a{{}, {a.state_slot}};
+                EXPECT_EQ(kv_bytes(*batched.states, slot_of_a, 1, l, buf),
+                          kv_bytes(*solo.states, slot_of_a, 1, l, buf))
+                    << "state " << l << "/" << buf;
+                EXPECT_EQ(kv_bytes(*chunked.states, slot_of_a, 1, l, buf),
+                          kv_bytes(*solo.states, slot_of_a, 1, l, buf))
+                    << "state " << l << "/" << buf;
+            }
+        }
+    }
 }
 
 TEST_P(ModelInvariance, CachedDecodeEqualsRecompute) {
@@ -267,7 +310,8 @@ TEST_P(ModelInvariance, CachedDecodeEqualsRecompute) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, ModelInvariance,
-                         ::testing::Values("cpu_ref", "cpu", "cpu_ref/hybrid", "cpu/hybrid"),
+                         ::testing::Values("cpu_ref", "cpu", "cpu_ref/hybrid", "cpu/hybrid",
+                                           "cpu_ref/recurrent", "cpu/recurrent"),
                          [](const ::testing::TestParamInfo<std::string>& param_info) {
                              std::string name = param_info.param;
                              std::replace(name.begin(), name.end(), '/', '_');
@@ -399,6 +443,238 @@ TEST(SyntheticModel, TensorParallelIsBitIdenticalToTp1) {
             }
         }
     }
+}
+
+// A recurrent layer needs its state shape; the synthetic model needs its state heads to split into
+// the canonical reduction slices. The built-in Qwen3-Next shape's state, worked by hand: 36 of its
+// 48 layers are recurrent, each 32 heads x (128 x 128 + 3 taps x 384 channels) fp32 per request.
+TEST(ModelConfig, RecurrentLayersNeedTheirStateShape) {
+    ModelConfig c = recurrent_test_config();
+    EXPECT_OK(validate_model(c));
+    c.state_heads = 0;
+    EXPECT_THAT(validate_model(c),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("state_heads: 0 must be >= 1")));
+    c = recurrent_test_config();
+    c.conv_kernel = 0;
+    EXPECT_THAT(validate_model(c),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("conv_kernel")));
+    c = recurrent_test_config();
+    c.state_heads = 6;  // 4 slices
+    EXPECT_THAT(SyntheticModel::create(c, nullptr, 16),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("multiple of num_kv_heads 4")));
+    const ModelConfig qwen = *resolve_model("qwen3-next-80b");
+    EXPECT_EQ(qwen.count_layers(LayerKind::kRecurrent), 36);
+    EXPECT_EQ(qwen.state_bytes_per_request(), int64_t{36} * 32 * (128 * 128 + 3 * 384) * 4);
+    const ModelConfig gemma = *resolve_model("gemma3-27b");
+    EXPECT_EQ(gemma.count_layers(LayerKind::kSlidingWindow), 52);  // 62 layers, 5 of every 6
+    EXPECT_EQ(gemma.state_bytes_per_request(), 0);
+}
+
+// The recurrent layers: their TP slices give the TP-1 tokens bit for bit, and each rank's states
+// are its head slice of the TP-1 states.
+TEST(SyntheticModel, RecurrentTensorParallelIsBitIdenticalToTp1) {
+    const ModelConfig cfg = recurrent_test_config();  // 4 state heads: TP 2 and 4
+    const int ps = 16;
+    Seq a{random_tokens(40, cfg.vocab, 21), {1, 2, 3}, 3};
+    Seq b{random_tokens(9, cfg.vocab, 22), {4}, 1};
+    const auto batch = make_batch({&a, &b}, {{0, 40}, {0, 9}}, attn::ForwardMode::kExtend, ps, 3);
+    Rank tp1(cfg, "cpu");
+    const auto ref = run(tp1, batch);
+    for (int tp : {2, 4}) {
+        InProcessTpGroup group(tp);
+        std::vector<std::unique_ptr<InProcessTpGroup::Member>> members;
+        std::vector<std::unique_ptr<Rank>> ranks;
+        for (int r = 0; r < tp; ++r) {
+            members.push_back(std::make_unique<InProcessTpGroup::Member>(&group, r));
+            ranks.push_back(std::make_unique<Rank>(cfg, "cpu", members.back().get()));
+        }
+        std::vector<std::vector<int32_t>> outs(static_cast<size_t>(tp));
+        std::vector<std::thread> threads;
+        for (int r = 0; r < tp; ++r) {
+            threads.emplace_back([&, r] {
+                outs[static_cast<size_t>(r)] = run(*ranks[static_cast<size_t>(r)], batch);
+            });
+        }
+        for (auto& t : threads) t.join();
+        const int heads = cfg.state_heads / tp;
+        for (int r = 0; r < tp; ++r) {
+            EXPECT_EQ(outs[static_cast<size_t>(r)], ref) << "tp " << tp << " rank " << r;
+            const kv::StatePool& mine = *ranks[static_cast<size_t>(r)]->states;
+            for (int buf = 0; buf < 2; ++buf) {
+                const size_t head_bytes = mine.token_bytes(0, buf) / static_cast<size_t>(heads);
+                const auto* full =
+                    static_cast<const uint8_t*>(tp1.states->data(0, buf)) +
+                    tp1.states->token_bytes(0, buf) * static_cast<size_t>(a.state_slot);
+                const auto* part = static_cast<const uint8_t*>(mine.data(0, buf)) +
+                                   mine.token_bytes(0, buf) * static_cast<size_t>(a.state_slot);
+                EXPECT_EQ(0, std::memcmp(full + static_cast<size_t>(r * heads) * head_bytes, part,
+                                         static_cast<size_t>(heads) * head_bytes))
+                    << "tp " << tp << " rank " << r << " buffer " << buf;
+            }
+        }
+    }
+}
+
+// The hybrid backend makes one record per model layer of an extend forward, whatever the layer's
+// kind, and none for a decode forward; an attention-only backend refuses recurrent layers, and the
+// model refuses to run them on one.
+TEST(HybridBackend, OneRecordPerModelLayer) {
+    const ModelConfig cfg = recurrent_test_config();
+    Rank r(cfg, "cpu");
+    auto counter = pd::StepCounter::create(r.stream);
+    ASSERT_OK(counter.status());
+    r.backend->register_step_counter(counter->get());
+    Seq a{random_tokens(12, cfg.vocab, 7), {1}, 1};
+    (*counter)->advance_step(cfg.num_layers);
+    auto next = run(r, make_batch({&a}, {{0, 12}}, attn::ForwardMode::kExtend, 16, 1));
+    EXPECT_EQ((*counter)->query_ready_cache_step(), cfg.num_layers);
+    EXPECT_EQ((*counter)->records_published(), static_cast<uint64_t>(cfg.num_layers));
+    a.tokens.push_back(next[0]);
+    run(r, make_batch({&a}, {{12, 13}}, attn::ForwardMode::kDecode, 16, 1));
+    EXPECT_EQ((*counter)->records_published(), static_cast<uint64_t>(cfg.num_layers));
+
+    Rank plain(test_config(), "cpu");
+    EXPECT_FALSE(plain.backend->capabilities().recurrent_layers);
+    attn::RecurrentArgs args;
+    args.layer.layer_id = 1;
+    EXPECT_THAT(plain.backend->forward_recurrent(args),
+                StatusIs(StatusCode::kUnimplemented, HasSubstr("attention only")));
+    std::vector<int32_t> out(1);
+    EXPECT_THAT(r.model->forward(make_batch({&a}, {{0, 13}}, attn::ForwardMode::kExtend, 16, 1),
+                                 *plain.backend, *r.pool, out.data()),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("HybridBackend")));
+    // No state slots for a recurrent model: refused before anything runs.
+    StepBatch no_slots = make_batch({&a}, {{0, 13}}, attn::ForwardMode::kExtend, 16, 1);
+    no_slots.state_slots.clear();
+    EXPECT_THAT(r.model->forward(no_slots, *r.backend, *r.pool, out.data()),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("state slots")));
+}
+
+// The cpu mixer against a naive fp64 recurrence written from the math in hybrid_backend.h: a
+// request starting at position 0 (its poisoned slot must be ignored) and one continuing a state
+// set by hand, in one batch.
+TEST(HybridBackend, CpuMixerMatchesNaiveRecurrence) {
+    const int heads = 2, d = 8, taps = 3, channels = 3 * d;
+    runtime::CpuStream stream("compute");
+    attn::AttentionConfig ac;
+    ac.num_q_heads = 2;
+    ac.num_kv_heads = 2;
+    ac.head_dim = 16;
+    ac.stream = &stream;
+    auto backend = attn::HybridBackend::create(
+                       std::move(attn::create_attention_backend("cpu_ref", ac).value()),
+                       attn::make_cpu_recurrent_mixer())
+                       .value();
+    auto pool = kv::StatePool::create({.num_layers = 1,
+                                       .num_slots = 4,
+                                       .num_heads = heads,
+                                       .head_dim = d,
+                                       .conv_kernel = taps})
+                    .value();
+    ASSERT_OK(pool->fill(0xFF));
+    std::mt19937_64 rng(99);
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    // Request 1 (slot 3) continues from position 5 with a known state.
+    std::vector<float> init_state(static_cast<size_t>(heads) * d * d),
+        init_conv(static_cast<size_t>(heads) * (taps - 1) * channels);
+    for (float& x : init_state) x = u(rng);
+    for (float& x : init_conv) x = u(rng);
+    std::memcpy(pool->recurrent_state(0, 3, 0), init_state.data(), init_state.size() * 4);
+    std::memcpy(pool->conv_state(0, 3, 0), init_conv.data(), init_conv.size() * 4);
+    const std::vector<int32_t> seq_lens = {6, 8}, extend_lens = {6, 3}, slots = {2, 3};
+    const int tokens = 9;
+    std::vector<float> qkv(static_cast<size_t>(tokens) * heads * channels),
+        gate(static_cast<size_t>(tokens) * heads),
+        conv(static_cast<size_t>(heads) * channels * taps),
+        out(static_cast<size_t>(tokens) * heads * d, std::numeric_limits<float>::quiet_NaN());
+    for (float& x : qkv) x = u(rng);
+    for (float& x : gate) x = 2.f * u(rng);
+    for (float& x : conv) x = u(rng);
+    const std::vector<int32_t> page_table = {1, 1};
+    attn::ForwardBatch fb;
+    fb.mode = attn::ForwardMode::kExtend;
+    fb.bs = 2;
+    fb.seq_lens = seq_lens;
+    fb.extend_lens = extend_lens;
+    fb.page_table = page_table;
+    fb.page_table_stride = 1;
+    ASSERT_OK(backend->init_forward_metadata(fb));
+    attn::RecurrentArgs args;
+    args.qkv = runtime::host_view(static_cast<const float*>(qkv.data()), {tokens, heads, channels});
+    args.gate = runtime::host_view(static_cast<const float*>(gate.data()), {tokens, heads});
+    args.conv_weight =
+        runtime::host_view(static_cast<const float*>(conv.data()), {heads, channels, taps});
+    args.state_slots = runtime::host_view(slots.data(), {2});
+    args.layer = {
+        .layer_id = 0, .state_layer = 0, .num_heads = heads, .head_dim = d, .conv_kernel = taps};
+    args.pool = pool.get();
+    args.bs = 2;
+    args.out = runtime::host_view(out.data(), {tokens, heads, d});
+    ASSERT_OK(backend->forward_recurrent(args));
+    ASSERT_OK(stream.synchronize());
+
+    for (int req = 0; req < 2; ++req) {
+        const int first = req == 0 ? 0 : 6;
+        for (int h = 0; h < heads; ++h) {
+            std::vector<double> state(static_cast<size_t>(d) * d, 0.0);
+            std::vector<double> window(static_cast<size_t>(taps - 1) * channels, 0.0);
+            if (req == 1) {
+                for (size_t i = 0; i < state.size(); ++i)
+                    state[i] = init_state[static_cast<size_t>(h) * d * d + i];
+                for (size_t i = 0; i < window.size(); ++i)
+                    window[i] = init_conv[static_cast<size_t>(h) * window.size() + i];
+            }
+            for (int j = 0; j < extend_lens[static_cast<size_t>(req)]; ++j) {
+                const int t = first + j;
+                const float* x = &qkv[(static_cast<size_t>(t) * heads + h) * channels];
+                std::vector<double> c(static_cast<size_t>(channels));
+                for (int ch = 0; ch < channels; ++ch) {
+                    const float* w = &conv[(static_cast<size_t>(h) * channels + ch) * taps];
+                    double acc = w[taps - 1] * static_cast<double>(x[ch]);
+                    for (int tap = 0; tap < taps - 1; ++tap)
+                        acc += w[tap] * window[static_cast<size_t>(tap) * channels + ch];
+                    c[static_cast<size_t>(ch)] = acc / (1.0 + std::exp(-acc));
+                }
+                for (int tap = 0; tap + 1 < taps - 1; ++tap)
+                    for (int ch = 0; ch < channels; ++ch)
+                        window[static_cast<size_t>(tap) * channels + ch] =
+                            window[static_cast<size_t>(tap + 1) * channels + ch];
+                for (int ch = 0; ch < channels; ++ch)
+                    window[static_cast<size_t>(taps - 2) * channels + ch] = x[ch];
+                double qn = 0, kn = 0;
+                for (int i = 0; i < d; ++i) {
+                    qn += c[static_cast<size_t>(i)] * c[static_cast<size_t>(i)];
+                    kn += c[static_cast<size_t>(d + i)] * c[static_cast<size_t>(d + i)];
+                }
+                qn = 1.0 / (std::sqrt(qn) + 1e-6) / std::sqrt(static_cast<double>(d));
+                kn = 1.0 / (std::sqrt(kn) + 1e-6);
+                const double decay = 1.0 / (1.0 + std::exp(-static_cast<double>(
+                                                      gate[static_cast<size_t>(t) * heads + h])));
+                for (int a = 0; a < d; ++a)
+                    for (int b = 0; b < d; ++b)
+                        state[static_cast<size_t>(a) * d + b] =
+                            decay * state[static_cast<size_t>(a) * d + b] +
+                            c[static_cast<size_t>(d + a)] * kn * c[static_cast<size_t>(2 * d + b)];
+                for (int b = 0; b < d; ++b) {
+                    double o = 0;
+                    for (int a = 0; a < d; ++a)
+                        o += c[static_cast<size_t>(a)] * qn * state[static_cast<size_t>(a) * d + b];
+                    const float got = out[(static_cast<size_t>(t) * heads + h) * d + b];
+                    ASSERT_NEAR(got, o, 1e-4 + 1e-4 * std::abs(o))
+                        << "request " << req << " head " << h << " token " << t << " dim " << b;
+                }
+            }
+            // The state left in the slot is the naive one.
+            const float* left = pool->recurrent_state(0, slots[static_cast<size_t>(req)], h);
+            for (int i = 0; i < d * d; ++i)
+                ASSERT_NEAR(left[i], state[static_cast<size_t>(i)], 1e-4) << "state " << i;
+        }
+    }
+    // A slot outside the pool is refused before anything runs.
+    const std::vector<int32_t> bad_slots = {2, 4};
+    args.state_slots = runtime::host_view(bad_slots.data(), {2});
+    EXPECT_THAT(backend->forward_recurrent(args),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("state_slots[1]")));
 }
 
 }  // namespace

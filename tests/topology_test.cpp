@@ -274,7 +274,8 @@ TEST(Loader, ModelMappingWithBaseAndOverrides) {
     text = kSmallYaml;
     text.replace(text.find("model: tiny"), 11,
                  "model: {base: tiny, intermediate: 640, rope_theta: 500000.0, rms_eps: 0.001, "
-                 "seed: 9, layer_kinds: [full, sliding], sliding_window: 32}");
+                 "seed: 9, layer_kinds: [full, sliding, recurrent], sliding_window: 32, "
+                 "state_heads: 4, state_head_dim: 32, conv_kernel: 3}");
     t = parse_topology(text, "m.yaml");
     ASSERT_OK(t);
     EXPECT_EQ(t->model->intermediate, 640);
@@ -282,15 +283,30 @@ TEST(Loader, ModelMappingWithBaseAndOverrides) {
     EXPECT_FLOAT_EQ(t->model->rms_eps, 0.001f);
     EXPECT_EQ(t->model->seed, 9u);
     EXPECT_EQ(t->model->layer_kinds,
-              (std::vector<LayerKind>{LayerKind::kFullAttention, LayerKind::kSlidingWindow}));
+              (std::vector<LayerKind>{LayerKind::kFullAttention, LayerKind::kSlidingWindow,
+                                      LayerKind::kRecurrent}));
     EXPECT_EQ(t->model->sliding_window, 32);
+    EXPECT_EQ(t->model->state_heads, 4);
+    EXPECT_EQ(t->model->state_head_dim, 32);
+    EXPECT_EQ(t->model->conv_kernel, 3);
+    // tiny has 4 layers: full, sliding, recurrent, full. A recurrent layer's state per request
+    // and rank: 4 / tp heads x (32 * 32 + 2 taps x 3 x 32 channels) fp32.
+    EXPECT_EQ(t->model->count_layers(LayerKind::kRecurrent), 1);
+    EXPECT_EQ(t->model->count_layers(LayerKind::kFullAttention), 2);
+    EXPECT_EQ(t->model->state_elems_per_request_layer(2), 2 * (1024 + 192));
+    EXPECT_EQ(t->model->state_bytes_per_request(), 4 * (1024 + 192) * 4);
+    EXPECT_EQ(check_tp(*t->model, 4), "");
     text = kSmallYaml;
     text.replace(text.find("model: tiny"), 11, "model: {base: tiny, layer_kinds: [full, local]}");
     EXPECT_THAT(
         parse_topology(text, "m.yaml"),
-        StatusIs(
-            StatusCode::kInvalidArgument,
-            HasSubstr("m.yaml:2: model.layer_kinds[1]: expected full or sliding, got \"local\"")));
+        StatusIs(StatusCode::kInvalidArgument,
+                 HasSubstr("m.yaml:2: model.layer_kinds[1]: expected full, sliding or recurrent, "
+                           "got \"local\"")));
+    // TP must split the state heads too.
+    ModelShape three_states = *t->model;
+    three_states.state_heads = 3;
+    EXPECT_EQ(check_tp(three_states, 2), "2 does not divide state_heads 3");
 }
 
 TEST(Validate, ModelOverride) {

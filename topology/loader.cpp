@@ -201,7 +201,8 @@ public:
     // A built-in name, or a mapping with the fields of a model file (backends/model): `base`
     // (or a built-in `name`) starts from a built-in shape and the fields given override it;
     // without one the shape fields are required. The fields the synthetic model adds
-    // (intermediate, vocab, rope_theta, rms_eps, seed, layer_kinds, sliding_window) are read
+    // (intermediate, vocab, rope_theta, rms_eps, seed, layer_kinds, sliding_window, state_heads,
+    // state_head_dim, conv_kernel) are read
     // too: the testbed and the simulator run the model this section describes, whole.
     Status model(const DocNode& n, const std::string& path, ModelShape* out) {
         note(path, n);
@@ -219,9 +220,10 @@ public:
         }
         PDSIM_RETURN_IF_ERROR(expect_map(
             n, path,
-            {"name", "base", "num_layers", "hidden", "num_q_heads", "num_kv_heads", "head_dim",
-             "attention", "kv_lora_rank", "rope_dim", "intermediate", "vocab", "rope_theta",
-             "rms_eps", "seed", "layer_kinds", "sliding_window"}));
+            {"name",         "base",           "num_layers",  "hidden",         "num_q_heads",
+             "num_kv_heads", "head_dim",       "attention",   "kv_lora_rank",   "rope_dim",
+             "intermediate", "vocab",          "rope_theta",  "rms_eps",        "seed",
+             "layer_kinds",  "sliding_window", "state_heads", "state_head_dim", "conv_kernel"}));
         const DocNode* v = nullptr;
         const ModelShape* base = nullptr;
         if ((v = optional(n, "base")) != nullptr) {
@@ -274,6 +276,9 @@ public:
             {"intermediate", &out->intermediate, false},
             {"vocab", &out->vocab, false},
             {"sliding_window", &out->sliding_window, false},
+            {"state_heads", &out->state_heads, false},
+            {"state_head_dim", &out->state_head_dim, false},
+            {"conv_kernel", &out->conv_kernel, false},
         };
         for (const IntField& f : fields) {
             if (f.required) PDSIM_RETURN_IF_ERROR(required(n, path, f.key, &v));
@@ -303,15 +308,13 @@ public:
             PDSIM_RETURN_IF_ERROR(string_list(*v, join(path, "layer_kinds"), &kinds));
             out->layer_kinds.clear();
             for (size_t i = 0; i < kinds.size(); ++i) {
-                if (kinds[i] == "full") {
-                    out->layer_kinds.push_back(LayerKind::kFullAttention);
-                } else if (kinds[i] == "sliding") {
-                    out->layer_kinds.push_back(LayerKind::kSlidingWindow);
-                } else {
+                LayerKind kind{};
+                if (!parse_layer_kind(kinds[i], &kind)) {
                     return error(index_path(join(path, "layer_kinds"), i), v->items[i].line,
-                                 fmt::format("expected full or sliding, got {}",
+                                 fmt::format("expected full, sliding or recurrent, got {}",
                                              detail::quoted_for_message(kinds[i])));
                 }
+                out->layer_kinds.push_back(kind);
             }
         }
         return ok_status();

@@ -41,6 +41,39 @@ const std::vector<ModelShape>& table() {
         hybrid.layer_kinds = {LayerKind::kFullAttention, LayerKind::kSlidingWindow};
         hybrid.sliding_window = 128;
         t.push_back(hybrid);
+        // Gemma 3 27B's shape: five sliding-window layers (window 1024) to one full layer.
+        t.push_back({.name = "gemma3-27b",
+                     .num_layers = 62,
+                     .num_q_heads = 32,
+                     .num_kv_heads = 16,
+                     .head_dim = 128,
+                     .hidden = 5376,
+                     .attention = AttentionKind::kMha,
+                     .intermediate = 21504,
+                     .vocab = 262144,
+                     .rope_theta = 1000000.0,
+                     .layer_kinds = {LayerKind::kSlidingWindow, LayerKind::kSlidingWindow,
+                                     LayerKind::kSlidingWindow, LayerKind::kSlidingWindow,
+                                     LayerKind::kSlidingWindow, LayerKind::kFullAttention},
+                     .sliding_window = 1024});
+        // Qwen3-Next 80B-A3B's shape: three gated-linear-attention layers to one full layer.
+        // Simplified: 32 state heads of 128 for q, k and v alike (the model has 16 key heads),
+        // and a dense MLP as wide as the active experts (10 routed + 1 shared of 512).
+        t.push_back({.name = "qwen3-next-80b",
+                     .num_layers = 48,
+                     .num_q_heads = 16,
+                     .num_kv_heads = 2,
+                     .head_dim = 256,
+                     .hidden = 2048,
+                     .attention = AttentionKind::kMha,
+                     .intermediate = 5632,
+                     .vocab = 151936,
+                     .rope_theta = 10000000.0,
+                     .layer_kinds = {LayerKind::kRecurrent, LayerKind::kRecurrent,
+                                     LayerKind::kRecurrent, LayerKind::kFullAttention},
+                     .state_heads = 32,
+                     .state_head_dim = 128,
+                     .conv_kernel = 4});
         t.push_back(llama3("llama3-8b", 32, 32, 4096, 14336));
         t.push_back(llama3("llama3-70b", 80, 64, 8192, 28672));
         // head_dim: the value head dim (qk = 128 nope + 64 rope).
@@ -79,6 +112,47 @@ int64_t ModelShape::kv_bytes_per_token(int dtype_bytes) const {
     return kv_elems_per_token_per_layer(1) * num_layers * dtype_bytes;
 }
 
+std::string_view layer_kind_name(LayerKind kind) {
+    switch (kind) {
+        case LayerKind::kFullAttention:
+            return "full";
+        case LayerKind::kSlidingWindow:
+            return "sliding";
+        case LayerKind::kRecurrent:
+            return "recurrent";
+    }
+    return "?";
+}
+
+bool parse_layer_kind(std::string_view text, LayerKind* kind) {
+    for (LayerKind k :
+         {LayerKind::kFullAttention, LayerKind::kSlidingWindow, LayerKind::kRecurrent}) {
+        if (text == layer_kind_name(k)) {
+            *kind = k;
+            return true;
+        }
+    }
+    return false;
+}
+
+int ModelShape::count_layers(LayerKind kind) const {
+    int n = 0;
+    for (int l = 0; l < num_layers; ++l) n += layer_kind(l) == kind ? 1 : 0;
+    return n;
+}
+
+int64_t ModelShape::state_elems_per_request_layer(int tp) const {
+    if (count_layers(LayerKind::kRecurrent) == 0) return 0;
+    const int64_t heads = std::max(1, state_heads / std::max(1, tp));
+    const int64_t d = state_head_dim;
+    return heads * (d * d + int64_t{std::max(0, conv_kernel - 1)} * 3 * d);
+}
+
+int64_t ModelShape::state_bytes_per_request() const {
+    return state_elems_per_request_layer(1) * count_layers(LayerKind::kRecurrent) *
+           static_cast<int64_t>(sizeof(float));
+}
+
 int64_t ModelShape::num_params() const {
     int64_t attn;
     if (attention == AttentionKind::kMla) {
@@ -91,7 +165,13 @@ int64_t ModelShape::num_params() const {
                static_cast<int64_t>(num_q_heads) * head_dim * hidden;
     }
     const int64_t mlp = int64_t{3} * hidden * intermediate;
-    return num_layers * (attn + mlp) + int64_t{2} * vocab * hidden;
+    // A recurrent layer: q, k, v and a decay gate in, the output back, the conv filter.
+    const int64_t sd = int64_t{state_heads} * state_head_dim;
+    const int64_t recurrent =
+        int64_t{hidden} * (3 * sd + state_heads) + sd * hidden + 3 * sd * std::max(0, conv_kernel);
+    const int64_t rec_layers = count_layers(LayerKind::kRecurrent);
+    return (num_layers - rec_layers) * attn + rec_layers * recurrent + num_layers * mlp +
+           int64_t{2} * vocab * hidden;
 }
 
 std::string check_tp(const ModelShape& model, int tp) {
@@ -101,6 +181,9 @@ std::string check_tp(const ModelShape& model, int tp) {
     }
     if (model.num_q_heads > 0 && model.num_q_heads % tp != 0) {
         return fmt::format("{} does not divide num_q_heads {}", tp, model.num_q_heads);
+    }
+    if (model.count_layers(LayerKind::kRecurrent) > 0 && model.state_heads % tp != 0) {
+        return fmt::format("{} does not divide state_heads {}", tp, model.state_heads);
     }
     return {};
 }

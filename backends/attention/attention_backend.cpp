@@ -447,6 +447,79 @@ Status AttentionBackend::forward(const runtime::ConstTensorView& q,
     return guard.exit();
 }
 
+Status AttentionBackend::forward_recurrent_impl(const RecurrentArgs& args) {
+    return PDSIM_ERROR(StatusCode::kUnimplemented, "{}: no recurrent layers (layer {})", name(),
+                       args.layer.layer_id);
+}
+
+Status AttentionBackend::forward_recurrent(const RecurrentArgs& in,
+                                           std::optional<bool> record_kv_cache) {
+    const RecurrentSpec& l = in.layer;
+    if (!capabilities().recurrent_layers) {
+        return PDSIM_ERROR(StatusCode::kUnimplemented,
+                           "{}: layer {} is recurrent and this backend runs attention only (wrap "
+                           "it in the hybrid backend)",
+                           name(), l.layer_id);
+    }
+    if (config_.stream == nullptr)
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
+    if (step_counter_ != nullptr && &step_counter_->stream() != config_.stream) {
+        return PDSIM_ERROR(
+            StatusCode::kFailedPrecondition,
+            "{}: the StepCounter records on stream '{}', the backend computes on '{}'", name(),
+            step_counter_->stream().name(), config_.stream->name());
+    }
+    if (in.pool == nullptr)
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "layer {}: no state pool", l.layer_id);
+    const kv::StatePool& pool = *in.pool;
+    if (l.num_heads != pool.num_heads() || l.head_dim != pool.head_dim() ||
+        l.conv_kernel != pool.conv_kernel() || l.state_layer < 0 ||
+        l.state_layer >= pool.num_layers()) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "layer {}: state layer {} of {} heads x {} (conv {}) does not match the "
+                           "state pool ({} layers of {} heads x {}, conv {})",
+                           l.layer_id, l.state_layer, l.num_heads, l.head_dim, l.conv_kernel,
+                           pool.num_layers(), pool.num_heads(), pool.head_dim(),
+                           pool.conv_kernel());
+    }
+    if (in.bs < 0) return PDSIM_ERROR(StatusCode::kInvalidArgument, "bs: {} < 0", in.bs);
+    const int64_t n = in.qkv.empty() ? 0 : in.qkv.size(0);
+    if (eager_num_tokens_.has_value() && active_ == &eager_ && n != *eager_num_tokens_) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "qkv: {} tokens, the batch of init_forward_metadata has {}", n,
+                           *eager_num_tokens_);
+    }
+    const bool none = n == 0;
+    const int h = l.num_heads, d = l.head_dim;
+    PDSIM_RETURN_IF_ERROR(runtime::check_view(
+        in.qkv, "qkv",
+        {.dtypes = {runtime::DType::kF32}, .shape = {n, h, 3 * d}, .allow_null = none}));
+    PDSIM_RETURN_IF_ERROR(runtime::check_view(
+        in.gate, "gate", {.dtypes = {runtime::DType::kF32}, .shape = {n, h}, .allow_null = none}));
+    PDSIM_RETURN_IF_ERROR(runtime::check_view(
+        in.out, "out", {.dtypes = {runtime::DType::kF32}, .shape = {n, h, d}, .allow_null = none}));
+    PDSIM_RETURN_IF_ERROR(runtime::check_view(
+        in.conv_weight, "conv_weight",
+        {.dtypes = {runtime::DType::kF32}, .shape = {h, 3 * d, l.conv_kernel}}));
+    PDSIM_RETURN_IF_ERROR(runtime::check_view(
+        in.state_slots, "state_slots",
+        {.dtypes = {runtime::DType::kI32}, .shape = {in.bs}, .allow_null = in.bs == 0}));
+    for (int i = 0; i < in.bs; ++i) {
+        const int32_t slot = in.state_slots.as<int32_t>()[i];
+        if (slot < 1 || slot >= pool.num_pages()) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "state_slots[{}]: slot {} outside [1, {})", i, slot,
+                               pool.num_pages());
+        }
+    }
+    RecurrentArgs args = in;
+    args.meta = active_;
+    RecordPdCacheStep guard(*this, in.mode, /*save_kv_cache=*/true, record_kv_cache);
+    PDSIM_RETURN_IF_ERROR(guard.enter());
+    PDSIM_RETURN_IF_ERROR(forward_recurrent_impl(args));
+    return guard.exit();
+}
+
 // ---- registry -------------------------------------------------------------------------------
 void register_builtin_attention_backends();  // backends/builtin.cpp
 

@@ -49,6 +49,13 @@
 // Exactly one record per model layer per extend forward; composite backends record once per model
 // layer themselves (they call their children with record_kv_cache = false).
 //
+// Recurrent layers (topo::LayerKind::kRecurrent). A model with recurrent layers runs them through
+// forward_recurrent(), under the same record rule as forward() (save_kv_cache = true: the record
+// comes after the layer's state update), so a hybrid model records exactly once per model layer
+// whatever kind the layer is. Only backends that declare BackendCapabilities::recurrent_layers
+// accept it (the composite HybridBackend, backends/attention/hybrid_backend.h); any other is
+// kUnimplemented naming the backend.
+//
 // Thread-safety: one host thread drives a backend (as one scheduler thread drives a GPU).
 #pragma once
 
@@ -63,6 +70,7 @@
 #include <vector>
 
 #include "backends/kv/kv_pool.h"
+#include "backends/kv/state_pool.h"
 #include "backends/pd/step_counter.h"
 #include "backends/runtime/stream.h"
 #include "backends/runtime/tensor.h"
@@ -94,6 +102,41 @@ struct LayerSpec {
     // the query's own position); 0: every key up to p (full causal attention). Only backends
     // that declare BackendCapabilities::sliding_window accept W > 0.
     int sliding_window = 0;
+};
+
+// Static shape of one recurrent layer on this rank (topo::LayerKind::kRecurrent).
+struct RecurrentSpec {
+    int layer_id = 0;     // the model layer (whose StepCounter record this layer makes)
+    int state_layer = 0;  // its index among the model's recurrent layers: the state pool's layer
+    int num_heads = 1;    // state heads on this rank (after TP)
+    int head_dim = 64;
+    int conv_kernel = 4;  // >= 2
+};
+
+// One recurrent layer's forward, as forward_recurrent() hands it to the mixer (views checked, fp32,
+// host memory, contiguous; rows as forward()'s: one per new token, requests in batch order):
+//   qkv          [num_tokens][num_heads][3 * head_dim]  the projections before the convolution
+//                                                      (per head: q channels, k, v)
+//   gate         [num_tokens][num_heads]                decay logits (decay = sigmoid(gate))
+//   conv_weight  [num_heads][3 * head_dim][conv_kernel] the depthwise causal filter (tap
+//                                                      conv_kernel - 1 multiplies the newest input)
+//   state_slots  int32 [bs]                            each request's slot in `pool`
+//   out          [num_tokens][num_heads][head_dim]     written
+// The batch's seq_lens / q_lens come from the active metadata (`meta`), as for attention: a
+// request whose first new token is at position 0 starts from a zero state; any other continues
+// the state in its slot.
+class MetadataBuffers;
+struct RecurrentArgs {
+    runtime::ConstTensorView qkv;
+    runtime::ConstTensorView gate;
+    runtime::ConstTensorView conv_weight;
+    runtime::ConstTensorView state_slots;
+    RecurrentSpec layer;
+    kv::StatePool* pool = nullptr;
+    ForwardMode mode = ForwardMode::kExtend;
+    int bs = 0;
+    runtime::TensorView out;
+    const MetadataBuffers* meta = nullptr;
 };
 
 struct AttentionConfig {
@@ -177,6 +220,7 @@ struct BackendCapabilities {
     std::vector<runtime::DType> kv_dtypes;          // the pool's dtype
     std::vector<runtime::DeviceKind> devices;       // where the pool and every view live
     bool sliding_window = false;                    // LayerSpec::sliding_window > 0 accepted
+    bool recurrent_layers = false;                  // forward_recurrent() accepted
 };
 
 // Extra arguments of init_cuda_graph_state; a backend declares which it accepts.
@@ -245,6 +289,14 @@ public:
                                  bool save_kv_cache = true,
                                  std::optional<bool> record_kv_cache = std::nullopt);
 
+    // A recurrent layer (see "Recurrent layers" in the file comment): checks the call (the
+    // capability, the views' shapes and dtypes against `layer`, the pool's heads / dims / layers,
+    // every slot in [1, pool.num_pages())), then enqueues forward_recurrent_impl inside the record
+    // rule with save_kv_cache = true. Errors: kUnimplemented on a backend without
+    // recurrent_layers; kFailedPrecondition as forward(); kInvalidArgument naming the argument.
+    [[nodiscard]] Status forward_recurrent(const RecurrentArgs& args,
+                                           std::optional<bool> record_kv_cache = std::nullopt);
+
     // The record rule, reusable by composite backends that own the record.
     class RecordPdCacheStep {
     public:
@@ -265,6 +317,9 @@ public:
 protected:
     [[nodiscard]] virtual Status forward_decode(const ForwardArgs& args) = 0;
     [[nodiscard]] virtual Status forward_extend(const ForwardArgs& args) = 0;
+    // The recurrent layer's work (args checked, meta set); only backends that declare
+    // recurrent_layers are called. The default is kUnimplemented.
+    [[nodiscard]] virtual Status forward_recurrent_impl(const RecurrentArgs& args);
 
     [[nodiscard]] const MetadataBuffers* active_metadata() const { return active_; }
 

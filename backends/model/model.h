@@ -44,6 +44,8 @@ struct StepBatch {
     std::vector<int32_t> extend_lens;    // [bs]
     std::vector<int32_t> page_table;     // [bs * page_table_stride]
     int page_table_stride = 0;
+    // [bs] each request's slot in the state pool (models with recurrent layers; else empty).
+    std::vector<int32_t> state_slots;
 };
 
 class Model {

@@ -120,7 +120,10 @@ Status validate_model(const ModelConfig& c) {
                                                 {"vocab", c.vocab},
                                                 {"kv_lora_rank", c.kv_lora_rank},
                                                 {"rope_dim", c.rope_dim},
-                                                {"sliding_window", c.sliding_window}};
+                                                {"sliding_window", c.sliding_window},
+                                                {"state_heads", c.state_heads},
+                                                {"state_head_dim", c.state_head_dim},
+                                                {"conv_kernel", c.conv_kernel}};
     for (const auto& [field, value] : dims) {
         if (value > kMaxModelDim) {
             return bad(field, fmt::format("{} must be <= {}", value, kMaxModelDim));
@@ -144,6 +147,16 @@ Status validate_model(const ModelConfig& c) {
     for (LayerKind k : c.layer_kinds) {
         if (k == LayerKind::kSlidingWindow && c.sliding_window < 1) {
             return bad("sliding_window", "a sliding-window layer needs sliding_window >= 1");
+        }
+        if (k == LayerKind::kRecurrent) {
+            const std::pair<const char*, int> state[] = {{"state_heads", c.state_heads},
+                                                         {"state_head_dim", c.state_head_dim},
+                                                         {"conv_kernel", c.conv_kernel}};
+            for (const auto& [field, value] : state) {
+                if (value < 1) {
+                    return bad(field, fmt::format("{} must be >= 1 for a recurrent layer", value));
+                }
+            }
         }
     }
     return {};
@@ -224,6 +237,12 @@ StatusOr<ModelConfig> resolve_model(const std::string& name_or_file) {
                 PDSIM_RETURN_IF_ERROR(get_int(&c.rope_dim));
             else if (key == "sliding_window")
                 PDSIM_RETURN_IF_ERROR(get_int(&c.sliding_window));
+            else if (key == "state_heads")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.state_heads));
+            else if (key == "state_head_dim")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.state_head_dim));
+            else if (key == "conv_kernel")
+                PDSIM_RETURN_IF_ERROR(get_int(&c.conv_kernel));
             else if (key == "rope_theta")
                 c.rope_theta = v.as<double>();
             else if (key == "seed")
@@ -241,14 +260,13 @@ StatusOr<ModelConfig> resolve_model(const std::string& name_or_file) {
                 c.layer_kinds.clear();
                 for (const auto& e : v) {
                     std::string k = e.as<std::string>();
-                    if (k == "full")
-                        c.layer_kinds.push_back(LayerKind::kFullAttention);
-                    else if (k == "sliding")
-                        c.layer_kinds.push_back(LayerKind::kSlidingWindow);
-                    else
+                    LayerKind kind{};
+                    if (!topo::parse_layer_kind(k, &kind)) {
                         return field_error(
                             name_or_path, e, key,
-                            "expected full or sliding, got '" + text::excerpt(k) + "'");
+                            "expected full, sliding or recurrent, got '" + text::excerpt(k) + "'");
+                    }
+                    c.layer_kinds.push_back(kind);
                 }
             } else {
                 return field_error(name_or_path, kv.first, key, "unknown key");

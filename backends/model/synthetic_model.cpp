@@ -32,7 +32,11 @@ enum TensorKind : uint64_t {
     kNorm2,
     kEmbed,
     kFinalNorm,
-    kLmHead
+    kLmHead,
+    kRecQkv,  // recurrent layers
+    kRecDecay,
+    kRecConv,
+    kRecOut
 };
 
 uint64_t tensor_id(int layer, TensorKind kind) {
@@ -152,15 +156,50 @@ SyntheticModel::SyntheticModel(const ModelConfig& config, TpComm* tp, int max_to
     hkv_ = cfg_.num_kv_heads / tp_size_;
     inter_ = cfg_.intermediate / tp_size_;
     slices_ = cfg_.num_kv_heads;
+    num_recurrent_ = cfg_.count_layers(LayerKind::kRecurrent);
+    hs_ = num_recurrent_ > 0 ? cfg_.state_heads / tp_size_ : 0;
 }
 
 size_t SyntheticModel::weight_bytes() const {
     const size_t H = static_cast<size_t>(cfg_.hidden), D = static_cast<size_t>(cfg_.head_dim);
-    const size_t per_layer = H * (static_cast<size_t>(hq_ + 2 * hkv_) * D) +
-                             static_cast<size_t>(hq_) * D * H +
-                             3 * H * static_cast<size_t>(inter_) + 2 * H;
-    return sizeof(float) * (per_layer * static_cast<size_t>(cfg_.num_layers) +
+    const size_t mlp = 3 * H * static_cast<size_t>(inter_) + 2 * H;
+    const size_t attention =
+        H * (static_cast<size_t>(hq_ + 2 * hkv_) * D) + static_cast<size_t>(hq_) * D * H;
+    const size_t hs = static_cast<size_t>(hs_), ds = static_cast<size_t>(cfg_.state_head_dim);
+    const size_t recurrent = H * hs * 3 * ds + H * hs +
+                             hs * 3 * ds * static_cast<size_t>(cfg_.conv_kernel) + hs * ds * H;
+    const size_t rec_layers = static_cast<size_t>(num_recurrent_);
+    const size_t att_layers = static_cast<size_t>(cfg_.num_layers) - rec_layers;
+    return sizeof(float) * (att_layers * attention + rec_layers * recurrent +
+                            static_cast<size_t>(cfg_.num_layers) * mlp +
                             2 * H * static_cast<size_t>(cfg_.vocab) + H);
+}
+
+kv::StatePoolConfig SyntheticModel::state_pool_config(int num_slots) const {
+    return kv::StatePoolConfig{.num_layers = num_recurrent_,
+                               .num_slots = num_slots,
+                               .num_heads = hs_,
+                               .head_dim = cfg_.state_head_dim,
+                               .conv_kernel = cfg_.conv_kernel};
+}
+
+Status SyntheticModel::attach_state_pool(kv::StatePool* pool) {
+    if (num_recurrent_ == 0) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "model {}: no recurrent layers to attach a state pool to", cfg_.name);
+    }
+    const kv::StatePoolConfig want = state_pool_config(2);
+    if (pool == nullptr || pool->num_layers() != want.num_layers ||
+        pool->num_heads() != want.num_heads || pool->head_dim() != want.head_dim ||
+        pool->conv_kernel() != want.conv_kernel) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "model {}: the state pool must have {} layers of {} heads x {} (conv "
+                           "{}) on this rank",
+                           cfg_.name, want.num_layers, want.num_heads, want.head_dim,
+                           want.conv_kernel);
+    }
+    state_pool_ = pool;
+    return {};
 }
 
 attn::LayerSpec SyntheticModel::layer_spec(int layer) const {
@@ -178,6 +217,19 @@ StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::create(const ModelConf
             fmt::format(
                 "model {}: the synthetic model runs MHA/GQA attention only (MLA is not built yet)",
                 config.name));
+    }
+    if (config.count_layers(LayerKind::kRecurrent) > 0) {
+        if (config.state_heads % config.num_kv_heads != 0) {
+            return Status(StatusCode::kInvalidArgument,
+                          fmt::format("model {}: state_heads {} must be a multiple of "
+                                      "num_kv_heads {} (the canonical reduction slices)",
+                                      config.name, config.state_heads, config.num_kv_heads));
+        }
+        if (config.conv_kernel < 2) {
+            return Status(StatusCode::kInvalidArgument,
+                          fmt::format("model {}: conv_kernel {} must be >= 2", config.name,
+                                      config.conv_kernel));
+        }
     }
     const int tp_size = tp != nullptr ? tp->size() : 1;
     PDSIM_RETURN_IF_ERROR(check_tp(config, tp_size).with_context("model " + config.name + ": tp"));
@@ -249,22 +301,37 @@ Status SyntheticModel::init_weights() {
     // the same shape and leading dimensions whatever the TP size.
     const int qs = HQ / slices_, is = I / slices_;
     const int s0 = tp_rank_ * (slices_ / tp_size_), ns = slices_ / tp_size_;
+    const int SH = cfg_.state_heads, DS = cfg_.state_head_dim, K = cfg_.conv_kernel;
+    const int shs = num_recurrent_ > 0 ? SH / slices_ : 0;  // state heads per slice
+    const float s_so = num_recurrent_ > 0 ? 1.0f / std::sqrt(static_cast<float>(SH * DS)) : 0.f;
     layers_.resize(static_cast<size_t>(cfg_.num_layers));
+    int state_layer = 0;
     for (int l = 0; l < cfg_.num_layers; ++l) {
         Layer& L = layers_[static_cast<size_t>(l)];
         L.norm1 = norm(tensor_id(l, kNorm1));
         L.norm2 = norm(tensor_id(l, kNorm2));
+        const bool recurrent = cfg_.layer_kind(l) == LayerKind::kRecurrent;
+        if (recurrent) L.state_layer = state_layer++;
         for (int s = s0; s < s0 + ns; ++s) {
             auto append = [](std::vector<float>& dst, const std::vector<float>& src) {
                 dst.insert(dst.end(), src.begin(), src.end());
             };
+            append(L.w_gate, cols(tensor_id(l, kGate), H, I, s * is, is, s_h));
+            append(L.w_up, cols(tensor_id(l, kUp), H, I, s * is, is, s_h));
+            append(L.w_down, rows_of(tensor_id(l, kDown), s * is, is, H, s_i));
+            if (recurrent) {
+                append(L.w_qkv, cols(tensor_id(l, kRecQkv), H, SH * 3 * DS, s * shs * 3 * DS,
+                                     shs * 3 * DS, s_h));
+                append(L.w_decay, cols(tensor_id(l, kRecDecay), H, SH, s * shs, shs, s_h));
+                append(L.conv,
+                       rows_of(tensor_id(l, kRecConv), s * shs * 3 * DS, shs * 3 * DS, K, 0.5f));
+                append(L.w_out, rows_of(tensor_id(l, kRecOut), s * shs * DS, shs * DS, H, s_so));
+                continue;
+            }
             append(L.wq, cols(tensor_id(l, kWq), H, HQ * D, s * qs * D, qs * D, s_h));
             append(L.wk, cols(tensor_id(l, kWk), H, HKV * D, s * D, D, s_h));
             append(L.wv, cols(tensor_id(l, kWv), H, HKV * D, s * D, D, s_h));
             append(L.wo, rows_of(tensor_id(l, kWo), s * qs * D, qs * D, H, s_o));
-            append(L.w_gate, cols(tensor_id(l, kGate), H, I, s * is, is, s_h));
-            append(L.w_up, cols(tensor_id(l, kUp), H, I, s * is, is, s_h));
-            append(L.w_down, rows_of(tensor_id(l, kDown), s * is, is, H, s_i));
         }
     }
     embed_ = rows_of(tensor_id(-1, kEmbed), 0, cfg_.vocab, H, 1.0f);
@@ -285,8 +352,85 @@ Status SyntheticModel::init_weights() {
     gate_.assign(T * inter_, 0.f);
     up_.assign(T * inter_, 0.f);
     partial_.assign(static_cast<size_t>(ns) * T * H, 0.f);
+    if (num_recurrent_ > 0) {
+        qkv_.assign(T * static_cast<size_t>(hs_) * 3 * DS, 0.f);
+        decay_.assign(T * static_cast<size_t>(hs_), 0.f);
+        mixed_.assign(T * static_cast<size_t>(hs_) * DS, 0.f);
+    }
     gathered_.assign(static_cast<size_t>(slices_) * T * H, 0.f);
     return {};
+}
+
+// Sums the canonical slice partials (gathered across the TP group) into h_, in slice order.
+Status SyntheticModel::reduce_into_h(int T) {
+    const int H = cfg_.hidden, ns = slices_ / tp_size_;
+    const size_t per = static_cast<size_t>(T) * H;
+    const float* all = partial_.data();
+    if (tp_size_ > 1) {
+        // Partials are laid out [slice][T][H] with stride max_tokens_ * H; compact them first.
+        for (int s = 1; s < ns; ++s) {
+            std::memmove(&partial_[s * per], &partial_[static_cast<size_t>(s) * max_tokens_ * H],
+                         per * sizeof(float));
+        }
+        PDSIM_RETURN_IF_ERROR(tp_->allgather(partial_.data(), ns * per, gathered_.data()));
+        all = gathered_.data();
+    }
+    const size_t stride = tp_size_ > 1 ? per : static_cast<size_t>(max_tokens_) * H;
+    for (size_t i = 0; i < per; ++i) {
+        float acc = all[i];
+        for (int s = 1; s < slices_; ++s) acc += all[static_cast<size_t>(s) * stride + i];
+        h_[i] += acc;
+    }
+    return Status();
+}
+
+Status SyntheticModel::enqueue_recurrent_layer(int l, int T, int bs,
+                                               const std::shared_ptr<const StepBatch>& staged,
+                                               attn::AttentionBackend& backend,
+                                               const std::function<Status(int)>& mlp) {
+    runtime::Stream& stream = backend.stream();
+    const int H = cfg_.hidden, DS = cfg_.state_head_dim, ns = slices_ / tp_size_;
+    const int shs = cfg_.state_heads / slices_;
+    PDSIM_RETURN_IF_ERROR(stream.enqueue([this, l, T, H, DS, ns, shs] {
+        if (hook_) hook_(l, true);
+        const Layer& L = layers_[static_cast<size_t>(l)];
+        rmsnorm(h_.data(), L.norm1.data(), x_.data(), T, H, cfg_.rms_eps);
+        for (int s = 0; s < ns; ++s) {
+            gemm_rows(x_.data(), H, T, H, &L.w_qkv[static_cast<size_t>(s) * H * shs * 3 * DS],
+                      shs * 3 * DS, &qkv_[static_cast<size_t>(s) * shs * 3 * DS], hs_ * 3 * DS);
+            gemm_rows(x_.data(), H, T, H, &L.w_decay[static_cast<size_t>(s) * H * shs], shs,
+                      &decay_[static_cast<size_t>(s) * shs], hs_);
+        }
+        return Status();
+    }));
+    const Layer& layer = layers_[static_cast<size_t>(l)];
+    attn::RecurrentArgs args;
+    args.qkv = runtime::host_view(static_cast<const float*>(qkv_.data()), {T, hs_, 3 * DS});
+    args.gate = runtime::host_view(static_cast<const float*>(decay_.data()), {T, hs_});
+    args.conv_weight = runtime::host_view(static_cast<const float*>(layer.conv.data()),
+                                          {hs_, 3 * DS, cfg_.conv_kernel});
+    args.state_slots = runtime::host_view(staged->state_slots.data(), {bs});
+    args.layer = attn::RecurrentSpec{.layer_id = l,
+                                     .state_layer = layer.state_layer,
+                                     .num_heads = hs_,
+                                     .head_dim = DS,
+                                     .conv_kernel = cfg_.conv_kernel};
+    args.pool = state_pool_;
+    args.mode = staged->mode;
+    args.bs = bs;
+    args.out = runtime::host_view(mixed_.data(), {T, hs_, DS});
+    PDSIM_RETURN_IF_ERROR(backend.forward_recurrent(args));
+    return stream.enqueue([this, l, T, H, DS, ns, shs, mlp] {
+        const Layer& L = layers_[static_cast<size_t>(l)];
+        const size_t pstride = static_cast<size_t>(max_tokens_) * H;
+        for (int s = 0; s < ns; ++s) {
+            gemm_rows(&mixed_[static_cast<size_t>(s) * shs * DS], hs_ * DS, T, shs * DS,
+                      &L.w_out[static_cast<size_t>(s) * shs * DS * H], H, &partial_[s * pstride],
+                      H);
+        }
+        PDSIM_RETURN_IF_ERROR(reduce_into_h(T));
+        return mlp(l);
+    });
 }
 
 Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& backend,
@@ -312,6 +456,25 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
         if (tok < 0 || tok >= cfg_.vocab) {
             return PDSIM_ERROR(StatusCode::kInvalidArgument,
                                "token id {} outside the vocabulary [0, {})", tok, cfg_.vocab);
+        }
+    }
+    if (num_recurrent_ > 0) {
+        if (state_pool_ == nullptr) {
+            return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                               "model {} has recurrent layers and no state pool attached",
+                               cfg_.name);
+        }
+        if (batch.state_slots.size() != static_cast<size_t>(bs)) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "batch: {} state slots for {} requests (model {} has recurrent "
+                               "layers)",
+                               batch.state_slots.size(), bs, cfg_.name);
+        }
+        if (!backend.capabilities().recurrent_layers) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "model {} has recurrent layers; backend {} runs attention only "
+                               "(wrap it in attn::HybridBackend)",
+                               cfg_.name, backend.name());
         }
     }
     runtime::Stream& stream = backend.stream();
@@ -346,30 +509,35 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
         return Status();
     }));
 
-    // Sums the canonical slice partials (gathered across the TP group) into h_, in slice order.
-    auto reduce_into_h = [this, T, H, ns]() -> Status {
-        const size_t per = static_cast<size_t>(T) * H;
-        const float* all = partial_.data();
-        if (tp_size_ > 1) {
-            // Partials are laid out [slice][T][H] with stride max_tokens_ * H; compact them first.
-            for (int s = 1; s < ns; ++s) {
-                std::memmove(&partial_[s * per],
-                             &partial_[static_cast<size_t>(s) * max_tokens_ * H],
-                             per * sizeof(float));
-            }
-            PDSIM_RETURN_IF_ERROR(tp_->allgather(partial_.data(), ns * per, gathered_.data()));
-            all = gathered_.data();
+    // The second half of every layer: RMSNorm -> MLP -> residual, then the layer hook.
+    auto mlp = [this, T, H, is, ns](int l) -> Status {
+        const Layer& L = layers_[static_cast<size_t>(l)];
+        const size_t pstride = static_cast<size_t>(max_tokens_) * H;
+        rmsnorm(h_.data(), L.norm2.data(), x_.data(), T, H, cfg_.rms_eps);
+        for (int s = 0; s < ns; ++s) {
+            gemm_rows(x_.data(), H, T, H, &L.w_gate[static_cast<size_t>(s) * H * is], is,
+                      &gate_[static_cast<size_t>(s) * is], inter_);
+            gemm_rows(x_.data(), H, T, H, &L.w_up[static_cast<size_t>(s) * H * is], is,
+                      &up_[static_cast<size_t>(s) * is], inter_);
         }
-        const size_t stride = tp_size_ > 1 ? per : static_cast<size_t>(max_tokens_) * H;
-        for (size_t i = 0; i < per; ++i) {
-            float acc = all[i];
-            for (int s = 1; s < slices_; ++s) acc += all[static_cast<size_t>(s) * stride + i];
-            h_[i] += acc;
+        for (size_t i = 0; i < static_cast<size_t>(T) * inter_; ++i) {
+            const float g = gate_[i];
+            gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
         }
+        for (int s = 0; s < ns; ++s) {
+            gemm_rows(&gate_[static_cast<size_t>(s) * is], inter_, T, is,
+                      &L.w_down[static_cast<size_t>(s) * is * H], H, &partial_[s * pstride], H);
+        }
+        PDSIM_RETURN_IF_ERROR(reduce_into_h(T));
+        if (hook_) hook_(l, false);
         return Status();
     };
 
     for (int l = 0; l < cfg_.num_layers; ++l) {
+        if (cfg_.layer_kind(l) == LayerKind::kRecurrent) {
+            PDSIM_RETURN_IF_ERROR(enqueue_recurrent_layer(l, T, bs, staged, backend, mlp));
+            continue;
+        }
         PDSIM_RETURN_IF_ERROR(stream.enqueue([this, l, T, H, D, qs, ns, positions] {
             if (hook_) hook_(l, true);
             const Layer& L = layers_[static_cast<size_t>(l)];
@@ -408,32 +576,15 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
         }
         PDSIM_RETURN_IF_ERROR(
             backend.forward(q, k, v, spec, locs, pool, batch.mode, bs, out, save_kv_cache));
-        PDSIM_RETURN_IF_ERROR(stream.enqueue([this, l, T, H, D, qs, is, ns, reduce_into_h] {
+        PDSIM_RETURN_IF_ERROR(stream.enqueue([this, l, T, H, D, qs, ns, mlp] {
             const Layer& L = layers_[static_cast<size_t>(l)];
             const size_t pstride = static_cast<size_t>(max_tokens_) * H;
             for (int s = 0; s < ns; ++s) {
                 gemm_rows(&attn_[static_cast<size_t>(s) * qs * D], hq_ * D, T, qs * D,
                           &L.wo[static_cast<size_t>(s) * qs * D * H], H, &partial_[s * pstride], H);
             }
-            PDSIM_RETURN_IF_ERROR(reduce_into_h());
-            rmsnorm(h_.data(), L.norm2.data(), x_.data(), T, H, cfg_.rms_eps);
-            for (int s = 0; s < ns; ++s) {
-                gemm_rows(x_.data(), H, T, H, &L.w_gate[static_cast<size_t>(s) * H * is], is,
-                          &gate_[static_cast<size_t>(s) * is], inter_);
-                gemm_rows(x_.data(), H, T, H, &L.w_up[static_cast<size_t>(s) * H * is], is,
-                          &up_[static_cast<size_t>(s) * is], inter_);
-            }
-            for (size_t i = 0; i < static_cast<size_t>(T) * inter_; ++i) {
-                const float g = gate_[i];
-                gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
-            }
-            for (int s = 0; s < ns; ++s) {
-                gemm_rows(&gate_[static_cast<size_t>(s) * is], inter_, T, is,
-                          &L.w_down[static_cast<size_t>(s) * is * H], H, &partial_[s * pstride], H);
-            }
-            PDSIM_RETURN_IF_ERROR(reduce_into_h());
-            if (hook_) hook_(l, false);
-            return Status();
+            PDSIM_RETURN_IF_ERROR(reduce_into_h(T));
+            return mlp(l);
         }));
     }
 

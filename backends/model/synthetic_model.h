@@ -3,9 +3,12 @@
 //
 // Per layer: RMSNorm -> QKV projection -> RoPE -> KV write + attention (through an
 // AttentionBackend, inside its PD record rule) -> O projection -> residual -> RMSNorm -> MLP
-// (SiLU-gated) -> residual. Then a final RMSNorm, the LM head on each request's last token and
-// greedy sampling. Weights come from ModelConfig::seed through a counter-based generator, so every
-// rank (any TP size) builds bit-identical weights without communication.
+// (SiLU-gated) -> residual. A recurrent layer (LayerKind::kRecurrent) replaces the attention part:
+// RMSNorm -> q|k|v and decay-gate projections -> the recurrent mixer (AttentionBackend::
+// forward_recurrent, inside the same record rule; its state in the attached kv::StatePool) ->
+// O projection -> residual, then the same MLP. Then a final RMSNorm, the LM head on each request's
+// last token and greedy sampling. Weights come from ModelConfig::seed through a counter-based
+// generator, so every rank (any TP size) builds bit-identical weights without communication.
 //
 // Invariance (why the testbed can demand disaggregated tokens == colocated tokens):
 //  - batch-invariant: projections run on a kernel where every output element is one FMA chain over
@@ -26,6 +29,7 @@
 
 #include "backends/attention/attention_backend.h"
 #include "backends/kv/kv_pool.h"
+#include "backends/kv/state_pool.h"
 #include "backends/model/model.h"
 #include "backends/model/model_config.h"
 #include "backends/runtime/stream.h"
@@ -75,6 +79,15 @@ public:
 
     void set_layer_hook(LayerHook hook) { hook_ = std::move(hook); }
 
+    // Recurrent layers. The states live in a StatePool the caller owns, attached once before the
+    // first forward (it must outlive the model's forwards); each forward's StepBatch::state_slots
+    // gives every request's slot. state_pool_config(n) is this rank's pool shape for n slots
+    // (including the null slot 0). A forward of a model with recurrent layers and no attached pool
+    // or no slots is kFailedPrecondition / kInvalidArgument.
+    [[nodiscard]] kv::StatePoolConfig state_pool_config(int num_slots) const;
+    [[nodiscard]] Status attach_state_pool(kv::StatePool* pool);
+    [[nodiscard]] int num_recurrent_layers() const { return num_recurrent_; }
+
     // Deterministic weight value (exposed for tests): element `index` of tensor `tensor`.
     [[nodiscard]] static float weight_value(uint64_t seed, uint64_t tensor, uint64_t index,
                                             float scale);
@@ -82,6 +95,12 @@ public:
 private:
     SyntheticModel(const ModelConfig& config, TpComm* tp, int max_tokens);
     [[nodiscard]] Status init_weights();
+    // Stream-task helpers of forward().
+    [[nodiscard]] Status reduce_into_h(int T);
+    [[nodiscard]] Status enqueue_recurrent_layer(int l, int T, int bs,
+                                                 const std::shared_ptr<const StepBatch>& staged,
+                                                 attn::AttentionBackend& backend,
+                                                 const std::function<Status(int)>& mlp);
 
     struct Layer {
         std::vector<float> norm1, norm2;  // [H]
@@ -89,6 +108,12 @@ private:
         std::vector<float> wo;            // [local q heads * D][H]
         std::vector<float> w_gate, w_up;  // [H][local I]
         std::vector<float> w_down;        // [local I][H]
+        // Recurrent layers only (q|k|v per head; slices as for attention):
+        std::vector<float> w_qkv;    // [H][local state heads * 3D]
+        std::vector<float> w_decay;  // [H][local state heads]
+        std::vector<float> conv;     // [local state heads][3D][conv_kernel]
+        std::vector<float> w_out;    // [local state heads * D][H]
+        int state_layer = -1;        // index among the recurrent layers
     };
 
     ModelConfig cfg_;
@@ -97,6 +122,9 @@ private:
     int tp_rank_ = 0;
     int hq_ = 0, hkv_ = 0, inter_ = 0;  // local sizes
     int slices_ = 1;                    // canonical reduction slices (whole model)
+    int hs_ = 0;                        // local state heads
+    int num_recurrent_ = 0;
+    kv::StatePool* state_pool_ = nullptr;
     int max_tokens_ = 0;
     std::vector<Layer> layers_;
     std::vector<float> embed_;          // [V][H]
@@ -106,6 +134,7 @@ private:
 
     // Workspace (touched only by stream tasks).
     std::vector<float> h_, x_, q_, k_, v_, attn_, gate_, up_, partial_, gathered_;
+    std::vector<float> qkv_, decay_, mixed_;  // recurrent layers: [T][hs][3D], [T][hs], [T][hs][D]
     LayerHook hook_;
 };
 
