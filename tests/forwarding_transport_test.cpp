@@ -12,6 +12,7 @@
 #include "tests/status_matchers.h"
 #include "tests/transport_conformance.h"
 #include "transfer/local/local_transport.h"
+#include "transfer/tag_space_transport.h"
 
 namespace pdsim::transfer {
 namespace {
@@ -171,6 +172,48 @@ TEST(ForwardingTransport, DestroysTheInnerTransport) {
         EXPECT_FALSE(weak_world.expired());  // the inner transport holds the world
     }
     EXPECT_TRUE(weak_world.expired());
+}
+
+// Tag spaces: the recording transport's tags [0, 41] cut in two spaces of 21; a view's tag t is
+// the inner tag base + t, tags past its span are refused before reaching the inner transport, its
+// capabilities say max_tag 20, and closing a view leaves the shared transport open.
+TEST(TagSpaceTransport, MapsTagsIntoDisjointSpaces) {
+    std::vector<std::string> calls;
+    RecordingTransport inner(&calls);
+    auto spaces = split_tag_space(inner, 2, 16);
+    ASSERT_OK(spaces);
+    ASSERT_EQ(spaces->size(), 2u);
+    TagSpaceTransport& second = *(*spaces)[1];
+    EXPECT_EQ(second.base(), 21u);
+    EXPECT_EQ(second.capabilities().max_tag, 20u);
+    EXPECT_EQ(second.capabilities().max_message_bytes, 4242u);
+    char buf[4] = {};
+    ASSERT_OK(second.post_send(2, 3, buf, 4));
+    ASSERT_OK((*spaces)[0]->post_recv(2, 3, buf, 4));
+    EXPECT_THAT(second.post_send(2, 21, buf, 4).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("tag 21 outside")));
+    second.close();
+    EXPECT_EQ(calls, (std::vector<std::string>{"post_send 2 24 4", "post_recv 2 3 4"}));
+    EXPECT_THAT(split_tag_space(inner, 3, 16).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("leaves 14 tags per space")));
+}
+
+TEST(TagSpaceTransport, RefusesATransportThatDoesNotMatchTags) {
+    class Untagged final : public ForwardingTransport {
+    public:
+        using ForwardingTransport::ForwardingTransport;
+        Capabilities capabilities() const override {
+            Capabilities c = inner().capabilities();
+            c.tag_matching = false;
+            return c;
+        }
+    };
+    std::vector<std::string> calls;
+    RecordingTransport recording(&calls);
+    Untagged untagged(recording);
+    EXPECT_THAT(
+        split_tag_space(untagged, 2, 1).status(),
+        StatusIs(StatusCode::kInvalidArgument, HasSubstr("does not match messages by tag")));
 }
 
 class ForwardingLocalHarness : public conformance::Harness {

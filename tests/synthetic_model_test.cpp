@@ -30,14 +30,14 @@ ModelConfig test_config() {
     return c;
 }
 
-// hybrid-tiny's layer pattern (full, sliding) over 3 layers with a window of 8 tokens, far
-// shorter than the test sequences: layer 1 attends to its last 8 positions, and layer 2 (full)
-// reads what it wrote.
+// Full and sliding layers alternating over 3 layers with a window of 8 tokens, far shorter than
+// the test sequences: layer 1 attends to its last 8 positions, and layer 2 (full) reads what it
+// wrote.
 ModelConfig hybrid_test_config() {
     ModelConfig c = test_config();
     c.name = "hybrid-test";
     c.num_layers = 3;
-    c.layer_kinds = resolve_model("hybrid-tiny")->layer_kinds;
+    c.layer_kinds = {LayerKind::kFullAttention, LayerKind::kSlidingWindow};
     c.sliding_window = 8;
     return c;
 }

@@ -26,6 +26,7 @@
 #include "backends/model/synthetic_model.h"
 #include "backends/runtime/cpu_stream.h"
 #include "sim/testbed/comm.h"
+#include "sim/testbed/kv_digest.h"
 #include "sim/testbed/pd_backend.h"
 #include "sim/testbed/rank_builder.h"
 #include "tests/status_matchers.h"
@@ -359,6 +360,91 @@ std::vector<Status> agree_all(const std::vector<Status>& mine, const std::vector
     }
     for (auto& t : threads) t.join();
     return got;
+}
+
+// The KV digest (kv_digest.h) of one request, taken over a TP-1 rank's pools equals the sum of
+// two TP-2 ranks' digests over the same bytes (their head slices, other page sizes and page
+// ids); one byte changed anywhere -- an attention layer's KV or a recurrent state -- changes it.
+// The model: full, sliding, recurrent, full (hybrid-tiny), so the KV engine's layout holds the
+// three attention layers and the state layout the one recurrent layer.
+TEST(KvDigest, SplitsOverTpRanksAndSeesEveryByte) {
+    const model::ModelConfig m = *model::resolve_model("hybrid-tiny");
+    const int tokens = 37;
+    struct RankPools {
+        RankParts parts;
+        std::vector<int32_t> pages;
+        int32_t slot = 0;
+        transfer::KvLayout kv, states;
+    };
+    auto make = [&](int tp, int tp_rank, int page_size, int32_t first_page, int32_t slot) {
+        RankBuildOptions o;
+        o.model = &m;
+        o.tp_size = tp;
+        o.tp_rank = tp_rank;
+        o.page_size = page_size;
+        o.num_pages = 16;
+        o.state_slots = 4;
+        RankPools r;
+        r.parts = std::move(build_rank_parts(o).value());
+        for (int p = 0; p * page_size < tokens; ++p) r.pages.push_back(first_page + p);
+        r.slot = slot;
+        r.kv = kv_engine_layout(*r.parts.pool, m, tp, tp_rank).value();
+        r.states = state_layout(*r.parts.states, m, tp, tp_rank).value();
+        return r;
+    };
+    RankPools whole = make(1, 0, 16, 1, 3);
+    std::vector<RankPools> halves;
+    halves.push_back(make(2, 0, 8, 5, 1));
+    halves.push_back(make(2, 1, 8, 2, 2));
+    EXPECT_EQ(whole.kv.num_layers(), 3);
+    EXPECT_EQ(whole.states.num_layers(), 1);
+    // The same value for (layer, buffer, global head, token, element) on every rank.
+    auto value = [](int l, int b, int head, int64_t t, size_t e) {
+        return static_cast<float>((l * 7 + b * 3 + head * 11) % 13) +
+               0.001f * static_cast<float>(t) + 1e-6f * static_cast<float>(e);
+    };
+    auto fill = [&](RankPools& r) {
+        for (const transfer::KvLayout* layout : {&r.kv, &r.states}) {
+            const bool state = layout == &r.states;
+            const int64_t n = state ? 1 : tokens;
+            std::vector<int32_t> table = state ? std::vector<int32_t>{r.slot} : r.pages;
+            for (int l = 0; l < layout->num_layers(); ++l) {
+                for (int b = 0; b < layout->buffer_count(); ++b) {
+                    const size_t elems = layout->head_bytes(b) / sizeof(float);
+                    for (int64_t t = 0; t < n; ++t) {
+                        auto* slot = reinterpret_cast<float*>(layout->slot_addr(
+                            l, b, transfer::token_slot(table, layout->page_size(), t)));
+                        for (int h = 0; h < layout->local_heads(); ++h) {
+                            for (size_t e = 0; e < elems; ++e) {
+                                slot[static_cast<size_t>(h) * elems + e] =
+                                    value(l + (state ? 100 : 0), b, layout->head_begin() + h, t, e);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    fill(whole);
+    for (RankPools& h : halves) fill(h);
+    auto digest = [&](const RankPools& r) {
+        return request_kv_digest(r.kv, r.pages, tokens, &r.states, r.slot);
+    };
+    const uint64_t want = digest(whole);
+    EXPECT_NE(want, 0u);
+    EXPECT_EQ(digest(halves[0]) + digest(halves[1]), want);
+    EXPECT_NE(digest(halves[0]), want);
+    // One float of the sliding layer's V of the last token, on the second half.
+    auto* v = reinterpret_cast<float*>(
+        halves[1].kv.slot_addr(1, 1, transfer::token_slot(halves[1].pages, 8, tokens - 1)));
+    v[0] += 1.0f;
+    EXPECT_NE(digest(halves[0]) + digest(halves[1]), want);
+    v[0] -= 1.0f;
+    EXPECT_EQ(digest(halves[0]) + digest(halves[1]), want);
+    // One float of the convolution state of the first half's slot.
+    auto* conv = reinterpret_cast<float*>(halves[0].states.slot_addr(0, 1, halves[0].slot));
+    conv[5] = -conv[5] - 1.0f;
+    EXPECT_NE(digest(halves[0]) + digest(halves[1]), want);
 }
 
 TEST(PhaseAgreement, EveryRankGetsTheLowestFailure) {

@@ -592,10 +592,16 @@ TEST(TestbedGpuOptions, ModelsTheGpuModelCannotRun) {
     EXPECT_THAT(resolve_on(o, gpus),
                 StatusIs(StatusCode::kInvalidArgument,
                          HasSubstr("--model deepseek-v3: the GPU model cannot run it")));
-    o.model = "hybrid-tiny";  // sliding-window layers
+    o.model = "hybrid-tiny";  // recurrent layers: CPU ranks only
     o.layers = 0;
-    EXPECT_THAT(resolve_on(o, gpus), StatusIs(StatusCode::kInvalidArgument,
-                                              HasSubstr("--model hybrid-tiny: the GPU model")));
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("model hybrid-tiny has recurrent layers, which run on CPU")));
+    TempFile swa("swa",
+                 "base: tiny\nname: swa\nlayer_kinds: [full, sliding]\nsliding_window: 64\n");
+    o.model = swa.path();  // sliding-window layers: the GPU model has none yet
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("the GPU model cannot run it")));
     // head_dim 96: the model's kernels take it, FlashInfer's are built for 64 and 128.
     TempFile hd96("hd96", "base: tiny\nname: tiny-hd96\nhead_dim: 96\n");
     o.model = hd96.path();

@@ -85,17 +85,19 @@ TEST(TestbedProtocol, RouterToLeaderMessages) {
 }
 
 TEST(TestbedProtocol, LeaderToFollowerMessages) {
-    const json entry_a = {{"id", 4},   {"t0", 0},   {"t1", 3},    {"tok", {5, 6, 7}},
-                          {"pg", {9}}, {"f", true}, {"l", false}, {"n", 20}};
-    const json entry_b = {{"id", 5},      {"t0", 19},   {"t1", 20},  {"tok", {8}},
-                          {"pg", {1, 2}}, {"f", false}, {"l", true}, {"n", 20}};
+    const json entry_a = {{"id", 4},   {"t0", 0},    {"t1", 3}, {"tok", {5, 6, 7}}, {"pg", {9}},
+                          {"f", true}, {"l", false}, {"n", 20}, {"ss", 0}};
+    const json entry_b = {{"id", 5},    {"t0", 19},  {"t1", 20}, {"tok", {8}}, {"pg", {1, 2}},
+                          {"f", false}, {"l", true}, {"n", 20},  {"ss", 0}};
     expect_round_trip(sample_plan(), json{{"k", "step"}, {"m", "d"}, {"e", {entry_a, entry_b}}});
     Plan extend = sample_plan();
     extend.mode = attn::ForwardMode::kExtend;
     extend.entries.clear();
     expect_round_trip(extend, json{{"k", "step"}, {"m", "e"}, {"e", json::array()}});
-    expect_round_trip(AdmitMsg{.id = 3, .pages = {4, 5}, .input_len = 17, .prefill_ranks = {0, 1}},
-                      json{{"k", "admit"}, {"id", 3}, {"pg", {4, 5}}, {"n", 17}, {"pr", {0, 1}}});
+    expect_round_trip(
+        AdmitMsg{
+            .id = 3, .pages = {4, 5}, .input_len = 17, .prefill_ranks = {0, 1}, .state_slot = 6},
+        json{{"k", "admit"}, {"id", 3}, {"pg", {4, 5}}, {"n", 17}, {"pr", {0, 1}}, {"ss", 6}});
     expect_round_trip(ReleaseMsg{.id = 99}, json{{"k", "release"}, {"id", 99}});
 }
 
@@ -109,7 +111,8 @@ TEST(TestbedProtocol, FollowerReports) {
                                  {"err", ""},
                                  {"tok", -1},
                                  {"bytes", 0},
-                                 {"idle", true}});
+                                 {"idle", true},
+                                 {"dg", 0}});
     ReadyReport ready;
     ready.id = 8;
     ready.ok = false;
@@ -117,13 +120,15 @@ TEST(TestbedProtocol, FollowerReports) {
     ready.first_token = 41;
     ready.bytes = 1ULL << 40;
     ready.pages_idle = false;
+    ready.kv_digest = 0xfedcba9876543210ULL;  // all 64 bits survive the wire
     expect_round_trip(ready, json{{"k", "fready"},
                                   {"id", 8},
                                   {"ok", false},
                                   {"err", "receiver submit: busy"},
                                   {"tok", 41},
                                   {"bytes", 1ULL << 40},
-                                  {"idle", false}});
+                                  {"idle", false},
+                                  {"dg", 0xfedcba9876543210ULL}});
     expect_round_trip(PagesIdleMsg{.id = 8}, json{{"k", "fidle"}, {"id", 8}});
     // The two kinds share fields but not their kind.
     EXPECT_THAT(decode_error<SentReport>(encode_message(ready)), HasSubstr("'k'"));
@@ -145,7 +150,8 @@ TEST(TestbedProtocol, LeaderToRouterReports) {
                            {"ok", false},
                            {"err", "send failed"},
                            {"t", 100.0},
-                           {"ps", -1.0}});
+                           {"ps", -1.0},
+                           {"dg", 0}});
     expect_round_trip(RequestDoneReport{.phase = "colocated",
                                         .id = 3,
                                         .ok = true,
@@ -153,7 +159,8 @@ TEST(TestbedProtocol, LeaderToRouterReports) {
                                         .t_us = 50.0,
                                         .tokens = {1, 2},
                                         .token_t_us = {40.0, 50.0},
-                                        .bytes = 4096},
+                                        .bytes = 4096,
+                                        .kv_digest = 77},
                       json{{"k", "done"},
                            {"ph", "colocated"},
                            {"id", 3},
@@ -162,7 +169,8 @@ TEST(TestbedProtocol, LeaderToRouterReports) {
                            {"t", 50.0},
                            {"tokens", {1, 2}},
                            {"tt", {40.0, 50.0}},
-                           {"bytes", 4096}});
+                           {"bytes", 4096},
+                           {"dg", 77}});
 }
 
 TEST(TestbedProtocol, CollectMessages) {

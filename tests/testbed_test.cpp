@@ -116,6 +116,10 @@ void expect_clean_both(int np, const std::vector<std::string>& extra, int reques
     EXPECT_TRUE(rep["outputs_match"].get<bool>());
     EXPECT_EQ(rep["ordering"]["violations"].get<int>(), 0) << rep["ordering"].dump();
     EXPECT_GT(rep["ordering"]["checked_layers"].get<int>(), 0);
+    // The KV-level parity check: every request's decode-side KV (and states) digest was compared
+    // with the prefill side's, and none differed.
+    EXPECT_EQ(rep["kv_parity"]["checked"].get<int>(), requests) << rep["kv_parity"].dump();
+    EXPECT_TRUE(rep["kv_parity"]["mismatched"].empty()) << rep["kv_parity"].dump();
     EXPECT_GT(rep["transfer"]["bytes"].get<int64_t>(), 0);
     EXPECT_GE(rep["transfer"]["exposed_fraction"].get<double>(), 0.0);
     EXPECT_LE(rep["transfer"]["exposed_fraction"].get<double>(), 1.0);
@@ -179,9 +183,10 @@ TEST(TestbedBoth, LayerwiseOffCpuRefBackend) {
     expect_clean_both(2, {"--layerwise", "off", "--backend", "cpu_ref"}, 4);
 }
 
-// hybrid-tiny: every other layer attends to a 128-token sliding window (prompts up to 384 tokens,
-// chunks of 256, so windows cross chunk boundaries); disaggregated outputs equal colocated ones on
-// both topologies (issue 15's first "Done when" with every page sent).
+// hybrid-tiny: full, sliding (a 128-token window), recurrent and full layers (prompts up to 384
+// tokens, chunks of 256, so windows and states cross chunk boundaries): the KV of the attention
+// layers and the recurrent states move over their own engines; disaggregated outputs equal
+// colocated ones and every request's KV digest matches on both topologies.
 TEST(TestbedBoth, Hybrid1p1dMpi) {
     expect_clean_both(2, {"--topology", topo("cpu-1p1d"), "--model", "hybrid-tiny"});
 }
@@ -221,6 +226,59 @@ INSTANTIATE_TEST_SUITE_P(Kinds, TestbedFault,
                              std::replace(n.begin(), n.end(), '-', '_');
                              return n;
                          });
+
+// The hybrid model's faults (hybrid-tiny has a recurrent layer), on 1p1d and on 2p1d-tp2-to-tp1:
+// each is caught with exit 1 and violations or failed requests, and by the named check:
+//   hybrid-double-record  the composite's attention child records too: the forward publishes more
+//                         StepCounter steps than it has layers (an ordering violation);
+//   state-not-sent        no state transfer: the decode side's KV digest differs (failed);
+//   state-tp-misslice     states read one head off: the sender's state checksums differ.
+class TestbedHybridFault
+    : public ::testing::TestWithParam<std::tuple<std::string, std::string, int>> {};
+
+TEST_P(TestbedHybridFault, IsCaught) {
+    const auto& [fault, topology, np] = GetParam();
+    TempDir dir("tb_hybrid_fault");
+    std::vector<std::string> args =
+        small({"--mode", "disagg", "--topology", topo(topology), "--model", "hybrid-tiny",
+               "--fault", fault, "--report", dir.str("r.json")},
+              4, 8);
+    CmdResult r = run_testbed(np, args);
+    EXPECT_EQ(r.rc, 1) << r.describe();
+    json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << r.describe();
+    const int violations = rep["ordering"]["violations"].get<int>();
+    const int failed = rep["requests_failed"].get<int>();
+    EXPECT_EQ(rep["requests_completed"].get<int>() + failed, rep["requests_submitted"].get<int>());
+    const std::string details = rep["ordering"].dump() + rep["failures"].dump();
+    if (fault == "hybrid-double-record") {
+        EXPECT_THAT(details, HasSubstr("StepCounter steps"));
+    } else if (fault == "state-not-sent") {
+        EXPECT_GT(rep["kv_parity"]["mismatched"].size(), 0u) << rep["kv_parity"].dump();
+        EXPECT_THAT(details, HasSubstr("KV digest"));
+        EXPECT_GT(failed, 0);
+    } else {
+        EXPECT_THAT(details, HasSubstr("recurrent states: request"));
+        EXPECT_GT(violations, 0);
+    }
+}
+
+using HybridFaultCase = std::tuple<std::string, std::string, int>;
+INSTANTIATE_TEST_SUITE_P(
+    Kinds, TestbedHybridFault,
+    ::testing::Values(HybridFaultCase{"hybrid-double-record", "cpu-1p1d", 2},
+                      HybridFaultCase{"hybrid-double-record", "cpu-2p1d-tp2-to-tp1", 5},
+                      HybridFaultCase{"state-not-sent", "cpu-1p1d", 2},
+                      HybridFaultCase{"state-not-sent", "cpu-2p1d-tp2-to-tp1", 5},
+                      HybridFaultCase{"state-tp-misslice", "cpu-1p1d", 2},
+                      HybridFaultCase{"state-tp-misslice", "cpu-2p1d-tp2-to-tp1", 5}),
+    [](const auto& param_info) {
+        std::string n = std::get<0>(param_info.param) + "_" + std::get<1>(param_info.param);
+        for (char& c : n) {
+            if (c == '-') c = '_';
+        }
+        return n;
+    });
 
 // A decode rank that disconnects mid-run: its requests fail (bounded by the peer timeout), the
 // counts add up, the run ends with exit 1.

@@ -38,8 +38,13 @@ const std::vector<ModelShape>& table() {
         t.push_back(tiny);
         ModelShape hybrid = tiny;
         hybrid.name = "hybrid-tiny";
-        hybrid.layer_kinds = {LayerKind::kFullAttention, LayerKind::kSlidingWindow};
+        // Every layer kind: full, sliding (W = 128), recurrent (4 state heads of 32, conv 4), full.
+        hybrid.layer_kinds = {LayerKind::kFullAttention, LayerKind::kSlidingWindow,
+                              LayerKind::kRecurrent, LayerKind::kFullAttention};
         hybrid.sliding_window = 128;
+        hybrid.state_heads = 4;
+        hybrid.state_head_dim = 32;
+        hybrid.conv_kernel = 4;
         t.push_back(hybrid);
         // Gemma 3 27B's shape: five sliding-window layers (window 1024) to one full layer.
         t.push_back({.name = "gemma3-27b",

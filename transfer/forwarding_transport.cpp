@@ -5,7 +5,9 @@
 namespace pdsim::transfer {
 
 ForwardingTransport::ForwardingTransport(std::unique_ptr<Transport> inner)
-    : inner_(std::move(inner)) {}
+    : owned_(std::move(inner)), inner_(owned_.get()) {}
+
+ForwardingTransport::ForwardingTransport(Transport& inner) : inner_(&inner) {}
 
 std::string_view ForwardingTransport::name() const {
     return inner_->name();

@@ -2,10 +2,12 @@
 // decorator (transfer/fault/fault_transport.cpp, sim/testbed/shaped_transport.cpp) derives from
 // it and overrides only what it changes (the shape of LevelDB's EnvWrapper).
 //
-// Ownership: the forwarding transport owns the inner one (given at construction, never null) and
-// destroys it after the subclass's own members. Its destructor does not call close(): the inner
-// transport's destructor closes the inner transport; a subclass that overrides close() calls it
-// from its own destructor (virtual calls in ~ForwardingTransport would not reach the subclass).
+// Ownership: the forwarding transport owns the inner one when given a unique_ptr (never null) and
+// destroys it after the subclass's own members; given a reference it borrows it (the inner
+// transport must outlive the forwarding one, and its owner closes it). Its destructor does not call
+// close(): the inner transport's destructor closes the inner transport; a subclass that overrides
+// close() calls it from its own destructor (virtual calls in ~ForwardingTransport would not reach
+// the subclass).
 //
 // What a subclass must override together:
 //   - If it returns handles of its own (an OpState it completes, chained from the inner handle)
@@ -38,6 +40,8 @@ class ForwardingTransport : public Transport {
 public:
     // Precondition: inner is not null.
     explicit ForwardingTransport(std::unique_ptr<Transport> inner);
+    // Borrows `inner` (see "Ownership").
+    explicit ForwardingTransport(Transport& inner);
     ~ForwardingTransport() override = default;
 
     [[nodiscard]] std::string_view name() const override;
@@ -75,7 +79,8 @@ protected:
     [[nodiscard]] Transport& inner() const { return *inner_; }
 
 private:
-    const std::unique_ptr<Transport> inner_;
+    const std::unique_ptr<Transport> owned_;
+    Transport* const inner_;
 };
 
 }  // namespace pdsim::transfer

@@ -151,9 +151,13 @@ Status HybridBackend::init_cuda_graph_state(int, const int32_t*, const GraphStat
 }
 
 Status HybridBackend::call_attention(const ForwardArgs& args) {
+    std::optional<bool> record = false;
+    if (child_records_ && step_counter() != nullptr) {  // the planted bug (see the header)
+        attention_->register_step_counter(step_counter());
+        record.reset();
+    }
     return attention_->forward(args.q, args.k, args.v, args.layer, args.out_cache_loc, *args.pool,
-                               args.mode, args.bs, args.out, args.save_kv_cache,
-                               /*record_kv_cache=*/false);
+                               args.mode, args.bs, args.out, args.save_kv_cache, record);
 }
 
 Status HybridBackend::forward_decode(const ForwardArgs& args) {

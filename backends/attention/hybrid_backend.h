@@ -63,6 +63,12 @@ public:
 
     [[nodiscard]] AttentionBackend& attention() { return *attention_; }
 
+    // A planted bug for the testbed's --fault hybrid-double-record: the composite that lets each
+    // child record too. The attention child gets this backend's StepCounter and is called with
+    // the default record rule, so an extend forward's attention layer records twice (the child's
+    // record, then this backend's). Never on outside a fault run.
+    void plant_child_records(bool on) { child_records_ = on; }
+
 protected:
     [[nodiscard]] Status forward_decode(const ForwardArgs& args) override;
     [[nodiscard]] Status forward_extend(const ForwardArgs& args) override;
@@ -75,6 +81,7 @@ private:
 
     std::unique_ptr<AttentionBackend> attention_;
     std::unique_ptr<RecurrentMixer> mixer_;
+    bool child_records_ = false;
 };
 
 }  // namespace pdsim::attn

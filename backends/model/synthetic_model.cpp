@@ -188,10 +188,13 @@ Status SyntheticModel::attach_state_pool(kv::StatePool* pool) {
         return PDSIM_ERROR(StatusCode::kFailedPrecondition,
                            "model {}: no recurrent layers to attach a state pool to", cfg_.name);
     }
+    if (pool == nullptr) {
+        state_pool_ = nullptr;  // detached: forwards fail until a pool is attached again
+        return {};
+    }
     const kv::StatePoolConfig want = state_pool_config(2);
-    if (pool == nullptr || pool->num_layers() != want.num_layers ||
-        pool->num_heads() != want.num_heads || pool->head_dim() != want.head_dim ||
-        pool->conv_kernel() != want.conv_kernel) {
+    if (pool->num_layers() != want.num_layers || pool->num_heads() != want.num_heads ||
+        pool->head_dim() != want.head_dim || pool->conv_kernel() != want.conv_kernel) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "model {}: the state pool must have {} layers of {} heads x {} (conv "
                            "{}) on this rank",

@@ -83,7 +83,7 @@ public:
     // first forward (it must outlive the model's forwards); each forward's StepBatch::state_slots
     // gives every request's slot. state_pool_config(n) is this rank's pool shape for n slots
     // (including the null slot 0). A forward of a model with recurrent layers and no attached pool
-    // or no slots is kFailedPrecondition / kInvalidArgument.
+    // or no slots is kFailedPrecondition / kInvalidArgument. attach_state_pool(nullptr) detaches.
     [[nodiscard]] kv::StatePoolConfig state_pool_config(int num_slots) const;
     [[nodiscard]] Status attach_state_pool(kv::StatePool* pool);
     [[nodiscard]] int num_recurrent_layers() const { return num_recurrent_; }

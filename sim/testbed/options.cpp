@@ -466,20 +466,39 @@ std::string_view fault_name(Fault fault) {
             return "free-before-transfer";
         case Fault::kLateWrite:
             return "late-write";
+        case Fault::kHybridDoubleRecord:
+            return "hybrid-double-record";
+        case Fault::kStateNotSent:
+            return "state-not-sent";
+        case Fault::kStateTpMisslice:
+            return "state-tp-misslice";
     }
     return "?";
 }
 
+bool fault_needs_recurrent_layers(Fault fault) {
+    return fault == Fault::kHybridDoubleRecord || fault == Fault::kStateNotSent ||
+           fault == Fault::kStateTpMisslice;
+}
+
 std::vector<std::string> fault_names() {
-    return {"none",          "record-before-write",  "skip-record",
-            "double-record", "stale-graph-metadata", "free-before-transfer",
-            "late-write"};
+    return {"none",
+            "record-before-write",
+            "skip-record",
+            "double-record",
+            "stale-graph-metadata",
+            "free-before-transfer",
+            "late-write",
+            "hybrid-double-record",
+            "state-not-sent",
+            "state-tp-misslice"};
 }
 
 StatusOr<Fault> parse_fault(std::string_view text) {
     for (Fault f :
          {Fault::kNone, Fault::kRecordBeforeWrite, Fault::kSkipRecord, Fault::kDoubleRecord,
-          Fault::kStaleGraphMetadata, Fault::kFreeBeforeTransfer, Fault::kLateWrite}) {
+          Fault::kStaleGraphMetadata, Fault::kFreeBeforeTransfer, Fault::kLateWrite,
+          Fault::kHybridDoubleRecord, Fault::kStateNotSent, Fault::kStateTpMisslice}) {
         if (fault_name(f) == text) return f;
     }
     std::string known;
@@ -693,6 +712,19 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
         PDSIM_RETURN_IF_ERROR(topo::validate(rc.topology, &shape));
     }
     rc.model = *model_cfg;
+    const bool recurrent = rc.model.count_layers(model::LayerKind::kRecurrent) > 0;
+    if (fault_needs_recurrent_layers(o.fault) && !recurrent) {
+        return invalid_argument_error(
+            fmt::format("--fault {}: model {} has no recurrent layers (use a hybrid model with "
+                        "them, e.g. --model hybrid-tiny)",
+                        fault_name(o.fault), rc.model.name));
+    }
+    if (recurrent && cuda) {
+        return invalid_argument_error(
+            fmt::format("--backend cuda: model {} has recurrent layers, which run on CPU ranks "
+                        "only",
+                        rc.model.name));
+    }
     for (const auto& inst : rc.topology.instances) {
         if (Status st = model::check_tp(rc.model, inst.tp); !st.ok()) {
             return invalid_argument_error(

@@ -69,7 +69,13 @@ enum class Fault {
     kStaleGraphMetadata,  // graph replay without the in-place metadata update
     kFreeBeforeTransfer,  // the request's pages are freed right after its last chunk is handed over
     kLateWrite,           // a layer's KV is overwritten after its step was recorded
+    // Hybrid models (recurrent layers):
+    kHybridDoubleRecord,  // the composite backend lets its attention child record as well
+    kStateNotSent,        // the recurrent states are never transferred (decode uses its own)
+    kStateTpMisslice,     // the prefill side's state layout names the next TP rank's heads
 };
+// Whether `fault` needs a model with recurrent layers (the testbed refuses it otherwise).
+[[nodiscard]] bool fault_needs_recurrent_layers(Fault fault);
 [[nodiscard]] std::string_view fault_name(Fault fault);
 [[nodiscard]] StatusOr<Fault> parse_fault(std::string_view text);
 [[nodiscard]] std::vector<std::string> fault_names();

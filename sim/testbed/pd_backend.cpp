@@ -144,7 +144,9 @@ Status PdAttentionBackend::enqueue_checksums(const attn::ForwardArgs& args) {
         return PDSIM_ERROR(StatusCode::kFailedPrecondition,
                            "checksums need the layer's K and V as fp32 views");
     }
-    const int layer = args.layer.layer_id;
+    const int layer = opts_.engine_layer.empty()
+                          ? args.layer.layer_id
+                          : opts_.engine_layer[static_cast<size_t>(args.layer.layer_id)];
     return stream().enqueue([validator = opts_.validator, segs = segments_, k = args.k.as<float>(),
                              v = args.v.as<float>(), hkv, d, dv, layer,
                              head_begin = opts_.head_begin] {
@@ -230,6 +232,28 @@ Status PdAttentionBackend::call_inner(const attn::ForwardArgs& args) {
     if (owns_records()) rec = false;
     return inner_->forward(args.q, args.k, args.v, args.layer, args.out_cache_loc, *args.pool,
                            args.mode, args.bs, args.out, args.save_kv_cache, rec);
+}
+
+Status PdAttentionBackend::forward_recurrent_impl(const attn::RecurrentArgs& args) {
+    PDSIM_RETURN_IF_ERROR(inner_->forward_recurrent(args, /*record_kv_cache=*/false));
+    const bool extend = !attn::is_decode(args.mode) && !attn::is_idle(args.mode);
+    if (opts_.state_validator != nullptr && extend && segments_ != nullptr) {
+        for (const BatchSegment& seg : *segments_) {
+            if (!seg.last || seg.state_slot <= 0) continue;
+            PDSIM_RETURN_IF_ERROR(transfer::enqueue_layer_checksum(
+                stream(), *opts_.state_validator, *opts_.state_layout, seg.request,
+                args.layer.state_layer, {seg.state_slot}, 0, 1));
+        }
+    }
+    if (opts_.counter == nullptr || !extend) return {};
+    const int layer = args.layer.layer_id;
+    if (opts_.fault == Fault::kSkipRecord && layer == opts_.num_layers - 1) return {};
+    PDSIM_RETURN_IF_ERROR(record(layer));
+    if (opts_.fault == Fault::kDoubleRecord && layer == 0) {
+        PDSIM_RETURN_IF_ERROR(record(layer));
+        PDSIM_RETURN_IF_ERROR(race_window());
+    }
+    return {};
 }
 
 Status PdAttentionBackend::forward_decode(const attn::ForwardArgs& args) {

@@ -89,6 +89,8 @@ struct BatchSegment {
     int64_t t1 = 0;
     int64_t batch_offset = 0;
     std::vector<int32_t> pages;
+    int32_t state_slot = 0;  // models with recurrent layers: the request's state pool slot
+    bool last = false;       // the request's last prefill chunk (its state is final)
 };
 using Segments = std::vector<BatchSegment>;
 
@@ -121,6 +123,17 @@ struct PdBackendOptions {
     // transfer::make_kv_memory_ops(layout->device()). Kept by the backend, which must outlive the
     // stream's work (the testbed synchronizes the stream before it destroys the backend).
     std::shared_ptr<transfer::KvMemoryOps> memory_ops;
+    // Models with recurrent layers (the wrapped backend is an attn::HybridBackend): the state
+    // pool's layout (state_layout() in rank_builder.h) and, on prefill ranks, the states'
+    // validator. After a recurrent layer's update in a request's last prefill chunk the wrapper
+    // hashes the request's state slot into state_validator (layer = the state layer), then
+    // records the layer's step: update -> checksum -> record, as for KV pages.
+    std::optional<transfer::KvLayout> state_layout;
+    transfer::OrderingValidator* state_validator = nullptr;
+    // The KV engine's layer of each model layer, when they differ (a hybrid model's KV engine
+    // holds its attention layers only; -1 for a recurrent layer): the layer the activation
+    // checksums are recorded under. Empty: the model layer.
+    std::vector<int> engine_layer;
 };
 
 // The byte the late-write fault fills a slot with (kPages).
@@ -158,6 +171,10 @@ public:
 protected:
     [[nodiscard]] Status forward_decode(const attn::ForwardArgs& args) override;
     [[nodiscard]] Status forward_extend(const attn::ForwardArgs& args) override;
+    // Recurrent layers: the wrapped hybrid backend's update (never recording), the state
+    // checksums, then this wrapper's record (skip-record and double-record as for attention
+    // layers; the other record faults record after the update).
+    [[nodiscard]] Status forward_recurrent_impl(const attn::RecurrentArgs& args) override;
 
 private:
     PdAttentionBackend(std::unique_ptr<attn::AttentionBackend> inner, PdBackendOptions options);

@@ -316,6 +316,10 @@ void build_phase_report(const ResolvedConfig& cfg, PhaseData& pd,
         const metrics::Percentiles h = metrics::percentiles(std::move(handoff));
         rep.extra["handoff_ms"] = {
             {"mean", h.mean}, {"p50", h.p50}, {"p90", h.p90}, {"p99", h.p99}, {"count", h.count}};
+        // The KV-level parity check (kv_digest.h): requests whose decode-side KV (and recurrent
+        // states) digest was compared with the prefill side's; a mismatch failed its request.
+        rep.extra["kv_parity"] = {{"checked", pd.router.kv_digests_checked},
+                                  {"mismatched", pd.router.kv_digest_mismatches}};
     }
     if (tl != nullptr)
         add_timeline(cfg, pd, offsets, t_origin, tl != nullptr && cfg.options.mode == Mode::kBoth,

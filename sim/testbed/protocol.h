@@ -81,6 +81,7 @@ struct PlanEntry {
     bool first = false;           // first chunk (prefill: add_request)
     bool last = false;            // last prefill chunk (samples the first token)
     int32_t input_len = 0;
+    int32_t state_slot = 0;  // models with recurrent layers: the request's state pool slot
     bool operator==(const PlanEntry&) const = default;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
@@ -92,6 +93,7 @@ struct PlanEntry {
         v("f", m.first);
         v("l", m.last);
         v("n", m.input_len);
+        v("ss", m.state_slot);
     }
 };
 
@@ -116,6 +118,7 @@ struct AdmitMsg {
     std::vector<int32_t> pages;      // destination pages
     int64_t input_len = 0;           // tokens to receive
     std::vector<int> prefill_ranks;  // world ranks of the prefill instance, by TP rank
+    int32_t state_slot = 0;          // destination state slot (models with recurrent layers)
     bool operator==(const AdmitMsg&) const = default;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
@@ -123,6 +126,7 @@ struct AdmitMsg {
         v("pg", m.pages);
         v("n", m.input_len);
         v("pr", m.prefill_ranks);
+        v("ss", m.state_slot);
     }
 };
 
@@ -164,6 +168,9 @@ struct EngineOutcomeFields {
     int32_t first_token = -1;  // receiver: the first token that came with the KV
     uint64_t bytes = 0;        // receiver: KV bytes received
     bool pages_idle = true;
+    // This rank's part of the request's KV digest (kv_digest.h; 0: none taken): the prefill
+    // side's after its last chunk, the decode side's once everything arrived.
+    uint64_t kv_digest = 0;
     bool operator==(const EngineOutcomeFields&) const = default;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
@@ -173,6 +180,7 @@ struct EngineOutcomeFields {
         v("tok", m.first_token);
         v("bytes", m.bytes);
         v("idle", m.pages_idle);
+        v("dg", m.kv_digest);
     }
 };
 // A follower's pages of the request are idle: no transfer into or out of them can still land
@@ -229,6 +237,7 @@ struct PrefillDoneReport {
     std::string error;  // ok false: why
     double t_us = 0;
     double prefill_start_us = -1;
+    uint64_t kv_digest = 0;  // ok: the instance's KV digest of the request (0: none taken)
     bool operator==(const PrefillDoneReport&) const = default;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
@@ -238,6 +247,7 @@ struct PrefillDoneReport {
         v("err", m.error);
         v("t", m.t_us);
         v("ps", m.prefill_start_us);
+        v("dg", m.kv_digest);
     }
 };
 
@@ -252,6 +262,7 @@ struct RequestDoneReport {
     std::vector<int32_t> tokens;     // ok: the generated tokens
     std::vector<double> token_t_us;  // ok: when each was generated
     uint64_t bytes = 0;              // ok: KV bytes received (decode)
+    uint64_t kv_digest = 0;          // ok: the decode instance's KV digest (0: none taken)
     bool operator==(const RequestDoneReport&) const = default;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
@@ -263,6 +274,7 @@ struct RequestDoneReport {
         v("tokens", m.tokens);
         v("tt", m.token_t_us);
         v("bytes", m.bytes);
+        v("dg", m.kv_digest);
     }
 };
 

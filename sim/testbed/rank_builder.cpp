@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "backends/attention/attention_backend.h"
+#include "backends/attention/hybrid_backend.h"
 #include "backends/runtime/cpu_stream.h"
 #include "transfer/engine/kv_layout.h"
 
@@ -27,14 +28,97 @@ StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options) {
     pc.dtype = options.kv_dtype;
     pc.device = parts.stream->device();
     PDSIM_ASSIGN_OR_RETURN(parts.pool, kv::MHATokenToKVPool::create(pc));
+    const int recurrent = m.count_layers(model::LayerKind::kRecurrent);
+    if (recurrent > 0) {
+        if (parts.stream->device().kind != runtime::DeviceKind::kCpu) {
+            return PDSIM_ERROR(StatusCode::kUnimplemented,
+                               "model {}: recurrent layers run on CPU ranks only", m.name);
+        }
+        PDSIM_ASSIGN_OR_RETURN(parts.states,
+                               kv::StatePool::create({.num_layers = recurrent,
+                                                      .num_slots = options.state_slots,
+                                                      .num_heads = m.state_heads / options.tp_size,
+                                                      .head_dim = m.state_head_dim,
+                                                      .conv_kernel = m.conv_kernel}));
+    }
     if (options.step_counter) {
         // The stream's device picks the implementation (a CUDA stream: the device counter).
         PDSIM_ASSIGN_OR_RETURN(parts.counter, pd::StepCounter::create(*parts.stream));
     }
     if (options.validator) {
         parts.validator = std::make_unique<transfer::OrderingValidator>(options.validator_rank);
+        if (parts.states != nullptr) {
+            parts.state_validator =
+                std::make_unique<transfer::OrderingValidator>(options.validator_rank);
+        }
     }
     return parts;
+}
+
+std::vector<int> recurrent_layers(const model::ModelConfig& model) {
+    std::vector<int> layers;
+    for (int l = 0; l < model.num_layers; ++l) {
+        if (model.layer_kind(l) == model::LayerKind::kRecurrent) layers.push_back(l);
+    }
+    return layers;
+}
+
+std::vector<int> attention_layers(const model::ModelConfig& model) {
+    std::vector<int> layers;
+    for (int l = 0; l < model.num_layers; ++l) {
+        if (model.layer_kind(l) != model::LayerKind::kRecurrent) layers.push_back(l);
+    }
+    return layers;
+}
+
+StatusOr<transfer::KvLayout> kv_engine_layout(const kv::MHATokenToKVPool& pool,
+                                              const model::ModelConfig& model, int tp_size,
+                                              int tp_rank) {
+    PDSIM_ASSIGN_OR_RETURN(transfer::KvLayout all, transfer::KvLayout::from_mha_pool(
+                                                       pool, tp_size, tp_rank, model.num_kv_heads));
+    if (model.count_layers(model::LayerKind::kRecurrent) == 0) return all;
+    const std::vector<int> layers = attention_layers(model);
+    if (layers.empty()) {
+        return PDSIM_ERROR(StatusCode::kUnimplemented,
+                           "model {}: every layer is recurrent (no KV to transfer)", model.name);
+    }
+    transfer::KvLayoutSummary sum = all.summary();
+    sum.num_layers = static_cast<int32_t>(layers.size());
+    std::vector<std::byte*> bases;
+    for (int l : layers) {
+        for (int b = 0; b < all.buffer_count(); ++b) bases.push_back(all.base(l, b));
+    }
+    return transfer::KvLayout::create(sum, all.num_pages(), std::move(bases), all.device());
+}
+
+StatusOr<transfer::KvLayout> state_layout(const kv::StatePool& states,
+                                          const model::ModelConfig& model, int tp_size,
+                                          int tp_rank) {
+    PDSIM_ASSIGN_OR_RETURN(transfer::HeadSlice slice,
+                           transfer::kv_head_slice(model.state_heads, tp_size, tp_rank));
+    if (slice.count != states.num_heads()) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "state pool of {} heads, TP rank {} of {} holds {}", states.num_heads(),
+                           tp_rank, tp_size, slice.count);
+    }
+    transfer::KvLayoutSummary sum;
+    sum.kind = transfer::KvKind::kMHA;
+    sum.num_layers = states.num_layers();
+    sum.buffer_count = 2;
+    sum.page_size = 1;
+    sum.dtype_bytes = 4;
+    sum.tp_size = tp_size;
+    sum.tp_rank = tp_rank;
+    sum.total_kv_heads = model.state_heads;
+    sum.head_begin = slice.begin;
+    sum.local_heads = slice.count;
+    sum.head_bytes = {static_cast<uint64_t>(states.state_elems_per_head()) * 4,
+                      static_cast<uint64_t>(states.conv_elems_per_head()) * 4};
+    std::vector<std::byte*> bases;
+    for (int l = 0; l < states.num_layers(); ++l) {
+        for (int b = 0; b < 2; ++b) bases.push_back(static_cast<std::byte*>(states.data(l, b)));
+    }
+    return transfer::KvLayout::create(sum, states.num_pages(), std::move(bases));
 }
 
 StatusOr<std::unique_ptr<PdAttentionBackend>> build_pd_backend(const RankBuildOptions& options,
@@ -50,6 +134,14 @@ StatusOr<std::unique_ptr<PdAttentionBackend>> build_pd_backend(const RankBuildOp
     ac.kv_dtype = options.kv_dtype;
     PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<attn::AttentionBackend> inner,
                            attn::create_attention_backend(options.backend, ac));
+    if (parts.states != nullptr) {
+        // The composite backend of a hybrid model: one record per model layer, whatever its kind.
+        PDSIM_ASSIGN_OR_RETURN(
+            std::unique_ptr<attn::HybridBackend> hybrid,
+            attn::HybridBackend::create(std::move(inner), attn::make_cpu_recurrent_mixer()));
+        hybrid->plant_child_records(side.prefill && side.fault == Fault::kHybridDoubleRecord);
+        inner = std::move(hybrid);
+    }
     PdBackendOptions bo;
     bo.fault = side.fault;
     bo.counter = side.prefill ? parts.counter.get() : nullptr;
@@ -64,6 +156,17 @@ StatusOr<std::unique_ptr<PdAttentionBackend>> build_pd_backend(const RankBuildOp
     bo.on_record = std::move(side.on_record);
     bo.checksums = side.checksums;
     bo.fill = std::move(side.fill);
+    if (parts.states != nullptr) {
+        // The KV engine's layers are the attention layers (kv_engine_layout): its checksums too.
+        bo.engine_layer.assign(static_cast<size_t>(m.num_layers), -1);
+        const std::vector<int> attention = attention_layers(m);
+        for (size_t i = 0; i < attention.size(); ++i) {
+            bo.engine_layer[static_cast<size_t>(attention[i])] = static_cast<int>(i);
+        }
+        bo.state_validator = side.prefill ? parts.state_validator.get() : nullptr;
+        PDSIM_ASSIGN_OR_RETURN(bo.state_layout,
+                               state_layout(*parts.states, m, options.tp_size, options.tp_rank));
+    }
     if (side.checksums == ChecksumSource::kPages) {
         PDSIM_ASSIGN_OR_RETURN(bo.layout,
                                transfer::KvLayout::from_mha_pool(*parts.pool, options.tp_size,
@@ -89,6 +192,7 @@ model::StepBatch build_step_batch(attn::ForwardMode mode, std::span<const Forwar
         b.tokens.insert(b.tokens.end(), e.tokens.begin(), e.tokens.end());
         b.seq_lens.push_back(static_cast<int32_t>(e.t1));
         b.extend_lens.push_back(static_cast<int32_t>(e.t1 - e.t0));
+        b.state_slots.push_back(e.state_slot);
         for (int p = 0; p < stride; ++p) {
             b.page_table.push_back(
                 p < static_cast<int>(e.pages.size()) ? e.pages[static_cast<size_t>(p)] : 0);
@@ -97,7 +201,9 @@ model::StepBatch build_step_batch(attn::ForwardMode mode, std::span<const Forwar
                              .t0 = e.t0,
                              .t1 = e.t1,
                              .batch_offset = off,
-                             .pages = std::vector<int32_t>(e.pages.begin(), e.pages.end())});
+                             .pages = std::vector<int32_t>(e.pages.begin(), e.pages.end()),
+                             .state_slot = e.state_slot,
+                             .last = e.last});
         off += e.t1 - e.t0;
     }
     return b;

@@ -3,9 +3,10 @@
 // `pdsim calibrate`, which times the same forwards on the same objects (sim/cli/calibrate_cmd.cpp):
 //   build_rank_parts: the rank's compute stream (a new CpuStream, or the GPU rank's CUDA stream
 //     passed in), its MHA KV pool (this rank's KV heads; fp32 in host memory for CPU ranks, bf16
-//     on the stream's GPU for GPU ranks), and, when asked, the prefill side's StepCounter and the
-//     ordering validator;
-//   build_pd_backend: the attention backend (`backend`, `threads` kernel threads) wrapped in the
+//     on the stream's GPU for GPU ranks), the state pool of a model with recurrent layers, and,
+//     when asked, the prefill side's StepCounter and the ordering validators;
+//   build_pd_backend: the attention backend (`backend`, `threads` kernel threads; for a model with
+//     recurrent layers inside an attn::HybridBackend with the CPU recurrent mixer) wrapped in the
 //     testbed's PdAttentionBackend, for the prefill side (records into the StepCounter, ordering
 //     checksums from the activations on CPU ranks or from the pool's pages on GPU ranks) or not;
 //   build_step_batch: the model batch of one forward from its requests' positions, tokens and
@@ -32,6 +33,7 @@
 #include "common/status.h"
 #include "sim/testbed/options.h"
 #include "sim/testbed/pd_backend.h"
+#include "transfer/engine/kv_layout.h"
 #include "transfer/engine/ordering_validator.h"
 
 namespace pdsim::testbed {
@@ -44,6 +46,9 @@ struct RankBuildOptions {
     std::string backend = "cpu";  // attn::create_attention_backend's name
     int page_size = 16;           // KV page size (tokens)
     int num_pages = 2;            // KV pool pages
+    // State pool slots (models with recurrent layers), including the null slot 0: one per request
+    // that holds a state at a time.
+    int state_slots = 2;
     std::string stream_name = "cpu";
     // The stream's bound on waits (CpuStream's wait_timeout).
     std::chrono::milliseconds stream_timeout = runtime::kDefaultWaitTimeout;
@@ -62,9 +67,31 @@ struct RankParts {
     std::unique_ptr<runtime::Stream> owned_stream;  // null when the stream is borrowed
     runtime::Stream* stream = nullptr;              // owned_stream, or RankBuildOptions::stream
     std::unique_ptr<kv::MHATokenToKVPool> pool;
+    std::unique_ptr<kv::StatePool> states;                   // null without recurrent layers
     std::unique_ptr<pd::StepCounter> counter;                // null unless step_counter
     std::unique_ptr<transfer::OrderingValidator> validator;  // null unless validator
+    // The states' validator (null unless validator and states): the state transfer engine's
+    // layers are the recurrent layers, numbered apart from the KV layers.
+    std::unique_ptr<transfer::OrderingValidator> state_validator;
 };
+
+// The transfer engine's view of a state pool (kv::StatePool: one slot per "page", page size 1):
+// layer r is the model's r-th recurrent layer, buffer 0 its recurrent state, buffer 1 its
+// convolution state, heads the model's state heads sliced by TP as KV heads are
+// (transfer::kv_head_slice).
+[[nodiscard]] StatusOr<transfer::KvLayout> state_layout(const kv::StatePool& states,
+                                                        const model::ModelConfig& model,
+                                                        int tp_size, int tp_rank);
+// The model layers of the recurrent layers, in order (SenderOptions::layer_steps of the state
+// engine), and of the attention layers (full and sliding; the KV engine's).
+[[nodiscard]] std::vector<int> recurrent_layers(const model::ModelConfig& model);
+[[nodiscard]] std::vector<int> attention_layers(const model::ModelConfig& model);
+// The KV transfer engine's view of the KV pool: every layer of a model without recurrent layers
+// (KvLayout::from_mha_pool); for a hybrid model only its attention layers, in order (engine layer
+// i is model layer attention_layers(model)[i]; a recurrent layer's KV buffers are never written).
+[[nodiscard]] StatusOr<transfer::KvLayout> kv_engine_layout(const kv::MHATokenToKVPool& pool,
+                                                            const model::ModelConfig& model,
+                                                            int tp_size, int tp_rank);
 
 // Builds (or takes) the stream, then the pool (num_kv_heads / tp_size heads of head_dim, kv_dtype,
 // on the stream's device), then the counter (pd::StepCounter::create: on a CUDA stream the device
@@ -101,6 +128,8 @@ struct ForwardEntry {
     int64_t t1 = 0;
     std::span<const int32_t> tokens;
     std::span<const int32_t> pages;
+    int32_t state_slot = 0;  // its state pool slot (models with recurrent layers)
+    bool last = false;       // its last prefill chunk
 };
 
 // The batch of a forward of `entries` in order: every entry's new tokens and their KV slots,

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <deque>
 #include <limits>
+#include <map>
 
 #include "common/logging.h"
 #include "sim/policy/routing.h"
@@ -94,6 +95,26 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
     out->records.assign(n, {});
     out->token_ms.assign(n, {});
     std::vector<Track> tr(n);
+    // The KV-level parity check (kv_digest.h): each side's digest of a request, compared once
+    // both are known (the prefill side's report may come before or after the decode side's).
+    std::map<size_t, uint64_t> prefill_digest, decode_digest;
+    // The mismatch message when both digests of `id` are known and differ (counted once).
+    auto compare_digests = [&](size_t id) -> std::string {
+        auto p = prefill_digest.find(id);
+        auto d = decode_digest.find(id);
+        if (p == prefill_digest.end() || d == decode_digest.end()) return {};
+        const uint64_t want = p->second, got = d->second;
+        prefill_digest.erase(p);
+        decode_digest.erase(d);
+        if (want == 0 || got == 0) return {};  // a side took none (GPU ranks)
+        ++out->kv_digests_checked;
+        if (want == got) return {};
+        out->kv_digest_mismatches.push_back(id);
+        return fmt::format(
+            "the decode side's KV digest {:016x} differs from the prefill side's {:016x} (its KV "
+            "or recurrent states did not arrive as computed)",
+            got, want);
+    };
     if (rc.journal != nullptr) rc.journal->begin_phase(rc.phase);
     for (size_t i = 0; i < n; ++i) {
         auto& r = out->records[i];
@@ -225,6 +246,17 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             const auto id = static_cast<size_t>(rep.id);
             note_prefill_start(id, m.src, rep.prefill_start_us);
             if (!rep.ok) return make_terminal(id, false, rep.error, -1);
+            prefill_digest[id] = rep.kv_digest;
+            if (std::string differs = compare_digests(id); !differs.empty()) {
+                auto& r = out->records[id];
+                if (!tr[id].terminal) return make_terminal(id, false, differs, -1);
+                if (r.ok) {  // the decode side finished first: it failed after all
+                    r.ok = false;
+                    r.error = differs;
+                    r.finish_ms = -1;
+                    ++failed;
+                }
+            }
             tr[id].progress_us = now_us();
             release_a(id);
         } else if (k == RequestDoneReport::kKind) {
@@ -234,6 +266,13 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             if (!current) return {};
             const auto id = static_cast<size_t>(rep.id);
             auto& r = out->records[id];
+            if (rep.ok && !tr[id].terminal) {
+                decode_digest[id] = rep.kv_digest;
+                if (std::string differs = compare_digests(id); !differs.empty()) {
+                    rep.ok = false;
+                    rep.error = std::move(differs);
+                }
+            }
             if (rep.ok && !tr[id].terminal) {
                 r.tokens = std::move(rep.tokens);
                 r.generated = static_cast<int32_t>(r.tokens.size());

@@ -79,6 +79,10 @@ struct RouterResult {
     double t_base_us = 0;                         // phase start on rank 0's clock
     double wall_s = 0;                            // phase start -> last request terminal
     std::vector<int> dead_ranks;                  // silent past --heartbeat-timeout-s
+    // The KV-level parity check (kv_digest.h): requests whose decode-side digest was compared
+    // with the prefill side's, and those that differed (each of them failed).
+    int64_t kv_digests_checked = 0;
+    std::vector<uint64_t> kv_digest_mismatches;
 };
 
 [[nodiscard]] Status run_router(const RouterConfig& config, RouterResult* result);

@@ -56,6 +56,8 @@ Status Server::setup() {
     build.stream_name = fmt::format("compute-r{}", ctx_.rank);
     build.stream_timeout = timeout_ + milliseconds(5000);
     build.stream = ctx_.gpu != nullptr ? &ctx_.gpu->stream() : nullptr;
+    // One state slot per request that can hold KV pages at once (at most one per page), capped.
+    build.state_slots = static_cast<int>(std::min<int64_t>(pages, kMaxStateSlots));
     build.kv_dtype = kv_dtype;
     build.step_counter = role_ == Role::kPrefill;
     build.validator = role_ != Role::kColocated;
@@ -88,9 +90,17 @@ Status Server::setup() {
     owned_stream_ = std::move(parts.owned_stream);
     stream_ = parts.stream;
     pool_ = std::move(parts.pool);
+    states_ = std::move(parts.states);
     counter_ = std::move(parts.counter);
     validator_ = std::move(parts.validator);
+    state_validator_ = std::move(parts.state_validator);
     PDSIM_ASSIGN_OR_RETURN(backend_, std::move(backend));
+    if (states_ != nullptr) {
+        if (ctx_.cpu_model == nullptr) {
+            return PDSIM_ERROR(StatusCode::kInternal, "recurrent layers without a CPU model");
+        }
+        PDSIM_RETURN_IF_ERROR(ctx_.cpu_model->attach_state_pool(states_.get()));
+    }
 
     layer_t0_.assign(static_cast<size_t>(m.num_layers), 0.0);
     if (ctx_.cpu_model != nullptr) {
@@ -118,29 +128,180 @@ Status Server::setup() {
     if (role_ != Role::kColocated) {
         if (kv_.control == nullptr)
             return PDSIM_ERROR(StatusCode::kInternal, "disaggregated phase without a KV transport");
-        PDSIM_ASSIGN_OR_RETURN(
-            transfer::KvLayout layout,
-            transfer::KvLayout::from_mha_pool(*pool_, tp, ctx_.info.tp_rank, m.num_kv_heads));
+        PDSIM_ASSIGN_OR_RETURN(transfer::KvLayout layout,
+                               kv_engine_layout(*pool_, m, tp, ctx_.info.tp_rank));
         auto hook = [this](const transfer::TransferEvent& ev) { on_engine_event(ev); };
+        // --fault state-not-sent: neither side runs the states' engine (the deployed bug: the
+        // recurrent layers are left out of the transfer), so the decode side continues from
+        // whatever its state slot holds.
+        const bool state_engine = states_ != nullptr && o_.fault != Fault::kStateNotSent;
+        transfer::Transport* control = kv_.control;
+        transfer::Transport* data = kv_.data;
+        transfer::Transport* state_control = nullptr;
+        transfer::Transport* state_data = nullptr;
+        if (state_engine) {
+            constexpr transfer::Tag kMinTagSpace = 1024;
+            PDSIM_ASSIGN_OR_RETURN(control_spaces_,
+                                   transfer::split_tag_space(*kv_.control, 2, kMinTagSpace));
+            control = control_spaces_[0].get();
+            state_control = control_spaces_[1].get();
+            if (kv_.data != nullptr && kv_.data != kv_.control) {
+                PDSIM_ASSIGN_OR_RETURN(data_spaces_,
+                                       transfer::split_tag_space(*kv_.data, 2, kMinTagSpace));
+                data = data_spaces_[0].get();
+                state_data = data_spaces_[1].get();
+            }
+        }
+        if (ctx_.gpu == nullptr) {
+            digest_kv_layout_ = layout;
+            if (states_ != nullptr) {
+                PDSIM_ASSIGN_OR_RETURN(digest_state_layout_,
+                                       state_layout(*states_, m, tp, ctx_.info.tp_rank));
+            }
+        }
+        transfer::KvLayout states_layout;
+        if (state_engine) {
+            PDSIM_ASSIGN_OR_RETURN(states_layout, state_layout(*states_, m, tp, ctx_.info.tp_rank));
+            if (role_ == Role::kPrefill && o_.fault == Fault::kStateTpMisslice) {
+                PDSIM_ASSIGN_OR_RETURN(states_layout, misslice(states_layout));
+            }
+        }
         if (role_ == Role::kPrefill) {
             transfer::SenderOptions so;
             so.request_timeout = timeout_;
             so.validator = validator_.get();
             so.on_event = hook;
             so.num_workers = 1;
-            so.data_transport = kv_.data;
+            so.data_transport = data;
             so.device_gate = cfg_.options.device_gate;
+            if (states_ != nullptr) so.layer_steps = attention_layers(m);
             PDSIM_ASSIGN_OR_RETURN(sender_,
-                                   transfer::KvSender::create(*kv_.control, layout, *counter_, so));
+                                   transfer::KvSender::create(*control, layout, *counter_, so));
+            if (state_engine) {
+                so.validator = state_validator_.get();
+                so.data_transport = state_data;
+                so.layer_steps = recurrent_layers(m);
+                so.on_event = nullptr;  // the KV engine's layer events are the timeline's
+                PDSIM_ASSIGN_OR_RETURN(
+                    state_sender_,
+                    transfer::KvSender::create(*state_control, states_layout, *counter_, so));
+            }
         } else {
             transfer::ReceiverOptions ro;
             ro.request_timeout = timeout_;
             ro.validator = validator_.get();
             ro.on_event = hook;
             ro.num_workers = 1;
-            ro.data_transport = kv_.data;
-            PDSIM_ASSIGN_OR_RETURN(receiver_,
-                                   transfer::KvReceiver::create(*kv_.control, layout, ro));
+            ro.data_transport = data;
+            PDSIM_ASSIGN_OR_RETURN(receiver_, transfer::KvReceiver::create(*control, layout, ro));
+            if (state_engine) {
+                ro.validator = state_validator_.get();
+                ro.data_transport = state_data;
+                ro.on_event = nullptr;  // the KV engine's layer events are the timeline's
+                PDSIM_ASSIGN_OR_RETURN(state_receiver_, transfer::KvReceiver::create(
+                                                            *state_control, states_layout, ro));
+            }
+        }
+    }
+    return {};
+}
+
+// --fault state-tp-misslice: the prefill side addresses every state slot one head early (the
+// offset a rank of another TP size would use), so each head it sends is the previous head's bytes
+// (the first head takes the previous slot's last head). Slot 0 is never a request's, so the
+// shifted addresses stay inside the pool.
+StatusOr<transfer::KvLayout> Server::misslice(const transfer::KvLayout& layout) {
+    std::vector<std::byte*> bases;
+    for (int l = 0; l < layout.num_layers(); ++l) {
+        for (int b = 0; b < layout.buffer_count(); ++b) {
+            bases.push_back(layout.base(l, b) - layout.head_bytes(b));
+        }
+    }
+    return transfer::KvLayout::create(layout.summary(), layout.num_pages(), std::move(bases),
+                                      layout.device());
+}
+
+StatusOr<transfer::RequestStatus> Server::engine_status(uint64_t id) {
+    StatusOr<transfer::RequestStatus> kv = sender_ ? sender_->status(id) : receiver_->status(id);
+    if (!kv.ok() || (!state_sender_ && !state_receiver_)) return kv;
+    StatusOr<transfer::RequestStatus> st =
+        state_sender_ ? state_sender_->status(id) : state_receiver_->status(id);
+    if (!st.ok()) return st.status().with_context("the recurrent states' transfer");
+    using transfer::RequestState;
+    transfer::RequestStatus out = *kv;
+    out.bytes += st->bytes;
+    out.pages_in_use = kv->pages_in_use || st->pages_in_use;
+    if (kv->state == RequestState::kFailed || st->state == RequestState::kFailed) {
+        out.state = RequestState::kFailed;
+        out.reason = kv->state == RequestState::kFailed
+                         ? kv->reason
+                         : "the recurrent states' transfer: " + st->reason;
+        // The other engine's side of the request ends too (a no-op once terminal).
+        engine_abort(id, out.reason).ignore_error();
+    } else if (kv->state != RequestState::kSuccess) {
+        out.state = kv->state;
+    } else {
+        out.state = st->state;
+    }
+    return out;
+}
+
+Status Server::engine_abort(uint64_t id, const std::string& why) {
+    Status st;
+    if (sender_) st = sender_->abort(id, why);
+    if (receiver_) st = receiver_->abort(id, why);
+    if (state_sender_) state_sender_->abort(id, why).ignore_error();
+    if (state_receiver_) state_receiver_->abort(id, why).ignore_error();
+    return st;
+}
+
+void Server::engine_release(uint64_t id) {
+    if (sender_) sender_->release(id).ignore_error();
+    if (receiver_) receiver_->release(id).ignore_error();
+    if (state_sender_) state_sender_->release(id).ignore_error();
+    if (state_receiver_) state_receiver_->release(id).ignore_error();
+    first_slots_.erase(id);
+}
+
+Status Server::engine_free(const std::vector<int32_t>& pages, int32_t state_slot) {
+    transfer::PagePins& pins = sender_ ? sender_->pins() : receiver_->pins();
+    if (state_slot > 0 && (state_sender_ || state_receiver_)) {
+        transfer::PagePins& state_pins =
+            state_sender_ ? state_sender_->pins() : state_receiver_->pins();
+        const std::vector<int32_t> slot = {state_slot};
+        PDSIM_RETURN_IF_ERROR(state_pins.free_pages(states_->allocator(), slot));
+    } else if (state_slot > 0) {
+        free_state_slot(state_slot);
+    }
+    return pins.free_pages(pool_->allocator(), pages);
+}
+
+void Server::free_state_slot(int32_t slot) {
+    if (slot <= 0 || states_ == nullptr) return;
+    const std::vector<int32_t> one = {slot};
+    Status st = states_->allocator().free(one);
+    if (!st.ok())
+        PDSIM_LOG_WARN("rank {}: free state slot {}: {}", ctx_.rank, slot, st.to_string());
+}
+
+Status Server::engine_submit_receive(uint64_t id, const std::vector<int>& prefill_ranks,
+                                     const std::vector<int32_t>& pages, int64_t input_len,
+                                     int32_t state_slot) {
+    transfer::ReceiveRequestSpec spec;
+    spec.request_id = id;
+    spec.prefill_ranks = prefill_ranks;
+    spec.dst_pages = pages;
+    spec.num_tokens = input_len;
+    spec.timeout = timeout_;
+    PDSIM_RETURN_IF_ERROR(receiver_->submit(spec));
+    receive_info_[id] = {pages, input_len, state_slot};
+    if (state_receiver_) {
+        spec.dst_pages = {state_slot};
+        spec.num_tokens = 1;
+        Status st = state_receiver_->submit(spec);
+        if (!st.ok()) {
+            receiver_->abort(id, "the recurrent states' receive was refused").ignore_error();
+            return st.with_context("the recurrent states' receive");
         }
     }
     return {};
@@ -204,18 +365,13 @@ Status Server::on_follower_message(const Message& m, std::vector<int32_t>* next)
         }
     } else if (k == AdmitMsg::kKind) {
         PDSIM_ASSIGN_OR_RETURN(AdmitMsg admit, decode_message<AdmitMsg>(m.body));
-        transfer::ReceiveRequestSpec spec;
-        spec.request_id = admit.id;
-        spec.prefill_ranks = std::move(admit.prefill_ranks);
-        spec.dst_pages = std::move(admit.pages);
-        spec.num_tokens = admit.input_len;
-        spec.timeout = timeout_;
-        Status st = receiver_->submit(spec);
+        Status st = engine_submit_receive(admit.id, admit.prefill_ranks, admit.pages,
+                                          admit.input_len, admit.state_slot);
         if (st.ok()) {
-            engine_active_.insert(spec.request_id);
+            engine_active_.insert(admit.id);
         } else {
             ReadyReport report;
-            report.id = spec.request_id;
+            report.id = admit.id;
             report.ok = false;
             report.error = "receiver submit: " + st.message();
             PDSIM_RETURN_IF_ERROR(
@@ -223,15 +379,10 @@ Status Server::on_follower_message(const Message& m, std::vector<int32_t>* next)
         }
     } else if (k == ReleaseMsg::kKind) {
         PDSIM_ASSIGN_OR_RETURN(ReleaseMsg release, decode_message<ReleaseMsg>(m.body));
-        const uint64_t id = release.id;
-        if (receiver_) receiver_->release(id).ignore_error();
-        if (sender_) sender_->release(id).ignore_error();
-        first_slots_.erase(id);
+        engine_release(release.id);
     } else if (k == EngineAbortMsg::kKind) {
         PDSIM_ASSIGN_OR_RETURN(EngineAbortMsg abort, decode_message<EngineAbortMsg>(m.body));
-        Status st = Status();
-        if (receiver_) st = receiver_->abort(abort.id, "its instance leader gave up on it");
-        if (sender_) st = sender_->abort(abort.id, "its instance leader gave up on it");
+        Status st = engine_abort(abort.id, "its instance leader gave up on it");
         if (!st.ok() && st.code() != StatusCode::kNotFound) {
             PDSIM_LOG_WARN("rank {}: abort request {}: {}", ctx_.rank, abort.id, st.to_string());
         }
@@ -256,8 +407,7 @@ Status Server::report_engine_outcomes_to_leader() {
     poll_engine(&outcomes);
     for (EngineOutcomeFields& outcome : outcomes) {
         if (!outcome.ok) {
-            StatusOr<transfer::RequestStatus> es =
-                sender_ ? sender_->status(outcome.id) : receiver_->status(outcome.id);
+            StatusOr<transfer::RequestStatus> es = engine_status(outcome.id);
             outcome.pages_idle = !(es.ok() && es->pages_in_use);
         }
         const json report =
@@ -266,23 +416,18 @@ Status Server::report_engine_outcomes_to_leader() {
         if (!outcome.pages_idle) {
             quiescing_.insert(outcome.id);
         } else if (sender_) {
-            sender_->release(outcome.id).ignore_error();
-            first_slots_.erase(outcome.id);
+            engine_release(outcome.id);
         }
     }
     for (auto it = quiescing_.begin(); it != quiescing_.end();) {
-        StatusOr<transfer::RequestStatus> es =
-            sender_ ? sender_->status(*it) : receiver_->status(*it);
+        StatusOr<transfer::RequestStatus> es = engine_status(*it);
         if (es.ok() && es->pages_in_use) {
             ++it;
             continue;
         }
         PDSIM_RETURN_IF_ERROR(ctx_.mbox->send(ctx_.leader(), Channel::kInstance,
                                               encode_message(PagesIdleMsg{.id = *it})));
-        if (sender_) {
-            sender_->release(*it).ignore_error();
-            first_slots_.erase(*it);
-        }
+        if (sender_) engine_release(*it);
         it = quiescing_.erase(it);
     }
     return {};
@@ -311,6 +456,14 @@ RankResult Server::result() {
         r.ordering.checked_layers = rep.checked_layers;
         for (const auto& v : rep.violations) r.ordering.violations.push_back(v.to_string());
     }
+    if (state_validator_) {
+        // The recurrent states' checks (their layers are the recurrent layers, counted apart).
+        transfer::OrderingReport rep = state_validator_->report();
+        r.ordering.checked_layers += rep.checked_layers;
+        for (const auto& v : rep.violations) {
+            r.ordering.violations.push_back("recurrent states: " + v.to_string());
+        }
+    }
     json stats = {{"forwards", forwards_},
                   {"forward_tokens", forward_tokens_},
                   {"compute_us", compute_us_},
@@ -335,6 +488,8 @@ RankResult Server::result() {
     };
     if (sender_) stats["sender"] = engine_stats(sender_->stats());
     if (receiver_) stats["receiver"] = engine_stats(receiver_->stats());
+    if (state_sender_) stats["state_sender"] = engine_stats(state_sender_->stats());
+    if (state_receiver_) stats["state_receiver"] = engine_stats(state_receiver_->stats());
     json threads = json::object();
     for (const auto& [name, cpu] : thread_cpu_s_) threads[name] = cpu;
     stats["thread_cpu_s"] = std::move(threads);

@@ -4,6 +4,7 @@
 
 #include "backends/attention/attention_backend.h"
 #include "common/logging.h"
+#include "sim/testbed/kv_digest.h"
 #include "sim/testbed/rank_builder.h"
 #include "sim/testbed/server_internal.h"
 
@@ -48,7 +49,9 @@ json Server::forward_args(const Plan& plan) const {
 Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
     std::vector<ForwardEntry> entries;
     entries.reserve(plan.entries.size());
-    for (const auto& e : plan.entries) entries.push_back({e.id, e.t0, e.t1, e.tokens, e.pages});
+    for (const auto& e : plan.entries) {
+        entries.push_back({e.id, e.t0, e.t1, e.tokens, e.pages, e.state_slot, e.last});
+    }
     auto segs = std::make_shared<Segments>();
     model::StepBatch b = build_step_batch(plan.mode, entries, o_.page_size, segs.get());
     const auto off = static_cast<int64_t>(b.out_cache_loc.size());
@@ -93,6 +96,15 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
     }
     if (ctx_.gpu != nullptr) add_gpu_compute_slices(label, t_done);
     if (prefill) PDSIM_RETURN_IF_ERROR(finish_prefill_forward(plan, steps, t_done));
+    if (prefill && digest_kv_layout_) {
+        // The KV (and states) the decode side must end up with: final once the last chunk ran.
+        for (const auto& e : plan.entries) {
+            if (!e.last) continue;
+            kv_digests_[e.id] = request_kv_digest(
+                *digest_kv_layout_, e.pages, e.t1,
+                digest_state_layout_ ? &*digest_state_layout_ : nullptr, e.state_slot);
+        }
+    }
     *next = *out;
     return {};
 }
@@ -133,6 +145,14 @@ PrefillSteps Server::begin_prefill_forward(const Plan& plan, bool any_last) {
         Status st = sender_->add_request({e.id, e.input_len, timeout_});
         if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
             PDSIM_LOG_WARN("rank {}: add_request {}: {}", ctx_.rank, e.id, st.to_string());
+        }
+        if (state_sender_) {
+            // The request's states: one "token", its slot, sent after its last chunk.
+            st = state_sender_->add_request({e.id, 1, timeout_});
+            if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
+                PDSIM_LOG_WARN("rank {}: add_request {} (states): {}", ctx_.rank, e.id,
+                               st.to_string());
+            }
         }
         engine_active_.insert(e.id);
         first_slots_[e.id] = std::make_unique<int32_t>(-1);
@@ -179,6 +199,19 @@ void Server::submit_chunks(const Plan& plan, const PrefillSteps& steps, bool kno
                 c.first_token_aux_step = steps.aux_begin;
             }
         }
+        if (state_sender_ && e.last) {
+            // The states are final once the last chunk's recurrent layers ran: one chunk of the
+            // slot, its layers ready at the recurrent layers' records of this forward.
+            transfer::SendChunk sc = c;
+            sc.src_pages = {e.state_slot};
+            sc.token_begin = 0;
+            sc.token_end = 1;
+            Status ss = state_sender_->submit_chunk(std::move(sc));
+            if (!ss.ok()) {
+                PDSIM_LOG_WARN("rank {}: submit_chunk {} (states): {}", ctx_.rank, e.id,
+                               ss.to_string());
+            }
+        }
         Status cs = sender_->submit_chunk(std::move(c));
         if (!cs.ok())
             PDSIM_LOG_WARN("rank {}: submit_chunk {}: {}", ctx_.rank, e.id, cs.to_string());
@@ -214,8 +247,7 @@ Status Server::finish_prefill_forward(const Plan& plan, const PrefillSteps& step
 // each leaves engine_active_ once reported.
 void Server::poll_engine(std::vector<EngineOutcomeFields>* out) {
     for (auto it = engine_active_.begin(); it != engine_active_.end();) {
-        StatusOr<transfer::RequestStatus> s =
-            sender_ ? sender_->status(*it) : receiver_->status(*it);
+        StatusOr<transfer::RequestStatus> s = engine_status(*it);
         if (!s.ok()) {
             out->push_back({.id = *it, .ok = false, .error = s.status().message()});
             it = engine_active_.erase(it);
@@ -226,11 +258,26 @@ void Server::poll_engine(std::vector<EngineOutcomeFields>* out) {
             continue;
         }
         const bool ok = s->state == transfer::RequestState::kSuccess;
+        uint64_t digest = 0;
+        if (auto d = kv_digests_.find(*it); d != kv_digests_.end()) {
+            digest = d->second;
+            kv_digests_.erase(d);
+        }
+        if (auto ri = receive_info_.find(*it); ri != receive_info_.end()) {
+            // Decode side: everything landed and no decode forward has run on it yet.
+            if (ok && digest_kv_layout_) {
+                digest = request_kv_digest(
+                    *digest_kv_layout_, ri->second.pages, ri->second.input_len,
+                    digest_state_layout_ ? &*digest_state_layout_ : nullptr, ri->second.state_slot);
+            }
+            receive_info_.erase(ri);
+        }
         out->push_back({.id = *it,
                         .ok = ok,
                         .error = s->reason,
                         .first_token = s->has_first_token ? s->first_token : -1,
-                        .bytes = s->bytes});
+                        .bytes = s->bytes,
+                        .kv_digest = digest});
         it = engine_active_.erase(it);
     }
 }

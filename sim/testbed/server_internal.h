@@ -21,11 +21,13 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "backends/kv/kv_pool.h"
+#include "backends/kv/state_pool.h"
 #include "backends/pd/step_counter.h"
 #include "backends/runtime/stream.h"
 #include "common/status.h"
@@ -37,6 +39,7 @@
 #include "transfer/engine/kv_receiver.h"
 #include "transfer/engine/kv_sender.h"
 #include "transfer/engine/ordering_validator.h"
+#include "transfer/tag_space_transport.h"
 
 namespace pdsim::testbed::detail {
 
@@ -84,6 +87,7 @@ struct Req {
     int p_inst = -1, d_inst = -1;
     std::vector<int32_t> prompt;
     std::vector<int32_t> pages;
+    int32_t state_slot = 0;  // models with recurrent layers: its state pool slot (0: none)
     bool pages_freed = false;
     int64_t prefilled = 0;
     std::vector<int32_t> tokens;
@@ -106,6 +110,7 @@ struct Req {
     bool receive_failed = false;
     int32_t first_token = -1;
     uint64_t bytes = 0;
+    uint64_t kv_digest = 0;  // the sum of the TP ranks' parts (kv_digest.h)
     std::string error;
 };
 
@@ -127,6 +132,8 @@ public:
     void shutdown_engines() {
         if (sender_) sender_->shutdown(transfer::ShutdownMode::kGraceful);
         if (receiver_) receiver_->shutdown(transfer::ShutdownMode::kGraceful);
+        if (state_sender_) state_sender_->shutdown(transfer::ShutdownMode::kGraceful);
+        if (state_receiver_) state_receiver_->shutdown(transfer::ShutdownMode::kGraceful);
     }
 
 private:
@@ -157,6 +164,31 @@ private:
         return {};
     }
     void mark_broken(const Status& st);
+
+    // ---- this rank's transfer engines (server.cpp) ----
+    // A disaggregated rank runs the KV engine (sender_ or receiver_) and, for a model with
+    // recurrent layers, the states' engine beside it (state_sender_ / state_receiver_: one
+    // "token" per request, its state slot), each on its own tag space of the shared transports
+    // (transfer/tag_space_transport.h). A request's engine outcome is both engines' together.
+    [[nodiscard]] bool has_engine() const { return sender_ || receiver_; }
+    // Both engines' status of `id` as one: Failed when either failed (the other is aborted),
+    // Success when both succeeded, else in progress; bytes and pages_in_use of both.
+    StatusOr<transfer::RequestStatus> engine_status(uint64_t id);
+    Status engine_abort(uint64_t id, const std::string& why);
+    void engine_release(uint64_t id);
+    // Frees `pages` (and the state slot, when > 0) through the engines' pins:
+    // kFailedPrecondition while a transfer pins them (nothing is freed then).
+    Status engine_free(const std::vector<int32_t>& pages, int32_t state_slot);
+    // Submits a decode request's KV (and state) receive.
+    Status engine_submit_receive(uint64_t id, const std::vector<int>& prefill_ranks,
+                                 const std::vector<int32_t>& pages, int64_t input_len,
+                                 int32_t state_slot);
+    // Frees a state slot outside the engines (colocated ranks, failures before any transfer).
+    void free_state_slot(int32_t slot);
+    // --fault state-tp-misslice's layout (server.cpp).
+    static StatusOr<transfer::KvLayout> misslice(const transfer::KvLayout& layout);
+    // State pool slots per rank at most (models with recurrent layers).
+    static constexpr int64_t kMaxStateSlots = 512;
 
     // ---- leader (server_leader.cpp) ----
     Status leader_loop();
@@ -211,12 +243,30 @@ private:
     std::unique_ptr<runtime::Stream> owned_stream_;
     runtime::Stream* stream_ = nullptr;
     std::unique_ptr<kv::MHATokenToKVPool> pool_;
+    std::unique_ptr<kv::StatePool> states_;  // models with recurrent layers
     std::unique_ptr<pd::StepCounter> counter_;
     std::unique_ptr<transfer::OrderingValidator> validator_;
+    std::unique_ptr<transfer::OrderingValidator> state_validator_;
     std::unique_ptr<PdAttentionBackend> backend_;
+    // The tag spaces of the shared KV transports when two engines share them ([0]: KV, [1]:
+    // states); the engines below use them, so they go after the engines.
+    std::vector<std::unique_ptr<transfer::TagSpaceTransport>> control_spaces_, data_spaces_;
     std::unique_ptr<transfer::KvSender> sender_;
     std::unique_ptr<transfer::KvReceiver> receiver_;
+    std::unique_ptr<transfer::KvSender> state_sender_;
+    std::unique_ptr<transfer::KvReceiver> state_receiver_;
     std::map<uint64_t, std::unique_ptr<int32_t>> first_slots_;
+    // KV digests (kv_digest.h) of CPU disaggregated ranks: the engine layouts they read, the
+    // prefill side's parts taken after a last chunk (until its outcome reports them), and what the
+    // decode side needs to take its part once a receive completes.
+    std::optional<transfer::KvLayout> digest_kv_layout_, digest_state_layout_;
+    std::map<uint64_t, uint64_t> kv_digests_;
+    struct ReceiveInfo {
+        std::vector<int32_t> pages;
+        int64_t input_len = 0;
+        int32_t state_slot = 0;
+    };
+    std::map<uint64_t, ReceiveInfo> receive_info_;
 
     // Engine bookkeeping of this rank (leader and followers).
     std::set<uint64_t> engine_active_;  // added to the sender / submitted to the receiver

@@ -77,13 +77,13 @@ Status Server::try_free(Req& r) {
         r.pages_freed = true;
         return {};
     }
-    if (sender_ || receiver_) {
+    if (has_engine()) {
         if (engine_active_.count(r.id) != 0) {
             if (!r.engine_aborted) {
                 r.engine_aborted = true;
                 const std::string why = r.cancelled ? std::string("cancelled by the router")
                                                     : "failed on instance leader: " + r.error;
-                Status ab = sender_ ? sender_->abort(r.id, why) : receiver_->abort(r.id, why);
+                Status ab = engine_abort(r.id, why);
                 if (!ab.ok() && ab.code() != StatusCode::kNotFound) {
                     PDSIM_LOG_WARN("rank {}: abort request {}: {}", ctx_.rank, r.id,
                                    ab.to_string());
@@ -95,8 +95,7 @@ Status Server::try_free(Req& r) {
             }
             return {};  // still in flight: retried once the engine has it terminal
         }
-        StatusOr<transfer::RequestStatus> es =
-            sender_ ? sender_->status(r.id) : receiver_->status(r.id);
+        StatusOr<transfer::RequestStatus> es = engine_status(r.id);
         if (es.ok() && es->pages_in_use) return {};  // quarantined: a transfer may still land
         // The followers' copies of the pages too: each must say that no transfer of its own can
         // still reach them (its engine's outcome, or a PagesIdleMsg); one that has not is told to
@@ -109,12 +108,10 @@ Status Server::try_free(Req& r) {
             }
             return {};
         }
-        transfer::PagePins& pins = sender_ ? sender_->pins() : receiver_->pins();
-        Status st = pins.free_pages(pool_->allocator(), r.pages);
+        Status st = engine_free(r.pages, r.state_slot);
         if (st.code() == StatusCode::kFailedPrecondition) return {};  // pinned: later
-        if (sender_) sender_->release(r.id).ignore_error();
-        if (receiver_) receiver_->release(r.id).ignore_error();
-        first_slots_.erase(r.id);
+        r.state_slot = 0;
+        engine_release(r.id);
         if (!st.ok())
             PDSIM_LOG_WARN("rank {}: free pages of request {}: {}", ctx_.rank, r.id,
                            st.to_string());
@@ -123,6 +120,8 @@ Status Server::try_free(Req& r) {
         if (!st.ok())
             PDSIM_LOG_WARN("rank {}: free pages of request {}: {}", ctx_.rank, r.id,
                            st.to_string());
+        free_state_slot(r.state_slot);
+        r.state_slot = 0;
     }
     r.pages_freed = true;
     if (role_ == Role::kDecode && ctx_.instance_ranks.size() > 1) {
@@ -149,6 +148,7 @@ Status Server::finish_request(Req& r) {
     report.tokens = r.tokens;
     report.token_t_us = r.token_t;
     report.bytes = r.bytes;
+    report.kv_digest = r.kv_digest;
     PDSIM_RETURN_IF_ERROR(send_router(std::move(report)));
     return try_free(r);
 }
@@ -169,9 +169,11 @@ Status Server::admit() {
                                pool_->allocator().capacity())));
             continue;
         }
+        if (states_ != nullptr && states_->allocator().available() < 1) return {};  // FCFS: slots
         auto got = pool_->allocator().alloc(pages);
         if (!got.ok()) return {};  // FCFS: wait for pages
         r.pages = std::move(*got);
+        if (states_ != nullptr) r.state_slot = states_->allocator().alloc(1).value().front();
         admit_q_.pop_front();
         if (role_ == Role::kDecode) {
             PDSIM_RETURN_IF_ERROR(start_receive(r));
@@ -189,15 +191,12 @@ Status Server::start_receive(Req& r) {
     const int first = cfg_.topology.rank_map().first_rank(r.p_inst);
     for (int i = 0; i < cfg_.topology.instances[static_cast<size_t>(r.p_inst)].tp; ++i)
         pranks.push_back(first + i);
-    PDSIM_RETURN_IF_ERROR(send_followers(
-        AdmitMsg{.id = r.id, .pages = r.pages, .input_len = r.in, .prefill_ranks = pranks}));
-    transfer::ReceiveRequestSpec spec;
-    spec.request_id = r.id;
-    spec.prefill_ranks = pranks;
-    spec.dst_pages = r.pages;
-    spec.num_tokens = r.in;
-    spec.timeout = timeout_;
-    Status st = receiver_->submit(spec);
+    PDSIM_RETURN_IF_ERROR(send_followers(AdmitMsg{.id = r.id,
+                                                  .pages = r.pages,
+                                                  .input_len = r.in,
+                                                  .prefill_ranks = pranks,
+                                                  .state_slot = r.state_slot}));
+    Status st = engine_submit_receive(r.id, pranks, r.pages, r.in, r.state_slot);
     if (!st.ok()) return fail_request(r, "receiver submit: " + st.message());
     engine_active_.insert(r.id);
     receiving_.push_back(r.id);
@@ -221,6 +220,7 @@ Status Server::schedule_extend(bool* did) {
         e.t1 = r.prefilled + n;
         e.tokens.assign(r.prompt.begin() + e.t0, r.prompt.begin() + e.t1);
         e.pages = r.pages;
+        e.state_slot = r.state_slot;
         e.first = e.t0 == 0;
         e.last = e.t1 == r.in;
         e.input_len = r.in;
@@ -307,6 +307,7 @@ Status Server::schedule_decode(bool* did) {
         e.t1 = pos + 1;
         e.tokens = {r.tokens.back()};
         e.pages = r.pages;
+        e.state_slot = r.state_slot;
         e.input_len = r.in;
         plan.entries.push_back(std::move(e));
     }
@@ -353,6 +354,7 @@ Status Server::after_engine_poll() {
                 report.ok = true;
                 report.t_us = now_us();
                 report.prefill_start_us = r.t_prefill_start;
+                report.kv_digest = r.kv_digest;
                 PDSIM_RETURN_IF_ERROR(send_router(std::move(report)));
                 PDSIM_RETURN_IF_ERROR(try_free(r));
             }
@@ -396,6 +398,7 @@ void Server::apply_engine_outcome(const EngineOutcomeFields& outcome, bool sent,
     if (it == reqs_.end()) return;
     Req& r = it->second;
     if (tp_index > 0 && outcome.pages_idle) r.followers_idle.insert(tp_index);
+    if (outcome.ok) r.kv_digest += outcome.kv_digest;  // the TP ranks' parts (kv_digest.h)
     if (!outcome.ok) {
         (sent ? r.send_failed : r.receive_failed) = true;
         if (r.error.empty()) r.error = fmt::format("rank {}: {}", world_rank, outcome.error);

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "backends/attention/attention_backend.h"
+#include "backends/attention/hybrid_backend.h"
 #include "backends/kv/kv_pool.h"
 #include "backends/model/synthetic_model.h"
 #include "backends/runtime/cpu_stream.h"
@@ -277,7 +278,17 @@ StatusOr<double> measure_cpu_layer_s(const ResolvedConfig& cfg, model::Synthetic
     ac.head_dim = m.head_dim;
     ac.stream = &stream;
     ac.num_threads = threads;
-    PDSIM_ASSIGN_OR_RETURN(auto backend, attn::create_attention_backend(cfg.options.backend, ac));
+    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<attn::AttentionBackend> backend,
+                           attn::create_attention_backend(cfg.options.backend, ac));
+    std::unique_ptr<kv::StatePool> states;
+    if (model.num_recurrent_layers() > 0) {
+        // A hybrid model: its composite backend and a one-request state pool (the server
+        // attaches its own pool again when its phase starts).
+        PDSIM_ASSIGN_OR_RETURN(backend, attn::HybridBackend::create(
+                                            std::move(backend), attn::make_cpu_recurrent_mixer()));
+        PDSIM_ASSIGN_OR_RETURN(states, kv::StatePool::create(model.state_pool_config(2)));
+        PDSIM_RETURN_IF_ERROR(model.attach_state_pool(states.get()));
+    }
     const int ps = cfg.options.page_size;
     kv::MHAPoolConfig pc;
     pc.num_layers = m.num_layers;
@@ -291,6 +302,7 @@ StatusOr<double> measure_cpu_layer_s(const ResolvedConfig& cfg, model::Synthetic
     for (int t = 0; t < tokens; ++t) b.out_cache_loc.push_back(ps + t);  // pages 1.. in order
     b.seq_lens = {tokens};
     b.extend_lens = {tokens};
+    b.state_slots = {1};
     b.page_table_stride = pc.num_pages - 1;
     for (int p = 1; p < pc.num_pages; ++p) b.page_table.push_back(p);
     std::vector<int32_t> next(1);
@@ -301,6 +313,7 @@ StatusOr<double> measure_cpu_layer_s(const ResolvedConfig& cfg, model::Synthetic
         PDSIM_RETURN_IF_ERROR(stream.synchronize());
         best = std::min(best, (now_us() - t0) / 1e6);
     }
+    if (states != nullptr) PDSIM_RETURN_IF_ERROR(model.attach_state_pool(nullptr));
     return best / m.num_layers;
 }
 
@@ -780,6 +793,12 @@ Status finish(const ResolvedConfig& cfg, std::vector<PhaseData>& phases,
                     "  handoff (prefill end -> first token on decode) ms p50/p90/p99 "
                     "{:.1f}/{:.1f}/{:.1f}\n",
                     h.value("p50", 0.0), h.value("p90", 0.0), h.value("p99", 0.0));
+            }
+            if (report.extra.contains("kv_parity")) {
+                const json& k = report.extra["kv_parity"];
+                s += fmt::format("  KV digest parity (decode == prefill): {} checked, {} differ\n",
+                                 k.value("checked", int64_t{0}),
+                                 k.contains("mismatched") ? k["mismatched"].size() : size_t{0});
             }
         }
         for (const auto& [path, what] :

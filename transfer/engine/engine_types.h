@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "backends/runtime/stream.h"
 #include "common/status.h"
@@ -124,6 +125,12 @@ struct SenderOptions : EngineOptions {
     // as its record is enqueued on the compute stream, not after the host saw it land. False, or
     // any of those missing: the host path (wait for the step on the host, then post).
     bool device_gate = true;
+    // Where each layer's record sits among a forward's records: layer l of the layout is ready
+    // once step begin_step + layer_steps[l] is (SendChunk::begin_step). Empty: layer_steps[l] = l,
+    // the layout's layers are the model's. A layout over one cache group of a hybrid model (its
+    // recurrent layers' states, say) names the model layers it holds: strictly increasing, >= 0,
+    // one per layer of the layout (create() checks it).
+    std::vector<int> layer_steps;
 };
 
 struct ReceiverOptions : EngineOptions {

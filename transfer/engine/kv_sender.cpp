@@ -873,6 +873,19 @@ StatusOr<std::unique_ptr<KvSender>> KvSender::create(Transport& transport, KvLay
     if (layout.num_layers() < 1) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "empty KV layout");
     }
+    if (!options.layer_steps.empty()) {
+        bool increasing = options.layer_steps.size() == static_cast<size_t>(layout.num_layers()) &&
+                          options.layer_steps[0] >= 0;
+        for (size_t l = 1; increasing && l < options.layer_steps.size(); ++l) {
+            increasing = options.layer_steps[l] > options.layer_steps[l - 1];
+        }
+        if (!increasing) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "layer_steps: {} entries, need {} (one per layout layer), "
+                               "strictly increasing from >= 0",
+                               options.layer_steps.size(), layout.num_layers());
+        }
+    }
     if (options.validator != nullptr && options.validator->rank() != transport.rank()) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "validator of rank {} given to the sender of rank {}",

@@ -36,13 +36,14 @@
 //
 // Data path. Per destination decode rank a chunk becomes a task on worker (rank % num_workers).
 // A task sends the Chunk header, then for each interval [l0, l1) of layers, once step
-// begin + l1 - 1 is ready on the StepCounter, posts for each layer, buffer and run one send
-// (address = base + page * page_bytes + offset; runs contiguous on both sides are coalesced, see
-// transfer_plan.h). A worker interleaves its tasks in step order, so every request of a batch
-// goes out layer by layer while the forward is still computing later layers; per (request,
-// destination) only the oldest unfinished task may post (chunk order on the data tag). When no
-// task can move the worker blocks in StepCounter::wait_until_ready (or wait_until_aux_ready for
-// a first token) on the soonest target -- a condition-variable wait woken by every record, no
+// begin + l1 - 1 is ready on the StepCounter (begin + layer_steps[l1 - 1] when the layout holds
+// only some of the model's layers: SenderOptions::layer_steps), posts for each layer, buffer and
+// run one send (address = base + page * page_bytes + offset; runs contiguous on both sides are
+// coalesced, see transfer_plan.h). A worker interleaves its tasks in step order, so every request
+// of a batch goes out layer by layer while the forward is still computing later layers; per
+// (request, destination) only the oldest unfinished task may post (chunk order on the data tag).
+// When no task can move the worker blocks in StepCounter::wait_until_ready (or wait_until_aux_ready
+// for a first token) on the soonest target -- a condition-variable wait woken by every record, no
 // sleep-polling -- bounded by cancel_check so that shutdown, cancellation, deadlines and tasks
 // dispatched meanwhile are noticed. Middle chunks send only full prefill pages; the last chunk
 // sends the rest (the partial tail page) and then the Completion message with the first token.

@@ -382,6 +382,10 @@ private:
     const KvLayout layout_;
     pd::StepCounter& counter_;
     const SenderOptions opt_;
+    // The record of layout layer `layer` within a forward (SenderOptions::layer_steps).
+    [[nodiscard]] int64_t step_offset(int layer) const {
+        return opt_.layer_steps.empty() ? layer : opt_.layer_steps[static_cast<size_t>(layer)];
+    }
     // Device layouts: the KV memory ops and the comm stream (null: a host layout).
     const std::unique_ptr<KvCommStream> comm_;
     // Device gating is on (SenderOptions::device_gate and what it needs; set at create()).

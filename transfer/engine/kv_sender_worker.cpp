@@ -28,7 +28,7 @@ void KvSender::Impl::enqueue(std::vector<Task> tasks) {
 
 int64_t KvSender::Impl::next_target(const Active& a) const {
     const int l1 = std::min(layout_.num_layers(), a.next_l0 + a.t.interval);
-    return pd::StepCounter::wrap(a.t.begin_step + l1 - 1);
+    return pd::StepCounter::wrap(a.t.begin_step + step_offset(l1 - 1));
 }
 
 void KvSender::Impl::worker_loop(int index) {
@@ -302,7 +302,7 @@ bool KvSender::Impl::run_device_interval(Active& a, int l0, int l1, DeviceInterv
     if (gate_ahead_) {
         // Everything enqueued on the comm stream from here on runs after the record of the
         // interval's last layer (an event wait: the record is enqueued; step_counter.h).
-        const int64_t target = pd::StepCounter::wrap(a.t.begin_step + l1 - 1);
+        const int64_t target = pd::StepCounter::wrap(a.t.begin_step + step_offset(l1 - 1));
         StatusOr<pd::GatePath> gated = counter_.gate(comm_->stream(), target);
         if (!gated.ok()) return give_up(gated.status());
     }
