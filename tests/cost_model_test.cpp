@@ -127,6 +127,72 @@ TEST(Roofline, MlaDeepseekV3Tp8DecodeByHand) {
     EXPECT_NEAR(m->decode_s(1, 100000), expected, expected * 1e-9);
 }
 
+// qwen3-next-80b (48 layers: 3 recurrent to 1 full, so 36 recurrent and 12 full; hidden 2048,
+// 16 q / 2 kv heads of 256, intermediate 5632, vocab 151936; 32 state heads of 128, conv 4) on
+// one H100 (no all-reduce). Weights of a full layer: QKV 2048*(16+2*2)*256 = 10,485,760, O
+// 16*256*2048 = 8,388,608, MLP 3*2048*5632 = 34,603,008: 53,477,376. Of a recurrent layer:
+// in 2048*(3*32*128 + 32) = 25,231,360, out 32*128*2048 = 8,388,608, MLP: 68,222,976. A request's
+// state in one layer: 32 * (128^2 + 3 * 3 * 128) fp32 = 2,244,608 B.
+constexpr double kQwenFullParams = 53477376.0;
+constexpr double kQwenRecurrentParams = 68222976.0;
+constexpr double kQwenStateBytes = 2244608.0;
+constexpr double kQwenHv = 2048.0 * 151936.0;
+
+TEST(Roofline, RecurrentLayersByHandDecode) {
+    // 8 requests, 32,768 KV tokens in all.
+    // Full layers: GEMMs read 2P B (3.99085e-5 s; FLOPs 2*8*P: 1.7e-6 s); attention reads
+    //   (32768 + 8) tokens x 2*2*256*2 B = 67,125,248 B (2.50467e-5 s; FLOPs
+    //   4*16*256*32768: 1.1e-6).
+    const double gemm = std::max(2.0 * 8 * kQwenFullParams / kPeak, 2 * kQwenFullParams / kHbm);
+    const double attn = std::max(4.0 * 16 * 256 * 32768 / kPeak, (32768.0 + 8) * 2048 / kHbm);
+    EXPECT_NEAR(gemm, 3.99085e-5, 1e-9);
+    EXPECT_NEAR(attn, 2.50467e-5, 1e-9);
+    // Recurrent layers: GEMMs read 2R B = 136,445,952 B (5.09127e-5 s); the mixer does
+    //   8 * 32 * (5*128^2 + 6*128*4) = 21,757,952 FLOPs (4.4e-8 s) but reads and writes 8 states,
+    //   2 * 8 * 2,244,608 = 35,913,728 B (1.34006e-5 s): memory bound.
+    const double rgemm =
+        std::max(2.0 * 8 * kQwenRecurrentParams / kPeak, 2 * kQwenRecurrentParams / kHbm);
+    const double mixer = std::max(8.0 * 32 * (5 * 128 * 128 + 6 * 128 * 4) / kPeak,
+                                  2.0 * 8 * kQwenStateBytes / kHbm);
+    EXPECT_NEAR(rgemm, 5.09127e-5, 1e-9);
+    EXPECT_NEAR(mixer, 1.34006e-5, 1e-9);
+    // LM head: its weights, 2 * H * V B (2.32213e-4 s).
+    const double lm = std::max(2 * kQwenHv * 8 / kPeak, 2 * kQwenHv / kHbm);
+    const double expected = 12 * (gemm + attn) + 36 * (rgemm + mixer) + lm;  // ~3.32695e-3 s
+    EXPECT_NEAR(expected, 3.32695e-3, 1e-8);
+    auto m = roofline(h100("qwen3-next-80b", 1));
+    ASSERT_NE(m, nullptr);
+    EXPECT_NEAR(m->decode_s(8, 32768), expected, expected * 1e-9);
+    // Counting the recurrent layers as full attention (48 x (gemm + attn) + lm) gives 3.35006e-3 s.
+    EXPECT_GT(std::abs(m->decode_s(8, 32768) - (48 * (gemm + attn) + lm)), 1e-5);
+}
+
+TEST(Roofline, RecurrentLayersByHandExtend) {
+    // One request, 4096 new tokens, nothing cached.
+    // Full layers: GEMMs 2*4096*P FLOPs (8.85918e-4 s); attention over 4096*4097/2 pairs,
+    //   4*16*256 FLOPs each (2.78003e-4 s; its KV bytes, 8192 tokens x 2048 B, take 6.3e-6 s).
+    const double gemm = std::max(2.0 * 4096 * kQwenFullParams / kPeak, 2 * kQwenFullParams / kHbm);
+    const double attn =
+        std::max(4.0 * 16 * 256 * (4096.0 * 4097 / 2) / kPeak, 8192.0 * 2048 / kHbm);
+    EXPECT_NEAR(gemm, 8.85918e-4, 1e-9);
+    EXPECT_NEAR(attn, 2.78003e-4, 1e-9);
+    // Recurrent layers: GEMMs 2*4096*R FLOPs (1.130197e-3 s); the mixer 4096 * 32 * 84,992 =
+    //   11,140,071,424 FLOPs (2.25280e-5 s) against one state read and written (1.68e-6 s):
+    //   compute bound.
+    const double rgemm =
+        std::max(2.0 * 4096 * kQwenRecurrentParams / kPeak, 2 * kQwenRecurrentParams / kHbm);
+    const double mixer = std::max(11140071424.0 / kPeak, 2 * kQwenStateBytes / kHbm);
+    EXPECT_NEAR(rgemm, 1.130197e-3, 1e-9);
+    EXPECT_NEAR(mixer, 2.25280e-5, 1e-9);
+    const double lm = std::max(2 * kQwenHv / kPeak, 2 * kQwenHv / kHbm);
+    const double expected = 12 * (gemm + attn) + 36 * (rgemm + mixer) + lm;  // ~0.0556974 s
+    EXPECT_NEAR(expected, 0.0556974, 1e-7);
+    auto m = roofline(h100("qwen3-next-80b", 1));
+    ASSERT_NE(m, nullptr);
+    const std::vector<ExtendItem> batch = {{4096, 0}};
+    EXPECT_NEAR(m->extend_s(batch), expected, expected * 1e-9);
+}
+
 TEST(Roofline, DecodeMonotoneInBatchAndKvTokens) {
     for (int tp : {1, 8}) {
         auto m = roofline(h100("llama3-70b", tp));
@@ -374,6 +440,25 @@ TEST(CostFile, UnknownModelTpOrThreadsListsWhatItHas) {
     m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*g);
     ASSERT_FALSE(m.ok());
     EXPECT_THAT(m.status().message(), HasSubstr("model_config.num_layers"));
+}
+
+// Cost files are fitted on full-attention models only (pdsim calibrate refuses the others): a
+// model of the file's name and dimensions but with sliding or recurrent layers is refused.
+TEST(CostFile, HybridModelsAreRefused) {
+    auto f = CostFile::from_json(hand_written(), "hand.json");
+    ASSERT_OK(f);
+    InstanceSpec spec = cpu_spec("tiny", 1, 1);
+    spec.model.layer_kinds = {model::LayerKind::kFullAttention, model::LayerKind::kSlidingWindow};
+    spec.model.sliding_window = 64;
+    auto m = make_cost_model("calibrated", spec, &*f);
+    EXPECT_THAT(m, StatusIs(StatusCode::kInvalidArgument,
+                            HasSubstr("model tiny has 2 sliding-window and 0 recurrent layers")))
+        << m.status().message();
+    EXPECT_THAT(m.status().message(), HasSubstr("hand.json"));
+    EXPECT_THAT(m.status().message(), HasSubstr("--cost-model roofline"));
+    // Every layer full attention, spelled out: the dense model, accepted.
+    spec.model.layer_kinds = {model::LayerKind::kFullAttention};
+    EXPECT_OK(make_cost_model("calibrated", spec, &*f));
 }
 
 TEST(CostFile, LoadReportsUnreadableAndMalformedFiles) {

@@ -1,6 +1,7 @@
 // The discrete-event simulator (sim/des/simulator.h) with an in-test constant cost model: TTFT,
 // TPOT and E2E of small runs worked out by hand, prefix-cache hits on a hand-made trace,
-// conservation, determinism, preemption under a tiny KV pool.
+// conservation, determinism, preemption under a tiny KV pool; hybrid models' KV capacity, transfer
+// bytes and admission by layer group (sim/des/kv_groups.h).
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "sim/des/kv_groups.h"
 #include "sim/des/simulator.h"
 #include "tests/status_matchers.h"
 #include "tests/test_topologies.h"
@@ -371,6 +373,119 @@ TEST(Simulator, KvCapacityFromTheDeviceAndTheModel) {
     EXPECT_EQ(*kv_capacity_pages(cpu, tiny, 1, o), (512LL << 20) / (16 * 4 * 2 * 4 * 64 * 4));
     o.mem_fraction = 0.1;  // 8 GiB cannot hold 17.6 GiB of weights per rank
     EXPECT_EQ(kv_capacity_pages(dgx, m, 0, o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// The same dimensions as gemma3-27b (or any model) with every layer full attention.
+model::ModelConfig all_full(model::ModelConfig m) {
+    m.name += "-dense";
+    m.layer_kinds = {model::LayerKind::kFullAttention};
+    return m;
+}
+
+TEST(Simulator, KvCapacityOfAHybridAgainstDenseOfTheSameDims) {
+    // gemma3-27b on one H200 (141 GiB, mem fraction 0.9): weights 2 B x 28,416,933,888 params
+    // (62 layers of 66,060,288 attention + 346,816,512 MLP weights, and 2 x 262,144 x 5,376
+    // embeddings) leave 141 GiB x 0.9 - 56,833,867,776 B = 79,423,969,689.6 B for KV.
+    const topo::Topology gpu = example_topology("gpu-2g-1p1d.yaml");
+    const model::ModelConfig gemma = *model::resolve_model("gemma3-27b");
+    ASSERT_EQ(gemma.num_params(), 28416933888);
+    const double avail = 141.0 * (1 << 30) * 0.9 - 2.0 * 28416933888.0;
+    KvCapacityOptions o;
+    // Hybrid: a page is 16 tokens of one layer, 16 x 2 x 16 heads x 128 x 2 B = 131,072 B:
+    // 605,956 pages. Dense: a page spans the 62 layers (8,126,464 B): 9,773 pages.
+    const int64_t hybrid_pages = static_cast<int64_t>(avail / 131072);
+    const int64_t dense_pages = static_cast<int64_t>(avail / (62 * 131072.0));
+    EXPECT_EQ(hybrid_pages, 605956);
+    EXPECT_EQ(dense_pages, 9773);
+    EXPECT_EQ(*kv_capacity_pages(gpu, gemma, 1, o), hybrid_pages);
+    EXPECT_EQ(*kv_capacity_pages(gpu, all_full(gemma), 1, o), dense_pages);
+    // Requests of 4096 tokens on the decode instance: 10 full layers x 256 pages + 52 sliding
+    // layers x min(256, ceil(1023/16) + 1 = 65) = 5,940 pages, so 102 of them; dense: 256 pages
+    // each, 38.
+    const KvFootprint h = kv_footprint(gemma, 1, 2, 16, 1024);
+    EXPECT_EQ(h.pages_for(4096), 5940);
+    EXPECT_EQ(hybrid_pages / h.pages_for(4096), 102);
+    EXPECT_EQ(dense_pages / kv_footprint(all_full(gemma), 1, 2, 16, 1024).pages_for(4096), 38);
+    // qwen3-next-80b: 12 full layers, 36 recurrent of 32 x (128^2 + 3 x 3 x 128) fp32 each
+    // (2,244,608 B). Weights 2 B x 3,721,854,976 params leave 128,814,127,513.6 B; a page is
+    // 16 x 2 x 2 x 256 x 2 = 32,768 B: 3,931,095 pages. A request's state is 36 x 2,244,608 B =
+    // 2,466 pages, so 4096 tokens take 12 x 256 + 2,466 = 5,538 pages: 709 requests.
+    const model::ModelConfig qwen = *model::resolve_model("qwen3-next-80b");
+    ASSERT_EQ(qwen.num_params(), 3721854976);
+    const int64_t qwen_pages =
+        static_cast<int64_t>((141.0 * (1 << 30) * 0.9 - 2.0 * 3721854976.0) / 32768);
+    EXPECT_EQ(qwen_pages, 3931095);
+    EXPECT_EQ(*kv_capacity_pages(gpu, qwen, 1, o), qwen_pages);
+    const KvFootprint q = kv_footprint(qwen, 1, 2, 16, 1);
+    EXPECT_EQ(q.state_pages, 2466);
+    EXPECT_EQ(qwen_pages / q.pages_for(4096), 709);
+}
+
+// tiny's dimensions with layers full, sliding (W = 128), recurrent (4 state heads of 32, conv
+// 4), full.
+model::ModelConfig hybrid_tiny_dims() {
+    model::ModelConfig m = *model::resolve_model("tiny");
+    m.name = "tiny-hybrid";
+    m.layer_kinds = {model::LayerKind::kFullAttention, model::LayerKind::kSlidingWindow,
+                     model::LayerKind::kRecurrent, model::LayerKind::kFullAttention};
+    m.sliding_window = 128;
+    m.state_heads = 4;
+    m.state_head_dim = 32;
+    m.conv_kernel = 4;
+    return m;
+}
+
+TEST(Simulator, HybridTransferBytesByGroup) {
+    auto cost = std::make_shared<FakeCostModel>(0.1, 0.01);
+    SimConfig c = make_config(cpu_1p1d_topology(), cost);
+    c.model = hybrid_tiny_dims();
+    c.layerwise = false;
+    const SimResult r = run(c, {req(0, 0, 1000, 5)});
+    ASSERT_EQ(r.report.requests_completed, 1);
+    // fp32 on cpu devices: one token of one layer is 2 x 4 x 64 x 4 = 2,048 B. A prompt of 1000:
+    // full layers 1000 x 2 x 2,048 = 4,096,000 B; the sliding layer its last 128 tokens,
+    // 262,144 B; the recurrent layer its state once, 4 x (32^2 + 3 x 3 x 32) x 4 = 20,992 B.
+    const metrics::RequestRecord& q = r.records[0];
+    EXPECT_EQ(q.transfer_bytes, 4096000 + 262144 + 20992);
+    EXPECT_EQ(r.report.transfer.bytes, 4379136);
+    const nlohmann::json& g = r.report.extra["simulator"]["transfer_bytes_by_group"];
+    EXPECT_EQ(g["full"], 4096000);
+    EXPECT_EQ(g["sliding"], 262144);
+    EXPECT_EQ(g["state"], 20992);
+    // Chunks 512 + 488, layerwise off: the first chunk's 512 x 4,096 B go at 0.1 s and land long
+    // before 0.2 s; the last chunk carries 488 x 4,096 + 262,144 (its tokens hold the window
+    // [872, 1000)) + 20,992 = 2,281,984 B from 0.2 s at 10 GB/s, + 2 us (dense tiny: 3,997,696 B).
+    const double tail_ms = 2281984 / 10e9 * 1000 + kLatencyMs;
+    EXPECT_NEAR(q.ttft_ms(), 200 + tail_ms, kEps);
+    EXPECT_NEAR(q.exposed_transfer_ms, tail_ms, kEps);
+}
+
+TEST(Simulator, HybridAdmissionCountsPagesByGroup) {
+    auto cost = std::make_shared<FakeCostModel>(0.01, 0.005);
+    SimConfig c = make_config(cpu_1p1d_topology(), cost);
+    c.model = hybrid_tiny_dims();
+    c.reserve_output = true;
+    // The decode instance's pages (fp32: 16 tokens of one layer, 32,768 B). A request of 64 + 100
+    // tokens holds P = ceil(164/16) = 11 pages in each of the 2 full layers, min(11, ceil(127/16)
+    // + 1 = 9) in the sliding one, and its state (20,992 B) in 1 page: 32 pages.
+    c.instances[1].kv_pages = 64;  // two at a time
+    std::vector<workload::Request> reqs;
+    for (int i = 0; i < 3; ++i) reqs.push_back(req(i, 0, 64, 100));
+    SimResult r = run(c, reqs);
+    EXPECT_EQ(r.report.requests_completed, 3);
+    EXPECT_NEAR(r.records[1].ttft_ms(), r.records[0].ttft_ms(), kEps);
+    EXPECT_GT(r.records[2].ttft_ms(), r.records[0].e2e_ms());  // waited for pages
+    EXPECT_EQ(r.report.extra["simulator"]["instances"][1]["kv_requests_that_fit"]["1024"], 0);
+    c.instances[1].kv_pages = 63;  // one at a time
+    r = run(c, reqs);
+    EXPECT_EQ(r.report.requests_completed, 3);
+    EXPECT_GT(r.records[1].ttft_ms(), r.records[0].e2e_ms());
+    c.instances[1].kv_pages = 31;  // never
+    r = run(c, reqs);
+    EXPECT_EQ(r.report.requests_failed, 3);
+    EXPECT_THAT(r.records[0].error, testing::HasSubstr("needs 32 KV pages on instance decode0"));
+    // The prefix cache is off for a hybrid (its hits would need the window and the state).
+    EXPECT_EQ(r.report.extra["config"]["prefix_cache"], false);
 }
 
 }  // namespace

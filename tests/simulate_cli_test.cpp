@@ -325,6 +325,50 @@ TEST(SimulateCli, TopologyModelOverrideIsTheModelEveryCommandRuns) {
     }
 }
 
+// Hybrid models on one H200 per instance (gpu-2g-1p1d, TP 1: qwen3-next-80b has 2 KV heads):
+// every request completes in both modes, and the transfer moves each layer group's bytes
+// (sim/des/kv_groups.h). write_trace's prompts are L_i = 600 + 97 i (i < 40): sum 99,660 tokens;
+// sum min(L_i, 1024) = 600 + 697 + 794 + 891 + 988 + 35 x 1024 = 39,810.
+TEST(SimulateCli, HybridModelsRunAndMoveBytesByGroup) {
+    TempDir dir("simulate_hybrid");
+    const std::string trace = write_trace(dir);
+    const std::string topology =
+        std::string(PDSIM_SOURCE_DIR) + "/topology/examples/gpu-2g-1p1d.yaml";
+    struct Case {
+        const char* model;
+        int64_t full, sliding, state;  // transfer bytes by group
+        int64_t fit_4096;              // decode0: requests of 4096 tokens that fit
+    };
+    // bf16 KV of one token in one layer: gemma3-27b 2 x 16 x 128 x 2 = 8,192 B, qwen3-next-80b
+    // 2 x 2 x 256 x 2 = 2,048 B.
+    //   gemma3-27b: 10 full layers x 8,192 x 99,660 = 8,164,147,200; 52 sliding layers x 8,192
+    //     x 39,810 = 16,958,423,040; 605,956 pages / 5,940 per request (des_sim_test) = 102.
+    //   qwen3-next-80b: 12 full layers x 2,048 x 99,660 = 2,449,244,160; the state, 36 layers x
+    //     2,244,608 B per request, x 40 = 3,232,235,520; 3,931,095 pages / 5,538 = 709.
+    for (const Case& c : {Case{"gemma3-27b", 8164147200, 16958423040, 0, 102},
+                          Case{"qwen3-next-80b", 2449244160, 0, 3232235520, 709}}) {
+        SCOPED_TRACE(c.model);
+        const std::string report = dir.str(std::string(c.model) + ".json");
+        CmdResult r = run_pdsim({"simulate", "--topology", topology, "--model", c.model, "--trace",
+                                 trace, "--mode", "both", "--report", report},
+                                120);
+        ASSERT_EQ(r.rc, 0) << r.describe();
+        const json rep = json::parse(slurp(report));
+        EXPECT_EQ(rep["model"], c.model);
+        EXPECT_EQ(rep["requests_completed"], 40);
+        EXPECT_EQ(rep["colocated"]["requests_completed"], 40);
+        const json& g = rep["simulator"]["transfer_bytes_by_group"];
+        EXPECT_EQ(g["full"], c.full);
+        EXPECT_EQ(g["sliding"], c.sliding);
+        EXPECT_EQ(g["state"], c.state);
+        EXPECT_EQ(rep["transfer"]["bytes"], c.full + c.sliding + c.state);
+        EXPECT_EQ(rep["simulator"]["instances"][1]["kv_requests_that_fit"]["4096"], c.fit_4096);
+        EXPECT_EQ(rep["simulator"]["instances"][1]["kv_page_layers"], 1);
+        EXPECT_EQ(rep["config"]["prefix_cache"], false);  // shared blocks, but no prefix cache
+        EXPECT_EQ(rep["simulator"]["prefix_hit_tokens"], 0);
+    }
+}
+
 TEST(SimulateCli, BenchReportsRequestsPerWallSecond) {
     TempDir dir("bench_simulate");
     const std::string trace = write_trace(dir);

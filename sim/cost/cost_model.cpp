@@ -245,7 +245,21 @@ StatusOr<std::unique_ptr<CostModel>> make_cost_model(const std::string& kind,
                           "calibrated cost model: no cost file (write one with pdsim calibrate, "
                           "pass it with --cost-model F)");
         }
-        return make_calibrated_model(spec, *file);
+        StatusOr<std::unique_ptr<CostModel>> m = make_calibrated_model(spec, *file);
+        // pdsim calibrate fits dense models only (it refuses the others): its linear terms in
+        // tokens and KV tokens know nothing of windows or recurrent states.
+        const int dense = spec.model.count_layers(model::LayerKind::kFullAttention);
+        if (m.ok() && dense != spec.model.num_layers) {
+            return Status(
+                StatusCode::kInvalidArgument,
+                fmt::format("calibrated cost model ({}): model {} has {} sliding-window and {} "
+                            "recurrent layers, and cost files are fitted on full-attention "
+                            "models only; use --cost-model roofline (GPU devices)",
+                            file->source(), spec.model.name,
+                            spec.model.count_layers(model::LayerKind::kSlidingWindow),
+                            spec.model.count_layers(model::LayerKind::kRecurrent)));
+        }
+        return m;
     }
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("unknown cost model kind '{}' (roofline, calibrated)", kind));

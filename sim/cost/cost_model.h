@@ -124,7 +124,9 @@ struct RooflineOptions {
 };
 
 // kind: "roofline" (needs a GPU device) or "calibrated" (needs `file`, a cpu device, and a fit
-// for the model and TP size). kInvalidArgument naming what is missing otherwise.
+// for the model and TP size; a model with sliding-window or recurrent layers is refused, as cost
+// files are fitted on full-attention models only). kInvalidArgument naming what is missing
+// otherwise.
 [[nodiscard]] StatusOr<std::unique_ptr<CostModel>> make_cost_model(
     const std::string& kind, const InstanceSpec& spec, const CostFile* file = nullptr,
     const RooflineOptions& roofline = {});

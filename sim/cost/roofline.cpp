@@ -12,9 +12,18 @@
 //              bytes: every KV token read once plus the new tokens written, times the KV bytes of
 //              one token on one rank (MHA: 2 HKV D / t elements; MLA: R + r, replicated).
 //   time = max(FLOPs / (peak mfu), bytes / (HBM mbu)) for the GEMMs, plus the same for attention.
-// Then 2 ring all-reduces per layer of T H 2 bytes when t > 1, the LM head (2 H V FLOPs per
-// sampled token, one per request, vocab-parallel over t; its weights 2 H V / t bytes read once)
-// and fixed_overhead_us per forward.
+// A recurrent layer (LayerKind::kRecurrent: SH state heads of Ds channels, conv kernel K; the
+// mixer of backends/attention/hybrid_backend.h) replaces attention by:
+//   GEMMs      as above with P = H (3 SH Ds + SH) [q, k, v and the decay gate in] + SH Ds H [out]
+//              + 3 H I [MLP] (the conv filter, 3 SH Ds K weights, is left out: it is tiny);
+//   mixer      FLOPs T (SH / t) (5 Ds^2 + 6 Ds K): per head and token the state update
+//              S = g S + k v^T (3 Ds^2: a multiply, and a multiply-add per element) and the read
+//              q . S (2 Ds^2), and the depthwise causal conv of the q, k, v channels (3 Ds taps of
+//              K multiply-adds); bytes: each request's state (recurrent + conv, fp32:
+//              state_elems_per_request_layer(t) x 4 on a rank) read and written once per forward.
+// Then 2 ring all-reduces per layer (every kind) of T H 2 bytes when t > 1, the LM head (2 H V
+// FLOPs per sampled token, one per request, vocab-parallel over t; its weights 2 H V / t bytes
+// read once) and fixed_overhead_us per forward.
 #include "sim/cost/roofline.h"
 
 #include <fmt/format.h>
@@ -58,8 +67,14 @@ public:
         layer_params_ = attn_params + 3 * H * I;
         kv_bytes_per_token_ =
             static_cast<double>(m.kv_elems_per_token_per_layer(spec.tp)) * spec.kv_dtype_bytes;
-        for (int l = 0; l < m.num_layers; ++l) {
-            (m.layer_kind(l) == LayerKind::kSlidingWindow ? sliding_layers_ : full_layers_) += 1;
+        full_layers_ = m.count_layers(LayerKind::kFullAttention);
+        sliding_layers_ = m.count_layers(LayerKind::kSlidingWindow);
+        recurrent_layers_ = m.count_layers(LayerKind::kRecurrent);
+        if (recurrent_layers_ > 0) {
+            const double SH = m.state_heads, Ds = m.state_head_dim, K = m.conv_kernel;
+            recurrent_params_ = H * (3 * SH * Ds + SH) + SH * Ds * H + 3 * H * I;
+            recurrent_flops_per_token_ = SH / spec.tp * (5 * Ds * Ds + 6 * Ds * K);
+            state_bytes_ = static_cast<double>(m.state_elems_per_request_layer(spec.tp)) * 4;
         }
         flops_per_s_ = gpu.bf16_tflops * 1e12 * o.mfu;
         bytes_per_s_ = gpu.hbm_gbps * 1e9 * o.mbu;
@@ -125,6 +140,13 @@ private:
         const double gemm = roof(2 * tokens * layer_params_ / t, 2 * layer_params_ / t);
         double layer_total = full_layers_ * (gemm + attention_s(full));
         if (sliding_layers_ > 0) layer_total += sliding_layers_ * (gemm + attention_s(sliding));
+        if (recurrent_layers_ > 0) {
+            const double rgemm =
+                roof(2 * tokens * recurrent_params_ / t, 2 * recurrent_params_ / t);
+            const double mixer =
+                roof(tokens * recurrent_flops_per_token_, 2 * requests * state_bytes_);
+            layer_total += recurrent_layers_ * (rgemm + mixer);
+        }
         double allreduce = 0;
         if (spec_.tp > 1) {
             const double bytes = tokens * m.hidden * 2;
@@ -145,6 +167,10 @@ private:
     double kv_bytes_per_token_ = 0;
     int full_layers_ = 0;
     int sliding_layers_ = 0;
+    int recurrent_layers_ = 0;
+    double recurrent_params_ = 0;           // a recurrent layer's GEMM weights
+    double recurrent_flops_per_token_ = 0;  // mixer FLOPs per token on one rank
+    double state_bytes_ = 0;                // one request's state in one layer on one rank
     double flops_per_s_ = 0;
     double bytes_per_s_ = 0;
 };

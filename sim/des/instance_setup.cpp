@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "sim/des/kv_groups.h"
 #include "sim/des/simulator.h"
 #include "topology/gpu_spec.h"
 
@@ -72,9 +73,9 @@ StatusOr<int64_t> kv_capacity_pages(const topo::Topology& topology, const model:
     const topo::Instance& inst = topology.instances[static_cast<size_t>(instance)];
     if (o.page_size < 1)
         return invalid_argument_error(fmt::format("page size {}: must be >= 1", o.page_size));
-    const double page_bytes = static_cast<double>(o.page_size) *
-                              static_cast<double>(model.kv_elems_per_token_per_layer(inst.tp)) *
-                              model.num_layers * spec.kv_dtype_bytes;
+    // A dense model's page spans every layer, a hybrid's one attention layer (kv_groups.h).
+    const double page_bytes =
+        kv_footprint(model, inst.tp, spec.kv_dtype_bytes, o.page_size, 1).page_bytes;
     if (spec.device == "cpu") {
         return static_cast<int64_t>(
             std::floor(static_cast<double>(o.kv_pool_mb << 20) / page_bytes));

@@ -5,10 +5,11 @@
 
 namespace pdsim::des {
 
-KvCache::KvCache(int64_t capacity_pages, int page_size, bool prefix_cache)
-    : capacity_(capacity_pages), page_size_(page_size), free_(capacity_pages) {
+KvCache::KvCache(int64_t capacity_pages, const KvFootprint& footprint, bool prefix_cache)
+    : capacity_(capacity_pages), footprint_(footprint), free_(capacity_pages) {
+    const int page_size = footprint.page_size;
     PDSIM_CHECK(capacity_pages >= 0 && page_size >= 1);
-    if (prefix_cache && workload::kHashBlockTokens % page_size == 0) {
+    if (prefix_cache && footprint.dense && workload::kHashBlockTokens % page_size == 0) {
         block_pages_ = workload::kHashBlockTokens / page_size;
     }
 }

@@ -2,6 +2,9 @@
 // prefix cache of 512-token blocks keyed by the trace's hash_ids (workload::kHashBlockTokens).
 //
 // Pages: capacity() pages of page_size tokens; requests hold pages between alloc() and free().
+// How many pages a request of T tokens holds is its KvFootprint's pages_for(T) (kv_groups.h: a
+// dense model's page spans every layer; a hybrid's is one attention layer's, with the sliding
+// window's and the recurrent state's rules).
 // Prefix cache (enabled when page_size divides 512): a cached block holds 512 / page_size pages of
 // the same pool. A request looks up its hash_ids from the first block (match(): the number of
 // leading blocks cached; the walk stops at the first miss, as a radix tree would), pins the hits
@@ -19,22 +22,27 @@
 #include <unordered_map>
 #include <vector>
 
+#include "sim/des/kv_groups.h"
+
 namespace pdsim::des {
 
 class KvCache {
 public:
-    // capacity_pages >= 0, page_size >= 1. `prefix_cache` is ignored when page_size does not
-    // divide the 512-token block.
-    KvCache(int64_t capacity_pages, int page_size, bool prefix_cache);
+    // capacity_pages >= 0, footprint.page_size >= 1. `prefix_cache` is ignored when the page
+    // size does not divide the 512-token block or the footprint is not dense (kv_groups.h).
+    KvCache(int64_t capacity_pages, const KvFootprint& footprint, bool prefix_cache);
+    // A dense model's pool: pages of page_size tokens of every layer.
+    KvCache(int64_t capacity_pages, int page_size, bool prefix_cache)
+        : KvCache(capacity_pages, dense_kv_footprint(page_size), prefix_cache) {}
 
     [[nodiscard]] int64_t capacity() const { return capacity_; }
-    [[nodiscard]] int page_size() const { return page_size_; }
+    [[nodiscard]] int page_size() const { return footprint_.page_size; }
+    [[nodiscard]] const KvFootprint& footprint() const { return footprint_; }
     [[nodiscard]] bool prefix_cache() const { return block_pages_ > 0; }
     [[nodiscard]] int64_t free_pages() const { return free_; }
     [[nodiscard]] int64_t cached_pages() const;
-    [[nodiscard]] int64_t pages_for(int64_t tokens) const {
-        return (tokens + page_size_ - 1) / page_size_;
-    }
+    // Pages a request holding `tokens` tokens needs (footprint().pages_for).
+    [[nodiscard]] int64_t pages_for(int64_t tokens) const { return footprint_.pages_for(tokens); }
 
     // Takes n pages, evicting unpinned cached blocks (LRU) when the free pages are short. Returns
     // false, changing nothing, when even evicting every unpinned block would not free enough.
@@ -70,7 +78,7 @@ private:
     void evict_one();
 
     int64_t capacity_;
-    int page_size_;
+    KvFootprint footprint_;
     int64_t block_pages_ = 0;  // 0: no prefix cache
     int64_t free_;
     int64_t evictable_blocks_ = 0;

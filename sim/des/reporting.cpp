@@ -101,7 +101,8 @@ void SimTimeline::write_transfer(int prefill_instance, const metrics::RequestRec
 namespace {
 
 nlohmann::json simulator_json(const SimStats& s, size_t num_requests,
-                              std::span<const InstanceSummary> instances) {
+                              std::span<const InstanceSummary> instances,
+                              const KvGroupBytes& transfer_groups) {
     std::vector<std::string> costs;  // each description once, in instance order
     for (const InstanceSummary& x : instances) {
         if (std::find(costs.begin(), costs.end(), x.cost_description) == costs.end()) {
@@ -127,11 +128,25 @@ nlohmann::json simulator_json(const SimStats& s, size_t num_requests,
         {"max_in_flight", s.max_in_flight},
         {"bundled_lanes", s.bundled_lanes},
         {"contended_forwards", s.contended_forwards},
+        {"transfer_bytes_by_group",
+         {{"full", std::llround(transfer_groups.full)},
+          {"sliding", std::llround(transfer_groups.sliding)},
+          {"state", std::llround(transfer_groups.state)}}},
     };
     nlohmann::json kv = nlohmann::json::array();
     for (const InstanceSummary& x : instances) {
+        const KvFootprint& f = x.footprint;
+        nlohmann::json fit = nlohmann::json::object();
+        for (int64_t tokens : kKvFitLengths) {
+            fit[std::to_string(tokens)] = x.kv_pages / std::max<int64_t>(1, f.pages_for(tokens));
+        }
         kv.push_back({{"instance", x.id},
                       {"kv_pages", x.kv_pages},
+                      {"kv_page_bytes", f.page_bytes},
+                      {"kv_page_layers", f.page_layers},
+                      {"kv_sliding_pages", f.sliding_layers * f.sliding_max_pages},
+                      {"kv_state_pages", f.state_pages},
+                      {"kv_requests_that_fit", std::move(fit)},
                       {"evicted_blocks", x.evicted_blocks},
                       {"cached_blocks", x.cached_blocks}});
     }
@@ -146,7 +161,7 @@ nlohmann::json config_json(const SimConfig& config, const std::string& mode,
     for (double cores : contended_node_cores) contended_cores.push_back(cores);
     return {{"mode", mode},
             {"layerwise", config.layerwise},
-            {"prefix_cache", config.prefix_cache},
+            {"prefix_cache", config.prefix_cache && all_full_attention(config.model)},
             {"kv_admission", config.reserve_output ? "full" : "prompt"},
             {"page_size", config.page_size},
             {"chunk_size", b.chunk_size},
@@ -177,7 +192,7 @@ metrics::Report build_report(const SimConfig& config,
     double last_finish = 0;
     for (const auto& r : records) last_finish = std::max(last_finish, r.finish_ms);
     rep.wall_s = last_finish / 1000.0;
-    rep.extra["simulator"] = simulator_json(stats, records.size(), instances);
+    rep.extra["simulator"] = simulator_json(stats, records.size(), instances, transfer.groups());
     rep.extra["config"] = config_json(config, rep.mode, contended_node_cores, cost_noise);
     return rep;
 }

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "sim/des/kv_groups.h"
 #include "sim/des/simulator.h"
 
 namespace pdsim::des {
@@ -54,10 +55,18 @@ public:
         exposed_s_ += figures.exposed_s;
         transfer_s_ += figures.transfer_s;
     }
+    // The same request's bytes by layer group (kv_groups.h), after the route's share.
+    void add_groups(double full, double sliding, double state) {
+        groups_.full += full;
+        groups_.sliding += sliding;
+        groups_.state += state;
+    }
     // Writes the summary (consumes the latency sample).
     void fill(metrics::TransferSummary* out);
+    [[nodiscard]] const KvGroupBytes& groups() const { return groups_; }
 
 private:
+    KvGroupBytes groups_;
     double bytes_ = 0, exposed_s_ = 0, transfer_s_ = 0;
     int64_t active_flows_ = 0;
     double busy_since_s_ = 0, busy_s_ = 0;
@@ -115,11 +124,18 @@ struct InstanceSummary {
     std::string id;                // the topology's
     std::string cost_description;  // CostModel::describe()
     int64_t kv_pages = 0, evicted_blocks = 0, cached_blocks = 0;
+    KvFootprint footprint;  // what a request holds there (pages per group)
 };
 
+// The context lengths at which the report counts the requests that fit an instance's KV pool.
+inline constexpr int64_t kKvFitLengths[] = {1024, 4096, 16384, 65536};
+
 // The run's report: request metrics from `records` (one per request), the transfer summary,
-// extra.simulator (stats, cost models once each in instance order, per-instance KV) and
-// extra.config (the options that shaped the run; cost_noise: whether some instance drew noise).
+// extra.simulator (stats, cost models once each in instance order, the transfer's bytes by layer
+// group, per-instance KV: pages, page bytes and layers, a request's sliding and state pages, and
+// how many requests of each kKvFitLengths context fit) and extra.config (the options that shaped
+// the run; cost_noise: whether some instance drew noise; prefix_cache: false for a hybrid model,
+// which runs without one).
 [[nodiscard]] metrics::Report build_report(const SimConfig& config,
                                            const std::vector<metrics::RequestRecord>& records,
                                            const SimStats& stats, TransferSummary& transfer,

@@ -94,9 +94,12 @@ private:
     const Route& route(const SimRequest& r) const {
         return routes_.route(r.placement.prefill, r.placement.decode);
     }
-    double chunk_bytes(const SimRequest& r, int64_t tokens) const {
-        return static_cast<double>(tokens) *
-               bytes_per_token_[static_cast<size_t>(r.placement.prefill)] * route(r).total_share;
+    // Bytes of r's prompt tokens [first, first + tokens) on its route (kv_groups.h): the KV
+    // times the route's share (MLA: replicated), the recurrent state once (head-sliced).
+    double chunk_bytes(const SimRequest& r, int64_t first, int64_t tokens) const {
+        const KvGroupBytes b = transfer_bytes_[static_cast<size_t>(r.placement.prefill)].chunk(
+            r.input_len, first, tokens);
+        return (b.full + b.sliding) * route(r).total_share + b.state;
     }
     // One flow per lane carrying `bytes` for `members` (requests of one prefill -> decode pair);
     // rate capped at bytes / duration when duration > 0 (the caps are listed in capped_on).
@@ -121,7 +124,7 @@ private:
     CpuContention contention_;
     std::unique_ptr<policy::LoadBalancer> lb_;
     RouteTable routes_;
-    std::vector<double> bytes_per_token_;  // per instance (as the prefill side): base KV bytes
+    std::vector<KvTransferBytes> transfer_bytes_;  // per instance (as the prefill side)
     RequestSlots reqs_;
     std::vector<RequestRecord> records_;
     std::vector<cost::ExtendItem> items_;
@@ -193,11 +196,18 @@ Status Simulation::setup() {
         const InstanceRole role = colocated_ ? InstanceRole::kColocated
                                              : (p ? InstanceRole::kPrefill : InstanceRole::kDecode);
         const bool cache = cfg_.prefix_cache && role != InstanceRole::kDecode;
-        insts_.emplace_back(static_cast<int>(i), role, s.cost.get(),
-                            KvCache(s.kv_pages, cfg_.page_size, cache));
         const model::ModelConfig& m = cfg_.model;
-        bytes_per_token_.push_back(static_cast<double>(m.kv_elems_per_token_per_layer(1)) *
-                                   m.num_layers * s.kv_dtype_bytes);
+        // A sliding layer keeps the window on a decode instance, the window before a chunk and
+        // the chunk where prompts are computed (kv_groups.h).
+        const int64_t chunk = std::min(cfg_.batching.chunk_size, cfg_.batching.max_batch_tokens);
+        const int64_t span = role == InstanceRole::kDecode
+                                 ? std::max(1, m.sliding_window)
+                                 : std::max<int64_t>(1, int64_t{m.sliding_window} - 1 + chunk);
+        const KvFootprint footprint =
+            kv_footprint(m, t.instances[i].tp, s.kv_dtype_bytes, cfg_.page_size, span);
+        insts_.emplace_back(static_cast<int>(i), role, s.cost.get(),
+                            KvCache(s.kv_pages, footprint, cache));
+        transfer_bytes_.push_back(kv_transfer_bytes(m, s.kv_dtype_bytes));
     }
     if (n == 0 || (!colocated_ && (!any_prefill || !any_decode))) {
         return invalid_argument_error(
@@ -391,7 +401,7 @@ void Simulation::start_extend_flows(Instance& x, double duration_s) {
     for (ExtendEntry& e : x.extend_batch) {
         SimRequest& r = reqs_[e.slot];
         r.last_forward_start_s = now;
-        const double b = chunk_bytes(r, e.tokens);
+        const double b = chunk_bytes(r, r.computed_tokens, e.tokens);
         r.transfer_bytes += b;
         if (cfg_.layerwise && r.decode_admitted) {
             flow_items_.emplace_back(e.slot, b);
@@ -399,7 +409,7 @@ void Simulation::start_extend_flows(Instance& x, double duration_s) {
         }
         if (r.unsent_hit_tokens > 0) {
             // A prefix hit's KV is already written: it goes with the first chunk, uncapped.
-            const double hit_bytes = chunk_bytes(r, r.unsent_hit_tokens);
+            const double hit_bytes = chunk_bytes(r, 0, r.unsent_hit_tokens);
             r.unsent_hit_tokens = 0;
             r.transfer_bytes += hit_bytes;
             if (cfg_.layerwise && r.decode_admitted) {
@@ -494,7 +504,10 @@ void Simulation::end_prefill_extend(Instance& x) {
         r.computed_tokens += e.tokens;
         stats_.prefill_tokens += e.tokens;
         if (!e.flow_started || e.hit_bytes > 0) {
-            const double b = (e.flow_started ? 0 : chunk_bytes(r, e.tokens)) + e.hit_bytes;
+            // computed_tokens already counts this chunk.
+            const double b =
+                (e.flow_started ? 0 : chunk_bytes(r, r.computed_tokens - e.tokens, e.tokens)) +
+                e.hit_bytes;
             if (r.decode_admitted) {
                 flow_items_.emplace_back(e.slot, b);
             } else {
@@ -648,6 +661,9 @@ void Simulation::maybe_kv_complete(uint32_t slot) {
         loop_.now(), r.first_flow_s, r.last_forward_start_s, r.last_forward_end_s,
         route(r).latency_s, cfg_.model.num_layers, cfg_.layerwise);
     transfer_.add_request(r.transfer_bytes, figures);
+    const KvGroupBytes g =
+        transfer_bytes_[static_cast<size_t>(r.placement.prefill)].request(r.input_len);
+    transfer_.add_groups(g.full * route(r).total_share, g.sliding * route(r).total_share, g.state);
     RequestRecord& rec = records_[r.trace_index];
     rec.transfer_bytes = static_cast<int64_t>(std::llround(r.transfer_bytes));
     rec.transfer_ms = figures.transfer_s * 1000;
@@ -728,7 +744,7 @@ SimResult Simulation::result() {
     for (const Instance& x : insts_) {
         instances.push_back(InstanceSummary{
             cfg_.topology.instances[static_cast<size_t>(x.index)].id, x.cost->describe(),
-            x.kv.capacity(), x.kv.evicted_blocks(), x.kv.cached_blocks()});
+            x.kv.capacity(), x.kv.evicted_blocks(), x.kv.cached_blocks(), x.kv.footprint()});
     }
     std::vector<double> contended_cores;
     for (const CpuContention::Node& node : contention_.nodes()) {

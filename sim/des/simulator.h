@@ -13,13 +13,17 @@
 //                cache's hit blocks are pinned and not allocated again); extend forwards planned
 //                by policy::ExtendPlanner; a hit's tokens are the first chunk's cached_tokens and
 //                are not computed. Pages are held until the request's KV transfer completed.
-//   transfer     each chunk's KV (tokens x KV bytes per token) is a flow over the path(s) between
-//                the prefill and the decode instance's devices (one lane per pair of TP ranks whose
-//                KV heads overlap). Layerwise: the flow starts with the extend forward and is rate
-//                capped at bytes / forward time until the forward ends (it cannot overtake the
-//                layers being written), then uncapped; --layerwise off: it starts uncapped when the
-//                forward ends. A chunk computed before the decode instance admitted the request
-//                waits for that admission (the receiver's pages), then goes uncapped.
+//   memory       a request holds pages of its instance's pool per layer group (kv_groups.h: a
+//                dense model's page spans every layer; a hybrid's sliding layers keep a window's
+//                pages, its recurrent layers a fixed state per request).
+//   transfer     each chunk's KV (its tokens' KV per layer group, kv_groups.h) is a flow over
+//                the path(s) between the prefill and the decode instance's devices (one lane per
+//                pair of TP ranks whose KV heads overlap). Layerwise: the flow starts with the
+//                extend forward and is rate capped at bytes / forward time until the forward ends
+//                (it cannot overtake the layers being written), then uncapped; --layerwise off: it
+//                starts uncapped when the forward ends. A chunk computed before the decode
+//                instance admitted the request waits for that admission (the receiver's pages),
+//                then goes uncapped.
 //   decode       per instance: FCFS admission when the prompt's pages are free; a request joins the
 //                continuous batch once its KV is complete (its first token: stamped when the
 //                decode scheduler next looks, i.e. at once when idle, else when its forward ends,
@@ -62,8 +66,8 @@ enum class SimMode { kDisagg, kColocated };
 // One topology instance as the simulator sees it.
 struct InstanceSetup {
     std::shared_ptr<const cost::CostModel> cost;  // required
-    int64_t kv_pages = 0;                         // KV pool of the instance, pages (>= 0)
-    int kv_dtype_bytes = 2;                       // bytes per KV element (transfer sizes)
+    int64_t kv_pages = 0;    // KV pool of the instance, pages (>= 0) of kv_groups.h's footprint
+    int kv_dtype_bytes = 2;  // bytes per KV element (transfer sizes)
     // CPU instances: cores one forward keeps busy when it runs alone (tp ranks x compute threads
     // per rank, what the cost model was calibrated with); 0: not a CPU instance (no contention).
     int cpu_cores = 0;
@@ -83,8 +87,10 @@ struct KvCapacityOptions {
                                                          int instance);
 // KV pages of an instance (every TP rank holds every token's head slice, so the instance holds
 // what one rank holds): GPU: (HBM x mem_fraction - bf16 weights / tp) / page bytes per rank;
-// CPU: kv_pool_mb / page bytes per rank, as the testbed sizes its pools. kInvalidArgument when
-// the weights do not fit.
+// CPU: kv_pool_mb / page bytes per rank, as the testbed sizes its pools. A page is kv_groups.h's:
+// page_size tokens of every layer for a dense model, of one attention layer for a hybrid (whose
+// requests then hold pages per layer group and state). kInvalidArgument when the weights do not
+// fit.
 [[nodiscard]] StatusOr<int64_t> kv_capacity_pages(const topo::Topology& topology,
                                                   const model::ModelConfig& model, int instance,
                                                   const KvCapacityOptions& options);
@@ -111,7 +117,7 @@ struct SimConfig {
     std::vector<InstanceSetup> instances;  // one per topology.instances entry
     SimMode mode = SimMode::kDisagg;
     bool layerwise = true;
-    bool prefix_cache = true;  // on prefill (and colocated) instances
+    bool prefix_cache = true;  // on prefill (and colocated) instances; dense models only
     // Decode-side (and colocated) admission: false, pages for the prompt, growing with the output
     // (preemption when short); true, prompt + output reserved at admission, as the testbed does
     // (never preempts).
