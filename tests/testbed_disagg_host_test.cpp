@@ -365,8 +365,8 @@ std::vector<Status> agree_all(const std::vector<Status>& mine, const std::vector
 // The KV digest (kv_digest.h) of one request, taken over a TP-1 rank's pools equals the sum of
 // two TP-2 ranks' digests over the same bytes (their head slices, other page sizes and page
 // ids); one byte changed anywhere -- an attention layer's KV or a recurrent state -- changes it.
-// The model: full, sliding, recurrent, full (hybrid-tiny), so the KV engine's layout holds the
-// three attention layers and the state layout the one recurrent layer.
+// The model: full, sliding, recurrent, full (hybrid-tiny), so the KV engine's layout holds the two
+// full-attention layers and the state layout the one recurrent layer.
 TEST(KvDigest, SplitsOverTpRanksAndSeesEveryByte) {
     const model::ModelConfig m = *model::resolve_model("hybrid-tiny");
     const int tokens = 37;
@@ -396,7 +396,7 @@ TEST(KvDigest, SplitsOverTpRanksAndSeesEveryByte) {
     std::vector<RankPools> halves;
     halves.push_back(make(2, 0, 8, 5, 1));
     halves.push_back(make(2, 1, 8, 2, 2));
-    EXPECT_EQ(whole.kv.num_layers(), 3);
+    EXPECT_EQ(whole.kv.num_layers(), 2);  // the KV engine's: the two full-attention layers
     EXPECT_EQ(whole.states.num_layers(), 1);
     // The same value for (layer, buffer, global head, token, element) on every rank.
     auto value = [](int l, int b, int head, int64_t t, size_t e) {

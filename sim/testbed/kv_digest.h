@@ -1,8 +1,9 @@
 // The KV-level parity check of the testbed (beside the token comparison): a digest of everything a
-// request's decode needs from its prefill -- every attention layer's KV of its prompt tokens and
-// every recurrent layer's state -- taken by the prefill side once its last chunk has run and by
-// the decode side once its transfer completed (before any decode forward). The router compares
-// the two per request; a difference fails the request ("KV digest differs").
+// request's decode needs from its prefill -- the full layers' KV of its prompt tokens, the sliding
+// layers' KV of the sent window (window.h) and every recurrent layer's state -- taken by the
+// prefill side once its last chunk has run and by the decode side once its transfer completed
+// (before any decode forward). The router compares the two per request; a difference fails the
+// request ("KV digest differs").
 //
 // The digest is a sum (mod 2^64) of one hash per (layer, buffer, head, token) -- the head's bytes,
 // seeded by all four -- so it splits over the heads: a TP group's ranks each digest their own

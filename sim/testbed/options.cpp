@@ -472,13 +472,23 @@ std::string_view fault_name(Fault fault) {
             return "state-not-sent";
         case Fault::kStateTpMisslice:
             return "state-tp-misslice";
+        case Fault::kWindowFreeInFlight:
+            return "window-free-in-flight";
     }
     return "?";
 }
 
-bool fault_needs_recurrent_layers(Fault fault) {
-    return fault == Fault::kHybridDoubleRecord || fault == Fault::kStateNotSent ||
-           fault == Fault::kStateTpMisslice;
+std::optional<topo::LayerKind> fault_needs_layers(Fault fault) {
+    switch (fault) {
+        case Fault::kHybridDoubleRecord:
+        case Fault::kStateNotSent:
+        case Fault::kStateTpMisslice:
+            return topo::LayerKind::kRecurrent;
+        case Fault::kWindowFreeInFlight:
+            return topo::LayerKind::kSlidingWindow;
+        default:
+            return std::nullopt;
+    }
 }
 
 std::vector<std::string> fault_names() {
@@ -495,10 +505,10 @@ std::vector<std::string> fault_names() {
 }
 
 StatusOr<Fault> parse_fault(std::string_view text) {
-    for (Fault f :
-         {Fault::kNone, Fault::kRecordBeforeWrite, Fault::kSkipRecord, Fault::kDoubleRecord,
-          Fault::kStaleGraphMetadata, Fault::kFreeBeforeTransfer, Fault::kLateWrite,
-          Fault::kHybridDoubleRecord, Fault::kStateNotSent, Fault::kStateTpMisslice}) {
+    for (Fault f : {Fault::kNone, Fault::kRecordBeforeWrite, Fault::kSkipRecord,
+                    Fault::kDoubleRecord, Fault::kStaleGraphMetadata, Fault::kFreeBeforeTransfer,
+                    Fault::kLateWrite, Fault::kHybridDoubleRecord, Fault::kStateNotSent,
+                    Fault::kStateTpMisslice, Fault::kWindowFreeInFlight}) {
         if (fault_name(f) == text) return f;
     }
     std::string known;
@@ -713,11 +723,19 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
     }
     rc.model = *model_cfg;
     const bool recurrent = rc.model.count_layers(model::LayerKind::kRecurrent) > 0;
-    if (fault_needs_recurrent_layers(o.fault) && !recurrent) {
+    if (const auto kind = fault_needs_layers(o.fault); kind && rc.model.count_layers(*kind) == 0) {
         return invalid_argument_error(
-            fmt::format("--fault {}: model {} has no recurrent layers (use a hybrid model with "
-                        "them, e.g. --model hybrid-tiny)",
-                        fault_name(o.fault), rc.model.name));
+            fmt::format("--fault {}: model {} has no {} layers (use a hybrid model with them, "
+                        "e.g. --model hybrid-tiny)",
+                        fault_name(o.fault), rc.model.name, topo::layer_kind_name(*kind)));
+    }
+    if (rc.model.count_layers(model::LayerKind::kFullAttention) == 0 &&
+        rc.model.count_layers(model::LayerKind::kFullAttention) != rc.model.num_layers &&
+        o.mode != Mode::kColocated) {
+        return invalid_argument_error(fmt::format(
+            "--model {}: a hybrid model needs full-attention layers to run disaggregated (the KV "
+            "engine carries them and the first token); use --mode colocated",
+            rc.model.name));
     }
     if (recurrent && cuda) {
         return invalid_argument_error(

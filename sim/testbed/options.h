@@ -72,10 +72,12 @@ enum class Fault {
     // Hybrid models (recurrent layers):
     kHybridDoubleRecord,  // the composite backend lets its attention child record as well
     kStateNotSent,        // the recurrent states are never transferred (decode uses its own)
-    kStateTpMisslice,     // the prefill side's state layout names the next TP rank's heads
+    kStateTpMisslice,     // the prefill side's state layout reads every slot one head early
+    kWindowFreeInFlight,  // the window frees its pages while their transfer is in flight
 };
-// Whether `fault` needs a model with recurrent layers (the testbed refuses it otherwise).
-[[nodiscard]] bool fault_needs_recurrent_layers(Fault fault);
+// The layer kind a fault needs in the model (the testbed refuses it otherwise): kRecurrent for the
+// state faults and hybrid-double-record, kSlidingWindow for window-free-in-flight; nullopt: any.
+[[nodiscard]] std::optional<topo::LayerKind> fault_needs_layers(Fault fault);
 [[nodiscard]] std::string_view fault_name(Fault fault);
 [[nodiscard]] StatusOr<Fault> parse_fault(std::string_view text);
 [[nodiscard]] std::vector<std::string> fault_names();

@@ -1,9 +1,11 @@
 #include "sim/testbed/pd_backend.h"
 
+#include <algorithm>
 #include <thread>
 
 #include "backends/kv/kv_pool.h"
 #include "sim/testbed/comm.h"
+#include "sim/testbed/window.h"
 
 namespace pdsim::testbed {
 
@@ -131,7 +133,10 @@ Status PdAttentionBackend::race_window() {
 }
 
 Status PdAttentionBackend::enqueue_checksums(const attn::ForwardArgs& args) {
-    if (opts_.validator == nullptr || segments_ == nullptr || segments_->empty()) return {};
+    if ((opts_.validator == nullptr && opts_.window_validator == nullptr) || segments_ == nullptr ||
+        segments_->empty()) {
+        return {};
+    }
     const auto* mha = dynamic_cast<const kv::MHATokenToKVPool*>(args.pool);
     if (mha == nullptr || mha->dtype() != kv::KVDtype::kF32) {
         return PDSIM_ERROR(StatusCode::kFailedPrecondition, "checksums need an fp32 MHA pool");
@@ -144,27 +149,39 @@ Status PdAttentionBackend::enqueue_checksums(const attn::ForwardArgs& args) {
         return PDSIM_ERROR(StatusCode::kFailedPrecondition,
                            "checksums need the layer's K and V as fp32 views");
     }
-    const int layer = opts_.engine_layer.empty()
-                          ? args.layer.layer_id
-                          : opts_.engine_layer[static_cast<size_t>(args.layer.layer_id)];
-    return stream().enqueue([validator = opts_.validator, segs = segments_, k = args.k.as<float>(),
-                             v = args.v.as<float>(), hkv, d, dv, layer,
-                             head_begin = opts_.head_begin] {
+    // The engine the layer's KV goes over, and the tokens it sends: a sliding layer's window engine
+    // sends positions [window_start, input_len) as its tokens 0, 1, ... (rank_builder.h).
+    const size_t model_layer = static_cast<size_t>(args.layer.layer_id);
+    const bool windowed = !opts_.window_layer.empty() && opts_.window_layer[model_layer] >= 0;
+    transfer::OrderingValidator* validator = windowed ? opts_.window_validator : opts_.validator;
+    if (validator == nullptr) return {};
+    const int layer = windowed                     ? opts_.window_layer[model_layer]
+                      : opts_.engine_layer.empty() ? args.layer.layer_id
+                                                   : opts_.engine_layer[model_layer];
+    const int window = windowed ? args.layer.sliding_window : 0;
+    return stream().enqueue([validator, segs = segments_, k = args.k.as<float>(),
+                             v = args.v.as<float>(), hkv, d, dv, layer, window,
+                             page_size = opts_.page_size, head_begin = opts_.head_begin] {
         for (const BatchSegment& s : *segs) {
+            const int64_t base = window > 0 ? window_start(s.input_len, window, page_size) : 0;
+            const int64_t t0 = std::max(s.t0, base);
+            if (t0 >= s.t1) continue;  // before the window: never sent
             for (int buf = 0; buf < 2; ++buf) {
                 const float* src = buf == 0 ? k : v;
                 const int dim = buf == 0 ? d : dv;
                 std::vector<uint64_t> sums(static_cast<size_t>(hkv), 0);
-                for (int64_t j = 0; j < s.t1 - s.t0; ++j) {
-                    const float* tok = src + static_cast<size_t>(s.batch_offset + j) * hkv * dim;
+                for (int64_t t = t0; t < s.t1; ++t) {
+                    const float* tok =
+                        src + static_cast<size_t>(s.batch_offset + t - s.t0) * hkv * dim;
                     for (int h = 0; h < hkv; ++h) {
                         sums[static_cast<size_t>(h)] +=
                             transfer::kv_hash(tok + static_cast<size_t>(h) * dim,
                                               sizeof(float) * static_cast<size_t>(dim),
-                                              static_cast<uint64_t>(s.t0 + j));
+                                              static_cast<uint64_t>(t - base));
                     }
                 }
-                validator->record_expected(s.request, layer, buf, head_begin, sums, s.t0, s.t1);
+                validator->record_expected(s.request, layer, buf, head_begin, sums, t0 - base,
+                                           s.t1 - base);
             }
         }
         return Status();

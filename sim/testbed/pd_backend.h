@@ -91,6 +91,7 @@ struct BatchSegment {
     std::vector<int32_t> pages;
     int32_t state_slot = 0;  // models with recurrent layers: the request's state pool slot
     bool last = false;       // the request's last prefill chunk (its state is final)
+    int64_t input_len = 0;   // its prompt length (where a sliding layer's sent window starts)
 };
 using Segments = std::vector<BatchSegment>;
 
@@ -131,9 +132,16 @@ struct PdBackendOptions {
     std::optional<transfer::KvLayout> state_layout;
     transfer::OrderingValidator* state_validator = nullptr;
     // The KV engine's layer of each model layer, when they differ (a hybrid model's KV engine
-    // holds its attention layers only; -1 for a recurrent layer): the layer the activation
+    // holds its full-attention layers only; -1 for other layers): the layer the activation
     // checksums are recorded under. Empty: the model layer.
     std::vector<int> engine_layer;
+    // Sliding layers whose KV goes over the window engine (sim/testbed/window.h): per model layer
+    // its window engine layer (-1: not one), the window engine's validator (prefill ranks) and the
+    // page size that aligns the sent window. Their checksums cover the sent tokens only, numbered
+    // from the window's start.
+    std::vector<int> window_layer;
+    transfer::OrderingValidator* window_validator = nullptr;
+    int page_size = 16;
 };
 
 // The byte the late-write fault fills a slot with (kPages).

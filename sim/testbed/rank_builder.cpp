@@ -51,36 +51,34 @@ StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options) {
             parts.state_validator =
                 std::make_unique<transfer::OrderingValidator>(options.validator_rank);
         }
+        if (m.count_layers(model::LayerKind::kSlidingWindow) > 0 && has_cache_groups(m)) {
+            parts.window_validator =
+                std::make_unique<transfer::OrderingValidator>(options.validator_rank);
+        }
     }
     return parts;
 }
 
-std::vector<int> recurrent_layers(const model::ModelConfig& model) {
+std::vector<int> layers_of(const model::ModelConfig& model, model::LayerKind kind) {
     std::vector<int> layers;
     for (int l = 0; l < model.num_layers; ++l) {
-        if (model.layer_kind(l) == model::LayerKind::kRecurrent) layers.push_back(l);
-    }
-    return layers;
-}
-
-std::vector<int> attention_layers(const model::ModelConfig& model) {
-    std::vector<int> layers;
-    for (int l = 0; l < model.num_layers; ++l) {
-        if (model.layer_kind(l) != model::LayerKind::kRecurrent) layers.push_back(l);
+        if (model.layer_kind(l) == kind) layers.push_back(l);
     }
     return layers;
 }
 
 StatusOr<transfer::KvLayout> kv_engine_layout(const kv::MHATokenToKVPool& pool,
                                               const model::ModelConfig& model, int tp_size,
-                                              int tp_rank) {
+                                              int tp_rank, model::LayerKind kind) {
     PDSIM_ASSIGN_OR_RETURN(transfer::KvLayout all, transfer::KvLayout::from_mha_pool(
                                                        pool, tp_size, tp_rank, model.num_kv_heads));
-    if (model.count_layers(model::LayerKind::kRecurrent) == 0) return all;
-    const std::vector<int> layers = attention_layers(model);
+    if (!has_cache_groups(model)) return all;
+    const std::vector<int> layers = layers_of(model, kind);
     if (layers.empty()) {
         return PDSIM_ERROR(StatusCode::kUnimplemented,
-                           "model {}: every layer is recurrent (no KV to transfer)", model.name);
+                           "model {}: no {} layers for its KV engine (a hybrid model needs "
+                           "full-attention layers)",
+                           model.name, topo::layer_kind_name(kind));
     }
     transfer::KvLayoutSummary sum = all.summary();
     sum.num_layers = static_cast<int32_t>(layers.size());
@@ -156,13 +154,22 @@ StatusOr<std::unique_ptr<PdAttentionBackend>> build_pd_backend(const RankBuildOp
     bo.on_record = std::move(side.on_record);
     bo.checksums = side.checksums;
     bo.fill = std::move(side.fill);
+    if (has_cache_groups(m)) {
+        // Each group's engine numbers its own layers (kv_engine_layout): the checksums too.
+        auto index_of = [&](model::LayerKind kind) {
+            std::vector<int> index(static_cast<size_t>(m.num_layers), -1);
+            const std::vector<int> layers = layers_of(m, kind);
+            for (size_t i = 0; i < layers.size(); ++i) {
+                index[static_cast<size_t>(layers[i])] = static_cast<int>(i);
+            }
+            return index;
+        };
+        bo.engine_layer = index_of(model::LayerKind::kFullAttention);
+        bo.window_layer = index_of(model::LayerKind::kSlidingWindow);
+        bo.window_validator = side.prefill ? parts.window_validator.get() : nullptr;
+        bo.page_size = options.page_size;
+    }
     if (parts.states != nullptr) {
-        // The KV engine's layers are the attention layers (kv_engine_layout): its checksums too.
-        bo.engine_layer.assign(static_cast<size_t>(m.num_layers), -1);
-        const std::vector<int> attention = attention_layers(m);
-        for (size_t i = 0; i < attention.size(); ++i) {
-            bo.engine_layer[static_cast<size_t>(attention[i])] = static_cast<int>(i);
-        }
         bo.state_validator = side.prefill ? parts.state_validator.get() : nullptr;
         PDSIM_ASSIGN_OR_RETURN(bo.state_layout,
                                state_layout(*parts.states, m, options.tp_size, options.tp_rank));
@@ -203,7 +210,8 @@ model::StepBatch build_step_batch(attn::ForwardMode mode, std::span<const Forwar
                              .batch_offset = off,
                              .pages = std::vector<int32_t>(e.pages.begin(), e.pages.end()),
                              .state_slot = e.state_slot,
-                             .last = e.last});
+                             .last = e.last,
+                             .input_len = e.input_len});
         off += e.t1 - e.t0;
     }
     return b;

@@ -73,6 +73,9 @@ struct RankParts {
     // The states' validator (null unless validator and states): the state transfer engine's
     // layers are the recurrent layers, numbered apart from the KV layers.
     std::unique_ptr<transfer::OrderingValidator> state_validator;
+    // The window engine's (null unless validator and sliding layers): its layers are the sliding
+    // layers, its tokens the sent window's.
+    std::unique_ptr<transfer::OrderingValidator> window_validator;
 };
 
 // The transfer engine's view of a state pool (kv::StatePool: one slot per "page", page size 1):
@@ -82,16 +85,21 @@ struct RankParts {
 [[nodiscard]] StatusOr<transfer::KvLayout> state_layout(const kv::StatePool& states,
                                                         const model::ModelConfig& model,
                                                         int tp_size, int tp_rank);
-// The model layers of the recurrent layers, in order (SenderOptions::layer_steps of the state
-// engine), and of the attention layers (full and sliding; the KV engine's).
-[[nodiscard]] std::vector<int> recurrent_layers(const model::ModelConfig& model);
-[[nodiscard]] std::vector<int> attention_layers(const model::ModelConfig& model);
-// The KV transfer engine's view of the KV pool: every layer of a model without recurrent layers
-// (KvLayout::from_mha_pool); for a hybrid model only its attention layers, in order (engine layer
-// i is model layer attention_layers(model)[i]; a recurrent layer's KV buffers are never written).
-[[nodiscard]] StatusOr<transfer::KvLayout> kv_engine_layout(const kv::MHATokenToKVPool& pool,
-                                                            const model::ModelConfig& model,
-                                                            int tp_size, int tp_rank);
+// The model layers of `kind`, in order (SenderOptions::layer_steps of that group's engine).
+[[nodiscard]] std::vector<int> layers_of(const model::ModelConfig& model, model::LayerKind kind);
+// Whether the model's layers are split into cache groups, each with its own transfer engine:
+// full-attention layers (the KV engine), sliding-window layers (the window engine, sending only
+// the window: window.h) and recurrent layers (the state engine).
+[[nodiscard]] inline bool has_cache_groups(const model::ModelConfig& model) {
+    return model.count_layers(model::LayerKind::kFullAttention) != model.num_layers;
+}
+// A transfer engine's view of some layers of the KV pool, in order (engine layer i is model
+// layer layers[i]): every layer for a model without cache groups (KvLayout::from_mha_pool), else
+// the full-attention layers (the KV engine) or the sliding layers (the window engine).
+// kUnimplemented for a hybrid model without full-attention layers (its KV engine would be empty).
+[[nodiscard]] StatusOr<transfer::KvLayout> kv_engine_layout(
+    const kv::MHATokenToKVPool& pool, const model::ModelConfig& model, int tp_size, int tp_rank,
+    model::LayerKind kind = model::LayerKind::kFullAttention);
 
 // Builds (or takes) the stream, then the pool (num_kv_heads / tp_size heads of head_dim, kv_dtype,
 // on the stream's device), then the counter (pd::StepCounter::create: on a CUDA stream the device
@@ -130,6 +138,7 @@ struct ForwardEntry {
     std::span<const int32_t> pages;
     int32_t state_slot = 0;  // its state pool slot (models with recurrent layers)
     bool last = false;       // its last prefill chunk
+    int64_t input_len = 0;   // its prompt length
 };
 
 // The batch of a forward of `entries` in order: every entry's new tokens and their KV slots,

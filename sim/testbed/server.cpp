@@ -7,6 +7,7 @@
 #include "common/logging.h"
 #include "sim/testbed/rank_builder.h"
 #include "sim/testbed/server_internal.h"
+#include "sim/testbed/window.h"
 #include "transfer/engine/kv_layout.h"
 
 namespace pdsim::testbed {
@@ -94,6 +95,7 @@ Status Server::setup() {
     counter_ = std::move(parts.counter);
     validator_ = std::move(parts.validator);
     state_validator_ = std::move(parts.state_validator);
+    window_validator_ = std::move(parts.window_validator);
     PDSIM_ASSIGN_OR_RETURN(backend_, std::move(backend));
     if (states_ != nullptr) {
         if (ctx_.cpu_model == nullptr) {
@@ -131,39 +133,68 @@ Status Server::setup() {
         PDSIM_ASSIGN_OR_RETURN(transfer::KvLayout layout,
                                kv_engine_layout(*pool_, m, tp, ctx_.info.tp_rank));
         auto hook = [this](const transfer::TransferEvent& ev) { on_engine_event(ev); };
+        // The cache groups beside the KV engine's full-attention layers (docs/design.md "Hybrid
+        // models"): the sliding layers' window and the recurrent states, each its own engine.
         // --fault state-not-sent: neither side runs the states' engine (the deployed bug: the
         // recurrent layers are left out of the transfer), so the decode side continues from
         // whatever its state slot holds.
-        const bool state_engine = states_ != nullptr && o_.fault != Fault::kStateNotSent;
-        transfer::Transport* control = kv_.control;
-        transfer::Transport* data = kv_.data;
-        transfer::Transport* state_control = nullptr;
-        transfer::Transport* state_data = nullptr;
-        if (state_engine) {
+        window_.on = has_cache_groups(m) && m.count_layers(model::LayerKind::kSlidingWindow) > 0;
+        state_.on = states_ != nullptr && o_.fault != Fault::kStateNotSent;
+        const int engines = 1 + (window_.on ? 1 : 0) + (state_.on ? 1 : 0);
+        transfer::Transport* control = nullptr;
+        transfer::Transport* data = nullptr;
+        if (engines > 1) {
+            // The engines share the rank's transports, each on its own tag space.
             constexpr transfer::Tag kMinTagSpace = 1024;
             PDSIM_ASSIGN_OR_RETURN(control_spaces_,
-                                   transfer::split_tag_space(*kv_.control, 2, kMinTagSpace));
-            control = control_spaces_[0].get();
-            state_control = control_spaces_[1].get();
+                                   transfer::split_tag_space(*kv_.control, engines, kMinTagSpace));
             if (kv_.data != nullptr && kv_.data != kv_.control) {
                 PDSIM_ASSIGN_OR_RETURN(data_spaces_,
-                                       transfer::split_tag_space(*kv_.data, 2, kMinTagSpace));
-                data = data_spaces_[0].get();
-                state_data = data_spaces_[1].get();
+                                       transfer::split_tag_space(*kv_.data, engines, kMinTagSpace));
             }
+        }
+        // Engine i's control and data transports (data null: the control transport carries it).
+        auto transports_of = [&](int i) -> std::pair<transfer::Transport*, transfer::Transport*> {
+            if (engines == 1) return {kv_.control, kv_.data};
+            const bool own_data = kv_.data != nullptr && kv_.data != kv_.control;
+            return {control_spaces_[static_cast<size_t>(i)].get(),
+                    own_data ? data_spaces_[static_cast<size_t>(i)].get() : nullptr};
+        };
+        int next_space = 0;
+        auto take_space = [&](GroupEngine* g) {
+            auto [c, d] = transports_of(next_space++);
+            if (g == nullptr) {
+                control = c;
+                data = d;
+            } else {
+                g->control = c;
+                g->data = d;
+            }
+        };
+        take_space(nullptr);
+        if (window_.on) {
+            take_space(&window_);
+            PDSIM_ASSIGN_OR_RETURN(window_.layout,
+                                   kv_engine_layout(*pool_, m, tp, ctx_.info.tp_rank,
+                                                    model::LayerKind::kSlidingWindow));
+            window_.layer_steps = layers_of(m, model::LayerKind::kSlidingWindow);
+            window_.validator = window_validator_.get();
+        }
+        if (state_.on) {
+            take_space(&state_);
+            PDSIM_ASSIGN_OR_RETURN(state_.layout, state_layout(*states_, m, tp, ctx_.info.tp_rank));
+            if (role_ == Role::kPrefill && o_.fault == Fault::kStateTpMisslice) {
+                PDSIM_ASSIGN_OR_RETURN(state_.layout, misslice(state_.layout));
+            }
+            state_.layer_steps = layers_of(m, model::LayerKind::kRecurrent);
+            state_.validator = state_validator_.get();
         }
         if (ctx_.gpu == nullptr) {
             digest_kv_layout_ = layout;
+            if (window_.on) digest_window_layout_ = window_.layout;
             if (states_ != nullptr) {
                 PDSIM_ASSIGN_OR_RETURN(digest_state_layout_,
                                        state_layout(*states_, m, tp, ctx_.info.tp_rank));
-            }
-        }
-        transfer::KvLayout states_layout;
-        if (state_engine) {
-            PDSIM_ASSIGN_OR_RETURN(states_layout, state_layout(*states_, m, tp, ctx_.info.tp_rank));
-            if (role_ == Role::kPrefill && o_.fault == Fault::kStateTpMisslice) {
-                PDSIM_ASSIGN_OR_RETURN(states_layout, misslice(states_layout));
             }
         }
         if (role_ == Role::kPrefill) {
@@ -174,17 +205,17 @@ Status Server::setup() {
             so.num_workers = 1;
             so.data_transport = data;
             so.device_gate = cfg_.options.device_gate;
-            if (states_ != nullptr) so.layer_steps = attention_layers(m);
+            if (has_cache_groups(m))
+                so.layer_steps = layers_of(m, model::LayerKind::kFullAttention);
             PDSIM_ASSIGN_OR_RETURN(sender_,
                                    transfer::KvSender::create(*control, layout, *counter_, so));
-            if (state_engine) {
-                so.validator = state_validator_.get();
-                so.data_transport = state_data;
-                so.layer_steps = recurrent_layers(m);
+            for (GroupEngine* g : groups()) {
+                so.validator = g->validator;
+                so.data_transport = g->data;
+                so.layer_steps = g->layer_steps;
                 so.on_event = nullptr;  // the KV engine's layer events are the timeline's
                 PDSIM_ASSIGN_OR_RETURN(
-                    state_sender_,
-                    transfer::KvSender::create(*state_control, states_layout, *counter_, so));
+                    g->sender, transfer::KvSender::create(*g->control, g->layout, *counter_, so));
             }
         } else {
             transfer::ReceiverOptions ro;
@@ -194,12 +225,12 @@ Status Server::setup() {
             ro.num_workers = 1;
             ro.data_transport = data;
             PDSIM_ASSIGN_OR_RETURN(receiver_, transfer::KvReceiver::create(*control, layout, ro));
-            if (state_engine) {
-                ro.validator = state_validator_.get();
-                ro.data_transport = state_data;
-                ro.on_event = nullptr;  // the KV engine's layer events are the timeline's
-                PDSIM_ASSIGN_OR_RETURN(state_receiver_, transfer::KvReceiver::create(
-                                                            *state_control, states_layout, ro));
+            for (GroupEngine* g : groups()) {
+                ro.validator = g->validator;
+                ro.data_transport = g->data;
+                ro.on_event = nullptr;
+                PDSIM_ASSIGN_OR_RETURN(g->receiver,
+                                       transfer::KvReceiver::create(*g->control, g->layout, ro));
             }
         }
     }
@@ -221,27 +252,37 @@ StatusOr<transfer::KvLayout> Server::misslice(const transfer::KvLayout& layout) 
                                       layout.device());
 }
 
+std::vector<Server::GroupEngine*> Server::groups() {
+    std::vector<GroupEngine*> out;
+    for (GroupEngine* g : {&window_, &state_}) {
+        if (g->on) out.push_back(g);
+    }
+    return out;
+}
+
 StatusOr<transfer::RequestStatus> Server::engine_status(uint64_t id) {
     StatusOr<transfer::RequestStatus> kv = sender_ ? sender_->status(id) : receiver_->status(id);
-    if (!kv.ok() || (!state_sender_ && !state_receiver_)) return kv;
-    StatusOr<transfer::RequestStatus> st =
-        state_sender_ ? state_sender_->status(id) : state_receiver_->status(id);
-    if (!st.ok()) return st.status().with_context("the recurrent states' transfer");
+    if (!kv.ok()) return kv;
     using transfer::RequestState;
     transfer::RequestStatus out = *kv;
-    out.bytes += st->bytes;
-    out.pages_in_use = kv->pages_in_use || st->pages_in_use;
-    if (kv->state == RequestState::kFailed || st->state == RequestState::kFailed) {
-        out.state = RequestState::kFailed;
-        out.reason = kv->state == RequestState::kFailed
-                         ? kv->reason
-                         : "the recurrent states' transfer: " + st->reason;
-        // The other engine's side of the request ends too (a no-op once terminal).
+    for (GroupEngine* g : groups()) {
+        if (!g->sender && !g->receiver) continue;
+        StatusOr<transfer::RequestStatus> st =
+            g->sender ? g->sender->status(id) : g->receiver->status(id);
+        if (!st.ok()) return st.status().with_context(fmt::format("the {}' transfer", g->what));
+        out.bytes += st->bytes;
+        out.pages_in_use = out.pages_in_use || st->pages_in_use;
+        if (out.state == RequestState::kFailed) continue;
+        if (st->state == RequestState::kFailed) {
+            out.state = RequestState::kFailed;
+            out.reason = fmt::format("the {}' transfer: {}", g->what, st->reason);
+        } else if (out.state == RequestState::kSuccess) {
+            out.state = st->state;  // in progress until every group succeeded
+        }
+    }
+    if (out.state == RequestState::kFailed) {
+        // The other engines' side of the request ends too (a no-op once terminal).
         engine_abort(id, out.reason).ignore_error();
-    } else if (kv->state != RequestState::kSuccess) {
-        out.state = kv->state;
-    } else {
-        out.state = st->state;
     }
     return out;
 }
@@ -250,29 +291,46 @@ Status Server::engine_abort(uint64_t id, const std::string& why) {
     Status st;
     if (sender_) st = sender_->abort(id, why);
     if (receiver_) st = receiver_->abort(id, why);
-    if (state_sender_) state_sender_->abort(id, why).ignore_error();
-    if (state_receiver_) state_receiver_->abort(id, why).ignore_error();
+    for (GroupEngine* g : groups()) {
+        if (g->sender) g->sender->abort(id, why).ignore_error();
+        if (g->receiver) g->receiver->abort(id, why).ignore_error();
+    }
     return st;
 }
 
 void Server::engine_release(uint64_t id) {
     if (sender_) sender_->release(id).ignore_error();
     if (receiver_) receiver_->release(id).ignore_error();
-    if (state_sender_) state_sender_->release(id).ignore_error();
-    if (state_receiver_) state_receiver_->release(id).ignore_error();
+    for (GroupEngine* g : groups()) {
+        if (g->sender) g->sender->release(id).ignore_error();
+        if (g->receiver) g->receiver->release(id).ignore_error();
+    }
     first_slots_.erase(id);
 }
 
+transfer::PagePins* Server::GroupEngine::pins() {
+    if (sender) return &sender->pins();
+    if (receiver) return &receiver->pins();
+    return nullptr;
+}
+
 Status Server::engine_free(const std::vector<int32_t>& pages, int32_t state_slot) {
-    transfer::PagePins& pins = sender_ ? sender_->pins() : receiver_->pins();
-    if (state_slot > 0 && (state_sender_ || state_receiver_)) {
-        transfer::PagePins& state_pins =
-            state_sender_ ? state_sender_->pins() : state_receiver_->pins();
+    // The window engine reads (writes) some of the same pages: they wait for it too.
+    if (transfer::PagePins* window_pins = window_.pins()) {
+        for (int32_t p : pages) {
+            if (window_pins->is_pinned(p)) {
+                return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                                   "page {} is pinned by the sliding window's transfer", p);
+            }
+        }
+    }
+    if (transfer::PagePins* state_pins = state_.pins(); state_pins != nullptr && state_slot > 0) {
         const std::vector<int32_t> slot = {state_slot};
-        PDSIM_RETURN_IF_ERROR(state_pins.free_pages(states_->allocator(), slot));
+        PDSIM_RETURN_IF_ERROR(state_pins->free_pages(states_->allocator(), slot));
     } else if (state_slot > 0) {
         free_state_slot(state_slot);
     }
+    transfer::PagePins& pins = sender_ ? sender_->pins() : receiver_->pins();
     return pins.free_pages(pool_->allocator(), pages);
 }
 
@@ -280,8 +338,15 @@ void Server::free_state_slot(int32_t slot) {
     if (slot <= 0 || states_ == nullptr) return;
     const std::vector<int32_t> one = {slot};
     Status st = states_->allocator().free(one);
-    if (!st.ok())
+    if (!st.ok()) {
         PDSIM_LOG_WARN("rank {}: free state slot {}: {}", ctx_.rank, slot, st.to_string());
+    }
+}
+
+std::vector<int32_t> Server::window_pages(const std::vector<int32_t>& pages,
+                                          int64_t input_len) const {
+    const int64_t first = window_start(input_len, cfg_.model.sliding_window, o_.page_size);
+    return {pages.begin() + first / o_.page_size, pages.end()};
 }
 
 Status Server::engine_submit_receive(uint64_t id, const std::vector<int>& prefill_ranks,
@@ -295,13 +360,21 @@ Status Server::engine_submit_receive(uint64_t id, const std::vector<int>& prefil
     spec.timeout = timeout_;
     PDSIM_RETURN_IF_ERROR(receiver_->submit(spec));
     receive_info_[id] = {pages, input_len, state_slot};
-    if (state_receiver_) {
-        spec.dst_pages = {state_slot};
-        spec.num_tokens = 1;
-        Status st = state_receiver_->submit(spec);
+    for (GroupEngine* g : groups()) {
+        if (!g->receiver) continue;
+        if (g == &window_) {
+            // The sliding layers' tokens: the window's positions only (window.h).
+            const int64_t first = window_start(input_len, cfg_.model.sliding_window, o_.page_size);
+            spec.dst_pages = window_pages(pages, input_len);
+            spec.num_tokens = input_len - first;
+        } else {
+            spec.dst_pages = {state_slot};
+            spec.num_tokens = 1;
+        }
+        Status st = g->receiver->submit(spec);
         if (!st.ok()) {
-            receiver_->abort(id, "the recurrent states' receive was refused").ignore_error();
-            return st.with_context("the recurrent states' receive");
+            engine_abort(id, fmt::format("the {}' receive was refused", g->what)).ignore_error();
+            return st.with_context(fmt::format("the {}' receive", g->what));
         }
     }
     return {};
@@ -456,12 +529,14 @@ RankResult Server::result() {
         r.ordering.checked_layers = rep.checked_layers;
         for (const auto& v : rep.violations) r.ordering.violations.push_back(v.to_string());
     }
-    if (state_validator_) {
-        // The recurrent states' checks (their layers are the recurrent layers, counted apart).
-        transfer::OrderingReport rep = state_validator_->report();
+    // The other cache groups' checks (their layers numbered within the group, counted apart).
+    for (auto [validator, what] : {std::pair{window_validator_.get(), "sliding window: "},
+                                   std::pair{state_validator_.get(), "recurrent states: "}}) {
+        if (validator == nullptr) continue;
+        transfer::OrderingReport rep = validator->report();
         r.ordering.checked_layers += rep.checked_layers;
         for (const auto& v : rep.violations) {
-            r.ordering.violations.push_back("recurrent states: " + v.to_string());
+            r.ordering.violations.push_back(what + v.to_string());
         }
     }
     json stats = {{"forwards", forwards_},
@@ -488,8 +563,11 @@ RankResult Server::result() {
     };
     if (sender_) stats["sender"] = engine_stats(sender_->stats());
     if (receiver_) stats["receiver"] = engine_stats(receiver_->stats());
-    if (state_sender_) stats["state_sender"] = engine_stats(state_sender_->stats());
-    if (state_receiver_) stats["state_receiver"] = engine_stats(state_receiver_->stats());
+    for (GroupEngine* g : {&window_, &state_}) {
+        const std::string key = g == &window_ ? "window_" : "state_";
+        if (g->sender) stats[key + "sender"] = engine_stats(g->sender->stats());
+        if (g->receiver) stats[key + "receiver"] = engine_stats(g->receiver->stats());
+    }
     json threads = json::object();
     for (const auto& [name, cpu] : thread_cpu_s_) threads[name] = cpu;
     stats["thread_cpu_s"] = std::move(threads);

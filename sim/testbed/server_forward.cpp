@@ -7,6 +7,7 @@
 #include "sim/testbed/kv_digest.h"
 #include "sim/testbed/rank_builder.h"
 #include "sim/testbed/server_internal.h"
+#include "sim/testbed/window.h"
 
 namespace pdsim::testbed::detail {
 
@@ -50,7 +51,7 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
     std::vector<ForwardEntry> entries;
     entries.reserve(plan.entries.size());
     for (const auto& e : plan.entries) {
-        entries.push_back({e.id, e.t0, e.t1, e.tokens, e.pages, e.state_slot, e.last});
+        entries.push_back({e.id, e.t0, e.t1, e.tokens, e.pages, e.state_slot, e.last, e.input_len});
     }
     auto segs = std::make_shared<Segments>();
     model::StepBatch b = build_step_batch(plan.mode, entries, o_.page_size, segs.get());
@@ -100,9 +101,7 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
         // The KV (and states) the decode side must end up with: final once the last chunk ran.
         for (const auto& e : plan.entries) {
             if (!e.last) continue;
-            kv_digests_[e.id] = request_kv_digest(
-                *digest_kv_layout_, e.pages, e.t1,
-                digest_state_layout_ ? &*digest_state_layout_ : nullptr, e.state_slot);
+            kv_digests_[e.id] = digest_of(e.pages, e.t1, e.state_slot);
         }
     }
     *next = *out;
@@ -146,11 +145,16 @@ PrefillSteps Server::begin_prefill_forward(const Plan& plan, bool any_last) {
         if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
             PDSIM_LOG_WARN("rank {}: add_request {}: {}", ctx_.rank, e.id, st.to_string());
         }
-        if (state_sender_) {
-            // The request's states: one "token", its slot, sent after its last chunk.
-            st = state_sender_->add_request({e.id, 1, timeout_});
+        for (GroupEngine* g : groups()) {
+            // The window's tokens (window.h), or the states' one "token", its slot; both sent
+            // with the request's last chunk.
+            const int64_t tokens =
+                g == &window_ ? e.input_len - window_start(e.input_len, cfg_.model.sliding_window,
+                                                           o_.page_size)
+                              : 1;
+            st = g->sender->add_request({e.id, tokens, timeout_});
             if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
-                PDSIM_LOG_WARN("rank {}: add_request {} (states): {}", ctx_.rank, e.id,
+                PDSIM_LOG_WARN("rank {}: add_request {} ({}): {}", ctx_.rank, e.id, g->what,
                                st.to_string());
             }
         }
@@ -199,17 +203,38 @@ void Server::submit_chunks(const Plan& plan, const PrefillSteps& steps, bool kno
                 c.first_token_aux_step = steps.aux_begin;
             }
         }
-        if (state_sender_ && e.last) {
-            // The states are final once the last chunk's recurrent layers ran: one chunk of the
-            // slot, its layers ready at the recurrent layers' records of this forward.
-            transfer::SendChunk sc = c;
-            sc.src_pages = {e.state_slot};
-            sc.token_begin = 0;
-            sc.token_end = 1;
-            Status ss = state_sender_->submit_chunk(std::move(sc));
-            if (!ss.ok()) {
-                PDSIM_LOG_WARN("rank {}: submit_chunk {} (states): {}", ctx_.rank, e.id,
-                               ss.to_string());
+        for (GroupEngine* g : groups()) {
+            if (!e.last) break;
+            // Its layers are final once the last chunk ran: one chunk of the window's tokens (or
+            // of the state slot), its layers ready at their records in this forward.
+            transfer::SendChunk gc = c;
+            gc.token_begin = 0;
+            if (g == &window_) {
+                gc.src_pages = window_pages(e.pages, e.input_len);
+                gc.token_end = e.input_len -
+                               window_start(e.input_len, cfg_.model.sliding_window, o_.page_size);
+            } else {
+                gc.src_pages = {e.state_slot};
+                gc.token_end = 1;
+            }
+            std::vector<int32_t> sent_pages = gc.src_pages;
+            Status gs = g->sender->submit_chunk(std::move(gc));
+            if (!gs.ok()) {
+                PDSIM_LOG_WARN("rank {}: submit_chunk {} ({}): {}", ctx_.rank, e.id, g->what,
+                               gs.to_string());
+            }
+            if (g == &window_ && o_.fault == Fault::kWindowFreeInFlight) {
+                // The planted bug: the window frees its pages as soon as they are handed over,
+                // while their transfer is in flight (PagePins refuses it and records a violation;
+                // a free that went through is recorded here).
+                Status fs = g->sender->pins().free_pages(pool_->allocator(), sent_pages);
+                if (fs.ok()) {
+                    transfer::Violation v;
+                    v.request = e.id;
+                    v.rank = ctx_.rank;
+                    v.what = "the window freed pages whose transfer had not completed";
+                    window_validator_->add_violation(v);
+                }
             }
         }
         Status cs = sender_->submit_chunk(std::move(c));
@@ -243,6 +268,21 @@ Status Server::finish_prefill_forward(const Plan& plan, const PrefillSteps& step
     return {};
 }
 
+// The request's KV digest on this rank (kv_digest.h): the full layers' prompt, the sliding
+// layers' sent window, the recurrent states.
+uint64_t Server::digest_of(const std::vector<int32_t>& pages, int64_t input_len,
+                           int32_t state_slot) const {
+    uint64_t sum =
+        request_kv_digest(*digest_kv_layout_, pages, input_len,
+                          digest_state_layout_ ? &*digest_state_layout_ : nullptr, state_slot);
+    if (digest_window_layout_) {
+        const int64_t first = window_start(input_len, cfg_.model.sliding_window, o_.page_size);
+        sum += request_kv_digest(*digest_window_layout_, window_pages(pages, input_len),
+                                 input_len - first, nullptr, 0);
+    }
+    return sum;
+}
+
 // Terminal engine states of this rank's active requests (id, ok, error, first token, bytes);
 // each leaves engine_active_ once reported.
 void Server::poll_engine(std::vector<EngineOutcomeFields>* out) {
@@ -266,9 +306,7 @@ void Server::poll_engine(std::vector<EngineOutcomeFields>* out) {
         if (auto ri = receive_info_.find(*it); ri != receive_info_.end()) {
             // Decode side: everything landed and no decode forward has run on it yet.
             if (ok && digest_kv_layout_) {
-                digest = request_kv_digest(
-                    *digest_kv_layout_, ri->second.pages, ri->second.input_len,
-                    digest_state_layout_ ? &*digest_state_layout_ : nullptr, ri->second.state_slot);
+                digest = digest_of(ri->second.pages, ri->second.input_len, ri->second.state_slot);
             }
             receive_info_.erase(ri);
         }

@@ -132,8 +132,10 @@ public:
     void shutdown_engines() {
         if (sender_) sender_->shutdown(transfer::ShutdownMode::kGraceful);
         if (receiver_) receiver_->shutdown(transfer::ShutdownMode::kGraceful);
-        if (state_sender_) state_sender_->shutdown(transfer::ShutdownMode::kGraceful);
-        if (state_receiver_) state_receiver_->shutdown(transfer::ShutdownMode::kGraceful);
+        for (GroupEngine* g : {&window_, &state_}) {
+            if (g->sender) g->sender->shutdown(transfer::ShutdownMode::kGraceful);
+            if (g->receiver) g->receiver->shutdown(transfer::ShutdownMode::kGraceful);
+        }
     }
 
 private:
@@ -166,18 +168,38 @@ private:
     void mark_broken(const Status& st);
 
     // ---- this rank's transfer engines (server.cpp) ----
-    // A disaggregated rank runs the KV engine (sender_ or receiver_) and, for a model with
-    // recurrent layers, the states' engine beside it (state_sender_ / state_receiver_: one
-    // "token" per request, its state slot), each on its own tag space of the shared transports
-    // (transfer/tag_space_transport.h). A request's engine outcome is both engines' together.
+    // A disaggregated rank runs the KV engine (sender_ or receiver_: the full-attention layers,
+    // or every layer of a model without cache groups) and, for a hybrid model, one engine per
+    // other cache group (groups()): the sliding layers' window (window_: its request's tokens are
+    // the window's positions, window.h) and the recurrent states (state_: one "token" per
+    // request, its state slot), each on its own tag space of the shared transports
+    // (transfer/tag_space_transport.h). A request's engine outcome is every engine's together.
+    struct GroupEngine {
+        const char* what;  // for messages: "sliding window", "recurrent states"
+        bool on = false;   // this phase runs it
+        transfer::KvLayout layout;
+        std::vector<int> layer_steps;  // its layers' model layers
+        transfer::OrderingValidator* validator = nullptr;
+        transfer::Transport* control = nullptr;
+        transfer::Transport* data = nullptr;  // null: the control transport carries the data
+        std::unique_ptr<transfer::KvSender> sender;
+        std::unique_ptr<transfer::KvReceiver> receiver;
+        [[nodiscard]] transfer::PagePins* pins();  // null without an engine
+    };
+    std::vector<GroupEngine*> groups();  // the group engines this phase runs
     [[nodiscard]] bool has_engine() const { return sender_ || receiver_; }
-    // Both engines' status of `id` as one: Failed when either failed (the other is aborted),
-    // Success when both succeeded, else in progress; bytes and pages_in_use of both.
+    // Every engine's status of `id` as one: Failed when any failed (the others are aborted),
+    // Success when all succeeded, else in progress; bytes and pages_in_use of all.
     StatusOr<transfer::RequestStatus> engine_status(uint64_t id);
     Status engine_abort(uint64_t id, const std::string& why);
     void engine_release(uint64_t id);
     // Frees `pages` (and the state slot, when > 0) through the engines' pins:
     // kFailedPrecondition while a transfer pins them (nothing is freed then).
+    // The pages of `pages` (a request's table) the window engine moves: from window_start on.
+    std::vector<int32_t> window_pages(const std::vector<int32_t>& pages, int64_t input_len) const;
+    // This rank's part of a request's KV digest (kv_digest.h; CPU disaggregated ranks).
+    uint64_t digest_of(const std::vector<int32_t>& pages, int64_t input_len,
+                       int32_t state_slot) const;
     Status engine_free(const std::vector<int32_t>& pages, int32_t state_slot);
     // Submits a decode request's KV (and state) receive.
     Status engine_submit_receive(uint64_t id, const std::vector<int>& prefill_ranks,
@@ -247,19 +269,21 @@ private:
     std::unique_ptr<pd::StepCounter> counter_;
     std::unique_ptr<transfer::OrderingValidator> validator_;
     std::unique_ptr<transfer::OrderingValidator> state_validator_;
+    std::unique_ptr<transfer::OrderingValidator> window_validator_;
     std::unique_ptr<PdAttentionBackend> backend_;
     // The tag spaces of the shared KV transports when two engines share them ([0]: KV, [1]:
     // states); the engines below use them, so they go after the engines.
     std::vector<std::unique_ptr<transfer::TagSpaceTransport>> control_spaces_, data_spaces_;
     std::unique_ptr<transfer::KvSender> sender_;
     std::unique_ptr<transfer::KvReceiver> receiver_;
-    std::unique_ptr<transfer::KvSender> state_sender_;
-    std::unique_ptr<transfer::KvReceiver> state_receiver_;
+    GroupEngine window_{"sliding window"};
+    GroupEngine state_{"recurrent states"};
     std::map<uint64_t, std::unique_ptr<int32_t>> first_slots_;
     // KV digests (kv_digest.h) of CPU disaggregated ranks: the engine layouts they read, the
     // prefill side's parts taken after a last chunk (until its outcome reports them), and what the
     // decode side needs to take its part once a receive completes.
-    std::optional<transfer::KvLayout> digest_kv_layout_, digest_state_layout_;
+    std::optional<transfer::KvLayout> digest_kv_layout_, digest_window_layout_,
+        digest_state_layout_;
     std::map<uint64_t, uint64_t> kv_digests_;
     struct ReceiveInfo {
         std::vector<int32_t> pages;
