@@ -315,22 +315,28 @@ transfer::PagePins* Server::GroupEngine::pins() {
 }
 
 Status Server::engine_free(const std::vector<int32_t>& pages, int32_t state_slot) {
-    // The window engine reads (writes) some of the same pages: they wait for it too.
-    if (transfer::PagePins* window_pins = window_.pins()) {
-        for (int32_t p : pages) {
-            if (window_pins->is_pinned(p)) {
-                return PDSIM_ERROR(StatusCode::kFailedPrecondition,
-                                   "page {} is pinned by the sliding window's transfer", p);
+    transfer::PagePins& pins = sender_ ? sender_->pins() : receiver_->pins();
+    transfer::PagePins* state_pins = state_.pins();
+    // Nothing is freed while any engine still pins a page or the slot (the window engine reads or
+    // writes some of the same pages): checked first, so that a retry finds everything as it was.
+    for (transfer::PagePins* p : {&pins, window_.pins()}) {
+        if (p == nullptr) continue;
+        for (int32_t page : pages) {
+            if (p->is_pinned(page)) {
+                return PDSIM_ERROR(StatusCode::kFailedPrecondition, "page {} is in flight", page);
             }
         }
     }
-    if (transfer::PagePins* state_pins = state_.pins(); state_pins != nullptr && state_slot > 0) {
+    if (state_pins != nullptr && state_slot > 0 && state_pins->is_pinned(state_slot)) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "state slot {} is in flight",
+                           state_slot);
+    }
+    if (state_pins != nullptr && state_slot > 0) {
         const std::vector<int32_t> slot = {state_slot};
         PDSIM_RETURN_IF_ERROR(state_pins->free_pages(states_->allocator(), slot));
     } else if (state_slot > 0) {
         free_state_slot(state_slot);
     }
-    transfer::PagePins& pins = sender_ ? sender_->pins() : receiver_->pins();
     return pins.free_pages(pool_->allocator(), pages);
 }
 
