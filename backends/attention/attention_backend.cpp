@@ -413,12 +413,7 @@ Status AttentionBackend::validate_forward(const ForwardArgs& a) const {
     return {};
 }
 
-Status AttentionBackend::forward(const runtime::ConstTensorView& q,
-                                 const runtime::ConstTensorView& k,
-                                 const runtime::ConstTensorView& v, const LayerSpec& layer,
-                                 const runtime::ConstTensorView& out_cache_loc, kv::KVPool& pool,
-                                 ForwardMode mode, int bs, const runtime::TensorView& out,
-                                 bool save_kv_cache, std::optional<bool> record_kv_cache) {
+Status AttentionBackend::check_streams() const {
     if (config_.stream == nullptr)
         return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
     if (step_counter_ != nullptr && &step_counter_->stream() != config_.stream) {
@@ -427,6 +422,16 @@ Status AttentionBackend::forward(const runtime::ConstTensorView& q,
             "{}: the StepCounter records on stream '{}', the backend computes on '{}'", name(),
             step_counter_->stream().name(), config_.stream->name());
     }
+    return {};
+}
+
+Status AttentionBackend::forward(const runtime::ConstTensorView& q,
+                                 const runtime::ConstTensorView& k,
+                                 const runtime::ConstTensorView& v, const LayerSpec& layer,
+                                 const runtime::ConstTensorView& out_cache_loc, kv::KVPool& pool,
+                                 ForwardMode mode, int bs, const runtime::TensorView& out,
+                                 bool save_kv_cache, std::optional<bool> record_kv_cache) {
+    PDSIM_RETURN_IF_ERROR(check_streams());
     if (bs < 0) return PDSIM_ERROR(StatusCode::kInvalidArgument, "bs: {} < 0", bs);
     ForwardArgs args;
     args.q = q;
@@ -461,14 +466,7 @@ Status AttentionBackend::forward_recurrent(const RecurrentArgs& in,
                            "it in the hybrid backend)",
                            name(), l.layer_id);
     }
-    if (config_.stream == nullptr)
-        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
-    if (step_counter_ != nullptr && &step_counter_->stream() != config_.stream) {
-        return PDSIM_ERROR(
-            StatusCode::kFailedPrecondition,
-            "{}: the StepCounter records on stream '{}', the backend computes on '{}'", name(),
-            step_counter_->stream().name(), config_.stream->name());
-    }
+    PDSIM_RETURN_IF_ERROR(check_streams());
     if (in.pool == nullptr)
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "layer {}: no state pool", l.layer_id);
     const kv::StatePool& pool = *in.pool;

@@ -325,6 +325,9 @@ protected:
 
 private:
     [[nodiscard]] Status validate_forward(const ForwardArgs& args) const;
+    // kFailedPrecondition without a compute stream or with a StepCounter on another stream
+    // (forward() and forward_recurrent()).
+    [[nodiscard]] Status check_streams() const;
     [[nodiscard]] Status enqueue_assign(MetadataBuffers* dst, const ForwardBatch& batch,
                                         bool keep_aliased_seq_lens);
 

@@ -7,18 +7,12 @@
 #include <cstring>
 #include <limits>
 
+#include "common/splitmix.h"
 #include "common/thread_pool.h"
 
 namespace pdsim::model {
 
 namespace {
-
-uint64_t splitmix64(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ULL;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
 
 enum TensorKind : uint64_t {
     kWq = 1,

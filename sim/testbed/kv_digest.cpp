@@ -1,17 +1,11 @@
 #include "sim/testbed/kv_digest.h"
 
+#include "common/splitmix.h"
 #include "transfer/engine/ordering_validator.h"
 
 namespace pdsim::testbed {
 
 namespace {
-
-uint64_t mix(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ULL;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
 
 // One group's part: every (layer, buffer, local head, token) of `tokens` tokens; `group` keeps
 // the KV's and the states' seeds apart.
@@ -26,9 +20,10 @@ uint64_t digest_group(const transfer::KvLayout& layout, std::span<const int32_t>
                     layout.slot_addr(l, b, transfer::token_slot(pages, layout.page_size(), t));
                 for (int h = 0; h < layout.local_heads(); ++h) {
                     const uint64_t head = static_cast<uint64_t>(layout.head_begin() + h);
-                    const uint64_t seed = mix(group ^ mix((static_cast<uint64_t>(l) << 40) ^
-                                                          (static_cast<uint64_t>(b) << 32) ^
-                                                          (head << 20) ^ static_cast<uint64_t>(t)));
+                    const uint64_t seed =
+                        splitmix64(group ^ splitmix64((static_cast<uint64_t>(l) << 40) ^
+                                                      (static_cast<uint64_t>(b) << 32) ^
+                                                      (head << 20) ^ static_cast<uint64_t>(t)));
                     sum += transfer::kv_hash(slot + static_cast<size_t>(h) * head_bytes, head_bytes,
                                              seed);
                 }
