@@ -467,6 +467,26 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
             PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));
         }
     }
+    // A request ends when its decode side reports; its prefill side's report (and digest) can
+    // still be on its way (a TP prefill instance reports once every rank's sender finished). Wait
+    // for those, briefly, so that every completed request's KV parity is checked.
+    if (!colocated && !decode_digest.empty()) {
+        const double drain_until = now_us() + std::min(timeout_us, 10e6);
+        while (!decode_digest.empty() && now_us() < drain_until) {
+            PDSIM_ASSIGN_OR_RETURN(std::optional<Message> m,
+                                   rc.mbox->recv(Channel::kRouter, microseconds(20'000)));
+            while (m) {
+                PDSIM_RETURN_IF_ERROR(on_report(*m));
+                PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));
+            }
+        }
+        if (!decode_digest.empty()) {
+            PDSIM_LOG_WARN(
+                "router: {} request(s) ended without their prefill side's report within {:.0f} "
+                "s; their KV parity is unchecked",
+                decode_digest.size(), std::min(timeout_us, 10e6) / 1e6);
+        }
+    }
     out->wall_s = (last_finish_us - t_base) / 1e6;
     progress(true);
     for (int i = 0; i < ninst; ++i) {
