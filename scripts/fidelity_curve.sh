@@ -18,8 +18,11 @@
 # (data/traces/azure_llm_conv.csv: a trace no calibration uses), N (requests, 100), LOADS
 # ("0.3 0.5 0.7 0.8 0.9 1.1"), TOPOS ("cpu-1p1d cpu-2p1d-tp2-to-tp1"), COST (a cost file; empty:
 # calibrate), BIND (core | none: rank binding as docs/fidelity.md section 2), TESTBED (run |
-# reuse: keep $OUT's testbed reports and redo only the simulator side).
-# Prints a progress line per run. About 25 minutes on the 2-core machine with the defaults.
+# reuse: keep $OUT's testbed reports and redo only the simulator side), REPEATS (testbed runs
+# per load point, 3: each is simulated with --like, and the table shows the median over the
+# repeats of each side's figure; one run's TPOT median moved 0.52 -> 0.72 ms between identical
+# runs here).
+# Prints a progress line per run. About 40 minutes on the 2-core machine with the defaults.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -32,6 +35,7 @@ TOPOS="${TOPOS:-cpu-1p1d cpu-2p1d-tp2-to-tp1}"
 COST="${COST:-}"
 BIND="${BIND:-core}"
 TESTBED="${TESTBED:-run}"
+REPEATS="${REPEATS:-3}"
 die() { echo "fidelity_curve.sh: $*" >&2; exit 2; }
 [ -x "$PDSIM" ] || die "PDSIM=$PDSIM: no such binary (build first)"
 [ -f "$TRACE" ] || die "TRACE=$TRACE: no such file"
@@ -44,6 +48,7 @@ for t in $TOPOS; do [ -f "topology/examples/$t.yaml" ] || die "TOPOS: no topolog
 [ -z "$COST" ] || [ -f "$COST" ] || die "COST=$COST: no such file"
 case "$BIND" in core | none) ;; *) die "BIND=$BIND: core or none" ;; esac
 case "$TESTBED" in run | reuse) ;; *) die "TESTBED=$TESTBED: run or reuse" ;; esac
+[[ "$REPEATS" =~ ^[1-9][0-9]*$ ]] || die "REPEATS=$REPEATS: an integer >= 1"
 mkdir -p "$OUT"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 bind=()
@@ -96,21 +101,34 @@ for topo in $TOPOS; do
   for l in $LOADS; do
     scale=$(python3 -c "import sys; n, s, l, c = map(float, sys.argv[1:]); print(f'{(n - 1) * 1000 / (s * l * c):.6g}')" \
       "$N" "$span_ms" "$l" "$cap")
-    tb="$OUT/testbed-$topo-$l.json"
-    if [ "$TESTBED" = run ] || [ ! -f "$tb" ]; then
-      echo "== $topo: load $l (time scale $scale; load $(loadavg))"
-      testbed "$topo" "$tb" --time-scale "$scale"
-    fi
-    "$PDSIM" simulate --like "$tb" --cost-model "$COST" --quiet --report "$OUT/sim-$topo-$l.json" \
-      > "$OUT/sim-$topo-$l.log" 2>&1 ||
-      { echo "fidelity_curve.sh: simulate failed, see $OUT/sim-$topo-$l.log" >&2; exit 1; }
+    for rep in $(seq 1 "$REPEATS"); do
+      tb="$OUT/testbed-$topo-$l-r$rep.json"
+      if [ "$TESTBED" = run ] || [ ! -f "$tb" ]; then
+        echo "== $topo: load $l run $rep/$REPEATS (time scale $scale; load $(loadavg))"
+        testbed "$topo" "$tb" --time-scale "$scale"
+      fi
+      "$PDSIM" simulate --like "$tb" --cost-model "$COST" --quiet \
+        --report "$OUT/sim-$topo-$l-r$rep.json" > "$OUT/sim-$topo-$l-r$rep.log" 2>&1 ||
+        { echo "fidelity_curve.sh: simulate failed, see $OUT/sim-$topo-$l-r$rep.log" >&2; exit 1; }
+    done
   done
 done
 
-python3 - "$OUT" "$TOPOS" "$LOADS" <<'EOF'
-import json, sys
-out, topos, loads = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
+python3 - "$OUT" "$TOPOS" "$LOADS" "$REPEATS" <<'EOF'
+import json, statistics, sys
+out, topos, loads, repeats = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), int(sys.argv[4])
 load = lambda p: json.load(open(f"{out}/{p}.json"))
+
+def merged(prefix):
+    """The median over the repeats of each figure the table shows."""
+    reps = [load(f"{prefix}-r{i}") for i in range(1, repeats + 1)]
+    med = lambda f: statistics.median(f(r) for r in reps)
+    m = {k: {q: med(lambda r: r[k][q]) for q in ("p50", "p90")}
+         for k in ("ttft_ms", "tpot_ms", "prefill_wait_ms")}
+    m["goodput_rps"] = med(lambda r: r["goodput_rps"])
+    m["config"] = reps[0].get("config")
+    return m
+
 rows = []
 for topo in topos:
     cap = load(f"capacity-{topo}")["goodput_rps"]
@@ -120,7 +138,7 @@ for topo in topos:
              "wait for prefill p50 tb / sim | within |",
              "|---|---|---|---|---|---|---|---|---|"]
     for l in loads:
-        tb, sim = load(f"testbed-{topo}-{l}"), load(f"sim-{topo}-{l}")
+        tb, sim = merged(f"testbed-{topo}-{l}"), merged(f"sim-{topo}-{l}")
         arr = tb["config"]["request_set"]["arrival_ms"]  # the testbed's scaled arrivals
         offered = (len(arr) - 1) * 1000 / (max(arr) - min(arr)) if len(arr) > 1 else float("nan")
         ratio = lambda k: sim[k]["p50"] / tb[k]["p50"] if tb[k]["p50"] > 0 else float("nan")

@@ -403,6 +403,63 @@ TEST(CostFile, ValidationNamesTheFileAndField) {
     expect_invalid(j, {"fits[1]", "second fit"});
 }
 
+// ---- the warm-up after an idle period (CostWake, fit_wake) ----
+
+TEST(CostWake, ExtraTimeAddsUpToTheLostTime) {
+    const CostWake w = {.min_idle_s = 0.005, .lost_s = 0.002, .tau_s = 0.0005};
+    // Over the whole warm-up: lost_s; split in forwards: the same, whatever the split.
+    EXPECT_NEAR(w.extra_s(0, 1.0), 0.002, 1e-15);
+    EXPECT_NEAR(w.extra_s(0, 0.0003) + w.extra_s(0.0003, 0.0004) + w.extra_s(0.0007, 1.0), 0.002,
+                1e-15);
+    // The first forward of d: lost * (1 - exp(-d / tau)).
+    EXPECT_NEAR(w.extra_s(0, 0.0005), 0.002 * (1 - std::exp(-1.0)), 1e-15);
+    EXPECT_GT(w.extra_s(0, 0.0005), w.extra_s(0.0005, 0.0005));
+    EXPECT_EQ(w.extra_s(0, 0), 0);
+    EXPECT_EQ(CostWake{}.extra_s(0, 1.0), 0);
+    EXPECT_FALSE(CostWake{}.any());
+}
+
+// Per-index medians made from a known warm-up (the k-th forward of 0.4 ms pays the model's extra
+// over [0.4 k, 0.4 (k + 1)) ms): the fit recovers it. Flat or growing medians give none.
+TEST(CostWake, FitRecoversAKnownWarmup) {
+    const CostWake truth = {.min_idle_s = kWakeMinIdleS, .lost_s = 0.0015, .tau_s = 0.0004};
+    const double warm = 0.0004;
+    std::vector<double> medians;
+    for (int k = 0; k < 16; ++k) medians.push_back(warm + truth.extra_s(k * warm, warm));
+    const std::optional<WakeFit> f = fit_wake(medians);
+    ASSERT_TRUE(f.has_value());
+    EXPECT_NEAR(f->wake.lost_s, truth.lost_s, truth.lost_s * 0.01);
+    EXPECT_NEAR(f->wake.tau_s, truth.tau_s, truth.tau_s * 0.01);
+    EXPECT_EQ(f->wake.min_idle_s, kWakeMinIdleS);
+    EXPECT_NEAR(f->warm_forward_s, warm, warm * 1e-3);
+
+    EXPECT_FALSE(fit_wake(std::vector<double>(16, warm)).has_value());  // no warm-up
+    std::vector<double> growing;
+    for (int k = 0; k < 16; ++k) growing.push_back(warm * (1 + 0.1 * k));
+    EXPECT_FALSE(fit_wake(growing).has_value());
+    EXPECT_FALSE(fit_wake(std::vector<double>(5, warm)).has_value());  // too few
+}
+
+TEST(CostWake, TheFitsWakeIsCheckedAndServed) {
+    json j = hand_written();
+    j["fits"][0]["wake"] = {{"min_idle_s", 0.005}, {"lost_s", 0.002}, {"tau_s", 0.0005}};
+    auto f = CostFile::from_json(j, "wake.json");
+    ASSERT_OK(f);
+    auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*f);
+    ASSERT_OK(m);
+    EXPECT_DOUBLE_EQ((*m)->wake().lost_s, 0.002);
+    EXPECT_DOUBLE_EQ((*m)->wake().tau_s, 0.0005);
+    EXPECT_DOUBLE_EQ((*m)->wake().min_idle_s, 0.005);
+    auto m2 = make_cost_model("calibrated", cpu_spec("tiny", 2, 1), &*f);  // no wake there
+    ASSERT_OK(m2);
+    EXPECT_FALSE((*m2)->wake().any());
+
+    j["fits"][0]["wake"]["lost_s"] = -1;
+    expect_invalid(j, {"fits[0].wake.lost_s", ">= 0"});
+    j["fits"][0]["wake"] = json::object();
+    expect_invalid(j, {"fits[0].wake.min_idle_s", "missing"});
+}
+
 TEST(CostFile, UnknownModelTpOrThreadsListsWhatItHas) {
     auto f = CostFile::from_json(hand_written(), "hand.json");
     ASSERT_OK(f);
@@ -514,9 +571,9 @@ TEST(CalibrateCli, QuickRunWritesALoadableFileWithSaneFits) {
     test::TempDir dir("calibrate");
     const std::string out = dir.str("cost.json");
     // TP 2 runs its two ranks as threads over a LocalTpGroup.
-    test::CmdResult r = test::run_pdsim(
-        {"calibrate", "--quick", "--model", "tiny", "--tp", "1,2", "--threads", "1", "--out", out},
-        240);
+    test::CmdResult r = test::run_pdsim({"calibrate", "--quick", "--model", "tiny", "--tp", "1,2",
+                                         "--threads", "1", "--serve-probe", "off", "--out", out},
+                                        240);
     ASSERT_EQ(r.rc, 0) << r.describe();
     EXPECT_THAT(r.out, HasSubstr("R^2"));
     EXPECT_THAT(r.out, HasSubstr("wrote"));
@@ -551,6 +608,16 @@ TEST(CalibrateCli, QuickRunWritesALoadableFileWithSaneFits) {
     EXPECT_GT(f->transport("tcp")->gbps, 0);
     EXPECT_FALSE(f->transport("mpi").has_value());
     EXPECT_THAT(j["notes"].dump(), HasSubstr("mpi"));
+    EXPECT_THAT(j["notes"].dump(), HasSubstr("serve probe: off"));
+    // The worker timed decode forwards after an idle period; on a machine where those are
+    // measurably slower (the VMs here: about 2x for the first) the fit has a wake part.
+    for (const auto& fit : j["fits"]) {
+        EXPECT_FALSE(fit.contains("serve_probe"));
+        if (fit.contains("wake")) {
+            EXPECT_GT(fit["wake"]["lost_s"].get<double>(), 0) << fit["wake"].dump();
+            EXPECT_EQ(fit["wake"]["measured"]["median_s"].size(), 16u);
+        }
+    }
 
     // The simulator's view: positive, growing times.
     auto m = make_cost_model("calibrated", cpu_spec("tiny", 1, 0), &*f);
@@ -561,6 +628,60 @@ TEST(CalibrateCli, QuickRunWritesALoadableFileWithSaneFits) {
     EXPECT_GT((*m)->extend_s(large), (*m)->extend_s(small));
     EXPECT_GT((*m)->decode_s(1, 100), 0);
     EXPECT_GE((*m)->decode_s(8, 2000), (*m)->decode_s(1, 100));
+}
+
+// The serve probe: a short bound `pdsim testbed` under mpirun, whose forwards scale the grid's fit.
+// The oracle for the scaling: the grid's points refitted here, times the probe's factors, must be
+// the file's coefficients.
+TEST(CalibrateCli, ServeProbeScalesTheGridsFitByTheTestbedsForwards) {
+    test::TempDir dir("calibrate_probe");
+    const std::string out = dir.str("cost.json");
+    test::CmdResult r = test::run_pdsim({"calibrate", "--quick", "--model", "tiny", "--tp", "1",
+                                         "--threads", "1", "--transport", "none", "--out", out},
+                                        300);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    if (r.err.find("no mpirun on PATH") != std::string::npos) GTEST_SKIP() << "no mpirun";
+    EXPECT_THAT(r.err, HasSubstr("serve probe tp 1 threads 1"));
+    EXPECT_THAT(r.out, HasSubstr("serve probe tp 1 threads 1: fits scaled by"));
+    auto f = CostFile::load(out);
+    ASSERT_OK(f);
+    const json& fit = f->json()["fits"][0];
+    ASSERT_TRUE(fit.contains("serve_probe")) << fit.dump();
+    const json& probe = fit["serve_probe"];
+    std::vector<std::vector<double>> ex, dx;
+    std::vector<double> ey, dy;
+    for (const auto& p : fit["points"]) {
+        if (p["kind"] == "extend") {
+            std::vector<ExtendItem> items(
+                p["requests"].get<size_t>(),
+                {p["new_tokens"].get<int64_t>(), p["cached_tokens"].get<int64_t>()});
+            const auto x = extend_features(items);
+            ex.emplace_back(x.begin(), x.end());
+            ey.push_back(p["s"].get<double>());
+        } else {
+            const auto x =
+                decode_features(p["batch"].get<int64_t>(), p["kv_tokens"].get<int64_t>());
+            dx.emplace_back(x.begin(), x.end());
+            dy.push_back(p["s"].get<double>());
+        }
+    }
+    for (bool decode : {false, true}) {
+        const char* kind = decode ? "decode" : "extend";
+        const double factor = probe[std::string(kind) + "_factor"].get<double>();
+        EXPECT_GE(factor, 0.5) << kind;
+        EXPECT_LE(factor, 2.0) << kind;
+        EXPECT_GT(probe[std::string(kind) + "_forwards"].get<size_t>(), 0u) << kind;
+        auto grid = fit_nonnegative(decode ? dx : ex, decode ? dy : ey);
+        ASSERT_OK(grid);
+        const auto& keys = decode
+                               ? std::vector<const char*>(kDecodeKeys.begin(), kDecodeKeys.end())
+                               : std::vector<const char*>(kExtendKeys.begin(), kExtendKeys.end());
+        for (size_t i = 0; i < keys.size(); ++i) {
+            const double want = grid->coef[i] * factor;
+            EXPECT_NEAR(fit[kind].value(keys[i], 0.0), want, 1e-12 + 1e-9 * want)
+                << kind << "." << keys[i];
+        }
+    }
 }
 
 TEST(CalibrateCli, BadFlagsExit2NamingTheFlag) {
@@ -578,6 +699,7 @@ TEST(CalibrateCli, BadFlagsExit2NamingTheFlag) {
         {{"calibrate", "--model", "tiny", "--out", out, "--threads", "0"}, "--threads"},
         {{"calibrate", "--model", "tiny", "--out", out, "--transport", "pigeon"}, "--transport"},
         {{"calibrate", "--model", "tiny", "--out", out, "--backend", "gpu"}, "--backend"},
+        {{"calibrate", "--model", "tiny", "--out", out, "--serve-probe", "maybe"}, "--serve-probe"},
         {{"calibrate", "--model", "no-such-model", "--out", out}, "--model"},
         {{"calibrate", "--model", "tiny", "--out", dir.str("no/such/dir/cost.json")}, "--out"},
     };

@@ -4,6 +4,7 @@
 // bytes and admission by layer group (sim/des/kv_groups.h).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,8 +37,10 @@ public:
         decodes.emplace_back(batch_size, kv_tokens);
         return d0_ + d1_ * static_cast<double>(batch_size);
     }
+    [[nodiscard]] cost::CostWake wake() const override { return wake_; }
     mutable std::vector<std::vector<cost::ExtendItem>> extends;
     mutable std::vector<std::pair<int64_t, int64_t>> decodes;
+    cost::CostWake wake_;  // none unless a test sets it
 
 private:
     double e0_, e1_, d0_, d1_;
@@ -187,6 +190,31 @@ TEST(Simulator, OneRequestColocated) {
     EXPECT_EQ(r.report.mode, "colocated");
     EXPECT_EQ(q.prefill_instance, 0);
     EXPECT_EQ(q.decode_instance, 0);
+}
+
+// The warm-up after an idle period (cost::CostWake): the first request's forwards run back to
+// back from an idle instance and pay lost * (exp(-t0 / tau) - exp(-t1 / tau)) each over their
+// modelled span [t0, t1) since the wake; a request arriving after the instance idled again pays
+// the same; one arriving while the instance is still warm pays only the tail.
+TEST(Simulator, ForwardsAfterAnIdlePeriodPayTheWarmup) {
+    auto cost = std::make_shared<FakeCostModel>(0.1, 0.01);
+    cost->wake_ = {.min_idle_s = 0.005, .lost_s = 0.02, .tau_s = 0.05};
+    const SimConfig c = make_config(cpu_1p1d_topology(), cost, 100000, SimMode::kColocated);
+    // Request 0 at 0 and request 1 at 10 s (long after request 0 ended): each wakes the instance.
+    const SimResult r = run(c, {req(0, 0, 1000, 5), req(1, 10'000, 1000, 5)});
+    auto lost_ms = [](double t0_ms, double t1_ms) {
+        return 20 * (std::exp(-t0_ms / 50) - std::exp(-t1_ms / 50));
+    };
+    for (const metrics::RequestRecord& q : r.records) {
+        // Two extends (100 ms each) then four decodes (10 ms each), back to back.
+        EXPECT_NEAR(q.ttft_ms(), 200 + lost_ms(0, 200), kEps) << q.id;
+        EXPECT_NEAR(*q.tpot_ms(), (40 + lost_ms(200, 240)) / 4, kEps) << q.id;
+        EXPECT_NEAR(q.e2e_ms(), 240 + lost_ms(0, 240), kEps) << q.id;
+    }
+    // Without the warm-up: the plain times.
+    cost->wake_ = {};
+    const SimResult plain = run(c, {req(0, 0, 1000, 5)});
+    EXPECT_NEAR(plain.records[0].e2e_ms(), 240, kEps);
 }
 
 TEST(Simulator, ColocatedAlternatesExtendAndDecodeAndBatchesDecodes) {

@@ -2166,13 +2166,13 @@ TEST(TransferEngineDeviceStreams, StalledSenderCommStreamFailsTheRequest) {
     auto ps = (*send)->wait(21, 30s * kSlow);
     ASSERT_OK(ps);
     EXPECT_EQ(ps->state, RequestState::kFailed);
-    EXPECT_THAT(ps->reason,
-                ::testing::AllOf(HasSubstr("request 21"),
-                                 // The worker's own deadline and the request table's
-                                 // watchdog race; each names the stalled stream.
-                                 ::testing::AnyOf(HasSubstr("timed out"),
-                                                  HasSubstr("no progress for")),
-                                 HasSubstr("comm stream 'stalled'"), HasSubstr("layers 0..0")));
+    EXPECT_THAT(
+        ps->reason,
+        ::testing::AllOf(HasSubstr("request 21"),
+                         // The worker's own deadline and the request table's
+                         // watchdog race; each names the stalled stream.
+                         ::testing::AnyOf(HasSubstr("timed out"), HasSubstr("no progress for")),
+                         HasSubstr("comm stream 'stalled'"), HasSubstr("layers 0..0")));
     for (auto& r : recvs) {
         auto ds = r->wait_done(21, 30s * kSlow);
         ASSERT_OK(ds);

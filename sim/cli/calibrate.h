@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/model/model_config.h"
@@ -29,6 +30,7 @@ struct CalibrateOptions {
     std::string base;           // a cost file for the (tp, kind) the timelines have no forwards of
     bool include_overlapped = false;
     double node_cpus = 0;  // --from-timeline: cores of the machine the timelines ran on (0: this)
+    bool serve_probe = true;  // --serve-probe on|off (microbenchmark runs only)
 };
 
 // This machine's cores (at least 1).
@@ -74,5 +76,49 @@ struct Launcher {
 // Both ranks of `mpirun -np 2`: rank 0 ping-pongs each size with rank 1. Initializes and
 // finalizes MPI. Returns the fit on rank 0, null on rank 1.
 [[nodiscard]] StatusOr<nlohmann::json> measure_mpi(const std::vector<size_t>& sizes, int reps);
+
+// ---- wake-up ----
+// After the grid the worker idles 60 ms, then times 16 decode forwards (batch 1, 256 KV tokens)
+// back to back, 12 times, and writes the per-index medians ({"wake": {"median_s": [...]}}); the
+// parent fits them with cost::fit_wake (sim/cost/calibrated.h) into the fit's "wake".
+
+// ---- the serve probe (calibrate_probe.cpp) ----
+//
+// The grid times forwards back to back in a worker process. A testbed rank runs the same forwards
+// between its scheduler's steps, beside its transfer engine's and its transport's progress threads
+// on the one core mpirun binds it to, and they take longer (measured 8% for extends and 14% for
+// decodes on the 2-core VM; docs/fidelity.md section 8). The probe measures that on this machine:
+// per fit (tp, threads), a short `pdsim testbed --mode disagg` of one prefill and one decode
+// instance of that TP under mpirun, bound as docs/testbed.md says (--map-by core --bind-to core),
+// replaying the first requests of the default (Mooncake) trace with --timeline; then the median of
+// measured / predicted over its leader forwards that no other instance overlapped (the simulator's
+// contention model covers the others), per kind, scales that kind's coefficients.
+
+// Requests the probe replays (--quick: 24).
+inline constexpr int kServeProbeRequests = 48;
+// Fewer forwards of a kind than this: that kind keeps the grid's fit (with a note).
+inline constexpr size_t kMinServeProbeForwards = 8;
+// A factor outside this range means the probe did not measure what it should: an error.
+inline constexpr std::pair<double, double> kServeProbeFactorRange = {0.5, 2.0};
+
+// The probe's command line for one fit: mpirun (with --allow-run-as-root as root) of 2 tp ranks,
+// bound to cores, running `exe testbed` on `topology` with the fit's model, backend, page size and
+// threads, writing `timeline` and `report`.
+[[nodiscard]] std::vector<std::string> serve_probe_command(const CalibrateOptions& o,
+                                                           const std::string& mpirun,
+                                                           const std::string& exe, int tp,
+                                                           int threads, const std::string& topology,
+                                                           const std::string& timeline,
+                                                           const std::string& report);
+
+// Runs the probe for every fit in `fits` (each {"tp", "threads", "extend", "decode", ...}),
+// comparing with `cost_json` (the cost file of the grid's fits), and scales each fit's
+// coefficients in place, recording {"extend_factor", "decode_factor", "*_forwards", "requests",
+// "wall_s"} as fit["serve_probe"]. No mpirun on PATH: a note, the fits unchanged. Blocks for the
+// probe runs (seconds each, at most 300 s). Errors (kUnavailable, with the command and the log's
+// tail): a probe run failed or timed out, or measured a factor outside kServeProbeFactorRange.
+[[nodiscard]] Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
+                                       const nlohmann::json& cost_json, nlohmann::json* fits,
+                                       nlohmann::json* notes);
 
 }  // namespace pdsim::cli::calibration

@@ -18,6 +18,10 @@
 // --repeats rounds over the whole grid (round-robin, so a burst of background load spreads over
 // all points); each point's time is its median.
 //
+// Serve probe (calibrate.h, calibrate_probe.cpp; --serve-probe, on by default). Each fit is then
+// scaled by how much slower its forwards ran in a short bound `pdsim testbed` under mpirun than
+// the grid predicts: what a testbed rank really runs, not a worker's back-to-back forwards.
+//
 // Transports. local and tcp: two endpoints in this process, one message at a time, time from
 // post_send to the receive's completion. mpi: only under `mpirun -np 2` (ping-pong, half the round
 // trip); otherwise skipped with a note. Messages are KV-sized (page runs of one layer's K buffer);
@@ -169,11 +173,23 @@ StatusOr<json> fit_points(const json& worker) {
     }
     PDSIM_ASSIGN_OR_RETURN(cost::LinearFit e, cost::fit_nonnegative(ex, ey));
     PDSIM_ASSIGN_OR_RETURN(cost::LinearFit d, cost::fit_nonnegative(dx, dy));
-    return json{{"tp", worker.at("tp")},
+    json fit = {{"tp", worker.at("tp")},
                 {"threads", worker.at("threads")},
                 {"extend", cost::fit_to_json(cost::kExtendKeys, e, ey.size())},
                 {"decode", cost::fit_to_json(cost::kDecodeKeys, d, dy.size())},
                 {"points", worker.at("points")}};
+    if (worker.contains("wake")) {
+        const std::vector<double> medians =
+            worker["wake"].at("median_s").get<std::vector<double>>();
+        if (std::optional<cost::WakeFit> w = cost::fit_wake(medians)) {
+            fit["wake"] = {{"min_idle_s", w->wake.min_idle_s},
+                           {"lost_s", w->wake.lost_s},
+                           {"tau_s", w->wake.tau_s},
+                           {"warm_forward_s", w->warm_forward_s},
+                           {"measured", worker["wake"]}};
+        }
+    }
+    return fit;
 }
 
 std::string cpu_model_name() {
@@ -442,6 +458,16 @@ std::string calibrate_summary(const CalibrateOptions& o, const model::ModelConfi
                           t["gbps"].get<double>(), t["latency_us"].get<double>());
     }
     for (const auto& n : parts.notes) ts += (ts.empty() ? "" : "; ") + n.get<std::string>();
+    for (const auto& f : parts.fits) {
+        if (!f.contains("serve_probe")) continue;
+        const json& p = f["serve_probe"];
+        s += fmt::format(
+            "  serve probe tp {} threads {}: fits scaled by extend {:.3f} ({} testbed forwards), "
+            "decode {:.3f} ({})\n",
+            f["tp"].get<int>(), f["threads"].get<int>(), p["extend_factor"].get<double>(),
+            p["extend_forwards"].get<size_t>(), p["decode_factor"].get<double>(),
+            p["decode_forwards"].get<size_t>());
+    }
     s += "  transports: " + (ts.empty() ? std::string("none") : ts) + "\n";
     if (!o.from_timeline.empty()) s += timeline_summary(o, parts);
     s += "  wrote " + o.out + "\n";
@@ -471,6 +497,16 @@ Status run_calibrate(const CalibrateOptions& o) {
     } else {
         PDSIM_ASSIGN_OR_RETURN(bool writes, measure_microbenchmarks(o, m, plan, &parts));
         if (!writes) return {};
+        if (!o.serve_probe) {
+            parts.notes.push_back("serve probe: off (--serve-probe off): the fits are the grid's");
+        } else if (detect_launcher().under_mpirun) {
+            parts.notes.push_back(
+                "serve probe: skipped (calibrate itself runs under mpirun): the fits are the "
+                "grid's");
+        } else {
+            const json grid = cost_file_json(o, m, parts, 0);
+            PDSIM_RETURN_IF_ERROR(apply_serve_probe(o, m, grid, &parts.fits, &parts.notes));
+        }
     }
     const double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
     const json out = cost_file_json(o, m, parts, wall);
@@ -538,6 +574,13 @@ void add_calibrate_command(CLI::App& app, CommandSet& commands) {
                   "With --from-timeline: a cost file whose fits supply the (tp, threads, extend | "
                   "decode) the timelines have no forwards of, and whose transports are copied")
         ->check(non_empty());
+    a->add_option_function<std::string>(
+         "--serve-probe", [o](const std::string& v) { o->serve_probe = v == "on"; },
+         "on|off: after the grid, run a short `pdsim testbed` per TP size under mpirun (ranks "
+         "bound to cores, as docs/testbed.md says) and scale each fit by how much slower its "
+         "forwards ran there than the grid predicts (default on; skipped with a note when mpirun "
+         "is not on PATH or calibrate runs under mpirun)")
+        ->check(CLI::IsMember({"on", "off"}));
     a->add_option("--worker", o->worker, "internal: measure one TP:THREADS group")->group("");
     commands.add(a, [o] { return calibration::run_calibrate(*o); });
 }

@@ -178,9 +178,17 @@ model::StepBatch make_batch(const Point& p, int ps, int vocab, uint64_t first_id
         p.decode ? attn::ForwardMode::kDecode : attn::ForwardMode::kExtend, entries, ps, segs);
 }
 
+// The wake-up measurement (calibrate.h, "Wake-up"): kWakeRounds times, every rank idles
+// kWakeIdle, then runs kWakeForwards decode forwards of kWakePoint back to back, each timed.
+constexpr int kWakeRounds = 12;
+constexpr int kWakeForwards = 16;
+constexpr auto kWakeIdle = std::chrono::milliseconds(60);
+constexpr Point kWakePoint = {true, 1, 1, 0, 256};
+
 struct Shared {
     std::vector<Point> grid;
-    int rounds = 0;  // timed rounds (plus one warm-up)
+    std::vector<std::vector<double>> wake;  // rank 0: [forward index] -> samples
+    int rounds = 0;                         // timed rounds (plus one warm-up)
     Barrier* barrier = nullptr;
     std::mutex mu;
     Status error;
@@ -254,6 +262,25 @@ Status run_rank(const CalibrateOptions& o, const model::ModelConfig& m, Shared& 
             }
         }
     }
+    // Wake-up: decode forwards after an idle period (the testbed's decode rank between requests).
+    for (int round = 0; round < kWakeRounds; ++round) {
+        sh.barrier->wait();
+        if (sh.failed) return Status(StatusCode::kAborted, "another TP rank failed");
+        std::this_thread::sleep_for(kWakeIdle);
+        testbed::Segments segs;
+        model::StepBatch b = make_batch(kWakePoint, o.page_size, m.vocab, next_id, &segs);
+        ++next_id;
+        rig.decode->set_segments(nullptr);
+        for (int k = 0; k < kWakeForwards; ++k) {
+            std::vector<int32_t> next(1, -1);
+            const auto t0 = Clock::now();
+            Status st = rig.model->forward(b, *rig.decode, *rig.parts.pool, next.data());
+            if (st.ok()) st = rig.parts.stream->synchronize();
+            const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+            if (!st.ok()) return fail(st.with_context(fmt::format("{} rank {}", sh.label, rank)));
+            if (rank == 0) sh.wake[static_cast<size_t>(k)].push_back(s);
+        }
+    }
     return {};
 }
 
@@ -268,6 +295,7 @@ Status run_worker(const CalibrateOptions& o, const model::ModelConfig& m, int tp
     sh.grid = make_grid(o.quick, threads);
     sh.rounds = repeats_of(o);
     sh.samples.resize(sh.grid.size());
+    sh.wake.resize(kWakeForwards);
     sh.label = fmt::format("tp {} threads {}", tp, threads);
     int max_pages = 1, num_pages = 2, max_tokens = std::max(kMaxBatchTokens, kMaxDecodeBatch);
     for (const Point& p : sh.grid) {
@@ -313,8 +341,14 @@ Status run_worker(const CalibrateOptions& o, const model::ModelConfig& m, int tp
         j["samples_s"] = sh.samples[i];
         points.push_back(std::move(j));
     }
-    return write_json_file("--out", o.out,
-                           json{{"tp", tp}, {"threads", threads}, {"points", points}}, -1);
+    json wake = {{"idle_s", std::chrono::duration<double>(kWakeIdle).count()},
+                 {"batch", kWakePoint.requests},
+                 {"kv_per_request", kWakePoint.kv_per_req},
+                 {"median_s", json::array()}};
+    for (const auto& v : sh.wake) wake["median_s"].push_back(stats::median(v));
+    return write_json_file(
+        "--out", o.out, json{{"tp", tp}, {"threads", threads}, {"points", points}, {"wake", wake}},
+        -1);
 }
 
 }  // namespace pdsim::cli::calibration

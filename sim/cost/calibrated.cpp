@@ -46,14 +46,17 @@ class CalibratedModel final : public CostModel {
 public:
     CalibratedModel(std::string label, std::array<double, 4> extend, std::array<double, 4> decode,
                     double interference_extend, double interference_decode, CostNoise noise_extend,
-                    CostNoise noise_decode)
+                    CostNoise noise_decode, CostWake wake)
         : label_(std::move(label)),
           extend_(extend),
           decode_(decode),
           interference_extend_(interference_extend),
           interference_decode_(interference_decode),
           noise_extend_(noise_extend),
-          noise_decode_(noise_decode) {}
+          noise_decode_(noise_decode),
+          wake_(wake) {}
+
+    [[nodiscard]] CostWake wake() const override { return wake_; }
 
     [[nodiscard]] CostNoise noise(bool decode) const override {
         return decode ? noise_decode_ : noise_extend_;
@@ -87,6 +90,7 @@ private:
     std::array<double, 4> decode_;
     double interference_extend_, interference_decode_;
     CostNoise noise_extend_, noise_decode_;
+    CostWake wake_;
 };
 
 std::string list_fits(const json& fits) {
@@ -317,9 +321,52 @@ StatusOr<std::unique_ptr<CostModel>> make_calibrated_model(const InstanceSpec& s
         return CostNoise{k.value("fast_cv", 0.0), k.value("fast_quantiles", std::vector<double>()),
                          k.value("slow_cv", 0.0), k.value("slow_period_s", 0.0)};
     };
+    CostWake wake;
+    if (chosen->contains("wake")) {
+        const json& w = chosen->at("wake");
+        wake = {w.at("min_idle_s").get<double>(), w.at("lost_s").get<double>(),
+                w.at("tau_s").get<double>()};
+    }
     return std::unique_ptr<CostModel>(new CalibratedModel(label, e, d, ix.value("extend", 0.0),
                                                           ix.value("decode", 0.0), noise("extend"),
-                                                          noise("decode")));
+                                                          noise("decode"), wake));
+}
+
+std::optional<WakeFit> fit_wake(std::span<const double> median_s) {
+    if (median_s.size() < kWakeWarmTail + 2) return std::nullopt;
+    std::vector<double> tail(median_s.end() - static_cast<std::ptrdiff_t>(kWakeWarmTail),
+                             median_s.end());
+    std::sort(tail.begin(), tail.end());
+    const double warm = (tail[(tail.size() - 1) / 2] + tail[tail.size() / 2]) / 2;
+    if (!(warm > 0)) return std::nullopt;
+    // log(excess_k) = a + k log q over the leading forwards still measurably slow.
+    std::vector<double> ks, ys;
+    for (size_t k = 0; k + kWakeWarmTail < median_s.size(); ++k) {
+        const double excess = median_s[k] / warm - 1;
+        if (!(excess > kWakeMinExcess)) break;
+        ks.push_back(static_cast<double>(k));
+        ys.push_back(std::log(excess));
+    }
+    if (ks.size() < 2) return std::nullopt;
+    const auto n = static_cast<double>(ks.size());
+    double mk = 0, my = 0;
+    for (size_t i = 0; i < ks.size(); ++i) {
+        mk += ks[i] / n;
+        my += ys[i] / n;
+    }
+    double sxy = 0, sxx = 0;
+    for (size_t i = 0; i < ks.size(); ++i) {
+        sxy += (ks[i] - mk) * (ys[i] - my);
+        sxx += (ks[i] - mk) * (ks[i] - mk);
+    }
+    const double slope = sxy / sxx;
+    const double q = std::exp(slope);
+    if (!(q > 0 && q < 1)) return std::nullopt;
+    const double excess0 = std::exp(my - slope * mk);
+    WakeFit f;
+    f.wake = {kWakeMinIdleS, excess0 * warm / (1 - q), warm / std::log(1 / q)};
+    f.warm_forward_s = warm;
+    return f;
 }
 
 }  // namespace pdsim::cost

@@ -18,6 +18,7 @@
 
 #include <array>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -66,6 +67,28 @@ enum class FitTarget { kRelative, kMean };
 [[nodiscard]] StatusOr<LinearFit> fit_nonnegative(const std::vector<std::vector<double>>& x,
                                                   const std::vector<double>& y,
                                                   FitTarget target = FitTarget::kRelative);
+
+// ---- wake-up (CostWake, cost_model.h) ----
+// `pdsim calibrate`'s worker idles, then times decode forwards back to back; the first come out
+// about 2x slower than the rest on the 2-core VM, as the testbed's decode forwards after an idle
+// period do (docs/fidelity.md section 8). fit_wake turns the per-index medians into a CostWake:
+// warm = the median of the last kWakeWarmTail; excess_k = median_k / warm - 1 over the leading
+// forwards with excess above kWakeMinExcess, fitted as excess0 * q^k (least squares on the log);
+// then tau_s = warm / ln(1/q) and lost_s = excess0 * warm / (1 - q), so that CostWake::extra_s
+// of the k-th forward (starting k warm forwards after the wake) is excess0 * q^k * warm.
+// min_idle_s is kWakeMinIdleS: in testbed timelines, decode forwards after gaps of 5-50 ms were
+// as slow as after gaps over 50 ms, and those after gaps under 1 ms were not.
+inline constexpr size_t kWakeWarmTail = 6;
+inline constexpr double kWakeMinExcess = 0.02;
+inline constexpr double kWakeMinIdleS = 0.005;
+
+struct WakeFit {
+    CostWake wake;
+    double warm_forward_s = 0;  // the warm forwards' median
+};
+// nullopt when there are fewer than kWakeWarmTail + 2 medians, fewer than two leading forwards
+// are measurably slow, or their excess does not decay.
+[[nodiscard]] std::optional<WakeFit> fit_wake(std::span<const double> median_s);
 
 // The calibrated model for `spec`, from `file` (see make_cost_model).
 [[nodiscard]] StatusOr<std::unique_ptr<CostModel>> make_calibrated_model(const InstanceSpec& spec,

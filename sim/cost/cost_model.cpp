@@ -133,6 +133,12 @@ Status validate(const json& j, const std::string& source) {
             PDSIM_RETURN_IF_ERROR(
                 c.number(f["decode"], path + ".decode", kDecodeKeys[k], false).status());
         }
+        if (f.contains("wake")) {
+            PDSIM_RETURN_IF_ERROR(c.object(f, path, "wake"));
+            for (const char* key : {"min_idle_s", "lost_s", "tau_s"}) {
+                PDSIM_RETURN_IF_ERROR(c.number(f["wake"], path + ".wake", key, false).status());
+            }
+        }
         if (f.contains("points") && !f["points"].is_array()) {
             return c.error(path + ".points", "expected an array, got " + type_name(f["points"]));
         }
@@ -263,6 +269,12 @@ StatusOr<std::unique_ptr<CostModel>> make_cost_model(const std::string& kind,
     }
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("unknown cost model kind '{}' (roofline, calibrated)", kind));
+}
+
+double CostWake::extra_s(double since_wake_s, double duration_s) const {
+    if (!any() || duration_s <= 0) return 0;
+    const double t = std::max(0.0, since_wake_s);
+    return lost_s * (std::exp(-t / tau_s) - std::exp(-(t + duration_s) / tau_s));
 }
 
 }  // namespace pdsim::cost

@@ -68,6 +68,21 @@ struct CostNoise {
     }
 };
 
+// How an instance's forwards slow down after it idled (measured by `pdsim calibrate`, fit key
+// "wake"): once an instance has run no forward for at least min_idle_s, the next forwards run
+// slower, the slowdown fading as they run (caches and TLBs refilled, the core's clock raised; on a
+// VM also the halted vCPU woken). A forward of modelled duration d that starts after t seconds of
+// modelled forward time since that wake takes d + lost_s * (exp(-t / tau_s) - exp(-(t + d) /
+// tau_s)): lost_s in all over the warm-up, most of it in the first forwards. None: lost_s 0.
+struct CostWake {
+    double min_idle_s = 0;
+    double lost_s = 0;
+    double tau_s = 0;
+    [[nodiscard]] bool any() const { return lost_s > 0 && tau_s > 0; }
+    // The extra seconds of a forward of `duration_s` starting `since_wake_s` after the wake.
+    [[nodiscard]] double extra_s(double since_wake_s, double duration_s) const;
+};
+
 class CostModel {
 public:
     virtual ~CostModel() = default;
@@ -89,6 +104,8 @@ public:
         (void)decode;
         return {};
     }
+    // CPU instances only: the slowdown after an idle period; none by default.
+    [[nodiscard]] virtual CostWake wake() const { return {}; }
 };
 
 // A measured transport between two ranks of the testbed: one message of `bytes` takes

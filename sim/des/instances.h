@@ -95,7 +95,11 @@ struct ExtendEntry {
 
 struct Instance {
     Instance(int i, InstanceRole r, const cost::CostModel* c, KvCache k)
-        : index(i), role(r), cost(c), kv(std::move(k)) {}
+        : index(i),
+          role(r),
+          cost(c),
+          kv(std::move(k)),
+          wake(c != nullptr ? c->wake() : cost::CostWake{}) {}
 
     int index = 0;
     InstanceRole role = InstanceRole::kPrefill;
@@ -112,6 +116,12 @@ struct Instance {
     size_t decode_batch_size = 0;           // decode in flight: running[0, decode_batch_size)
     std::vector<std::pair<FlowNetwork::FlowId, double>> capped_flows;  // layerwise, and bytes
     double forward_start_s = 0;
+    // The cost model's slowdown after an idle period (cost::CostWake): when the instance's last
+    // forward ended, and the modelled forward time since its current warm-up began (at the first
+    // forward after min_idle_s without one).
+    cost::CostWake wake;
+    double last_forward_end_s = -1e300;
+    double warm_work_s = 0;
     int64_t forward_tokens = 0;  // timeline: the forward's tokens and batch size
     size_t forward_batch_size = 0;
 };

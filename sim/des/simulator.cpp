@@ -33,8 +33,9 @@ constexpr int64_t kBlock = workload::kHashBlockTokens;
 constexpr int kProgressEvery = 8192;  // events between wall-clock checks
 
 // The event loop and the wiring of the parts: arrivals and routing, the instances' forwards (their
-// batches from instances.h, their times from the cost models, forward_noise.h and
-// cpu_contention.h), the KV transfers as flows over routes.h's lanes, and reporting.h's figures.
+// batches from instances.h, their times from the cost models, forward_noise.h, the cost model's
+// warm-up after an idle period (cost::CostWake, with_wake) and cpu_contention.h), the KV transfers
+// as flows over routes.h's lanes, and reporting.h's figures.
 class Simulation {
 public:
     Simulation(const SimConfig& c, std::span<const workload::Request> trace)
@@ -77,6 +78,7 @@ private:
     void start_extend(Instance& x);
     void start_extend_flows(Instance& x, double duration_s);
     bool start_decode(Instance& x);
+    [[nodiscard]] double with_wake(Instance& x, double dur);
     void on_forward_end(int i);
     void end_extend(Instance& x);
     void end_prefill_extend(Instance& x);
@@ -379,6 +381,7 @@ void Simulation::start_extend(Instance& x) {
     double dur = x.cost->extend_s(items_);
     PDSIM_CHECK_MSG(dur >= 0 && std::isfinite(dur), "cost model: extend time {}", dur);
     if (noisy_) dur = noise_[static_cast<size_t>(x.index)].apply(false, loop_.now(), dur);
+    dur = with_wake(x, dur);
     x.busy = true;
     x.forward_is_extend = true;
     x.forward_start_s = loop_.now();
@@ -429,6 +432,7 @@ bool Simulation::start_decode(Instance& x) {
     double dur = x.cost->decode_s(static_cast<int64_t>(n), kv_tokens);
     PDSIM_CHECK_MSG(dur >= 0 && std::isfinite(dur), "cost model: decode time {}", dur);
     if (noisy_) dur = noise_[static_cast<size_t>(x.index)].apply(true, loop_.now(), dur);
+    dur = with_wake(x, dur);
     x.busy = true;
     x.forward_is_extend = false;
     x.decode_batch_size = n;
@@ -440,8 +444,21 @@ bool Simulation::start_decode(Instance& x) {
     return true;
 }
 
+// A forward of modelled duration `dur` starting now on `x`, with the warm-up that follows an idle
+// period (cost::CostWake) added: a forward after min_idle_s without one begins a new warm-up, and
+// the warm-up's clock is the modelled forward time since then (as calibrate measured it: forwards
+// back to back).
+double Simulation::with_wake(Instance& x, double dur) {
+    if (!x.wake.any()) return dur;
+    if (loop_.now() - x.last_forward_end_s >= x.wake.min_idle_s) x.warm_work_s = 0;
+    const double extra = x.wake.extra_s(x.warm_work_s, dur);
+    x.warm_work_s += dur;
+    return dur + extra;
+}
+
 void Simulation::on_forward_end(int i) {
     Instance& x = inst(i);
+    x.last_forward_end_s = loop_.now();
     if (contention_.contended(i)) {
         const int node = contention_.end_forward(i);
         if (contention_.forward(i).slowed) ++stats_.contended_forwards;

@@ -1,0 +1,302 @@
+// The serve probe of `pdsim calibrate` (calibrate.h, "serve probe"): the grid times forwards back
+// to back in a worker process; a testbed rank runs the same forwards between its scheduler, its
+// transfer engine and its transport's progress threads, on the core mpirun bound it to. The probe
+// runs a short `pdsim testbed` under mpirun, bound as docs/testbed.md says, compares its forwards
+// with the grid's fit (sim/cost/forward_check.h) and scales each fit by what it measured.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <span>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "sim/cli/calibrate.h"
+#include "sim/cost/calibrated.h"
+#include "sim/cost/forward_check.h"
+#include "sim/cost/timeline_fit.h"
+
+extern char** environ;
+
+namespace pdsim::cli::calibration {
+
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+// A probe run that takes longer than this is stopped (the testbed's own timeouts end a stuck run
+// well before it).
+constexpr auto kProbeTimeout = std::chrono::seconds(300);
+
+// `name` on PATH, or "" when it is not there.
+std::string find_on_path(const std::string& name) {
+    const char* path = std::getenv("PATH");
+    if (path == nullptr) return {};
+    std::stringstream ss(path);
+    std::string dir;
+    while (std::getline(ss, dir, ':')) {
+        if (dir.empty()) continue;
+        const fs::path p = fs::path(dir) / name;
+        if (::access(p.c_str(), X_OK) == 0) return p.string();
+    }
+    return {};
+}
+
+// One prefill and one decode instance of `tp` ranks each, all on this node, no link shaping: the
+// forwards are what the probe measures, not the transfer.
+std::string probe_topology(int tp) {
+    const int world = 2 * tp;
+    std::string y = fmt::format(
+        "# pdsim calibrate's serve probe: 1 prefill + 1 decode instance of TP {}\n"
+        "name: \"calibrate-probe-tp{}\"\nmodel: tiny\nworld_size: {}\nnodes:\n  - id: node0\n"
+        "    hostname: localhost\n    devices:\n",
+        tp, tp, world);
+    for (int r = 0; r < world; ++r) y += fmt::format("      - {{id: node0.cpu{}, type: cpu}}\n", r);
+    y += "    switches:\n      - {id: node0.shm, type: loopback}\nlinks:\n";
+    for (int r = 0; r < world; ++r) {
+        y += fmt::format(
+            "  - {{a: node0.cpu{}, b: node0.shm, type: loopback, gbps: 10, latency_us: 1}}\n", r);
+    }
+    y += "instances:\n";
+    for (int i = 0; i < 2; ++i) {
+        y += fmt::format("  - id: {}0\n    role: {}\n    tp: {}\n    devices: [",
+                         i ? "decode" : "prefill", i ? "decode" : "prefill", tp);
+        for (int r = 0; r < tp; ++r) y += fmt::format("{}node0.cpu{}", r ? ", " : "", i * tp + r);
+        y += "]\n";
+    }
+    return y;
+}
+
+// The last `n` lines of the file at `path`.
+std::string tail_of(const std::string& path, size_t n) {
+    std::ifstream in(path);
+    std::vector<std::string> lines;
+    std::string line;
+    while (std::getline(in, line)) lines.push_back(line);
+    std::string out;
+    for (size_t i = lines.size() > n ? lines.size() - n : 0; i < lines.size(); ++i) {
+        out += "\n  " + lines[i];
+    }
+    return out;
+}
+
+// Runs argv with stdout and stderr to `log`; kUnavailable on a non-zero exit or after
+// kProbeTimeout (the process is then terminated), with the log's tail.
+Status run_logged(const std::vector<std::string>& args, const std::string& log) {
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    std::vector<std::string> copy = args;
+    std::vector<char*> argv;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    const int rc = posix_spawn(&pid, copy[0].c_str(), &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) {
+        return Status(StatusCode::kUnavailable,
+                      fmt::format("cannot start {}: {}", copy[0], std::strerror(rc)));
+    }
+    const auto deadline = Clock::now() + kProbeTimeout;
+    int status = 0;
+    for (;;) {
+        const pid_t w = ::waitpid(pid, &status, WNOHANG);
+        if (w == pid) break;
+        if (w < 0 && errno != EINTR) {
+            return Status(StatusCode::kInternal, "waitpid on the serve probe failed");
+        }
+        if (Clock::now() > deadline) {
+            ::kill(pid, SIGTERM);
+            std::this_thread::sleep_for(std::chrono::seconds(3));
+            ::kill(pid, SIGKILL);
+            while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+            }
+            return Status(StatusCode::kUnavailable,
+                          fmt::format("did not finish in {} s (stopped); {}:{}",
+                                      kProbeTimeout.count(), log, tail_of(log, 8)));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        return Status(StatusCode::kUnavailable,
+                      fmt::format("exit {}; {}:{}", code, log, tail_of(log, 8)));
+    }
+    return {};
+}
+
+// The "all" row of (kind, tp, threads) among forwards no other instance overlapped.
+const cost::ForwardCheckRow* all_row(const std::vector<cost::ForwardCheckRow>& rows, bool decode,
+                                     int tp, int threads) {
+    for (const auto& r : rows) {
+        if (r.decode == decode && r.tp == tp && r.threads == threads && !r.overlapped &&
+            r.bucket == "all") {
+            return &r;
+        }
+    }
+    return nullptr;
+}
+
+}  // namespace
+
+std::vector<std::string> serve_probe_command(const CalibrateOptions& o, const std::string& mpirun,
+                                             const std::string& exe, int tp, int threads,
+                                             const std::string& topology,
+                                             const std::string& timeline,
+                                             const std::string& report) {
+    std::vector<std::string> a = {mpirun};
+    if (::geteuid() == 0) a.push_back("--allow-run-as-root");
+    for (const char* s : {"--oversubscribe", "-np"}) a.emplace_back(s);
+    a.push_back(std::to_string(2 * tp));
+    for (const char* s : {"--map-by", "core", "--bind-to", "core:overload-allowed", "--mca", "pml",
+                          "ob1", "--mca", "btl", "self,vader,tcp"}) {
+        a.emplace_back(s);
+    }
+    for (const std::string& s : {exe,
+                                 std::string("testbed"),
+                                 std::string("--topology"),
+                                 topology,
+                                 std::string("--model"),
+                                 o.model,
+                                 std::string("--backend"),
+                                 o.backend,
+                                 std::string("--page-size"),
+                                 std::to_string(o.page_size),
+                                 std::string("--threads"),
+                                 std::to_string(threads),
+                                 std::string("--mode"),
+                                 std::string("disagg"),
+                                 std::string("--max-requests"),
+                                 std::to_string(o.quick ? 24 : kServeProbeRequests),
+                                 std::string("--quiet"),
+                                 std::string("--timeline"),
+                                 timeline,
+                                 std::string("--report"),
+                                 report}) {
+        a.push_back(s);
+    }
+    return a;
+}
+
+Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
+                         const json& cost_json, json* fits, json* notes) {
+    const std::string mpirun = find_on_path("mpirun");
+    if (mpirun.empty()) {
+        notes->push_back("serve probe: skipped (no mpirun on PATH): the fits are the grid's alone");
+        return {};
+    }
+    PDSIM_ASSIGN_OR_RETURN(cost::CostFile grid, cost::CostFile::from_json(cost_json, o.out));
+    const std::string exe = fs::read_symlink("/proc/self/exe").string();
+    const fs::path dir = fs::temp_directory_path() / fmt::format("pdsim-probe-{}", ::getpid());
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) {
+        return Status(StatusCode::kUnavailable,
+                      fmt::format("serve probe: cannot create {}: {}", dir.string(), ec.message()));
+    }
+    struct Cleanup {
+        fs::path dir;
+        ~Cleanup() {
+            std::error_code e;
+            fs::remove_all(dir, e);
+        }
+    } cleanup{dir};
+    for (json& fit : *fits) {
+        const int tp = fit.at("tp").get<int>();
+        const int threads = fit.at("threads").get<int>();
+        const std::string stem = fmt::format("tp{}-t{}", tp, threads);
+        const std::string topology = (dir / (stem + ".yaml")).string();
+        const std::string timeline = (dir / (stem + "-timeline.json")).string();
+        const std::string report = (dir / (stem + "-report.json")).string();
+        const std::string log = (dir / (stem + ".log")).string();
+        {
+            std::ofstream out(topology);
+            out << probe_topology(tp);
+            if (!out) {
+                return Status(StatusCode::kUnavailable,
+                              fmt::format("serve probe: cannot write {}", topology));
+            }
+        }
+        const auto args =
+            serve_probe_command(o, mpirun, exe, tp, threads, topology, timeline, report);
+        std::string shown;
+        for (const auto& a : args) shown += (shown.empty() ? "" : " ") + a;
+        std::fprintf(stderr, "calibrate: serve probe tp %d threads %d: %s\n", tp, threads,
+                     shown.c_str());
+        const auto t0 = Clock::now();
+        if (Status st = run_logged(args, log); !st.ok()) {
+            return Status(StatusCode::kUnavailable,
+                          fmt::format("serve probe for tp {} threads {} (`{}`): {} (--serve-probe "
+                                      "off skips it)",
+                                      tp, threads, shown, st.message()));
+        }
+        PDSIM_ASSIGN_OR_RETURN(std::vector<cost::TimelineForward> forwards,
+                               cost::read_timeline_forwards(timeline, "serve probe"));
+        PDSIM_ASSIGN_OR_RETURN(std::vector<cost::ForwardCheckRow> rows,
+                               cost::check_forwards(forwards, grid, m));
+        json probe = {{"requests", o.quick ? 24 : kServeProbeRequests},
+                      {"wall_s", std::chrono::duration<double>(Clock::now() - t0).count()}};
+        for (bool decode : {false, true}) {
+            const char* kind = decode ? "decode" : "extend";
+            // The probe's prefill and decode instances both run with this fit's (tp, threads).
+            const cost::ForwardCheckRow* row = all_row(rows, decode, tp, threads);
+            const size_t n = row != nullptr ? row->count : 0;
+            probe[fmt::format("{}_forwards", kind)] = n;
+            if (n < kMinServeProbeForwards) {
+                notes->push_back(fmt::format(
+                    "serve probe tp {} threads {}: {} {} forwards without another instance "
+                    "computing (fewer than {}): {} kept the grid's fit",
+                    tp, threads, n, kind, kMinServeProbeForwards, kind));
+                probe[fmt::format("{}_factor", kind)] = 1.0;
+                continue;
+            }
+            const double factor = row->ratio_p50;
+            if (!(factor >= kServeProbeFactorRange.first &&
+                  factor <= kServeProbeFactorRange.second)) {
+                return Status(StatusCode::kUnavailable,
+                              fmt::format("serve probe for tp {} threads {}: the testbed's {} "
+                                          "forwards took {:.2f}x the grid's prediction, outside "
+                                          "[{}, {}]: was the machine busy? (--serve-probe off "
+                                          "skips it)",
+                                          tp, threads, kind, factor, kServeProbeFactorRange.first,
+                                          kServeProbeFactorRange.second));
+            }
+            probe[fmt::format("{}_factor", kind)] = factor;
+            json& part = fit.at(kind);
+            for (auto& [key, value] : part.items()) {
+                const auto& keys = decode ? std::span<const char* const>(cost::kDecodeKeys)
+                                          : std::span<const char* const>(cost::kExtendKeys);
+                const bool coefficient =
+                    std::any_of(keys.begin(), keys.end(), [&](const char* k) { return key == k; });
+                if (coefficient && value.is_number()) value = value.get<double>() * factor;
+            }
+        }
+        std::fprintf(stderr,
+                     "calibrate: serve probe tp %d threads %d: testbed forwards / grid fit = "
+                     "extend %.3f (%zu forwards), decode %.3f (%zu forwards); %.1f s\n",
+                     tp, threads, probe["extend_factor"].get<double>(),
+                     probe["extend_forwards"].get<size_t>(), probe["decode_factor"].get<double>(),
+                     probe["decode_forwards"].get<size_t>(), probe["wall_s"].get<double>());
+        fit["serve_probe"] = std::move(probe);
+    }
+    return {};
+}
+
+}  // namespace pdsim::cli::calibration
