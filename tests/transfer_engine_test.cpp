@@ -2241,9 +2241,13 @@ TEST(TransferEngineDeviceStreams, StalledReceiverCommStreamKeepsThePagesPinned) 
     auto ds = (*recv)->wait_done(31, 30s * kSlow);
     ASSERT_OK(ds);
     EXPECT_EQ(ds->state, RequestState::kFailed);
-    EXPECT_THAT(ds->reason,
-                ::testing::AllOf(HasSubstr("request 31"), HasSubstr("timed out"),
-                                 HasSubstr("comm stream 'stalled'"), HasSubstr("scatters of")));
+    EXPECT_THAT(
+        ds->reason,
+        ::testing::AllOf(HasSubstr("request 31"),
+                         // The worker's own deadline and the request table's watchdog
+                         // race; each names the stalled stream.
+                         ::testing::AnyOf(HasSubstr("timed out"), HasSubstr("no progress for")),
+                         HasSubstr("comm stream 'stalled'"), HasSubstr("scatters of")));
     std::this_thread::sleep_for(100ms * kSlow);  // room for a wrong early release
     EXPECT_TRUE((*recv)->status(31)->pages_in_use) << "a scatter may still write the pages";
     EXPECT_THAT((*recv)->pins().free_pages(dpool->allocator(), dst),
