@@ -94,8 +94,10 @@ struct Launcher {
 // measured / predicted over its leader forwards that no other instance overlapped (the simulator's
 // contention model covers the others), per kind, scales that kind's coefficients.
 
-// Requests the probe replays (--quick: 24).
+// Requests the probe replays (--quick: 24), and its runs per fit (--quick: 1; the factor is the
+// median of the runs' own medians).
 inline constexpr int kServeProbeRequests = 48;
+inline constexpr int kServeProbeRuns = 3;
 // Fewer forwards of a kind than this: that kind keeps the grid's fit (with a note).
 inline constexpr size_t kMinServeProbeForwards = 8;
 // A factor outside this range means the probe did not measure what it should: an error. (Wide:
@@ -105,20 +107,21 @@ inline constexpr std::pair<double, double> kServeProbeFactorRange = {0.2, 5.0};
 
 // The probe's command line for one fit: mpirun (with --allow-run-as-root as root) of 2 tp ranks,
 // bound to cores, running `exe testbed` on `topology` with the fit's model, backend, page size and
-// threads, writing `timeline` and `report`.
+// threads and prompt seed, writing `timeline` and `report`.
 [[nodiscard]] std::vector<std::string> serve_probe_command(const CalibrateOptions& o,
                                                            const std::string& mpirun,
                                                            const std::string& exe, int tp,
                                                            int threads, const std::string& topology,
                                                            const std::string& timeline,
-                                                           const std::string& report);
+                                                           const std::string& report, int seed);
 
 // Runs the probe for every fit in `fits` (each {"tp", "threads", "extend", "decode", ...}),
 // comparing with `cost_json` (the cost file of the grid's fits), and scales each fit's
-// coefficients in place, recording {"extend_factor", "decode_factor", "*_forwards", "requests",
-// "wall_s"} as fit["serve_probe"]. No mpirun on PATH: a note, the fits unchanged. Blocks for the
-// probe runs (seconds each, at most 300 s). Errors (kUnavailable, with the command and the log's
-// tail): a probe run failed or timed out, or measured a factor outside kServeProbeFactorRange.
+// coefficients in place, recording {"extend_factor", "decode_factor", "*_run_factors",
+// "*_forwards", "requests", "runs", "wall_s"} as fit["serve_probe"]. No mpirun on PATH: a note, the
+// fits unchanged. Blocks for the probe runs (seconds each, at most 300 s). Errors (kUnavailable,
+// with the command and the log's tail): a probe run failed or timed out, or measured a factor
+// outside kServeProbeFactorRange.
 [[nodiscard]] Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                                        const nlohmann::json& cost_json, nlohmann::json* fits,
                                        nlohmann::json* notes);

@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/stats.h"
 #include "sim/cli/calibrate.h"
 #include "sim/cost/calibrated.h"
 #include "sim/cost/forward_check.h"
@@ -159,8 +160,8 @@ const cost::ForwardCheckRow* all_row(const std::vector<cost::ForwardCheckRow>& r
 std::vector<std::string> serve_probe_command(const CalibrateOptions& o, const std::string& mpirun,
                                              const std::string& exe, int tp, int threads,
                                              const std::string& topology,
-                                             const std::string& timeline,
-                                             const std::string& report) {
+                                             const std::string& timeline, const std::string& report,
+                                             int seed) {
     std::vector<std::string> a = {mpirun};
     if (::geteuid() == 0) a.push_back("--allow-run-as-root");
     for (const char* s : {"--oversubscribe", "-np"}) a.emplace_back(s);
@@ -169,29 +170,30 @@ std::vector<std::string> serve_probe_command(const CalibrateOptions& o, const st
                           "ob1", "--mca", "btl", "self,vader,tcp"}) {
         a.emplace_back(s);
     }
-    for (const std::string& s : {exe,
-                                 std::string("testbed"),
-                                 std::string("--topology"),
-                                 topology,
-                                 std::string("--model"),
-                                 o.model,
-                                 std::string("--backend"),
-                                 o.backend,
-                                 std::string("--page-size"),
-                                 std::to_string(o.page_size),
-                                 std::string("--threads"),
-                                 std::to_string(threads),
-                                 std::string("--mode"),
-                                 std::string("disagg"),
-                                 std::string("--max-requests"),
-                                 std::to_string(o.quick ? 24 : kServeProbeRequests),
-                                 std::string("--quiet"),
-                                 std::string("--timeline"),
-                                 timeline,
-                                 std::string("--report"),
-                                 report}) {
-        a.push_back(s);
-    }
+    const std::vector<std::string> testbed = {exe,
+                                              "testbed",
+                                              "--topology",
+                                              topology,
+                                              "--model",
+                                              o.model,
+                                              "--backend",
+                                              o.backend,
+                                              "--page-size",
+                                              std::to_string(o.page_size),
+                                              "--threads",
+                                              std::to_string(threads),
+                                              "--mode",
+                                              "disagg",
+                                              "--max-requests",
+                                              std::to_string(o.quick ? 24 : kServeProbeRequests),
+                                              "--seed",
+                                              std::to_string(seed),
+                                              "--quiet",
+                                              "--timeline",
+                                              timeline,
+                                              "--report",
+                                              report};
+    a.insert(a.end(), testbed.begin(), testbed.end());
     return a;
 }
 
@@ -223,7 +225,6 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
         const int threads = fit.at("threads").get<int>();
         const std::string stem = fmt::format("tp{}-t{}", tp, threads);
         const std::string topology = (dir / (stem + ".yaml")).string();
-        const std::string timeline = (dir / (stem + "-timeline.json")).string();
         const std::string report = (dir / (stem + "-report.json")).string();
         const std::string log = (dir / (stem + ".log")).string();
         {
@@ -234,40 +235,59 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                               fmt::format("serve probe: cannot write {}", topology));
             }
         }
-        const auto args =
-            serve_probe_command(o, mpirun, exe, tp, threads, topology, timeline, report);
-        std::string shown;
-        for (const auto& a : args) shown += (shown.empty() ? "" : " ") + a;
-        std::fprintf(stderr, "calibrate: serve probe tp %d threads %d: %s\n", tp, threads,
-                     shown.c_str());
+        // kServeProbeRuns runs (--quick: 1), each compared with the grid on its own: the run's
+        // level moves by several percent (the machine's slow periods), so the factor is the
+        // median of the runs' medians.
+        const int runs = o.quick ? 1 : kServeProbeRuns;
+        std::vector<double> ratios[2];  // extend, decode: per run with enough forwards
+        size_t counts[2] = {0, 0};
         const auto t0 = Clock::now();
-        if (Status st = run_logged(args, log); !st.ok()) {
-            return Status(StatusCode::kUnavailable,
-                          fmt::format("serve probe for tp {} threads {} (`{}`): {} (--serve-probe "
-                                      "off skips it)",
-                                      tp, threads, shown, st.message()));
+        for (int run = 0; run < runs; ++run) {
+            const std::string timeline =
+                (dir / fmt::format("{}-r{}-timeline.json", stem, run)).string();
+            const auto args = serve_probe_command(o, mpirun, exe, tp, threads, topology, timeline,
+                                                  report, run + 1);
+            std::string shown;
+            for (const auto& a : args) shown += (shown.empty() ? "" : " ") + a;
+            std::fprintf(stderr, "calibrate: serve probe tp %d threads %d, run %d/%d: %s\n", tp,
+                         threads, run + 1, runs, shown.c_str());
+            if (Status st = run_logged(args, log); !st.ok()) {
+                return Status(StatusCode::kUnavailable,
+                              fmt::format("serve probe for tp {} threads {} (`{}`): {} "
+                                          "(--serve-probe off skips it)",
+                                          tp, threads, shown, st.message()));
+            }
+            PDSIM_ASSIGN_OR_RETURN(std::vector<cost::TimelineForward> forwards,
+                                   cost::read_timeline_forwards(timeline, "serve probe"));
+            PDSIM_ASSIGN_OR_RETURN(std::vector<cost::ForwardCheckRow> rows,
+                                   cost::check_forwards(forwards, grid, m));
+            for (bool decode : {false, true}) {
+                // The probe's prefill and decode instances both run with this fit's (tp, threads).
+                const cost::ForwardCheckRow* row = all_row(rows, decode, tp, threads);
+                if (row == nullptr) continue;
+                counts[decode ? 1 : 0] += row->count;
+                if (row->count >= kMinServeProbeForwards) {
+                    ratios[decode ? 1 : 0].push_back(row->ratio_p50);
+                }
+            }
         }
-        PDSIM_ASSIGN_OR_RETURN(std::vector<cost::TimelineForward> forwards,
-                               cost::read_timeline_forwards(timeline, "serve probe"));
-        PDSIM_ASSIGN_OR_RETURN(std::vector<cost::ForwardCheckRow> rows,
-                               cost::check_forwards(forwards, grid, m));
         json probe = {{"requests", o.quick ? 24 : kServeProbeRequests},
+                      {"runs", runs},
                       {"wall_s", std::chrono::duration<double>(Clock::now() - t0).count()}};
         for (bool decode : {false, true}) {
             const char* kind = decode ? "decode" : "extend";
-            // The probe's prefill and decode instances both run with this fit's (tp, threads).
-            const cost::ForwardCheckRow* row = all_row(rows, decode, tp, threads);
-            const size_t n = row != nullptr ? row->count : 0;
-            probe[fmt::format("{}_forwards", kind)] = n;
-            if (n < kMinServeProbeForwards) {
+            const std::vector<double>& per_run = ratios[decode ? 1 : 0];
+            probe[fmt::format("{}_forwards", kind)] = counts[decode ? 1 : 0];
+            probe[fmt::format("{}_run_factors", kind)] = per_run;
+            if (per_run.empty()) {
                 notes->push_back(fmt::format(
-                    "serve probe tp {} threads {}: {} {} forwards without another instance "
-                    "computing (fewer than {}): {} kept the grid's fit",
-                    tp, threads, n, kind, kMinServeProbeForwards, kind));
+                    "serve probe tp {} threads {}: no run had {} {} forwards without another "
+                    "instance computing: {} kept the grid's fit",
+                    tp, threads, kMinServeProbeForwards, kind, kind));
                 probe[fmt::format("{}_factor", kind)] = 1.0;
                 continue;
             }
-            const double factor = row->ratio_p50;
+            const double factor = stats::median(per_run);
             if (!(factor >= kServeProbeFactorRange.first &&
                   factor <= kServeProbeFactorRange.second)) {
                 return Status(StatusCode::kUnavailable,
