@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -682,6 +683,34 @@ TEST(CalibrateCli, ServeProbeScalesTheGridsFitByTheTestbedsForwards) {
                 << kind << "." << keys[i];
         }
     }
+}
+
+// A probe that fails (an mpirun that exits 3) does not throw the grid's measurement away: the file
+// is written with the grid's fits and a note, and calibrate exits 1 naming the probe's command.
+TEST(CalibrateCli, AFailedServeProbeStillWritesTheGridsFits) {
+    test::TempDir dir("calibrate_probe_fail");
+    const std::string out = dir.str("cost.json");
+    std::filesystem::create_directories(dir.path() / "bin");
+    {
+        std::ofstream fake(dir.path() / "bin" / "mpirun");
+        fake << "#!/bin/sh\necho 'fake mpirun: no launch' >&2\nexit 3\n";
+    }
+    std::filesystem::permissions(dir.path() / "bin" / "mpirun", std::filesystem::perms::owner_all);
+    test::CmdResult r = test::run_command("env PATH=" + test::shell_quote(dir.str("bin")) +
+                                              ":\"$PATH\" " + test::shell_quote(PDSIM_BINARY),
+                                          {"calibrate", "--quick", "--model", "tiny", "--tp", "1",
+                                           "--threads", "1", "--transport", "none", "--out", out},
+                                          240);
+    EXPECT_EQ(r.rc, 1) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("serve probe for tp 1 threads 1"));
+    EXPECT_THAT(r.err, HasSubstr("exit 3"));
+    EXPECT_THAT(r.err, HasSubstr("fake mpirun: no launch"));  // the log's tail
+    auto f = CostFile::load(out);
+    ASSERT_OK(f);
+    const json& fit = f->json()["fits"][0];
+    EXPECT_FALSE(fit.contains("serve_probe")) << fit.dump();
+    EXPECT_GT(fit["extend"]["per_token_s"].get<double>(), 0);
+    EXPECT_THAT(f->json()["notes"].dump(), HasSubstr("serve probe failed"));
 }
 
 TEST(CalibrateCli, BadFlagsExit2NamingTheFlag) {

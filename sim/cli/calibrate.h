@@ -121,7 +121,9 @@ inline constexpr std::pair<double, double> kServeProbeFactorRange = {0.2, 5.0};
 // "*_forwards", "requests", "runs", "wall_s"} as fit["serve_probe"]. No mpirun on PATH: a note, the
 // fits unchanged. Blocks for the probe runs (seconds each, at most 300 s). Errors (kUnavailable,
 // with the command and the log's tail): a probe run failed or timed out, or measured a factor
-// outside kServeProbeFactorRange.
+// outside kServeProbeFactorRange; the fits probed before it stay scaled (with serve_probe), that
+// one and the rest stay the grid's. `pdsim calibrate` then still writes the file, with a note,
+// and exits 1.
 [[nodiscard]] Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                                        const nlohmann::json& cost_json, nlohmann::json* fits,
                                        nlohmann::json* notes);

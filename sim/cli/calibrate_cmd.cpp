@@ -487,6 +487,7 @@ Status run_calibrate(const CalibrateOptions& o) {
     PDSIM_RETURN_IF_ERROR(check_writable("--out", o.out));
     const auto t_start = Clock::now();
     CalibrateParts parts;
+    Status probe_status;
     if (!o.from_timeline.empty()) {
         PDSIM_ASSIGN_OR_RETURN(json part, calibrate_from_timelines(o, m));
         parts.fits = part["fits"];
@@ -505,7 +506,16 @@ Status run_calibrate(const CalibrateOptions& o) {
                 "grid's");
         } else {
             const json grid = cost_file_json(o, m, parts, 0);
-            PDSIM_RETURN_IF_ERROR(apply_serve_probe(o, m, grid, &parts.fits, &parts.notes));
+            probe_status = apply_serve_probe(o, m, grid, &parts.fits, &parts.notes);
+            if (!probe_status.ok()) {
+                // The grid's minutes are not thrown away: the file is written with the fits as
+                // they stand (a fit the probe finished is scaled and says so in its
+                // serve_probe), and the command still fails.
+                parts.notes.push_back(
+                    "serve probe failed, fits without serve_probe are the "
+                    "grid's: " +
+                    probe_status.message());
+            }
         }
     }
     const double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
@@ -516,7 +526,7 @@ Status run_calibrate(const CalibrateOptions& o) {
     const std::string s = calibrate_summary(o, m, parts, wall);
     std::fputs(s.c_str(), stdout);
     std::fflush(stdout);
-    return {};
+    return probe_status;
 }
 
 }  // namespace

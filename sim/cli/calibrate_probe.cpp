@@ -299,10 +299,14 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                                           kServeProbeFactorRange.second));
             }
             probe[fmt::format("{}_factor", kind)] = factor;
-            json& part = fit.at(kind);
-            for (auto& [key, value] : part.items()) {
-                const auto& keys = decode ? std::span<const char* const>(cost::kDecodeKeys)
-                                          : std::span<const char* const>(cost::kExtendKeys);
+        }
+        // Both kinds checked: only now is the fit scaled (a failed probe leaves it the grid's).
+        for (bool decode : {false, true}) {
+            const char* kind = decode ? "decode" : "extend";
+            const double factor = probe[fmt::format("{}_factor", kind)].get<double>();
+            const auto& keys = decode ? std::span<const char* const>(cost::kDecodeKeys)
+                                      : std::span<const char* const>(cost::kExtendKeys);
+            for (auto& [key, value] : fit.at(kind).items()) {
                 const bool coefficient =
                     std::any_of(keys.begin(), keys.end(), [&](const char* k) { return key == k; });
                 if (coefficient && value.is_number()) value = value.get<double>() * factor;
