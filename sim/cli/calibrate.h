@@ -4,6 +4,7 @@
 // Thread-safety: the functions are called from the command's main thread, one at a time.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -76,6 +77,21 @@ struct Launcher {
 // Both ranks of `mpirun -np 2`: rank 0 ping-pongs each size with rank 1. Initializes and
 // finalizes MPI. Returns the fit on rank 0, null on rank 1.
 [[nodiscard]] StatusOr<nlohmann::json> measure_mpi(const std::vector<size_t>& sizes, int reps);
+
+// ---- child processes (calibrate_probe.cpp) ----
+
+struct ChildExit {
+    int code = 0;            // the exit status, or 128 + the signal that ended it
+    bool timed_out = false;  // stopped (SIGTERM, 3 s later SIGKILL) after the timeout
+};
+// Runs `args` (args[0] a path) with `env` ("NAME=value" each; nullptr: this process's
+// environment) and waits for it: at most `timeout` when positive, else without limit. With a
+// non-empty `log`, stdout and stderr go to that file and stdin comes from /dev/null; otherwise
+// the child shares this process's. Errors (kInternal): it cannot be started (naming args[0] and
+// why), or waitpid fails.
+[[nodiscard]] StatusOr<ChildExit> run_child(const std::vector<std::string>& args,
+                                            const std::vector<std::string>* env,
+                                            const std::string& log, std::chrono::seconds timeout);
 
 // ---- wake-up ----
 // After the grid the worker idles 60 ms, then times 16 decode forwards (batch 1, 256 KV tokens)

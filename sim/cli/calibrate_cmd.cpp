@@ -27,12 +27,9 @@
 // trip); otherwise skipped with a note. Messages are KV-sized (page runs of one layer's K buffer);
 // latency and bandwidth come from a fit of time = latency + bytes / bandwidth.
 #include <fmt/format.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -122,26 +119,15 @@ StatusOr<json> spawn_worker(const CalibrateOptions& o, int tp, int threads,
         if (std::string_view(*e).rfind("PDSIM_NUM_THREADS=", 0) != 0) env.emplace_back(*e);
     }
     env.push_back(fmt::format("PDSIM_NUM_THREADS={}", threads == 1 ? 1 : threads * tp));
-    std::vector<char*> argv, envp;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    for (auto& e : env) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    pid_t pid = 0;
-    if (int rc = posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv.data(), envp.data());
-        rc != 0) {
+    StatusOr<ChildExit> ex = run_child(args, &env, "", std::chrono::seconds(0));
+    if (!ex.ok()) {
         return PDSIM_ERROR(StatusCode::kInternal, "cannot start a calibrate worker: {}",
-                           std::strerror(rc));
+                           ex.status().message());
     }
-    int status = 0;
-    while (waitpid(pid, &status, 0) < 0) {
-        if (errno != EINTR) return PDSIM_ERROR(StatusCode::kInternal, "waitpid failed");
-    }
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        return Status(code == 2 ? StatusCode::kInvalidArgument : StatusCode::kInternal,
+    if (ex->code != 0) {
+        return Status(ex->code == 2 ? StatusCode::kInvalidArgument : StatusCode::kInternal,
                       fmt::format("calibrate worker for tp {} threads {} failed (exit {})", tp,
-                                  threads, code));
+                                  threads, ex->code));
     }
     std::ifstream in(tmp);
     json j;

@@ -96,49 +96,19 @@ std::string tail_of(const std::string& path, size_t n) {
     return out;
 }
 
-// Runs argv with stdout and stderr to `log`; kUnavailable on a non-zero exit or after
-// kProbeTimeout (the process is then terminated), with the log's tail.
+// Runs args with stdout and stderr to `log`; kUnavailable when it cannot start, exits non-zero or
+// runs past kProbeTimeout (then stopped), with the log's tail.
 Status run_logged(const std::vector<std::string>& args, const std::string& log) {
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-    std::vector<std::string> copy = args;
-    std::vector<char*> argv;
-    for (auto& a : copy) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_t pid = 0;
-    const int rc = posix_spawn(&pid, copy[0].c_str(), &fa, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    if (rc != 0) {
+    StatusOr<ChildExit> ex = run_child(args, nullptr, log, kProbeTimeout);
+    if (!ex.ok()) return Status(StatusCode::kUnavailable, ex.status().message());
+    if (ex->timed_out) {
         return Status(StatusCode::kUnavailable,
-                      fmt::format("cannot start {}: {}", copy[0], std::strerror(rc)));
+                      fmt::format("did not finish in {} s (stopped); {}:{}", kProbeTimeout.count(),
+                                  log, tail_of(log, 8)));
     }
-    const auto deadline = Clock::now() + kProbeTimeout;
-    int status = 0;
-    for (;;) {
-        const pid_t w = ::waitpid(pid, &status, WNOHANG);
-        if (w == pid) break;
-        if (w < 0 && errno != EINTR) {
-            return Status(StatusCode::kInternal, "waitpid on the serve probe failed");
-        }
-        if (Clock::now() > deadline) {
-            ::kill(pid, SIGTERM);
-            std::this_thread::sleep_for(std::chrono::seconds(3));
-            ::kill(pid, SIGKILL);
-            while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-            }
-            return Status(StatusCode::kUnavailable,
-                          fmt::format("did not finish in {} s (stopped); {}:{}",
-                                      kProbeTimeout.count(), log, tail_of(log, 8)));
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (ex->code != 0) {
         return Status(StatusCode::kUnavailable,
-                      fmt::format("exit {}; {}:{}", code, log, tail_of(log, 8)));
+                      fmt::format("exit {}; {}:{}", ex->code, log, tail_of(log, 8)));
     }
     return {};
 }
@@ -156,6 +126,65 @@ const cost::ForwardCheckRow* all_row(const std::vector<cost::ForwardCheckRow>& r
 }
 
 }  // namespace
+
+StatusOr<ChildExit> run_child(const std::vector<std::string>& args,
+                              const std::vector<std::string>* env, const std::string& log,
+                              std::chrono::seconds timeout) {
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    if (!log.empty()) {
+        posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        posix_spawn_file_actions_adddup2(&fa, 1, 2);
+        posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    }
+    std::vector<std::string> copy = args;
+    std::vector<char*> argv;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    std::vector<std::string> env_copy;
+    std::vector<char*> envp;
+    if (env != nullptr) {
+        env_copy = *env;
+        for (auto& e : env_copy) envp.push_back(e.data());
+        envp.push_back(nullptr);
+    }
+    pid_t pid = 0;
+    const int rc = posix_spawn(&pid, copy[0].c_str(), &fa, nullptr, argv.data(),
+                               env != nullptr ? envp.data() : environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) {
+        return Status(StatusCode::kInternal,
+                      fmt::format("cannot start {}: {}", copy[0], std::strerror(rc)));
+    }
+    ChildExit ex;
+    int status = 0;
+    if (timeout.count() <= 0) {
+        while (::waitpid(pid, &status, 0) < 0) {
+            if (errno != EINTR) return PDSIM_ERROR(StatusCode::kInternal, "waitpid failed");
+        }
+    } else {
+        const auto deadline = Clock::now() + timeout;
+        for (;;) {
+            const pid_t w = ::waitpid(pid, &status, WNOHANG);
+            if (w == pid) break;
+            if (w < 0 && errno != EINTR) {
+                return PDSIM_ERROR(StatusCode::kInternal, "waitpid failed");
+            }
+            if (Clock::now() > deadline) {
+                ::kill(pid, SIGTERM);
+                std::this_thread::sleep_for(std::chrono::seconds(3));
+                ::kill(pid, SIGKILL);
+                while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+                }
+                ex.timed_out = true;
+                break;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+    }
+    ex.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return ex;
+}
 
 std::vector<std::string> serve_probe_command(const CalibrateOptions& o, const std::string& mpirun,
                                              const std::string& exe, int tp, int threads,

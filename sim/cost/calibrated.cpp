@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "common/stats.h"
 #include "topology/model_shape.h"
 
 namespace pdsim::cost {
@@ -334,10 +335,8 @@ StatusOr<std::unique_ptr<CostModel>> make_calibrated_model(const InstanceSpec& s
 
 std::optional<WakeFit> fit_wake(std::span<const double> median_s) {
     if (median_s.size() < kWakeWarmTail + 2) return std::nullopt;
-    std::vector<double> tail(median_s.end() - static_cast<std::ptrdiff_t>(kWakeWarmTail),
-                             median_s.end());
-    std::sort(tail.begin(), tail.end());
-    const double warm = (tail[(tail.size() - 1) / 2] + tail[tail.size() / 2]) / 2;
+    const double warm = stats::median(std::vector<double>(
+        median_s.end() - static_cast<std::ptrdiff_t>(kWakeWarmTail), median_s.end()));
     if (!(warm > 0)) return std::nullopt;
     // log(excess_k) = a + k log q over the leading forwards still measurably slow.
     std::vector<double> ks, ys;

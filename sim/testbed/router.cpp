@@ -334,6 +334,22 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         return {};
     };
 
+    // Every report already there, waiting up to `wait` for the first one only; a report says its
+    // rank is alive and its instance moved.
+    auto receive_reports = [&](microseconds wait) -> Status {
+        PDSIM_ASSIGN_OR_RETURN(std::optional<Message> m, rc.mbox->recv(Channel::kRouter, wait));
+        while (m) {
+            if (m->src > 0 && m->src < world) {
+                const double t = now_us();
+                last_seen[static_cast<size_t>(m->src)] = t;
+                inst_progress[static_cast<size_t>(map.at(m->src).instance)] = t;
+            }
+            PDSIM_RETURN_IF_ERROR(on_report(*m));
+            PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));
+        }
+        return {};
+    };
+
     while (terminal < n) {
         const double now = now_us();
         {
@@ -454,18 +470,7 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
         if (next < n)
             wait_us =
                 std::min(wait_us, std::max(0.0, t_base + reqs[next].arrival_ms * 1000.0 - now));
-        PDSIM_ASSIGN_OR_RETURN(
-            std::optional<Message> m,
-            rc.mbox->recv(Channel::kRouter, microseconds(static_cast<int64_t>(wait_us))));
-        while (m) {
-            if (m->src > 0 && m->src < world) {
-                const double t = now_us();
-                last_seen[static_cast<size_t>(m->src)] = t;
-                inst_progress[static_cast<size_t>(map.at(m->src).instance)] = t;
-            }
-            PDSIM_RETURN_IF_ERROR(on_report(*m));
-            PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));
-        }
+        PDSIM_RETURN_IF_ERROR(receive_reports(microseconds(static_cast<int64_t>(wait_us))));
     }
     // A request ends when its decode side reports; its prefill side's report (and digest) can
     // still be on its way (a TP prefill instance reports once every rank's sender finished). Wait
@@ -473,12 +478,7 @@ Status run_router_impl(const RouterConfig& rc, RouterResult* out) {
     if (!colocated && !decode_digest.empty()) {
         const double drain_until = now_us() + std::min(timeout_us, 10e6);
         while (!decode_digest.empty() && now_us() < drain_until) {
-            PDSIM_ASSIGN_OR_RETURN(std::optional<Message> m,
-                                   rc.mbox->recv(Channel::kRouter, microseconds(20'000)));
-            while (m) {
-                PDSIM_RETURN_IF_ERROR(on_report(*m));
-                PDSIM_ASSIGN_OR_RETURN(m, rc.mbox->recv(Channel::kRouter, microseconds(0)));
-            }
+            PDSIM_RETURN_IF_ERROR(receive_reports(microseconds(20'000)));
         }
         if (!decode_digest.empty()) {
             PDSIM_LOG_WARN(
