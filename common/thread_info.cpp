@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -70,6 +71,19 @@ std::map<std::string, double> cpu_by_name(const std::vector<ThreadCpu>& before,
         auto it = base.find(t.tid);
         out[t.name] += t.cpu_s - (it == base.end() ? 0.0 : it->second);
     }
+    return out;
+}
+
+std::vector<int> allowed_cpus() {
+    std::vector<int> out;
+#ifdef __linux__
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) != 0) return out;
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+        if (CPU_ISSET(cpu, &set)) out.push_back(cpu);
+    }
+#endif
     return out;
 }
 

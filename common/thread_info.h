@@ -24,6 +24,10 @@ struct ThreadCpu {
 
 [[nodiscard]] std::vector<ThreadCpu> thread_cpu_times();
 
+// The CPU ids the calling thread may run on (sched_getaffinity), ascending: one id where mpirun
+// bound the process to a core. Empty where it cannot be read (or off Linux).
+[[nodiscard]] std::vector<int> allowed_cpus();
+
 // CPU seconds per thread name used between two snapshots (threads of one name are summed; a
 // thread that is only in `after` counts from zero; one that exited before `after` is lost).
 [[nodiscard]] std::map<std::string, double> cpu_by_name(const std::vector<ThreadCpu>& before,

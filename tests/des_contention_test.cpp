@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "common/check.h"
 #include "sim/des/simulator.h"
+#include "tests/status_matchers.h"
 #include "topology/loader.h"
 
 namespace pdsim::des {
@@ -119,6 +121,30 @@ TEST(CpuContention, TwoCoreTp2AndOneCoreForwardOnTwoCores) {
     EXPECT_NEAR(t[0], 150, kEps);
     EXPECT_NEAR(t[1], 150, kEps);
     EXPECT_EQ(r.stats.contended_forwards, 2);
+}
+
+TEST(CpuContention, BoundRanksShareOnlyTheirOwnCore) {
+    // The same forwards with the ranks bound to cores 0, 1, 0 (mpirun --bind-to core): core 0
+    // halves between the TP-1 forward and the TP-2 forward's first rank, whose peer on core 1
+    // keeps its pace. TP-2: 0.2 core-seconds at 2 x 1/2 cores; TP-1: 0.1 at 1/2: both end at
+    // 200 ms, where the node-wide share above ends them at 150 ms.
+    SimConfig c = make_config(2, 2, SimMode::kColocated, 0.1, 0.01);
+    c.rank_core = {0, 1, 0};
+    const SimResult r = run(c, {req(0, 0, 100, 1), req(1, 0, 100, 1)});
+    ASSERT_EQ(r.report.requests_completed, 2);
+    const std::vector<double> t = sorted_ttfts(r);
+    EXPECT_NEAR(t[0], 200, kEps);
+    EXPECT_NEAR(t[1], 200, kEps);
+    EXPECT_EQ(r.report.extra["config"]["rank_core"], (nlohmann::json{0, 1, 0}));
+    // On cores of their own they do not contend at all.
+    c.rank_core = {0, 1, 2};
+    const std::vector<double> apart = sorted_ttfts(run(c, {req(0, 0, 100, 1), req(1, 0, 100, 1)}));
+    EXPECT_NEAR(apart[0], 100, kEps);
+    EXPECT_NEAR(apart[1], 100, kEps);
+    // A core per rank or nothing.
+    c.rank_core = {0, 1};
+    EXPECT_THAT(run_simulation(c, std::vector<workload::Request>{req(0, 0, 100, 1)}).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("2 rank cores for 3 ranks")));
 }
 
 TEST(CpuContention, SharesMoveWhenAForwardEnds) {

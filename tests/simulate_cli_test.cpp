@@ -201,6 +201,41 @@ TEST(SimulateCli, LikeReplaysTheTestbedsRequestSet) {
     ASSERT_EQ(both.rc, 0) << both.describe();
     EXPECT_TRUE(json::parse(slurp(dir.path() / "both.json")).contains("colocated"));
 
+    // Where the ranks ran: the testbed's ranks were threads of one unbound process here, so the
+    // replay leaves them unbound; a report whose ranks were each bound to one core (as mpirun
+    // --bind-to core leaves them) is replayed with that binding; --cpu-binding wins.
+    const json& rank_stats = tb_rep["ranks"][0]["stats"];
+    ASSERT_TRUE(rank_stats["cpus"].is_array());
+    EXPECT_FALSE(rank_stats["cpus"].empty());
+    EXPECT_GE(rank_stats["online_cpus"].get<int>(), 1);
+    EXPECT_EQ(rep["config"]["rank_core"], json::array());
+    json bound = tb_rep;
+    bound["ranks"][0]["stats"]["cpus"] = {3};
+    bound["ranks"][1]["stats"]["cpus"] = {1};
+    bound["ranks"][0]["stats"]["online_cpus"] = 4;
+    bound["ranks"][1]["stats"]["online_cpus"] = 4;
+    std::ofstream(dir.str("bound.json")) << bound.dump();
+    for (const auto& [flags, want_cores] : std::vector<std::pair<std::vector<std::string>, json>>{
+             {{}, json{3, 1}},
+             {{"--cpu-binding", "none"}, json::array()},
+             {{"--cpu-binding", "core"}, json{0, 1}},  // 4 cores: ranks 0, 1 on cores 0, 1
+             {{"--cpu-binding", "core", "--cpu-cores", "1"}, json{0, 0}},
+             {{"--cpu-binding", "2,2"}, json{2, 2}}}) {
+        std::vector<std::string> args = {
+            "simulate", "--like",   dir.str("bound.json"),    "--cost-model", dir.str("cost.json"),
+            "--quiet",  "--report", dir.str("bound_sim.json")};
+        args.insert(args.end(), flags.begin(), flags.end());
+        CmdResult bound_sim = run_pdsim(args, 120);
+        ASSERT_EQ(bound_sim.rc, 0) << bound_sim.describe();
+        EXPECT_EQ(json::parse(slurp(dir.path() / "bound_sim.json"))["config"]["rank_core"],
+                  want_cores)
+            << testing::PrintToString(flags);
+    }
+    CmdResult too_few = run_pdsim({"simulate", "--like", dir.str("bound.json"), "--cost-model",
+                                   dir.str("cost.json"), "--cpu-binding", "0,1,0"});
+    EXPECT_EQ(too_few.rc, 2) << too_few.describe();
+    EXPECT_THAT(too_few.err, HasSubstr("--cpu-binding 0,1,0: 3 core ids for the topology's 2"));
+
     // Flags that would change the request set; a file that is no testbed report; a report whose
     // model no longer resolves to what ran.
     CmdResult with_trace = run_pdsim({"simulate", "--like", dir.str("tb.json"), "--trace",
@@ -244,6 +279,10 @@ TEST(SimulateCli, BadInputExitsTwoNamingTheFlagOrFile) {
         {{"simulate", "--topology", kDgx, "--trace", trace, "--chunk-size", "0"}, "--chunk-size"},
         {{"simulate", "--topology", kDgx, "--trace", trace, "--mode", "sideways"}, "--mode"},
         {{"simulate", "--topology", kDgx, "--trace", trace, "--layerwise", "maybe"}, "--layerwise"},
+        {{"simulate", "--topology", kDgx, "--trace", trace, "--cpu-binding", "0,x"},
+         "--cpu-binding 0,x: 'x' is not a core id"},
+        {{"simulate", "--topology", kDgx, "--trace", trace, "--cpu-binding", "0,,1"},
+         "--cpu-binding 0,,1: '' is not a core id"},
         {{"simulate", "--topology", kDgx, "--trace", trace, "--time-scale", "0"}, "--time-scale"},
         {{"simulate", "--topology", kDgx, "--trace", trace, "--model", "gpt-9"}, "--model"},
         {{"simulate", "--topology", kDgx, "--trace", trace, "--cost-model", dir.str("c.json")},

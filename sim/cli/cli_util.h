@@ -44,6 +44,7 @@ inline constexpr int64_t kMaxLengthCap = 10'000'000;         // --max-input-len,
 inline constexpr double kMaxTimeScale = 1e6;                 // --time-scale
 inline constexpr double kMaxSloMs = 1e9;                     // --slo-ttft-ms, --slo-tpot-ms
 inline constexpr int64_t kMaxKvPoolMb = int64_t{1} << 20;    // --kv-pool-mb (1 TiB)
+inline constexpr int kMaxCoreId = 65535;                     // --cpu-binding
 
 // A KV cache of `sequences` x `tokens` tokens (each of `kv_heads` x `head_dim` K and V values of
 // 4 bytes, the widest dtype) over `limit_bytes`: kInvalidArgument naming `flags` and the size.

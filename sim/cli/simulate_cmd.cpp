@@ -4,8 +4,10 @@
 // The trace flags mean what `pdsim testbed`'s flags of the same name mean (sim/testbed/options.h);
 // only the defaults differ (no length caps, the trace's own time scale).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -14,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include "backends/model/model_config.h"
 #include "common/data_dir.h"
@@ -50,6 +53,7 @@ struct SimulateFlags {
     std::string cost_noise = "on";
     uint64_t noise_seed = 1;
     double cpu_cores = 0;
+    std::string cpu_binding = "none";  // none | core | a core per rank, comma-separated
     int64_t kv_pool_mb = 512;
     double slo_ttft_ms = 0, slo_tpot_ms = 0;
     std::string report, timeline, requests;
@@ -75,6 +79,7 @@ struct Prepared {
     std::optional<cost::CostFile> cost_file;
     std::string cost_kind;
     std::vector<des::InstanceSetup> setups;
+    std::vector<int> rank_core;  // --cpu-binding resolved: empty, or a core per rank
     std::vector<workload::Request> requests;
     std::string workload_label;
     double load_s = 0;
@@ -84,6 +89,29 @@ StatusOr<bool> on_off(const std::string& flag, const std::string& v) {
     if (v == "on") return true;
     if (v == "off") return false;
     return invalid_argument_error(fmt::format("{} {}: expected on or off", flag, v));
+}
+
+// --cpu-binding: "none" and "core" give an empty list; otherwise the comma-separated core ids.
+StatusOr<std::vector<int>> parse_core_list(const std::string& binding) {
+    std::vector<int> cores;
+    if (binding == "none" || binding == "core") return cores;
+    size_t start = 0;
+    while (start <= binding.size()) {
+        const size_t comma = std::min(binding.find(',', start), binding.size());
+        const std::string item = binding.substr(start, comma - start);
+        int core = -1;
+        const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), core);
+        if (item.empty() || ec != std::errc() || end != item.data() + item.size() || core < 0 ||
+            core > kMaxCoreId) {
+            return invalid_argument_error(fmt::format(
+                "--cpu-binding {}: '{}' is not a core id in [0, {}] (expected none, core, or one "
+                "core id per rank, comma-separated)",
+                binding, item, kMaxCoreId));
+        }
+        cores.push_back(core);
+        start = comma + 1;
+    }
+    return cores;
 }
 
 Status check_flags(const SimulateFlags& f) {
@@ -131,7 +159,35 @@ Status check_flags(const SimulateFlags& f) {
     if (!(f.cpu_cores >= 0) || !std::isfinite(f.cpu_cores)) {
         return invalid_argument_error(fmt::format("--cpu-cores {}: must be >= 0", f.cpu_cores));
     }
-    return {};
+    return parse_core_list(f.cpu_binding).status();
+}
+
+// The core each rank is bound to (SimConfig::rank_core): none, empty; core, as `mpirun --map-by
+// core --bind-to core` places them (a node's ranks in rank order on its cores 0, 1, ..., C - 1,
+// then round again); a list, as given, one per rank.
+StatusOr<std::vector<int>> resolve_cpu_binding(const SimulateFlags& f, const topo::Topology& t) {
+    PDSIM_ASSIGN_OR_RETURN(std::vector<int> cores, parse_core_list(f.cpu_binding));
+    if (f.cpu_binding == "none") return cores;
+    if (f.cpu_binding == "core") {
+        const topo::RankMap map = t.rank_map();
+        cores.assign(static_cast<size_t>(t.num_ranks()), 0);
+        for (size_t n = 0; n < t.nodes.size(); ++n) {
+            double node_cores = f.cpu_cores > 0 ? f.cpu_cores : t.nodes[n].cpus;
+            if (node_cores <= 0) node_cores = std::max(1u, std::thread::hardware_concurrency());
+            const int c = std::max(1, static_cast<int>(node_cores));
+            int local = 0;
+            for (int r : map.ranks_on_node(static_cast<int>(n))) {
+                cores[static_cast<size_t>(r)] = local++ % c;
+            }
+        }
+        return cores;
+    }
+    if (std::ssize(cores) != t.num_ranks()) {
+        return invalid_argument_error(
+            fmt::format("--cpu-binding {}: {} core ids for the topology's {} ranks", f.cpu_binding,
+                        cores.size(), t.num_ranks()));
+    }
+    return cores;
 }
 
 // Model and topology as `pdsim testbed` resolves them (sim/testbed/options.cpp), minus its
@@ -228,6 +284,7 @@ StatusOr<Prepared> prepare(const SimulateFlags& f, const LikeRun* like = nullptr
                       fmt::format("--cost-model {}: {}", f.cost_model, setups.status().message()));
     }
     p.setups = std::move(*setups);
+    PDSIM_ASSIGN_OR_RETURN(p.rank_core, resolve_cpu_binding(f, p.topology));
     const auto t0 = std::chrono::steady_clock::now();
     if (like != nullptr) {
         p.requests = like->requests;
@@ -252,6 +309,7 @@ des::SimConfig make_config(const Prepared& p, const SimulateFlags& f, des::SimMo
     c.cost_noise = f.cost_noise == "on";
     c.noise_seed = f.noise_seed;
     c.node_cpus = f.cpu_cores;
+    c.rank_core = p.rank_core;
     c.batching.max_decode_kv_tokens = f.max_decode_kv_tokens;
     c.slo.ttft_ms = f.slo_ttft_ms;
     c.slo.tpot_ms = f.slo_tpot_ms;
@@ -533,6 +591,34 @@ StatusOr<LikeRun> load_like(SimulateFlags* f, const std::function<bool(const cha
         }
         f->max_decode_kv_tokens = cap;
     }
+    // Where the testbed's ranks ran: the cores each was bound to and the cores its host had
+    // (ranks[].stats.cpus and online_cpus), unless given.
+    if (rep.contains("ranks") && rep["ranks"].is_array() && !rep["ranks"].empty()) {
+        std::vector<int> bound;
+        double online = 0;
+        bool all_bound = true, same_online = true;
+        for (const json& rank : rep["ranks"]) {
+            const json stats = rank.is_object() ? rank.value("stats", json::object()) : json();
+            const json cpus = stats.is_object() ? stats.value("cpus", json()) : json();
+            if (cpus.is_array() && cpus.size() == 1 && cpus[0].is_number_integer() &&
+                cpus[0].get<int64_t>() >= 0 && cpus[0].get<int64_t>() <= kMaxCoreId) {
+                bound.push_back(cpus[0].get<int>());
+            } else {
+                all_bound = false;
+            }
+            const json cores = stats.is_object() ? stats.value("online_cpus", json()) : json();
+            if (cores.is_number() && cores.get<double>() >= 1 && cores.get<double>() <= 4096 &&
+                (online == 0 || online == cores.get<double>())) {
+                online = cores.get<double>();
+            } else {
+                same_online = false;
+            }
+        }
+        if (!given("--cpu-binding") && all_bound) {
+            f->cpu_binding = fmt::format("{}", fmt::join(bound, ","));
+        }
+        if (!given("--cpu-cores") && same_online && online > 0) f->cpu_cores = online;
+    }
     if (!given("--mode")) {
         PDSIM_ASSIGN_OR_RETURN(const std::string mode,
                                like_field<std::string>(file, rep, "", "mode"));
@@ -742,6 +828,14 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
     sub->add_option("--cpu-cores", f->cpu_cores,
                     "cores per node for --cpu-contention (0: the node's cpus, else this machine's)")
         ->check(real_in(0, 4096))
+        ->capture_default_str();
+    sub->add_option("--cpu-binding", f->cpu_binding,
+                    "where the cpu ranks run, for --cpu-contention: none (anywhere on their node: "
+                    "its cores are shared by every computing thread), core (bound as mpirun "
+                    "--map-by core --bind-to core binds them: a node's ranks on cores 0, 1, ... in "
+                    "turn; each core shared by the threads bound to it), or a core id per rank "
+                    "(0,1,0,1,0). With --like: the cores the testbed's ranks were bound to, when "
+                    "each was bound to one")
         ->capture_default_str();
     sub->add_option("--kv-pool-mb", f->kv_pool_mb, "cpu devices: KV pool per rank, MiB")
         ->check(int_in(1, kMaxKvPoolMb))

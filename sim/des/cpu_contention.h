@@ -8,9 +8,20 @@
 // CostModel::interference for its kind). A forward's rate therefore changes only when a forward
 // on its node starts or ends; between those instants it progresses linearly.
 //
+// Where the ranks are bound to cores (SimConfig::rank_core; mpirun --bind-to core), each core is
+// shared instead: the threads bound to a core split it evenly, a TP instance runs at the pace of
+// its slowest rank (its ranks meet in an all-gather every layer), and what a bottlenecked
+// instance leaves of a core goes to the others on it (max-min fairness per thread by progressive
+// filling, the kernel's per-core fair share with waiters that yield). The 2p1d TP-2 example on
+// 2 cores binds ranks 0, 2, 4 (both prefill instances' TP rank 0 and the decode rank) to core 0,
+// so a decode forward beside one prefill forward gets half a core, beside two a third, where the
+// node-wide rule would give it 2/3 and 2/5. Interference then slows a forward while another
+// forward runs on one of its cores.
+//
 // Only nodes that can contend are modelled (CpuContention::plan): where the CPU instances'
-// threads together exceed the cores, or where two of them share the node and one's cost model
-// reports interference. The other instances keep the simulator's one-event-per-forward path.
+// threads together exceed the cores (bound: where a core has more than one thread), or where two
+// of them share the node and one's cost model reports interference. The other instances keep the
+// simulator's one-event-per-forward path.
 //
 // The simulator owns the events: share() returns the new rates and CpuForward keeps the state
 // (work left, rate, end event) that the simulator moves forward with retime().
@@ -45,6 +56,8 @@ struct CpuForward {
     double rate_since_s = 0;          // when work_core_s was last brought up to date
     bool decode = false;              // the forward's kind
     bool slowed = false;              // it ran below `cores` at some point
+    // Bound nodes: the cores its threads are bound to, as (core id, threads on it), ascending.
+    std::vector<std::pair<int, double>> core_threads;
     EventLoop::EventId end_event = 0;
 
     // Brings the work left up to `now_s` at the current rate (never below 0).
@@ -64,6 +77,7 @@ class CpuContention {
 public:
     struct Node {
         double cores = 1;
+        bool bound = false;       // its ranks are bound to cores: shared per core
         std::vector<int> active;  // instances whose forward is in flight, in start order
     };
 
@@ -71,9 +85,13 @@ public:
     // Which instances contend (see the file comment). `cpu_cores[i]` and `costs[i]` are instance
     // i's InstanceSetup::cpu_cores and cost model (non-null); a node's cores are `node_cpus` when
     // > 0, else the topology node's `cpus`, else std::thread::hardware_concurrency().
-    // Precondition: cpu_cores.size() == costs.size() == topology.instances.size().
+    // `rank_core`: empty, ranks run anywhere on their node; else, per rank of the topology's rank
+    // order, the core (an id on its node, >= 0) that rank's compute threads are bound to.
+    // Precondition: cpu_cores.size() == costs.size() == topology.instances.size(); rank_core is
+    // empty or has topology.num_ranks() ids, each >= 0 (SimConfig's checks).
     static CpuContention plan(const topo::Topology& topology, std::span<const int> cpu_cores,
-                              std::span<const cost::CostModel* const> costs, double node_cpus);
+                              std::span<const cost::CostModel* const> costs, double node_cpus,
+                              std::span<const int> rank_core = {});
 
     [[nodiscard]] bool contended(int instance) const { return forward(instance).node >= 0; }
     [[nodiscard]] CpuForward& forward(int instance) {
@@ -96,7 +114,18 @@ public:
 private:
     std::vector<CpuForward> forwards_;  // per instance
     std::vector<Node> nodes_;
+    // Bound nodes: per-thread core share of each active forward (progressive filling).
+    void fill_bound(const Node& node);
+
     std::vector<std::pair<double, int>> rates_;  // share() scratch
+    struct CoreFill {
+        int core = 0;
+        double used = 0;      // capacity taken by frozen forwards
+        double unfrozen = 0;  // threads of forwards still rising
+        int forwards = 0;     // active forwards with threads on it
+    };
+    std::vector<CoreFill> fill_;       // share() scratch (bound)
+    std::vector<double> thread_rate_;  // share() scratch (bound), per active forward
 };
 
 }  // namespace pdsim::des

@@ -169,6 +169,7 @@ nlohmann::json config_json(const SimConfig& config, const std::string& mode,
             {"max_decode_batch", b.max_decode_batch},
             {"max_decode_kv_tokens", b.max_decode_kv_tokens},
             {"cpu_contention", config.cpu_contention},
+            {"rank_core", config.rank_core},  // empty: ranks unbound
             {"cost_noise", cost_noise},
             {"noise_seed", config.noise_seed},
             {"contended_node_cores", contended_cores},

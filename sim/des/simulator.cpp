@@ -225,7 +225,21 @@ Status Simulation::setup() {
     if (cfg_.cpu_contention) {
         for (size_t i = 0; i < n; ++i) cpu_cores[i] = cfg_.instances[i].cpu_cores;
     }
-    contention_ = CpuContention::plan(t, cpu_cores, costs, cfg_.node_cpus);
+    if (!cfg_.rank_core.empty()) {
+        if (std::ssize(cfg_.rank_core) != t.num_ranks()) {
+            return invalid_argument_error(fmt::format("{}: {} rank cores for {} ranks",
+                                                      cfg_.topology_label, cfg_.rank_core.size(),
+                                                      t.num_ranks()));
+        }
+        for (size_t r = 0; r < cfg_.rank_core.size(); ++r) {
+            if (cfg_.rank_core[r] < 0) {
+                return invalid_argument_error(fmt::format("{}: rank {} core {}: must be >= 0",
+                                                          cfg_.topology_label, r,
+                                                          cfg_.rank_core[r]));
+            }
+        }
+    }
+    contention_ = CpuContention::plan(t, cpu_cores, costs, cfg_.node_cpus, cfg_.rank_core);
     noise_.resize(n);
     if (cfg_.cost_noise) {
         for (const Instance& x : insts_) {

@@ -131,8 +131,13 @@ struct SimConfig {
     // core-seconds of work.
     // node_cpus: cores of every node (> 0), else the node's `cpus`, else
     // std::thread::hardware_concurrency() (the testbed runs a cpu topology on this machine).
+    // rank_core: empty, a node's ranks run on any of its cores (the rule above); else per rank
+    // (the topology's rank order) the core id (>= 0) it is bound to, as `mpirun --bind-to core`
+    // binds the testbed's ranks: each core is then shared by the threads bound to it
+    // (cpu_contention.h).
     bool cpu_contention = true;
     double node_cpus = 0;
+    std::vector<int> rank_core;
     // Forward-time variation (cost::CostNoise) where an instance's cost model measured it; drawn
     // from a generator seeded with noise_seed and the instance index (a run is reproducible).
     bool cost_noise = true;

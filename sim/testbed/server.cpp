@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <thread>
 
 #include "common/logging.h"
+#include "common/thread_info.h"
 #include "sim/testbed/rank_builder.h"
 #include "sim/testbed/server_internal.h"
 #include "sim/testbed/window.h"
@@ -550,6 +552,9 @@ RankResult Server::result() {
                   {"compute_us", compute_us_},
                   {"record_violations", record_violations_},
                   {"threads", ctx_.threads},
+                  // Where the rank ran (`pdsim simulate --like` binds its ranks the same way).
+                  {"cpus", allowed_cpus()},
+                  {"online_cpus", std::thread::hardware_concurrency()},
                   {"decode_kv_cap", decode_kv_cap()},  // 0: none (`pdsim simulate --like`)
                   {"broken", broken_ ? broken_reason_ : ""}};
     if (ctx_.gpu != nullptr) {
