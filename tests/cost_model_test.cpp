@@ -1085,10 +1085,34 @@ TEST(CostCheckCli, ComparesForwardsAndRefusesBadInput) {
     test::CmdResult fit =
         test::run_pdsim({"calibrate", "--from-timeline", tl, "--model", "tiny", "--out", cost}, 60);
     ASSERT_EQ(fit.rc, 0) << fit.describe();
-    test::CmdResult r = test::run_pdsim(
-        {"cost-check", "--timeline", tl, "--cost-model", cost, "--json", dir.str("rows.json")}, 60);
+    // Three more decode forwards of 0.8 ms, 0.2 ms apart, long after the rest: two gaps.
+    json with_gaps = synthetic_timeline(false);
+    for (int i = 0; i < 3; ++i) {
+        with_gaps["traceEvents"].push_back(forward_slice(1, 1e12 + 1000.0 * i, 800,
+                                                         {{"instance", 1},
+                                                          {"tp", 1},
+                                                          {"tp_rank", 0},
+                                                          {"threads", 1},
+                                                          {"batch", 1},
+                                                          {"kv_tokens", 64}}));
+    }
+    write_json(dir.str("gaps_tl.json"), with_gaps);
+    test::CmdResult r =
+        test::run_pdsim({"cost-check", "--timeline", dir.str("gaps_tl.json"), "--cost-model", cost,
+                         "--json", dir.str("rows.json"), "--gaps-json", dir.str("gaps.json")},
+                        60);
     ASSERT_EQ(r.rc, 0) << r.describe();
     EXPECT_THAT(r.out, HasSubstr("| extend | 1 | 1 | no | all |"));
+    EXPECT_THAT(r.out, HasSubstr("Time between an instance's forwards"));
+    // The gap rows are forward_gaps' (worked by hand in timeline_fit_test): here, as JSON.
+    const json gaps = json::parse(std::ifstream(dir.str("gaps.json")));
+    ASSERT_TRUE(gaps.is_array());
+    ASSERT_EQ(gaps.size(), 1u) << gaps.dump();
+    EXPECT_EQ(gaps[0]["instance"], 1);
+    EXPECT_EQ(gaps[0]["kind"], "decode");
+    EXPECT_EQ(gaps[0]["others_computing"], false);
+    EXPECT_EQ(gaps[0]["count"], 2);
+    EXPECT_NEAR(gaps[0]["gap_ms_mean"].get<double>(), 0.2, 1e-9);
     EXPECT_THAT(r.out, HasSubstr("| 1.00 / 1.00 / 1.00 |"));
     const json rows = json::parse(std::ifstream(dir.str("rows.json")));
     ASSERT_TRUE(rows.is_array());

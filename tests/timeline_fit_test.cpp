@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <fstream>
@@ -423,6 +424,36 @@ TimelineForward forward(double begin_us, double dur_us, int instance, bool decod
         f.items = {{100, 0}};
     }
     return f;
+}
+
+TEST(ForwardCheck, GapsBetweenAnInstancesForwardsSplitByWhetherOthersComputed) {
+    // Decode instance 0: forwards [0, 1), [1.5, 2.5), [3, 4) ms, then idle 6 ms (not counted),
+    // [10, 11), [11.2, 12). Instance 1's extend [1.2, 3.2) ms covers the middles of the first two
+    // gaps (1.25 and 2.75 ms); the last gap (11.1 ms) has nobody else computing. A TP follower of
+    // instance 1 at [11, 11.5) is not "another instance computing" (leaders only).
+    std::vector<TimelineForward> fs = {
+        forward(0, 1000, 0, true),    forward(1200, 2000, 1, false), forward(1500, 1000, 0, true),
+        forward(3000, 1000, 0, true), forward(10000, 1000, 0, true), forward(11200, 800, 0, true),
+    };
+    TimelineForward follower = forward(11000, 500, 1, false);
+    follower.tp_rank = 1;
+    fs.push_back(follower);
+    std::sort(fs.begin(), fs.end(),
+              [](const auto& a, const auto& b) { return a.begin_us < b.begin_us; });
+    const std::vector<ForwardGapRow> rows = forward_gaps(fs);
+    ASSERT_EQ(rows.size(), 2u);  // instance 1 has a single forward: no gap
+    EXPECT_EQ(rows[0].instance, 0);
+    EXPECT_TRUE(rows[0].decode);
+    EXPECT_FALSE(rows[0].others_computing);
+    EXPECT_EQ(rows[0].count, 1u);
+    EXPECT_NEAR(rows[0].gap_ms_sum, 0.2, 1e-9);
+    EXPECT_TRUE(rows[1].others_computing);
+    EXPECT_EQ(rows[1].count, 2u);
+    EXPECT_NEAR(rows[1].gap_ms_sum, 1.0, 1e-9);
+    EXPECT_NEAR(rows[1].gap_ms_mean, 0.5, 1e-9);
+    EXPECT_NEAR(rows[1].gap_ms_p50, 0.5, 1e-9);
+    EXPECT_NEAR(rows[1].forward_ms_sum, 4.8, 1e-9);
+    EXPECT_THAT(forward_gap_table(rows), HasSubstr("| 0 | decode | yes | 2 | 0.500 / 0.500"));
 }
 
 TEST(ForwardCheck, RatiosPerKindBucketAndOverlap) {

@@ -23,6 +23,7 @@ struct CostCheckOptions {
     std::string cost_model;
     std::string model = "tiny";
     std::string json_out;
+    std::string gaps_json_out;
 };
 
 Status run_cost_check(const CostCheckOptions& o) {
@@ -54,6 +55,30 @@ Status run_cost_check(const CostCheckOptions& o) {
         "measured / predicted > 1: the testbed's forward was slower than the cost model says. "
         "Rows with another instance computing include the contention the simulator adds on top "
         "(its CPU contention model and the cost file's interference).\n");
+    // Gaps are within one run too: the offset clocks above keep files apart (a gap across files
+    // is over kIdleGapS and not counted).
+    const std::vector<cost::ForwardGapRow> gaps = cost::forward_gaps(forwards);
+    std::printf(
+        "\nTime between an instance's forwards (gaps under %.0f ms; the simulator has "
+        "none):\n%s",
+        cost::kIdleGapS * 1000, cost::forward_gap_table(gaps).c_str());
+    if (!o.gaps_json_out.empty()) {
+        nlohmann::json j = nlohmann::json::array();
+        for (const cost::ForwardGapRow& r : gaps) {
+            j.push_back({{"instance", r.instance},
+                         {"kind", r.decode ? "decode" : "extend"},
+                         {"others_computing", r.others_computing},
+                         {"count", r.count},
+                         {"gap_ms_mean", r.gap_ms_mean},
+                         {"gap_ms_p50", r.gap_ms_p50},
+                         {"gap_ms_p90", r.gap_ms_p90},
+                         {"gap_ms_sum", r.gap_ms_sum},
+                         {"forward_ms_sum", r.forward_ms_sum}});
+        }
+        std::ofstream f(o.gaps_json_out);
+        f << j.dump(2) << "\n";
+        if (!f) return Status(StatusCode::kUnavailable, o.gaps_json_out + ": write failed");
+    }
     if (!o.json_out.empty()) {
         nlohmann::json j = nlohmann::json::array();
         for (const cost::ForwardCheckRow& r : *rows) {
@@ -87,7 +112,8 @@ void add_cost_check_command(CLI::App& app, CommandSet& commands) {
         "Compare a cost file's forward times with the forwards a `pdsim testbed --timeline` run "
         "timed, batch by batch: per kind (extend, decode), TP, threads and batch size, and "
         "whether another instance computed at the same time, the measured and predicted "
-        "medians and the measured / predicted ratio. Shows which forwards a simulation gets "
+        "medians and the measured / predicted ratio; then the time between each instance's "
+        "forwards, which the simulator does not model. Shows which forwards a simulation gets "
         "wrong (docs/cost-models.md). Exit 2 on bad input.");
     a->add_option("--timeline", o->timeline,
                   "Comma-separated timelines of `pdsim testbed --timeline` runs")
@@ -102,6 +128,9 @@ void add_cost_check_command(CLI::App& app, CommandSet& commands) {
         ->check(non_empty())
         ->capture_default_str();
     a->add_option("--json", o->json_out, "Also write the rows as JSON here")->check(output_file());
+    a->add_option("--gaps-json", o->gaps_json_out,
+                  "Also write the time-between-forwards rows as JSON here")
+        ->check(output_file());
     commands.add(a, [o] { return run_cost_check(*o); });
 }
 

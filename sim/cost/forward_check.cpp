@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -128,6 +129,71 @@ std::string forward_check_table(std::span<const ForwardCheckRow> rows) {
             r.decode ? "decode" : "extend", r.tp, r.threads, r.overlapped ? "yes" : "no", r.bucket,
             r.count, r.measured_ms_p50, r.predicted_ms_p50, r.ratio_p10, r.ratio_p50, r.ratio_p90,
             r.measured_ms_sum > 0 ? 100.0 * r.predicted_ms_sum / r.measured_ms_sum : 0.0);
+    }
+    return out;
+}
+
+std::vector<ForwardGapRow> forward_gaps(std::span<const TimelineForward> forwards) {
+    // Each instance's leader forwards, in order of begin.
+    std::map<int, std::vector<const TimelineForward*>> leaders;
+    for (const TimelineForward& f : forwards) {
+        if (f.tp_rank == 0 && f.duration_us > 0) leaders[f.instance].push_back(&f);
+    }
+    // Whether instance `self`'s neighbours had a forward in flight at `t_us`.
+    auto others_at = [&](int self, double t_us) {
+        for (const auto& [instance, list] : leaders) {
+            if (instance == self) continue;
+            auto it = std::upper_bound(
+                list.begin(), list.end(), t_us,
+                [](double t, const TimelineForward* f) { return t < f->begin_us; });
+            if (it != list.begin() && (*std::prev(it))->end_us > t_us) return true;
+        }
+        return false;
+    };
+    std::vector<ForwardGapRow> rows;
+    for (const auto& [instance, list] : leaders) {
+        size_t decodes = 0;
+        double forward_ms = 0;
+        for (const TimelineForward* f : list) {
+            decodes += f->decode ? 1 : 0;
+            forward_ms += f->duration_us / 1000.0;
+        }
+        std::vector<double> gaps_ms[2];  // others computing: no, yes
+        for (size_t i = 1; i < list.size(); ++i) {
+            const double gap_us = list[i]->begin_us - list[i - 1]->end_us;
+            if (gap_us < 0 || gap_us >= kIdleGapS * 1e6) continue;
+            const double middle = list[i - 1]->end_us + gap_us / 2;
+            gaps_ms[others_at(instance, middle) ? 1 : 0].push_back(gap_us / 1000.0);
+        }
+        for (bool others : {false, true}) {
+            std::vector<double>& g = gaps_ms[others ? 1 : 0];
+            if (g.empty()) continue;
+            std::sort(g.begin(), g.end());
+            ForwardGapRow row;
+            row.instance = instance;
+            row.decode = 2 * decodes > list.size();
+            row.others_computing = others;
+            row.count = g.size();
+            for (double v : g) row.gap_ms_sum += v;
+            row.gap_ms_mean = row.gap_ms_sum / static_cast<double>(g.size());
+            row.gap_ms_p50 = at(g, 0.5);
+            row.gap_ms_p90 = at(g, 0.9);
+            row.forward_ms_sum = forward_ms;
+            rows.push_back(row);
+        }
+    }
+    return rows;
+}
+
+std::string forward_gap_table(std::span<const ForwardGapRow> rows) {
+    std::string out =
+        "| instance | kind | other instance computing | gaps | gap ms mean / p50 / p90 | gaps ms "
+        "| forwards ms |\n|---|---|---|---|---|---|---|\n";
+    for (const ForwardGapRow& r : rows) {
+        out += fmt::format("| {} | {} | {} | {} | {:.3f} / {:.3f} / {:.3f} | {:.1f} | {:.1f} |\n",
+                           r.instance, r.decode ? "decode" : "extend",
+                           r.others_computing ? "yes" : "no", r.count, r.gap_ms_mean, r.gap_ms_p50,
+                           r.gap_ms_p90, r.gap_ms_sum, r.forward_ms_sum);
     }
     return out;
 }

@@ -48,4 +48,28 @@ struct ForwardCheckRow {
 // The rows as a markdown table (one line each).
 [[nodiscard]] std::string forward_check_table(std::span<const ForwardCheckRow> rows);
 
+// Time between an instance's consecutive forwards: from one leader forward's end to the next
+// one's begin. The simulator starts an instance's next forward the moment its last one ends (no
+// time between them), so a testbed run's gaps are what it leaves out: the rank's main loop
+// scheduling the step, and on a core shared with other ranks the wait for the core. Gaps of
+// kIdleGapS or more are the instance waiting for work and are not counted.
+inline constexpr double kIdleGapS = 0.005;
+
+struct ForwardGapRow {
+    int instance = 0;
+    bool decode = false;            // the kind of most of the instance's forwards
+    bool others_computing = false;  // another instance's forward was in flight at the gap's middle
+    size_t count = 0;               // gaps
+    double gap_ms_mean = 0, gap_ms_p50 = 0, gap_ms_p90 = 0;
+    double gap_ms_sum = 0;
+    double forward_ms_sum = 0;  // the instance's forwards (every row of the instance: all of them)
+};
+
+// Rows sorted by instance, then others_computing (no before yes); an instance with no counted
+// gap has no row. `forwards` sorted by begin, as read_timeline_forwards returns them.
+[[nodiscard]] std::vector<ForwardGapRow> forward_gaps(std::span<const TimelineForward> forwards);
+
+// The rows as a markdown table (one line each).
+[[nodiscard]] std::string forward_gap_table(std::span<const ForwardGapRow> rows);
+
 }  // namespace pdsim::cost
