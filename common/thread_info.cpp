@@ -55,6 +55,15 @@ std::vector<ThreadCpu> thread_cpu_times() {
             continue;
         }
         t.cpu_s = static_cast<double>(utime + stime) / tick;
+        // schedstat: "<ns on a CPU> <ns runnable, waiting for one> <timeslices>".
+        std::snprintf(path, sizeof(path), "/proc/self/task/%s/schedstat", e->d_name);
+        if (FILE* s = std::fopen(path, "r")) {
+            unsigned long long on_cpu_ns = 0, wait_ns = 0;
+            if (std::fscanf(s, "%llu %llu", &on_cpu_ns, &wait_ns) == 2) {
+                t.wait_s = static_cast<double>(wait_ns) * 1e-9;
+            }
+            std::fclose(s);
+        }
         out.push_back(std::move(t));
     }
     closedir(dir);
@@ -70,6 +79,20 @@ std::map<std::string, double> cpu_by_name(const std::vector<ThreadCpu>& before,
     for (const auto& t : after) {
         auto it = base.find(t.tid);
         out[t.name] += t.cpu_s - (it == base.end() ? 0.0 : it->second);
+    }
+    return out;
+}
+
+std::map<std::string, double> wait_by_name(const std::vector<ThreadCpu>& before,
+                                           const std::vector<ThreadCpu>& after) {
+    std::unordered_map<int, double> base;
+    for (const auto& t : before) base[t.tid] = t.wait_s;
+    std::map<std::string, double> out;
+    for (const auto& t : after) {
+        auto it = base.find(t.tid);
+        const double start = it == base.end() ? 0.0 : it->second;
+        if (t.wait_s < 0 || start < 0) continue;
+        out[t.name] += t.wait_s - start;
     }
     return out;
 }

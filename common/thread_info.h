@@ -3,8 +3,10 @@
 //
 // set_thread_name names the calling thread (the kernel keeps 15 bytes; longer names are cut),
 // so `top -H`, `ps -L`, perf and gdb show which pdsim thread is which. thread_cpu_times reads
-// /proc/self/task/*/stat: user + system CPU seconds of every thread alive at the call. Both are
-// thread-safe; thread_cpu_times costs about 10 us per thread and is meant for reports, not loops.
+// /proc/self/task/*/stat: user + system CPU seconds of every thread alive at the call, and
+// /proc/self/task/*/schedstat: the seconds each spent runnable but waiting for a CPU (the
+// scheduler's run-queue wait). Both are thread-safe; thread_cpu_times costs about 20 us per
+// thread and is meant for reports, not loops.
 #pragma once
 
 #include <map>
@@ -20,6 +22,7 @@ struct ThreadCpu {
     int tid = 0;
     std::string name;
     double cpu_s = 0;
+    double wait_s = -1;  // run-queue wait; -1 where the kernel does not report it
 };
 
 [[nodiscard]] std::vector<ThreadCpu> thread_cpu_times();
@@ -32,5 +35,9 @@ struct ThreadCpu {
 // thread that is only in `after` counts from zero; one that exited before `after` is lost).
 [[nodiscard]] std::map<std::string, double> cpu_by_name(const std::vector<ThreadCpu>& before,
                                                         const std::vector<ThreadCpu>& after);
+// The same for the run-queue wait; threads whose wait is unknown (in either snapshot) are left
+// out.
+[[nodiscard]] std::map<std::string, double> wait_by_name(const std::vector<ThreadCpu>& before,
+                                                         const std::vector<ThreadCpu>& after);
 
 }  // namespace pdsim

@@ -1,10 +1,13 @@
 #include "common/thread_info.h"
 
 #include <gtest/gtest.h>
+#include <pthread.h>
+#include <sched.h>
 
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include <vector>
 
 namespace pdsim {
 namespace {
@@ -55,6 +58,57 @@ TEST(ThreadInfo, CpuByNameSumsThreadsOfOneNameAndCountsNewOnesFromZero) {
     EXPECT_DOUBLE_EQ(d.at("a"), 0.75);
     EXPECT_DOUBLE_EQ(d.at("c"), 0.5);
     EXPECT_EQ(d.count("b"), 0u) << "a thread gone before the second snapshot is not listed";
+}
+
+TEST(ThreadInfo, WaitByNameLeavesOutThreadsWithAnUnknownWait) {
+    const std::vector<ThreadCpu> before = {
+        {1, "a", 1.0, 0.5}, {2, "a", 2.0, -1}, {3, "b", 5.0, 1.0}};
+    const std::vector<ThreadCpu> after = {
+        {1, "a", 1.5, 0.75}, {2, "a", 2.25, 0.1}, {4, "c", 0.5, 0.2}};
+    const auto w = wait_by_name(before, after);
+    EXPECT_DOUBLE_EQ(w.at("a"), 0.25) << "thread 2's wait was unknown at the start";
+    EXPECT_DOUBLE_EQ(w.at("c"), 0.2);
+    EXPECT_EQ(w.count("b"), 0u);
+}
+
+// Two threads pinned to one CPU, each spinning 150 ms: each waits while the other runs, so
+// together they wait for a CPU about 150 ms (at least 50 ms here, for a coarse scheduler).
+TEST(ThreadInfo, ThreadsSharingACpuWaitForIt) {
+#ifndef __linux__
+    GTEST_SKIP() << "run-queue wait comes from /proc (Linux only)";
+#else
+    if (thread_cpu_times().front().wait_s < 0) {
+        GTEST_SKIP() << "this kernel has no /proc/self/task/*/schedstat";
+    }
+    const int cpu = sched_getcpu();
+    ASSERT_GE(cpu, 0);
+    std::atomic<int> ready{0};
+    std::atomic<bool> go{false};
+    auto spinner = [&](const char* name) {
+        set_thread_name(name);
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+        ++ready;
+        while (!go) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        burn(std::chrono::milliseconds(150));
+    };
+    std::thread a(spinner, "pdsim-test-wa"), b(spinner, "pdsim-test-wb");
+    while (ready < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const auto before = thread_cpu_times();
+    go = true;
+    // Snapshot while both are still alive (burn() is wall-clock: both end by ~300 ms at most).
+    std::this_thread::sleep_for(std::chrono::milliseconds(120));
+    const auto after = thread_cpu_times();
+    a.join();
+    b.join();
+    const auto w = wait_by_name(before, after);
+    ASSERT_TRUE(w.count("pdsim-test-wa") && w.count("pdsim-test-wb"));
+    EXPECT_GE(w.at("pdsim-test-wa") + w.at("pdsim-test-wb"), 0.03)
+        << "in 120 ms on one CPU two spinners wait about 60 ms together";
+    EXPECT_LE(w.at("pdsim-test-wa") + w.at("pdsim-test-wb"), 0.5);
+#endif
 }
 
 }  // namespace

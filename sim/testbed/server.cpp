@@ -517,7 +517,9 @@ Status Server::report_engine_outcomes_to_leader() {
 Status Server::run() {
     cpu_at_start_ = thread_cpu_times();
     Status st = ctx_.is_leader() ? leader_loop() : follower_loop();
-    thread_cpu_s_ = cpu_by_name(cpu_at_start_, thread_cpu_times());
+    const std::vector<ThreadCpu> at_end = thread_cpu_times();
+    thread_cpu_s_ = cpu_by_name(cpu_at_start_, at_end);
+    thread_wait_s_ = wait_by_name(cpu_at_start_, at_end);
     return st;
 }
 
@@ -582,6 +584,9 @@ RankResult Server::result() {
     json threads = json::object();
     for (const auto& [name, cpu] : thread_cpu_s_) threads[name] = cpu;
     stats["thread_cpu_s"] = std::move(threads);
+    json waits = json::object();
+    for (const auto& [name, wait] : thread_wait_s_) waits[name] = wait;
+    stats["thread_wait_s"] = std::move(waits);
     r.stats = std::move(stats);
     return r;
 }

@@ -322,6 +322,7 @@ private:
     // threads for the node's cores: the report shows how much).
     std::vector<ThreadCpu> cpu_at_start_;
     std::map<std::string, double> thread_cpu_s_;
+    std::map<std::string, double> thread_wait_s_;  // run-queue wait per thread name
 };
 
 }  // namespace pdsim::testbed::detail
