@@ -71,30 +71,35 @@ std::vector<ThreadCpu> thread_cpu_times() {
     return out;
 }
 
-std::map<std::string, double> cpu_by_name(const std::vector<ThreadCpu>& before,
-                                          const std::vector<ThreadCpu>& after) {
-    std::unordered_map<int, double> base;
-    for (const auto& t : before) base[t.tid] = t.cpu_s;
-    std::map<std::string, double> out;
-    for (const auto& t : after) {
-        auto it = base.find(t.tid);
-        out[t.name] += t.cpu_s - (it == base.end() ? 0.0 : it->second);
-    }
-    return out;
-}
+namespace {
 
-std::map<std::string, double> wait_by_name(const std::vector<ThreadCpu>& before,
-                                           const std::vector<ThreadCpu>& after) {
+// `field` used per thread name between two snapshots. A thread only in `after` counts from zero;
+// a value below zero (unknown) in either snapshot leaves that thread out.
+std::map<std::string, double> delta_by_name(const std::vector<ThreadCpu>& before,
+                                            const std::vector<ThreadCpu>& after,
+                                            double ThreadCpu::*field) {
     std::unordered_map<int, double> base;
-    for (const auto& t : before) base[t.tid] = t.wait_s;
+    for (const auto& t : before) base[t.tid] = t.*field;
     std::map<std::string, double> out;
     for (const auto& t : after) {
         auto it = base.find(t.tid);
         const double start = it == base.end() ? 0.0 : it->second;
-        if (t.wait_s < 0 || start < 0) continue;
-        out[t.name] += t.wait_s - start;
+        if (t.*field < 0 || start < 0) continue;
+        out[t.name] += t.*field - start;
     }
     return out;
+}
+
+}  // namespace
+
+std::map<std::string, double> cpu_by_name(const std::vector<ThreadCpu>& before,
+                                          const std::vector<ThreadCpu>& after) {
+    return delta_by_name(before, after, &ThreadCpu::cpu_s);  // never below zero
+}
+
+std::map<std::string, double> wait_by_name(const std::vector<ThreadCpu>& before,
+                                           const std::vector<ThreadCpu>& after) {
+    return delta_by_name(before, after, &ThreadCpu::wait_s);
 }
 
 std::vector<int> allowed_cpus() {

@@ -75,9 +75,7 @@ Status run_cost_check(const CostCheckOptions& o) {
                          {"gap_ms_sum", r.gap_ms_sum},
                          {"forward_ms_sum", r.forward_ms_sum}});
         }
-        std::ofstream f(o.gaps_json_out);
-        f << j.dump(2) << "\n";
-        if (!f) return Status(StatusCode::kUnavailable, o.gaps_json_out + ": write failed");
+        PDSIM_RETURN_IF_ERROR(write_json_file("--gaps-json", o.gaps_json_out, j));
     }
     if (!o.json_out.empty()) {
         nlohmann::json j = nlohmann::json::array();

@@ -16,7 +16,6 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <thread>
 
 #include "backends/model/model_config.h"
 #include "common/data_dir.h"
@@ -25,6 +24,7 @@
 #include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
 #include "sim/cli/sim_flags.h"
+#include "sim/des/cpu_contention.h"
 #include "sim/des/setup.h"
 #include "sim/des/simulator.h"
 #include "topology/loader.h"
@@ -172,9 +172,8 @@ StatusOr<std::vector<int>> resolve_cpu_binding(const SimulateFlags& f, const top
         const topo::RankMap map = t.rank_map();
         cores.assign(static_cast<size_t>(t.num_ranks()), 0);
         for (size_t n = 0; n < t.nodes.size(); ++n) {
-            double node_cores = f.cpu_cores > 0 ? f.cpu_cores : t.nodes[n].cpus;
-            if (node_cores <= 0) node_cores = std::max(1u, std::thread::hardware_concurrency());
-            const int c = std::max(1, static_cast<int>(node_cores));
+            const int c =
+                std::max(1, static_cast<int>(des::CpuContention::node_cores(t, n, f.cpu_cores)));
             int local = 0;
             for (int r : map.ranks_on_node(static_cast<int>(n))) {
                 cores[static_cast<size_t>(r)] = local++ % c;

@@ -8,6 +8,12 @@
 
 namespace pdsim::des {
 
+double CpuContention::node_cores(const topo::Topology& topology, size_t node, double node_cpus) {
+    double cores = node_cpus > 0 ? node_cpus : topology.nodes[node].cpus;
+    if (cores <= 0) cores = std::max(1u, std::thread::hardware_concurrency());
+    return cores;
+}
+
 CpuContention CpuContention::plan(const topo::Topology& topology, std::span<const int> cpu_cores,
                                   std::span<const cost::CostModel* const> costs, double node_cpus,
                                   std::span<const int> rank_core) {
@@ -71,8 +77,7 @@ CpuContention CpuContention::plan(const topo::Topology& topology, std::span<cons
     for (size_t i = 0; i < num_instances; ++i) {
         if (node_of[i] < 0) continue;
         const auto n = static_cast<size_t>(node_of[i]);
-        double cores = node_cpus > 0 ? node_cpus : topology.nodes[n].cpus;
-        if (cores <= 0) cores = std::max(1u, std::thread::hardware_concurrency());
+        const double cores = node_cores(topology, n, node_cpus);
         // Neither oversubscribed nor slowed by each other's forwards: no contention to model.
         const bool oversubscribed = bound ? busiest_core[n] > 1 : demand[n] > cores;
         if (!oversubscribed && !(interferes[n] && cpu_instances[n] > 1)) continue;

@@ -93,6 +93,12 @@ public:
                               std::span<const cost::CostModel* const> costs, double node_cpus,
                               std::span<const int> rank_core = {});
 
+    // The cores of topology node `node` as the model counts them: `node_cpus` when > 0, else the
+    // node's `cpus`, else std::thread::hardware_concurrency() (the testbed runs a cpu topology on
+    // the machine that runs it).
+    [[nodiscard]] static double node_cores(const topo::Topology& topology, size_t node,
+                                           double node_cpus);
+
     [[nodiscard]] bool contended(int instance) const { return forward(instance).node >= 0; }
     [[nodiscard]] CpuForward& forward(int instance) {
         return forwards_[static_cast<size_t>(instance)];
