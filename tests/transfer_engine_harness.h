@@ -824,6 +824,8 @@ struct RunOptions {
     bool scramble_pages = true;
     // Decode ranks call this after submitting (e.g. to signal a test thread).
     std::function<void(int rank)> after_submit;
+    // Decode ranks open this once their fault is done (kDecodeFreeEarly: the free was tried).
+    Gate* after_fault = nullptr;
 };
 
 struct RankResult {
@@ -1274,6 +1276,7 @@ public:
         if (o.fault.kind == Fault::kDecodeFreeEarly && pages_.count(o.fault.request) != 0) {
             Status st = receiver_->pins().free_pages(pool_->allocator(), pages_[o.fault.request]);
             free_refused_ = st.code() == StatusCode::kFailedPrecondition;
+            if (o.after_fault != nullptr) o.after_fault->open();
         }
         const auto deadline = Clock::now() + o.wait;
         for (const auto& r : mine) {

@@ -1239,6 +1239,15 @@ FaultOutcome run_fault(const EngineMode& mode, Fault::Kind kind, int layer = 1) 
     RunOptions o;
     o.fault = {kind, 101, layer};
     if (mode.gated) o.fault_wait = 200ms * kSlow;  // RunOptions::fault_wait
+    // The decode side's early free must come while the transfer is in flight: the first forward
+    // writes no layer before it was tried (else a descheduled decode thread could let the whole
+    // transfer finish first, and the free be legitimate; a CI run saw that).
+    Gate freed;
+    if (kind == Fault::kDecodeFreeEarly) {
+        o.hold = &freed;
+        o.hold_layer = 0;
+        o.after_fault = &freed;
+    }
     run_ranks(*run, reqs, o);
     FaultOutcome out;
     for (const RankResult& r : run->results) {
