@@ -939,6 +939,12 @@ public:
         stream_->synchronize().ignore_error();
     }
 
+    // Shuts the engine down (graceful), so that its transports may be closed before this rank
+    // (and its pool) goes: kv_sender.h, "Lifetime". Null-safe when create() failed.
+    void shutdown_engine() {
+        if (sender_) sender_->shutdown();
+    }
+
     KvSender& sender() { return *sender_; }
     kv::KVPool& pool() { return *pool_; }
     const KvLayout& layout() const { return layout_; }
@@ -1234,6 +1240,11 @@ public:
         auto r = KvReceiver::create(t, layout_, opts);
         EXPECT_TRUE(r.ok()) << r.status().to_string();
         if (r.ok()) receiver_ = std::move(r).value();
+    }
+
+    // As PrefillRank::shutdown_engine (kv_receiver.h, "Lifetime").
+    void shutdown_engine() {
+        if (receiver_) receiver_->shutdown();
     }
 
     KvReceiver& receiver() { return *receiver_; }

@@ -292,7 +292,22 @@ struct ClusterRun {
         if (!data_transports.empty()) data_transports[static_cast<size_t>(rank)]->close();
     }
 
+    // The engines stop first (they use the transports), then the transports close (an ordered
+    // plane's announced sends outlive their sender's shutdown and read the prefill pool when
+    // received: closing fails them), then the ranks free their pools (kv_sender.h, "Lifetime").
     ~ClusterRun() {
+        for (auto& p : prefill) {
+            if (p) p->shutdown_engine();
+        }
+        for (auto& d : decode) {
+            if (d) d->shutdown_engine();
+        }
+        for (auto& t : transports) {
+            if (t) t->close();
+        }
+        for (auto& t : data_transports) {
+            if (t) t->close();
+        }
         prefill.clear();
         decode.clear();
         transports.clear();
@@ -1412,6 +1427,40 @@ TEST_P(TransferEngineTransportFaults, NeverPassSilently) {
         std::printf("  fault '%s' on rank %d (%s): %zu request-sides failed, %zu violations\n",
                     fc.spec, fc.rank, fc.on_data ? "data" : "control", failed, violations);
     }
+}
+
+// An ordered plane's announced send is never withdrawn, so it can complete after its sender shut
+// down (here: when the data transport closes). Its callback must not reach the event hook then:
+// the hook's owner may be gone (a CI run under TSan caught the harness's PrefillRank freed under
+// such a late kLayerSent).
+TEST(TransferEngineOrderedPlane, NoEventReachesTheHookAfterShutdownEvenFromALateSend) {
+    ClusterSpec c = simple(1, 1);
+    auto reqs = fixed_requests({64});
+    size_pools(c, reqs);
+    std::atomic<bool> shut{false};
+    std::atomic<int> late_events{0};
+    Gate posted;
+    SenderOptions so = test_options(SenderOptions{});
+    so.on_event = [&](const TransferEvent& e) {
+        if (shut.load()) late_events.fetch_add(1);
+        if (e.kind == TransferEvent::Kind::kLayerPosted) posted.open();
+    };
+    ReceiverOptions ro = test_options(ReceiverOptions{});
+    ro.peer_timeout = std::chrono::milliseconds(1000 * kSlow);
+    // Rank 0's control messages (its DataPosted announcements among them) are held for a minute:
+    // the decode rank posts no receive, so the announced sends stay pending.
+    auto run = testing::start_cluster(c, kOrdered, so, ro, [](int rank) {
+        return rank == 0 ? std::string("delay:ms=60000") : std::string();
+    });
+    ASSERT_NE(run->prefill[0], nullptr);
+    std::thread ranks([&] { run_ranks(*run, reqs, RunOptions{}); });
+    ASSERT_TRUE(posted.wait(30s * kSlow));
+    run->prefill[0]->sender().shutdown(ShutdownMode::kAbrupt);
+    shut.store(true);
+    // Fails the pending sends now: their completions run (on this thread) after the shutdown.
+    run->data_transports[0]->close();
+    ranks.join();
+    EXPECT_EQ(late_events.load(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------

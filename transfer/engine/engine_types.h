@@ -71,7 +71,9 @@ struct TransferEvent {
 std::string_view transfer_event_name(TransferEvent::Kind kind);
 
 // Called from engine threads (workers, control thread, transport callbacks): must be quick,
-// thread-safe, and must not call back into the engine that emitted the event.
+// thread-safe, and must not call back into the engine that emitted the event. Never called once
+// the engine's shutdown() (or destructor) has returned: shutdown waits for the calls in progress
+// (event_sink.h), so what the hook captures need only outlive the engine's shutdown.
 using EventHook = std::function<void(const TransferEvent&)>;
 
 struct EngineOptions {

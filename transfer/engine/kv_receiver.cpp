@@ -294,6 +294,9 @@ void KvReceiver::Impl::shutdown(ShutdownMode mode) {
         for (const MemoryRegion& m : regions_) data_.deregister_memory(m.id).ignore_error();
         regions_.clear();
     }
+    // Receives still posted (an ordered plane's, a stopped request's) may complete later, until
+    // the data transport is closed: their callbacks reach the hook no more.
+    events_.close();
 }
 
 void KvReceiver::Impl::wait_settled(std::chrono::nanoseconds timeout) {
@@ -529,7 +532,7 @@ std::string KvReceiver::Impl::describe_awaiting_locked(const RecvReq& r, int src
 
 void KvReceiver::Impl::emit(TransferEvent::Kind kind, uint64_t req, int layer, int peer,
                             uint64_t bytes) const {
-    if (!opt_.on_event) return;
+    if (!events_.has_hook()) return;
     TransferEvent e;
     e.kind = kind;
     e.request = req;
@@ -537,7 +540,7 @@ void KvReceiver::Impl::emit(TransferEvent::Kind kind, uint64_t req, int layer, i
     e.peer = peer;
     e.bytes = bytes;
     e.time = Clock::now();
-    opt_.on_event(e);
+    events_.emit(e);
 }
 
 void KvReceiver::Impl::fail(const std::shared_ptr<RecvReq>& r, std::string reason,

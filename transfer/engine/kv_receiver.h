@@ -96,7 +96,8 @@
 //
 // Thread-safety: all public methods may be called from any thread. Lifetime: destroy (or
 // shutdown) the receiver before closing its transports (control and data) and before freeing the
-// pool's memory.
+// pool's memory (and close the data transport first when pages may still be in use, above).
+// Events: ReceiverOptions::on_event is never called once shutdown() (or the destructor) returned.
 #pragma once
 
 #include <chrono>

@@ -31,6 +31,7 @@
 #include "common/status.h"
 #include "transfer/engine/control.h"
 #include "transfer/engine/data_plane.h"
+#include "transfer/engine/event_sink.h"
 #include "transfer/engine/kv_comm_stream.h"
 #include "transfer/engine/kv_copy_plan.h"
 #include "transfer/engine/kv_memory_ops.h"
@@ -272,6 +273,8 @@ private:
     const DataPlane plane_;
     const KvLayout layout_;
     const ReceiverOptions opt_;
+    // opt_.on_event, closed at the end of shutdown() (no hook call after it returns).
+    EventSink events_{opt_.on_event};
     // Device layouts: the KV memory ops and the comm stream (null: a host layout).
     const std::unique_ptr<KvCommStream> comm_;
     size_t max_msg_ = 0;

@@ -248,6 +248,10 @@ void KvSender::Impl::shutdown(ShutdownMode mode) {
         channel_->stop(graceful, write_mode() && graceful ? std::chrono::milliseconds(200)
                                                           : std::chrono::milliseconds(0));
     }
+    // Sends still posted (an ordered plane's announced ones, kv_sender.h) complete when their
+    // decode rank receives them or the data transport is closed, maybe long after this: their
+    // callbacks reach the hook no more.
+    events_.close();
 }
 
 void KvSender::Impl::on_control(int peer, std::span<const uint8_t> bytes) {
@@ -497,7 +501,7 @@ std::string KvSender::Impl::describe_awaiting_locked(const SendReq& r) const {
 
 void KvSender::Impl::emit(TransferEvent::Kind kind, uint64_t req, int layer, int peer,
                           uint32_t chunk, uint64_t bytes) const {
-    if (!opt_.on_event) return;
+    if (!events_.has_hook()) return;
     TransferEvent e;
     e.kind = kind;
     e.request = req;
@@ -506,7 +510,7 @@ void KvSender::Impl::emit(TransferEvent::Kind kind, uint64_t req, int layer, int
     e.chunk = chunk;
     e.bytes = bytes;
     e.time = Clock::now();
-    opt_.on_event(e);
+    events_.emit(e);
 }
 
 void KvSender::Impl::handle_bootstrap(int peer, BootstrapMsg m) {

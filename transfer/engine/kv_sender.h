@@ -140,8 +140,11 @@
 // before it stops the control channel; an abrupt one sends nothing.
 //
 // Thread-safety: all public methods may be called from any thread. Lifetime: destroy (or
-// shutdown) the sender before closing its transports (control and data) and before freeing the
-// pool's memory.
+// shutdown) the sender before closing its transports (control and data), and close the data
+// transport before freeing the pool's memory: an ordered plane's announced sends that no decode
+// rank received yet stay posted after any shutdown (they are never withdrawn, above) and read the
+// pages when received; closing fails them. Events: SenderOptions::on_event is never called once
+// shutdown() (or the destructor) has returned, not even for such a late completion.
 #pragma once
 
 #include <chrono>

@@ -35,6 +35,7 @@
 #include "common/status.h"
 #include "transfer/engine/control.h"
 #include "transfer/engine/data_plane.h"
+#include "transfer/engine/event_sink.h"
 #include "transfer/engine/kv_comm_stream.h"
 #include "transfer/engine/kv_copy_plan.h"
 #include "transfer/engine/kv_memory_ops.h"
@@ -382,6 +383,8 @@ private:
     const KvLayout layout_;
     pd::StepCounter& counter_;
     const SenderOptions opt_;
+    // opt_.on_event, closed at the end of shutdown() (no hook call after it returns).
+    EventSink events_{opt_.on_event};
     // The record of layout layer `layer` within a forward (SenderOptions::layer_steps).
     [[nodiscard]] int64_t step_offset(int layer) const {
         return opt_.layer_steps.empty() ? layer : opt_.layer_steps[static_cast<size_t>(layer)];
