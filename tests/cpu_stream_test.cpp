@@ -149,6 +149,84 @@ TEST(CpuStream, ReplayedRecordIsNotVisibleBeforeItRuns) {
     EXPECT_OK(ev->synchronize());
 }
 
+// Caller runs (CpuStreamOptions::caller_runs). Which thread wins a task is the scheduler's choice,
+// so the tests check what must hold whoever runs it -- order, one task at a time, every task once
+// -- and that the caller does take tasks over many forwards (a worker that always won would mean
+// synchronize still sleeps through every hand-off).
+TEST(CpuStream, CallerRunsKeepsOrderAndOneTaskAtATime) {
+    CpuStream s("caller", CpuStreamOptions{.caller_runs = true});
+    const std::thread::id caller = std::this_thread::get_id();
+    std::vector<int> order;
+    std::atomic<int> running{0};
+    std::atomic<int> overlaps{0};
+    int on_caller = 0;
+    constexpr int kForwards = 200;
+    constexpr int kTasks = 8;
+    for (int f = 0; f < kForwards; ++f) {
+        for (int t = 0; t < kTasks; ++t) {
+            ASSERT_OK(enqueue_void(s, [&, id = f * kTasks + t] {
+                if (running.fetch_add(1) != 0) overlaps.fetch_add(1);
+                order.push_back(id);
+                on_caller += std::this_thread::get_id() == caller;
+                running.fetch_sub(1);
+            }));
+        }
+        ASSERT_OK(s.synchronize());
+    }
+    ASSERT_EQ(order.size(), static_cast<size_t>(kForwards * kTasks));
+    for (size_t i = 0; i < order.size(); ++i) ASSERT_EQ(order[i], static_cast<int>(i));
+    EXPECT_EQ(overlaps.load(), 0);
+    EXPECT_GT(on_caller, 0) << "synchronize never ran a task itself";
+}
+
+TEST(CpuStream, WithoutCallerRunsEveryTaskRunsOnTheWorker) {
+    CpuStream s("worker");
+    const std::thread::id caller = std::this_thread::get_id();
+    int on_caller = 0;
+    for (int f = 0; f < 50; ++f) {
+        ASSERT_OK(enqueue_void(s, [&] { on_caller += std::this_thread::get_id() == caller; }));
+        ASSERT_OK(s.synchronize());
+    }
+    EXPECT_EQ(on_caller, 0);
+}
+
+TEST(CpuStream, CallerRunsLeavesStreamWaitsToTheWorker) {
+    CpuStream producer("p");
+    CpuStream consumer("c", CpuStreamOptions{.wait_timeout = 20s, .caller_runs = true});
+    auto ev = producer.create_event();
+    std::atomic<bool> gate{false};
+    ASSERT_OK(enqueue_void(producer, [&] {
+        while (!gate.load()) std::this_thread::sleep_for(1ms);
+    }));
+    ASSERT_OK(producer.record(*ev));
+    ASSERT_OK(consumer.wait(*ev));
+    const auto t0 = std::chrono::steady_clock::now();
+    // Had this caller taken the stream-side wait, it would be stuck in it for up to 20 s.
+    EXPECT_THAT(consumer.synchronize(100ms), StatusIs(StatusCode::kDeadlineExceeded));
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+    gate = true;
+    EXPECT_OK(consumer.synchronize());
+    EXPECT_OK(producer.synchronize());
+}
+
+TEST(CpuStream, CallerRunsErrorsStayStickyAndSelfSynchronizeIsRefused) {
+    CpuStream s("caller", CpuStreamOptions{.caller_runs = true});
+    Status inner;
+    for (int f = 0; f < 20; ++f) {
+        ASSERT_OK(s.enqueue([&] {
+            inner = s.synchronize(100ms);
+            return Status();
+        }));
+        ASSERT_OK(s.synchronize());
+        EXPECT_THAT(inner, StatusIs(StatusCode::kFailedPrecondition, HasSubstr("own worker")));
+    }
+    ASSERT_OK(s.enqueue([] { return Status(StatusCode::kInternal, "boom"); }));
+    bool ran_after = false;
+    ASSERT_OK(enqueue_void(s, [&] { ran_after = true; }));
+    EXPECT_THAT(s.synchronize(), StatusIs(StatusCode::kInternal, HasSubstr("boom")));
+    EXPECT_FALSE(ran_after);
+}
+
 TEST(DeviceBuffer, CpuAllocateCopyFill) {
     auto b = DeviceBuffer::allocate({DeviceKind::kCpu, 0}, 1000);
     ASSERT_OK(b);

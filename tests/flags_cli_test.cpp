@@ -71,6 +71,14 @@ TEST(FlagsCli, TransportFaultSpecsAreStrict) {
     });
 }
 
+TEST(FlagsCli, TestbedChoicesNameTheFlag) {
+    expect_rows({
+        {{"testbed"}, {"--stream-sync", "maybe"}, "--stream-sync"},
+        {{"testbed"}, {"--layerwise", "yes"}, "--layerwise"},
+        {{"testbed"}, {"--device-gate", "1"}, "--device-gate"},
+    });
+}
+
 TEST(FlagsCli, EmptyStringsAreRejected) {
     expect_rows({
         {{"testbed"}, {"--model", ""}, "--model"},

@@ -106,10 +106,18 @@ private:
     std::vector<CpuStream::Node> nodes_;
 };
 
-namespace {}  // namespace
+namespace {
+
+// The stream whose task this thread runs as a synchronizing caller (caller runs), if any.
+thread_local const CpuStream* tls_caller_running = nullptr;
+
+}  // namespace
 
 CpuStream::CpuStream(std::string name, std::chrono::milliseconds wait_timeout)
-    : name_(std::move(name)), wait_timeout_(wait_timeout) {
+    : CpuStream(std::move(name), CpuStreamOptions{.wait_timeout = wait_timeout}) {}
+
+CpuStream::CpuStream(std::string name, CpuStreamOptions options)
+    : name_(std::move(name)), options_(options) {
     worker_ = std::thread([this] {
         set_thread_name("pdsim-stream");
         worker_loop();
@@ -119,7 +127,7 @@ CpuStream::CpuStream(std::string name, std::chrono::milliseconds wait_timeout)
 CpuStream::~CpuStream() {
     {
         std::unique_lock<std::mutex> lock(mu_);
-        idle_cv_.wait(lock, [&] { return completed_ == enqueued_; });
+        idle_cv_.wait(lock, [&] { return completed_ == enqueued_ && !busy_; });
         stop_ = true;
     }
     work_cv_.notify_all();
@@ -130,10 +138,10 @@ bool CpuStream::on_worker_thread() const {
     return std::this_thread::get_id() == worker_.get_id();
 }
 
-void CpuStream::push(Task task) {
+void CpuStream::push(Task task, bool blocking) {
     {
         std::lock_guard<std::mutex> lock(mu_);
-        queue_.push_back(std::move(task));
+        queue_.push_back(Queued{std::move(task), blocking});
         ++enqueued_;
     }
     work_cv_.notify_one();
@@ -148,7 +156,7 @@ Status CpuStream::enqueue(Task task) {
             return {};
         }
     }
-    push(std::move(task));
+    push(std::move(task), /*blocking=*/false);
     return {};
 }
 
@@ -190,31 +198,69 @@ Status CpuStream::wait(Event& event) {
         }
     }
     uint64_t gen = ev->recorded_generation();
-    auto timeout = wait_timeout_;
+    auto timeout = options_.wait_timeout;
     std::string name = name_;
-    return enqueue([state = ev->state(), gen, timeout, name] {
-        if (!state->wait_for(gen, timeout)) {
-            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                               "stream {}: wait on event generation {} timed out after {} ms", name,
-                               gen, timeout.count());
-        }
-        return Status();
-    });
+    push(
+        [state = ev->state(), gen, timeout, name] {
+            if (!state->wait_for(gen, timeout)) {
+                return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                                   "stream {}: wait on event generation {} timed out after {} ms",
+                                   name, gen, timeout.count());
+            }
+            return Status();
+        },
+        /*blocking=*/true);
+    return {};
 }
 
 Status CpuStream::synchronize(std::chrono::milliseconds timeout) {
-    if (on_worker_thread()) {
+    if (on_worker_thread() || tls_caller_running == this) {
         return PDSIM_ERROR(StatusCode::kFailedPrecondition,
                            "stream {}: synchronize() called from its own worker", name_);
     }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     std::unique_lock<std::mutex> lock(mu_);
-    uint64_t target = enqueued_;
-    if (!idle_cv_.wait_for(lock, timeout, [&] { return completed_ >= target; })) {
-        return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                           "stream {}: synchronize timed out after {} ms ({} of {} tasks done)",
-                           name_, timeout.count(), completed_, target);
+    const uint64_t target = enqueued_;
+    // Tasks run one at a time in order, so while none runs the front one is task number
+    // completed_: below `target`, it is one this call waits for.
+    auto may_run = [&] { return completed_ < target && caller_may_run_locked(); };
+    while (completed_ < target) {
+        if (may_run() && std::chrono::steady_clock::now() < deadline) {
+            run_front(lock, /*on_caller=*/true);
+            continue;
+        }
+        if (!idle_cv_.wait_until(lock, deadline,
+                                 [&] { return completed_ >= target || may_run(); })) {
+            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                               "stream {}: synchronize timed out after {} ms ({} of {} tasks done)",
+                               name_, timeout.count(), completed_, target);
+        }
     }
     return error_;
+}
+
+bool CpuStream::caller_may_run_locked() const {
+    return options_.caller_runs && !busy_ && !queue_.empty() && !queue_.front().blocking;
+}
+
+void CpuStream::run_front(std::unique_lock<std::mutex>& lock, bool on_caller) {
+    Task task = std::move(queue_.front().task);
+    queue_.pop_front();
+    busy_ = true;
+    const bool skip = !error_.ok();
+    lock.unlock();
+    const CpuStream* outer = tls_caller_running;
+    if (on_caller) tls_caller_running = this;
+    Status st = skip ? Status() : task();
+    task = nullptr;  // release captures before reporting completion
+    tls_caller_running = outer;
+    lock.lock();
+    if (!st.ok() && error_.ok()) error_ = st.with_context("stream " + name_);
+    busy_ = false;
+    ++completed_;
+    idle_cv_.notify_all();
+    // A caller's task ended: the worker may take the next one.
+    if (on_caller) work_cv_.notify_one();
 }
 
 Status CpuStream::error() const {
@@ -247,25 +293,11 @@ bool CpuStream::is_capturing() const {
 }
 
 void CpuStream::worker_loop() {
+    std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-        Task task;
-        bool skip;
-        {
-            std::unique_lock<std::mutex> lock(mu_);
-            work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-            if (queue_.empty()) return;  // stop_ and drained
-            task = std::move(queue_.front());
-            queue_.pop_front();
-            skip = !error_.ok();
-        }
-        Status st = skip ? Status() : task();
-        task = nullptr;  // release captures before reporting completion
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (!st.ok() && error_.ok()) error_ = st.with_context("stream " + name_);
-            ++completed_;
-        }
-        idle_cv_.notify_all();
+        work_cv_.wait(lock, [&] { return !busy_ && (stop_ || !queue_.empty()); });
+        if (queue_.empty()) return;  // stop_ and drained (the destructor waited for busy_)
+        run_front(lock, /*on_caller=*/false);
     }
 }
 

@@ -1,4 +1,14 @@
 // CpuStream: a Stream backed by one worker thread and a FIFO queue (see stream.h for the contract).
+//
+// Caller runs (CpuStreamOptions::caller_runs): synchronize() does not sleep while the tasks it
+// waits for sit in the queue and the worker is not running one: it runs them itself, in order, one
+// at a time (so tasks still never overlap and keep their enqueue order). On a GPU the host's wait
+// for a kernel costs microseconds; a CPU stream's two thread hand-offs per forward (the worker
+// wakes for the task, the host wakes for its end) cost milliseconds on a core that other ranks'
+// compute keeps busy, which is the emulation's cost, not the engine's. Stream-side waits
+// (wait(Event)) are never run by the caller: they block for another stream. The caller checks its
+// deadline before each task it takes; a task it has started runs to its end. A task running on
+// the caller is "on the stream" for synchronize's self-call check.
 #pragma once
 
 #include <condition_variable>
@@ -11,11 +21,19 @@
 
 namespace pdsim::runtime {
 
+struct CpuStreamOptions {
+    // Bounds each stream-side wait(Event); exceeding it poisons the stream.
+    std::chrono::milliseconds wait_timeout = kDefaultWaitTimeout;
+    // synchronize() runs the queued tasks it waits for on the calling thread (above).
+    bool caller_runs = false;
+};
+
 class CpuStream final : public Stream {
 public:
     // `wait_timeout` bounds each stream-side wait(Event); exceeding it poisons the stream.
     explicit CpuStream(std::string name = "cpu",
                        std::chrono::milliseconds wait_timeout = kDefaultWaitTimeout);
+    CpuStream(std::string name, CpuStreamOptions options);
     // Drains the queue (waits for queued work to finish) and joins the worker.
     ~CpuStream() override;
 
@@ -43,18 +61,28 @@ public:
     };
 
 private:
+    struct Queued {
+        Task task;
+        bool blocking = false;  // a stream-side wait: only the worker runs it
+    };
     void worker_loop();
-    void push(Task task);
+    void push(Task task, bool blocking);
+    // Caller runs: the front task may be taken by a synchronizing caller now (mu_ held).
+    [[nodiscard]] bool caller_may_run_locked() const;
+    // Pops the front task, runs it with mu_ released, records its end (`lock` holds mu_ before
+    // and after). `on_caller`: a synchronizing caller runs it, not the worker.
+    void run_front(std::unique_lock<std::mutex>& lock, bool on_caller);
 
     const std::string name_;
-    const std::chrono::milliseconds wait_timeout_;
+    const CpuStreamOptions options_;
 
     mutable std::mutex mu_;
-    std::condition_variable work_cv_;  // worker waits for tasks
-    std::condition_variable idle_cv_;  // synchronize waits for the queue to drain
-    std::deque<Task> queue_;
+    std::condition_variable work_cv_;  // worker waits for tasks (and for a caller's task to end)
+    std::condition_variable idle_cv_;  // synchronize waits for tasks to end (or to run one)
+    std::deque<Queued> queue_;
     uint64_t enqueued_ = 0;   // tasks pushed
     uint64_t completed_ = 0;  // tasks finished (run or skipped)
+    bool busy_ = false;       // a task is running (on the worker or on a synchronizing caller)
     Status error_;
     bool stop_ = false;
 

@@ -44,6 +44,7 @@ struct Flags {
     std::string fault = "none";
     std::string decode_graphs = "on";
     std::string device_gate = "on";
+    std::string stream_sync = "caller";
 };
 
 Status run(Flags& f) {
@@ -69,6 +70,12 @@ Status run(Flags& f) {
     } else {
         return Status(StatusCode::kInvalidArgument,
                       "--device-gate " + f.device_gate + ": expected on or off");
+    }
+    if (f.stream_sync == "caller" || f.stream_sync == "worker") {
+        o.stream_caller_runs = f.stream_sync == "caller";
+    } else {
+        return Status(StatusCode::kInvalidArgument,
+                      "--stream-sync " + f.stream_sync + ": expected caller or worker");
     }
     testbed::RunInfo info;
     Status st = testbed::run_testbed(o, &info);
@@ -155,6 +162,12 @@ void add_run_flags(CLI::App* sub, Flags& f) {
     sub->add_option("--layerwise", f.layerwise,
                     "on: send each layer once its step is recorded; off: after the "
                     "forward (the no-overlap baseline)")
+        ->capture_default_str();
+    sub->add_option("--stream-sync", f.stream_sync,
+                    "CPU ranks: caller: a forward's synchronize runs the compute stream's queued "
+                    "work on the rank's thread (no hand-off, as a GPU host's cheap wait); worker: "
+                    "it sleeps while the stream's worker thread runs it (two thread wake-ups per "
+                    "forward, milliseconds on a core shared with other ranks)")
         ->capture_default_str();
     sub->add_option("--fault", f.fault,
                     "inject an ordering bug on the prefill side: record-before-write, "

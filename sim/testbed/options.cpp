@@ -908,7 +908,7 @@ std::string describe(const TestbedOptions& o) {
         o.backend == kCudaBackend
             ? fmt::format(" --decode-graphs {} --device-gate {}", o.decode_graphs ? "on" : "off",
                           o.device_gate ? "on" : "off")
-            : "",
+            : fmt::format(" --stream-sync {}", o.stream_caller_runs ? "caller" : "worker"),
         fault_name(o.fault), o.chunk_size, o.max_batch_tokens, o.time_scale, o.max_input_len,
         o.max_output_len);
 }

@@ -127,6 +127,11 @@ struct TestbedOptions {
     bool device_gate = true;
     Mode mode = Mode::kBoth;
     bool layerwise = true;
+    // CPU ranks: a forward's synchronize runs the compute stream's queued work on the rank's own
+    // thread instead of sleeping while the stream's worker runs it (runtime::CpuStreamOptions::
+    // caller_runs; --stream-sync caller). Off (worker): two thread hand-offs per forward, which
+    // cost milliseconds on a core shared with other ranks' compute (docs/testbed.md, section 1).
+    bool stream_caller_runs = true;
     Fault fault = Fault::kNone;
     int chunk_size = 512;         // prefill tokens of one request per forward
     int max_batch_tokens = 2048;  // tokens per extend forward

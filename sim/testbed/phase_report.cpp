@@ -369,6 +369,7 @@ json testbed_config_json(const ResolvedConfig& cfg) {
                    {"data_transport", o.data_transport},
                    {"backend", o.backend},
                    {"layerwise", o.layerwise},
+                   {"stream_sync", o.stream_caller_runs ? "caller" : "worker"},
                    {"fault", fault_name(o.fault)},
                    {"chunk_size", o.chunk_size},
                    {"max_batch_tokens", o.max_batch_tokens},

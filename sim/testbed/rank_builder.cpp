@@ -15,8 +15,10 @@ StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options) {
     if (options.stream != nullptr) {
         parts.stream = options.stream;
     } else {
-        parts.owned_stream =
-            std::make_unique<runtime::CpuStream>(options.stream_name, options.stream_timeout);
+        parts.owned_stream = std::make_unique<runtime::CpuStream>(
+            options.stream_name,
+            runtime::CpuStreamOptions{.wait_timeout = options.stream_timeout,
+                                      .caller_runs = options.stream_caller_runs});
         parts.stream = parts.owned_stream.get();
     }
     kv::MHAPoolConfig pc;

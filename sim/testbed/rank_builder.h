@@ -52,6 +52,9 @@ struct RankBuildOptions {
     std::string stream_name = "cpu";
     // The stream's bound on waits (CpuStream's wait_timeout).
     std::chrono::milliseconds stream_timeout = runtime::kDefaultWaitTimeout;
+    // The new CpuStream's synchronize() runs the tasks it waits for itself (CpuStreamOptions::
+    // caller_runs): no thread hand-off per forward.
+    bool stream_caller_runs = false;
     // A stream to compute on instead of a new CpuStream (borrowed: the GPU rank's CUDA stream);
     // the pool goes on its device. stream_name and stream_timeout are then unused.
     runtime::Stream* stream = nullptr;

@@ -58,6 +58,7 @@ Status Server::setup() {
     build.num_pages = static_cast<int>(pages);
     build.stream_name = fmt::format("compute-r{}", ctx_.rank);
     build.stream_timeout = timeout_ + milliseconds(5000);
+    build.stream_caller_runs = o_.stream_caller_runs;
     build.stream = ctx_.gpu != nullptr ? &ctx_.gpu->stream() : nullptr;
     // One state slot per request that can hold KV pages at once (at most one per page), capped.
     build.state_slots = static_cast<int>(std::min<int64_t>(pages, kMaxStateSlots));
