@@ -20,10 +20,9 @@ void EventSink::emit(const TransferEvent& event) const {
     tls_sink = this;
     hook_(event);
     tls_sink = outer;
-    {
-        MutexLock lock(mu_);
-        --calls_in_progress_;
-    }
+    MutexLock lock(mu_);
+    --calls_in_progress_;
+    // Under the lock: once close() sees no call in progress, its engine may free this sink.
     idle_.notify_all();
 }
 
