@@ -71,12 +71,7 @@ Status run(Flags& f) {
         return Status(StatusCode::kInvalidArgument,
                       "--device-gate " + f.device_gate + ": expected on or off");
     }
-    if (f.stream_sync == "caller" || f.stream_sync == "worker") {
-        o.stream_caller_runs = f.stream_sync == "caller";
-    } else {
-        return Status(StatusCode::kInvalidArgument,
-                      "--stream-sync " + f.stream_sync + ": expected caller or worker");
-    }
+    o.stream_caller_runs = f.stream_sync == "caller";  // checked while parsing
     testbed::RunInfo info;
     Status st = testbed::run_testbed(o, &info);
     if (!st.ok() && (info.rank != 0 || info.error_printed)) {
@@ -168,6 +163,7 @@ void add_run_flags(CLI::App* sub, Flags& f) {
                     "work on the rank's thread (no hand-off, as a GPU host's cheap wait); worker: "
                     "it sleeps while the stream's worker thread runs it (two thread wake-ups per "
                     "forward, milliseconds on a core shared with other ranks)")
+        ->check(CLI::IsMember({"caller", "worker"}))
         ->capture_default_str();
     sub->add_option("--fault", f.fault,
                     "inject an ordering bug on the prefill side: record-before-write, "
