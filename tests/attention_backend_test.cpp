@@ -873,5 +873,74 @@ TEST(Capabilities, CpuBackendsAcceptFp32AndBf16OnTheHost) {
     }
 }
 
+// Cache groups: a batch's second page table (ForwardBatch::window_page_table) is what the
+// kernels of a layer with sliding_window > 0 read; other layers read the main one, and a batch
+// without it leaves sliding layers on the main one. A bad second table is refused naming it, and
+// graph metadata has none.
+class MetaProbeBackend final : public AttentionBackend {
+public:
+    explicit MetaProbeBackend(const AttentionConfig& c) : AttentionBackend(c) {}
+    [[nodiscard]] std::string name() const override { return "meta_probe"; }
+    [[nodiscard]] BackendCapabilities capabilities() const override {
+        return {{runtime::DType::kF32}, {runtime::DType::kF32}, {runtime::DeviceKind::kCpu}, true};
+    }
+    // (sliding_window, first page table entry) per forward, as the kernels saw them.
+    std::vector<std::pair<int, int32_t>> seen;
+
+protected:
+    [[nodiscard]] Status forward_decode(const ForwardArgs& args) override { return probe(args); }
+    [[nodiscard]] Status forward_extend(const ForwardArgs& args) override { return probe(args); }
+
+private:
+    [[nodiscard]] Status probe(const ForwardArgs& args) {
+        return stream().enqueue([this, meta = args.meta, w = args.layer.sliding_window] {
+            seen.emplace_back(w, meta->view().page_table[0]);
+            return Status();
+        });
+    }
+};
+
+TEST(AttentionBackendBase, SlidingLayersReadTheirGroupsPageTable) {
+    runtime::CpuStream stream("s");
+    MetaProbeBackend b(config_on(stream));
+    const std::vector<int32_t> seq = {3}, main_table = {5}, window_table = {9};
+    ForwardBatch fb;
+    fb.mode = ForwardMode::kDecode;
+    fb.bs = 1;
+    fb.seq_lens = seq;
+    fb.page_table = main_table;
+    fb.page_table_stride = 1;
+    fb.window_page_table = window_table;
+    fb.window_page_table_stride = 1;
+    ASSERT_OK(b.init_forward_metadata(fb));
+    FakeTensors t(1);
+    auto forward = [&](int window) {
+        return forward_host(b, t.q.data(), t.k.data(), t.v.data(),
+                            LayerSpec{.layer_id = 0,
+                                      .num_q_heads = 4,
+                                      .num_kv_heads = 2,
+                                      .head_dim = 64,
+                                      .sliding_window = window},
+                            t.locs.data(), 1, dummy_pool(), ForwardMode::kDecode, 1, t.out.data());
+    };
+    ASSERT_OK(forward(0));
+    ASSERT_OK(forward(4));
+    fb.window_page_table = {};
+    ASSERT_OK(b.init_forward_metadata(fb));
+    ASSERT_OK(forward(4));
+    ASSERT_OK(stream.synchronize());
+    EXPECT_EQ(b.seen, (std::vector<std::pair<int, int32_t>>{{0, 5}, {4, 9}, {4, 5}}));
+
+    fb.window_page_table = window_table;
+    fb.window_page_table_stride = 0;
+    EXPECT_THAT(b.init_forward_metadata(fb),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("window_page_table")));
+    fb.window_page_table_stride = 1;
+    const std::vector<int32_t> seq_buf(4, 0);
+    ASSERT_OK(b.init_cuda_graph_state(4, seq_buf.data(), {}));
+    EXPECT_THAT(b.init_forward_metadata_replay_cuda_graph(fb),
+                StatusIs(StatusCode::kUnimplemented, HasSubstr("sliding-window page table")));
+}
+
 }  // namespace
 }  // namespace pdsim::attn::test

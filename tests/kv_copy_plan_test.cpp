@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "backends/kv/kv_pool.h"
 #include "backends/runtime/cpu_stream.h"
 #include "tests/kv_memory_ops_test_util.h"
 #include "tests/status_matchers.h"
@@ -800,6 +801,33 @@ TEST(KvCopyPlanBuilders, RejectBadInputs) {
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("token range [50, 10)")));
     EXPECT_THAT(plan_page_checksums(src0.layout, pages, 0, 200, 0, 1, 0, 3),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("page table of 2 pages")));
+}
+
+// A layout over some layers of a pool (one cache group's engine, sim/testbed/rank_builder.h):
+// layout layer i is pool layer layers[i], at that layer's buffers; a layer the pool does not hold
+// is refused by name.
+TEST(KvLayoutFromPool, PicksTheGroupsLayers) {
+    kv::MHAPoolConfig c;
+    c.num_layers = 4;
+    c.num_pages = 3;
+    c.page_size = 2;
+    c.num_kv_heads = 2;
+    c.head_dim = 4;
+    c.layers = {1, 3};
+    auto pool = kv::MHATokenToKVPool::create(c);
+    ASSERT_OK(pool);
+    const std::vector<int> layers = {3, 1};
+    auto layout = KvLayout::from_mha_pool(**pool, 1, 0, 2, layers);
+    ASSERT_OK(layout);
+    EXPECT_EQ(layout->num_layers(), 2);
+    EXPECT_EQ(layout->base(0, 1), static_cast<std::byte*>((*pool)->data(3, 1)));
+    EXPECT_EQ(layout->base(1, 0), static_cast<std::byte*>((*pool)->data(1, 0)));
+    const std::vector<int> unheld = {1, 2};
+    EXPECT_THAT(KvLayout::from_mha_pool(**pool, 1, 0, 2, unheld).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("layer 2 is not held")));
+    // Every layer (the default) needs them all.
+    EXPECT_THAT(KvLayout::from_mha_pool(**pool, 1, 0, 2).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("null buffer base")));
 }
 
 }  // namespace

@@ -396,5 +396,43 @@ TEST(KVPool, RejectsBadConfigs) {
     EXPECT_EQ(parse_dtype("fp8").status().code(), StatusCode::kInvalidArgument);
 }
 
+// A pool that holds some layers only (a hybrid model's cache group): the others have no memory,
+// every accessor refuses them naming the layer, and the bytes are the held layers' only.
+TEST(KVPool, HoldsOnlyItsLayers) {
+    MHAPoolConfig c;
+    c.num_layers = 4;
+    c.num_pages = 4;
+    c.page_size = 2;
+    c.num_kv_heads = 1;
+    c.head_dim = 8;
+    c.layers = {1, 3};
+    auto pool = MHATokenToKVPool::create(c);
+    ASSERT_OK(pool);
+    EXPECT_EQ((*pool)->num_layers(), 4);
+    EXPECT_EQ((*pool)->held_layers(), (std::vector<int>{1, 3}));
+    EXPECT_TRUE((*pool)->holds_layer(3));
+    EXPECT_FALSE((*pool)->holds_layer(0));
+    EXPECT_FALSE((*pool)->holds_layer(4));
+    EXPECT_EQ((*pool)->data(0, 0), nullptr);
+    EXPECT_NE((*pool)->data(1, 1), nullptr);
+    EXPECT_EQ((*pool)->total_bytes(), 2u * 2 * 4 * 2 * 8 * sizeof(float));  // 2 layers x K,V
+    EXPECT_THAT((*pool)->layer_view(2).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("layer 2 is not held")));
+    const int32_t locs[] = {2};
+    const float k[8] = {}, v[8] = {};
+    EXPECT_THAT(
+        (*pool)->set_kv_buffer(0, runtime::host_view(locs, {1}), runtime::host_view(k, {1, 1, 8}),
+                               runtime::host_view(v, {1, 1, 8})),
+        StatusIs(StatusCode::kInvalidArgument, HasSubstr("layer 0 is not held")));
+    EXPECT_OK((*pool)->set_kv_buffer(3, runtime::host_view(locs, {1}),
+                                     runtime::host_view(k, {1, 1, 8}),
+                                     runtime::host_view(v, {1, 1, 8})));
+    for (const std::vector<int>& bad : {std::vector<int>{4}, {-1}, {1, 1}}) {
+        c.layers = bad;
+        EXPECT_THAT(MHATokenToKVPool::create(c).status(),
+                    StatusIs(StatusCode::kInvalidArgument, HasSubstr("layers[")));
+    }
+}
+
 }  // namespace
 }  // namespace pdsim::kv

@@ -353,6 +353,143 @@ TEST(SyntheticModel, SlidingWindowLayersAttendToTheirWindowOnly) {
     EXPECT_EQ(kv_bytes(*rh.pool, a, 40, 1, 0), kv_bytes(*rd.pool, a, 40, 1, 0));
 }
 
+// Sliding layers in their own cache group: a pool that holds the sliding layers only, where a
+// request keeps a ring of R pages (logical page j in ring[j % R], as the testbed's window.h lays
+// them out). Against the same model with one pool for every layer, through chunked prefill and
+// decode long enough for the ring to wrap several times, the next tokens are equal at every step
+// and the ring holds the window's KV bit for bit. The window pool starts NaN-poisoned, and the
+// full layers' pool does not hold the sliding layers at all, so a sliding layer that read outside
+// its ring or wrote through the main pool would show.
+class SlidingRing : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SlidingRing, SameTokensAsOnePoolForEveryLayer) {
+    const ModelConfig cfg = config_of(GetParam());
+    const int ps = 4, chunk = 6, prompt = 30, decode_steps = 12;
+    const int window = cfg.sliding_window;
+    // The ring the testbed would give a rank that extends by up to `chunk` (window.h's rule:
+    // floor((chunk + W - 2) / ps) + 2 = 5 pages of 4 tokens, for 42 positions).
+    const int ring_pages = (chunk + window - 2) / ps + 2;
+    ASSERT_EQ(ring_pages, 5);
+    Rank one(cfg, "cpu", nullptr, ps);
+    Rank grouped(cfg, "cpu", nullptr, ps);
+    std::vector<int> full_layers, sliding_layers;
+    for (int l = 0; l < cfg.num_layers; ++l) {
+        if (cfg.layer_kind(l) == LayerKind::kSlidingWindow) sliding_layers.push_back(l);
+        if (cfg.layer_kind(l) == LayerKind::kFullAttention) full_layers.push_back(l);
+    }
+    kv::MHAPoolConfig pc;
+    pc.num_layers = cfg.num_layers;
+    pc.num_pages = 128;
+    pc.page_size = ps;
+    pc.num_kv_heads = cfg.num_kv_heads;
+    pc.head_dim = cfg.head_dim;
+    pc.layers = full_layers;
+    grouped.pool = std::move(kv::MHATokenToKVPool::create(pc).value());
+    pc.layers = sliding_layers;
+    pc.num_pages = 16;
+    auto window_pool = std::move(kv::MHATokenToKVPool::create(pc).value());
+    ASSERT_OK(window_pool->fill(0xFF));  // NaN
+    ASSERT_OK(grouped.model->attach_window_pool(window_pool.get()));
+
+    Seq a{random_tokens(prompt, cfg.vocab, 77), {}};
+    for (int p = 1; p <= (prompt + decode_steps + ps - 1) / ps; ++p) a.pages.push_back(p);
+    const std::vector<int32_t> ring = {9, 3, 12, 5, 7};  // any distinct pages of the window pool
+    ASSERT_EQ(static_cast<int>(ring.size()), ring_pages);
+    const int stride = static_cast<int>(a.pages.size());
+    // The window fields of a batch of `a` computing [begin, end).
+    auto with_ring = [&](StepBatch b, int begin, int end) {
+        b.window_page_table_stride = stride;
+        for (int t = begin; t < end; ++t) {
+            b.window_out_cache_loc.push_back(ring[static_cast<size_t>(t / ps) % ring.size()] * ps +
+                                             t % ps);
+        }
+        for (int p = 0; p < stride; ++p) {
+            b.window_page_table.push_back(ring[static_cast<size_t>(p) % ring.size()]);
+        }
+        return b;
+    };
+    int steps = 0;
+    for (int begin = 0; begin < prompt; begin += chunk) {
+        const int end = std::min(prompt, begin + chunk);
+        const StepBatch b =
+            make_batch({&a}, {{begin, end}}, attn::ForwardMode::kExtend, ps, stride);
+        const auto expect = run(one, b);
+        EXPECT_EQ(run(grouped, with_ring(b, begin, end)), expect) << "chunk at " << begin;
+        if (end == prompt) a.tokens.push_back(expect[0]);
+        ++steps;
+    }
+    for (int i = 0; i < decode_steps; ++i) {
+        const int pos = static_cast<int>(a.tokens.size()) - 1;
+        const StepBatch b =
+            make_batch({&a}, {{pos, pos + 1}}, attn::ForwardMode::kDecode, ps, stride);
+        const auto expect = run(one, b);
+        EXPECT_EQ(run(grouped, with_ring(b, pos, pos + 1)), expect) << "decode at " << pos;
+        a.tokens.push_back(expect[0]);
+        ++steps;
+    }
+    ASSERT_EQ(steps, 17);
+    // The ring holds the last window's KV of every sliding layer exactly as the single pool does.
+    const int n = static_cast<int>(a.tokens.size()) - 1;  // positions written
+    for (int l : sliding_layers) {
+        for (int buf = 0; buf < 2; ++buf) {
+            const size_t tb = window_pool->token_bytes(l, buf);
+            for (int t = n - window; t < n; ++t) {
+                const int32_t one_slot = a.pages[static_cast<size_t>(t / ps)] * ps + t % ps;
+                const int32_t ring_slot =
+                    ring[static_cast<size_t>(t / ps) % ring.size()] * ps + t % ps;
+                EXPECT_EQ(
+                    std::memcmp(
+                        static_cast<const char*>(one.pool->data(l, buf)) + one_slot * tb,
+                        static_cast<const char*>(window_pool->data(l, buf)) + ring_slot * tb, tb),
+                    0)
+                    << "layer " << l << " buf " << buf << " position " << t;
+            }
+        }
+    }
+    // The full layers' pool holds no sliding layer: a forward that put one there is refused.
+    EXPECT_EQ(grouped.pool->data(sliding_layers.front(), 0), nullptr);
+    ASSERT_OK(grouped.model->attach_window_pool(nullptr));
+    std::vector<int32_t> next(1);
+    EXPECT_THAT(grouped.model->forward(
+                    make_batch({&a}, {{n, n + 1}}, attn::ForwardMode::kDecode, ps, stride),
+                    *grouped.backend, *grouped.pool, next.data()),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("is not held by the pool")));
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, SlidingRing, ::testing::Values("cpu/hybrid", "cpu/recurrent"),
+                         [](const auto& param_info) {
+                             return param_info.param.substr(param_info.param.find('/') + 1);
+                         });
+
+// attach_window_pool's refusals and the batch it then needs.
+TEST(SyntheticModel, WindowPoolRefusals) {
+    ModelConfig dense = hybrid_test_config();
+    dense.layer_kinds.clear();
+    Rank d(dense, "cpu");
+    EXPECT_THAT(d.model->attach_window_pool(d.pool.get()),
+                StatusIs(StatusCode::kFailedPrecondition, HasSubstr("no sliding-window layers")));
+    const ModelConfig cfg = hybrid_test_config();
+    Rank h(cfg, "cpu");
+    kv::MHAPoolConfig pc;
+    pc.num_layers = cfg.num_layers;
+    pc.num_pages = 8;
+    pc.page_size = 16;
+    pc.num_kv_heads = cfg.num_kv_heads;
+    pc.head_dim = cfg.head_dim;
+    pc.layers = {0, 2};  // the full layers: not the sliding layer 1
+    auto wrong = std::move(kv::MHATokenToKVPool::create(pc).value());
+    EXPECT_THAT(h.model->attach_window_pool(wrong.get()),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("does not hold sliding layer 1")));
+    pc.layers = {1};
+    auto right = std::move(kv::MHATokenToKVPool::create(pc).value());
+    ASSERT_OK(h.model->attach_window_pool(right.get()));
+    Seq a{random_tokens(4, cfg.vocab, 5), {1}};
+    std::vector<int32_t> next(1);
+    EXPECT_THAT(h.model->forward(make_batch({&a}, {{0, 4}}, attn::ForwardMode::kExtend, 16, 1),
+                                 *h.backend, *h.pool, next.data()),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("window slots")));
+}
+
 // In-process TP group for the test: ranks are threads, allgather is a rendezvous.
 class InProcessTpGroup {
 public:

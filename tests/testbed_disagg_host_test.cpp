@@ -134,8 +134,9 @@ Status run_forward(Rig& rig) {
         entries.push_back({q.id, 0, static_cast<int64_t>(q.tokens.size()), q.tokens, q.pages});
     }
     auto segs = std::make_shared<Segments>();
-    const model::StepBatch b =
-        build_step_batch(attn::ForwardMode::kExtend, entries, kPageSize, segs.get());
+    PDSIM_ASSIGN_OR_RETURN(
+        const model::StepBatch b,
+        build_step_batch(attn::ForwardMode::kExtend, entries, kPageSize, segs.get()));
     rig.backend->set_segments(segs);
     rig.parts.counter->advance_step(kLayers, 0);
     std::vector<int32_t> next(reqs.size(), -1);
@@ -167,8 +168,9 @@ TEST(PdBackendPages, SegmentsCarryTheirPageTables) {
                            std::span<const int32_t>(q.tokens).subspan(2), q.pages});
     }
     Segments segs;
-    const model::StepBatch b =
-        build_step_batch(attn::ForwardMode::kExtend, entries, kPageSize, &segs);
+    auto built = build_step_batch(attn::ForwardMode::kExtend, entries, kPageSize, &segs);
+    ASSERT_OK(built);
+    const model::StepBatch& b = *built;
     EXPECT_EQ(b.tokens.size(), 7u);
     ASSERT_EQ(segs.size(), 2u);
     EXPECT_EQ(segs[0].pages, reqs[0].pages);

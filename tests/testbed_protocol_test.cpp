@@ -60,7 +60,9 @@ Plan sample_plan() {
     a.first = true;
     a.last = false;
     a.input_len = 20;
+    a.window_ring = {3, 1};
     PlanEntry b = a;
+    b.window_ring.clear();
     b.id = 5;
     b.t0 = 19;
     b.t1 = 20;
@@ -86,18 +88,28 @@ TEST(TestbedProtocol, RouterToLeaderMessages) {
 
 TEST(TestbedProtocol, LeaderToFollowerMessages) {
     const json entry_a = {{"id", 4},   {"t0", 0},    {"t1", 3}, {"tok", {5, 6, 7}}, {"pg", {9}},
-                          {"f", true}, {"l", false}, {"n", 20}, {"ss", 0}};
-    const json entry_b = {{"id", 5},    {"t0", 19},  {"t1", 20}, {"tok", {8}}, {"pg", {1, 2}},
-                          {"f", false}, {"l", true}, {"n", 20},  {"ss", 0}};
+                          {"f", true}, {"l", false}, {"n", 20}, {"ss", 0},          {"wr", {3, 1}}};
+    const json entry_b = {{"id", 5},      {"t0", 19},           {"t1", 20},  {"tok", {8}},
+                          {"pg", {1, 2}}, {"f", false},         {"l", true}, {"n", 20},
+                          {"ss", 0},      {"wr", json::array()}};
     expect_round_trip(sample_plan(), json{{"k", "step"}, {"m", "d"}, {"e", {entry_a, entry_b}}});
     Plan extend = sample_plan();
     extend.mode = attn::ForwardMode::kExtend;
     extend.entries.clear();
     expect_round_trip(extend, json{{"k", "step"}, {"m", "e"}, {"e", json::array()}});
-    expect_round_trip(
-        AdmitMsg{
-            .id = 3, .pages = {4, 5}, .input_len = 17, .prefill_ranks = {0, 1}, .state_slot = 6},
-        json{{"k", "admit"}, {"id", 3}, {"pg", {4, 5}}, {"n", 17}, {"pr", {0, 1}}, {"ss", 6}});
+    expect_round_trip(AdmitMsg{.id = 3,
+                               .pages = {4, 5},
+                               .input_len = 17,
+                               .prefill_ranks = {0, 1},
+                               .state_slot = 6,
+                               .window_ring = {7, 2}},
+                      json{{"k", "admit"},
+                           {"id", 3},
+                           {"pg", {4, 5}},
+                           {"n", 17},
+                           {"pr", {0, 1}},
+                           {"ss", 6},
+                           {"wr", {7, 2}}});
     expect_round_trip(ReleaseMsg{.id = 99}, json{{"k", "release"}, {"id", 99}});
 }
 

@@ -170,6 +170,19 @@ void expect_hybrid_groups(const json& rep, int decode, int requests) {
     EXPECT_GT(window, 0);
     EXPECT_LT(window, full / 2);
     EXPECT_EQ(stats["state_receiver"]["bytes"].get<int64_t>(), int64_t{20992} * requests);
+    // Each cache group has its own pool. A decode request keeps a ring of at most
+    // (W - 1) / page_size + 2 = 9 pages of its sliding layer (window.h), not a page per 16 tokens
+    // as its full layers do (its prompt alone is up to 384 tokens: 24 pages).
+    const json& pools = stats["kv_pools"];
+    ASSERT_TRUE(pools.contains("sliding")) << stats.dump();
+    EXPECT_EQ(pools["full"]["layers"].get<int>(), 2);
+    EXPECT_EQ(pools["sliding"]["layers"].get<int>(), 1);
+    const int64_t full_peak = pools["full"]["peak_pages"].get<int64_t>();
+    const int64_t sliding_peak = pools["sliding"]["peak_pages"].get<int64_t>();
+    EXPECT_GT(sliding_peak, 0);
+    EXPECT_LE(sliding_peak, int64_t{9} * requests);
+    EXPECT_LT(sliding_peak, full_peak) << pools.dump();
+    EXPECT_GE(pools["states"]["peak_pages"].get<int64_t>(), 1);
 }
 
 const std::string kMooncake = "mooncake_conversation.jsonl";

@@ -192,8 +192,19 @@ Status AttentionBackend::init_forward_metadata(const ForwardBatch& batch) {
     if (config_.stream == nullptr)
         return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{}: no compute stream", name());
     PDSIM_RETURN_IF_ERROR(validate_forward_batch(batch, 0, 0));
+    const bool window = !batch.window_page_table.empty();
+    ForwardBatch window_batch = batch;
+    if (window) {
+        window_batch.page_table = batch.window_page_table;
+        window_batch.page_table_stride = batch.window_page_table_stride;
+        window_batch.window_page_table = {};
+        Status st = validate_forward_batch(window_batch, 0, 0);
+        if (!st.ok()) return st.with_context("window_page_table");
+    }
     active_ = &eager_;
     PDSIM_RETURN_IF_ERROR(enqueue_assign(&eager_, batch, false));
+    window_meta_ = window;
+    if (window) PDSIM_RETURN_IF_ERROR(enqueue_assign(&eager_window_, window_batch, false));
     int64_t tokens = 0;
     for (int i = 0; i < batch.bs; ++i) {
         tokens += batch.extend_lens.empty() ? 1 : batch.extend_lens[static_cast<size_t>(i)];
@@ -235,6 +246,7 @@ Status AttentionBackend::init_forward_metadata_capture_cuda_graph(int bs, Forwar
                            graph_->max_bs());
     }
     captured_bs_ = bs;
+    window_meta_ = false;
     active_ = graph_.get();
     (void)mode;
     return {};
@@ -246,6 +258,11 @@ Status AttentionBackend::init_forward_metadata_replay_cuda_graph(const ForwardBa
                            "{}: replay before init_cuda_graph_state", name());
     PDSIM_RETURN_IF_ERROR(
         validate_forward_batch(batch, graph_->max_bs(), graph_->max_pages_per_seq()));
+    if (!batch.window_page_table.empty()) {
+        return PDSIM_ERROR(StatusCode::kUnimplemented,
+                           "{}: graph metadata has no sliding-window page table", name());
+    }
+    window_meta_ = false;
     active_ = graph_.get();
     return enqueue_assign(graph_.get(), batch, /*keep_aliased_seq_lens=*/true);
 }
@@ -343,6 +360,11 @@ Status AttentionBackend::validate_forward(const ForwardArgs& a) const {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "layer: layer_id {} out of range [0, {}) of the pool", L.layer_id,
                            pool.num_layers());
+    }
+    if (!pool.holds_layer(L.layer_id)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "layer: layer_id {} is not held by the pool (another cache group's)",
+                           L.layer_id);
     }
     // Eager metadata: the batch's token count is known here; graph metadata: the views agree.
     int64_t tokens = active_ == &eager_ && eager_num_tokens_.has_value() ? *eager_num_tokens_ : -1;
@@ -444,7 +466,9 @@ Status AttentionBackend::forward(const runtime::ConstTensorView& q,
     args.bs = bs;
     args.out = out;
     args.save_kv_cache = save_kv_cache;
-    args.meta = active_;
+    // A sliding layer reads its own cache group's page table when the batch has one.
+    args.meta =
+        layer.sliding_window > 0 && window_meta_ && active_ == &eager_ ? &eager_window_ : active_;
     PDSIM_RETURN_IF_ERROR(validate_forward(args));
     RecordPdCacheStep guard(*this, mode, save_kv_cache, record_kv_cache);
     PDSIM_RETURN_IF_ERROR(guard.enter());

@@ -41,6 +41,15 @@
 // them in place (stream-ordered) before a replay, so a replay sees the current batch. The caller
 // updates seq_lens_buf itself, in stream order (or with the stream idle).
 //
+// Cache groups. A batch may carry a second page table for the sliding-window layers
+// (ForwardBatch::window_page_table): a hybrid model whose sliding layers keep their KV in their
+// own pool, with its own pages (a sliding layer only ever reads a request's last W positions, so
+// its group need not keep the rest; the testbed maps them onto a per-request ring of pages,
+// sim/testbed/window.h). init_forward_metadata copies it into a second set of eager buffers,
+// which forward() hands to the kernels of every layer with sliding_window > 0; entries before a
+// row's window may name any page (the kernels never read keys before the window). Graph metadata
+// has no second table: a replay with one is kUnimplemented.
+//
 // Record rule (RecordPdCacheStep), applied by forward() around forward_decode/forward_extend:
 //   record_kv_cache unset -> record iff mode is neither decode nor idle; set -> forced to its
 //   value; no StepCounter registered -> no record; save_kv_cache == false (KV was pre-written, e.g.
@@ -160,6 +169,11 @@ struct ForwardBatch {
     std::span<const int32_t> extend_lens;  // empty for decode: 1 each
     std::span<const int32_t> page_table;   // bs * page_table_stride entries
     int page_table_stride = 0;
+    // The sliding-window layers' own cache group (a hybrid model whose sliding layers have their
+    // own KV pool, see "Cache groups" in the file comment): their page table, laid out as
+    // page_table. Empty: sliding layers use page_table like every other layer.
+    std::span<const int32_t> window_page_table;
+    int window_page_table_stride = 0;
 };
 
 // What a kernel reads when it runs: pointers into the backend's metadata buffers.
@@ -334,6 +348,10 @@ private:
     AttentionConfig config_;
     pd::StepCounter* step_counter_ = nullptr;
     MetadataBuffers eager_;
+    // The sliding layers' page table (ForwardBatch::window_page_table) of the eager batch; used
+    // while window_meta_ is set (the last init_forward_metadata had one).
+    MetadataBuffers eager_window_;
+    bool window_meta_ = false;
     std::unique_ptr<MetadataBuffers> graph_;
     const MetadataBuffers* active_ = &eager_;
     int captured_bs_ = 0;

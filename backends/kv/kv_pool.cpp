@@ -1,5 +1,8 @@
 #include "backends/kv/kv_pool.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -81,7 +84,7 @@ bool PageAllocator::is_allocated(int32_t page) const {
 
 // ---------------------------------------------------------------------------------------------
 KVPool::KVPool(int num_layers, int num_pages, int page_size, KVDtype dtype, runtime::Device device,
-               std::vector<BufferShape> buffers)
+               std::vector<BufferShape> buffers, const std::vector<int>& held)
     : num_layers_(num_layers),
       num_pages_(num_pages),
       page_size_(page_size),
@@ -94,12 +97,56 @@ KVPool::KVPool(int num_layers, int num_pages, int page_size, KVDtype dtype, runt
           for (const BufferShape& b : shapes_) elems.push_back(b.heads * b.dim);
           return elems;
       }()),
-      allocator_(std::max(num_pages, 1)) {}
+      held_(static_cast<size_t>(std::max(num_layers, 0)), held.empty() ? 1 : 0),
+      allocator_(std::max(num_pages, 1)) {
+    for (int l : held) held_[static_cast<size_t>(l)] = 1;
+}
+
+Status KVPool::check_held_layers(int num_layers, const std::vector<int>& held) {
+    std::vector<uint8_t> seen(static_cast<size_t>(std::max(num_layers, 0)), 0);
+    for (size_t i = 0; i < held.size(); ++i) {
+        const int l = held[i];
+        if (l < 0 || l >= num_layers) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "layers[{}]: layer {} out of [0, {})",
+                               i, l, num_layers);
+        }
+        if (seen[static_cast<size_t>(l)]++ != 0) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument, "layers[{}]: layer {} listed twice", i,
+                               l);
+        }
+    }
+    return {};
+}
+
+std::vector<int> KVPool::held_layers() const {
+    std::vector<int> out;
+    for (int l = 0; l < num_layers_; ++l) {
+        if (holds_layer(l)) out.push_back(l);
+    }
+    return out;
+}
+
+Status KVPool::check_layer(int layer) const {
+    if (layer < 0 || layer >= num_layers_) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "layer {} out of range [0, {})", layer,
+                           num_layers_);
+    }
+    if (!holds_layer(layer)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "layer {} is not held by this pool (it holds layers {})", layer,
+                           fmt::join(held_layers(), ","));
+    }
+    return {};
+}
 
 Status KVPool::allocate_buffers() {
     buffers_.clear();
     for (int l = 0; l < num_layers_; ++l) {
         for (int b = 0; b < buffer_count_; ++b) {
+            if (!holds_layer(l)) {
+                buffers_.emplace_back();
+                continue;
+            }
             size_t bytes = page_bytes(l, b) * static_cast<size_t>(num_pages_);
             PDSIM_ASSIGN_OR_RETURN(auto buf, runtime::DeviceBuffer::allocate(device_, bytes));
             buffers_.push_back(std::move(buf));
@@ -114,10 +161,7 @@ void* KVPool::data(int layer, int buf) const {
 }
 
 StatusOr<runtime::TensorView> KVPool::buffer_view(int layer, int buf) const {
-    if (layer < 0 || layer >= num_layers_) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "layer {} out of range [0, {})", layer,
-                           num_layers_);
-    }
+    PDSIM_RETURN_IF_ERROR(check_layer(layer));
     if (buf < 0 || buf >= buffer_count_) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "buf {} out of range [0, {})", buf,
                            buffer_count_);
@@ -170,10 +214,7 @@ StatusOr<int64_t> KVPool::check_host_write(std::string_view op, int layer,
         return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{} on a {} pool from the host", op,
                            runtime::device_kind_name(device_.kind));
     }
-    if (layer < 0 || layer >= num_layers_) {
-        return PDSIM_ERROR(StatusCode::kInvalidArgument, "layer {} out of range [0, {})", layer,
-                           num_layers_);
-    }
+    PDSIM_RETURN_IF_ERROR(check_layer(layer));
     PDSIM_RETURN_IF_ERROR(runtime::check_view(
         locs, "locs", {.dtypes = {runtime::DType::kI32}, .shape = {-1}, .allow_null = true}));
     if (locs.empty()) {
@@ -271,13 +312,14 @@ Status validate_common(int num_layers, int num_pages, int page_size, KVDtype dty
 
 MHATokenToKVPool::MHATokenToKVPool(const MHAPoolConfig& cfg)
     : KVPool(cfg.num_layers, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device,
-             {{cfg.num_kv_heads, cfg.head_dim}, {cfg.num_kv_heads, cfg.v_head_dim}}),
+             {{cfg.num_kv_heads, cfg.head_dim}, {cfg.num_kv_heads, cfg.v_head_dim}}, cfg.layers),
       cfg_(cfg) {}
 
 StatusOr<std::unique_ptr<MHATokenToKVPool>> MHATokenToKVPool::create(const MHAPoolConfig& in) {
     MHAPoolConfig cfg = in;
     if (cfg.v_head_dim == 0) cfg.v_head_dim = cfg.head_dim;
     PDSIM_RETURN_IF_ERROR(validate_common(cfg.num_layers, cfg.num_pages, cfg.page_size, cfg.dtype));
+    PDSIM_RETURN_IF_ERROR(check_held_layers(cfg.num_layers, cfg.layers));
     if (cfg.num_kv_heads < 1 || cfg.head_dim < 1 || cfg.v_head_dim < 1) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "num_kv_heads {} / head_dim {} / v_head_dim {} must be >= 1",

@@ -19,6 +19,13 @@
 // Pages are handed out by a PageAllocator; page 0 is never handed out (the null hole that padded
 // tokens write to), so the usable capacity is num_pages - 1.
 //
+// Held layers. A pool numbers its layers as the model does (0 .. num_layers - 1) but may hold
+// buffers for some of them only (MHAPoolConfig::layers): a hybrid model's cache groups each have
+// their own pool and page allocator (the full-attention layers' pool, the sliding-window layers'
+// pool), so a layer id means the same layer in every pool. A layer the pool does not hold has no
+// memory: data() is null for it, and buffer_view / layer_view / the write helpers refuse it
+// (kInvalidArgument naming the layer).
+//
 // Ownership: a pool owns its buffers (on the configured device); views from layer_view() borrow
 // them and are valid while the pool lives. Thread-safety: the allocator is internally
 // synchronized; buffer contents follow stream order (writers are kernels on the compute stream).
@@ -94,13 +101,20 @@ public:
     KVPool& operator=(const KVPool&) = delete;
 
     [[nodiscard]] int num_layers() const { return num_layers_; }
+    // Whether the pool has buffers for `layer` (every layer unless built with a layer list).
+    [[nodiscard]] bool holds_layer(int layer) const {
+        return layer >= 0 && layer < num_layers_ && held_[static_cast<size_t>(layer)] != 0;
+    }
+    // The layers it holds, in order.
+    [[nodiscard]] std::vector<int> held_layers() const;
     [[nodiscard]] int num_pages() const { return num_pages_; }
     [[nodiscard]] int page_size() const { return page_size_; }
     [[nodiscard]] KVDtype dtype() const { return dtype_; }
     [[nodiscard]] runtime::Device device() const { return device_; }
     [[nodiscard]] int buffer_count() const { return buffer_count_; }
 
-    // Base address of buffer `buf` (0 = K or the MLA buffer, 1 = V) of `layer`.
+    // Base address of buffer `buf` (0 = K or the MLA buffer, 1 = V) of `layer`; null for a layer
+    // the pool does not hold.
     [[nodiscard]] void* data(int layer, int buf) const;
     // Buffer `buf` of `layer` as a view [num_pages][page_size][heads][dim] (MLA: heads 1), or
     // kInvalidArgument naming `layer` / `buf` when out of range.
@@ -111,6 +125,7 @@ public:
     [[nodiscard]] int token_elems(int buf) const { return token_elems_[buf]; }
     [[nodiscard]] size_t token_bytes(int layer, int buf) const;
     [[nodiscard]] size_t page_bytes(int layer, int buf) const;
+    // Bytes of every buffer the pool holds.
     [[nodiscard]] size_t total_bytes() const;
 
     [[nodiscard]] PageAllocator& allocator() { return allocator_; }
@@ -132,8 +147,13 @@ protected:
         int heads = 1;
         int dim = 0;
     };
+    // `held`: the layers it holds (empty: all); checked by check_held_layers before construction.
     KVPool(int num_layers, int num_pages, int page_size, KVDtype dtype, runtime::Device device,
-           std::vector<BufferShape> buffers);
+           std::vector<BufferShape> buffers, const std::vector<int>& held = {});
+    // kInvalidArgument naming the entry for a layer outside [0, num_layers) or listed twice.
+    [[nodiscard]] static Status check_held_layers(int num_layers, const std::vector<int>& held);
+    // kInvalidArgument naming `layer` when it is out of range or not held.
+    [[nodiscard]] Status check_layer(int layer) const;
     [[nodiscard]] Status allocate_buffers();
     // The checks every host write helper makes before writing anything: the pool is in host
     // memory (else kFailedPrecondition naming `op`), `layer` in range, `locs` an int32 host view
@@ -154,7 +174,8 @@ private:
     const int buffer_count_;
     const std::vector<BufferShape> shapes_;
     const std::vector<int> token_elems_;
-    std::vector<runtime::DeviceBuffer> buffers_;  // [layer * buffer_count + buf]
+    std::vector<uint8_t> held_;                   // by layer
+    std::vector<runtime::DeviceBuffer> buffers_;  // [layer * buffer_count + buf]; empty: not held
     PageAllocator allocator_;
 };
 
@@ -167,6 +188,8 @@ struct MHAPoolConfig {
     int v_head_dim = 0;             // 0: same as head_dim
     KVDtype dtype = KVDtype::kF32;  // kF32 or kBF16
     runtime::Device device{};
+    // The layers it holds buffers for (see "Held layers" above); empty: every layer.
+    std::vector<int> layers;
 };
 
 class MHATokenToKVPool final : public KVPool {

@@ -46,6 +46,12 @@ struct StepBatch {
     int page_table_stride = 0;
     // [bs] each request's slot in the state pool (models with recurrent layers; else empty).
     std::vector<int32_t> state_slots;
+    // Models whose sliding-window layers keep their KV in their own pool (SyntheticModel::
+    // attach_window_pool): those layers' KV slots of the new tokens [T] and page table
+    // [bs * window_page_table_stride], indexed as out_cache_loc / page_table are. Else empty.
+    std::vector<int32_t> window_out_cache_loc;
+    std::vector<int32_t> window_page_table;
+    int window_page_table_stride = 0;
 };
 
 class Model {

@@ -199,6 +199,35 @@ Status SyntheticModel::attach_state_pool(kv::StatePool* pool) {
     return {};
 }
 
+Status SyntheticModel::attach_window_pool(kv::MHATokenToKVPool* pool) {
+    if (cfg_.count_layers(LayerKind::kSlidingWindow) == 0) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "model {}: no sliding-window layers to attach a window pool to",
+                           cfg_.name);
+    }
+    if (pool == nullptr) {
+        window_pool_ = nullptr;
+        return {};
+    }
+    if (pool->num_layers() != cfg_.num_layers || pool->num_kv_heads() != hkv_ ||
+        pool->head_dim() != cfg_.head_dim || pool->v_head_dim() != cfg_.head_dim) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "model {}: the window pool must number {} layers with {} KV heads x {} "
+                           "on this rank (it has {} layers, {} heads x {})",
+                           cfg_.name, cfg_.num_layers, hkv_, cfg_.head_dim, pool->num_layers(),
+                           pool->num_kv_heads(), pool->head_dim());
+    }
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+        if (cfg_.layer_kind(l) == LayerKind::kSlidingWindow && !pool->holds_layer(l)) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "model {}: the window pool does not hold sliding layer {}",
+                               cfg_.name, l);
+        }
+    }
+    window_pool_ = pool;
+    return {};
+}
+
 attn::LayerSpec SyntheticModel::layer_spec(int layer) const {
     const bool sliding = cfg_.layer_kind(layer) == LayerKind::kSlidingWindow;
     return attn::LayerSpec{
@@ -474,6 +503,30 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
                                cfg_.name, backend.name());
         }
     }
+    if (window_pool_ != nullptr) {
+        if (batch.window_out_cache_loc.size() != static_cast<size_t>(T) ||
+            batch.window_page_table_stride < 1 ||
+            batch.window_page_table.size() !=
+                static_cast<size_t>(bs) * static_cast<size_t>(batch.window_page_table_stride)) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "batch: {} window slots and {} window page table entries (stride "
+                               "{}) for {} tokens of {} requests (model {} keeps its sliding "
+                               "layers in a window pool)",
+                               batch.window_out_cache_loc.size(), batch.window_page_table.size(),
+                               batch.window_page_table_stride, T, bs, cfg_.name);
+        }
+    }
+    // Every attention layer's KV has a home (checked before anything is enqueued).
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+        if (cfg_.layer_kind(l) == LayerKind::kRecurrent) continue;
+        const bool windowed = cfg_.layer_kind(l) == LayerKind::kSlidingWindow && window_pool_;
+        if (!(windowed ? window_pool_->holds_layer(l) : pool.holds_layer(l))) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "model {}: layer {} ({}) is not held by the pool given to forward "
+                               "(a sliding layer in its own pool needs attach_window_pool)",
+                               cfg_.name, l, topo::layer_kind_name(cfg_.layer_kind(l)));
+        }
+    }
     runtime::Stream& stream = backend.stream();
     attn::ForwardBatch fb;
     fb.mode = batch.mode;
@@ -482,6 +535,10 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
     fb.extend_lens = batch.extend_lens;
     fb.page_table = batch.page_table;
     fb.page_table_stride = batch.page_table_stride;
+    if (window_pool_ != nullptr) {
+        fb.window_page_table = batch.window_page_table;
+        fb.window_page_table_stride = batch.window_page_table_stride;
+    }
     PDSIM_RETURN_IF_ERROR(backend.init_forward_metadata(fb));
 
     // Stage the host inputs by value: the caller may reuse its vectors as soon as we return.
@@ -560,19 +617,24 @@ Status SyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& b
         const runtime::ConstTensorView v =
             runtime::host_view(static_cast<const float*>(v_.data()), {T, hkv_, D});
         const runtime::TensorView out = runtime::host_view(attn_.data(), {T, hq_, D});
-        const runtime::ConstTensorView locs =
-            runtime::host_view(static_cast<const int32_t*>(staged->out_cache_loc.data()), {T});
+        // A sliding layer in its own cache group: its pool and slots.
+        const bool windowed = spec.sliding_window > 0 && window_pool_ != nullptr;
+        kv::KVPool& layer_pool = windowed ? *window_pool_ : pool;
+        const runtime::ConstTensorView locs = runtime::host_view(
+            static_cast<const int32_t*>(windowed ? staged->window_out_cache_loc.data()
+                                                 : staged->out_cache_loc.data()),
+            {T});
         if (!save_kv_cache) {
             // Fused-prewrite path: the KV lands before the attention call, which then records
             // first.
-            auto* mha = dynamic_cast<kv::MHATokenToKVPool*>(&pool);
+            auto* mha = dynamic_cast<kv::MHATokenToKVPool*>(&layer_pool);
             if (mha == nullptr)
                 return PDSIM_ERROR(StatusCode::kInvalidArgument, "prewrite needs an MHA pool");
             PDSIM_RETURN_IF_ERROR(stream.enqueue(
                 [mha, l, locs, k, v, staged] { return mha->set_kv_buffer(l, locs, k, v); }));
         }
         PDSIM_RETURN_IF_ERROR(
-            backend.forward(q, k, v, spec, locs, pool, batch.mode, bs, out, save_kv_cache));
+            backend.forward(q, k, v, spec, locs, layer_pool, batch.mode, bs, out, save_kv_cache));
         PDSIM_RETURN_IF_ERROR(stream.enqueue([this, l, T, H, D, qs, ns, mlp] {
             const Layer& L = layers_[static_cast<size_t>(l)];
             const size_t pstride = static_cast<size_t>(max_tokens_) * H;

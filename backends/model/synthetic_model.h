@@ -88,6 +88,16 @@ public:
     [[nodiscard]] Status attach_state_pool(kv::StatePool* pool);
     [[nodiscard]] int num_recurrent_layers() const { return num_recurrent_; }
 
+    // Sliding-window layers in their own cache group. With a window pool attached, every sliding
+    // layer writes and reads its KV there, through StepBatch::window_out_cache_loc and
+    // window_page_table (whose entries before a request's window may name any page: they are never
+    // read), and the pool given to forward() need not hold the sliding layers. The pool must hold
+    // every sliding layer (kv::KVPool::holds_layer, numbered as the model's layers) with this
+    // rank's KV heads, and outlive the forwards that use it; a forward without the window fields
+    // is kInvalidArgument. attach_window_pool(nullptr) detaches (sliding layers use the main pool
+    // and page table again). kFailedPrecondition for a model without sliding layers.
+    [[nodiscard]] Status attach_window_pool(kv::MHATokenToKVPool* pool);
+
     // Deterministic weight value (exposed for tests): element `index` of tensor `tensor`.
     [[nodiscard]] static float weight_value(uint64_t seed, uint64_t tensor, uint64_t index,
                                             float scale);
@@ -125,6 +135,7 @@ private:
     int hs_ = 0;                        // local state heads
     int num_recurrent_ = 0;
     kv::StatePool* state_pool_ = nullptr;
+    kv::MHATokenToKVPool* window_pool_ = nullptr;
     int max_tokens_ = 0;
     std::vector<Layer> layers_;
     std::vector<float> embed_;          // [V][H]

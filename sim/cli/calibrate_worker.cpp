@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backends/model/synthetic_model.h"
+#include "common/check.h"
 #include "common/stats.h"
 #include "sim/cli/calibrate.h"
 #include "sim/cli/cli_util.h"
@@ -174,8 +175,10 @@ model::StepBatch make_batch(const Point& p, int ps, int vocab, uint64_t first_id
         entries.push_back(
             {first_id + static_cast<uint64_t>(i), t0, p.seq_len(), tokens[r], pages[r]});
     }
-    return testbed::build_step_batch(
+    StatusOr<model::StepBatch> b = testbed::build_step_batch(
         p.decode ? attn::ForwardMode::kDecode : attn::ForwardMode::kExtend, entries, ps, segs);
+    PDSIM_CHECK(b.ok());  // no window rings (calibrate refuses hybrid models): cannot fail
+    return std::move(*b);
 }
 
 // The wake-up measurement (calibrate.h, "Wake-up"): kWakeRounds times, every rank idles

@@ -419,8 +419,11 @@ const RankGpu* ResolvedConfig::gpu_of(int rank) const {
 
 int64_t kv_page_bytes(const model::ModelConfig& m, int tp, int page_size, runtime::DType dtype) {
     const int64_t hkv = m.num_kv_heads / std::max(1, tp);
-    return static_cast<int64_t>(m.num_layers) * 2 * hkv * m.head_dim *
-           static_cast<int64_t>(runtime::dtype_size(dtype)) * page_size;
+    // A hybrid model's attention layers (full and sliding: each has a pool of this many pages,
+    // rank_builder.h); its recurrent layers keep states, not KV pages.
+    const int64_t layers = std::max(1, m.num_layers - m.count_layers(model::LayerKind::kRecurrent));
+    return layers * 2 * hkv * m.head_dim * static_cast<int64_t>(runtime::dtype_size(dtype)) *
+           page_size;
 }
 
 int64_t kv_pool_pages(const model::ModelConfig& m, int tp, int page_size, int64_t kv_pool_mb,

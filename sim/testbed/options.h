@@ -255,8 +255,9 @@ struct DataTransportQuery {
 [[nodiscard]] StatusOr<std::string> resolve_data_transport(const DataTransportQuery& query);
 
 // A rank's KV pool: pages of page_size tokens of this rank's KV heads (num_kv_heads / tp) in
-// `dtype`, every layer, K and V; --kv-pool-mb MiB of them plus the null page 0 (at least 2 pages,
-// at most 2^24).
+// `dtype`, every attention layer (a hybrid model's full and sliding layers; its full layers' pool
+// has this many pages, its sliding layers' pool at most as many), K and V; --kv-pool-mb MiB of them
+// plus the null page 0 (at least 2 pages, at most 2^24).
 [[nodiscard]] int64_t kv_page_bytes(const model::ModelConfig& model, int tp, int page_size,
                                     runtime::DType dtype);
 [[nodiscard]] int64_t kv_pool_pages(const model::ModelConfig& model, int tp, int page_size,

@@ -230,6 +230,11 @@ Status PdAttentionBackend::enqueue_page_late_write() {
 
 Status PdAttentionBackend::enqueue_late_write(const attn::ForwardArgs& args) {
     if (segments_ == nullptr) return {};
+    if (!args.pool->holds_layer(0)) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "late-write: layer 0 is in another cache group's pool than layer {}",
+                           args.layer.layer_id);
+    }
     int64_t n = 0;
     for (const auto& s : *segments_) n += s.t1 - s.t0;
     return stream().enqueue([pool = args.pool, locs = args.out_cache_loc.as<int32_t>(), n] {

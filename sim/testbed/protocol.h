@@ -82,6 +82,9 @@ struct PlanEntry {
     bool last = false;            // last prefill chunk (samples the first token)
     int32_t input_len = 0;
     int32_t state_slot = 0;  // models with recurrent layers: the request's state pool slot
+    // Models whose sliding layers have their own pool: the request's ring of pages there
+    // (sim/testbed/window.h); else empty.
+    std::vector<int32_t> window_ring;
     bool operator==(const PlanEntry&) const = default;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
@@ -94,6 +97,7 @@ struct PlanEntry {
         v("l", m.last);
         v("n", m.input_len);
         v("ss", m.state_slot);
+        v("wr", m.window_ring);
     }
 };
 
@@ -115,10 +119,11 @@ struct Plan {
 struct AdmitMsg {
     static constexpr std::string_view kKind = "admit";
     uint64_t id = 0;
-    std::vector<int32_t> pages;      // destination pages
-    int64_t input_len = 0;           // tokens to receive
-    std::vector<int> prefill_ranks;  // world ranks of the prefill instance, by TP rank
-    int32_t state_slot = 0;          // destination state slot (models with recurrent layers)
+    std::vector<int32_t> pages;        // destination pages
+    int64_t input_len = 0;             // tokens to receive
+    std::vector<int> prefill_ranks;    // world ranks of the prefill instance, by TP rank
+    int32_t state_slot = 0;            // destination state slot (models with recurrent layers)
+    std::vector<int32_t> window_ring;  // its sliding layers' ring (PlanEntry::window_ring)
     bool operator==(const AdmitMsg&) const = default;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
@@ -127,6 +132,7 @@ struct AdmitMsg {
         v("n", m.input_len);
         v("pr", m.prefill_ranks);
         v("ss", m.state_slot);
+        v("wr", m.window_ring);
     }
 };
 

@@ -29,7 +29,24 @@ StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options) {
     pc.num_pages = options.num_pages;
     pc.dtype = options.kv_dtype;
     pc.device = parts.stream->device();
+    if (has_cache_groups(m)) {
+        pc.layers = main_pool_layers(m);
+        if (pc.layers.empty()) {
+            return PDSIM_ERROR(StatusCode::kUnimplemented,
+                               "model {}: a hybrid model needs full-attention layers (its KV "
+                               "engine's)",
+                               m.name);
+        }
+    }
     PDSIM_ASSIGN_OR_RETURN(parts.pool, kv::MHATokenToKVPool::create(pc));
+    if (has_cache_groups(m) && m.count_layers(model::LayerKind::kSlidingWindow) > 0) {
+        kv::MHAPoolConfig wc = pc;
+        wc.layers = layers_of(m, model::LayerKind::kSlidingWindow);
+        wc.num_pages = options.window_pages;
+        auto window_pool = kv::MHATokenToKVPool::create(wc);
+        if (!window_pool.ok()) return window_pool.status().with_context("the sliding layers' pool");
+        parts.window_pool = std::move(*window_pool);
+    }
     const int recurrent = m.count_layers(model::LayerKind::kRecurrent);
     if (recurrent > 0) {
         if (parts.stream->device().kind != runtime::DeviceKind::kCpu) {
@@ -69,12 +86,21 @@ std::vector<int> layers_of(const model::ModelConfig& model, model::LayerKind kin
     return layers;
 }
 
+std::vector<int> main_pool_layers(const model::ModelConfig& model) {
+    if (!has_cache_groups(model)) {
+        std::vector<int> all(static_cast<size_t>(model.num_layers));
+        for (int l = 0; l < model.num_layers; ++l) all[static_cast<size_t>(l)] = l;
+        return all;
+    }
+    return layers_of(model, model::LayerKind::kFullAttention);
+}
+
 StatusOr<transfer::KvLayout> kv_engine_layout(const kv::MHATokenToKVPool& pool,
                                               const model::ModelConfig& model, int tp_size,
                                               int tp_rank, model::LayerKind kind) {
-    PDSIM_ASSIGN_OR_RETURN(transfer::KvLayout all, transfer::KvLayout::from_mha_pool(
-                                                       pool, tp_size, tp_rank, model.num_kv_heads));
-    if (!has_cache_groups(model)) return all;
+    if (!has_cache_groups(model)) {
+        return transfer::KvLayout::from_mha_pool(pool, tp_size, tp_rank, model.num_kv_heads);
+    }
     const std::vector<int> layers = layers_of(model, kind);
     if (layers.empty()) {
         return PDSIM_ERROR(StatusCode::kUnimplemented,
@@ -82,13 +108,7 @@ StatusOr<transfer::KvLayout> kv_engine_layout(const kv::MHATokenToKVPool& pool,
                            "full-attention layers)",
                            model.name, topo::layer_kind_name(kind));
     }
-    transfer::KvLayoutSummary sum = all.summary();
-    sum.num_layers = static_cast<int32_t>(layers.size());
-    std::vector<std::byte*> bases;
-    for (int l : layers) {
-        for (int b = 0; b < all.buffer_count(); ++b) bases.push_back(all.base(l, b));
-    }
-    return transfer::KvLayout::create(sum, all.num_pages(), std::move(bases), all.device());
+    return transfer::KvLayout::from_mha_pool(pool, tp_size, tp_rank, model.num_kv_heads, layers);
 }
 
 StatusOr<transfer::KvLayout> state_layout(const kv::StatePool& states,
@@ -184,16 +204,47 @@ StatusOr<std::unique_ptr<PdAttentionBackend>> build_pd_backend(const RankBuildOp
     return PdAttentionBackend::create(std::move(inner), bo);
 }
 
-model::StepBatch build_step_batch(attn::ForwardMode mode, std::span<const ForwardEntry> entries,
-                                  int page_size, Segments* segments) {
+StatusOr<model::StepBatch> build_step_batch(attn::ForwardMode mode,
+                                            std::span<const ForwardEntry> entries, int page_size,
+                                            Segments* segments, int window) {
     const int ps = page_size;
     model::StepBatch b;
     b.mode = mode;
     int stride = 1;
     for (const auto& e : entries) stride = std::max<int>(stride, static_cast<int>(e.pages.size()));
     b.page_table_stride = stride;
+    const bool rings = !entries.empty() && !entries.front().window_ring.empty();
+    if (rings) b.window_page_table_stride = stride;
     int64_t off = 0;
     for (const auto& e : entries) {
+        if (e.window_ring.empty() == rings) {
+            return PDSIM_ERROR(StatusCode::kInternal,
+                               "request {}: a window ring on some entries of a forward only",
+                               e.request);
+        }
+        if (rings) {
+            // The pages this forward touches must be distinct ring slots (window.h).
+            const int64_t touched =
+                e.t1 > e.t0 ? (e.t1 - 1) / ps - std::max<int64_t>(0, e.t0 - window + 1) / ps + 1
+                            : 0;
+            if (window < 1 || touched > static_cast<int64_t>(e.window_ring.size())) {
+                return PDSIM_ERROR(StatusCode::kInternal,
+                                   "request {}: positions [{}, {}) touch {} pages of window {}, "
+                                   "its ring has {}",
+                                   e.request, e.t0, e.t1, touched, window, e.window_ring.size());
+            }
+            const auto r = static_cast<int64_t>(e.window_ring.size());
+            for (int64_t t = e.t0; t < e.t1; ++t) {
+                b.window_out_cache_loc.push_back(e.window_ring[static_cast<size_t>(t / ps % r)] *
+                                                     ps +
+                                                 static_cast<int32_t>(t % ps));
+            }
+            for (int p = 0; p < stride; ++p) {
+                b.window_page_table.push_back(p < static_cast<int>(e.pages.size())
+                                                  ? e.window_ring[static_cast<size_t>(p % r)]
+                                                  : 0);
+            }
+        }
         for (int64_t t = e.t0; t < e.t1; ++t) {
             b.out_cache_loc.push_back(e.pages[static_cast<size_t>(t / ps)] * ps +
                                       static_cast<int32_t>(t % ps));

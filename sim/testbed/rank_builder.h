@@ -46,6 +46,9 @@ struct RankBuildOptions {
     std::string backend = "cpu";  // attn::create_attention_backend's name
     int page_size = 16;           // KV page size (tokens)
     int num_pages = 2;            // KV pool pages
+    // Pages of the sliding layers' own pool (models with cache groups and sliding layers; see
+    // RankParts::window_pool), including the null page 0.
+    int window_pages = 2;
     // State pool slots (models with recurrent layers), including the null slot 0: one per request
     // that holds a state at a time.
     int state_slots = 2;
@@ -69,7 +72,12 @@ struct RankBuildOptions {
 struct RankParts {
     std::unique_ptr<runtime::Stream> owned_stream;  // null when the stream is borrowed
     runtime::Stream* stream = nullptr;              // owned_stream, or RankBuildOptions::stream
+    // The KV pool. A model with cache groups (has_cache_groups) has one pool per group, each
+    // numbering the model's layers and holding its own (kv::KVPool "Held layers"): `pool` holds the
+    // full-attention layers, `window_pool` the sliding layers (null without any; its pages are
+    // the requests' rings, window.h), `states` the recurrent layers' states.
     std::unique_ptr<kv::MHATokenToKVPool> pool;
+    std::unique_ptr<kv::MHATokenToKVPool> window_pool;
     std::unique_ptr<kv::StatePool> states;                   // null without recurrent layers
     std::unique_ptr<pd::StepCounter> counter;                // null unless step_counter
     std::unique_ptr<transfer::OrderingValidator> validator;  // null unless validator
@@ -96,19 +104,24 @@ struct RankParts {
 [[nodiscard]] inline bool has_cache_groups(const model::ModelConfig& model) {
     return model.count_layers(model::LayerKind::kFullAttention) != model.num_layers;
 }
-// A transfer engine's view of some layers of the KV pool, in order (engine layer i is model
+// The KV layers of a rank's main pool (RankParts::pool): the full-attention layers of a model
+// with cache groups, else every layer.
+[[nodiscard]] std::vector<int> main_pool_layers(const model::ModelConfig& model);
+// A transfer engine's view of some layers of a KV pool, in order (engine layer i is model
 // layer layers[i]): every layer for a model without cache groups (KvLayout::from_mha_pool), else
-// the full-attention layers (the KV engine) or the sliding layers (the window engine).
-// kUnimplemented for a hybrid model without full-attention layers (its KV engine would be empty).
+// the full-attention layers (the KV engine, over the main pool) or the sliding layers (the window
+// engine, over the window pool). kUnimplemented for a hybrid model without layers of `kind`;
+// kInvalidArgument when `pool` does not hold them.
 [[nodiscard]] StatusOr<transfer::KvLayout> kv_engine_layout(
     const kv::MHATokenToKVPool& pool, const model::ModelConfig& model, int tp_size, int tp_rank,
     model::LayerKind kind = model::LayerKind::kFullAttention);
 
-// Builds (or takes) the stream, then the pool (num_kv_heads / tp_size heads of head_dim, kv_dtype,
-// on the stream's device), then the counter (pd::StepCounter::create: on a CUDA stream the device
-// counter) and the validator. Errors: the pool's (kInvalidArgument for a bad shape,
-// kResourceExhausted; kUnavailable for a device allocation that failed), the StepCounter's
-// (kUnavailable for a device it has no implementation for, or a CUDA error).
+// Builds (or takes) the stream, then the pools (num_kv_heads / tp_size heads of head_dim,
+// kv_dtype, on the stream's device; per cache group, see RankParts), then the counter
+// (pd::StepCounter::create: on a CUDA stream the device counter) and the validator. Errors: the
+// pool's (kInvalidArgument for a bad shape, kResourceExhausted; kUnavailable for a device
+// allocation that failed), the StepCounter's (kUnavailable for a device it has no implementation
+// for, or a CUDA error).
 [[nodiscard]] StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options);
 
 struct PdBackendSide {
@@ -142,13 +155,20 @@ struct ForwardEntry {
     int32_t state_slot = 0;  // its state pool slot (models with recurrent layers)
     bool last = false;       // its last prefill chunk
     int64_t input_len = 0;   // its prompt length
+    // Its ring in the sliding layers' pool (window.h; models whose sliding layers have their own
+    // pool); empty for every entry otherwise.
+    std::span<const int32_t> window_ring;
 };
 
 // The batch of a forward of `entries` in order: every entry's new tokens and their KV slots,
-// seq_len t1, extend_len t1 - t0, and its page table padded with page 0 to the longest one's.
-// `segments` (not null) gets each entry's (request, t0, t1, offset in the batch).
-[[nodiscard]] model::StepBatch build_step_batch(attn::ForwardMode mode,
-                                                std::span<const ForwardEntry> entries,
-                                                int page_size, Segments* segments);
+// seq_len t1, extend_len t1 - t0, and its page table padded with page 0 to the longest one's;
+// with window rings, the sliding layers' slots and page table too (logical page j of an entry
+// in ring[j % R], window.h). `segments` (not null) gets each entry's (request, t0, t1, offset in
+// the batch). kInternal when some entries have a ring and others not, or when a ring is too short
+// for the pages its entry's forward touches (`window`: the sliding window W).
+[[nodiscard]] StatusOr<model::StepBatch> build_step_batch(attn::ForwardMode mode,
+                                                          std::span<const ForwardEntry> entries,
+                                                          int page_size, Segments* segments,
+                                                          int window = 0);
 
 }  // namespace pdsim::testbed

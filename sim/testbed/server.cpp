@@ -40,6 +40,10 @@ Server::~Server() {
     // still run on them, and the decode graphs captured on them are not replayed again.
     if (ctx_.gpu != nullptr) ctx_.gpu->end_phase();
     shutdown_engines();
+    // The model outlives the phase; its sliding layers must not keep this phase's pool.
+    if (ctx_.cpu_model != nullptr && window_pool_ != nullptr) {
+        ctx_.cpu_model->attach_window_pool(nullptr).ignore_error();
+    }
 }
 
 Status Server::setup() {
@@ -62,6 +66,13 @@ Status Server::setup() {
     build.stream = ctx_.gpu != nullptr ? &ctx_.gpu->stream() : nullptr;
     // One state slot per request that can hold KV pages at once (at most one per page), capped.
     build.state_slots = static_cast<int>(std::min<int64_t>(pages, kMaxStateSlots));
+    if (has_cache_groups(m) && m.count_layers(model::LayerKind::kSlidingWindow) > 0) {
+        // The sliding layers' pool: a ring for as many requests as there are state slots (or for
+        // one per page of the full layers' pool), never more pages than that pool has.
+        const int64_t rings = std::min<int64_t>(pages - 1, kMaxStateSlots);
+        build.window_pages = static_cast<int>(
+            1 + std::min<int64_t>(pages - 1, rings * window_ring_size(int64_t{1} << 40)));
+    }
     build.kv_dtype = kv_dtype;
     build.step_counter = role_ == Role::kPrefill;
     build.validator = role_ != Role::kColocated;
@@ -94,6 +105,7 @@ Status Server::setup() {
     owned_stream_ = std::move(parts.owned_stream);
     stream_ = parts.stream;
     pool_ = std::move(parts.pool);
+    window_pool_ = std::move(parts.window_pool);
     states_ = std::move(parts.states);
     counter_ = std::move(parts.counter);
     validator_ = std::move(parts.validator);
@@ -105,6 +117,12 @@ Status Server::setup() {
             return PDSIM_ERROR(StatusCode::kInternal, "recurrent layers without a CPU model");
         }
         PDSIM_RETURN_IF_ERROR(ctx_.cpu_model->attach_state_pool(states_.get()));
+    }
+    if (window_pool_ != nullptr) {
+        if (ctx_.cpu_model == nullptr) {
+            return PDSIM_ERROR(StatusCode::kInternal, "a sliding layers' pool without a CPU model");
+        }
+        PDSIM_RETURN_IF_ERROR(ctx_.cpu_model->attach_window_pool(window_pool_.get()));
     }
 
     layer_t0_.assign(static_cast<size_t>(m.num_layers), 0.0);
@@ -177,8 +195,11 @@ Status Server::setup() {
         take_space(nullptr);
         if (window_.on) {
             take_space(&window_);
+            if (window_pool_ == nullptr) {
+                return PDSIM_ERROR(StatusCode::kInternal, "sliding layers without their pool");
+            }
             PDSIM_ASSIGN_OR_RETURN(window_.layout,
-                                   kv_engine_layout(*pool_, m, tp, ctx_.info.tp_rank,
+                                   kv_engine_layout(*window_pool_, m, tp, ctx_.info.tp_rank,
                                                     model::LayerKind::kSlidingWindow));
             window_.layer_steps = layers_of(m, model::LayerKind::kSlidingWindow);
             window_.validator = window_validator_.get();
@@ -317,16 +338,23 @@ transfer::PagePins* Server::GroupEngine::pins() {
     return nullptr;
 }
 
-Status Server::engine_free(const std::vector<int32_t>& pages, int32_t state_slot) {
+Status Server::engine_free(const std::vector<int32_t>& pages,
+                           const std::vector<int32_t>& window_ring, int32_t state_slot) {
     transfer::PagePins& pins = sender_ ? sender_->pins() : receiver_->pins();
+    transfer::PagePins* window_pins = window_.pins();
     transfer::PagePins* state_pins = state_.pins();
-    // Nothing is freed while any engine still pins a page or the slot (the window engine reads or
-    // writes some of the same pages): checked first, so that a retry finds everything as it was.
-    for (transfer::PagePins* p : {&pins, window_.pins()}) {
-        if (p == nullptr) continue;
-        for (int32_t page : pages) {
-            if (p->is_pinned(page)) {
-                return PDSIM_ERROR(StatusCode::kFailedPrecondition, "page {} is in flight", page);
+    // Nothing is freed while any engine still pins a page, a ring page or the slot: checked
+    // first, so that a retry finds everything as it was.
+    for (int32_t page : pages) {
+        if (pins.is_pinned(page)) {
+            return PDSIM_ERROR(StatusCode::kFailedPrecondition, "page {} is in flight", page);
+        }
+    }
+    if (window_pins != nullptr) {
+        for (int32_t page : window_ring) {
+            if (window_pins->is_pinned(page)) {
+                return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                                   "sliding-window page {} is in flight", page);
             }
         }
     }
@@ -340,6 +368,11 @@ Status Server::engine_free(const std::vector<int32_t>& pages, int32_t state_slot
     } else if (state_slot > 0) {
         free_state_slot(state_slot);
     }
+    if (window_pins != nullptr && !window_ring.empty()) {
+        PDSIM_RETURN_IF_ERROR(window_pins->free_pages(window_pool_->allocator(), window_ring));
+    } else {
+        free_window_ring(window_ring);
+    }
     return pins.free_pages(pool_->allocator(), pages);
 }
 
@@ -352,14 +385,30 @@ void Server::free_state_slot(int32_t slot) {
     }
 }
 
-std::vector<int32_t> Server::window_pages(const std::vector<int32_t>& pages,
-                                          int64_t input_len) const {
+void Server::free_window_ring(const std::vector<int32_t>& ring) {
+    if (ring.empty() || window_pool_ == nullptr) return;
+    Status st = window_pool_->allocator().free(ring);
+    if (!st.ok()) {
+        PDSIM_LOG_WARN("rank {}: free sliding-window pages: {}", ctx_.rank, st.to_string());
+    }
+}
+
+std::vector<int32_t> Server::window_pages(std::span<const int32_t> ring, int64_t input_len) const {
+    const int64_t ps = o_.page_size;
     const int64_t first = window_start(input_len, cfg_.model.sliding_window, o_.page_size);
-    return {pages.begin() + first / o_.page_size, pages.end()};
+    return ring_pages(ring, first / ps, (input_len + ps - 1) / ps);
+}
+
+int Server::window_ring_size(int64_t tokens) const {
+    // A decode rank extends by one position per forward; the others by up to a chunk.
+    const int64_t max_extend = role_ == Role::kDecode ? 1 : o_.chunk_size;
+    return window_ring_pages(cfg_.model.sliding_window, o_.page_size, max_extend,
+                             std::max<int64_t>(1, tokens));
 }
 
 Status Server::engine_submit_receive(uint64_t id, const std::vector<int>& prefill_ranks,
-                                     const std::vector<int32_t>& pages, int64_t input_len,
+                                     const std::vector<int32_t>& pages,
+                                     const std::vector<int32_t>& window_ring, int64_t input_len,
                                      int32_t state_slot) {
     transfer::ReceiveRequestSpec spec;
     spec.request_id = id;
@@ -368,13 +417,13 @@ Status Server::engine_submit_receive(uint64_t id, const std::vector<int>& prefil
     spec.num_tokens = input_len;
     spec.timeout = timeout_;
     PDSIM_RETURN_IF_ERROR(receiver_->submit(spec));
-    receive_info_[id] = {pages, input_len, state_slot};
+    receive_info_[id] = {pages, window_ring, input_len, state_slot};
     for (GroupEngine* g : groups()) {
         if (!g->receiver) continue;
         if (g == &window_) {
             // The sliding layers' tokens: the window's positions only (window.h).
             const int64_t first = window_start(input_len, cfg_.model.sliding_window, o_.page_size);
-            spec.dst_pages = window_pages(pages, input_len);
+            spec.dst_pages = window_pages(window_ring, input_len);
             spec.num_tokens = input_len - first;
         } else {
             spec.dst_pages = {state_slot};
@@ -448,7 +497,7 @@ Status Server::on_follower_message(const Message& m, std::vector<int32_t>* next)
     } else if (k == AdmitMsg::kKind) {
         PDSIM_ASSIGN_OR_RETURN(AdmitMsg admit, decode_message<AdmitMsg>(m.body));
         Status st = engine_submit_receive(admit.id, admit.prefill_ranks, admit.pages,
-                                          admit.input_len, admit.state_slot);
+                                          admit.window_ring, admit.input_len, admit.state_slot);
         if (st.ok()) {
             engine_active_.insert(admit.id);
         } else {
@@ -581,6 +630,21 @@ RankResult Server::result() {
         const std::string key = g == &window_ ? "window_" : "state_";
         if (g->sender) stats[key + "sender"] = engine_stats(g->sender->stats());
         if (g->receiver) stats[key + "receiver"] = engine_stats(g->receiver->stats());
+    }
+    // Each cache group's pool: pages, bytes, and the most pages its requests held at once (the
+    // instance leader allocates them; a TP follower's pools mirror its leader's).
+    auto pool_stats = [](const kv::KVPool& pool, int64_t peak) {
+        return json{{"layers", pool.held_layers().size()},
+                    {"pages", pool.allocator().capacity()},
+                    {"page_size", pool.page_size()},
+                    {"bytes", pool.total_bytes()},
+                    {"peak_pages", peak}};
+    };
+    if (pool_ != nullptr) {
+        json pools = {{"full", pool_stats(*pool_, peak_pages_[0])}};
+        if (window_pool_ != nullptr) pools["sliding"] = pool_stats(*window_pool_, peak_pages_[1]);
+        if (states_ != nullptr) pools["states"] = pool_stats(*states_, peak_pages_[2]);
+        stats["kv_pools"] = std::move(pools);
     }
     json threads = json::object();
     for (const auto& [name, cpu] : thread_cpu_s_) threads[name] = cpu;

@@ -51,10 +51,17 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
     std::vector<ForwardEntry> entries;
     entries.reserve(plan.entries.size());
     for (const auto& e : plan.entries) {
-        entries.push_back({e.id, e.t0, e.t1, e.tokens, e.pages, e.state_slot, e.last, e.input_len});
+        entries.push_back({e.id, e.t0, e.t1, e.tokens, e.pages, e.state_slot, e.last, e.input_len,
+                           e.window_ring});
     }
     auto segs = std::make_shared<Segments>();
-    model::StepBatch b = build_step_batch(plan.mode, entries, o_.page_size, segs.get());
+    StatusOr<model::StepBatch> built =
+        build_step_batch(plan.mode, entries, o_.page_size, segs.get(), cfg_.model.sliding_window);
+    if (!built.ok()) {
+        mark_broken(built.status());
+        return built.status();
+    }
+    model::StepBatch& b = *built;
     const auto off = static_cast<int64_t>(b.out_cache_loc.size());
     const bool prefill = role_ == Role::kPrefill && !attn::is_decode(plan.mode);
     backend_->set_segments(prefill ? segs : nullptr);
@@ -101,7 +108,7 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
         // The KV (and states) the decode side must end up with: final once the last chunk ran.
         for (const auto& e : plan.entries) {
             if (!e.last) continue;
-            kv_digests_[e.id] = digest_of(e.pages, e.t1, e.state_slot);
+            kv_digests_[e.id] = digest_of(e.pages, e.window_ring, e.t1, e.state_slot);
         }
     }
     *next = *out;
@@ -210,7 +217,7 @@ void Server::submit_chunks(const Plan& plan, const PrefillSteps& steps, bool kno
             transfer::SendChunk gc = c;
             gc.token_begin = 0;
             if (g == &window_) {
-                gc.src_pages = window_pages(e.pages, e.input_len);
+                gc.src_pages = window_pages(e.window_ring, e.input_len);
                 gc.token_end = e.input_len -
                                window_start(e.input_len, cfg_.model.sliding_window, o_.page_size);
             } else {
@@ -227,7 +234,7 @@ void Server::submit_chunks(const Plan& plan, const PrefillSteps& steps, bool kno
                 // The planted bug: the window frees its pages as soon as they are handed over,
                 // while their transfer is in flight (PagePins refuses it and records a violation;
                 // a free that went through is recorded here).
-                Status fs = g->sender->pins().free_pages(pool_->allocator(), sent_pages);
+                Status fs = g->sender->pins().free_pages(window_pool_->allocator(), sent_pages);
                 if (fs.ok()) {
                     transfer::Violation v;
                     v.request = e.id;
@@ -270,14 +277,14 @@ Status Server::finish_prefill_forward(const Plan& plan, const PrefillSteps& step
 
 // The request's KV digest on this rank (kv_digest.h): the full layers' prompt, the sliding
 // layers' sent window, the recurrent states.
-uint64_t Server::digest_of(const std::vector<int32_t>& pages, int64_t input_len,
-                           int32_t state_slot) const {
+uint64_t Server::digest_of(const std::vector<int32_t>& pages, std::span<const int32_t> window_ring,
+                           int64_t input_len, int32_t state_slot) const {
     uint64_t sum =
         request_kv_digest(*digest_kv_layout_, pages, input_len,
                           digest_state_layout_ ? &*digest_state_layout_ : nullptr, state_slot);
     if (digest_window_layout_) {
         const int64_t first = window_start(input_len, cfg_.model.sliding_window, o_.page_size);
-        sum += request_kv_digest(*digest_window_layout_, window_pages(pages, input_len),
+        sum += request_kv_digest(*digest_window_layout_, window_pages(window_ring, input_len),
                                  input_len - first, nullptr, 0);
     }
     return sum;
@@ -306,7 +313,8 @@ void Server::poll_engine(std::vector<EngineOutcomeFields>* out) {
         if (auto ri = receive_info_.find(*it); ri != receive_info_.end()) {
             // Decode side: everything landed and no decode forward has run on it yet.
             if (ok && digest_kv_layout_) {
-                digest = digest_of(ri->second.pages, ri->second.input_len, ri->second.state_slot);
+                digest = digest_of(ri->second.pages, ri->second.window_ring, ri->second.input_len,
+                                   ri->second.state_slot);
             }
             receive_info_.erase(ri);
         }

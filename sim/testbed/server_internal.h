@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,8 @@ struct Req {
     int p_inst = -1, d_inst = -1;
     std::vector<int32_t> prompt;
     std::vector<int32_t> pages;
+    // Models whose sliding layers have their own pool: its ring of pages there (window.h).
+    std::vector<int32_t> window_ring;
     int32_t state_slot = 0;  // models with recurrent layers: its state pool slot (0: none)
     bool pages_freed = false;
     int64_t prefilled = 0;
@@ -193,18 +196,29 @@ private:
     StatusOr<transfer::RequestStatus> engine_status(uint64_t id);
     Status engine_abort(uint64_t id, const std::string& why);
     void engine_release(uint64_t id);
-    // Frees `pages` (and the state slot, when > 0) through the engines' pins:
-    // kFailedPrecondition while a transfer pins them (nothing is freed then).
-    // The pages of `pages` (a request's table) the window engine moves: from window_start on.
-    std::vector<int32_t> window_pages(const std::vector<int32_t>& pages, int64_t input_len) const;
+    // The pages of a request's window ring (window.h) the window engine moves: the logical pages
+    // from window_start on.
+    std::vector<int32_t> window_pages(std::span<const int32_t> ring, int64_t input_len) const;
+    // A request's ring size in the sliding layers' pool on this rank (window_ring_pages).
+    int window_ring_size(int64_t tokens) const;
     // This rank's part of a request's KV digest (kv_digest.h; CPU disaggregated ranks).
-    uint64_t digest_of(const std::vector<int32_t>& pages, int64_t input_len,
-                       int32_t state_slot) const;
-    Status engine_free(const std::vector<int32_t>& pages, int32_t state_slot);
-    // Submits a decode request's KV (and state) receive.
+    uint64_t digest_of(const std::vector<int32_t>& pages, std::span<const int32_t> window_ring,
+                       int64_t input_len, int32_t state_slot) const;
+    // Frees `pages`, the window ring and the state slot (when > 0) through the engines' pins:
+    // kFailedPrecondition while a transfer pins any of them (nothing is freed then).
+    Status engine_free(const std::vector<int32_t>& pages, const std::vector<int32_t>& window_ring,
+                       int32_t state_slot);
+    // Submits a decode request's KV (and window, and state) receive.
     Status engine_submit_receive(uint64_t id, const std::vector<int>& prefill_ranks,
-                                 const std::vector<int32_t>& pages, int64_t input_len,
+                                 const std::vector<int32_t>& pages,
+                                 const std::vector<int32_t>& window_ring, int64_t input_len,
                                  int32_t state_slot);
+    // Frees a window ring outside the engines (colocated ranks).
+    void free_window_ring(const std::vector<int32_t>& ring);
+    // Pages the sliding layers' pool can hand out (0 without one).
+    int window_pool_capacity() const {
+        return window_pool_ != nullptr ? window_pool_->allocator().capacity() : 0;
+    }
     // Frees a state slot outside the engines (colocated ranks, failures before any transfer).
     void free_state_slot(int32_t slot);
     // --fault state-tp-misslice's layout (server.cpp).
@@ -265,6 +279,8 @@ private:
     std::unique_ptr<runtime::Stream> owned_stream_;
     runtime::Stream* stream_ = nullptr;
     std::unique_ptr<kv::MHATokenToKVPool> pool_;
+    // Models with cache groups and sliding layers: the sliding layers' own pool (rank_builder.h).
+    std::unique_ptr<kv::MHATokenToKVPool> window_pool_;
     std::unique_ptr<kv::StatePool> states_;  // models with recurrent layers
     std::unique_ptr<pd::StepCounter> counter_;
     std::unique_ptr<transfer::OrderingValidator> validator_;
@@ -287,6 +303,7 @@ private:
     std::map<uint64_t, uint64_t> kv_digests_;
     struct ReceiveInfo {
         std::vector<int32_t> pages;
+        std::vector<int32_t> window_ring;
         int64_t input_len = 0;
         int32_t state_slot = 0;
     };
@@ -314,6 +331,9 @@ private:
     std::vector<double> layer_t0_;
     std::string hook_label_;
     int64_t forwards_ = 0, forward_tokens_ = 0;
+    // The most pages in use at once in the full layers' pool, the sliding layers' pool and the
+    // state pool (leader: after each admission).
+    int64_t peak_pages_[3] = {0, 0, 0};
     int64_t graph_forwards_ = 0;  // GPU rank: decode forwards that replayed a CUDA graph
     bool timing_warned_ = false;  // GPU rank: a forward's device times could not be read
     double compute_us_ = 0;

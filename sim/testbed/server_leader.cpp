@@ -108,9 +108,10 @@ Status Server::try_free(Req& r) {
             }
             return {};
         }
-        Status st = engine_free(r.pages, r.state_slot);
+        Status st = engine_free(r.pages, r.window_ring, r.state_slot);
         if (st.code() == StatusCode::kFailedPrecondition) return {};  // pinned: later
         r.state_slot = 0;
+        r.window_ring.clear();
         engine_release(r.id);
         if (!st.ok())
             PDSIM_LOG_WARN("rank {}: free pages of request {}: {}", ctx_.rank, r.id,
@@ -122,6 +123,8 @@ Status Server::try_free(Req& r) {
                            st.to_string());
         free_state_slot(r.state_slot);
         r.state_slot = 0;
+        free_window_ring(r.window_ring);
+        r.window_ring.clear();
     }
     r.pages_freed = true;
     if (role_ == Role::kDecode && ctx_.instance_ranks.size() > 1) {
@@ -169,11 +172,33 @@ Status Server::admit() {
                                pool_->allocator().capacity())));
             continue;
         }
+        // The sliding layers' ring (window.h), in their own pool.
+        const int ring = window_pool_ != nullptr ? window_ring_size(tokens) : 0;
+        if (ring > window_pool_capacity()) {
+            admit_q_.pop_front();
+            PDSIM_RETURN_IF_ERROR(fail_request(
+                r, fmt::format("needs {} sliding-window pages, their pool has {} (raise "
+                               "--kv-pool-mb)",
+                               ring, window_pool_capacity())));
+            continue;
+        }
         if (states_ != nullptr && states_->allocator().available() < 1) return {};  // FCFS: slots
+        if (ring > 0 && window_pool_->allocator().available() < ring) return {};    // FCFS: ring
         auto got = pool_->allocator().alloc(pages);
         if (!got.ok()) return {};  // FCFS: wait for pages
         r.pages = std::move(*got);
+        if (ring > 0) r.window_ring = window_pool_->allocator().alloc(ring).value();
         if (states_ != nullptr) r.state_slot = states_->allocator().alloc(1).value().front();
+        int i = 0;
+        for (const kv::KVPool* pool : {static_cast<const kv::KVPool*>(pool_.get()),
+                                       static_cast<const kv::KVPool*>(window_pool_.get()),
+                                       static_cast<const kv::KVPool*>(states_.get())}) {
+            if (pool != nullptr) {
+                const int64_t used = pool->allocator().capacity() - pool->allocator().available();
+                peak_pages_[i] = std::max(peak_pages_[i], used);
+            }
+            ++i;
+        }
         admit_q_.pop_front();
         if (role_ == Role::kDecode) {
             PDSIM_RETURN_IF_ERROR(start_receive(r));
@@ -195,8 +220,9 @@ Status Server::start_receive(Req& r) {
                                                   .pages = r.pages,
                                                   .input_len = r.in,
                                                   .prefill_ranks = pranks,
-                                                  .state_slot = r.state_slot}));
-    Status st = engine_submit_receive(r.id, pranks, r.pages, r.in, r.state_slot);
+                                                  .state_slot = r.state_slot,
+                                                  .window_ring = r.window_ring}));
+    Status st = engine_submit_receive(r.id, pranks, r.pages, r.window_ring, r.in, r.state_slot);
     if (!st.ok()) return fail_request(r, "receiver submit: " + st.message());
     engine_active_.insert(r.id);
     receiving_.push_back(r.id);
@@ -221,6 +247,7 @@ Status Server::schedule_extend(bool* did) {
         e.tokens.assign(r.prompt.begin() + e.t0, r.prompt.begin() + e.t1);
         e.pages = r.pages;
         e.state_slot = r.state_slot;
+        e.window_ring = r.window_ring;
         e.first = e.t0 == 0;
         e.last = e.t1 == r.in;
         e.input_len = r.in;
@@ -308,6 +335,7 @@ Status Server::schedule_decode(bool* did) {
         e.tokens = {r.tokens.back()};
         e.pages = r.pages;
         e.state_slot = r.state_slot;
+        e.window_ring = r.window_ring;
         e.input_len = r.in;
         plan.entries.push_back(std::move(e));
     }

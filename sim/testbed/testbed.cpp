@@ -289,6 +289,10 @@ StatusOr<double> measure_cpu_layer_s(const ResolvedConfig& cfg, model::Synthetic
         PDSIM_ASSIGN_OR_RETURN(states, kv::StatePool::create(model.state_pool_config(2)));
         PDSIM_RETURN_IF_ERROR(model.attach_state_pool(states.get()));
     }
+    if (m.count_layers(model::LayerKind::kSlidingWindow) > 0) {
+        // One pool for every layer here: no window pool (a server attaches its own).
+        PDSIM_RETURN_IF_ERROR(model.attach_window_pool(nullptr));
+    }
     const int ps = cfg.options.page_size;
     kv::MHAPoolConfig pc;
     pc.num_layers = m.num_layers;

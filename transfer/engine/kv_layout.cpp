@@ -114,12 +114,17 @@ StatusOr<KvLayout> KvLayout::create(const KvLayoutSummary& s, int num_pages,
 
 namespace {
 
-std::vector<std::byte*> pool_bases(const kv::KVPool& pool) {
+std::vector<std::byte*> pool_bases(const kv::KVPool& pool, std::span<const int> layers = {}) {
     std::vector<std::byte*> bases;
-    for (int l = 0; l < pool.num_layers(); ++l) {
+    auto add = [&](int l) {
         for (int b = 0; b < pool.buffer_count(); ++b) {
             bases.push_back(static_cast<std::byte*>(pool.data(l, b)));
         }
+    };
+    if (layers.empty()) {
+        for (int l = 0; l < pool.num_layers(); ++l) add(l);
+    } else {
+        for (int l : layers) add(l);
     }
     return bases;
 }
@@ -127,7 +132,15 @@ std::vector<std::byte*> pool_bases(const kv::KVPool& pool) {
 }  // namespace
 
 StatusOr<KvLayout> KvLayout::from_mha_pool(const kv::MHATokenToKVPool& pool, int tp_size,
-                                           int tp_rank, int total_kv_heads) {
+                                           int tp_rank, int total_kv_heads,
+                                           std::span<const int> layers) {
+    for (int l : layers) {
+        if (!pool.holds_layer(l)) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "layer {} is not held by the pool ({} layers)", l,
+                               pool.num_layers());
+        }
+    }
     PDSIM_ASSIGN_OR_RETURN(HeadSlice slice, kv_head_slice(total_kv_heads, tp_size, tp_rank));
     if (slice.count != pool.num_kv_heads()) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
@@ -136,7 +149,7 @@ StatusOr<KvLayout> KvLayout::from_mha_pool(const kv::MHATokenToKVPool& pool, int
     }
     KvLayoutSummary s;
     s.kind = KvKind::kMHA;
-    s.num_layers = pool.num_layers();
+    s.num_layers = layers.empty() ? pool.num_layers() : static_cast<int32_t>(layers.size());
     s.buffer_count = pool.buffer_count();
     s.page_size = pool.page_size();
     s.dtype_bytes = static_cast<int32_t>(kv::dtype_size(pool.dtype()));
@@ -150,7 +163,7 @@ StatusOr<KvLayout> KvLayout::from_mha_pool(const kv::MHATokenToKVPool& pool, int
         s.head_bytes[static_cast<size_t>(b)] =
             pool.token_bytes(0, b) / static_cast<size_t>(slice.count);
     }
-    return create(s, pool.num_pages(), pool_bases(pool), pool.device());
+    return create(s, pool.num_pages(), pool_bases(pool, layers), pool.device());
 }
 
 StatusOr<KvLayout> KvLayout::from_mla_pool(const kv::MLATokenToKVPool& pool, int tp_size,

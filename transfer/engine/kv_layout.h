@@ -88,9 +88,13 @@ public:
     // From a pool on any device (the layout's device() is the pool's). `tp_size`/`tp_rank` place
     // the rank in its instance; `total_kv_heads` is the model's KV head count (the pool holds
     // kv_head_slice(total, tp, rank).count of them).
+    // `layers`: the pool layers the layout holds, in order (layout layer i is pool layer
+    // layers[i]: one cache group's engine over a hybrid model's pool); empty: every layer. A layer
+    // the pool does not hold (kv::KVPool::holds_layer) is kInvalidArgument naming it.
     [[nodiscard]] static StatusOr<KvLayout> from_mha_pool(const kv::MHATokenToKVPool& pool,
                                                           int tp_size, int tp_rank,
-                                                          int total_kv_heads);
+                                                          int total_kv_heads,
+                                                          std::span<const int> layers = {});
     [[nodiscard]] static StatusOr<KvLayout> from_mla_pool(const kv::MLATokenToKVPool& pool,
                                                           int tp_size, int tp_rank);
     // From raw parts (tests, or memory that is not a kv::KVPool). `bases` is [layer][buf]
