@@ -109,6 +109,10 @@ if case in ("kill-rank", "host-lost") and after > 15:
 if case == "host-lost" and not r.get("incomplete"):
     bad.append("the report does not say the run stopped early")
 for b in bad: print("   FAIL:", b)
+if bad:
+    # What the failed requests said, so that a failure in CI can be read from its log.
+    for fail in r.get("failures", [])[:5]:
+        print("   failure:", json.dumps(fail)[:300])
 sys.exit(1 if bad else 0)
 EOF
     local st=$?

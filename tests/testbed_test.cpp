@@ -183,6 +183,13 @@ void expect_hybrid_groups(const json& rep, int decode, int requests) {
     EXPECT_LE(sliding_peak, int64_t{9} * requests);
     EXPECT_LT(sliding_peak, full_peak) << pools.dump();
     EXPECT_GE(pools["states"]["peak_pages"].get<int64_t>(), 1);
+    // The per-request pools are sized by the requests the instance runs at once (twice the
+    // router's cap, at most one per page of the full layers' pool): that many slots and rings.
+    const int64_t running = std::min(pools["full"]["pages"].get<int64_t>(),
+                                     2 * rep["config"]["max_inflight_per_instance"].get<int64_t>());
+    EXPECT_EQ(pools["states"]["pages"].get<int64_t>(), running);
+    EXPECT_EQ(pools["sliding"]["pages"].get<int64_t>(),
+              std::min(pools["full"]["pages"].get<int64_t>(), running * 9));
 }
 
 const std::string kMooncake = "mooncake_conversation.jsonl";

@@ -3,14 +3,14 @@
 // position-level oracle: every slot remembers the position last written to it, and every key a
 // query reads must still be its own position's, through chunked prefill, the sent window, a
 // decode rank's receive and its decode steps.
-#include "sim/testbed/window.h"
-
 #include <gtest/gtest.h>
 
 #include <numeric>
 #include <set>
 #include <string>
 #include <vector>
+
+#include "sim/testbed/window.h"
 
 namespace pdsim::testbed {
 namespace {
@@ -67,7 +67,8 @@ std::string run_request(int window, int ps, int chunk, int prompt, int decode, i
     RingOracle prefill(ring_of(chunk, prompt), ps);
     for (int s = 0; s < prompt; s += chunk) {
         const int64_t bad = prefill.forward(s, std::min(prompt, s + chunk), window);
-        if (bad >= 0) return "prefill chunk at " + std::to_string(s) + " read " + std::to_string(bad);
+        if (bad >= 0)
+            return "prefill chunk at " + std::to_string(s) + " read " + std::to_string(bad);
     }
     const int64_t first = window_start(prompt, window, ps);
     for (int64_t q = first; q < prompt; ++q) {
@@ -92,7 +93,8 @@ std::string run_request(int window, int ps, int chunk, int prompt, int decode, i
         if (bad >= 0) return "colocated chunk at " + std::to_string(s);
     }
     for (int64_t p = prompt; p < prompt + decode; ++p) {
-        if (colocated.forward(p, p + 1, window) >= 0) return "colocated decode at " + std::to_string(p);
+        if (colocated.forward(p, p + 1, window) >= 0)
+            return "colocated decode at " + std::to_string(p);
     }
     return "";
 }

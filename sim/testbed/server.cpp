@@ -8,6 +8,7 @@
 #include "common/logging.h"
 #include "common/thread_info.h"
 #include "sim/testbed/rank_builder.h"
+#include "sim/testbed/router.h"
 #include "sim/testbed/server_internal.h"
 #include "sim/testbed/window.h"
 #include "transfer/engine/kv_layout.h"
@@ -64,14 +65,17 @@ Status Server::setup() {
     build.stream_timeout = timeout_ + milliseconds(5000);
     build.stream_caller_runs = o_.stream_caller_runs;
     build.stream = ctx_.gpu != nullptr ? &ctx_.gpu->stream() : nullptr;
-    // One state slot per request that can hold KV pages at once (at most one per page), capped.
-    build.state_slots = static_cast<int>(std::min<int64_t>(pages, kMaxStateSlots));
+    // The per-request pools are sized by the requests the instance runs at once: the router
+    // keeps at most effective_max_inflight() in flight per instance, and a prefill instance holds
+    // a request's state and ring a while longer, until its transfer completes (twice that, then;
+    // admission waits for a free slot beyond it). Never more than one per page of the full
+    // layers' pool: a request holds at least one.
+    const int64_t running = std::min<int64_t>(pages - 1, 2 * effective_max_inflight(cfg_));
+    build.state_slots = static_cast<int>(1 + running);
     if (has_cache_groups(m) && m.count_layers(model::LayerKind::kSlidingWindow) > 0) {
-        // The sliding layers' pool: a ring for as many requests as there are state slots (or for
-        // one per page of the full layers' pool), never more pages than that pool has.
-        const int64_t rings = std::min<int64_t>(pages - 1, kMaxStateSlots);
+        // The sliding layers' pool: a ring each, never more pages than the full layers' pool.
         build.window_pages = static_cast<int>(
-            1 + std::min<int64_t>(pages - 1, rings * window_ring_size(int64_t{1} << 40)));
+            1 + std::min<int64_t>(pages - 1, running * window_ring_size(int64_t{1} << 40)));
     }
     build.kv_dtype = kv_dtype;
     build.step_counter = role_ == Role::kPrefill;

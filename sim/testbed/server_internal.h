@@ -223,8 +223,6 @@ private:
     void free_state_slot(int32_t slot);
     // --fault state-tp-misslice's layout (server.cpp).
     static StatusOr<transfer::KvLayout> misslice(const transfer::KvLayout& layout);
-    // State pool slots per rank at most (models with recurrent layers).
-    static constexpr int64_t kMaxStateSlots = 512;
 
     // ---- leader (server_leader.cpp) ----
     Status leader_loop();
