@@ -242,6 +242,34 @@ TEST(TestbedBoth, Hybrid2p1dTp2ToTp1Mpi) {
     expect_hybrid_groups(rep, 4, 6);
 }
 
+// A Gemma-style model, sliding and full layers only: no recurrent layer, so the plain `cpu`
+// backend (no composite) reads the sliding layers' own page table; their rings, the window engine
+// and the digests as for hybrid-tiny, on both topologies.
+TEST(TestbedBoth, SlidingAndFullOnlyMpi) {
+    TempDir dir("tb_swa");
+    {
+        std::ofstream f(dir.path() / "swa.yaml");
+        f << "base: hybrid-tiny\nname: swa-tiny\nnum_layers: 3\n"
+             "layer_kinds: [sliding, sliding, full]\nsliding_window: 64\n";
+    }
+    for (const auto& [np, topology] : {std::pair{2, "cpu-1p1d"}, {5, "cpu-2p1d-tp2-to-tp1"}}) {
+        const json rep =
+            expect_clean_both(np, {"--topology", topo(topology), "--model", dir.str("swa.yaml")});
+        ASSERT_TRUE(rep.is_object()) << topology;
+        const json& stats = rep["ranks"][static_cast<size_t>(np - 1)]["stats"];
+        EXPECT_EQ(stats["window_receiver"]["completed"].get<int>(), 6) << topology;
+        EXPECT_FALSE(stats.contains("state_receiver")) << topology;
+        const json& pools = stats["kv_pools"];
+        EXPECT_EQ(pools["full"]["layers"].get<int>(), 1) << topology;
+        EXPECT_EQ(pools["sliding"]["layers"].get<int>(), 2) << topology;
+        // A decode ring: (64 - 1) / 16 + 2 = 5 pages per request.
+        EXPECT_LE(pools["sliding"]["peak_pages"].get<int64_t>(), 5 * 6) << topology;
+        EXPECT_LT(pools["sliding"]["peak_pages"].get<int64_t>(),
+                  pools["full"]["peak_pages"].get<int64_t>())
+            << topology;
+    }
+}
+
 TEST(TestbedBoth, InProcessLocalTransport) {
     expect_clean_both(0, {"--topology", topo("cpu-2p1d-tp2-to-tp1")}, 4);
 }
