@@ -882,7 +882,12 @@ public:
     explicit MetaProbeBackend(const AttentionConfig& c) : AttentionBackend(c) {}
     [[nodiscard]] std::string name() const override { return "meta_probe"; }
     [[nodiscard]] BackendCapabilities capabilities() const override {
-        return {{runtime::DType::kF32}, {runtime::DType::kF32}, {runtime::DeviceKind::kCpu}, true};
+        return {{runtime::DType::kF32},
+                {runtime::DType::kF32},
+                {runtime::DeviceKind::kCpu},
+                true,
+                false,
+                true};
     }
     // (sliding_window, first page table entry) per forward, as the kernels saw them.
     std::vector<std::pair<int, int32_t>> seen;
@@ -931,7 +936,13 @@ TEST(AttentionBackendBase, SlidingLayersReadTheirGroupsPageTable) {
     ASSERT_OK(stream.synchronize());
     EXPECT_EQ(b.seen, (std::vector<std::pair<int, int32_t>>{{0, 5}, {4, 9}, {4, 5}}));
 
+    EXPECT_TRUE(b.uses_flat_cache_groups());
+    // A backend that does not declare flat cache groups refuses the second table.
+    FakeRecordingBackend plain(config_on(stream));
+    EXPECT_FALSE(plain.uses_flat_cache_groups());
     fb.window_page_table = window_table;
+    EXPECT_THAT(plain.init_forward_metadata(fb),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("does not declare flat cache")));
     fb.window_page_table_stride = 0;
     EXPECT_THAT(b.init_forward_metadata(fb),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("window_page_table")));

@@ -194,6 +194,12 @@ Status AttentionBackend::init_forward_metadata(const ForwardBatch& batch) {
     PDSIM_RETURN_IF_ERROR(validate_forward_batch(batch, 0, 0));
     const bool window = !batch.window_page_table.empty();
     ForwardBatch window_batch = batch;
+    if (window && !capabilities().flat_cache_groups) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "window_page_table: backend '{}' does not declare flat cache groups "
+                           "(a page table per group)",
+                           name());
+    }
     if (window) {
         window_batch.page_table = batch.window_page_table;
         window_batch.page_table_stride = batch.window_page_table_stride;

@@ -47,8 +47,9 @@
 // its group need not keep the rest; the testbed maps them onto a per-request ring of pages,
 // sim/testbed/window.h). init_forward_metadata copies it into a second set of eager buffers,
 // which forward() hands to the kernels of every layer with sliding_window > 0; entries before a
-// row's window may name any page (the kernels never read keys before the window). Graph metadata
-// has no second table: a replay with one is kUnimplemented.
+// row's window may name any page (the kernels never read keys before the window). Only backends
+// that declare BackendCapabilities::flat_cache_groups accept one (kInvalidArgument otherwise).
+// Graph metadata has no second table: a replay with one is kUnimplemented.
 //
 // Record rule (RecordPdCacheStep), applied by forward() around forward_decode/forward_extend:
 //   record_kv_cache unset -> record iff mode is neither decode nor idle; set -> forced to its
@@ -235,6 +236,9 @@ struct BackendCapabilities {
     std::vector<runtime::DeviceKind> devices;       // where the pool and every view live
     bool sliding_window = false;                    // LayerSpec::sliding_window > 0 accepted
     bool recurrent_layers = false;                  // forward_recurrent() accepted
+    // The sliding layers' own page table (ForwardBatch::window_page_table: flat per-group block
+    // tables, "Cache groups" in the file comment) accepted; uses_flat_cache_groups() says so.
+    bool flat_cache_groups = false;
 };
 
 // Extra arguments of init_cuda_graph_state; a backend declares which it accepts.
@@ -259,7 +263,10 @@ public:
 
     // Flags (tokenspeed's class attributes).
     [[nodiscard]] virtual bool uses_paged_cache_groups() const { return false; }
-    [[nodiscard]] virtual bool uses_flat_cache_groups() const { return false; }
+    // The declared BackendCapabilities::flat_cache_groups.
+    [[nodiscard]] virtual bool uses_flat_cache_groups() const {
+        return capabilities().flat_cache_groups;
+    }
     [[nodiscard]] virtual bool flat_spec_capable() const { return true; }
     [[nodiscard]] virtual bool uses_padded_decode_token_mask() const { return false; }
     [[nodiscard]] virtual bool support_kv_cache_prewrite(std::optional<ForwardMode> mode) const;

@@ -7,6 +7,7 @@ BackendCapabilities cpu_capabilities() {
     BackendCapabilities caps{
         {DType::kF32, DType::kBF16}, {DType::kF32, DType::kBF16}, {runtime::DeviceKind::kCpu}};
     caps.sliding_window = true;
+    caps.flat_cache_groups = true;
     return caps;
 }
 
