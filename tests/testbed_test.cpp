@@ -123,6 +123,24 @@ json expect_clean_both(int np, const std::vector<std::string>& extra, int reques
     // with the prefill side's, and none differed.
     EXPECT_EQ(rep["kv_parity"]["checked"].get<int>(), requests) << rep["kv_parity"].dump();
     EXPECT_TRUE(rep["kv_parity"]["mismatched"].empty()) << rep["kv_parity"].dump();
+    // The summary gives a hybrid model's pools on each decode instance leader (the sliding
+    // layers' rings against the full layers); a dense model has one pool and no such line.
+    for (const json& rank : rep["ranks"]) {
+        if (rank["role"] != "decode" || rank["tp_rank"].get<int>() != 0) continue;
+        const json& pools = rank["stats"]["kv_pools"];
+        if (pools.contains("sliding")) {
+            EXPECT_THAT(r.out, HasSubstr("KV pools of decode rank " +
+                                         std::to_string(rank["rank"].get<int>()) +
+                                         ", pages held at most: full " +
+                                         std::to_string(pools["full"]["peak_pages"].get<int>())));
+            EXPECT_THAT(
+                r.out,
+                HasSubstr("sliding " + std::to_string(pools["sliding"]["peak_pages"].get<int>()) +
+                          " of " + std::to_string(pools["sliding"]["pages"].get<int>())));
+        } else {
+            EXPECT_THAT(r.out, ::testing::Not(HasSubstr("KV pools of decode rank")));
+        }
+    }
     EXPECT_GT(rep["transfer"]["bytes"].get<int64_t>(), 0);
     EXPECT_GE(rep["transfer"]["exposed_fraction"].get<double>(), 0.0);
     EXPECT_LE(rep["transfer"]["exposed_fraction"].get<double>(), 1.0);

@@ -804,6 +804,24 @@ Status finish(const ResolvedConfig& cfg, std::vector<PhaseData>& phases,
                                  k.value("checked", int64_t{0}),
                                  k.contains("mismatched") ? k["mismatched"].size() : size_t{0});
             }
+            // A hybrid model's cache groups on each decode instance leader: what its requests
+            // held at most of each pool (the sliding layers' rings against the full layers).
+            for (const json& rank : report.extra.value("ranks", json::array())) {
+                const json pools = rank.value("stats", json::object()).value("kv_pools", json());
+                if (rank.value("role", "") != "decode" || rank.value("tp_rank", 0) != 0 ||
+                    !pools.is_object() || !pools.contains("sliding")) {
+                    continue;
+                }
+                std::string line;
+                for (const char* group : {"full", "sliding", "states"}) {
+                    if (!pools.contains(group)) continue;
+                    line += fmt::format("{}{} {} of {}", line.empty() ? "" : ", ", group,
+                                        pools[group].value("peak_pages", int64_t{0}),
+                                        pools[group].value("pages", int64_t{0}));
+                }
+                s += fmt::format("  KV pools of decode rank {}, pages held at most: {}\n",
+                                 rank.value("rank", -1), line);
+            }
         }
         for (const auto& [path, what] :
              {std::pair{o.report_path, "report"}, std::pair{o.timeline_path, "timeline"},
