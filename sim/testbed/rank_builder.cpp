@@ -5,6 +5,7 @@
 #include "backends/attention/attention_backend.h"
 #include "backends/attention/hybrid_backend.h"
 #include "backends/runtime/cpu_stream.h"
+#include "sim/testbed/window.h"
 #include "transfer/engine/kv_layout.h"
 
 namespace pdsim::testbed {
@@ -30,7 +31,7 @@ StatusOr<RankParts> build_rank_parts(const RankBuildOptions& options) {
     pc.dtype = options.kv_dtype;
     pc.device = parts.stream->device();
     if (has_cache_groups(m)) {
-        pc.layers = main_pool_layers(m);
+        pc.layers = layers_of(m, model::LayerKind::kFullAttention);
         if (pc.layers.empty()) {
             return PDSIM_ERROR(StatusCode::kUnimplemented,
                                "model {}: a hybrid model needs full-attention layers (its KV "
@@ -84,15 +85,6 @@ std::vector<int> layers_of(const model::ModelConfig& model, model::LayerKind kin
         if (model.layer_kind(l) == kind) layers.push_back(l);
     }
     return layers;
-}
-
-std::vector<int> main_pool_layers(const model::ModelConfig& model) {
-    if (!has_cache_groups(model)) {
-        std::vector<int> all(static_cast<size_t>(model.num_layers));
-        for (int l = 0; l < model.num_layers; ++l) all[static_cast<size_t>(l)] = l;
-        return all;
-    }
-    return layers_of(model, model::LayerKind::kFullAttention);
 }
 
 StatusOr<transfer::KvLayout> kv_engine_layout(const kv::MHATokenToKVPool& pool,
@@ -215,6 +207,18 @@ StatusOr<model::StepBatch> build_step_batch(attn::ForwardMode mode,
     b.page_table_stride = stride;
     const bool rings = !entries.empty() && !entries.front().window_ring.empty();
     if (rings) b.window_page_table_stride = stride;
+    // One entry's slots of [t0, t1) and its page table padded with page 0, from `table`
+    // (table[t / page_size] holds position t).
+    auto append = [&](const ForwardEntry& e, std::span<const int32_t> table,
+                      std::vector<int32_t>* locs, std::vector<int32_t>* page_table) {
+        for (int64_t t = e.t0; t < e.t1; ++t) {
+            locs->push_back(table[static_cast<size_t>(t / ps)] * ps + static_cast<int32_t>(t % ps));
+        }
+        for (int p = 0; p < stride; ++p) {
+            page_table->push_back(p < static_cast<int>(table.size()) ? table[static_cast<size_t>(p)]
+                                                                     : 0);
+        }
+    };
     int64_t off = 0;
     for (const auto& e : entries) {
         if (e.window_ring.empty() == rings) {
@@ -233,30 +237,16 @@ StatusOr<model::StepBatch> build_step_batch(attn::ForwardMode mode,
                                    "its ring has {}",
                                    e.request, e.t0, e.t1, touched, window, e.window_ring.size());
             }
-            const auto r = static_cast<int64_t>(e.window_ring.size());
-            for (int64_t t = e.t0; t < e.t1; ++t) {
-                b.window_out_cache_loc.push_back(e.window_ring[static_cast<size_t>(t / ps % r)] *
-                                                     ps +
-                                                 static_cast<int32_t>(t % ps));
-            }
-            for (int p = 0; p < stride; ++p) {
-                b.window_page_table.push_back(p < static_cast<int>(e.pages.size())
-                                                  ? e.window_ring[static_cast<size_t>(p % r)]
-                                                  : 0);
-            }
+            // The sliding layers' page table: the request's logical pages laid on its ring.
+            const std::vector<int32_t> table =
+                ring_pages(e.window_ring, 0, static_cast<int64_t>(e.pages.size()));
+            append(e, table, &b.window_out_cache_loc, &b.window_page_table);
         }
-        for (int64_t t = e.t0; t < e.t1; ++t) {
-            b.out_cache_loc.push_back(e.pages[static_cast<size_t>(t / ps)] * ps +
-                                      static_cast<int32_t>(t % ps));
-        }
+        append(e, e.pages, &b.out_cache_loc, &b.page_table);
         b.tokens.insert(b.tokens.end(), e.tokens.begin(), e.tokens.end());
         b.seq_lens.push_back(static_cast<int32_t>(e.t1));
         b.extend_lens.push_back(static_cast<int32_t>(e.t1 - e.t0));
         b.state_slots.push_back(e.state_slot);
-        for (int p = 0; p < stride; ++p) {
-            b.page_table.push_back(
-                p < static_cast<int>(e.pages.size()) ? e.pages[static_cast<size_t>(p)] : 0);
-        }
         segments->push_back({.request = e.request,
                              .t0 = e.t0,
                              .t1 = e.t1,

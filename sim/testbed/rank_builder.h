@@ -104,9 +104,6 @@ struct RankParts {
 [[nodiscard]] inline bool has_cache_groups(const model::ModelConfig& model) {
     return model.count_layers(model::LayerKind::kFullAttention) != model.num_layers;
 }
-// The KV layers of a rank's main pool (RankParts::pool): the full-attention layers of a model
-// with cache groups, else every layer.
-[[nodiscard]] std::vector<int> main_pool_layers(const model::ModelConfig& model);
 // A transfer engine's view of some layers of a KV pool, in order (engine layer i is model
 // layer layers[i]): every layer for a model without cache groups (KvLayout::from_mha_pool), else
 // the full-attention layers (the KV engine, over the main pool) or the sliding layers (the window

@@ -1,6 +1,7 @@
 #include "sim/testbed/server.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <thread>
@@ -344,56 +345,47 @@ transfer::PagePins* Server::GroupEngine::pins() {
 
 Status Server::engine_free(const std::vector<int32_t>& pages,
                            const std::vector<int32_t>& window_ring, int32_t state_slot) {
-    transfer::PagePins& pins = sender_ ? sender_->pins() : receiver_->pins();
-    transfer::PagePins* window_pins = window_.pins();
-    transfer::PagePins* state_pins = state_.pins();
+    // Each cache group's part: its engine's pins (null: no engine moves that group), its pool
+    // and the request's pages there.
+    struct Part {
+        transfer::PagePins* pins;
+        kv::KVPool* pool;
+        std::span<const int32_t> pages;
+        const char* what;
+    };
+    const int32_t slot[] = {state_slot};
+    const Part parts[] = {
+        {state_.pins(), states_.get(), std::span(slot, state_slot > 0 ? 1 : 0), "state slot"},
+        {window_.pins(), window_pool_.get(), window_ring, "sliding-window page"},
+        {sender_ ? &sender_->pins() : &receiver_->pins(), pool_.get(), pages, "page"}};
     // Nothing is freed while any engine still pins a page, a ring page or the slot: checked
     // first, so that a retry finds everything as it was.
-    for (int32_t page : pages) {
-        if (pins.is_pinned(page)) {
-            return PDSIM_ERROR(StatusCode::kFailedPrecondition, "page {} is in flight", page);
-        }
-    }
-    if (window_pins != nullptr) {
-        for (int32_t page : window_ring) {
-            if (window_pins->is_pinned(page)) {
-                return PDSIM_ERROR(StatusCode::kFailedPrecondition,
-                                   "sliding-window page {} is in flight", page);
+    for (const Part& part : parts) {
+        if (part.pins == nullptr) continue;
+        for (int32_t page : part.pages) {
+            if (part.pins->is_pinned(page)) {
+                return PDSIM_ERROR(StatusCode::kFailedPrecondition, "{} {} is in flight", part.what,
+                                   page);
             }
         }
     }
-    if (state_pins != nullptr && state_slot > 0 && state_pins->is_pinned(state_slot)) {
-        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "state slot {} is in flight",
-                           state_slot);
+    for (const Part& part : parts) {
+        if (part.pages.empty()) continue;
+        if (part.pins != nullptr) {
+            PDSIM_RETURN_IF_ERROR(part.pins->free_pages(part.pool->allocator(), part.pages));
+        } else {
+            free_unpinned(part.pool, part.pages, part.what);
+        }
     }
-    if (state_pins != nullptr && state_slot > 0) {
-        const std::vector<int32_t> slot = {state_slot};
-        PDSIM_RETURN_IF_ERROR(state_pins->free_pages(states_->allocator(), slot));
-    } else if (state_slot > 0) {
-        free_state_slot(state_slot);
-    }
-    if (window_pins != nullptr && !window_ring.empty()) {
-        PDSIM_RETURN_IF_ERROR(window_pins->free_pages(window_pool_->allocator(), window_ring));
-    } else {
-        free_window_ring(window_ring);
-    }
-    return pins.free_pages(pool_->allocator(), pages);
+    return {};
 }
 
-void Server::free_state_slot(int32_t slot) {
-    if (slot <= 0 || states_ == nullptr) return;
-    const std::vector<int32_t> one = {slot};
-    Status st = states_->allocator().free(one);
+void Server::free_unpinned(kv::KVPool* pool, std::span<const int32_t> pages, const char* what) {
+    if (pages.empty() || pool == nullptr) return;
+    Status st = pool->allocator().free(pages);
     if (!st.ok()) {
-        PDSIM_LOG_WARN("rank {}: free state slot {}: {}", ctx_.rank, slot, st.to_string());
-    }
-}
-
-void Server::free_window_ring(const std::vector<int32_t>& ring) {
-    if (ring.empty() || window_pool_ == nullptr) return;
-    Status st = window_pool_->allocator().free(ring);
-    if (!st.ok()) {
-        PDSIM_LOG_WARN("rank {}: free sliding-window pages: {}", ctx_.rank, st.to_string());
+        PDSIM_LOG_WARN("rank {}: free {}s {}: {}", ctx_.rank, what, fmt::join(pages, ","),
+                       st.to_string());
     }
 }
 

@@ -213,14 +213,13 @@ private:
                                  const std::vector<int32_t>& pages,
                                  const std::vector<int32_t>& window_ring, int64_t input_len,
                                  int32_t state_slot);
-    // Frees a window ring outside the engines (colocated ranks).
-    void free_window_ring(const std::vector<int32_t>& ring);
+    // Frees a group's pages of `pool` outside the engines (colocated ranks, groups no engine
+    // moves, failures before any transfer); a refused free is logged naming `what`.
+    void free_unpinned(kv::KVPool* pool, std::span<const int32_t> pages, const char* what);
     // Pages the sliding layers' pool can hand out (0 without one).
     int window_pool_capacity() const {
         return window_pool_ != nullptr ? window_pool_->allocator().capacity() : 0;
     }
-    // Frees a state slot outside the engines (colocated ranks, failures before any transfer).
-    void free_state_slot(int32_t slot);
     // --fault state-tp-misslice's layout (server.cpp).
     static StatusOr<transfer::KvLayout> misslice(const transfer::KvLayout& layout);
 

@@ -121,9 +121,10 @@ Status Server::try_free(Req& r) {
         if (!st.ok())
             PDSIM_LOG_WARN("rank {}: free pages of request {}: {}", ctx_.rank, r.id,
                            st.to_string());
-        free_state_slot(r.state_slot);
+        const int32_t slot[] = {r.state_slot};
+        free_unpinned(states_.get(), std::span(slot, r.state_slot > 0 ? 1 : 0), "state slot");
         r.state_slot = 0;
-        free_window_ring(r.window_ring);
+        free_unpinned(window_pool_.get(), r.window_ring, "sliding-window page");
         r.window_ring.clear();
     }
     r.pages_freed = true;
@@ -189,15 +190,11 @@ Status Server::admit() {
         r.pages = std::move(*got);
         if (ring > 0) r.window_ring = window_pool_->allocator().alloc(ring).value();
         if (states_ != nullptr) r.state_slot = states_->allocator().alloc(1).value().front();
-        int i = 0;
-        for (const kv::KVPool* pool : {static_cast<const kv::KVPool*>(pool_.get()),
-                                       static_cast<const kv::KVPool*>(window_pool_.get()),
-                                       static_cast<const kv::KVPool*>(states_.get())}) {
-            if (pool != nullptr) {
-                const int64_t used = pool->allocator().capacity() - pool->allocator().available();
-                peak_pages_[i] = std::max(peak_pages_[i], used);
-            }
-            ++i;
+        const kv::KVPool* pools[] = {pool_.get(), window_pool_.get(), states_.get()};
+        for (size_t i = 0; i < std::size(pools); ++i) {
+            if (pools[i] == nullptr) continue;
+            const kv::PageAllocator& a = pools[i]->allocator();
+            peak_pages_[i] = std::max<int64_t>(peak_pages_[i], a.capacity() - a.available());
         }
         admit_q_.pop_front();
         if (role_ == Role::kDecode) {
