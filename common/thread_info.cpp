@@ -115,4 +115,20 @@ std::vector<int> allowed_cpus() {
     return out;
 }
 
+bool bind_this_thread(const std::vector<int>& cpus) {
+#ifdef __linux__
+    if (cpus.empty()) return false;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int cpu : cpus) {
+        if (cpu < 0 || cpu >= CPU_SETSIZE) return false;
+        CPU_SET(cpu, &set);
+    }
+    return sched_setaffinity(0, sizeof(set), &set) == 0;
+#else
+    (void)cpus;
+    return false;
+#endif
+}
+
 }  // namespace pdsim

@@ -31,6 +31,11 @@ struct ThreadCpu {
 // bound the process to a core. Empty where it cannot be read (or off Linux).
 [[nodiscard]] std::vector<int> allowed_cpus();
 
+// Binds the calling thread to `cpus` (sched_setaffinity; threads it starts afterwards inherit
+// it), as `mpirun --bind-to core` binds a rank's process. False when `cpus` is empty or the kernel
+// refuses (an id it does not have); always false off Linux.
+[[nodiscard]] bool bind_this_thread(const std::vector<int>& cpus);
+
 // CPU seconds per thread name used between two snapshots (threads of one name are summed; a
 // thread that is only in `after` counts from zero; one that exited before `after` is lost).
 [[nodiscard]] std::map<std::string, double> cpu_by_name(const std::vector<ThreadCpu>& before,

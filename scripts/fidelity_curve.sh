@@ -22,6 +22,8 @@
 # per load point, 3: each is simulated with --like, and the table shows the median over the
 # repeats of each side's figure; one run's TPOT median moved 0.52 -> 0.72 ms between identical
 # runs here).
+# SIM_ARGS (extra `pdsim simulate` flags, e.g. "--speed-scale off") and SIM (the simulations'
+# file prefix, "sim") let one set of testbed runs be simulated several ways (TESTBED=reuse).
 # Prints a progress line per run. About 40 minutes on the 2-core machine with the defaults.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -36,6 +38,8 @@ COST="${COST:-}"
 BIND="${BIND:-core}"
 TESTBED="${TESTBED:-run}"
 REPEATS="${REPEATS:-3}"
+SIM_ARGS="${SIM_ARGS:-}"
+SIM="${SIM:-sim}"
 die() { echo "fidelity_curve.sh: $*" >&2; exit 2; }
 [ -x "$PDSIM" ] || die "PDSIM=$PDSIM: no such binary (build first)"
 [ -f "$TRACE" ] || die "TRACE=$TRACE: no such file"
@@ -49,6 +53,8 @@ for t in $TOPOS; do [ -f "topology/examples/$t.yaml" ] || die "TOPOS: no topolog
 case "$BIND" in core | none) ;; *) die "BIND=$BIND: core or none" ;; esac
 case "$TESTBED" in run | reuse) ;; *) die "TESTBED=$TESTBED: run or reuse" ;; esac
 [[ "$REPEATS" =~ ^[1-9][0-9]*$ ]] || die "REPEATS=$REPEATS: an integer >= 1"
+[[ "$SIM" =~ ^[A-Za-z0-9_.-]+$ ]] || die "SIM=$SIM: a file prefix (letters, digits, _ . -)"
+read -r -a sim_args <<< "$SIM_ARGS"
 mkdir -p "$OUT"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 bind=()
@@ -107,16 +113,17 @@ for topo in $TOPOS; do
         echo "== $topo: load $l run $rep/$REPEATS (time scale $scale; load $(loadavg))"
         testbed "$topo" "$tb" --time-scale "$scale"
       fi
-      "$PDSIM" simulate --like "$tb" --cost-model "$COST" --quiet \
-        --report "$OUT/sim-$topo-$l-r$rep.json" > "$OUT/sim-$topo-$l-r$rep.log" 2>&1 ||
-        { echo "fidelity_curve.sh: simulate failed, see $OUT/sim-$topo-$l-r$rep.log" >&2; exit 1; }
+      "$PDSIM" simulate --like "$tb" --cost-model "$COST" --quiet "${sim_args[@]}" \
+        --report "$OUT/$SIM-$topo-$l-r$rep.json" > "$OUT/$SIM-$topo-$l-r$rep.log" 2>&1 ||
+        { echo "fidelity_curve.sh: simulate failed, see $OUT/$SIM-$topo-$l-r$rep.log" >&2; exit 1; }
     done
   done
 done
 
-python3 - "$OUT" "$TOPOS" "$LOADS" "$REPEATS" <<'EOF'
+python3 - "$OUT" "$TOPOS" "$LOADS" "$REPEATS" "$SIM" <<'EOF'
 import json, statistics, sys
 out, topos, loads, repeats = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), int(sys.argv[4])
+sim_prefix = sys.argv[5]
 load = lambda p: json.load(open(f"{out}/{p}.json"))
 
 def merged(prefix):
@@ -127,6 +134,8 @@ def merged(prefix):
          for k in ("ttft_ms", "tpot_ms", "prefill_wait_ms")}
     m["goodput_rps"] = med(lambda r: r["goodput_rps"])
     m["config"] = reps[0].get("config")
+    # The simulations' machine-speed factors (pdsim simulate --speed-scale), one per repeat.
+    m["speed"] = [r.get("config", {}).get("speed_scale", {}).get("factor", 1.0) for r in reps]
     return m
 
 rows = []
@@ -135,10 +144,10 @@ for topo in topos:
     rows += [f"\n### {topo} (capacity {cap:.2f} req/s)\n",
              "| load | offered req/s | TTFT p50 tb / sim (ratio) | TTFT p90 tb / sim | "
              "TPOT p50 tb / sim (ratio) | TPOT p90 tb / sim | throughput req/s tb / sim | "
-             "wait for prefill p50 tb / sim | within |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "wait for prefill p50 tb / sim | speed x (per run) | within |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for l in loads:
-        tb, sim = merged(f"testbed-{topo}-{l}"), merged(f"sim-{topo}-{l}")
+        tb, sim = merged(f"testbed-{topo}-{l}"), merged(f"{sim_prefix}-{topo}-{l}")
         arr = tb["config"]["request_set"]["arrival_ms"]  # the testbed's scaled arrivals
         offered = (len(arr) - 1) * 1000 / (max(arr) - min(arr)) if len(arr) > 1 else float("nan")
         ratio = lambda k: sim[k]["p50"] / tb[k]["p50"] if tb[k]["p50"] > 0 else float("nan")
@@ -151,8 +160,9 @@ for topo in topos:
             f"{tb['tpot_ms']['p90']:.2f} / {sim['tpot_ms']['p90']:.2f} | "
             f"{tb['goodput_rps']:.2f} / {sim['goodput_rps']:.2f} | "
             f"{tb['prefill_wait_ms']['p50']:.1f} / {sim['prefill_wait_ms']['p50']:.1f} | "
+            f"{', '.join(f'{x:.2f}' for x in sim['speed'])} | "
             f"{'yes' if ok else 'no'} (±{bound:.0%}) |")
 table = "\n".join(rows)
 print(table)
-open(f"{out}/curve.md", "w").write(table + "\n")
+open(f"{out}/{'curve' if sim_prefix == 'sim' else 'curve-' + sim_prefix}.md", "w").write(table + "\n")
 EOF

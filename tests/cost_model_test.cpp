@@ -10,12 +10,17 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "backends/model/model_config.h"
+#include "common/speed_probe.h"
 #include "sim/cost/calibrated.h"
+#include "sim/cost/forward_check.h"
+#include "sim/cost/timeline_fit.h"
 #include "tests/cli_test_util.h"
 #include "tests/status_matchers.h"
 
@@ -461,6 +466,113 @@ TEST(CostWake, TheFitsWakeIsCheckedAndServed) {
     expect_invalid(j, {"fits[0].wake.min_idle_s", "missing"});
 }
 
+// ---- the machine-speed probe (SpeedLevel, ScaledCostModel) ----
+
+TEST(SpeedLevel, TheCostFilesProbeIsCheckedAndServed) {
+    json j = hand_written();
+    auto plain = CostFile::from_json(j, "plain.json");
+    ASSERT_OK(plain);
+    EXPECT_FALSE(plain->speed_probe().has_value());
+    j["speed_probe"] = {{"kernel", "k1"}, {"cpu_ms_p50", 0.25}, {"runs", 6}};
+    auto f = CostFile::from_json(j, "speed.json");
+    ASSERT_OK(f);
+    ASSERT_TRUE(f->speed_probe().has_value());
+    EXPECT_EQ(f->speed_probe()->kernel, "k1");
+    EXPECT_DOUBLE_EQ(f->speed_probe()->cpu_ms_p50, 0.25);
+
+    j["speed_probe"]["cpu_ms_p50"] = 0;
+    expect_invalid(j, {"bad.json", "speed_probe.cpu_ms_p50", "> 0"});
+    j["speed_probe"] = {{"cpu_ms_p50", 0.25}};
+    expect_invalid(j, {"speed_probe.kernel"});
+    j["speed_probe"] = 3;
+    expect_invalid(j, {"speed_probe", "expected an object"});
+}
+
+// A report's level is the median of its ranks' medians; ranks without samples (or malformed) are
+// left out, ranks naming different kernels give none.
+TEST(SpeedLevel, AReportsLevelIsTheMedianOfItsRanks) {
+    auto rank = [](json probe) { return json{{"stats", {{"speed_probe", std::move(probe)}}}}; };
+    json report = {{"ranks",
+                    {rank({{"kernel", "k1"}, {"cpu_ms_p50", 0.30}}),
+                     rank({{"kernel", "k1"}, {"cpu_ms_p50", 0.20}}),
+                     rank({{"kernel", "k1"}, {"cpu_ms_p50", 0.0}}),  // no samples
+                     rank({{"kernel", "k1"}, {"cpu_ms_p50", "slow"}}),
+                     json{{"stats", json::object()}},  // a GPU rank: no probe
+                     rank({{"kernel", "k1"}, {"cpu_ms_p50", 0.28}})}}};
+    std::optional<SpeedLevel> level = report_speed_level(report);
+    ASSERT_TRUE(level.has_value());
+    EXPECT_EQ(level->kernel, "k1");
+    EXPECT_DOUBLE_EQ(level->cpu_ms_p50, 0.28);
+    report["ranks"].push_back(rank({{"kernel", "k2"}, {"cpu_ms_p50", 0.28}}));
+    EXPECT_FALSE(report_speed_level(report).has_value());
+    EXPECT_FALSE(report_speed_level(json{{"ranks", json::array()}}).has_value());
+    EXPECT_FALSE(report_speed_level(json::array()).has_value());
+    EXPECT_FALSE(report_speed_level(json{{"ranks", 5}}).has_value());
+}
+
+// Every forward and the wake-up scale by the factor; interference and noise, which are relative,
+// pass through.
+TEST(ScaledCostModel, ScalesForwardsAndTheWakeUpOnly) {
+    json j = hand_written();
+    j["fits"][0]["wake"] = {{"min_idle_s", 0.005}, {"lost_s", 0.002}, {"tau_s", 0.0005}};
+    j["interference"] = {{"extend", 0.1}, {"decode", 0.3}};
+    j["noise"] = {{"decode", {{"fast_cv", 0.2}, {"slow_cv", 0.1}, {"slow_period_s", 0.05}}}};
+    auto f = CostFile::from_json(j, "hand.json");
+    ASSERT_OK(f);
+    auto base = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*f);
+    ASSERT_OK(base);
+    std::shared_ptr<const CostModel> shared(std::move(*base));
+    const ScaledCostModel scaled(shared, 1.25);
+    const std::array<ExtendItem, 2> batch = {ExtendItem{300, 0}, ExtendItem{100, 64}};
+    EXPECT_DOUBLE_EQ(scaled.extend_s(batch), 1.25 * shared->extend_s(batch));
+    EXPECT_DOUBLE_EQ(scaled.decode_s(8, 4000), 1.25 * shared->decode_s(8, 4000));
+    EXPECT_DOUBLE_EQ(scaled.wake().lost_s, 1.25 * 0.002);
+    EXPECT_DOUBLE_EQ(scaled.wake().tau_s, 1.25 * 0.0005);
+    EXPECT_DOUBLE_EQ(scaled.wake().min_idle_s, 0.005);
+    EXPECT_DOUBLE_EQ(scaled.interference(true), shared->interference(true));
+    EXPECT_DOUBLE_EQ(scaled.interference(false), shared->interference(false));
+    EXPECT_DOUBLE_EQ(scaled.noise(true).fast_cv, shared->noise(true).fast_cv);
+    EXPECT_DOUBLE_EQ(scaled.noise(true).slow_cv, 0.1);
+    EXPECT_DOUBLE_EQ(scaled.factor(), 1.25);
+    EXPECT_THAT(scaled.describe(), HasSubstr("x1.250 (machine speed)"));
+    EXPECT_THAT(scaled.describe(), HasSubstr(shared->describe()));
+}
+
+// The serve probe leaves out each instance's decode warm-up after an idle gap (the fit's wake
+// adds it): the first `warmup` leader forwards after a gap of min_idle or more, decodes only.
+TEST(ForwardCheck, WithoutDecodeWarmupDropsTheDecodesAfterAnIdleGap) {
+    std::vector<TimelineForward> in;
+    double t = 0;
+    auto add = [&](int instance, bool decode, double gap_us, int tp_rank = 0) {
+        t += gap_us;
+        TimelineForward f;
+        f.begin_us = t;
+        f.duration_us = 1000;
+        f.end_us = t + 1000;
+        f.instance = instance;
+        f.decode = decode;
+        f.tp_rank = tp_rank;
+        f.batch = static_cast<int64_t>(in.size());  // an id: the position in `in`
+        in.push_back(f);
+        t += 1000;
+    };
+    for (int i = 0; i < 5; ++i) add(1, true, 10);  // 0-4: the first 3 are the warm-up
+    add(1, true, 10'000);                          // 5: after a 10 ms gap: warm-up again
+    add(1, true, 10);                              // 6
+    add(1, true, 10);                              // 7
+    add(1, true, 10);                              // 8: kept
+    add(1, true, 2'000);                           // 9: a 2 ms gap is not idle: kept
+    add(0, false, 50'000);                         // 10: an extend after idling: kept
+    add(0, true, 10);                              // 11: instance 0's second: dropped
+    add(1, true, 10, /*tp_rank=*/1);               // 12: a follower: kept
+    std::vector<TimelineForward> shuffled(in.rbegin(), in.rend());
+    const std::vector<TimelineForward> out = without_decode_warmup(shuffled, 0.005, 3);
+    std::vector<int64_t> kept;
+    for (const TimelineForward& f : out) kept.push_back(f.batch);
+    EXPECT_EQ(kept, (std::vector<int64_t>{3, 4, 8, 9, 10, 12}));
+    EXPECT_EQ(without_decode_warmup(in, 0.005, 0).size(), in.size());
+}
+
 TEST(CostFile, UnknownModelTpOrThreadsListsWhatItHas) {
     auto f = CostFile::from_json(hand_written(), "hand.json");
     ASSERT_OK(f);
@@ -649,6 +761,17 @@ TEST(CalibrateCli, ServeProbeScalesTheGridsFitByTheTestbedsForwards) {
     const json& fit = f->json()["fits"][0];
     ASSERT_TRUE(fit.contains("serve_probe")) << fit.dump();
     const json& probe = fit["serve_probe"];
+    // The grid and the probe ran as a testbed rank does by default: bound, the caller running its
+    // stream's work; the probe's testbed ranks sampled the speed probe, whose level is kept.
+    EXPECT_EQ(f->json()["stream_sync"], "caller");
+    EXPECT_EQ(f->json()["bind"], "core");
+    EXPECT_THAT(r.err, HasSubstr("--stream-sync caller"));
+    EXPECT_THAT(r.err, HasSubstr("--bind-to core"));
+    ASSERT_EQ(probe["speed_cpu_ms"].size(), 1u) << probe.dump();  // --quick: one run
+    ASSERT_TRUE(f->speed_probe().has_value()) << f->json().dump();
+    EXPECT_EQ(f->speed_probe()->kernel, std::string(kSpeedProbeKernel));
+    EXPECT_DOUBLE_EQ(f->speed_probe()->cpu_ms_p50, probe["speed_cpu_ms"][0].get<double>());
+    EXPECT_GT(f->speed_probe()->cpu_ms_p50, 0);
     std::vector<std::vector<double>> ex, dx;
     std::vector<double> ey, dy;
     for (const auto& p : fit["points"]) {
@@ -729,6 +852,8 @@ TEST(CalibrateCli, BadFlagsExit2NamingTheFlag) {
         {{"calibrate", "--model", "tiny", "--out", out, "--transport", "pigeon"}, "--transport"},
         {{"calibrate", "--model", "tiny", "--out", out, "--backend", "gpu"}, "--backend"},
         {{"calibrate", "--model", "tiny", "--out", out, "--serve-probe", "maybe"}, "--serve-probe"},
+        {{"calibrate", "--model", "tiny", "--out", out, "--stream-sync", "maybe"}, "--stream-sync"},
+        {{"calibrate", "--model", "tiny", "--out", out, "--bind", "socket"}, "--bind"},
         {{"calibrate", "--model", "no-such-model", "--out", out}, "--model"},
         {{"calibrate", "--model", "tiny", "--out", dir.str("no/such/dir/cost.json")}, "--out"},
     };

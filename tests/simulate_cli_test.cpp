@@ -8,8 +8,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "common/speed_probe.h"
 #include "tests/cli_test_util.h"
 #include "tests/status_matchers.h"
 
@@ -260,6 +262,101 @@ TEST(SimulateCli, LikeReplaysTheTestbedsRequestSet) {
         {"simulate", "--like", dir.str("bad_len.json"), "--cost-model", dir.str("cost.json")});
     EXPECT_EQ(bad_len.rc, 2) << bad_len.describe();
     EXPECT_THAT(bad_len.err, HasSubstr("request 2"));
+}
+
+// The testbed's CPU ranks sample the machine-speed probe; `simulate --like` with a cost file that
+// carries the calibration's probe scales every forward by the ratio (--speed-scale auto), and
+// says why when it does not; --speed-scale off and a given factor win; a bad value exits 2.
+TEST(SimulateCli, LikeScalesForwardsByTheMachinesSpeed) {
+    TempDir dir("simulate_speed");
+    CmdResult tb = run_pdsim({"testbed",
+                              "--topology",
+                              kCpu,
+                              "--trace",
+                              std::string(PDSIM_SOURCE_DIR) + "/data/traces/azure_llm_code.csv",
+                              "--max-requests",
+                              "6",
+                              "--time-scale",
+                              "0.0005",
+                              "--max-input-len",
+                              "200",
+                              "--max-output-len",
+                              "8",
+                              "--mode",
+                              "disagg",
+                              "--speed-probe-ms",
+                              "20",
+                              "--quiet",
+                              "--report",
+                              dir.str("tb.json")},
+                             120);
+    ASSERT_EQ(tb.rc, 0) << tb.describe();
+    const json tb_rep = json::parse(slurp(dir.path() / "tb.json"));
+    EXPECT_EQ(tb_rep["config"]["speed_probe_ms"], 20);
+    std::vector<double> levels;
+    for (const json& rank : tb_rep["ranks"]) {
+        const json& probe = rank["stats"]["speed_probe"];
+        EXPECT_EQ(probe["kernel"], std::string(kSpeedProbeKernel)) << rank.dump();
+        EXPECT_EQ(probe["period_ms"], 20);
+        ASSERT_GE(probe["samples"].get<int64_t>(), 1) << rank.dump();
+        EXPECT_EQ(probe["cpu_ms"].size(), probe["samples"].get<size_t>());
+        levels.push_back(probe["cpu_ms_p50"].get<double>());
+        EXPECT_GT(levels.back(), 0.0);
+    }
+    ASSERT_EQ(levels.size(), 2u);
+    const double level = (levels[0] + levels[1]) / 2;  // the median of two ranks
+
+    json cost = json::parse(R"({"schema_version": 1, "model": "tiny",
+      "fits": [{"tp": 1, "threads": 1,
+        "extend": {"const_s": 0.001, "per_token_s": 2e-5, "per_attn_pair_s": 3e-9,
+                   "per_request_s": 4e-4},
+        "decode": {"const_s": 5e-3, "per_request_s": 1e-5, "per_kv_token_s": 2e-8}}],
+      "transports": {"local": {"gbps": 2.5, "latency_us": 30}}})");
+    std::ofstream(dir.str("plain.json")) << cost.dump();
+    cost["speed_probe"] = {{"kernel", std::string(kSpeedProbeKernel)}, {"cpu_ms_p50", level / 2}};
+    std::ofstream(dir.str("slow.json")) << cost.dump();  // the machine ran 2x slower than this
+    cost["speed_probe"]["kernel"] = "another-kernel";
+    std::ofstream(dir.str("other.json")) << cost.dump();
+
+    auto simulate = [&](const std::string& cost_file, std::vector<std::string> flags) {
+        std::vector<std::string> args = {"simulate", "--like",   dir.str("tb.json"), "--cost-model",
+                                         cost_file,  "--report", dir.str("sim.json")};
+        args.insert(args.end(), flags.begin(), flags.end());
+        CmdResult r = run_pdsim(args, 120);
+        EXPECT_EQ(r.rc, 0) << r.describe();
+        return std::pair{r, json::parse(slurp(dir.path() / "sim.json"))};
+    };
+    const auto [plain_run, plain] = simulate(dir.str("plain.json"), {});
+    EXPECT_EQ(plain["config"]["speed_scale"]["factor"], 1.0);
+    EXPECT_THAT(plain["config"]["speed_scale"]["why"].get<std::string>(),
+                HasSubstr("has no speed_probe"));
+    EXPECT_THAT(plain_run.out, HasSubstr("machine speed: x1.000, not scaled"));
+
+    const auto [slow_run, slow] = simulate(dir.str("slow.json"), {});
+    EXPECT_DOUBLE_EQ(slow["config"]["speed_scale"]["factor"].get<double>(), 2.0);
+    EXPECT_THAT(slow_run.out, HasSubstr("machine speed: x2.000, the run's speed probe took"));
+    // TPOT is decode forwards (5 ms each here) and nothing of the transfer: twice as long.
+    const double tpot_ratio =
+        slow["tpot_ms"]["p50"].get<double>() / plain["tpot_ms"]["p50"].get<double>();
+    EXPECT_NEAR(tpot_ratio, 2.0, 0.1);
+    EXPECT_GT(slow["ttft_ms"]["p50"].get<double>(), plain["ttft_ms"]["p50"].get<double>());
+
+    const auto [off_run, off] = simulate(dir.str("slow.json"), {"--speed-scale", "off"});
+    EXPECT_EQ(off["config"]["speed_scale"]["factor"], 1.0);
+    EXPECT_DOUBLE_EQ(off["tpot_ms"]["p50"].get<double>(), plain["tpot_ms"]["p50"].get<double>());
+    const auto [given_run, given] = simulate(dir.str("plain.json"), {"--speed-scale", "1.5"});
+    EXPECT_EQ(given["config"]["speed_scale"]["factor"], 1.5);
+    const auto [other_run, other] = simulate(dir.str("other.json"), {});
+    EXPECT_EQ(other["config"]["speed_scale"]["factor"], 1.0);
+    EXPECT_THAT(other["config"]["speed_scale"]["why"].get<std::string>(),
+                HasSubstr("probe kernels differ"));
+
+    for (const char* bad : {"0", "fast", "101", "-1"}) {
+        CmdResult r = run_pdsim({"simulate", "--like", dir.str("tb.json"), "--cost-model",
+                                 dir.str("slow.json"), "--speed-scale", bad});
+        EXPECT_EQ(r.rc, 2) << r.describe();
+        EXPECT_THAT(r.err, HasSubstr(std::string("--speed-scale ") + bad));
+    }
 }
 
 TEST(SimulateCli, BadInputExitsTwoNamingTheFlagOrFile) {

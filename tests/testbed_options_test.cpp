@@ -7,6 +7,7 @@
 // on one GPU in gpu-1p1d); which GPU each rank gets (choose_gpu; gpu-1p1d, gpu-2g-1p1d, several
 // nodes); the KV data transport (--data-transport: auto, none, cuda_ipc and what each refuses);
 // and that CPU runs resolve as before.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -128,6 +129,17 @@ TEST(TestbedOptions, RangesOfTestbedLimits) {
     }
     for (int64_t good : {int64_t{0}, int64_t{1}, int64_t{1'000'000}}) {
         o.max_inflight_per_instance = good;
+        EXPECT_OK(resolve(o, 1)) << good;
+    }
+    o.max_inflight_per_instance = 0;
+    for (int bad : {-1, 1, 9, 60'001}) {
+        o.speed_probe_ms = bad;
+        EXPECT_THAT(resolve(o, 1), StatusIs(StatusCode::kInvalidArgument,
+                                            HasSubstr(fmt::format("--speed-probe-ms {}", bad))))
+            << bad;
+    }
+    for (int good : {0, 10, 250, 60'000}) {
+        o.speed_probe_ms = good;
         EXPECT_OK(resolve(o, 1)) << good;
     }
 }

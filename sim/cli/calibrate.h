@@ -32,6 +32,14 @@ struct CalibrateOptions {
     bool include_overlapped = false;
     double node_cpus = 0;  // --from-timeline: cores of the machine the timelines ran on (0: this)
     bool serve_probe = true;  // --serve-probe on|off (microbenchmark runs only)
+    // --stream-sync caller|worker: how the grid's ranks (and the serve probe's testbed) wait for a
+    // forward, as `pdsim testbed --stream-sync` (caller: the rank's thread runs the stream's work,
+    // the testbed's default; worker: two thread hand-offs per forward).
+    std::string stream_sync = "caller";
+    // --bind core|none: bind each grid rank's thread to `threads` cores of its own, round-robin
+    // over the cores calibrate may use (as `mpirun --map-by core --bind-to core` binds the
+    // testbed's ranks, and the serve probe's), or leave them to the scheduler.
+    std::string bind = "core";
 };
 
 // This machine's cores (at least 1).
@@ -106,9 +114,15 @@ struct ChildExit {
 // decodes on the 2-core VM; docs/fidelity.md section 8). The probe measures that on this machine:
 // per fit (tp, threads), a short `pdsim testbed --mode disagg` of one prefill and one decode
 // instance of that TP under mpirun, bound as docs/testbed.md says (--map-by core --bind-to core),
-// replaying the first requests of the default (Mooncake) trace with --timeline; then the median of
-// measured / predicted over its leader forwards that no other instance overlapped (the simulator's
-// contention model covers the others), per kind, scales that kind's coefficients.
+// replaying the first requests of the default (Mooncake) trace with --timeline; then, per kind,
+// the measured over the predicted time in all of its leader forwards that no other instance
+// overlapped (the simulator's contention model covers the others) scales that kind's coefficients.
+// A sum, not a median of ratios: a request's TPOT is the mean of its steps, and single testbed
+// forwards are skewed right (a batch-1 decode's mean is ~10% above its median), so the fit must
+// give the mean forward. The decode forwards among the kServeProbeWarmupForwards forwards of an
+// instance after each idle gap of cost::kWakeMinIdleS or more are left out
+// (cost::without_decode_warmup): the fit's `wake` adds
+// their slowdown (extends, tens of ms each, are kept: the probe's prefill idles before most).
 
 // Requests the probe replays (--quick: 24), and its runs per fit (--quick: 1; the factor is the
 // median of the runs' own medians).
@@ -116,6 +130,7 @@ inline constexpr int kServeProbeRequests = 48;
 inline constexpr int kServeProbeRuns = 3;
 // Fewer forwards of a kind than this: that kind keeps the grid's fit (with a note).
 inline constexpr size_t kMinServeProbeForwards = 8;
+inline constexpr int kServeProbeWarmupForwards = 8;
 // A factor outside this range means the probe did not measure what it should: an error. (Wide:
 // TP 2 decode forwards of mpirun'd processes measured 0.52x the grid's, whose TP ranks are
 // threads of one process waking each other for every all-gather.)
@@ -140,6 +155,10 @@ inline constexpr std::pair<double, double> kServeProbeFactorRange = {0.2, 5.0};
 // outside kServeProbeFactorRange; the fits probed before it stay scaled (with serve_probe), that
 // one and the rest stay the grid's. `pdsim calibrate` then still writes the file, with a note,
 // and exits 1.
+// The cost file's `speed_probe` (cost::CostFile::speed_probe) from the fits' serve probe runs
+// (serve_probe.speed_cpu_ms, the median speed probe of each run's testbed ranks): the median over
+// every run; null when no run sampled it.
+[[nodiscard]] nlohmann::json speed_probe_of_fits(const nlohmann::json& fits);
 [[nodiscard]] Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                                        const nlohmann::json& cost_json, nlohmann::json* fits,
                                        nlohmann::json* notes);

@@ -11,7 +11,10 @@
 // checksums; decode: without, as on a decode rank). TP > 1: the TP ranks are threads of the worker
 // sharing a LocalTpGroup (how `pdsim testbed` runs without mpirun), each with its own model,
 // stream, pool and backend, running every forward together; rank 0 is timed. A forward is timed
-// like the testbed's Server::execute: enqueue the model's forward, synchronize the stream.
+// like the testbed's Server::execute: enqueue the model's forward, synchronize the stream, with
+// the testbed's --stream-sync (caller by default: the rank's thread runs the forward; with worker
+// the stream's thread does, and each forward pays two thread wake-ups, about 0.1-0.2 ms on the
+// 2-core VM, which a grid fitted that way adds to every testbed forward).
 // Grid: extend forwards over (requests, new tokens, cached tokens) and decode forwards over
 // (batch, KV tokens per request) inside the testbed's limits (2048 tokens per extend forward,
 // kMaxDecodeKvTokensPerThread x threads KV tokens per decode batch). One warm-up round, then
@@ -42,6 +45,7 @@
 #include <sstream>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "backends/model/model_config.h"
@@ -102,13 +106,20 @@ StatusOr<std::vector<std::string>> parse_transports(const std::string& text) {
 StatusOr<json> spawn_worker(const CalibrateOptions& o, int tp, int threads,
                             const std::string& tmp) {
     const std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
-    std::vector<std::string> args = {exe,           "calibrate",
-                                     "--model",     o.model,
-                                     "--backend",   o.backend,
-                                     "--page-size", std::to_string(o.page_size),
-                                     "--repeats",   std::to_string(repeats_of(o)),
-                                     "--worker",    fmt::format("{}:{}", tp, threads),
-                                     "--out",       tmp};
+    const std::pair<const char*, std::string> flags[] = {
+        {"--model", o.model},
+        {"--backend", o.backend},
+        {"--page-size", std::to_string(o.page_size)},
+        {"--repeats", std::to_string(repeats_of(o))},
+        {"--stream-sync", o.stream_sync},
+        {"--bind", o.bind},
+        {"--worker", fmt::format("{}:{}", tp, threads)},
+        {"--out", tmp}};
+    std::vector<std::string> args = {exe, "calibrate"};
+    for (const auto& [flag, value] : flags) {
+        args.emplace_back(flag);
+        args.push_back(value);
+    }
     if (o.quick) args.push_back("--quick");
     // A testbed rank under mpirun gets PDSIM_NUM_THREADS = its thread count (testbed.cpp), its own
     // projection pool. TP ranks here are threads of one process sharing the process-wide pool:
@@ -347,6 +358,8 @@ json cost_file_json(const CalibrateOptions& o, const model::ModelConfig& m,
                          : o.quick                ? "quick"
                                                   : "default"},
                 {"repeats", o.from_timeline.empty() ? json(repeats_of(o)) : json()},
+                {"stream_sync", o.from_timeline.empty() ? json(o.stream_sync) : json()},
+                {"bind", o.from_timeline.empty() ? json(o.bind) : json()},
                 {"fits", parts.fits},
                 {"transports", parts.transports},
                 {"notes", parts.notes},
@@ -356,6 +369,9 @@ json cost_file_json(const CalibrateOptions& o, const model::ModelConfig& m,
     }
     if (!parts.interference.empty()) out["interference"] = parts.interference;
     if (!parts.noise.empty()) out["noise"] = parts.noise;
+    if (json speed = speed_probe_of_fits(parts.fits); !speed.is_null()) {
+        out["speed_probe"] = std::move(speed);
+    }
     return out;
 }
 
@@ -577,6 +593,21 @@ void add_calibrate_command(CLI::App& app, CommandSet& commands) {
          "forwards ran there than the grid predicts (default on; skipped with a note when mpirun "
          "is not on PATH or calibrate runs under mpirun)")
         ->check(CLI::IsMember({"on", "off"}));
+    a->add_option("--stream-sync", o->stream_sync,
+                  "How a rank waits for its forward, as `pdsim testbed --stream-sync`: caller (the "
+                  "testbed's default: the rank's thread runs the stream's queued work) or worker "
+                  "(two thread hand-offs per forward, which the fits then include); the grid and "
+                  "the serve probe both run it")
+        ->check(CLI::IsMember({"caller", "worker"}))
+        ->capture_default_str();
+    a->add_option("--bind", o->bind,
+                  "core: bind each grid rank to cores of its own (threads each, round-robin over "
+                  "the cores calibrate may use), as mpirun --map-by core --bind-to core binds the "
+                  "testbed's ranks; an unbound rank that the scheduler moves between cores ran "
+                  "small decodes 1.5-2x slower here. none: leave them unbound (and the serve "
+                  "probe's testbed too)")
+        ->check(CLI::IsMember({"core", "none"}))
+        ->capture_default_str();
     a->add_option("--worker", o->worker, "internal: measure one TP:THREADS group")->group("");
     commands.add(a, [o] { return calibration::run_calibrate(*o); });
 }

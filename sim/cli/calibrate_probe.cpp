@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <string>
@@ -24,6 +25,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/input_file.h"
+#include "common/speed_probe.h"
 #include "common/stats.h"
 #include "sim/cli/calibrate.h"
 #include "sim/cost/calibrated.h"
@@ -125,7 +128,31 @@ const cost::ForwardCheckRow* all_row(const std::vector<cost::ForwardCheckRow>& r
     return nullptr;
 }
 
+// The speed probe's level in the testbed report at `path` (nullopt when it has none or cannot be
+// read: the probe's factors do not depend on it).
+std::optional<cost::SpeedLevel> read_speed_level(const std::string& path) {
+    StatusOr<std::string> bytes = files::read_input_file(path, files::kMaxConfigFileBytes);
+    if (!bytes.ok()) return std::nullopt;
+    const json report = json::parse(*bytes, nullptr, /*allow_exceptions=*/false);
+    return cost::report_speed_level(report);
+}
+
 }  // namespace
+
+json speed_probe_of_fits(const json& fits) {
+    std::vector<double> levels;
+    for (const json& fit : fits) {
+        if (!fit.contains("serve_probe")) continue;
+        for (const json& v : fit["serve_probe"].value("speed_cpu_ms", json::array())) {
+            if (v.is_number()) levels.push_back(v.get<double>());
+        }
+    }
+    if (levels.empty()) return json();
+    return {{"kernel", std::string(kSpeedProbeKernel)},
+            {"cpu_ms_p50", stats::median(levels)},
+            {"runs", levels.size()},
+            {"source", "the serve probe's testbed ranks (median of the runs' medians)"}};
+}
 
 StatusOr<ChildExit> run_child(const std::vector<std::string>& args,
                               const std::vector<std::string>* env, const std::string& log,
@@ -195,8 +222,12 @@ std::vector<std::string> serve_probe_command(const CalibrateOptions& o, const st
     if (::geteuid() == 0) a.push_back("--allow-run-as-root");
     for (const char* s : {"--oversubscribe", "-np"}) a.emplace_back(s);
     a.push_back(std::to_string(2 * tp));
-    for (const char* s : {"--map-by", "core", "--bind-to", "core:overload-allowed", "--mca", "pml",
-                          "ob1", "--mca", "btl", "self,vader,tcp"}) {
+    if (o.bind == "core") {
+        for (const char* s : {"--map-by", "core", "--bind-to", "core:overload-allowed"}) {
+            a.emplace_back(s);
+        }
+    }
+    for (const char* s : {"--mca", "pml", "ob1", "--mca", "btl", "self,vader,tcp"}) {
         a.emplace_back(s);
     }
     const std::vector<std::string> testbed = {exe,
@@ -211,6 +242,8 @@ std::vector<std::string> serve_probe_command(const CalibrateOptions& o, const st
                                               std::to_string(o.page_size),
                                               "--threads",
                                               std::to_string(threads),
+                                              "--stream-sync",
+                                              o.stream_sync,
                                               "--mode",
                                               "disagg",
                                               "--max-requests",
@@ -268,7 +301,8 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
         // level moves by several percent (the machine's slow periods), so the factor is the
         // median of the runs' medians.
         const int runs = o.quick ? 1 : kServeProbeRuns;
-        std::vector<double> ratios[2];  // extend, decode: per run with enough forwards
+        std::vector<double> ratios[2];     // extend, decode: per run with enough forwards
+        std::vector<double> speed_levels;  // per run: its ranks' speed probe (ms)
         size_t counts[2] = {0, 0};
         const auto t0 = Clock::now();
         for (int run = 0; run < runs; ++run) {
@@ -286,23 +320,30 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                                           "(--serve-probe off skips it)",
                                           tp, threads, shown, st.message()));
             }
-            PDSIM_ASSIGN_OR_RETURN(std::vector<cost::TimelineForward> forwards,
+            PDSIM_ASSIGN_OR_RETURN(std::vector<cost::TimelineForward> all_forwards,
                                    cost::read_timeline_forwards(timeline, "serve probe"));
+            const std::vector<cost::TimelineForward> forwards = cost::without_decode_warmup(
+                std::move(all_forwards), cost::kWakeMinIdleS, kServeProbeWarmupForwards);
             PDSIM_ASSIGN_OR_RETURN(std::vector<cost::ForwardCheckRow> rows,
                                    cost::check_forwards(forwards, grid, m));
+            if (std::optional<cost::SpeedLevel> level = read_speed_level(report);
+                level && level->kernel == kSpeedProbeKernel) {
+                speed_levels.push_back(level->cpu_ms_p50);
+            }
             for (bool decode : {false, true}) {
                 // The probe's prefill and decode instances both run with this fit's (tp, threads).
                 const cost::ForwardCheckRow* row = all_row(rows, decode, tp, threads);
                 if (row == nullptr) continue;
                 counts[decode ? 1 : 0] += row->count;
-                if (row->count >= kMinServeProbeForwards) {
-                    ratios[decode ? 1 : 0].push_back(row->ratio_p50);
+                if (row->count >= kMinServeProbeForwards && row->predicted_ms_sum > 0) {
+                    ratios[decode ? 1 : 0].push_back(row->measured_ms_sum / row->predicted_ms_sum);
                 }
             }
         }
         json probe = {{"requests", o.quick ? 24 : kServeProbeRequests},
                       {"runs", runs},
-                      {"wall_s", std::chrono::duration<double>(Clock::now() - t0).count()}};
+                      {"wall_s", std::chrono::duration<double>(Clock::now() - t0).count()},
+                      {"speed_cpu_ms", speed_levels}};
         for (bool decode : {false, true}) {
             const char* kind = decode ? "decode" : "extend";
             const std::vector<double>& per_run = ratios[decode ? 1 : 0];

@@ -1,6 +1,7 @@
 // The worker of `pdsim calibrate` (sim/cli/calibrate_cmd.cpp's comment, "Compute"): one TP group
 // of testbed ranks as threads of this process, timing the grid of extend and decode forwards.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,6 +17,7 @@
 #include "backends/model/synthetic_model.h"
 #include "common/check.h"
 #include "common/stats.h"
+#include "common/thread_info.h"
 #include "sim/cli/calibrate.h"
 #include "sim/cli/cli_util.h"
 #include "sim/testbed/comm.h"
@@ -139,6 +141,7 @@ StatusOr<std::unique_ptr<Rig>> make_rig(const CalibrateOptions& o, const model::
     ro.page_size = o.page_size;
     ro.num_pages = num_pages;
     ro.stream_name = fmt::format("calibrate-r{}", tp_rank);
+    ro.stream_caller_runs = o.stream_sync == "caller";  // as the testbed's --stream-sync
     ro.step_counter = true;
     ro.validator = true;
     ro.validator_rank = tp_rank;
@@ -212,6 +215,21 @@ Status run_rank(const CalibrateOptions& o, const model::ModelConfig& m, Shared& 
         sh.barrier->abort();
         return st;
     };
+    if (o.bind == "core") {
+        // As mpirun --map-by core --bind-to core:overload-allowed: rank r on `threads` cores of
+        // its own, round-robin over the cores this process may use (shared when there are fewer).
+        // Before the rig, so that the threads it starts inherit the binding.
+        const std::vector<int> allowed = allowed_cpus();
+        std::vector<int> mine;
+        for (int k = 0; k < threads && !allowed.empty(); ++k) {
+            mine.push_back(allowed[static_cast<size_t>(rank * threads + k) % allowed.size()]);
+        }
+        if (!bind_this_thread(mine)) {
+            return fail(PDSIM_ERROR(StatusCode::kUnavailable,
+                                    "{} rank {}: cannot bind to cores {} (--bind none skips it)",
+                                    sh.label, rank, fmt::join(mine, ",")));
+        }
+    }
     auto rig_or = make_rig(o, m, group != nullptr ? group->member(rank) : nullptr, tp, rank,
                            threads, num_pages, max_tokens, max_pages);
     if (!rig_or.ok()) return fail(rig_or.status());

@@ -51,6 +51,7 @@ struct SimulateFlags {
     int64_t max_decode_kv_tokens = 0;
     std::string cpu_contention = "on";
     std::string cost_noise = "on";
+    std::string speed_scale = "auto";  // auto | off | a factor (--speed-scale)
     uint64_t noise_seed = 1;
     double cpu_cores = 0;
     std::string cpu_binding = "none";  // none | core | a core per rank, comma-separated
@@ -68,7 +69,8 @@ struct SimulateFlags {
 struct LikeRun {
     std::vector<workload::Request> requests;
     std::string label;
-    json model;  // config.model: name and dimensions
+    json model;                             // config.model: name and dimensions
+    std::optional<cost::SpeedLevel> speed;  // the ranks' speed probe (--speed-scale auto)
 };
 
 // Everything a run needs, loaded and validated.
@@ -79,6 +81,8 @@ struct Prepared {
     std::optional<cost::CostFile> cost_file;
     std::string cost_kind;
     std::vector<des::InstanceSetup> setups;
+    double speed_factor = 1;     // every forward's time is multiplied by it (--speed-scale)
+    std::string speed_note;      // how speed_factor was chosen (summary and report)
     std::vector<int> rank_core;  // --cpu-binding resolved: empty, or a core per rank
     std::vector<workload::Request> requests;
     std::string workload_label;
@@ -89,6 +93,19 @@ StatusOr<bool> on_off(const std::string& flag, const std::string& v) {
     if (v == "on") return true;
     if (v == "off") return false;
     return invalid_argument_error(fmt::format("{} {}: expected on or off", flag, v));
+}
+
+// --speed-scale: 0 for auto, 1 for off, else the factor.
+StatusOr<double> parse_speed_scale(const std::string& v) {
+    if (v == "auto") return 0.0;
+    if (v == "off") return 1.0;
+    double x = 0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+    if (v.empty() || ec != std::errc() || end != v.data() + v.size() || !(x > 0 && x <= 100)) {
+        return invalid_argument_error(
+            fmt::format("--speed-scale {}: expected auto, off, or a factor in (0, 100]", v));
+    }
+    return x;
 }
 
 // --cpu-binding: "none" and "core" give an empty list; otherwise the comma-separated core ids.
@@ -156,6 +173,7 @@ Status check_flags(const SimulateFlags& f) {
     PDSIM_RETURN_IF_ERROR(on_off("--layerwise", f.layerwise).status());
     PDSIM_RETURN_IF_ERROR(on_off("--cpu-contention", f.cpu_contention).status());
     PDSIM_RETURN_IF_ERROR(on_off("--cost-noise", f.cost_noise).status());
+    PDSIM_RETURN_IF_ERROR(parse_speed_scale(f.speed_scale).status());
     if (!(f.cpu_cores >= 0) || !std::isfinite(f.cpu_cores)) {
         return invalid_argument_error(fmt::format("--cpu-cores {}: must be >= 0", f.cpu_cores));
     }
@@ -246,6 +264,52 @@ Status load_requests(const SimulateFlags& f, Prepared* p) {
     return {};
 }
 
+// How much slower (> 1) the machine ran the testbed run of --like than while calibrating the
+// cost file, from their speed probes (common/speed_probe.h); scales every instance's forwards.
+Status choose_speed_factor(const SimulateFlags& f, const LikeRun* like, Prepared* p) {
+    PDSIM_ASSIGN_OR_RETURN(const double given, parse_speed_scale(f.speed_scale));
+    if (f.speed_scale == "off") {
+        p->speed_note = "not scaled (--speed-scale off)";
+    } else if (given > 0) {
+        p->speed_factor = given;
+        p->speed_note = "as given (--speed-scale)";
+    } else if (like == nullptr) {
+        p->speed_note = "not scaled (--speed-scale auto needs --like)";
+    } else if (!p->cost_file) {
+        p->speed_note = "not scaled (the roofline cost model has no speed probe)";
+    } else {
+        const std::optional<cost::SpeedLevel> run = like->speed;
+        const std::optional<cost::SpeedLevel> cal = p->cost_file->speed_probe();
+        if (!run) {
+            p->speed_note =
+                "not scaled (the report has no speed probe: pdsim testbed "
+                "--speed-probe-ms 0, GPU ranks, or an older pdsim)";
+        } else if (!cal) {
+            p->speed_note = fmt::format(
+                "not scaled ({} has no speed_probe: calibrate without its serve probe, or an "
+                "older pdsim)",
+                f.cost_model);
+        } else if (run->kernel != cal->kernel) {
+            p->speed_note = fmt::format(
+                "not scaled (probe kernels differ: {} in the report, {} "
+                "in the cost file)",
+                run->kernel, cal->kernel);
+        } else {
+            p->speed_factor = run->cpu_ms_p50 / cal->cpu_ms_p50;
+            p->speed_note = fmt::format(
+                "the run's speed probe took {:.3f} ms, the calibration's {:.3f} ms: "
+                "forwards scaled by the ratio (--speed-scale off to not)",
+                run->cpu_ms_p50, cal->cpu_ms_p50);
+        }
+    }
+    if (p->speed_factor != 1) {
+        for (des::InstanceSetup& s : p->setups) {
+            s.cost = std::make_shared<cost::ScaledCostModel>(s.cost, p->speed_factor);
+        }
+    }
+    return {};
+}
+
 StatusOr<Prepared> prepare(const SimulateFlags& f, const LikeRun* like = nullptr) {
     PDSIM_RETURN_IF_ERROR(check_flags(f));
     if (like == nullptr && f.req.trace.empty()) {
@@ -283,6 +347,7 @@ StatusOr<Prepared> prepare(const SimulateFlags& f, const LikeRun* like = nullptr
                       fmt::format("--cost-model {}: {}", f.cost_model, setups.status().message()));
     }
     p.setups = std::move(*setups);
+    PDSIM_RETURN_IF_ERROR(choose_speed_factor(f, like, &p));
     PDSIM_ASSIGN_OR_RETURN(p.rank_core, resolve_cpu_binding(f, p.topology));
     const auto t0 = std::chrono::steady_clock::now();
     if (like != nullptr) {
@@ -396,6 +461,7 @@ metrics::Report simulate_report(const Prepared& p, const SimulateFlags& f,
         r.extra["config"]["max_input_len"] = f.req.max_input_len;
         r.extra["config"]["max_output_len"] = f.req.max_output_len;
         if (!f.like.empty()) r.extra["config"]["like"] = f.like;
+        r.extra["config"]["speed_scale"] = {{"factor", p.speed_factor}, {"why", p.speed_note}};
         r.extra["simulator"]["trace_load_s"] = p.load_s;
     };
     annotate(report);
@@ -422,6 +488,7 @@ std::string simulate_summary(const Prepared& p, const SimulateFlags& f,
     }
     s += fmt::format("  cost model: {}\n",
                      results.front().report.extra["simulator"]["cost_model"].get<std::string>());
+    s += fmt::format("  machine speed: x{:.3f}, {}\n", p.speed_factor, p.speed_note);
     for (const auto& [path, what] :
          {std::pair{f.report, "report"}, std::pair{f.timeline, "timeline"},
           std::pair{f.requests, "requests"}}) {
@@ -523,6 +590,7 @@ StatusOr<LikeRun> load_like(SimulateFlags* f, const std::function<bool(const cha
         if (!hashes.empty()) q.hash_ids = std::move(hashes[i]);
     }
     like.model = config.value("model", json::object());
+    like.speed = cost::report_speed_level(rep);
     like.label = fmt::format("like {} ({} requests{})", fs::path(file).filename().string(), n,
                              config.contains("workload") && config["workload"].is_string()
                                  ? " of " + config["workload"].get<std::string>()
@@ -824,6 +892,13 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
                     "off: every forward takes the model's mean")
         ->capture_default_str();
     sub->add_option("--noise-seed", f->noise_seed, "seed of --cost-noise")->capture_default_str();
+    sub->add_option("--speed-scale", f->speed_scale,
+                    "auto: with --like and a calibrated cost file that both carry the machine-"
+                    "speed probe (pdsim testbed --speed-probe-ms, pdsim calibrate's serve probe), "
+                    "multiply every forward's time by the run's probe over the calibration's, so "
+                    "that a machine that ran slower or faster than while calibrating is simulated "
+                    "as it was (else 1); off: 1; or a factor in (0, 100]")
+        ->capture_default_str();
     sub->add_option("--cpu-cores", f->cpu_cores,
                     "cores per node for --cpu-contention (0: the node's cpus, else this machine's)")
         ->check(real_in(0, 4096))

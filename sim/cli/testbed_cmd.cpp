@@ -194,6 +194,13 @@ void add_limit_flags(CLI::App* sub, testbed::TestbedOptions& o) {
         ->check(real_in(0, L::kMaxSloMs));
     sub->add_option("--slo-tpot-ms", o.slo_tpot_ms, "TPOT SLO for goodput/attainment (0: none)")
         ->check(real_in(0, L::kMaxSloMs));
+    sub->add_option("--speed-probe-ms", o.speed_probe_ms,
+                    "CPU ranks: time a fixed 8 MiB matrix-vector product every N ms while "
+                    "serving (about 1 ms of CPU each; ranks[].stats.speed_probe), so that `pdsim "
+                    "simulate --like` can put this run and the cost file's calibration on one "
+                    "machine speed (0: off)")
+        ->check(int_in(0, L::kMaxSpeedProbeMs))
+        ->capture_default_str();
     sub->add_option("--request-timeout-s", o.request_timeout_s,
                     "a request that makes no progress for this long fails (waiting in a queue "
                     "is not lack of progress)")

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "common/input_file.h"
+#include "common/stats.h"
 #include "common/text.h"
 #include "sim/cost/calibrated.h"
 #include "sim/cost/roofline.h"
@@ -187,6 +188,14 @@ Status validate(const json& j, const std::string& source) {
             }
         }
     }
+    if (j.contains("speed_probe")) {
+        PDSIM_RETURN_IF_ERROR(c.object(j, "", "speed_probe"));
+        const json& p = j["speed_probe"];
+        if (!p.contains("kernel") || !p["kernel"].is_string()) {
+            return c.error("speed_probe.kernel", "expected the probe kernel's name (string)");
+        }
+        PDSIM_RETURN_IF_ERROR(c.number(p, "speed_probe", "cpu_ms_p50", true).status());
+    }
     if (j.contains("transports")) {
         const json& t = j["transports"];
         if (!t.is_object()) return c.error("transports", "expected an object, got " + type_name(t));
@@ -239,6 +248,58 @@ std::optional<LinkCost> CostFile::transport(const std::string& name) const {
     if (!json_.contains("transports") || !json_["transports"].contains(name)) return std::nullopt;
     const nlohmann::json& t = json_["transports"][name];
     return LinkCost{t.at("gbps").get<double>(), t.at("latency_us").get<double>()};
+}
+
+std::optional<SpeedLevel> report_speed_level(const nlohmann::json& report) {
+    if (!report.is_object() || !report.contains("ranks") || !report["ranks"].is_array()) {
+        return std::nullopt;
+    }
+    std::string kernel;
+    std::vector<double> levels;
+    for (const json& rank : report["ranks"]) {
+        if (!rank.is_object() || !rank.contains("stats") || !rank["stats"].is_object()) continue;
+        const json& stats = rank["stats"];
+        if (!stats.contains("speed_probe") || !stats["speed_probe"].is_object()) continue;
+        const json& p = stats["speed_probe"];
+        const json k = p.value("kernel", json()), level = p.value("cpu_ms_p50", json());
+        if (!k.is_string() || !level.is_number() || !std::isfinite(level.get<double>()) ||
+            level.get<double>() <= 0) {
+            continue;
+        }
+        if (!kernel.empty() && kernel != k.get<std::string>()) return std::nullopt;
+        kernel = k.get<std::string>();
+        levels.push_back(level.get<double>());
+    }
+    if (levels.empty()) return std::nullopt;
+    return SpeedLevel{kernel, stats::median(levels)};
+}
+
+std::optional<SpeedLevel> CostFile::speed_probe() const {
+    if (!json_.contains("speed_probe")) return std::nullopt;
+    const nlohmann::json& p = json_["speed_probe"];
+    return SpeedLevel{p.at("kernel").get<std::string>(), p.at("cpu_ms_p50").get<double>()};
+}
+
+ScaledCostModel::ScaledCostModel(std::shared_ptr<const CostModel> base, double factor)
+    : base_(std::move(base)), factor_(factor) {}
+
+std::string ScaledCostModel::describe() const {
+    return fmt::format("{} x{:.3f} (machine speed)", base_->describe(), factor_);
+}
+
+double ScaledCostModel::extend_s(std::span<const ExtendItem> batch) const {
+    return base_->extend_s(batch) * factor_;
+}
+
+double ScaledCostModel::decode_s(int64_t batch_size, int64_t kv_tokens) const {
+    return base_->decode_s(batch_size, kv_tokens) * factor_;
+}
+
+CostWake ScaledCostModel::wake() const {
+    CostWake w = base_->wake();
+    w.lost_s *= factor_;
+    w.tau_s *= factor_;
+    return w;
 }
 
 StatusOr<std::unique_ptr<CostModel>> make_cost_model(const std::string& kind,

@@ -115,6 +115,19 @@ struct LinkCost {
     double latency_us = 0;
 };
 
+// The machine-speed probe's level (common/speed_probe.h): the median CPU ms of the probe `kernel`
+// in the testbed ranks of one run, or of `pdsim calibrate`'s serve probe runs.
+struct SpeedLevel {
+    std::string kernel;
+    double cpu_ms_p50 = 0;
+};
+
+// A testbed report's level (`ranks[].stats.speed_probe`, pdsim testbed --speed-probe-ms): the
+// median of its ranks' cpu_ms_p50, ranks without samples left out. nullopt when no rank sampled,
+// or when the ranks name different kernels. Never throws on a malformed report (its fields are
+// then ignored).
+[[nodiscard]] std::optional<SpeedLevel> report_speed_level(const nlohmann::json& report);
+
 // The cost file written by `pdsim calibrate` (schema in docs/cost-models.md). Loading validates it;
 // errors name the file and the field (exit 2 at the CLI).
 class CostFile {
@@ -128,6 +141,9 @@ public:
     [[nodiscard]] const std::string& source() const { return source_; }
     // The measured KV transport (`mpi`, `tcp`, `local`), when the file has it.
     [[nodiscard]] std::optional<LinkCost> transport(const std::string& name) const;
+    // The speed probe's level while the fits were measured (`speed_probe`, written by calibrate's
+    // serve probe), when the file has it.
+    [[nodiscard]] std::optional<SpeedLevel> speed_probe() const;
 
 private:
     nlohmann::json json_;
@@ -138,6 +154,28 @@ struct RooflineOptions {
     double mfu = 0.5;              // achieved fraction of peak FLOP/s in GEMMs and attention
     double mbu = 0.8;              // achieved fraction of HBM bandwidth
     double fixed_overhead_us = 0;  // per forward (launch, scheduling)
+};
+
+// A decorator for a machine that runs slower (factor > 1) or faster than when `base` was
+// measured: every forward takes `factor` times as long, and so do the wake-up's lost time and
+// decay. Interference and noise are relative to the forward time and pass through unchanged.
+// Precondition: factor > 0 and finite.
+class ScaledCostModel final : public CostModel {
+public:
+    ScaledCostModel(std::shared_ptr<const CostModel> base, double factor);
+    [[nodiscard]] std::string describe() const override;
+    [[nodiscard]] double extend_s(std::span<const ExtendItem> batch) const override;
+    [[nodiscard]] double decode_s(int64_t batch_size, int64_t kv_tokens) const override;
+    [[nodiscard]] double interference(bool decode) const override {
+        return base_->interference(decode);
+    }
+    [[nodiscard]] CostNoise noise(bool decode) const override { return base_->noise(decode); }
+    [[nodiscard]] CostWake wake() const override;
+    [[nodiscard]] double factor() const { return factor_; }
+
+private:
+    std::shared_ptr<const CostModel> base_;
+    double factor_;
 };
 
 // kind: "roofline" (needs a GPU device) or "calibrated" (needs `file`, a cpu device, and a fit

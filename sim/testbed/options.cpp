@@ -94,6 +94,13 @@ Status check_ranges(const TestbedOptions& o) {
     PDSIM_RETURN_IF_ERROR(
         check_int("--max-decode-batch", o.max_decode_batch, 1, L::kMaxDecodeBatch));
     PDSIM_RETURN_IF_ERROR(check_int("--page-size", o.page_size, 1, L::kMaxPageSize));
+    PDSIM_RETURN_IF_ERROR(check_int("--speed-probe-ms", o.speed_probe_ms, 0, L::kMaxSpeedProbeMs));
+    if (o.speed_probe_ms > 0 && o.speed_probe_ms < L::kMinSpeedProbeMs) {
+        return invalid_argument_error(
+            fmt::format("--speed-probe-ms {}: at least {} (each sample costs about 1 ms of CPU), "
+                        "or 0 for off",
+                        o.speed_probe_ms, L::kMinSpeedProbeMs));
+    }
     PDSIM_RETURN_IF_ERROR(check_int("--kv-pool-mb", o.kv_pool_mb, 1, L::kMaxKvPoolMb));
     PDSIM_RETURN_IF_ERROR(check_real("--slo-ttft-ms", o.slo_ttft_ms, 0, L::kMaxSloMs));
     PDSIM_RETURN_IF_ERROR(check_real("--slo-tpot-ms", o.slo_tpot_ms, 0, L::kMaxSloMs));

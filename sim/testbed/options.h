@@ -98,6 +98,8 @@ struct TestbedLimits {
     static constexpr double kMaxRequestTimeoutS = 86'400;  // one day
     static constexpr double kMaxHeartbeatTimeoutS = 3'600;
     static constexpr int64_t kMaxInflightPerInstance = 1'000'000;
+    static constexpr int64_t kMinSpeedProbeMs = 10;  // --speed-probe-ms: 0 (off) or 10 .. 60 s
+    static constexpr int64_t kMaxSpeedProbeMs = 60'000;
     static constexpr int64_t kMaxThreads = 512;  // compute threads per rank
 };
 
@@ -132,6 +134,10 @@ struct TestbedOptions {
     // caller_runs; --stream-sync caller). Off (worker): two thread hand-offs per forward, which
     // cost milliseconds on a core shared with other ranks' compute (docs/testbed.md, section 1).
     bool stream_caller_runs = true;
+    // CPU ranks: sample the machine-speed probe (common/speed_probe.h) every this many ms while
+    // serving, on a thread of its own (ranks[].stats.speed_probe; `pdsim simulate --like` scales
+    // the cost model by it against the cost file's probe). 0: off.
+    int speed_probe_ms = 250;
     Fault fault = Fault::kNone;
     int chunk_size = 512;         // prefill tokens of one request per forward
     int max_batch_tokens = 2048;  // tokens per extend forward

@@ -370,6 +370,7 @@ json testbed_config_json(const ResolvedConfig& cfg) {
                    {"backend", o.backend},
                    {"layerwise", o.layerwise},
                    {"stream_sync", o.stream_caller_runs ? "caller" : "worker"},
+                   {"speed_probe_ms", o.speed_probe_ms},
                    {"fault", fault_name(o.fault)},
                    {"chunk_size", o.chunk_size},
                    {"max_batch_tokens", o.max_batch_tokens},

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "common/logging.h"
+#include "common/speed_probe.h"
 #include "common/thread_info.h"
 #include "sim/testbed/rank_builder.h"
 #include "sim/testbed/router.h"
@@ -561,8 +562,18 @@ Status Server::report_engine_outcomes_to_leader() {
 }
 
 Status Server::run() {
+    const int probe_ms = o_.speed_probe_ms;
+    std::optional<SpeedSampler> speed;
+    if (ctx_.gpu == nullptr && probe_ms > 0) {
+        speed.emplace(std::chrono::milliseconds(probe_ms));
+        speed->start();
+    }
     cpu_at_start_ = thread_cpu_times();
     Status st = ctx_.is_leader() ? leader_loop() : follower_loop();
+    if (speed) {
+        speed->stop();
+        speed_samples_ms_ = speed->samples_ms();
+    }
     const std::vector<ThreadCpu> at_end = thread_cpu_times();
     thread_cpu_s_ = cpu_by_name(cpu_at_start_, at_end);
     thread_wait_s_ = wait_by_name(cpu_at_start_, at_end);
@@ -641,6 +652,10 @@ RankResult Server::result() {
         if (window_pool_ != nullptr) pools["sliding"] = pool_stats(*window_pool_, peak_pages_[1]);
         if (states_ != nullptr) pools["states"] = pool_stats(*states_, peak_pages_[2]);
         stats["kv_pools"] = std::move(pools);
+    }
+    if (ctx_.gpu == nullptr && o_.speed_probe_ms > 0) {
+        stats["speed_probe"] =
+            speed_probe_json(speed_samples_ms_, std::chrono::milliseconds(o_.speed_probe_ms));
     }
     json threads = json::object();
     for (const auto& [name, cpu] : thread_cpu_s_) threads[name] = cpu;

@@ -340,6 +340,8 @@ private:
     std::vector<ThreadCpu> cpu_at_start_;
     std::map<std::string, double> thread_cpu_s_;
     std::map<std::string, double> thread_wait_s_;  // run-queue wait per thread name
+    // CPU ranks: the machine-speed probe's samples over run() (common/speed_probe.h).
+    std::vector<double> speed_samples_ms_;
 };
 
 }  // namespace pdsim::testbed::detail
