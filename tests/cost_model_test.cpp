@@ -538,6 +538,28 @@ TEST(ScaledCostModel, ScalesForwardsAndTheWakeUpOnly) {
     EXPECT_THAT(scaled.describe(), HasSubstr(shared->describe()));
 }
 
+// A fit's own interference (the serve probe's, measured in that fit's layout) wins over the
+// file's; a fit without one takes the file's; both are checked.
+TEST(CostFile, AFitsInterferenceWinsOverTheFiles) {
+    json j = hand_written();
+    j["interference"] = {{"extend", 0.1}, {"decode", 0.3}};
+    j["fits"][0]["interference"] = {{"extend", 0.05}, {"decode", 0.07}, {"node_cpus", 2}};
+    auto f = CostFile::from_json(j, "ix.json");
+    ASSERT_OK(f);
+    auto tp1 = make_cost_model("calibrated", cpu_spec("tiny", 1, 1), &*f);
+    auto tp2 = make_cost_model("calibrated", cpu_spec("tiny", 2, 1), &*f);
+    ASSERT_OK(tp1);
+    ASSERT_OK(tp2);
+    EXPECT_DOUBLE_EQ((*tp1)->interference(false), 0.05);
+    EXPECT_DOUBLE_EQ((*tp1)->interference(true), 0.07);
+    EXPECT_DOUBLE_EQ((*tp2)->interference(false), 0.1);
+    EXPECT_DOUBLE_EQ((*tp2)->interference(true), 0.3);
+    j["fits"][0]["interference"]["decode"] = -0.1;
+    expect_invalid(j, {"fits[0].interference.decode", ">= 0"});
+    j["fits"][0]["interference"] = "high";
+    expect_invalid(j, {"fits[0].interference", "expected an object"});
+}
+
 // The serve probe leaves out each instance's decode warm-up after an idle gap (the fit's wake
 // adds it): the first `warmup` leader forwards after a gap of min_idle or more, decodes only.
 TEST(ForwardCheck, WithoutDecodeWarmupDropsTheDecodesAfterAnIdleGap) {
@@ -772,6 +794,13 @@ TEST(CalibrateCli, ServeProbeScalesTheGridsFitByTheTestbedsForwards) {
     EXPECT_EQ(f->speed_probe()->kernel, std::string(kSpeedProbeKernel));
     EXPECT_DOUBLE_EQ(f->speed_probe()->cpu_ms_p50, probe["speed_cpu_ms"][0].get<double>());
     EXPECT_GT(f->speed_probe()->cpu_ms_p50, 0);
+    // The probe's forwards that the other instance overlapped give the fit its interference.
+    ASSERT_TRUE(fit.contains("interference")) << fit.dump();
+    for (const char* kind : {"extend", "decode"}) {
+        EXPECT_GE(fit["interference"][kind].get<double>(), 0) << kind;
+        EXPECT_TRUE(fit["interference"]["overlapped_forwards"][kind].is_number_unsigned());
+    }
+    EXPECT_THAT(r.err, HasSubstr("serve probe tp 1 threads 1: interference extend"));
     std::vector<std::vector<double>> ex, dx;
     std::vector<double> ey, dy;
     for (const auto& p : fit["points"]) {

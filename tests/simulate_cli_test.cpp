@@ -335,10 +335,16 @@ TEST(SimulateCli, LikeScalesForwardsByTheMachinesSpeed) {
     const auto [slow_run, slow] = simulate(dir.str("slow.json"), {});
     EXPECT_DOUBLE_EQ(slow["config"]["speed_scale"]["factor"].get<double>(), 2.0);
     EXPECT_THAT(slow_run.out, HasSubstr("machine speed: x2.000, the run's speed probe took"));
-    // TPOT is decode forwards (5 ms each here) and nothing of the transfer: twice as long.
+    // Each instance at its own ranks' pace: the decode instance's factor is its rank's probe over
+    // the calibration's. TPOT is decode forwards (5 ms each here) and nothing of the transfer.
+    const json& per_instance = slow["config"]["speed_scale"]["instances"];
+    ASSERT_EQ(tb_rep["ranks"][1]["instance"], "decode0");
+    const double decode_factor = levels[1] / (level / 2);
+    EXPECT_DOUBLE_EQ(per_instance["decode0"].get<double>(), decode_factor);
+    EXPECT_DOUBLE_EQ(per_instance["prefill0"].get<double>(), levels[0] / (level / 2));
     const double tpot_ratio =
         slow["tpot_ms"]["p50"].get<double>() / plain["tpot_ms"]["p50"].get<double>();
-    EXPECT_NEAR(tpot_ratio, 2.0, 0.1);
+    EXPECT_NEAR(tpot_ratio, decode_factor, 0.05 * decode_factor);
     EXPECT_GT(slow["ttft_ms"]["p50"].get<double>(), plain["ttft_ms"]["p50"].get<double>());
 
     const auto [off_run, off] = simulate(dir.str("slow.json"), {"--speed-scale", "off"});

@@ -135,6 +135,37 @@ void expect_coefficients(const json& fit, double relative_tolerance) {
     }
 }
 
+// overlap_splits: a leader forward that another instance's leader overlapped for half its time
+// ran alone for the other half, and over the shared half got min(1, cpus / threads running) of a
+// core; followers and forwards nothing overlapped are not listed.
+TEST(OverlapSplits, AloneAndSharedTimeAsTheContentionModelSeesThem) {
+    auto forward = [](int instance, int tp_rank, double begin_us, double dur_us) {
+        TimelineForward f;
+        f.instance = instance;
+        f.tp_rank = tp_rank;
+        f.begin_us = begin_us;
+        f.duration_us = dur_us;
+        f.end_us = begin_us + dur_us;
+        f.compute_threads = 1;
+        return f;
+    };
+    const std::vector<TimelineForward> forwards = {
+        forward(0, 0, 0, 1000),     // 0: instance 1 overlaps its second half
+        forward(1, 0, 500, 1000),   // 1: instance 0 overlaps its first half
+        forward(1, 1, 500, 1000),   // 2: a follower: not listed, and not a competitor
+        forward(0, 0, 5000, 100)};  // 3: alone
+    for (const double cpus : {2.0, 1.0}) {
+        const std::vector<OverlapSplit> splits = overlap_splits(forwards, cpus);
+        ASSERT_EQ(splits.size(), 2u) << cpus;
+        EXPECT_EQ(splits[0].index, 0u);
+        EXPECT_EQ(splits[1].index, 1u);
+        for (const OverlapSplit& o : splits) {
+            EXPECT_NEAR(o.alone_s, 500e-6, 1e-12);
+            EXPECT_NEAR(o.shared_core_s, 500e-6 * std::min(1.0, cpus / 2), 1e-12) << cpus;
+        }
+    }
+}
+
 TEST(TimelineFit, RecoversExactCoefficients) {
     Noise none(0);
     Recorder rec = grid_of_forwards(none);

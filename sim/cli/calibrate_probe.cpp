@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -30,6 +31,7 @@
 #include "common/stats.h"
 #include "sim/cli/calibrate.h"
 #include "sim/cost/calibrated.h"
+#include "sim/cost/cost_model.h"
 #include "sim/cost/forward_check.h"
 #include "sim/cost/timeline_fit.h"
 
@@ -303,6 +305,21 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
         const int runs = o.quick ? 1 : kServeProbeRuns;
         std::vector<double> ratios[2];     // extend, decode: per run with enough forwards
         std::vector<double> speed_levels;  // per run: its ranks' speed probe (ms)
+        // Forwards another instance overlapped (runs pooled), for the fit's interference: the
+        // grid's prediction against the alone / shared split the contention model sees.
+        struct Overlapped {
+            bool decode = false;
+            double alone_s = 0, shared_core_s = 0, grid_s = 0;
+        };
+        std::vector<Overlapped> overlapped;
+        cost::InstanceSpec spec;
+        spec.model = m;
+        spec.tp = tp;
+        spec.threads = threads;
+        spec.device = "cpu";
+        spec.kv_dtype_bytes = 4;
+        PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<cost::CostModel> grid_model,
+                               cost::make_cost_model("calibrated", spec, &grid));
         size_t counts[2] = {0, 0};
         const auto t0 = Clock::now();
         for (int run = 0; run < runs; ++run) {
@@ -322,8 +339,19 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
             }
             PDSIM_ASSIGN_OR_RETURN(std::vector<cost::TimelineForward> all_forwards,
                                    cost::read_timeline_forwards(timeline, "serve probe"));
-            const std::vector<cost::TimelineForward> forwards = cost::without_decode_warmup(
-                std::move(all_forwards), cost::kWakeMinIdleS, kServeProbeWarmupForwards);
+            const std::vector<bool> warmup =
+                cost::decode_warmup(all_forwards, cost::kWakeMinIdleS, kServeProbeWarmupForwards);
+            std::vector<cost::TimelineForward> forwards;
+            for (size_t i = 0; i < all_forwards.size(); ++i) {
+                if (!warmup[i]) forwards.push_back(all_forwards[i]);
+            }
+            for (const cost::OverlapSplit& split : cost::overlap_splits(all_forwards, cores())) {
+                const cost::TimelineForward& f = all_forwards[split.index];
+                if (warmup[split.index] || f.tp != tp || f.threads != threads) continue;
+                const double grid_s = f.decode ? grid_model->decode_s(f.batch, f.kv_tokens)
+                                               : grid_model->extend_s(f.items);
+                overlapped.push_back({f.decode, split.alone_s, split.shared_core_s, grid_s});
+            }
             PDSIM_ASSIGN_OR_RETURN(std::vector<cost::ForwardCheckRow> rows,
                                    cost::check_forwards(forwards, grid, m));
             if (std::optional<cost::SpeedLevel> level = read_speed_level(report);
@@ -370,6 +398,29 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
             }
             probe[fmt::format("{}_factor", kind)] = factor;
         }
+        // Interference (cost_model.h) in this layout, per kind: with iso the scaled grid's time
+        // alone, iso = alone_s + shared_core_s / (1 + x) over the overlapped forwards, solved as a
+        // ratio of sums (as calibrate --from-timeline does); none from fewer than
+        // kMinServeProbeForwards, or when they ran faster than the core share alone predicts.
+        json interference = json::object();
+        json overlapped_counts = json::object();
+        for (bool decode : {false, true}) {
+            const char* kind = decode ? "decode" : "extend";
+            const double factor = probe[fmt::format("{}_factor", kind)].get<double>();
+            double num = 0, den = 0;
+            size_t n = 0;
+            for (const Overlapped& ov : overlapped) {
+                if (ov.decode != decode) continue;
+                num += ov.shared_core_s;
+                den += ov.grid_s * factor - ov.alone_s;
+                ++n;
+            }
+            interference[kind] =
+                n >= kMinServeProbeForwards && den > 0 ? std::max(0.0, num / den - 1) : 0.0;
+            overlapped_counts[kind] = n;
+        }
+        interference["node_cpus"] = cores();
+        interference["overlapped_forwards"] = std::move(overlapped_counts);
         // Both kinds checked: only now is the fit scaled (a failed probe leaves it the grid's).
         for (bool decode : {false, true}) {
             const char* kind = decode ? "decode" : "extend";
@@ -388,6 +439,14 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                      tp, threads, probe["extend_factor"].get<double>(),
                      probe["extend_forwards"].get<size_t>(), probe["decode_factor"].get<double>(),
                      probe["decode_forwards"].get<size_t>(), probe["wall_s"].get<double>());
+        std::fprintf(stderr,
+                     "calibrate: serve probe tp %d threads %d: interference extend %+.1f%% (%zu "
+                     "overlapped forwards), decode %+.1f%% (%zu)\n",
+                     tp, threads, 100 * interference["extend"].get<double>(),
+                     interference["overlapped_forwards"]["extend"].get<size_t>(),
+                     100 * interference["decode"].get<double>(),
+                     interference["overlapped_forwards"]["decode"].get<size_t>());
+        fit["interference"] = std::move(interference);
         fit["serve_probe"] = std::move(probe);
     }
     return {};

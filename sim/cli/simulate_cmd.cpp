@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -71,6 +72,7 @@ struct LikeRun {
     std::string label;
     json model;                             // config.model: name and dimensions
     std::optional<cost::SpeedLevel> speed;  // the ranks' speed probe (--speed-scale auto)
+    std::map<std::string, cost::SpeedLevel> instance_speed;  // ... of each instance's ranks
 };
 
 // Everything a run needs, loaded and validated.
@@ -81,7 +83,9 @@ struct Prepared {
     std::optional<cost::CostFile> cost_file;
     std::string cost_kind;
     std::vector<des::InstanceSetup> setups;
-    double speed_factor = 1;     // every forward's time is multiplied by it (--speed-scale)
+    double speed_factor = 1;  // every forward's time is multiplied by it (--speed-scale)
+    // --speed-scale auto: each instance's own factor, from its ranks' probe (else speed_factor).
+    std::vector<double> instance_speed_factor;
     std::string speed_note;      // how speed_factor was chosen (summary and report)
     std::vector<int> rank_core;  // --cpu-binding resolved: empty, or a core per rank
     std::vector<workload::Request> requests;
@@ -296,16 +300,27 @@ Status choose_speed_factor(const SimulateFlags& f, const LikeRun* like, Prepared
                 run->kernel, cal->kernel);
         } else {
             p->speed_factor = run->cpu_ms_p50 / cal->cpu_ms_p50;
+            // Each instance at its own ranks' pace: one rank's core can run slower than another's
+            // for a whole run (the host's other tenants).
+            for (const topo::Instance& inst : p->topology.instances) {
+                auto it = like->instance_speed.find(inst.id);
+                p->instance_speed_factor.push_back(it != like->instance_speed.end() &&
+                                                           it->second.kernel == cal->kernel
+                                                       ? it->second.cpu_ms_p50 / cal->cpu_ms_p50
+                                                       : p->speed_factor);
+            }
             p->speed_note = fmt::format(
-                "the run's speed probe took {:.3f} ms, the calibration's {:.3f} ms: "
-                "forwards scaled by the ratio (--speed-scale off to not)",
-                run->cpu_ms_p50, cal->cpu_ms_p50);
+                "the run's speed probe took {:.3f} ms, the calibration's {:.3f} ms: each "
+                "instance's forwards scaled by its own ranks' ratio ({:.3f}; --speed-scale off to "
+                "not)",
+                run->cpu_ms_p50, cal->cpu_ms_p50, fmt::join(p->instance_speed_factor, ", "));
         }
     }
-    if (p->speed_factor != 1) {
-        for (des::InstanceSetup& s : p->setups) {
-            s.cost = std::make_shared<cost::ScaledCostModel>(s.cost, p->speed_factor);
-        }
+    for (size_t i = 0; i < p->setups.size(); ++i) {
+        const double factor =
+            i < p->instance_speed_factor.size() ? p->instance_speed_factor[i] : p->speed_factor;
+        if (factor == 1) continue;
+        p->setups[i].cost = std::make_shared<cost::ScaledCostModel>(p->setups[i].cost, factor);
     }
     return {};
 }
@@ -462,6 +477,13 @@ metrics::Report simulate_report(const Prepared& p, const SimulateFlags& f,
         r.extra["config"]["max_output_len"] = f.req.max_output_len;
         if (!f.like.empty()) r.extra["config"]["like"] = f.like;
         r.extra["config"]["speed_scale"] = {{"factor", p.speed_factor}, {"why", p.speed_note}};
+        if (!p.instance_speed_factor.empty()) {
+            json per = json::object();
+            for (size_t i = 0; i < p.instance_speed_factor.size(); ++i) {
+                per[p.topology.instances[i].id] = p.instance_speed_factor[i];
+            }
+            r.extra["config"]["speed_scale"]["instances"] = std::move(per);
+        }
         r.extra["simulator"]["trace_load_s"] = p.load_s;
     };
     annotate(report);
@@ -591,6 +613,15 @@ StatusOr<LikeRun> load_like(SimulateFlags* f, const std::function<bool(const cha
     }
     like.model = config.value("model", json::object());
     like.speed = cost::report_speed_level(rep);
+    if (rep.contains("ranks") && rep["ranks"].is_array()) {
+        for (const json& rank : rep["ranks"]) {
+            const json id = rank.is_object() ? rank.value("instance", json()) : json();
+            if (!id.is_string() || like.instance_speed.contains(id.get<std::string>())) continue;
+            if (auto level = cost::report_speed_level(rep, id.get<std::string>())) {
+                like.instance_speed.emplace(id.get<std::string>(), *level);
+            }
+        }
+    }
     like.label = fmt::format("like {} ({} requests{})", fs::path(file).filename().string(), n,
                              config.contains("workload") && config["workload"].is_string()
                                  ? " of " + config["workload"].get<std::string>()

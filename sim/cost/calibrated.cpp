@@ -315,7 +315,10 @@ StatusOr<std::unique_ptr<CostModel>> make_calibrated_model(const InstanceSpec& s
     }
     const std::string label = fmt::format("calibrated {} tp{} threads {}", src, spec.tp,
                                           chosen->at("threads").get<int>());
-    const json ix = j.value("interference", json::object());
+    // A fit's own interference (the serve probe's, measured in that fit's rank layout) wins over
+    // the file's (a --from-timeline fit of every instance together).
+    const json ix = chosen->contains("interference") ? chosen->at("interference")
+                                                     : j.value("interference", json::object());
     const json nz = j.value("noise", json::object());
     auto noise = [&](const char* kind) {
         const json k = nz.value(kind, json::object());

@@ -140,6 +140,15 @@ Status validate(const json& j, const std::string& source) {
                 PDSIM_RETURN_IF_ERROR(c.number(f["wake"], path + ".wake", key, false).status());
             }
         }
+        if (f.contains("interference")) {
+            PDSIM_RETURN_IF_ERROR(c.object(f, path, "interference"));
+            for (const char* kind : {"extend", "decode"}) {
+                if (f["interference"].contains(kind)) {
+                    PDSIM_RETURN_IF_ERROR(
+                        c.number(f["interference"], path + ".interference", kind, false).status());
+                }
+            }
+        }
         if (f.contains("points") && !f["points"].is_array()) {
             return c.error(path + ".points", "expected an array, got " + type_name(f["points"]));
         }
@@ -250,7 +259,8 @@ std::optional<LinkCost> CostFile::transport(const std::string& name) const {
     return LinkCost{t.at("gbps").get<double>(), t.at("latency_us").get<double>()};
 }
 
-std::optional<SpeedLevel> report_speed_level(const nlohmann::json& report) {
+std::optional<SpeedLevel> report_speed_level(const nlohmann::json& report,
+                                             std::string_view instance) {
     if (!report.is_object() || !report.contains("ranks") || !report["ranks"].is_array()) {
         return std::nullopt;
     }
@@ -258,6 +268,10 @@ std::optional<SpeedLevel> report_speed_level(const nlohmann::json& report) {
     std::vector<double> levels;
     for (const json& rank : report["ranks"]) {
         if (!rank.is_object() || !rank.contains("stats") || !rank["stats"].is_object()) continue;
+        if (!instance.empty()) {
+            const json id = rank.value("instance", json());
+            if (!id.is_string() || id.get<std::string>() != instance) continue;
+        }
         const json& stats = rank["stats"];
         if (!stats.contains("speed_probe") || !stats["speed_probe"].is_object()) continue;
         const json& p = stats["speed_probe"];

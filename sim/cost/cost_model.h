@@ -24,6 +24,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backends/model/model_config.h"
@@ -123,10 +124,11 @@ struct SpeedLevel {
 };
 
 // A testbed report's level (`ranks[].stats.speed_probe`, pdsim testbed --speed-probe-ms): the
-// median of its ranks' cpu_ms_p50, ranks without samples left out. nullopt when no rank sampled,
-// or when the ranks name different kernels. Never throws on a malformed report (its fields are
-// then ignored).
-[[nodiscard]] std::optional<SpeedLevel> report_speed_level(const nlohmann::json& report);
+// median of its ranks' cpu_ms_p50, ranks without samples left out; with `instance`, only the
+// ranks of that instance (`ranks[].instance`). nullopt when no rank sampled, or when the ranks
+// name different kernels. Never throws on a malformed report (its fields are then ignored).
+[[nodiscard]] std::optional<SpeedLevel> report_speed_level(const nlohmann::json& report,
+                                                           std::string_view instance = {});
 
 // The cost file written by `pdsim calibrate` (schema in docs/cost-models.md). Loading validates it;
 // errors name the file and the field (exit 2 at the CLI).

@@ -198,32 +198,39 @@ std::string forward_gap_table(std::span<const ForwardGapRow> rows) {
     return out;
 }
 
-std::vector<TimelineForward> without_decode_warmup(std::vector<TimelineForward> forwards,
-                                                   double min_idle_s, int warmup) {
-    std::sort(forwards.begin(), forwards.end(),
-              [](const auto& a, const auto& b) { return a.begin_us < b.begin_us; });
+std::vector<bool> decode_warmup(std::span<const TimelineForward> forwards, double min_idle_s,
+                                int warmup) {
     struct Last {
         double end_us = 0;
-        int left = 0;  // forwards still to drop
+        int left = 0;  // forwards of the warm-up still to come
         bool seen = false;
     };
     std::map<int, Last> last;  // per instance, its leader's previous forward
-    std::vector<TimelineForward> out;
-    out.reserve(forwards.size());
-    for (TimelineForward& f : forwards) {
-        if (f.tp_rank != 0) {
-            out.push_back(std::move(f));
-            continue;
-        }
+    std::vector<bool> out(forwards.size(), false);
+    for (size_t i = 0; i < forwards.size(); ++i) {
+        const TimelineForward& f = forwards[i];
+        if (f.tp_rank != 0) continue;
         Last& l = last[f.instance];
         if (!l.seen || f.begin_us - l.end_us >= min_idle_s * 1e6) l.left = warmup;
         l.seen = true;
         l.end_us = f.end_us;
         if (l.left > 0) {
             --l.left;
-            if (f.decode) continue;  // an extend is tens of ms: its warm-up is noise in it
+            out[i] = f.decode;  // an extend is tens of ms: its warm-up is noise in it
         }
-        out.push_back(std::move(f));
+    }
+    return out;
+}
+
+std::vector<TimelineForward> without_decode_warmup(std::vector<TimelineForward> forwards,
+                                                   double min_idle_s, int warmup) {
+    std::stable_sort(forwards.begin(), forwards.end(),
+                     [](const auto& a, const auto& b) { return a.begin_us < b.begin_us; });
+    const std::vector<bool> drop = decode_warmup(forwards, min_idle_s, warmup);
+    std::vector<TimelineForward> out;
+    out.reserve(forwards.size());
+    for (size_t i = 0; i < forwards.size(); ++i) {
+        if (!drop[i]) out.push_back(std::move(forwards[i]));
     }
     return out;
 }

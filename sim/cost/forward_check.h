@@ -50,6 +50,9 @@ struct ForwardCheckRow {
 // warmup - 1 after it, the decode ones are dropped (their slowdown is the cost file's `wake`,
 // which the simulator adds on its own). Extends, tens of ms each, and the other ranks' forwards
 // (which only tell overlaps) are kept. The result is sorted by begin.
+// The same as a mask over `forwards` (sorted by begin): true for each decode warm-up forward.
+[[nodiscard]] std::vector<bool> decode_warmup(std::span<const TimelineForward> forwards,
+                                              double min_idle_s, int warmup);
 [[nodiscard]] std::vector<TimelineForward> without_decode_warmup(
     std::vector<TimelineForward> forwards, double min_idle_s, int warmup);
 

@@ -119,7 +119,8 @@ public:
     }
 
     // Alone and shared time of leader forward i, from the other instances' leader forwards.
-    void split(size_t i, double node_cpus, TimelineFitter::OverlappedForward* o) {
+    template <typename Out>
+    void split(size_t i, double node_cpus, Out* o) {
         const TimelineForward& x = slices_[i];
         edges_.clear();
         // Slices are sorted by begin and none is longer than `longest_`: only those that begin
@@ -354,6 +355,21 @@ StatusOr<TimelineFileSummary> TimelineFitter::add_timeline(
 // median run. Per (file, kind): level = sum measured / sum fitted over that file's points, with
 // fits of all points; each file's times are divided by its level over the median level before
 // the fits, and its overlapped forwards are compared with fitted times at its level.
+std::vector<OverlapSplit> overlap_splits(std::span<const TimelineForward> forwards,
+                                         double node_cpus) {
+    OverlapIndex index(forwards);
+    std::vector<OverlapSplit> out;
+    for (size_t i = 0; i < forwards.size(); ++i) {
+        if (forwards[i].tp_rank != 0 || !(forwards[i].duration_us > 0) || !index.overlapped(i)) {
+            continue;
+        }
+        OverlapSplit o{i, 0, 0};
+        index.split(i, node_cpus, &o);
+        if (o.shared_core_s > 0) out.push_back(o);
+    }
+    return out;
+}
+
 TimelineFitter::Levels TimelineFitter::run_levels(std::map<GroupKey, Group>* groups,
                                                   json* levels) const {
     Levels level;

@@ -76,6 +76,19 @@ struct TimelineForward {
 [[nodiscard]] nlohmann::json fit_to_json(std::span<const char* const> keys, const LinearFit& fit,
                                          size_t num_points, const std::string& source = "");
 
+// For each leader forward of `forwards` (sorted by begin) that another instance's leader forward
+// overlapped: its index, the seconds no other instance computed during it (alone_s), and the
+// core-seconds the simulator's node-wide contention model gives it over the rest (shared_core_s:
+// min(1, node_cpus / compute threads running) per compute thread), so that with iso its time
+// alone the model's interference x solves iso = alone_s + shared_core_s / (1 + x).
+struct OverlapSplit {
+    size_t index = 0;
+    double alone_s = 0;
+    double shared_core_s = 0;
+};
+[[nodiscard]] std::vector<OverlapSplit> overlap_splits(std::span<const TimelineForward> forwards,
+                                                       double node_cpus);
+
 struct TimelineFitOptions {
     // Also fit forwards that overlap another instance's (default: set aside for interference).
     bool include_overlapped = false;
