@@ -71,6 +71,11 @@ void SpeedSampler::stop() {
     if (thread_.joinable()) thread_.join();
 }
 
+size_t SpeedSampler::count() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return samples_.size();
+}
+
 void SpeedSampler::loop() {
     set_thread_name("pdsim-speed");
     SpeedProbe probe;

@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string_view>
@@ -55,12 +56,14 @@ public:
     void stop();
     // The samples so far, in order, CPU ms. Call after stop().
     [[nodiscard]] const std::vector<double>& samples_ms() const { return samples_; }
+    // How many samples were taken so far; may be called while sampling.
+    [[nodiscard]] size_t count() const;
 
 private:
     void loop();
     std::chrono::milliseconds period_;
     std::thread thread_;
-    std::mutex mu_;
+    mutable std::mutex mu_;
     std::condition_variable cv_;
     bool stop_ = false;
     std::vector<double> samples_;
