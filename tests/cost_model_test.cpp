@@ -562,7 +562,7 @@ TEST(CostFile, AFitsInterferenceWinsOverTheFiles) {
 
 // The serve probe leaves out each instance's decode warm-up after an idle gap (the fit's wake
 // adds it): the first `warmup` leader forwards after a gap of min_idle or more, decodes only.
-TEST(ForwardCheck, WithoutDecodeWarmupDropsTheDecodesAfterAnIdleGap) {
+TEST(ForwardCheck, DecodeWarmupMarksTheDecodesAfterAnIdleGap) {
     std::vector<TimelineForward> in;
     double t = 0;
     auto add = [&](int instance, bool decode, double gap_us, int tp_rank = 0) {
@@ -587,12 +587,14 @@ TEST(ForwardCheck, WithoutDecodeWarmupDropsTheDecodesAfterAnIdleGap) {
     add(0, false, 50'000);                         // 10: an extend after idling: kept
     add(0, true, 10);                              // 11: instance 0's second: dropped
     add(1, true, 10, /*tp_rank=*/1);               // 12: a follower: kept
-    std::vector<TimelineForward> shuffled(in.rbegin(), in.rend());
-    const std::vector<TimelineForward> out = without_decode_warmup(shuffled, 0.005, 3);
+    const std::vector<bool> warmup = decode_warmup(in, 0.005, 3);
+    ASSERT_EQ(warmup.size(), in.size());
     std::vector<int64_t> kept;
-    for (const TimelineForward& f : out) kept.push_back(f.batch);
+    for (size_t i = 0; i < in.size(); ++i) {
+        if (!warmup[i]) kept.push_back(in[i].batch);
+    }
     EXPECT_EQ(kept, (std::vector<int64_t>{3, 4, 8, 9, 10, 12}));
-    EXPECT_EQ(without_decode_warmup(in, 0.005, 0).size(), in.size());
+    EXPECT_EQ(decode_warmup(in, 0.005, 0), std::vector<bool>(in.size(), false));
 }
 
 TEST(CostFile, UnknownModelTpOrThreadsListsWhatItHas) {

@@ -121,7 +121,7 @@ struct ChildExit {
 // forwards are skewed right (a batch-1 decode's mean is ~10% above its median), so the fit must
 // give the mean forward. The decode forwards among the kServeProbeWarmupForwards forwards of an
 // instance after each idle gap of cost::kWakeMinIdleS or more are left out
-// (cost::without_decode_warmup): the fit's `wake` adds
+// (cost::decode_warmup): the fit's `wake` adds
 // their slowdown (extends, tens of ms each, are kept: the probe's prefill idles before most).
 
 // Requests the probe replays (--quick: 24), and its runs per fit (--quick: 1; the factor is the

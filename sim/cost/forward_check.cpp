@@ -222,17 +222,4 @@ std::vector<bool> decode_warmup(std::span<const TimelineForward> forwards, doubl
     return out;
 }
 
-std::vector<TimelineForward> without_decode_warmup(std::vector<TimelineForward> forwards,
-                                                   double min_idle_s, int warmup) {
-    std::stable_sort(forwards.begin(), forwards.end(),
-                     [](const auto& a, const auto& b) { return a.begin_us < b.begin_us; });
-    const std::vector<bool> drop = decode_warmup(forwards, min_idle_s, warmup);
-    std::vector<TimelineForward> out;
-    out.reserve(forwards.size());
-    for (size_t i = 0; i < forwards.size(); ++i) {
-        if (!drop[i]) out.push_back(std::move(forwards[i]));
-    }
-    return out;
-}
-
 }  // namespace pdsim::cost

@@ -45,16 +45,13 @@ struct ForwardCheckRow {
     std::span<const TimelineForward> forwards, const CostFile& cost,
     const model::ModelConfig& model);
 
-// The forwards without each instance's decode warm-up: of the leader forward that follows a gap
-// of at least min_idle_s since the instance's previous forward ended (or is its first) and the
-// warmup - 1 after it, the decode ones are dropped (their slowdown is the cost file's `wake`,
-// which the simulator adds on its own). Extends, tens of ms each, and the other ranks' forwards
-// (which only tell overlaps) are kept. The result is sorted by begin.
-// The same as a mask over `forwards` (sorted by begin): true for each decode warm-up forward.
+// Each instance's decode warm-up, as a mask over `forwards` (sorted by begin): of the leader
+// forward that follows a gap of at least min_idle_s since the instance's previous forward ended
+// (or is its first) and the warmup - 1 after it, the decode ones are true (their slowdown is the
+// cost file's `wake`, which the simulator adds on its own). Extends, tens of ms each, and the
+// other ranks' forwards (which only tell overlaps) are false.
 [[nodiscard]] std::vector<bool> decode_warmup(std::span<const TimelineForward> forwards,
                                               double min_idle_s, int warmup);
-[[nodiscard]] std::vector<TimelineForward> without_decode_warmup(
-    std::vector<TimelineForward> forwards, double min_idle_s, int warmup);
 
 // The rows as a markdown table (one line each).
 [[nodiscard]] std::string forward_check_table(std::span<const ForwardCheckRow> rows);

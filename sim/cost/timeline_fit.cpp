@@ -119,8 +119,8 @@ public:
     }
 
     // Alone and shared time of leader forward i, from the other instances' leader forwards.
-    template <typename Out>
-    void split(size_t i, double node_cpus, Out* o) {
+    [[nodiscard]] OverlapSplit split(size_t i, double node_cpus) {
+        OverlapSplit o{i, 0, 0};
         const TimelineForward& x = slices_[i];
         edges_.clear();
         // Slices are sorted by begin and none is longer than `longest_`: only those that begin
@@ -141,7 +141,7 @@ public:
             if (until <= t) return;
             if (others > 1e-9) {
                 shared += until - t;
-                o->shared_core_s +=
+                o.shared_core_s +=
                     (until - t) * std::min(1.0, node_cpus / (x.compute_threads + others));
             }
             t = until;
@@ -151,8 +151,9 @@ public:
             others += d;
         }
         account(x.end_us);
-        o->alone_s = (x.end_us - x.begin_us - shared) * 1e-6;
-        o->shared_core_s *= 1e-6;
+        o.alone_s = (x.end_us - x.begin_us - shared) * 1e-6;
+        o.shared_core_s *= 1e-6;
+        return o;
     }
 
 private:
@@ -324,8 +325,9 @@ StatusOr<TimelineFileSummary> TimelineFitter::add_timeline(
         }
         if (!options_.include_overlapped && index.overlapped(i)) {
             ++summary.overlapped_skipped;
-            OverlappedForward o{file_index, key, x.decode, std::move(features)};
-            index.split(i, options_.node_cpus, &o);
+            const OverlapSplit split = index.split(i, options_.node_cpus);
+            OverlappedForward o{file_index,          key,           x.decode,
+                                std::move(features), split.alone_s, split.shared_core_s};
             if (o.shared_core_s > 0) overlapped_.push_back(std::move(o));
             continue;
         }
@@ -350,11 +352,6 @@ StatusOr<TimelineFileSummary> TimelineFitter::add_timeline(
     return summary;
 }
 
-// Run levels. The testbed's runs differ as a whole (a run of the same command may be 10% slower
-// than the next: the host), and the comparison takes the median of runs; so the fit follows the
-// median run. Per (file, kind): level = sum measured / sum fitted over that file's points, with
-// fits of all points; each file's times are divided by its level over the median level before
-// the fits, and its overlapped forwards are compared with fitted times at its level.
 std::vector<OverlapSplit> overlap_splits(std::span<const TimelineForward> forwards,
                                          double node_cpus) {
     OverlapIndex index(forwards);
@@ -363,13 +360,17 @@ std::vector<OverlapSplit> overlap_splits(std::span<const TimelineForward> forwar
         if (forwards[i].tp_rank != 0 || !(forwards[i].duration_us > 0) || !index.overlapped(i)) {
             continue;
         }
-        OverlapSplit o{i, 0, 0};
-        index.split(i, node_cpus, &o);
+        const OverlapSplit o = index.split(i, node_cpus);
         if (o.shared_core_s > 0) out.push_back(o);
     }
     return out;
 }
 
+// Run levels. The testbed's runs differ as a whole (a run of the same command may be 10% slower
+// than the next: the host), and the comparison takes the median of runs; so the fit follows the
+// median run. Per (file, kind): level = sum measured / sum fitted over that file's points, with
+// fits of all points; each file's times are divided by its level over the median level before
+// the fits, and its overlapped forwards are compared with fitted times at its level.
 TimelineFitter::Levels TimelineFitter::run_levels(std::map<GroupKey, Group>* groups,
                                                   json* levels) const {
     Levels level;
