@@ -1167,6 +1167,56 @@ TEST_P(TransferEngineFailure, AddRequestAfterTheDecodeSideAbortedFailsAtOnce) {
               StatusCode::kAborted);
 }
 
+// The prefill rank has the bootstrap (it acked it) but not the request yet (it waits in the
+// prefill queue) when the decode rank dies or falls silent: the later add_request must fail the
+// request at once, not wait for a bootstrap that already came and will not come again.
+TEST_P(TransferEngineFailure, BootstrapWaitingForAddRequestFailsWhenItsDecodeRankDies) {
+    for (const bool silent : {false, true}) {
+        SCOPED_TRACE(silent ? "silent" : "closed");
+        auto ts = transports(2);
+        KvLayout pl;
+        KvLayout dl;
+        auto ppool = small_pool(&pl);
+        auto dpool = small_pool(&dl);
+        runtime::CpuStream stream;
+        pd::StepCounter counter(stream);
+        SenderOptions so = test_options(SenderOptions{});
+        so.peer_timeout = 300ms;
+        auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(so, 0));
+        auto recv =
+            KvReceiver::create(ts.at(1), dl, ts.for_rank(test_options(ReceiverOptions{}), 1));
+        ASSERT_TRUE(send.ok() && recv.ok());
+        ASSERT_OK((*recv)->submit(
+            {.request_id = 11, .prefill_ranks = {0}, .dst_pages = {1, 2}, .num_tokens = 20}));
+        // The Ack goes out on receipt, before the request is added here.
+        for (int i = 0; i < 1000; ++i) {
+            if ((*recv)->status(11)->state == RequestState::kTransferring) break;
+            std::this_thread::sleep_for(5ms);
+        }
+        ASSERT_EQ((*recv)->status(11)->state, RequestState::kTransferring);
+        (*recv)->shutdown(ShutdownMode::kAbrupt);
+        if (!silent) {
+            ts.at(1).close();
+            if (ts.data_at(1) != nullptr) ts.data_at(1)->close();
+        }
+        // The loss is noticed (the peer's transport error, or peer_timeout of silence) before
+        // the request is added.
+        std::this_thread::sleep_for(300ms + 500ms * kSlow);
+        const auto t0 = Clock::now();
+        ASSERT_OK((*send)->add_request({.request_id = 11, .num_tokens = 20}));
+        auto ps = (*send)->wait(11, 5s * kSlow);
+        ASSERT_OK(ps);
+        EXPECT_EQ(ps->state, RequestState::kFailed);
+        EXPECT_THAT(ps->reason, HasSubstr("decode rank 1"));
+        EXPECT_THAT(ps->reason, HasSubstr("before this rank scheduled the request"));
+        EXPECT_LT(Clock::now() - t0, 1s * kSlow) << "failed at once, not at a timeout";
+        const EngineStats stats = (*send)->stats();
+        EXPECT_EQ(stats.requests_failed, 1u);
+        EXPECT_EQ(stats.requests_completed + stats.requests_failed, stats.requests_submitted);
+        (*send)->shutdown(ShutdownMode::kAbrupt);
+    }
+}
+
 TEST_P(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
     // P0 serves D1 and D2; D2 dies (engine stops, transport closes) mid-transfer.
     ClusterSpec c = simple(1, 1);
@@ -1190,7 +1240,8 @@ TEST_P(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
     // Kill D2 once its requests are transferring (layer 0 may be in flight).
     for (const auto& r : reqs) {
         if (r.decode_instance != 1) continue;
-        for (int i = 0; i < 2000; ++i) {
+        // Acked: the prefill rank has the bootstrap (attached, or waiting for add_request).
+        for (int i = 0; i < 10'000; ++i) {
             auto st = d2.receiver().status(r.id);
             if (st.ok() && st->state != RequestState::kBootstrapping) break;
             std::this_thread::sleep_for(2ms);

@@ -380,8 +380,21 @@ void KvSender::Impl::on_peer_failed(int peer, const Status& st) {
                 break;
             }
         }
+        // Bootstraps of requests not added yet: the request's add_request must fail at once,
+        // not wait for a bootstrap the dead rank already sent (its Ack went out on receipt).
+        const auto now = Clock::now();
         for (auto it = pending_bootstraps_.begin(); it != pending_bootstraps_.end();) {
-            std::erase_if(it->second, [&](const PendingBootstrap& p) { return p.peer == peer; });
+            const uint64_t id = it->first;
+            std::erase_if(it->second, [&](const PendingBootstrap& p) {
+                if (p.peer != peer) return false;
+                aborted_.try_emplace(
+                    id,
+                    fmt::format("request {}: decode rank {} unreachable before this rank "
+                                "scheduled the request: {}",
+                                id, peer, st.message()),
+                    now);
+                return true;
+            });
             it = it->second.empty() ? pending_bootstraps_.erase(it) : std::next(it);
         }
     }
@@ -448,8 +461,17 @@ void KvSender::Impl::on_tick(Clock::time_point now) {
         // is no fault): kept while their decode rank lives (heard within the peer timeout; an
         // Abort drops them too).
         for (auto it = pending_bootstraps_.begin(); it != pending_bootstraps_.end();) {
+            const uint64_t id = it->first;
             std::erase_if(it->second, [&](const PendingBootstrap& p) {
-                return now - std::max(channel_->last_heard(p.peer), p.at) > opt_.peer_timeout;
+                const auto heard = std::max(channel_->last_heard(p.peer), p.at);
+                if (now - heard <= opt_.peer_timeout) return false;
+                // As on_peer_failed: the request, once added, fails at once.
+                aborted_.try_emplace(id,
+                                     fmt::format("request {}: decode rank {} silent for {} ms "
+                                                 "before this rank scheduled the request",
+                                                 id, p.peer, ms_since(heard, now)),
+                                     now);
+                return true;
             });
             it = it->second.empty() ? pending_bootstraps_.erase(it) : std::next(it);
         }

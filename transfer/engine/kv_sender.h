@@ -127,7 +127,11 @@
 // Failure: every wait is bounded: the request's timeout (from add_request), the peer timeout
 // (decode rank silent, heartbeats included), transport errors (kUnavailable: the decode rank is
 // gone). A failed request's pending sends (writes) are cancelled, the decode ranks get an Abort,
-// and the reason names the request, the peer and what was awaited.
+// and the reason names the request, the peer and what was awaited. A bootstrap that arrives
+// before add_request waits here (its Ack goes out at once); if its decode rank fails or falls
+// silent meanwhile, or aborts the request, the later add_request fails the request at once.
+// A request whose bootstrap never arrived waits for it with no timeout running (the decode
+// instance's admission queue, no fault); abort() or shutdown ends that wait.
 // Write mode, quiescence: a failed request stops writing (no task posts again) and cancels what
 // the transport lets it; once none of its writes can still land (every one completed or failed:
 // the moment pages_in_use turns false) this rank sends Quiesced{request, reason} to each of its

@@ -407,8 +407,9 @@ private:
     RequestTable<SendReq> table_;
     std::unordered_map<uint64_t, std::vector<PendingBootstrap>> pending_bootstraps_
         PDSIM_GUARDED_BY(table_.mu());
-    // Requests a decode rank aborted before this rank scheduled them (id -> reason, when): a
-    // later add_request fails at once instead of waiting for a bootstrap that will not come.
+    // Requests a decode rank aborted, or whose decode rank died or fell silent while their
+    // bootstrap waited here, before this rank scheduled them (id -> reason, when): a later
+    // add_request fails at once instead of waiting for a bootstrap that will not come.
     std::unordered_map<uint64_t, std::pair<std::string, Clock::time_point>> aborted_
         PDSIM_GUARDED_BY(table_.mu());
     // How many request timeouts an entry of aborted_ is kept.
