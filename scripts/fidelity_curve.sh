@@ -3,8 +3,11 @@
 # what the testbed serves, replay the trace at fractions of that, and put each testbed run beside
 # `pdsim simulate --like` of its own report, as a user would check a simulation against their run.
 #
-#   1. cost model: COST if given, else the default calibration path for the topologies' TP sizes,
-#      `pdsim calibrate --model tiny --tp <their TP sizes> --out $OUT/cost.json`;
+#   1. cost model: COST if given, else the calibration path for simulating a topology, per
+#      topology `pdsim calibrate --model tiny --topology <it> --out $OUT/cost-<it>.json`
+#      (CALIBRATE=topology, the default: the serve probe runs that topology), or one file for the
+#      topologies' TP sizes, `pdsim calibrate --model tiny --tp <their TP sizes> --out
+#      $OUT/cost.json` (CALIBRATE=tp: the probe runs one prefill and one decode instance per TP);
 #   2. capacity: a testbed run with every request arriving at once (--time-scale 1e-6); its
 #      completed requests over its makespan (goodput_rps, no SLO) is the capacity C, req/s;
 #   3. per load L in LOADS: the time scale that offers L x C (the N requests' span at scale 1 is
@@ -22,6 +25,7 @@
 # per load point, 3: each is simulated with --like, and the table shows the median over the
 # repeats of each side's figure; one run's TPOT median moved 0.52 -> 0.72 ms between identical
 # runs here).
+# CALIBRATE (topology | tp, above).
 # SIM_ARGS (extra `pdsim simulate` flags, e.g. "--speed-scale off") and SIM (the simulations'
 # file prefix, "sim") let one set of testbed runs be simulated several ways (TESTBED=reuse).
 # Prints a progress line per run. About 40 minutes on the 2-core machine with the defaults.
@@ -40,6 +44,7 @@ TESTBED="${TESTBED:-run}"
 REPEATS="${REPEATS:-3}"
 SIM_ARGS="${SIM_ARGS:-}"
 SIM="${SIM:-sim}"
+CALIBRATE="${CALIBRATE:-topology}"
 die() { echo "fidelity_curve.sh: $*" >&2; exit 2; }
 [ -x "$PDSIM" ] || die "PDSIM=$PDSIM: no such binary (build first)"
 [ -f "$TRACE" ] || die "TRACE=$TRACE: no such file"
@@ -54,6 +59,7 @@ case "$BIND" in core | none) ;; *) die "BIND=$BIND: core or none" ;; esac
 case "$TESTBED" in run | reuse) ;; *) die "TESTBED=$TESTBED: run or reuse" ;; esac
 [[ "$REPEATS" =~ ^[1-9][0-9]*$ ]] || die "REPEATS=$REPEATS: an integer >= 1"
 [[ "$SIM" =~ ^[A-Za-z0-9_.-]+$ ]] || die "SIM=$SIM: a file prefix (letters, digits, _ . -)"
+case "$CALIBRATE" in topology | tp) ;; *) die "CALIBRATE=$CALIBRATE: topology or tp" ;; esac
 read -r -a sim_args <<< "$SIM_ARGS"
 mkdir -p "$OUT"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -72,13 +78,18 @@ testbed() {  # testbed TOPOLOGY REPORT ARGS...
     { echo "fidelity_curve.sh: testbed failed, see ${report%.json}.log" >&2; tail -5 "${report%.json}.log" >&2; exit 1; }
 }
 
-if [ -z "$COST" ]; then
-  COST="$OUT/cost.json"
+# cost_of TOPOLOGY: the cost file that topology is simulated with.
+cost_of() {
+  if [ -n "$COST" ]; then echo "$COST"
+  elif [ "$CALIBRATE" = topology ]; then echo "$OUT/cost-$1.json"
+  else echo "$OUT/cost.json"; fi
+}
+if [ -z "$COST" ] && [ "$CALIBRATE" = tp ]; then
   tps=$(for t in $TOPOS; do awk '/^ *tp:/ {print $2}' "topology/examples/$t.yaml"; done |
     sort -un | paste -sd, -)
-  if [ ! -f "$COST" ] || [ "$TESTBED" = run ]; then
-    echo "== calibrate: $PDSIM calibrate --model tiny --tp ${tps:-1} --out $COST (load $(loadavg))"
-    "$PDSIM" calibrate --model tiny --tp "${tps:-1}" --out "$COST" > "$OUT/calibrate.log" 2>&1
+  if [ ! -f "$OUT/cost.json" ] || [ "$TESTBED" = run ]; then
+    echo "== calibrate: $PDSIM calibrate --model tiny --tp ${tps:-1} --out $OUT/cost.json (load $(loadavg))"
+    "$PDSIM" calibrate --model tiny --tp "${tps:-1}" --out "$OUT/cost.json" > "$OUT/calibrate.log" 2>&1
   fi
 fi
 
@@ -97,6 +108,11 @@ EOF
 echo "machine: $(nproc) cores; binding $BIND; trace $TRACE, first $N requests over $span_ms ms at scale 1"
 
 for topo in $TOPOS; do
+  cost=$(cost_of "$topo")
+  if [ -z "$COST" ] && [ "$CALIBRATE" = topology ] && { [ ! -f "$cost" ] || [ "$TESTBED" = run ]; }; then
+    echo "== calibrate: $PDSIM calibrate --model tiny --topology $topo --out $cost (load $(loadavg))"
+    "$PDSIM" calibrate --model tiny --topology "$topo" --out "$cost" > "$OUT/calibrate-$topo.log" 2>&1
+  fi
   cap_report="$OUT/capacity-$topo.json"
   if [ "$TESTBED" = run ] || [ ! -f "$cap_report" ]; then
     echo "== $topo: capacity (every request at once; load $(loadavg))"
@@ -113,7 +129,7 @@ for topo in $TOPOS; do
         echo "== $topo: load $l run $rep/$REPEATS (time scale $scale; load $(loadavg))"
         testbed "$topo" "$tb" --time-scale "$scale"
       fi
-      "$PDSIM" simulate --like "$tb" --cost-model "$COST" --quiet "${sim_args[@]}" \
+      "$PDSIM" simulate --like "$tb" --cost-model "$cost" --quiet "${sim_args[@]}" \
         --report "$OUT/$SIM-$topo-$l-r$rep.json" > "$OUT/$SIM-$topo-$l-r$rep.log" 2>&1 ||
         { echo "fidelity_curve.sh: simulate failed, see $OUT/$SIM-$topo-$l-r$rep.log" >&2; exit 1; }
     done

@@ -488,6 +488,26 @@ TEST(SpeedLevel, TheCostFilesProbeIsCheckedAndServed) {
     expect_invalid(j, {"speed_probe", "expected an object"});
 }
 
+TEST(CoreWait, TheCostFilesCoreWaitIsCheckedAndServed) {
+    json j = hand_written();
+    auto plain = CostFile::from_json(j, "plain.json");
+    ASSERT_OK(plain);
+    EXPECT_FALSE(plain->core_wait().has_value());
+    j["core_wait"] = {{"dispatch_ms", 6.5}, {"events", 40}, {"topology", "cpu-2p1d"}};
+    auto f = CostFile::from_json(j, "wait.json");
+    ASSERT_OK(f);
+    ASSERT_TRUE(f->core_wait().has_value());
+    EXPECT_DOUBLE_EQ(f->core_wait()->dispatch_s, 6.5e-3);
+    j["core_wait"]["dispatch_ms"] = -1;
+    expect_invalid(j, {"bad.json", "core_wait.dispatch_ms", ">= 0"});
+    j["core_wait"]["dispatch_ms"] = 5000;
+    expect_invalid(j, {"core_wait.dispatch_ms", "at most 1000 ms"});
+    j["core_wait"] = {{"events", 3}};
+    expect_invalid(j, {"core_wait.dispatch_ms", "missing"});
+    j["core_wait"] = "soon";
+    expect_invalid(j, {"core_wait", "expected an object"});
+}
+
 // A report's level is the median of its ranks' medians; ranks without samples (or malformed) are
 // left out, ranks naming different kernels give none.
 TEST(SpeedLevel, AReportsLevelIsTheMedianOfItsRanks) {
@@ -836,6 +856,65 @@ TEST(CalibrateCli, ServeProbeScalesTheGridsFitByTheTestbedsForwards) {
             EXPECT_NEAR(fit[kind].value(keys[i], 0.0), want, 1e-12 + 1e-9 * want)
                 << kind << "." << keys[i];
         }
+    }
+}
+
+// --topology: the probe runs that topology (its TP sizes become --tp), each fit is scaled by its
+// own forwards there, and the core wait is measured (or a note says too few requests saw it).
+TEST(CalibrateCli, TopologyProbeRunsTheTopologyAndMeasuresTheCoreWait) {
+    test::TempDir dir("calibrate_topology");
+    const std::string out = dir.str("cost.json");
+    test::CmdResult r =
+        test::run_pdsim({"calibrate", "--quick", "--model", "tiny", "--topology",
+                         "cpu-2p1d-tp2-to-tp1", "--transport", "none", "--out", out},
+                        300);
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    if (r.err.find("no mpirun on PATH") != std::string::npos) GTEST_SKIP() << "no mpirun";
+    EXPECT_THAT(r.err, HasSubstr("serve probe topology cpu-2p1d-tp2-to-tp1 threads 1, run 1/1"));
+    EXPECT_THAT(r.err, HasSubstr("-np 5"));
+    EXPECT_THAT(r.err, HasSubstr("--synthetic 24 --time-scale"));
+    auto f = CostFile::load(out);
+    ASSERT_OK(f);
+    const json& j = f->json();
+    EXPECT_EQ(j["topology"], "cpu-2p1d-tp2-to-tp1");
+    ASSERT_EQ(j["fits"].size(), 2u);  // TP 1 (decode) and TP 2 (prefill): the topology's
+    for (const json& fit : j["fits"]) {
+        ASSERT_TRUE(fit.contains("serve_probe")) << fit.dump();
+        EXPECT_EQ(fit["serve_probe"]["topology"], "cpu-2p1d-tp2-to-tp1");
+        EXPECT_EQ(fit["serve_probe"]["runs"], 1);
+    }
+    // The decode instance is TP 1, the prefill instances TP 2: each fit saw its own kind only.
+    EXPECT_GT(j["fits"][0]["serve_probe"]["decode_forwards"].get<size_t>(), 0u);
+    EXPECT_EQ(j["fits"][0]["serve_probe"]["extend_forwards"].get<size_t>(), 0u);
+    EXPECT_EQ(j["fits"][1]["serve_probe"]["decode_forwards"].get<size_t>(), 0u);
+    EXPECT_THAT(j["notes"].dump(), HasSubstr("extend forwards of tp 1 threads 1"));
+    // One set of runs for both fits: the speed probe counts it once.
+    ASSERT_TRUE(j.contains("speed_probe"));
+    EXPECT_EQ(j["speed_probe"]["runs"], 1);
+    if (j.contains("core_wait")) {
+        EXPECT_GE(j["core_wait"]["events"].get<size_t>(), 8u);
+        EXPECT_GE(f->core_wait()->dispatch_s, 0.0);
+        EXPECT_THAT(r.out, HasSubstr("core wait (cpu-2p1d-tp2-to-tp1)"));
+    } else {
+        EXPECT_THAT(j["notes"].dump(), HasSubstr("fewer than 8: no core_wait"));
+    }
+
+    // One colocated instance: nothing for a --mode disagg probe to run.
+    const std::string colocated = dir.str("colocated.yaml");
+    std::ofstream(colocated)
+        << "name: one\nmodel: tiny\nworld_size: 1\nnodes:\n  - id: n0\n    devices:\n"
+           "      - {id: n0.cpu0, type: cpu}\ninstances:\n"
+           "  - {id: c0, role: colocated, tp: 1, devices: [n0.cpu0]}\n";
+    for (const auto& [args, flag] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+             {{"--topology", "no-such-topology"}, "--topology no-such-topology"},
+             {{"--topology", "cpu-2p1d-tp2-to-tp1", "--serve-probe", "off"}, "--topology"},
+             {{"--topology", colocated}, "prefill and decode instances"}}) {
+        std::vector<std::string> a = {"calibrate", "--quick", "--model",
+                                      "tiny",      "--out",   dir.str("bad.json")};
+        a.insert(a.end(), args.begin(), args.end());
+        test::CmdResult bad = test::run_pdsim(a, 60);
+        EXPECT_EQ(bad.rc, 2) << bad.describe();
+        EXPECT_THAT(bad.err, HasSubstr(flag));
     }
 }
 

@@ -147,6 +147,39 @@ TEST(CpuContention, BoundRanksShareOnlyTheirOwnCore) {
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("2 rank cores for 3 ranks")));
 }
 
+// SimConfig::core_wait_s: work that reaches an idle instance while another instance's forward runs
+// on its cores starts that much later; with those cores idle, or on cores of its own, at once.
+TEST(CpuContention, CoreWaitDelaysWorkReachingAnIdleInstanceOnABusyCore) {
+    SimConfig c = make_config(1, 1, SimMode::kColocated, 0.1, 0.01);
+    c.core_wait_s = 0.005;
+    // Request 1 reaches instance 1 at 50 ms while instance 0's forward (0 to ...) runs on the one
+    // core: it starts at 55 ms. Instance 0 alone for 50 ms (half its work), alone again from 50 to
+    // 55 ms (55 ms: 0.055 of 0.1 done), then both at half a core: instance 0's last 0.045
+    // core-seconds take 90 ms (ends at 145 ms), during which instance 1 does 0.045; instance 1's
+    // last 0.055 run alone: it ends at 200 ms, TTFT 150 ms (without the wait: 150 and 150).
+    const SimResult r = run(c, {req(0, 0, 100, 1), req(1, 50, 100, 1)});
+    ASSERT_EQ(r.report.requests_completed, 2);
+    EXPECT_NEAR(r.records[0].ttft_ms(), 145, kEps);
+    EXPECT_NEAR(r.records[1].ttft_ms(), 150, kEps);
+    EXPECT_NEAR(r.records[1].prefill_start_ms - r.records[1].arrival_ms, 5, kEps);
+    // Request 0 reached its instance with the core idle: no wait.
+    EXPECT_NEAR(r.records[0].prefill_start_ms, 0, kEps);
+    // After instance 0 finished, the core is idle again: no wait.
+    const SimResult later = run(c, {req(0, 0, 100, 1), req(1, 300, 100, 1)});
+    EXPECT_NEAR(later.records[1].prefill_start_ms, 300, kEps);
+    EXPECT_NEAR(later.records[1].ttft_ms(), 100, kEps);
+    // Bound to cores of their own (2 cores): nothing to wait for.
+    SimConfig apart = make_config(1, 2, SimMode::kColocated, 0.1, 0.01);
+    apart.core_wait_s = 0.005;
+    apart.rank_core = {0, 1};
+    const SimResult own = run(apart, {req(0, 0, 100, 1), req(1, 50, 100, 1)});
+    EXPECT_NEAR(own.records[1].prefill_start_ms, 50, kEps);
+    // Bound to one core: the wait applies.
+    apart.rank_core = {0, 0};
+    const SimResult shared = run(apart, {req(0, 0, 100, 1), req(1, 50, 100, 1)});
+    EXPECT_NEAR(shared.records[1].prefill_start_ms, 55, kEps);
+}
+
 TEST(CpuContention, SharesMoveWhenAForwardEnds) {
     // TP-2 extend of 0.1 s and a TP-1 extend of 0.05 s on 2 cores: 2/3 of a core per thread
     // until the TP-1 forward's 0.05 core-seconds are done at 75 ms; by then the TP-2 one did

@@ -365,6 +365,67 @@ TEST(SimulateCli, LikeScalesForwardsByTheMachinesSpeed) {
     }
 }
 
+// --core-wait: a calibrated cost file's core_wait (auto), none (off) or given milliseconds; work
+// reaching an idle instance while another computes on its cores then starts later, so TTFT grows
+// where ranks share cores (cpu-2p1d-tp2-to-tp1 bound to 2 cores) and not where they do not.
+TEST(SimulateCli, CoreWaitComesFromTheCostFileOrTheFlag) {
+    TempDir dir("simulate_core_wait");
+    const std::string trace = write_trace(dir);
+    json cost = json::parse(R"({"schema_version": 1, "model": "tiny",
+      "fits": [{"tp": 1, "threads": 1,
+        "extend": {"const_s": 0.001, "per_token_s": 2e-5, "per_attn_pair_s": 3e-9,
+                   "per_request_s": 4e-4},
+        "decode": {"const_s": 5e-3, "per_request_s": 1e-5, "per_kv_token_s": 2e-8}},
+               {"tp": 2, "threads": 1,
+        "extend": {"const_s": 0.001, "per_token_s": 1e-5, "per_attn_pair_s": 2e-9,
+                   "per_request_s": 4e-4},
+        "decode": {"const_s": 5e-3, "per_request_s": 1e-5, "per_kv_token_s": 2e-8}}],
+      "transports": {"local": {"gbps": 2.5, "latency_us": 30}}})");
+    std::ofstream(dir.str("plain.json")) << cost.dump();
+    cost["core_wait"] = {{"dispatch_ms", 20}, {"events", 30}};
+    std::ofstream(dir.str("wait.json")) << cost.dump();
+    const std::string two =
+        std::string(PDSIM_SOURCE_DIR) + "/topology/examples/cpu-2p1d-tp2-to-tp1.yaml";
+    auto simulate = [&](const std::string& topology, const std::string& cost_file,
+                        std::vector<std::string> flags) {
+        std::vector<std::string> args = {
+            "simulate",     "--topology",   topology,      "--trace",  trace,
+            "--cost-model", cost_file,      "--cpu-cores", "2",        "--cpu-binding",
+            "core",         "--time-scale", "1",           "--report", dir.str("sim.json")};
+        args.insert(args.end(), flags.begin(), flags.end());
+        CmdResult r = run_pdsim(args, 120);
+        EXPECT_EQ(r.rc, 0) << r.describe();
+        return std::pair{r, json::parse(slurp(dir.path() / "sim.json"))};
+    };
+    const auto [plain_run, plain] = simulate(two, dir.str("plain.json"), {});
+    EXPECT_EQ(plain["config"]["core_wait"]["dispatch_ms"], 0.0);
+    EXPECT_THAT(plain_run.out, HasSubstr("core wait: 0.00 ms, none (the cost model has no"));
+    const auto [wait_run, wait] = simulate(two, dir.str("wait.json"), {});
+    EXPECT_EQ(wait["config"]["core_wait"]["dispatch_ms"], 20.0);
+    EXPECT_THAT(wait_run.out, HasSubstr("core wait: 20.00 ms, from"));
+    // Requests 100 ms apart: some reach an idle prefill instance while the other instance or the
+    // decode instance computes on its cores, and wait the 20 ms there.
+    EXPECT_GT(wait["prefill_wait_ms"]["mean"].get<double>(),
+              plain["prefill_wait_ms"]["mean"].get<double>() + 1);
+    EXPECT_GT(wait["ttft_ms"]["mean"].get<double>(), plain["ttft_ms"]["mean"].get<double>());
+    const auto [off_run, off] = simulate(two, dir.str("wait.json"), {"--core-wait", "off"});
+    EXPECT_DOUBLE_EQ(off["ttft_ms"]["mean"].get<double>(), plain["ttft_ms"]["mean"].get<double>());
+    const auto [given_run, given] = simulate(two, dir.str("plain.json"), {"--core-wait", "20"});
+    EXPECT_THAT(given["config"]["core_wait"]["why"].get<std::string>(), HasSubstr("as given"));
+    EXPECT_DOUBLE_EQ(given["ttft_ms"]["mean"].get<double>(), wait["ttft_ms"]["mean"].get<double>());
+    // cpu-1p1d bound to 2 cores: its ranks share none, nothing waits.
+    const auto [apart_run, apart] = simulate(kCpu, dir.str("wait.json"), {});
+    const auto [apart_plain_run, apart_plain] = simulate(kCpu, dir.str("plain.json"), {});
+    EXPECT_DOUBLE_EQ(apart["ttft_ms"]["mean"].get<double>(),
+                     apart_plain["ttft_ms"]["mean"].get<double>());
+    for (const char* bad : {"-1", "soon", "1001", "5:1"}) {
+        CmdResult r = run_pdsim({"simulate", "--topology", two, "--trace", trace, "--cost-model",
+                                 dir.str("wait.json"), "--core-wait", bad});
+        EXPECT_EQ(r.rc, 2) << r.describe();
+        EXPECT_THAT(r.err, HasSubstr(std::string("--core-wait ") + bad));
+    }
+}
+
 TEST(SimulateCli, BadInputExitsTwoNamingTheFlagOrFile) {
     TempDir dir("simulate_bad");
     const std::string trace = write_trace(dir);

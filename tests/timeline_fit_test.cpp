@@ -138,22 +138,24 @@ void expect_coefficients(const json& fit, double relative_tolerance) {
 // overlap_splits: a leader forward that another instance's leader overlapped for half its time
 // ran alone for the other half, and over the shared half got min(1, cpus / threads running) of a
 // core; followers and forwards nothing overlapped are not listed.
+// A forward slice of `instance`'s TP rank `tp_rank` (one compute thread) from begin for dur.
+TimelineForward rank_forward(int instance, int tp_rank, double begin_us, double dur_us) {
+    TimelineForward f;
+    f.instance = instance;
+    f.tp_rank = tp_rank;
+    f.begin_us = begin_us;
+    f.duration_us = dur_us;
+    f.end_us = begin_us + dur_us;
+    f.compute_threads = 1;
+    return f;
+}
+
 TEST(OverlapSplits, AloneAndSharedTimeAsTheContentionModelSeesThem) {
-    auto forward = [](int instance, int tp_rank, double begin_us, double dur_us) {
-        TimelineForward f;
-        f.instance = instance;
-        f.tp_rank = tp_rank;
-        f.begin_us = begin_us;
-        f.duration_us = dur_us;
-        f.end_us = begin_us + dur_us;
-        f.compute_threads = 1;
-        return f;
-    };
     const std::vector<TimelineForward> forwards = {
-        forward(0, 0, 0, 1000),     // 0: instance 1 overlaps its second half
-        forward(1, 0, 500, 1000),   // 1: instance 0 overlaps its first half
-        forward(1, 1, 500, 1000),   // 2: a follower: not listed, and not a competitor
-        forward(0, 0, 5000, 100)};  // 3: alone
+        rank_forward(0, 0, 0, 1000),     // 0: instance 1 overlaps its second half
+        rank_forward(1, 0, 500, 1000),   // 1: instance 0 overlaps its first half
+        rank_forward(1, 1, 500, 1000),   // 2: a follower: not listed, and not a competitor
+        rank_forward(0, 0, 5000, 100)};  // 3: alone
     for (const double cpus : {2.0, 1.0}) {
         const std::vector<OverlapSplit> splits = overlap_splits(forwards, cpus);
         ASSERT_EQ(splits.size(), 2u) << cpus;
@@ -162,6 +164,18 @@ TEST(OverlapSplits, AloneAndSharedTimeAsTheContentionModelSeesThem) {
         for (const OverlapSplit& o : splits) {
             EXPECT_NEAR(o.alone_s, 500e-6, 1e-12);
             EXPECT_NEAR(o.shared_core_s, 500e-6 * std::min(1.0, cpus / 2), 1e-12) << cpus;
+        }
+    }
+    // Bound ranks (the simulator's --cpu-binding model): instance 0's ranks on cores 0 and 1,
+    // instance 1's on core 0: both run at half pace while they overlap (core 0's two threads);
+    // on cores of their own, at full pace, whatever the node's cores.
+    for (const auto& [cores, pace] : {std::pair{std::vector<std::vector<int>>{{0, 1}, {0}}, 0.5},
+                                      std::pair{std::vector<std::vector<int>>{{0}, {1}}, 1.0}}) {
+        const std::vector<OverlapSplit> splits = overlap_splits(forwards, 1.0, cores);
+        ASSERT_EQ(splits.size(), 2u);
+        for (const OverlapSplit& o : splits) {
+            EXPECT_NEAR(o.alone_s, 500e-6, 1e-12);
+            EXPECT_NEAR(o.shared_core_s, 500e-6 * pace, 1e-12) << pace;
         }
     }
 }
@@ -385,6 +399,63 @@ TEST(TimelineParser, ReadsForwardsSortedByBegin) {
     auto bare = read_timeline_forwards(write(dir, "bare.json", events.dump()));
     ASSERT_OK(bare);
     EXPECT_EQ(bare->size(), 3u);
+}
+
+// dispatch_waits: requests that reached their prefill instance idle, split by whether another
+// instance's forward (any TP rank) ran on one of its cores; queued requests are not counted.
+TEST(DispatchWaits, SplitByWhetherAnotherInstanceComputedOnASharedCore) {
+    // Instance 0 on cores {0, 1}, instance 1 on {0}, instance 2 on {2}.
+    const std::vector<std::vector<int>> cores = {{0, 1}, {0}, {2}};
+    const std::vector<TimelineForward> forwards = {
+        rank_forward(1, 0, 1000, 1000),  // instance 1 computes on core 0 from 1 to 2 ms
+        rank_forward(0, 1, 5000, 1000),  // instance 0's follower from 5 to 6 ms
+        rank_forward(2, 0, 8000, 1000),  // instance 2, on a core of its own
+    };
+    const std::vector<DispatchRequest> requests = {
+        {.arrival_us = 0, .prefill_start_us = 200, .instance = 0},      // idle node
+        {.arrival_us = 1500, .prefill_start_us = 7500, .instance = 0},  // instance 1 busy on 0
+        {.arrival_us = 1600, .prefill_start_us = 7600, .instance = 0},  // queued behind it
+        {.arrival_us = 5500, .prefill_start_us = 6000, .instance = 0},  // its own forward runs
+        {.arrival_us = 8500, .prefill_start_us = 8600, .instance = 0},  // instance 2: not shared
+        {.arrival_us = 5200, .prefill_start_us = 5300, .instance = 1},  // instance 0 on core 0
+        {.arrival_us = 9500, .prefill_start_us = 9400, .instance = 1},  // started before: bad
+    };
+    const DispatchWaits w = dispatch_waits(requests, forwards, cores);
+    ASSERT_EQ(w.core_busy_s.size(), 2u);
+    EXPECT_NEAR(w.core_busy_s[0], 6000e-6, 1e-12);
+    EXPECT_NEAR(w.core_busy_s[1], 100e-6, 1e-12);
+    ASSERT_EQ(w.idle_s.size(), 2u);
+    EXPECT_NEAR(w.idle_s[0], 200e-6, 1e-12);
+    EXPECT_NEAR(w.idle_s[1], 100e-6, 1e-12);
+    // Without core lists nothing is shared.
+    const DispatchWaits unknown = dispatch_waits(requests, forwards, {});
+    EXPECT_TRUE(unknown.core_busy_s.empty());
+    EXPECT_EQ(unknown.idle_s.size(), 4u);
+}
+
+TEST(TimelineParser, ReadsRequestArrivals) {
+    test::TempDir dir("timeline-fit");
+    json events = json::array();
+    events.push_back({{"name", "r7 to first token"},
+                      {"cat", "request"},
+                      {"ph", "X"},
+                      {"ts", 1500},
+                      {"dur", 30}});
+    events.push_back(
+        {{"name", "r7 decode"}, {"cat", "request"}, {"ph", "X"}, {"ts", 1530}, {"dur", 9}});
+    events.push_back({{"name", "r12 to first token"},
+                      {"cat", "request"},
+                      {"ph", "X"},
+                      {"ts", 2500.5},
+                      {"dur", 30}});
+    events.push_back({{"name", "rx to first token"}, {"cat", "request"}, {"ph", "X"}, {"ts", 1}});
+    events.push_back(slice(100, 50, {{"instance", 0}, {"tp", 1}, {"tp_rank", 0}, {"threads", 1}}));
+    auto arrivals =
+        read_timeline_arrivals(write(dir, "tl.json", json{{"traceEvents", events}}.dump()));
+    ASSERT_OK(arrivals);
+    EXPECT_EQ(*arrivals, (std::map<int64_t, double>{{7, 1500}, {12, 2500.5}}));
+    EXPECT_THAT(read_timeline_arrivals(write(dir, "bad.json", "{")).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("bad.json")));
 }
 
 TEST(TimelineParser, ErrorsNameTheFileAndTheField) {

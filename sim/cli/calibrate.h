@@ -20,7 +20,8 @@ struct CalibrateOptions {
     std::string backend = "cpu";
     std::string model;
     std::string tp = "1";
-    std::string threads;  // "": per TP size, max(1, cores / (2 tp))
+    bool tp_given = false;  // --tp was on the command line (else --topology's TP sizes)
+    std::string threads;    // "": per TP size, max(1, cores / (2 tp))
     std::string transport = "local,tcp,mpi";
     bool quick = false;
     std::string out;
@@ -40,6 +41,10 @@ struct CalibrateOptions {
     // over the cores calibrate may use (as `mpirun --map-by core --bind-to core` binds the
     // testbed's ranks, and the serve probe's), or leave them to the scheduler.
     std::string bind = "core";
+    // --topology T: the serve probe runs T itself (its layout's core sharing, TP groups and
+    // contention) instead of one prefill and one decode instance per fit, and measures the core
+    // wait there (cost::CoreWait); --tp defaults to T's TP sizes.
+    std::string topology;
 };
 
 // This machine's cores (at least 1).
@@ -136,15 +141,39 @@ inline constexpr int kServeProbeWarmupForwards = 8;
 // threads of one process waking each other for every all-gather.)
 inline constexpr std::pair<double, double> kServeProbeFactorRange = {0.2, 5.0};
 
-// The probe's command line for one fit: mpirun (with --allow-run-as-root as root) of 2 tp ranks,
-// bound to cores, running `exe testbed` on `topology` with the fit's model, backend, page size and
-// threads and prompt seed, writing `timeline` and `report`.
+// --topology T (calibrate.h's CalibrateOptions::topology): the probe runs T with
+// kTopologyProbeRequests synthetic requests (--quick: 24) offered at kTopologyProbeLoad of the
+// prefill capacity the grid predicts for T, so that requests also reach idle instances while
+// others compute: the probe then measures the core wait, cost::CoreWait (cost::dispatch_waits:
+// the mean wait of at least kMinCoreWaitEvents such requests; else none, with a note). The fits
+// are scaled by T's forwards of their (tp, threads); a kind T does not run keeps the grid's fit.
+inline constexpr int kTopologyProbeRequests = 64;
+inline constexpr double kTopologyProbeLoad = 0.6;
+inline constexpr double kSyntheticRate = 4.0;  // the testbed's --synthetic arrivals (req/s)
+inline constexpr size_t kMinCoreWaitEvents = 8;
+
+// What a probe run replays: `synthetic` requests at `time_scale` when > 0, else the first
+// `max_requests` of the default trace (arriving together).
+struct ProbeWorkload {
+    int synthetic = 0;
+    double time_scale = 1;
+    int max_requests = kServeProbeRequests;
+};
+// Where a probe run writes (requests: the per-request CSV, "" for none).
+struct ProbeOutputs {
+    std::string timeline, report, requests;
+};
+
+// The probe's command line for one run: mpirun (with --allow-run-as-root as root) of `ranks`
+// ranks, bound to cores, running `exe testbed --mode disagg` on `topology` with the calibration's
+// model, backend, page size, stream sync, `threads` and the prompt seed, replaying `workload` and
+// writing `out`.
 [[nodiscard]] std::vector<std::string> serve_probe_command(const CalibrateOptions& o,
                                                            const std::string& mpirun,
-                                                           const std::string& exe, int tp,
+                                                           const std::string& exe, int ranks,
                                                            int threads, const std::string& topology,
-                                                           const std::string& timeline,
-                                                           const std::string& report, int seed);
+                                                           const ProbeWorkload& workload,
+                                                           const ProbeOutputs& out, int seed);
 
 // Runs the probe for every fit in `fits` (each {"tp", "threads", "extend", "decode", ...}),
 // comparing with `cost_json` (the cost file of the grid's fits), and scales each fit's
@@ -159,8 +188,10 @@ inline constexpr std::pair<double, double> kServeProbeFactorRange = {0.2, 5.0};
 // (serve_probe.speed_cpu_ms, the median speed probe of each run's testbed ranks): the median over
 // every run; null when no run sampled it.
 [[nodiscard]] nlohmann::json speed_probe_of_fits(const nlohmann::json& fits);
+// With --topology, `core_wait` gets the cost file's "core_wait" ({"dispatch_ms", "events",
+// "idle_dispatch_ms", "idle_events", "topology", "runs"}) when enough requests measured it.
 [[nodiscard]] Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                                        const nlohmann::json& cost_json, nlohmann::json* fits,
-                                       nlohmann::json* notes);
+                                       nlohmann::json* notes, nlohmann::json* core_wait);
 
 }  // namespace pdsim::cli::calibration

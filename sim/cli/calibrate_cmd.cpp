@@ -23,13 +23,16 @@
 //
 // Serve probe (calibrate.h, calibrate_probe.cpp; --serve-probe, on by default). Each fit is then
 // scaled by how much slower its forwards ran in a short bound `pdsim testbed` under mpirun than
-// the grid predicts: what a testbed rank really runs, not a worker's back-to-back forwards.
+// the grid predicts: what a testbed rank really runs, not a worker's back-to-back forwards. With
+// --topology T the probe runs T itself (its layout's contention, and the wait for a shared core:
+// the cost file's core_wait).
 //
 // Transports. local and tcp: two endpoints in this process, one message at a time, time from
 // post_send to the receive's completion. mpi: only under `mpirun -np 2` (ping-pong, half the round
 // trip); otherwise skipped with a note. Messages are KV-sized (page runs of one layer's K buffer);
 // latency and bandwidth come from a fit of time = latency + bytes / bandwidth.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -42,6 +45,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string_view>
 #include <thread>
@@ -54,7 +58,9 @@
 #include "sim/cli/command.h"
 #include "sim/cost/calibrated.h"
 #include "sim/cost/timeline_fit.h"
+#include "topology/loader.h"
 #include "topology/model_shape.h"
+#include "topology/topology.h"
 
 extern char** environ;
 
@@ -267,6 +273,7 @@ struct CalibrateParts {
     json source = {{"kind", "microbenchmark"}};
     json interference = json::object();
     json noise = json::object();
+    json core_wait;  // null: none measured (calibrate.h, --topology)
 };
 
 // The flags of a microbenchmark run, checked.
@@ -278,7 +285,35 @@ struct MicrobenchPlan {
 
 StatusOr<MicrobenchPlan> microbench_plan(const CalibrateOptions& o, const model::ModelConfig& m) {
     MicrobenchPlan plan;
-    PDSIM_ASSIGN_OR_RETURN(plan.tps, parse_int_list("--tp", o.tp));
+    std::string tp_list = o.tp;
+    if (!o.topology.empty()) {
+        // Checked here (exit 2), before the grid's minutes.
+        StatusOr<topo::Topology> t = topo::load_topology(o.topology);
+        if (!t.ok()) {
+            return Status(StatusCode::kInvalidArgument,
+                          fmt::format("--topology {}: {}", o.topology, t.status().message()));
+        }
+        std::set<int> tps;
+        bool prefill = false, decode = false;
+        for (const topo::Instance& inst : t->instances) {
+            tps.insert(inst.tp);
+            prefill = prefill || inst.role == topo::Role::kPrefill;
+            decode = decode || inst.role == topo::Role::kDecode;
+        }
+        if (!prefill || !decode) {
+            return Status(StatusCode::kInvalidArgument,
+                          fmt::format("--topology {}: the serve probe runs --mode disagg and needs "
+                                      "prefill and decode instances",
+                                      o.topology));
+        }
+        if (!o.serve_probe) {
+            return Status(StatusCode::kInvalidArgument,
+                          "--topology: runs the serve probe on the topology; not with "
+                          "--serve-probe off");
+        }
+        if (!o.tp_given) tp_list = fmt::format("{}", fmt::join(tps, ","));
+    }
+    PDSIM_ASSIGN_OR_RETURN(plan.tps, parse_int_list("--tp", tp_list));
     for (int tp : plan.tps) {
         PDSIM_RETURN_IF_ERROR(
             model::check_tp(m, tp).with_context(fmt::format("--tp {}: model {}", tp, m.name)));
@@ -372,6 +407,8 @@ json cost_file_json(const CalibrateOptions& o, const model::ModelConfig& m,
     if (json speed = speed_probe_of_fits(parts.fits); !speed.is_null()) {
         out["speed_probe"] = std::move(speed);
     }
+    if (!parts.core_wait.is_null()) out["core_wait"] = parts.core_wait;
+    if (!o.topology.empty()) out["topology"] = o.topology;
     return out;
 }
 
@@ -470,6 +507,13 @@ std::string calibrate_summary(const CalibrateOptions& o, const model::ModelConfi
             p["extend_forwards"].get<size_t>(), p["decode_factor"].get<double>(),
             p["decode_forwards"].get<size_t>());
     }
+    if (!parts.core_wait.is_null()) {
+        s += fmt::format(
+            "  core wait ({}): {:.2f} ms for work reaching an idle instance while another "
+            "computed on its cores ({} requests)\n",
+            parts.core_wait["topology"].get<std::string>(),
+            parts.core_wait["dispatch_ms"].get<double>(), parts.core_wait["events"].get<size_t>());
+    }
     s += "  transports: " + (ts.empty() ? std::string("none") : ts) + "\n";
     if (!o.from_timeline.empty()) s += timeline_summary(o, parts);
     s += "  wrote " + o.out + "\n";
@@ -508,7 +552,8 @@ Status run_calibrate(const CalibrateOptions& o) {
                 "grid's");
         } else {
             const json grid = cost_file_json(o, m, parts, 0);
-            probe_status = apply_serve_probe(o, m, grid, &parts.fits, &parts.notes);
+            probe_status =
+                apply_serve_probe(o, m, grid, &parts.fits, &parts.notes, &parts.core_wait);
             if (!probe_status.ok()) {
                 // The grid's minutes are not thrown away: the file is written with the fits as
                 // they stand (a fit the probe finished is scaled and says so in its
@@ -548,9 +593,23 @@ void add_calibrate_command(CLI::App& app, CommandSet& commands) {
     a->add_option("--model", o->model, "Built-in model name or a model file")
         ->required()
         ->check(non_empty());
-    a->add_option("--tp", o->tp, "Comma-separated TP sizes (ranks as threads of one process)")
-        ->check(non_empty())
-        ->capture_default_str();
+    a->add_option_function<std::string>(
+         "--tp",
+         [o](const std::string& v) {
+             o->tp = v;
+             o->tp_given = true;
+         },
+         "Comma-separated TP sizes (ranks as threads of one process; default 1, with "
+         "--topology its TP sizes)")
+        ->check(non_empty());
+    a->add_option("--topology", o->topology,
+                  "Run the serve probe on this topology (a file or a shipped name, as pdsim "
+                  "testbed --topology) instead of one prefill and one decode instance per TP: "
+                  "each fit is scaled by the topology's own forwards and gets its interference "
+                  "there, and the probe measures the core wait (work reaching an idle instance "
+                  "while another computes on its cores) for pdsim simulate. For simulating that "
+                  "topology; synthetic requests at 0.6 of its predicted prefill capacity")
+        ->check(non_empty());
     a->add_option("--threads", o->threads,
                   "Comma-separated compute threads per rank (default per TP size: the testbed's "
                   "cores / ranks on the node for one prefill and one decode instance of that TP, "

@@ -12,11 +12,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -34,6 +36,8 @@
 #include "sim/cost/cost_model.h"
 #include "sim/cost/forward_check.h"
 #include "sim/cost/timeline_fit.h"
+#include "topology/loader.h"
+#include "topology/topology.h"
 
 extern char** environ;
 
@@ -143,9 +147,15 @@ std::optional<cost::SpeedLevel> read_speed_level(const std::string& path) {
 
 json speed_probe_of_fits(const json& fits) {
     std::vector<double> levels;
+    std::vector<json> seen;  // --topology: fits of one thread count share their runs
     for (const json& fit : fits) {
         if (!fit.contains("serve_probe")) continue;
-        for (const json& v : fit["serve_probe"].value("speed_cpu_ms", json::array())) {
+        const json runs = fit["serve_probe"].value("speed_cpu_ms", json::array());
+        if (fit["serve_probe"].contains("topology")) {
+            if (std::find(seen.begin(), seen.end(), runs) != seen.end()) continue;
+            seen.push_back(runs);
+        }
+        for (const json& v : runs) {
             if (v.is_number()) levels.push_back(v.get<double>());
         }
     }
@@ -216,14 +226,14 @@ StatusOr<ChildExit> run_child(const std::vector<std::string>& args,
 }
 
 std::vector<std::string> serve_probe_command(const CalibrateOptions& o, const std::string& mpirun,
-                                             const std::string& exe, int tp, int threads,
+                                             const std::string& exe, int ranks, int threads,
                                              const std::string& topology,
-                                             const std::string& timeline, const std::string& report,
+                                             const ProbeWorkload& workload, const ProbeOutputs& out,
                                              int seed) {
     std::vector<std::string> a = {mpirun};
     if (::geteuid() == 0) a.push_back("--allow-run-as-root");
     for (const char* s : {"--oversubscribe", "-np"}) a.emplace_back(s);
-    a.push_back(std::to_string(2 * tp));
+    a.push_back(std::to_string(ranks));
     if (o.bind == "core") {
         for (const char* s : {"--map-by", "core", "--bind-to", "core:overload-allowed"}) {
             a.emplace_back(s);
@@ -232,43 +242,422 @@ std::vector<std::string> serve_probe_command(const CalibrateOptions& o, const st
     for (const char* s : {"--mca", "pml", "ob1", "--mca", "btl", "self,vader,tcp"}) {
         a.emplace_back(s);
     }
-    const std::vector<std::string> testbed = {exe,
-                                              "testbed",
-                                              "--topology",
-                                              topology,
-                                              "--model",
-                                              o.model,
-                                              "--backend",
-                                              o.backend,
-                                              "--page-size",
-                                              std::to_string(o.page_size),
-                                              "--threads",
-                                              std::to_string(threads),
-                                              "--stream-sync",
-                                              o.stream_sync,
-                                              "--mode",
-                                              "disagg",
-                                              "--max-requests",
-                                              std::to_string(o.quick ? 24 : kServeProbeRequests),
-                                              "--seed",
-                                              std::to_string(seed),
-                                              "--quiet",
-                                              "--timeline",
-                                              timeline,
-                                              "--report",
-                                              report};
+    std::vector<std::string> testbed = {exe,
+                                        "testbed",
+                                        "--topology",
+                                        topology,
+                                        "--model",
+                                        o.model,
+                                        "--backend",
+                                        o.backend,
+                                        "--page-size",
+                                        std::to_string(o.page_size),
+                                        "--threads",
+                                        std::to_string(threads),
+                                        "--stream-sync",
+                                        o.stream_sync,
+                                        "--mode",
+                                        "disagg"};
+    if (workload.synthetic > 0) {
+        for (const std::string& s :
+             {std::string("--synthetic"), std::to_string(workload.synthetic),
+              std::string("--time-scale"), fmt::format("{:.6g}", workload.time_scale)}) {
+            testbed.push_back(s);
+        }
+    } else {
+        testbed.emplace_back("--max-requests");
+        testbed.push_back(std::to_string(workload.max_requests));
+    }
+    for (const std::string& s :
+         {std::string("--seed"), std::to_string(seed), std::string("--quiet"),
+          std::string("--timeline"), out.timeline, std::string("--report"), out.report}) {
+        testbed.push_back(s);
+    }
+    if (!out.requests.empty()) {
+        testbed.emplace_back("--requests");
+        testbed.push_back(out.requests);
+    }
     a.insert(a.end(), testbed.begin(), testbed.end());
     return a;
 }
 
+namespace {
+
+// One probe run, read back.
+struct ProbeRun {
+    std::vector<cost::TimelineForward> forwards;  // every forward of the run's timeline
+    std::vector<bool> warmup;                     // cost::decode_warmup of `forwards`
+    std::vector<cost::ForwardCheckRow> rows;      // the forwards outside warm-up against the grid
+    std::optional<double> speed_ms;               // the ranks' speed probe level
+    std::string timeline, report, requests;       // the run's files (requests: "" if not asked)
+    // Per instance (the topology's order, as the timeline numbers them): the CPUs its ranks ran
+    // on (from the report's ranks[].stats.cpus), and, where every rank was bound to one core,
+    // the core of each rank (cost::overlap_splits' bound model; else empty).
+    std::vector<std::vector<int>> instance_cpus;
+    std::vector<std::vector<int>> rank_cores;
+};
+
+// instance_cpus and rank_cores of a run from its report (see ProbeRun); `instance_ids` in the
+// topology's order. A report that cannot be read leaves both empty (the node-wide model then).
+void read_rank_cpus(const std::string& report_path, const std::vector<std::string>& instance_ids,
+                    ProbeRun* run) {
+    StatusOr<std::string> bytes = files::read_input_file(report_path, files::kMaxConfigFileBytes);
+    if (!bytes.ok()) return;
+    const json report = json::parse(*bytes, nullptr, /*allow_exceptions=*/false);
+    if (report.is_discarded() || !report.contains("ranks") || !report["ranks"].is_array()) return;
+    std::vector<std::vector<int>> cpus(instance_ids.size()), cores(instance_ids.size());
+    bool bound = true;
+    for (const json& rank : report["ranks"]) {
+        if (!rank.is_object()) continue;
+        const std::string id = rank.value("instance", std::string());
+        const auto it = std::find(instance_ids.begin(), instance_ids.end(), id);
+        if (it == instance_ids.end()) continue;
+        const size_t i = static_cast<size_t>(it - instance_ids.begin());
+        const json stats = rank.value("stats", json::object());
+        const json list = stats.is_object() ? stats.value("cpus", json::array()) : json::array();
+        std::vector<int> mine;
+        for (const json& c : list) {
+            if (c.is_number_integer()) mine.push_back(c.get<int>());
+        }
+        cpus[i].insert(cpus[i].end(), mine.begin(), mine.end());
+        if (mine.size() == 1) {
+            cores[i].push_back(mine.front());
+        } else {
+            bound = false;
+        }
+    }
+    run->instance_cpus = std::move(cpus);
+    if (bound) run->rank_cores = std::move(cores);
+}
+
+// The probe's runs of one layout: `runs` testbed runs (seeds 1, 2, ...) of `topology` with `ranks`
+// ranks and `threads` threads per rank, each compared with the grid.
+struct ProbeSet {
+    std::string label;  // "tp 1 threads 1", "topology cpu-2p1d threads 1"
+    std::string topology;
+    int ranks = 0;
+    int threads = 1;
+    ProbeWorkload workload;
+    bool per_request = false;               // also write the per-request CSV
+    std::vector<std::string> instance_ids;  // the topology's instances, in order
+};
+
+StatusOr<std::vector<ProbeRun>> run_probe_set(const CalibrateOptions& o, const ProbeSet& set,
+                                              const std::string& mpirun, const std::string& exe,
+                                              const fs::path& dir, const std::string& stem,
+                                              const cost::CostFile& grid,
+                                              const model::ModelConfig& m) {
+    const int runs = o.quick ? 1 : kServeProbeRuns;
+    const std::string log = (dir / (stem + ".log")).string();
+    std::vector<ProbeRun> out;
+    for (int run = 0; run < runs; ++run) {
+        ProbeOutputs files;
+        files.timeline = (dir / fmt::format("{}-r{}-timeline.json", stem, run)).string();
+        files.report = (dir / fmt::format("{}-r{}-report.json", stem, run)).string();
+        if (set.per_request) {
+            files.requests = (dir / fmt::format("{}-r{}-requests.csv", stem, run)).string();
+        }
+        const auto args = serve_probe_command(o, mpirun, exe, set.ranks, set.threads, set.topology,
+                                              set.workload, files, run + 1);
+        std::string shown;
+        for (const auto& a : args) shown += (shown.empty() ? "" : " ") + a;
+        std::fprintf(stderr, "calibrate: serve probe %s, run %d/%d: %s\n", set.label.c_str(),
+                     run + 1, runs, shown.c_str());
+        if (Status st = run_logged(args, log); !st.ok()) {
+            return Status(StatusCode::kUnavailable,
+                          fmt::format("serve probe for {} (`{}`): {} (--serve-probe off skips it)",
+                                      set.label, shown, st.message()));
+        }
+        ProbeRun r;
+        r.timeline = files.timeline;
+        r.report = files.report;
+        r.requests = files.requests;
+        PDSIM_ASSIGN_OR_RETURN(r.forwards,
+                               cost::read_timeline_forwards(files.timeline, "serve probe"));
+        r.warmup = cost::decode_warmup(r.forwards, cost::kWakeMinIdleS, kServeProbeWarmupForwards);
+        std::vector<cost::TimelineForward> kept;
+        for (size_t i = 0; i < r.forwards.size(); ++i) {
+            if (!r.warmup[i]) kept.push_back(r.forwards[i]);
+        }
+        PDSIM_ASSIGN_OR_RETURN(r.rows, cost::check_forwards(kept, grid, m));
+        read_rank_cpus(files.report, set.instance_ids, &r);
+        if (std::optional<cost::SpeedLevel> level = read_speed_level(files.report);
+            level && level->kernel == kSpeedProbeKernel) {
+            r.speed_ms = level->cpu_ms_p50;
+        }
+        out.push_back(std::move(r));
+    }
+    return out;
+}
+
+// Scales `fit` by what `runs` measured of its (tp, threads) forwards, and records
+// fit["serve_probe"] and fit["interference"] (calibrate.h). kUnavailable for a factor outside
+// kServeProbeFactorRange (the fit is then left as it was).
+Status scale_fit(const CalibrateOptions& o, const model::ModelConfig& m, const cost::CostFile& grid,
+                 const std::vector<ProbeRun>& runs, const std::string& label, int requests,
+                 double wall_s, json& fit, json* notes) {
+    const int tp = fit.at("tp").get<int>();
+    const int threads = fit.at("threads").get<int>();
+    std::vector<double> ratios[2];     // extend, decode: per run with enough forwards
+    std::vector<double> speed_levels;  // per run: its ranks' speed probe (ms)
+    // Forwards another instance overlapped (runs pooled), for the fit's interference: the
+    // grid's prediction against the alone / shared split the contention model sees.
+    struct Overlapped {
+        bool decode = false;
+        double alone_s = 0, shared_core_s = 0, grid_s = 0;
+    };
+    std::vector<Overlapped> overlapped;
+    cost::InstanceSpec spec;
+    spec.model = m;
+    spec.tp = tp;
+    spec.threads = threads;
+    spec.device = "cpu";
+    spec.kv_dtype_bytes = 4;
+    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<cost::CostModel> grid_model,
+                           cost::make_cost_model("calibrated", spec, &grid));
+    size_t counts[2] = {0, 0};
+    for (const ProbeRun& run : runs) {
+        for (const cost::OverlapSplit& split :
+             cost::overlap_splits(run.forwards, cores(), run.rank_cores)) {
+            const cost::TimelineForward& f = run.forwards[split.index];
+            if (run.warmup[split.index] || f.tp != tp || f.threads != threads) continue;
+            const double grid_s = f.decode ? grid_model->decode_s(f.batch, f.kv_tokens)
+                                           : grid_model->extend_s(f.items);
+            overlapped.push_back({f.decode, split.alone_s, split.shared_core_s, grid_s});
+        }
+        if (run.speed_ms) speed_levels.push_back(*run.speed_ms);
+        for (bool decode : {false, true}) {
+            const cost::ForwardCheckRow* row = all_row(run.rows, decode, tp, threads);
+            if (row == nullptr) continue;
+            counts[decode ? 1 : 0] += row->count;
+            if (row->count >= kMinServeProbeForwards && row->predicted_ms_sum > 0) {
+                ratios[decode ? 1 : 0].push_back(row->measured_ms_sum / row->predicted_ms_sum);
+            }
+        }
+    }
+    json probe = {{"requests", requests},
+                  {"runs", runs.size()},
+                  {"wall_s", wall_s},
+                  {"speed_cpu_ms", speed_levels}};
+    if (!o.topology.empty()) probe["topology"] = o.topology;
+    for (bool decode : {false, true}) {
+        const char* kind = decode ? "decode" : "extend";
+        const std::vector<double>& per_run = ratios[decode ? 1 : 0];
+        probe[fmt::format("{}_forwards", kind)] = counts[decode ? 1 : 0];
+        probe[fmt::format("{}_run_factors", kind)] = per_run;
+        if (per_run.empty()) {
+            notes->push_back(fmt::format(
+                "serve probe {}: no run had {} {} forwards of tp {} threads {} without another "
+                "instance computing: {} kept the grid's fit",
+                label, kMinServeProbeForwards, kind, tp, threads, kind));
+            probe[fmt::format("{}_factor", kind)] = 1.0;
+            continue;
+        }
+        const double factor = stats::median(per_run);
+        if (!(factor >= kServeProbeFactorRange.first && factor <= kServeProbeFactorRange.second)) {
+            return Status(StatusCode::kUnavailable,
+                          fmt::format("serve probe for tp {} threads {}: the testbed's {} "
+                                      "forwards took {:.2f}x the grid's prediction, outside "
+                                      "[{}, {}]: was the machine busy? (--serve-probe off "
+                                      "skips it)",
+                                      tp, threads, kind, factor, kServeProbeFactorRange.first,
+                                      kServeProbeFactorRange.second));
+        }
+        probe[fmt::format("{}_factor", kind)] = factor;
+    }
+    // Interference (cost_model.h) in this layout, per kind: with iso the scaled grid's time
+    // alone, iso = alone_s + shared_core_s / (1 + x) over the overlapped forwards, solved as a
+    // ratio of sums (as calibrate --from-timeline does); none from fewer than
+    // kMinServeProbeForwards, or when they ran faster than the core share alone predicts.
+    json interference = json::object();
+    json overlapped_counts = json::object();
+    for (bool decode : {false, true}) {
+        const char* kind = decode ? "decode" : "extend";
+        const double factor = probe[fmt::format("{}_factor", kind)].get<double>();
+        double num = 0, den = 0;
+        size_t n = 0;
+        for (const Overlapped& ov : overlapped) {
+            if (ov.decode != decode) continue;
+            num += ov.shared_core_s;
+            den += ov.grid_s * factor - ov.alone_s;
+            ++n;
+        }
+        interference[kind] =
+            n >= kMinServeProbeForwards && den > 0 ? std::max(0.0, num / den - 1) : 0.0;
+        overlapped_counts[kind] = n;
+    }
+    interference["node_cpus"] = cores();
+    interference["overlapped_forwards"] = std::move(overlapped_counts);
+    // Both kinds checked: only now is the fit scaled (a failed probe leaves it the grid's).
+    for (bool decode : {false, true}) {
+        const char* kind = decode ? "decode" : "extend";
+        const double factor = probe[fmt::format("{}_factor", kind)].get<double>();
+        const auto& keys = decode ? std::span<const char* const>(cost::kDecodeKeys)
+                                  : std::span<const char* const>(cost::kExtendKeys);
+        for (auto& [key, value] : fit.at(kind).items()) {
+            const bool coefficient =
+                std::any_of(keys.begin(), keys.end(), [&](const char* k) { return key == k; });
+            if (coefficient && value.is_number()) value = value.get<double>() * factor;
+        }
+    }
+    std::fprintf(stderr,
+                 "calibrate: serve probe tp %d threads %d: testbed forwards / grid fit = "
+                 "extend %.3f (%zu forwards), decode %.3f (%zu forwards); %.1f s\n",
+                 tp, threads, probe["extend_factor"].get<double>(),
+                 probe["extend_forwards"].get<size_t>(), probe["decode_factor"].get<double>(),
+                 probe["decode_forwards"].get<size_t>(), wall_s);
+    std::fprintf(stderr,
+                 "calibrate: serve probe tp %d threads %d: interference extend %+.1f%% (%zu "
+                 "overlapped forwards), decode %+.1f%% (%zu)\n",
+                 tp, threads, 100 * interference["extend"].get<double>(),
+                 interference["overlapped_forwards"]["extend"].get<size_t>(),
+                 100 * interference["decode"].get<double>(),
+                 interference["overlapped_forwards"]["decode"].get<size_t>());
+    fit["interference"] = std::move(interference);
+    fit["serve_probe"] = std::move(probe);
+    return {};
+}
+
+// --topology's workload: kTopologyProbeRequests synthetic requests (the testbed's --synthetic:
+// prompts uniform in 64-1024 tokens, Poisson arrivals at 4 req/s) at a time scale that offers
+// kTopologyProbeLoad of the prefill capacity the grid predicts for the topology: each prefill
+// instance serves 1 / (its mean prompt's prefill time, in chunks of 512) requests a second, and
+// together they cannot use more than the node's cores. kInvalidArgument for a topology without
+// prefill instances or with a TP the fits do not have.
+StatusOr<ProbeWorkload> topology_probe_workload(const CalibrateOptions& o,
+                                                const model::ModelConfig& m,
+                                                const cost::CostFile& grid,
+                                                const topo::Topology& topology, int threads) {
+    constexpr int64_t kChunk = 512;
+    double rate = 0, core_s = 0;
+    int prefill = 0;
+    for (const topo::Instance& inst : topology.instances) {
+        if (inst.role != topo::Role::kPrefill) continue;
+        cost::InstanceSpec spec;
+        spec.model = m;
+        spec.tp = inst.tp;
+        spec.threads = threads;
+        spec.device = "cpu";
+        spec.kv_dtype_bytes = 4;
+        PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<cost::CostModel> model,
+                               cost::make_cost_model("calibrated", spec, &grid));
+        double sum_s = 0;
+        int n = 0;
+        for (int64_t len = 64; len <= 1024; len += 32, ++n) {
+            for (int64_t done = 0; done < len; done += kChunk) {
+                const cost::ExtendItem item{std::min(kChunk, len - done), done};
+                sum_s += model->extend_s(std::span(&item, 1));
+            }
+        }
+        const double mean_s = sum_s / n;
+        rate += 1 / mean_s;
+        core_s += mean_s * inst.tp * threads;
+        ++prefill;
+    }
+    if (prefill == 0) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("--topology {}: no prefill instance", o.topology));
+    }
+    rate = std::min(rate, cores() / (core_s / prefill));
+    ProbeWorkload w;
+    w.synthetic = o.quick ? 24 : kTopologyProbeRequests;
+    w.time_scale = kSyntheticRate / (kTopologyProbeLoad * rate);
+    return w;
+}
+
+// The core wait (cost::CoreWait) from the topology probe's runs: the requests that reached an
+// idle prefill instance while another instance computed on its cores (cost::dispatch_waits),
+// with each instance's cores from the report's ranks (stats.cpus).
+StatusOr<json> measure_core_wait(const std::vector<ProbeRun>& runs) {
+    std::vector<double> busy, idle;
+    for (const ProbeRun& run : runs) {
+        PDSIM_ASSIGN_OR_RETURN(std::string text,
+                               files::read_input_file(run.report, files::kMaxConfigFileBytes));
+        const json report = json::parse(text, nullptr, /*allow_exceptions=*/false);
+        if (report.is_discarded() || !report.contains("ranks") || !report.contains("lifecycle")) {
+            return Status(StatusCode::kUnavailable,
+                          fmt::format("serve probe: {} has no ranks or lifecycle", run.report));
+        }
+        // The per-request CSV names each request's prefill instance; the timeline's request
+        // slices ("rID to first token", from arrival) put the report's clock on the timeline's.
+        PDSIM_ASSIGN_OR_RETURN(std::string csv,
+                               files::read_input_file(run.requests, files::kMaxConfigFileBytes));
+        const auto split = [](const std::string& line) {
+            std::vector<std::string> cells;
+            std::stringstream in(line);
+            for (std::string cell; std::getline(in, cell, ',');) cells.push_back(cell);
+            return cells;
+        };
+        std::map<int64_t, int> instance_of;
+        std::istringstream lines(csv);
+        std::string line;
+        std::getline(lines, line);  // the header (metrics::requests_csv_header)
+        const std::vector<std::string> header = split(line);
+        const auto column = std::find(header.begin(), header.end(), "prefill_instance");
+        if (header.empty() || header[0] != "id" || column == header.end()) {
+            return Status(StatusCode::kUnavailable,
+                          fmt::format("serve probe: {} has no id and prefill_instance columns",
+                                      run.requests));
+        }
+        const size_t at = static_cast<size_t>(column - header.begin());
+        while (std::getline(lines, line)) {
+            const std::vector<std::string> cells = split(line);
+            int64_t id = 0;
+            int instance = 0;
+            if (cells.size() <= at ||
+                std::from_chars(cells[0].data(), cells[0].data() + cells[0].size(), id).ec !=
+                    std::errc() ||
+                std::from_chars(cells[at].data(), cells[at].data() + cells[at].size(), instance)
+                        .ec != std::errc()) {
+                continue;
+            }
+            instance_of[id] = instance;
+        }
+        PDSIM_ASSIGN_OR_RETURN(const auto arrivals,
+                               cost::read_timeline_arrivals(run.timeline, "serve probe"));
+        std::vector<cost::DispatchRequest> requests;
+        for (const json& r : report["lifecycle"]) {
+            if (!r.value("ok", false)) continue;
+            const int64_t id = r.value("id", int64_t{-1});
+            const auto inst = instance_of.find(id);
+            const auto arrival = arrivals.find(id);
+            if (inst == instance_of.end() || arrival == arrivals.end()) continue;
+            const double wait_us =
+                (r.value("prefill_start_ms", 0.0) - r.value("arrival_ms", 0.0)) * 1e3;
+            requests.push_back({.arrival_us = arrival->second,
+                                .prefill_start_us = arrival->second + wait_us,
+                                .instance = inst->second});
+        }
+        const cost::DispatchWaits w =
+            cost::dispatch_waits(requests, run.forwards, run.instance_cpus);
+        busy.insert(busy.end(), w.core_busy_s.begin(), w.core_busy_s.end());
+        idle.insert(idle.end(), w.idle_s.begin(), w.idle_s.end());
+    }
+    const auto mean = [](const std::vector<double>& v) {
+        double sum = 0;
+        for (double x : v) sum += x;
+        return sum / static_cast<double>(v.size());
+    };
+    json out = {{"events", busy.size()}, {"idle_events", idle.size()}};
+    if (!idle.empty()) out["idle_dispatch_ms"] = mean(idle) * 1e3;
+    if (busy.size() >= kMinCoreWaitEvents) out["dispatch_ms"] = mean(busy) * 1e3;
+    return out;
+}
+
+}  // namespace
+
 Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
-                         const json& cost_json, json* fits, json* notes) {
+                         const json& cost_json, json* fits, json* notes, json* core_wait) {
     const std::string mpirun = find_on_path("mpirun");
     if (mpirun.empty()) {
         notes->push_back("serve probe: skipped (no mpirun on PATH): the fits are the grid's alone");
         return {};
     }
     PDSIM_ASSIGN_OR_RETURN(cost::CostFile grid, cost::CostFile::from_json(cost_json, o.out));
+    std::optional<topo::Topology> topology;
+    if (!o.topology.empty()) {
+        PDSIM_ASSIGN_OR_RETURN(topology, topo::load_topology(o.topology));
+    }
     const std::string exe = fs::read_symlink("/proc/self/exe").string();
     const fs::path dir = fs::temp_directory_path() / fmt::format("pdsim-probe-{}", ::getpid());
     std::error_code ec;
@@ -284,170 +673,87 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
             fs::remove_all(dir, e);
         }
     } cleanup{dir};
+    // --topology: one set of runs per thread count, shared by the fits of that thread count.
+    struct SharedRuns {
+        std::vector<ProbeRun> runs;
+        double wall_s = 0;
+        int requests = 0;
+    };
+    std::map<int, SharedRuns> topology_runs;  // by threads
+    std::vector<ProbeRun> all_topology_runs;
     for (json& fit : *fits) {
         const int tp = fit.at("tp").get<int>();
         const int threads = fit.at("threads").get<int>();
+        ProbeSet set;
+        set.threads = threads;
+        if (topology) {
+            auto it = topology_runs.find(threads);
+            if (it == topology_runs.end()) {
+                set.label = fmt::format("topology {} threads {}", o.topology, threads);
+                set.topology = o.topology;
+                set.ranks = topology->num_ranks();
+                PDSIM_ASSIGN_OR_RETURN(set.workload,
+                                       topology_probe_workload(o, m, grid, *topology, threads));
+                set.per_request = true;
+                for (const topo::Instance& inst : topology->instances) {
+                    set.instance_ids.push_back(inst.id);
+                }
+                const auto t0 = Clock::now();
+                PDSIM_ASSIGN_OR_RETURN(
+                    std::vector<ProbeRun> runs,
+                    run_probe_set(o, set, mpirun, exe, dir, fmt::format("topology-t{}", threads),
+                                  grid, m));
+                all_topology_runs.insert(all_topology_runs.end(), runs.begin(), runs.end());
+                SharedRuns shared{
+                    .runs = std::move(runs),
+                    .wall_s = std::chrono::duration<double>(Clock::now() - t0).count(),
+                    .requests = set.workload.synthetic};
+                it = topology_runs.emplace(threads, std::move(shared)).first;
+            }
+            PDSIM_RETURN_IF_ERROR(scale_fit(o, m, grid, it->second.runs,
+                                            fmt::format("topology {}", o.topology),
+                                            it->second.requests, it->second.wall_s, fit, notes));
+            continue;
+        }
         const std::string stem = fmt::format("tp{}-t{}", tp, threads);
-        const std::string topology = (dir / (stem + ".yaml")).string();
-        const std::string report = (dir / (stem + "-report.json")).string();
-        const std::string log = (dir / (stem + ".log")).string();
+        set.label = fmt::format("tp {} threads {}", tp, threads);
+        set.topology = (dir / (stem + ".yaml")).string();
+        set.ranks = 2 * tp;
+        set.workload.max_requests = o.quick ? 24 : kServeProbeRequests;
+        set.instance_ids = {"prefill0", "decode0"};  // probe_topology's
         {
-            std::ofstream out(topology);
+            std::ofstream out(set.topology);
             out << probe_topology(tp);
             if (!out) {
                 return Status(StatusCode::kUnavailable,
-                              fmt::format("serve probe: cannot write {}", topology));
+                              fmt::format("serve probe: cannot write {}", set.topology));
             }
         }
-        // kServeProbeRuns runs (--quick: 1), each compared with the grid on its own: the run's
-        // level moves by several percent (the machine's slow periods), so the factor is the
-        // median of the runs' medians.
-        const int runs = o.quick ? 1 : kServeProbeRuns;
-        std::vector<double> ratios[2];     // extend, decode: per run with enough forwards
-        std::vector<double> speed_levels;  // per run: its ranks' speed probe (ms)
-        // Forwards another instance overlapped (runs pooled), for the fit's interference: the
-        // grid's prediction against the alone / shared split the contention model sees.
-        struct Overlapped {
-            bool decode = false;
-            double alone_s = 0, shared_core_s = 0, grid_s = 0;
-        };
-        std::vector<Overlapped> overlapped;
-        cost::InstanceSpec spec;
-        spec.model = m;
-        spec.tp = tp;
-        spec.threads = threads;
-        spec.device = "cpu";
-        spec.kv_dtype_bytes = 4;
-        PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<cost::CostModel> grid_model,
-                               cost::make_cost_model("calibrated", spec, &grid));
-        size_t counts[2] = {0, 0};
         const auto t0 = Clock::now();
-        for (int run = 0; run < runs; ++run) {
-            const std::string timeline =
-                (dir / fmt::format("{}-r{}-timeline.json", stem, run)).string();
-            const auto args = serve_probe_command(o, mpirun, exe, tp, threads, topology, timeline,
-                                                  report, run + 1);
-            std::string shown;
-            for (const auto& a : args) shown += (shown.empty() ? "" : " ") + a;
-            std::fprintf(stderr, "calibrate: serve probe tp %d threads %d, run %d/%d: %s\n", tp,
-                         threads, run + 1, runs, shown.c_str());
-            if (Status st = run_logged(args, log); !st.ok()) {
-                return Status(StatusCode::kUnavailable,
-                              fmt::format("serve probe for tp {} threads {} (`{}`): {} "
-                                          "(--serve-probe off skips it)",
-                                          tp, threads, shown, st.message()));
-            }
-            PDSIM_ASSIGN_OR_RETURN(std::vector<cost::TimelineForward> all_forwards,
-                                   cost::read_timeline_forwards(timeline, "serve probe"));
-            const std::vector<bool> warmup =
-                cost::decode_warmup(all_forwards, cost::kWakeMinIdleS, kServeProbeWarmupForwards);
-            std::vector<cost::TimelineForward> forwards;
-            for (size_t i = 0; i < all_forwards.size(); ++i) {
-                if (!warmup[i]) forwards.push_back(all_forwards[i]);
-            }
-            for (const cost::OverlapSplit& split : cost::overlap_splits(all_forwards, cores())) {
-                const cost::TimelineForward& f = all_forwards[split.index];
-                if (warmup[split.index] || f.tp != tp || f.threads != threads) continue;
-                const double grid_s = f.decode ? grid_model->decode_s(f.batch, f.kv_tokens)
-                                               : grid_model->extend_s(f.items);
-                overlapped.push_back({f.decode, split.alone_s, split.shared_core_s, grid_s});
-            }
-            PDSIM_ASSIGN_OR_RETURN(std::vector<cost::ForwardCheckRow> rows,
-                                   cost::check_forwards(forwards, grid, m));
-            if (std::optional<cost::SpeedLevel> level = read_speed_level(report);
-                level && level->kernel == kSpeedProbeKernel) {
-                speed_levels.push_back(level->cpu_ms_p50);
-            }
-            for (bool decode : {false, true}) {
-                // The probe's prefill and decode instances both run with this fit's (tp, threads).
-                const cost::ForwardCheckRow* row = all_row(rows, decode, tp, threads);
-                if (row == nullptr) continue;
-                counts[decode ? 1 : 0] += row->count;
-                if (row->count >= kMinServeProbeForwards && row->predicted_ms_sum > 0) {
-                    ratios[decode ? 1 : 0].push_back(row->measured_ms_sum / row->predicted_ms_sum);
-                }
-            }
+        PDSIM_ASSIGN_OR_RETURN(std::vector<ProbeRun> runs,
+                               run_probe_set(o, set, mpirun, exe, dir, stem, grid, m));
+        PDSIM_RETURN_IF_ERROR(scale_fit(o, m, grid, runs, set.label, set.workload.max_requests,
+                                        std::chrono::duration<double>(Clock::now() - t0).count(),
+                                        fit, notes));
+    }
+    if (topology) {
+        PDSIM_ASSIGN_OR_RETURN(json wait, measure_core_wait(all_topology_runs));
+        wait["topology"] = o.topology;
+        wait["runs"] = all_topology_runs.size();
+        if (wait.contains("dispatch_ms")) {
+            std::fprintf(stderr,
+                         "calibrate: serve probe topology %s: work reaching an idle instance "
+                         "while another computed on its cores waited %.2f ms (%zu requests; "
+                         "%.2f ms with its cores idle)\n",
+                         o.topology.c_str(), wait["dispatch_ms"].get<double>(),
+                         wait["events"].get<size_t>(), wait.value("idle_dispatch_ms", 0.0));
+            *core_wait = std::move(wait);
+        } else {
+            notes->push_back(fmt::format(
+                "serve probe topology {}: {} requests reached an idle instance while another "
+                "computed on its cores, fewer than {}: no core_wait",
+                o.topology, wait["events"].get<size_t>(), kMinCoreWaitEvents));
         }
-        json probe = {{"requests", o.quick ? 24 : kServeProbeRequests},
-                      {"runs", runs},
-                      {"wall_s", std::chrono::duration<double>(Clock::now() - t0).count()},
-                      {"speed_cpu_ms", speed_levels}};
-        for (bool decode : {false, true}) {
-            const char* kind = decode ? "decode" : "extend";
-            const std::vector<double>& per_run = ratios[decode ? 1 : 0];
-            probe[fmt::format("{}_forwards", kind)] = counts[decode ? 1 : 0];
-            probe[fmt::format("{}_run_factors", kind)] = per_run;
-            if (per_run.empty()) {
-                notes->push_back(fmt::format(
-                    "serve probe tp {} threads {}: no run had {} {} forwards without another "
-                    "instance computing: {} kept the grid's fit",
-                    tp, threads, kMinServeProbeForwards, kind, kind));
-                probe[fmt::format("{}_factor", kind)] = 1.0;
-                continue;
-            }
-            const double factor = stats::median(per_run);
-            if (!(factor >= kServeProbeFactorRange.first &&
-                  factor <= kServeProbeFactorRange.second)) {
-                return Status(StatusCode::kUnavailable,
-                              fmt::format("serve probe for tp {} threads {}: the testbed's {} "
-                                          "forwards took {:.2f}x the grid's prediction, outside "
-                                          "[{}, {}]: was the machine busy? (--serve-probe off "
-                                          "skips it)",
-                                          tp, threads, kind, factor, kServeProbeFactorRange.first,
-                                          kServeProbeFactorRange.second));
-            }
-            probe[fmt::format("{}_factor", kind)] = factor;
-        }
-        // Interference (cost_model.h) in this layout, per kind: with iso the scaled grid's time
-        // alone, iso = alone_s + shared_core_s / (1 + x) over the overlapped forwards, solved as a
-        // ratio of sums (as calibrate --from-timeline does); none from fewer than
-        // kMinServeProbeForwards, or when they ran faster than the core share alone predicts.
-        json interference = json::object();
-        json overlapped_counts = json::object();
-        for (bool decode : {false, true}) {
-            const char* kind = decode ? "decode" : "extend";
-            const double factor = probe[fmt::format("{}_factor", kind)].get<double>();
-            double num = 0, den = 0;
-            size_t n = 0;
-            for (const Overlapped& ov : overlapped) {
-                if (ov.decode != decode) continue;
-                num += ov.shared_core_s;
-                den += ov.grid_s * factor - ov.alone_s;
-                ++n;
-            }
-            interference[kind] =
-                n >= kMinServeProbeForwards && den > 0 ? std::max(0.0, num / den - 1) : 0.0;
-            overlapped_counts[kind] = n;
-        }
-        interference["node_cpus"] = cores();
-        interference["overlapped_forwards"] = std::move(overlapped_counts);
-        // Both kinds checked: only now is the fit scaled (a failed probe leaves it the grid's).
-        for (bool decode : {false, true}) {
-            const char* kind = decode ? "decode" : "extend";
-            const double factor = probe[fmt::format("{}_factor", kind)].get<double>();
-            const auto& keys = decode ? std::span<const char* const>(cost::kDecodeKeys)
-                                      : std::span<const char* const>(cost::kExtendKeys);
-            for (auto& [key, value] : fit.at(kind).items()) {
-                const bool coefficient =
-                    std::any_of(keys.begin(), keys.end(), [&](const char* k) { return key == k; });
-                if (coefficient && value.is_number()) value = value.get<double>() * factor;
-            }
-        }
-        std::fprintf(stderr,
-                     "calibrate: serve probe tp %d threads %d: testbed forwards / grid fit = "
-                     "extend %.3f (%zu forwards), decode %.3f (%zu forwards); %.1f s\n",
-                     tp, threads, probe["extend_factor"].get<double>(),
-                     probe["extend_forwards"].get<size_t>(), probe["decode_factor"].get<double>(),
-                     probe["decode_forwards"].get<size_t>(), probe["wall_s"].get<double>());
-        std::fprintf(stderr,
-                     "calibrate: serve probe tp %d threads %d: interference extend %+.1f%% (%zu "
-                     "overlapped forwards), decode %+.1f%% (%zu)\n",
-                     tp, threads, 100 * interference["extend"].get<double>(),
-                     interference["overlapped_forwards"]["extend"].get<size_t>(),
-                     100 * interference["decode"].get<double>(),
-                     interference["overlapped_forwards"]["decode"].get<size_t>());
-        fit["interference"] = std::move(interference);
-        fit["serve_probe"] = std::move(probe);
     }
     return {};
 }

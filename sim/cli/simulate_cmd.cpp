@@ -53,6 +53,7 @@ struct SimulateFlags {
     std::string cpu_contention = "on";
     std::string cost_noise = "on";
     std::string speed_scale = "auto";  // auto | off | a factor (--speed-scale)
+    std::string core_wait = "auto";    // auto | off | milliseconds (--core-wait)
     uint64_t noise_seed = 1;
     double cpu_cores = 0;
     std::string cpu_binding = "none";  // none | core | a core per rank, comma-separated
@@ -87,6 +88,8 @@ struct Prepared {
     // --speed-scale auto: each instance's own factor, from its ranks' probe (else speed_factor).
     std::vector<double> instance_speed_factor;
     std::string speed_note;      // how speed_factor was chosen (summary and report)
+    cost::CoreWait core_wait;    // --core-wait resolved
+    std::string core_wait_note;  // where it came from (summary and report)
     std::vector<int> rank_core;  // --cpu-binding resolved: empty, or a core per rank
     std::vector<workload::Request> requests;
     std::string workload_label;
@@ -110,6 +113,19 @@ StatusOr<double> parse_speed_scale(const std::string& v) {
             fmt::format("--speed-scale {}: expected auto, off, or a factor in (0, 100]", v));
     }
     return x;
+}
+
+// --core-wait: nullopt for auto, 0 for off, else the milliseconds.
+StatusOr<std::optional<cost::CoreWait>> parse_core_wait(const std::string& v) {
+    if (v == "auto") return std::optional<cost::CoreWait>();
+    if (v == "off") return std::optional<cost::CoreWait>(cost::CoreWait{});
+    double ms = 0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), ms);
+    if (v.empty() || ec != std::errc() || end != v.data() + v.size() || !(ms >= 0 && ms <= 1000)) {
+        return invalid_argument_error(
+            fmt::format("--core-wait {}: expected auto, off, or milliseconds in [0, 1000]", v));
+    }
+    return std::optional<cost::CoreWait>(cost::CoreWait{ms / 1e3});
 }
 
 // --cpu-binding: "none" and "core" give an empty list; otherwise the comma-separated core ids.
@@ -178,6 +194,7 @@ Status check_flags(const SimulateFlags& f) {
     PDSIM_RETURN_IF_ERROR(on_off("--cpu-contention", f.cpu_contention).status());
     PDSIM_RETURN_IF_ERROR(on_off("--cost-noise", f.cost_noise).status());
     PDSIM_RETURN_IF_ERROR(parse_speed_scale(f.speed_scale).status());
+    PDSIM_RETURN_IF_ERROR(parse_core_wait(f.core_wait).status());
     if (!(f.cpu_cores >= 0) || !std::isfinite(f.cpu_cores)) {
         return invalid_argument_error(fmt::format("--cpu-cores {}: must be >= 0", f.cpu_cores));
     }
@@ -363,6 +380,19 @@ StatusOr<Prepared> prepare(const SimulateFlags& f, const LikeRun* like = nullptr
     }
     p.setups = std::move(*setups);
     PDSIM_RETURN_IF_ERROR(choose_speed_factor(f, like, &p));
+    PDSIM_ASSIGN_OR_RETURN(const std::optional<cost::CoreWait> given_wait,
+                           parse_core_wait(f.core_wait));
+    if (given_wait) {
+        p.core_wait = *given_wait;
+        p.core_wait_note =
+            f.core_wait == "off" ? "none (--core-wait off)" : "as given (--core-wait)";
+    } else if (const std::optional<cost::CoreWait> w =
+                   p.cost_file ? p.cost_file->core_wait() : std::nullopt) {
+        p.core_wait = *w;
+        p.core_wait_note = fmt::format("from {} (core_wait)", p.cost_file->source());
+    } else {
+        p.core_wait_note = "none (the cost model has no core_wait)";
+    }
     PDSIM_ASSIGN_OR_RETURN(p.rank_core, resolve_cpu_binding(f, p.topology));
     const auto t0 = std::chrono::steady_clock::now();
     if (like != nullptr) {
@@ -389,6 +419,7 @@ des::SimConfig make_config(const Prepared& p, const SimulateFlags& f, des::SimMo
     c.noise_seed = f.noise_seed;
     c.node_cpus = f.cpu_cores;
     c.rank_core = p.rank_core;
+    c.core_wait_s = p.core_wait.dispatch_s;
     c.batching.max_decode_kv_tokens = f.max_decode_kv_tokens;
     c.slo.ttft_ms = f.slo_ttft_ms;
     c.slo.tpot_ms = f.slo_tpot_ms;
@@ -477,6 +508,8 @@ metrics::Report simulate_report(const Prepared& p, const SimulateFlags& f,
         r.extra["config"]["max_output_len"] = f.req.max_output_len;
         if (!f.like.empty()) r.extra["config"]["like"] = f.like;
         r.extra["config"]["speed_scale"] = {{"factor", p.speed_factor}, {"why", p.speed_note}};
+        r.extra["config"]["core_wait"] = {{"dispatch_ms", p.core_wait.dispatch_s * 1e3},
+                                          {"why", p.core_wait_note}};
         if (!p.instance_speed_factor.empty()) {
             json per = json::object();
             for (size_t i = 0; i < p.instance_speed_factor.size(); ++i) {
@@ -511,6 +544,8 @@ std::string simulate_summary(const Prepared& p, const SimulateFlags& f,
     s += fmt::format("  cost model: {}\n",
                      results.front().report.extra["simulator"]["cost_model"].get<std::string>());
     s += fmt::format("  machine speed: x{:.3f}, {}\n", p.speed_factor, p.speed_note);
+    s +=
+        fmt::format("  core wait: {:.2f} ms, {}\n", p.core_wait.dispatch_s * 1e3, p.core_wait_note);
     for (const auto& [path, what] :
          {std::pair{f.report, "report"}, std::pair{f.timeline, "timeline"},
           std::pair{f.requests, "requests"}}) {
@@ -929,6 +964,13 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
                     "multiply every forward's time by the run's probe over the calibration's, so "
                     "that a machine that ran slower or faster than while calibrating is simulated "
                     "as it was (else 1); off: 1; or a factor in (0, 100]")
+        ->capture_default_str();
+    sub->add_option("--core-wait", f->core_wait,
+                    "auto: a calibrated cost file's core_wait (pdsim calibrate --topology measures "
+                    "it where ranks of two instances share a core); off: none; or milliseconds. "
+                    "Work that reaches an idle CPU instance while another instance's forward runs "
+                    "on its cores starts that much later (its threads wait for the kernel to "
+                    "schedule them)")
         ->capture_default_str();
     sub->add_option("--cpu-cores", f->cpu_cores,
                     "cores per node for --cpu-contention (0: the node's cpus, else this machine's)")

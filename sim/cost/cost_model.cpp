@@ -17,6 +17,9 @@ namespace pdsim::cost {
 
 namespace {
 
+// A core_wait above this is not a scheduler's wait (a descheduled forward, a stalled machine).
+constexpr double kMaxCoreWaitMs = 1000;
+
 using json = nlohmann::json;
 
 std::string type_name(const json& v) {
@@ -205,6 +208,15 @@ Status validate(const json& j, const std::string& source) {
         }
         PDSIM_RETURN_IF_ERROR(c.number(p, "speed_probe", "cpu_ms_p50", true).status());
     }
+    if (j.contains("core_wait")) {
+        PDSIM_RETURN_IF_ERROR(c.object(j, "", "core_wait"));
+        const json& w = j["core_wait"];
+        PDSIM_ASSIGN_OR_RETURN(const double ms, c.number(w, "core_wait", "dispatch_ms", false));
+        if (ms > kMaxCoreWaitMs) {
+            return c.error("core_wait.dispatch_ms",
+                           fmt::format("{} ms: expected at most {} ms", ms, kMaxCoreWaitMs));
+        }
+    }
     if (j.contains("transports")) {
         const json& t = j["transports"];
         if (!t.is_object()) return c.error("transports", "expected an object, got " + type_name(t));
@@ -292,6 +304,12 @@ std::optional<SpeedLevel> CostFile::speed_probe() const {
     if (!json_.contains("speed_probe")) return std::nullopt;
     const nlohmann::json& p = json_["speed_probe"];
     return SpeedLevel{p.at("kernel").get<std::string>(), p.at("cpu_ms_p50").get<double>()};
+}
+
+std::optional<CoreWait> CostFile::core_wait() const {
+    if (!json_.contains("core_wait")) return std::nullopt;
+    const nlohmann::json& w = json_["core_wait"];
+    return CoreWait{w.at("dispatch_ms").get<double>() / 1e3};
 }
 
 ScaledCostModel::ScaledCostModel(std::shared_ptr<const CostModel> base, double factor)

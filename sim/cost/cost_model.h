@@ -130,6 +130,14 @@ struct SpeedLevel {
 [[nodiscard]] std::optional<SpeedLevel> report_speed_level(const nlohmann::json& report,
                                                            std::string_view instance = {});
 
+// How long work that reaches an idle CPU instance waits before its forward starts while another
+// instance's forward runs on the instance's cores: the router's message, the scheduler and the TP
+// peers each wait for the kernel to give them a core. `pdsim calibrate --topology` measures it in
+// the topology's own layout (cost file key "core_wait", {"dispatch_ms": ...}).
+struct CoreWait {
+    double dispatch_s = 0;
+};
+
 // The cost file written by `pdsim calibrate` (schema in docs/cost-models.md). Loading validates it;
 // errors name the file and the field (exit 2 at the CLI).
 class CostFile {
@@ -146,6 +154,8 @@ public:
     // The speed probe's level while the fits were measured (`speed_probe`, written by calibrate's
     // serve probe), when the file has it.
     [[nodiscard]] std::optional<SpeedLevel> speed_probe() const;
+    // The wait for a shared core (`core_wait`), when the file has it.
+    [[nodiscard]] std::optional<CoreWait> core_wait() const;
 
 private:
     nlohmann::json json_;

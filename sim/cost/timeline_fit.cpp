@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <tuple>
 
@@ -118,20 +119,18 @@ public:
         return false;
     }
 
-    // Alone and shared time of leader forward i, from the other instances' leader forwards.
-    [[nodiscard]] OverlapSplit split(size_t i, double node_cpus) {
+    // Alone and shared time of leader forward i, from the other instances' leader forwards; with
+    // `rank_cores` (per instance, the core of each rank: ranks bound to cores), x's pace while
+    // others compute is its slowest rank's thread share of that rank's core, as the simulator's
+    // bound contention model gives it (cpu_contention.h), instead of the node-wide share.
+    [[nodiscard]] OverlapSplit split(size_t i, double node_cpus,
+                                     std::span<const std::vector<int>> rank_cores = {}) {
+        if (!rank_cores.empty()) return split_bound(i, rank_cores);
         OverlapSplit o{i, 0, 0};
         const TimelineForward& x = slices_[i];
         edges_.clear();
-        // Slices are sorted by begin and none is longer than `longest_`: only those that begin
-        // after x.begin - longest_ can reach into x.
-        auto first =
-            std::lower_bound(slices_.begin(), slices_.end(), x.begin_us - longest_,
-                             [](const TimelineForward& a, double t) { return a.begin_us < t; });
-        for (size_t j = static_cast<size_t>(first - slices_.begin());
-             j < slices_.size() && slices_[j].begin_us < x.end_us; ++j) {
+        for (size_t j : other_leaders(i)) {
             const TimelineForward& y = slices_[j];
-            if (y.tp_rank != 0 || y.instance == x.instance || y.end_us <= x.begin_us) continue;
             edges_.emplace_back(std::max(x.begin_us, y.begin_us), y.compute_threads);
             edges_.emplace_back(std::min(x.end_us, y.end_us), -y.compute_threads);
         }
@@ -157,9 +156,69 @@ public:
     }
 
 private:
+    // The other instances' leader forwards that overlap slice i (in others_). Slices are sorted
+    // by begin and none is longer than `longest_`: only those that begin after
+    // begin - longest_ can reach into it.
+    const std::vector<size_t>& other_leaders(size_t i) {
+        const TimelineForward& x = slices_[i];
+        others_.clear();
+        auto first =
+            std::lower_bound(slices_.begin(), slices_.end(), x.begin_us - longest_,
+                             [](const TimelineForward& a, double t) { return a.begin_us < t; });
+        for (size_t j = static_cast<size_t>(first - slices_.begin());
+             j < slices_.size() && slices_[j].begin_us < x.end_us; ++j) {
+            const TimelineForward& y = slices_[j];
+            if (y.tp_rank != 0 || y.instance == x.instance || y.end_us <= x.begin_us) continue;
+            others_.push_back(j);
+        }
+        return others_;
+    }
+
+    [[nodiscard]] OverlapSplit split_bound(size_t i, std::span<const std::vector<int>> rank_cores) {
+        OverlapSplit o{i, 0, 0};
+        const TimelineForward& x = slices_[i];
+        const auto cores_of = [&](int instance) -> std::span<const int> {
+            if (instance < 0 || static_cast<size_t>(instance) >= rank_cores.size()) return {};
+            return rank_cores[static_cast<size_t>(instance)];
+        };
+        std::vector<double> cuts = {x.begin_us, x.end_us};
+        for (size_t j : other_leaders(i)) {
+            cuts.push_back(std::max(x.begin_us, slices_[j].begin_us));
+            cuts.push_back(std::min(x.end_us, slices_[j].end_us));
+        }
+        std::sort(cuts.begin(), cuts.end());
+        double shared = 0;
+        for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+            const double a = cuts[k], b = cuts[k + 1];
+            if (b <= a) continue;
+            const double mid = (a + b) / 2;
+            // Threads on each of x's cores: x's own, and those of every other instance computing.
+            double pace = 1;
+            bool any = false;
+            for (int core : cores_of(x.instance)) {
+                double threads = 0;
+                for (int c : cores_of(x.instance)) threads += c == core ? x.threads : 0;
+                for (size_t j : others_) {
+                    const TimelineForward& y = slices_[j];
+                    if (!(y.begin_us <= mid && mid < y.end_us)) continue;
+                    any = true;
+                    for (int c : cores_of(y.instance)) threads += c == core ? y.threads : 0;
+                }
+                pace = std::min(pace, 1.0 / std::max(1.0, threads));
+            }
+            if (!any) continue;
+            shared += b - a;
+            o.shared_core_s += (b - a) * pace;
+        }
+        o.alone_s = (x.end_us - x.begin_us - shared) * 1e-6;
+        o.shared_core_s *= 1e-6;
+        return o;
+    }
+
     std::span<const TimelineForward> slices_;
     double longest_ = 0;
     std::vector<std::pair<double, double>> edges_;  // (time, +-cores)
+    std::vector<size_t> others_;                    // other_leaders' result
 };
 
 // The noise of one kind from residual ratios r = measured / fitted: total cv^2 = var(r); slow
@@ -288,6 +347,34 @@ StatusOr<std::vector<TimelineForward>> read_timeline_forwards(const std::string&
     return sorted;
 }
 
+StatusOr<std::map<int64_t, double>> read_timeline_arrivals(const std::string& path,
+                                                           const std::string& flag) {
+    PDSIM_ASSIGN_OR_RETURN(json doc, load_timeline_json(path, flag));
+    const json* events = doc.is_array() ? &doc : nullptr;
+    if (doc.is_object() && doc.contains("traceEvents") && doc["traceEvents"].is_array()) {
+        events = &doc["traceEvents"];
+    }
+    if (events == nullptr) return bad_timeline(flag, path, "no traceEvents array");
+    std::map<int64_t, double> out;
+    constexpr std::string_view kSuffix = " to first token";
+    for (const json& e : *events) {
+        if (!e.is_object() || e.value("cat", std::string()) != "request") continue;
+        const std::string name = e.value("name", std::string());
+        if (name.size() <= kSuffix.size() + 1 || name[0] != 'r' || !name.ends_with(kSuffix)) {
+            continue;
+        }
+        const std::string id = name.substr(1, name.size() - kSuffix.size() - 1);
+        int64_t value = 0;
+        const auto [end, ec] = std::from_chars(id.data(), id.data() + id.size(), value);
+        if (ec != std::errc() || end != id.data() + id.size() || !e.contains("ts") ||
+            !e["ts"].is_number()) {
+            continue;
+        }
+        out[value] = e["ts"].get<double>();
+    }
+    return out;
+}
+
 json fit_to_json(std::span<const char* const> keys, const LinearFit& fit, size_t num_points,
                  const std::string& source) {
     json j;
@@ -353,15 +440,56 @@ StatusOr<TimelineFileSummary> TimelineFitter::add_timeline(
 }
 
 std::vector<OverlapSplit> overlap_splits(std::span<const TimelineForward> forwards,
-                                         double node_cpus) {
+                                         double node_cpus,
+                                         std::span<const std::vector<int>> rank_cores) {
     OverlapIndex index(forwards);
     std::vector<OverlapSplit> out;
     for (size_t i = 0; i < forwards.size(); ++i) {
         if (forwards[i].tp_rank != 0 || !(forwards[i].duration_us > 0) || !index.overlapped(i)) {
             continue;
         }
-        const OverlapSplit o = index.split(i, node_cpus);
+        const OverlapSplit o = index.split(i, node_cpus, rank_cores);
         if (o.shared_core_s > 0) out.push_back(o);
+    }
+    return out;
+}
+
+DispatchWaits dispatch_waits(std::span<const DispatchRequest> requests,
+                             std::span<const TimelineForward> forwards,
+                             std::span<const std::vector<int>> instance_cores) {
+    const auto share_a_core = [&](int a, int b) {
+        if (a < 0 || b < 0 || static_cast<size_t>(a) >= instance_cores.size() ||
+            static_cast<size_t>(b) >= instance_cores.size()) {
+            return false;
+        }
+        for (int core : instance_cores[static_cast<size_t>(a)]) {
+            const auto& other = instance_cores[static_cast<size_t>(b)];
+            if (std::find(other.begin(), other.end(), core) != other.end()) return true;
+        }
+        return false;
+    };
+    DispatchWaits out;
+    for (const DispatchRequest& r : requests) {
+        const double t = r.arrival_us;
+        if (!(r.prefill_start_us >= t)) continue;
+        bool own_busy = false, core_busy = false;
+        for (const TimelineForward& f : forwards) {
+            if (!(f.begin_us <= t && t < f.end_us)) continue;
+            if (f.instance == r.instance) {
+                own_busy = true;
+                break;
+            }
+            core_busy = core_busy || share_a_core(r.instance, f.instance);
+        }
+        for (const DispatchRequest& q : requests) {
+            if (own_busy) break;
+            // An earlier request of the instance still waiting: this one queued behind it.
+            own_busy = &q != &r && q.instance == r.instance && q.arrival_us <= t &&
+                       q.prefill_start_us > t && (q.arrival_us < t || &q < &r);
+        }
+        if (own_busy) continue;
+        const double wait_s = (r.prefill_start_us - t) / 1e6;
+        (core_busy ? out.core_busy_s : out.idle_s).push_back(wait_s);
     }
     return out;
 }

@@ -66,6 +66,12 @@ struct TimelineForward {
 [[nodiscard]] StatusOr<std::vector<TimelineForward>> read_timeline_forwards(
     const std::string& path, const std::string& flag = "--from-timeline");
 
+// The request slices of the timeline at `path` ("r<id> to first token", cat "request", from the
+// request's arrival): request id -> arrival on the timeline's clock (us). Errors as
+// read_timeline_forwards'; a timeline without request slices gives an empty map.
+[[nodiscard]] StatusOr<std::map<int64_t, double>> read_timeline_arrivals(
+    const std::string& path, const std::string& flag = "--from-timeline");
+
 // For forwards sorted by begin (as read_timeline_forwards returns them): whether each overlaps a
 // forward of another instance (any TP rank's), the forwards the simulator's CPU contention model
 // slows down.
@@ -80,14 +86,38 @@ struct TimelineForward {
 // overlapped: its index, the seconds no other instance computed during it (alone_s), and the
 // core-seconds the simulator's node-wide contention model gives it over the rest (shared_core_s:
 // min(1, node_cpus / compute threads running) per compute thread), so that with iso its time
-// alone the model's interference x solves iso = alone_s + shared_core_s / (1 + x).
+// alone the model's interference x solves iso = alone_s + shared_core_s / (1 + x). With
+// `rank_cores` (per timeline instance, the core each of its ranks is bound to), the bound model's
+// share instead (cpu_contention.h): the forward runs at its slowest rank's thread share of that
+// rank's core, 1 / (threads bound there that compute), as `pdsim simulate --cpu-binding` sees it.
 struct OverlapSplit {
     size_t index = 0;
     double alone_s = 0;
     double shared_core_s = 0;
 };
-[[nodiscard]] std::vector<OverlapSplit> overlap_splits(std::span<const TimelineForward> forwards,
-                                                       double node_cpus);
+[[nodiscard]] std::vector<OverlapSplit> overlap_splits(
+    std::span<const TimelineForward> forwards, double node_cpus,
+    std::span<const std::vector<int>> rank_cores = {});
+
+// Work reaching an idle instance while another instance's forward runs on its cores (the
+// simulator's core wait, cost::CoreWait): a request of a testbed run, on the timeline's clock.
+struct DispatchRequest {
+    double arrival_us = 0;        // reached the router
+    double prefill_start_us = 0;  // its first forward began
+    int instance = 0;             // its prefill instance (the timeline's instance index)
+};
+// The dispatch waits (prefill start - arrival) of the requests that arrived with their instance
+// idle (no forward of it in flight, no request of it waiting), split by whether a forward of
+// another instance was then in flight on one of the instance's cores (`instance_cores[i]`: the
+// cores instance i's ranks may run on; an instance beyond it shares nothing). Forwards of every TP
+// rank count; `forwards` sorted by begin or not.
+struct DispatchWaits {
+    std::vector<double> core_busy_s;
+    std::vector<double> idle_s;
+};
+[[nodiscard]] DispatchWaits dispatch_waits(std::span<const DispatchRequest> requests,
+                                           std::span<const TimelineForward> forwards,
+                                           std::span<const std::vector<int>> instance_cores);
 
 struct TimelineFitOptions {
     // Also fit forwards that overlap another instance's (default: set aside for interference).

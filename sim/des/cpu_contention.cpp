@@ -109,6 +109,22 @@ int CpuContention::end_forward(int instance) {
     return node;
 }
 
+bool CpuContention::core_busy_for(int instance) const {
+    const CpuForward& mine = forward(instance);
+    if (mine.node < 0) return false;
+    const Node& nd = nodes_[static_cast<size_t>(mine.node)];
+    for (int other : nd.active) {
+        if (other == instance) continue;
+        if (!nd.bound) return true;
+        for (const auto& [core, threads] : forward(other).core_threads) {
+            for (const auto& [my_core, my_threads] : mine.core_threads) {
+                if (core == my_core) return true;
+            }
+        }
+    }
+    return false;
+}
+
 void CpuContention::fill_bound(const Node& nd) {
     fill_.clear();
     thread_rate_.assign(nd.active.size(), -1);  // -1: still rising

@@ -116,6 +116,11 @@ public:
     // The rate (cores) of every forward in flight on `node`, as (rate, instance) in start order.
     // Valid until the next call.
     [[nodiscard]] std::span<const std::pair<double, int>> share(int node);
+    // Whether a forward of another instance is in flight on a core that contended `instance`'s
+    // threads need (bound nodes: a core it is bound to; else anywhere on its node): work that
+    // reaches it idle then waits for the kernel to schedule its threads (SimConfig::core_wait_s).
+    // O(forwards on the node x cores of each); false for an instance that is not contended.
+    [[nodiscard]] bool core_busy_for(int instance) const;
 
 private:
     std::vector<CpuForward> forwards_;  // per instance

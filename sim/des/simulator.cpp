@@ -64,10 +64,14 @@ private:
     // Lets an idle instance start its next forward once everything else due at this instant has
     // run (the testbed's scheduler drains its messages and engine events before it batches), so
     // requests that become ready at the same time share a forward.
+    // Where another instance's forward runs on x's cores, x's threads first wait for them:
+    // SimConfig::core_wait_s later.
     void kick(Instance& x) {
         if (x.busy || x.kick_pending) return;
+        const double delay_s =
+            cfg_.core_wait_s > 0 && contention_.core_busy_for(x.index) ? cfg_.core_wait_s : 0.0;
         x.kick_pending = true;
-        loop_.schedule(0, [this, i = x.index] {
+        loop_.schedule(delay_s, [this, i = x.index] {
             Instance& y = inst(i);
             y.kick_pending = false;
             if (!y.busy) start_next(y);

@@ -138,6 +138,11 @@ struct SimConfig {
     bool cpu_contention = true;
     double node_cpus = 0;
     std::vector<int> rank_core;
+    // The wait for a core (cost::CoreWait, `pdsim calibrate`'s core_wait): when work reaches an
+    // idle contended instance (a request routed to it, a request's KV landed) while another
+    // instance's forward runs on its cores, its next forward starts core_wait_s later (its
+    // threads wait for the kernel to schedule them). 0: at once.
+    double core_wait_s = 0;
     // Forward-time variation (cost::CostNoise) where an instance's cost model measured it; drawn
     // from a generator seeded with noise_seed and the instance index (a run is reproducible).
     bool cost_noise = true;
