@@ -178,6 +178,9 @@ TEST(CpuContention, CoreWaitDelaysWorkReachingAnIdleInstanceOnABusyCore) {
     apart.rank_core = {0, 0};
     const SimResult shared = run(apart, {req(0, 0, 100, 1), req(1, 50, 100, 1)});
     EXPECT_NEAR(shared.records[1].prefill_start_ms, 55, kEps);
+    apart.core_wait_s = -1;
+    EXPECT_THAT(run_simulation(apart, std::vector<workload::Request>{req(0, 0, 100, 1)}).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("core wait -1 s")));
 }
 
 TEST(CpuContention, SharesMoveWhenAForwardEnds) {

@@ -169,6 +169,10 @@ Status Simulation::check_config() const {
         return invalid_argument_error(
             "simulator: chunk size, max batch tokens and max decode batch must be >= 1");
     }
+    if (!(cfg_.core_wait_s >= 0) || !std::isfinite(cfg_.core_wait_s)) {
+        return invalid_argument_error(
+            fmt::format("simulator: core wait {} s: must be finite and >= 0", cfg_.core_wait_s));
+    }
     for (size_t i = 1; i < trace_.size(); ++i) {
         if (trace_[i].arrival_ms < trace_[i - 1].arrival_ms) {
             return invalid_argument_error(fmt::format(

@@ -385,16 +385,15 @@ void KvSender::Impl::on_peer_failed(int peer, const Status& st) {
         const auto now = Clock::now();
         for (auto it = pending_bootstraps_.begin(); it != pending_bootstraps_.end();) {
             const uint64_t id = it->first;
-            std::erase_if(it->second, [&](const PendingBootstrap& p) {
-                if (p.peer != peer) return false;
+            if (std::erase_if(it->second,
+                              [&](const PendingBootstrap& p) { return p.peer == peer; }) > 0) {
                 aborted_.try_emplace(
                     id,
                     fmt::format("request {}: decode rank {} unreachable before this rank "
                                 "scheduled the request: {}",
                                 id, peer, st.message()),
                     now);
-                return true;
-            });
+            }
             it = it->second.empty() ? pending_bootstraps_.erase(it) : std::next(it);
         }
     }
@@ -462,17 +461,20 @@ void KvSender::Impl::on_tick(Clock::time_point now) {
         // Abort drops them too).
         for (auto it = pending_bootstraps_.begin(); it != pending_bootstraps_.end();) {
             const uint64_t id = it->first;
+            std::string silent;  // why the first dropped bootstrap's decode rank is gone
             std::erase_if(it->second, [&](const PendingBootstrap& p) {
                 const auto heard = std::max(channel_->last_heard(p.peer), p.at);
                 if (now - heard <= opt_.peer_timeout) return false;
-                // As on_peer_failed: the request, once added, fails at once.
-                aborted_.try_emplace(id,
-                                     fmt::format("request {}: decode rank {} silent for {} ms "
-                                                 "before this rank scheduled the request",
-                                                 id, p.peer, ms_since(heard, now)),
-                                     now);
+                if (silent.empty()) {
+                    silent = fmt::format(
+                        "request {}: decode rank {} silent for {} ms before "
+                        "this rank scheduled the request",
+                        id, p.peer, ms_since(heard, now));
+                }
                 return true;
             });
+            // As on_peer_failed: the request, once added, fails at once.
+            if (!silent.empty()) aborted_.try_emplace(id, std::move(silent), now);
             it = it->second.empty() ? pending_bootstraps_.erase(it) : std::next(it);
         }
     }
