@@ -134,13 +134,25 @@ const cost::ForwardCheckRow* all_row(const std::vector<cost::ForwardCheckRow>& r
     return nullptr;
 }
 
-// The speed probe's level in the testbed report at `path` (nullopt when it has none or cannot be
-// read: the probe's factors do not depend on it).
-std::optional<cost::SpeedLevel> read_speed_level(const std::string& path) {
+// The testbed report at `path`, parsed; a discarded value when it cannot be read or parsed (what
+// the probe takes from it then is missing: the speed level, the ranks' CPUs, the lifecycle).
+json read_report(const std::string& path) {
     StatusOr<std::string> bytes = files::read_input_file(path, files::kMaxConfigFileBytes);
-    if (!bytes.ok()) return std::nullopt;
-    const json report = json::parse(*bytes, nullptr, /*allow_exceptions=*/false);
-    return cost::report_speed_level(report);
+    if (!bytes.ok()) return json(json::value_t::discarded);
+    return json::parse(*bytes, nullptr, /*allow_exceptions=*/false);
+}
+
+// The calibrated cost model of the grid's (tp, threads) fit on CPU ranks with an fp32 pool.
+StatusOr<std::unique_ptr<cost::CostModel>> cpu_grid_model(const model::ModelConfig& m,
+                                                          const cost::CostFile& grid, int tp,
+                                                          int threads) {
+    cost::InstanceSpec spec;
+    spec.model = m;
+    spec.tp = tp;
+    spec.threads = threads;
+    spec.device = "cpu";
+    spec.kv_dtype_bytes = 4;
+    return cost::make_cost_model("calibrated", spec, &grid);
 }
 
 }  // namespace
@@ -289,7 +301,9 @@ struct ProbeRun {
     std::vector<bool> warmup;                     // cost::decode_warmup of `forwards`
     std::vector<cost::ForwardCheckRow> rows;      // the forwards outside warm-up against the grid
     std::optional<double> speed_ms;               // the ranks' speed probe level
-    std::string timeline, report, requests;       // the run's files (requests: "" if not asked)
+    std::string timeline, requests;               // the run's files (requests: "" if not asked)
+    std::string report;                           // the report's path
+    json lifecycle;                               // the report's lifecycle (null if none)
     // Per instance (the topology's order, as the timeline numbers them): the CPUs its ranks ran
     // on (from the report's ranks[].stats.cpus), and, where every rank was bound to one core,
     // the core of each rank (cost::overlap_splits' bound model; else empty).
@@ -298,13 +312,10 @@ struct ProbeRun {
 };
 
 // instance_cpus and rank_cores of a run from its report (see ProbeRun); `instance_ids` in the
-// topology's order. A report that cannot be read leaves both empty (the node-wide model then).
-void read_rank_cpus(const std::string& report_path, const std::vector<std::string>& instance_ids,
+// topology's order. A report without ranks leaves both empty (the node-wide model then).
+void read_rank_cpus(const json& report, const std::vector<std::string>& instance_ids,
                     ProbeRun* run) {
-    StatusOr<std::string> bytes = files::read_input_file(report_path, files::kMaxConfigFileBytes);
-    if (!bytes.ok()) return;
-    const json report = json::parse(*bytes, nullptr, /*allow_exceptions=*/false);
-    if (report.is_discarded() || !report.contains("ranks") || !report["ranks"].is_array()) return;
+    if (!report.is_object() || !report.contains("ranks") || !report["ranks"].is_array()) return;
     std::vector<std::vector<int>> cpus(instance_ids.size()), cores(instance_ids.size());
     bool bound = true;
     for (const json& rank : report["ranks"]) {
@@ -380,8 +391,10 @@ StatusOr<std::vector<ProbeRun>> run_probe_set(const CalibrateOptions& o, const P
             if (!r.warmup[i]) kept.push_back(r.forwards[i]);
         }
         PDSIM_ASSIGN_OR_RETURN(r.rows, cost::check_forwards(kept, grid, m));
-        read_rank_cpus(files.report, set.instance_ids, &r);
-        if (std::optional<cost::SpeedLevel> level = read_speed_level(files.report);
+        const json report = read_report(files.report);
+        read_rank_cpus(report, set.instance_ids, &r);
+        if (report.is_object() && report.contains("lifecycle")) r.lifecycle = report["lifecycle"];
+        if (std::optional<cost::SpeedLevel> level = cost::report_speed_level(report);
             level && level->kernel == kSpeedProbeKernel) {
             r.speed_ms = level->cpu_ms_p50;
         }
@@ -407,14 +420,8 @@ Status scale_fit(const CalibrateOptions& o, const model::ModelConfig& m, const c
         double alone_s = 0, shared_core_s = 0, grid_s = 0;
     };
     std::vector<Overlapped> overlapped;
-    cost::InstanceSpec spec;
-    spec.model = m;
-    spec.tp = tp;
-    spec.threads = threads;
-    spec.device = "cpu";
-    spec.kv_dtype_bytes = 4;
     PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<cost::CostModel> grid_model,
-                           cost::make_cost_model("calibrated", spec, &grid));
+                           cpu_grid_model(m, grid, tp, threads));
     size_t counts[2] = {0, 0};
     for (const ProbeRun& run : runs) {
         for (const cost::OverlapSplit& split :
@@ -533,14 +540,8 @@ StatusOr<ProbeWorkload> topology_probe_workload(const CalibrateOptions& o,
     int prefill = 0;
     for (const topo::Instance& inst : topology.instances) {
         if (inst.role != topo::Role::kPrefill) continue;
-        cost::InstanceSpec spec;
-        spec.model = m;
-        spec.tp = inst.tp;
-        spec.threads = threads;
-        spec.device = "cpu";
-        spec.kv_dtype_bytes = 4;
         PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<cost::CostModel> model,
-                               cost::make_cost_model("calibrated", spec, &grid));
+                               cpu_grid_model(m, grid, inst.tp, threads));
         double sum_s = 0;
         int n = 0;
         for (int64_t len = 64; len <= 1024; len += 32, ++n) {
@@ -568,13 +569,11 @@ StatusOr<ProbeWorkload> topology_probe_workload(const CalibrateOptions& o,
 // The core wait (cost::CoreWait) from the topology probe's runs: the requests that reached an
 // idle prefill instance while another instance computed on its cores (cost::dispatch_waits),
 // with each instance's cores from the report's ranks (stats.cpus).
-StatusOr<json> measure_core_wait(const std::vector<ProbeRun>& runs) {
+StatusOr<json> measure_core_wait(const std::vector<const ProbeRun*>& runs) {
     std::vector<double> busy, idle;
-    for (const ProbeRun& run : runs) {
-        PDSIM_ASSIGN_OR_RETURN(std::string text,
-                               files::read_input_file(run.report, files::kMaxConfigFileBytes));
-        const json report = json::parse(text, nullptr, /*allow_exceptions=*/false);
-        if (report.is_discarded() || !report.contains("ranks") || !report.contains("lifecycle")) {
+    for (const ProbeRun* run_ptr : runs) {
+        const ProbeRun& run = *run_ptr;
+        if (!run.lifecycle.is_array() || run.instance_cpus.empty()) {
             return Status(StatusCode::kUnavailable,
                           fmt::format("serve probe: {} has no ranks or lifecycle", run.report));
         }
@@ -616,7 +615,7 @@ StatusOr<json> measure_core_wait(const std::vector<ProbeRun>& runs) {
         PDSIM_ASSIGN_OR_RETURN(const auto arrivals,
                                cost::read_timeline_arrivals(run.timeline, "serve probe"));
         std::vector<cost::DispatchRequest> requests;
-        for (const json& r : report["lifecycle"]) {
+        for (const json& r : run.lifecycle) {
             if (!r.value("ok", false)) continue;
             const int64_t id = r.value("id", int64_t{-1});
             const auto inst = instance_of.find(id);
@@ -680,7 +679,6 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
         int requests = 0;
     };
     std::map<int, SharedRuns> topology_runs;  // by threads
-    std::vector<ProbeRun> all_topology_runs;
     for (json& fit : *fits) {
         const int tp = fit.at("tp").get<int>();
         const int threads = fit.at("threads").get<int>();
@@ -703,7 +701,6 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                     std::vector<ProbeRun> runs,
                     run_probe_set(o, set, mpirun, exe, dir, fmt::format("topology-t{}", threads),
                                   grid, m));
-                all_topology_runs.insert(all_topology_runs.end(), runs.begin(), runs.end());
                 SharedRuns shared{
                     .runs = std::move(runs),
                     .wall_s = std::chrono::duration<double>(Clock::now() - t0).count(),
@@ -737,9 +734,13 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                                         fit, notes));
     }
     if (topology) {
-        PDSIM_ASSIGN_OR_RETURN(json wait, measure_core_wait(all_topology_runs));
+        std::vector<const ProbeRun*> all_runs;
+        for (const auto& [threads, shared] : topology_runs) {
+            for (const ProbeRun& run : shared.runs) all_runs.push_back(&run);
+        }
+        PDSIM_ASSIGN_OR_RETURN(json wait, measure_core_wait(all_runs));
         wait["topology"] = o.topology;
-        wait["runs"] = all_topology_runs.size();
+        wait["runs"] = all_runs.size();
         if (wait.contains("dispatch_ms")) {
             std::fprintf(stderr,
                          "calibrate: serve probe topology %s: work reaching an idle instance "

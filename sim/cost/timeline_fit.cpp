@@ -37,6 +37,19 @@ StatusOr<json> load_timeline_json(const std::string& path, const std::string& fl
     return doc;
 }
 
+// The events of the timeline at `path`: the document itself when it is an array, else its
+// traceEvents array.
+StatusOr<json> load_timeline_events(const std::string& path, const std::string& flag) {
+    PDSIM_ASSIGN_OR_RETURN(json doc, load_timeline_json(path, flag));
+    if (doc.is_array()) return doc;
+    if (doc.is_object() && doc.contains("traceEvents") && doc["traceEvents"].is_array()) {
+        return std::move(doc["traceEvents"]);
+    }
+    return bad_timeline(flag, path,
+                        "no traceEvents array (expected the timeline of pdsim testbed "
+                        "--timeline)");
+}
+
 // The forward slices of `events` with batch args, in file order: times, instance and TP place
 // (every TP rank's: a follower's forward overlapping another instance's leader counts as that
 // instance computing); `args` gets each one's args, for its batch.
@@ -311,19 +324,10 @@ std::vector<bool> overlapped_forwards(std::span<const TimelineForward> forwards)
 
 StatusOr<std::vector<TimelineForward>> read_timeline_forwards(const std::string& path,
                                                               const std::string& flag) {
-    PDSIM_ASSIGN_OR_RETURN(json doc, load_timeline_json(path, flag));
-    const json* events = doc.is_array() ? &doc : nullptr;
-    if (doc.is_object() && doc.contains("traceEvents") && doc["traceEvents"].is_array()) {
-        events = &doc["traceEvents"];
-    }
-    if (events == nullptr) {
-        return bad_timeline(flag, path,
-                            "no traceEvents array (expected the timeline of pdsim testbed "
-                            "--timeline)");
-    }
+    PDSIM_ASSIGN_OR_RETURN(const json events, load_timeline_events(path, flag));
     std::vector<const json*> args;
     PDSIM_ASSIGN_OR_RETURN(std::vector<TimelineForward> slices,
-                           read_slices(*events, path, flag, &args));
+                           read_slices(events, path, flag, &args));
     // Sorted by begin as the fit needs them; the batches are read in that order, so that the
     // first bad one is the earliest.
     std::vector<size_t> order(slices.size());
@@ -349,15 +353,10 @@ StatusOr<std::vector<TimelineForward>> read_timeline_forwards(const std::string&
 
 StatusOr<std::map<int64_t, double>> read_timeline_arrivals(const std::string& path,
                                                            const std::string& flag) {
-    PDSIM_ASSIGN_OR_RETURN(json doc, load_timeline_json(path, flag));
-    const json* events = doc.is_array() ? &doc : nullptr;
-    if (doc.is_object() && doc.contains("traceEvents") && doc["traceEvents"].is_array()) {
-        events = &doc["traceEvents"];
-    }
-    if (events == nullptr) return bad_timeline(flag, path, "no traceEvents array");
+    PDSIM_ASSIGN_OR_RETURN(const json events, load_timeline_events(path, flag));
     std::map<int64_t, double> out;
     constexpr std::string_view kSuffix = " to first token";
-    for (const json& e : *events) {
+    for (const json& e : events) {
         if (!e.is_object() || e.value("cat", std::string()) != "request") continue;
         const std::string name = e.value("name", std::string());
         if (name.size() <= kSuffix.size() + 1 || name[0] != 'r' || !name.ends_with(kSuffix)) {
