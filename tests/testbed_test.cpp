@@ -10,12 +10,14 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/cli_test_util.h"
@@ -25,6 +27,8 @@ namespace pdsim::test {
 namespace {
 
 using nlohmann::json;
+using ::testing::AllOf;
+using ::testing::StartsWith;
 
 const std::string kSource = PDSIM_SOURCE_DIR;
 
@@ -470,14 +474,54 @@ void expect_partial_report(const TempDir& dir, const std::string& cause, const C
     int rows = -1;  // the header
     while (std::getline(csv, line)) ++rows;
     EXPECT_EQ(rows, completed + failed);
-    // The journal stays beside the report, one line per finished request after its header (and
-    // the mark that the report was written, when rank 0 wrote it).
+    // The journal stays beside the report, one line per finished request after its header
+    // (besides them: the cause the signal's handler began with, the ranks found dead, and the
+    // mark that the report was written).
     std::istringstream journal(slurp(dir.str("r.json") + ".journal.jsonl"));
-    int lines = -1;
+    int lines = 0;
+    std::getline(journal, line);  // the header
     while (std::getline(journal, line)) {
-        if (line.find("\"report_written\"") == std::string::npos) ++lines;
+        const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+        if (j.is_object() && j.contains("id")) ++lines;
     }
     EXPECT_EQ(lines, completed + failed);
+}
+
+// Waits (at most 15 s) until the journal beside `dir`/r.json says its report was written: a
+// report keeper writes it just after the run's process died, so it may come after the run's end.
+void wait_for_report(const TempDir& dir) {
+    const std::string journal = dir.str("r.json") + ".journal.jsonl";
+    for (int i = 0; i < 150; ++i) {
+        if (slurp(journal).find("\"report_written\"") != std::string::npos) return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ADD_FAILURE() << "no report written within 15 s: " << journal << ":\n"
+                  << slurp(journal).substr(0, 2000);
+}
+
+// kill -9 of a run's only process (ranks as threads): nothing in it can write the report, so its
+// report keeper (ResultJournal::start_keeper), a process of its own, finds it gone and writes the
+// report from the journal, naming rank 0 as dead; and takes its lock only while it writes.
+TEST(TestbedStop, KilledProcessLeavesAReportFromItsKeeper) {
+    TempDir dir("tb_stop_keeper");
+    const std::vector<std::string> args = {"--synthetic",     "300",        "--mode",
+                                           "disagg",          "--quiet",    "--report",
+                                           dir.str("r.json"), "--requests", dir.str("r.csv")};
+    StopResult s = run_and_stop(0, args, dir.str("r.json") + ".journal.jsonl", 3, "kill -9 $pid");
+    EXPECT_EQ(s.cmd.rc, 128 + 9) << s.cmd.describe();
+    wait_for_report(dir);
+    const std::string cause =
+        "rank 0 (prefill leader, router, report writer) died before it "
+        "wrote the report";
+    expect_partial_report(dir, cause, s.cmd);
+    const json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.contains("dead_ranks")) << rep.dump(1).substr(0, 2000);
+    EXPECT_EQ(rep["dead_ranks"][0]["rank"], 0);
+    EXPECT_EQ(rep["dead_ranks"][0]["instance"], "prefill0");
+    // The run's configuration, as rank 0 would have written it (the journal's header holds it).
+    ASSERT_TRUE(rep["config"].is_object()) << rep.dump(1).substr(0, 2000);
+    EXPECT_FALSE(rep["config"].empty());
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "r.json.recover")) << "the lock is removed";
 }
 
 // SIGTERM (a user's ^C is SIGINT, handled alike) half-way through a run of ranks as threads:
@@ -566,9 +610,9 @@ TEST(TestbedStop, HungDecodeRankUnderMpirunEndsTheRunWithAReport) {
 }
 
 // kill -9 of rank 0 (the prefill leader, the router and the report's writer) under mpirun: it
-// cannot write the report, so the decode rank, on the same host and told rank 0's pid by its
-// pulse, finds it gone when mpirun terminates the job and writes the report from rank 0's journal
-// (ResultJournal::standby), naming rank 0 as dead.
+// cannot write the report, so its report keeper, or the decode rank (on the same host and told
+// rank 0's pid by its pulse, it finds it gone when mpirun terminates the job: ResultJournal::
+// standby), writes the report from rank 0's journal, naming rank 0 as dead.
 TEST(TestbedStop, DeadRouterRankUnderMpirunLeavesAReport) {
     TempDir dir("tb_stop_router_dead");
     const std::vector<std::string> args = {"--synthetic",     "100",        "--mode",
@@ -579,7 +623,9 @@ TEST(TestbedStop, DeadRouterRankUnderMpirunLeavesAReport) {
     EXPECT_NE(s.cmd.rc, 0) << s.cmd.describe();
     EXPECT_GT(s.end_s, 0) << s.cmd.describe();
     EXPECT_LT(s.end_s, 15) << s.cmd.describe();
-    EXPECT_THAT(s.cmd.err, HasSubstr("pdsim: rank 1: rank 0 died: wrote "));
+    // Rank 0's report keeper or the decode rank's standby, whichever comes first (the keeper
+    // wakes at the death, the standby at mpirun's SIGTERM; a lock makes one the writer).
+    wait_for_report(dir);
     expect_partial_report(dir, "rank 0 (prefill leader, router, report writer) died", s.cmd);
     const json rep = load_json(dir.path() / "r.json");
     ASSERT_TRUE(rep.contains("dead_ranks")) << rep.dump(1).substr(0, 2000);
@@ -659,6 +705,113 @@ TEST(TestbedStop, ANormalEndRemovesTheJournal) {
     json rep = load_json(dir.path() / "r.json");
     EXPECT_EQ(rep["requests_lost"], 0);
     EXPECT_FALSE(std::filesystem::exists(dir.str("r.json") + ".journal.jsonl"));
+}
+
+// A journal as a run leaves it (header, finished requests, the watcher's cause, a last line cut by
+// the death), written by hand: `pdsim recover-report` writes the report and CSV it names from it,
+// relative paths against the run's directory; a second call leaves that report as it is.
+TEST(RecoverReport, WritesTheReportAJournalNames) {
+    TempDir dir("recover_report");
+    const json head = {{"journal", "pdsim testbed"},
+                       {"requests_submitted", 10},
+                       {"config", "--synthetic 10"},
+                       {"run",
+                        {{"mode", "disagg"},
+                         {"topology", "cpu-1p1d"},
+                         {"model", "tiny"},
+                         {"rank0_instance", "prefill0"},
+                         {"slo_ttft_ms", 1000.0},
+                         {"slo_tpot_ms", 100.0},
+                         {"report_path", "r.json"},
+                         {"requests_path", "r.csv"},
+                         {"cwd", dir.str("")},
+                         {"started_unix_s", 1.0e9},
+                         {"pid", 1},
+                         {"report_config", {{"topology", "cpu-1p1d"}}}}}};
+    auto request = [](int id, bool ok) {
+        return json{{"phase", "disagg"},
+                    {"id", id},
+                    {"ok", ok},
+                    {"error", ok ? "" : "decode rank 1 unreachable"},
+                    {"arrival_ms", 10.0 * id},
+                    {"first_token_ms", 10.0 * id + 50},
+                    {"finish_ms", 10.0 * id + 90},
+                    {"input_len", 100},
+                    {"output_len", 8},
+                    {"generated", ok ? 8 : 0},
+                    {"prefill_instance", 0},
+                    {"decode_instance", 1},
+                    {"queue_ms", 1.0},
+                    {"prefill_start_ms", 10.0 * id + 2}};
+    };
+    {
+        std::ofstream f(dir.path() / "r.json.journal.jsonl");
+        f << head.dump() << "\n"
+          << request(0, true).dump() << "\n"
+          << request(3, true).dump() << "\n"
+          << request(5, false).dump() << "\n"
+          << json{{"dead_rank", 1},
+                  {"phase", "disagg"},
+                  {"instance", "decode0"},
+                  {"detected_at_s", 2.5},
+                  {"silent_s", 5.2}}
+                 .dump()
+          << "\n"
+          << json{{"stopping", "stopped by SIGTERM"}}.dump() << "\n"
+          << R"({"phase": "disagg", "id": 7, "ok": tr)";  // cut by the death
+    }
+    // From another directory: the report goes beside the journal, where the run wrote.
+    CmdResult r = run_pdsim({"recover-report", dir.str("r.json.journal.jsonl")});
+    ASSERT_EQ(r.rc, 0) << r.describe();
+    EXPECT_THAT(r.out, HasSubstr("2 completed, 1 failed, 7 lost of 10"));
+    const json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << r.describe();
+    EXPECT_EQ(rep["requests_submitted"], 10);
+    EXPECT_EQ(rep["requests_completed"], 2);
+    EXPECT_EQ(rep["requests_failed"], 1);
+    EXPECT_EQ(rep["requests_lost"], 7);
+    EXPECT_EQ(rep["lost_requests"], json({1, 2, 4, 6, 7, 8, 9}));
+    EXPECT_EQ(rep["topology"], "cpu-1p1d");
+    EXPECT_EQ(rep["config"], json({{"topology", "cpu-1p1d"}}));
+    EXPECT_THAT(rep["incomplete"]["cause"].get<std::string>(),
+                AllOf(StartsWith("stopped by SIGTERM; then written by pdsim recover-report"),
+                      HasSubstr("r.json.journal.jsonl")));
+    ASSERT_TRUE(rep["dead_ranks"].is_array()) << rep.dump(1).substr(0, 2000);
+    EXPECT_EQ(rep["dead_ranks"][0]["instance"], "decode0");
+    std::istringstream csv(slurp(dir.path() / "r.csv"));
+    std::string line;
+    int rows = -1;
+    while (std::getline(csv, line)) ++rows;
+    EXPECT_EQ(rows, 3);
+    // The journal now says the report was written: a second call (or a keeper) leaves it.
+    std::filesystem::remove(dir.path() / "r.csv");
+    r = run_pdsim({"recover-report", dir.str("r.json.journal.jsonl")});
+    EXPECT_EQ(r.rc, 0) << r.describe();
+    EXPECT_THAT(r.out, HasSubstr("the run wrote its report"));
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "r.csv"));
+}
+
+// Bad journals: exit 2 naming the file and line; a missing file names the argument.
+TEST(RecoverReport, BadJournalsAreNamed) {
+    TempDir dir("recover_report_bad");
+    auto recover = [&](const std::string& name, const std::string& text) {
+        std::ofstream(dir.path() / name) << text;
+        return run_pdsim({"recover-report", dir.str(name)});
+    };
+    CmdResult r = recover("not.jsonl", "{\"requests_submitted\": 3}\n");
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("not.jsonl:1: not a pdsim testbed journal"));
+    r = recover("old.jsonl", "{\"journal\": \"pdsim testbed\", \"requests_submitted\": 3}\n");
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("old.jsonl:1: no \"run\" object"));
+    r = recover("field.jsonl",
+                R"({"journal": "pdsim testbed", "requests_submitted": 3, "run": {"mode": "x"}})"
+                "\n");
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("field.jsonl:1: run.mode"));
+    r = run_pdsim({"recover-report", dir.str("none")});
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("none"));
 }
 
 // Bad input: exit 2, one message naming the file:line or the flag.

@@ -41,6 +41,9 @@ void add_bench_transfer_command(CLI::App& bench, CommandSet& commands);
 void add_bench_simulate_command(CLI::App& bench, CommandSet& commands);
 // `pdsim testbed [...]`: the multi-rank PD serving testbed (sim/cli/testbed_cmd.cpp).
 void add_testbed_command(CLI::App& app, CommandSet& commands);
+// `pdsim recover-report JOURNAL`: a killed testbed run's report from its journal
+// (sim/cli/recover_report_cmd.cpp).
+void add_recover_report_command(CLI::App& app, CommandSet& commands);
 // `pdsim simulate [...]`: the discrete-event simulator (sim/cli/simulate_cmd.cpp).
 void add_simulate_command(CLI::App& app, CommandSet& commands);
 // `pdsim calibrate [...]`: measures the CPU testbed, writes a cost file

@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
     pdsim::cli::add_topology_command(app, commands);
     pdsim::cli::add_bench_commands(app, commands);
     pdsim::cli::add_testbed_command(app, commands);
+    pdsim::cli::add_recover_report_command(app, commands);
     pdsim::cli::add_simulate_command(app, commands);
     pdsim::cli::add_calibrate_command(app, commands);
     pdsim::cli::add_cost_check_command(app, commands);

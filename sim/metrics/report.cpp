@@ -1,7 +1,14 @@
 #include "sim/metrics/report.h"
 
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <fstream>
 
 #include "common/text.h"
@@ -109,14 +116,43 @@ nlohmann::json to_json(const Report& r) {
     return j;
 }
 
-Status write_report(const std::string& path, const Report& report) {
-    std::ofstream f(path);
-    if (!f)
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("{}: cannot open report file for writing", path));
-    f << text::dump_json(to_json(report), 2) << "\n";  // never throws on content
-    if (!f) return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path));
+namespace {
+
+// Writes `content` to `path` whole: into a temporary file beside it, renamed over it, so that no
+// reader, nor a writer killed half-way, ever sees a cut file. A path that exists and is not a
+// regular file (/dev/stdout, a pipe) is written in place.
+Status write_whole(const std::string& path, const std::string& content, const char* what) {
+    struct stat st {};
+    const bool in_place = ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode);
+    const std::string target =
+        in_place ? path : fmt::format("{}.tmp-{}", path, static_cast<long>(::getpid()));
+    {
+        std::ofstream f(target, std::ios::binary);
+        if (!f) {
+            return Status(StatusCode::kInvalidArgument,
+                          fmt::format("{}: cannot open {} file for writing", path, what));
+        }
+        f << content;
+        f.flush();
+        if (!f) {
+            f.close();
+            if (!in_place) std::remove(target.c_str());
+            return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path));
+        }
+    }
+    if (!in_place && std::rename(target.c_str(), path.c_str()) != 0) {
+        const std::string why = std::strerror(errno);
+        std::remove(target.c_str());
+        return Status(StatusCode::kUnavailable,
+                      fmt::format("{}: cannot replace it with {}: {}", path, target, why));
+    }
     return {};
+}
+
+}  // namespace
+
+Status write_report(const std::string& path, const Report& report) {
+    return write_whole(path, text::dump_json(to_json(report), 2) + "\n", "report");
 }
 
 std::string requests_csv_header() {
@@ -140,14 +176,9 @@ std::string requests_csv_row(const RequestRecord& q) {
 }
 
 Status write_requests_csv(const std::string& path, const std::vector<RequestRecord>& records) {
-    std::ofstream f(path);
-    if (!f)
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("{}: cannot open requests file for writing", path));
-    f << requests_csv_header();
-    for (const auto& q : records) f << requests_csv_row(q);
-    if (!f) return Status(StatusCode::kUnavailable, fmt::format("{}: write failed", path));
-    return {};
+    std::string text = requests_csv_header();
+    for (const auto& q : records) text += requests_csv_row(q);
+    return write_whole(path, text, "requests");
 }
 
 std::string summary_table(const Report& r) {

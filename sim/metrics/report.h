@@ -126,6 +126,9 @@ struct Report {
 void summarize_requests(const std::vector<RequestRecord>& records, const Slo& slo, Report* report);
 
 [[nodiscard]] nlohmann::json to_json(const Report& report);
+// Both writers write the file whole: into a temporary file beside it, renamed over it (a reader, or
+// a writer killed half-way, never leaves a cut file); a path that is not a regular file
+// (/dev/stdout) is written in place. kInvalidArgument when it cannot be opened.
 [[nodiscard]] Status write_report(const std::string& path, const Report& report);
 // Per-request CSV: id, arrival_ms, ttft_ms, tpot_ms, e2e_ms, input_len, output_len, generated,
 // ok, prefill_instance, decode_instance, transfer_bytes, transfer_ms, queue_ms, prefill_wait_ms

@@ -2,9 +2,13 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <poll.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -18,11 +22,18 @@
 #include "sim/testbed/phase_report.h"
 #include "sim/testbed/server.h"
 
+extern char** environ;
+
 namespace pdsim::testbed {
 
 namespace {
 
 using json = nlohmann::json;
+
+double unix_now_s() {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+}
 
 // The armed journal's pipe (write end) for the signal handler; -1 when none is armed.
 std::atomic<int> g_signal_fd{-1};
@@ -70,8 +81,42 @@ json record_json(Phase phase, const metrics::RequestRecord& r) {
 
 }  // namespace
 
+ResultJournal::ResultJournal(const ResolvedConfig* cfg) : cfg_(cfg) {
+    if (cfg == nullptr) return;
+    const TestbedOptions& o = cfg->options;
+    head_.submitted = static_cast<int64_t>(cfg->requests.size());
+    head_.mode = o.mode;
+    head_.topology = cfg->topology.name;
+    head_.model = cfg->model.name;
+    head_.rank0_instance =
+        cfg->topology.instances.empty() ? std::string() : cfg->topology.instances[0].id;
+    head_.slo_ttft_ms = o.slo_ttft_ms;
+    head_.slo_tpot_ms = o.slo_tpot_ms;
+    head_.report_path = o.report_path;
+    head_.requests_path = o.requests_path;
+    std::error_code ec;
+    head_.cwd = std::filesystem::current_path(ec).string();
+    head_.config = testbed_config_json(*cfg);
+    head_.started_unix_s = unix_now_s();
+}
+
+double ResultJournal::elapsed_s() const {
+    return recovered_ ? unix_now_s() - head_.started_unix_s : (now_us() - t_start_us_) / 1e6;
+}
+
+std::string ResultJournal::in_run_dir(const std::string& path) const {
+    if (!recovered_ || path.empty() || path.front() == '/' || head_.cwd.empty()) return path;
+    return (std::filesystem::path(head_.cwd) / path).string();
+}
+
+void ResultJournal::append_line(const json& line) {
+    if (file_ == nullptr) return;
+    std::fprintf(file_, "%s\n", text::dump_json(line).c_str());
+    std::fflush(file_);
+}
+
 StatusOr<std::unique_ptr<ResultJournal>> ResultJournal::open(const ResolvedConfig& cfg) {
-    std::unique_ptr<ResultJournal> j(new ResultJournal(cfg));
+    std::unique_ptr<ResultJournal> j(new ResultJournal(&cfg));
     j->t_start_us_ = now_us();
     const std::string& report = cfg.options.report_path;
     if (!report.empty()) {
@@ -82,18 +127,31 @@ StatusOr<std::unique_ptr<ResultJournal>> ResultJournal::open(const ResolvedConfi
                           fmt::format("--report {}: cannot create its journal {}: {}", report,
                                       j->path_, std::strerror(errno)));
         }
+        const RunHead& h = j->head_;
         const json head = {{"journal", "pdsim testbed"},
-                           {"requests_submitted", cfg.requests.size()},
-                           {"config", text::sanitize_utf8(describe(cfg.options))}};
-        std::fprintf(j->file_, "%s\n", text::dump_json(head).c_str());
-        std::fflush(j->file_);
+                           {"requests_submitted", h.submitted},
+                           {"config", text::sanitize_utf8(describe(cfg.options))},
+                           {"run",
+                            {{"mode", mode_name(h.mode)},
+                             {"topology", text::sanitize_utf8(h.topology)},
+                             {"model", text::sanitize_utf8(h.model)},
+                             {"rank0_instance", text::sanitize_utf8(h.rank0_instance)},
+                             {"slo_ttft_ms", h.slo_ttft_ms},
+                             {"slo_tpot_ms", h.slo_tpot_ms},
+                             {"report_path", text::sanitize_utf8(h.report_path)},
+                             {"requests_path", text::sanitize_utf8(h.requests_path)},
+                             {"cwd", text::sanitize_utf8(h.cwd)},
+                             {"started_unix_s", h.started_unix_s},
+                             {"pid", static_cast<int64_t>(::getpid())},
+                             {"report_config", h.config}}}};
+        j->append_line(head);
     }
     return j;
 }
 
 std::unique_ptr<ResultJournal> ResultJournal::standby(const ResolvedConfig& cfg, int rank,
                                                       std::function<bool()> rank0_dead) {
-    std::unique_ptr<ResultJournal> j(new ResultJournal(cfg));
+    std::unique_ptr<ResultJournal> j(new ResultJournal(&cfg));
     j->t_start_us_ = now_us();
     if (!cfg.options.report_path.empty()) j->path_ = cfg.options.report_path + ".journal.jsonl";
     j->standby_ = true;
@@ -102,21 +160,92 @@ std::unique_ptr<ResultJournal> ResultJournal::standby(const ResolvedConfig& cfg,
     return j;
 }
 
-Status ResultJournal::load_file() {
+Status ResultJournal::read_head(const std::string& line) {
+    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    auto bad = [&](const std::string& why) {
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{}:1: {} (a pdsim testbed journal starts with "
+                                  "{{\"journal\": \"pdsim testbed\", ...}})",
+                                  path_, why));
+    };
+    if (!j.is_object() || j.value("journal", "") != "pdsim testbed") {
+        return bad("not a pdsim testbed journal");
+    }
+    const json run = j.value("run", json());
+    if (!run.is_object()) {
+        return bad("no \"run\" object (written by a pdsim older than recover-report)");
+    }
+    try {
+        RunHead h;
+        h.submitted = j.at("requests_submitted").get<int64_t>();
+        StatusOr<Mode> mode = parse_mode(run.at("mode").get<std::string>());
+        if (!mode.ok()) return bad("run.mode: " + mode.status().message());
+        h.mode = *mode;
+        h.topology = run.at("topology").get<std::string>();
+        h.model = run.at("model").get<std::string>();
+        h.rank0_instance = run.value("rank0_instance", "");
+        h.slo_ttft_ms = run.at("slo_ttft_ms").get<double>();
+        h.slo_tpot_ms = run.at("slo_tpot_ms").get<double>();
+        h.report_path = run.at("report_path").get<std::string>();
+        h.requests_path = run.value("requests_path", "");
+        h.cwd = run.value("cwd", "");
+        h.started_unix_s = run.at("started_unix_s").get<double>();
+        h.config = run.value("report_config", json::object());
+        if (h.submitted < 0 || h.submitted > (int64_t{1} << 31)) {
+            return bad(fmt::format("requests_submitted {} out of range", h.submitted));
+        }
+        if (h.report_path.empty()) return bad("run.report_path is empty");
+        head_ = std::move(h);
+    } catch (const json::exception& e) {
+        return bad(fmt::format("a field of \"run\" is missing or of the wrong type: {}", e.what()));
+    }
+    return {};
+}
+
+Status ResultJournal::load_file(bool read_header) {
     std::ifstream in(path_);
     if (!in) {
         return PDSIM_ERROR(StatusCode::kNotFound, "rank 0's journal {}: {}", path_,
                            std::strerror(errno));
     }
     std::string line;
-    std::getline(in, line);  // the header
+    if (!std::getline(in, line)) {
+        return Status(StatusCode::kInvalidArgument, fmt::format("{}:1: empty journal", path_));
+    }
+    if (read_header) PDSIM_RETURN_IF_ERROR(read_head(line));
+    std::vector<std::string> lines;
     while (std::getline(in, line)) {
-        const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
-        if (!j.is_object()) continue;  // a line cut by the death
+        // Written by rank 0 or a recovery after it (then past a line the death cut).
+        if (line == R"({"report_written":true})") {
+            return PDSIM_ERROR(StatusCode::kAlreadyExists, "rank 0 wrote the report");
+        }
+        lines.push_back(std::move(line));
+    }
+    for (size_t i = 0; i < lines.size(); ++i) {
+        const json j = json::parse(lines[i], nullptr, /*allow_exceptions=*/false);
+        if (!j.is_object()) {
+            if (i + 1 == lines.size()) break;  // a line cut by the death
+            return Status(StatusCode::kInvalidArgument,
+                          fmt::format("{}:{}: not a JSON object", path_, i + 2));
+        }
         if (j.contains("report_written")) {
             return PDSIM_ERROR(StatusCode::kAlreadyExists, "rank 0 wrote the report");
         }
-        const std::string phase = j.value("phase", "");
+        if (j.contains("stopping")) {
+            stopping_cause_ = j.value("stopping", "");
+            continue;
+        }
+        const std::string phase_text = j.value("phase", "");
+        const Phase phase =
+            phase_text == phase_name(Phase::kColocated) ? Phase::kColocated : Phase::kDisagg;
+        if (j.contains("dead_rank")) {
+            std::lock_guard<std::mutex> lock(mu_);
+            log_of(phase).dead_ranks.push_back({.rank = j.value("dead_rank", -1),
+                                                .instance = j.value("instance", ""),
+                                                .detected_at_s = j.value("detected_at_s", 0.0),
+                                                .silent_s = j.value("silent_s", 0.0)});
+            continue;
+        }
         metrics::RequestRecord r;
         r.id = j.value("id", int64_t{-1});
         r.ok = j.value("ok", false);
@@ -131,14 +260,155 @@ Status ResultJournal::load_file() {
         r.decode_instance = j.value("decode_instance", -1);
         r.queue_ms = j.value("queue_ms", -1.0);
         r.prefill_start_ms = j.value("prefill_start_ms", -1.0);
-        record(phase == phase_name(Phase::kColocated) ? Phase::kColocated : Phase::kDisagg, r);
+        record(phase, r);
     }
+    return {};
+}
+
+StatusOr<std::string> ResultJournal::recover(const std::string& journal_path,
+                                             const std::string& cause, bool rank0_died) {
+    std::unique_ptr<ResultJournal> j(new ResultJournal(nullptr));
+    j->path_ = journal_path;
+    j->recovered_ = true;
+    PDSIM_RETURN_IF_ERROR(j->load_file(/*read_header=*/true));
+    std::string lock;
+    if (rank0_died) {
+        std::lock_guard<std::mutex> guard(j->mu_);
+        const Phase last =
+            j->phases_.empty()
+                ? (j->head_.mode == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
+                : j->phases_.back().phase;
+        j->log_of(last).dead_ranks.push_back({.rank = 0,
+                                              .instance = j->head_.rank0_instance,
+                                              .detected_at_s = j->elapsed_s(),
+                                              .silent_s = -1});
+        lock = j->in_run_dir(j->head_.report_path) + ".recover";
+        const int fd = ::open(lock.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+        if (fd < 0) {
+            return PDSIM_ERROR(StatusCode::kAlreadyExists, "{} exists: another process writes {}",
+                               lock, j->head_.report_path);
+        }
+        ::close(fd);
+    }
+    const std::string full_cause =
+        j->stopping_cause_.empty() ? cause : j->stopping_cause_ + "; then " + cause;
+    StatusOr<std::string> counts = j->write_partial(full_cause);
+    if (counts.ok()) {
+        // The report stands: a standby rank or a later recover-report leaves it.
+        // After a line the death cut, on a line of its own.
+        bool ends_cut = false;
+        {
+            std::ifstream in(journal_path, std::ios::binary | std::ios::ate);
+            if (in && in.tellg() > 0) {
+                in.seekg(-1, std::ios::end);
+                ends_cut = in.get() != '\n';
+            }
+        }
+        j->file_ = std::fopen(journal_path.c_str(), "a");
+        if (j->file_ != nullptr && ends_cut) std::fputc('\n', j->file_);
+        j->append_line(json{{"report_written", true}});
+        if (j->file_ != nullptr) std::fclose(j->file_);
+        j->file_ = nullptr;
+    }
+    if (!lock.empty()) std::remove(lock.c_str());
+    return counts;
+}
+
+int ResultJournal::keep(const std::string& journal_path, int fd) {
+    std::signal(SIGPIPE, SIG_IGN);  // the run's stderr may be gone by the time it prints
+    const pid_t parent = ::getppid();
+    for (;;) {
+        struct pollfd p {
+            .fd = fd, .events = POLLIN, .revents = 0
+        };
+        const int n = ::poll(&p, 1, 2000);
+        if (n < 0 && errno == EINTR) continue;
+        if (n == 0) {
+            if (::getppid() != parent) break;  // reparented: the run's process is gone
+            continue;
+        }
+        if (n < 0) break;
+        unsigned char byte = 0;
+        const ssize_t got = ::read(fd, &byte, 1);
+        if (got < 0 && errno == EINTR) continue;
+        if (got == 1) return 0;  // stood down: the run ended through its own code
+        break;                   // end of file: the run's process died
+    }
+    const std::string cause = fmt::format(
+        "rank 0 (prefill leader, router, report writer) died before it wrote the report (killed "
+        "by SIGKILL, as mpirun sends 1 s after its SIGTERM, or by the OOM killer, or a crash); "
+        "its report keeper wrote this report from the journal {}",
+        journal_path);
+    StatusOr<std::string> counts = recover(journal_path, cause, /*rank0_died=*/true);
+    if (!counts.ok()) {
+        const StatusCode code = counts.status().code();
+        // The run wrote its report, removed its journal (a normal end) or another writer has it.
+        if (code == StatusCode::kAlreadyExists || code == StatusCode::kNotFound) return 0;
+        std::fprintf(stderr, "pdsim: report keeper: %s\n", counts.status().to_string().c_str());
+        return 1;
+    }
+    std::fprintf(stderr,
+                 "pdsim: report keeper: rank 0 died before it wrote the report: wrote it from the "
+                 "journal %s: %s\n",
+                 journal_path.c_str(), counts->c_str());
+    return 0;
+}
+
+Status ResultJournal::start_keeper() {
+    if (file_ == nullptr || keeper_pid_ > 0) return {};
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) {
+        return PDSIM_ERROR(StatusCode::kInternal, "report keeper: pipe: {}", std::strerror(errno));
+    }
+    // The keeper's end at fd >= 10, so that its dup2 onto fd 3 always clears FD_CLOEXEC.
+    const int read_end = ::fcntl(fds[0], F_DUPFD_CLOEXEC, 10);
+    ::close(fds[0]);
+    if (read_end < 0) {
+        ::close(fds[1]);
+        return PDSIM_ERROR(StatusCode::kInternal, "report keeper: fcntl: {}", std::strerror(errno));
+    }
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_adddup2(&actions, read_end, 3);
+    // None of this process's other descriptors (MPI's and the transports' sockets: a peer must see
+    // them close when this process dies).
+    posix_spawn_file_actions_addclosefrom_np(&actions, 4);
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    // A session of its own: mpirun's signals to this process's group do not reach it.
+    posix_spawnattr_setflags(&attr,
+                             POSIX_SPAWN_SETSID | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    sigset_t none;
+    sigemptyset(&none);
+    posix_spawnattr_setsigmask(&attr, &none);
+    sigset_t defaults;
+    sigemptyset(&defaults);
+    sigaddset(&defaults, SIGTERM);
+    sigaddset(&defaults, SIGINT);
+    sigaddset(&defaults, SIGPIPE);
+    posix_spawnattr_setsigdefault(&attr, &defaults);
+    std::string arg0 = "pdsim", arg1 = "recover-report", arg2 = path_, arg3 = "--keeper-fd",
+                arg4 = "3";
+    char* argv[] = {arg0.data(), arg1.data(), arg2.data(), arg3.data(), arg4.data(), nullptr};
+    pid_t pid = -1;
+    const int rc = ::posix_spawn(&pid, "/proc/self/exe", &actions, &attr, argv, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attr);
+    ::close(read_end);
+    if (rc != 0) {
+        ::close(fds[1]);
+        return PDSIM_ERROR(StatusCode::kInternal, "report keeper: posix_spawn: {}",
+                           std::strerror(rc));
+    }
+    keeper_pid_ = static_cast<int>(pid);
+    keeper_fd_ = fds[1];
     return {};
 }
 
 void ResultJournal::recover_or_exit(int sig) {
     if (path_.empty() || !rank0_dead_ || !rank0_dead_()) std::_Exit(128 + sig);
-    const std::string lock = cfg_.options.report_path + ".recover";
+    const std::string lock = head_.report_path + ".recover";
     const int fd = ::open(lock.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
     if (fd < 0) std::_Exit(128 + sig);  // another rank writes it
     ::close(fd);
@@ -157,19 +427,16 @@ void ResultJournal::recover_or_exit(int sig) {
     if (loaded.ok()) {
         {
             std::lock_guard<std::mutex> guard(mu_);
-            const Phase last =
-                phases_.empty()
-                    ? (cfg_.options.mode == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
-                    : phases_.back().phase;
-            const std::string instance =
-                cfg_.topology.instances.empty() ? std::string() : cfg_.topology.instances[0].id;
+            const Phase last = phases_.empty() ? (head_.mode == Mode::kColocated ? Phase::kColocated
+                                                                                 : Phase::kDisagg)
+                                               : phases_.back().phase;
             log_of(last).dead_ranks.push_back({.rank = 0,
-                                               .instance = instance,
-                                               .detected_at_s = (now_us() - t_start_us_) / 1e6,
+                                               .instance = head_.rank0_instance,
+                                               .detected_at_s = elapsed_s(),
                                                .silent_s = 0});
         }
         StatusOr<std::string> counts = write_partial(cause);
-        line = counts.ok() ? fmt::format("wrote {}: {}", cfg_.options.report_path, *counts)
+        line = counts.ok() ? fmt::format("wrote {}: {}", head_.report_path, *counts)
                            : counts.status().to_string();
     } else {
         line = loaded.to_string();
@@ -182,19 +449,38 @@ void ResultJournal::recover_or_exit(int sig) {
 
 ResultJournal::~ResultJournal() {
     disarm();
+    if (keeper_fd_ >= 0) {
+        // Stand the keeper down: this process ends through its own code, which wrote a report
+        // or decided not to.
+        const unsigned char stop = 'q';
+        [[maybe_unused]] const ssize_t n = ::write(keeper_fd_, &stop, 1);
+        ::close(keeper_fd_);
+        keeper_fd_ = -1;
+    }
+    if (keeper_pid_ > 0) {
+        // Reap it (it exits at once when stood down); give up after 2 s rather than hang.
+        for (int i = 0; i < 200; ++i) {
+            const pid_t done = ::waitpid(keeper_pid_, nullptr, WNOHANG);
+            if (done == keeper_pid_ || (done < 0 && errno != EINTR)) break;
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        keeper_pid_ = -1;
+    }
     if (file_ != nullptr) std::fclose(file_);
 }
 
 void ResultJournal::begin_phase(Phase phase) {
     std::lock_guard<std::mutex> lock(mu_);
-    phases_.push_back(
-        {.phase = phase, .records = {}, .seen = std::vector<bool>(cfg_.requests.size())});
+    phases_.push_back({.phase = phase,
+                       .records = {},
+                       .seen = std::vector<bool>(static_cast<size_t>(head_.submitted))});
 }
 
 ResultJournal::PhaseLog& ResultJournal::log_of(Phase phase) {
     if (phases_.empty() || phases_.back().phase != phase) {
-        phases_.push_back(
-            {.phase = phase, .records = {}, .seen = std::vector<bool>(cfg_.requests.size())});
+        phases_.push_back({.phase = phase,
+                           .records = {},
+                           .seen = std::vector<bool>(static_cast<size_t>(head_.submitted))});
     }
     return phases_.back();
 }
@@ -202,10 +488,14 @@ ResultJournal::PhaseLog& ResultJournal::log_of(Phase phase) {
 void ResultJournal::record_dead_rank(Phase phase, int rank, const std::string& instance,
                                      double silent_s) {
     std::lock_guard<std::mutex> lock(mu_);
-    log_of(phase).dead_ranks.push_back({.rank = rank,
-                                        .instance = instance,
-                                        .detected_at_s = (now_us() - t_start_us_) / 1e6,
-                                        .silent_s = silent_s});
+    const double at_s = elapsed_s();
+    log_of(phase).dead_ranks.push_back(
+        {.rank = rank, .instance = instance, .detected_at_s = at_s, .silent_s = silent_s});
+    append_line({{"dead_rank", rank},
+                 {"phase", phase_name(phase)},
+                 {"instance", text::sanitize_utf8(instance)},
+                 {"detected_at_s", at_s},
+                 {"silent_s", silent_s}});
 }
 
 void ResultJournal::heard_from(int rank) {
@@ -223,23 +513,20 @@ void ResultJournal::record(Phase phase, const metrics::RequestRecord& r) {
     if (r.id < 0 || id >= log.seen.size() || log.seen[id]) return;
     log.seen[id] = true;
     log.records.push_back(r);
-    if (file_ != nullptr) {
-        std::fprintf(file_, "%s\n", text::dump_json(record_json(phase, r)).c_str());
-        std::fflush(file_);
-    }
+    append_line(record_json(phase, r));
 }
 
 StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
     std::lock_guard<std::mutex> lock(mu_);
-    const TestbedOptions& o = cfg_.options;
-    const auto submitted = static_cast<int64_t>(cfg_.requests.size());
-    const double at_s = (now_us() - t_start_us_) / 1e6;
+    const RunHead& o = head_;
+    const int64_t submitted = head_.submitted;
+    const double at_s = elapsed_s();
     auto phase_report = [&](const PhaseLog& log) {
         metrics::Report r;
         metrics::summarize_requests(log.records, metrics::Slo{o.slo_ttft_ms, o.slo_tpot_ms}, &r);
         r.mode = std::string(phase_name(log.phase));
-        r.topology = cfg_.topology.name;
-        r.model = cfg_.model.name;
+        r.topology = head_.topology;
+        r.model = head_.model;
         r.requests_submitted = submitted;
         const int64_t lost = submitted - r.requests_completed - r.requests_failed;
         json named = json::array();
@@ -276,7 +563,7 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
     for (const PhaseLog& log : phases_) (log.phase == Phase::kDisagg ? dis : col) = &log;
     PhaseLog none{.phase = o.mode == Mode::kColocated ? Phase::kColocated : Phase::kDisagg,
                   .records = {},
-                  .seen = std::vector<bool>(cfg_.requests.size())};
+                  .seen = std::vector<bool>(static_cast<size_t>(submitted))};
     if (dis == nullptr && col == nullptr) (o.mode == Mode::kColocated ? col : dis) = &none;
     if (dis != nullptr) {
         report = phase_report(*dis);
@@ -293,17 +580,18 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
         report = phase_report(none);
         report.colocated = std::make_shared<metrics::Report>(std::move(colocated));
     }
-    report.extra["config"] = testbed_config_json(cfg_);
+    // Live, the configuration as it is now (a run may measure some of it after the journal
+    // opened); read back, as the header holds it.
+    report.extra["config"] = cfg_ != nullptr ? testbed_config_json(*cfg_) : head_.config;
     report_written_ = true;
-    if (!o.report_path.empty()) PDSIM_RETURN_IF_ERROR(metrics::write_report(o.report_path, report));
+    if (!o.report_path.empty()) {
+        PDSIM_RETURN_IF_ERROR(metrics::write_report(in_run_dir(o.report_path), report));
+    }
     if (!o.requests_path.empty()) {
-        PDSIM_RETURN_IF_ERROR(metrics::write_requests_csv(o.requests_path, csv));
+        PDSIM_RETURN_IF_ERROR(metrics::write_requests_csv(in_run_dir(o.requests_path), csv));
     }
-    if (file_ != nullptr) {
-        // The report stands: a standby rank that outlives this one must not replace it.
-        std::fprintf(file_, "%s\n", text::dump_json(json{{"report_written", true}}).c_str());
-        std::fflush(file_);
-    }
+    // The report stands: a standby rank or the keeper that outlives this one must not replace it.
+    append_line(json{{"report_written", true}});
     return fmt::format("{} completed, {} failed, {} lost of {}", report.requests_completed,
                        report.requests_failed, report.requests_lost, submitted);
 }
@@ -377,20 +665,19 @@ void ResultJournal::watch() {
         const std::vector<int>& gone = found.gone_ranks;
         if (!gone.empty()) {
             std::lock_guard<std::mutex> lock(mu_);
-            const Phase last =
-                phases_.empty()
-                    ? (cfg_.options.mode == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
-                    : phases_.back().phase;
-            const topo::RankMap map = cfg_.topology.rank_map();
+            const Phase last = phases_.empty() ? (head_.mode == Mode::kColocated ? Phase::kColocated
+                                                                                 : Phase::kDisagg)
+                                               : phases_.back().phase;
+            const topo::RankMap map = cfg_ != nullptr ? cfg_->topology.rank_map() : topo::RankMap();
             std::string names;
             for (int rank : gone) {
                 const std::string instance =
-                    rank >= 0 && rank < map.world_size()
-                        ? cfg_.topology.instances[static_cast<size_t>(map.at(rank).instance)].id
+                    cfg_ != nullptr && rank >= 0 && rank < map.world_size()
+                        ? cfg_->topology.instances[static_cast<size_t>(map.at(rank).instance)].id
                         : std::string();
                 log_of(last).dead_ranks.push_back({.rank = rank,
                                                    .instance = instance,
-                                                   .detected_at_s = (now_us() - t_start_us_) / 1e6,
+                                                   .detected_at_s = elapsed_s(),
                                                    .silent_s = -1});
                 names += fmt::format("{}rank {} ({})", names.empty() ? "" : ", ", rank, instance);
             }
@@ -410,6 +697,12 @@ void ResultJournal::watch() {
         std::fflush(stderr);
         std::_Exit(128 + sig);
     }
+    {
+        // Should this process be killed while it writes (mpirun's SIGKILL comes 1 s after its
+        // SIGTERM), the keeper's report keeps the cause.
+        std::lock_guard<std::mutex> lock(mu_);
+        append_line(json{{"stopping", text::sanitize_utf8(cause)}});
+    }
     StatusOr<std::string> counts = write_partial(cause);
     {
         std::lock_guard<std::mutex> lock(mu_);
@@ -418,9 +711,8 @@ void ResultJournal::watch() {
             std::filesystem::remove_all(dir, ec);
         }
     }
-    const std::string where = cfg_.options.report_path.empty()
-                                  ? std::string("no --report given")
-                                  : "wrote " + cfg_.options.report_path;
+    const std::string where =
+        head_.report_path.empty() ? std::string("no --report given") : "wrote " + head_.report_path;
     std::fprintf(
         stderr, "pdsim: %s: %s (%s)\n", cause.c_str(),
         counts.ok() ? (where + ": " + *counts).c_str() : counts.status().to_string().c_str(),

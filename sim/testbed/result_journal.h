@@ -12,6 +12,15 @@
 // requests_completed + requests_failed + requests_lost == requests_submitted in every report.
 // On a normal end finish_normally() removes the journal file (the full report supersedes it).
 //
+// The keeper: start_keeper() spawns a small process (`pdsim recover-report JOURNAL --keeper-fd 3`,
+// in a session of its own, so that signals mpirun sends this process's group miss it) that waits
+// for this process to end. A process that never ran its destructor nor wrote a report (killed by
+// SIGKILL: mpirun sends one odls_base_sigkill_timeout, 1 s by default, after its SIGTERM, and a
+// loaded host can outlast that while the watcher writes; the OOM killer; a crash) leaves the
+// report to the keeper, which writes it from the journal file (recover()). The journal file's
+// header holds what the report needs of the configuration (RunHead), so `pdsim recover-report`
+// writes the same report from the file alone, in the keeper or by hand.
+//
 // Signals: arm_signals() installs SIGTERM and SIGINT handlers (async-signal-safe: they write the
 // signal number to a pipe) and starts a watcher thread; on a signal the watcher writes the
 // partial report, prints one line to stderr and ends the process with 128 + the signal number
@@ -20,8 +29,9 @@
 // destructor) restores the previous handlers and joins the watcher. One journal may be armed per
 // process at a time.
 //
-// Thread-safety: record(), write_partial() and the watcher are safe to run concurrently (one
-// mutex); arm_signals() / disarm() / the destructor from one thread.
+// Thread-safety: record(), record_dead_rank(), write_partial() and the watcher are safe to run
+// concurrently (one mutex); start_keeper() / arm_signals() / disarm() / the destructor from one
+// thread.
 #pragma once
 
 #include <atomic>
@@ -29,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
@@ -52,6 +63,29 @@ public:
     ~ResultJournal();
     ResultJournal(const ResultJournal&) = delete;
     ResultJournal& operator=(const ResultJournal&) = delete;
+
+    // Rank 0, when the journal has a file: starts the keeper (see the file comment). Call it
+    // before arm_signals(), while no other thread uses the journal. The destructor stands the
+    // keeper down (it exits without writing) and reaps it. Errors: kInternal when the keeper
+    // cannot be spawned (the run can go on without it).
+    [[nodiscard]] Status start_keeper();
+
+    // `pdsim recover-report`: reads the journal file at `journal_path` and writes the report (and
+    // the --requests CSV) it names from what it holds, with `cause` in each phase's `incomplete`
+    // (the cause rank 0's watcher had started from, when it wrote one, goes before it). When
+    // `rank0_died` (the keeper), rank 0 is named in `dead_ranks` and the writer takes
+    // `<report>.recover` first (O_EXCL, as a standby rank does; one writer per run). Returns the
+    // counts line. Errors: kNotFound no such file (a run that ended
+    // normally removed it); kInvalidArgument `file:line` of a line that is not a journal's (a cut
+    // last line, as a death leaves, is skipped); kAlreadyExists the journal says the run wrote its
+    // report, or another writer holds the lock; a write error.
+    [[nodiscard]] static StatusOr<std::string> recover(const std::string& journal_path,
+                                                       const std::string& cause, bool rank0_died);
+    // The keeper's body (`pdsim recover-report --keeper-fd FD`): waits until `fd` reads a byte
+    // (stood down: returns 0) or its end closes, or the parent is gone (checked every 2 s); then,
+    // unless the run wrote its report or removed its journal, recover() with the cause that rank 0
+    // died before it wrote the report, printing one line to stderr. Returns the exit status.
+    [[nodiscard]] static int keep(const std::string& journal_path, int fd);
 
     // A phase starts: its submitted count is the run's request count.
     void begin_phase(Phase phase);
@@ -118,6 +152,23 @@ public:
 
     [[nodiscard]] const std::string& journal_path() const { return path_; }
 
+    // What a report written from the journal needs of the run's configuration: the journal
+    // file's header holds it (recover() reads it back).
+    struct RunHead {
+        int64_t submitted = 0;
+        Mode mode = Mode::kBoth;
+        std::string topology;
+        std::string model;
+        std::string rank0_instance;
+        double slo_ttft_ms = 0;
+        double slo_tpot_ms = 0;
+        std::string report_path;    // as given ("" none); relative to `cwd`
+        std::string requests_path;  // as given ("" none)
+        std::string cwd;            // the run's working directory
+        nlohmann::json config;      // the report's "config" (testbed_config_json)
+        double started_unix_s = 0;  // wall clock at open()
+    };
+
 private:
     struct PhaseLog {
         Phase phase;
@@ -132,14 +183,29 @@ private:
         std::vector<DeadRank> dead_ranks;
     };
     PhaseLog& log_of(Phase phase);  // mu_ held
-    explicit ResultJournal(const ResolvedConfig& cfg) : cfg_(cfg) {}
+    // `cfg` null: a journal read back from its file (recover()), its head from the header.
+    explicit ResultJournal(const ResolvedConfig* cfg);
+    [[nodiscard]] double elapsed_s() const;
+    // Appends one line to the journal file (mu_ held; no file: nothing).
+    void append_line(const nlohmann::json& line);
+    // Parses the header line of a journal file into head_. Errors: kInvalidArgument file:1.
+    [[nodiscard]] Status read_head(const std::string& line);
     void watch();
     // standby(): on a signal, the report from rank 0's journal file if rank 0 died; never returns.
     [[noreturn]] void recover_or_exit(int sig);
-    // Replays the journal file at path_ into this (in-memory) journal. Errors: unreadable file.
-    [[nodiscard]] Status load_file();
+    // Replays the journal file at path_ into this (in-memory) journal: records, dead ranks and
+    // the watcher's cause (stopping_cause_). Errors: kNotFound unreadable file; kAlreadyExists the
+    // journal says the report was written; kInvalidArgument file:line of a line not a journal's
+    // (a cut last line is skipped). With `read_header`, the header fills head_.
+    [[nodiscard]] Status load_file(bool read_header = false);
+    // A path of the run as given, against the run's directory when read back from a file
+    // (recover-report may run elsewhere); unchanged otherwise.
+    [[nodiscard]] std::string in_run_dir(const std::string& path) const;
 
-    const ResolvedConfig& cfg_;
+    const ResolvedConfig* cfg_;  // null: read back from a file
+    RunHead head_;
+    bool recovered_ = false;      // read back from a file: elapsed_s() from the wall clock
+    std::string stopping_cause_;  // the watcher's cause, read back from the file
     std::mutex mu_;
     std::string path_;  // "" when there is no --report
     std::FILE* file_ = nullptr;
@@ -156,6 +222,9 @@ private:
     // Signals.
     bool armed_ = false;
     std::thread watcher_;
+    // The keeper (start_keeper): its pid and the write end of its pipe; -1 none.
+    int keeper_pid_ = -1;
+    int keeper_fd_ = -1;
 };
 
 }  // namespace pdsim::testbed

@@ -409,6 +409,18 @@ bool process_gone(int pid) {
     return paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'Z';
 }
 
+// The journal's keeper (result_journal.h): the report of a run whose rank 0 is killed before it
+// writes one. A run goes on without it, with a warning.
+void start_report_keeper(ResultJournal& journal) {
+    const Status st = journal.start_keeper();
+    if (!st.ok()) {
+        PDSIM_LOG_WARN(
+            "no report keeper: {} (a SIGKILL of this process would leave only the "
+            "journal {}; `pdsim recover-report` writes the report from it)",
+            st.to_string(), journal.journal_path());
+    }
+}
+
 // Whether rank 0's process, on this host, is gone (or a zombie): ResultJournal::standby's test.
 // False when its pid is not known yet or it runs on another host.
 bool rank0_died() {
@@ -1046,6 +1058,7 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
         StatusOr<std::unique_ptr<ResultJournal>> j = ResultJournal::open(*resolved);
         if (j.ok()) {
             journal = std::move(*j);
+            start_report_keeper(*journal);
             st = journal->arm_signals();
         } else {
             st = j.status();
@@ -1165,6 +1178,7 @@ Status run_testbed(const TestbedOptions& options, RunInfo* info) {
     PDSIM_RETURN_IF_ERROR(resolved.status());
     ResolvedConfig& cfg = *resolved;
     PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<ResultJournal> journal, ResultJournal::open(cfg));
+    start_report_keeper(*journal);
     PDSIM_RETURN_IF_ERROR(journal->arm_signals());
     Shared sh;
     sh.cfg = &cfg;
