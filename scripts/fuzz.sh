@@ -5,7 +5,7 @@
 #   scripts/fuzz.sh [SECONDS] [TARGET...]      (default 60 s, every target; docs/inputs.md)
 #
 # Targets: topology_loader_fuzz trace_jsonl_fuzz trace_azure_fuzz model_file_fuzz cost_file_fuzz
-#          tcp_frame_fuzz control_codec_fuzz testbed_protocol_fuzz
+#          tcp_frame_fuzz control_codec_fuzz testbed_protocol_fuzz journal_fuzz
 # Env: PDSIM_FUZZ_BUILD_DIR (default build/fuzz), PDSIM_FUZZ_JOBS (build jobs, default 2),
 #      PDSIM_FUZZ_PARALLEL (targets run at once, default 2), PDSIM_FUZZ_FLAGS (extra libFuzzer
 #      flags). Corpora persist in <build>/corpus/<target>; logs in <build>/logs/<target>.log.
@@ -17,7 +17,7 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 all_targets=(topology_loader_fuzz trace_jsonl_fuzz trace_azure_fuzz model_file_fuzz
-             cost_file_fuzz tcp_frame_fuzz control_codec_fuzz testbed_protocol_fuzz)
+             cost_file_fuzz tcp_frame_fuzz control_codec_fuzz testbed_protocol_fuzz journal_fuzz)
 secs=${1:-60}
 [[ $# -gt 0 ]] && shift
 if ! [[ "$secs" =~ ^[0-9]+$ ]] || [ "$secs" -lt 1 ]; then
@@ -68,7 +68,7 @@ max_len_of() {
     case "$1" in
         topology_loader_fuzz) echo 65536 ;;
         trace_jsonl_fuzz | trace_azure_fuzz) echo 16384 ;;
-        cost_file_fuzz | testbed_protocol_fuzz) echo 8192 ;;
+        cost_file_fuzz | testbed_protocol_fuzz | journal_fuzz) echo 8192 ;;
         *) echo 4096 ;;
     esac
 }

@@ -21,6 +21,7 @@ PDSIM_FUZZ_DECLARE(cost_file_fuzz)
 PDSIM_FUZZ_DECLARE(tcp_frame_fuzz)
 PDSIM_FUZZ_DECLARE(control_codec_fuzz)
 PDSIM_FUZZ_DECLARE(testbed_protocol_fuzz)
+PDSIM_FUZZ_DECLARE(journal_fuzz)
 #undef PDSIM_FUZZ_DECLARE
 
 namespace {
@@ -90,7 +91,8 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"cost_file_fuzz", pdsim_fuzz_cost_file_fuzz, {}},
         Case{"tcp_frame_fuzz", pdsim_fuzz_tcp_frame_fuzz, {}},
         Case{"control_codec_fuzz", pdsim_fuzz_control_codec_fuzz, {}},
-        Case{"testbed_protocol_fuzz", pdsim_fuzz_testbed_protocol_fuzz, {}}),
+        Case{"testbed_protocol_fuzz", pdsim_fuzz_testbed_protocol_fuzz, {}},
+        Case{"journal_fuzz", pdsim_fuzz_journal_fuzz, {}}),
     [](const ::testing::TestParamInfo<Case>& param_info) {
         return std::string(param_info.param.name);
     });

@@ -8,6 +8,7 @@
 // Every run is bounded by coreutils `timeout`. Cases are selected with --gtest_filter by the
 // ctest entries in tests/CMakeLists.txt (label `mpi`; the 200-request replays are `slow`).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <chrono>
@@ -812,6 +813,11 @@ TEST(RecoverReport, BadJournalsAreNamed) {
     r = run_pdsim({"recover-report", dir.str("none")});
     EXPECT_EQ(r.rc, 2) << r.describe();
     EXPECT_THAT(r.err, HasSubstr("none"));
+    // A FIFO is refused at once, not read (no writer: it would block).
+    ASSERT_EQ(::mkfifo(dir.str("fifo").c_str(), 0600), 0);
+    r = run_pdsim({"recover-report", dir.str("fifo")}, 30);
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("fifo: is a FIFO, not a regular file"));
 }
 
 // Bad input: exit 2, one message naming the file:line or the flag.

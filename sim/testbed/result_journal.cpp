@@ -17,6 +17,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "common/input_file.h"
 #include "common/text.h"
 #include "sim/testbed/comm.h"
 #include "sim/testbed/phase_report.h"
@@ -62,30 +63,15 @@ const char* signal_name(int sig) {
     }
 }
 
-json record_json(Phase phase, const metrics::RequestRecord& r) {
-    return {{"phase", phase_name(phase)},
-            {"id", r.id},
-            {"ok", r.ok},
-            {"error", text::sanitize_utf8(r.error)},
-            {"arrival_ms", r.arrival_ms},
-            {"first_token_ms", r.first_token_ms},
-            {"finish_ms", r.finish_ms},
-            {"input_len", r.input_len},
-            {"output_len", r.output_len},
-            {"generated", r.generated},
-            {"prefill_instance", r.prefill_instance},
-            {"decode_instance", r.decode_instance},
-            {"queue_ms", r.queue_ms},
-            {"prefill_start_ms", r.prefill_start_ms}};
-}
-
 }  // namespace
 
 ResultJournal::ResultJournal(const ResolvedConfig* cfg) : cfg_(cfg) {
     if (cfg == nullptr) return;
     const TestbedOptions& o = cfg->options;
     head_.submitted = static_cast<int64_t>(cfg->requests.size());
-    head_.mode = o.mode;
+    mode_ = o.mode;
+    head_.mode = std::string(mode_name(o.mode));
+    head_.pid = static_cast<int64_t>(::getpid());
     head_.topology = cfg->topology.name;
     head_.model = cfg->model.name;
     head_.rank0_instance =
@@ -127,24 +113,7 @@ StatusOr<std::unique_ptr<ResultJournal>> ResultJournal::open(const ResolvedConfi
                           fmt::format("--report {}: cannot create its journal {}: {}", report,
                                       j->path_, std::strerror(errno)));
         }
-        const RunHead& h = j->head_;
-        const json head = {{"journal", "pdsim testbed"},
-                           {"requests_submitted", h.submitted},
-                           {"config", text::sanitize_utf8(describe(cfg.options))},
-                           {"run",
-                            {{"mode", mode_name(h.mode)},
-                             {"topology", text::sanitize_utf8(h.topology)},
-                             {"model", text::sanitize_utf8(h.model)},
-                             {"rank0_instance", text::sanitize_utf8(h.rank0_instance)},
-                             {"slo_ttft_ms", h.slo_ttft_ms},
-                             {"slo_tpot_ms", h.slo_tpot_ms},
-                             {"report_path", text::sanitize_utf8(h.report_path)},
-                             {"requests_path", text::sanitize_utf8(h.requests_path)},
-                             {"cwd", text::sanitize_utf8(h.cwd)},
-                             {"started_unix_s", h.started_unix_s},
-                             {"pid", static_cast<int64_t>(::getpid())},
-                             {"report_config", h.config}}}};
-        j->append_line(head);
+        j->append_line(journal::head_line(j->head_, describe(cfg.options)));
     }
     return j;
 }
@@ -160,107 +129,34 @@ std::unique_ptr<ResultJournal> ResultJournal::standby(const ResolvedConfig& cfg,
     return j;
 }
 
-Status ResultJournal::read_head(const std::string& line) {
-    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    auto bad = [&](const std::string& why) {
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("{}:1: {} (a pdsim testbed journal starts with "
-                                  "{{\"journal\": \"pdsim testbed\", ...}})",
-                                  path_, why));
-    };
-    if (!j.is_object() || j.value("journal", "") != "pdsim testbed") {
-        return bad("not a pdsim testbed journal");
-    }
-    const json run = j.value("run", json());
-    if (!run.is_object()) {
-        return bad("no \"run\" object (written by a pdsim older than recover-report)");
-    }
-    try {
-        RunHead h;
-        h.submitted = j.at("requests_submitted").get<int64_t>();
-        StatusOr<Mode> mode = parse_mode(run.at("mode").get<std::string>());
-        if (!mode.ok()) return bad("run.mode: " + mode.status().message());
-        h.mode = *mode;
-        h.topology = run.at("topology").get<std::string>();
-        h.model = run.at("model").get<std::string>();
-        h.rank0_instance = run.value("rank0_instance", "");
-        h.slo_ttft_ms = run.at("slo_ttft_ms").get<double>();
-        h.slo_tpot_ms = run.at("slo_tpot_ms").get<double>();
-        h.report_path = run.at("report_path").get<std::string>();
-        h.requests_path = run.value("requests_path", "");
-        h.cwd = run.value("cwd", "");
-        h.started_unix_s = run.at("started_unix_s").get<double>();
-        h.config = run.value("report_config", json::object());
-        if (h.submitted < 0 || h.submitted > (int64_t{1} << 31)) {
-            return bad(fmt::format("requests_submitted {} out of range", h.submitted));
-        }
-        if (h.report_path.empty()) return bad("run.report_path is empty");
-        head_ = std::move(h);
-    } catch (const json::exception& e) {
-        return bad(fmt::format("a field of \"run\" is missing or of the wrong type: {}", e.what()));
-    }
-    return {};
-}
-
 Status ResultJournal::load_file(bool read_header) {
-    std::ifstream in(path_);
-    if (!in) {
+    // A run that ended normally removed it.
+    if (::access(path_.c_str(), F_OK) != 0 && errno == ENOENT) {
         return PDSIM_ERROR(StatusCode::kNotFound, "rank 0's journal {}: {}", path_,
                            std::strerror(errno));
     }
-    std::string line;
-    if (!std::getline(in, line)) {
-        return Status(StatusCode::kInvalidArgument, fmt::format("{}:1: empty journal", path_));
+    PDSIM_ASSIGN_OR_RETURN(const std::string text,
+                           files::read_input_file(path_, files::kMaxTraceFileBytes));
+    PDSIM_ASSIGN_OR_RETURN(journal::Contents contents, journal::parse(text, path_));
+    if (contents.report_written) {
+        return PDSIM_ERROR(StatusCode::kAlreadyExists, "rank 0 wrote the report");
     }
-    if (read_header) PDSIM_RETURN_IF_ERROR(read_head(line));
-    std::vector<std::string> lines;
-    while (std::getline(in, line)) {
-        // Written by rank 0 or a recovery after it (then past a line the death cut).
-        if (line == R"({"report_written":true})") {
-            return PDSIM_ERROR(StatusCode::kAlreadyExists, "rank 0 wrote the report");
-        }
-        lines.push_back(std::move(line));
+    if (read_header) {
+        PDSIM_ASSIGN_OR_RETURN(mode_, parse_mode(contents.head.mode));
+        head_ = std::move(contents.head);
     }
-    for (size_t i = 0; i < lines.size(); ++i) {
-        const json j = json::parse(lines[i], nullptr, /*allow_exceptions=*/false);
-        if (!j.is_object()) {
-            if (i + 1 == lines.size()) break;  // a line cut by the death
-            return Status(StatusCode::kInvalidArgument,
-                          fmt::format("{}:{}: not a JSON object", path_, i + 2));
-        }
-        if (j.contains("report_written")) {
-            return PDSIM_ERROR(StatusCode::kAlreadyExists, "rank 0 wrote the report");
-        }
-        if (j.contains("stopping")) {
-            stopping_cause_ = j.value("stopping", "");
-            continue;
-        }
-        const std::string phase_text = j.value("phase", "");
-        const Phase phase =
-            phase_text == phase_name(Phase::kColocated) ? Phase::kColocated : Phase::kDisagg;
-        if (j.contains("dead_rank")) {
-            std::lock_guard<std::mutex> lock(mu_);
-            log_of(phase).dead_ranks.push_back({.rank = j.value("dead_rank", -1),
-                                                .instance = j.value("instance", ""),
-                                                .detected_at_s = j.value("detected_at_s", 0.0),
-                                                .silent_s = j.value("silent_s", 0.0)});
-            continue;
-        }
-        metrics::RequestRecord r;
-        r.id = j.value("id", int64_t{-1});
-        r.ok = j.value("ok", false);
-        r.error = j.value("error", "");
-        r.arrival_ms = j.value("arrival_ms", 0.0);
-        r.first_token_ms = j.value("first_token_ms", -1.0);
-        r.finish_ms = j.value("finish_ms", -1.0);
-        r.input_len = j.value("input_len", 0);
-        r.output_len = j.value("output_len", 0);
-        r.generated = j.value("generated", 0);
-        r.prefill_instance = j.value("prefill_instance", -1);
-        r.decode_instance = j.value("decode_instance", -1);
-        r.queue_ms = j.value("queue_ms", -1.0);
-        r.prefill_start_ms = j.value("prefill_start_ms", -1.0);
-        record(phase, r);
+    stopping_cause_ = contents.stopping;
+    auto phase_of = [](const std::string& name) {
+        return name == phase_name(Phase::kColocated) ? Phase::kColocated : Phase::kDisagg;
+    };
+    for (const journal::Record& r : contents.records) record(phase_of(r.phase), r.record);
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const journal::DeadRank& d : contents.dead_ranks) {
+        log_of(phase_of(d.phase))
+            .dead_ranks.push_back({.rank = d.rank,
+                                   .instance = d.instance,
+                                   .detected_at_s = d.detected_at_s,
+                                   .silent_s = d.silent_s});
     }
     return {};
 }
@@ -274,10 +170,9 @@ StatusOr<std::string> ResultJournal::recover(const std::string& journal_path,
     std::string lock;
     if (rank0_died) {
         std::lock_guard<std::mutex> guard(j->mu_);
-        const Phase last =
-            j->phases_.empty()
-                ? (j->head_.mode == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
-                : j->phases_.back().phase;
+        const Phase last = j->phases_.empty()
+                               ? (j->mode_ == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
+                               : j->phases_.back().phase;
         j->log_of(last).dead_ranks.push_back({.rank = 0,
                                               .instance = j->head_.rank0_instance,
                                               .detected_at_s = j->elapsed_s(),
@@ -306,7 +201,7 @@ StatusOr<std::string> ResultJournal::recover(const std::string& journal_path,
         }
         j->file_ = std::fopen(journal_path.c_str(), "a");
         if (j->file_ != nullptr && ends_cut) std::fputc('\n', j->file_);
-        j->append_line(json{{"report_written", true}});
+        j->append_line(journal::report_written_line());
         if (j->file_ != nullptr) std::fclose(j->file_);
         j->file_ = nullptr;
     }
@@ -427,9 +322,9 @@ void ResultJournal::recover_or_exit(int sig) {
     if (loaded.ok()) {
         {
             std::lock_guard<std::mutex> guard(mu_);
-            const Phase last = phases_.empty() ? (head_.mode == Mode::kColocated ? Phase::kColocated
-                                                                                 : Phase::kDisagg)
-                                               : phases_.back().phase;
+            const Phase last =
+                phases_.empty() ? (mode_ == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
+                                : phases_.back().phase;
             log_of(last).dead_ranks.push_back({.rank = 0,
                                                .instance = head_.rank0_instance,
                                                .detected_at_s = elapsed_s(),
@@ -491,11 +386,11 @@ void ResultJournal::record_dead_rank(Phase phase, int rank, const std::string& i
     const double at_s = elapsed_s();
     log_of(phase).dead_ranks.push_back(
         {.rank = rank, .instance = instance, .detected_at_s = at_s, .silent_s = silent_s});
-    append_line({{"dead_rank", rank},
-                 {"phase", phase_name(phase)},
-                 {"instance", text::sanitize_utf8(instance)},
-                 {"detected_at_s", at_s},
-                 {"silent_s", silent_s}});
+    append_line(journal::dead_rank_line({.phase = std::string(phase_name(phase)),
+                                         .rank = rank,
+                                         .instance = instance,
+                                         .detected_at_s = at_s,
+                                         .silent_s = silent_s}));
 }
 
 void ResultJournal::heard_from(int rank) {
@@ -513,17 +408,17 @@ void ResultJournal::record(Phase phase, const metrics::RequestRecord& r) {
     if (r.id < 0 || id >= log.seen.size() || log.seen[id]) return;
     log.seen[id] = true;
     log.records.push_back(r);
-    append_line(record_json(phase, r));
+    append_line(journal::record_line({.phase = std::string(phase_name(phase)), .record = r}));
 }
 
 StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
     std::lock_guard<std::mutex> lock(mu_);
-    const RunHead& o = head_;
     const int64_t submitted = head_.submitted;
     const double at_s = elapsed_s();
     auto phase_report = [&](const PhaseLog& log) {
         metrics::Report r;
-        metrics::summarize_requests(log.records, metrics::Slo{o.slo_ttft_ms, o.slo_tpot_ms}, &r);
+        metrics::summarize_requests(log.records, metrics::Slo{head_.slo_ttft_ms, head_.slo_tpot_ms},
+                                    &r);
         r.mode = std::string(phase_name(log.phase));
         r.topology = head_.topology;
         r.model = head_.model;
@@ -561,10 +456,10 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
     const PhaseLog* dis = nullptr;
     const PhaseLog* col = nullptr;
     for (const PhaseLog& log : phases_) (log.phase == Phase::kDisagg ? dis : col) = &log;
-    PhaseLog none{.phase = o.mode == Mode::kColocated ? Phase::kColocated : Phase::kDisagg,
+    PhaseLog none{.phase = mode_ == Mode::kColocated ? Phase::kColocated : Phase::kDisagg,
                   .records = {},
                   .seen = std::vector<bool>(static_cast<size_t>(submitted))};
-    if (dis == nullptr && col == nullptr) (o.mode == Mode::kColocated ? col : dis) = &none;
+    if (dis == nullptr && col == nullptr) (mode_ == Mode::kColocated ? col : dis) = &none;
     if (dis != nullptr) {
         report = phase_report(*dis);
         csv = dis->records;
@@ -575,7 +470,7 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
         csv = col->records;
     }
     // A mode-both run stopped in its colocated phase never started the disaggregated one.
-    if (o.mode == Mode::kBoth && dis == nullptr) {
+    if (mode_ == Mode::kBoth && dis == nullptr) {
         metrics::Report colocated = report;
         report = phase_report(none);
         report.colocated = std::make_shared<metrics::Report>(std::move(colocated));
@@ -584,14 +479,14 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
     // opened); read back, as the header holds it.
     report.extra["config"] = cfg_ != nullptr ? testbed_config_json(*cfg_) : head_.config;
     report_written_ = true;
-    if (!o.report_path.empty()) {
-        PDSIM_RETURN_IF_ERROR(metrics::write_report(in_run_dir(o.report_path), report));
+    if (!head_.report_path.empty()) {
+        PDSIM_RETURN_IF_ERROR(metrics::write_report(in_run_dir(head_.report_path), report));
     }
-    if (!o.requests_path.empty()) {
-        PDSIM_RETURN_IF_ERROR(metrics::write_requests_csv(in_run_dir(o.requests_path), csv));
+    if (!head_.requests_path.empty()) {
+        PDSIM_RETURN_IF_ERROR(metrics::write_requests_csv(in_run_dir(head_.requests_path), csv));
     }
     // The report stands: a standby rank or the keeper that outlives this one must not replace it.
-    append_line(json{{"report_written", true}});
+    append_line(journal::report_written_line());
     return fmt::format("{} completed, {} failed, {} lost of {}", report.requests_completed,
                        report.requests_failed, report.requests_lost, submitted);
 }
@@ -665,9 +560,9 @@ void ResultJournal::watch() {
         const std::vector<int>& gone = found.gone_ranks;
         if (!gone.empty()) {
             std::lock_guard<std::mutex> lock(mu_);
-            const Phase last = phases_.empty() ? (head_.mode == Mode::kColocated ? Phase::kColocated
-                                                                                 : Phase::kDisagg)
-                                               : phases_.back().phase;
+            const Phase last =
+                phases_.empty() ? (mode_ == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
+                                : phases_.back().phase;
             const topo::RankMap map = cfg_ != nullptr ? cfg_->topology.rank_map() : topo::RankMap();
             std::string names;
             for (int rank : gone) {
@@ -701,7 +596,7 @@ void ResultJournal::watch() {
         // Should this process be killed while it writes (mpirun's SIGKILL comes 1 s after its
         // SIGTERM), the keeper's report keeps the cause.
         std::lock_guard<std::mutex> lock(mu_);
-        append_line(json{{"stopping", text::sanitize_utf8(cause)}});
+        append_line(journal::stopping_line(cause));
     }
     StatusOr<std::string> counts = write_partial(cause);
     {

@@ -18,8 +18,8 @@
 // SIGKILL: mpirun sends one odls_base_sigkill_timeout, 1 s by default, after its SIGTERM, and a
 // loaded host can outlast that while the watcher writes; the OOM killer; a crash) leaves the
 // report to the keeper, which writes it from the journal file (recover()). The journal file's
-// header holds what the report needs of the configuration (RunHead), so `pdsim recover-report`
-// writes the same report from the file alone, in the keeper or by hand.
+// header holds what the report needs of the configuration (journal_format.h), so `pdsim
+// recover-report` writes the same report from the file alone, in the keeper or by hand.
 //
 // Signals: arm_signals() installs SIGTERM and SIGINT handlers (async-signal-safe: they write the
 // signal number to a pipe) and starts a watcher thread; on a signal the watcher writes the
@@ -46,6 +46,7 @@
 
 #include "common/status.h"
 #include "sim/metrics/report.h"
+#include "sim/testbed/journal_format.h"
 #include "sim/testbed/options.h"
 
 namespace pdsim::testbed {
@@ -152,23 +153,6 @@ public:
 
     [[nodiscard]] const std::string& journal_path() const { return path_; }
 
-    // What a report written from the journal needs of the run's configuration: the journal
-    // file's header holds it (recover() reads it back).
-    struct RunHead {
-        int64_t submitted = 0;
-        Mode mode = Mode::kBoth;
-        std::string topology;
-        std::string model;
-        std::string rank0_instance;
-        double slo_ttft_ms = 0;
-        double slo_tpot_ms = 0;
-        std::string report_path;    // as given ("" none); relative to `cwd`
-        std::string requests_path;  // as given ("" none)
-        std::string cwd;            // the run's working directory
-        nlohmann::json config;      // the report's "config" (testbed_config_json)
-        double started_unix_s = 0;  // wall clock at open()
-    };
-
 private:
     struct PhaseLog {
         Phase phase;
@@ -188,22 +172,21 @@ private:
     [[nodiscard]] double elapsed_s() const;
     // Appends one line to the journal file (mu_ held; no file: nothing).
     void append_line(const nlohmann::json& line);
-    // Parses the header line of a journal file into head_. Errors: kInvalidArgument file:1.
-    [[nodiscard]] Status read_head(const std::string& line);
     void watch();
     // standby(): on a signal, the report from rank 0's journal file if rank 0 died; never returns.
     [[noreturn]] void recover_or_exit(int sig);
     // Replays the journal file at path_ into this (in-memory) journal: records, dead ranks and
     // the watcher's cause (stopping_cause_). Errors: kNotFound unreadable file; kAlreadyExists the
-    // journal says the report was written; kInvalidArgument file:line of a line not a journal's
-    // (a cut last line is skipped). With `read_header`, the header fills head_.
+    // journal says the report was written; kInvalidArgument file:line (journal::parse). With
+    // `read_header`, the header fills head_ and mode_.
     [[nodiscard]] Status load_file(bool read_header = false);
     // A path of the run as given, against the run's directory when read back from a file
     // (recover-report may run elsewhere); unchanged otherwise.
     [[nodiscard]] std::string in_run_dir(const std::string& path) const;
 
     const ResolvedConfig* cfg_;  // null: read back from a file
-    RunHead head_;
+    journal::Head head_;
+    Mode mode_ = Mode::kBoth;     // head_.mode
     bool recovered_ = false;      // read back from a file: elapsed_s() from the wall clock
     std::string stopping_cause_;  // the watcher's cause, read back from the file
     std::mutex mu_;
