@@ -899,7 +899,8 @@ TEST(CalibrateCli, TopologyProbeRunsTheTopologyAndMeasuresTheCoreWait) {
         EXPECT_THAT(j["notes"].dump(), HasSubstr("fewer than 8: no core_wait"));
     }
 
-    // One colocated instance: nothing for a --mode disagg probe to run.
+    // One colocated instance: nothing for a --mode disagg probe to run. A GPU topology: the probe
+    // runs CPU ranks.
     const std::string colocated = dir.str("colocated.yaml");
     std::ofstream(colocated)
         << "name: one\nmodel: tiny\nworld_size: 1\nnodes:\n  - id: n0\n    devices:\n"
@@ -908,7 +909,8 @@ TEST(CalibrateCli, TopologyProbeRunsTheTopologyAndMeasuresTheCoreWait) {
     for (const auto& [args, flag] : std::vector<std::pair<std::vector<std::string>, std::string>>{
              {{"--topology", "no-such-topology"}, "--topology no-such-topology"},
              {{"--topology", "cpu-2p1d-tp2-to-tp1", "--serve-probe", "off"}, "--topology"},
-             {{"--topology", colocated}, "prefill and decode instances"}}) {
+             {{"--topology", colocated}, "prefill and decode instances"},
+             {{"--topology", "gpu-1p1d"}, "the serve probe runs CPU ranks only"}}) {
         std::vector<std::string> a = {"calibrate", "--quick", "--model",
                                       "tiny",      "--out",   dir.str("bad.json")};
         a.insert(a.end(), args.begin(), args.end());

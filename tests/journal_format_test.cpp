@@ -75,9 +75,8 @@ TEST(JournalFormat, ALastLineCutByADeathIsSkipped) {
     StatusOr<Contents> cut = parse(text + R"({"phase":"disagg","id":4,"ok":tr)", "j.jsonl");
     ASSERT_OK(cut.status());
     EXPECT_EQ(cut->records.size(), 2u);
-    StatusOr<Contents> marked = parse(text + "{\"phase\n" +
-                                          text::dump_json(report_written_line()) + "\n",
-                                      "j.jsonl");
+    StatusOr<Contents> marked =
+        parse(text + "{\"phase\n" + text::dump_json(report_written_line()) + "\n", "j.jsonl");
     ASSERT_OK(marked.status());
     EXPECT_TRUE(marked->report_written);
     // The same line anywhere else is an error naming it.
@@ -107,9 +106,8 @@ TEST(JournalFormat, BadLinesAreNamed) {
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("j.jsonl:2: input_len")));
     json text_time = record_line(c.records[0]);
     text_time["arrival_ms"] = "soon";
-    EXPECT_THAT(with_line(text_time),
-                StatusIs(StatusCode::kInvalidArgument,
-                         HasSubstr("j.jsonl:2: arrival_ms is not a number")));
+    EXPECT_THAT(with_line(text_time), StatusIs(StatusCode::kInvalidArgument,
+                                               HasSubstr("j.jsonl:2: arrival_ms is not a number")));
     // JSON has no infinity; nlohmann's reader refuses 1e999 as a number out of range.
     EXPECT_THAT(parse(head + R"({"phase":"disagg","id":0,"arrival_ms":1e999})" + "\n" +
                           text::dump_json(stopping_line("x")),
@@ -129,8 +127,9 @@ TEST(JournalFormat, BadHeadersAreNamed) {
                          HasSubstr("j.jsonl:1: not a pdsim testbed journal")));
     json head = head_line(sample().head, "");
     head["run"]["mode"] = "prefill";
-    EXPECT_THAT(parse(head.dump(), "j.jsonl"),
-                StatusIs(StatusCode::kInvalidArgument, HasSubstr("j.jsonl:1: run.mode \"prefill\"")));
+    EXPECT_THAT(
+        parse(head.dump(), "j.jsonl"),
+        StatusIs(StatusCode::kInvalidArgument, HasSubstr("j.jsonl:1: run.mode \"prefill\"")));
     head = head_line(sample().head, "");
     head["run"].erase("slo_ttft_ms");
     EXPECT_THAT(parse(head.dump(), "j.jsonl"),

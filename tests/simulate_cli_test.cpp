@@ -357,6 +357,28 @@ TEST(SimulateCli, LikeScalesForwardsByTheMachinesSpeed) {
     EXPECT_THAT(other["config"]["speed_scale"]["why"].get<std::string>(),
                 HasSubstr("probe kernels differ"));
 
+    // A cost file calibrated otherwise than the run (its compute stream's sync, its probe's
+    // topology) is said in the summary and the report's config.warnings, not refused.
+    EXPECT_FALSE(plain["config"].contains("warnings")) << plain["config"].dump();
+    cost.erase("speed_probe");
+    cost["stream_sync"] = "worker";
+    cost["topology"] = "cpu-2p1d-tp2-to-tp1";
+    std::ofstream(dir.str("mismatched.json")) << cost.dump();
+    const auto [mismatched_run, mismatched] = simulate(dir.str("mismatched.json"), {});
+    ASSERT_TRUE(mismatched["config"]["warnings"].is_array()) << mismatched["config"].dump();
+    EXPECT_EQ(mismatched["config"]["warnings"].size(), 2u);
+    EXPECT_THAT(mismatched_run.out,
+                HasSubstr("warning: " + dir.str("mismatched.json") +
+                          " was calibrated with --stream-sync worker, the run used caller"));
+    EXPECT_THAT(mismatched_run.out,
+                HasSubstr("was calibrated on topology cpu-2p1d-tp2-to-tp1 (calibrate --topology), "
+                          "the run is"));
+    cost["stream_sync"] = "caller";
+    cost["topology"] = "cpu-1p1d";  // the run's, by its shipped name
+    std::ofstream(dir.str("matched.json")) << cost.dump();
+    const auto [matched_run, matched] = simulate(dir.str("matched.json"), {});
+    EXPECT_FALSE(matched["config"].contains("warnings")) << matched["config"].dump();
+
     for (const char* bad : {"0", "fast", "101", "-1"}) {
         CmdResult r = run_pdsim({"simulate", "--like", dir.str("tb.json"), "--cost-model",
                                  dir.str("slow.json"), "--speed-scale", bad});

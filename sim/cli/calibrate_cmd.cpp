@@ -296,6 +296,20 @@ StatusOr<MicrobenchPlan> microbench_plan(const CalibrateOptions& o, const model:
         std::set<int> tps;
         bool prefill = false, decode = false;
         for (const topo::Instance& inst : t->instances) {
+            // The probe runs the CPU testbed: a GPU topology's costs come from a GPU run's
+            // timelines instead.
+            for (const std::string& id : inst.devices) {
+                const topo::Device* dev = t->find_device(id);
+                if (dev != nullptr && !dev->is_cpu()) {
+                    return Status(
+                        StatusCode::kInvalidArgument,
+                        fmt::format("--topology {}: instance {} runs on {} device {}; the serve "
+                                    "probe runs CPU ranks only (for a GPU topology: pdsim testbed "
+                                    "--backend cuda --timeline T.json, then calibrate "
+                                    "--from-timeline T.json)",
+                                    o.topology, inst.id, dev->type, id));
+                }
+            }
             tps.insert(inst.tp);
             prefill = prefill || inst.role == topo::Role::kPrefill;
             decode = decode || inst.role == topo::Role::kDecode;

@@ -21,6 +21,7 @@
 #include "backends/model/model_config.h"
 #include "common/data_dir.h"
 #include "common/input_file.h"
+#include "common/logging.h"
 #include "common/text.h"
 #include "sim/cli/cli_util.h"
 #include "sim/cli/command.h"
@@ -74,6 +75,8 @@ struct LikeRun {
     json model;                             // config.model: name and dimensions
     std::optional<cost::SpeedLevel> speed;  // the ranks' speed probe (--speed-scale auto)
     std::map<std::string, cost::SpeedLevel> instance_speed;  // ... of each instance's ranks
+    std::string stream_sync;                                 // config.stream_sync ("" not recorded)
+    std::string topology;  // config.topology_file, else config.topology ("" not recorded)
 };
 
 // Everything a run needs, loaded and validated.
@@ -90,11 +93,45 @@ struct Prepared {
     std::string speed_note;      // how speed_factor was chosen (summary and report)
     cost::CoreWait core_wait;    // --core-wait resolved
     std::string core_wait_note;  // where it came from (summary and report)
+    // --like with a cost file calibrated otherwise than the run (stream_sync, the probe's
+    // topology): said in the summary, the report's config.warnings and on stderr.
+    std::vector<std::string> warnings;
     std::vector<int> rank_core;  // --cpu-binding resolved: empty, or a core per rank
     std::vector<workload::Request> requests;
     std::string workload_label;
     double load_s = 0;
 };
+
+// The name a topology goes by, whether given as a shipped name or a file: the file name's stem.
+std::string topology_stem(const std::string& topology) {
+    return std::filesystem::path(topology).stem().string();
+}
+
+// Where a cost file was calibrated otherwise than the testbed run --like replays: its compute
+// stream's sync (calibrate --stream-sync against the run's --stream-sync: the forwards' time
+// differs) and its serve probe's topology (calibrate --topology: the fits are scaled to that
+// layout). A cost file that does not record one (--from-timeline) is not compared on it.
+std::vector<std::string> calibration_mismatches(const LikeRun& like, const cost::CostFile& cost) {
+    std::vector<std::string> out;
+    const json& j = cost.json();
+    const json sync = j.value("stream_sync", json());
+    if (sync.is_string() && !like.stream_sync.empty() &&
+        sync.get<std::string>() != like.stream_sync) {
+        out.push_back(fmt::format(
+            "{} was calibrated with --stream-sync {}, the run used {}: forward times differ "
+            "(recalibrate with calibrate --stream-sync {})",
+            cost.source(), sync.get<std::string>(), like.stream_sync, like.stream_sync));
+    }
+    const json topo = j.value("topology", json());
+    if (topo.is_string() && !like.topology.empty() &&
+        topology_stem(topo.get<std::string>()) != topology_stem(like.topology)) {
+        out.push_back(fmt::format(
+            "{} was calibrated on topology {} (calibrate --topology), the run is {}: its fits "
+            "are scaled to the other layout (calibrate --topology {})",
+            cost.source(), topo.get<std::string>(), like.topology, topology_stem(like.topology)));
+    }
+    return out;
+}
 
 StatusOr<bool> on_off(const std::string& flag, const std::string& v) {
     if (v == "on") return true;
@@ -379,6 +416,8 @@ StatusOr<Prepared> prepare(const SimulateFlags& f, const LikeRun* like = nullptr
                       fmt::format("--cost-model {}: {}", f.cost_model, setups.status().message()));
     }
     p.setups = std::move(*setups);
+    if (like != nullptr && p.cost_file) p.warnings = calibration_mismatches(*like, *p.cost_file);
+    for (const std::string& w : p.warnings) PDSIM_LOG_WARN("{}", w);
     PDSIM_RETURN_IF_ERROR(choose_speed_factor(f, like, &p));
     PDSIM_ASSIGN_OR_RETURN(const std::optional<cost::CoreWait> given_wait,
                            parse_core_wait(f.core_wait));
@@ -510,6 +549,7 @@ metrics::Report simulate_report(const Prepared& p, const SimulateFlags& f,
         r.extra["config"]["speed_scale"] = {{"factor", p.speed_factor}, {"why", p.speed_note}};
         r.extra["config"]["core_wait"] = {{"dispatch_ms", p.core_wait.dispatch_s * 1e3},
                                           {"why", p.core_wait_note}};
+        if (!p.warnings.empty()) r.extra["config"]["warnings"] = p.warnings;
         if (!p.instance_speed_factor.empty()) {
             json per = json::object();
             for (size_t i = 0; i < p.instance_speed_factor.size(); ++i) {
@@ -546,6 +586,7 @@ std::string simulate_summary(const Prepared& p, const SimulateFlags& f,
     s += fmt::format("  machine speed: x{:.3f}, {}\n", p.speed_factor, p.speed_note);
     s +=
         fmt::format("  core wait: {:.2f} ms, {}\n", p.core_wait.dispatch_s * 1e3, p.core_wait_note);
+    for (const std::string& w : p.warnings) s += fmt::format("  warning: {}\n", w);
     for (const auto& [path, what] :
          {std::pair{f.report, "report"}, std::pair{f.timeline, "timeline"},
           std::pair{f.requests, "requests"}}) {
@@ -647,6 +688,14 @@ StatusOr<LikeRun> load_like(SimulateFlags* f, const std::function<bool(const cha
         if (!hashes.empty()) q.hash_ids = std::move(hashes[i]);
     }
     like.model = config.value("model", json::object());
+    if (config.contains("stream_sync") && config["stream_sync"].is_string()) {
+        like.stream_sync = config["stream_sync"].get<std::string>();
+    }
+    for (const char* key : {"topology_file", "topology"}) {
+        if (like.topology.empty() && config.contains(key) && config[key].is_string()) {
+            like.topology = config[key].get<std::string>();
+        }
+    }
     like.speed = cost::report_speed_level(rep);
     if (rep.contains("ranks") && rep["ranks"].is_array()) {
         for (const json& rank : rep["ranks"]) {

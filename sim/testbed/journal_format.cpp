@@ -66,11 +66,13 @@ std::string phase_of(const json& j) {
 
 Head read_head(const json& j) {
     if (!j.is_object() || j.value("journal", "") != "pdsim testbed") {
-        throw LineError{"not a pdsim testbed journal (it starts with {\"journal\": \"pdsim "
-                        "testbed\", ...})"};
+        throw LineError{
+            "not a pdsim testbed journal (it starts with {\"journal\": \"pdsim "
+            "testbed\", ...})"};
     }
     const json run = j.value("run", json());
-    if (!run.is_object()) throw LineError{
+    if (!run.is_object())
+        throw LineError{
             "no \"run\" object (an older pdsim's journal: no report can be rebuilt from it)"};
     Head h;
     h.submitted = integer(j, "requests_submitted", std::nullopt, 0, kMaxSubmitted);
@@ -214,8 +216,8 @@ StatusOr<Contents> parse(std::string_view text, const std::string& path) {
                 bool only_marks_follow = true;
                 for (size_t k = n + 1; k < lines.size(); ++k) {
                     const json after = json::parse(lines[k], nullptr, false);
-                    only_marks_follow = only_marks_follow && after.is_object() &&
-                                        after.contains("report_written");
+                    only_marks_follow =
+                        only_marks_follow && after.is_object() && after.contains("report_written");
                 }
                 if (only_marks_follow) continue;  // the line a death cut
                 throw LineError{"not a JSON object"};
@@ -233,9 +235,8 @@ StatusOr<Contents> parse(std::string_view text, const std::string& path) {
     } catch (const LineError& e) {
         return invalid_argument_error(fmt::format("{}:{}: {}", path, n + 1, e.why));
     } catch (const json::exception& e) {
-        return invalid_argument_error(
-            fmt::format("{}:{}: a field is missing or of the wrong type: {}", path, n + 1,
-                        e.what()));
+        return invalid_argument_error(fmt::format(
+            "{}:{}: a field is missing or of the wrong type: {}", path, n + 1, e.what()));
     }
     return c;
 }
