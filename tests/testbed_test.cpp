@@ -525,6 +525,23 @@ TEST(TestbedStop, KilledProcessLeavesAReportFromItsKeeper) {
     EXPECT_FALSE(std::filesystem::exists(dir.path() / "r.json.recover")) << "the lock is removed";
 }
 
+// A keeper killed while the run goes on: the run ends as it would have, exit 0 with its full
+// report (standing a gone keeper down raises no SIGPIPE).
+TEST(TestbedStop, AKilledKeeperDoesNotEndTheRun) {
+    TempDir dir("tb_stop_keeper_gone");
+    const std::string journal = dir.str("r.json") + ".journal.jsonl";
+    const std::vector<std::string> args = {"--synthetic", "40",       "--mode",         "disagg",
+                                           "--quiet",     "--report", dir.str("r.json")};
+    StopResult s = run_and_stop(0, args, journal, 3,
+                                "pkill -9 -f " + shell_quote("recover-report " + journal));
+    EXPECT_EQ(s.cmd.rc, 0) << s.cmd.describe();
+    const json rep = load_json(dir.path() / "r.json");
+    ASSERT_TRUE(rep.is_object()) << s.cmd.describe();
+    EXPECT_EQ(rep["requests_completed"], 40);
+    EXPECT_FALSE(rep.contains("incomplete"));
+    EXPECT_FALSE(std::filesystem::exists(journal));
+}
+
 // SIGTERM (a user's ^C is SIGINT, handled alike) half-way through a run of ranks as threads:
 // the report of what finished is written at once, then exit 128 + 15.
 TEST(TestbedStop, SigtermWritesTheReportOfWhatFinished) {

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <poll.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -251,9 +252,12 @@ int ResultJournal::keep(const std::string& journal_path, int fd) {
 
 Status ResultJournal::start_keeper() {
     if (file_ == nullptr || keeper_pid_ > 0) return {};
+    // A socket pair, not a pipe: the stand-down's send cannot raise SIGPIPE in this process when
+    // the keeper is already gone (MSG_NOSIGNAL).
     int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) != 0) {
-        return PDSIM_ERROR(StatusCode::kInternal, "report keeper: pipe: {}", std::strerror(errno));
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) {
+        return PDSIM_ERROR(StatusCode::kInternal, "report keeper: socketpair: {}",
+                           std::strerror(errno));
     }
     // The keeper's end at fd >= 10, so that its dup2 onto fd 3 always clears FD_CLOEXEC.
     const int read_end = ::fcntl(fds[0], F_DUPFD_CLOEXEC, 10);
@@ -348,7 +352,7 @@ ResultJournal::~ResultJournal() {
         // Stand the keeper down: this process ends through its own code, which wrote a report
         // or decided not to.
         const unsigned char stop = 'q';
-        [[maybe_unused]] const ssize_t n = ::write(keeper_fd_, &stop, 1);
+        [[maybe_unused]] const ssize_t n = ::send(keeper_fd_, &stop, 1, MSG_NOSIGNAL);
         ::close(keeper_fd_);
         keeper_fd_ = -1;
     }

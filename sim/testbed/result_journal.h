@@ -14,7 +14,8 @@
 //
 // The keeper: start_keeper() spawns a small process (`pdsim recover-report JOURNAL --keeper-fd 3`,
 // in a session of its own, so that signals mpirun sends this process's group miss it) that waits
-// for this process to end. A process that never ran its destructor nor wrote a report (killed by
+// for this process to end (on a socket only this process holds the other end of). A process
+// that never ran its destructor nor wrote a report (killed by
 // SIGKILL: mpirun sends one odls_base_sigkill_timeout, 1 s by default, after its SIGTERM, and a
 // loaded host can outlast that while the watcher writes; the OOM killer; a crash) leaves the
 // report to the keeper, which writes it from the journal file (recover()). The journal file's
@@ -205,7 +206,7 @@ private:
     // Signals.
     bool armed_ = false;
     std::thread watcher_;
-    // The keeper (start_keeper): its pid and the write end of its pipe; -1 none.
+    // The keeper (start_keeper): its pid and this end of its socket pair; -1 none.
     int keeper_pid_ = -1;
     int keeper_fd_ = -1;
 };
