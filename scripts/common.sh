@@ -10,6 +10,29 @@ pdsim_bootstrap() {
   "$PDSIM_ROOT/scripts/bootstrap.sh"
 }
 
+# Fails before any build when the disk cannot hold one: a full disk otherwise stops the compiler
+# half-way ("fatal error: error writing to /tmp/cc....s: No space left on device"), minutes in.
+# `need_mib` is what a build from nothing writes under build/; what build/ already holds counts
+# towards it (a rebuild overwrites it). The compiler's temporary files go to TMPDIR (/tmp).
+# PDSIM_SKIP_DISK_CHECK=1 skips it.
+pdsim_require_disk() {
+  local need_mib="$1" what="$2"
+  [ "${PDSIM_SKIP_DISK_CHECK:-}" = "1" ] && return 0
+  mkdir -p "$PDSIM_ROOT/build"
+  local have_mib built_mib tmp_mib
+  have_mib=$(df -Pm "$PDSIM_ROOT/build" | awk 'NR==2 {print $4}')
+  built_mib=$(du -sm "$PDSIM_ROOT/build" 2>/dev/null | awk '{print $1}')
+  tmp_mib=$(df -Pm "${TMPDIR:-/tmp}" | awk 'NR==2 {print $4}')
+  local short=$(( need_mib - built_mib - have_mib ))
+  if [ "$short" -gt 0 ] || [ "$tmp_mib" -lt 512 ]; then
+    echo "pdsim: not enough disk for $what: it writes about $need_mib MiB under" \
+         "$PDSIM_ROOT/build (which holds $built_mib MiB) and $have_mib MiB are free there;" \
+         "${TMPDIR:-/tmp} has $tmp_mib MiB free (the compiler needs 512). Free some space (old" \
+         "clones and build folders), or set PDSIM_SKIP_DISK_CHECK=1 to try anyway." >&2
+    return 1
+  fi
+}
+
 pdsim_configure() {
   local preset="$1"; shift
   echo "== configure ($preset) [+$(( $(date +%s) - ${PDSIM_STAGE_T0:-$(date +%s)} )) s]"

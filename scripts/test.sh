@@ -12,6 +12,16 @@ mkdir -p build
 start=$(date +%s)
 export PDSIM_STAGE_T0=$start  # scripts/common.sh prints each stage's start against it
 
+sanitizers="${PDSIM_SANITIZERS:-}"
+if [ -z "$sanitizers" ] && [ "${CI:-}" = "true" ]; then sanitizers=1; fi
+# A clean clone's CI run (release, asan, tsan and fuzz builds) wrote 3.6 GiB; the release build
+# alone about 1 GiB (measured 2026-12-05).
+if [ -n "$sanitizers" ]; then
+  pdsim_require_disk 3800 "the release, sanitizer and fuzz builds"
+else
+  pdsim_require_disk 1200 "the release build"
+fi
+
 pdsim_bootstrap
 # BUILD_TESTING=ON explicitly: scripts/run.sh configures the same build folder without tests. CI
 # builds with -Werror (a warning fails the run there); elsewhere warnings are printed, because a
@@ -30,8 +40,6 @@ if [ "${CI:-}" = "true" ]; then
   ci_unity=(-DPDSIM_UNITY_BUILD=ON)
   ci_args=(-DPDSIM_CUDA_ARCHITECTURES=90 "${ci_unity[@]}")
 fi
-sanitizers="${PDSIM_SANITIZERS:-}"
-if [ -z "$sanitizers" ] && [ "${CI:-}" = "true" ]; then sanitizers=1; fi
 
 # Memory code (kernels, pools, parsers, model, simulator) under ASan/UBSan; the transport and
 # engine suites are concurrency code and run under TSan below. The suites and cases that spawn

@@ -15,7 +15,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/input_file.h"
@@ -31,6 +30,12 @@ namespace pdsim::testbed {
 namespace {
 
 using json = nlohmann::json;
+
+// The phase charged when none has begun: a colocated run's, else the disaggregated one (the
+// main phase of a disagg or mode-both report).
+Phase mode_phase(Mode mode) {
+    return mode == Mode::kColocated ? Phase::kColocated : Phase::kDisagg;
+}
 
 double unix_now_s() {
     return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
@@ -83,7 +88,6 @@ ResultJournal::ResultJournal(const ResolvedConfig* cfg) : cfg_(cfg) {
     head_.requests_path = o.requests_path;
     std::error_code ec;
     head_.cwd = std::filesystem::current_path(ec).string();
-    head_.config = testbed_config_json(*cfg);
     head_.started_unix_s = unix_now_s();
 }
 
@@ -114,6 +118,7 @@ StatusOr<std::unique_ptr<ResultJournal>> ResultJournal::open(const ResolvedConfi
                           fmt::format("--report {}: cannot create its journal {}: {}", report,
                                       j->path_, std::strerror(errno)));
         }
+        j->head_.config = testbed_config_json(cfg);  // only the header needs it
         j->append_line(journal::head_line(j->head_, describe(cfg.options)));
     }
     return j;
@@ -139,6 +144,7 @@ Status ResultJournal::load_file(bool read_header) {
     PDSIM_ASSIGN_OR_RETURN(const std::string text,
                            files::read_input_file(path_, files::kMaxTraceFileBytes));
     PDSIM_ASSIGN_OR_RETURN(journal::Contents contents, journal::parse(text, path_));
+    file_ends_cut_ = !text.empty() && text.back() != '\n';
     if (contents.report_written) {
         return PDSIM_ERROR(StatusCode::kAlreadyExists, "rank 0 wrote the report");
     }
@@ -171,13 +177,7 @@ StatusOr<std::string> ResultJournal::recover(const std::string& journal_path,
     std::string lock;
     if (rank0_died) {
         std::lock_guard<std::mutex> guard(j->mu_);
-        const Phase last = j->phases_.empty()
-                               ? (j->mode_ == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
-                               : j->phases_.back().phase;
-        j->log_of(last).dead_ranks.push_back({.rank = 0,
-                                              .instance = j->head_.rank0_instance,
-                                              .detected_at_s = j->elapsed_s(),
-                                              .silent_s = -1});
+        j->add_rank0_dead(/*silent_s=*/-1);
         lock = j->in_run_dir(j->head_.report_path) + ".recover";
         const int fd = ::open(lock.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
         if (fd < 0) {
@@ -192,16 +192,8 @@ StatusOr<std::string> ResultJournal::recover(const std::string& journal_path,
     if (counts.ok()) {
         // The report stands: a standby rank or a later recover-report leaves it.
         // After a line the death cut, on a line of its own.
-        bool ends_cut = false;
-        {
-            std::ifstream in(journal_path, std::ios::binary | std::ios::ate);
-            if (in && in.tellg() > 0) {
-                in.seekg(-1, std::ios::end);
-                ends_cut = in.get() != '\n';
-            }
-        }
         j->file_ = std::fopen(journal_path.c_str(), "a");
-        if (j->file_ != nullptr && ends_cut) std::fputc('\n', j->file_);
+        if (j->file_ != nullptr && j->file_ends_cut_) std::fputc('\n', j->file_);
         j->append_line(journal::report_written_line());
         if (j->file_ != nullptr) std::fclose(j->file_);
         j->file_ = nullptr;
@@ -326,13 +318,7 @@ void ResultJournal::recover_or_exit(int sig) {
     if (loaded.ok()) {
         {
             std::lock_guard<std::mutex> guard(mu_);
-            const Phase last =
-                phases_.empty() ? (mode_ == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
-                                : phases_.back().phase;
-            log_of(last).dead_ranks.push_back({.rank = 0,
-                                               .instance = head_.rank0_instance,
-                                               .detected_at_s = elapsed_s(),
-                                               .silent_s = 0});
+            add_rank0_dead(/*silent_s=*/0);
         }
         StatusOr<std::string> counts = write_partial(cause);
         line = counts.ok() ? fmt::format("wrote {}: {}", head_.report_path, *counts)
@@ -373,6 +359,18 @@ void ResultJournal::begin_phase(Phase phase) {
     phases_.push_back({.phase = phase,
                        .records = {},
                        .seen = std::vector<bool>(static_cast<size_t>(head_.submitted))});
+}
+
+Phase ResultJournal::last_phase() const {
+    return phases_.empty() ? mode_phase(mode_) : phases_.back().phase;
+}
+
+void ResultJournal::add_rank0_dead(double silent_s) {
+    log_of(last_phase())
+        .dead_ranks.push_back({.rank = 0,
+                               .instance = head_.rank0_instance,
+                               .detected_at_s = elapsed_s(),
+                               .silent_s = silent_s});
 }
 
 ResultJournal::PhaseLog& ResultJournal::log_of(Phase phase) {
@@ -460,7 +458,7 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
     const PhaseLog* dis = nullptr;
     const PhaseLog* col = nullptr;
     for (const PhaseLog& log : phases_) (log.phase == Phase::kDisagg ? dis : col) = &log;
-    PhaseLog none{.phase = mode_ == Mode::kColocated ? Phase::kColocated : Phase::kDisagg,
+    PhaseLog none{.phase = mode_phase(mode_),
                   .records = {},
                   .seen = std::vector<bool>(static_cast<size_t>(submitted))};
     if (dis == nullptr && col == nullptr) (mode_ == Mode::kColocated ? col : dis) = &none;
@@ -564,9 +562,7 @@ void ResultJournal::watch() {
         const std::vector<int>& gone = found.gone_ranks;
         if (!gone.empty()) {
             std::lock_guard<std::mutex> lock(mu_);
-            const Phase last =
-                phases_.empty() ? (mode_ == Mode::kColocated ? Phase::kColocated : Phase::kDisagg)
-                                : phases_.back().phase;
+            const Phase last = last_phase();
             const topo::RankMap map = cfg_ != nullptr ? cfg_->topology.rank_map() : topo::RankMap();
             std::string names;
             for (int rank : gone) {

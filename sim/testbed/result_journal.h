@@ -168,6 +168,10 @@ private:
         std::vector<DeadRank> dead_ranks;
     };
     PhaseLog& log_of(Phase phase);  // mu_ held
+    // The phase a death falls in: the last one begun, else the mode's own (mu_ held).
+    [[nodiscard]] Phase last_phase() const;
+    // Notes rank 0 (the journal's writer) dead in last_phase() (mu_ held).
+    void add_rank0_dead(double silent_s);
     // `cfg` null: a journal read back from its file (recover()), its head from the header.
     explicit ResultJournal(const ResolvedConfig* cfg);
     [[nodiscard]] double elapsed_s() const;
@@ -179,7 +183,7 @@ private:
     // Replays the journal file at path_ into this (in-memory) journal: records, dead ranks and
     // the watcher's cause (stopping_cause_). Errors: kNotFound unreadable file; kAlreadyExists the
     // journal says the report was written; kInvalidArgument file:line (journal::parse). With
-    // `read_header`, the header fills head_ and mode_.
+    // `read_header`, the header fills head_ and mode_. Sets file_ends_cut_.
     [[nodiscard]] Status load_file(bool read_header = false);
     // A path of the run as given, against the run's directory when read back from a file
     // (recover-report may run elsewhere); unchanged otherwise.
@@ -190,6 +194,7 @@ private:
     Mode mode_ = Mode::kBoth;     // head_.mode
     bool recovered_ = false;      // read back from a file: elapsed_s() from the wall clock
     std::string stopping_cause_;  // the watcher's cause, read back from the file
+    bool file_ends_cut_ = false;  // load_file: the file's last line has no newline (cut)
     std::mutex mu_;
     std::string path_;  // "" when there is no --report
     std::FILE* file_ = nullptr;
