@@ -10,6 +10,11 @@ pdsim_bootstrap() {
   "$PDSIM_ROOT/scripts/bootstrap.sh"
 }
 
+# What a build from nothing writes under build/ (MiB; measured 2026-12-05 on a clean clone): the
+# release build alone about 1 GiB; a CI run's release, sanitizer and fuzz builds 3.6 GiB.
+PDSIM_DISK_RELEASE_MIB=1200
+PDSIM_DISK_ALL_STAGES_MIB=3800
+
 # Fails before any build when the disk cannot hold one: a full disk otherwise stops the compiler
 # half-way ("fatal error: error writing to /tmp/cc....s: No space left on device"), minutes in.
 # `need_mib` is what a build from nothing writes under build/; what build/ already holds counts

@@ -10,7 +10,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 cd "$PDSIM_ROOT"
 mkdir -p build out
-pdsim_require_disk 1200 "the release build"
+pdsim_require_disk "$PDSIM_DISK_RELEASE_MIB" "the release build"
 pdsim_bootstrap
 pdsim_build default -DBUILD_TESTING=OFF
 # OpenMPI's ob1 PML with shared memory (and TCP across hosts), as the tests use.

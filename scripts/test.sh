@@ -14,12 +14,10 @@ export PDSIM_STAGE_T0=$start  # scripts/common.sh prints each stage's start agai
 
 sanitizers="${PDSIM_SANITIZERS:-}"
 if [ -z "$sanitizers" ] && [ "${CI:-}" = "true" ]; then sanitizers=1; fi
-# A clean clone's CI run (release, asan, tsan and fuzz builds) wrote 3.6 GiB; the release build
-# alone about 1 GiB (measured 2026-12-05).
 if [ -n "$sanitizers" ]; then
-  pdsim_require_disk 3800 "the release, sanitizer and fuzz builds"
+  pdsim_require_disk "$PDSIM_DISK_ALL_STAGES_MIB" "the release, sanitizer and fuzz builds"
 else
-  pdsim_require_disk 1200 "the release build"
+  pdsim_require_disk "$PDSIM_DISK_RELEASE_MIB" "the release build"
 fi
 
 pdsim_bootstrap

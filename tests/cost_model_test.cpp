@@ -508,6 +508,54 @@ TEST(CoreWait, TheCostFilesCoreWaitIsCheckedAndServed) {
     expect_invalid(j, {"core_wait", "expected an object"});
 }
 
+TEST(StepWait, TheCostFilesStepWaitIsCheckedAndServed) {
+    json j = hand_written();
+    auto plain = CostFile::from_json(j, "plain.json");
+    ASSERT_OK(plain);
+    EXPECT_FALSE(plain->step_wait().has_value());
+    j["step_wait"] = {{"decode",
+                       {{{"competitors", 1}, {"chance", 0.25}, {"wait_ms", 3}, {"gaps", 300}},
+                        {{"competitors", 2}, {"chance", 0.45}, {"wait_ms", 3.5}}}},
+                      {"topology", "cpu-2p1d"}};
+    auto f = CostFile::from_json(j, "steps.json");
+    ASSERT_OK(f);
+    ASSERT_TRUE(f->step_wait().has_value());
+    ASSERT_EQ(f->step_wait()->decode.size(), 2u);
+    EXPECT_DOUBLE_EQ(f->step_wait()->decode[0].chance, 0.25);
+    EXPECT_DOUBLE_EQ(f->step_wait()->decode[0].wait_s, 3e-3);
+    EXPECT_DOUBLE_EQ(f->step_wait()->decode[1].chance, 0.45);
+    EXPECT_DOUBLE_EQ(f->step_wait()->decode[1].wait_s, 3.5e-3);
+    json bad = j;
+    bad["step_wait"]["decode"][1]["chance"] = 1.5;
+    expect_invalid(bad, {"bad.json", "step_wait.decode[1].chance", "at most 1"});
+    bad = j;
+    bad["step_wait"]["decode"][0]["wait_ms"] = -2;
+    expect_invalid(bad, {"step_wait.decode[0].wait_ms", ">= 0"});
+    bad = j;
+    bad["step_wait"]["decode"][0]["wait_ms"] = 4000;
+    expect_invalid(bad, {"step_wait.decode[0].wait_ms", "at most 1000 ms"});
+    bad = j;
+    bad["step_wait"]["decode"][1]["competitors"] = 3;
+    expect_invalid(bad, {"step_wait.decode[1].competitors", "expected 2"});
+    bad = j;
+    bad["step_wait"]["decode"][0].erase("chance");
+    expect_invalid(bad, {"step_wait.decode[0].chance", "missing"});
+    bad = j;
+    bad["step_wait"]["decode"] = {{"competitors", 1}};
+    expect_invalid(bad, {"step_wait.decode", "expected an array"});
+    bad = j;
+    bad["step_wait"] = json::object();
+    expect_invalid(bad, {"step_wait.decode", "missing"});
+    bad = j;
+    bad["step_wait"] = 7;
+    expect_invalid(bad, {"step_wait", "expected an object"});
+    // No rows: present, and no wait.
+    j["step_wait"]["decode"] = json::array();
+    auto empty = CostFile::from_json(j, "none.json");
+    ASSERT_OK(empty);
+    EXPECT_TRUE(empty->step_wait()->decode.empty());
+}
+
 // A report's level is the median of its ranks' medians; ranks without samples (or malformed) are
 // left out, ranks naming different kernels give none.
 TEST(SpeedLevel, AReportsLevelIsTheMedianOfItsRanks) {

@@ -183,6 +183,52 @@ TEST(CpuContention, CoreWaitDelaysWorkReachingAnIdleInstanceOnABusyCore) {
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("core wait -1 s")));
 }
 
+// SimConfig::step_wait: a decode forward that ends while another instance computes on its core is
+// followed, with the table's chance, by the table's wait before the next one; never without a
+// competitor or without more work.
+TEST(CpuContention, StepWaitFollowsDecodeForwardsThatEndBesideAComputingInstance) {
+    // One core, not bound: prefill (extend 1 s) and decode (10 ms a step) share it.
+    SimConfig c = make_config(1, 1, SimMode::kDisagg, 1.0, 0.01);
+    // Request 0's prefill runs alone (0 to 1000 ms); request 1 arrives as it ends, so its 1 s
+    // prefill runs through all of request 0's 10 decode steps: each takes 20 ms at half the core.
+    const std::vector<workload::Request> both = {req(0, 0, 100, 11), req(1, 1000, 100, 1)};
+    const SimResult plain = run(c, both);
+    ASSERT_EQ(plain.report.requests_completed, 2);
+    ASSERT_TRUE(plain.records[0].tpot_ms().has_value());
+    EXPECT_NEAR(*plain.records[0].tpot_ms(), 20, 0.01);  // + the KV transfer's few us / 10
+    EXPECT_EQ(plain.stats.step_waits, 0);
+    // Chance 1 of 5 ms: 9 waits (none after the last step: no more work), TPOT 24.5 ms.
+    c.step_wait.decode = {{.chance = 1, .wait_s = 0.005}};
+    const SimResult waited = run(c, both);
+    EXPECT_EQ(waited.stats.step_waits, 9);
+    EXPECT_NEAR(*waited.records[0].tpot_ms(), 24.5, 0.01);
+    EXPECT_NEAR(waited.records[0].ttft_ms(), plain.records[0].ttft_ms(), kEps);
+    // With no instance computing beside it: no wait, whatever the chance.
+    const SimResult alone = run(c, {req(0, 0, 100, 11)});
+    EXPECT_EQ(alone.stats.step_waits, 0);
+    EXPECT_NEAR(*alone.records[0].tpot_ms(), 10, 0.01);
+    // Chance 0: as without; a chance in between waits some of the 9 steps, the same ones each
+    // run (seeded by noise_seed).
+    c.step_wait.decode = {{.chance = 0, .wait_s = 0.005}};
+    EXPECT_EQ(run(c, both).stats.step_waits, 0);
+    c.step_wait.decode = {{.chance = 0.5, .wait_s = 0.005}};
+    const SimResult half = run(c, both);
+    EXPECT_GT(half.stats.step_waits, 0);
+    EXPECT_LT(half.stats.step_waits, 9);
+    EXPECT_NEAR(*half.records[0].tpot_ms(), 20 + 0.5 * static_cast<double>(half.stats.step_waits),
+                0.01);
+    EXPECT_EQ(run(c, both).stats.step_waits, half.stats.step_waits);
+    // Ranks bound to cores of their own: no competitor, no wait.
+    c.step_wait.decode = {{.chance = 1, .wait_s = 0.005}};
+    SimConfig apart = c;
+    apart.node_cpus = 2;
+    apart.rank_core = {0, 1};
+    EXPECT_EQ(run(apart, both).stats.step_waits, 0);
+    c.step_wait.decode = {{.chance = 1.5, .wait_s = 0.005}};
+    EXPECT_THAT(run_simulation(c, both).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("chance 1.5")));
+}
+
 TEST(CpuContention, SharesMoveWhenAForwardEnds) {
     // TP-2 extend of 0.1 s and a TP-1 extend of 0.05 s on 2 cores: 2/3 of a core per thread
     // until the TP-1 forward's 0.05 core-seconds are done at 75 ms; by then the TP-2 one did

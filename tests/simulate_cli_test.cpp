@@ -387,13 +387,9 @@ TEST(SimulateCli, LikeScalesForwardsByTheMachinesSpeed) {
     }
 }
 
-// --core-wait: a calibrated cost file's core_wait (auto), none (off) or given milliseconds; work
-// reaching an idle instance while another computes on its cores then starts later, so TTFT grows
-// where ranks share cores (cpu-2p1d-tp2-to-tp1 bound to 2 cores) and not where they do not.
-TEST(SimulateCli, CoreWaitComesFromTheCostFileOrTheFlag) {
-    TempDir dir("simulate_core_wait");
-    const std::string trace = write_trace(dir);
-    json cost = json::parse(R"({"schema_version": 1, "model": "tiny",
+// A cost file with TP 1 and TP 2 fits (cpu-2p1d-tp2-to-tp1 and cpu-1p1d) and a local transport.
+json tp1_tp2_cost() {
+    return json::parse(R"({"schema_version": 1, "model": "tiny",
       "fits": [{"tp": 1, "threads": 1,
         "extend": {"const_s": 0.001, "per_token_s": 2e-5, "per_attn_pair_s": 3e-9,
                    "per_request_s": 4e-4},
@@ -403,21 +399,39 @@ TEST(SimulateCli, CoreWaitComesFromTheCostFileOrTheFlag) {
                    "per_request_s": 4e-4},
         "decode": {"const_s": 5e-3, "per_request_s": 1e-5, "per_kv_token_s": 2e-8}}],
       "transports": {"local": {"gbps": 2.5, "latency_us": 30}}})");
+}
+
+// `pdsim simulate` of `trace` with ranks bound to 2 cores; the run and its report (sim.json).
+std::pair<CmdResult, json> simulate_on_two_cores(const TempDir& dir, const std::string& trace,
+                                                 const std::string& topology,
+                                                 const std::string& cost_file,
+                                                 const std::string& time_scale,
+                                                 const std::vector<std::string>& flags) {
+    std::vector<std::string> args = {
+        "simulate",     "--topology",   topology,      "--trace",  trace,
+        "--cost-model", cost_file,      "--cpu-cores", "2",        "--cpu-binding",
+        "core",         "--time-scale", time_scale,    "--report", dir.str("sim.json")};
+    args.insert(args.end(), flags.begin(), flags.end());
+    CmdResult r = run_pdsim(args, 120);
+    EXPECT_EQ(r.rc, 0) << r.describe();
+    return {r, json::parse(slurp(dir.path() / "sim.json"))};
+}
+
+// --core-wait: a calibrated cost file's core_wait (auto), none (off) or given milliseconds; work
+// reaching an idle instance while another computes on its cores then starts later, so TTFT grows
+// where ranks share cores (cpu-2p1d-tp2-to-tp1 bound to 2 cores) and not where they do not.
+TEST(SimulateCli, CoreWaitComesFromTheCostFileOrTheFlag) {
+    TempDir dir("simulate_core_wait");
+    const std::string trace = write_trace(dir);
+    json cost = tp1_tp2_cost();
     std::ofstream(dir.str("plain.json")) << cost.dump();
     cost["core_wait"] = {{"dispatch_ms", 20}, {"events", 30}};
     std::ofstream(dir.str("wait.json")) << cost.dump();
     const std::string two =
         std::string(PDSIM_SOURCE_DIR) + "/topology/examples/cpu-2p1d-tp2-to-tp1.yaml";
     auto simulate = [&](const std::string& topology, const std::string& cost_file,
-                        std::vector<std::string> flags) {
-        std::vector<std::string> args = {
-            "simulate",     "--topology",   topology,      "--trace",  trace,
-            "--cost-model", cost_file,      "--cpu-cores", "2",        "--cpu-binding",
-            "core",         "--time-scale", "1",           "--report", dir.str("sim.json")};
-        args.insert(args.end(), flags.begin(), flags.end());
-        CmdResult r = run_pdsim(args, 120);
-        EXPECT_EQ(r.rc, 0) << r.describe();
-        return std::pair{r, json::parse(slurp(dir.path() / "sim.json"))};
+                        const std::vector<std::string>& flags) {
+        return simulate_on_two_cores(dir, trace, topology, cost_file, "1", flags);
     };
     const auto [plain_run, plain] = simulate(two, dir.str("plain.json"), {});
     EXPECT_EQ(plain["config"]["core_wait"]["dispatch_ms"], 0.0);
@@ -446,6 +460,46 @@ TEST(SimulateCli, CoreWaitComesFromTheCostFileOrTheFlag) {
         EXPECT_EQ(r.rc, 2) << r.describe();
         EXPECT_THAT(r.err, HasSubstr(std::string("--core-wait ") + bad));
     }
+}
+
+// --step-wait: a calibrated cost file's step_wait (auto) or none (off); decode steps that end while
+// another instance computes on the decode rank's core are followed by the wait, so TPOT grows where
+// ranks share cores (cpu-2p1d-tp2-to-tp1 bound to 2 cores) and not where they do not (cpu-1p1d).
+TEST(SimulateCli, StepWaitComesFromTheCostFileUnlessOff) {
+    TempDir dir("simulate_step_wait");
+    const std::string trace = write_trace(dir);
+    json cost = tp1_tp2_cost();
+    std::ofstream(dir.str("plain.json")) << cost.dump();
+    cost["step_wait"] = {{"decode", {{{"competitors", 1}, {"chance", 1}, {"wait_ms", 4}}}}};
+    std::ofstream(dir.str("steps.json")) << cost.dump();
+    const std::string two =
+        std::string(PDSIM_SOURCE_DIR) + "/topology/examples/cpu-2p1d-tp2-to-tp1.yaml";
+    auto simulate = [&](const std::string& topology, const std::string& cost_file,
+                        const std::vector<std::string>& flags) {
+        // Requests 25 ms apart: decode steps run while the next prompts' prefills compute.
+        return simulate_on_two_cores(dir, trace, topology, cost_file, "0.25", flags);
+    };
+    const auto tpot = [](const json& report) { return report["tpot_ms"]["mean"].get<double>(); };
+    const auto [plain_run, plain] = simulate(two, dir.str("plain.json"), {});
+    EXPECT_THAT(plain_run.out, HasSubstr("step wait: none, none (the cost model has no"));
+    EXPECT_EQ(plain["simulator"]["step_waits"], 0);
+    const auto [steps_run, steps] = simulate(two, dir.str("steps.json"), {});
+    EXPECT_THAT(steps_run.out, HasSubstr("step wait: by competitors 1: 100% x 4.00 ms, from"));
+    EXPECT_EQ(steps["config"]["step_wait"]["decode"][0]["wait_ms"], 4.0);
+    EXPECT_GT(steps["simulator"]["step_waits"].get<int64_t>(), 10);
+    EXPECT_GT(tpot(steps), tpot(plain) + 0.5);
+    const auto [off_run, off] = simulate(two, dir.str("steps.json"), {"--step-wait", "off"});
+    EXPECT_THAT(off["config"]["step_wait"]["why"].get<std::string>(), HasSubstr("--step-wait off"));
+    EXPECT_DOUBLE_EQ(tpot(off), tpot(plain));
+    // cpu-1p1d bound to 2 cores: the decode rank has a core of its own, nothing waits.
+    const auto [apart_run, apart] = simulate(kCpu, dir.str("steps.json"), {});
+    const auto [apart_plain_run, apart_plain] = simulate(kCpu, dir.str("plain.json"), {});
+    EXPECT_EQ(apart["simulator"]["step_waits"], 0);
+    EXPECT_DOUBLE_EQ(tpot(apart), tpot(apart_plain));
+    CmdResult bad = run_pdsim({"simulate", "--topology", two, "--trace", trace, "--cost-model",
+                               dir.str("steps.json"), "--step-wait", "3"});
+    EXPECT_EQ(bad.rc, 2) << bad.describe();
+    EXPECT_THAT(bad.err, HasSubstr("--step-wait"));
 }
 
 TEST(SimulateCli, BadInputExitsTwoNamingTheFlagOrFile) {

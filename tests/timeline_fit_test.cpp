@@ -433,6 +433,80 @@ TEST(DispatchWaits, SplitByWhetherAnotherInstanceComputedOnASharedCore) {
     EXPECT_EQ(unknown.idle_s.size(), 4u);
 }
 
+TimelineForward decode_forward(int instance, int tp_rank, double begin_us, double dur_us) {
+    TimelineForward f = rank_forward(instance, tp_rank, begin_us, dur_us);
+    f.decode = true;
+    f.batch = 1;
+    return f;
+}
+
+// decode_step_gaps: the gap between consecutive decode forwards of an instance's leader, by how
+// many other instances sharing one of its cores had a forward in flight when the first ended.
+TEST(DecodeStepGaps, GapsByTheInstancesComputingOnItsCores) {
+    // Instance 0 (decode) on core {0}; instances 1 and 2 (prefill, TP 2) on {0, 1}; 3 on {2}.
+    const std::vector<std::vector<int>> cores = {{0}, {0, 1}, {0, 1}, {2}};
+    const std::vector<TimelineForward> forwards = {
+        decode_forward(0, 0, 0, 1000),      // ends at 1000 with nobody computing
+        decode_forward(0, 0, 1100, 1000),   // gap 0.1 ms; ends at 2100: 1 and 2 compute
+        rank_forward(1, 0, 1500, 5000),     // instance 1 from 1.5 to 6.5 ms
+        rank_forward(2, 1, 2000, 1000),     // instance 2's follower (core 1) from 2 to 3 ms
+        rank_forward(2, 0, 2000, 1000),     // and its leader: one competitor, not two
+        decode_forward(0, 0, 5100, 1000),   // gap 3 ms; ends at 6100: only 1 computes
+        decode_forward(0, 0, 6300, 500),    // gap 0.2 ms; ends at 6800, followed too late
+        rank_forward(3, 0, 6000, 2000),     // instance 3 on a core of its own: not counted
+        decode_forward(0, 0, 40000, 1000),  // 33 ms later: waited for work, not counted
+        decode_forward(0, 1, 41500, 100),   // a follower's forwards are not the leader's steps
+        decode_forward(0, 1, 41700, 100),
+        rank_forward(0, 0, 41100, 300),  // an extend between: neither pair counts
+        decode_forward(0, 0, 41500, 400),
+    };
+    std::vector<StepGap> gaps = decode_step_gaps(forwards, cores);
+    std::sort(gaps.begin(), gaps.end(),
+              [](const StepGap& a, const StepGap& b) { return a.gap_s < b.gap_s; });
+    ASSERT_EQ(gaps.size(), 3u);
+    EXPECT_EQ(gaps[0].competitors, 0);
+    EXPECT_NEAR(gaps[0].gap_s, 100e-6, 1e-12);
+    EXPECT_EQ(gaps[1].competitors, 1);
+    EXPECT_NEAR(gaps[1].gap_s, 200e-6, 1e-12);
+    EXPECT_EQ(gaps[2].competitors, 2);
+    EXPECT_NEAR(gaps[2].gap_s, 3000e-6, 1e-12);
+    // Fed out of order, the same.
+    std::vector<TimelineForward> reversed(forwards.rbegin(), forwards.rend());
+    EXPECT_EQ(decode_step_gaps(reversed, cores).size(), 3u);
+    // Without core lists no instance shares one.
+    for (const StepGap& g : decode_step_gaps(forwards, {})) EXPECT_EQ(g.competitors, 0);
+}
+
+// fit_step_wait: per count from 1 while enough gaps saw it, the share of gaps over one slice
+// (1 ms) and their mean.
+TEST(DecodeStepGaps, FitsTheChanceAndLengthOfASlicePerCount) {
+    std::vector<StepGap> gaps;
+    for (int k = 0; k < 10; ++k) gaps.push_back({0, 0.1e-3});
+    // One competitor: 3 of 4 short, 1 of 4 a 3 ms slice, twice over.
+    for (int k = 0; k < 2; ++k) {
+        for (const double ms : {0.1, 0.2, 0.3, 3.0}) gaps.push_back({1, ms * 1e-3});
+    }
+    // Two: half over a slice (2 and 4 ms).
+    for (const double ms : {0.5, 2.0, 0.5, 4.0}) gaps.push_back({2, ms * 1e-3});
+    // Three: too few.
+    gaps.push_back({3, 5e-3});
+    const json fit = fit_step_wait(gaps, 4);
+    ASSERT_EQ(fit["decode"].size(), 2u) << fit.dump();
+    EXPECT_EQ(fit["decode"][0]["competitors"], 1);
+    EXPECT_EQ(fit["decode"][0]["gaps"], 8);
+    EXPECT_DOUBLE_EQ(fit["decode"][0]["chance"].get<double>(), 0.25);
+    EXPECT_NEAR(fit["decode"][0]["wait_ms"].get<double>(), 3.0, 1e-9);
+    EXPECT_NEAR(fit["decode"][0]["mean_gap_ms"].get<double>(), 0.9, 1e-9);
+    EXPECT_EQ(fit["decode"][1]["competitors"], 2);
+    EXPECT_DOUBLE_EQ(fit["decode"][1]["chance"].get<double>(), 0.5);
+    EXPECT_NEAR(fit["decode"][1]["wait_ms"].get<double>(), 3.0, 1e-9);
+    EXPECT_EQ(fit["idle"]["gaps"], 10);
+    EXPECT_NEAR(fit["idle"]["mean_gap_ms"].get<double>(), 0.1, 1e-9);
+    // Too few with one competitor: no rows at all, even where two had enough.
+    EXPECT_TRUE(fit_step_wait(gaps, 9)["decode"].empty());
+    EXPECT_TRUE(fit_step_wait({}, 1)["decode"].empty());
+}
+
 TEST(TimelineParser, ReadsRequestArrivals) {
     test::TempDir dir("timeline-fit");
     json events = json::array();

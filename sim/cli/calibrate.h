@@ -189,9 +189,14 @@ struct ProbeOutputs {
 // every run; null when no run sampled it.
 [[nodiscard]] nlohmann::json speed_probe_of_fits(const nlohmann::json& fits);
 // With --topology, `core_wait` gets the cost file's "core_wait" ({"dispatch_ms", "events",
-// "idle_dispatch_ms", "idle_events", "topology", "runs"}) when enough requests measured it.
+// "idle_dispatch_ms", "idle_events", "topology", "runs"}) when enough requests measured it, and
+// `step_wait` its "step_wait" (cost::fit_step_wait of the runs' decode gaps, with "topology" and
+// "runs") when at least kMinStepWaitGaps gaps saw one other instance computing on the decode's
+// cores; else each stays null, with a note.
+inline constexpr size_t kMinStepWaitGaps = 30;
 [[nodiscard]] Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                                        const nlohmann::json& cost_json, nlohmann::json* fits,
-                                       nlohmann::json* notes, nlohmann::json* core_wait);
+                                       nlohmann::json* notes, nlohmann::json* core_wait,
+                                       nlohmann::json* step_wait);
 
 }  // namespace pdsim::cli::calibration

@@ -274,6 +274,7 @@ struct CalibrateParts {
     json interference = json::object();
     json noise = json::object();
     json core_wait;  // null: none measured (calibrate.h, --topology)
+    json step_wait;  // null: none measured (calibrate.h, --topology)
 };
 
 // The flags of a microbenchmark run, checked.
@@ -422,6 +423,7 @@ json cost_file_json(const CalibrateOptions& o, const model::ModelConfig& m,
         out["speed_probe"] = std::move(speed);
     }
     if (!parts.core_wait.is_null()) out["core_wait"] = parts.core_wait;
+    if (!parts.step_wait.is_null()) out["step_wait"] = parts.step_wait;
     if (!o.topology.empty()) out["topology"] = o.topology;
     return out;
 }
@@ -528,6 +530,17 @@ std::string calibrate_summary(const CalibrateOptions& o, const model::ModelConfi
             parts.core_wait["topology"].get<std::string>(),
             parts.core_wait["dispatch_ms"].get<double>(), parts.core_wait["events"].get<size_t>());
     }
+    if (!parts.step_wait.is_null()) {
+        std::string rows;
+        for (const json& row : parts.step_wait["decode"]) {
+            rows += fmt::format("{}{} computing: {:.0f}% of {} gaps, {:.2f} ms",
+                                rows.empty() ? "" : "; ", row["competitors"].get<int>(),
+                                100 * row["chance"].get<double>(), row["gaps"].get<size_t>(),
+                                row["wait_ms"].get<double>());
+        }
+        s += fmt::format("  step wait ({}): a decode forward's next one waited a slice: {}\n",
+                         parts.step_wait["topology"].get<std::string>(), rows);
+    }
     s += "  transports: " + (ts.empty() ? std::string("none") : ts) + "\n";
     if (!o.from_timeline.empty()) s += timeline_summary(o, parts);
     s += "  wrote " + o.out + "\n";
@@ -566,8 +579,8 @@ Status run_calibrate(const CalibrateOptions& o) {
                 "grid's");
         } else {
             const json grid = cost_file_json(o, m, parts, 0);
-            probe_status =
-                apply_serve_probe(o, m, grid, &parts.fits, &parts.notes, &parts.core_wait);
+            probe_status = apply_serve_probe(o, m, grid, &parts.fits, &parts.notes,
+                                             &parts.core_wait, &parts.step_wait);
             if (!probe_status.ok()) {
                 // The grid's minutes are not thrown away: the file is written with the fits as
                 // they stand (a fit the probe finished is scaled and says so in its

@@ -643,10 +643,23 @@ StatusOr<json> measure_core_wait(const std::vector<const ProbeRun*>& runs) {
     return out;
 }
 
+// The step wait (cost::StepWait) from the topology probe's runs: the gaps between each run's
+// consecutive decode forwards, by the other instances computing on the decode's cores.
+json measure_step_wait(const std::vector<const ProbeRun*>& runs) {
+    std::vector<cost::StepGap> gaps;
+    for (const ProbeRun* run : runs) {
+        const std::vector<cost::StepGap> g =
+            cost::decode_step_gaps(run->forwards, run->instance_cpus);
+        gaps.insert(gaps.end(), g.begin(), g.end());
+    }
+    return cost::fit_step_wait(gaps, kMinStepWaitGaps);
+}
+
 }  // namespace
 
 Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
-                         const json& cost_json, json* fits, json* notes, json* core_wait) {
+                         const json& cost_json, json* fits, json* notes, json* core_wait,
+                         json* step_wait) {
     const std::string mpirun = find_on_path("mpirun");
     if (mpirun.empty()) {
         notes->push_back("serve probe: skipped (no mpirun on PATH): the fits are the grid's alone");
@@ -754,6 +767,26 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
                 "serve probe topology {}: {} requests reached an idle instance while another "
                 "computed on its cores, fewer than {}: no core_wait",
                 o.topology, wait["events"].get<size_t>(), kMinCoreWaitEvents));
+        }
+        json step = measure_step_wait(all_runs);
+        step["topology"] = o.topology;
+        step["runs"] = all_runs.size();
+        if (!step["decode"].empty()) {
+            for (const json& row : step["decode"]) {
+                std::fprintf(stderr,
+                             "calibrate: serve probe topology %s: with %d other instance(s) "
+                             "computing on its cores, %.0f%% of %zu decode steps waited %.2f ms "
+                             "for the next\n",
+                             o.topology.c_str(), row["competitors"].get<int>(),
+                             100 * row["chance"].get<double>(), row["gaps"].get<size_t>(),
+                             row["wait_ms"].get<double>());
+            }
+            *step_wait = std::move(step);
+        } else {
+            notes->push_back(fmt::format(
+                "serve probe topology {}: fewer than {} decode steps ended while another instance "
+                "computed on the decode's cores: no step_wait",
+                o.topology, kMinStepWaitGaps));
         }
     }
     return {};

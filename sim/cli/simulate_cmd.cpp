@@ -55,6 +55,7 @@ struct SimulateFlags {
     std::string cost_noise = "on";
     std::string speed_scale = "auto";  // auto | off | a factor (--speed-scale)
     std::string core_wait = "auto";    // auto | off | milliseconds (--core-wait)
+    std::string step_wait = "auto";    // auto | off (--step-wait)
     uint64_t noise_seed = 1;
     double cpu_cores = 0;
     std::string cpu_binding = "none";  // none | core | a core per rank, comma-separated
@@ -93,6 +94,8 @@ struct Prepared {
     std::string speed_note;      // how speed_factor was chosen (summary and report)
     cost::CoreWait core_wait;    // --core-wait resolved
     std::string core_wait_note;  // where it came from (summary and report)
+    cost::StepWait step_wait;    // --step-wait resolved
+    std::string step_wait_note;  // where it came from (summary and report)
     // --like with a cost file calibrated otherwise than the run (stream_sync, the probe's
     // topology): said in the summary, the report's config.warnings and on stderr.
     std::vector<std::string> warnings;
@@ -432,6 +435,15 @@ StatusOr<Prepared> prepare(const SimulateFlags& f, const LikeRun* like = nullptr
     } else {
         p.core_wait_note = "none (the cost model has no core_wait)";
     }
+    if (f.step_wait == "off") {
+        p.step_wait_note = "none (--step-wait off)";
+    } else if (const std::optional<cost::StepWait> w =
+                   p.cost_file ? p.cost_file->step_wait() : std::nullopt) {
+        p.step_wait = *w;
+        p.step_wait_note = fmt::format("from {} (step_wait)", p.cost_file->source());
+    } else {
+        p.step_wait_note = "none (the cost model has no step_wait)";
+    }
     PDSIM_ASSIGN_OR_RETURN(p.rank_core, resolve_cpu_binding(f, p.topology));
     const auto t0 = std::chrono::steady_clock::now();
     if (like != nullptr) {
@@ -459,6 +471,7 @@ des::SimConfig make_config(const Prepared& p, const SimulateFlags& f, des::SimMo
     c.node_cpus = f.cpu_cores;
     c.rank_core = p.rank_core;
     c.core_wait_s = p.core_wait.dispatch_s;
+    c.step_wait = p.step_wait;
     c.batching.max_decode_kv_tokens = f.max_decode_kv_tokens;
     c.slo.ttft_ms = f.slo_ttft_ms;
     c.slo.tpot_ms = f.slo_tpot_ms;
@@ -549,6 +562,11 @@ metrics::Report simulate_report(const Prepared& p, const SimulateFlags& f,
         r.extra["config"]["speed_scale"] = {{"factor", p.speed_factor}, {"why", p.speed_note}};
         r.extra["config"]["core_wait"] = {{"dispatch_ms", p.core_wait.dispatch_s * 1e3},
                                           {"why", p.core_wait_note}};
+        json steps = json::array();
+        for (const cost::StepWaitChance& w : p.step_wait.decode) {
+            steps.push_back({{"chance", w.chance}, {"wait_ms", w.wait_s * 1e3}});
+        }
+        r.extra["config"]["step_wait"] = {{"decode", std::move(steps)}, {"why", p.step_wait_note}};
         if (!p.warnings.empty()) r.extra["config"]["warnings"] = p.warnings;
         if (!p.instance_speed_factor.empty()) {
             json per = json::object();
@@ -586,6 +604,15 @@ std::string simulate_summary(const Prepared& p, const SimulateFlags& f,
     s += fmt::format("  machine speed: x{:.3f}, {}\n", p.speed_factor, p.speed_note);
     s +=
         fmt::format("  core wait: {:.2f} ms, {}\n", p.core_wait.dispatch_s * 1e3, p.core_wait_note);
+    std::string steps;
+    for (size_t row = 0; row < p.step_wait.decode.size(); ++row) {
+        steps +=
+            fmt::format("{}{}: {:.0f}% x {:.2f} ms", row == 0 ? "" : ", ", row + 1,
+                        100 * p.step_wait.decode[row].chance, p.step_wait.decode[row].wait_s * 1e3);
+    }
+    s += fmt::format("  step wait: {}, {}\n",
+                     steps.empty() ? std::string("none") : "by competitors " + steps,
+                     p.step_wait_note);
     for (const std::string& w : p.warnings) s += fmt::format("  warning: {}\n", w);
     for (const auto& [path, what] :
          {std::pair{f.report, "report"}, std::pair{f.timeline, "timeline"},
@@ -1020,6 +1047,13 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
                     "Work that reaches an idle CPU instance while another instance's forward runs "
                     "on its cores starts that much later (its threads wait for the kernel to "
                     "schedule them)")
+        ->capture_default_str();
+    sub->add_option("--step-wait", f->step_wait,
+                    "auto: a calibrated cost file's step_wait (pdsim calibrate --topology measures "
+                    "it where a decode rank shares a core with other instances' ranks); off: none. "
+                    "A decode forward that ends while n other instances compute on its cores is "
+                    "followed, with the measured chance for n, by one scheduler slice's wait")
+        ->check(CLI::IsMember({"auto", "off"}))
         ->capture_default_str();
     sub->add_option("--cpu-cores", f->cpu_cores,
                     "cores per node for --cpu-contention (0: the node's cpus, else this machine's)")

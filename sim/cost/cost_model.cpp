@@ -217,6 +217,33 @@ Status validate(const json& j, const std::string& source) {
                            fmt::format("{} ms: expected at most {} ms", ms, kMaxCoreWaitMs));
         }
     }
+    if (j.contains("step_wait")) {
+        PDSIM_RETURN_IF_ERROR(c.object(j, "", "step_wait"));
+        PDSIM_ASSIGN_OR_RETURN(const json* decode, c.field(j["step_wait"], "step_wait", "decode"));
+        if (!decode->is_array()) {
+            return c.error("step_wait.decode", "expected an array, got " + type_name(*decode));
+        }
+        for (size_t i = 0; i < decode->size(); ++i) {
+            const std::string path = fmt::format("step_wait.decode[{}]", i);
+            const json& row = (*decode)[i];
+            if (!row.is_object()) return c.error(path, "expected an object, got " + type_name(row));
+            PDSIM_ASSIGN_OR_RETURN(const int64_t n, c.integer(row, path, "competitors", 1));
+            if (n != static_cast<int64_t>(i) + 1) {
+                return c.error(
+                    path + ".competitors",
+                    fmt::format("{}: expected {} (one row per count, from 1)", n, i + 1));
+            }
+            PDSIM_ASSIGN_OR_RETURN(const double chance, c.number(row, path, "chance", false));
+            if (chance > 1) {
+                return c.error(path + ".chance", fmt::format("{}: expected at most 1", chance));
+            }
+            PDSIM_ASSIGN_OR_RETURN(const double ms, c.number(row, path, "wait_ms", false));
+            if (ms > kMaxCoreWaitMs) {
+                return c.error(path + ".wait_ms",
+                               fmt::format("{} ms: expected at most {} ms", ms, kMaxCoreWaitMs));
+            }
+        }
+    }
     if (j.contains("transports")) {
         const json& t = j["transports"];
         if (!t.is_object()) return c.error("transports", "expected an object, got " + type_name(t));
@@ -310,6 +337,16 @@ std::optional<CoreWait> CostFile::core_wait() const {
     if (!json_.contains("core_wait")) return std::nullopt;
     const nlohmann::json& w = json_["core_wait"];
     return CoreWait{w.at("dispatch_ms").get<double>() / 1e3};
+}
+
+std::optional<StepWait> CostFile::step_wait() const {
+    if (!json_.contains("step_wait")) return std::nullopt;
+    StepWait w;
+    for (const nlohmann::json& row : json_["step_wait"]["decode"]) {
+        w.decode.push_back({.chance = row.at("chance").get<double>(),
+                            .wait_s = row.at("wait_ms").get<double>() / 1e3});
+    }
+    return w;
 }
 
 ScaledCostModel::ScaledCostModel(std::shared_ptr<const CostModel> base, double factor)

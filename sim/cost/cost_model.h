@@ -138,6 +138,23 @@ struct CoreWait {
     double dispatch_s = 0;
 };
 
+// The wait between an instance's own decode forwards on a shared core: a decode forward that ends
+// while n other instances compute on the instance's cores is followed, with chance `chance`, by a
+// wait of `wait_s` (about one scheduler slice: the decode thread blocked between forwards and the
+// kernel gave the core to a computing rank) before the next forward starts; otherwise the next
+// starts at once. `pdsim calibrate --topology` measures it from the gaps between its probe runs'
+// decode forwards (cost file key "step_wait", {"decode": [{"competitors": n, "chance", "wait_ms",
+// "gaps"}, ...]}; docs/cost-models.md section 3).
+struct StepWaitChance {
+    double chance = 0;  // in [0, 1]
+    double wait_s = 0;  // >= 0
+};
+struct StepWait {
+    // [n - 1]: with n other instances computing on its cores; the last entry serves any larger n.
+    // Empty: no wait.
+    std::vector<StepWaitChance> decode;
+};
+
 // The cost file written by `pdsim calibrate` (schema in docs/cost-models.md). Loading validates it;
 // errors name the file and the field (exit 2 at the CLI).
 class CostFile {
@@ -156,6 +173,8 @@ public:
     [[nodiscard]] std::optional<SpeedLevel> speed_probe() const;
     // The wait for a shared core (`core_wait`), when the file has it.
     [[nodiscard]] std::optional<CoreWait> core_wait() const;
+    // The wait between decode forwards on a shared core (`step_wait`), when the file has it.
+    [[nodiscard]] std::optional<StepWait> step_wait() const;
 
 private:
     nlohmann::json json_;

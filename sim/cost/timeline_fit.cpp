@@ -493,6 +493,87 @@ DispatchWaits dispatch_waits(std::span<const DispatchRequest> requests,
     return out;
 }
 
+std::vector<StepGap> decode_step_gaps(std::span<const TimelineForward> forwards,
+                                      std::span<const std::vector<int>> instance_cores) {
+    // Per (instance, tp rank): its forwards by begin. One rank runs one forward at a time, so
+    // their ends are in the same order and a binary search finds the one in flight at a time.
+    std::map<std::pair<int, int>, std::vector<const TimelineForward*>> streams;
+    for (const TimelineForward& f : forwards) streams[{f.instance, f.tp_rank}].push_back(&f);
+    for (auto& [key, list] : streams) {
+        std::sort(list.begin(), list.end(), [](const TimelineForward* a, const TimelineForward* b) {
+            return a->begin_us < b->begin_us;
+        });
+    }
+    const auto shares_a_core = [&](int a, int b) {
+        if (a < 0 || b < 0 || static_cast<size_t>(a) >= instance_cores.size() ||
+            static_cast<size_t>(b) >= instance_cores.size()) {
+            return false;
+        }
+        const auto& other = instance_cores[static_cast<size_t>(b)];
+        return std::any_of(instance_cores[static_cast<size_t>(a)].begin(),
+                           instance_cores[static_cast<size_t>(a)].end(), [&](int core) {
+                               return std::find(other.begin(), other.end(), core) != other.end();
+                           });
+    };
+    const auto in_flight = [](const std::vector<const TimelineForward*>& list, double t) {
+        const auto after = std::upper_bound(
+            list.begin(), list.end(), t,
+            [](double time, const TimelineForward* f) { return time < f->begin_us; });
+        return after != list.begin() && (*std::prev(after))->end_us > t;
+    };
+    std::vector<StepGap> out;
+    for (const auto& [key, list] : streams) {
+        const auto [instance, tp_rank] = key;
+        if (tp_rank != 0) continue;
+        for (size_t k = 0; k + 1 < list.size(); ++k) {
+            const TimelineForward& done = *list[k];
+            const TimelineForward& next = *list[k + 1];
+            if (!done.decode || !next.decode) continue;
+            const double gap_us = next.begin_us - done.end_us;
+            if (!(gap_us >= 0 && gap_us < kMaxStepGapUs)) continue;
+            std::set<int> competitors;
+            for (const auto& [other_key, other] : streams) {
+                const int other_instance = other_key.first;
+                if (other_instance == instance || competitors.contains(other_instance) ||
+                    !shares_a_core(instance, other_instance)) {
+                    continue;
+                }
+                if (in_flight(other, done.end_us)) competitors.insert(other_instance);
+            }
+            out.push_back({static_cast<int>(competitors.size()), gap_us / 1e6});
+        }
+    }
+    return out;
+}
+
+json fit_step_wait(std::span<const StepGap> gaps, size_t min_gaps) {
+    std::map<int, std::vector<double>> by_count;  // competitors -> gaps (s)
+    for (const StepGap& g : gaps) by_count[g.competitors].push_back(g.gap_s);
+    const auto mean_ms = [](const std::vector<double>& v) {
+        double sum = 0;
+        for (double x : v) sum += x;
+        return v.empty() ? 0.0 : sum / static_cast<double>(v.size()) * 1e3;
+    };
+    json out = {{"decode", json::array()},
+                {"slice_above_ms", kStepWaitSliceUs / 1e3},
+                {"idle", {{"gaps", by_count[0].size()}, {"mean_gap_ms", mean_ms(by_count[0])}}}};
+    for (int n = 1;; ++n) {
+        const auto it = by_count.find(n);
+        if (it == by_count.end() || it->second.size() < min_gaps) break;
+        std::vector<double> slices;
+        for (double gap_s : it->second) {
+            if (gap_s * 1e6 > kStepWaitSliceUs) slices.push_back(gap_s);
+        }
+        out["decode"].push_back({{"competitors", n},
+                                 {"gaps", it->second.size()},
+                                 {"chance", static_cast<double>(slices.size()) /
+                                                static_cast<double>(it->second.size())},
+                                 {"wait_ms", mean_ms(slices)},
+                                 {"mean_gap_ms", mean_ms(it->second)}});
+    }
+    return out;
+}
+
 // Run levels. The testbed's runs differ as a whole (a run of the same command may be 10% slower
 // than the next: the host), and the comparison takes the median of runs; so the fit follows the
 // median run. Per (file, kind): level = sum measured / sum fitted over that file's points, with

@@ -109,20 +109,24 @@ int CpuContention::end_forward(int instance) {
     return node;
 }
 
-bool CpuContention::core_busy_for(int instance) const {
+int CpuContention::competitors(int instance) const {
     const CpuForward& mine = forward(instance);
-    if (mine.node < 0) return false;
+    if (mine.node < 0) return 0;
     const Node& nd = nodes_[static_cast<size_t>(mine.node)];
-    for (int other : nd.active) {
-        if (other == instance) continue;
+    const auto shares_a_core = [&](int other) {
         if (!nd.bound) return true;
         for (const auto& [core, threads] : forward(other).core_threads) {
             for (const auto& [my_core, my_threads] : mine.core_threads) {
                 if (core == my_core) return true;
             }
         }
+        return false;
+    };
+    int count = 0;
+    for (int other : nd.active) {
+        if (other != instance && shares_a_core(other)) ++count;
     }
-    return false;
+    return count;
 }
 
 void CpuContention::fill_bound(const Node& nd) {

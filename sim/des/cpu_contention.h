@@ -120,7 +120,10 @@ public:
     // threads need (bound nodes: a core it is bound to; else anywhere on its node): work that
     // reaches it idle then waits for the kernel to schedule its threads (SimConfig::core_wait_s).
     // O(forwards on the node x cores of each); false for an instance that is not contended.
-    [[nodiscard]] bool core_busy_for(int instance) const;
+    [[nodiscard]] bool core_busy_for(int instance) const { return competitors(instance) > 0; }
+    // How many other instances' forwards are in flight on a core that contended `instance`'s
+    // threads need (as core_busy_for); 0 for an instance that is not contended.
+    [[nodiscard]] int competitors(int instance) const;
 
 private:
     std::vector<CpuForward> forwards_;  // per instance

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <ctime>
+#include <random>
 
 #include "common/check.h"
 #include "sim/des/cpu_contention.h"
@@ -84,6 +85,8 @@ private:
     bool start_decode(Instance& x);
     [[nodiscard]] double with_wake(Instance& x, double dur);
     void on_forward_end(int i);
+    // SimConfig::step_wait's draw for contended instance `i` whose decode forward just ended.
+    [[nodiscard]] double step_wait_s(int i);
     void end_extend(Instance& x);
     void end_prefill_extend(Instance& x);
     void end_decode(Instance& x);
@@ -126,7 +129,8 @@ private:
     bool noisy_ = false;  // some instance draws forward-time variation
     AdmissionOptions admission_;
     std::vector<Instance> insts_;
-    std::vector<ForwardNoise> noise_;  // per instance
+    std::vector<ForwardNoise> noise_;        // per instance
+    std::vector<std::mt19937_64> step_rng_;  // per instance (SimConfig::step_wait)
     CpuContention contention_;
     std::unique_ptr<policy::LoadBalancer> lb_;
     RouteTable routes_;
@@ -172,6 +176,15 @@ Status Simulation::check_config() const {
     if (!(cfg_.core_wait_s >= 0) || !std::isfinite(cfg_.core_wait_s)) {
         return invalid_argument_error(
             fmt::format("simulator: core wait {} s: must be finite and >= 0", cfg_.core_wait_s));
+    }
+    for (size_t row = 0; row < cfg_.step_wait.decode.size(); ++row) {
+        const cost::StepWaitChance& w = cfg_.step_wait.decode[row];
+        if (!(w.chance >= 0 && w.chance <= 1) || !(w.wait_s >= 0) || !std::isfinite(w.wait_s)) {
+            return invalid_argument_error(fmt::format(
+                "simulator: step wait with {} competitor(s): chance {} must be in [0, 1] and "
+                "wait {} s finite and >= 0",
+                row + 1, w.chance, w.wait_s));
+        }
     }
     for (size_t i = 1; i < trace_.size(); ++i) {
         if (trace_[i].arrival_ms < trace_[i - 1].arrival_ms) {
@@ -255,6 +268,12 @@ Status Simulation::setup() {
             nz = ForwardNoise(x.cost->noise(false), x.cost->noise(true),
                               noise_seed_for(cfg_.noise_seed, x.index));
             noisy_ |= nz.any();
+        }
+    }
+    if (!cfg_.step_wait.decode.empty()) {
+        constexpr uint64_t kStepWaitSalt = 0x5354455057414954ULL;  // "STEPWAIT"
+        for (const Instance& x : insts_) {
+            step_rng_.emplace_back(noise_seed_for(cfg_.noise_seed ^ kStepWaitSalt, x.index));
         }
     }
     lb_ = std::make_unique<policy::LoadBalancer>(is_prefill, colocated_);
@@ -497,8 +516,32 @@ void Simulation::on_forward_end(int i) {
     }
     for (uint32_t s : x.ready) deliver(s);
     x.ready.clear();
+    const bool more_work = !x.running.empty() || !x.waiting.empty() || !x.extend_q.empty();
+    const double wait_s = !x.forward_is_extend && more_work ? step_wait_s(i) : 0.0;
+    if (wait_s > 0) {
+        // Its thread waits out a scheduler slice: work that arrives meanwhile waits with it.
+        ++stats_.step_waits;
+        x.kick_pending = true;
+        loop_.schedule(wait_s, [this, i] {
+            Instance& y = inst(i);
+            y.kick_pending = false;
+            if (!y.busy) start_next(y);
+        });
+        return;
+    }
     // Straight on: what else is due at this instant and was scheduled earlier has run already.
     start_next(x);
+}
+
+double Simulation::step_wait_s(int i) {
+    const std::vector<cost::StepWaitChance>& table = cfg_.step_wait.decode;
+    if (table.empty()) return 0;
+    const int n = contention_.competitors(i);
+    if (n == 0) return 0;
+    const cost::StepWaitChance& w = table[std::min(table.size(), static_cast<size_t>(n)) - 1];
+    const double u =
+        std::uniform_real_distribution<double>(0, 1)(step_rng_[static_cast<size_t>(i)]);
+    return u < w.chance ? w.wait_s : 0.0;
 }
 
 void Simulation::end_extend(Instance& x) {

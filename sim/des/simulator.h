@@ -143,6 +143,13 @@ struct SimConfig {
     // instance's forward runs on its cores, its next forward starts core_wait_s later (its
     // threads wait for the kernel to schedule them). 0: at once.
     double core_wait_s = 0;
+    // The wait between a contended instance's own decode forwards (cost::StepWait, `pdsim
+    // calibrate`'s step_wait): when a decode forward ends while n other instances' forwards run
+    // on its cores, its next forward starts, with chance step_wait.decode[min(n, size) - 1].chance,
+    // that entry's wait_s later (the decode thread waits out a scheduler slice); otherwise at
+    // once. Drawn from a generator per instance seeded with noise_seed (reproducible; drawn
+    // whether or not cost_noise is on). Empty: never.
+    cost::StepWait step_wait;
     // Forward-time variation (cost::CostNoise) where an instance's cost model measured it; drawn
     // from a generator seeded with noise_seed and the instance index (a run is reproducible).
     bool cost_noise = true;
@@ -176,6 +183,7 @@ struct SimStats {
     int64_t max_in_flight = 0;       // most requests admitted-but-unfinished at once
     bool bundled_lanes = false;      // one flow per chunk (symmetric lanes) instead of one per lane
     int64_t contended_forwards = 0;  // forwards that ran slower than alone (CPU core sharing)
+    int64_t step_waits = 0;          // decode forwards followed by a step wait (SimConfig)
 };
 
 struct SimResult {

@@ -461,7 +461,7 @@ StatusOr<std::string> ResultJournal::write_partial(const std::string& cause) {
     PhaseLog none{.phase = mode_phase(mode_),
                   .records = {},
                   .seen = std::vector<bool>(static_cast<size_t>(submitted))};
-    if (dis == nullptr && col == nullptr) (mode_ == Mode::kColocated ? col : dis) = &none;
+    if (dis == nullptr && col == nullptr) (none.phase == Phase::kDisagg ? dis : col) = &none;
     if (dis != nullptr) {
         report = phase_report(*dis);
         csv = dis->records;
