@@ -462,9 +462,10 @@ TEST(SimulateCli, CoreWaitComesFromTheCostFileOrTheFlag) {
     }
 }
 
-// --step-wait: a calibrated cost file's step_wait (auto) or none (off); decode steps that end while
-// another instance computes on the decode rank's core are followed by the wait, so TPOT grows where
-// ranks share cores (cpu-2p1d-tp2-to-tp1 bound to 2 cores) and not where they do not (cpu-1p1d).
+// --step-wait: a calibrated cost file's step_wait (auto) or none (off, the default); decode steps
+// that end while another instance computes on the decode rank's core are followed by the wait, so
+// TPOT grows where ranks share cores (cpu-2p1d-tp2-to-tp1 bound to 2 cores) and not where they do
+// not (cpu-1p1d).
 TEST(SimulateCli, StepWaitComesFromTheCostFileUnlessOff) {
     TempDir dir("simulate_step_wait");
     const std::string trace = write_trace(dir);
@@ -480,10 +481,15 @@ TEST(SimulateCli, StepWaitComesFromTheCostFileUnlessOff) {
         return simulate_on_two_cores(dir, trace, topology, cost_file, "0.25", flags);
     };
     const auto tpot = [](const json& report) { return report["tpot_ms"]["mean"].get<double>(); };
-    const auto [plain_run, plain] = simulate(two, dir.str("plain.json"), {});
+    const auto [plain_run, plain] = simulate(two, dir.str("plain.json"), {"--step-wait", "auto"});
     EXPECT_THAT(plain_run.out, HasSubstr("step wait: none, none (the cost model has no"));
     EXPECT_EQ(plain["simulator"]["step_waits"], 0);
-    const auto [steps_run, steps] = simulate(two, dir.str("steps.json"), {});
+    // Off unless asked for.
+    const auto [default_run, by_default] = simulate(two, dir.str("steps.json"), {});
+    EXPECT_THAT(by_default["config"]["step_wait"]["why"].get<std::string>(),
+                HasSubstr("--step-wait off"));
+    EXPECT_DOUBLE_EQ(tpot(by_default), tpot(plain));
+    const auto [steps_run, steps] = simulate(two, dir.str("steps.json"), {"--step-wait", "auto"});
     EXPECT_THAT(steps_run.out, HasSubstr("step wait: by competitors 1: 100% x 4.00 ms, from"));
     EXPECT_EQ(steps["config"]["step_wait"]["decode"][0]["wait_ms"], 4.0);
     EXPECT_GT(steps["simulator"]["step_waits"].get<int64_t>(), 10);
@@ -492,7 +498,7 @@ TEST(SimulateCli, StepWaitComesFromTheCostFileUnlessOff) {
     EXPECT_THAT(off["config"]["step_wait"]["why"].get<std::string>(), HasSubstr("--step-wait off"));
     EXPECT_DOUBLE_EQ(tpot(off), tpot(plain));
     // cpu-1p1d bound to 2 cores: the decode rank has a core of its own, nothing waits.
-    const auto [apart_run, apart] = simulate(kCpu, dir.str("steps.json"), {});
+    const auto [apart_run, apart] = simulate(kCpu, dir.str("steps.json"), {"--step-wait", "auto"});
     const auto [apart_plain_run, apart_plain] = simulate(kCpu, dir.str("plain.json"), {});
     EXPECT_EQ(apart["simulator"]["step_waits"], 0);
     EXPECT_DOUBLE_EQ(tpot(apart), tpot(apart_plain));

@@ -55,7 +55,7 @@ struct SimulateFlags {
     std::string cost_noise = "on";
     std::string speed_scale = "auto";  // auto | off | a factor (--speed-scale)
     std::string core_wait = "auto";    // auto | off | milliseconds (--core-wait)
-    std::string step_wait = "auto";    // auto | off (--step-wait)
+    std::string step_wait = "off";     // auto | off (--step-wait)
     uint64_t noise_seed = 1;
     double cpu_cores = 0;
     std::string cpu_binding = "none";  // none | core | a core per rank, comma-separated
@@ -1050,9 +1050,11 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
         ->capture_default_str();
     sub->add_option("--step-wait", f->step_wait,
                     "auto: a calibrated cost file's step_wait (pdsim calibrate --topology measures "
-                    "it where a decode rank shares a core with other instances' ranks); off: none. "
-                    "A decode forward that ends while n other instances compute on its cores is "
-                    "followed, with the measured chance for n, by one scheduler slice's wait")
+                    "it where a decode rank shares a core with other instances' ranks); off: none "
+                    "(the default: with it, docs/fidelity.md section 8.8 over-predicted "
+                    "cpu-2p1d-tp2-to-tp1's TPOT). A decode forward that ends while n other "
+                    "instances compute on its cores is followed, with the measured chance for n, "
+                    "by one scheduler slice's wait")
         ->check(CLI::IsMember({"auto", "off"}))
         ->capture_default_str();
     sub->add_option("--cpu-cores", f->cpu_cores,
