@@ -946,6 +946,16 @@ TEST(CalibrateCli, TopologyProbeRunsTheTopologyAndMeasuresTheCoreWait) {
     } else {
         EXPECT_THAT(j["notes"].dump(), HasSubstr("fewer than 8: no core_wait"));
     }
+    // The step wait: the decode rank shares core 0 with both prefill instances' rank 0.
+    if (j.contains("step_wait")) {
+        ASSERT_TRUE(f->step_wait().has_value());
+        ASSERT_FALSE(f->step_wait()->decode.empty());
+        EXPECT_EQ(j["step_wait"]["topology"], "cpu-2p1d-tp2-to-tp1");
+        EXPECT_GE(j["step_wait"]["decode"][0]["gaps"].get<size_t>(), 30u);
+        EXPECT_THAT(r.out, HasSubstr("step wait (cpu-2p1d-tp2-to-tp1)"));
+    } else {
+        EXPECT_THAT(j["notes"].dump(), HasSubstr("no step_wait"));
+    }
 
     // One colocated instance: nothing for a --mode disagg probe to run. A GPU topology: the probe
     // runs CPU ranks.

@@ -229,6 +229,33 @@ TEST(CpuContention, StepWaitFollowsDecodeForwardsThatEndBesideAComputingInstance
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("chance 1.5")));
 }
 
+// A cost model that warms up after 4 ms without a forward (cost::CostWake).
+class WakingCost : public ConstCost {
+public:
+    using ConstCost::ConstCost;
+    [[nodiscard]] cost::CostWake wake() const override {
+        return {.min_idle_s = 0.004, .lost_s = 0.01, .tau_s = 0.002};
+    }
+};
+
+// A step wait is not idle time: the thread was waiting for the core, so a wait longer than the
+// warm-up's min_idle_s does not make the next forward warm up again.
+TEST(CpuContention, AStepWaitDoesNotStartAWarmUp) {
+    SimConfig c = make_config(1, 1, SimMode::kDisagg, 1.0, 0.01);
+    auto cost = std::make_shared<WakingCost>(1.0, 0.01);
+    for (InstanceSetup& s : c.instances) s.cost = cost;
+    const std::vector<workload::Request> both = {req(0, 0, 100, 11), req(1, 1000, 100, 1)};
+    const SimResult plain = run(c, both);
+    // The decode's first step warms up (the instance was idle since 0), the others do not.
+    ASSERT_TRUE(plain.records[0].tpot_ms().has_value());
+    EXPECT_GT(*plain.records[0].tpot_ms(), 20.5);
+    // 9 waits of 5 ms, each longer than min_idle_s: TPOT grows by the waits alone.
+    c.step_wait.decode = {{.chance = 1, .wait_s = 0.005}};
+    const SimResult waited = run(c, both);
+    EXPECT_EQ(waited.stats.step_waits, 9);
+    EXPECT_NEAR(*waited.records[0].tpot_ms(), *plain.records[0].tpot_ms() + 4.5, 0.01);
+}
+
 TEST(CpuContention, SharesMoveWhenAForwardEnds) {
     // TP-2 extend of 0.1 s and a TP-1 extend of 0.05 s on 2 cores: 2/3 of a core per thread
     // until the TP-1 forward's 0.05 core-seconds are done at 75 ms; by then the TP-2 one did

@@ -470,6 +470,8 @@ TEST(DecodeStepGaps, GapsByTheInstancesComputingOnItsCores) {
     EXPECT_NEAR(gaps[1].gap_s, 200e-6, 1e-12);
     EXPECT_EQ(gaps[2].competitors, 2);
     EXPECT_NEAR(gaps[2].gap_s, 3000e-6, 1e-12);
+    EXPECT_NEAR(gaps[2].next_s, 1000e-6, 1e-12);
+    EXPECT_NEAR(gaps[1].next_s, 500e-6, 1e-12);
     // Fed out of order, the same.
     std::vector<TimelineForward> reversed(forwards.rbegin(), forwards.rend());
     EXPECT_EQ(decode_step_gaps(reversed, cores).size(), 3u);
@@ -478,33 +480,47 @@ TEST(DecodeStepGaps, GapsByTheInstancesComputingOnItsCores) {
 }
 
 // fit_step_wait: per count from 1 while enough gaps saw it, the share of gaps over one slice
-// (1 ms) and their mean.
-TEST(DecodeStepGaps, FitsTheChanceAndLengthOfASlicePerCount) {
+// (1 ms), their mean, and what such a step adds over the others (gap + next forward).
+TEST(DecodeStepGaps, FitsTheChanceAndWhatAWaitedStepAdds) {
+    const auto gap = [](int n, double gap_ms, double next_ms) {
+        return StepGap{.competitors = n, .gap_s = gap_ms * 1e-3, .next_s = next_ms * 1e-3};
+    };
     std::vector<StepGap> gaps;
-    for (int k = 0; k < 10; ++k) gaps.push_back({0, 0.1e-3});
-    // One competitor: 3 of 4 short, 1 of 4 a 3 ms slice, twice over.
+    for (int k = 0; k < 10; ++k) gaps.push_back(gap(0, 0.1, 2));
+    // One competitor: 3 of 4 short (steps of 0.2 + 4 ms on average), 1 of 4 a 3 ms slice
+    // followed by a faster forward (3 ms): a waited step adds 6 - 4.2 = 1.8 ms.
     for (int k = 0; k < 2; ++k) {
-        for (const double ms : {0.1, 0.2, 0.3, 3.0}) gaps.push_back({1, ms * 1e-3});
+        for (const double ms : {0.1, 0.2, 0.3}) gaps.push_back(gap(1, ms, 4));
+        gaps.push_back(gap(1, 3.0, 3));
     }
-    // Two: half over a slice (2 and 4 ms).
-    for (const double ms : {0.5, 2.0, 0.5, 4.0}) gaps.push_back({2, ms * 1e-3});
+    // Two: half over a slice (2 and 4 ms, then 5 ms forwards: steps of 8) against steps of 6.5.
+    for (const auto& [g, next] : {std::pair{0.5, 6.0}, {2.0, 5.0}, {0.5, 6.0}, {4.0, 5.0}}) {
+        gaps.push_back(gap(2, g, next));
+    }
     // Three: too few.
-    gaps.push_back({3, 5e-3});
+    gaps.push_back(gap(3, 5, 1));
     const json fit = fit_step_wait(gaps, 4);
     ASSERT_EQ(fit["decode"].size(), 2u) << fit.dump();
     EXPECT_EQ(fit["decode"][0]["competitors"], 1);
     EXPECT_EQ(fit["decode"][0]["gaps"], 8);
     EXPECT_DOUBLE_EQ(fit["decode"][0]["chance"].get<double>(), 0.25);
-    EXPECT_NEAR(fit["decode"][0]["wait_ms"].get<double>(), 3.0, 1e-9);
+    EXPECT_NEAR(fit["decode"][0]["slice_ms"].get<double>(), 3.0, 1e-9);
+    EXPECT_NEAR(fit["decode"][0]["wait_ms"].get<double>(), 1.8, 1e-9);
     EXPECT_NEAR(fit["decode"][0]["mean_gap_ms"].get<double>(), 0.9, 1e-9);
     EXPECT_EQ(fit["decode"][1]["competitors"], 2);
     EXPECT_DOUBLE_EQ(fit["decode"][1]["chance"].get<double>(), 0.5);
-    EXPECT_NEAR(fit["decode"][1]["wait_ms"].get<double>(), 3.0, 1e-9);
+    EXPECT_NEAR(fit["decode"][1]["slice_ms"].get<double>(), 3.0, 1e-9);
+    EXPECT_NEAR(fit["decode"][1]["wait_ms"].get<double>(), 1.5, 1e-9);
     EXPECT_EQ(fit["idle"]["gaps"], 10);
     EXPECT_NEAR(fit["idle"]["mean_gap_ms"].get<double>(), 0.1, 1e-9);
     // Too few with one competitor: no rows at all, even where two had enough.
     EXPECT_TRUE(fit_step_wait(gaps, 9)["decode"].empty());
     EXPECT_TRUE(fit_step_wait({}, 1)["decode"].empty());
+    // A waited step no longer than the others adds nothing; every gap a slice: the slice.
+    const std::vector<StepGap> even = {gap(1, 0.2, 5), gap(1, 2.0, 3)};
+    EXPECT_DOUBLE_EQ(fit_step_wait(even, 1)["decode"][0]["wait_ms"].get<double>(), 0.0);
+    const std::vector<StepGap> all = {gap(1, 2.0, 3), gap(1, 4.0, 3)};
+    EXPECT_NEAR(fit_step_wait(all, 1)["decode"][0]["wait_ms"].get<double>(), 3.0, 1e-9);
 }
 
 TEST(TimelineParser, ReadsRequestArrivals) {

@@ -533,12 +533,13 @@ std::string calibrate_summary(const CalibrateOptions& o, const model::ModelConfi
     if (!parts.step_wait.is_null()) {
         std::string rows;
         for (const json& row : parts.step_wait["decode"]) {
-            rows += fmt::format("{}{} computing: {:.0f}% of {} gaps, {:.2f} ms",
-                                rows.empty() ? "" : "; ", row["competitors"].get<int>(),
-                                100 * row["chance"].get<double>(), row["gaps"].get<size_t>(),
-                                row["wait_ms"].get<double>());
+            rows +=
+                fmt::format("{}{} computing: {:.0f}% of {} steps, slice {:.2f} ms, step +{:.2f} ms",
+                            rows.empty() ? "" : "; ", row["competitors"].get<int>(),
+                            100 * row["chance"].get<double>(), row["gaps"].get<size_t>(),
+                            row["slice_ms"].get<double>(), row["wait_ms"].get<double>());
         }
-        s += fmt::format("  step wait ({}): a decode forward's next one waited a slice: {}\n",
+        s += fmt::format("  step wait ({}): decode steps that waited a slice for the next: {}\n",
                          parts.step_wait["topology"].get<std::string>(), rows);
     }
     s += "  transports: " + (ts.empty() ? std::string("none") : ts) + "\n";

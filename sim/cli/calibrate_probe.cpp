@@ -775,11 +775,11 @@ Status apply_serve_probe(const CalibrateOptions& o, const model::ModelConfig& m,
             for (const json& row : step["decode"]) {
                 std::fprintf(stderr,
                              "calibrate: serve probe topology %s: with %d other instance(s) "
-                             "computing on its cores, %.0f%% of %zu decode steps waited %.2f ms "
-                             "for the next\n",
+                             "computing on its cores, %.0f%% of %zu decode steps waited a slice "
+                             "(%.2f ms) for the next, which made the step %.2f ms longer\n",
                              o.topology.c_str(), row["competitors"].get<int>(),
                              100 * row["chance"].get<double>(), row["gaps"].get<size_t>(),
-                             row["wait_ms"].get<double>());
+                             row["slice_ms"].get<double>(), row["wait_ms"].get<double>());
             }
             *step_wait = std::move(step);
         } else {

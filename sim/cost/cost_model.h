@@ -140,11 +140,14 @@ struct CoreWait {
 
 // The wait between an instance's own decode forwards on a shared core: a decode forward that ends
 // while n other instances compute on the instance's cores is followed, with chance `chance`, by a
-// wait of `wait_s` (about one scheduler slice: the decode thread blocked between forwards and the
-// kernel gave the core to a computing rank) before the next forward starts; otherwise the next
-// starts at once. `pdsim calibrate --topology` measures it from the gaps between its probe runs'
-// decode forwards (cost file key "step_wait", {"decode": [{"competitors": n, "chance", "wait_ms",
-// "gaps"}, ...]}; docs/cost-models.md section 3).
+// wait of `wait_s` before the next forward starts; otherwise the next starts at once. On the
+// testbed the decode thread blocked between forwards and the kernel gave the core to a computing
+// rank for about one scheduler slice, then ran the next forward faster (it was owed the time);
+// `wait_s` is what such a step took beyond the others, slice and faster forward together, as the
+// simulator's fair core share already gives the forward its average. `pdsim calibrate --topology`
+// measures it from its probe runs' decode forwards (cost file key "step_wait", {"decode":
+// [{"competitors": n, "chance", "wait_ms", "slice_ms", "gaps"}, ...]}; docs/cost-models.md
+// section 3).
 struct StepWaitChance {
     double chance = 0;  // in [0, 1]
     double wait_s = 0;  // >= 0

@@ -541,36 +541,51 @@ std::vector<StepGap> decode_step_gaps(std::span<const TimelineForward> forwards,
                 }
                 if (in_flight(other, done.end_us)) competitors.insert(other_instance);
             }
-            out.push_back({static_cast<int>(competitors.size()), gap_us / 1e6});
+            out.push_back({.competitors = static_cast<int>(competitors.size()),
+                           .gap_s = gap_us / 1e6,
+                           .next_s = next.duration_us / 1e6});
         }
     }
     return out;
 }
 
 json fit_step_wait(std::span<const StepGap> gaps, size_t min_gaps) {
-    std::map<int, std::vector<double>> by_count;  // competitors -> gaps (s)
-    for (const StepGap& g : gaps) by_count[g.competitors].push_back(g.gap_s);
+    std::map<int, std::vector<StepGap>> by_count;
+    for (const StepGap& g : gaps) by_count[g.competitors].push_back(g);
     const auto mean_ms = [](const std::vector<double>& v) {
         double sum = 0;
         for (double x : v) sum += x;
         return v.empty() ? 0.0 : sum / static_cast<double>(v.size()) * 1e3;
     };
-    json out = {{"decode", json::array()},
-                {"slice_above_ms", kStepWaitSliceUs / 1e3},
-                {"idle", {{"gaps", by_count[0].size()}, {"mean_gap_ms", mean_ms(by_count[0])}}}};
+    const auto gaps_of = [](const std::vector<StepGap>& v) {
+        std::vector<double> out;
+        for (const StepGap& g : v) out.push_back(g.gap_s);
+        return out;
+    };
+    json out = {
+        {"decode", json::array()},
+        {"slice_above_ms", kStepWaitSliceUs / 1e3},
+        {"idle", {{"gaps", by_count[0].size()}, {"mean_gap_ms", mean_ms(gaps_of(by_count[0]))}}}};
     for (int n = 1;; ++n) {
         const auto it = by_count.find(n);
         if (it == by_count.end() || it->second.size() < min_gaps) break;
-        std::vector<double> slices;
-        for (double gap_s : it->second) {
-            if (gap_s * 1e6 > kStepWaitSliceUs) slices.push_back(gap_s);
+        std::vector<double> slices, slice_steps, other_steps;  // gap; gap + next forward
+        for (const StepGap& g : it->second) {
+            const bool slice = g.gap_s * 1e6 > kStepWaitSliceUs;
+            if (slice) slices.push_back(g.gap_s);
+            (slice ? slice_steps : other_steps).push_back(g.gap_s + g.next_s);
         }
+        const double wait_ms = slices.empty() ? 0.0
+                               : other_steps.empty()
+                                   ? mean_ms(slices)
+                                   : std::max(0.0, mean_ms(slice_steps) - mean_ms(other_steps));
         out["decode"].push_back({{"competitors", n},
                                  {"gaps", it->second.size()},
                                  {"chance", static_cast<double>(slices.size()) /
                                                 static_cast<double>(it->second.size())},
-                                 {"wait_ms", mean_ms(slices)},
-                                 {"mean_gap_ms", mean_ms(it->second)}});
+                                 {"wait_ms", wait_ms},
+                                 {"slice_ms", mean_ms(slices)},
+                                 {"mean_gap_ms", mean_ms(gaps_of(it->second))}});
     }
     return out;
 }

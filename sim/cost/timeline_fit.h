@@ -122,22 +122,30 @@ struct DispatchWaits {
 // The decode's wait between its own forwards on a shared core (cost::StepWait): for every two
 // consecutive decode forwards of an instance's leader less than kMaxStepGapUs apart (the next one
 // waited only for the core, not for work), the gap from the first one's end to the next one's
-// begin, with the number of other instances that had a forward (any TP rank) in flight on one of
-// its cores (`instance_cores`, as dispatch_waits') at that end. `forwards` sorted by begin or not.
-// O(forwards x log forwards).
+// begin and the next one's duration, with the number of other instances that had a forward (any TP
+// rank) in flight on one of its cores (`instance_cores`, as dispatch_waits') at that end.
+// `forwards` sorted by begin or not. O(forwards x log forwards).
 inline constexpr double kMaxStepGapUs = 20000;
 struct StepGap {
     int competitors = 0;
     double gap_s = 0;
+    double next_s = 0;  // the next forward's duration
 };
 [[nodiscard]] std::vector<StepGap> decode_step_gaps(
     std::span<const TimelineForward> forwards, std::span<const std::vector<int>> instance_cores);
 
 // The step wait of `gaps` (decode_step_gaps of one or more runs) as the cost file's "step_wait"
-// stores it: per number of competitors n from 1, while at least `min_gaps` gaps saw n, the share
-// of gaps longer than kStepWaitSliceUs (chance) and their mean (wait_ms), with the count (gaps)
-// and every gap's mean (mean_gap_ms); "idle" has the gaps with no competitor (count and mean,
-// for the record: the simulator starts those at once). {"decode": []} when n = 1 has too few.
+// stores it: per number of competitors n from 1, while at least `min_gaps` gaps saw n:
+//   chance       the share of gaps longer than kStepWaitSliceUs (a scheduler slice waited);
+//   slice_ms     those gaps' mean;
+//   wait_ms      what such a step adds over one that did not wait: the mean of gap + next
+//                forward over the slices less the same mean over the other gaps at n (>= 0; the
+//                slice's mean when every gap at n was one). A thread that waited a slice runs its
+//                next forward faster (the kernel owes it the time), which the simulator's fair
+//                core share already averages in, so the slice itself would count that time twice;
+// with the count (gaps) and every gap's mean (mean_gap_ms); "idle" has the gaps with no
+// competitor (count and mean, for the record: the simulator starts those at once). {"decode": []}
+// when n = 1 has too few.
 inline constexpr double kStepWaitSliceUs = 1000;
 [[nodiscard]] nlohmann::json fit_step_wait(std::span<const StepGap> gaps, size_t min_gaps);
 

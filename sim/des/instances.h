@@ -117,8 +117,9 @@ struct Instance {
     std::vector<std::pair<FlowNetwork::FlowId, double>> capped_flows;  // layerwise, and bytes
     double forward_start_s = 0;
     // The cost model's slowdown after an idle period (cost::CostWake): when the instance's last
-    // forward ended, and the modelled forward time since its current warm-up began (at the first
-    // forward after min_idle_s without one).
+    // forward ended (or its step wait ends: a thread waiting for the core is not idle), and the
+    // modelled forward time since its current warm-up began (at the first forward after
+    // min_idle_s without one).
     cost::CostWake wake;
     double last_forward_end_s = -1e300;
     double warm_work_s = 0;

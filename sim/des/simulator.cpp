@@ -519,8 +519,10 @@ void Simulation::on_forward_end(int i) {
     const bool more_work = !x.running.empty() || !x.waiting.empty() || !x.extend_q.empty();
     const double wait_s = !x.forward_is_extend && more_work ? step_wait_s(i) : 0.0;
     if (wait_s > 0) {
-        // Its thread waits out a scheduler slice: work that arrives meanwhile waits with it.
+        // Its thread waits out a scheduler slice: work that arrives meanwhile waits with it. It
+        // was runnable, not idle: the wait does not start a warm-up (with_wake).
         ++stats_.step_waits;
+        x.last_forward_end_s = loop_.now() + wait_s;
         x.kick_pending = true;
         loop_.schedule(wait_s, [this, i] {
             Instance& y = inst(i);

@@ -146,9 +146,10 @@ struct SimConfig {
     // The wait between a contended instance's own decode forwards (cost::StepWait, `pdsim
     // calibrate`'s step_wait): when a decode forward ends while n other instances' forwards run
     // on its cores, its next forward starts, with chance step_wait.decode[min(n, size) - 1].chance,
-    // that entry's wait_s later (the decode thread waits out a scheduler slice); otherwise at
-    // once. Drawn from a generator per instance seeded with noise_seed (reproducible; drawn
-    // whether or not cost_noise is on). Empty: never.
+    // that entry's wait_s later (what the decode thread's scheduler slice costs the step);
+    // otherwise at once. The wait is not idle time for the warm-up (cost::CostWake). Drawn from a
+    // generator per instance seeded with noise_seed (reproducible; drawn whether or not cost_noise
+    // is on). Empty: never.
     cost::StepWait step_wait;
     // Forward-time variation (cost::CostNoise) where an instance's cost model measured it; drawn
     // from a generator seeded with noise_seed and the instance index (a run is reproducible).
