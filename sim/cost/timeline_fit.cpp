@@ -454,20 +454,27 @@ std::vector<OverlapSplit> overlap_splits(std::span<const TimelineForward> forwar
     return out;
 }
 
+namespace {
+
+// Whether timeline instances `a` and `b` may run on one core (`instance_cores[i]`: the cores
+// instance i's ranks may run on; an instance beyond it shares nothing).
+bool share_a_core(std::span<const std::vector<int>> instance_cores, int a, int b) {
+    if (a < 0 || b < 0 || static_cast<size_t>(a) >= instance_cores.size() ||
+        static_cast<size_t>(b) >= instance_cores.size()) {
+        return false;
+    }
+    for (int core : instance_cores[static_cast<size_t>(a)]) {
+        const auto& other = instance_cores[static_cast<size_t>(b)];
+        if (std::find(other.begin(), other.end(), core) != other.end()) return true;
+    }
+    return false;
+}
+
+}  // namespace
+
 DispatchWaits dispatch_waits(std::span<const DispatchRequest> requests,
                              std::span<const TimelineForward> forwards,
                              std::span<const std::vector<int>> instance_cores) {
-    const auto share_a_core = [&](int a, int b) {
-        if (a < 0 || b < 0 || static_cast<size_t>(a) >= instance_cores.size() ||
-            static_cast<size_t>(b) >= instance_cores.size()) {
-            return false;
-        }
-        for (int core : instance_cores[static_cast<size_t>(a)]) {
-            const auto& other = instance_cores[static_cast<size_t>(b)];
-            if (std::find(other.begin(), other.end(), core) != other.end()) return true;
-        }
-        return false;
-    };
     DispatchWaits out;
     for (const DispatchRequest& r : requests) {
         const double t = r.arrival_us;
@@ -479,7 +486,7 @@ DispatchWaits dispatch_waits(std::span<const DispatchRequest> requests,
                 own_busy = true;
                 break;
             }
-            core_busy = core_busy || share_a_core(r.instance, f.instance);
+            core_busy = core_busy || share_a_core(instance_cores, r.instance, f.instance);
         }
         for (const DispatchRequest& q : requests) {
             if (own_busy) break;
@@ -505,17 +512,6 @@ std::vector<StepGap> decode_step_gaps(std::span<const TimelineForward> forwards,
             return a->begin_us < b->begin_us;
         });
     }
-    const auto shares_a_core = [&](int a, int b) {
-        if (a < 0 || b < 0 || static_cast<size_t>(a) >= instance_cores.size() ||
-            static_cast<size_t>(b) >= instance_cores.size()) {
-            return false;
-        }
-        const auto& other = instance_cores[static_cast<size_t>(b)];
-        return std::any_of(instance_cores[static_cast<size_t>(a)].begin(),
-                           instance_cores[static_cast<size_t>(a)].end(), [&](int core) {
-                               return std::find(other.begin(), other.end(), core) != other.end();
-                           });
-    };
     const auto in_flight = [](const std::vector<const TimelineForward*>& list, double t) {
         const auto after = std::upper_bound(
             list.begin(), list.end(), t,
@@ -536,7 +532,7 @@ std::vector<StepGap> decode_step_gaps(std::span<const TimelineForward> forwards,
             for (const auto& [other_key, other] : streams) {
                 const int other_instance = other_key.first;
                 if (other_instance == instance || competitors.contains(other_instance) ||
-                    !shares_a_core(instance, other_instance)) {
+                    !share_a_core(instance_cores, instance, other_instance)) {
                     continue;
                 }
                 if (in_flight(other, done.end_us)) competitors.insert(other_instance);

@@ -69,8 +69,12 @@ private:
     // SimConfig::core_wait_s later.
     void kick(Instance& x) {
         if (x.busy || x.kick_pending) return;
-        const double delay_s =
-            cfg_.core_wait_s > 0 && contention_.core_busy_for(x.index) ? cfg_.core_wait_s : 0.0;
+        start_after(
+            x, cfg_.core_wait_s > 0 && contention_.core_busy_for(x.index) ? cfg_.core_wait_s : 0.0);
+    }
+    // x (not busy, no start pending) starts its next forward `delay_s` from now; kicks meanwhile
+    // wait for that start.
+    void start_after(Instance& x, double delay_s) {
         x.kick_pending = true;
         loop_.schedule(delay_s, [this, i = x.index] {
             Instance& y = inst(i);
@@ -523,12 +527,7 @@ void Simulation::on_forward_end(int i) {
         // was runnable, not idle: the wait does not start a warm-up (with_wake).
         ++stats_.step_waits;
         x.last_forward_end_s = loop_.now() + wait_s;
-        x.kick_pending = true;
-        loop_.schedule(wait_s, [this, i] {
-            Instance& y = inst(i);
-            y.kick_pending = false;
-            if (!y.busy) start_next(y);
-        });
+        start_after(x, wait_s);
         return;
     }
     // Straight on: what else is due at this instant and was scheduled earlier has run already.
