@@ -3,6 +3,8 @@
 #include <dirent.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -100,6 +102,19 @@ std::map<std::string, double> cpu_by_name(const std::vector<ThreadCpu>& before,
 std::map<std::string, double> wait_by_name(const std::vector<ThreadCpu>& before,
                                            const std::vector<ThreadCpu>& after) {
     return delta_by_name(before, after, &ThreadCpu::wait_s);
+}
+
+ThreadUsage this_thread_usage() {
+    ThreadUsage u;
+#ifdef __linux__
+    timespec ts{};
+    if (::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
+        u.cpu_us = static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) * 1e-3;
+    }
+    rusage r{};
+    if (::getrusage(RUSAGE_THREAD, &r) == 0) u.preemptions = r.ru_nivcsw;
+#endif
+    return u;
 }
 
 std::vector<int> allowed_cpus() {

@@ -9,6 +9,7 @@
 // thread and is meant for reports, not loops.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <string_view>
@@ -26,6 +27,16 @@ struct ThreadCpu {
 };
 
 [[nodiscard]] std::vector<ThreadCpu> thread_cpu_times();
+
+// The calling thread's CPU time and involuntary context switches so far (CLOCK_THREAD_CPUTIME_ID,
+// getrusage(RUSAGE_THREAD)): two of them bracket a piece of work, so that its wall time can be
+// told apart from the time it was runnable but another thread held its core. About 1 us per call;
+// zeros off Linux.
+struct ThreadUsage {
+    double cpu_us = 0;
+    int64_t preemptions = 0;  // involuntary context switches (ru_nivcsw)
+};
+[[nodiscard]] ThreadUsage this_thread_usage();
 
 // The CPU ids the calling thread may run on (sched_getaffinity), ascending: one id where mpirun
 // bound the process to a core. Empty where it cannot be read (or off Linux).

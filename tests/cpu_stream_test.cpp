@@ -209,6 +209,65 @@ TEST(CpuStream, CallerRunsLeavesStreamWaitsToTheWorker) {
     EXPECT_OK(producer.synchronize());
 }
 
+// Caller first (cpu_stream.h): an enqueue does not hand the task to the worker, so a caller that
+// synchronizes right after enqueueing runs every task itself. With the old wake per task the
+// worker, woken on another core, took some of them.
+TEST(CpuStream, CallerRunsWithoutAWorkerWakePerTask) {
+    CpuStream s("caller", CpuStreamOptions{.caller_runs = true, .caller_grace = 10s});
+    const std::thread::id caller = std::this_thread::get_id();
+    int tasks = 0, on_caller = 0;
+    for (int f = 0; f < 200; ++f) {
+        for (int t = 0; t < 8; ++t) {
+            ASSERT_OK(enqueue_void(s, [&] {
+                ++tasks;
+                on_caller += std::this_thread::get_id() == caller;
+            }));
+        }
+        ASSERT_OK(s.synchronize());
+    }
+    EXPECT_EQ(tasks, 1600);
+    EXPECT_EQ(on_caller, tasks) << "the worker took tasks a synchronizing caller was there for";
+}
+
+// Work nobody synchronizes still runs: the worker takes it once it has waited a grace.
+TEST(CpuStream, CallerRunsWorkerTakesWhatNobodySynchronizes) {
+    constexpr auto kGrace = 20ms;
+    CpuStream s("caller", CpuStreamOptions{.caller_runs = true, .caller_grace = kGrace});
+    for (int round = 0; round < 3; ++round) {  // the worker parks between rounds
+        std::atomic<bool> on_worker{false};
+        auto ev = s.create_event();
+        const auto queued = std::chrono::steady_clock::now();
+        std::chrono::steady_clock::time_point ran;
+        ASSERT_OK(enqueue_void(s, [&] {
+            ran = std::chrono::steady_clock::now();
+            on_worker = s.on_worker_thread();
+        }));
+        ASSERT_OK(s.record(*ev));
+        ASSERT_OK(ev->synchronize(10s));  // the host waits on the event, not the stream
+        EXPECT_TRUE(on_worker.load());
+        EXPECT_GE(ran - queued, kGrace) << "the worker did not leave the task to a caller";
+        std::this_thread::sleep_for(3 * kGrace);
+    }
+    // A caller that gives up leaves the rest to the worker.
+    std::atomic<bool> gate{false};
+    ASSERT_OK(enqueue_void(s, [&] {
+        while (!gate.load()) std::this_thread::sleep_for(1ms);
+    }));
+    bool after = false;
+    ASSERT_OK(enqueue_void(s, [&] { after = true; }));
+    std::thread opener([&] {
+        std::this_thread::sleep_for(100ms);
+        gate = true;
+    });
+    // The caller runs the gated task itself and outlives its deadline inside it.
+    EXPECT_THAT(s.synchronize(50ms), StatusIs(StatusCode::kDeadlineExceeded));
+    opener.join();
+    auto ev = s.create_event();
+    ASSERT_OK(s.record(*ev));
+    ASSERT_OK(ev->synchronize(10s));
+    EXPECT_TRUE(after);
+}
+
 TEST(CpuStream, CallerRunsErrorsStayStickyAndSelfSynchronizeIsRefused) {
     CpuStream s("caller", CpuStreamOptions{.caller_runs = true});
     Status inner;

@@ -129,6 +129,24 @@ TEST(TestbedColocatedCpu, TokensEqualSoloRunsOfTheSameModel) {
         }
     }
     EXPECT_GT(layer_slices, 0);
+
+    // Each CPU forward carries its thread's CPU time and preemptions (docs/testbed.md section 1).
+    int forwards = 0;
+    double wall_us = 0, cpu_us = 0;
+    for (const json& e : tl["traceEvents"]) {
+        if (e.value("cat", "") != "forward") continue;
+        ++forwards;
+        const json& args = e.at("args");
+        ASSERT_TRUE(args.contains("thread_cpu_us") && args.contains("preemptions")) << e.dump();
+        EXPECT_GE(args["thread_cpu_us"].get<double>(), 0.0);
+        EXPECT_GE(args["preemptions"].get<int64_t>(), 0);
+        wall_us += e["dur"].get<double>();
+        cpu_us += args["thread_cpu_us"].get<double>();
+    }
+    EXPECT_GT(forwards, 0);
+    // The caller ran its forwards (--stream-sync caller, the default): their CPU time is theirs.
+    EXPECT_GT(cpu_us, 0.2 * wall_us);
+    EXPECT_LE(cpu_us, 1.05 * wall_us + 1000.0 * forwards);
 }
 
 TEST(TestbedColocatedCpu, CudaRefusalsThroughTheBinary) {

@@ -51,6 +51,49 @@ TEST(ThreadInfo, NamedThreadAndItsCpuAreListed) {
     EXPECT_GE(after.size(), 2u);
 }
 
+// Two threads spinning on one core: each one's wall time holds the other's turns, which its own
+// CPU time does not, and the kernel preempted each of them; a sleep costs no CPU.
+TEST(ThreadInfo, ThisThreadUsageTellsOwnCpuFromAWaitForTheCore) {
+#ifndef __linux__
+    GTEST_SKIP() << "per-thread CPU time and preemptions are Linux-only here";
+#endif
+    const std::vector<int> cpus = allowed_cpus();
+    ASSERT_FALSE(cpus.empty());
+    struct Seen {
+        double wall_us = 0;
+        ThreadUsage used;
+        bool bound = false;
+    };
+    std::atomic<int> ready{0};
+    auto spin_on_one_core = [&](Seen* seen) {
+        seen->bound = bind_this_thread({cpus.front()});
+        ready.fetch_add(1);
+        while (ready.load() < 2) std::this_thread::yield();
+        const ThreadUsage start = this_thread_usage();
+        const auto t0 = std::chrono::steady_clock::now();
+        burn(std::chrono::milliseconds(300));
+        const ThreadUsage done = this_thread_usage();
+        seen->wall_us =
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                .count();
+        seen->used = {done.cpu_us - start.cpu_us, done.preemptions - start.preemptions};
+    };
+    Seen a, b;
+    std::thread ta(spin_on_one_core, &a), tb(spin_on_one_core, &b);
+    ta.join();
+    tb.join();
+    ASSERT_TRUE(a.bound && b.bound);
+    for (const Seen* s : {&a, &b}) {
+        EXPECT_GT(s->used.preemptions, 0) << "two spinners on one core take turns";
+        EXPECT_GT(s->used.cpu_us, 0.0);
+        // Each had the core for part of its 300 ms at most: well under its wall time together.
+        EXPECT_LT(s->used.cpu_us, 0.9 * s->wall_us);
+    }
+    const ThreadUsage before_sleep = this_thread_usage();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_LT(this_thread_usage().cpu_us - before_sleep.cpu_us, 20'000.0);
+}
+
 TEST(ThreadInfo, CpuByNameSumsThreadsOfOneNameAndCountsNewOnesFromZero) {
     const std::vector<ThreadCpu> before = {{1, "a", 1.0}, {2, "a", 2.0}, {3, "b", 5.0}};
     const std::vector<ThreadCpu> after = {{1, "a", 1.5}, {2, "a", 2.25}, {4, "c", 0.5}};

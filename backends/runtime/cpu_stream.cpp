@@ -1,5 +1,6 @@
 #include "backends/runtime/cpu_stream.h"
 
+#include <algorithm>
 #include <atomic>
 
 #include "common/thread_info.h"
@@ -116,8 +117,18 @@ thread_local const CpuStream* tls_caller_running = nullptr;
 CpuStream::CpuStream(std::string name, std::chrono::milliseconds wait_timeout)
     : CpuStream(std::move(name), CpuStreamOptions{.wait_timeout = wait_timeout}) {}
 
+namespace {
+
+CpuStreamOptions checked(CpuStreamOptions options) {
+    // A grace of zero would make the watching worker spin.
+    options.caller_grace = std::max(options.caller_grace, std::chrono::microseconds(1));
+    return options;
+}
+
+}  // namespace
+
 CpuStream::CpuStream(std::string name, CpuStreamOptions options)
-    : name_(std::move(name)), options_(options) {
+    : name_(std::move(name)), options_(checked(options)) {
     worker_ = std::thread([this] {
         set_thread_name("pdsim-stream");
         worker_loop();
@@ -139,12 +150,20 @@ bool CpuStream::on_worker_thread() const {
 }
 
 void CpuStream::push(Task task, bool blocking) {
+    bool wake = true;
     {
         std::lock_guard<std::mutex> lock(mu_);
-        queue_.push_back(Queued{std::move(task), blocking});
+        const auto now = std::chrono::steady_clock::now();
+        queue_.push_back(Queued{std::move(task), blocking, now});
         ++enqueued_;
+        if (options_.caller_runs) {
+            // Caller first (cpu_stream.h): a watching worker finds the task by itself.
+            last_push_ = now;
+            wake = blocking || worker_parked_;
+            worker_parked_ = false;
+        }
     }
-    work_cv_.notify_one();
+    if (wake) work_cv_.notify_one();
 }
 
 Status CpuStream::enqueue(Task task) {
@@ -221,20 +240,27 @@ Status CpuStream::synchronize(std::chrono::milliseconds timeout) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     std::unique_lock<std::mutex> lock(mu_);
     const uint64_t target = enqueued_;
+    // While this caller is here the worker leaves the tasks it may run to it (caller first).
+    ++syncing_callers_;
+    struct Leave {
+        int& callers;
+        ~Leave() { --callers; }  // runs with mu_ held: `lock` is destroyed after it
+    } leave{syncing_callers_};
     // Tasks run one at a time in order, so while none runs the front one is task number
     // completed_: below `target`, it is one this call waits for.
     auto may_run = [&] { return completed_ < target && caller_may_run_locked(); };
     while (completed_ < target) {
-        if (may_run() && std::chrono::steady_clock::now() < deadline) {
-            run_front(lock, /*on_caller=*/true);
-            continue;
-        }
-        if (!idle_cv_.wait_until(lock, deadline,
-                                 [&] { return completed_ >= target || may_run(); })) {
+        // Past the deadline it returns even with a task it could take: the worker runs that one
+        // (the caller's leaving lets it) and a task already started ran to its end.
+        const bool timed_out =
+            std::chrono::steady_clock::now() >= deadline ||
+            !idle_cv_.wait_until(lock, deadline, [&] { return completed_ >= target || may_run(); });
+        if (timed_out && completed_ < target) {
             return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
                                "stream {}: synchronize timed out after {} ms ({} of {} tasks done)",
                                name_, timeout.count(), completed_, target);
         }
+        if (completed_ < target && may_run()) run_front(lock, /*on_caller=*/true);
     }
     return error_;
 }
@@ -259,8 +285,8 @@ void CpuStream::run_front(std::unique_lock<std::mutex>& lock, bool on_caller) {
     busy_ = false;
     ++completed_;
     idle_cv_.notify_all();
-    // A caller's task ended: the worker may take the next one.
-    if (on_caller) work_cv_.notify_one();
+    // A caller's task ended: a stream-side wait behind it is the worker's to run at once.
+    if (on_caller && !queue_.empty() && queue_.front().blocking) work_cv_.notify_one();
 }
 
 Status CpuStream::error() const {
@@ -292,12 +318,38 @@ bool CpuStream::is_capturing() const {
     return capturing_;
 }
 
+bool CpuStream::worker_may_run_locked(std::chrono::steady_clock::time_point now) const {
+    if (busy_ || queue_.empty()) return false;
+    const Queued& front = queue_.front();
+    return front.blocking || stop_ ||
+           (syncing_callers_ == 0 && now - front.queued_at >= options_.caller_grace);
+}
+
 void CpuStream::worker_loop() {
     std::unique_lock<std::mutex> lock(mu_);
+    if (!options_.caller_runs) {
+        for (;;) {
+            work_cv_.wait(lock, [&] { return !busy_ && (stop_ || !queue_.empty()); });
+            if (queue_.empty()) return;  // stop_ and drained (the destructor waited for busy_)
+            run_front(lock, /*on_caller=*/false);
+        }
+    }
+    // Caller first (cpu_stream.h): park until an enqueue, then look every caller_grace.
     for (;;) {
-        work_cv_.wait(lock, [&] { return !busy_ && (stop_ || !queue_.empty()); });
-        if (queue_.empty()) return;  // stop_ and drained (the destructor waited for busy_)
-        run_front(lock, /*on_caller=*/false);
+        const auto now = std::chrono::steady_clock::now();
+        if (worker_may_run_locked(now)) {
+            run_front(lock, /*on_caller=*/false);
+            continue;
+        }
+        if (queue_.empty() && !busy_) {
+            if (stop_) return;  // drained (the destructor waited for busy_)
+            if (now - last_push_ >= options_.caller_grace) worker_parked_ = true;
+        }
+        if (worker_parked_) {
+            work_cv_.wait(lock, [&] { return stop_ || !worker_parked_; });
+        } else {
+            work_cv_.wait_for(lock, options_.caller_grace);
+        }
     }
 }
 

@@ -2,8 +2,11 @@
 // (Server::poll_engine); see server_internal.h for how the server is split.
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include "backends/attention/attention_backend.h"
 #include "common/logging.h"
+#include "common/thread_info.h"
 #include "sim/testbed/kv_digest.h"
 #include "sim/testbed/rank_builder.h"
 #include "sim/testbed/server_internal.h"
@@ -81,6 +84,7 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
         }));
     }
     auto out = std::make_shared<std::vector<int32_t>>(plan.entries.size(), -1);
+    const ThreadUsage usage_start = this_thread_usage();
     const double t_start = now_us();
     Status st = ctx_.model->forward(b, *backend_, *pool_, out->data());
     if (st.ok() && prefill && any_last) st = publish_first_tokens(plan, out);
@@ -97,7 +101,15 @@ Status Server::execute(const Plan& plan, std::vector<int32_t>* next) {
     ctx_.note_progress();
     forward_tokens_ += off;
     compute_us_ += t_done - t_start;
-    timeline_.slice(kTidSched, label, "forward", t_start, t_done - t_start, forward_args(plan));
+    json args = forward_args(plan);
+    if (ctx_.gpu == nullptr) {
+        // The rank's thread ran the forward (--stream-sync caller) or slept through it (worker):
+        // its CPU time and preemptions tell the forward's own time from its wait for the core.
+        const ThreadUsage usage_done = this_thread_usage();
+        args["thread_cpu_us"] = std::round(usage_done.cpu_us - usage_start.cpu_us);
+        args["preemptions"] = usage_done.preemptions - usage_start.preemptions;
+    }
+    timeline_.slice(kTidSched, label, "forward", t_start, t_done - t_start, std::move(args));
     if (!st.ok()) {
         mark_broken(st);
         return st;
