@@ -12,7 +12,7 @@
 //
 // Caller first: with caller_runs, enqueueing a task does not wake the worker for it. A worker that
 // is woken per task takes the core from the caller that is about to synchronize (on a rank bound
-// to one core: 5.5 involuntary switches per 0.5 ms decode forward, its time 10-40% longer than its
+// to one core: 5.5 involuntary switches per 0.5 ms decode forward, its wall time 9-77% above its
 // CPU time; docs/fidelity.md section 8.9). The worker is woken at the first enqueue after it
 // parked, then checks every `caller_grace`: it runs a task that waited that long while no caller
 // was synchronizing (nobody synchronizes the stream, or a caller timed out), and every stream-side
