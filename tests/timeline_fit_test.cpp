@@ -366,7 +366,8 @@ TEST(TimelineParser, ReadsForwardsSortedByBegin) {
                             {"tp_rank", 0},
                             {"threads", 3},
                             {"batch", 4},
-                            {"kv_tokens", 800}}));
+                            {"kv_tokens", 800},
+                            {"thread_cpu_us", 31}}));
     events.push_back(slice(100, 50,
                            {{"instance", 0},
                             {"tp", 1},
@@ -395,6 +396,8 @@ TEST(TimelineParser, ReadsForwardsSortedByBegin) {
     EXPECT_EQ(decode.kv_tokens, 800);
     EXPECT_EQ(decode.tp, 2);
     EXPECT_EQ(decode.threads, 3);
+    EXPECT_EQ(decode.thread_cpu_us, 31);
+    EXPECT_EQ(extend.thread_cpu_us, -1) << "a slice without thread_cpu_us";
     // A bare array of events reads the same.
     auto bare = read_timeline_forwards(write(dir, "bare.json", events.dump()));
     ASSERT_OK(bare);
@@ -556,6 +559,9 @@ TEST(TimelineParser, ErrorsNameTheFileAndTheField) {
     bad_dur["dur"] = "long";
     json bad_batch = leader;
     bad_batch["kv_tokens"] = 10;
+    json bad_cpu = leader;
+    bad_cpu["items"] = json::array();
+    bad_cpu["thread_cpu_us"] = -3;
     struct Case {
         std::string name, text, mention;
     };
@@ -566,6 +572,8 @@ TEST(TimelineParser, ErrorsNameTheFileAndTheField) {
         {"noitems.json", json{{"traceEvents", {slice(5, 2, no_items)}}}.dump(),
          "forward slice at ts 5: "},
         {"nobatch.json", json{{"traceEvents", {slice(9, 2, bad_batch)}}}.dump(), "'batch'"},
+        {"badcpu.json", json{{"traceEvents", {slice(4, 2, bad_cpu)}}}.dump(),
+         "forward slice at ts 4: thread_cpu_us -3: expected a number >= 0"},
     };
     for (const Case& c : cases) {
         const std::string path = write(dir, c.name, c.text);
@@ -658,6 +666,8 @@ TEST(ForwardCheck, RatiosPerKindBucketAndOverlap) {
         forward(40000, 3 * extend_ms * 1000, 0, false),  // overlapped by the next
         forward(41000, 1.5 * decode_ms * 1000, 1, true),
     };
+    fs[1].thread_cpu_us = decode_ms * 1000;        // its thread had the core all along
+    fs[3].thread_cpu_us = decode_ms * 1000;        // it waited half as long again for the core
     TimelineForward follower = forward(60000, 1000, 0, false);
     follower.tp_rank = 1;  // a TP follower times the same forward again: not counted
     fs.push_back(follower);
@@ -680,10 +690,15 @@ TEST(ForwardCheck, RatiosPerKindBucketAndOverlap) {
     EXPECT_NEAR(d.ratio_p50, 1.0, 1e-9);
     EXPECT_NEAR(find(false, true, "all").ratio_p50, 3.0, 1e-9);
     EXPECT_NEAR(find(true, true, "batch 1").ratio_p50, 1.5, 1e-9);
+    EXPECT_NEAR(d.wall_over_cpu_p50, 1.0, 1e-9);
+    EXPECT_NEAR(find(true, true, "batch 1").wall_over_cpu_p50, 1.5, 1e-9);
+    EXPECT_EQ(e.wall_over_cpu_p50, 0) << "no forward of the row carries its thread's CPU time";
     size_t counted = 0;
     for (const ForwardCheckRow& r : *rows) counted += r.bucket == "all" ? r.count : 0;
     EXPECT_EQ(counted, 4u);  // the follower's forward is not one of them
     EXPECT_THAT(forward_check_table(*rows), HasSubstr("| extend | 1 | 1 | no | all | 1 |"));
+    EXPECT_THAT(forward_check_table(*rows), HasSubstr("| 67% | 1.50 |"));
+    EXPECT_THAT(forward_check_table(*rows), HasSubstr("% | - |"));
 }
 
 TEST(ForwardCheck, ErrorsNameWhatIsMissing) {

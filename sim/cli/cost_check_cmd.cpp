@@ -92,7 +92,8 @@ Status run_cost_check(const CostCheckOptions& o) {
                          {"ratio_p50", r.ratio_p50},
                          {"ratio_p90", r.ratio_p90},
                          {"measured_ms_sum", r.measured_ms_sum},
-                         {"predicted_ms_sum", r.predicted_ms_sum}});
+                         {"predicted_ms_sum", r.predicted_ms_sum},
+                         {"wall_over_cpu_p50", r.wall_over_cpu_p50}});
         }
         std::ofstream f(o.json_out);
         f << j.dump(2) << "\n";

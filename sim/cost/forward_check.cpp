@@ -40,7 +40,7 @@ double at(const std::vector<double>& sorted, double q) {
 }
 
 struct Sample {
-    std::vector<double> measured_ms, predicted_ms, ratio;
+    std::vector<double> measured_ms, predicted_ms, ratio, wall_over_cpu;
 };
 
 ForwardCheckRow summarize(Sample s) {
@@ -56,6 +56,10 @@ ForwardCheckRow summarize(Sample s) {
     row.ratio_p10 = at(s.ratio, 0.1);
     row.ratio_p50 = at(s.ratio, 0.5);
     row.ratio_p90 = at(s.ratio, 0.9);
+    if (!s.wall_over_cpu.empty()) {
+        std::sort(s.wall_over_cpu.begin(), s.wall_over_cpu.end());
+        row.wall_over_cpu_p50 = at(s.wall_over_cpu, 0.5);
+    }
     return row;
 }
 
@@ -100,6 +104,7 @@ StatusOr<std::vector<ForwardCheckRow>> check_forwards(std::span<const TimelineFo
             sample.measured_ms.push_back(measured_ms);
             sample.predicted_ms.push_back(predicted_s * 1000.0);
             sample.ratio.push_back(measured_ms / (predicted_s * 1000.0));
+            if (f.thread_cpu_us > 0) sample.wall_over_cpu.push_back(f.duration_us / f.thread_cpu_us);
         }
     }
     if (groups.empty()) {
@@ -121,14 +126,15 @@ std::string forward_check_table(std::span<const ForwardCheckRow> rows) {
     std::string out =
         "| kind | tp | threads | other instance computing | batch | forwards | measured ms p50 | "
         "predicted ms p50 | measured / predicted p10 / p50 / p90 | share of measured time "
-        "explained |\n|---|---|---|---|---|---|---|---|---|---|\n";
+        "explained | measured / thread CPU p50 |\n|---|---|---|---|---|---|---|---|---|---|---|\n";
     for (const ForwardCheckRow& r : rows) {
         out += fmt::format(
             "| {} | {} | {} | {} | {} | {} | {:.3f} | {:.3f} | {:.2f} / {:.2f} / {:.2f} | {:.0f}% "
-            "|\n",
+            "| {} |\n",
             r.decode ? "decode" : "extend", r.tp, r.threads, r.overlapped ? "yes" : "no", r.bucket,
             r.count, r.measured_ms_p50, r.predicted_ms_p50, r.ratio_p10, r.ratio_p50, r.ratio_p90,
-            r.measured_ms_sum > 0 ? 100.0 * r.predicted_ms_sum / r.measured_ms_sum : 0.0);
+            r.measured_ms_sum > 0 ? 100.0 * r.predicted_ms_sum / r.measured_ms_sum : 0.0,
+            r.wall_over_cpu_p50 > 0 ? fmt::format("{:.2f}", r.wall_over_cpu_p50) : "-");
     }
     return out;
 }

@@ -33,6 +33,10 @@ struct ForwardCheckRow {
     double predicted_ms_p50 = 0;
     double ratio_p10 = 0, ratio_p50 = 0, ratio_p90 = 0;
     double measured_ms_sum = 0, predicted_ms_sum = 0;  // the group's share of the run's time
+    // Median of measured time / the rank thread's CPU time over the forward (TimelineForward::
+    // thread_cpu_us), of the forwards that carry it; 0 when none does. Above 1: the forward
+    // waited for its core (another thread or rank held it).
+    double wall_over_cpu_p50 = 0;
 };
 
 // Leader forwards of positive duration only (a TP follower times the same forward again).

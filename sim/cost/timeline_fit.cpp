@@ -76,6 +76,15 @@ StatusOr<std::vector<TimelineForward>> read_slices(const json& events, const std
             f.compute_threads = a.at("tp").get<double>() * std::max(1, a.at("threads").get<int>());
             f.tp = a.at("tp").get<int>();
             f.threads = a.at("threads").get<int>();
+            if (a.contains("thread_cpu_us")) {
+                f.thread_cpu_us = a.at("thread_cpu_us").get<double>();
+                if (!(f.thread_cpu_us >= 0)) {
+                    return bad_timeline(flag, path,
+                                        fmt::format("forward slice at ts {}: thread_cpu_us {}: "
+                                                    "expected a number >= 0",
+                                                    f.begin_us, f.thread_cpu_us));
+                }
+            }
             f.device = a.value("device", std::string("cpu"));
             if (f.device != "cpu" && f.device != "gpu") {
                 return bad_timeline(flag, path,

@@ -49,6 +49,9 @@ struct TimelineForward {
     // "cpu" or "gpu" (a GPU rank's forward; timelines before GPU ranks say nothing: "cpu").
     std::string device = "cpu";
     double compute_threads = 0;  // tp x max(1, threads): the cores the instance computes on
+    // The rank thread's CPU time over the forward (`thread_cpu_us`, CPU ranks of timelines since
+    // the stream's caller first); -1 where the slice has none.
+    double thread_cpu_us = -1;
     // The batch, read for leader forwards of positive duration only (the others are used only to
     // tell which forwards overlap):
     bool decode = false;            // the slice has kv_tokens
