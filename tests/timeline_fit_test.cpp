@@ -666,8 +666,8 @@ TEST(ForwardCheck, RatiosPerKindBucketAndOverlap) {
         forward(40000, 3 * extend_ms * 1000, 0, false),  // overlapped by the next
         forward(41000, 1.5 * decode_ms * 1000, 1, true),
     };
-    fs[1].thread_cpu_us = decode_ms * 1000;        // its thread had the core all along
-    fs[3].thread_cpu_us = decode_ms * 1000;        // it waited half as long again for the core
+    fs[1].thread_cpu_us = decode_ms * 1000;  // its thread had the core all along
+    fs[3].thread_cpu_us = decode_ms * 1000;  // it waited half as long again for the core
     TimelineForward follower = forward(60000, 1000, 0, false);
     follower.tp_rank = 1;  // a TP follower times the same forward again: not counted
     fs.push_back(follower);

@@ -104,7 +104,8 @@ StatusOr<std::vector<ForwardCheckRow>> check_forwards(std::span<const TimelineFo
             sample.measured_ms.push_back(measured_ms);
             sample.predicted_ms.push_back(predicted_s * 1000.0);
             sample.ratio.push_back(measured_ms / (predicted_s * 1000.0));
-            if (f.thread_cpu_us > 0) sample.wall_over_cpu.push_back(f.duration_us / f.thread_cpu_us);
+            if (f.thread_cpu_us > 0)
+                sample.wall_over_cpu.push_back(f.duration_us / f.thread_cpu_us);
         }
     }
     if (groups.empty()) {
