@@ -104,13 +104,20 @@ std::map<std::string, double> wait_by_name(const std::vector<ThreadCpu>& before,
     return delta_by_name(before, after, &ThreadCpu::wait_s);
 }
 
-ThreadUsage this_thread_usage() {
-    ThreadUsage u;
+double this_thread_cpu_us() {
 #ifdef __linux__
     timespec ts{};
     if (::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
-        u.cpu_us = static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) * 1e-3;
+        return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) * 1e-3;
     }
+#endif
+    return 0;
+}
+
+ThreadUsage this_thread_usage() {
+    ThreadUsage u;
+    u.cpu_us = this_thread_cpu_us();
+#ifdef __linux__
     rusage r{};
     if (::getrusage(RUSAGE_THREAD, &r) == 0) u.preemptions = r.ru_nivcsw;
 #endif

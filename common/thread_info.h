@@ -28,6 +28,10 @@ struct ThreadCpu {
 
 [[nodiscard]] std::vector<ThreadCpu> thread_cpu_times();
 
+// The calling thread's CPU time so far, microseconds (CLOCK_THREAD_CPUTIME_ID: time it waited for
+// a core does not count); 0 off Linux or where the clock cannot be read.
+[[nodiscard]] double this_thread_cpu_us();
+
 // The calling thread's CPU time and involuntary context switches so far (CLOCK_THREAD_CPUTIME_ID,
 // getrusage(RUSAGE_THREAD)): two of them bracket a piece of work, so that its wall time can be
 // told apart from the time it was runnable but another thread held its core. About 1 us per call;

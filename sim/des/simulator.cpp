@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <ctime>
 #include <random>
 
 #include "common/check.h"
+#include "common/thread_info.h"
 #include "sim/des/cpu_contention.h"
 #include "sim/des/event_loop.h"
 #include "sim/des/flow_network.h"
@@ -777,9 +777,7 @@ void Simulation::release_prefill(SimRequest& r) {
 // Driver
 
 double thread_cpu_s() {
-    timespec ts{};
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+    return this_thread_cpu_us() * 1e-6;
 }
 
 void Simulation::run() {
