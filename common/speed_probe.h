@@ -5,7 +5,8 @@
 // in the next (docs/fidelity.md section 8.5). A cost file measured by `pdsim calibrate` describes
 // the machine as it was during calibration; a testbed run an hour later may see it slower or
 // faster. Both `pdsim calibrate` (its serve probe runs) and every `pdsim testbed` CPU rank sample
-// this probe, and `pdsim simulate --like` scales the cost model by the ratio of the two medians.
+// this probe, and `pdsim simulate --like` scales the cost model's decode forwards by the ratio of
+// the two medians (not its extends, which did not follow the probe: docs/fidelity.md 8.10).
 //
 // The work: a matrix-vector product over an 8 MiB fp32 matrix (2048 x 1024), the shape of a CPU
 // decode forward's weight stream. Each sample runs it twice on the calling thread and times the

@@ -154,6 +154,9 @@ def merged(prefix):
     m["config"] = reps[0].get("config")
     # The simulations' machine-speed factors (pdsim simulate --speed-scale), one per repeat.
     m["speed"] = [r.get("config", {}).get("speed_scale", {}).get("factor", 1.0) for r in reps]
+    # What they scaled ("decodes" with --speed-scale auto; older reports: every forward).
+    m["speed_scales"] = (reps[0].get("config", {}).get("speed_scale", {})
+                         .get("scales", "all forwards"))
     # How far the repeats of one command spread: max / min of their p50s (1: no spread).
     m["spread"] = {k: max(r[k]["p50"] for r in reps) / min(r[k]["p50"] for r in reps)
                    if min(r[k]["p50"] for r in reps) > 0 else float("nan")
@@ -184,7 +187,8 @@ for topo in topos:
             f"{tb['tpot_ms']['p90']:.2f} / {sim['tpot_ms']['p90']:.2f} | "
             f"{tb['goodput_rps']:.2f} / {sim['goodput_rps']:.2f} | "
             f"{tb['prefill_wait_ms']['p50']:.1f} / {sim['prefill_wait_ms']['p50']:.1f} | "
-            f"{', '.join(f'{x:.2f}' for x in sim['speed'])} | "
+            f"{', '.join(f'{x:.2f}' for x in sim['speed'])}"
+            f"{' (decodes)' if sim['speed_scales'] == 'decodes' else ''} | "
             f"{tb['spread']['ttft_ms']:.2f} / {tb['spread']['tpot_ms']:.2f} | "
             f"{'yes' if ok else 'no'} (±{bound:.0%}) |")
         # A bar narrower than the testbed's own repeat spread cannot be checked on this machine.

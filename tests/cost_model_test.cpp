@@ -578,8 +578,8 @@ TEST(SpeedLevel, AReportsLevelIsTheMedianOfItsRanks) {
     EXPECT_FALSE(report_speed_level(json{{"ranks", 5}}).has_value());
 }
 
-// Every forward and the wake-up scale by the factor; interference and noise, which are relative,
-// pass through.
+// Every forward and the wake-up scale by the factor (or extends and decodes each by its own);
+// interference and noise, which are relative, pass through.
 TEST(ScaledCostModel, ScalesForwardsAndTheWakeUpOnly) {
     json j = hand_written();
     j["fits"][0]["wake"] = {{"min_idle_s", 0.005}, {"lost_s", 0.002}, {"tau_s", 0.0005}};
@@ -601,9 +601,21 @@ TEST(ScaledCostModel, ScalesForwardsAndTheWakeUpOnly) {
     EXPECT_DOUBLE_EQ(scaled.interference(false), shared->interference(false));
     EXPECT_DOUBLE_EQ(scaled.noise(true).fast_cv, shared->noise(true).fast_cv);
     EXPECT_DOUBLE_EQ(scaled.noise(true).slow_cv, 0.1);
-    EXPECT_DOUBLE_EQ(scaled.factor(), 1.25);
+    EXPECT_DOUBLE_EQ(scaled.extend_factor(), 1.25);
+    EXPECT_DOUBLE_EQ(scaled.decode_factor(), 1.25);
     EXPECT_THAT(scaled.describe(), HasSubstr("x1.250 (machine speed)"));
     EXPECT_THAT(scaled.describe(), HasSubstr(shared->describe()));
+
+    // Decodes only (what `simulate --speed-scale auto` builds): extends keep the base's time; the
+    // wake-up, measured on decode forwards, follows the decode factor.
+    const ScaledCostModel decodes(shared, 1.0, 0.8);
+    EXPECT_DOUBLE_EQ(decodes.extend_s(batch), shared->extend_s(batch));
+    EXPECT_DOUBLE_EQ(decodes.decode_s(8, 4000), 0.8 * shared->decode_s(8, 4000));
+    EXPECT_DOUBLE_EQ(decodes.decode_s(1, 16), 0.8 * shared->decode_s(1, 16));
+    EXPECT_DOUBLE_EQ(decodes.wake().lost_s, 0.8 * 0.002);
+    EXPECT_DOUBLE_EQ(decodes.wake().tau_s, 0.8 * 0.0005);
+    EXPECT_DOUBLE_EQ(decodes.interference(true), shared->interference(true));
+    EXPECT_THAT(decodes.describe(), HasSubstr("extends x1.000, decodes x0.800 (machine speed)"));
 }
 
 // A fit's own interference (the serve probe's, measured in that fit's layout) wins over the

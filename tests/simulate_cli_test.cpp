@@ -1,6 +1,7 @@
 // `pdsim simulate` and `pdsim bench simulate` as processes: a small run writes the report (the
 // testbed's keys, both modes), the per-request CSV and the timeline; bad input exits 2 naming the
 // flag or file.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -265,8 +266,9 @@ TEST(SimulateCli, LikeReplaysTheTestbedsRequestSet) {
 }
 
 // The testbed's CPU ranks sample the machine-speed probe; `simulate --like` with a cost file that
-// carries the calibration's probe scales every forward by the ratio (--speed-scale auto), and
-// says why when it does not; --speed-scale off and a given factor win; a bad value exits 2.
+// carries the calibration's probe scales each instance's decode forwards by its ranks' ratio
+// (--speed-scale auto) and leaves extends alone, and says why when it does not scale; --speed-scale
+// off and a given factor (every forward) win; a bad value exits 2.
 TEST(SimulateCli, LikeScalesForwardsByTheMachinesSpeed) {
     TempDir dir("simulate_speed");
     CmdResult tb = run_pdsim({"testbed",
@@ -331,10 +333,13 @@ TEST(SimulateCli, LikeScalesForwardsByTheMachinesSpeed) {
     EXPECT_THAT(plain["config"]["speed_scale"]["why"].get<std::string>(),
                 HasSubstr("has no speed_probe"));
     EXPECT_THAT(plain_run.out, HasSubstr("machine speed: x1.000, not scaled"));
+    EXPECT_EQ(plain["config"]["speed_scale"]["scales"], "none");
 
     const auto [slow_run, slow] = simulate(dir.str("slow.json"), {});
     EXPECT_DOUBLE_EQ(slow["config"]["speed_scale"]["factor"].get<double>(), 2.0);
-    EXPECT_THAT(slow_run.out, HasSubstr("machine speed: x2.000, the run's speed probe took"));
+    EXPECT_THAT(slow_run.out,
+                HasSubstr("machine speed: x2.000 (decodes), the run's speed probe took"));
+    EXPECT_EQ(slow["config"]["speed_scale"]["scales"], "decodes");
     // Each instance at its own ranks' pace: the decode instance's factor is its rank's probe over
     // the calibration's. TPOT is decode forwards (5 ms each here) and nothing of the transfer.
     const json& per_instance = slow["config"]["speed_scale"]["instances"];
@@ -345,13 +350,26 @@ TEST(SimulateCli, LikeScalesForwardsByTheMachinesSpeed) {
     const double tpot_ratio =
         slow["tpot_ms"]["p50"].get<double>() / plain["tpot_ms"]["p50"].get<double>();
     EXPECT_NEAR(tpot_ratio, decode_factor, 0.05 * decode_factor);
-    EXPECT_GT(slow["ttft_ms"]["p50"].get<double>(), plain["ttft_ms"]["p50"].get<double>());
+    // Extends are not scaled: each instance's cost model says so, and TTFT (the prefill, the KV
+    // transfer and the decode side's admission here) moves far less than the decodes.
+    const std::string cost_models = slow["simulator"]["cost_model"].get<std::string>();
+    EXPECT_THAT(cost_models, HasSubstr(fmt::format("extends x1.000, decodes x{:.3f}",
+                                                   per_instance["prefill0"].get<double>())));
+    EXPECT_THAT(cost_models,
+                HasSubstr(fmt::format("extends x1.000, decodes x{:.3f}", decode_factor)));
+    EXPECT_LT(slow["ttft_ms"]["p50"].get<double>(),
+              (1 + (decode_factor - 1) / 2) * plain["ttft_ms"]["p50"].get<double>());
 
     const auto [off_run, off] = simulate(dir.str("slow.json"), {"--speed-scale", "off"});
     EXPECT_EQ(off["config"]["speed_scale"]["factor"], 1.0);
     EXPECT_DOUBLE_EQ(off["tpot_ms"]["p50"].get<double>(), plain["tpot_ms"]["p50"].get<double>());
     const auto [given_run, given] = simulate(dir.str("plain.json"), {"--speed-scale", "1.5"});
     EXPECT_EQ(given["config"]["speed_scale"]["factor"], 1.5);
+    EXPECT_EQ(given["config"]["speed_scale"]["scales"], "all forwards");
+    // A given factor scales every forward: extends too.
+    EXPECT_GT(given["ttft_ms"]["p50"].get<double>(), 1.2 * plain["ttft_ms"]["p50"].get<double>());
+    EXPECT_NEAR(given["tpot_ms"]["p50"].get<double>() / plain["tpot_ms"]["p50"].get<double>(), 1.5,
+                0.075);
     const auto [other_run, other] = simulate(dir.str("other.json"), {});
     EXPECT_EQ(other["config"]["speed_scale"]["factor"], 1.0);
     EXPECT_THAT(other["config"]["speed_scale"]["why"].get<std::string>(),

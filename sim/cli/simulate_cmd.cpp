@@ -88,14 +88,18 @@ struct Prepared {
     std::optional<cost::CostFile> cost_file;
     std::string cost_kind;
     std::vector<des::InstanceSetup> setups;
-    double speed_factor = 1;  // every forward's time is multiplied by it (--speed-scale)
+    double speed_factor = 1;  // forwards' times are multiplied by it (--speed-scale)
     // --speed-scale auto: each instance's own factor, from its ranks' probe (else speed_factor).
     std::vector<double> instance_speed_factor;
-    std::string speed_note;      // how speed_factor was chosen (summary and report)
-    cost::CoreWait core_wait;    // --core-wait resolved
-    std::string core_wait_note;  // where it came from (summary and report)
-    cost::StepWait step_wait;    // --step-wait resolved
-    std::string step_wait_note;  // where it came from (summary and report)
+    // --speed-scale auto scales decode forwards only (the probe is a decode's weight stream, and
+    // extends did not follow it: docs/fidelity.md section 8.10); a given factor scales all.
+    bool speed_decodes_only = false;
+    std::string speed_scales = "none";  // what was scaled: "none", "decodes", "all forwards"
+    std::string speed_note;             // how speed_factor was chosen (summary and report)
+    cost::CoreWait core_wait;           // --core-wait resolved
+    std::string core_wait_note;         // where it came from (summary and report)
+    cost::StepWait step_wait;           // --step-wait resolved
+    std::string step_wait_note;         // where it came from (summary and report)
     // --like with a cost file calibrated otherwise than the run (stream_sync, the probe's
     // topology): said in the summary, the report's config.warnings and on stderr.
     std::vector<std::string> warnings;
@@ -326,13 +330,15 @@ Status load_requests(const SimulateFlags& f, Prepared* p) {
 }
 
 // How much slower (> 1) the machine ran the testbed run of --like than while calibrating the
-// cost file, from their speed probes (common/speed_probe.h); scales every instance's forwards.
+// cost file, from their speed probes (common/speed_probe.h); scales each instance's decode
+// forwards (auto) or every forward (a given factor).
 Status choose_speed_factor(const SimulateFlags& f, const LikeRun* like, Prepared* p) {
     PDSIM_ASSIGN_OR_RETURN(const double given, parse_speed_scale(f.speed_scale));
     if (f.speed_scale == "off") {
         p->speed_note = "not scaled (--speed-scale off)";
     } else if (given > 0) {
         p->speed_factor = given;
+        p->speed_scales = "all forwards";
         p->speed_note = "as given (--speed-scale)";
     } else if (like == nullptr) {
         p->speed_note = "not scaled (--speed-scale auto needs --like)";
@@ -357,6 +363,8 @@ Status choose_speed_factor(const SimulateFlags& f, const LikeRun* like, Prepared
                 run->kernel, cal->kernel);
         } else {
             p->speed_factor = run->cpu_ms_p50 / cal->cpu_ms_p50;
+            p->speed_decodes_only = true;
+            p->speed_scales = "decodes";
             // Each instance at its own ranks' pace: one rank's core can run slower than another's
             // for a whole run (the host's other tenants).
             for (const topo::Instance& inst : p->topology.instances) {
@@ -368,8 +376,8 @@ Status choose_speed_factor(const SimulateFlags& f, const LikeRun* like, Prepared
             }
             p->speed_note = fmt::format(
                 "the run's speed probe took {:.3f} ms, the calibration's {:.3f} ms: each "
-                "instance's forwards scaled by its own ranks' ratio ({:.3f}; --speed-scale off to "
-                "not)",
+                "instance's decode forwards scaled by its own ranks' ratio ({:.3f}), extends not "
+                "(--speed-scale off: none; a factor: every forward)",
                 run->cpu_ms_p50, cal->cpu_ms_p50, fmt::join(p->instance_speed_factor, ", "));
         }
     }
@@ -377,7 +385,8 @@ Status choose_speed_factor(const SimulateFlags& f, const LikeRun* like, Prepared
         const double factor =
             i < p->instance_speed_factor.size() ? p->instance_speed_factor[i] : p->speed_factor;
         if (factor == 1) continue;
-        p->setups[i].cost = std::make_shared<cost::ScaledCostModel>(p->setups[i].cost, factor);
+        p->setups[i].cost = std::make_shared<cost::ScaledCostModel>(
+            p->setups[i].cost, p->speed_decodes_only ? 1.0 : factor, factor);
     }
     return {};
 }
@@ -559,7 +568,8 @@ metrics::Report simulate_report(const Prepared& p, const SimulateFlags& f,
         r.extra["config"]["max_input_len"] = f.req.max_input_len;
         r.extra["config"]["max_output_len"] = f.req.max_output_len;
         if (!f.like.empty()) r.extra["config"]["like"] = f.like;
-        r.extra["config"]["speed_scale"] = {{"factor", p.speed_factor}, {"why", p.speed_note}};
+        r.extra["config"]["speed_scale"] = {
+            {"factor", p.speed_factor}, {"scales", p.speed_scales}, {"why", p.speed_note}};
         r.extra["config"]["core_wait"] = {{"dispatch_ms", p.core_wait.dispatch_s * 1e3},
                                           {"why", p.core_wait_note}};
         json steps = json::array();
@@ -601,7 +611,8 @@ std::string simulate_summary(const Prepared& p, const SimulateFlags& f,
     }
     s += fmt::format("  cost model: {}\n",
                      results.front().report.extra["simulator"]["cost_model"].get<std::string>());
-    s += fmt::format("  machine speed: x{:.3f}, {}\n", p.speed_factor, p.speed_note);
+    s += fmt::format("  machine speed: x{:.3f}{}, {}\n", p.speed_factor,
+                     p.speed_decodes_only ? " (decodes)" : "", p.speed_note);
     s +=
         fmt::format("  core wait: {:.2f} ms, {}\n", p.core_wait.dispatch_s * 1e3, p.core_wait_note);
     std::string steps;
@@ -1037,9 +1048,11 @@ void add_simulate_command(CLI::App& app, CommandSet& commands) {
     sub->add_option("--speed-scale", f->speed_scale,
                     "auto: with --like and a calibrated cost file that both carry the machine-"
                     "speed probe (pdsim testbed --speed-probe-ms, pdsim calibrate's serve probe), "
-                    "multiply every forward's time by the run's probe over the calibration's, so "
-                    "that a machine that ran slower or faster than while calibrating is simulated "
-                    "as it was (else 1); off: 1; or a factor in (0, 100]")
+                    "multiply each instance's decode forwards' time by its ranks' probe over the "
+                    "calibration's, so that a machine that ran slower or faster than while "
+                    "calibrating is simulated as it was (else 1); extends are not scaled (they did "
+                    "not follow the probe: docs/fidelity.md 8.10); off: 1; or a factor in (0, 100] "
+                    "for every forward")
         ->capture_default_str();
     sub->add_option("--core-wait", f->core_wait,
                     "auto: a calibrated cost file's core_wait (pdsim calibrate --topology measures "

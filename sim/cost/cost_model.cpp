@@ -349,25 +349,30 @@ std::optional<StepWait> CostFile::step_wait() const {
     return w;
 }
 
-ScaledCostModel::ScaledCostModel(std::shared_ptr<const CostModel> base, double factor)
-    : base_(std::move(base)), factor_(factor) {}
+ScaledCostModel::ScaledCostModel(std::shared_ptr<const CostModel> base, double extend_factor,
+                                 double decode_factor)
+    : base_(std::move(base)), extend_factor_(extend_factor), decode_factor_(decode_factor) {}
 
 std::string ScaledCostModel::describe() const {
-    return fmt::format("{} x{:.3f} (machine speed)", base_->describe(), factor_);
+    if (extend_factor_ == decode_factor_) {
+        return fmt::format("{} x{:.3f} (machine speed)", base_->describe(), decode_factor_);
+    }
+    return fmt::format("{} extends x{:.3f}, decodes x{:.3f} (machine speed)", base_->describe(),
+                       extend_factor_, decode_factor_);
 }
 
 double ScaledCostModel::extend_s(std::span<const ExtendItem> batch) const {
-    return base_->extend_s(batch) * factor_;
+    return base_->extend_s(batch) * extend_factor_;
 }
 
 double ScaledCostModel::decode_s(int64_t batch_size, int64_t kv_tokens) const {
-    return base_->decode_s(batch_size, kv_tokens) * factor_;
+    return base_->decode_s(batch_size, kv_tokens) * decode_factor_;
 }
 
 CostWake ScaledCostModel::wake() const {
     CostWake w = base_->wake();
-    w.lost_s *= factor_;
-    w.tau_s *= factor_;
+    w.lost_s *= decode_factor_;
+    w.tau_s *= decode_factor_;
     return w;
 }
 

@@ -191,12 +191,19 @@ struct RooflineOptions {
 };
 
 // A decorator for a machine that runs slower (factor > 1) or faster than when `base` was
-// measured: every forward takes `factor` times as long, and so do the wake-up's lost time and
-// decay. Interference and noise are relative to the forward time and pass through unchanged.
-// Precondition: factor > 0 and finite.
+// measured: every extend forward takes `extend_factor` times as long, every decode forward
+// `decode_factor` times, and so do the (decode) wake-up's lost time and decay. Interference and
+// noise are relative to the forward time and pass through unchanged. The two factors differ where
+// the machine's drift reaches one kind of forward and not the other (`pdsim simulate
+// --speed-scale auto` scales decodes only: docs/simulator.md section 4).
+// Precondition: both factors > 0 and finite.
 class ScaledCostModel final : public CostModel {
 public:
-    ScaledCostModel(std::shared_ptr<const CostModel> base, double factor);
+    // Every forward by `factor`.
+    ScaledCostModel(std::shared_ptr<const CostModel> base, double factor)
+        : ScaledCostModel(std::move(base), factor, factor) {}
+    ScaledCostModel(std::shared_ptr<const CostModel> base, double extend_factor,
+                    double decode_factor);
     [[nodiscard]] std::string describe() const override;
     [[nodiscard]] double extend_s(std::span<const ExtendItem> batch) const override;
     [[nodiscard]] double decode_s(int64_t batch_size, int64_t kv_tokens) const override;
@@ -205,11 +212,13 @@ public:
     }
     [[nodiscard]] CostNoise noise(bool decode) const override { return base_->noise(decode); }
     [[nodiscard]] CostWake wake() const override;
-    [[nodiscard]] double factor() const { return factor_; }
+    [[nodiscard]] double extend_factor() const { return extend_factor_; }
+    [[nodiscard]] double decode_factor() const { return decode_factor_; }
 
 private:
     std::shared_ptr<const CostModel> base_;
-    double factor_;
+    double extend_factor_;
+    double decode_factor_;
 };
 
 // kind: "roofline" (needs a GPU device) or "calibrated" (needs `file`, a cpu device, and a fit
