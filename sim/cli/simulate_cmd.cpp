@@ -91,15 +91,15 @@ struct Prepared {
     double speed_factor = 1;  // forwards' times are multiplied by it (--speed-scale)
     // --speed-scale auto: each instance's own factor, from its ranks' probe (else speed_factor).
     std::vector<double> instance_speed_factor;
-    // --speed-scale auto scales decode forwards only (the probe is a decode's weight stream, and
-    // extends did not follow it: docs/fidelity.md section 8.10); a given factor scales all.
-    bool speed_decodes_only = false;
-    std::string speed_scales = "none";  // what was scaled: "none", "decodes", "all forwards"
-    std::string speed_note;             // how speed_factor was chosen (summary and report)
-    cost::CoreWait core_wait;           // --core-wait resolved
-    std::string core_wait_note;         // where it came from (summary and report)
-    cost::StepWait step_wait;           // --step-wait resolved
-    std::string step_wait_note;         // where it came from (summary and report)
+    // What speed_factor scales: "none"; "decodes" (--speed-scale auto: the probe is a decode's
+    // weight stream, and extends did not follow it, docs/fidelity.md section 8.10); "all forwards"
+    // (a given factor).
+    std::string speed_scales = "none";
+    std::string speed_note;      // how speed_factor was chosen (summary and report)
+    cost::CoreWait core_wait;    // --core-wait resolved
+    std::string core_wait_note;  // where it came from (summary and report)
+    cost::StepWait step_wait;    // --step-wait resolved
+    std::string step_wait_note;  // where it came from (summary and report)
     // --like with a cost file calibrated otherwise than the run (stream_sync, the probe's
     // topology): said in the summary, the report's config.warnings and on stderr.
     std::vector<std::string> warnings;
@@ -363,7 +363,6 @@ Status choose_speed_factor(const SimulateFlags& f, const LikeRun* like, Prepared
                 run->kernel, cal->kernel);
         } else {
             p->speed_factor = run->cpu_ms_p50 / cal->cpu_ms_p50;
-            p->speed_decodes_only = true;
             p->speed_scales = "decodes";
             // Each instance at its own ranks' pace: one rank's core can run slower than another's
             // for a whole run (the host's other tenants).
@@ -386,7 +385,7 @@ Status choose_speed_factor(const SimulateFlags& f, const LikeRun* like, Prepared
             i < p->instance_speed_factor.size() ? p->instance_speed_factor[i] : p->speed_factor;
         if (factor == 1) continue;
         p->setups[i].cost = std::make_shared<cost::ScaledCostModel>(
-            p->setups[i].cost, p->speed_decodes_only ? 1.0 : factor, factor);
+            p->setups[i].cost, p->speed_scales == "decodes" ? 1.0 : factor, factor);
     }
     return {};
 }
@@ -612,7 +611,7 @@ std::string simulate_summary(const Prepared& p, const SimulateFlags& f,
     s += fmt::format("  cost model: {}\n",
                      results.front().report.extra["simulator"]["cost_model"].get<std::string>());
     s += fmt::format("  machine speed: x{:.3f}{}, {}\n", p.speed_factor,
-                     p.speed_decodes_only ? " (decodes)" : "", p.speed_note);
+                     p.speed_scales == "decodes" ? " (decodes)" : "", p.speed_note);
     s +=
         fmt::format("  core wait: {:.2f} ms, {}\n", p.core_wait.dispatch_s * 1e3, p.core_wait_note);
     std::string steps;
