@@ -91,10 +91,10 @@ struct Prepared {
     double speed_factor = 1;  // forwards' times are multiplied by it (--speed-scale)
     // --speed-scale auto: each instance's own factor, from its ranks' probe (else speed_factor).
     std::vector<double> instance_speed_factor;
-    // What speed_factor scales: "none"; "decodes" (--speed-scale auto: the probe is a decode's
-    // weight stream, and extends did not follow it, docs/fidelity.md section 8.10); "all forwards"
+    // What speed_factor scales: nothing; decodes (--speed-scale auto: the probe is a decode's
+    // weight stream, and extends did not follow it, docs/fidelity.md section 8.10); every forward
     // (a given factor).
-    std::string speed_scales = "none";
+    enum class SpeedScales { kNone, kDecodes, kAllForwards } speed_scales = SpeedScales::kNone;
     std::string speed_note;      // how speed_factor was chosen (summary and report)
     cost::CoreWait core_wait;    // --core-wait resolved
     std::string core_wait_note;  // where it came from (summary and report)
@@ -329,6 +329,19 @@ Status load_requests(const SimulateFlags& f, Prepared* p) {
     return {};
 }
 
+// The report's config.speed_scale.scales.
+const char* speed_scales_name(Prepared::SpeedScales scales) {
+    switch (scales) {
+        case Prepared::SpeedScales::kDecodes:
+            return "decodes";
+        case Prepared::SpeedScales::kAllForwards:
+            return "all forwards";
+        case Prepared::SpeedScales::kNone:
+            break;
+    }
+    return "none";
+}
+
 // How much slower (> 1) the machine ran the testbed run of --like than while calibrating the
 // cost file, from their speed probes (common/speed_probe.h); scales each instance's decode
 // forwards (auto) or every forward (a given factor).
@@ -338,7 +351,7 @@ Status choose_speed_factor(const SimulateFlags& f, const LikeRun* like, Prepared
         p->speed_note = "not scaled (--speed-scale off)";
     } else if (given > 0) {
         p->speed_factor = given;
-        p->speed_scales = "all forwards";
+        p->speed_scales = Prepared::SpeedScales::kAllForwards;
         p->speed_note = "as given (--speed-scale)";
     } else if (like == nullptr) {
         p->speed_note = "not scaled (--speed-scale auto needs --like)";
@@ -363,7 +376,7 @@ Status choose_speed_factor(const SimulateFlags& f, const LikeRun* like, Prepared
                 run->kernel, cal->kernel);
         } else {
             p->speed_factor = run->cpu_ms_p50 / cal->cpu_ms_p50;
-            p->speed_scales = "decodes";
+            p->speed_scales = Prepared::SpeedScales::kDecodes;
             // Each instance at its own ranks' pace: one rank's core can run slower than another's
             // for a whole run (the host's other tenants).
             for (const topo::Instance& inst : p->topology.instances) {
@@ -385,7 +398,8 @@ Status choose_speed_factor(const SimulateFlags& f, const LikeRun* like, Prepared
             i < p->instance_speed_factor.size() ? p->instance_speed_factor[i] : p->speed_factor;
         if (factor == 1) continue;
         p->setups[i].cost = std::make_shared<cost::ScaledCostModel>(
-            p->setups[i].cost, p->speed_scales == "decodes" ? 1.0 : factor, factor);
+            p->setups[i].cost, p->speed_scales == Prepared::SpeedScales::kDecodes ? 1.0 : factor,
+            factor);
     }
     return {};
 }
@@ -567,8 +581,9 @@ metrics::Report simulate_report(const Prepared& p, const SimulateFlags& f,
         r.extra["config"]["max_input_len"] = f.req.max_input_len;
         r.extra["config"]["max_output_len"] = f.req.max_output_len;
         if (!f.like.empty()) r.extra["config"]["like"] = f.like;
-        r.extra["config"]["speed_scale"] = {
-            {"factor", p.speed_factor}, {"scales", p.speed_scales}, {"why", p.speed_note}};
+        r.extra["config"]["speed_scale"] = {{"factor", p.speed_factor},
+                                            {"scales", speed_scales_name(p.speed_scales)},
+                                            {"why", p.speed_note}};
         r.extra["config"]["core_wait"] = {{"dispatch_ms", p.core_wait.dispatch_s * 1e3},
                                           {"why", p.core_wait_note}};
         json steps = json::array();
@@ -611,7 +626,8 @@ std::string simulate_summary(const Prepared& p, const SimulateFlags& f,
     s += fmt::format("  cost model: {}\n",
                      results.front().report.extra["simulator"]["cost_model"].get<std::string>());
     s += fmt::format("  machine speed: x{:.3f}{}, {}\n", p.speed_factor,
-                     p.speed_scales == "decodes" ? " (decodes)" : "", p.speed_note);
+                     p.speed_scales == Prepared::SpeedScales::kDecodes ? " (decodes)" : "",
+                     p.speed_note);
     s +=
         fmt::format("  core wait: {:.2f} ms, {}\n", p.core_wait.dispatch_s * 1e3, p.core_wait_note);
     std::string steps;

@@ -9,6 +9,8 @@
 #include <tuple>
 #include <utility>
 
+#include "common/stats.h"
+
 namespace pdsim::cost {
 
 namespace {
@@ -31,14 +33,6 @@ std::pair<int, std::string> bucket_of(const TimelineForward& f) {
     return {3, "new tokens 1024+"};
 }
 
-// Linear-interpolated percentile of a sorted, non-empty sample.
-double at(const std::vector<double>& sorted, double q) {
-    const double x = q * static_cast<double>(sorted.size() - 1);
-    const auto lo = static_cast<size_t>(x);
-    const size_t hi = std::min(lo + 1, sorted.size() - 1);
-    return sorted[lo] + (sorted[hi] - sorted[lo]) * (x - static_cast<double>(lo));
-}
-
 struct Sample {
     std::vector<double> measured_ms, predicted_ms, ratio, wall_over_cpu;
 };
@@ -51,15 +45,12 @@ ForwardCheckRow summarize(Sample s) {
     std::sort(s.measured_ms.begin(), s.measured_ms.end());
     std::sort(s.predicted_ms.begin(), s.predicted_ms.end());
     std::sort(s.ratio.begin(), s.ratio.end());
-    row.measured_ms_p50 = at(s.measured_ms, 0.5);
-    row.predicted_ms_p50 = at(s.predicted_ms, 0.5);
-    row.ratio_p10 = at(s.ratio, 0.1);
-    row.ratio_p50 = at(s.ratio, 0.5);
-    row.ratio_p90 = at(s.ratio, 0.9);
-    if (!s.wall_over_cpu.empty()) {
-        std::sort(s.wall_over_cpu.begin(), s.wall_over_cpu.end());
-        row.wall_over_cpu_p50 = at(s.wall_over_cpu, 0.5);
-    }
+    row.measured_ms_p50 = stats::quantile_sorted(s.measured_ms, 0.5);
+    row.predicted_ms_p50 = stats::quantile_sorted(s.predicted_ms, 0.5);
+    row.ratio_p10 = stats::quantile_sorted(s.ratio, 0.1);
+    row.ratio_p50 = stats::quantile_sorted(s.ratio, 0.5);
+    row.ratio_p90 = stats::quantile_sorted(s.ratio, 0.9);
+    row.wall_over_cpu_p50 = stats::median(std::move(s.wall_over_cpu));  // 0 when none
     return row;
 }
 
@@ -183,8 +174,8 @@ std::vector<ForwardGapRow> forward_gaps(std::span<const TimelineForward> forward
             row.count = g.size();
             for (double v : g) row.gap_ms_sum += v;
             row.gap_ms_mean = row.gap_ms_sum / static_cast<double>(g.size());
-            row.gap_ms_p50 = at(g, 0.5);
-            row.gap_ms_p90 = at(g, 0.9);
+            row.gap_ms_p50 = stats::quantile_sorted(g, 0.5);
+            row.gap_ms_p90 = stats::quantile_sorted(g, 0.9);
             row.forward_ms_sum = forward_ms;
             rows.push_back(row);
         }
