@@ -85,6 +85,24 @@ TEST(TestbedOptions, TransportFaultSpecAndRank) {
 
 // --tcp-interface: only with tcp, and an interface this host has (loopback "lo" always has
 // 127.0.0.1); a missing one is named with the host's interfaces, before any phase.
+// config.topology_file is the file that was read, so that `simulate --like` of the report finds it
+// from any directory: a bare name is the shipped topology's path, not the working directory's.
+TEST(TestbedOptions, TopologyFileIsTheFileThatWasRead) {
+    const auto by_name = resolve(TestbedOptions{.topology = "cpu-1p1d", .synthetic = 2}, 2);
+    ASSERT_OK(by_name.status());
+    const std::filesystem::path file(by_name->topology_file);
+    EXPECT_TRUE(file.is_absolute()) << file;
+    EXPECT_EQ(file.filename(), "cpu-1p1d.yaml");
+    EXPECT_TRUE(std::filesystem::is_regular_file(file)) << file;
+    ASSERT_OK(topo::load_topology(file.string()).status());
+    EXPECT_EQ(topo::load_topology(file.string())->name, by_name->topology.name);
+
+    // A path is kept as given, made absolute.
+    const auto by_path = resolve(TestbedOptions{.topology = file.string(), .synthetic = 2}, 2);
+    ASSERT_OK(by_path.status());
+    EXPECT_EQ(by_path->topology_file, file.lexically_normal().string());
+}
+
 TEST(TestbedOptions, TcpInterfaceIsCheckedAtTheEdge) {
     TestbedOptions o{.synthetic = 2};
     o.tcp_interface = "lo";

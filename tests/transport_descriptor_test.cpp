@@ -65,7 +65,33 @@ TEST(TransportDescriptor, EveryRegisteredTransportHasOneUnderItsName) {
         if (d.caps.setup == TransportSetup::kLauncher) {
             EXPECT_TRUE(d.caps.spans_processes) << name;
         }
+        // Ranks on several hosts are several processes.
+        if (d.caps.spans_nodes) {
+            EXPECT_TRUE(d.caps.spans_processes) << name;
+        }
     }
+}
+
+// Where the ranks may be is declared, not inferred from the setup or the medium: the testbed's
+// placement checks (sim/testbed/options.cpp resolve_data_transport) read these fields, so that a
+// cuda_ipc run across nodes and an nccl run of two ranks on one GPU are refused before any rank
+// starts.
+TEST(TransportDescriptor, WhereTheRanksMayBeIsDeclared) {
+    const StaticCapabilities ipc = must_find("cuda_ipc").caps;
+    EXPECT_TRUE(ipc.spans_processes);
+    EXPECT_FALSE(ipc.spans_nodes);  // CUDA IPC handles open only on their node
+    EXPECT_FALSE(ipc.one_rank_per_device);
+    const StaticCapabilities nccl = must_find("nccl").caps;
+    EXPECT_TRUE(nccl.spans_nodes);
+    EXPECT_TRUE(nccl.one_rank_per_device);
+    for (const char* name : {"tcp", "mpi"}) {
+        EXPECT_TRUE(must_find(name).caps.spans_nodes) << name;
+        EXPECT_FALSE(must_find(name).caps.one_rank_per_device) << name;
+    }
+    EXPECT_FALSE(must_find("local").caps.spans_nodes);
+    // A decorator declares what it can wrap: everything.
+    EXPECT_TRUE(must_find("fault").caps.spans_nodes);
+    EXPECT_FALSE(must_find("fault").caps.one_rank_per_device);
 }
 
 TEST(TransportDescriptor, UnknownNameIsNotFoundAndListsTheKnownOnes) {
@@ -90,6 +116,9 @@ TEST(TransportDescriptor, DescriptorsAreTheImplementationsDeclarations) {
         EXPECT_EQ(registered.caps.medium, declared.caps.medium) << declared.name;
         EXPECT_EQ(registered.caps.spans_processes, declared.caps.spans_processes);
         EXPECT_EQ(registered.caps.threads_of_one_process, declared.caps.threads_of_one_process);
+        EXPECT_EQ(registered.caps.spans_nodes, declared.caps.spans_nodes) << declared.name;
+        EXPECT_EQ(registered.caps.one_rank_per_device, declared.caps.one_rank_per_device)
+            << declared.name;
     }
 }
 

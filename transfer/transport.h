@@ -237,8 +237,15 @@ struct StaticCapabilities {
     bool one_sided_write = false;  // register_memory / import_remote / post_write
     bool tag_matching = true;      // false: match per peer in post order
     bool detects_peer_failure = false;
-    bool stream_ordered = false;          // post_send_after / post_write_after
-    bool spans_processes = false;         // the ranks may be separate processes (mpirun, hosts)
+    bool stream_ordered = false;   // post_send_after / post_write_after
+    bool spans_processes = false;  // the ranks may be separate processes (mpirun, hosts)
+    // The ranks may be on different hosts. False where the peers exchange something that works
+    // only on the node that made it (cuda_ipc: CUDA IPC memory handles); implies spans_processes
+    // or nothing (a transport of one process's threads never spans nodes).
+    bool spans_nodes = false;
+    // Two ranks of one transport may not use one device (nccl: NCCL refuses two ranks of one
+    // communicator on one GPU). A caller that places ranks checks it before creating any.
+    bool one_rank_per_device = false;
     bool threads_of_one_process = false;  // the ranks may be threads of one process
     bool decorator = false;               // wraps another transport (fault)
     TransportSetup setup = TransportSetup::kNone;

@@ -290,15 +290,6 @@ Status plan_gpus(ResolvedConfig& rc, const ResolveEnv& env, const GpuProbe& prob
     return {};
 }
 
-// Whether a transport's peers must be processes of one node. The registry's descriptor has no
-// field for it (transfer/transport.h), so it is read from what it does declare: a GPU transport
-// that needs no connection set-up (cuda_ipc) hands process-local handles (CUDA IPC memory
-// handles) to its peers over the control plane, and those open only on the node that made them.
-bool peers_on_one_node(const transfer::TransportDescriptor& d) {
-    return d.caps.medium == transfer::TransportMedium::kGpu &&
-           d.caps.setup == transfer::TransportSetup::kNone;
-}
-
 // Every prefill rank and every decode rank on one topology node (any prefill instance may send to
 // any decode instance); else kInvalidArgument naming the first pair that is not.
 Status check_pd_ranks_on_one_node(const DataTransportQuery& q, std::string_view name) {
@@ -314,8 +305,8 @@ Status check_pd_ranks_on_one_node(const DataTransportQuery& q, std::string_view 
             };
             return invalid_argument_error(fmt::format(
                 "--data-transport {}: {}: prefill instance {} (rank {}, {}) and decode instance "
-                "{} (rank {}, {}) are on different nodes, and {} writes only between processes "
-                "of one node (CUDA IPC handles open only there); put every prefill and decode "
+                "{} (rank {}, {}) are on different nodes, and {} connects only processes of "
+                "one node (CUDA IPC handles open only there); put every prefill and decode "
                 "instance on one node",
                 name, q.topology_label, t.instances[static_cast<size_t>(p.instance)].id, p.rank,
                 node_name(p), t.instances[static_cast<size_t>(d.instance)].id, d.rank, node_name(d),
@@ -325,8 +316,9 @@ Status check_pd_ranks_on_one_node(const DataTransportQuery& q, std::string_view 
     return {};
 }
 
-// No prefill rank on the GPU of a decode rank (two instances on one `shared` device): NCCL refuses
-// two ranks of one communicator on one GPU; else kInvalidArgument naming the first such pair.
+// No prefill rank on the GPU of a decode rank (two instances on one `shared` device), for a
+// transport that declares one_rank_per_device (NCCL refuses two ranks of one communicator on one
+// GPU); else kInvalidArgument naming the first such pair.
 Status check_pd_ranks_on_distinct_gpus(const DataTransportQuery& q, std::string_view name) {
     const topo::Topology& t = *q.topology;
     const topo::RankMap map = t.rank_map();
@@ -412,8 +404,11 @@ StatusOr<std::string> resolve_data_transport(const DataTransportQuery& q) {
             "--data-transport {}: it needs one process per rank; run pdsim under mpirun -np {}",
             name, ranks));
     }
-    if (peers_on_one_node(*d)) PDSIM_RETURN_IF_ERROR(check_pd_ranks_on_one_node(q, name));
-    if (ordered) PDSIM_RETURN_IF_ERROR(check_pd_ranks_on_distinct_gpus(q, name));
+    // Where its ranks may be, as it declares (transfer/transport.h StaticCapabilities).
+    if (!caps.spans_nodes) PDSIM_RETURN_IF_ERROR(check_pd_ranks_on_one_node(q, name));
+    if (caps.one_rank_per_device) {
+        PDSIM_RETURN_IF_ERROR(check_pd_ranks_on_distinct_gpus(q, name));
+    }
     return name;
 }
 
@@ -706,9 +701,12 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
     if (!topo_path.empty()) {
         PDSIM_ASSIGN_OR_RETURN(rc.topology, topo::load_topology(topo_path, lo));
         rc.topology_label = fs::path(topo_path).filename().string();
+        // The file that was read: a bare name (`cpu-1p1d`) is a shipped topology, so that
+        // `simulate --like` of the report finds the same file from any directory.
+        const std::string read = data::resolve_data_file(data::DataKind::kTopologies, topo_path);
         std::error_code ec;
-        const fs::path absolute = fs::absolute(topo_path, ec);
-        rc.topology_file = ec ? topo_path : absolute.lexically_normal().string();
+        const fs::path absolute = fs::absolute(read, ec);
+        rc.topology_file = ec ? read : absolute.lexically_normal().string();
     }
     rc.model_source = o.model;
     if (std::error_code ec; !o.model.empty() && fs::is_regular_file(o.model, ec)) {

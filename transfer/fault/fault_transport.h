@@ -73,6 +73,7 @@ struct FaultOptions {
                      .tag_matching = true,
                      .detects_peer_failure = true,
                      .spans_processes = true,
+                     .spans_nodes = true,
                      .threads_of_one_process = true,
                      .decorator = true,
                      .setup = TransportSetup::kInner,

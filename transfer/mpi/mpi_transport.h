@@ -38,6 +38,7 @@ namespace pdsim::transfer {
                      .tag_matching = true,
                      .detects_peer_failure = false,
                      .spans_processes = true,
+                     .spans_nodes = true,
                      .setup = TransportSetup::kLauncher,
                      .medium = TransportMedium::kMpi},
             .summary = "two-sided nonblocking MPI point-to-point; the ranks are mpirun's"};

@@ -93,6 +93,8 @@ struct GpuTransportOptions {
                      .tag_matching = false,
                      .stream_ordered = true,
                      .spans_processes = true,
+                     .spans_nodes = true,
+                     .one_rank_per_device = true,
                      .threads_of_one_process = true,
                      .setup = TransportSetup::kRendezvous,
                      .medium = TransportMedium::kGpu},
@@ -111,6 +113,7 @@ struct GpuTransportOptions {
                      .one_sided_write = true,
                      .stream_ordered = true,
                      .spans_processes = true,
+                     .spans_nodes = false,  // CUDA IPC handles open only on their node
                      .threads_of_one_process = true,
                      .setup = TransportSetup::kNone,
                      .medium = TransportMedium::kGpu},

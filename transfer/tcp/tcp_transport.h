@@ -65,6 +65,7 @@ struct TcpOptions {
                      .tag_matching = true,
                      .detects_peer_failure = true,
                      .spans_processes = true,
+                     .spans_nodes = true,
                      .threads_of_one_process = true,
                      .setup = TransportSetup::kRendezvous,
                      .medium = TransportMedium::kSocket},
