@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-shot GPU check, for a machine with an NVIDIA GPU, in under 8 minutes whatever hangs: runs
 # every test labelled `cuda` (among them the testbed 1P1D on one GPU in --mode both,
-# testbed_gpu_disagg_test, and the faulted runs, testbed_gpu_fault_test), the layerwise on/off pair
+# testbed_gpu_disagg_test, and the faulted runs, testbed_gpu_fault_test), the same 1P1D as two
+# processes on one GPU under mpirun (scripts/gpu_two_process.sh: KV over CUDA IPC handles between
+# the processes; the bundle's own Open MPI where the machine has none), the layerwise on/off pair
 # (scripts/gpu_layerwise.sh: 4096-token llama3-8b prompts on gpu-1p1d at 50 GB/s and at the
 # transfer == prefill rate), the fidelity pair (scripts/gpu_fidelity.sh: a GPU testbed run,
 # calibrate --from-timeline on it, simulate of the same run), `pdsim bench transfer --transport
@@ -13,7 +15,9 @@
 #
 # Binaries: when every build dependency is there (CMake configures), it builds pdsim and the cuda
 # tests in build/gpu; otherwise it uses the bundle .gpu/ made by scripts/gpu_bundle.sh on another
-# machine, started through the bundle's own loader so it runs on any glibc. It installs nothing.
+# machine (its files over 64 KiB stored xz-compressed: it unpacks a copy into its scratch folder,
+# with xz or else Python's lzma), started through the bundle's own loader so it runs on any glibc.
+# It installs nothing.
 # It finds the driver's libcuda.so.1 and a libnccl.so.2 (pip nvidia-nccl-cu13, ldconfig, CUDA
 # dirs) itself; with no NCCL the bundle's stub stands in and the nccl tests skip. The bundle leaves
 # cuBLAS out too (.gpu/cublas.txt names what its binaries load, e.g. libcublasLt.so.13): it is
@@ -22,10 +26,12 @@
 #
 # Writes to $OUT (default out/): summary.md, env.txt (what it found), build.log (when it tried to
 # build), tests.log (all gtest output), bench.log (both benches' output), bench_cuda_ipc.json,
-# bench_attention_cuda.json, layerwise.log and layerwise/ (gpu_layerwise.sh's JSON, table, reports
-# and logs), fidelity.log and fidelity/ (gpu_fidelity.sh's).
-# Time: each test binary gets at most 120 s, and the tests together leave PDSIM_GPU_LAYERWISE_S +
-# PDSIM_GPU_FIDELITY_S + PDSIM_GPU_BENCH_RESERVE_S of the budget to what follows: the layerwise
+# bench_attention_cuda.json, two_process.log and two_process/ (gpu_two_process.sh's JSON, report
+# and log), layerwise.log and layerwise/ (gpu_layerwise.sh's JSON, table, reports and logs),
+# fidelity.log and fidelity/ (gpu_fidelity.sh's).
+# Time: each test binary gets at most 120 s, and the tests together leave PDSIM_GPU_TWO_PROCESS_S
+# + PDSIM_GPU_LAYERWISE_S + PDSIM_GPU_FIDELITY_S + PDSIM_GPU_BENCH_RESERVE_S of the budget to what
+# follows: the two-process run (at most PDSIM_GPU_TWO_PROCESS_S), the layerwise
 # pair (at most PDSIM_GPU_LAYERWISE_S, 40 s per testbed run), then the fidelity pair (at most
 # PDSIM_GPU_FIDELITY_S, leaving the benches their reserve), then the benchmarks (bench transfer at
 # most 100 s, bench attention at most 120 s, within what is left). A missed target shows as FAIL in
@@ -37,13 +43,17 @@
 # bundle carries the example topologies in .gpu/share/pdsim/topologies, where both binaries find
 # them by name.
 # Env: PDSIM_GPU_MODE=auto|build|bundle (auto), PDSIM_GPU_BUILD_DIR (build/gpu),
-#      PDSIM_GPU_CHECK_BUDGET_S (450: the whole run), PDSIM_GPU_LAYERWISE_S (100),
+#      PDSIM_GPU_CHECK_BUDGET_S (450: the whole run), PDSIM_GPU_TWO_PROCESS_S (40),
+#      PDSIM_GPU_LAYERWISE_S (100),
 #      PDSIM_GPU_FIDELITY_S (60), PDSIM_GPU_BENCH_RESERVE_S (90),
 #      PDSIM_NCCL_DIR / PDSIM_CUDA_DRIVER_DIR / PDSIM_CUBLAS_DIR (a folder to try first; "none":
 #      do not search),
 #      PDSIM_GPU_BENCH_ARGS (extra bench transfer arguments, e.g. "--sizes 1M,64M --reps 3"),
 #      PDSIM_GPU_ATTN_ARGS (extra bench attention arguments, e.g. "--reps 50 --layers 8"),
-#      and the PDSIM_GPU_LAYERWISE_* / PDSIM_GPU_FIDELITY_* settings of those two scripts.
+#      PDSIM_GPU_MPIRUN (the launcher as shell words; default: the bundle's Open MPI when the
+#      binaries are the bundle's, else mpirun on PATH),
+#      and the PDSIM_GPU_TWO_PROCESS_* / PDSIM_GPU_LAYERWISE_* / PDSIM_GPU_FIDELITY_* settings of
+#      those three scripts.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -56,6 +66,7 @@ BUDGET=${PDSIM_GPU_CHECK_BUDGET_S:-450}
 BENCH_RESERVE=${PDSIM_GPU_BENCH_RESERVE_S:-90}
 LW_S=${PDSIM_GPU_LAYERWISE_S:-100}
 FID_S=${PDSIM_GPU_FIDELITY_S:-60}
+TP_S=${PDSIM_GPU_TWO_PROCESS_S:-40}
 START=$SECONDS
 ENV_TXT=$OUT_DIR/env.txt
 TESTS_LOG=$OUT_DIR/tests.log
@@ -65,9 +76,10 @@ ATTN_JSON=$OUT_DIR/bench_attention_cuda.json
 SUMMARY=$OUT_DIR/summary.md
 LW_DIR=$OUT_DIR/layerwise
 FID_DIR=$OUT_DIR/fidelity
+TP_DIR=$OUT_DIR/two_process
 rm -f "$ENV_TXT" "$TESTS_LOG" "$BENCH_LOG" "$BENCH_JSON" "$ATTN_JSON" "$SUMMARY" "$OUT_DIR/build.log" \
-  "$OUT_DIR/layerwise.log" "$OUT_DIR/fidelity.log"
-rm -rf "$LW_DIR" "$FID_DIR"
+  "$OUT_DIR/layerwise.log" "$OUT_DIR/fidelity.log" "$OUT_DIR/two_process.log"
+rm -rf "$LW_DIR" "$FID_DIR" "$TP_DIR"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 GTEST_COLOR=no
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/pdsim-gpu-check.XXXXXX")
 trap 'rm -rf "$SCRATCH"' EXIT
@@ -99,8 +111,9 @@ to_leaving() {
   fi
   timeout -k 5 "$want" "$@"
 }
-# to_tests <seconds> cmd...: leaves the layerwise and fidelity pairs and the benches their time.
-to_tests() { to_leaving $((LW_S + FID_S + BENCH_RESERVE)) "$@"; }
+# to_tests <seconds> cmd...: leaves the two-process run, the layerwise and fidelity pairs and the
+# benches their time.
+to_tests() { to_leaving $((TP_S + LW_S + FID_S + BENCH_RESERVE)) "$@"; }
 
 # ---- the GPU and its driver ----
 gpu="nvidia-smi not found"
@@ -236,7 +249,8 @@ TEST_BINS=()
 RUN=()
 built=0
 have_bundle=0
-[ -x .gpu/bin/pdsim ] && [ -x .gpu/lib/ld-linux-x86-64.so.2 ] && have_bundle=1
+BUNDLE_DIR=""
+{ [ -e .gpu/bin/pdsim ] || [ -e .gpu/bin/pdsim.xz ]; } && [ -f .gpu/tests.txt ] && have_bundle=1
 if [ "$MODE" = build ] || { [ "$MODE" = auto ] && command -v cmake >/dev/null; }; then
   nccl_args=()
   if [ -n "$NCCL_DIR" ] && [ -e "$NCCL_DIR/../include/nccl.h" ]; then
@@ -265,25 +279,33 @@ fi
 if [ $built -eq 1 ]; then
   how="built here ($BUILD_DIR)"
 elif [ $have_bundle -eq 1 ] && [ "$MODE" != build ]; then
-  # The libraries stored gzip'd are unpacked into scratch (the bundle itself stays as carried).
-  unpack=$SCRATCH/lib
-  mkdir -p "$unpack"
-  libdirs=$ROOT/.gpu/lib:$unpack
-  for gz in .gpu/lib/*.gz; do
-    [ -e "$gz" ] || continue
-    dst=$unpack/$(basename "${gz%.gz}")
-    to 60 gzip -dc "$gz" >"$dst" 2>/dev/null || to 60 python3 -c 'import gzip, shutil, sys
-shutil.copyfileobj(gzip.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$gz" "$dst" \
-      || say "   could not unpack $gz"
-  done
-  nccl_path=${NCCL_DIR:-$ROOT/.gpu/nccl-stub}
+  # A copy of the bundle in scratch, its *.xz files unpacked (the carried bundle stays as it is);
+  # everything below runs from there.
+  BUNDLE_DIR=$SCRATCH/gpu
+  cp -a .gpu "$BUNDLE_DIR"
+  unpack_failed=0
+  while IFS= read -r -d '' xzf; do
+    if command -v xz >/dev/null; then
+      to 120 xz -d "$xzf" || unpack_failed=1
+    else
+      to 120 python3 -c 'import lzma, os, shutil, sys
+src = sys.argv[1]
+with lzma.open(src) as i, open(src[:-3], "wb") as o:
+    shutil.copyfileobj(i, o)
+os.chmod(src[:-3], os.stat(src).st_mode)
+os.remove(src)' "$xzf" || unpack_failed=1
+    fi
+  done < <(find "$BUNDLE_DIR" -type f -name '*.xz' -print0)
+  [ $unpack_failed -eq 0 ] || say "   could not unpack every file of the bundle (no xz, no python3?)"
+  libdirs=$BUNDLE_DIR/lib
+  nccl_path=${NCCL_DIR:-$BUNDLE_DIR/nccl-stub}
   [ -z "$NCCL_DIR" ] && say "   no libnccl.so.2: using the bundle's stub (the nccl transport reports unavailable)"
   [ -z "$CUBLAS_DIR" ] && [ $cublas_needed -eq 1 ] \
     && say "   no ${CUBLAS_LIBS[*]}: the bundle's binaries that link cuBLAS will not load"
-  RUN=("$ROOT/.gpu/lib/ld-linux-x86-64.so.2" --library-path \
+  RUN=("$BUNDLE_DIR/lib/ld-linux-x86-64.so.2" --library-path \
        "$libdirs:$nccl_path${CUBLAS_DIR:+:$CUBLAS_DIR}${DRIVER_DIR:+:$DRIVER_DIR}")
-  BIN_PDSIM=.gpu/bin/pdsim
-  while read -r n; do [ -n "$n" ] && TEST_BINS+=(".gpu/bin/$n"); done <.gpu/tests.txt
+  BIN_PDSIM=$BUNDLE_DIR/bin/pdsim
+  while read -r n; do [ -n "$n" ] && TEST_BINS+=("$BUNDLE_DIR/bin/$n"); done <.gpu/tests.txt
   how="bundle .gpu ($(sed -n 's/^source: //p' .gpu/MANIFEST.txt 2>/dev/null), via its loader)"
   sed 's/^/   /' .gpu/MANIFEST.txt >>"$ENV_TXT" 2>/dev/null
 else
@@ -299,6 +321,26 @@ if [ -n "$BIN_PDSIM" ]; then
     *) printf -v PDSIM_GPU_TEST_PDSIM '%q ' "${RUN[@]}" "$ROOT/$BIN_PDSIM" ;;
   esac
   export PDSIM_GPU_TEST_PDSIM
+fi
+
+# The launcher of the two-process run: the bundle's Open MPI (its plugins and help texts found
+# through these variables, one node without ssh) when the binaries are the bundle's, else mpirun.
+if [ -z "${PDSIM_GPU_MPIRUN:-}" ]; then
+  if [ $built -eq 0 ] && [ ${#RUN[@]} -gt 0 ] && [ -x "$BUNDLE_DIR/ompi/bin/orterun" ]; then
+    printf -v PDSIM_GPU_MPIRUN '%q ' env \
+      "OMPI_MCA_mca_base_component_path=$BUNDLE_DIR/ompi/lib/openmpi3" \
+      "PMIX_MCA_mca_base_component_path=$BUNDLE_DIR/ompi/pmix" \
+      "OPAL_PKGDATADIR=$BUNDLE_DIR/ompi/share" OMPI_MCA_plm=isolated \
+      "${RUN[@]}" "$BUNDLE_DIR/ompi/bin/orterun"
+  elif command -v mpirun >/dev/null; then
+    PDSIM_GPU_MPIRUN=$(command -v mpirun)
+  fi
+fi
+if [ -n "${PDSIM_GPU_MPIRUN:-}" ]; then
+  export PDSIM_GPU_MPIRUN
+  say "== mpirun: $PDSIM_GPU_MPIRUN"
+else
+  say "== mpirun: none (no .gpu/ompi in the bundle and no mpirun on PATH)"
 fi
 
 # ---- tests ----
@@ -364,6 +406,15 @@ run_pair() {
 }
 lw_pair="not run: no pdsim binary"
 fid_pair="not run: no pdsim binary"
+tp_run="not run: no pdsim binary"
+if [ -n "$BIN_PDSIM" ] && [ -z "${PDSIM_GPU_MPIRUN:-}" ]; then
+  tp_run="not run: no mpirun (neither the bundle's .gpu/ompi nor one on PATH)"
+  failed=1
+elif [ -n "$BIN_PDSIM" ]; then
+  run_pair gpu_two_process.sh "$OUT_DIR/two_process.log" $((LW_S + FID_S + BENCH_RESERVE)) \
+    "$TP_S" OUT="$TP_DIR" PDSIM_GPU_TWO_PROCESS_RUN_S="${PDSIM_GPU_TWO_PROCESS_RUN_S:-35}"
+  tp_run=$pair
+fi
 if [ -n "$BIN_PDSIM" ]; then
   run_pair gpu_layerwise.sh "$OUT_DIR/layerwise.log" $((FID_S + BENCH_RESERVE)) "$LW_S" \
     OUT="$LW_DIR" \
@@ -442,6 +493,13 @@ bench_attn=$bench
     "testbed_gpu_disagg_test: ${test_result[testbed_gpu_disagg_test]:-not run} |"
   echo "| faulted runs (every --fault kind on gpu-1p1d) |" \
     "testbed_gpu_fault_test: ${test_result[testbed_gpu_fault_test]:-not run} |"
+  if [ "$tp_run" = ok ] && [ -s "$TP_DIR/two_process.md" ]; then
+    cat "$TP_DIR/two_process.md"
+  else
+    echo "| testbed 1P1D, two processes on one GPU (mpirun, gpu-1p1d; gpu_two_process.sh) |" \
+      "$tp_run$([ -s "$TP_DIR/two_process.json" ] && echo ": $(python3 -c 'import json, sys
+print(json.load(open(sys.argv[1]))["summary"])' "$TP_DIR/two_process.json" 2>/dev/null)") |"
+  fi
   echo "| layerwise pair (gpu_layerwise.sh) | $lw_pair |"
   if [ -s "$LW_DIR/layerwise.json" ] && command -v python3 >/dev/null; then
     python3 - "$LW_DIR/layerwise.json" <<'EOF' || echo "| layerwise | (could not read $LW_DIR/layerwise.json) |"

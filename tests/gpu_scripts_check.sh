@@ -10,7 +10,11 @@
 #   fidelity.json: TTFT and TPOT rows whose testbed p50 is the testbed report's, simulator p50 the
 #     median of the seeds' reports, ratio their quotient;
 #   a failing run makes gpu_layerwise.sh exit 1 with a message (--fault skip-record), and a bad
-#   setting exits 2.
+#   setting exits 2;
+#   scripts/gpu_two_process.sh under this machine's mpirun (two CPU rank processes on cpu-1p1d):
+#     two_process.json passed, every check held, its counts the report's; with --fault
+#     skip-record it exits 1 naming the failure and writes no two_process.json (skipped, and
+#     said, where there is no mpirun).
 # Usage: tests/gpu_scripts_check.sh <pdsim binary>
 set -uo pipefail
 PDSIM_BIN=${1:?usage: gpu_scripts_check.sh <pdsim binary>}
@@ -108,6 +112,39 @@ rc=$?
 [ $rc -eq 1 ] || bad "a failing run: exit $rc, not 1"
 grep -q 'gpu_layerwise.sh: run 50-off failed (exit 1' "$TMP/lwf.out" || bad "no failure message"
 [ -e "$TMP/lwf/layerwise.json" ] && bad "a failing run wrote layerwise.json"
+echo "== gpu_two_process.sh (cpu dry run, mpirun -np 2)"
+if command -v mpirun >/dev/null; then
+  PDSIM_GPU_TWO_PROCESS_BACKEND=cpu OUT=$TMP/tp bash "$ROOT/scripts/gpu_two_process.sh" \
+    >"$TMP/tp.out" 2>&1
+  rc=$?
+  cat "$TMP/tp.out"
+  [ $rc -eq 0 ] || bad "gpu_two_process.sh exited $rc"
+  python3 - "$TMP/tp" <<'EOF' || bad "two_process.json does not agree with its report"
+import json, sys
+d = sys.argv[1]
+j = json.load(open(f"{d}/two_process.json"))
+r = json.load(open(f"{d}/two_process-report.json"))
+errors = []
+if not j["passed"] or not all(c["ok"] for c in j["checks"]) or len(j["checks"]) < 9:
+    errors.append(f"passed {j['passed']}, checks {j['checks']}")
+if r["config"]["ranks"] != 2 or r["config"]["transport"] != "mpi":
+    errors.append(f"not two processes over mpi: {r['config']['ranks']} {r['config']['transport']}")
+if r["requests_completed"] != j["requests"] or j["ttft_p50_ms"] != r["ttft_ms"]["p50"]:
+    errors.append("figures differ from the report")
+for e in errors:
+    print("FAIL:", e)
+sys.exit(1 if errors else 0)
+EOF
+  PDSIM_GPU_TWO_PROCESS_BACKEND=cpu PDSIM_GPU_TWO_PROCESS_ARGS="--fault skip-record" \
+    OUT=$TMP/tpf bash "$ROOT/scripts/gpu_two_process.sh" >"$TMP/tpf.out" 2>&1
+  rc=$?
+  [ $rc -eq 1 ] || bad "gpu_two_process.sh, a failing run: exit $rc, not 1"
+  grep -q 'gpu_two_process.sh: the two-process run failed (exit 1): error: ' "$TMP/tpf.out" \
+    || bad "gpu_two_process.sh, a failing run: no failure message"
+  [ -e "$TMP/tpf/two_process.json" ] && bad "gpu_two_process.sh: a failing run wrote its JSON"
+else
+  echo "SKIPPED: no mpirun on PATH"
+fi
 echo "== bad setting"
 PDSIM_GPU_LAYERWISE_BACKEND=cpu PDSIM_GPU_LAYERWISE_TOKENS=x OUT=$TMP/lwb \
   bash "$ROOT/scripts/gpu_layerwise.sh" >"$TMP/lwb.out" 2>&1
@@ -118,5 +155,10 @@ PDSIM_GPU_FIDELITY_BACKEND=gpu OUT=$TMP/fidb bash "$ROOT/scripts/gpu_fidelity.sh
   >"$TMP/fidb.out" 2>&1
 rc=$?
 [ $rc -eq 2 ] || bad "PDSIM_GPU_FIDELITY_BACKEND=gpu: exit $rc, not 2"
+PDSIM_GPU_TWO_PROCESS_BACKEND=cpu PDSIM_GPU_TWO_PROCESS_RUN_S=-1 OUT=$TMP/tpb \
+  bash "$ROOT/scripts/gpu_two_process.sh" >"$TMP/tpb.out" 2>&1
+rc=$?
+[ $rc -eq 2 ] || bad "PDSIM_GPU_TWO_PROCESS_RUN_S=-1: exit $rc, not 2"
+grep -q 'PDSIM_GPU_TWO_PROCESS_RUN_S=-1' "$TMP/tpb.out" || bad "the message does not name the setting"
 if [ $fail -eq 0 ]; then echo "PASS"; else echo "FAILED"; fi
 exit $fail
