@@ -7,18 +7,26 @@
 // kDelay, then a device fill overwrites the source with its final bytes, then the event is
 // recorded. A transport that read the source before the event would move the old bytes (the
 // copy itself takes micro- to milliseconds, far less than kDelay).
+//
+// cuda_ipc between two processes (what the two-process testbed on one GPU does, and threads of one
+// process never do: CUDA refuses to open its own handles) runs this binary a second time as the
+// importing process (CudaIpcTransportChild, which skips unless the parent started it).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "backends/runtime/device.h"
+#include "tests/cli_test_util.h"
 #include "tests/status_matchers.h"
 #include "transfer/nccl/gpu_transports.h"
 #include "transfer/transport.h"
@@ -345,6 +353,113 @@ TEST(CudaIpcTransport, PostWriteAfterWaitsForTheEvent) {
     ASSERT_OK(dst->copy_to_host(back.data(), n));
     EXPECT_TRUE(all_equal(back, 0xB7)) << "the write read its source before the event: got "
                                        << static_cast<int>(back[0]) << " first";
+}
+
+// ---- cuda_ipc between two processes ----
+// The parent allocates kAllocBytes poisoned with kPoison and registers the range [kRangeAt,
+// kRangeAt + kRangeBytes) of it; the child imports the descriptor and writes kWriteBytes of a
+// pattern at kWriteAt into the range. Exactly [kRangeAt + kWriteAt, +kWriteBytes) of the
+// allocation must change: a mapping of the allocation's start instead of the range's would write
+// kRangeAt bytes too early.
+constexpr const char* kChildEnv = "PDSIM_CUDA_IPC_CHILD";
+constexpr size_t kAllocBytes = size_t{4} << 20;
+constexpr size_t kRangeAt = size_t{1} << 20;
+constexpr size_t kRangeBytes = size_t{1} << 20;
+constexpr size_t kWriteAt = 4096;
+constexpr size_t kWriteBytes = size_t{64} << 10;
+constexpr uint8_t kPoison = 0xAB;
+
+uint8_t pattern_byte(size_t i) {
+    return static_cast<uint8_t>(i * 13 + 5);
+}
+
+// This process's command line (the GPU check starts test binaries through the bundle's loader, so
+// /proc/self/exe alone would not run it again), as shell words.
+std::string own_command_line() {
+    const std::string raw = test::slurp("/proc/self/cmdline");
+    std::string words;
+    size_t start = 0;
+    while (start < raw.size()) {
+        const size_t end = raw.find('\0', start);
+        const std::string arg = raw.substr(start, end == std::string::npos ? end : end - start);
+        if (arg.rfind("--gtest_", 0) != 0)
+            words += (words.empty() ? "" : " ") + test::shell_quote(arg);
+        if (end == std::string::npos) break;
+        start = end + 1;
+    }
+    return words;
+}
+
+TEST(CudaIpcTransport, ASecondProcessWritesIntoARangeOfAnAllocation) {
+    TransportOptions o;
+    o.world_size = 2;
+    auto t = create_transport("cuda_ipc", o);
+    if (!t.ok()) GTEST_SKIP() << t.status().to_string();
+    auto buf = runtime::DeviceBuffer::allocate({runtime::DeviceKind::kCuda, 0}, kAllocBytes);
+    ASSERT_OK(buf);
+    ASSERT_OK(buf->fill(kPoison));
+    auto* range = static_cast<uint8_t*>(buf->data()) + kRangeAt;
+    auto mr = (*t)->register_memory(range, kRangeBytes);
+    ASSERT_OK(mr);
+    // A range past the allocation's end is refused: no offset could map it.
+    EXPECT_THAT((*t)->register_memory(range, kAllocBytes),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("runs past the end")));
+
+    test::TempDir dir("cuda-ipc-child");
+    {
+        std::ofstream f(dir.str("descriptor"), std::ios::binary);
+        f.write(reinterpret_cast<const char*>(mr->descriptor.data()),
+                static_cast<std::streamsize>(mr->descriptor.size()));
+        ASSERT_TRUE(f.good());
+    }
+    const test::CmdResult child =
+        test::run_command("env " + std::string(kChildEnv) + "=" + test::shell_quote(dir.str()) +
+                              " " + own_command_line(),
+                          {"--gtest_filter=CudaIpcTransportChild.*", "--gtest_color=no"}, 90);
+    ASSERT_EQ(child.rc, 0) << child.describe();
+    ASSERT_THAT(child.out, HasSubstr("[  PASSED  ] 1 test")) << child.describe();
+
+    std::vector<uint8_t> back(kAllocBytes);
+    ASSERT_OK(buf->copy_to_host(back.data(), kAllocBytes));
+    const size_t first = kRangeAt + kWriteAt;
+    size_t wrong = 0;
+    for (size_t i = 0; i < kAllocBytes; ++i) {
+        const bool written = i >= first && i < first + kWriteBytes;
+        wrong += back[i] != (written ? pattern_byte(i - first) : kPoison) ? 1 : 0;
+    }
+    EXPECT_EQ(wrong, 0u) << "bytes of the allocation other than the child's write, or the write "
+                            "itself, are not what they should be";
+}
+
+// The importing half of the test above; skips unless that test started this process.
+TEST(CudaIpcTransportChild, ImportsTheRangeAndWritesIntoIt) {
+    const char* dir = std::getenv(kChildEnv);
+    if (dir == nullptr) {
+        GTEST_SKIP() << "the importing process of "
+                        "CudaIpcTransport.ASecondProcessWritesIntoARangeOfAnAllocation, which "
+                        "starts it";
+    }
+    TransportOptions o;
+    o.rank = 1;
+    o.world_size = 2;
+    auto t = create_transport("cuda_ipc", o);
+    ASSERT_OK(t);
+    const std::string blob = test::slurp(std::filesystem::path(dir) / "descriptor");
+    auto remote = (*t)->import_remote(
+        0, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(blob.data()), blob.size()));
+    ASSERT_OK(remote);
+    EXPECT_EQ(remote->bytes, kRangeBytes);
+    std::vector<uint8_t> host(kWriteBytes);
+    for (size_t i = 0; i < kWriteBytes; ++i) host[i] = pattern_byte(i);
+    auto src = runtime::DeviceBuffer::allocate({runtime::DeviceKind::kCuda, 0}, kWriteBytes);
+    ASSERT_OK(src);
+    ASSERT_OK(src->copy_from_host(host.data(), kWriteBytes));
+    auto w = (*t)->post_write(*remote, kWriteAt, src->data(), kWriteBytes);
+    ASSERT_OK(w);
+    ASSERT_OK((*t)->wait(*w, 30s));
+    EXPECT_EQ((*t)->post_write(*remote, kRangeBytes - 1, src->data(), 2).status().code(),
+              StatusCode::kOutOfRange);
+    (*t)->close();
 }
 
 }  // namespace

@@ -2,8 +2,8 @@
 // record kernel is in device_step_counter.cu.
 #include "backends/cuda/device_step_counter.h"
 
-// The driver API is reached only through cudaGetDriverEntryPointByVersion: <cuda.h> and
-// <cudaTypedefs.h> are included for CUresult/CUdeviceptr/enums and the PFN types, and no cu*
+// The driver API is reached only through its entry points (backends/cuda/cuda_driver.h): <cuda.h>
+// and <cudaTypedefs.h> are included for CUresult/CUdeviceptr/enums and the PFN types, and no cu*
 // function is called by name, so the binary does not need libcuda.so at link time.
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "backends/cuda/cuda_driver.h"
 #include "backends/cuda/cuda_stream.h"
 #include "backends/cuda/device_step_counter_launch.h"
 #include "common/cuda_check.h"
@@ -56,16 +57,7 @@ Status use_device(int device) {
 }
 
 StatusOr<void*> driver_entry_point(const char* symbol) {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion(symbol, &fn, kDriverApiVersion, cudaEnableDefault,
-                                                &found));
-    if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
-        return PDSIM_ERROR(StatusCode::kUnavailable,
-                           "the CUDA driver does not export {} for version {} (query result {})",
-                           symbol, kDriverApiVersion, static_cast<int>(found));
-    }
-    return fn;
+    return runtime::cuda::driver_entry_point(symbol, kDriverApiVersion);
 }
 
 // The driver's cuStreamWaitValue64 when `device` can run it with 64-bit values, or why not

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 
+#include "backends/cuda/cuda_driver.h"
 #include "backends/cuda/cuda_stream.h"
 #include "common/cuda_check.h"
 #include "common/thread_info.h"
@@ -46,6 +47,7 @@ struct Descriptor {
     uint64_t id;
     uint64_t bytes;
     uint64_t address;  // the region's base in the owner's address space (same-process imports)
+    uint64_t offset;   // the region's start within the allocation that `handle` names
     cudaIpcMemHandle_t handle;
 };
 
@@ -107,8 +109,20 @@ public:
         d.device = attr.device;
         d.bytes = bytes;
         d.address = reinterpret_cast<uint64_t>(base);
-        // The handle names the whole cudaMalloc allocation: `base` must be its start.
-        CUDA_CHECK(cudaIpcGetMemHandle(&d.handle, base));
+        // A handle names a whole cudaMalloc allocation, and the importer maps that allocation's
+        // start: the region may lie anywhere inside one allocation, so its offset travels too.
+        PDSIM_ASSIGN_OR_RETURN(const runtime::cuda::AllocationRange alloc,
+                               runtime::cuda::allocation_range(device_, base));
+        const auto* start = static_cast<const uint8_t*>(alloc.base);
+        d.offset = static_cast<uint64_t>(static_cast<const uint8_t*>(base) - start);
+        if (d.offset + bytes > alloc.bytes) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "cuda_ipc: region of {} bytes at {} runs past the end of its "
+                               "allocation ({} bytes at {}): a region must lie inside one "
+                               "cudaMalloc allocation",
+                               bytes, base, alloc.bytes, alloc.base);
+        }
+        CUDA_CHECK(cudaIpcGetMemHandle(&d.handle, alloc.base));
         {
             std::lock_guard<std::mutex> lock(mu_);
             d.id = next_id_++;
@@ -140,15 +154,19 @@ public:
                                "cuda_ipc: not a cuda_ipc descriptor of rank {}", peer);
         }
         void* ptr = nullptr;
+        void* mapped = nullptr;  // the allocation mapped here (closed in close()); null: own
         if (d.pid == static_cast<int32_t>(::getpid())) {
             ptr = reinterpret_cast<void*>(d.address);  // CUDA refuses to open its own handles
         } else {
             CUDA_CHECK(cudaSetDevice(device_));
-            CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, d.handle, cudaIpcMemLazyEnablePeerAccess));
+            // Opening one allocation's handle again returns the same mapping, reference-counted:
+            // each import closes its own in close().
+            CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, d.handle, cudaIpcMemLazyEnablePeerAccess));
+            ptr = static_cast<uint8_t*>(mapped) + d.offset;
         }
         std::lock_guard<std::mutex> lock(mu_);
         uint64_t key = next_remote_++;
-        remote_[key] = Remote{ptr, static_cast<size_t>(d.bytes), d.pid != ::getpid()};
+        remote_[key] = Remote{ptr, static_cast<size_t>(d.bytes), mapped};
         return RemoteRegion{peer, key, static_cast<size_t>(d.bytes)};
     }
 
@@ -195,16 +213,17 @@ public:
             stream_ = nullptr;
         }
         for (auto& [k, r] : remote_) {
-            if (r.opened) cudaIpcCloseMemHandle(r.ptr);
+            if (r.mapped != nullptr) cudaIpcCloseMemHandle(r.mapped);
         }
         remote_.clear();
     }
 
 private:
     struct Remote {
-        void* ptr;
-        size_t bytes;
-        bool opened;
+        void* ptr;     // the region's start
+        size_t bytes;  // the region's size
+        void* mapped;  // what cudaIpcOpenMemHandle returned (the allocation's start); null: a
+                       // region of this process
     };
 
     // post_write / post_write_after: the copy on the stream, after `ready` when it is set.

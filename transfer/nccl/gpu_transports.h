@@ -38,13 +38,16 @@
 //   - close(): fails the pending operations with kUnavailable, aborts the communicators that still
 //     had operations in flight and finalizes and destroys the others.
 // "cuda_ipc" (transfer/nccl/cuda_ipc_transport.cpp): one-sided writes between processes on one
-//   node. register_memory takes the start of a cudaMalloc allocation and returns a descriptor
-//   holding its cudaIpcMemHandle; import_remote opens it (or, in the same process, uses the
-//   pointer); post_write is a cudaMemcpyAsync on one dedicated stream, completed when its event
-//   has fired. post_write_after(ready, ...) makes that stream wait on `ready` (cudaStreamWaitEvent,
-//   at post time) before the copy: one stream, so an event that never fires holds up every later
-//   write of the transport. kInvalidArgument: `ready` not a CUDA event of device_index's GPU. No
-//   two-sided operations; op_timeout and rendezvous_dir are ignored.
+//   node. register_memory takes any range inside one cudaMalloc allocation (kInvalidArgument for
+//   host memory or a range past the allocation's end) and returns a descriptor holding the
+//   allocation's cudaIpcMemHandle and the range's offset in it; import_remote opens the handle and
+//   adds the offset (or, in the same process, uses the pointer: CUDA refuses to open its own
+//   handles, so only a second process exercises the offset); post_write is a cudaMemcpyAsync on one
+//   dedicated stream, completed when its event has fired. post_write_after(ready, ...) makes that
+//   stream wait on `ready` (cudaStreamWaitEvent, at post time) before the copy: one stream, so an
+//   event that never fires holds up every later write of the transport. kInvalidArgument: `ready`
+//   not a CUDA event of device_index's GPU. No two-sided operations; op_timeout and rendezvous_dir
+//   are ignored.
 // With no usable GPU both factories return kUnavailable "no device: ...".
 // The descriptors below are declared whether or not the transports were built (a compiled-out
 // transport stays registered with its descriptor and a "not built" factory).
