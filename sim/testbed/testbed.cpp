@@ -678,7 +678,13 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
         if (!st.ok())
             PDSIM_LOG_ERROR("rank {}: {} phase: {}", ctx.rank, phase_name(phase), st.to_string());
         RankResult result = server->finish(st);
-        server.reset();
+        // finish() stopped the engines: nothing moves KV any more. Close the data transport now,
+        // which releases what it mapped of other processes' memory (cuda_ipc: the decode ranks'
+        // pools, opened through CUDA IPC handles), and free this rank's own phase memory
+        // (server.reset()) only after the end barrier, when every rank has done so: a process must
+        // not free memory that another still maps (CUDA: undefined behaviour). Threads of one
+        // process map nothing; the order costs them nothing.
+        if (data) data->close();
         if (ctx.rank != 0) {
             PDSIM_RETURN_IF_ERROR(mbox.send(0, Channel::kCollect, encode_message(result)));
         } else {
@@ -736,6 +742,7 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
         }
         PDSIM_RETURN_IF_ERROR(
             barrier(mbox, fmt::format("end-{}", phase_name(phase)), collect_timeout));
+        server.reset();
         close_transports();
         if (ctx.rank == 0) phases->push_back(std::move(pd));
     }
