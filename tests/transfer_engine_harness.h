@@ -752,6 +752,8 @@ struct Fault {
         kFreeBeforeTransfer,   // prefill frees the pages (through the pins) mid-transfer
         kReuseBeforeTransfer,  // prefill frees the pages behind the engine's back, reuses them
         kDecodeFreeEarly,      // decode frees its destination pages mid-transfer
+        kLostFirstToken,       // the request's first token is never written; its aux record
+                               // still comes (a CUDA stream's record kernel after a failed task)
     };
     Kind kind = kNone;
     uint64_t request = 0;
@@ -776,6 +778,8 @@ inline const char* fault_name(Fault::Kind k) {
             return "reuse-before-transfer";
         case Fault::kDecodeFreeEarly:
             return "decode-free-early";
+        case Fault::kLostFirstToken:
+            return "lost-first-token";
     }
     return "?";
 }
@@ -1166,7 +1170,8 @@ private:
         // The sampled first token, then the aux record.
         std::vector<std::pair<int32_t*, int32_t>> toks;
         for (const Piece& p : fwd) {
-            if (p.last) toks.emplace_back(tokens_.at(p.id).get(), first_token_of(p.id));
+            if (!p.last || (f.kind == Fault::kLostFirstToken && p.id == f.request)) continue;
+            toks.emplace_back(tokens_.at(p.id).get(), first_token_of(p.id));
         }
         check(stream_->enqueue([toks] {
             for (auto& [ptr, v] : toks) *ptr = v;

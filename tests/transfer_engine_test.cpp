@@ -1285,6 +1285,7 @@ INSTANTIATE_TEST_SUITE_P(Device, TransferEngineFaults,
 struct FaultOutcome {
     size_t violations = 0;
     size_t failed = 0;
+    std::string reasons;  // the failed requests' reasons, one per line
     std::string report;
     bool prefill_free_refused = false;
     bool decode_free_refused = false;
@@ -1325,7 +1326,11 @@ FaultOutcome run_fault(const EngineMode& mode, Fault::Kind kind, int layer = 1) 
         EXPECT_EQ(r.stats.requests_completed + r.stats.requests_failed, r.stats.requests_submitted)
             << "rank " << r.rank;
         out.violations += r.report.violations.size();
-        for (const auto& [id, st] : r.statuses) out.failed += st.state == RequestState::kFailed;
+        for (const auto& [id, st] : r.statuses) {
+            if (st.state != RequestState::kFailed) continue;
+            ++out.failed;
+            out.reasons += fmt::format("rank {} request {}: {}\n", r.rank, id, st.reason);
+        }
     }
     out.report = all_violations(*run);
     out.prefill_free_refused = run->prefill[0]->free_refused();
@@ -1358,6 +1363,17 @@ TEST_P(TransferEngineFaults, RecordBeforeWrite) {
 TEST_P(TransferEngineFaults, SkipRecord) {
     FaultOutcome o = run_fault(mode(), Fault::kSkipRecord);
     EXPECT_GT(o.failed, 0u) << o.report;
+}
+
+// The first token's aux step is ready but the token was never written (on a CUDA stream the
+// record is a kernel, which still runs after a failed host task skipped the token's copy): the
+// sender fails the request, naming it, instead of sending the decode rank an invalid token.
+TEST_P(TransferEngineFaults, FirstTokenNeverWrittenFailsItsRequest) {
+    FaultOutcome o = run_fault(mode(), Fault::kLostFirstToken);
+    EXPECT_EQ(o.violations, 0u) << o.report;
+    EXPECT_GT(o.failed, 0u);
+    EXPECT_THAT(o.reasons, HasSubstr("request 101: the first token is -1 once aux step"));
+    EXPECT_THAT(o.reasons, ::testing::Not(HasSubstr("request 100")));
 }
 
 TEST_P(TransferEngineFaults, DoubleRecord) {

@@ -146,12 +146,25 @@ public:
     }
     [[nodiscard]] StatusOr<std::unique_ptr<Graph>> end_capture() override {
         cudaGraph_t g = nullptr;
-        CUDA_CHECK(cudaStreamEndCapture(s_, &g));
+        // A failed capture (or instantiation) leaves its error as this thread's last error, which
+        // the next kernel launcher's cudaGetLastError would report as its own: the caller's eager
+        // fallback would fail its first forward. Clear it here; the Status carries it.
+        const cudaError_t ended = cudaStreamEndCapture(s_, &g);
+        if (ended != cudaSuccess) {
+            (void)cudaGetLastError();
+            if (g != nullptr) cudaGraphDestroy(g);
+            return PDSIM_ERROR(StatusCode::kUnavailable,
+                               "stream {}: cudaStreamEndCapture failed: {} ({})", name_,
+                               cudaGetErrorName(ended), cudaGetErrorString(ended));
+        }
         cudaGraphExec_t exec = nullptr;
-        cudaError_t rc = cudaGraphInstantiate(&exec, g, 0);
+        const cudaError_t rc = cudaGraphInstantiate(&exec, g, 0);
         if (rc != cudaSuccess) {
+            (void)cudaGetLastError();
             cudaGraphDestroy(g);
-            CUDA_CHECK(rc);
+            return PDSIM_ERROR(StatusCode::kUnavailable,
+                               "stream {}: cudaGraphInstantiate failed: {} ({})", name_,
+                               cudaGetErrorName(rc), cudaGetErrorString(rc));
         }
         size_t n = 0;
         cudaGraphGetNodes(g, nullptr, &n);

@@ -56,8 +56,13 @@ namespace pdsim::transfer::cuda {
 
 struct CudaKvMemoryOpsOptions {
     int device = 0;
-    int slots = 4;                        // ring slots (calls in flight before one waits)
-    size_t slot_bytes = size_t{1} << 20;  // descriptors per launch: slot_bytes / item size
+    // Ring slots: calls in flight before one waits. On a gated comm stream (the engine's device
+    // gating) a call's slot stays busy until the layer it waits for is computed, and every
+    // active transfer keeps one interval posted ahead with its gather and read checksum: with too
+    // few slots the host would block here for a layer's compute, bringing back the host wait
+    // that gating removes. 64 slots of 256 KiB: 16 MiB pinned and 16 MiB of device memory.
+    int slots = 64;
+    size_t slot_bytes = size_t{256} << 10;  // descriptors per launch: slot_bytes / item size
     std::chrono::milliseconds wait_timeout = runtime::kDefaultWaitTimeout;
 };
 

@@ -94,7 +94,10 @@ Status KvCommStream::wait(Clock::time_point deadline, Clock::duration slice,
         }
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             std::min<Clock::duration>(deadline - now, slice));
-        if (event->synchronize(std::max(left, floor)).ok()) return stream_->error();
+        const Status waited = event->synchronize(std::max(left, floor));
+        if (waited.ok()) return stream_->error();
+        // A device error (sticky) comes back at once, every time: report it, not a timeout.
+        if (waited.code() != StatusCode::kDeadlineExceeded) return waited.with_context(describe());
     }
 }
 

@@ -676,8 +676,21 @@ KvSender::Impl::Progress KvSender::Impl::try_completion(Active& a) {
         }
         // The aux record published (release) after the stream wrote the token; the acquire
         // load above makes that write visible.
+        const int32_t token = *a.t.first_token_src;
+        if (token < 0) {
+            // The step is ready but the token was never written: on a CUDA stream the record is
+            // a kernel and still runs after a failed host task skipped the token's copy. Sending
+            // it would make the decode rank embed an invalid token.
+            fail(a.t.req,
+                 fmt::format("request {}: the first token is {} once aux step {} is ready: the "
+                             "compute stream's task that writes it did not run (a failed "
+                             "stream?)",
+                             r.id, token, target),
+                 true);
+            return Progress::kFailed;
+        }
         a.has_first_token = true;
-        a.first_token = *a.t.first_token_src;
+        a.first_token = token;
     } else if (a.t.first_token_src == nullptr && a.t.first_token >= 0) {
         a.has_first_token = true;
         a.first_token = a.t.first_token;

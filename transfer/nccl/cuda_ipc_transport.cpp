@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <random>
 #include <thread>
 
 #include "backends/cuda/cuda_driver.h"
@@ -38,11 +39,28 @@ Status check_cuda_device(int index) {
 namespace {
 
 constexpr uint32_t kDescriptorMagic = 0x43495043;  // "CPIC"
+// close(): how long writes still on the stream get to finish before they are failed and the
+// stream is destroyed without waiting (a write behind a `ready` event that never fires would
+// otherwise hold close() forever).
+constexpr auto kCloseDrain = std::chrono::seconds(10);
+
+// This process, for descriptors: the pid alone is not unique on a node (two containers with
+// their own pid namespaces may both run pdsim as pid 1), so a random number drawn once per
+// process goes with it.
+uint64_t process_nonce() {
+    static const uint64_t nonce = [] {
+        std::random_device rd;
+        return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+               static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    }();
+    return nonce;
+}
 
 struct Descriptor {
     uint32_t magic;
     int32_t rank;
     int32_t pid;
+    uint64_t process;  // process_nonce() of the owner: same process iff equal
     int32_t device;
     uint64_t id;
     uint64_t bytes;
@@ -106,6 +124,7 @@ public:
         d.magic = kDescriptorMagic;
         d.rank = rank_;
         d.pid = static_cast<int32_t>(::getpid());
+        d.process = process_nonce();
         d.device = attr.device;
         d.bytes = bytes;
         d.address = reinterpret_cast<uint64_t>(base);
@@ -155,7 +174,7 @@ public:
         }
         void* ptr = nullptr;
         void* mapped = nullptr;  // the allocation mapped here (closed in close()); null: own
-        if (d.pid == static_cast<int32_t>(::getpid())) {
+        if (d.process == process_nonce()) {
             ptr = reinterpret_cast<void*>(d.address);  // CUDA refuses to open its own handles
         } else {
             CUDA_CHECK(cudaSetDevice(device_));
@@ -207,9 +226,15 @@ public:
         }
         cv_.notify_one();
         if (progress_.joinable()) progress_.join();
+        cudaSetDevice(device_);
         if (stream_ != nullptr) {
-            cudaStreamSynchronize(stream_);
-            cudaStreamDestroy(stream_);
+            // Bounded: the progress thread already waited kCloseDrain for what was pending.
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+            while (cudaStreamQuery(stream_) == cudaErrorNotReady &&
+                   std::chrono::steady_clock::now() < deadline) {
+                std::this_thread::sleep_for(std::chrono::microseconds(100));
+            }
+            cudaStreamDestroy(stream_);  // does not wait: work left on it finishes (or not) alone
             stream_ = nullptr;
         }
         for (auto& [k, r] : remote_) {
@@ -251,9 +276,17 @@ private:
             // One stream shared by all posting threads: serialize wait + enqueue + record.
             std::lock_guard<std::mutex> lock(stream_mu_);
             CUDA_CHECK(cudaSetDevice(device_));
-            if (ready != nullptr) CUDA_CHECK(cudaStreamWaitEvent(stream_, ready, 0));
-            CUDA_CHECK(cudaMemcpyAsync(target, src, bytes, cudaMemcpyDefault, stream_));
+            // The event first: once the copy is enqueued, the post must not fail.
             CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+            const Status enqueued = [&]() -> Status {
+                if (ready != nullptr) CUDA_CHECK(cudaStreamWaitEvent(stream_, ready, 0));
+                CUDA_CHECK(cudaMemcpyAsync(target, src, bytes, cudaMemcpyDefault, stream_));
+                return {};
+            }();
+            if (!enqueued.ok()) {
+                cudaEventDestroy(ev);
+                return enqueued;
+            }
             CUDA_CHECK(cudaEventRecord(ev, stream_));
         }
         {
@@ -277,7 +310,24 @@ private:
             Pending p = pending_.front();
             const bool closing = closed_;
             lock.unlock();
-            cudaError_t rc = closing ? cudaEventSynchronize(p.event) : cudaEventQuery(p.event);
+            cudaError_t rc = cudaEventQuery(p.event);
+            if (closing && rc == cudaErrorNotReady) {
+                if (close_deadline_ == std::chrono::steady_clock::time_point{}) {
+                    close_deadline_ = std::chrono::steady_clock::now() + kCloseDrain;
+                }
+                if (std::chrono::steady_clock::now() >= close_deadline_) {
+                    // Fail it (and, in turn, the rest): close() must return.
+                    cudaEventDestroy(p.event);
+                    p.op->complete(Status(StatusCode::kUnavailable,
+                                          fmt::format("cuda_ipc: transport closed with the write "
+                                                      "still on its stream after {} s",
+                                                      kCloseDrain.count())),
+                                   0);
+                    lock.lock();
+                    pending_.pop_front();
+                    continue;
+                }
+            }
             if (rc == cudaErrorNotReady) {
                 // Spin (yielding) for the first 200 us of a wait, then sleep between polls: a
                 // 1-4 MiB write takes 2-7 us on an H200, and a fixed 20 us sleep cost it 10-20%
@@ -310,9 +360,11 @@ private:
         }
     }
 
-    // Progress thread only: the event being waited on and when that wait began.
+    // Progress thread only: the event being waited on and when that wait began; once closing,
+    // when the pending writes stop being waited for.
     cudaEvent_t spin_event_ = nullptr;
     std::chrono::steady_clock::time_point spin_start_{};
+    std::chrono::steady_clock::time_point close_deadline_{};
 
     const int rank_;
     const int world_;

@@ -35,8 +35,14 @@
 //     (ncclCommGetAsyncError) does the same with kUnavailable naming the error. Other pairs carry
 //     on. The transport does not detect a dead peer otherwise (capabilities: no
 //     detects_peer_failure): without the watchdog, waits time out and close() aborts.
-//   - close(): fails the pending operations with kUnavailable, aborts the communicators that still
-//     had operations in flight and finalizes and destroys the others.
+//     Known limit (NCCL 2.28, not run yet): ncclCommAbort synchronizes NCCL's internal stream,
+//     which waits behind the pair's stream; when that stream waits on a `ready` event that never
+//     fires, the abort (watchdog or close) blocks until it fires. A stalled compute stream is
+//     failed by its own bounded waits first (the testbed's forward synchronize); a `ready` that
+//     never fires at all is not recovered by this transport.
+//   - close(): aborts the communicators that still had operations issued or in flight, then fails
+//     the pending operations with kUnavailable (so no kernel touches a buffer after its handle
+//     failed), and finalizes and destroys the others.
 // "cuda_ipc" (transfer/nccl/cuda_ipc_transport.cpp): one-sided writes between processes on one
 //   node. register_memory takes any range inside one cudaMalloc allocation (kInvalidArgument for
 //   host memory or a range past the allocation's end) and returns a descriptor holding the

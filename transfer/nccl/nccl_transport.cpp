@@ -410,11 +410,17 @@ private:
             const cudaError_t ce = cudaStreamWaitEvent(pair.stream, posts.front().gate, 0);
             destroy_gate(posts.front());  // the wait holds what it needs
             if (ce != cudaSuccess) {
-                std::vector<Post> failed = std::move(posts);
-                fail_posts(failed,
-                           Status(StatusCode::kUnavailable,
-                                  fmt::format("nccl rank {}: waiting on the ready event: {}", rank_,
-                                              cudaGetErrorString(ce))));
+                // This group is not issued, so the peer's receives would match the sends after it
+                // (no tags): the pair cannot stay in step. Fail it whole, in post order (the
+                // group goes back in front of what was posted after it).
+                {
+                    std::lock_guard<std::mutex> lock(mu_);
+                    for (auto it = posts.rbegin(); it != posts.rend(); ++it) {
+                        pair.incoming.push_front(std::move(*it));
+                    }
+                }
+                fail_pair(pair,
+                          fmt::format("waiting on the ready event: {}", cudaGetErrorString(ce)));
                 return;
             }
         }
@@ -545,6 +551,13 @@ private:
                             fmt::format("nccl rank {}: transport closed", rank_));
         for (auto& pair : pairs_) {
             if (!pair) continue;
+            if ((pair->issuing || !pair->in_flight.empty()) && pair->comm != nullptr) {
+                // Its kernels may still read or write these posts' buffers, and a failed handle
+                // has released its buffer (transport.h): stop them first.
+                ncclCommAbort(pair->comm);
+                pair->comm = nullptr;
+                pair->aborted = true;
+            }
             std::vector<Post> pending;
             if (pair->issuing) {
                 for (Post& p : pair->issuing->posts) pending.push_back(std::move(p));
