@@ -201,10 +201,13 @@ TestbedOptions gpu_options(const std::string& topology = kExamples + "gpu-1c.yam
 }
 
 StatusOr<ResolvedConfig> resolve_on(const TestbedOptions& o, const FakeGpus& gpus,
-                                    int world_size = 1, int rank = 0, int local_rank = 0) {
-    return resolve(
-        o, ResolveEnv{
-               .world_size = world_size, .rank = rank, .local_rank = local_rank, .gpus = &gpus});
+                                    int world_size = 1, int rank = 0, int local_rank = 0,
+                                    int local_size = 0) {
+    return resolve(o, ResolveEnv{.world_size = world_size,
+                                 .rank = rank,
+                                 .local_rank = local_rank,
+                                 .local_size = local_size > 0 ? local_size : world_size,
+                                 .gpus = &gpus});
 }
 
 // A file with `body`, removed at the end of the scope.
@@ -659,6 +662,15 @@ TEST(TestbedGpuOptions, KvPoolAgainstFreeMemory) {
     o.topology = kExamples + "cpu-1p1d.yaml";
     EXPECT_THAT(resolve_on(o, gpus),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("its 2 ranks need")));
+    // Under mpirun each process checks only its rank before any allocates: on a cpu topology
+    // the GPU is the local rank's % visible, so the other process on this host that picks the
+    // same GPU counts too (here 2 processes, 1 GPU) ...
+    EXPECT_THAT(resolve_on(o, gpus, /*world_size=*/2, /*rank=*/1, /*local_rank=*/1),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("its 2 ranks need")));
+    // ... and one on another GPU does not (2 processes, 2 GPUs).
+    FakeGpus two = gpus;
+    two.count = 2;
+    EXPECT_OK(resolve_on(o, two, /*world_size=*/2, /*rank=*/1, /*local_rank=*/1));
     // The need is what the pool, the model's weights and workspace and the headroom take.
     const GpuMemoryNeed need =
         gpu_memory_need(one->model, one->gpu_model,

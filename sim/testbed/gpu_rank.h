@@ -25,6 +25,7 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,18 @@ struct GpuRankOptions {
 };
 
 using GpuForwardTiming = model::cuda::ForwardTiming;
+
+// GPU ranks that are threads of one process (no mpirun) set up one at a time under this lock:
+// GpuRank::create (the weights) and each phase's set-up (pool, backend, decode-graph capture,
+// engine; Server::setup). A capture is thread-local, but another thread's cudaFree (which
+// synchronizes the device) or first load of a kernel during it can invalidate it, and the rank
+// would then decode eagerly (and `--fault stale-graph-metadata` would have no graph to plant in).
+// Set-up waits on no other rank, so the order cannot deadlock. Under mpirun a process holds one
+// rank and the lock costs nothing.
+[[nodiscard]] inline std::mutex& gpu_setup_mutex() {
+    static std::mutex mu;
+    return mu;
+}
 
 class GpuRank {
 public:

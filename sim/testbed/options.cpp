@@ -261,6 +261,14 @@ Status plan_gpus(ResolvedConfig& rc, const ResolveEnv& env, const GpuProbe& prob
                     ++per_device[choice.device];
                 }
             }
+        } else if (env.world_size > 1 && *visible > 0) {
+            // A GPU by local rank (local rank % visible GPUs): the other processes of this host
+            // whose local rank picks the same GPU also check alone, before any allocates.
+            for (int l = 0; l < env.local_size; ++l) {
+                if (l != env.local_rank && l % *visible == env.local_rank % *visible) {
+                    ++per_device[choice.device];
+                }
+            }
         }
         rc.gpus.push_back({.rank = r, .choice = std::move(choice), .info = {}});
     }

@@ -225,6 +225,7 @@ struct ResolveEnv {
     int world_size = 1;  // the launcher's world size (1 without mpirun: every rank runs here)
     int rank = 0;        // under mpirun: this process's rank ...
     int local_rank = 0;  // ... and its index among the processes on this host (the GPU choice)
+    int local_size = 1;  // ... among how many processes on this host (the GPU memory check)
     const GpuProbe* gpus = nullptr;  // --backend cuda: what this host has; nullptr: the system's
 };
 

@@ -4,11 +4,13 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <mutex>
 #include <thread>
 
 #include "common/logging.h"
 #include "common/speed_probe.h"
 #include "common/thread_info.h"
+#include "sim/testbed/gpu_rank.h"
 #include "sim/testbed/rank_builder.h"
 #include "sim/testbed/router.h"
 #include "sim/testbed/server_internal.h"
@@ -50,6 +52,10 @@ Server::~Server() {
 }
 
 Status Server::setup() {
+    // GPU ranks of one process set up one at a time (gpu_rank.h gpu_setup_mutex: the decode
+    // graphs' capture must not run beside another rank's allocations).
+    std::unique_lock<std::mutex> gpu_setup;
+    if (ctx_.gpu != nullptr) gpu_setup = std::unique_lock<std::mutex>(gpu_setup_mutex());
     const model::ModelConfig& m = cfg_.model;
     const int tp = ctx_.info.tp_size;
     // CPU ranks: fp32 KV in host memory; GPU ranks: bf16 KV on the GPU (the cuda backend's).

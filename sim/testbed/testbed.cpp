@@ -939,7 +939,10 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
             go.decode_graphs = o.decode_graphs;
             go.graph_buckets = gpu_decode_buckets(o.max_decode_batch);
             go.sync_timeout = milliseconds(static_cast<int64_t>(o.request_timeout_s * 1000) + 5000);
-            PDSIM_ASSIGN_OR_RETURN(gpu, GpuRank::create(cfg.model, go));
+            {
+                std::lock_guard<std::mutex> one_at_a_time(gpu_setup_mutex());
+                PDSIM_ASSIGN_OR_RETURN(gpu, GpuRank::create(cfg.model, go));
+            }
             PDSIM_LOG_INFO("rank {}: GPU cuda:{} ({}; {})", rank, g->choice.device,
                            gpu->info().name, g->choice.how);
             ctx.gpu = gpu.get();
@@ -1178,7 +1181,8 @@ Status run_testbed(const TestbedOptions& options, RunInfo* info) {
     StatusOr<ResolvedConfig> resolved =
         resolve(options, ResolveEnv{.world_size = launcher.world,
                                     .rank = launcher.rank,
-                                    .local_rank = launcher.local_rank});
+                                    .local_rank = launcher.local_rank,
+                                    .local_size = launcher.local_size});
     if (launcher.world > 1) return run_mpi_ranks(launcher, std::move(resolved), info);
 
     // Every rank a thread of this process.

@@ -52,8 +52,10 @@
 //   dedicated stream, completed when its event has fired. post_write_after(ready, ...) makes that
 //   stream wait on `ready` (cudaStreamWaitEvent, at post time) before the copy: one stream, so an
 //   event that never fires holds up every later write of the transport. kInvalidArgument: `ready`
-//   not a CUDA event of device_index's GPU. No two-sided operations; op_timeout and rendezvous_dir
-//   are ignored.
+//   not a CUDA event of device_index's GPU. close() waits up to 10 s for the writes still on the
+//   stream (a write behind a `ready` that never fires would hold it forever), then fails them with
+//   kUnavailable and destroys the stream without waiting, and closes the imported handles. No
+//   two-sided operations; op_timeout and rendezvous_dir are ignored.
 // With no usable GPU both factories return kUnavailable "no device: ...".
 // The descriptors below are declared whether or not the transports were built (a compiled-out
 // transport stays registered with its descriptor and a "not built" factory).
