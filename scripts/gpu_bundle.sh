@@ -77,17 +77,25 @@ printf '%s\n' "${tests[@]}" >"$BUNDLE/tests.txt"
 declare -A libs=()
 declare -A cublas_libs=()  # left out of the bundle: name -> path on this machine
 loader=""
-for b in "${bins[@]}"; do
-  install -m 755 "$b" "$BUNDLE/bin/"
-  strip --strip-all "$BUNDLE/bin/$(basename "$b")"
+# add_libs <elf>: the libraries it loads into libs (and the ELF loader into loader); 1, adding
+# nothing, when one is not found (ldd's line goes to $missing).
+missing=""
+add_libs() {
+  local line name path
+  missing=$(ldd "$1" | grep "not found" || true)
+  [ -z "$missing" ] || return 1
   while read -r line; do
     case "$line" in
-      *"not found"*) echo "$b: $line" >&2; exit 1 ;;
       linux-vdso*) ;;
       *" => "/*) name=${line%% =>*}; path=${line#* => }; path=${path%% (*}; libs[$name]=$path ;;
       /*ld-linux*) loader=${line%% (*} ;;
     esac
-  done < <(ldd "$b")
+  done < <(ldd "$1")
+}
+for b in "${bins[@]}"; do
+  install -m 755 "$b" "$BUNDLE/bin/"
+  strip --strip-all "$BUNDLE/bin/$(basename "$b")"
+  add_libs "$b" || { echo "$b: $missing" >&2; exit 1; }
 done
 [ -n "$loader" ] || { echo "no ELF loader found by ldd" >&2; exit 1; }
 
@@ -96,22 +104,14 @@ ompi_plugins=0
 orterun=$(readlink -f "$(command -v mpirun || true)" 2>/dev/null || true)
 pkglibdir=$(ompi_info --path pkglibdir 2>/dev/null | sed -n 's/.*Pkglibdir: *//p')
 pkgdatadir=$(ompi_info --path pkgdatadir 2>/dev/null | sed -n 's/.*Pkgdatadir: *//p')
+ompi_version=$(ompi_info --version 2>/dev/null | head -1)
 if [ -x "$orterun" ] && [ -d "$pkglibdir" ]; then
   mkdir -p "$BUNDLE/ompi/bin" "$BUNDLE/ompi/lib/openmpi3" "$BUNDLE/ompi/pmix" "$BUNDLE/ompi/share"
   install -m 755 "$orterun" "$BUNDLE/ompi/bin/orterun"
   if [ -d "$pkgdatadir" ]; then cp -r "$pkgdatadir/." "$BUNDLE/ompi/share/"; fi
   ompi_skip='ucx|ofi|psm|openib|verbs|usnic|java|slurm|flux|jsm|gridengine|monitoring|treematch'
   pmix_dir=""
-  add_libs() {  # add_libs <elf>: its libraries into libs; 1 when one is not found
-    local line name path
-    if ldd "$1" | grep -q "not found"; then return 1; fi
-    while read -r line; do
-      case "$line" in
-        *" => "/*) name=${line%% =>*}; path=${line#* => }; path=${path%% (*}; libs[$name]=$path ;;
-      esac
-    done < <(ldd "$1")
-  }
-  add_libs "$orterun" || { echo "$orterun: a library is not found" >&2; exit 1; }
+  add_libs "$orterun" || { echo "$orterun: $missing" >&2; exit 1; }
   for f in "$pkglibdir"/*.so; do
     grep -Eq "$ompi_skip" <<<"$(basename "$f")" && continue
     if add_libs "$f"; then
@@ -126,7 +126,7 @@ if [ -x "$orterun" ] && [ -d "$pkglibdir" ]; then
       if [ -e "$f" ] && add_libs "$f"; then install -m 755 "$f" "$BUNDLE/ompi/pmix/"; fi
     done
   fi
-  echo "mpirun: $orterun ($(ompi_info --version 2>/dev/null | head -1)), $ompi_plugins plugins"
+  echo "mpirun: $orterun ($ompi_version), $ompi_plugins plugins"
 else
   echo "no Open MPI here (mpirun, ompi_info): the bundle has no mpirun, and the GPU check's" \
     "two-process row will say so" >&2
@@ -174,7 +174,7 @@ fi
   grep -E "^-- +(CUDA|NCCL) +:" "$BUILD/configure.log" | sed 's/^-- *//'
   echo "tests: ${tests[*]}"
   if [ -x "$BUNDLE/ompi/bin/orterun" ]; then
-    echo "mpirun: ompi/bin/orterun, $(ompi_info --version 2>/dev/null | head -1), $ompi_plugins plugins"
+    echo "mpirun: ompi/bin/orterun, $ompi_version, $ompi_plugins plugins"
   else
     echo "mpirun: none"
   fi

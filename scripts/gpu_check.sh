@@ -326,7 +326,7 @@ fi
 # The launcher of the two-process run: the bundle's Open MPI (its plugins and help texts found
 # through these variables, one node without ssh) when the binaries are the bundle's, else mpirun.
 if [ -z "${PDSIM_GPU_MPIRUN:-}" ]; then
-  if [ $built -eq 0 ] && [ ${#RUN[@]} -gt 0 ] && [ -x "$BUNDLE_DIR/ompi/bin/orterun" ]; then
+  if [ $built -eq 0 ] && [ -n "$BUNDLE_DIR" ] && [ -x "$BUNDLE_DIR/ompi/bin/orterun" ]; then
     printf -v PDSIM_GPU_MPIRUN '%q ' env \
       "OMPI_MCA_mca_base_component_path=$BUNDLE_DIR/ompi/lib/openmpi3" \
       "PMIX_MCA_mca_base_component_path=$BUNDLE_DIR/ompi/pmix" \

@@ -149,22 +149,18 @@ public:
         // A failed capture (or instantiation) leaves its error as this thread's last error, which
         // the next kernel launcher's cudaGetLastError would report as its own: the caller's eager
         // fallback would fail its first forward. Clear it here; the Status carries it.
-        const cudaError_t ended = cudaStreamEndCapture(s_, &g);
-        if (ended != cudaSuccess) {
+        auto failed = [&](const char* call, cudaError_t rc) {
             (void)cudaGetLastError();
             if (g != nullptr) cudaGraphDestroy(g);
-            return PDSIM_ERROR(StatusCode::kUnavailable,
-                               "stream {}: cudaStreamEndCapture failed: {} ({})", name_,
-                               cudaGetErrorName(ended), cudaGetErrorString(ended));
+            return PDSIM_ERROR(StatusCode::kUnavailable, "stream {}: {} failed: {} ({})", name_,
+                               call, cudaGetErrorName(rc), cudaGetErrorString(rc));
+        };
+        if (const cudaError_t rc = cudaStreamEndCapture(s_, &g); rc != cudaSuccess) {
+            return failed("cudaStreamEndCapture", rc);
         }
         cudaGraphExec_t exec = nullptr;
-        const cudaError_t rc = cudaGraphInstantiate(&exec, g, 0);
-        if (rc != cudaSuccess) {
-            (void)cudaGetLastError();
-            cudaGraphDestroy(g);
-            return PDSIM_ERROR(StatusCode::kUnavailable,
-                               "stream {}: cudaGraphInstantiate failed: {} ({})", name_,
-                               cudaGetErrorName(rc), cudaGetErrorString(rc));
+        if (const cudaError_t rc = cudaGraphInstantiate(&exec, g, 0); rc != cudaSuccess) {
+            return failed("cudaGraphInstantiate", rc);
         }
         size_t n = 0;
         cudaGraphGetNodes(g, nullptr, &n);

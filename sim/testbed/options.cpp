@@ -707,11 +707,11 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
         }
     }
     if (!topo_path.empty()) {
-        PDSIM_ASSIGN_OR_RETURN(rc.topology, topo::load_topology(topo_path, lo));
-        rc.topology_label = fs::path(topo_path).filename().string();
-        // The file that was read: a bare name (`cpu-1p1d`) is a shipped topology, so that
-        // `simulate --like` of the report finds the same file from any directory.
+        // The file to read: a bare name (`cpu-1p1d`) is a shipped topology, and the report records
+        // that file, so that `simulate --like` of it finds the same one from any directory.
         const std::string read = data::resolve_data_file(data::DataKind::kTopologies, topo_path);
+        PDSIM_ASSIGN_OR_RETURN(rc.topology, topo::load_topology(read, lo));
+        rc.topology_label = fs::path(topo_path).filename().string();
         std::error_code ec;
         const fs::path absolute = fs::absolute(read, ec);
         rc.topology_file = ec ? read : absolute.lexically_normal().string();
