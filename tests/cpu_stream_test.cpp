@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <new>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -13,6 +15,7 @@ namespace pdsim::runtime {
 namespace {
 
 using namespace std::chrono_literals;
+using ::testing::AllOf;
 
 TEST(CpuStream, RunsInOrderAsynchronously) {
     CpuStream s("t");
@@ -40,6 +43,40 @@ TEST(CpuStream, ErrorIsStickyAndSkipsLaterWork) {
     EXPECT_THAT(st, StatusIs(StatusCode::kDataLoss, HasSubstr("boom")));
     EXPECT_EQ(ran, 0);
     EXPECT_EQ(s.error().code(), StatusCode::kDataLoss);
+}
+
+// A task that throws fails its stream as a failing task does (kInternal naming the stream and
+// the exception) instead of ending the process from the stream's worker thread.
+TEST(CpuStream, ThrowingTaskFailsTheStreamInsteadOfTheProcess) {
+    CpuStream s("thrower");
+    int ran = 0;
+    ASSERT_OK(s.enqueue([]() -> Status { throw std::runtime_error("vector::at out of range"); }));
+    ASSERT_OK(enqueue_void(s, [&] { ++ran; }));
+    EXPECT_THAT(s.synchronize(),
+                StatusIs(StatusCode::kInternal, AllOf(HasSubstr("a task on stream thrower threw"),
+                                                      HasSubstr("vector::at out of range"))));
+    EXPECT_EQ(ran, 0);
+
+    CpuStream other("other");
+    ASSERT_OK(other.enqueue([]() -> Status { throw 42; }));
+    EXPECT_THAT(other.synchronize(),
+                StatusIs(StatusCode::kInternal, HasSubstr("not a std::exception")));
+}
+
+// run_task itself, and a task replayed from a captured graph (which runs through it too).
+TEST(CpuStream, RunTaskTurnsAnExceptionIntoAStatus) {
+    EXPECT_OK(run_task([] { return Status(); }, "s"));
+    EXPECT_THAT(run_task([] { return Status(StatusCode::kAborted, "no"); }, "s"),
+                StatusIs(StatusCode::kAborted, HasSubstr("no")));
+    EXPECT_THAT(run_task([]() -> Status { throw std::bad_alloc(); }, "s"),
+                StatusIs(StatusCode::kInternal, HasSubstr("threw: std::bad_alloc")));
+    CpuStream s("graph");
+    ASSERT_OK(s.begin_capture());
+    ASSERT_OK(s.enqueue([]() -> Status { throw std::logic_error("in a graph"); }));
+    auto graph = s.end_capture();
+    ASSERT_OK(graph.status());
+    ASSERT_OK((*graph)->launch(s));
+    EXPECT_THAT(s.synchronize(), StatusIs(StatusCode::kInternal, HasSubstr("in a graph")));
 }
 
 TEST(CpuStream, SynchronizeTimesOut) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -76,6 +77,45 @@ TEST(CudaStream, HostTasksRunInOrderAndErrorsAreSticky) {
     int ran = 0;
     ASSERT_OK(enqueue_void(**s, [&] { ++ran; }));
     EXPECT_EQ((*s)->synchronize(10s).code(), StatusCode::kDataLoss);
+    EXPECT_EQ(ran, 0);
+}
+
+// A host task captured in a graph belongs to the graph: each launch runs it again (before, the
+// task freed itself after its first run, and the second launch called freed memory).
+TEST(CudaStream, CapturedHostTaskRunsOnEveryLaunch) {
+    DeviceRuntime* rt = cuda_or_skip();
+    if (rt == nullptr) GTEST_SKIP() << skip_reason();
+    auto s = rt->create_stream(0, "cuda-capture");
+    ASSERT_OK(s);
+    std::atomic<int> runs{0};
+    ASSERT_OK((*s)->begin_capture());
+    ASSERT_OK(enqueue_void(**s, [&] { runs.fetch_add(1); }));
+    auto graph = (*s)->end_capture();
+    ASSERT_OK(graph.status());
+    EXPECT_EQ(runs.load(), 0) << "a captured task must not run at capture";
+    for (int i = 0; i < 3; ++i) ASSERT_OK((*graph)->launch(**s));
+    ASSERT_OK((*s)->synchronize(10s));
+    EXPECT_EQ(runs.load(), 3);
+    // Freed with the graph once its launches are done; the stream goes on.
+    graph->reset();
+    ASSERT_OK(enqueue_void(**s, [&] { runs.fetch_add(10); }));
+    ASSERT_OK((*s)->synchronize(10s));
+    EXPECT_EQ(runs.load(), 13);
+}
+
+// A host task that throws fails the stream (kInternal naming it) instead of ending the process
+// from the driver's callback thread.
+TEST(CudaStream, ThrowingHostTaskFailsTheStream) {
+    DeviceRuntime* rt = cuda_or_skip();
+    if (rt == nullptr) GTEST_SKIP() << skip_reason();
+    auto s = rt->create_stream(0, "cuda-thrower");
+    ASSERT_OK(s);
+    ASSERT_OK((*s)->enqueue([]() -> Status { throw std::runtime_error("from a host task"); }));
+    int ran = 0;
+    ASSERT_OK(enqueue_void(**s, [&] { ++ran; }));
+    EXPECT_THAT((*s)->synchronize(10s),
+                StatusIs(StatusCode::kInternal, ::testing::AllOf(HasSubstr("cuda-thrower"),
+                                                                 HasSubstr("from a host task"))));
     EXPECT_EQ(ran, 0);
 }
 

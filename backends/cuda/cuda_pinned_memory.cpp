@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "common/cuda_check.h"
+#include "common/device_health.h"
 
 namespace pdsim::attn::cuda {
 
@@ -21,7 +22,11 @@ public:
         CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocDefault));
         return p;
     }
-    void free_pinned(void* ptr) noexcept override { cudaFreeHost(ptr); }
+    void free_pinned(void* ptr) noexcept override {
+        // cudaFreeHost waits for the device: on a hung one it would never return.
+        if (device_ >= 0 && device_hung(device_)) return;
+        cudaFreeHost(ptr);
+    }
     [[nodiscard]] StatusOr<void*> create_event() override {
         PDSIM_RETURN_IF_ERROR(use_device());
         cudaEvent_t ev = nullptr;

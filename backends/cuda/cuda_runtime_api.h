@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "backends/runtime/device.h"
 
@@ -13,7 +14,11 @@ namespace pdsim::runtime::cuda {
 std::unique_ptr<DeviceRuntime> make_cuda_runtime();
 
 // A CudaStream on device `index` (see backends/runtime/stream.h for the contract). Tasks enqueued
-// with enqueue() run as host functions (cudaLaunchHostFunc) in stream order.
+// with enqueue() run as host functions (cudaLaunchHostFunc) in stream order; one enqueued while
+// capturing belongs to the graph, runs on every launch of it and reports its failure into the
+// error of the stream that captured it.
+// Destroying one waits (bounded, 30 s) for its work; past that the device is marked hung
+// (common/device_health.h) and the stream is destroyed without waiting.
 StatusOr<std::unique_ptr<Stream>> make_cuda_stream(int index, std::string name);
 
 }  // namespace pdsim::runtime::cuda

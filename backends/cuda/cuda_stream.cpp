@@ -4,12 +4,16 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "backends/cuda/cuda_runtime_api.h"
 #include "common/cuda_check.h"
+#include "common/device_health.h"
+#include "common/logging.h"
 
 namespace pdsim::runtime::cuda {
 
@@ -41,10 +45,45 @@ private:
     int device_;
 };
 
+// What a CudaStream's host tasks report into: shared with every task still queued, so that a
+// stream destroyed without waiting (its destructor's wait ran out) leaves them nothing dangling.
+struct StreamState {
+    explicit StreamState(std::string stream_name) : name(std::move(stream_name)) {}
+    const std::string name;
+    std::mutex mu;
+    Status error;  // the first failure, under mu
+    std::atomic<bool> failed{false};
+};
+
+// One host task on a CUDA stream (cudaLaunchHostFunc's user data). An eager task deletes itself
+// once it has run; a captured one belongs to its graph (owned_by_graph), which runs it on every
+// launch and frees it with the graph.
+struct HostTask {
+    Task task;
+    std::shared_ptr<StreamState> state;
+    bool owned_by_graph = false;
+};
+
+void CUDART_CB run_host_task(void* user) {
+    auto* t = static_cast<HostTask*>(user);
+    if (!t->state->failed.load(std::memory_order_acquire)) {
+        Status st = run_task(t->task, t->state->name);
+        if (!st.ok()) {
+            std::lock_guard<std::mutex> lock(t->state->mu);
+            if (t->state->error.ok()) t->state->error = st;
+            t->state->failed.store(true, std::memory_order_release);
+        }
+    }
+    if (!t->owned_by_graph) delete t;
+}
+
+// A captured graph and the host tasks captured in it: each launch runs them, and they report into
+// the state of the stream that captured them, whichever stream launches the graph.
 class CudaGraph final : public Graph {
 public:
-    CudaGraph(cudaGraph_t g, cudaGraphExec_t e, size_t nodes)
-        : graph_(g), exec_(e), nodes_(nodes) {}
+    CudaGraph(cudaGraph_t g, cudaGraphExec_t e, size_t nodes,
+              std::vector<std::unique_ptr<HostTask>> host_tasks)
+        : graph_(g), exec_(e), nodes_(nodes), host_tasks_(std::move(host_tasks)) {}
     ~CudaGraph() override {
         cudaGraphExecDestroy(exec_);
         cudaGraphDestroy(graph_);
@@ -56,36 +95,33 @@ private:
     cudaGraph_t graph_;
     cudaGraphExec_t exec_;
     size_t nodes_;
+    std::vector<std::unique_ptr<HostTask>> host_tasks_;
 };
-
-struct HostTask {
-    Task task;
-    std::atomic<bool>* failed;
-    std::mutex* mu;
-    Status* error;
-};
-
-void CUDART_CB run_host_task(void* user) {
-    auto* t = static_cast<HostTask*>(user);
-    if (!t->failed->load(std::memory_order_acquire)) {
-        Status st = t->task();
-        if (!st.ok()) {
-            std::lock_guard<std::mutex> lock(*t->mu);
-            if (t->error->ok()) *t->error = st;
-            t->failed->store(true, std::memory_order_release);
-        }
-    }
-    delete t;
-}
 
 class CudaStream final : public Stream {
 public:
     CudaStream(int device, cudaStream_t s, std::string name)
-        : device_(device), s_(s), name_(std::move(name)) {}
+        : device_(device),
+          s_(s),
+          name_(std::move(name)),
+          state_(std::make_shared<StreamState>(name_)) {}
+    // Waits for the stream's work, bounded (kDestroyWait); past it the device is marked hung
+    // (mark_device_hung: later frees on it are skipped, they would wait for it too) and the
+    // stream is destroyed without waiting: its queued host tasks hold the shared state, not this.
     ~CudaStream() override {
         cudaSetDevice(device_);
-        cudaStreamSynchronize(s_);
-        cudaStreamDestroy(s_);
+        const auto deadline = std::chrono::steady_clock::now() + kDestroyWait;
+        while (!device_hung(device_) && cudaStreamQuery(s_) == cudaErrorNotReady) {
+            if (std::chrono::steady_clock::now() > deadline) {
+                mark_device_hung(device_, fmt::format("stream {} still had work {} s after its "
+                                                      "owner let it go",
+                                                      name_, kDestroyWait.count()));
+                break;
+            }
+            std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+        (void)cudaGetLastError();  // a sticky query error is the owner's, already reported
+        cudaStreamDestroy(s_);     // does not wait: work left on it finishes (or not) alone
     }
     [[nodiscard]] Device device() const override { return {DeviceKind::kCuda, device_}; }
     [[nodiscard]] std::string name() const override { return name_; }
@@ -94,11 +130,17 @@ public:
     [[nodiscard]] Status enqueue(Task task) override {
         if (!task)
             return PDSIM_ERROR(StatusCode::kInvalidArgument, "empty task on stream {}", name_);
-        auto* t = new HostTask{std::move(task), &failed_, &mu_, &error_};
-        cudaError_t rc = cudaLaunchHostFunc(s_, run_host_task, t);
-        if (rc != cudaSuccess) {
-            delete t;
-            CUDA_CHECK(rc);
+        auto owned = std::make_unique<HostTask>(HostTask{std::move(task), state_, false});
+        HostTask* t = owned.get();
+        // A task enqueued while capturing becomes a node of the graph, run by every launch: the
+        // graph owns it then (end_capture hands the captured ones over).
+        std::lock_guard<std::mutex> lock(capture_mu_);
+        t->owned_by_graph = capturing_;
+        CUDA_CHECK(cudaLaunchHostFunc(s_, run_host_task, t));
+        if (capturing_) {
+            captured_tasks_.push_back(std::move(owned));
+        } else {
+            (void)owned.release();  // run_host_task deletes it
         }
         return {};
     }
@@ -137,15 +179,26 @@ public:
         return error();
     }
     [[nodiscard]] Status error() const override {
-        std::lock_guard<std::mutex> lock(mu_);
-        return error_;
+        std::lock_guard<std::mutex> lock(state_->mu);
+        return state_->error;
     }
     [[nodiscard]] Status begin_capture() override {
+        std::lock_guard<std::mutex> lock(capture_mu_);
         CUDA_CHECK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
+        capturing_ = true;
+        captured_tasks_.clear();
         return {};
     }
     [[nodiscard]] StatusOr<std::unique_ptr<Graph>> end_capture() override {
         cudaGraph_t g = nullptr;
+        std::vector<std::unique_ptr<HostTask>> host_tasks;
+        {
+            // The capture ends here whatever happens below: the captured tasks go to the graph,
+            // or are freed with it (a captured host function never ran).
+            std::lock_guard<std::mutex> lock(capture_mu_);
+            capturing_ = false;
+            host_tasks.swap(captured_tasks_);
+        }
         // A failed capture (or instantiation) leaves its error as this thread's last error, which
         // the next kernel launcher's cudaGetLastError would report as its own: the caller's eager
         // fallback would fail its first forward. Clear it here; the Status carries it.
@@ -164,7 +217,8 @@ public:
         }
         size_t n = 0;
         cudaGraphGetNodes(g, nullptr, &n);
-        return std::unique_ptr<Graph>(std::make_unique<CudaGraph>(g, exec, n));
+        return std::unique_ptr<Graph>(
+            std::make_unique<CudaGraph>(g, exec, n, std::move(host_tasks)));
     }
     [[nodiscard]] bool is_capturing() const override {
         cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
@@ -173,12 +227,15 @@ public:
     }
 
 private:
+    static constexpr std::chrono::seconds kDestroyWait{30};
     int device_;
     cudaStream_t s_;
     std::string name_;
-    mutable std::mutex mu_;
-    Status error_;
-    std::atomic<bool> failed_{false};
+    std::shared_ptr<StreamState> state_;
+    // Capture: begin_capture .. end_capture; the host tasks enqueued meanwhile.
+    std::mutex capture_mu_;
+    bool capturing_ = false;
+    std::vector<std::unique_ptr<HostTask>> captured_tasks_;
 };
 
 Status CudaGraph::launch(Stream& stream) {
@@ -215,6 +272,8 @@ public:
         return p;
     }
     void deallocate(void* ptr, int index) noexcept override {
+        // cudaFree waits for the whole device: on a hung one it would never return.
+        if (device_hung(index)) return;
         cudaSetDevice(index);
         cudaFree(ptr);
     }

@@ -17,6 +17,7 @@
 #include "backends/cuda/model_kernels.h"
 #include "common/bf16.h"
 #include "common/cuda_check.h"
+#include "common/device_health.h"
 
 namespace pdsim::model::cuda {
 
@@ -76,13 +77,21 @@ CudaSyntheticModel::CudaSyntheticModel(const ModelConfig& config, const CudaMode
 CudaSyntheticModel::~CudaSyntheticModel() {
     cudaSetDevice(options_.device);
     // Queued work reads the buffers below (the host task reads pinned_tokens_): let it finish.
-    if (forwarded_ && forward_done_ != nullptr) forward_done_->synchronize().ignore_error();
+    if (forwarded_ && forward_done_ != nullptr) {
+        if (Status st = forward_done_->synchronize(); !st.ok()) {
+            mark_device_hung(options_.device, fmt::format("model {}: its last forward: {}",
+                                                          cfg_.name, st.message()));
+        }
+    }
     graphs_.clear();
-    staging_.reset();  // waits for its copies in flight
+    staging_.reset();  // waits for its copies in flight (not on a hung device)
     for (void* ev : timing_events_) {
         if (ev != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
     }
-    if (pinned_tokens_ != nullptr) cudaFreeHost(pinned_tokens_);
+    // cudaFreeHost waits for the device; queued work may still read the tokens' pinned memory.
+    if (pinned_tokens_ != nullptr && !device_hung(options_.device)) {
+        cudaFreeHost(pinned_tokens_);
+    }
 }
 
 StatusOr<std::unique_ptr<CudaSyntheticModel>> CudaSyntheticModel::create(

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
+#include <string>
 
 #include "common/thread_info.h"
 
@@ -15,6 +17,25 @@ std::string_view device_kind_name(DeviceKind kind) {
             return "cuda";
     }
     return "unknown";
+}
+
+Status run_task(const Task& task, std::string_view stream_name) noexcept {
+    // Formatting the message may itself throw (bad_alloc): then a fixed message.
+    auto threw = [stream_name](std::string_view what) noexcept {
+        try {
+            return Status(StatusCode::kInternal,
+                          fmt::format("a task on stream {} threw: {}", stream_name, what));
+        } catch (...) {
+            return Status(StatusCode::kInternal, "a stream task threw");
+        }
+    };
+    try {
+        return task();
+    } catch (const std::exception& e) {
+        return threw(e.what());
+    } catch (...) {
+        return threw("an exception that is not a std::exception");
+    }
 }
 
 namespace {
@@ -277,7 +298,7 @@ void CpuStream::run_front(std::unique_lock<std::mutex>& lock, bool on_caller) {
     lock.unlock();
     const CpuStream* outer = tls_caller_running;
     if (on_caller) tls_caller_running = this;
-    Status st = skip ? Status() : task();
+    Status st = skip ? Status() : run_task(task, name_);
     task = nullptr;  // release captures before reporting completion
     tls_caller_running = outer;
     lock.lock();

@@ -6,7 +6,10 @@
 // buffer while in flight) exist on the CPU too. CudaStream wraps cudaStream_t (backends/cuda/).
 //
 // Errors: a task that fails (returns a non-OK Status) makes the stream's error sticky, like a CUDA
-// error: later tasks are skipped and synchronize() returns the first error.
+// error: later tasks are skipped and synchronize() returns the first error. A task that throws
+// fails the same way (kInternal naming the exception; run_task below): a stream's worker thread
+// or a CUDA host callback cannot pass an exception on, and letting it escape would end the
+// process and every result it had not written yet.
 //
 // Thread-safety: enqueue/record/wait/synchronize may be called from any thread; work enqueued from
 // one thread runs in that thread's enqueue order. Capture (begin_capture/end_capture) must be
@@ -17,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "common/status.h"
 
@@ -35,6 +39,11 @@ struct Device {
 // The unit of stream work: runs on the stream (worker thread / CUDA host callback); a non-OK
 // Status poisons the stream.
 using Task = std::function<Status()>;
+
+// Runs `task` as a stream runs it: its Status, or kInternal "a task on stream <stream_name>
+// threw: <what>" when it throws (any exception; what() where it is a std::exception). Never
+// throws. Every Stream implementation runs its tasks through this.
+[[nodiscard]] Status run_task(const Task& task, std::string_view stream_name) noexcept;
 
 inline constexpr std::chrono::milliseconds kDefaultWaitTimeout{60'000};
 

@@ -18,8 +18,9 @@
 // phase's pool and backend belong to the server; end_phase() must run before they are destroyed
 // (the graphs captured on them hold their addresses). Errors raised on the stream (a CUDA fault,
 // a non-finite logit) are sticky: the stream's synchronize() returns them, and the server fails
-// its requests with that error. Every wait is bounded; the CUDA stream's own destructor
-// (cudaStreamSynchronize) is the one unbounded wait, reached only after the bounded ones.
+// its requests with that error. Every wait is bounded, teardown included: a model whose last
+// forward or a stream whose work does not end in time marks its GPU hung
+// (common/device_health.h), and the frees that would wait for it are skipped.
 // Thread-safety: one host thread (the rank's) drives a GpuRank.
 #pragma once
 
