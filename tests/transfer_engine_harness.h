@@ -126,9 +126,10 @@ inline void one_sided_only(Capabilities& c) {
 // post_write_after hand the operation to the inner transport once `ready` has fired, from one
 // thread in posting order, as a GPU transport's stream waiting on the event would; the host of
 // the posting thread does not wait. Plain sends and writes posted while something is held queue
-// behind it (one stream: posting order is kept, as transport.h requires). `honour_ready` false
-// makes a broken one that posts at once (a test proves the engine's checks catch what that lets
-// through). Capabilities: the inner transport's, with stream_ordered.
+// behind it (one stream: posting order is kept, as transport.h requires), and so do signals
+// (post_signal: behind the writes before them). `honour_ready` false makes a broken one that
+// posts at once (a test proves the engine's checks catch what that lets through). Capabilities:
+// the inner transport's, with stream_ordered.
 class StreamOrderedFake final : public ForwardingTransport {
 public:
     StreamOrderedFake(std::unique_ptr<Transport> inner, std::string name, bool honour_ready)
@@ -173,6 +174,13 @@ public:
                     [this, dst, dst_offset, src, bytes] {
                         return inner().post_write(dst, dst_offset, src, bytes);
                     });
+    }
+    // A signal follows the writes held before it, as on cuda_ipc's one stream.
+    [[nodiscard]] StatusOr<RequestHandle> post_signal(const RemoteRegion& dst, size_t dst_offset,
+                                                      uint64_t add) override {
+        return hold(
+            nullptr, OpKind::kSignal, dst.peer, 0, sizeof(uint64_t),
+            [this, dst, dst_offset, add] { return inner().post_signal(dst, dst_offset, add); });
     }
     // Ops held here are handed to the device already (kFailedPrecondition), as on a GPU.
     [[nodiscard]] Status cancel(const RequestHandle& handle) override {

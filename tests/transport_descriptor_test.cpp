@@ -34,6 +34,10 @@ void expect_agree(const StaticCapabilities& declared, const Capabilities& runtim
     EXPECT_EQ(declared.one_sided_write, runtime.one_sided_write);
     EXPECT_EQ(declared.tag_matching, runtime.tag_matching);
     EXPECT_EQ(declared.detects_peer_failure, runtime.detects_peer_failure);
+    if (!declared.decorator) {
+        EXPECT_EQ(declared.stream_ordered, runtime.stream_ordered);
+        EXPECT_EQ(declared.write_signals, runtime.write_signals);
+    }
 }
 
 TransportDescriptor must_find(const std::string& name) {

@@ -355,6 +355,56 @@ TEST(CudaIpcTransport, PostWriteAfterWaitsForTheEvent) {
                                        << static_cast<int>(back[0]) << " first";
 }
 
+// post_signal lands after the writes posted before it: with the write held behind an event that
+// fires late, the counter must still read 0 while the write waits, and read the add (with the
+// write's bytes in place) once both completed. Two signals add up.
+TEST(CudaIpcTransport, SignalLandsAfterTheWritesBeforeIt) {
+    TransportOptions o;
+    auto t = create_transport("cuda_ipc", o);
+    if (!t.ok()) GTEST_SKIP() << t.status().to_string();
+    Transport& x = **t;
+    EXPECT_TRUE(x.capabilities().write_signals);
+    const size_t n = size_t{8} << 20;
+    auto src = runtime::DeviceBuffer::allocate({runtime::DeviceKind::kCuda, 0}, n);
+    auto dst = runtime::DeviceBuffer::allocate({runtime::DeviceKind::kCuda, 0}, n);
+    auto words = runtime::DeviceBuffer::allocate({runtime::DeviceKind::kCuda, 0}, 64);
+    ASSERT_TRUE(src.ok() && dst.ok() && words.ok());
+    ASSERT_OK(src->fill(0x11));
+    ASSERT_OK(dst->fill(0));
+    ASSERT_OK(words->fill(0));
+    auto data_mr = x.register_memory(dst->data(), n);
+    auto word_mr = x.register_memory(words->data(), 64);
+    ASSERT_TRUE(data_mr.ok() && word_mr.ok());
+    auto data = x.import_remote(0, data_mr->descriptor);
+    auto word = x.import_remote(0, word_mr->descriptor);
+    ASSERT_TRUE(data.ok() && word.ok());
+    EXPECT_THAT(x.post_signal(*word, 4, 1), StatusIs(StatusCode::kInvalidArgument));
+    EXPECT_THAT(x.post_signal(*word, 64, 1), StatusIs(StatusCode::kOutOfRange));
+
+    auto ready = delayed_fill_event(0, src->data(), 0xC3, n);
+    ASSERT_OK(ready);
+    auto w = x.post_write_after(*ready->event, *data, 0, src->data(), n);
+    ASSERT_OK(w);
+    auto s1 = x.post_signal(*word, 8, n);
+    auto s2 = x.post_signal(*word, 8, 5);
+    ASSERT_TRUE(s1.ok() && s2.ok());
+    std::this_thread::sleep_for(kDelay / 3);
+    uint64_t seen[8] = {};
+    ASSERT_OK(words->copy_to_host(seen, sizeof(seen)));
+    EXPECT_FALSE(w->done());
+    EXPECT_EQ(seen[1], 0u) << "the signal landed before the write it follows";
+    ASSERT_OK(x.wait(*w, 30s));
+    ASSERT_OK(x.wait(*s1, 30s));
+    ASSERT_OK(x.wait(*s2, 30s));
+    ASSERT_OK(words->copy_to_host(seen, sizeof(seen)));
+    EXPECT_EQ(seen[0], 0u);
+    EXPECT_EQ(seen[1], n + 5);
+    EXPECT_EQ(seen[2], 0u);
+    std::vector<uint8_t> back(n);
+    ASSERT_OK(dst->copy_to_host(back.data(), n));
+    EXPECT_TRUE(all_equal(back, 0xC3));
+}
+
 // ---- cuda_ipc between two processes ----
 // The parent allocates kAllocBytes poisoned with kPoison and registers the range [kRangeAt,
 // kRangeAt + kRangeBytes) of it; the child imports the descriptor and writes kWriteBytes of a

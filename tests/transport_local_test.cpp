@@ -2,6 +2,12 @@
 // (one-sided writes, attach rules, close semantics) and the registry.
 #include <gtest/gtest.h>
 
+#include <array>
+#include <atomic>
+#include <memory>
+#include <thread>
+#include <vector>
+
 #include "tests/status_matchers.h"
 #include "tests/transport_conformance.h"
 #include "transfer/local/local_transport.h"
@@ -135,6 +141,85 @@ TEST(LocalTransport, OneSidedWrite) {
               StatusCode::kOutOfRange);
     ASSERT_OK((*t1)->deregister_memory(mr->id));
     EXPECT_EQ((*t0)->post_write(*remote, 0, src.data(), 1).status().code(), StatusCode::kNotFound);
+}
+
+// post_signal: the arrival counter's add, after the writes before it. Two ranks write their
+// halves of a region and signal one word from several threads each; an observer that sees the
+// full sum (acquire) must see every byte (TSan checks the release/acquire pairing: a plain add
+// would be a data race on the bytes here).
+TEST(LocalTransport, SignalPublishesTheWritesBeforeIt) {
+    constexpr int kThreads = 4;
+    constexpr int kRounds = 200;
+    constexpr size_t kChunk = 64;
+    auto world = make_local_world(3);
+    std::vector<std::unique_ptr<Transport>> t;
+    for (int r = 0; r < 3; ++r) {
+        TransportOptions o;
+        o.rank = r;
+        o.set(LocalOptions{.world = world});
+        auto x = create_transport("local", o);
+        ASSERT_OK(x);
+        t.push_back(std::move(x).value());
+    }
+    EXPECT_TRUE(t[0]->capabilities().write_signals);
+    // Rank 2 owns the data and the counter.
+    std::vector<uint8_t> data(2 * kThreads * kRounds * kChunk, 0);
+    alignas(8) std::array<uint64_t, 4> words{};
+    auto data_mr = t[2]->register_memory(data.data(), data.size());
+    auto word_mr = t[2]->register_memory(words.data(), sizeof(words));
+    ASSERT_OK(data_mr);
+    ASSERT_OK(word_mr);
+    const uint64_t total = 2ull * kThreads * kRounds * kChunk;
+    std::atomic<bool> saw_all{false};
+    std::thread observer([&] {
+        const auto deadline = std::chrono::steady_clock::now() + 20s;
+        while (std::atomic_ref<uint64_t>(words[1]).load(std::memory_order_acquire) < total) {
+            if (std::chrono::steady_clock::now() > deadline) return;
+            std::this_thread::yield();
+        }
+        bool all = true;
+        for (uint8_t b : data) all = all && b == 0x5C;
+        saw_all = all;
+    });
+    std::vector<std::thread> writers;
+    for (int src = 0; src < 2; ++src) {
+        auto data_remote = t[static_cast<size_t>(src)]->import_remote(2, data_mr->descriptor);
+        auto word_remote = t[static_cast<size_t>(src)]->import_remote(2, word_mr->descriptor);
+        ASSERT_OK(data_remote);
+        ASSERT_OK(word_remote);
+        for (int th = 0; th < kThreads; ++th) {
+            writers.emplace_back([&, src, th, d = *data_remote, w = *word_remote] {
+                std::vector<uint8_t> bytes(kChunk, 0x5C);
+                for (int i = 0; i < kRounds; ++i) {
+                    const size_t at =
+                        ((static_cast<size_t>(src) * kThreads + th) * kRounds + i) * kChunk;
+                    auto wr = t[static_cast<size_t>(src)]->post_write(d, at, bytes.data(), kChunk);
+                    auto sg = t[static_cast<size_t>(src)]->post_signal(w, 8, kChunk);
+                    EXPECT_OK(wr);
+                    EXPECT_OK(sg);
+                    if (sg.ok()) {
+                        EXPECT_OK(t[static_cast<size_t>(src)]->wait(*sg, 1s));
+                    }
+                }
+            });
+        }
+    }
+    for (std::thread& w : writers) w.join();
+    observer.join();
+    EXPECT_TRUE(saw_all.load()) << "the observer saw the sum " << words[1] << " of " << total
+                                << " without every byte";
+    EXPECT_EQ(words[0], 0u);
+    EXPECT_EQ(words[1], total);
+    EXPECT_EQ(words[2], 0u);
+
+    auto w = t[0]->import_remote(2, word_mr->descriptor);
+    ASSERT_OK(w);
+    EXPECT_THAT(t[0]->post_signal(*w, 4, 1),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("not 8-byte aligned")));
+    EXPECT_THAT(t[0]->post_signal(*w, sizeof(words) - 4, 1), StatusIs(StatusCode::kOutOfRange));
+    EXPECT_THAT(t[0]->post_signal(*w, sizeof(words), 1), StatusIs(StatusCode::kOutOfRange));
+    ASSERT_OK(t[2]->deregister_memory(word_mr->id));
+    EXPECT_THAT(t[0]->post_signal(*w, 0, 1), StatusIs(StatusCode::kNotFound));
 }
 
 }  // namespace pdsim::transfer

@@ -56,6 +56,11 @@ StatusOr<RequestHandle> ForwardingTransport::post_send_after(const runtime::Even
     return inner_->post_send_after(ready, peer, tag, buf, bytes);
 }
 
+StatusOr<RequestHandle> ForwardingTransport::post_signal(const RemoteRegion& dst, size_t dst_offset,
+                                                         uint64_t add) {
+    return inner_->post_signal(dst, dst_offset, add);
+}
+
 StatusOr<RequestHandle> ForwardingTransport::post_write_after(const runtime::Event& ready,
                                                               const RemoteRegion& dst,
                                                               size_t dst_offset, const void* src,

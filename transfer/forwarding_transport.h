@@ -17,8 +17,8 @@
 //   - If it holds operations back (a queue, a thread), it overrides close() to fail what it holds
 //     and then closes the inner transport (ForwardingTransport::close()).
 //   - If it changes capabilities() (say, turns one-sided writes off), it overrides the calls that
-//     the change withdraws (register_memory, deregister_memory, import_remote, post_write) to
-//     return what Transport's defaults return (kUnimplemented).
+//     the change withdraws (register_memory, deregister_memory, import_remote, post_write,
+//     post_signal) to return what Transport's defaults return (kUnimplemented).
 // Everything not overridden behaves exactly as the inner transport's call (name() included).
 //
 // Thread-safety, blocking and error codes: those of the inner transport (transfer/transport.h);
@@ -60,6 +60,8 @@ public:
         int peer, std::span<const uint8_t> descriptor) override;
     [[nodiscard]] StatusOr<RequestHandle> post_write(const RemoteRegion& dst, size_t dst_offset,
                                                      const void* src, size_t bytes) override;
+    [[nodiscard]] StatusOr<RequestHandle> post_signal(const RemoteRegion& dst, size_t dst_offset,
+                                                      uint64_t add) override;
     [[nodiscard]] StatusOr<RequestHandle> post_send_after(const runtime::Event& ready, int peer,
                                                           Tag tag, const void* buf,
                                                           size_t bytes) override;

@@ -14,6 +14,8 @@ std::string_view op_kind_name(OpKind kind) {
             return "send";
         case OpKind::kRecv:
             return "recv";
+        case OpKind::kSignal:
+            return "signal";
         case OpKind::kWrite:
             return "write";
     }
@@ -79,6 +81,12 @@ StatusOr<RequestHandle> Transport::post_write(const RemoteRegion& /*dst*/, size_
                                               const void* /*src*/, size_t /*bytes*/) {
     return PDSIM_ERROR(StatusCode::kUnimplemented, "{}: post_write needs a one-sided transport",
                        name());
+}
+
+StatusOr<RequestHandle> Transport::post_signal(const RemoteRegion& /*dst*/, size_t /*dst_offset*/,
+                                               uint64_t /*add*/) {
+    return PDSIM_ERROR(StatusCode::kUnimplemented,
+                       "{}: post_signal needs a transport with write signals", name());
 }
 
 StatusOr<RequestHandle> Transport::post_send_after(const runtime::Event& /*ready*/, int /*peer*/,

@@ -10,7 +10,8 @@
 // Operations
 //   Two-sided:  post_send(peer, tag, buf, bytes) / post_recv(peer, tag, buf, capacity).
 //   One-sided:  register_memory -> descriptor (sent to peers over the control plane),
-//               import_remote(peer, descriptor) -> RemoteRegion, post_write(region, off, src, n).
+//               import_remote(peer, descriptor) -> RemoteRegion, post_write(region, off, src, n);
+//               post_signal(region, off, add): an arrival counter's add, ordered after the writes.
 //   Every post returns a RequestHandle at once (posting never waits for the peer or the wire);
 //   test(handle) polls it, wait(handle, timeout) blocks on it, cancel(handle) withdraws it.
 //
@@ -20,7 +21,9 @@
 //     is posted (rendezvous): callers must not rely on buffering to avoid deadlock.
 //   - A receive completes when the whole message is in the buffer; bytes() is the message size.
 //   - A write completes when the data is visible in the target region. One-sided writes do not
-//     notify the target: post a send after the write has completed to tell it.
+//     notify the target: post a send after the write has completed to tell it, or (where
+//     capabilities().write_signals) a signal that the target's memory itself shows (post_signal).
+//   - A signal completes when its add is visible in the target word.
 //   - Progress is internal (a progress thread per transport): handles complete whether or not
 //     anybody calls test/wait. Completion callbacks (RequestHandle::on_complete) run on the thread
 //     that completes the operation (a transport thread, or the posting thread when the match
@@ -105,7 +108,7 @@ using Timeout = std::chrono::nanoseconds;
 // derived from the workload instead).
 inline constexpr std::chrono::milliseconds kDefaultTransferTimeout{60'000};
 
-enum class OpKind : uint8_t { kSend, kRecv, kWrite };
+enum class OpKind : uint8_t { kSend, kRecv, kWrite, kSignal };
 std::string_view op_kind_name(OpKind kind);
 
 // The shared completion state of one posted operation. Transports create it and complete it
@@ -185,6 +188,7 @@ struct Capabilities {
     bool tag_matching = true;      // false: match per peer in post order (see the header note)
     bool detects_peer_failure = false;
     bool stream_ordered = false;   // post_send_after / post_write_after (see below)
+    bool write_signals = false;    // post_signal (see below)
     Tag max_tag = 0;               // tags in [0, max_tag] are accepted
     size_t max_message_bytes = 0;  // larger posts fail with kInvalidArgument
 };
@@ -238,6 +242,7 @@ struct StaticCapabilities {
     bool tag_matching = true;      // false: match per peer in post order
     bool detects_peer_failure = false;
     bool stream_ordered = false;   // post_send_after / post_write_after
+    bool write_signals = false;    // post_signal
     bool spans_processes = false;  // the ranks may be separate processes (mpirun, hosts)
     // The ranks may be on different hosts. False where the peers exchange something that works
     // only on the node that made it (cuda_ipc: CUDA IPC memory handles); implies spans_processes
@@ -333,6 +338,22 @@ public:
     [[nodiscard]] virtual StatusOr<RequestHandle> post_write(const RemoteRegion& dst,
                                                              size_t dst_offset, const void* src,
                                                              size_t bytes);
+
+    // One-sided arrival signal (capabilities().write_signals; the default returns
+    // kUnimplemented): atomically adds `add` to the 8-byte unsigned integer at `dst_offset` of
+    // `dst` (a multiple of 8, the word inside the region), once every write this rank posted to
+    // dst.peer before this call (post_write or post_write_after, from any thread whose post
+    // returned before this call) is visible there. This is the put-with-signal of NVSHMEM
+    // (nvshmem_putmem_signal) and UCX (put, fence, atomic add): whoever observes the sum -- a
+    // host load with acquire order, a stream waiting for the value (cuStreamWaitValue64) --
+    // sees the bytes of those writes. Adds of several ranks to one word never lose each other.
+    // The word's memory is the target's: it registered it like any region, and it resets it.
+    // Completes when the add is visible. Errors as post_write's, plus kInvalidArgument for an
+    // offset (or word address) that is not a multiple of 8. Where an earlier write failed, the
+    // signal may fail or land: the sender learns of the failure from that write's handle, and a
+    // target must not take a complete sum for proof of bytes the sender reports lost.
+    [[nodiscard]] virtual StatusOr<RequestHandle> post_signal(const RemoteRegion& dst,
+                                                              size_t dst_offset, uint64_t add);
 
     // Stream-ordered posts (capabilities().stream_ordered; the defaults return kUnimplemented):
     // as post_send / post_write, but the operation does not start moving data before `ready`

@@ -84,6 +84,12 @@ __global__ void kv_fold_sums_kernel(uint64_t* dst, const uint64_t* scratch, int6
     }
 }
 
+// The writes before it on the stream have completed when it starts (stream order); the system-scope
+// atomic makes the add itself safe against adds of other GPUs and processes to the same word.
+__global__ void signal_add_kernel(unsigned long long* word, unsigned long long add) {
+    atomicAdd_system(word, add);
+}
+
 unsigned blocks_for(int64_t work, int64_t per_block) {
     return static_cast<unsigned>(
         std::clamp<int64_t>((work + per_block - 1) / per_block, 1, kMaxBlocks));
@@ -107,6 +113,13 @@ int launch_kv_checksums(const ChecksumItem* items, int64_t item_count, int64_t t
 int launch_kv_fold_sums(uint64_t* dst, const uint64_t* scratch, int64_t count, void* stream) {
     kv_fold_sums_kernel<<<blocks_for(count, kThreads), kThreads, 0,
                           static_cast<cudaStream_t>(stream)>>>(dst, scratch, count);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int launch_signal_add(uint64_t* word, uint64_t add, void* stream) {
+    static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
+    signal_add_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
+        reinterpret_cast<unsigned long long*>(word), static_cast<unsigned long long>(add));
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -46,5 +46,9 @@ int launch_kv_checksums(const ChecksumItem* items, int64_t item_count, int64_t t
 // dst[i] += scratch[i] for i in [0, count): one thread per sum, no atomics (dst may be mapped
 // host memory).
 int launch_kv_fold_sums(uint64_t* dst, const uint64_t* scratch, int64_t count, void* stream);
+// *word += add, once, by one thread with a system-scope atomic (the word may be another process's
+// memory mapped over CUDA IPC, or another GPU's): the cuda_ipc transport's write signal
+// (transfer/nccl/cuda_ipc_transport.cpp), which runs after the writes before it on its stream.
+int launch_signal_add(uint64_t* word, uint64_t add, void* stream);
 
 }  // namespace pdsim::transfer::cuda::detail

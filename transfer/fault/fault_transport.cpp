@@ -236,6 +236,16 @@ public:
                              });
     }
 
+    // A signal meets the faults of a write (dropped, delayed, held back): a reordered one may
+    // overtake the writes it was to follow, which is the fault.
+    StatusOr<RequestHandle> post_signal(const RemoteRegion& dst, size_t dst_offset,
+                                        uint64_t add) override {
+        PDSIM_RETURN_IF_ERROR(check_post(dst.peer, 0, nullptr, 0, /*is_send=*/true));
+        return post_outgoing(
+            dst.peer, OpKind::kSignal, 0, sizeof(uint64_t),
+            [this, dst, dst_offset, add] { return inner().post_signal(dst, dst_offset, add); });
+    }
+
     // Stream-ordered posts meet the same faults; the inner post then waits for `ready` (which
     // the caller keeps alive until the handle completes).
     StatusOr<RequestHandle> post_send_after(const runtime::Event& ready, int peer, Tag tag,

@@ -72,6 +72,7 @@ struct FaultOptions {
                      .one_sided_write = true,
                      .tag_matching = true,
                      .detects_peer_failure = true,
+                     .write_signals = true,
                      .spans_processes = true,
                      .spans_nodes = true,
                      .threads_of_one_process = true,

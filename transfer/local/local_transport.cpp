@@ -1,6 +1,8 @@
 #include "transfer/local/local_transport.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -104,6 +106,7 @@ public:
         Capabilities c;
         c.two_sided = true;
         c.one_sided_write = true;
+        c.write_signals = true;
         c.host_memory = true;
         c.detects_peer_failure = true;
         c.max_tag = std::numeric_limits<Tag>::max();
@@ -199,28 +202,32 @@ public:
     StatusOr<RequestHandle> post_write(const RemoteRegion& dst, size_t dst_offset, const void* src,
                                        size_t bytes) override {
         PDSIM_RETURN_IF_ERROR(check_post(dst.peer, 0, src, bytes, /*is_send=*/true));
-        void* target = nullptr;
-        {
-            std::lock_guard<std::mutex> lock(world_->mu);
-            PDSIM_RETURN_IF_ERROR(check_alive_locked(dst.peer));
-            auto it = world_->regions.find({dst.peer, dst.id});
-            if (it == world_->regions.end()) {
-                return PDSIM_ERROR(StatusCode::kNotFound, "local: rank {} has no region {}",
-                                   dst.peer, dst.id);
-            }
-            if (dst_offset > it->second.bytes || bytes > it->second.bytes - dst_offset) {
-                return PDSIM_ERROR(StatusCode::kOutOfRange,
-                                   "local: write of {} bytes at offset {} outside the {}-byte "
-                                   "region {} of rank {}",
-                                   bytes, dst_offset, it->second.bytes, dst.id, dst.peer);
-            }
-            target = static_cast<uint8_t*>(it->second.base) + dst_offset;
-        }
+        PDSIM_ASSIGN_OR_RETURN(uint8_t * target, remote_target(dst, dst_offset, bytes, "write"));
         // The target must keep the region registered while writes may arrive (control-plane
         // contract), so the copy can run outside the lock.
         if (bytes > 0) std::memcpy(target, src, bytes);
         auto op = std::make_shared<OpState>(OpKind::kWrite, dst.peer, 0, bytes);
         op->complete({}, bytes);
+        return RequestHandle(std::move(op));
+    }
+
+    // Writes are copies done inside post_write, so every write posted before this call is in
+    // place: the add only has to publish them (release order; the target loads with acquire).
+    StatusOr<RequestHandle> post_signal(const RemoteRegion& dst, size_t dst_offset,
+                                        uint64_t add) override {
+        PDSIM_RETURN_IF_ERROR(check_post(dst.peer, 0, nullptr, 0, /*is_send=*/true));
+        PDSIM_ASSIGN_OR_RETURN(uint8_t * at,
+                               remote_target(dst, dst_offset, sizeof(uint64_t), "signal"));
+        if (reinterpret_cast<uintptr_t>(at) % alignof(uint64_t) != 0) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "local: signal word at offset {} of region {} of rank {} is not "
+                               "8-byte aligned",
+                               dst_offset, dst.id, dst.peer);
+        }
+        std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(at))
+            .fetch_add(add, std::memory_order_release);
+        auto op = std::make_shared<OpState>(OpKind::kSignal, dst.peer, 0, sizeof(uint64_t));
+        op->complete({}, sizeof(uint64_t));
         return RequestHandle(std::move(op));
     }
 
@@ -303,6 +310,26 @@ public:
     }
 
 private:
+    // Where `bytes` at `dst_offset` of the peer's region `dst` lie: kUnavailable for a dead peer,
+    // kNotFound for a region it does not have (any more), kOutOfRange past its end.
+    StatusOr<uint8_t*> remote_target(const RemoteRegion& dst, size_t dst_offset, size_t bytes,
+                                     std::string_view what) {
+        std::lock_guard<std::mutex> lock(world_->mu);
+        PDSIM_RETURN_IF_ERROR(check_alive_locked(dst.peer));
+        auto it = world_->regions.find({dst.peer, dst.id});
+        if (it == world_->regions.end()) {
+            return PDSIM_ERROR(StatusCode::kNotFound, "local: rank {} has no region {}", dst.peer,
+                               dst.id);
+        }
+        if (dst_offset > it->second.bytes || bytes > it->second.bytes - dst_offset) {
+            return PDSIM_ERROR(StatusCode::kOutOfRange,
+                               "local: {} of {} bytes at offset {} outside the {}-byte region {} "
+                               "of rank {}",
+                               what, bytes, dst_offset, it->second.bytes, dst.id, dst.peer);
+        }
+        return static_cast<uint8_t*>(it->second.base) + dst_offset;
+    }
+
     Status check_alive_locked(int peer) const {
         if (closed_) {
             return PDSIM_ERROR(StatusCode::kUnavailable, "local rank {}: transport closed", rank_);

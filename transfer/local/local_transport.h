@@ -34,6 +34,7 @@ struct LocalOptions {
                      .one_sided_write = true,
                      .tag_matching = true,
                      .detects_peer_failure = true,
+                     .write_signals = true,
                      .threads_of_one_process = true,
                      .setup = TransportSetup::kSharedWorld,
                      .medium = TransportMedium::kProcessMemory},

@@ -17,6 +17,7 @@
 #include "backends/cuda/cuda_stream.h"
 #include "common/cuda_check.h"
 #include "common/thread_info.h"
+#include "transfer/cuda/kv_memory_kernels.h"
 #include "transfer/nccl/gpu_transports.h"
 
 namespace pdsim::transfer {
@@ -101,6 +102,7 @@ public:
         c.device_memory = true;
         c.host_memory = false;
         c.stream_ordered = true;
+        c.write_signals = true;
         c.max_tag = 0;
         c.max_message_bytes = std::numeric_limits<size_t>::max();
         return c;
@@ -194,6 +196,25 @@ public:
         return write(nullptr, dst, dst_offset, src, bytes);
     }
 
+    // Every write goes on the one stream in post order, so a one-thread kernel enqueued after
+    // them adds once they have landed (atomicAdd_system: the word may be another process's or
+    // another GPU's memory, read by its host or waited on by its streams).
+    StatusOr<RequestHandle> post_signal(const RemoteRegion& dst, size_t dst_offset,
+                                        uint64_t add) override {
+        if (dst_offset % sizeof(uint64_t) != 0) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "cuda_ipc: signal word at offset {} is not 8-byte aligned",
+                               dst_offset);
+        }
+        return enqueue(OpKind::kSignal, nullptr, dst, dst_offset, sizeof(uint64_t),
+                       [add](void* target, cudaStream_t stream) -> Status {
+                           const int rc = cuda::detail::launch_signal_add(
+                               static_cast<uint64_t*>(target), add, stream);
+                           CUDA_CHECK(static_cast<cudaError_t>(rc));
+                           return {};
+                       });
+    }
+
     StatusOr<RequestHandle> post_write_after(const runtime::Event& ready, const RemoteRegion& dst,
                                              size_t dst_offset, const void* src,
                                              size_t bytes) override {
@@ -254,6 +275,20 @@ private:
     // post_write / post_write_after: the copy on the stream, after `ready` when it is set.
     StatusOr<RequestHandle> write(cudaEvent_t ready, const RemoteRegion& dst, size_t dst_offset,
                                   const void* src, size_t bytes) {
+        return enqueue(
+            OpKind::kWrite, ready, dst, dst_offset, bytes,
+            [src, bytes](void* target, cudaStream_t stream) -> Status {
+                CUDA_CHECK(cudaMemcpyAsync(target, src, bytes, cudaMemcpyDefault, stream));
+                return {};
+            });
+    }
+
+    // One operation on the stream: `bytes` at `dst_offset` of `dst` (checked against the
+    // region), enqueued by `work` after `ready` when it is set, then an event that the progress
+    // thread polls to complete the handle.
+    template <typename Work>
+    StatusOr<RequestHandle> enqueue(OpKind kind, cudaEvent_t ready, const RemoteRegion& dst,
+                                    size_t dst_offset, size_t bytes, Work work) {
         void* target = nullptr;
         {
             std::lock_guard<std::mutex> lock(mu_);
@@ -265,12 +300,12 @@ private:
             }
             if (dst_offset > it->second.bytes || bytes > it->second.bytes - dst_offset) {
                 return PDSIM_ERROR(StatusCode::kOutOfRange,
-                                   "cuda_ipc: write of {} bytes at {} outside {} bytes", bytes,
-                                   dst_offset, it->second.bytes);
+                                   "cuda_ipc: {} of {} bytes at {} outside {} bytes",
+                                   op_kind_name(kind), bytes, dst_offset, it->second.bytes);
             }
             target = static_cast<uint8_t*>(it->second.ptr) + dst_offset;
         }
-        auto op = std::make_shared<OpState>(OpKind::kWrite, dst.peer, 0, bytes);
+        auto op = std::make_shared<OpState>(kind, dst.peer, 0, bytes);
         cudaEvent_t ev = nullptr;
         {
             // One stream shared by all posting threads: serialize wait + enqueue + record.
@@ -280,8 +315,7 @@ private:
             CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
             const Status enqueued = [&]() -> Status {
                 if (ready != nullptr) CUDA_CHECK(cudaStreamWaitEvent(stream_, ready, 0));
-                CUDA_CHECK(cudaMemcpyAsync(target, src, bytes, cudaMemcpyDefault, stream_));
-                return {};
+                return work(target, stream_);
             }();
             if (!enqueued.ok()) {
                 cudaEventDestroy(ev);

@@ -52,7 +52,11 @@
 //   dedicated stream, completed when its event has fired. post_write_after(ready, ...) makes that
 //   stream wait on `ready` (cudaStreamWaitEvent, at post time) before the copy: one stream, so an
 //   event that never fires holds up every later write of the transport. kInvalidArgument: `ready`
-//   not a CUDA event of device_index's GPU. close() waits up to 10 s for the writes still on the
+//   not a CUDA event of device_index's GPU. post_signal(dst, offset, add) is a one-thread kernel
+//   (atomicAdd_system on the mapped word) enqueued on that stream after the writes before it, so
+//   it lands once they have; an offset that is not a multiple of 8 is kInvalidArgument. The word
+//   lives in device memory the target registered (a whole-allocation rule as for any region).
+//   close() waits up to 10 s for the writes still on the
 //   stream (a write behind a `ready` that never fires would hold it forever), then fails them with
 //   kUnavailable and destroys the stream without waiting, and closes the imported handles. No
 //   two-sided operations; op_timeout and rendezvous_dir are ignored.
@@ -123,6 +127,7 @@ struct GpuTransportOptions {
                      .two_sided = false,
                      .one_sided_write = true,
                      .stream_ordered = true,
+                     .write_signals = true,
                      .spans_processes = true,
                      .spans_nodes = false,  // CUDA IPC handles open only on their node
                      .threads_of_one_process = true,
