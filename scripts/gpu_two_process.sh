@@ -137,6 +137,13 @@ check("2 ranks, control over mpi (processes under mpirun)",
       {"ranks": cfg.get("ranks"), "transport": cfg.get("transport")})
 check(f"data transport {data}", cfg.get("data_transport") == data,
       {"data_transport": cfg.get("data_transport")})
+if data == "cuda_ipc":
+    # cuda_ipc signals each layer's bytes into the decode process's arrival words; its compute
+    # stream waits on them (cuStreamWaitValue64) before each request's decode forwards.
+    waits = next((x["stats"].get("arrival_waits") for x in ranks if x.get("role") == "decode"),
+                 None)
+    check("the decode stream waited on every request's arrival words", waits == requests,
+          {"arrival_waits": waits})
 if backend == "cuda":
     devices = [x.get("device") for x in ranks]
     check("both ranks on one GPU", len(devices) == 2 and all(devices)

@@ -122,6 +122,11 @@ TEST(TestbedGpuDisagg, TinyBothOnOneGpu) {
     EXPECT_THAT(rep["ranks"][1]["stats"].value("device", ""), ::testing::StartsWith("cuda:0 "));
     EXPECT_GT(rep["ranks"][0]["stats"]["sender"].value("bytes", 0), 0);
     EXPECT_GT(rep["ranks"][1]["stats"]["receiver"].value("bytes", 0), 0);
+    // cuda_ipc signals: the decode rank's compute stream waited on every request's arrival
+    // words (cuStreamWaitValue64) before its decode forwards.
+    EXPECT_EQ(rep["ranks"][1]["stats"].value("arrival_waits", -1),
+              rep.value("requests_submitted", -2))
+        << rep["ranks"][1]["stats"].dump(1);
     // The tokens, against the GPU model run on each request alone.
     expect_solo_gpu_tokens(run.options(), rep);
 }

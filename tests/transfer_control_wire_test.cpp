@@ -1,8 +1,10 @@
 // The transfer engine's control messages (transfer/engine/control.h) on the wire: every kind
-// encodes to exactly the bytes the hand-written encoders of 7fa4a7f produced (captured from that
-// code, as hex, below), decodes back to the same fields, and a truncated message is refused. The
-// write mode's messages (Regions, LayerWritten, Quiesced) and the ordered plane's DataPosted came
-// later: their golden bytes pin the encoding they were introduced with. Running with
+// encodes to exactly the bytes below, decodes back to the same fields, and a truncated message is
+// refused. The bytes are those the hand-written encoders of 7fa4a7f produced, with two changes
+// since: version 2 (the header's third and fourth bytes, "0200") and the arrival words' fields
+// appended to Bootstrap, Ack and Regions. The write mode's messages (Regions, LayerWritten,
+// Quiesced) and the ordered plane's DataPosted came later: their bytes pin the encoding they were
+// introduced with, under version 2. Running with
 // PDSIM_PRINT_WIRE=1 prints the current encodings (how the golden bytes were taken).
 #include <gtest/gtest.h>
 
@@ -19,38 +21,39 @@
 namespace pdsim::transfer {
 namespace {
 
-// The bytes of each sample message below, as encoded at 7fa4a7f.
+// The bytes of each sample message below (version 2).
 const std::string kGoldenBootstrap =
-    "50444b5601000100887766554433221105000000010000000200000019000000e803000000000000"
+    "50444b5602000100887766554433221105000000010000000200000019000000e803000000000000"
     "00001000000000000003000000020000001000000002000000020000000100000008000000040000"
-    "0004000000000100000000000008070605040302010300000007000000ffffffff2c010000";
+    "0004000000000100000000000008070605040302010300000007000000ffffffff2c010000250000"
+    "00";
 const std::string kGoldenAck =
-    "50444b56010002002a000000000000000300000004000000000f0000006c61796f7574206d69736d"
+    "50444b56020002002a000000000000000300000004000000000f0000006c61796f7574206d69736d"
     "61746368000001000000000001030000000100000010000000020000000200000001000000080000"
-    "00040000000400000000010000000000000807060504030201";
+    "0004000000040000000001000000000000080706050403020101";
 const std::string kGoldenChunk =
-    "50444b56010003004d00000000000000020000000002000000000000000300000000000001200000"
+    "50444b56020003004d00000000000000020000000002000000000000000300000000000001200000"
     "00000000000300000028000000290000002a000000";
 const std::string kGoldenAbort =
-    "50444b56010004000900000000000000100000007065657220332074696d6564206f7574";
-const std::string kGoldenHeartbeat = "50444b56010005000000000000000000";
+    "50444b56020004000900000000000000100000007065657220332074696d6564206f7574";
+const std::string kGoldenHeartbeat = "50444b56020005000000000000000000";
 const std::string kGoldenCompletion =
-    "50444b560100060015cd5b07000000000100000001ff7c0000020000000200000004000000010000"
+    "50444b560200060015cd5b07000000000100000001ff7c0000020000000200000004000000010000"
     "00030000000104000000010000000000000002000000000000000df0fecaefbeadde040000000000"
     "0000";
 
 // The write mode's messages, as encoded when they were introduced.
 const std::string kGoldenRegions =
-    "50444b56010007000807060504030201060000000200000002000000040000000100000002000000"
-    "000000000300000006000000a1b1b2d1d2d3";
+    "50444b56020007000807060504030201060000000200000002000000040000000100000002000000"
+    "000000000300000006000000a1b1b2d1d2d30300000002000000e1e2";
 const std::string kGoldenLayerWritten =
-    "50444b56010008001f0000000000000003000000040302013d000000e80300005544332211000000";
+    "50444b56020008001f0000000000000003000000040302013d000000e80300005544332211000000";
 const std::string kGoldenQuiesced =
-    "50444b56010009002c0000000000000001000000180000006465636f64652072616e6b20322061626f"
-    "72746564206974";
+    "50444b56020009002c0000000000000001000000180000006465636f64652072616e6b2032206162"
+    "6f72746564206974";
 // The ordered data plane's DataPosted, as encoded when it was introduced.
 const std::string kGoldenDataPosted =
-    "50444b5601000a002d00000000000000020000000300000004000000060000000200000000010000"
+    "50444b5602000a002d00000000000000020000000300000004000000060000000200000000010000"
     "000000000020000000000000";
 
 std::string hex(const Bytes& bytes) {
@@ -122,6 +125,7 @@ TEST(ControlWire, Bootstrap) {
     m.max_message_bytes = 1 << 20;
     m.layout = sample_layout();
     m.dst_pages = {7, -1, 300};
+    m.arrival_slot = 37;
     const Bytes bytes = encode(m);
     check_bytes("bootstrap", bytes, kGoldenBootstrap);
     StatusOr<BootstrapMsg> back = decode_bootstrap(bytes);
@@ -135,6 +139,7 @@ TEST(ControlWire, Bootstrap) {
     EXPECT_EQ(back->max_message_bytes, m.max_message_bytes);
     expect_layout_eq(back->layout, m.layout);
     EXPECT_EQ(back->dst_pages, m.dst_pages);
+    EXPECT_EQ(back->arrival_slot, 37);
     expect_truncations_refused(bytes, [](auto b) { return decode_bootstrap(b).status(); });
 }
 
@@ -149,6 +154,7 @@ TEST(ControlWire, Ack) {
     m.layout = sample_layout();
     m.layout.kind = KvKind::kMLA;
     m.layout.buffer_count = 1;
+    m.arrival_signals = true;
     const Bytes bytes = encode(m);
     check_bytes("ack", bytes, kGoldenAck);
     StatusOr<AckMsg> back = decode_ack(bytes);
@@ -160,6 +166,7 @@ TEST(ControlWire, Ack) {
     EXPECT_EQ(back->reason, m.reason);
     EXPECT_EQ(back->max_message_bytes, m.max_message_bytes);
     expect_layout_eq(back->layout, m.layout);
+    EXPECT_TRUE(back->arrival_signals);
     expect_truncations_refused(bytes, [](auto b) { return decode_ack(b).status(); });
 }
 
@@ -251,6 +258,8 @@ TEST(ControlWire, Regions) {
     const std::vector<std::vector<uint8_t>> descriptors = {
         {0xa1}, {0xb1, 0xb2}, {}, {0xd1, 0xd2, 0xd3}};
     for (const auto& d : descriptors) m.add(d);
+    m.arrival_slots = 3;
+    m.arrival_descriptor = {0xe1, 0xe2};
     const Bytes bytes = encode(m);
     check_bytes("regions", bytes, kGoldenRegions);
     StatusOr<RegionsMsg> back = decode_regions(bytes);
@@ -264,6 +273,8 @@ TEST(ControlWire, Regions) {
         const std::span<const uint8_t> d = back->descriptor(i);
         EXPECT_EQ(std::vector<uint8_t>(d.begin(), d.end()), descriptors[i]) << "descriptor " << i;
     }
+    EXPECT_EQ(back->arrival_slots, 3);
+    EXPECT_EQ(back->arrival_descriptor, m.arrival_descriptor);
     expect_truncations_refused(bytes, [](auto b) { return decode_regions(b).status(); });
     // Descriptor sizes that disagree with the dimensions or with the bytes are refused.
     RegionsMsg short_count = m;
@@ -274,6 +285,15 @@ TEST(ControlWire, Regions) {
     bad_sizes.descriptor_bytes[3] = 4;
     EXPECT_THAT(decode_regions(encode(bad_sizes)).status(),
                 StatusIs(StatusCode::kDataLoss, HasSubstr("7 of 6 bytes")));
+    // Arrival slots without their region's descriptor (or the other way round) are refused.
+    RegionsMsg no_descriptor = m;
+    no_descriptor.arrival_descriptor.clear();
+    EXPECT_THAT(decode_regions(encode(no_descriptor)).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("3 arrival slots with a 0-byte")));
+    RegionsMsg no_slots = m;
+    no_slots.arrival_slots = 0;
+    EXPECT_THAT(decode_regions(encode(no_slots)).status(),
+                StatusIs(StatusCode::kDataLoss, HasSubstr("0 arrival slots with a 2-byte")));
 }
 
 TEST(ControlWire, LayerWritten) {

@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -1912,6 +1913,214 @@ TEST(TransferEngineWrite, DeviceLayoutsWithoutStaging) {
     // Zero-copy and no validator: nothing for the device ops to do.
     EXPECT_EQ(ops.gathers() + ops.scatters() + ops.checksums(), 0u);
     EXPECT_EQ(ops.staging_allocations() + ops.sums_allocations(), 0u);
+}
+
+// ---- arrival words (the write mode over a data transport with write signals) ----
+
+// Tampers with post_signal (tests only): the nth signal is dropped (it completes OK and adds
+// nothing) or added twice -- what a transport that lost or repeated a signal would leave in the
+// decode rank's arrival words.
+class SignalTamper final : public ForwardingTransport {
+public:
+    enum class Mode : uint8_t { kDrop, kTwice };
+    SignalTamper(std::unique_ptr<Transport> inner, Mode mode, int nth)
+        : ForwardingTransport(std::move(inner)), mode_(mode), nth_(nth) {}
+    [[nodiscard]] StatusOr<RequestHandle> post_signal(const RemoteRegion& dst, size_t dst_offset,
+                                                      uint64_t add) override {
+        if (count_.fetch_add(1) == nth_) {
+            if (mode_ == Mode::kDrop) {
+                auto op = std::make_shared<OpState>(OpKind::kSignal, dst.peer, 0, 8);
+                op->complete({}, 8);
+                return RequestHandle(std::move(op));
+            }
+            PDSIM_RETURN_IF_ERROR(inner().post_signal(dst, dst_offset, add).status());
+        }
+        return inner().post_signal(dst, dst_offset, add);
+    }
+
+private:
+    const Mode mode_;
+    const int nth_;
+    std::atomic<int> count_{0};
+};
+
+// Prefill TP 2 -> decode TP 1 over "local_writes" (signals included), host pools, a validator on
+// the decode side; rank 0's data transport optionally wrapped by a SignalTamper.
+struct ArrivalRig {
+    ModelSpec m;
+    std::vector<std::unique_ptr<Transport>> control;
+    std::vector<std::unique_ptr<Transport>> data;
+    KvLayout pl[2];
+    KvLayout dl;
+    std::unique_ptr<kv::KVPool> ppool[2];
+    std::unique_ptr<kv::KVPool> dpool;
+    runtime::CpuStream streams[2] = {runtime::CpuStream("p0"), runtime::CpuStream("p1")};
+    pd::StepCounter counters[2] = {pd::StepCounter(streams[0]), pd::StepCounter(streams[1])};
+    OrderingValidator validator{2};
+    std::unique_ptr<KvSender> senders[2];
+    std::unique_ptr<KvReceiver> recv;
+
+    explicit ArrivalRig(int arrival_slots,
+                        std::optional<std::pair<SignalTamper::Mode, int>> tamper = std::nullopt,
+                        const std::string& data_name = "local_writes") {
+        register_test_transports();
+        control = make_transports("local", 3, "");
+        data = make_transports(data_name, 3, "");
+        if (tamper) {
+            data[0] =
+                std::make_unique<SignalTamper>(std::move(data[0]), tamper->first, tamper->second);
+        }
+        for (int r = 0; r < 2; ++r) {
+            ppool[r] =
+                make_pool(m, InstanceSpec{.tp = 2, .page_size = 16, .num_pages = 16}, r, &pl[r]);
+            SenderOptions so = test_options(SenderOptions{});
+            so.data_transport = data[static_cast<size_t>(r)].get();
+            auto s = KvSender::create(*control[static_cast<size_t>(r)], pl[r], counters[r], so);
+            EXPECT_OK(s);
+            if (s.ok()) {
+                senders[r] = std::move(s).value();
+            }
+        }
+        dpool = make_pool(m, InstanceSpec{.tp = 1, .page_size = 32, .num_pages = 16}, 0, &dl);
+        ReceiverOptions ro = test_options(ReceiverOptions{});
+        ro.data_transport = data[2].get();
+        ro.validator = &validator;
+        ro.arrival_slots = arrival_slots;
+        auto r = KvReceiver::create(*control[2], dl, ro);
+        EXPECT_OK(r);
+        if (r.ok()) {
+            recv = std::move(r).value();
+        }
+    }
+    ~ArrivalRig() {
+        for (auto& s : senders) {
+            if (s) s->shutdown();
+        }
+        if (recv) recv->shutdown();
+        for (auto& t : control) t->close();
+        for (auto& t : data) t->close();
+    }
+    // Request `id` of n tokens in two chunks, written and recorded on both prefill ranks; the
+    // decode side's outcome.
+    StatusOr<RequestStatus> run(uint64_t id, int64_t n) {
+        const std::vector<int32_t> src = {3, 1, 4, 2, 5};
+        const std::vector<int32_t> dst = {2, 5, 3};
+        PDSIM_RETURN_IF_ERROR(recv->submit(
+            {.request_id = id, .prefill_ranks = {0, 1}, .dst_pages = dst, .num_tokens = n}));
+        for (int r = 0; r < 2; ++r) {
+            PDSIM_RETURN_IF_ERROR(senders[r]->add_request({.request_id = id, .num_tokens = n}));
+            const int64_t half = n / 2;
+            for (const auto& [t0, t1] : {std::pair<int64_t, int64_t>{0, half}, {half, n}}) {
+                for (int l = 0; l < m.layers; ++l) write_layer(pl[r], src, 4, id, l, t0, t1, 0);
+                PDSIM_RETURN_IF_ERROR(
+                    senders[r]->submit_chunk({.request_id = id,
+                                              .src_pages = src,
+                                              .token_begin = t0,
+                                              .token_end = t1,
+                                              .begin_step = counters[r].advance_step(m.layers),
+                                              .layer_interval = 1,
+                                              .is_last = t1 == n,
+                                              .first_token = 7}));
+                for (int l = 0; l < m.layers; ++l)
+                    PDSIM_RETURN_IF_ERROR(counters[r].record_cache());
+            }
+        }
+        return recv->wait_done(id, 30s);
+    }
+};
+
+// Every request's arrival words reach their targets exactly (the receiver checks them before
+// Success), a stream ordered behind them runs, and slots are reused: with 2 slots, 6 requests in
+// turn, and the waits of the first request still hold after its slot served 2 more (the words
+// only grow). A request of a plane without arrival words has no targets.
+TEST(TransferEngineArrival, WordsCountEveryLandedByteAndOrderAStream) {
+    ArrivalRig rig(/*arrival_slots=*/2);
+    ASSERT_TRUE(rig.recv && rig.senders[0] && rig.senders[1]);
+    runtime::CpuStream decode("decode");
+    for (uint64_t id = 1; id <= 6; ++id) {
+        auto ds = rig.run(id, 40);
+        ASSERT_OK(ds);
+        ASSERT_EQ(ds->state, RequestState::kSuccess) << ds->reason;
+        ASSERT_OK(rig.recv->enqueue_arrival_wait(id, decode, 1s));
+        std::atomic<bool> ran{false};
+        ASSERT_OK(runtime::enqueue_void(decode, [&] { ran = true; }));
+        ASSERT_OK(decode.synchronize(10s));
+        EXPECT_TRUE(ran.load());
+        if (id > 2) {
+            ASSERT_OK(rig.recv->release(id));  // 1 and 2 stay
+        }
+    }
+    ASSERT_OK(rig.recv->enqueue_arrival_wait(1, decode, 1s));
+    ASSERT_OK(rig.recv->enqueue_arrival_wait(2, decode, 1s));
+    EXPECT_OK(decode.synchronize(10s));
+    EXPECT_EQ(rig.validator.violation_count(), 0u) << rig.validator.report().to_string();
+    EXPECT_THAT(rig.recv->enqueue_arrival_wait(3, decode, 1s), StatusIs(StatusCode::kNotFound));
+}
+
+// No targets where there are no words: the two-sided plane, or arrival_slots 0.
+TEST(TransferEngineArrival, NoWordsNoTargets) {
+    for (const bool two_sided : {true, false}) {
+        SCOPED_TRACE(two_sided ? "two-sided plane" : "arrival_slots 0");
+        ArrivalRig rig(two_sided ? 16 : 0, std::nullopt, two_sided ? "local" : "local_writes");
+        ASSERT_TRUE(rig.recv && rig.senders[0] && rig.senders[1]);
+        auto ds = rig.run(9, 33);
+        ASSERT_OK(ds);
+        ASSERT_EQ(ds->state, RequestState::kSuccess) << ds->reason;
+        runtime::CpuStream decode("decode");
+        EXPECT_THAT(rig.recv->enqueue_arrival_wait(9, decode, 1s),
+                    StatusIs(StatusCode::kFailedPrecondition, HasSubstr("no arrival targets")));
+    }
+}
+
+// A request holds its slot from submit() on: with one slot, a second request in flight is
+// refused, naming the arrival slots; once the first ended the slot serves again.
+TEST(TransferEngineArrival, SlotsAreAdmissionCapacity) {
+    ArrivalRig rig(/*arrival_slots=*/1);
+    ASSERT_TRUE(rig.recv);
+    ASSERT_OK(rig.recv->submit(
+        {.request_id = 1, .prefill_ranks = {0, 1}, .dst_pages = {2}, .num_tokens = 10}));
+    EXPECT_THAT(rig.recv->submit(
+                    {.request_id = 2, .prefill_ranks = {0, 1}, .dst_pages = {3}, .num_tokens = 10}),
+                StatusIs(StatusCode::kResourceExhausted, HasSubstr("all 1 arrival slots")));
+    for (auto& sender : rig.senders)
+        ASSERT_OK(sender->add_request({.request_id = 1, .num_tokens = 10}));
+    ASSERT_OK(rig.recv->abort(1, "test"));
+    // Its sources quiesce on the Abort (they wrote nothing): the slot is read and serves again.
+    bool admitted = eventually(
+        [&] {
+            return rig.recv
+                ->submit(
+                    {.request_id = 3, .prefill_ranks = {0, 1}, .dst_pages = {3}, .num_tokens = 10})
+                .ok();
+        },
+        20s * kSlow);
+    EXPECT_TRUE(admitted);
+    // Let request 3 end too (the rig's graceful shutdown would wait for its sources).
+    for (auto& sender : rig.senders)
+        ASSERT_OK(sender->add_request({.request_id = 3, .num_tokens = 10}));
+    ASSERT_OK(rig.recv->abort(3, "test"));
+    EXPECT_TRUE(eventually([&] { return !rig.recv->status(3)->pages_in_use; }, 20s * kSlow));
+}
+
+// A signal lost or added twice leaves a word off its target: the request fails naming the
+// arrival words, and the validator has a violation per layer that is off -- the bytes themselves
+// are all there (the checksums pass), only the data path's own count disagrees.
+TEST(TransferEngineArrival, ALostOrRepeatedSignalIsCaught) {
+    for (const auto mode : {SignalTamper::Mode::kDrop, SignalTamper::Mode::kTwice}) {
+        SCOPED_TRACE(mode == SignalTamper::Mode::kDrop ? "dropped" : "twice");
+        ArrivalRig rig(/*arrival_slots=*/4, std::make_pair(mode, 2));
+        ASSERT_TRUE(rig.recv && rig.senders[0] && rig.senders[1]);
+        auto ds = rig.run(5, 40);
+        ASSERT_OK(ds);
+        EXPECT_EQ(ds->state, RequestState::kFailed);
+        EXPECT_THAT(ds->reason, HasSubstr("1 layers' arrival words disagree with the bytes"));
+        EXPECT_EQ(rig.validator.violation_count(), 1u);
+        EXPECT_THAT(rig.validator.report().to_string(), HasSubstr("bytes landed"));
+        // The next request's words start from where this one left them: it succeeds.
+        auto next = rig.run(6, 40);
+        ASSERT_OK(next);
+        EXPECT_EQ(next->state, RequestState::kSuccess) << next->reason;
+    }
 }
 
 TEST(TransferEngineCreate, DataTransportsWithoutAUsablePlane) {

@@ -39,10 +39,6 @@ constexpr size_t kBlockBytes = kNumCounters * kStride * sizeof(uint64_t);
 constexpr auto kSpin = std::chrono::microseconds(200);
 constexpr auto kPollSleep = std::chrono::microseconds(20);
 
-// cuStreamWaitValue64_v2 appeared in CUDA 11.7; asking for that version works with any driver
-// that can run this CUDA 13 build and returns the newest ABI-compatible entry point.
-constexpr unsigned int kDriverApiVersion = 11070;
-
 size_t index_of(CounterId id) {
     return static_cast<size_t>(id);
 }
@@ -56,40 +52,16 @@ Status use_device(int device) {
     return {};
 }
 
-StatusOr<void*> driver_entry_point(const char* symbol) {
-    return runtime::cuda::driver_entry_point(symbol, kDriverApiVersion);
-}
-
 // The driver's cuStreamWaitValue64 when `device` can run it with 64-bit values, or why not
 // (kUnavailable). The caller has made `device` current.
+// cuStreamWaitValue64_v2 appeared in CUDA 11.7 (cuda_driver.h asks for that version, which works
+// with any driver that can run this CUDA 13 build).
 StatusOr<PFN_cuStreamWaitValue64_v11070> load_value_wait(int device) {
-    PDSIM_ASSIGN_OR_RETURN(void* wait_value, driver_entry_point("cuStreamWaitValue64"));
-    PDSIM_ASSIGN_OR_RETURN(void* get_device, driver_entry_point("cuDeviceGet"));
-    PDSIM_ASSIGN_OR_RETURN(void* get_attribute, driver_entry_point("cuDeviceGetAttribute"));
-    CUdevice dev = 0;
-    CUresult rc = reinterpret_cast<PFN_cuDeviceGet_v2000>(get_device)(&dev, device);
-    if (rc != CUDA_SUCCESS) {
-        return PDSIM_ERROR(StatusCode::kUnavailable, "cuDeviceGet({}) failed: CUresult {}", device,
-                           static_cast<int>(rc));
+    StatusOr<void*> entry = runtime::cuda::stream_wait_value64_entry(device);
+    if (!entry.ok()) {
+        return entry.status().with_context("a StepCounter gate cannot wait on the counter's value");
     }
-    int supported = 0;
-    rc = reinterpret_cast<PFN_cuDeviceGetAttribute_v2000>(get_attribute)(
-        &supported, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev);
-    if (rc != CUDA_SUCCESS) {
-        return PDSIM_ERROR(StatusCode::kUnavailable,
-                           "cuDeviceGetAttribute(CAN_USE_64_BIT_STREAM_MEM_OPS, device {}) "
-                           "failed: CUresult {}",
-                           device, static_cast<int>(rc));
-    }
-    if (supported == 0) {
-        return PDSIM_ERROR(
-            StatusCode::kUnavailable,
-            "CUDA device {} does not support 64-bit stream memory operations "
-            "(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0): a StepCounter "
-            "gate cannot wait on the counter's value there",
-            device);
-    }
-    return reinterpret_cast<PFN_cuStreamWaitValue64_v11070>(wait_value);
+    return reinterpret_cast<PFN_cuStreamWaitValue64_v11070>(*entry);
 }
 
 class DeviceStepCounterImpl final : public StepCounterImpl {

@@ -638,7 +638,10 @@ RankResult Server::result() {
                     {"layers", s.layers}};
     };
     if (sender_) stats["sender"] = engine_stats(sender_->stats());
-    if (receiver_) stats["receiver"] = engine_stats(receiver_->stats());
+    if (receiver_) {
+        stats["receiver"] = engine_stats(receiver_->stats());
+        stats["arrival_waits"] = arrival_waits_;
+    }
     for (GroupEngine* g : {&window_, &state_}) {
         const std::string key = g == &window_ ? "window_" : "state_";
         if (g->sender) stats[key + "sender"] = engine_stats(g->sender->stats());

@@ -317,6 +317,7 @@ void Server::poll_engine(std::vector<EngineOutcomeFields>* out) {
             continue;
         }
         const bool ok = s->state == transfer::RequestState::kSuccess;
+        if (ok && receiver_ && !sender_) order_behind_arrival(*it);
         uint64_t digest = 0;
         if (auto d = kv_digests_.find(*it); d != kv_digests_.end()) {
             digest = d->second;
@@ -338,6 +339,28 @@ void Server::poll_engine(std::vector<EngineOutcomeFields>* out) {
                         .kv_digest = digest});
         it = engine_active_.erase(it);
     }
+}
+
+void Server::order_behind_arrival(uint64_t id) {
+    std::vector<transfer::KvReceiver*> receivers = {receiver_.get()};
+    for (GroupEngine* g : groups()) {
+        if (g->receiver) receivers.push_back(g->receiver.get());
+    }
+    bool ordered = false;
+    for (transfer::KvReceiver* r : receivers) {
+        const Status st = r->enqueue_arrival_wait(id, *stream_, timeout_);
+        if (st.ok()) {
+            ordered = true;
+        } else if (st.code() != StatusCode::kFailedPrecondition && !arrival_wait_warned_) {
+            // No targets (kFailedPrecondition) is the normal case of planes without words.
+            arrival_wait_warned_ = true;
+            PDSIM_LOG_WARN(
+                "rank {}: the compute stream cannot wait on arrival words ({}); "
+                "wait_done's host-side proof stands alone",
+                ctx_.rank, st.to_string());
+        }
+    }
+    if (ordered) ++arrival_waits_;
 }
 
 }  // namespace pdsim::testbed::detail

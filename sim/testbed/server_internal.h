@@ -155,6 +155,9 @@ private:
     json forward_args(const Plan& plan) const;
     void on_engine_event(const transfer::TransferEvent& ev);
     void poll_engine(std::vector<EngineOutcomeFields>* out);
+    // Decode side: orders the compute stream behind request `id`'s arrival words, for every
+    // receiver that has targets for it (poll_engine, once the request succeeded).
+    void order_behind_arrival(uint64_t id);
     template <class Report>
     Status send_router(Report report) {
         report.phase = phase_name(phase_);
@@ -308,6 +311,11 @@ private:
 
     // Engine bookkeeping of this rank (leader and followers).
     std::set<uint64_t> engine_active_;  // added to the sender / submitted to the receiver
+    // Decode side, arrival words (kv_receiver.h): requests whose landed layers the compute
+    // stream was ordered behind (enqueue_arrival_wait), and whether a failure to do so was
+    // logged (it is not fatal: wait_done already proved the arrival on the host).
+    uint64_t arrival_waits_ = 0;
+    bool arrival_wait_warned_ = false;
     // Follower: failed requests whose pages a transfer may still reach (reported idle later).
     std::set<uint64_t> quiescing_;
 

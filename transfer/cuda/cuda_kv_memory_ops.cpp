@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backends/cuda/cuda_driver.h"
 #include "backends/cuda/cuda_pinned_memory.h"
 #include "backends/cuda/cuda_stream.h"
 #include "backends/cuda/flashinfer_staging.h"
@@ -199,6 +200,18 @@ public:
     }
     [[nodiscard]] StatusOr<KvOpsMemory> allocate_sums(size_t count) override {
         return memory_->take(/*host=*/true, std::max<size_t>(count, 1) * sizeof(uint64_t));
+    }
+    // The device waits on the word (cuStreamWaitValue64, GEQ): no host thread, no timeout.
+    [[nodiscard]] Status enqueue_wait_value(runtime::Stream& stream, const uint64_t* word,
+                                            uint64_t value,
+                                            std::chrono::milliseconds /*timeout*/) override {
+        if (stream.device() != runtime::Device{runtime::DeviceKind::kCuda, options_.device}) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "cuda ops of GPU {}: value wait on stream {} of another device",
+                               options_.device, stream.name());
+        }
+        PDSIM_ASSIGN_OR_RETURN(cudaStream_t s, runtime::cuda::native_stream(stream));
+        return runtime::cuda::stream_wait_value64_geq(options_.device, s, word, value);
     }
 
 private:

@@ -121,6 +121,10 @@ struct BootstrapMsg {
     uint64_t max_message_bytes = 0;
     KvLayoutSummary layout;
     std::vector<int32_t> dst_pages;
+    // Write mode with arrival words (RegionsMsg::arrival_slots > 0): the request's slot, whose
+    // word of layer l sits at (arrival_slot * num_layers + l) * 8 of the arrival region; -1: none
+    // (the prefill rank signals nothing for this request).
+    int32_t arrival_slot = -1;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
         v(m.request_id);
@@ -132,6 +136,7 @@ struct BootstrapMsg {
         v(m.max_message_bytes);
         v(m.layout);
         v(m.dst_pages);
+        v(m.arrival_slot);
     }
 };
 
@@ -144,6 +149,9 @@ struct AckMsg {
     std::string reason;
     uint64_t max_message_bytes = 0;
     KvLayoutSummary layout;
+    // Write mode: this rank adds every (chunk, layer)'s bytes to the request's arrival word
+    // (the Bootstrap named a slot, and this rank's data transport has write signals).
+    bool arrival_signals = false;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
         v(m.request_id);
@@ -153,6 +161,7 @@ struct AckMsg {
         v(m.reason);
         v(m.max_message_bytes);
         v(m.layout);
+        v(m.arrival_signals);
     }
 };
 
@@ -227,7 +236,10 @@ struct CompletionMsg {
 };
 
 // The write mode's region descriptors: descriptor i (of layer i / buffer_count, buffer
-// i % buffer_count) is descriptor_bytes[i] bytes of `descriptors`, after those of 0..i-1.
+// i % buffer_count) is descriptor_bytes[i] bytes of `descriptors`, after those of 0..i-1. With
+// arrival words (the decode rank's data transport has write signals): `arrival_descriptor` is
+// the region of arrival_slots x num_layers 8-byte words (kv_receiver.h, "Arrival words");
+// otherwise it is empty and arrival_slots is 0.
 struct RegionsMsg {
     static constexpr MsgType kType = MsgType::kRegions;
     uint64_t request_id = 0;  // the request whose Bootstrap follows (logs only)
@@ -236,6 +248,8 @@ struct RegionsMsg {
     int32_t buffer_count = 0;
     std::vector<uint32_t> descriptor_bytes;
     std::vector<uint8_t> descriptors;
+    int32_t arrival_slots = 0;
+    std::vector<uint8_t> arrival_descriptor;
     template <class Self, class V>
     static void fields(Self& m, V& v) {
         v(m.request_id);
@@ -244,6 +258,8 @@ struct RegionsMsg {
         v(m.buffer_count);
         v(m.descriptor_bytes);
         v(m.descriptors);
+        v(m.arrival_slots);
+        v(m.arrival_descriptor);
     }
 
     // Appends the descriptor of the next (layer, buffer) region.

@@ -40,7 +40,9 @@ std::string_view msg_type_name(MsgType type) {
 namespace {
 
 constexpr uint32_t kMagic = 0x564B4450;  // "PDKV"
-constexpr uint16_t kVersion = 1;
+// 2: the write plane's arrival words (Bootstrap.arrival_slot, Ack.arrival_signals,
+// Regions.arrival_slots / arrival_descriptor). A peer of another version is refused.
+constexpr uint16_t kVersion = 2;
 constexpr size_t kHeaderBytes = 8;
 constexpr uint32_t kMaxStringBytes = 1 << 16;
 
@@ -339,12 +341,15 @@ StatusOr<RegionsMsg> decode_regions(std::span<const uint8_t> bytes) {
     if (m.num_layers < 1 || m.buffer_count < 1 || m.buffer_count > kMaxKvBuffers ||
         m.descriptor_bytes.size() !=
             static_cast<size_t>(m.num_layers) * static_cast<size_t>(m.buffer_count) ||
-        total != m.descriptors.size()) {
+        total != m.descriptors.size() || m.arrival_slots < 0 ||
+        (m.arrival_slots > 0) != !m.arrival_descriptor.empty()) {
         return PDSIM_ERROR(StatusCode::kDataLoss,
                            "regions message of decode rank {} carries {} descriptors ({} of {} "
-                           "bytes) for {} layers x {} buffers",
+                           "bytes) for {} layers x {} buffers, and {} arrival slots with a "
+                           "{}-byte descriptor",
                            m.decode_rank, m.descriptor_bytes.size(), total, m.descriptors.size(),
-                           m.num_layers, m.buffer_count);
+                           m.num_layers, m.buffer_count, m.arrival_slots,
+                           m.arrival_descriptor.size());
     }
     return m;
 }

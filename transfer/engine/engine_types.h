@@ -140,6 +140,10 @@ struct ReceiverOptions : EngineOptions {
     int num_workers = 1;
     // A checksum mismatch in landed KV fails the request (else it is only reported).
     bool fail_on_violation = true;
+    // Write mode over a data transport with write signals: requests that can hold arrival words
+    // at once (kv_receiver.h, "Arrival words"); submit() is kResourceExhausted past that. 0: no
+    // arrival words (the LayerWritten messages alone report arrival).
+    int arrival_slots = 1024;
 };
 
 struct EngineStats {

@@ -4,13 +4,42 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "transfer/engine/kv_hash.h"
 
 namespace pdsim::transfer {
+
+Status KvMemoryOps::enqueue_wait_value(runtime::Stream& stream, const uint64_t* word,
+                                       uint64_t value, std::chrono::milliseconds timeout) {
+    if (word == nullptr) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "{}: wait on a null word", name());
+    }
+    return stream.enqueue([word, value, timeout]() -> Status {
+        // The word is written with atomic adds (post_signal); read it as an atomic.
+        std::atomic_ref<uint64_t> atom(*const_cast<uint64_t*>(word));
+        const auto deadline = std::chrono::steady_clock::now() + timeout;
+        for (int polls = 0;; ++polls) {
+            const uint64_t now = atom.load(std::memory_order_acquire);
+            if (static_cast<int64_t>(now - value) >= 0) return Status();
+            if (std::chrono::steady_clock::now() > deadline) {
+                return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                                   "arrival word at {} is {} after {} ms, waiting for >= {}",
+                                   static_cast<const void*>(word), now, timeout.count(), value);
+            }
+            if (polls < 1000) {
+                std::this_thread::yield();
+            } else {
+                std::this_thread::sleep_for(std::chrono::microseconds(50));
+            }
+        }
+    });
+}
 
 namespace {
 

@@ -58,6 +58,7 @@
 // thread run in that thread's call order.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -154,6 +155,19 @@ public:
     // `count` zeroed sums (0 is taken as 1), host-readable, that enqueue_checksums can add into.
     // Errors as allocate_staging's. Thread-safe.
     [[nodiscard]] virtual StatusOr<KvOpsMemory> allocate_sums(size_t count) = 0;
+
+    // Makes `stream`'s later work wait until the 8-byte word at `word` -- memory of this kind
+    // that a data transport's post_signal adds into (transport.h) -- is >= `value` (cyclic, as
+    // cuStreamWaitValue64: exact for values less than 2^63 apart). Returns once enqueued. This
+    // implementation, for ops whose memory the host reads (host ops, in-process fakes): a stream
+    // task polling the word with acquire loads, which fails the stream with kDeadlineExceeded
+    // ("arrival word at <addr> is <v> after <timeout>, waiting for >= <value>") once `timeout`
+    // passed. The CUDA ops: the device waits (cuStreamWaitValue64, GEQ) without a timeout (the
+    // host's bounded waits on the stream report one that never ends); kUnavailable where the
+    // device cannot run 64-bit stream waits; kInvalidArgument for a stream of another device.
+    [[nodiscard]] virtual Status enqueue_wait_value(runtime::Stream& stream, const uint64_t* word,
+                                                    uint64_t value,
+                                                    std::chrono::milliseconds timeout);
 
 protected:
     KvMemoryOps() = default;

@@ -64,10 +64,26 @@ Status KvReceiver::Impl::start() {
                 regions_.push_back(std::move(region).value());
             }
         }
+        if (data_.capabilities().write_signals && opt_.arrival_slots > 0) {
+            auto arrival = ArrivalWords::create(data_, layout_.device(), opt_.arrival_slots,
+                                                layout_.num_layers());
+            if (!arrival.ok()) {
+                for (const MemoryRegion& m : regions_) {
+                    data_.deregister_memory(m.id).ignore_error();
+                }
+                regions_.clear();
+                return arrival.status().with_context(
+                    fmt::format("receiver rank {}", transport_.rank()));
+            }
+            arrival_ = std::move(arrival).value();
+            regions_msg_.arrival_slots = arrival_->slots();
+            regions_msg_.arrival_descriptor = arrival_->region().descriptor;
+        }
         const size_t n = encode(regions_msg_).size();
         if (n > opt_.max_control_bytes) {
             for (const MemoryRegion& m : regions_) data_.deregister_memory(m.id).ignore_error();
             regions_.clear();
+            if (arrival_) arrival_->deregister();
             return PDSIM_ERROR(StatusCode::kInvalidArgument,
                                "receiver rank {}: the regions message of {} bytes exceeds "
                                "max_control_bytes {}",
@@ -112,10 +128,23 @@ Status KvReceiver::Impl::submit(const ReceiveRequestSpec& spec) {
     }
     PDSIM_RETURN_IF_ERROR(layout_.check_pages(spec.dst_pages, spec.num_tokens)
                               .with_context(fmt::format("request {}", spec.request_id)));
+    // Arrival words: the slot is taken before the engine lock (take() may read device memory).
+    ArrivalWords::Slot arrival;
+    if (arrival_) {
+        StatusOr<ArrivalWords::Slot> taken = arrival_->take();
+        if (!taken.ok()) {
+            return taken.status().with_context(
+                fmt::format("request {}: receiver rank {}", spec.request_id, transport_.rank()));
+        }
+        arrival = std::move(taken).value();
+    }
     std::shared_ptr<RecvReq> r;
     {
         MutexLock lock(table_.mu());
-        PDSIM_RETURN_IF_ERROR(table_.check_addable_locked(spec.request_id));
+        if (Status addable = table_.check_addable_locked(spec.request_id); !addable.ok()) {
+            if (arrival.index >= 0) arrival_->give_back(arrival.index, std::move(arrival.base));
+            return addable;
+        }
         uint32_t slot = 0;
         if (plane_ != DataPlane::kTwoSided) {
             // No data tag: the write mode and the ordered plane take no slot.
@@ -125,6 +154,7 @@ Status KvReceiver::Impl::submit(const ReceiveRequestSpec& spec) {
         } else if (next_slot_ < slot_capacity_) {
             slot = next_slot_++;
         } else {
+            if (arrival.index >= 0) arrival_->give_back(arrival.index, std::move(arrival.base));
             return PDSIM_ERROR(StatusCode::kResourceExhausted,
                                "request {}: all {} data tags of rank {} are in use ({} "
                                "quarantined after failures)",
@@ -146,6 +176,8 @@ Status KvReceiver::Impl::submit(const ReceiveRequestSpec& spec) {
                  : ordered()  ? kOrderedDataTag  // in the Bootstrap; data is posted untagged
                               : kDataTagBase + slot;
         r->slot_settled = plane_ != DataPlane::kTwoSided;
+        r->arrival_slot = arrival.index;
+        r->arrival_base = std::move(arrival.base);
         r->sources.resize(spec.prefill_ranks.size());
         for (size_t i = 0; i < spec.prefill_ranks.size(); ++i) {
             r->sources[i].world_rank = spec.prefill_ranks[i];
@@ -165,6 +197,7 @@ Status KvReceiver::Impl::submit(const ReceiveRequestSpec& spec) {
     m.max_message_bytes = max_msg_;
     m.layout = layout_.summary();
     m.dst_pages = r->dst_pages;
+    m.arrival_slot = r->arrival_slot;
     Bytes bytes = encode(m);
     if (bytes.size() > opt_.max_control_bytes) {
         {
@@ -201,6 +234,44 @@ void KvReceiver::Impl::send_bootstrap(const RecvReq& r, const Bytes& bootstrap) 
         }
         channel_->send(p, bootstrap);
     }
+}
+
+Status KvReceiver::Impl::enqueue_arrival_wait(uint64_t id, runtime::Stream& stream,
+                                              std::chrono::milliseconds timeout) const {
+    std::vector<uint64_t> targets;
+    int32_t slot = -1;
+    {
+        MutexLock lock(table_.mu());
+        PDSIM_ASSIGN_OR_RETURN(std::shared_ptr<RecvReq> r, table_.get_locked(id));
+        if (r->state != RequestState::kSuccess) {
+            return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                               "request {}: arrival wait on a request that is {} (only a request "
+                               "that succeeded has its arrival targets)",
+                               id, request_state_name(r->state));
+        }
+        if (r->arrival_target.empty()) {
+            return PDSIM_ERROR(
+                StatusCode::kFailedPrecondition,
+                "request {}: no arrival targets ({}): wait_done is the proof of "
+                "arrival",
+                id,
+                !arrival_ ? fmt::format("data transport '{}', {} plane, {} slots", data_.name(),
+                                        data_plane_name(plane_), opt_.arrival_slots)
+                          : std::string("a prefill rank did not signal, or the "
+                                        "words disagreed"));
+        }
+        targets = r->arrival_target;
+        slot = r->arrival_slot;
+    }
+    KvMemoryOps* ops = comm_ ? &comm_->ops() : nullptr;
+    HostKvMemoryOps host_ops;
+    if (ops == nullptr) ops = &host_ops;
+    for (int l = 0; l < layout_.num_layers(); ++l) {
+        PDSIM_RETURN_IF_ERROR(ops->enqueue_wait_value(stream, arrival_->word(slot, l),
+                                                      targets[static_cast<size_t>(l)], timeout)
+                                  .with_context(fmt::format("request {} layer {}", id, l)));
+    }
+    return {};
 }
 
 Status KvReceiver::Impl::wait_layer(uint64_t id, int layer,
@@ -293,6 +364,7 @@ void KvReceiver::Impl::shutdown(ShutdownMode mode) {
     if (graceful) {
         for (const MemoryRegion& m : regions_) data_.deregister_memory(m.id).ignore_error();
         regions_.clear();
+        if (arrival_) arrival_->deregister();
     }
     // Receives still posted (an ordered plane's, a stopped request's) may complete later, until
     // the data transport is closed: their callbacks reach the hook no more.
@@ -628,6 +700,10 @@ StatusOr<RequestStatus> KvReceiver::wait_done(uint64_t id, std::chrono::nanoseco
 }
 StatusOr<RequestStatus> KvReceiver::status(uint64_t id) const {
     return impl_->status(id);
+}
+Status KvReceiver::enqueue_arrival_wait(uint64_t id, runtime::Stream& stream,
+                                        std::chrono::milliseconds timeout) const {
+    return impl_->enqueue_arrival_wait(id, stream, timeout);
 }
 Status KvReceiver::release(uint64_t id) {
     return impl_->release(id);

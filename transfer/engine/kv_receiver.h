@@ -58,6 +58,23 @@
 // wait_done, events and stats behave as in the two-sided mode (stats().messages counts the
 // sources' writes), and the landed pages are checked against the checksums as there.
 //
+// Arrival words (write mode over a data transport with write signals: cuda_ipc, local; and
+// ReceiverOptions::arrival_slots > 0). create() also allocates arrival_slots x layers 8-byte
+// words in the layout's memory (a GPU's for a device layout), registers them and sends their
+// descriptor with the Regions message. submit() takes a slot for the request (kResourceExhausted
+// when none is free) and names it in the Bootstrap; each prefill rank whose data transport can
+// signal says so in its Ack and, after the writes of every (chunk, layer), adds their bytes to
+// word (slot, layer) with post_signal, which the transport orders behind those writes (on a GPU,
+// a kernel on cuda_ipc's stream after the copies): the words are the data path's own count of
+// what landed, written by the prefill side's stream with no host in between. Words are never
+// reset (arrival_words.h: a slot's base is what its words showed when it was handed out). Before
+// Success the receiver reads the request's words: each must equal base + the layer's bytes (the
+// fragment bytes per token of every source, times the request's tokens); a word that disagrees
+// is a Violation and, with fail_on_violation, fails the request. The targets are kept until
+// release(): enqueue_arrival_wait orders a stream's later work (the decode forward) behind them.
+// A failed request's slot is read again before reuse, or quarantined when a source given up as
+// dead may still add to it.
+//
 // Device memory (as the sender's, kv_sender.h: KV memory ops and one comm stream per engine,
 // made at create(); kv_comm_stream.h). Two-sided, the messages that fill part of a decode slot of
 // one chunk from one source land in one staging buffer of the ops (plan_scatter over every
@@ -106,6 +123,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/runtime/stream.h"
 #include "common/status.h"
 #include "transfer/engine/engine_types.h"
 #include "transfer/engine/kv_layout.h"
@@ -154,6 +172,18 @@ public:
     [[nodiscard]] StatusOr<RequestStatus> wait_done(uint64_t request_id,
                                                     std::chrono::nanoseconds timeout) const;
     [[nodiscard]] StatusOr<RequestStatus> status(uint64_t request_id) const;
+    // Arrival words (below): makes `stream`'s later work wait until every layer's arrival word
+    // of the request reached its target -- the decode side's device-enforced "no layer read
+    // before it landed", independent of the control messages. Returns once enqueued. On a CUDA
+    // stream of a GPU layout the device waits (cuStreamWaitValue64, one per layer); otherwise a
+    // stream task polls the words and fails the stream with kDeadlineExceeded after `timeout`.
+    // For a request that succeeded (wait_done), so the waits are satisfied when enqueued: they
+    // order the stream's reads behind the data path's own proof. kFailedPrecondition when the
+    // request did not succeed or has no targets (no arrival words on this plane or transport, a
+    // source that did not signal); kNotFound for an unknown or released request; the ops' error
+    // (kUnavailable: a GPU without 64-bit stream waits) otherwise.
+    [[nodiscard]] Status enqueue_arrival_wait(uint64_t request_id, runtime::Stream& stream,
+                                              std::chrono::milliseconds timeout) const;
     // Forgets a terminal request. kFailedPrecondition while it is active.
     [[nodiscard]] Status release(uint64_t request_id);
     // Fails an active request now (the caller gave up on it: e.g. the router cancelled it), with

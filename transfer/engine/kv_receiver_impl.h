@@ -29,6 +29,7 @@
 
 #include "common/mutex.h"
 #include "common/status.h"
+#include "transfer/engine/arrival_words.h"
 #include "transfer/engine/control.h"
 #include "transfer/engine/data_plane.h"
 #include "transfer/engine/event_sink.h"
@@ -98,6 +99,7 @@ struct SourceState {
     bool quiesced = false;  // it sent Quiesced: none of its writes can land any more
     bool dead = false;      // its control link failed, or it was silent past peer_timeout
     bool detached = false;  // it never attached the request (refused, or never bootstrapped)
+    bool signals = false;   // its Ack: it adds its writes' bytes to the arrival words
     // Write mode: tokens of each announced chunk, and which (chunk, layer) it reported written
     // ([chunk * num_layers + layer]).
     std::vector<int64_t> chunk_tokens;
@@ -143,6 +145,12 @@ struct RecvReq : RequestLifecycle {
     uint64_t bytes = 0;
     // Device layouts: what a worker waits for on the comm stream (its scatters), while it waits.
     std::string awaiting_comm;
+    // Arrival words (the write mode, arrival_ set): the request's slot and its words' values
+    // when it was taken; once the request succeeded with every byte counted, each layer's
+    // target (base + the layer's bytes), which enqueue_arrival_wait waits for. Slot -1: none.
+    int32_t arrival_slot = -1;
+    std::vector<uint64_t> arrival_base;
+    std::vector<uint64_t> arrival_target;
 };
 
 }  // namespace receiver_detail
@@ -169,6 +177,8 @@ public:
     bool layer_arrived(uint64_t id, int layer) const;
     StatusOr<RequestStatus> wait_done(uint64_t id, std::chrono::nanoseconds timeout) const;
     StatusOr<RequestStatus> status(uint64_t id) const;
+    Status enqueue_arrival_wait(uint64_t id, runtime::Stream& stream,
+                                std::chrono::milliseconds timeout) const;
     Status release(uint64_t id) { return table_.release(id); }
     Status abort(uint64_t id, const std::string& reason);
 
@@ -253,6 +263,12 @@ private:
 
     // Control thread: checks what landed against the compute stream's checksums, then Success.
     void finalize(const std::shared_ptr<RecvReq>& r);
+    // finalize(), arrival words: reads the request's words into `words` and checks each against
+    // its target (base + every signalling source's bytes of the layer), returned in `targets`.
+    // "" when they agree or a source with a fragment does not signal (then `targets` stays
+    // empty); else why (each disagreeing layer is also a Violation). Control thread, no lock.
+    std::string check_arrival_words(const RecvReq& r, const std::vector<SourceState>& sources,
+                                    std::vector<uint64_t>& words, std::vector<uint64_t>& targets);
 
     // Any thread. Marks the request Failed (once); on the control thread, withdraws its receives
     // and tells the prefill ranks.
@@ -277,6 +293,9 @@ private:
     EventSink events_{opt_.on_event};
     // Device layouts: the KV memory ops and the comm stream (null: a host layout).
     const std::unique_ptr<KvCommStream> comm_;
+    // Write mode over a data transport with write signals: the arrival words (null: none).
+    // Created in start(); its memory outlives every request of the engine.
+    std::unique_ptr<ArrivalWords> arrival_;
     size_t max_msg_ = 0;
     uint32_t slot_capacity_ = 0;
     std::shared_ptr<ControlChannel> channel_;

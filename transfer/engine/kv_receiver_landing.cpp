@@ -53,6 +53,19 @@ bool KvReceiver::Impl::maybe_settle_locked(RecvReq& r) {
         for (const SourceState& s : r.sources) {
             if (!s.settled()) return false;
         }
+        if (r.arrival_slot >= 0) {
+            // A source given up as dead may still add to the words (it may only be stopped):
+            // such a slot is never handed out again. Otherwise take() reads its words first.
+            const bool maybe_live = std::any_of(r.sources.begin(), r.sources.end(), [](auto& s) {
+                return s.dead && !s.quiesced && !s.completed && !s.detached;
+            });
+            if (maybe_live) {
+                arrival_->quarantine(r.arrival_slot);
+            } else {
+                arrival_->give_back_unread(r.arrival_slot);
+            }
+            r.arrival_slot = -1;
+        }
     } else if (r.ops_outstanding > 0) {
         return false;
     }
@@ -110,6 +123,7 @@ void KvReceiver::Impl::handle_ack(int peer, const AckMsg& m) {
             SourceState& s = r->sources[static_cast<size_t>(src)];
             if (s.acked) return;  // duplicate
             s.acked = true;
+            s.signals = m.arrival_signals && r->arrival_slot >= 0;
             s.layout = m.layout;
             s.frag = make_fragment(m.layout, layout_.summary());
             if (s.frag) {
@@ -800,6 +814,16 @@ void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
              true);
         return;
     }
+    // Arrival words: every source that signals has added each layer's bytes behind its writes.
+    std::vector<uint64_t> words;
+    std::vector<uint64_t> targets;
+    if (r->arrival_slot >= 0) {
+        std::string why = check_arrival_words(*r, sources, words, targets);
+        if (!why.empty() && opt_.fail_on_violation) {
+            fail(r, std::move(why), true);
+            return;
+        }
+    }
     uint64_t bytes;
     {
         MutexLock lock(table_.mu());
@@ -810,10 +834,64 @@ void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
             r->slot_settled = true;
             free_slots_.push_back(r->slot);
         }
+        if (r->arrival_slot >= 0) {
+            // Every source completed: nothing adds to the words any more. Waits for the targets
+            // stay satisfied whoever takes the slot next (the words only grow).
+            r->arrival_target = std::move(targets);
+            if (words.empty()) {
+                arrival_->give_back_unread(r->arrival_slot);
+            } else {
+                arrival_->give_back(r->arrival_slot, std::move(words));
+            }
+        }
         bytes = r->bytes;
     }
     table_.notify_waiters();
     emit(TransferEvent::Kind::kRequestDone, r->id, -1, -1, bytes);
+}
+
+std::string KvReceiver::Impl::check_arrival_words(const RecvReq& r,
+                                                  const std::vector<SourceState>& sources,
+                                                  std::vector<uint64_t>& words,
+                                                  std::vector<uint64_t>& targets) {
+    uint64_t per_token = 0;  // bytes of one token of one layer, from every source
+    for (const SourceState& s : sources) {
+        if (!s.frag) continue;
+        if (!s.signals) return {};  // a source that does not signal: no targets to check
+        for (int b = 0; b < layout_.buffer_count(); ++b) {
+            per_token += s.frag->bytes[static_cast<size_t>(b)];
+        }
+    }
+    StatusOr<std::vector<uint64_t>> now = arrival_->read(r.arrival_slot);
+    if (!now.ok()) {
+        return fmt::format("request {}: reading its arrival words (slot {}) on decode rank {}: {}",
+                           r.id, r.arrival_slot, transport_.rank(), now.status().message());
+    }
+    words = std::move(now).value();
+    const uint64_t expected = per_token * static_cast<uint64_t>(r.num_tokens);
+    std::string first_bad;
+    int bad = 0;
+    for (int l = 0; l < layout_.num_layers(); ++l) {
+        const auto li = static_cast<size_t>(l);
+        const uint64_t target = r.arrival_base[li] + expected;
+        targets.push_back(target);
+        if (words[li] == target) continue;
+        ++bad;
+        const std::string what = fmt::format(
+            "receiver arrival word (decode rank {}, slot {}): {} bytes landed, the writes carried "
+            "{}",
+            transport_.rank(), r.arrival_slot, words[li] - r.arrival_base[li], expected);
+        if (first_bad.empty()) first_bad = fmt::format("layer {}: {}", l, what);
+        if (opt_.validator != nullptr) {
+            opt_.validator->add_violation(Violation{r.id, l, -1, transport_.rank(), what});
+        }
+    }
+    if (bad == 0) return {};
+    targets.clear();
+    return fmt::format(
+        "request {}: {} layers' arrival words disagree with the bytes written (first "
+        "{})",
+        r.id, bad, first_bad);
 }
 
 bool KvReceiver::Impl::stopping() const {

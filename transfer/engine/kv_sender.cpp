@@ -280,7 +280,7 @@ void KvSender::Impl::on_control(int peer, std::span<const uint8_t> bytes) {
             auto m = decode_regions(bytes);
             if (!m.ok()) {
                 PDSIM_LOG_WARN("sender rank {}: {}", transport_.rank(), m.status().to_string());
-                peer_regions_[peer] = PeerRegions{{}, m.status()};
+                peer_regions_[peer] = PeerRegions{DecodeRegions{}, m.status()};
                 return;
             }
             handle_regions(peer, *m);
@@ -353,10 +353,31 @@ void KvSender::Impl::handle_regions(int peer, const RegionsMsg& m) {
                     fmt::format("importing region {} (layer {} buffer {}) of decode rank {}", i,
                                 i / static_cast<size_t>(m.buffer_count),
                                 i % static_cast<size_t>(m.buffer_count), peer));
-                pr.regions.clear();
+                pr.regions.kv.clear();
                 break;
             }
-            pr.regions.push_back(*region);
+            pr.regions.kv.push_back(*region);
+        }
+        // Arrival words: only a data transport with write signals can add to them; without one
+        // this rank tells each Bootstrap's Ack that it signals nothing.
+        if (pr.error.ok() && m.arrival_slots > 0 && data_.capabilities().write_signals) {
+            auto arrival = data_.import_remote(peer, m.arrival_descriptor);
+            const uint64_t need = static_cast<uint64_t>(m.arrival_slots) *
+                                  static_cast<uint64_t>(m.num_layers) * sizeof(uint64_t);
+            if (!arrival.ok()) {
+                pr.error = arrival.status().with_context(
+                    fmt::format("importing the arrival region of decode rank {}", peer));
+                pr.regions.kv.clear();
+            } else if (arrival->bytes < need) {
+                pr.error = PDSIM_ERROR(StatusCode::kInvalidArgument,
+                                       "the arrival region of decode rank {} has {} bytes, {} "
+                                       "slots x {} layers need {}",
+                                       peer, arrival->bytes, m.arrival_slots, m.num_layers, need);
+                pr.regions.kv.clear();
+            } else {
+                pr.regions.arrival = *arrival;
+                pr.regions.arrival_slots = m.arrival_slots;
+            }
         }
     }
     if (!pr.error.ok()) {
@@ -552,6 +573,10 @@ void KvSender::Impl::handle_bootstrap(int peer, BootstrapMsg m) {
         channel_->send(peer, encode(ack));
         return;
     }
+    // Signals go where the decode rank named a slot and this rank could import its arrival
+    // region (its data transport has write signals).
+    ack.arrival_signals =
+        write_mode() && m.arrival_slot >= 0 && peer_regions_.at(peer).regions.arrival.has_value();
     // The ack goes out before the request can dispatch chunks for this peer, so on the
     // control tag it precedes every Chunk header (the decode side needs our layout first).
     channel_->send(peer, encode(ack));
@@ -560,7 +585,7 @@ void KvSender::Impl::handle_bootstrap(int peer, BootstrapMsg m) {
     std::string why;
     std::optional<std::string> abort_reason;
     bool finish = false;
-    std::vector<RemoteRegion> regions;
+    DecodeRegions regions;
     if (write_mode()) regions = peer_regions_.at(peer).regions;  // validate_bootstrap: present
     {
         MutexLock lock(table_.mu());
@@ -630,7 +655,13 @@ Status KvSender::Impl::validate_bootstrap(int peer, const BootstrapMsg& m) const
                                peer);
         }
         PDSIM_RETURN_IF_ERROR(it->second.error);
-        const std::vector<RemoteRegion>& regions = it->second.regions;
+        const std::vector<RemoteRegion>& regions = it->second.regions.kv;
+        if (it->second.regions.arrival &&
+            (m.arrival_slot < -1 || m.arrival_slot >= it->second.regions.arrival_slots)) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "arrival slot {} of decode rank {}, which has {}", m.arrival_slot,
+                               peer, it->second.regions.arrival_slots);
+        }
         int32_t top = 0;
         for (int64_t i = 0; i < (m.num_tokens + ps - 1) / ps; ++i) {
             top = std::max(top, m.dst_pages[static_cast<size_t>(i)]);
@@ -655,8 +686,7 @@ Status KvSender::Impl::validate_bootstrap(int peer, const BootstrapMsg& m) const
 }
 
 std::string KvSender::Impl::attach_locked(SendReq& r, int peer, const BootstrapMsg& m,
-                                          std::vector<RemoteRegion> regions,
-                                          std::vector<Task>& out) {
+                                          DecodeRegions regions, std::vector<Task>& out) {
     if (m.num_tokens != r.num_tokens) {
         return fmt::format("request {}: decode rank {} expects {} tokens, prefill has {}", r.id,
                            peer, m.num_tokens, r.num_tokens);
@@ -675,7 +705,11 @@ std::string KvSender::Impl::attach_locked(SendReq& r, int peer, const BootstrapM
     d->tag = plane_ == DataPlane::kOrdered ? kOrderedPostTag : m.data_tag;
     d->layout = m.layout;
     d->dst_pages = m.dst_pages;
-    d->regions = std::move(regions);
+    d->regions = std::move(regions.kv);
+    if (regions.arrival && m.arrival_slot >= 0) {
+        d->arrival = regions.arrival;
+        d->arrival_slot = m.arrival_slot;
+    }
     d->frag = make_fragment(layout_.summary(), m.layout);
     if (d->frag) {
         const size_t agreed = std::min<uint64_t>(max_msg_, m.max_message_bytes);

@@ -46,6 +46,15 @@
 namespace pdsim::transfer {
 namespace sender_detail {
 
+// Write mode: what a decode rank registered, as imported here: its (layer, buffer) regions
+// ([layer * buffers + buffer]) and, when it takes arrival signals and this rank's data transport
+// can send them, its arrival region of `arrival_slots` x layers words.
+struct DecodeRegions {
+    std::vector<RemoteRegion> kv;
+    std::optional<RemoteRegion> arrival;
+    int32_t arrival_slots = 0;
+};
+
 // One decode rank of a request.
 struct DestState {
     int world_rank = -1;
@@ -70,6 +79,11 @@ struct DestState {
     };
     std::vector<PendingSums> pending_sums;
 
+    // Write mode with arrival words: the decode rank's arrival region and this request's slot
+    // there (BootstrapMsg::arrival_slot); after the writes of each (chunk, layer) the sender adds
+    // their bytes to word (slot * layers + layer). Unset / -1: no signals. Constant once attached.
+    std::optional<RemoteRegion> arrival;
+    int32_t arrival_slot = -1;
     // Write mode: the decode rank's (layer, buffer) regions as imported here ([layer * buffers +
     // buffer]); constant once attached.
     std::vector<RemoteRegion> regions;
@@ -183,6 +197,7 @@ struct Worker {
 
 class KvSender::Impl : public ControlListener, public std::enable_shared_from_this<Impl> {
     using DestState = sender_detail::DestState;
+    using DecodeRegions = sender_detail::DecodeRegions;
     using SendReq = sender_detail::SendReq;
     using TaskProgress = sender_detail::TaskProgress;
     using Task = sender_detail::Task;
@@ -222,11 +237,11 @@ private:
         int peer;
         BootstrapMsg msg;
         Clock::time_point at;
-        std::vector<RemoteRegion> regions;  // write mode: the peer's, when it bootstrapped
+        DecodeRegions regions;  // write mode: the peer's, when it bootstrapped
     };
     // Write mode: a decode rank's regions as imported from its Regions message (or why not).
     struct PeerRegions {
-        std::vector<RemoteRegion> regions;
+        DecodeRegions regions;
         Status error;
     };
 
@@ -245,9 +260,8 @@ private:
 
     // Adds decode rank `peer` to `r`; once every decode rank is in, the request is Transferring
     // and its held chunks are dispatched. Returns a failure reason, or "".
-    std::string attach_locked(SendReq& r, int peer, const BootstrapMsg& m,
-                              std::vector<RemoteRegion> regions, std::vector<Task>& out)
-        PDSIM_REQUIRES(table_.mu());
+    std::string attach_locked(SendReq& r, int peer, const BootstrapMsg& m, DecodeRegions regions,
+                              std::vector<Task>& out) PDSIM_REQUIRES(table_.mu());
 
     // Turns a chunk into one task per destination that receives a fragment from this rank.
     void dispatch_locked(SendReq& r, const SendChunk& c, std::vector<Task>& out)
@@ -343,6 +357,10 @@ private:
                    const std::shared_ptr<runtime::Event>& after = nullptr);
     // Write mode: posts one write of `bytes` at `offset` of the destination's region of
     // (layer, buf).
+    // Write mode with arrival words: adds `bytes` (this (chunk, layer)'s writes) to the layer's
+    // word of the request's slot, behind the writes; one operation of the layer. False when the
+    // post failed (the request is being failed).
+    bool post_arrival_signal(Active& a, int layer, uint64_t bytes);
     bool post_write(const Task& t, int layer, int buf, size_t offset, const void* ptr, size_t bytes,
                     std::shared_ptr<void> keep, const std::shared_ptr<TaskProgress>& progress,
                     const std::shared_ptr<runtime::Event>& after = nullptr);

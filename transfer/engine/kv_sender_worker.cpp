@@ -407,6 +407,7 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
         a.progress->pending[static_cast<size_t>(l)].store(1);  // the posting guard
         // Write mode: this (chunk, layer) owes the destination one LayerWritten (or gives up).
         if (write_mode()) d.notices_pending.fetch_add(1);
+        uint64_t layer_bytes = 0;  // write mode: what this (chunk, layer) writes
         for (int b = 0; ok && b < B; ++b) {
             const auto bi = static_cast<size_t>(b);
             uint64_t* obs =
@@ -429,6 +430,7 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
                 }
                 const std::byte* gathered = dev.address(l, b, k);
                 if (write_mode()) {
+                    layer_bytes += message_bytes(f, b, run);
                     if (!post_run_writes(a, l, b, run, staged, gathered, dev)) ok = false;
                     continue;
                 }
@@ -458,6 +460,10 @@ bool KvSender::Impl::post_interval(Active& a, int l0, int l1) {
                 }
             }
         }
+        // Write mode with arrival words: the layer's bytes added to its word, behind its writes
+        // (the data transport orders the add after them). Part of the layer's operations, so
+        // its LayerWritten follows the add too.
+        if (ok && write_mode() && d.arrival) ok = post_arrival_signal(a, l, layer_bytes);
         if (ordered()) continue;  // the guards drop once the batch is posted
         r.touch();                // a layer posted: progress
         emit(TransferEvent::Kind::kLayerPosted, r.id, l, d.world_rank, a.t.chunk_index, 0);
@@ -817,6 +823,17 @@ bool KvSender::Impl::post_write(const Task& t, int layer, int buf, size_t offset
     });
 }
 
+bool KvSender::Impl::post_arrival_signal(Active& a, int layer, uint64_t bytes) {
+    const DestState& d = *a.t.dest;
+    const size_t offset =
+        (static_cast<size_t>(d.arrival_slot) * static_cast<size_t>(layout_.num_layers()) +
+         static_cast<size_t>(layer)) *
+        sizeof(uint64_t);
+    const RemoteRegion& region = *d.arrival;
+    return post_op(a.t, layer, OpKind::kSignal, nullptr, a.progress,
+                   [&] { return data_.post_signal(region, offset, bytes); });
+}
+
 bool KvSender::Impl::post_op(const Task& t, int layer, OpKind kind, std::shared_ptr<void> keep,
                              const std::shared_ptr<TaskProgress>& progress,
                              const std::function<StatusOr<RequestHandle>()>& post, bool announced) {
@@ -864,7 +881,7 @@ void KvSender::Impl::on_op_done(const std::shared_ptr<SendReq>& r,
         MutexLock lock(table_.mu());
         --r->ops_outstanding;
         if (st.ok()) {
-            if (layer >= 0) {
+            if (layer >= 0 && kind != OpKind::kSignal) {  // a signal carries no KV bytes
                 r->bytes += n;
                 stats_.bytes += n;
                 ++stats_.messages;
@@ -878,8 +895,10 @@ void KvSender::Impl::on_op_done(const std::shared_ptr<SendReq>& r,
     }
     if (layer >= 0) {
         if (st.ok()) {
-            p->bytes[static_cast<size_t>(layer)].fetch_add(n);
-            p->ops[static_cast<size_t>(layer)].fetch_add(1);
+            if (kind != OpKind::kSignal) {
+                p->bytes[static_cast<size_t>(layer)].fetch_add(n);
+                p->ops[static_cast<size_t>(layer)].fetch_add(1);
+            }
         } else {
             p->failed.store(true);
         }
