@@ -48,9 +48,7 @@ ArrivalWords::ArrivalWords(Transport& data, runtime::DeviceBuffer memory, Memory
     for (int32_t s = slots - 1; s >= 0; --s) free_.push_back(s);
 }
 
-ArrivalWords::~ArrivalWords() {
-    deregister();
-}
+ArrivalWords::~ArrivalWords() = default;
 
 const uint64_t* ArrivalWords::word(int slot, int layer) const {
     return memory_.as<const uint64_t>() + static_cast<size_t>(slot) * static_cast<size_t>(layers_) +

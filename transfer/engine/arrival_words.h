@@ -75,6 +75,8 @@ public:
 
     // Deregisters the region from the data transport (idempotent); the memory stays until the
     // destructor (a write or signal in flight may still land in it until the transport closes).
+    // The receiver calls it in a graceful shutdown, as for its KV regions; the destructor does
+    // not (the transport may be closed or gone by then).
     void deregister();
 
 private:

@@ -267,7 +267,10 @@ private:
     // its target (base + every signalling source's bytes of the layer), returned in `targets`.
     // "" when they agree or a source with a fragment does not signal (then `targets` stays
     // empty); else why (each disagreeing layer is also a Violation). Control thread, no lock.
-    std::string check_arrival_words(const RecvReq& r, const std::vector<SourceState>& sources,
+    // `slot`: the request's slot and base as finalize() took them under the lock (r's own fields
+    // change under it when the request fails meanwhile); r's id and tokens are constant.
+    std::string check_arrival_words(const RecvReq& r, const ArrivalWords::Slot& slot,
+                                    const std::vector<SourceState>& sources,
                                     std::vector<uint64_t>& words, std::vector<uint64_t>& targets);
 
     // Any thread. Marks the request Failed (once); on the control thread, withdraws its receives

@@ -732,10 +732,13 @@ void KvReceiver::Impl::handle_quiesced(int peer, const QuiescedMsg& m) {
 
 void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
     std::vector<SourceState> sources;
+    ArrivalWords::Slot arrival;  // a failure meanwhile hands the request's slot back
     {
         MutexLock lock(table_.mu());
         if (is_terminal(r->state)) return;
         sources = r->sources;
+        arrival.index = r->arrival_slot;
+        arrival.base = r->arrival_base;
     }
     OrderingValidator* v = opt_.validator;
     const int L = layout_.num_layers();
@@ -817,8 +820,8 @@ void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
     // Arrival words: every source that signals has added each layer's bytes behind its writes.
     std::vector<uint64_t> words;
     std::vector<uint64_t> targets;
-    if (r->arrival_slot >= 0) {
-        std::string why = check_arrival_words(*r, sources, words, targets);
+    if (arrival.index >= 0) {
+        std::string why = check_arrival_words(*r, arrival, sources, words, targets);
         if (!why.empty() && opt_.fail_on_violation) {
             fail(r, std::move(why), true);
             return;
@@ -850,7 +853,7 @@ void KvReceiver::Impl::finalize(const std::shared_ptr<RecvReq>& r) {
     emit(TransferEvent::Kind::kRequestDone, r->id, -1, -1, bytes);
 }
 
-std::string KvReceiver::Impl::check_arrival_words(const RecvReq& r,
+std::string KvReceiver::Impl::check_arrival_words(const RecvReq& r, const ArrivalWords::Slot& slot,
                                                   const std::vector<SourceState>& sources,
                                                   std::vector<uint64_t>& words,
                                                   std::vector<uint64_t>& targets) {
@@ -862,10 +865,10 @@ std::string KvReceiver::Impl::check_arrival_words(const RecvReq& r,
             per_token += s.frag->bytes[static_cast<size_t>(b)];
         }
     }
-    StatusOr<std::vector<uint64_t>> now = arrival_->read(r.arrival_slot);
+    StatusOr<std::vector<uint64_t>> now = arrival_->read(slot.index);
     if (!now.ok()) {
         return fmt::format("request {}: reading its arrival words (slot {}) on decode rank {}: {}",
-                           r.id, r.arrival_slot, transport_.rank(), now.status().message());
+                           r.id, slot.index, transport_.rank(), now.status().message());
     }
     words = std::move(now).value();
     const uint64_t expected = per_token * static_cast<uint64_t>(r.num_tokens);
@@ -873,14 +876,14 @@ std::string KvReceiver::Impl::check_arrival_words(const RecvReq& r,
     int bad = 0;
     for (int l = 0; l < layout_.num_layers(); ++l) {
         const auto li = static_cast<size_t>(l);
-        const uint64_t target = r.arrival_base[li] + expected;
+        const uint64_t target = slot.base[li] + expected;
         targets.push_back(target);
         if (words[li] == target) continue;
         ++bad;
         const std::string what = fmt::format(
             "receiver arrival word (decode rank {}, slot {}): {} bytes landed, the writes carried "
             "{}",
-            transport_.rank(), r.arrival_slot, words[li] - r.arrival_base[li], expected);
+            transport_.rank(), slot.index, words[li] - slot.base[li], expected);
         if (first_bad.empty()) first_bad = fmt::format("layer {}: {}", l, what);
         if (opt_.validator != nullptr) {
             opt_.validator->add_violation(Violation{r.id, l, -1, transport_.rank(), what});

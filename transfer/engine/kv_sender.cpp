@@ -374,6 +374,13 @@ void KvSender::Impl::handle_regions(int peer, const RegionsMsg& m) {
                                        "slots x {} layers need {}",
                                        peer, arrival->bytes, m.arrival_slots, m.num_layers, need);
                 pr.regions.kv.clear();
+            } else if (StatusOr<RequestHandle> probe = data_.post_signal(*arrival, 0, 0);
+                       !probe.ok()) {
+                // An add of 0 changes no word; a transport that cannot reach the region at all
+                // (cuda_ipc without peer access to that GPU) says so at once: then this rank
+                // signals nothing, and its Acks say so.
+                PDSIM_LOG_WARN("sender rank {}: no arrival signals to decode rank {}: {}",
+                               transport_.rank(), peer, probe.status().to_string());
             } else {
                 pr.regions.arrival = *arrival;
                 pr.regions.arrival_slots = m.arrival_slots;

@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "backends/cuda/cuda_driver.h"
@@ -175,9 +176,28 @@ public:
                                "cuda_ipc: not a cuda_ipc descriptor of rank {}", peer);
         }
         void* ptr = nullptr;
-        void* mapped = nullptr;  // the allocation mapped here (closed in close()); null: own
+        void* mapped = nullptr;        // the allocation mapped here (closed in close()); null: own
+        std::string no_kernel_access;  // why a kernel of this GPU cannot reach it ("": it can)
         if (d.process == process_nonce()) {
             ptr = reinterpret_cast<void*>(d.address);  // CUDA refuses to open its own handles
+            if (d.device != device_) {
+                // Copies reach another GPU's memory anyway; a kernel (post_signal's) only with
+                // peer access, which an IPC mapping gets by itself (LazyEnablePeerAccess).
+                CUDA_CHECK(cudaSetDevice(device_));
+                int can = 0;
+                CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, d.device));
+                const cudaError_t rc = can != 0 ? cudaDeviceEnablePeerAccess(d.device, 0)
+                                                : cudaErrorPeerAccessUnsupported;
+                if (rc == cudaErrorPeerAccessAlreadyEnabled) {
+                    (void)cudaGetLastError();
+                } else if (rc != cudaSuccess) {
+                    (void)cudaGetLastError();
+                    no_kernel_access = fmt::format(
+                        "GPU {} has no peer access to GPU {}'s memory ({}): cuda_ipc cannot "
+                        "signal into it",
+                        device_, d.device, cudaGetErrorName(rc));
+                }
+            }
         } else {
             CUDA_CHECK(cudaSetDevice(device_));
             // Opening one allocation's handle again returns the same mapping, reference-counted:
@@ -187,7 +207,7 @@ public:
         }
         std::lock_guard<std::mutex> lock(mu_);
         uint64_t key = next_remote_++;
-        remote_[key] = Remote{ptr, static_cast<size_t>(d.bytes), mapped};
+        remote_[key] = Remote{ptr, static_cast<size_t>(d.bytes), mapped, no_kernel_access};
         return RemoteRegion{peer, key, static_cast<size_t>(d.bytes)};
     }
 
@@ -270,6 +290,7 @@ private:
         size_t bytes;  // the region's size
         void* mapped;  // what cudaIpcOpenMemHandle returned (the allocation's start); null: a
                        // region of this process
+        std::string no_kernel_access;  // why post_signal cannot reach it; "": it can
     };
 
     // post_write / post_write_after: the copy on the stream, after `ready` when it is set.
@@ -302,6 +323,10 @@ private:
                 return PDSIM_ERROR(StatusCode::kOutOfRange,
                                    "cuda_ipc: {} of {} bytes at {} outside {} bytes",
                                    op_kind_name(kind), bytes, dst_offset, it->second.bytes);
+            }
+            if (kind == OpKind::kSignal && !it->second.no_kernel_access.empty()) {
+                return PDSIM_ERROR(StatusCode::kUnavailable, "cuda_ipc: {}",
+                                   it->second.no_kernel_access);
             }
             target = static_cast<uint8_t*>(it->second.ptr) + dst_offset;
         }

@@ -55,7 +55,9 @@
 //   not a CUDA event of device_index's GPU. post_signal(dst, offset, add) is a one-thread kernel
 //   (atomicAdd_system on the mapped word) enqueued on that stream after the writes before it, so
 //   it lands once they have; an offset that is not a multiple of 8 is kInvalidArgument. The word
-//   lives in device memory the target registered (a whole-allocation rule as for any region).
+//   lives in device memory the target registered. A kernel reaches another GPU's memory only with
+//   peer access: an IPC mapping has it, and import_remote of another GPU's region of this process
+//   enables it; where the GPUs cannot (no P2P), post_signal to that region is kUnavailable.
 //   close() waits up to 10 s for the writes still on the
 //   stream (a write behind a `ready` that never fires would hold it forever), then fails them with
 //   kUnavailable and destroys the stream without waiting, and closes the imported handles. No
