@@ -216,6 +216,38 @@ TEST(TagSpaceTransport, RefusesATransportThatDoesNotMatchTags) {
         StatusIs(StatusCode::kInvalidArgument, HasSubstr("does not match messages by tag")));
 }
 
+// A one-sided transport has no tags to split: every view is all of it, and writes and signals
+// through two views land in the regions each registered (here: two engines' words of one rank).
+TEST(TagSpaceTransport, OneSidedTransportIsSharedWhole) {
+    auto world = make_local_world(2);
+    std::vector<std::unique_ptr<Transport>> t;
+    for (int r = 0; r < 2; ++r) {
+        TransportOptions o;
+        o.rank = r;
+        o.set(LocalOptions{.world = world});
+        auto x = create_transport("local_writes", o);
+        ASSERT_OK(x);
+        t.push_back(std::move(x).value());
+    }
+    EXPECT_THAT(t[0]->post_send(1, 0, nullptr, 0).status(),
+                StatusIs(StatusCode::kUnimplemented, HasSubstr("one-sided only")));
+    auto senders = split_tag_space(*t[0], 2, 16);
+    auto receivers = split_tag_space(*t[1], 2, 16);
+    ASSERT_OK(senders);
+    ASSERT_OK(receivers);
+    alignas(8) uint64_t words[2] = {0, 0};
+    for (int v = 0; v < 2; ++v) {
+        auto mr = (*receivers)[static_cast<size_t>(v)]->register_memory(&words[v], 8);
+        ASSERT_OK(mr);
+        auto remote = (*senders)[static_cast<size_t>(v)]->import_remote(1, mr->descriptor);
+        ASSERT_OK(remote);
+        auto sig = (*senders)[static_cast<size_t>(v)]->post_signal(*remote, 0, 10 + v);
+        ASSERT_OK(sig);
+    }
+    EXPECT_EQ(words[0], 10u);
+    EXPECT_EQ(words[1], 11u);
+}
+
 class ForwardingLocalHarness : public conformance::Harness {
 public:
     void run(const conformance::Body& body) override {

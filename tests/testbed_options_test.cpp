@@ -506,8 +506,8 @@ TEST(TestbedGpuOptions, DataTransportChoice) {
     q.requested = "rdma";
     EXPECT_THAT(resolve_data_transport(q),
                 StatusIs(StatusCode::kInvalidArgument,
-                         HasSubstr("--data-transport rdma: expected auto, none, cuda_ipc or "
-                                   "nccl")));
+                         HasSubstr("--data-transport rdma: expected auto, none, cuda_ipc, "
+                                   "nccl or local_writes")));
     q.requested = "nccl";
     q.gpu_ranks = false;
     EXPECT_THAT(resolve_data_transport(q),
@@ -535,6 +535,28 @@ TEST(TestbedGpuOptions, DataTransportChoice) {
     q.requested = "auto";
     q.mode = Mode::kColocated;
     EXPECT_EQ(chosen(q), "none");
+    // local_writes: the write plane on CPU ranks that are threads of one process; host memory
+    // only, and no mpirun.
+    auto cpu = topo::load_topology(kExamples + "cpu-1p1d.yaml");
+    ASSERT_OK(cpu);
+    q = DataTransportQuery{.requested = "local_writes",
+                           .mode = Mode::kDisagg,
+                           .gpu_ranks = false,
+                           .control = "local",
+                           .world_size = 1,
+                           .topology = &*cpu,
+                           .topology_label = "cpu-1p1d.yaml"};
+    EXPECT_EQ(chosen(q), "local_writes");
+    q.world_size = 2;
+    EXPECT_THAT(resolve_data_transport(q),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--data-transport local_writes: its ranks are threads of one "
+                                   "process; launch pdsim without mpirun")));
+    q.world_size = 1;
+    q.gpu_ranks = true;
+    EXPECT_THAT(resolve_data_transport(q),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--data-transport local_writes: it moves host memory only")));
 }
 
 // The DGX H200 examples: one node (4 prefill and 4 decode instances, a GPU each) takes

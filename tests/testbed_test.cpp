@@ -297,6 +297,32 @@ TEST(TestbedBoth, InProcessLocalTransport) {
     expect_clean_both(0, {"--topology", topo("cpu-2p1d-tp2-to-tp1")}, 4);
 }
 
+// The engine's write plane -- the one GPU ranks run over cuda_ipc -- on CPU ranks (threads):
+// --data-transport local_writes. Regions, one-sided writes into the decode pool, LayerWritten,
+// arrival words checked before each request succeeds, and the decode rank's compute stream
+// ordered behind them before its decode forwards; on TP 2 -> TP 1 (each prefill rank writes its
+// half of every token's heads), and on a hybrid model (its window and state groups' own engines).
+TEST(TestbedBoth, InProcessLocalWrites) {
+    for (const std::vector<std::string>& extra :
+         {std::vector<std::string>{"--topology", topo("cpu-2p1d-tp2-to-tp1")},
+          std::vector<std::string>{"--topology", topo("cpu-1p1d"), "--model", "hybrid-tiny"}}) {
+        SCOPED_TRACE(extra.back());
+        std::vector<std::string> args = extra;
+        args.insert(args.end(), {"--data-transport", "local_writes"});
+        const json rep = expect_clean_both(0, args, 4);
+        ASSERT_TRUE(rep.is_object());
+        EXPECT_EQ(rep["config"]["data_transport"], "local_writes");
+        int decode_ranks = 0;
+        for (const json& rank : rep["ranks"]) {
+            if (rank["role"] != "decode") continue;
+            ++decode_ranks;
+            EXPECT_EQ(rank["stats"].value("arrival_waits", -1), 4) << rank["stats"].dump();
+            EXPECT_GT(rank["stats"]["receiver"].value("bytes", 0), 0);
+        }
+        EXPECT_EQ(decode_ranks, 1);
+    }
+}
+
 // Every fault is caught: non-zero exit (1, not 2), violations or failed requests in the report.
 class TestbedFault : public ::testing::TestWithParam<std::string> {};
 

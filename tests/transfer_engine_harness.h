@@ -389,8 +389,8 @@ private:
 };
 
 // Registers the test transports (idempotent):
-//   local_writes         "local" without two-sided operations (LocalOptions::world).
-//   local_device_writes  ... that also claims device memory: with a host-backed "CUDA" runtime
+//   local_device_writes  "local_writes" (pdsim's: local without two-sided operations) that also
+//                        claims device memory: with a host-backed "CUDA" runtime
 //                        (a device-kind pool in host memory) it plays cuda_ipc on the CPU.
 //   local_device         "local" (two-sided) that also claims device memory: a two-sided data
 //                        transport of device layouts over the host-backed runtime.
@@ -460,23 +460,21 @@ inline void register_test_transports() {
                     std::move(inner), "local_device",
                     [](Capabilities& c) { c.device_memory = true; }));
             });
-        for (const bool device : {false, true}) {
-            const std::string name = device ? "local_device_writes" : "local_writes";
-            TransportDescriptor d = local_transport_descriptor();
-            d.name = name;
-            d.caps.two_sided = false;
-            d.caps.tag_matching = false;
-            d.caps.device_memory = device;
-            d.summary = "tests: local with one-sided writes only";
+        {
+            // "local_writes" itself is pdsim's (transfer/local/local_transport.h); this is it
+            // claiming device memory.
+            TransportDescriptor d = local_writes_transport_descriptor();
+            d.name = "local_device_writes";
+            d.caps.device_memory = true;
+            d.summary = "tests: local with one-sided writes only, claiming device memory";
             register_transport(
-                d,
-                [name, device](const TransportOptions& o) -> StatusOr<std::unique_ptr<Transport>> {
+                d, [](const TransportOptions& o) -> StatusOr<std::unique_ptr<Transport>> {
                     PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner,
                                            make_local_transport(o));
                     return std::unique_ptr<Transport>(std::make_unique<CapabilityView>(
-                        std::move(inner), name, [device](Capabilities& c) {
+                        std::move(inner), "local_device_writes", [](Capabilities& c) {
                             one_sided_only(c);
-                            c.device_memory = device;
+                            c.device_memory = true;
                         }));
                 });
         }

@@ -32,6 +32,7 @@ namespace {
 // Called once, lazily, by the registry (transport.cpp).
 void register_builtin_transports() {
     register_transport(local_transport_descriptor(), make_local_transport);
+    register_transport(local_writes_transport_descriptor(), make_local_writes_transport);
     register_transport(tcp_transport_descriptor(), make_tcp_transport);
     register_transport(mpi_transport_descriptor(), make_mpi_transport);
     register_transport(fault_transport_descriptor(), make_fault_transport);

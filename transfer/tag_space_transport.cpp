@@ -43,6 +43,14 @@ StatusOr<RequestHandle> TagSpaceTransport::post_send_after(const runtime::Event&
 StatusOr<std::vector<std::unique_ptr<TagSpaceTransport>>> split_tag_space(Transport& inner, int n,
                                                                           Tag min_span) {
     const Capabilities caps = inner.capabilities();
+    if (!caps.two_sided && caps.one_sided_write) {
+        // No tags to split: writes and signals name regions, which each user registers and
+        // imports for itself (their descriptors travel on the user's own control tags).
+        if (n < 1) return PDSIM_ERROR(StatusCode::kInvalidArgument, "{} tag spaces", n);
+        std::vector<std::unique_ptr<TagSpaceTransport>> out;
+        for (int i = 0; i < n; ++i) out.push_back(std::make_unique<TagSpaceTransport>(inner, 0, 1));
+        return out;
+    }
     if (!caps.two_sided || !caps.tag_matching) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "transport '{}' does not match messages by tag, so it cannot be shared "

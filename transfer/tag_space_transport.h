@@ -10,10 +10,14 @@
 // writes (which carry no tags). close() closes nothing: the shared transport's owner closes it,
 // after every view's users are gone.
 //
-// Errors: split_tag_space is kInvalidArgument for a transport that does not match tags (its
-// messages would interleave across spaces: NCCL's ordered pairs) and for n < 1 or spaces too small
-// for the engine (fewer than `min_span` tags each). post_send / post_recv outside [0, span) are
-// kInvalidArgument naming the tag and the space.
+// A one-sided transport (writes, no two-sided operations: cuda_ipc, local_writes) has no tags to
+// split: split_tag_space returns n views of all of it (span 1), since writes and signals name
+// regions that each user registers and imports for itself.
+//
+// Errors: split_tag_space is kInvalidArgument for a two-sided transport that does not match tags
+// (its messages would interleave across spaces: NCCL's ordered pairs) and for n < 1 or spaces
+// too small for the engine (fewer than `min_span` tags each). post_send / post_recv outside [0,
+// span) are kInvalidArgument naming the tag and the space.
 //
 // Thread-safety, blocking: the inner transport's.
 #pragma once

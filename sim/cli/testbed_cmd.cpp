@@ -135,8 +135,11 @@ void add_run_flags(CLI::App* sub, Flags& f) {
                     "the KV bytes' own transport: auto (GPU ranks: cuda_ipc when prefill and "
                     "decode share a node, else nccl; CPU ranks: none), none (--transport carries "
                     "them), cuda_ipc (one-sided writes into the decode rank's GPU pool; every "
-                    "prefill and decode rank on one node) or nccl (ncclSend/ncclRecv; a GPU each)")
-        ->check(CLI::IsMember({"auto", "none", "cuda_ipc", "nccl"}))
+                    "prefill and decode rank on one node), nccl (ncclSend/ncclRecv; a GPU each) "
+                    "or local_writes (CPU ranks as threads, without mpirun: one-sided writes into "
+                    "the decode rank's host pool, the engine's write plane that GPU ranks run "
+                    "over cuda_ipc)")
+        ->check(CLI::IsMember({"auto", "none", "cuda_ipc", "nccl", "local_writes"}))
         ->capture_default_str();
     sub->add_option("--backend", o.backend,
                     "attention backend: cpu|cpu_ref (CPU ranks), or cuda (GPU ranks: the GPU "

@@ -369,9 +369,10 @@ StatusOr<std::string> resolve_data_transport(const DataTransportQuery& q) {
         }
         return none;
     }
-    if (name != "cuda_ipc" && name != "nccl") {
-        return invalid_argument_error(fmt::format(
-            "--data-transport {}: expected auto, none, cuda_ipc or nccl", text::excerpt(name)));
+    if (name != "cuda_ipc" && name != "nccl" && name != "local_writes") {
+        return invalid_argument_error(
+            fmt::format("--data-transport {}: expected auto, none, cuda_ipc, nccl or local_writes",
+                        text::excerpt(name)));
     }
     StatusOr<transfer::TransportDescriptor> d = transfer::find_transport(name);
     if (!d.ok()) {
@@ -397,7 +398,7 @@ StatusOr<std::string> resolve_data_transport(const DataTransportQuery& q) {
             "use --data-transport {}",
             name, caps.device_memory ? "GPU" : "host", q.gpu_ranks ? "GPU" : "CPU",
             q.gpu_ranks ? "device" : "host",
-            q.gpu_ranks ? "cuda_ipc or nccl" : "none (the default)"));
+            q.gpu_ranks ? "cuda_ipc or nccl" : "none (the default) or local_writes"));
     }
     if (!disagg) return none;
     const int ranks = q.topology->num_ranks();

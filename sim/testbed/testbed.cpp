@@ -101,6 +101,9 @@ struct Shared {
     std::unique_ptr<LocalHub> hub;                   // local
     std::vector<std::unique_ptr<LocalTpGroup>> tp;   // local, per instance
     std::shared_ptr<transfer::LocalWorld> kv_world;  // local
+    // local: the data transport's own world (--data-transport local_writes; a rank attaches one
+    // endpoint per world, and its control transport is in kv_world).
+    std::shared_ptr<transfer::LocalWorld> data_world;
     // KV transport shaping (decided by rank 0 at start; identical on every rank).
     std::mutex shape_mu;
     bool shape = false;
@@ -254,6 +257,10 @@ StatusOr<std::unique_ptr<transfer::Transport>> make_data_transport(Shared& sh, i
         gto.rendezvous_dir = sh.data_rendezvous_dir;
     }
     to.set(std::move(gto));
+    // Threads sharing an in-process world (local_writes: resolve() allowed it without mpirun).
+    if (descriptor.caps.setup == transfer::TransportSetup::kSharedWorld) {
+        to.set(transfer::LocalOptions{.world = sh.data_world});
+    }
     auto t = transfer::create_transport(name, to);
     if (!t.ok()) {
         const Status& st = t.status();
@@ -1203,6 +1210,7 @@ Status run_testbed(const TestbedOptions& options, RunInfo* info) {
         sh.tp.push_back(std::make_unique<LocalTpGroup>(inst.tp, tp_timeout(cfg)));
     }
     sh.kv_world = transfer::make_local_world(ranks);
+    sh.data_world = transfer::make_local_world(ranks);
     std::vector<Status> st(static_cast<size_t>(ranks));
     std::vector<std::thread> threads;
     for (int r = ranks - 1; r >= 0; --r) {

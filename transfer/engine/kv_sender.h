@@ -64,7 +64,11 @@
 // dst_slot * token_bytes when the fragment is a whole decode token slot
 // (Fragment::dst_contiguous), else one write per token at its slot + dst_offset, straight from
 // the page bytes (correct, but many small writes). The source is the page bytes, or the gathered
-// staging copy when a whole decode slot takes part of ours. When every write of (chunk, layer)
+// staging copy when a whole decode slot takes part of ours. Arrival words (kv_receiver.h): when
+// the decode rank sent an arrival region, named a slot in the Bootstrap, and this rank's data
+// transport has write signals (checked once per Regions message with an add of 0), the layer's
+// writes are followed by one post_signal adding their bytes to the slot's word of that layer;
+// the Ack says whether this rank signals. When every write (and the signal) of (chunk, layer)
 // to that decode rank has completed (the bytes are visible there, transport.h), a LayerWritten
 // goes to it on the control channel; the Completion (first token, checksums) follows there once
 // every LayerWritten of the request to that rank was sent. A request is Success once every write

@@ -11,6 +11,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include "transfer/forwarding_transport.h"
+
 namespace pdsim::transfer {
 
 namespace {
@@ -355,7 +357,35 @@ private:
     bool closed_ = true;  // under world_->mu; false once attach() succeeded
 };
 
+// "local_writes": a local endpoint seen through its one-sided operations only.
+class LocalWritesTransport final : public ForwardingTransport {
+public:
+    explicit LocalWritesTransport(std::unique_ptr<Transport> inner)
+        : ForwardingTransport(std::move(inner)) {}
+    std::string_view name() const override { return "local_writes"; }
+    Capabilities capabilities() const override {
+        Capabilities c = ForwardingTransport::capabilities();
+        c.two_sided = false;
+        c.tag_matching = false;
+        c.max_tag = 0;
+        return c;
+    }
+    StatusOr<RequestHandle> post_send(int, Tag, const void*, size_t) override {
+        return PDSIM_ERROR(StatusCode::kUnimplemented,
+                           "local_writes: one-sided only (post_send is local's)");
+    }
+    StatusOr<RequestHandle> post_recv(int, Tag, void*, size_t) override {
+        return PDSIM_ERROR(StatusCode::kUnimplemented,
+                           "local_writes: one-sided only (post_recv is local's)");
+    }
+};
+
 }  // namespace
+
+StatusOr<std::unique_ptr<Transport>> make_local_writes_transport(const TransportOptions& options) {
+    PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner, make_local_transport(options));
+    return std::unique_ptr<Transport>(std::make_unique<LocalWritesTransport>(std::move(inner)));
+}
 
 StatusOr<std::unique_ptr<Transport>> make_local_transport(const TransportOptions& options) {
     const std::shared_ptr<LocalWorld> world = options.get<LocalOptions>().world;

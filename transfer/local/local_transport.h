@@ -11,6 +11,14 @@
 //     "transport closed", peers' operations that involve it fail with kUnavailable naming it,
 //     and later posts to it fail at once.
 // Thread-safety: one mutex per world guards all queues; copies run outside it.
+//
+// "local_writes": the same endpoint with only its one-sided operations (register_memory,
+// import_remote, post_write, post_signal): post_send / post_recv are kUnimplemented and it
+// declares no tags. Given to the transfer engine as its data transport, it makes the engine run
+// its write plane over host memory -- the plane GPU ranks run over cuda_ipc -- so CPU ranks
+// (threads of one process: the testbed's --data-transport local_writes) exercise it end to end.
+// Its world must be its own (a rank attaches one endpoint per world), not the control
+// transport's.
 #pragma once
 
 #include <memory>
@@ -46,6 +54,27 @@ struct LocalOptions {
 
 // Needs LocalOptions::world and options.rank in [0, world size).
 [[nodiscard]] StatusOr<std::unique_ptr<Transport>> make_local_transport(
+    const TransportOptions& options);
+
+// What "local_writes" declares: local's one-sided half.
+[[nodiscard]] inline TransportDescriptor local_writes_transport_descriptor() {
+    return {.name = "local_writes",
+            .caps = {.host_memory = true,
+                     .two_sided = false,
+                     .one_sided_write = true,
+                     .tag_matching = false,
+                     .detects_peer_failure = true,
+                     .write_signals = true,
+                     .threads_of_one_process = true,
+                     .setup = TransportSetup::kSharedWorld,
+                     .medium = TransportMedium::kProcessMemory},
+            .summary =
+                "in-process one-sided writes (local without its two-sided operations): "
+                "the engine's write plane on host memory"};
+}
+
+// As make_local_transport, for "local_writes".
+[[nodiscard]] StatusOr<std::unique_ptr<Transport>> make_local_writes_transport(
     const TransportOptions& options);
 
 }  // namespace pdsim::transfer
