@@ -53,7 +53,10 @@ public:
         for (;;) {
             PDSIM_ASSIGN_OR_RETURN(bool done, query_event(event));
             if (done) return {};
-            if (std::chrono::steady_clock::now() >= deadline) {
+            // A hung GPU will not get there: do not spend the timeout (a staging ring's
+            // destructor waits once per slot in flight).
+            if (std::chrono::steady_clock::now() >= deadline ||
+                (device_ >= 0 && device_hung(device_))) {
                 return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
                                    "CUDA event not reached after {} ms", timeout.count());
             }

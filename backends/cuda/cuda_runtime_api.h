@@ -18,7 +18,10 @@ std::unique_ptr<DeviceRuntime> make_cuda_runtime();
 // capturing belongs to the graph, runs on every launch of it and reports its failure into the
 // error of the stream that captured it.
 // Destroying one waits (bounded, 30 s) for its work; past that the device is marked hung
-// (common/device_health.h) and the stream is destroyed without waiting.
+// (common/device_health.h) and the stream is destroyed without waiting. That is the trade made
+// against blocking forever: work that resumes later runs on alone and may touch memory its owner
+// has freed by then, and the mark holds for the rest of the process (later frees on that GPU
+// leak).
 StatusOr<std::unique_ptr<Stream>> make_cuda_stream(int index, std::string name);
 
 }  // namespace pdsim::runtime::cuda

@@ -81,17 +81,24 @@ void CUDART_CB run_host_task(void* user) {
 // the state of the stream that captured them, whichever stream launches the graph.
 class CudaGraph final : public Graph {
 public:
-    CudaGraph(cudaGraph_t g, cudaGraphExec_t e, size_t nodes,
+    CudaGraph(int device, cudaGraph_t g, cudaGraphExec_t e, size_t nodes,
               std::vector<std::unique_ptr<HostTask>> host_tasks)
-        : graph_(g), exec_(e), nodes_(nodes), host_tasks_(std::move(host_tasks)) {}
+        : device_(device), graph_(g), exec_(e), nodes_(nodes), host_tasks_(std::move(host_tasks)) {}
+    // The owner destroys a graph once its launches finished (cudaGraphExecDestroy does not wait
+    // for them). On a hung GPU that cannot be known: its host tasks are left to the process exit
+    // (a launch still queued there may run them yet).
     ~CudaGraph() override {
         cudaGraphExecDestroy(exec_);
         cudaGraphDestroy(graph_);
+        if (device_hung(device_)) {
+            for (auto& t : host_tasks_) (void)t.release();
+        }
     }
     [[nodiscard]] Status launch(Stream& stream) override;
     [[nodiscard]] size_t num_nodes() const override { return nodes_; }
 
 private:
+    int device_;
     cudaGraph_t graph_;
     cudaGraphExec_t exec_;
     size_t nodes_;
@@ -192,13 +199,13 @@ public:
     [[nodiscard]] StatusOr<std::unique_ptr<Graph>> end_capture() override {
         cudaGraph_t g = nullptr;
         std::vector<std::unique_ptr<HostTask>> host_tasks;
-        {
-            // The capture ends here whatever happens below: the captured tasks go to the graph,
-            // or are freed with it (a captured host function never ran).
-            std::lock_guard<std::mutex> lock(capture_mu_);
-            capturing_ = false;
-            host_tasks.swap(captured_tasks_);
-        }
+        // Held through cudaStreamEndCapture: a task another thread enqueues meanwhile is either
+        // captured (and owned by the graph) or eager, never captured but self-deleting. The
+        // capture ends here whatever happens below: the captured tasks go to the graph, or are
+        // freed with it (a captured host function never ran).
+        std::unique_lock<std::mutex> capture_lock(capture_mu_);
+        capturing_ = false;
+        host_tasks.swap(captured_tasks_);
         // A failed capture (or instantiation) leaves its error as this thread's last error, which
         // the next kernel launcher's cudaGetLastError would report as its own: the caller's eager
         // fallback would fail its first forward. Clear it here; the Status carries it.
@@ -208,9 +215,9 @@ public:
             return PDSIM_ERROR(StatusCode::kUnavailable, "stream {}: {} failed: {} ({})", name_,
                                call, cudaGetErrorName(rc), cudaGetErrorString(rc));
         };
-        if (const cudaError_t rc = cudaStreamEndCapture(s_, &g); rc != cudaSuccess) {
-            return failed("cudaStreamEndCapture", rc);
-        }
+        const cudaError_t ended = cudaStreamEndCapture(s_, &g);
+        capture_lock.unlock();
+        if (ended != cudaSuccess) return failed("cudaStreamEndCapture", ended);
         cudaGraphExec_t exec = nullptr;
         if (const cudaError_t rc = cudaGraphInstantiate(&exec, g, 0); rc != cudaSuccess) {
             return failed("cudaGraphInstantiate", rc);
@@ -218,7 +225,7 @@ public:
         size_t n = 0;
         cudaGraphGetNodes(g, nullptr, &n);
         return std::unique_ptr<Graph>(
-            std::make_unique<CudaGraph>(g, exec, n, std::move(host_tasks)));
+            std::make_unique<CudaGraph>(device_, g, exec, n, std::move(host_tasks)));
     }
     [[nodiscard]] bool is_capturing() const override {
         cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
@@ -289,6 +296,17 @@ public:
         CUDA_CHECK(cudaMemset(dst, byte, bytes));
         CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
         return {};
+    }
+    // The device made current (and left current, as CudaStream's calls leave it) first.
+    [[nodiscard]] Status copy_on(int index, void* dst, const void* src, size_t bytes) override {
+        PDSIM_RETURN_IF_ERROR(check_index(index));
+        CUDA_CHECK(cudaSetDevice(index));
+        return copy(dst, src, bytes);
+    }
+    [[nodiscard]] Status fill_on(int index, void* dst, int byte, size_t bytes) override {
+        PDSIM_RETURN_IF_ERROR(check_index(index));
+        CUDA_CHECK(cudaSetDevice(index));
+        return fill(dst, byte, bytes);
     }
     [[nodiscard]] StatusOr<std::unique_ptr<Stream>> create_stream(int index,
                                                                   std::string name) override {

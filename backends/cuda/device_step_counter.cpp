@@ -21,6 +21,7 @@
 #include "backends/cuda/cuda_stream.h"
 #include "backends/cuda/device_step_counter_launch.h"
 #include "common/cuda_check.h"
+#include "common/device_health.h"
 
 namespace pdsim::pd::cuda {
 
@@ -87,8 +88,11 @@ public:
                 if (slot.event != nullptr) cudaEventDestroy(slot.event);
             }
         }
-        if (d_counters_ != nullptr) cudaFree(d_counters_);
-        if (h_mirror_ != nullptr) cudaFreeHost(h_mirror_);
+        // Both frees wait for the device: not on a hung one (common/device_health.h).
+        if (!device_hung(device_)) {
+            if (d_counters_ != nullptr) cudaFree(d_counters_);
+            if (h_mirror_ != nullptr) cudaFreeHost(h_mirror_);
+        }
     }
 
     [[nodiscard]] Status record(CounterId id, std::optional<uint64_t> eager_raw) override {

@@ -16,6 +16,7 @@
 #include "backends/cuda/cuda_stream.h"
 #include "backends/cuda/flashinfer_kernels.h"
 #include "common/align.h"
+#include "common/device_health.h"
 
 namespace pdsim::attn::cuda {
 
@@ -71,7 +72,8 @@ FlashInferAttention::FlashInferAttention(const FlashInferConfig& config,
 FlashInferAttention::~FlashInferAttention() {
     ScopedDevice device(config_.device);
     staging_.reset();
-    if (workspace_ != nullptr) cudaFree(workspace_);
+    // cudaFree waits for the device: not on a hung one (common/device_health.h).
+    if (workspace_ != nullptr && !device_hung(config_.device)) cudaFree(workspace_);
 }
 
 StatusOr<std::unique_ptr<FlashInferAttention>> FlashInferAttention::create(

@@ -166,7 +166,7 @@ Status DeviceBuffer::copy_from_host(const void* src, size_t bytes, size_t offset
         return PDSIM_ERROR(StatusCode::kOutOfRange, "copy of {} bytes at {} into a {}-byte buffer",
                            bytes, offset, bytes_);
     }
-    return runtime_->copy(static_cast<char*>(ptr_) + offset, src, bytes);
+    return runtime_->copy_on(device_.index, static_cast<char*>(ptr_) + offset, src, bytes);
 }
 
 Status DeviceBuffer::copy_to_host(void* dst, size_t bytes, size_t offset) const {
@@ -174,12 +174,12 @@ Status DeviceBuffer::copy_to_host(void* dst, size_t bytes, size_t offset) const 
         return PDSIM_ERROR(StatusCode::kOutOfRange, "copy of {} bytes at {} from a {}-byte buffer",
                            bytes, offset, bytes_);
     }
-    return runtime_->copy(dst, static_cast<const char*>(ptr_) + offset, bytes);
+    return runtime_->copy_on(device_.index, dst, static_cast<const char*>(ptr_) + offset, bytes);
 }
 
 Status DeviceBuffer::fill(int byte) {
     if (ptr_ == nullptr) return {};
-    return runtime_->fill(ptr_, byte, bytes_);
+    return runtime_->fill_on(device_.index, ptr_, byte, bytes_);
 }
 
 }  // namespace pdsim::runtime

@@ -31,6 +31,18 @@ public:
     // Synchronous copy between host memory and memory of this kind (either side may be host).
     [[nodiscard]] virtual Status copy(void* dst, const void* src, size_t bytes) = 0;
     [[nodiscard]] virtual Status fill(void* dst, int byte, size_t bytes) = 0;
+    // As copy / fill, for memory of device `index`: a runtime with a current device per thread
+    // (CUDA) makes `index` current first, so that a thread that never chose one (an engine's
+    // control thread) neither creates a context on device 0 nor waits on device 0's legacy
+    // stream. The defaults call copy / fill. DeviceBuffer's copies and fills use these.
+    [[nodiscard]] virtual Status copy_on(int index, void* dst, const void* src, size_t bytes) {
+        (void)index;
+        return copy(dst, src, bytes);
+    }
+    [[nodiscard]] virtual Status fill_on(int index, void* dst, int byte, size_t bytes) {
+        (void)index;
+        return fill(dst, byte, bytes);
+    }
     [[nodiscard]] virtual StatusOr<std::unique_ptr<Stream>> create_stream(int index,
                                                                           std::string name) = 0;
 };

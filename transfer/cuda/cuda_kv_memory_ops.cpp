@@ -18,6 +18,7 @@
 #include "backends/cuda/flashinfer_staging.h"
 #include "backends/runtime/device.h"
 #include "common/cuda_check.h"
+#include "common/device_health.h"
 #include "transfer/cuda/kv_memory_kernels.h"
 
 namespace pdsim::transfer::cuda {
@@ -57,8 +58,11 @@ public:
     explicit MemoryCache(int device) : device_(device) {}
     ~MemoryCache() {
         runtime::cuda::ScopedDevice scoped(device_);
-        for (auto& [p, bytes] : host_blocks_) cudaFreeHost(p);
-        device_blocks_.clear();  // cudaFree through the runtime
+        // cudaFreeHost waits for the device: not on a hung one (common/device_health.h).
+        if (!device_hung(device_)) {
+            for (auto& [p, bytes] : host_blocks_) cudaFreeHost(p);
+        }
+        device_blocks_.clear();  // cudaFree through the runtime (which skips a hung device)
     }
     MemoryCache(const MemoryCache&) = delete;
     MemoryCache& operator=(const MemoryCache&) = delete;

@@ -90,6 +90,13 @@ __global__ void signal_add_kernel(unsigned long long* word, unsigned long long a
     atomicAdd_system(word, add);
 }
 
+// The launch's own error: cudaGetLastError after a launch returns any error still pending on the
+// thread, so one left by an earlier failed call (a CUDA_CHECK does not clear it) is cleared first
+// instead of being reported as this launch's. A sticky (context) error fails the launch itself.
+void clear_stale_error() {
+    (void)cudaGetLastError();
+}
+
 unsigned blocks_for(int64_t work, int64_t per_block) {
     return static_cast<unsigned>(
         std::clamp<int64_t>((work + per_block - 1) / per_block, 1, kMaxBlocks));
@@ -98,6 +105,7 @@ unsigned blocks_for(int64_t work, int64_t per_block) {
 }  // namespace
 
 int launch_kv_copy(const CopyItem* items, int64_t item_count, int64_t total_tokens, void* stream) {
+    clear_stale_error();
     kv_copy_kernel<<<blocks_for(total_tokens, kWarpsPerBlock), kThreads, 0,
                      static_cast<cudaStream_t>(stream)>>>(items, item_count, total_tokens);
     return static_cast<int>(cudaGetLastError());
@@ -105,12 +113,14 @@ int launch_kv_copy(const CopyItem* items, int64_t item_count, int64_t total_toke
 
 int launch_kv_checksums(const ChecksumItem* items, int64_t item_count, int64_t total_work,
                         void* stream) {
+    clear_stale_error();
     kv_checksums_kernel<<<blocks_for(total_work, kThreads), kThreads, 0,
                           static_cast<cudaStream_t>(stream)>>>(items, item_count, total_work);
     return static_cast<int>(cudaGetLastError());
 }
 
 int launch_kv_fold_sums(uint64_t* dst, const uint64_t* scratch, int64_t count, void* stream) {
+    clear_stale_error();
     kv_fold_sums_kernel<<<blocks_for(count, kThreads), kThreads, 0,
                           static_cast<cudaStream_t>(stream)>>>(dst, scratch, count);
     return static_cast<int>(cudaGetLastError());
@@ -118,6 +128,7 @@ int launch_kv_fold_sums(uint64_t* dst, const uint64_t* scratch, int64_t count, v
 
 int launch_signal_add(uint64_t* word, uint64_t add, void* stream) {
     static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
+    clear_stale_error();
     signal_add_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<unsigned long long*>(word), static_cast<unsigned long long>(add));
     return static_cast<int>(cudaGetLastError());

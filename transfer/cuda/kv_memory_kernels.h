@@ -39,7 +39,8 @@ struct ChecksumItem {
 static_assert(std::is_trivially_copyable_v<ChecksumItem> && sizeof(ChecksumItem) % 8 == 0);
 
 // Each launcher enqueues one kernel on `stream` (a cudaStream_t) and returns its cudaError_t
-// (0: ok). `items` is a device array of `item_count` (>= 1) items with running indices from 0.
+// (0: ok): that launch's own (an error an earlier call left pending is cleared first). `items` is a
+// device array of `item_count` (>= 1) items with running indices from 0.
 int launch_kv_copy(const CopyItem* items, int64_t item_count, int64_t total_tokens, void* stream);
 int launch_kv_checksums(const ChecksumItem* items, int64_t item_count, int64_t total_work,
                         void* stream);

@@ -12,6 +12,12 @@
 // slot is reused -- the words only grow. A slot whose words may still grow (a source that can
 // still signal, one given up as dead) is quarantined: never handed out again.
 //
+// Known limit: every source of a request adds to the same word. On a GPU, adds of two GPUs over
+// PCIe without native P2P atomics (cudaDevP2PAttrNativeAtomicSupported 0) are a read and a write
+// each and could lose one (the word then disagrees and the request fails, loudly). Today a GPU
+// request has one source (the GPU model is TP 1) and NVLink systems have native atomics; GPU
+// TP > 1 on PCIe would need a word per (slot, layer, source).
+//
 // Thread-safety: every method may be called from any thread (the slot pool has its own leaf
 // lock, never held across a copy). Blocking: create(), take() and read() may copy device memory
 // synchronously (a cudaMemcpy for a GPU layout): call them without holding an engine lock;

@@ -329,6 +329,14 @@ private:
                                    it->second.no_kernel_access);
             }
             target = static_cast<uint8_t*>(it->second.ptr) + dst_offset;
+            // A misaligned atomic is a sticky error that would end this GPU's context.
+            if (kind == OpKind::kSignal &&
+                reinterpret_cast<uintptr_t>(target) % sizeof(uint64_t) != 0) {
+                return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                                   "cuda_ipc: signal word at {} (offset {} of a region at {}) is "
+                                   "not 8-byte aligned",
+                                   static_cast<void*>(target), dst_offset, it->second.ptr);
+            }
         }
         auto op = std::make_shared<OpState>(kind, dst.peer, 0, bytes);
         cudaEvent_t ev = nullptr;
