@@ -470,12 +470,10 @@ inline void register_test_transports() {
             register_transport(
                 d, [](const TransportOptions& o) -> StatusOr<std::unique_ptr<Transport>> {
                     PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner,
-                                           make_local_transport(o));
+                                           make_local_writes_transport(o));
                     return std::unique_ptr<Transport>(std::make_unique<CapabilityView>(
-                        std::move(inner), "local_device_writes", [](Capabilities& c) {
-                            one_sided_only(c);
-                            c.device_memory = true;
-                        }));
+                        std::move(inner), "local_device_writes",
+                        [](Capabilities& c) { c.device_memory = true; }));
                 });
         }
         // Stream-ordered fakes of a GPU transport (StreamOrderedFake) over local_device and

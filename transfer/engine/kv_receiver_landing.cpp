@@ -528,11 +528,8 @@ void KvReceiver::Impl::handle_layer_written(int peer, const LayerWrittenMsg& m) 
                 "{}, tp rank {}) from rank {}",
                 m.request_id, m.chunk_index, m.layer, m.src_tp_rank, peer);
         } else {
-            uint64_t per_token = 0;
-            for (int b = 0; b < layout_.buffer_count(); ++b) {
-                per_token += s->frag->bytes[static_cast<size_t>(b)];
-            }
-            const uint64_t want = per_token * static_cast<uint64_t>(s->chunk_tokens[m.chunk_index]);
+            const uint64_t want = token_bytes(*s->frag, layout_.buffer_count()) *
+                                  static_cast<uint64_t>(s->chunk_tokens[m.chunk_index]);
             if (m.bytes != want) {
                 why = fmt::format(
                     "request {}: protocol error: prefill rank {} wrote {} bytes of chunk {} "
@@ -861,9 +858,7 @@ std::string KvReceiver::Impl::check_arrival_words(const RecvReq& r, const Arriva
     for (const SourceState& s : sources) {
         if (!s.frag) continue;
         if (!s.signals) return {};  // a source that does not signal: no targets to check
-        for (int b = 0; b < layout_.buffer_count(); ++b) {
-            per_token += s.frag->bytes[static_cast<size_t>(b)];
-        }
+        per_token += token_bytes(*s.frag, layout_.buffer_count());
     }
     StatusOr<std::vector<uint64_t>> now = arrival_->read(slot.index);
     if (!now.ok()) {

@@ -87,6 +87,13 @@ inline size_t message_bytes(const Fragment& frag, int buf, const TokenRun& run) 
     return frag.bytes[static_cast<size_t>(buf)] * static_cast<size_t>(run.count);
 }
 
+// Bytes of one token of one layer that `frag` carries, over buffers [0, buffer_count).
+inline uint64_t token_bytes(const Fragment& frag, int buffer_count) {
+    uint64_t bytes = 0;
+    for (int b = 0; b < buffer_count; ++b) bytes += frag.bytes[static_cast<size_t>(b)];
+    return bytes;
+}
+
 // Copies a run's fragment out of the prefill pages into `dst` (packed [token][fragment bytes]).
 void gather_run(const KvLayout& src, const Fragment& frag, int layer, int buf, const TokenRun& run,
                 std::byte* dst);
