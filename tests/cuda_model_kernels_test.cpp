@@ -428,6 +428,53 @@ TEST_F(CudaModelKernels, ResidualAddIsOneRoundedFloatAdd) {
     EXPECT_EQ(bad, 0);
 }
 
+// The TP-invariant reduction's last step: the slices' fp32 partials summed from slice 0 up, one
+// rounding per add, rounded to bf16, then added to the residual as residual_add does; columns
+// past hidden untouched; slice stride and row stride other than the dense ones (a gathered
+// block's), NaN in the gaps between slices and rows (never read).
+TEST_F(CudaModelKernels, SliceReduceSumsInSliceOrderThenAddsTheResidual) {
+    const int T = 9, H = 264, slices = 4;
+    const int64_t ld = 272, pld = 268, stride = int64_t{T} * pld + 8;
+    const auto h = random_bf16(static_cast<size_t>(T) * ld, 21, -4.f, 4.f);
+    std::vector<float> parts(static_cast<size_t>(stride) * slices, std::nanf(""));
+    std::mt19937 rng(22);
+    std::uniform_real_distribution<float> dist(-3.f, 3.f);
+    for (int s = 0; s < slices; ++s) {
+        for (int t = 0; t < T; ++t) {
+            for (int i = 0; i < H; ++i)
+                parts[static_cast<size_t>(s * stride + t * pld + i)] = dist(rng);
+        }
+    }
+    DeviceBuffer dh = upload(h), dp = upload(parts);
+    SliceReduceParams p;
+    p.partials = dp.as<float>();
+    p.slice_stride = stride;
+    p.partial_ld = pld;
+    p.slices = slices;
+    p.residual = dh.as<bf16_t>();
+    p.residual_ld = ld;
+    p.rows = T;
+    p.hidden = H;
+    ASSERT_OK(slice_reduce_residual(p, stream()));
+    const auto got = download<bf16_t>(dh, h.size());
+    int64_t bad = 0;
+    for (int t = 0; t < T; ++t) {
+        for (int i = 0; i < ld; ++i) {
+            const size_t k = static_cast<size_t>(t * ld + i);
+            bf16_t want = h[k];
+            if (i < H) {
+                volatile float sum = parts[static_cast<size_t>(t * pld + i)];
+                for (int s = 1; s < slices; ++s) {
+                    sum = sum + parts[static_cast<size_t>(s * stride + t * pld + i)];
+                }
+                want = float_to_bf16(f(h[k]) + f(float_to_bf16(sum)));
+            }
+            if (got[k] != want) ++bad;
+        }
+    }
+    EXPECT_EQ(bad, 0);
+}
+
 TEST_F(CudaModelKernels, GatherLastTokensOfEachRequest) {
     const int H = 256, T = 20;
     const auto x = random_bf16(static_cast<size_t>(T) * H, 7);

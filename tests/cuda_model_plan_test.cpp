@@ -339,6 +339,31 @@ TEST(CudaModelKernels, ChecksArgumentsBeforeLaunching) {
     am.ld = 100;
     EXPECT_THAT(argmax(am, cpu).message(), HasSubstr("vocab 512 must be > 0 and <= ld 100"));
 
+    SliceReduceParams sr;
+    sr.partials = w;
+    sr.slice_stride = 4 * 64;
+    sr.partial_ld = 64;
+    sr.slices = 2;
+    sr.residual = buf;
+    sr.residual_ld = 64;
+    sr.rows = 4;
+    sr.hidden = 64;
+    EXPECT_THAT(slice_reduce_residual(sr, cpu).message(), HasSubstr("not a CUDA stream"));
+    SliceReduceParams bad_sr = sr;
+    bad_sr.slices = 0;
+    EXPECT_THAT(slice_reduce_residual(bad_sr, cpu).message(), HasSubstr("slices 0"));
+    bad_sr = sr;
+    bad_sr.slice_stride = 64;  // the slices would overlap
+    EXPECT_THAT(slice_reduce_residual(bad_sr, cpu).message(), HasSubstr("slice_stride 64"));
+    bad_sr = sr;
+    bad_sr.partials = w + 1;
+    EXPECT_THAT(slice_reduce_residual(bad_sr, cpu).message(),
+                HasSubstr("partials is null or not 16-byte aligned"));
+    bad_sr = sr;
+    bad_sr.hidden = 60;
+    EXPECT_THAT(slice_reduce_residual(bad_sr, cpu).message(),
+                HasSubstr("slice_reduce_residual: hidden 60"));
+
     const ModelDims d = *make_model_dims(tiny());
     EXPECT_THAT(
         generate_weights(1, qkv_weight_layout(d, 0), buf, runtime::DType::kF16, cpu).message(),

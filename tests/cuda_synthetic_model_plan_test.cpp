@@ -40,8 +40,40 @@ TEST(CudaModelConfig, AcceptsTinyAndLlama8bShapes) {
     EXPECT_OK(check_cuda_model_config(l8, 1, {}));
 }
 
+// TP: any size that splits the heads and the intermediate size; the sliced reduction (always on
+// for TP > 1) also needs the intermediate size to split into num_kv_heads 16-byte slices.
+TEST(CudaModelConfig, TakesTpSplitsAndTheSlicedReduction) {
+    EXPECT_OK(check_cuda_model_config(tiny2(), 2, {}));
+    EXPECT_OK(check_cuda_model_config(tiny2(), 4, {}));  // tiny: 4 KV heads
+    expect_error(check_cuda_model_config(tiny2(), 3, {}), StatusCode::kInvalidArgument,
+                 "model tiny: tp 3: 3 does not divide num_kv_heads 4");
+    expect_error(check_cuda_model_config(tiny2(), 8, {}), StatusCode::kInvalidArgument,
+                 "model tiny: tp 8");
+    expect_error(check_cuda_model_config(tiny2(), 0, {}), StatusCode::kInvalidArgument,
+                 "tp 0 must be >= 1");
+    ModelConfig c = tiny2();
+    c.intermediate = 520;  // 520 / 4 slices = 130: not a 16-byte row
+    EXPECT_OK(check_cuda_model_config(c, 1, {}));
+    CudaModelOptions sliced;
+    sliced.sliced_reduction = true;
+    expect_error(check_cuda_model_config(c, 1, sliced), StatusCode::kInvalidArgument,
+                 "intermediate / num_kv_heads (a reduction slice) 130");
+    c.intermediate = 528;  // 264 per TP 2 rank, but 132 per slice
+    EXPECT_OK(check_cuda_model_config(c, 1, {}));
+    expect_error(check_cuda_model_config(c, 2, {}), StatusCode::kInvalidArgument,
+                 "intermediate / num_kv_heads (a reduction slice) 132");
+    c.intermediate = 516;  // does not split over 4 slices (nor into 8-element rows)
+    expect_error(check_cuda_model_config(c, 2, {}), StatusCode::kInvalidArgument,
+                 "intermediate / tp 258");
+    ModelConfig l8 = *resolve_model("llama3-8b");
+    l8.num_layers = 2;
+    EXPECT_OK(check_cuda_model_config(l8, 8, {}));
+    EXPECT_FALSE(uses_sliced_reduction(1, {}));
+    EXPECT_TRUE(uses_sliced_reduction(1, sliced));
+    EXPECT_TRUE(uses_sliced_reduction(2, {}));
+}
+
 TEST(CudaModelConfig, RejectsWhatItDoesNotBuild) {
-    expect_error(check_cuda_model_config(tiny2(), 2, {}), StatusCode::kUnimplemented, "TP 1 only");
     expect_error(check_cuda_model_config(*resolve_model("deepseek-v3"), 1, {}),
                  StatusCode::kUnimplemented, "MLA");
     expect_error(check_cuda_model_config(*resolve_model("hybrid-tiny"), 1, {}),
@@ -94,6 +126,16 @@ TEST(WeightMemory, MatchesTheParameterCountInBf16PlusFp32Norms) {
     EXPECT_EQ(l8.qkv, (4096 + 2 * 1024) * 4096 * 2);
     EXPECT_EQ(l8.gate_up, 2LL * 14336 * 4096 * 2);
     EXPECT_EQ(l8.embedding, 128256LL * 4096 * 2);
+    // A TP rank holds 1 / tp of every projection and all of the embeddings and norms.
+    const WeightMemory l8tp4 = estimate_weight_memory(*resolve_model("llama3-8b"), 4);
+    EXPECT_EQ(l8tp4.qkv * 4, l8.qkv);
+    EXPECT_EQ(l8tp4.o_proj * 4, l8.o_proj);
+    EXPECT_EQ(l8tp4.gate_up * 4, l8.gate_up);
+    EXPECT_EQ(l8tp4.down * 4, l8.down);
+    EXPECT_EQ(l8tp4.norms, l8.norms);
+    EXPECT_EQ(l8tp4.embedding, l8.embedding);
+    EXPECT_EQ(l8tp4.lm_head, l8.lm_head);
+    EXPECT_EQ(l8tp4.total, l8.total - 3 * (l8.qkv + l8.o_proj + l8.gate_up + l8.down) / 4 * 32);
 }
 
 TEST(InputLayout, RegionsAreAlignedAndDisjoint) {
@@ -140,6 +182,56 @@ TEST(Workspace, BuffersAreAlignedLargeEnoughAndDisjoint) {
         }
     }
     EXPECT_EQ(w.input.total, input_layout(100, 10).total);
+    // No sliced-reduction buffers on the default TP 1 forward.
+    EXPECT_EQ(w.partials_bytes, 0u);
+    EXPECT_EQ(w.gathered_bytes, 0u);
+}
+
+// TP 2 of tiny (4 canonical slices, 2 on this rank): this rank's heads and intermediate size, the
+// slice-major GEMM input, the partials of its 2 slices and the gathered partials of all 4.
+TEST(Workspace, TpRanksHoldTheirSlicesAndTheExchange) {
+    const ModelConfig c = tiny2();
+    CudaModelOptions o;
+    o.max_tokens = 100;
+    o.max_bs = 10;
+    const WorkspaceLayout w = plan_workspace(c, o, 2);
+    const size_t T = 100, B = 10, H = 256, q = 4 * 64, kv = 2 * 64, I = 256, V = 512;
+    EXPECT_EQ(w.partials_bytes, 2 * T * H * 4);
+    EXPECT_EQ(w.gathered_bytes, 4 * T * H * 4);
+    const std::vector<std::pair<size_t, size_t>> regions = {
+        {w.hidden, T * H * 2},
+        {w.normed, T * H * 2},
+        {w.qkv, T * (q + 2 * kv) * 2},
+        {w.q, T * q * 2},
+        {w.k, T * kv * 2},
+        {w.v, T * kv * 2},
+        {w.attn, T * q * 2},
+        {w.gate_up, T * 2 * I * 2},
+        {w.act, T * I * 2},
+        {w.positions, T * 4},
+        {w.last, B * H * 2},
+        {w.last_normed, B * H * 2},
+        {w.logits, B * V * 4},
+        {w.sampled, B * 4},
+        {w.inputs, static_cast<size_t>(input_layout(100, 10).total) * 4},
+        {w.slice_in, T * std::max(q, I) * 2},
+        {w.partials, w.partials_bytes},
+        {w.gathered, w.gathered_bytes}};
+    for (size_t i = 0; i < regions.size(); ++i) {
+        EXPECT_EQ(regions[i].first % 256, 0u) << "region " << i;
+        const size_t end = regions[i].first + regions[i].second;
+        EXPECT_LE(end, w.total_bytes) << "region " << i;
+        if (i + 1 < regions.size()) {
+            EXPECT_LE(end, regions[i + 1].first) << "region " << i;
+        }
+    }
+    // A sliced TP 1 rank: every slice's partials, nothing to gather.
+    o.sliced_reduction = true;
+    const WorkspaceLayout one = plan_workspace(c, o, 1);
+    EXPECT_EQ(one.partials_bytes, 4 * T * H * 4);
+    EXPECT_EQ(one.gathered_bytes, 0u);
+    EXPECT_GT(one.total_bytes,
+              plan_workspace(c, CudaModelOptions{.max_tokens = 100, .max_bs = 10}).total_bytes);
 }
 
 // Two requests: 3 new tokens of 5, and 2 new of 2, pages of 4.

@@ -12,7 +12,10 @@
 //    stale-graph-metadata fault (replay without the backend's metadata refresh) is caught;
 //  - the prewrite path (save_kv_cache=false) == the normal path, with a device StepCounter
 //    counting one record per layer per extend forward in both;
-//  - llama3-8b shapes with 2 layers: a smoke run (prefill, decode, invariance, one graph, timing).
+//  - llama3-8b shapes with 2 layers: a smoke run (prefill, decode, invariance, one graph, timing);
+//  - tensor parallelism: the sliced (TP-invariant) TP 1 forward against the same host oracle, and
+//    two TP 2 ranks (threads on one GPU, an in-process TP group) against the sliced TP 1 rank:
+//    tokens and logits bit for bit, each rank's KV equal to its heads of the TP 1 rank's KV.
 // Pools are poisoned (NaN) and the workspace too before forwards whose outputs are compared.
 // Skips with the runtime's reason where there is no GPU, or when FlashInfer is not built; the
 // argument checks that need no device run everywhere.
@@ -22,13 +25,17 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <iostream>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -71,20 +78,97 @@ ModelConfig tiny2() {
     return c;
 }
 
-class FakeTp final : public TpComm {
+// A TP group that create() must refuse before it gathers anything (a fake: it gathers nothing).
+class RefusedTpFake final : public TpComm {
 public:
-    [[nodiscard]] int size() const override { return 2; }
+    explicit RefusedTpFake(int size) : size_(size) {}
+    [[nodiscard]] int size() const override { return size_; }
     [[nodiscard]] int rank() const override { return 0; }
-    [[nodiscard]] Status allgather(const float*, size_t, float*) override { return {}; }
+    [[nodiscard]] Status allgather(const float*, size_t, float*) override {
+        ADD_FAILURE() << "allgather on a refused TP group";
+        return {};
+    }
+
+private:
+    int size_;
+};
+
+// An in-process TP group for the tests below (a fake of the testbed's MPI / in-process groups,
+// sim/testbed/comm.h): each member's allgather waits, bounded, for every member's contribution of
+// the round, copies them all rank-major, and returns only once every member has copied (so no
+// member overwrites its contribution while another still reads it).
+class InProcessTpGroupFake {
+public:
+    explicit InProcessTpGroupFake(int size) : slots_(static_cast<size_t>(size)) {
+        for (int r = 0; r < size; ++r) members_.push_back(std::make_unique<Member>(this, r));
+    }
+    [[nodiscard]] TpComm* member(int r) { return members_[static_cast<size_t>(r)].get(); }
+
+private:
+    class Member final : public TpComm {
+    public:
+        Member(InProcessTpGroupFake* group, int rank) : group_(group), rank_(rank) {}
+        [[nodiscard]] int size() const override { return static_cast<int>(group_->slots_.size()); }
+        [[nodiscard]] int rank() const override { return rank_; }
+        [[nodiscard]] Status allgather(const float* mine, size_t count, float* out) override {
+            return group_->gather(rank_, mine, count, out);
+        }
+
+    private:
+        InProcessTpGroupFake* group_;
+        int rank_;
+    };
+
+    Status gather(int rank, const float* mine, size_t count, float* out) {
+        constexpr auto kTimeout = std::chrono::seconds(60);
+        const int n = static_cast<int>(slots_.size());
+        std::unique_lock<std::mutex> lock(mu_);
+        if (!cv_.wait_for(lock, kTimeout, [&] { return copied_ == 0; })) {
+            return Status(StatusCode::kDeadlineExceeded, "the previous round never finished");
+        }
+        slots_[static_cast<size_t>(rank)] = mine;
+        const uint64_t round = round_;
+        if (++arrived_ == n) {
+            arrived_ = 0;
+            ++round_;
+            cv_.notify_all();
+        } else if (!cv_.wait_for(lock, kTimeout, [&] { return round_ != round; })) {
+            return Status(StatusCode::kDeadlineExceeded, "a TP member never arrived");
+        }
+        lock.unlock();
+        for (int r = 0; r < n; ++r) {
+            std::memcpy(out + static_cast<size_t>(r) * count, slots_[static_cast<size_t>(r)],
+                        count * sizeof(float));
+        }
+        lock.lock();
+        if (++copied_ == n) {
+            copied_ = 0;
+            ++drained_;
+            cv_.notify_all();
+        } else {
+            const uint64_t drained = drained_;
+            if (!cv_.wait_for(lock, kTimeout, [&] { return drained_ != drained; })) {
+                return Status(StatusCode::kDeadlineExceeded, "a TP member never copied");
+            }
+        }
+        return {};
+    }
+
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::vector<const float*> slots_;
+    std::vector<std::unique_ptr<Member>> members_;
+    int arrived_ = 0, copied_ = 0;
+    uint64_t round_ = 0, drained_ = 0;
 };
 
 // ---- no device needed ---------------------------------------------------------------------------
 
 TEST(CudaSyntheticModelCreate, RejectsWhatItDoesNotBuildBeforeTouchingADevice) {
-    FakeTp tp2;
-    auto tp = CudaSyntheticModel::create(tiny2(), &tp2);
-    EXPECT_EQ(tp.status().code(), StatusCode::kUnimplemented);
-    EXPECT_THAT(tp.status().message(), HasSubstr("TP 1 only"));
+    RefusedTpFake tp3(3);  // tiny has 4 KV heads
+    auto tp = CudaSyntheticModel::create(tiny2(), &tp3);
+    EXPECT_EQ(tp.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(tp.status().message(), HasSubstr("tp 3: 3 does not divide num_kv_heads 4"));
     auto mla = CudaSyntheticModel::create(*resolve_model("deepseek-v3"), nullptr);
     EXPECT_EQ(mla.status().code(), StatusCode::kUnimplemented);
     EXPECT_THAT(mla.status().message(), HasSubstr("MLA"));
@@ -122,9 +206,11 @@ struct RigOptions {
     int num_pages = 256;
     int page_size = 16;
     CudaModelOptions model;
+    TpComm* tp = nullptr;  // this rank's TP group: its pool and backend hold its heads
 };
 
 std::unique_ptr<Rig> make_rig(const ModelConfig& cfg, const RigOptions& o) {
+    const int tp = o.tp != nullptr ? o.tp->size() : 1;
     auto rig = std::make_unique<Rig>();
     rig->cfg = cfg;
     rig->page_size = o.page_size;
@@ -143,7 +229,7 @@ std::unique_ptr<Rig> make_rig(const ModelConfig& cfg, const RigOptions& o) {
     pc.num_layers = cfg.num_layers;
     pc.num_pages = o.num_pages;
     pc.page_size = o.page_size;
-    pc.num_kv_heads = cfg.num_kv_heads;
+    pc.num_kv_heads = cfg.num_kv_heads / tp;
     pc.head_dim = cfg.head_dim;
     pc.dtype = kv::KVDtype::kBF16;
     pc.device = {DeviceKind::kCuda, 0};
@@ -157,8 +243,8 @@ std::unique_ptr<Rig> make_rig(const ModelConfig& cfg, const RigOptions& o) {
     // as non-finite logits (kDataLoss) if it were read.
     EXPECT_OK(rig->pool->fill(0xff));
     attn::AttentionConfig ac;
-    ac.num_q_heads = cfg.num_q_heads;
-    ac.num_kv_heads = cfg.num_kv_heads;
+    ac.num_q_heads = cfg.num_q_heads / tp;
+    ac.num_kv_heads = cfg.num_kv_heads / tp;
     ac.head_dim = cfg.head_dim;
     ac.kv_dtype = kv::KVDtype::kBF16;
     ac.stream = rig->stream.get();
@@ -168,7 +254,7 @@ std::unique_ptr<Rig> make_rig(const ModelConfig& cfg, const RigOptions& o) {
         return nullptr;
     }
     rig->backend = std::move(*backend);
-    auto model = CudaSyntheticModel::create(cfg, nullptr, o.model);
+    auto model = CudaSyntheticModel::create(cfg, o.tp, o.model);
     if (!model.ok()) {
         ADD_FAILURE() << model.status().to_string();
         return nullptr;
@@ -659,12 +745,14 @@ TEST(CudaSyntheticModelOracle, MatchesTheCpuModelUnrounded) {
     EXPECT_GE(checked, 10);  // near ties are rare: most tokens were compared exactly
 }
 
-TEST_F(CudaSyntheticModelTest, MatchesTheHostOracle) {
+// The oracle comparison of one model: the default forward, or the sliced (TP-invariant) one.
+void check_against_the_host_oracle(bool sliced) {
     const ModelConfig cfg = tiny2();
     RigOptions ro;
     ro.num_pages = 32;
     ro.model.max_tokens = 256;
     ro.model.max_bs = 8;
+    ro.model.sliced_reduction = sliced;
     auto rig = make_rig(cfg, ro);
     ASSERT_NE(rig, nullptr);
     Oracle oracle(cfg);
@@ -709,9 +797,120 @@ TEST_F(CudaSyntheticModelTest, MatchesTheHostOracle) {
         }
         append(pointers(seqs), next);  // teacher forcing: both sides continue with the GPU's
     }
-    std::cout << "[ oracle ] max |logit err| " << max_logit_err << " (tol " << kLogitTol
-              << "), max |final hidden err| " << max_hidden_err << ", max |KV err| " << max_kv_err
-              << "\n";
+    std::cout << "[ oracle" << (sliced ? ", sliced" : "") << " ] max |logit err| " << max_logit_err
+              << " (tol " << kLogitTol << "), max |final hidden err| " << max_hidden_err
+              << ", max |KV err| " << max_kv_err << "\n";
+}
+
+TEST_F(CudaSyntheticModelTest, MatchesTheHostOracle) {
+    check_against_the_host_oracle(/*sliced=*/false);
+}
+
+TEST_F(CudaSyntheticModelTest, SlicedForwardMatchesTheHostOracle) {
+    check_against_the_host_oracle(/*sliced=*/true);
+}
+
+// Two TP 2 ranks of tiny (threads on GPU 0, each with its stream, backend, pool of 2 KV heads and
+// an in-process TP group) against a sliced TP 1 rank: the same tokens and bit-identical logits
+// over a prefill of 3 requests and 4 decode steps, each rank's KV equal to the TP 1 rank's KV of
+// its heads, bit for bit. Then the TP 1 rank without slicing: the same tokens (rounding apart).
+TEST_F(CudaSyntheticModelTest, TpTwoRanksComputeTheSlicedTpOneBits) {
+    const ModelConfig cfg = tiny2();
+    const int V = cfg.vocab;
+    RigOptions ro;
+    ro.num_pages = 32;
+    ro.model.max_tokens = 256;
+    ro.model.max_bs = 8;
+    RigOptions sliced = ro;
+    sliced.model.sliced_reduction = true;
+    InProcessTpGroupFake group(2);
+    std::vector<std::unique_ptr<Rig>> rigs;  // [0] sliced TP 1, [1] plain TP 1, [2..3] TP ranks
+    rigs.push_back(make_rig(cfg, sliced));
+    rigs.push_back(make_rig(cfg, ro));
+    for (int r = 0; r < 2; ++r) {
+        RigOptions tp = ro;
+        tp.tp = group.member(r);
+        rigs.push_back(make_rig(cfg, tp));
+    }
+    for (const auto& rig : rigs) ASSERT_NE(rig, nullptr);
+    ASSERT_TRUE(rigs[0]->model->sliced_reduction());
+    ASSERT_FALSE(rigs[1]->model->sliced_reduction());
+    ASSERT_EQ(rigs[2]->model->tp_size(), 2);
+    ASSERT_EQ(rigs[2]->model->local_kv_heads(), cfg.num_kv_heads / 2);
+    // A decode graph cannot hold the exchange.
+    EXPECT_THAT(rigs[2]->model->capture_decode_graphs(*rigs[2]->backend, *rigs[2]->pool),
+                StatusIs(StatusCode::kFailedPrecondition, HasSubstr("decode runs eagerly")));
+
+    // Each rig's own copy of the requests (its pool's pages).
+    const int lens[] = {5, 17, 33};
+    std::vector<std::vector<Seq>> seqs(rigs.size(), std::vector<Seq>(3));
+    for (auto& per_rig : seqs) {
+        for (int i = 0; i < 3; ++i)
+            per_rig[static_cast<size_t>(i)].tokens = random_tokens(lens[i], V, 300 + i);
+    }
+    for (int step = 0; step <= 4; ++step) {
+        std::vector<std::vector<int32_t>> next(rigs.size());
+        std::vector<std::vector<float>> logit_rows(rigs.size());
+        auto one_rank = [&](size_t k) {
+            Rig& rig = *rigs[k];
+            const StepBatch b = step == 0 ? prefill_batch(rig, pointers(seqs[k]))
+                                          : decode_batch(rig, pointers(seqs[k]));
+            next[k] = run(rig, b);
+            logit_rows[k] = logits(rig, 3);
+        };
+        one_rank(0);
+        one_rank(1);
+        std::thread peer(one_rank, size_t{3});  // the TP ranks forward together
+        one_rank(2);
+        peer.join();
+        SCOPED_TRACE("step " + std::to_string(step));
+        EXPECT_EQ(next[2], next[0]) << "TP rank 0 vs sliced TP 1";
+        EXPECT_EQ(next[3], next[0]) << "TP rank 1 vs sliced TP 1";
+        EXPECT_EQ(next[1], next[0]) << "plain TP 1 vs sliced TP 1 (near ties aside)";
+        ASSERT_EQ(logit_rows[2].size(), logit_rows[0].size());
+        EXPECT_EQ(std::memcmp(logit_rows[2].data(), logit_rows[0].data(),
+                              logit_rows[0].size() * sizeof(float)),
+                  0)
+            << "TP rank 0's logits are not the sliced TP 1 rank's bits";
+        EXPECT_EQ(logit_rows[3], logit_rows[2]) << "the TP ranks' logits differ";
+        double max_plain = 0;
+        for (size_t v = 0; v < logit_rows[0].size(); ++v) {
+            max_plain = std::max(
+                max_plain, std::abs(static_cast<double>(logit_rows[1][v]) - logit_rows[0][v]));
+        }
+        EXPECT_LE(max_plain, kLogitTol) << "plain vs sliced TP 1 logits";
+        // Everyone continues with the sliced TP 1 rank's tokens.
+        for (auto& per_rig : seqs) append(pointers(per_rig), next[0]);
+    }
+    // KV: TP rank r holds KV heads [2r, 2r + 2) of the TP 1 rank's, token by token.
+    const size_t head_bytes = static_cast<size_t>(cfg.head_dim) * 2;
+    const size_t per_rank = head_bytes * static_cast<size_t>(cfg.num_kv_heads / 2);
+    for (int i = 0; i < 3; ++i) {
+        const int len = static_cast<int>(seqs[0][static_cast<size_t>(i)].tokens.size()) - 1;
+        for (int l = 0; l < cfg.num_layers; ++l) {
+            for (int buf = 0; buf < 2; ++buf) {
+                auto whole = read_request_kv(*rigs[0]->pool, l, buf,
+                                             seqs[0][static_cast<size_t>(i)].pages, len);
+                ASSERT_OK(whole);
+                for (int r = 0; r < 2; ++r) {
+                    const size_t k = 2 + static_cast<size_t>(r);
+                    auto part = read_request_kv(*rigs[k]->pool, l, buf,
+                                                seqs[k][static_cast<size_t>(i)].pages, len);
+                    ASSERT_OK(part);
+                    ASSERT_EQ(part->size() * 2, whole->size());
+                    for (int t = 0; t < len; ++t) {
+                        const std::byte* want = whole->data() +
+                                                static_cast<size_t>(t) * 2 * per_rank +
+                                                static_cast<size_t>(r) * per_rank;
+                        const std::byte* got = part->data() + static_cast<size_t>(t) * per_rank;
+                        ASSERT_EQ(std::memcmp(got, want, per_rank), 0)
+                            << "request " << i << " layer " << l << " buf " << buf << " token " << t
+                            << " TP rank " << r;
+                    }
+                }
+            }
+        }
+    }
 }
 
 TEST_F(CudaSyntheticModelTest, RequestsAreBatchInvariant) {

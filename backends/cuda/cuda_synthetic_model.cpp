@@ -65,13 +65,26 @@ struct CudaSyntheticModel::Weights {
     DeviceBuffer final_norm;  // fp32 [hidden]
 };
 
-CudaSyntheticModel::CudaSyntheticModel(const ModelConfig& config, const CudaModelOptions& options)
-    : cfg_(config), options_(options) {
-    q_cols_ = static_cast<int64_t>(cfg_.num_q_heads) * cfg_.head_dim;
-    kv_cols_ = static_cast<int64_t>(cfg_.num_kv_heads) * cfg_.head_dim;
+CudaSyntheticModel::CudaSyntheticModel(const ModelConfig& config, const CudaModelOptions& options,
+                                       TpComm* tp)
+    : cfg_(config), options_(options), tp_(tp) {
+    tp_size_ = tp != nullptr ? tp->size() : 1;
+    tp_rank_ = tp != nullptr ? tp->rank() : 0;
+    sliced_ = uses_sliced_reduction(tp_size_, options_);
+    hq_ = cfg_.num_q_heads / tp_size_;
+    hkv_ = cfg_.num_kv_heads / tp_size_;
+    inter_ = cfg_.intermediate / tp_size_;
+    q_cols_ = static_cast<int64_t>(hq_) * cfg_.head_dim;
+    kv_cols_ = static_cast<int64_t>(hkv_) * cfg_.head_dim;
     qkv_cols_ = q_cols_ + 2 * kv_cols_;
-    layout_ = plan_workspace(cfg_, options_);
-    weight_memory_ = estimate_weight_memory(cfg_);
+    slices_ = cfg_.num_kv_heads;
+    local_slices_ = slices_ / tp_size_;
+    o_slice_cols_ = static_cast<int64_t>(cfg_.num_q_heads / slices_) * cfg_.head_dim;
+    qkv_slice_cols_ = o_slice_cols_ + 2 * static_cast<int64_t>(cfg_.head_dim);
+    down_slice_cols_ = cfg_.intermediate / slices_;
+    gate_up_slice_cols_ = 2 * down_slice_cols_;
+    layout_ = plan_workspace(cfg_, options_, tp_size_);
+    weight_memory_ = estimate_weight_memory(cfg_, tp_size_);
 }
 
 CudaSyntheticModel::~CudaSyntheticModel() {
@@ -89,14 +102,22 @@ CudaSyntheticModel::~CudaSyntheticModel() {
         if (ev != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
     }
     // cudaFreeHost waits for the device; queued work may still read the tokens' pinned memory.
-    if (pinned_tokens_ != nullptr && !device_hung(options_.device)) {
-        cudaFreeHost(pinned_tokens_);
+    if (!device_hung(options_.device)) {
+        for (void* p : {static_cast<void*>(pinned_tokens_), static_cast<void*>(pinned_partials_),
+                        static_cast<void*>(pinned_gathered_)}) {
+            if (p != nullptr) cudaFreeHost(p);
+        }
     }
 }
 
 StatusOr<std::unique_ptr<CudaSyntheticModel>> CudaSyntheticModel::create(
     const ModelConfig& config, TpComm* tp, const CudaModelOptions& options) {
-    PDSIM_RETURN_IF_ERROR(check_cuda_model_config(config, tp != nullptr ? tp->size() : 1, options));
+    const int tp_size = tp != nullptr ? tp->size() : 1;
+    PDSIM_RETURN_IF_ERROR(check_cuda_model_config(config, tp_size, options));
+    if (tp != nullptr && (tp->rank() < 0 || tp->rank() >= tp_size)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "tp: rank {} outside [0, size {})",
+                           tp->rank(), tp_size);
+    }
     PDSIM_ASSIGN_OR_RETURN(runtime::DeviceRuntime * rt, runtime::device_runtime(DeviceKind::kCuda));
     if (rt->device_count() == 0) {
         return PDSIM_ERROR(StatusCode::kUnavailable, "{}", rt->unavailable_reason());
@@ -105,7 +126,7 @@ StatusOr<std::unique_ptr<CudaSyntheticModel>> CudaSyntheticModel::create(
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "options.device {}: {} CUDA devices",
                            options.device, rt->device_count());
     }
-    std::unique_ptr<CudaSyntheticModel> m(new CudaSyntheticModel(config, options));
+    std::unique_ptr<CudaSyntheticModel> m(new CudaSyntheticModel(config, options, tp));
     PDSIM_RETURN_IF_ERROR(m->init().with_context("model " + config.name));
     return m;
 }
@@ -116,36 +137,7 @@ Status CudaSyntheticModel::init() {
     PDSIM_ASSIGN_OR_RETURN(runtime::DeviceRuntime * rt, runtime::device_runtime(DeviceKind::kCuda));
     PDSIM_ASSIGN_OR_RETURN(std::unique_ptr<runtime::Stream> stream,
                            rt->create_stream(dev, "cuda-synthetic-model-init"));
-    PDSIM_ASSIGN_OR_RETURN(ModelDims dims, make_model_dims(cfg_, 1, 0));
-    const uint64_t seed = cfg_.seed;
-
-    // Weights, generated on the device (bit-equal to SyntheticModel::weight_value, then bf16).
-    weights_ = std::make_unique<Weights>();
-    weights_->layers.resize(static_cast<size_t>(cfg_.num_layers));
-    for (int l = 0; l < cfg_.num_layers; ++l) {
-        Weights::Layer& L = weights_->layers[static_cast<size_t>(l)];
-        PDSIM_ASSIGN_OR_RETURN(
-            L.qkv, generated(seed, qkv_weight_layout(dims, l), DType::kBF16, dev, *stream));
-        PDSIM_ASSIGN_OR_RETURN(
-            L.o_proj, generated(seed, o_proj_weight_layout(dims, l), DType::kBF16, dev, *stream));
-        PDSIM_ASSIGN_OR_RETURN(
-            L.gate_up, generated(seed, gate_up_weight_layout(dims, l), DType::kBF16, dev, *stream));
-        PDSIM_ASSIGN_OR_RETURN(
-            L.down, generated(seed, down_weight_layout(dims, l), DType::kBF16, dev, *stream));
-        PDSIM_ASSIGN_OR_RETURN(
-            L.norm1, generated(seed, norm_weight_layout(dims, l, WeightKind::kNorm1), DType::kF32,
-                               dev, *stream));
-        PDSIM_ASSIGN_OR_RETURN(
-            L.norm2, generated(seed, norm_weight_layout(dims, l, WeightKind::kNorm2), DType::kF32,
-                               dev, *stream));
-    }
-    PDSIM_ASSIGN_OR_RETURN(weights_->embedding,
-                           generated(seed, embedding_layout(dims), DType::kBF16, dev, *stream));
-    PDSIM_ASSIGN_OR_RETURN(weights_->lm_head, generated(seed, lm_head_weight_layout(dims),
-                                                        DType::kBF16, dev, *stream));
-    PDSIM_ASSIGN_OR_RETURN(weights_->final_norm,
-                           generated(seed, norm_weight_layout(dims, -1, WeightKind::kFinalNorm),
-                                     DType::kF32, dev, *stream));
+    PDSIM_RETURN_IF_ERROR(init_weights(*stream));
 
     // RoPE table (host-computed, bit-identical to the CPU model's cos/sin).
     const std::vector<float> cos_sin =
@@ -162,11 +154,24 @@ Status CudaSyntheticModel::init() {
     GemmOptions go;
     go.device = dev;
     go.max_rows = options_.max_tokens;
-    const int64_t H = cfg_.hidden, I = cfg_.intermediate;
-    PDSIM_ASSIGN_OR_RETURN(qkv_gemm_, BatchInvariantGemm::create({H, qkv_cols_}, go));
-    PDSIM_ASSIGN_OR_RETURN(o_gemm_, BatchInvariantGemm::create({q_cols_, H}, go));
-    PDSIM_ASSIGN_OR_RETURN(gate_up_gemm_, BatchInvariantGemm::create({H, 2 * I}, go));
-    PDSIM_ASSIGN_OR_RETURN(down_gemm_, BatchInvariantGemm::create({I, H}, go));
+    const int64_t H = cfg_.hidden, I = inter_;
+    if (sliced_) {
+        // The slice shapes: the same on every TP size, so the same pinned algorithms.
+        GemmShape partial_o{o_slice_cols_, H};
+        partial_o.out_dtype = DType::kF32;
+        GemmShape partial_down{down_slice_cols_, H};
+        partial_down.out_dtype = DType::kF32;
+        PDSIM_ASSIGN_OR_RETURN(qkv_gemm_, BatchInvariantGemm::create({H, qkv_slice_cols_}, go));
+        PDSIM_ASSIGN_OR_RETURN(o_gemm_, BatchInvariantGemm::create(partial_o, go));
+        PDSIM_ASSIGN_OR_RETURN(gate_up_gemm_,
+                               BatchInvariantGemm::create({H, gate_up_slice_cols_}, go));
+        PDSIM_ASSIGN_OR_RETURN(down_gemm_, BatchInvariantGemm::create(partial_down, go));
+    } else {
+        PDSIM_ASSIGN_OR_RETURN(qkv_gemm_, BatchInvariantGemm::create({H, qkv_cols_}, go));
+        PDSIM_ASSIGN_OR_RETURN(o_gemm_, BatchInvariantGemm::create({q_cols_, H}, go));
+        PDSIM_ASSIGN_OR_RETURN(gate_up_gemm_, BatchInvariantGemm::create({H, 2 * I}, go));
+        PDSIM_ASSIGN_OR_RETURN(down_gemm_, BatchInvariantGemm::create({I, H}, go));
+    }
     GemmOptions lm = go;
     lm.max_rows = options_.max_bs;
     GemmShape lm_shape{H, cfg_.vocab};
@@ -183,6 +188,13 @@ Status CudaSyntheticModel::init() {
                              cudaHostAllocDefault));
     pinned_tokens_ = static_cast<int32_t*>(pinned);
     std::fill(pinned_tokens_, pinned_tokens_ + options_.max_bs, -1);
+    if (tp_size_ > 1) {
+        // The TP exchange's landing buffers (the gather reads and writes them on the host).
+        CUDA_CHECK(cudaHostAlloc(&pinned, layout_.partials_bytes, cudaHostAllocDefault));
+        pinned_partials_ = static_cast<float*>(pinned);
+        CUDA_CHECK(cudaHostAlloc(&pinned, layout_.gathered_bytes, cudaHostAllocDefault));
+        pinned_gathered_ = static_cast<float*>(pinned);
+    }
     forward_done_ = stream->create_event();
     if (forward_done_ == nullptr) {
         return PDSIM_ERROR(StatusCode::kUnavailable, "creating the forward_done event failed");
@@ -196,12 +208,73 @@ Status CudaSyntheticModel::init() {
     return stream->synchronize();  // the weights are generated; errors surface here
 }
 
+Status CudaSyntheticModel::init_weights(runtime::Stream& stream) {
+    const int dev = options_.device;
+    const uint64_t seed = cfg_.seed;
+    // Weights, generated on the device (bit-equal to SyntheticModel::weight_value, then bf16).
+    // This rank's part of each projection, or, for the sliced forward, its canonical slices one
+    // after the other: slice g of the model is what a rank of a TP group of `slices` would hold
+    // (make_model_dims(config, slices, g)), so each slice's matrix is contiguous.
+    std::vector<ModelDims> parts;
+    if (sliced_) {
+        for (int s = 0; s < local_slices_; ++s) {
+            PDSIM_ASSIGN_OR_RETURN(ModelDims d,
+                                   make_model_dims(cfg_, slices_, tp_rank_ * local_slices_ + s));
+            parts.push_back(d);
+        }
+    } else {
+        PDSIM_ASSIGN_OR_RETURN(ModelDims d, make_model_dims(cfg_, tp_size_, tp_rank_));
+        parts.push_back(d);
+    }
+    PDSIM_ASSIGN_OR_RETURN(ModelDims whole, make_model_dims(cfg_, tp_size_, tp_rank_));
+    // One bf16 matrix made of every part's `layout_of` matrix, back to back.
+    auto projection = [&](auto layout_of, int layer) -> StatusOr<DeviceBuffer> {
+        int64_t elems = 0;
+        for (const ModelDims& d : parts) {
+            const WeightLayout l = layout_of(d, layer);
+            elems += l.rows * l.cols;
+        }
+        PDSIM_ASSIGN_OR_RETURN(DeviceBuffer b, allocate(dev, static_cast<size_t>(elems) * 2));
+        int64_t at = 0;
+        for (const ModelDims& d : parts) {
+            const WeightLayout l = layout_of(d, layer);
+            PDSIM_RETURN_IF_ERROR(
+                generate_weights(seed, l, b.as<bf16_t>() + at, DType::kBF16, stream));
+            at += l.rows * l.cols;
+        }
+        return b;
+    };
+    weights_ = std::make_unique<Weights>();
+    weights_->layers.resize(static_cast<size_t>(cfg_.num_layers));
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+        Weights::Layer& L = weights_->layers[static_cast<size_t>(l)];
+        PDSIM_ASSIGN_OR_RETURN(L.qkv, projection(qkv_weight_layout, l));
+        PDSIM_ASSIGN_OR_RETURN(L.o_proj, projection(o_proj_weight_layout, l));
+        PDSIM_ASSIGN_OR_RETURN(L.gate_up, projection(gate_up_weight_layout, l));
+        PDSIM_ASSIGN_OR_RETURN(L.down, projection(down_weight_layout, l));
+        PDSIM_ASSIGN_OR_RETURN(
+            L.norm1, generated(seed, norm_weight_layout(whole, l, WeightKind::kNorm1), DType::kF32,
+                               dev, stream));
+        PDSIM_ASSIGN_OR_RETURN(
+            L.norm2, generated(seed, norm_weight_layout(whole, l, WeightKind::kNorm2), DType::kF32,
+                               dev, stream));
+    }
+    PDSIM_ASSIGN_OR_RETURN(weights_->embedding,
+                           generated(seed, embedding_layout(whole), DType::kBF16, dev, stream));
+    PDSIM_ASSIGN_OR_RETURN(weights_->lm_head, generated(seed, lm_head_weight_layout(whole),
+                                                        DType::kBF16, dev, stream));
+    PDSIM_ASSIGN_OR_RETURN(weights_->final_norm,
+                           generated(seed, norm_weight_layout(whole, -1, WeightKind::kFinalNorm),
+                                     DType::kF32, dev, stream));
+    return {};
+}
+
 size_t CudaSyntheticModel::weight_bytes() const {
     return static_cast<size_t>(weight_memory_.total);
 }
 
 attn::LayerSpec CudaSyntheticModel::layer_spec(int layer) const {
-    return attn::LayerSpec{layer, cfg_.num_q_heads, cfg_.num_kv_heads, cfg_.head_dim, 0, 0.f};
+    return attn::LayerSpec{layer, hq_, hkv_, cfg_.head_dim, 0, 0.f};
 }
 
 Status CudaSyntheticModel::check_call(attn::AttentionBackend& backend,
@@ -280,8 +353,8 @@ Status CudaSyntheticModel::enqueue_body(int rows, int requests, attn::ForwardMod
     runtime::Stream& stream = backend.stream();
     PDSIM_ASSIGN_OR_RETURN(cudaStream_t s, runtime::cuda::native_stream(stream));
     const runtime::Device device{DeviceKind::kCuda, options_.device};
-    const int H = cfg_.hidden, D = cfg_.head_dim, I = cfg_.intermediate, V = cfg_.vocab;
-    const int hq = cfg_.num_q_heads, hkv = cfg_.num_kv_heads;
+    const int H = cfg_.hidden, D = cfg_.head_dim, I = inter_, V = cfg_.vocab;
+    const int hq = hq_, hkv = hkv_;
     const InputLayout& in = layout_.input;
     const int32_t* tokens = at<int32_t>(layout_.inputs) + in.tokens;
     const int32_t* locs = at<int32_t>(layout_.inputs) + in.out_cache_loc;
@@ -321,13 +394,19 @@ Status CudaSyntheticModel::enqueue_body(int rows, int requests, attn::ForwardMod
         if (timed) PDSIM_RETURN_IF_ERROR(record_timing(1 + 2 * l, stream));
         PDSIM_RETURN_IF_ERROR(rms_norm(
             {hidden, H, W.norm1.as<const float>(), normed, H, rows, H, cfg_.rms_eps}, stream));
-        PDSIM_RETURN_IF_ERROR(qkv_gemm_->run(normed, W.qkv.as<const bf16_t>(), qkv, rows, stream));
+        if (sliced_) {
+            PDSIM_RETURN_IF_ERROR(enqueue_sliced_qkv(l, rows, stream));
+        } else {
+            PDSIM_RETURN_IF_ERROR(
+                qkv_gemm_->run(normed, W.qkv.as<const bf16_t>(), qkv, rows, stream));
+        }
         RopeParams rope{};
-        rope.q = qkv;
-        rope.q_ld = qkv_cols_;
+        // RoPE on the fused rows, or (sliced: q, k and v are already split) on q and k.
+        rope.q = sliced_ ? q : qkv;
+        rope.q_ld = sliced_ ? q_cols_ : qkv_cols_;
         rope.q_heads = hq;
-        rope.k = qkv + q_cols_;
-        rope.k_ld = qkv_cols_;
+        rope.k = sliced_ ? k : qkv + q_cols_;
+        rope.k_ld = sliced_ ? kv_cols_ : qkv_cols_;
         rope.k_heads = hkv;
         rope.head_dim = D;
         rope.positions = positions;
@@ -335,18 +414,20 @@ Status CudaSyntheticModel::enqueue_body(int rows, int requests, attn::ForwardMod
         rope.max_positions = options_.max_positions;
         rope.rows = rows;
         PDSIM_RETURN_IF_ERROR(apply_rope(rope, stream));
-        // The backend takes contiguous q, k, v: split the fused rows (strided 2D copies).
-        const size_t pitch = static_cast<size_t>(qkv_cols_) * bf16;
-        CUDA_CHECK(cudaMemcpy2DAsync(q, static_cast<size_t>(q_cols_) * bf16, qkv, pitch,
-                                     static_cast<size_t>(q_cols_) * bf16, static_cast<size_t>(rows),
-                                     cudaMemcpyDeviceToDevice, s));
-        CUDA_CHECK(cudaMemcpy2DAsync(k, static_cast<size_t>(kv_cols_) * bf16, qkv + q_cols_, pitch,
-                                     static_cast<size_t>(kv_cols_) * bf16,
-                                     static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, s));
-        CUDA_CHECK(cudaMemcpy2DAsync(v, static_cast<size_t>(kv_cols_) * bf16,
-                                     qkv + q_cols_ + kv_cols_, pitch,
-                                     static_cast<size_t>(kv_cols_) * bf16,
-                                     static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, s));
+        if (!sliced_) {
+            // The backend takes contiguous q, k, v: split the fused rows (strided 2D copies).
+            const size_t pitch = static_cast<size_t>(qkv_cols_) * bf16;
+            CUDA_CHECK(cudaMemcpy2DAsync(q, static_cast<size_t>(q_cols_) * bf16, qkv, pitch,
+                                         static_cast<size_t>(q_cols_) * bf16,
+                                         static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, s));
+            CUDA_CHECK(cudaMemcpy2DAsync(k, static_cast<size_t>(kv_cols_) * bf16, qkv + q_cols_,
+                                         pitch, static_cast<size_t>(kv_cols_) * bf16,
+                                         static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, s));
+            CUDA_CHECK(cudaMemcpy2DAsync(v, static_cast<size_t>(kv_cols_) * bf16,
+                                         qkv + q_cols_ + kv_cols_, pitch,
+                                         static_cast<size_t>(kv_cols_) * bf16,
+                                         static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, s));
+        }
         if (!save_kv_cache) {
             // The fused-prewrite path: the KV lands before the attention call (which then records
             // first, by the backend's record rule).
@@ -367,18 +448,40 @@ Status CudaSyntheticModel::enqueue_body(int rows, int requests, attn::ForwardMod
         }
         PDSIM_RETURN_IF_ERROR(backend.forward(q_view, k_view, v_view, layer_spec(l), loc_view, pool,
                                               mode, requests, out_view, save_kv_cache));
-        PDSIM_RETURN_IF_ERROR(
-            o_gemm_->run(attn_out, W.o_proj.as<const bf16_t>(), normed, rows, stream));
-        PDSIM_RETURN_IF_ERROR(residual_add({hidden, H, normed, H, rows, H}, stream));
+        if (sliced_) {
+            PDSIM_RETURN_IF_ERROR(enqueue_sliced_reduction(attn_out, q_cols_, o_slice_cols_,
+                                                           W.o_proj.as<const bf16_t>(), *o_gemm_,
+                                                           rows, stream));
+        } else {
+            PDSIM_RETURN_IF_ERROR(
+                o_gemm_->run(attn_out, W.o_proj.as<const bf16_t>(), normed, rows, stream));
+            PDSIM_RETURN_IF_ERROR(residual_add({hidden, H, normed, H, rows, H}, stream));
+        }
         PDSIM_RETURN_IF_ERROR(rms_norm(
             {hidden, H, W.norm2.as<const float>(), normed, H, rows, H, cfg_.rms_eps}, stream));
-        PDSIM_RETURN_IF_ERROR(
-            gate_up_gemm_->run(normed, W.gate_up.as<const bf16_t>(), gate_up, rows, stream));
-        PDSIM_RETURN_IF_ERROR(
-            silu_mul({gate_up, 2 * static_cast<int64_t>(I), act, I, rows, I}, stream));
-        PDSIM_RETURN_IF_ERROR(
-            down_gemm_->run(act, W.down.as<const bf16_t>(), normed, rows, stream));
-        PDSIM_RETURN_IF_ERROR(residual_add({hidden, H, normed, H, rows, H}, stream));
+        if (sliced_) {
+            // Per slice: its gate | up columns, slice-major in gate_up, then silu * up straight
+            // into the down GEMM's slice-major input.
+            bf16_t* slice_in = at<bf16_t>(layout_.slice_in);
+            const int64_t is = down_slice_cols_, gus = gate_up_slice_cols_;
+            for (int sl = 0; sl < local_slices_; ++sl) {
+                bf16_t* out = gate_up + sl * rows * gus;
+                PDSIM_RETURN_IF_ERROR(gate_up_gemm_->run(
+                    normed, W.gate_up.as<const bf16_t>() + sl * gus * H, out, rows, stream));
+                PDSIM_RETURN_IF_ERROR(silu_mul(
+                    {out, gus, slice_in + sl * rows * is, is, rows, static_cast<int>(is)}, stream));
+            }
+            PDSIM_RETURN_IF_ERROR(enqueue_sliced_reduction(
+                nullptr, 0, is, W.down.as<const bf16_t>(), *down_gemm_, rows, stream));
+        } else {
+            PDSIM_RETURN_IF_ERROR(
+                gate_up_gemm_->run(normed, W.gate_up.as<const bf16_t>(), gate_up, rows, stream));
+            PDSIM_RETURN_IF_ERROR(
+                silu_mul({gate_up, 2 * static_cast<int64_t>(I), act, I, rows, I}, stream));
+            PDSIM_RETURN_IF_ERROR(
+                down_gemm_->run(act, W.down.as<const bf16_t>(), normed, rows, stream));
+            PDSIM_RETURN_IF_ERROR(residual_add({hidden, H, normed, H, rows, H}, stream));
+        }
         if (timed) PDSIM_RETURN_IF_ERROR(record_timing(2 + 2 * l, stream));
     }
 
@@ -398,6 +501,96 @@ Status CudaSyntheticModel::enqueue_body(int rows, int requests, attn::ForwardMod
         PDSIM_RETURN_IF_ERROR(record_timing(static_cast<int>(timing_events_.size()) - 1, stream));
     }
     return {};
+}
+
+Status CudaSyntheticModel::enqueue_sliced_qkv(int layer, int rows, runtime::Stream& stream) {
+    PDSIM_ASSIGN_OR_RETURN(cudaStream_t s, runtime::cuda::native_stream(stream));
+    const Weights::Layer& W = weights_->layers[static_cast<size_t>(layer)];
+    const int64_t H = cfg_.hidden, D = cfg_.head_dim, qs = o_slice_cols_, cols = qkv_slice_cols_;
+    const bf16_t* normed = at<bf16_t>(layout_.normed);
+    bf16_t* qkv = at<bf16_t>(layout_.qkv);
+    bf16_t* q = at<bf16_t>(layout_.q);
+    bf16_t* k = at<bf16_t>(layout_.k);
+    bf16_t* v = at<bf16_t>(layout_.v);
+    const size_t bf16 = sizeof(bf16_t), pitch = static_cast<size_t>(cols) * bf16;
+    const size_t height = static_cast<size_t>(rows);
+    // Slice sl's [q | k | v] rows (its q heads, its one KV head), then into q, k and v at the
+    // slice's heads.
+    for (int sl = 0; sl < local_slices_; ++sl) {
+        bf16_t* out = qkv + sl * rows * cols;
+        PDSIM_RETURN_IF_ERROR(
+            qkv_gemm_->run(normed, W.qkv.as<const bf16_t>() + sl * cols * H, out, rows, stream));
+        CUDA_CHECK(cudaMemcpy2DAsync(q + sl * qs, static_cast<size_t>(q_cols_) * bf16, out, pitch,
+                                     static_cast<size_t>(qs) * bf16, height,
+                                     cudaMemcpyDeviceToDevice, s));
+        CUDA_CHECK(cudaMemcpy2DAsync(k + sl * D, static_cast<size_t>(kv_cols_) * bf16, out + qs,
+                                     pitch, static_cast<size_t>(D) * bf16, height,
+                                     cudaMemcpyDeviceToDevice, s));
+        CUDA_CHECK(cudaMemcpy2DAsync(v + sl * D, static_cast<size_t>(kv_cols_) * bf16, out + qs + D,
+                                     pitch, static_cast<size_t>(D) * bf16, height,
+                                     cudaMemcpyDeviceToDevice, s));
+    }
+    return {};
+}
+
+Status CudaSyntheticModel::enqueue_sliced_reduction(const bf16_t* x, int64_t x_cols,
+                                                    int64_t slice_cols, const bf16_t* weights,
+                                                    BatchInvariantGemm& gemm, int rows,
+                                                    runtime::Stream& stream) {
+    PDSIM_ASSIGN_OR_RETURN(cudaStream_t s, runtime::cuda::native_stream(stream));
+    const int64_t H = cfg_.hidden;
+    bf16_t* slice_in = at<bf16_t>(layout_.slice_in);
+    float* partials = at<float>(layout_.partials);
+    const size_t bf16 = sizeof(bf16_t);
+    if (x != nullptr) {
+        // Slice-major copies of x's slices, so each GEMM reads a contiguous [rows][slice_cols].
+        for (int sl = 0; sl < local_slices_; ++sl) {
+            CUDA_CHECK(cudaMemcpy2DAsync(slice_in + sl * rows * slice_cols,
+                                         static_cast<size_t>(slice_cols) * bf16,
+                                         x + sl * slice_cols, static_cast<size_t>(x_cols) * bf16,
+                                         static_cast<size_t>(slice_cols) * bf16,
+                                         static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, s));
+        }
+    }
+    for (int sl = 0; sl < local_slices_; ++sl) {
+        PDSIM_RETURN_IF_ERROR(gemm.run(slice_in + sl * rows * slice_cols,
+                                       weights + sl * H * slice_cols, partials + sl * rows * H,
+                                       rows, stream));
+    }
+    const float* all = partials;
+    if (tp_size_ > 1) {
+        PDSIM_ASSIGN_OR_RETURN(all, exchange_partials(rows, stream));
+    }
+    SliceReduceParams reduce;
+    reduce.partials = all;
+    reduce.slice_stride = static_cast<int64_t>(rows) * H;
+    reduce.partial_ld = H;
+    reduce.slices = slices_;
+    reduce.residual = at<bf16_t>(layout_.hidden);
+    reduce.residual_ld = H;
+    reduce.rows = rows;
+    reduce.hidden = static_cast<int>(H);
+    return slice_reduce_residual(reduce, stream);
+}
+
+StatusOr<const float*> CudaSyntheticModel::exchange_partials(int rows, runtime::Stream& stream) {
+    PDSIM_ASSIGN_OR_RETURN(cudaStream_t s, runtime::cuda::native_stream(stream));
+    const size_t mine = static_cast<size_t>(local_slices_) * static_cast<size_t>(rows) *
+                        static_cast<size_t>(cfg_.hidden);
+    const size_t all = mine * static_cast<size_t>(tp_size_);
+    // The previous exchange's copy out of pinned_gathered_ is ordered before this one's copy into
+    // pinned_partials_ and finished by the synchronize below, before the gather writes it.
+    CUDA_CHECK(cudaMemcpyAsync(pinned_partials_, at<float>(layout_.partials), mine * sizeof(float),
+                               cudaMemcpyDeviceToHost, s));
+    PDSIM_RETURN_IF_ERROR(stream.synchronize().with_context("the TP exchange's partials"));
+    PDSIM_RETURN_IF_ERROR(tp_->allgather(pinned_partials_, mine, pinned_gathered_)
+                              .with_context(fmt::format("TP rank {} of {}: the exchange of the "
+                                                        "projection partials",
+                                                        tp_rank_, tp_size_)));
+    float* gathered = at<float>(layout_.gathered);
+    CUDA_CHECK(cudaMemcpyAsync(gathered, pinned_gathered_, all * sizeof(float),
+                               cudaMemcpyHostToDevice, s));
+    return static_cast<const float*>(gathered);
 }
 
 Status CudaSyntheticModel::enqueue_output(runtime::Stream& stream, int requests,
@@ -438,12 +631,12 @@ Status CudaSyntheticModel::forward(const StepBatch& batch, attn::AttentionBacken
     }
     if (!save_kv_cache) {
         const auto* mha = dynamic_cast<const kv::MHATokenToKVPool*>(&pool);
-        if (mha == nullptr || mha->num_kv_heads() != cfg_.num_kv_heads ||
-            mha->head_dim() != cfg_.head_dim || mha->v_head_dim() != cfg_.head_dim) {
+        if (mha == nullptr || mha->num_kv_heads() != hkv_ || mha->head_dim() != cfg_.head_dim ||
+            mha->v_head_dim() != cfg_.head_dim) {
             return PDSIM_ERROR(StatusCode::kInvalidArgument,
                                "pool: the prewrite path (save_kv_cache=false) needs an MHA pool of "
                                "{} KV heads x {} dims",
-                               cfg_.num_kv_heads, cfg_.head_dim);
+                               hkv_, cfg_.head_dim);
         }
     }
     CUDA_CHECK(cudaSetDevice(options_.device));
@@ -502,6 +695,12 @@ Status CudaSyntheticModel::capture_decode_graphs(attn::AttentionBackend& backend
     std::vector<int> buckets =
         options.buckets.empty() ? default_decode_buckets(options_.max_bs) : options.buckets;
     PDSIM_RETURN_IF_ERROR(check_decode_buckets(buckets, options_.max_bs));
+    if (tp_size_ > 1) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "tp {}: a decode graph cannot hold the TP exchange (a host round trip "
+                           "per projection); decode runs eagerly",
+                           tp_size_);
+    }
     if (options.max_pages_per_seq < 0) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
                            "options.max_pages_per_seq {} must be >= 0", options.max_pages_per_seq);

@@ -12,9 +12,28 @@
 // (backends/cuda/gemm.h BatchInvariantGemm on cuBLASLt), every kernel computes in fp32 and rounds
 // its output to bf16 (backends/cuda/model_kernels.h). So it does not reproduce the CPU model's
 // fp32 tokens bit for bit; it is checked against a host oracle that rounds where it rounds
-// (tests/cuda_synthetic_model_test.cpp). TP 1 only (TP > 1 needs an NCCL reduction: the next
-// issue; create() says kUnimplemented). MHA/GQA only (MLA and sliding windows: kUnimplemented, as
-// the CPU model).
+// (tests/cuda_synthetic_model_test.cpp). MHA/GQA only (MLA and sliding windows: kUnimplemented,
+// as the CPU model).
+//
+// Tensor parallelism. A rank of a TP group of tp_size (create()'s `tp`) holds 1 / tp_size of the
+// heads and of the intermediate size (ModelDims' slices, the CPU model's). Its forward is the
+// TP-invariant one (CudaModelOptions::sliced_reduction, always on for tp_size > 1): every
+// projection runs as one GEMM per canonical slice (the CPU model's: one per KV head, each with its
+// q heads and 1 / num_kv_heads of the intermediate size), so every GEMM has the same shape,
+// strides and pinned cuBLASLt algorithm on every TP size; the O and down projections' slice
+// outputs are fp32 partials, which the TP group exchanges (TpComm::allgather, on the host: the
+// partials go to pinned memory, the stream is synchronized, the gather runs on the calling
+// thread, the gathered partials go back) and every rank sums in slice order
+// (slice_reduce_residual). So a TP 2 rank computes the bits a sliced TP 1 rank computes, and a
+// disaggregated run of TP 2 prefill and TP 1 decode can be compared token for token with a
+// colocated one, as on the CPU. The sliced TP 1 forward differs from the default TP 1 forward
+// (one GEMM per projection) by rounding only. What it costs: more, smaller GEMMs and copies on any
+// TP size; on tp_size > 1 two host round trips per layer (forward() synchronizes the stream
+// twice per layer and blocks in the gather until every rank of the group gets there, bounded by
+// the TpComm's timeout), and no decode CUDA graphs (capture_decode_graphs refuses: a graph cannot
+// hold the exchange). This is the exchange a GPU box without NCCL between its ranks can run
+// (several processes on one GPU included); an NCCL all-gather on the stream is the fast one and
+// is not built.
 //
 // Batch invariance: a request's hidden states, KV and tokens do not depend on the rest of its
 // batch. Every kernel computes a row from that row alone with a reduction order fixed by the row
@@ -89,6 +108,7 @@
 #include "backends/model/synthetic_model.h"
 #include "backends/runtime/device.h"
 #include "backends/runtime/stream.h"
+#include "common/bf16.h"
 #include "common/status.h"
 
 namespace pdsim::attn::cuda {
@@ -118,8 +138,10 @@ struct ForwardTiming {
 
 class CudaSyntheticModel final : public Model {
 public:
-    // Checks the config (check_cuda_model_config; `tp` null or of size 1), generates the weights
-    // on options.device, plans the GEMMs and allocates the workspace, then synchronizes.
+    // Checks the config (check_cuda_model_config with `tp`'s size; `tp` null for TP 1), generates
+    // this rank's weights on options.device, plans the GEMMs and allocates the workspace, then
+    // synchronizes. `tp` is borrowed: it must outlive the model, and its allgather is called from
+    // the thread that calls forward().
     [[nodiscard]] static StatusOr<std::unique_ptr<CudaSyntheticModel>> create(
         const ModelConfig& config, TpComm* tp, const CudaModelOptions& options = {});
     ~CudaSyntheticModel() override;
@@ -128,16 +150,20 @@ public:
 
     // ---- model::Model ----
     [[nodiscard]] const ModelConfig& config() const override { return cfg_; }
-    [[nodiscard]] int tp_size() const override { return 1; }
-    [[nodiscard]] int local_q_heads() const override { return cfg_.num_q_heads; }
-    [[nodiscard]] int local_kv_heads() const override { return cfg_.num_kv_heads; }
+    [[nodiscard]] int tp_size() const override { return tp_size_; }
+    [[nodiscard]] int local_q_heads() const override { return hq_; }
+    [[nodiscard]] int local_kv_heads() const override { return hkv_; }
+    [[nodiscard]] bool sliced_reduction() const { return sliced_; }
     [[nodiscard]] size_t weight_bytes() const override;
     [[nodiscard]] attn::LayerSpec layer_spec(int layer) const override;
     // The forward of `batch` (see the file comment and model.h). The backend must compute on a
     // CUDA stream of options.device, with bf16 activations; `pool` must be on that device (for
     // save_kv_cache=false an MHATokenToKVPool of this model's KV heads and head_dim). Decode
     // batches replay a captured graph when they can (see the file comment). A batch of 0
-    // requests enqueues nothing.
+    // requests enqueues nothing. On tp_size > 1 it blocks (see "Tensor parallelism"); every rank
+    // of the group must forward the same batch shape (the testbed's TP ranks follow their
+    // leader's schedule), and a failed exchange (a peer gone: the TpComm's error) fails the
+    // forward.
     [[nodiscard]] Status forward(const StepBatch& batch, attn::AttentionBackend& backend,
                                  kv::KVPool& pool, int32_t* next_tokens,
                                  bool save_kv_cache = true) override;
@@ -154,7 +180,9 @@ public:
     // {max_pages_per_seq}), then per bucket init_forward_metadata_capture_cuda_graph, one
     // replay-metadata refresh with the padding batch, a warm-up forward, and the captured forward;
     // finally backend.use_eager_metadata(). Writes KV only to slot 0 (the null page). Synchronizes
-    // the stream. kInvalidArgument for bad options; whatever the backend or capture returns.
+    // the stream. kInvalidArgument for bad options; kFailedPrecondition on tp_size > 1 (the
+    // exchange is a host round trip, which a graph cannot hold: decode runs eagerly); whatever
+    // the backend or capture returns.
     [[nodiscard]] Status capture_decode_graphs(attn::AttentionBackend& backend, kv::KVPool& pool,
                                                const DecodeGraphOptions& options = {});
     [[nodiscard]] bool has_decode_graphs() const { return !graphs_.empty(); }
@@ -185,8 +213,19 @@ public:
 private:
     struct Weights;
 
-    CudaSyntheticModel(const ModelConfig& config, const CudaModelOptions& options);
+    CudaSyntheticModel(const ModelConfig& config, const CudaModelOptions& options, TpComm* tp);
     [[nodiscard]] Status init();
+    [[nodiscard]] Status init_weights(runtime::Stream& stream);
+    // The sliced forward's parts (enqueue_body): the QKV projection into q, k and v; the O or
+    // down projection of `x` (slice-major in slice_in when `x` is null, else [rows][x_cols] with
+    // slice s at column s * slice_cols) added to the residual stream.
+    [[nodiscard]] Status enqueue_sliced_qkv(int layer, int rows, runtime::Stream& stream);
+    [[nodiscard]] Status enqueue_sliced_reduction(const bf16_t* x, int64_t x_cols,
+                                                  int64_t slice_cols, const bf16_t* weights,
+                                                  BatchInvariantGemm& gemm, int rows,
+                                                  runtime::Stream& stream);
+    // tp_size > 1: the partials of `rows` rows to every rank and back (blocks); returns the
+    // gathered partials' device address.
     [[nodiscard]] Status check_call(attn::AttentionBackend& backend, const kv::KVPool& pool) const;
     [[nodiscard]] Status upload_inputs(const StepBatch& batch, runtime::Stream& stream);
     // The forward's device work on the fixed buffers: `rows` tokens of `requests` requests.
@@ -197,6 +236,7 @@ private:
                                         int32_t* next_tokens);
     [[nodiscard]] Status replay_decode(const StepBatch& batch, int bucket,
                                        attn::AttentionBackend& backend, int32_t* next_tokens);
+    [[nodiscard]] StatusOr<const float*> exchange_partials(int rows, runtime::Stream& stream);
     [[nodiscard]] Status record_timing(int index, runtime::Stream& stream);
 
     template <typename T>
@@ -208,12 +248,22 @@ private:
     CudaModelOptions options_;
     WorkspaceLayout layout_;
     WeightMemory weight_memory_;
+    TpComm* tp_ = nullptr;  // null for TP 1
+    int tp_size_ = 1, tp_rank_ = 0;
+    bool sliced_ = false;
+    int hq_ = 0, hkv_ = 0, inter_ = 0;  // this rank's q heads, KV heads and intermediate size
     int64_t q_cols_ = 0, kv_cols_ = 0, qkv_cols_ = 0;
+    // The sliced forward: canonical slices (all, and this rank's), and each slice's columns.
+    int slices_ = 0, local_slices_ = 0;
+    int64_t qkv_slice_cols_ = 0, o_slice_cols_ = 0, gate_up_slice_cols_ = 0, down_slice_cols_ = 0;
 
     std::unique_ptr<Weights> weights_;
     runtime::DeviceBuffer rope_cos_sin_;
     runtime::DeviceBuffer workspace_;
+    // One plan per projection shape (the slice shapes with the sliced reduction).
     std::unique_ptr<BatchInvariantGemm> qkv_gemm_, o_gemm_, gate_up_gemm_, down_gemm_, lm_gemm_;
+    float* pinned_partials_ = nullptr;  // tp_size > 1: layout_.partials_bytes, cudaHostAlloc'd
+    float* pinned_gathered_ = nullptr;  // tp_size > 1: layout_.gathered_bytes
     std::unique_ptr<attn::cuda::PinnedStagingRing> staging_;
     int32_t* pinned_tokens_ = nullptr;  // [max_bs], cudaHostAlloc'd
     std::unique_ptr<runtime::Event> forward_done_;

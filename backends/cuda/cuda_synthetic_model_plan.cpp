@@ -54,17 +54,34 @@ Status check_cuda_model_config(const ModelConfig& c, int tp_size, const CudaMode
                                "model {}: sliding-window layers are not built yet", c.name);
         }
     }
-    if (tp_size != 1) {
-        return PDSIM_ERROR(StatusCode::kUnimplemented,
-                           "model {}: tp {}: the GPU synthetic model runs TP 1 only (TP > 1 needs "
-                           "an NCCL reduction of the O and down projections across GPUs, which is "
-                           "not built yet)",
-                           c.name, tp_size);
+    if (tp_size < 1) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument, "model {}: tp {} must be >= 1", c.name,
+                           tp_size);
+    }
+    PDSIM_RETURN_IF_ERROR(
+        check_tp(c, tp_size).with_context(fmt::format("model {}: tp {}", c.name, tp_size)));
+    if (c.intermediate % tp_size != 0) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "model {}: intermediate {} does not split over tp {}", c.name,
+                           c.intermediate, tp_size);
     }
     PDSIM_RETURN_IF_ERROR(check_multiple_of_8(c, "hidden", c.hidden));
     PDSIM_RETURN_IF_ERROR(check_multiple_of_8(c, "head_dim", c.head_dim));
-    PDSIM_RETURN_IF_ERROR(check_multiple_of_8(c, "intermediate", c.intermediate));
+    PDSIM_RETURN_IF_ERROR(check_multiple_of_8(
+        c, tp_size == 1 ? "intermediate" : "intermediate / tp", c.intermediate / tp_size));
     PDSIM_RETURN_IF_ERROR(check_multiple_of_8(c, "vocab", c.vocab));
+    if (uses_sliced_reduction(tp_size, o)) {
+        if (c.intermediate % c.num_kv_heads != 0) {
+            return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                               "model {}: intermediate {} does not split into num_kv_heads {} (the "
+                               "canonical reduction slices of a TP-invariant model)",
+                               c.name, c.intermediate, c.num_kv_heads);
+        }
+        PDSIM_RETURN_IF_ERROR(check_multiple_of_8(c,
+                                                  "intermediate / num_kv_heads (a reduction "
+                                                  "slice)",
+                                                  c.intermediate / c.num_kv_heads));
+    }
     PDSIM_RETURN_IF_ERROR(check_option("device", o.device, 0));
     PDSIM_RETURN_IF_ERROR(check_option("max_tokens", o.max_tokens, 1));
     PDSIM_RETURN_IF_ERROR(check_option("max_bs", o.max_bs, 1));
@@ -79,10 +96,11 @@ Status check_cuda_model_config(const ModelConfig& c, int tp_size, const CudaMode
     return {};
 }
 
-WeightMemory estimate_weight_memory(const ModelConfig& c) {
-    const int64_t H = c.hidden, D = c.head_dim, I = c.intermediate, V = c.vocab;
-    const int64_t q_cols = static_cast<int64_t>(c.num_q_heads) * D;
-    const int64_t kv_cols = static_cast<int64_t>(c.num_kv_heads) * D;
+WeightMemory estimate_weight_memory(const ModelConfig& c, int tp_size) {
+    const int tp = std::max(tp_size, 1);
+    const int64_t H = c.hidden, D = c.head_dim, I = c.intermediate / tp, V = c.vocab;
+    const int64_t q_cols = static_cast<int64_t>(c.num_q_heads / tp) * D;
+    const int64_t kv_cols = static_cast<int64_t>(c.num_kv_heads / tp) * D;
     constexpr int64_t kBf16 = 2, kF32 = 4;
     WeightMemory m;
     m.qkv = (q_cols + 2 * kv_cols) * H * kBf16;
@@ -109,12 +127,13 @@ InputLayout input_layout(int max_tokens, int max_bs) {
     return l;
 }
 
-WorkspaceLayout plan_workspace(const ModelConfig& c, const CudaModelOptions& o) {
+WorkspaceLayout plan_workspace(const ModelConfig& c, const CudaModelOptions& o, int tp_size) {
+    const size_t tp = static_cast<size_t>(std::max(tp_size, 1));
     const size_t T = static_cast<size_t>(o.max_tokens), B = static_cast<size_t>(o.max_bs);
     const size_t H = static_cast<size_t>(c.hidden), D = static_cast<size_t>(c.head_dim);
-    const size_t q_cols = static_cast<size_t>(c.num_q_heads) * D;
-    const size_t kv_cols = static_cast<size_t>(c.num_kv_heads) * D;
-    const size_t I = static_cast<size_t>(c.intermediate), V = static_cast<size_t>(c.vocab);
+    const size_t q_cols = static_cast<size_t>(c.num_q_heads) / tp * D;
+    const size_t kv_cols = static_cast<size_t>(c.num_kv_heads) / tp * D;
+    const size_t I = static_cast<size_t>(c.intermediate) / tp, V = static_cast<size_t>(c.vocab);
     WorkspaceLayout w;
     size_t at = 0;
     auto take = [&](size_t bytes) {
@@ -138,6 +157,18 @@ WorkspaceLayout plan_workspace(const ModelConfig& c, const CudaModelOptions& o) 
     w.sampled = take(B * 4);
     w.input = input_layout(o.max_tokens, o.max_bs);
     w.inputs = take(static_cast<size_t>(w.input.total) * 4);
+    if (uses_sliced_reduction(tp_size, o)) {
+        // The slice-major GEMM input holds every local slice of O's (q_cols) or down's (I) K.
+        const size_t slices = static_cast<size_t>(std::max(c.num_kv_heads, 1));
+        const size_t local = slices / tp;
+        w.slice_in = take(T * std::max(q_cols, I) * 2);
+        w.partials_bytes = local * T * H * 4;
+        w.partials = take(w.partials_bytes);
+        if (tp > 1) {
+            w.gathered_bytes = slices * T * H * 4;
+            w.gathered = take(w.gathered_bytes);
+        }
+    }
     w.total_bytes = at;
     return w;
 }

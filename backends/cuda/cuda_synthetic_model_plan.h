@@ -28,23 +28,36 @@ struct CudaModelOptions {
     int max_bs = 64;           // requests per forward, and the largest decode graph bucket
     int max_positions = 8192;  // rows of the RoPE table: every seq_len must be <= this
     int staging_slots = 4;     // pinned input slots: forwards enqueued ahead of the GPU
+    // Run the O and down projections as one GEMM per canonical slice, summed in slice order (the
+    // TP-invariant reduction, cuda_synthetic_model.h "Tensor parallelism"). Always on for
+    // tp_size > 1; a TP 1 rank that must produce a TP > 1 rank's bits (a colocated run beside a
+    // TP 2 instance) turns it on.
+    bool sliced_reduction = false;
 };
+
+// Whether a rank of a TP group of `tp_size` runs the TP-invariant reduction.
+[[nodiscard]] inline bool uses_sliced_reduction(int tp_size, const CudaModelOptions& options) {
+    return tp_size > 1 || options.sliced_reduction;
+}
 
 // Checks that the GPU model can run `config` on a TP group of `tp_size` with `options`:
 //  - validate_model fails: its kInvalidArgument;
 //  - MLA attention or a sliding-window layer: kUnimplemented (as the CPU model);
-//  - tp_size > 1: kUnimplemented (the O and down projections' partial sums need an NCCL
-//    reduction across GPUs, which is the next issue; run TP 1);
-//  - hidden, head_dim, intermediate or vocab not a multiple of 8 (rows of 16-byte bf16 packs, as
-//    the kernels and cuBLASLt need): kInvalidArgument naming the field;
+//  - tp_size < 1, or a TP split check_tp refuses (heads), or intermediate not divisible by
+//    tp_size: kInvalidArgument;
+//  - hidden, head_dim, intermediate / tp_size or vocab not a multiple of 8 (rows of 16-byte bf16
+//    packs, as the kernels and cuBLASLt need): kInvalidArgument naming the field;
+//  - with the sliced reduction (uses_sliced_reduction): intermediate not divisible by
+//    num_kv_heads, or intermediate / num_kv_heads not a multiple of 8: kInvalidArgument;
 //  - options: device < 0, max_tokens / max_bs / max_positions / staging_slots < 1, or
 //    max_bs > max_tokens (a decode graph of max_bs requests has max_bs rows): kInvalidArgument
 //    naming the option.
 [[nodiscard]] Status check_cuda_model_config(const ModelConfig& config, int tp_size,
                                              const CudaModelOptions& options);
 
-// Bytes of the GPU model's weights (TP 1): bf16 projections (fused QKV, O, fused gate/up, down),
-// bf16 embedding and LM head, fp32 norm weights.
+// Bytes of one rank's GPU model weights in a TP group of `tp_size`: bf16 projections (fused QKV,
+// O, fused gate/up, down: 1 / tp_size of each), bf16 embedding and LM head, fp32 norm weights
+// (whole on every rank).
 struct WeightMemory {
     int64_t qkv = 0;      // per layer
     int64_t o_proj = 0;   // per layer
@@ -57,7 +70,7 @@ struct WeightMemory {
     int64_t final_norm = 0;
     int64_t total = 0;  // per_layer * num_layers + embedding + lm_head + final_norm
 };
-[[nodiscard]] WeightMemory estimate_weight_memory(const ModelConfig& config);
+[[nodiscard]] WeightMemory estimate_weight_memory(const ModelConfig& config, int tp_size = 1);
 
 // The model's int32 inputs as one block, in elements (the device block and every pinned staging
 // slot share this layout):
@@ -86,15 +99,25 @@ struct InputLayout {
 //   logits   fp32 [B][vocab]
 //   sampled  int32 [B]
 //   inputs   int32, input_layout(T, B)
+// Head and intermediate counts are this rank's (1 / tp_size of the model's). With the sliced
+// reduction (uses_sliced_reduction), qkv and gate_up hold their slice GEMMs' outputs slice-major
+// ([local slices][T][slice columns], the same bytes), and there are also:
+//   slice_in  bf16 [local slices][T][slice K]  the O / down GEMM input, slice-major (contiguous)
+//   partials  fp32 [local slices][T][hidden]   each O / down slice GEMM's output
+//   gathered  fp32 [slices][T][hidden]         every rank's partials (tp_size > 1 only)
+// and the partials and gathered blocks again in pinned host memory (partials_bytes,
+// gathered_bytes) for the TP group's exchange. Unused buffers have 0 bytes.
 struct WorkspaceLayout {
     size_t hidden = 0, normed = 0, qkv = 0, q = 0, k = 0, v = 0, attn = 0, gate_up = 0, act = 0;
     size_t positions = 0, last = 0, last_normed = 0, logits = 0, sampled = 0, inputs = 0;
+    size_t slice_in = 0, partials = 0, gathered = 0;
+    size_t partials_bytes = 0, gathered_bytes = 0;
     size_t total_bytes = 0;
     InputLayout input;
 };
-// Precondition: check_cuda_model_config(config, 1, options) passed.
+// Precondition: check_cuda_model_config(config, tp_size, options) passed.
 [[nodiscard]] WorkspaceLayout plan_workspace(const ModelConfig& config,
-                                             const CudaModelOptions& options);
+                                             const CudaModelOptions& options, int tp_size = 1);
 
 // The pool a batch is checked against.
 struct PoolGeometry {

@@ -459,6 +459,41 @@ Status residual_add(const ResidualAddParams& p, runtime::Stream& stream) {
     return {};
 }
 
+Status slice_reduce_residual(const SliceReduceParams& p, runtime::Stream& stream) {
+    PDSIM_RETURN_IF_ERROR(check_rows("slice_reduce_residual: rows", p.rows));
+    PDSIM_RETURN_IF_ERROR(check_positive_multiple("slice_reduce_residual: hidden", p.hidden));
+    PDSIM_RETURN_IF_ERROR(
+        check_packed("slice_reduce_residual: residual", p.residual, p.residual_ld, p.hidden));
+    if (p.slices < 1) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "slice_reduce_residual: slices {} must be >= 1", p.slices);
+    }
+    if (p.partials == nullptr || !is_aligned(p.partials, 16)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "slice_reduce_residual: partials is null or not 16-byte aligned");
+    }
+    if (p.partial_ld < p.hidden || p.partial_ld % 4 != 0 || p.slice_stride % 4 != 0 ||
+        (p.slices > 1 && p.slice_stride < static_cast<int64_t>(p.rows) * p.partial_ld)) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "slice_reduce_residual: partial_ld {} must be >= hidden {} and "
+                           "slice_stride {} >= rows x partial_ld, both multiples of 4",
+                           p.partial_ld, p.hidden, p.slice_stride);
+    }
+    if (p.rows == 0) return {};
+    PDSIM_ASSIGN_OR_RETURN(cudaStream_t s, launch_stream(stream));
+    detail::SliceReduceArgs a{};
+    a.partials = reinterpret_cast<const float4*>(p.partials);
+    a.slice_stride_quads = p.slice_stride / 4;
+    a.partial_ld_quads = p.partial_ld / 4;
+    a.slices = p.slices;
+    a.residual = reinterpret_cast<uint4*>(p.residual);
+    a.residual_ld_packs = p.residual_ld / kPack;
+    a.packs = p.hidden / kPack;
+    a.total = static_cast<int64_t>(p.rows) * a.packs;
+    CUDA_CHECK(detail::launch_slice_reduce(a, s));
+    return {};
+}
+
 Status gather_last_tokens(const LastTokenParams& p, runtime::Stream& stream) {
     PDSIM_RETURN_IF_ERROR(check_rows("gather_last_tokens: requests", p.requests));
     PDSIM_RETURN_IF_ERROR(check_positive_multiple("gather_last_tokens: hidden", p.hidden));

@@ -225,6 +225,31 @@ __global__ void residual_add_kernel(ResidualArgs a) {
     }
 }
 
+__global__ void slice_reduce_kernel(SliceReduceArgs a) {
+    for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < a.total;
+         e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t t = e / a.packs, p = e % a.packs;
+        const int64_t at = t * a.partial_ld_quads + 2 * p;
+        float d[kPack];
+        for (int s = 0; s < a.slices; ++s) {
+            const float4* src = a.partials + s * a.slice_stride_quads + at;
+            const float4 lo = src[0], hi = src[1];
+            const float f[kPack] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int j = 0; j < kPack; ++j) d[j] = s == 0 ? f[j] : __fadd_rn(d[j], f[j]);
+        }
+        // delta rounds to bf16 first, as the O / down GEMM's bf16 output does on the TP 1 path.
+        float h[kPack];
+        uint4* dst = a.residual + t * a.residual_ld_packs + p;
+        unpack8(*dst, h);
+#pragma unroll
+        for (int j = 0; j < kPack; ++j) {
+            h[j] = __fadd_rn(h[j], bf16_to_f32(f32_to_bf16(d[j])));
+        }
+        *dst = pack8(h);
+    }
+}
+
 __global__ void last_token_kernel(LastTokenArgs a) {
     for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < a.total;
          e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -342,6 +367,12 @@ cudaError_t launch_silu_mul(const SiluMulArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_residual_add(const ResidualArgs& a, cudaStream_t stream) {
     residual_add_kernel<<<grid_for(a.total, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+        a);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_slice_reduce(const SliceReduceArgs& a, cudaStream_t stream) {
+    slice_reduce_kernel<<<grid_for(a.total, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
         a);
     return cudaGetLastError();
 }

@@ -273,6 +273,27 @@ struct ResidualAddParams {
 };
 [[nodiscard]] Status residual_add(const ResidualAddParams& params, runtime::Stream& stream);
 
+// The TP-invariant reduction's last step:
+//   delta = partials[0][t][i] + partials[1][t][i] + ... + partials[slices - 1][t][i]
+//   residual[t][i] = bf16(residual[t][i] + bf16(delta))
+// with the sum in fp32 from slice 0 upwards (one rounding per add) and the residual add as
+// residual_add's. partials is fp32, slice s at partials + s * slice_stride, rows with stride
+// partial_ld (both in elements, multiples of 4, the pointer 16-byte aligned). The same partials
+// give the same bits whichever rank computed each slice: that is what makes a TP-2 rank's hidden
+// states equal a TP-1 rank's.
+struct SliceReduceParams {
+    const float* partials = nullptr;
+    int64_t slice_stride = 0;
+    int64_t partial_ld = 0;
+    int slices = 0;
+    bf16_t* residual = nullptr;
+    int64_t residual_ld = 0;
+    int rows = 0;
+    int hidden = 0;
+};
+[[nodiscard]] Status slice_reduce_residual(const SliceReduceParams& params,
+                                           runtime::Stream& stream);
+
 // out[i][:] = in[qo_indptr[i + 1] - 1][:]: each request's last token (the rows the final norm and
 // the LM head run on). A request with no tokens gives a NaN row.
 struct LastTokenParams {

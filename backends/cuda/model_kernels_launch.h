@@ -96,6 +96,18 @@ struct ResidualArgs {
 };
 [[nodiscard]] cudaError_t launch_residual_add(const ResidualArgs& a, cudaStream_t stream);
 
+struct SliceReduceArgs {
+    const float4* partials;      // 2 float4 per pack of 8
+    int64_t slice_stride_quads;  // slice stride / 4
+    int64_t partial_ld_quads;    // partial_ld / 4
+    int slices;
+    uint4* residual;
+    int64_t residual_ld_packs;
+    int64_t packs;  // hidden / 8
+    int64_t total;  // rows * packs
+};
+[[nodiscard]] cudaError_t launch_slice_reduce(const SliceReduceArgs& a, cudaStream_t stream);
+
 struct LastTokenArgs {
     const uint4* in;
     int64_t in_ld_packs;
