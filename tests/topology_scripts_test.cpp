@@ -73,10 +73,10 @@ TEST(TopologyScripts, EveryExampleValidatesShowsAndWritesHostfiles) {
          {"cpu-1p1d.yaml", "cpu-2p1d-tp2-to-tp1.yaml", "cpu-1p2d.yaml",
           "dgx-h100-2node-1p1d-tp8.yaml", "dgx-h200-4node-3p1d.yaml", "gb200-nvl72-8p4d.yaml",
           "gpu-1c.yaml", "gpu-1p1d.yaml", "gpu-2g-1p1d.yaml", "dgx-h200-1node-4p4d.yaml",
-          "dgx-h200-2node-8p8d.yaml"}) {
+          "dgx-h200-2node-8p8d.yaml", "gpu-1p1d-tp2-to-tp1.yaml"}) {
         EXPECT_TRUE(fs::exists(fs::path(kExamples) / required)) << required;
     }
-    EXPECT_GE(n, 11);
+    EXPECT_GE(n, 12);
 }
 
 TEST(TopologyScripts, ExamplesAreWhatTheirGeneratorCommandWrites) {
@@ -120,6 +120,8 @@ TEST(TopologyScripts, GeneratorsOutputValidates) {
         {"gpu-1p1d", "gpu --gpu A100 --gpus 2 --pd 1:1 --cpus 32"},
         {"gpu-1p1d-shared", "gpu --gpu H200 --gpus 1 --pd 1:1 --share-gpus"},
         {"gpu-2p2d-shared", "gpu --gpu H100 --gpus 2 --pd 2:2 --share-gpus --model llama3-8b"},
+        {"gpu-tp4-on-2-shared",
+         "gpu --gpu H100 --gpus 2 --pd 1:1 --prefill-tp 4 --share-gpus --model llama3-8b"},
     };
     for (const auto& [name, args] : cases) {
         SCOPED_TRACE(args);

@@ -738,6 +738,25 @@ TEST(Builders, GpuHostSharedGpus) {
     g.decode = 4;  // decode instances must fit on their own
     EXPECT_THAT(make_gpu_host("H200", g).status(),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("do not fit on 3 GPUs")));
+
+    // An instance wider than the host wraps around its GPUs: TP 2 on one GPU.
+    GpuHostOptions tp2;
+    tp2.gpus = 1;
+    tp2.prefill_tp = 2;
+    tp2.share_gpus = true;
+    auto wrapped = make_gpu_host("H200", tp2);
+    ASSERT_OK(wrapped);
+    EXPECT_EQ(wrapped->instances[0].devices,
+              (std::vector<std::string>{"node0.gpu0", "node0.gpu0"}));
+    EXPECT_EQ(wrapped->instances[1].devices, (std::vector<std::string>{"node0.gpu0"}));
+    EXPECT_TRUE(wrapped->nodes[0].devices[0].shared);
+    tp2.prefill = 2;  // two of them would both wrap onto the same GPUs
+    EXPECT_THAT(make_gpu_host("H200", tp2).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("must be its role's only one")));
+    tp2.prefill = 1;
+    tp2.share_gpus = false;  // without sharing it does not fit
+    EXPECT_THAT(make_gpu_host("H200", tp2).status(),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("do not fit on 1 GPUs")));
     g.decode = 1;
     g.prefill = g.decode = 0;
     g.colocated = 1;
@@ -787,6 +806,27 @@ instances:
                          HasSubstr("nodes[0].devices[0].shared: expected true or false")));
     EXPECT_THAT(with(", shared: 1").status(),
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("expected true or false")));
+
+    // One instance's TP ranks on one device: only a shared device may be listed twice.
+    auto tp2_on = [&](const std::string& shared) {
+        std::string text = kTwoOnOne;
+        text.replace(text.find("SHARED"), 6, shared);
+        const std::string one = "tp: 1, devices: [node0.gpu0]}\n  - {id: decode0";
+        text.replace(text.find(one), one.size(),
+                     "tp: 2, devices: [node0.gpu0, node0.gpu0]}\n  - {id: decode0");
+        return parse_topology(text, "tp2.yaml");
+    };
+    EXPECT_THAT(tp2_on("").status(),
+                StatusIs(StatusCode::kInvalidArgument,
+                         ::testing::AllOf(HasSubstr("tp2.yaml:10: instances[0].devices[1]"),
+                                          HasSubstr("device \"node0.gpu0\" is listed twice"),
+                                          HasSubstr("shared: true"))));
+    auto tp2 = tp2_on(", shared: true");
+    ASSERT_OK(tp2);
+    const RankMap rm = tp2->rank_map();
+    ASSERT_EQ(rm.world_size(), 3);
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(rm.at(r).device_index, 0) << "rank " << r;
+    EXPECT_EQ(rm.at(1).tp_rank, 1);
 }
 
 TEST(Builders, EmulationPresets) {
@@ -850,6 +890,12 @@ TEST(Builders, GeneratedExamplesEqualBuilders) {
     g2g.gpus = 2;
     g2g.name = "gpu-2g-1p1d";
     cases.push_back({"gpu-2g-1p1d.yaml", make_gpu_host("H200", g2g)});
+    GpuHostOptions gtp2;
+    gtp2.share_gpus = true;
+    gtp2.prefill_tp = 2;
+    gtp2.model = "tiny";
+    gtp2.name = "gpu-1p1d-tp2-to-tp1";
+    cases.push_back({"gpu-1p1d-tp2-to-tp1.yaml", make_gpu_host("H200", gtp2)});
     for (const Case& c : cases) {
         SCOPED_TRACE(c.file);
         ASSERT_OK(c.built);

@@ -49,10 +49,12 @@ Status check_counts(int prefill, int decode, int ptp, int dtp) {
 }
 
 // Places prefill, then decode, then colocated instances on `gpus` (global order), never
-// straddling a domain of `domain` GPUs unless tp is a multiple of it.
+// straddling a domain of `domain` GPUs unless tp is a multiple of it. With `wrap` (shared GPUs),
+// an instance wider than all of `gpus` puts TP rank i on gpus[i % size] (its ranks time-share
+// them) and must be its role's only instance.
 Status place(const std::vector<std::string>& gpus, int domain, int prefill, int decode,
              int prefill_tp, int decode_tp, std::vector<Instance>* out, int colocated = 0,
-             int colocated_tp = 1) {
+             int colocated_tp = 1, bool wrap = false) {
     size_t cursor = 0;
     const size_t dom = static_cast<size_t>(domain);
     for (Role role : {Role::kPrefill, Role::kDecode, Role::kColocated}) {
@@ -63,6 +65,21 @@ Status place(const std::vector<std::string>& gpus, int domain, int prefill, int 
                        : role == Role::kDecode ? decode_tp
                                                : colocated_tp;
         const size_t utp = static_cast<size_t>(tp);
+        if (wrap && count > 0 && utp > gpus.size()) {
+            if (count > 1) {
+                return invalid(fmt::format(
+                    "{} {} instances at TP {} on {} shared GPUs: an instance wider than the host "
+                    "wraps around its GPUs and must be its role's only one",
+                    count, role_name(role), tp, gpus.size()));
+            }
+            Instance in;
+            in.id = fmt::format("{}0", role_name(role));
+            in.role = role;
+            in.tp = tp;
+            for (size_t i = 0; i < utp; ++i) in.devices.push_back(gpus[i % gpus.size()]);
+            out->push_back(std::move(in));
+            continue;
+        }
         for (int k = 0; k < count; ++k) {
             if (utp <= dom) {
                 if (cursor % dom + utp > dom) cursor = (cursor / dom + 1) * dom;
@@ -307,10 +324,10 @@ StatusOr<Topology> make_gpu_host(std::string_view gpu, const GpuHostOptions& o) 
     n.switches.push_back({"node0.pcie", LinkType::kPcie});
     if (o.share_gpus) {
         // Each role on its own from GPU 0; the GPUs both roles use are shared.
-        PDSIM_RETURN_IF_ERROR(
-            place(devs, o.gpus, o.prefill, 0, o.prefill_tp, o.decode_tp, &t.instances));
-        PDSIM_RETURN_IF_ERROR(
-            place(devs, o.gpus, 0, o.decode, o.prefill_tp, o.decode_tp, &t.instances));
+        PDSIM_RETURN_IF_ERROR(place(devs, o.gpus, o.prefill, 0, o.prefill_tp, o.decode_tp,
+                                    &t.instances, 0, 1, /*wrap=*/true));
+        PDSIM_RETURN_IF_ERROR(place(devs, o.gpus, 0, o.decode, o.prefill_tp, o.decode_tp,
+                                    &t.instances, 0, 1, /*wrap=*/true));
         std::map<std::string, int> users;
         for (const Instance& in : t.instances) {
             for (const std::string& d : in.devices) ++users[d];

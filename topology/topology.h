@@ -59,8 +59,9 @@ struct Device {
     std::string type;   // a GPU model known to gpu_spec() ("H100"), or "cpu"
     int index = -1;     // device ordinal on its node (CUDA device); -1: its position in the list
     std::string cores;  // cores to bind its rank to ("0-13", "4", "0,2,4"); "": derived
-    // Several instances may run on it (each instance's rank time-shares the device; e.g. a prefill
-    // and a decode instance on a machine's one GPU). false: at most one instance lists it.
+    // Several ranks may run on it, time-sharing the device: several instances (a prefill and a
+    // decode instance on a machine's one GPU), or several TP ranks of one instance, which lists
+    // it more than once (TP 2 on a one-GPU machine). false: one rank at most.
     bool shared = false;
     [[nodiscard]] bool is_cpu() const { return type == kCpuDeviceType; }
     [[nodiscard]] const GpuSpec* gpu() const { return gpu_spec(type); }  // nullptr for cpu

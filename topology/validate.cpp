@@ -349,9 +349,10 @@ Status validate(const Topology& t, const ModelShape* model_override) {
                                          kind_name(it->second.kind)));
             }
             const Device* dev = t.find_device(id);
-            if (!mine.insert(id).second) {
-                return c.bad(
-                    dp, fmt::format("device {} is listed twice", detail::quoted_for_message(id)));
+            if (!mine.insert(id).second && !dev->shared) {
+                return c.bad(dp, fmt::format("device {} is listed twice (mark the device "
+                                             "`shared: true` to run several TP ranks on it)",
+                                             detail::quoted_for_message(id)));
             }
             if (auto [u, inserted] = used.emplace(id, ip); !inserted && !dev->shared) {
                 return c.bad(dp, fmt::format("device {} is already used by {} (mark the device "

@@ -7,13 +7,15 @@
     gen_topology.py cpu --pd 1:1            # this machine: one cpu device per MPI rank
     gen_topology.py gpu --gpu H200 --gpus 1 --colocated 1   # one GPU box, one colocated instance
     gen_topology.py gpu --gpu H200 --gpus 1 --pd 1:1 --share-gpus  # prefill and decode on GPU 0
+    gen_topology.py gpu --gpus 1 --pd 1:1 --prefill-tp 2 --share-gpus --model tiny  # TP 2 on GPU 0
 
 Clusters: dgx-a100, dgx-h100, dgx-h200, dgx-b200 (N nodes of 8 GPUs, NVSwitch, 8 NICs of
 400 Gb/s -- 200 Gb/s for A100 -- on one InfiniBand fabric), gb200-nvl72 (racks of 18 trays x 4
 GB200 on one NVLink domain per rack), cpu (one node, this machine), gpu (one host with --gpus
 GPUs of type --gpu on a PCIe switch; --colocated N makes N colocated instances instead of --pd;
 --share-gpus places prefill and decode instances each from GPU 0, so that they share GPUs, which
-are marked `shared: true`).
+are marked `shared: true`; there an instance wider than the host wraps around its GPUs, so that a
+one-GPU box runs TP 2 as two ranks on GPU 0).
 
 The output is the same topology the C++ builders make (topology/builders.h): same ids, links,
 numbers and placement; tests/topology_test.cpp checks that. Validate it with
@@ -64,14 +66,23 @@ def q(s):
     return json.dumps(s)
 
 
-def place(gpus, domain, prefill, decode, ptp, dtp, colocated=0, ctp=1):
+def place(gpus, domain, prefill, decode, ptp, dtp, colocated=0, ctp=1, wrap=False):
     """Prefill, then decode, then colocated instances take GPUs in order; never straddle a domain
-    unless tp is a multiple of it (then start on a boundary). Same rule as
-    topology/builders.cpp."""
+    unless tp is a multiple of it (then start on a boundary). With wrap (shared GPUs), an instance
+    wider than all the GPUs puts TP rank i on GPU i % len(gpus) and must be its role's only one.
+    Same rule as topology/builders.cpp."""
     out = []
     cursor = 0
     for role, count, tp in (("prefill", prefill, ptp), ("decode", decode, dtp),
                             ("colocated", colocated, ctp)):
+        if wrap and count > 0 and tp > len(gpus):
+            if count > 1:
+                raise GenError(f"{count} {role} instances at TP {tp} on {len(gpus)} shared GPUs: "
+                               f"an instance wider than the host wraps around its GPUs and must "
+                               f"be its role's only one")
+            out.append({"id": f"{role}0", "role": role, "tp": tp,
+                        "devices": [gpus[i % len(gpus)] for i in range(tp)]})
+            continue
         for k in range(count):
             if tp <= domain:
                 if cursor % domain + tp > domain:
@@ -232,12 +243,12 @@ def make_gpu(a):
     devs = [f"node0.gpu{j}" for j in range(a.gpus)]
     if a.share_gpus:
         # Each role on its own from GPU 0 (as make_gpu_host() with share_gpus).
-        instances = (place(devs, a.gpus, a.prefill, 0, a.prefill_tp, a.decode_tp)
-                     + place(devs, a.gpus, 0, a.decode, a.prefill_tp, a.decode_tp))
+        instances = (place(devs, a.gpus, a.prefill, 0, a.prefill_tp, a.decode_tp, wrap=True)
+                     + place(devs, a.gpus, 0, a.decode, a.prefill_tp, a.decode_tp, wrap=True))
     else:
         instances = place(devs, a.gpus, a.prefill, a.decode, a.prefill_tp, a.decode_tp,
                           a.colocated, a.colocated_tp)
-    users = {d: sum(d in i["devices"] for i in instances) for d in devs}
+    users = {d: sum(i["devices"].count(d) for i in instances) for d in devs}
     t = {"name": name, "description": f"one host: {a.gpus}x {a.gpu} on a PCIe switch",
          "nodes": [{"id": "node0", "hostname": "localhost", "cpus": a.cpus or 0,
                     "devices": [dict({"id": d, "type": a.gpu, "index": j},

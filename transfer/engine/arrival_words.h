@@ -14,9 +14,10 @@
 //
 // Known limit: every source of a request adds to the same word. On a GPU, adds of two GPUs over
 // PCIe without native P2P atomics (cudaDevP2PAttrNativeAtomicSupported 0) are a read and a write
-// each and could lose one (the word then disagrees and the request fails, loudly). Today a GPU
-// request has one source (the GPU model is TP 1) and NVLink systems have native atomics; GPU
-// TP > 1 on PCIe would need a word per (slot, layer, source).
+// each and could lose one (the word then disagrees and the request fails, loudly). A GPU request
+// has several sources when its prefill instance is TP > 1: safe where they share the decode
+// rank's GPU (gpu-1p1d-tp2-to-tp1: device atomics) or have native P2P atomics (NVLink); TP > 1
+// prefill on other GPUs across PCIe would need a word per (slot, layer, source).
 //
 // Thread-safety: every method may be called from any thread (the slot pool has its own leaf
 // lock, never held across a copy). Blocking: create(), take() and read() may copy device memory
