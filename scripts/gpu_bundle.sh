@@ -16,8 +16,9 @@
 #   .gpu/share/pdsim/topologies/  the example topologies (topology/examples), where the binaries
 #                    look for shipped data next to themselves (common/data_dir.h: <dir of the
 #                    binary>/../share/pdsim): testbed_gpu_test runs `pdsim testbed --topology
-#                    gpu-1c`, testbed_gpu_disagg_test and testbed_gpu_fault_test gpu-1p1d and
-#                    gpu-2g-1p1d, and they resolve the same names in-process
+#                    gpu-1c`, testbed_gpu_disagg_test and testbed_gpu_fault_test gpu-1p1d,
+#                    gpu-2g-1p1d and gpu-1p1d-tp2-to-tp1, and they resolve the same names
+#                    in-process
 #   .gpu/ompi/       Open MPI's launcher from this machine (bin/orterun, its plugins in
 #                    lib/openmpi3, PMIx's in pmix, help texts in share; libraries in .gpu/lib)
 #                    for scripts/gpu_two_process.sh: two processes on one GPU under mpirun, on a
@@ -67,7 +68,7 @@ echo "== pack $BUNDLE"
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/bin" "$BUNDLE/lib" "$BUNDLE/nccl-stub" "$BUNDLE/share/pdsim/topologies"
 install -m 644 topology/examples/*.yaml "$BUNDLE/share/pdsim/topologies/"
-for t in gpu-1c gpu-1p1d gpu-2g-1p1d; do
+for t in gpu-1c gpu-1p1d gpu-2g-1p1d gpu-1p1d-tp2-to-tp1; do
   [ -f "$BUNDLE/share/pdsim/topologies/$t.yaml" ] || { echo "no topology/examples/$t.yaml" >&2; exit 1; }
 done
 bins=("$BUILD/sim/pdsim")

@@ -3,7 +3,9 @@
 # every test labelled `cuda` (among them the testbed 1P1D on one GPU in --mode both,
 # testbed_gpu_disagg_test, and the faulted runs, testbed_gpu_fault_test), the same 1P1D as two
 # processes on one GPU under mpirun (scripts/gpu_two_process.sh: KV over CUDA IPC handles between
-# the processes; the bundle's own Open MPI where the machine has none), the layerwise on/off pair
+# the processes; the bundle's own Open MPI where the machine has none), and TP 2 prefill -> TP 1
+# decode as three processes on that GPU (the same script, PDSIM_GPU_TWO_PROCESS_PREFILL_TP=2: GPU
+# tensor parallelism over MPI, heterogeneous TP over CUDA IPC), the layerwise on/off pair
 # (scripts/gpu_layerwise.sh: 4096-token llama3-8b prompts on gpu-1p1d at 50 GB/s and at the
 # transfer == prefill rate), the fidelity pair (scripts/gpu_fidelity.sh: a GPU testbed run,
 # calibrate --from-timeline on it, simulate of the same run), `pdsim bench transfer --transport
@@ -27,12 +29,13 @@
 # Writes to $OUT (default out/): summary.md, env.txt (what it found), build.log (when it tried to
 # build), tests.log (all gtest output), bench.log (both benches' output), bench_cuda_ipc.json,
 # bench_attention_cuda.json, two_process.log and two_process/ (gpu_two_process.sh's JSON, report
-# and log), layerwise.log and layerwise/ (gpu_layerwise.sh's JSON, table, reports and logs),
+# and log), two_process_tp2.log and two_process_tp2/ (its TP 2 run), layerwise.log and layerwise/ (gpu_layerwise.sh's JSON, table, reports and logs),
 # fidelity.log and fidelity/ (gpu_fidelity.sh's).
 # Time: each test binary gets at most 120 s, and the tests together leave PDSIM_GPU_TWO_PROCESS_S
-# + PDSIM_GPU_LAYERWISE_S + PDSIM_GPU_FIDELITY_S + PDSIM_GPU_BENCH_RESERVE_S of the budget to what
-# follows: the two-process run (at most PDSIM_GPU_TWO_PROCESS_S), the layerwise
-# pair (at most PDSIM_GPU_LAYERWISE_S, 40 s per testbed run), then the fidelity pair (at most
+# + PDSIM_GPU_TP2_S + PDSIM_GPU_LAYERWISE_S + PDSIM_GPU_FIDELITY_S + PDSIM_GPU_BENCH_RESERVE_S of
+# the budget to what follows: the two-process run (at most PDSIM_GPU_TWO_PROCESS_S), the TP 2 run
+# (at most PDSIM_GPU_TP2_S), the layerwise pair (at most PDSIM_GPU_LAYERWISE_S, 40 s per testbed
+# run), then the fidelity pair (at most
 # PDSIM_GPU_FIDELITY_S, leaving the benches their reserve), then the benchmarks (bench transfer at
 # most 100 s, bench attention at most 120 s, within what is left). A missed target shows as FAIL in
 # the table; it does not change the exit status (as the benches' BELOW).
@@ -44,6 +47,7 @@
 # them by name.
 # Env: PDSIM_GPU_MODE=auto|build|bundle (auto), PDSIM_GPU_BUILD_DIR (build/gpu),
 #      PDSIM_GPU_CHECK_BUDGET_S (450: the whole run), PDSIM_GPU_TWO_PROCESS_S (40),
+#      PDSIM_GPU_TP2_S (30: the TP 2 run; PDSIM_GPU_TP2_RUN_S, 25, its own timeout),
 #      PDSIM_GPU_LAYERWISE_S (100),
 #      PDSIM_GPU_FIDELITY_S (60), PDSIM_GPU_BENCH_RESERVE_S (90),
 #      PDSIM_NCCL_DIR / PDSIM_CUDA_DRIVER_DIR / PDSIM_CUBLAS_DIR (a folder to try first; "none":
@@ -67,6 +71,7 @@ BENCH_RESERVE=${PDSIM_GPU_BENCH_RESERVE_S:-90}
 LW_S=${PDSIM_GPU_LAYERWISE_S:-100}
 FID_S=${PDSIM_GPU_FIDELITY_S:-60}
 TP_S=${PDSIM_GPU_TWO_PROCESS_S:-40}
+TP2_S=${PDSIM_GPU_TP2_S:-30}
 START=$SECONDS
 ENV_TXT=$OUT_DIR/env.txt
 TESTS_LOG=$OUT_DIR/tests.log
@@ -77,9 +82,11 @@ SUMMARY=$OUT_DIR/summary.md
 LW_DIR=$OUT_DIR/layerwise
 FID_DIR=$OUT_DIR/fidelity
 TP_DIR=$OUT_DIR/two_process
+TP2_DIR=$OUT_DIR/two_process_tp2
 rm -f "$ENV_TXT" "$TESTS_LOG" "$BENCH_LOG" "$BENCH_JSON" "$ATTN_JSON" "$SUMMARY" "$OUT_DIR/build.log" \
-  "$OUT_DIR/layerwise.log" "$OUT_DIR/fidelity.log" "$OUT_DIR/two_process.log"
-rm -rf "$LW_DIR" "$FID_DIR" "$TP_DIR"
+  "$OUT_DIR/layerwise.log" "$OUT_DIR/fidelity.log" "$OUT_DIR/two_process.log" \
+  "$OUT_DIR/two_process_tp2.log"
+rm -rf "$LW_DIR" "$FID_DIR" "$TP_DIR" "$TP2_DIR"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 GTEST_COLOR=no
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/pdsim-gpu-check.XXXXXX")
 trap 'rm -rf "$SCRATCH"' EXIT
@@ -113,7 +120,7 @@ to_leaving() {
 }
 # to_tests <seconds> cmd...: leaves the two-process run, the layerwise and fidelity pairs and the
 # benches their time.
-to_tests() { to_leaving $((TP_S + LW_S + FID_S + BENCH_RESERVE)) "$@"; }
+to_tests() { to_leaving $((TP_S + TP2_S + LW_S + FID_S + BENCH_RESERVE)) "$@"; }
 
 # ---- the GPU and its driver ----
 gpu="nvidia-smi not found"
@@ -407,13 +414,20 @@ run_pair() {
 lw_pair="not run: no pdsim binary"
 fid_pair="not run: no pdsim binary"
 tp_run="not run: no pdsim binary"
+tp2_run="not run: no pdsim binary"
 if [ -n "$BIN_PDSIM" ] && [ -z "${PDSIM_GPU_MPIRUN:-}" ]; then
   tp_run="not run: no mpirun (neither the bundle's .gpu/ompi nor one on PATH)"
+  tp2_run=$tp_run
   failed=1
 elif [ -n "$BIN_PDSIM" ]; then
-  run_pair gpu_two_process.sh "$OUT_DIR/two_process.log" $((LW_S + FID_S + BENCH_RESERVE)) \
-    "$TP_S" OUT="$TP_DIR" PDSIM_GPU_TWO_PROCESS_RUN_S="${PDSIM_GPU_TWO_PROCESS_RUN_S:-35}"
+  run_pair gpu_two_process.sh "$OUT_DIR/two_process.log" \
+    $((TP2_S + LW_S + FID_S + BENCH_RESERVE)) "$TP_S" OUT="$TP_DIR" \
+    PDSIM_GPU_TWO_PROCESS_RUN_S="${PDSIM_GPU_TWO_PROCESS_RUN_S:-35}"
   tp_run=$pair
+  run_pair gpu_two_process.sh "$OUT_DIR/two_process_tp2.log" $((LW_S + FID_S + BENCH_RESERVE)) \
+    "$TP2_S" OUT="$TP2_DIR" PDSIM_GPU_TWO_PROCESS_PREFILL_TP=2 \
+    PDSIM_GPU_TWO_PROCESS_RUN_S="${PDSIM_GPU_TP2_RUN_S:-25}"
+  tp2_run=$pair
 fi
 if [ -n "$BIN_PDSIM" ]; then
   run_pair gpu_layerwise.sh "$OUT_DIR/layerwise.log" $((FID_S + BENCH_RESERVE)) "$LW_S" \
@@ -499,6 +513,14 @@ bench_attn=$bench
     echo "| testbed 1P1D, two processes on one GPU (mpirun, gpu-1p1d; gpu_two_process.sh) |" \
       "$tp_run$([ -s "$TP_DIR/two_process.json" ] && echo ": $(python3 -c 'import json, sys
 print(json.load(open(sys.argv[1]))["summary"])' "$TP_DIR/two_process.json" 2>/dev/null)") |"
+  fi
+  if [ "$tp2_run" = ok ] && [ -s "$TP2_DIR/two_process.md" ]; then
+    cat "$TP2_DIR/two_process.md"
+  else
+    echo "| testbed TP 2 prefill -> TP 1 decode, three processes on one GPU (mpirun," \
+      "gpu-1p1d-tp2-to-tp1; gpu_two_process.sh) |" \
+      "$tp2_run$([ -s "$TP2_DIR/two_process.json" ] && echo ": $(python3 -c 'import json, sys
+print(json.load(open(sys.argv[1]))["summary"])' "$TP2_DIR/two_process.json" 2>/dev/null)") |"
   fi
   echo "| layerwise pair (gpu_layerwise.sh) | $lw_pair |"
   if [ -s "$LW_DIR/layerwise.json" ] && command -v python3 >/dev/null; then

@@ -13,8 +13,10 @@
 #   setting exits 2;
 #   scripts/gpu_two_process.sh under this machine's mpirun (two CPU rank processes on cpu-1p1d):
 #     two_process.json passed, every check held, its counts the report's; with --fault
-#     skip-record it exits 1 naming the failure and writes no two_process.json (skipped, and
-#     said, where there is no mpirun).
+#     skip-record it exits 1 naming the failure and writes no two_process.json; with
+#     PDSIM_GPU_TWO_PROCESS_PREFILL_TP=2, three processes (TP 2 prefill -> TP 1 decode), every
+#     check held and both prefill ranks' bytes counted (skipped, and said, where there is no
+#     mpirun).
 # Usage: tests/gpu_scripts_check.sh <pdsim binary>
 set -uo pipefail
 PDSIM_BIN=${1:?usage: gpu_scripts_check.sh <pdsim binary>}
@@ -142,6 +144,27 @@ EOF
   grep -q 'gpu_two_process.sh: the two-process run failed (exit 1): error: ' "$TMP/tpf.out" \
     || bad "gpu_two_process.sh, a failing run: no failure message"
   [ -e "$TMP/tpf/two_process.json" ] && bad "gpu_two_process.sh: a failing run wrote its JSON"
+  echo "== gpu_two_process.sh (cpu dry run, TP 2 -> 1, mpirun -np 3)"
+  PDSIM_GPU_TWO_PROCESS_BACKEND=cpu PDSIM_GPU_TWO_PROCESS_PREFILL_TP=2 OUT=$TMP/tp2 \
+    bash "$ROOT/scripts/gpu_two_process.sh" >"$TMP/tp2.out" 2>&1
+  rc=$?
+  cat "$TMP/tp2.out"
+  [ $rc -eq 0 ] || bad "gpu_two_process.sh (TP 2) exited $rc"
+  python3 - "$TMP/tp2" <<'EOF' || bad "two_process.json (TP 2) does not agree with its report"
+import json, sys
+d = sys.argv[1]
+j = json.load(open(f"{d}/two_process.json"))
+r = json.load(open(f"{d}/two_process-report.json"))
+errors = []
+if not j["passed"] or not all(c["ok"] for c in j["checks"]) or j["ranks"] != 3:
+    errors.append(f"passed {j['passed']}, ranks {j['ranks']}, checks {j['checks']}")
+sent = [x["stats"]["sender"]["bytes"] for x in r["ranks"] if x["role"] == "prefill"]
+if r["config"]["ranks"] != 3 or len(sent) != 2 or sum(sent) != r["transfer"]["bytes"]:
+    errors.append(f"not TP 2 -> 1 over 3 processes: {r['config']['ranks']} ranks, sent {sent}")
+for e in errors:
+    print("FAIL:", e)
+sys.exit(1 if errors else 0)
+EOF
 else
   echo "SKIPPED: no mpirun on PATH"
 fi

@@ -11,6 +11,11 @@
 //  - the same on gpu-2g-1p1d (prefill on GPU 0, decode on GPU 1) where two GPUs are visible, and
 //    there over nccl (--data-transport nccl: the engine's ordered plane);
 //  - tiny on gpu-1p1d with --device-gate off (the host posts each layer once it sees the record);
+//  - tiny on gpu-1p1d-tp2-to-tp1 (one GPU: a TP-2 prefill instance, its two ranks time-sharing
+//    it, and a TP-1 decode instance): GPU tensor parallelism (the sliced forward, its partials
+//    exchanged on the host) and heterogeneous TP (each prefill rank writes its KV heads into the
+//    decode pool, and adds to the arrival words); tokens equal the colocated run's and the
+//    sliced TP 1 model's on each request alone;
 //  - llama3-8b --layers 2 with two 4096-token prompts (one chunk each) on gpu-1p1d.
 // Should the engine refuse the device layouts at set-up (a regression), a run ends at once with
 // exit 1 ("disagg phase set-up failed on rank R: ..."): these tests check that it stopped there
@@ -128,6 +133,34 @@ TEST(TestbedGpuDisagg, TinyBothOnOneGpu) {
               rep.value("requests_submitted", -2))
         << rep["ranks"][1]["stats"].dump(1);
     // The tokens, against the GPU model run on each request alone.
+    expect_solo_gpu_tokens(run.options(), rep);
+}
+
+TEST(TestbedGpuDisagg, TinyTp2PrefillToTp1DecodeOnOneGpu) {
+    if (std::string why = gpu_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+    TempDir dir("tb_gpu_pd_tp2");
+    GpuPdRun run;
+    run.topology = "gpu-1p1d-tp2-to-tp1";
+    json rep;
+    if (!run_clean(run, dir, &rep)) {
+        FAIL() << "the transfer engine refused device layouts: " << first_engine_refusal();
+    }
+    ASSERT_TRUE(rep.is_object());
+    expect_clean(run, rep);
+    ASSERT_TRUE(rep["ranks"].is_array());
+    ASSERT_EQ(rep["ranks"].size(), 3u);
+    for (int r = 0; r < 3; ++r) {
+        EXPECT_THAT(rep["ranks"][r]["stats"].value("device", ""), ::testing::StartsWith("cuda:0 "))
+            << "rank " << r;
+    }
+    // Both prefill TP ranks sent their heads; the decode rank received them all (expect_clean
+    // checked the total) and waited on every request's arrival words, which both sources add to.
+    EXPECT_GT(rep["ranks"][0]["stats"]["sender"].value("bytes", 0), 0);
+    EXPECT_GT(rep["ranks"][1]["stats"]["sender"].value("bytes", 0), 0);
+    EXPECT_EQ(rep["ranks"][2]["stats"].value("arrival_waits", -1),
+              rep.value("requests_submitted", -2))
+        << rep["ranks"][2]["stats"].dump(1);
+    EXPECT_EQ(rep["config"]["gpu_model"].value("sliced_reduction", false), true);
     expect_solo_gpu_tokens(run.options(), rep);
 }
 

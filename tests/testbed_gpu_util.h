@@ -79,6 +79,8 @@ inline void expect_solo_gpu_tokens(const testbed::TestbedOptions& options,
     mo.max_tokens = max_tokens;
     mo.max_bs = 8;
     mo.max_positions = max_positions;
+    // A run with a TP > 1 instance computes the TP-invariant (sliced) forward on every rank.
+    mo.sliced_reduction = cfg->gpu_model.sliced_reduction;
     auto model = model::cuda::CudaSyntheticModel::create(cfg->model, nullptr, mo);
     ASSERT_OK(model);
     kv::MHAPoolConfig pc;

@@ -630,13 +630,56 @@ TEST(TestbedGpuOptions, FaultsOnGpuRanks) {
                 StatusIs(StatusCode::kInvalidArgument, HasSubstr("use --decode-graphs on")));
 }
 
-TEST(TestbedGpuOptions, TpAboveOneIsRefused) {
+// TP > 1 instances run the GPU model's TP-invariant (sliced) reduction, and so does every other
+// rank of that run (TP 1 ranks must compute the bits TP 2 ranks do); TP 1 runs keep the plain
+// forward. A TP split the model does not divide is refused naming the instance; a TP 2 decode
+// instance has no decode graphs to plant stale metadata in.
+TEST(TestbedGpuOptions, TpAboveOneRunsTheSlicedReduction) {
     FakeGpus gpus;
     gpus.count = 8;
     auto rc = resolve_on(gpu_options(kExamples + "cpu-2p1d-tp2-to-tp1.yaml"), gpus);
-    // A disaggregated topology runs colocated too; its TP-2 instances do not on the GPU model.
-    EXPECT_THAT(rc, StatusIs(StatusCode::kInvalidArgument,
-                             HasSubstr("instance prefill0 has tp 2; the GPU model runs TP 1")));
+    ASSERT_OK(rc);
+    EXPECT_TRUE(rc->gpu_model.sliced_reduction);
+    auto one = resolve_on(gpu_options(kExamples + "gpu-1p1d.yaml"), gpus);
+    ASSERT_OK(one);
+    EXPECT_FALSE(one->gpu_model.sliced_reduction);
+
+    TempFile tp2_decode("tp2decode", R"(name: "tp1-to-tp2"
+model: tiny
+nodes:
+  - id: node0
+    devices:
+      - {id: node0.cpu0, type: cpu}
+      - {id: node0.cpu1, type: cpu}
+      - {id: node0.cpu2, type: cpu}
+    switches:
+      - {id: node0.shm, type: loopback}
+links:
+  - {a: node0.cpu0, b: node0.shm, type: loopback, gbps: 10, latency_us: 1}
+  - {a: node0.cpu1, b: node0.shm, type: loopback, gbps: 10, latency_us: 1}
+  - {a: node0.cpu2, b: node0.shm, type: loopback, gbps: 10, latency_us: 1}
+instances:
+  - {id: prefill0, role: prefill, tp: 1, devices: [node0.cpu0]}
+  - {id: decode0, role: decode, tp: 2, devices: [node0.cpu1, node0.cpu2]}
+)");
+    TestbedOptions o = gpu_options(tp2_decode.path());
+    EXPECT_OK(resolve_on(o, gpus));
+    o.mode = Mode::kBoth;
+    o.fault = Fault::kStaleGraphMetadata;
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("decode instance decode0 has tp 2; GPU ranks plant it in the "
+                                   "decode CUDA graphs")));
+    // A model whose intermediate size splits over TP 2 but not into its 4 reduction slices.
+    TempFile odd("odd", "base: tiny\nname: tiny-odd\nintermediate: 528\n");
+    o = gpu_options(kExamples + "cpu-2p1d-tp2-to-tp1.yaml");
+    o.model = odd.path();
+    EXPECT_THAT(resolve_on(o, gpus), StatusIs(StatusCode::kInvalidArgument,
+                                              HasSubstr("the GPU model cannot run it on ")));
+    EXPECT_THAT(resolve_on(o, gpus),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("instance prefill0 (tp 2)")));
+    o.topology = kExamples + "gpu-1p1d.yaml";  // TP 1 only: the plain forward runs it
+    EXPECT_OK(resolve_on(o, gpus));
 }
 
 TEST(TestbedGpuOptions, ModelsTheGpuModelCannotRun) {

@@ -49,12 +49,13 @@ std::vector<int> gpu_decode_buckets(int max_decode_batch) {
 }
 
 GpuMemoryNeed gpu_memory_need(const model::ModelConfig& model,
-                              const model::cuda::CudaModelOptions& options, int64_t kv_pool_bytes) {
+                              const model::cuda::CudaModelOptions& options, int64_t kv_pool_bytes,
+                              int tp_size) {
     GpuMemoryNeed need;
     need.kv_pool_bytes = kv_pool_bytes;
-    need.weight_bytes = model::cuda::estimate_weight_memory(model).total;
+    need.weight_bytes = model::cuda::estimate_weight_memory(model, tp_size).total;
     need.workspace_bytes =
-        static_cast<int64_t>(model::cuda::plan_workspace(model, options).total_bytes);
+        static_cast<int64_t>(model::cuda::plan_workspace(model, options, tp_size).total_bytes);
     return need;
 }
 

@@ -94,9 +94,10 @@ struct GpuMemoryNeed {
         return kv_pool_bytes + weight_bytes + workspace_bytes + headroom_bytes;
     }
 };
-// Precondition: model::cuda::check_cuda_model_config(model, 1, options) passed.
+// What one rank of a TP group of `tp_size` needs. Precondition:
+// model::cuda::check_cuda_model_config(model, tp_size, options) passed.
 [[nodiscard]] GpuMemoryNeed gpu_memory_need(const model::ModelConfig& model,
                                             const model::cuda::CudaModelOptions& options,
-                                            int64_t kv_pool_bytes);
+                                            int64_t kv_pool_bytes, int tp_size = 1);
 
 }  // namespace pdsim::testbed

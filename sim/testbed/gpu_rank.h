@@ -1,9 +1,9 @@
 // GpuRank: what a testbed rank holds on its GPU for the whole run (`--backend cuda`,
 // docs/testbed.md "GPU rank"): its compute stream (a CudaStream on the rank's device) and the GPU
-// synthetic model (backends/cuda/cuda_synthetic_model.h: bf16, TP 1) behind model::Model. Each
-// phase's server builds its bf16 device KV pool and the "cuda" attention backend on this stream
-// (rank_builder.h) and brackets its forwards with begin_phase() / end_phase(), which capture the
-// decode CUDA graphs on that pool and backend and stop replaying them when they go.
+// synthetic model (backends/cuda/cuda_synthetic_model.h: bf16, any TP size) behind model::Model.
+// Each phase's server builds its bf16 device KV pool and the "cuda" attention backend on this
+// stream (rank_builder.h) and brackets its forwards with begin_phase() / end_phase(), which capture
+// the decode CUDA graphs on that pool and backend and stop replaying them when they go.
 //
 // Layer timing comes from device events, not host callbacks: begin_phase() turns the model's
 // layer timing on (one event before and after every layer of an eager forward, and around a
@@ -42,6 +42,9 @@ namespace pdsim::testbed {
 
 struct GpuRankOptions {
     model::cuda::CudaModelOptions model;  // .device is the rank's GPU (GpuChoice::device)
+    // The rank's TP group (borrowed; outlives the rank), null for TP 1. A TP > 1 rank decodes
+    // without graphs (cuda_synthetic_model.h "Tensor parallelism").
+    model::TpComm* tp = nullptr;
     std::string stream_name = "compute";
     bool decode_graphs = true;       // capture decode CUDA graphs in begin_phase()
     std::vector<int> graph_buckets;  // batch sizes to capture; empty: default_decode_buckets

@@ -55,7 +55,7 @@ public:
 
     Status init(const model::ModelConfig& config) {
         PDSIM_ASSIGN_OR_RETURN(
-            model_, model::cuda::CudaSyntheticModel::create(config, nullptr, options_.model));
+            model_, model::cuda::CudaSyntheticModel::create(config, options_.tp, options_.model));
         return {};
     }
 
@@ -74,6 +74,11 @@ public:
         model_->set_decode_graphs_enabled(false);
         if (!options_.decode_graphs) {
             graphs_state_ = "off (--decode-graphs off)";
+            return {};
+        }
+        if (model_->tp_size() > 1) {
+            graphs_state_ =
+                fmt::format("off (tp {}: the TP exchange is a host round trip)", model_->tp_size());
             return {};
         }
         model::cuda::DecodeGraphOptions go;

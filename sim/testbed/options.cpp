@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <set>
 
 #include "backends/cuda/cuda_attention_plan.h"
 #include "common/data_dir.h"
@@ -167,21 +168,34 @@ Status check_tcp_environment(const std::string& transport, int ranks) {
     return {};
 }
 
-// --backend cuda, what needs the topology and the model: TP 1 instances, and a model the GPU model
-// and the cuda attention backend run.
+// Whether the run's GPU ranks use the TP-invariant (sliced) reduction: when any instance is TP > 1,
+// every rank does, so that TP 1 ranks compute the bits TP > 1 ranks do (outputs compared token
+// for token with the colocated run; cuda_synthetic_model.h "Tensor parallelism").
+bool gpu_sliced_reduction(const topo::Topology& topology) {
+    return std::any_of(topology.instances.begin(), topology.instances.end(),
+                       [](const topo::Instance& inst) { return inst.tp > 1; });
+}
+
+// --backend cuda, what needs the topology and the model: a model the GPU model runs on every
+// instance's TP size, and the cuda attention backend on its heads.
 Status check_gpu_model(const ResolvedConfig& rc) {
+    const std::string name = rc.options.model.empty() ? rc.model.name : rc.options.model;
+    model::cuda::CudaModelOptions sliced;
+    sliced.sliced_reduction = gpu_sliced_reduction(rc.topology);
     for (const auto& inst : rc.topology.instances) {
-        if (inst.tp > 1) {
+        if (Status st = model::cuda::check_cuda_model_config(rc.model, inst.tp, sliced); !st.ok()) {
+            return invalid_argument_error(
+                fmt::format("--model {}: the GPU model cannot run it on {} instance {} (tp {}): {}",
+                            name, rc.topology_label, inst.id, inst.tp, st.message()));
+        }
+        if (inst.tp > 1 && inst.role == topo::Role::kDecode &&
+            rc.options.fault == Fault::kStaleGraphMetadata) {
             return invalid_argument_error(fmt::format(
-                "--backend cuda: {}: instance {} has tp {}; the GPU model runs TP 1 (TP > 1 "
-                "needs an NCCL reduction across GPUs, not built yet): use tp: 1 instances",
+                "--fault stale-graph-metadata: {}: decode instance {} has tp {}; GPU ranks plant "
+                "it in the decode CUDA graphs, and a TP > 1 GPU rank decodes without graphs (its "
+                "TP exchange is a host round trip): use tp: 1 decode instances",
                 rc.topology_label, inst.id, inst.tp));
         }
-    }
-    const std::string name = rc.options.model.empty() ? rc.model.name : rc.options.model;
-    if (Status st = model::cuda::check_cuda_model_config(rc.model, 1, {}); !st.ok()) {
-        return invalid_argument_error(
-            fmt::format("--model {}: the GPU model cannot run it: {}", name, st.message()));
     }
     attn::AttentionConfig ac;
     ac.num_q_heads = rc.model.num_q_heads;
@@ -209,12 +223,18 @@ Status plan_gpus(ResolvedConfig& rc, const ResolveEnv& env, const GpuProbe& prob
                                       .requests = static_cast<int64_t>(rc.requests.size()),
                                       .max_sequence = max_sequence},
                                      0);
-    if (Status st = model::cuda::check_cuda_model_config(rc.model, 1, rc.gpu_model); !st.ok()) {
-        return invalid_argument_error(fmt::format(
-            "--backend cuda: the GPU model sized for this run ({} tokens, {} requests per "
-            "forward, {} positions): {}",
-            rc.gpu_model.max_tokens, rc.gpu_model.max_bs, rc.gpu_model.max_positions,
-            st.message()));
+    rc.gpu_model.sliced_reduction = gpu_sliced_reduction(rc.topology);
+    std::set<int> tp_sizes;
+    for (const auto& inst : rc.topology.instances) tp_sizes.insert(inst.tp);
+    for (int tp : tp_sizes) {
+        if (Status st = model::cuda::check_cuda_model_config(rc.model, tp, rc.gpu_model);
+            !st.ok()) {
+            return invalid_argument_error(fmt::format(
+                "--backend cuda: the GPU model sized for this run ({} tokens, {} requests per "
+                "forward, {} positions, tp {}): {}",
+                rc.gpu_model.max_tokens, rc.gpu_model.max_bs, rc.gpu_model.max_positions, tp,
+                st.message()));
+        }
     }
     StatusOr<int> visible = probe.device_count();
     if (!visible.ok()) {
@@ -275,7 +295,13 @@ Status plan_gpus(ResolvedConfig& rc, const ResolveEnv& env, const GpuProbe& prob
     const int64_t pool_bytes =
         kv_pool_pages(rc.model, 1, o.page_size, o.kv_pool_mb, runtime::DType::kBF16) *
         kv_page_bytes(rc.model, 1, o.page_size, runtime::DType::kBF16);
-    const GpuMemoryNeed need = gpu_memory_need(rc.model, rc.gpu_model, pool_bytes);
+    // The most any rank needs (a TP 1 rank holds the most weights, a TP > 1 rank the TP
+    // exchange's buffers): every rank on a GPU is checked against it.
+    GpuMemoryNeed need;
+    for (int tp : tp_sizes) {
+        const GpuMemoryNeed one = gpu_memory_need(rc.model, rc.gpu_model, pool_bytes, tp);
+        if (one.total() > need.total()) need = one;
+    }
     std::map<int, GpuInfo> infos;
     for (const auto& [device, count] : per_device) {
         PDSIM_ASSIGN_OR_RETURN(GpuInfo info, probe.device_info(device));

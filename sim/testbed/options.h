@@ -14,15 +14,15 @@
 // GPU ranks (--backend cuda, docs/testbed.md "GPU rank"): resolve() also checks, before anything
 // runs, that this build has CUDA (kInvalidArgument "--backend cuda: this pdsim was built without
 // CUDA"), that --shaping is off (the shaping decorator throttles two-sided sends; GPU ranks' KV
-// moves by one-sided cuda_ipc writes), that every instance is TP 1 and the model is one the GPU
-// model and the cuda attention backend run (kInvalidArgument naming --model or the instance),
-// that --fault is one a device stream can carry (stale-graph-metadata: --decode-graphs on and
-// --mode both), that this process sees a GPU (kUnavailable "--backend cuda: no device: ..."; exit
-// 1, as cli::exit_code_for maps it), that each rank's topology GPU is one of them (and, without
-// mpirun, that the ranks are on one node: every rank is a thread of this process), and that the
-// KV pool, weights and workspace of the ranks on each GPU fit its free memory (kInvalidArgument
-// naming --kv-pool-mb). It picks each rank's GPU (gpu_plan.h, choose_gpu) and sizes the GPU model
-// (ResolvedConfig::gpu_model, gpus).
+// moves by one-sided cuda_ipc writes), that the model is one the GPU model runs on every
+// instance's TP size and the cuda attention backend runs (kInvalidArgument naming --model and the
+// instance), that --fault is one a device stream can carry (stale-graph-metadata: --decode-graphs
+// on, --mode both, TP 1 decode instances), that this process sees a GPU (kUnavailable "--backend
+// cuda: no device: ..."; exit 1, as cli::exit_code_for maps it), that each rank's topology GPU is
+// one of them (and, without mpirun, that the ranks are on one node: every rank is a thread of this
+// process), and that the KV pool, weights and workspace of the ranks on each GPU fit its free
+// memory (kInvalidArgument naming --kv-pool-mb). It picks each rank's GPU (gpu_plan.h, choose_gpu)
+// and sizes the GPU model (ResolvedConfig::gpu_model, gpus).
 //
 // The KV transports of the disaggregated phase: --transport is the control transport (two-sided,
 // tag-matching: local without mpirun, mpi or tcp under it), which also carries the KV of CPU ranks;

@@ -402,6 +402,7 @@ json testbed_config_json(const ResolvedConfig& cfg) {
         config["gpu_model"] = {{"max_tokens", cfg.gpu_model.max_tokens},
                                {"max_bs", cfg.gpu_model.max_bs},
                                {"max_positions", cfg.gpu_model.max_positions},
+                               {"sliced_reduction", cfg.gpu_model.sliced_reduction},
                                {"kv_dtype", "bf16"}};
     }
     return config;

@@ -943,6 +943,7 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
             go.model = cfg.gpu_model;
             go.model.device = g->choice.device;
             go.stream_name = fmt::format("compute-r{}-cuda{}", rank, g->choice.device);
+            go.tp = ctx.tp;
             go.decode_graphs = o.decode_graphs;
             go.graph_buckets = gpu_decode_buckets(o.max_decode_batch);
             go.sync_timeout = milliseconds(static_cast<int64_t>(o.request_timeout_s * 1000) + 5000);
