@@ -29,6 +29,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -96,7 +97,8 @@ private:
 // An in-process TP group for the tests below (a fake of the testbed's MPI / in-process groups,
 // sim/testbed/comm.h): each member's allgather waits, bounded, for every member's contribution of
 // the round, copies them all rank-major, and returns only once every member has copied (so no
-// member overwrites its contribution while another still reads it).
+// member overwrites its contribution while another still reads it). A timeout breaks the group:
+// every later call fails.
 class InProcessTpGroupFake {
 public:
     explicit InProcessTpGroupFake(int size) : slots_(static_cast<size_t>(size)) {
@@ -123,18 +125,26 @@ private:
         constexpr auto kTimeout = std::chrono::seconds(60);
         const int n = static_cast<int>(slots_.size());
         std::unique_lock<std::mutex> lock(mu_);
-        if (!cv_.wait_for(lock, kTimeout, [&] { return copied_ == 0; })) {
-            return Status(StatusCode::kDeadlineExceeded, "the previous round never finished");
+        const auto fail = [&](const char* why) {
+            broken_ = true;
+            cv_.notify_all();
+            return Status(StatusCode::kDeadlineExceeded, why);
+        };
+        if (broken_) return Status(StatusCode::kUnavailable, "the TP group broke earlier");
+        if (!cv_.wait_for(lock, kTimeout, [&] { return copied_ == 0 || broken_; })) {
+            return fail("the previous round never finished");
         }
+        if (broken_) return Status(StatusCode::kUnavailable, "the TP group broke earlier");
         slots_[static_cast<size_t>(rank)] = mine;
         const uint64_t round = round_;
         if (++arrived_ == n) {
             arrived_ = 0;
             ++round_;
             cv_.notify_all();
-        } else if (!cv_.wait_for(lock, kTimeout, [&] { return round_ != round; })) {
-            return Status(StatusCode::kDeadlineExceeded, "a TP member never arrived");
+        } else if (!cv_.wait_for(lock, kTimeout, [&] { return round_ != round || broken_; })) {
+            return fail("a TP member never arrived");
         }
+        if (round_ == round) return Status(StatusCode::kUnavailable, "the TP group broke");
         lock.unlock();
         for (int r = 0; r < n; ++r) {
             std::memcpy(out + static_cast<size_t>(r) * count, slots_[static_cast<size_t>(r)],
@@ -147,8 +157,8 @@ private:
             cv_.notify_all();
         } else {
             const uint64_t drained = drained_;
-            if (!cv_.wait_for(lock, kTimeout, [&] { return drained_ != drained; })) {
-                return Status(StatusCode::kDeadlineExceeded, "a TP member never copied");
+            if (!cv_.wait_for(lock, kTimeout, [&] { return drained_ != drained || broken_; })) {
+                return fail("a TP member never copied");
             }
         }
         return {};
@@ -160,6 +170,7 @@ private:
     std::vector<std::unique_ptr<Member>> members_;
     int arrived_ = 0, copied_ = 0;
     uint64_t round_ = 0, drained_ = 0;
+    bool broken_ = false;
 };
 
 // ---- no device needed ---------------------------------------------------------------------------
@@ -866,19 +877,28 @@ TEST_F(CudaSyntheticModelTest, TpTwoRanksComputeTheSlicedTpOneBits) {
         SCOPED_TRACE("step " + std::to_string(step));
         EXPECT_EQ(next[2], next[0]) << "TP rank 0 vs sliced TP 1";
         EXPECT_EQ(next[3], next[0]) << "TP rank 1 vs sliced TP 1";
-        EXPECT_EQ(next[1], next[0]) << "plain TP 1 vs sliced TP 1 (near ties aside)";
         ASSERT_EQ(logit_rows[2].size(), logit_rows[0].size());
         EXPECT_EQ(std::memcmp(logit_rows[2].data(), logit_rows[0].data(),
                               logit_rows[0].size() * sizeof(float)),
                   0)
             << "TP rank 0's logits are not the sliced TP 1 rank's bits";
         EXPECT_EQ(logit_rows[3], logit_rows[2]) << "the TP ranks' logits differ";
+        // The plain TP 1 forward differs by rounding only: its logits within the tolerance, and its
+        // tokens equal wherever the sliced logits' top-2 margin is wider than that (no near tie).
         double max_plain = 0;
         for (size_t v = 0; v < logit_rows[0].size(); ++v) {
             max_plain = std::max(
                 max_plain, std::abs(static_cast<double>(logit_rows[1][v]) - logit_rows[0][v]));
         }
         EXPECT_LE(max_plain, kLogitTol) << "plain vs sliced TP 1 logits";
+        for (size_t i = 0; i < next[0].size(); ++i) {
+            const float* row = logit_rows[0].data() + i * static_cast<size_t>(V);
+            std::vector<float> sorted(row, row + V);
+            std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
+            if (sorted[0] - sorted[1] > 2 * kLogitTol) {
+                EXPECT_EQ(next[1][i], next[0][i]) << "plain vs sliced TP 1, request " << i;
+            }
+        }
         // Everyone continues with the sliced TP 1 rank's tokens.
         for (auto& per_rig : seqs) append(pointers(per_rig), next[0]);
     }

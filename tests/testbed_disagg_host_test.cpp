@@ -479,5 +479,50 @@ TEST(PhaseAgreement, AMissingRankTimesOutEveryone) {
     EXPECT_THAT(got[1], StatusIs(StatusCode::kDeadlineExceeded, HasSubstr("rank(s) 2")));
 }
 
+// The in-process TP group (the GPU model's exchange and the CPU model's gather, threads of one
+// process): every member gets every contribution, rank-major, round after round.
+TEST(LocalTpGroup, GathersRankMajorEveryRound) {
+    LocalTpGroup group(3, milliseconds(5000));
+    constexpr size_t kCount = 4;
+    std::vector<std::vector<float>> out(3, std::vector<float>(3 * kCount, -1.f));
+    std::vector<Status> status(3);
+    for (int round = 0; round < 5; ++round) {
+        std::vector<std::thread> threads;
+        std::vector<std::vector<float>> mine(3);
+        for (int r = 0; r < 3; ++r) {
+            mine[static_cast<size_t>(r)].assign(kCount, static_cast<float>(10 * round + r));
+            threads.emplace_back([&, r] {
+                status[static_cast<size_t>(r)] =
+                    group.member(r)->allgather(mine[static_cast<size_t>(r)].data(), kCount,
+                                               out[static_cast<size_t>(r)].data());
+            });
+        }
+        for (auto& t : threads) t.join();
+        for (int r = 0; r < 3; ++r) {
+            ASSERT_OK(status[static_cast<size_t>(r)]);
+            for (size_t k = 0; k < 3 * kCount; ++k) {
+                EXPECT_EQ(out[static_cast<size_t>(r)][k],
+                          static_cast<float>(10 * round + k / kCount))
+                    << "round " << round << " member " << r << " element " << k;
+            }
+        }
+    }
+}
+
+// A member whose peer never comes times out, and the group is broken for good: the late peer and
+// every later call fail at once (before, the late peer completed a round with the stale arrival
+// and read its dead buffer).
+TEST(LocalTpGroup, ATimeoutBreaksTheGroupForEveryMember) {
+    LocalTpGroup group(2, milliseconds(100));
+    float mine[2] = {1.f, 2.f}, out[4] = {};
+    EXPECT_THAT(group.member(0)->allgather(mine, 2, out),
+                StatusIs(StatusCode::kDeadlineExceeded,
+                         HasSubstr("TP allgather (2 ranks) timed out after 100 ms on rank 0")));
+    EXPECT_THAT(group.member(1)->allgather(mine, 2, out),
+                StatusIs(StatusCode::kUnavailable, HasSubstr("the TP group broke earlier")));
+    EXPECT_THAT(group.member(0)->allgather(mine, 2, out),
+                StatusIs(StatusCode::kUnavailable, HasSubstr("timed out after 100 ms on rank 0")));
+}
+
 }  // namespace
 }  // namespace pdsim::testbed

@@ -62,11 +62,11 @@ inline nlohmann::json load_json(const std::string& path) {
 }
 
 // Every request's tokens in `rep` (a report of a run with `options`, single-chunk prompts) against
-// the GPU model run on that request alone on GPU 0. `max_tokens`/`max_positions`/`num_pages` size
-// the oracle's model and pool for the run's longest request.
+// the GPU model run on that request alone on GPU 0, sized as the run sizes it (its GEMM plans,
+// and so its bits, depend on max_tokens and max_bs: gemm.h) and sliced where the run is (a run
+// with a TP > 1 instance). `num_pages` sizes the oracle's pool for the run's longest request.
 inline void expect_solo_gpu_tokens(const testbed::TestbedOptions& options,
-                                   const nlohmann::json& rep, int max_tokens = 256,
-                                   int max_positions = 256, int num_pages = 32) {
+                                   const nlohmann::json& rep, int num_pages = 32) {
     auto cfg = testbed::resolve(options, 1);
     ASSERT_OK(cfg);
     // Declared in construction order: the stream first, destroyed last (after the model, the
@@ -75,12 +75,8 @@ inline void expect_solo_gpu_tokens(const testbed::TestbedOptions& options,
     ASSERT_OK(rt);
     auto stream = (*rt)->create_stream(0, "oracle");
     ASSERT_OK(stream);
-    model::cuda::CudaModelOptions mo;
-    mo.max_tokens = max_tokens;
-    mo.max_bs = 8;
-    mo.max_positions = max_positions;
-    // A run with a TP > 1 instance computes the TP-invariant (sliced) forward on every rank.
-    mo.sliced_reduction = cfg->gpu_model.sliced_reduction;
+    model::cuda::CudaModelOptions mo = cfg->gpu_model;
+    mo.device = 0;
     auto model = model::cuda::CudaSyntheticModel::create(cfg->model, nullptr, mo);
     ASSERT_OK(model);
     kv::MHAPoolConfig pc;

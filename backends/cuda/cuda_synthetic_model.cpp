@@ -103,9 +103,11 @@ CudaSyntheticModel::~CudaSyntheticModel() {
     }
     // cudaFreeHost waits for the device; queued work may still read the tokens' pinned memory.
     if (!device_hung(options_.device)) {
-        for (void* p : {static_cast<void*>(pinned_tokens_), static_cast<void*>(pinned_partials_),
-                        static_cast<void*>(pinned_gathered_)}) {
-            if (p != nullptr) cudaFreeHost(p);
+        if (pinned_tokens_ != nullptr) cudaFreeHost(pinned_tokens_);
+        // After a failed exchange a peer or a pending MPI collective may still touch these.
+        if (tp_broken_.empty()) {
+            if (pinned_partials_ != nullptr) cudaFreeHost(pinned_partials_);
+            if (pinned_gathered_ != nullptr) cudaFreeHost(pinned_gathered_);
         }
     }
 }
@@ -583,10 +585,11 @@ StatusOr<const float*> CudaSyntheticModel::exchange_partials(int rows, runtime::
     CUDA_CHECK(cudaMemcpyAsync(pinned_partials_, at<float>(layout_.partials), mine * sizeof(float),
                                cudaMemcpyDeviceToHost, s));
     PDSIM_RETURN_IF_ERROR(stream.synchronize().with_context("the TP exchange's partials"));
-    PDSIM_RETURN_IF_ERROR(tp_->allgather(pinned_partials_, mine, pinned_gathered_)
-                              .with_context(fmt::format("TP rank {} of {}: the exchange of the "
-                                                        "projection partials",
-                                                        tp_rank_, tp_size_)));
+    if (Status st = tp_->allgather(pinned_partials_, mine, pinned_gathered_); !st.ok()) {
+        tp_broken_ = st.to_string();
+        return st.with_context(fmt::format(
+            "TP rank {} of {}: the exchange of the projection partials", tp_rank_, tp_size_));
+    }
     float* gathered = at<float>(layout_.gathered);
     CUDA_CHECK(cudaMemcpyAsync(gathered, pinned_gathered_, all * sizeof(float),
                                cudaMemcpyHostToDevice, s));
@@ -619,6 +622,12 @@ Status CudaSyntheticModel::enqueue_output(runtime::Stream& stream, int requests,
 
 Status CudaSyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& backend,
                                    kv::KVPool& pool, int32_t* next_tokens, bool save_kv_cache) {
+    if (!tp_broken_.empty()) {
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
+                           "TP rank {} of {}: an earlier exchange failed ({}); this model cannot "
+                           "forward again",
+                           tp_rank_, tp_size_, tp_broken_);
+    }
     PDSIM_RETURN_IF_ERROR(check_call(backend, pool));
     PDSIM_RETURN_IF_ERROR(
         check_step_batch(batch, cfg_, options_, {pool.num_pages(), pool.page_size()}));
@@ -664,6 +673,7 @@ Status CudaSyntheticModel::forward(const StepBatch& batch, attn::AttentionBacken
         // this event.
         stream.record(*forward_done_).ignore_error();
         forwarded_ = true;
+        if (tp_size_ > 1 && tp_broken_.empty()) tp_broken_ = "a forward failed: " + st.to_string();
     }
     return st;
 }

@@ -99,6 +99,7 @@
 #include <map>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "backends/attention/attention_backend.h"
@@ -163,7 +164,7 @@ public:
     // requests enqueues nothing. On tp_size > 1 it blocks (see "Tensor parallelism"); every rank
     // of the group must forward the same batch shape (the testbed's TP ranks follow their
     // leader's schedule), and a failed exchange (a peer gone: the TpComm's error) fails the
-    // forward.
+    // forward and every later one (kFailedPrecondition naming the first failure).
     [[nodiscard]] Status forward(const StepBatch& batch, attn::AttentionBackend& backend,
                                  kv::KVPool& pool, int32_t* next_tokens,
                                  bool save_kv_cache = true) override;
@@ -224,8 +225,6 @@ private:
                                                   int64_t slice_cols, const bf16_t* weights,
                                                   BatchInvariantGemm& gemm, int rows,
                                                   runtime::Stream& stream);
-    // tp_size > 1: the partials of `rows` rows to every rank and back (blocks); returns the
-    // gathered partials' device address.
     [[nodiscard]] Status check_call(attn::AttentionBackend& backend, const kv::KVPool& pool) const;
     [[nodiscard]] Status upload_inputs(const StepBatch& batch, runtime::Stream& stream);
     // The forward's device work on the fixed buffers: `rows` tokens of `requests` requests.
@@ -236,6 +235,8 @@ private:
                                         int32_t* next_tokens);
     [[nodiscard]] Status replay_decode(const StepBatch& batch, int bucket,
                                        attn::AttentionBackend& backend, int32_t* next_tokens);
+    // tp_size > 1: the partials of `rows` rows to every rank and back (blocks); returns the
+    // gathered partials' device address. A failed gather breaks the model for good (tp_broken_).
     [[nodiscard]] StatusOr<const float*> exchange_partials(int rows, runtime::Stream& stream);
     [[nodiscard]] Status record_timing(int index, runtime::Stream& stream);
 
@@ -264,6 +265,12 @@ private:
     std::unique_ptr<BatchInvariantGemm> qkv_gemm_, o_gemm_, gate_up_gemm_, down_gemm_, lm_gemm_;
     float* pinned_partials_ = nullptr;  // tp_size > 1: layout_.partials_bytes, cudaHostAlloc'd
     float* pinned_gathered_ = nullptr;  // tp_size > 1: layout_.gathered_bytes
+    // A TP exchange failed, or a TP forward failed part-way (it may have skipped an exchange its
+    // peers made): the group's rounds are out of step and a peer (or a pending MPI collective) may
+    // still read or write the pinned buffers above, so every later forward is refused (a later
+    // gather would pair with a peer's stale one) and the destructor leaves those buffers to the
+    // process exit. Empty while the model is usable.
+    std::string tp_broken_;
     std::unique_ptr<attn::cuda::PinnedStagingRing> staging_;
     int32_t* pinned_tokens_ = nullptr;  // [max_bs], cudaHostAlloc'd
     std::unique_ptr<runtime::Event> forward_done_;

@@ -37,8 +37,12 @@
 
 namespace pdsim::model {
 
-// The TP group's gather, run inside a stream task: every rank contributes `count` floats and
-// receives all ranks' contributions, rank-major, in `out` (tp_size * count floats).
+// The TP group's gather: every rank contributes `count` floats and receives all ranks'
+// contributions, rank-major, in `out` (tp_size * count floats). The CPU model calls it inside a
+// stream task, the GPU model (backends/cuda/cuda_synthetic_model.h) on its forward's thread; one
+// thread per rank at a time. Every rank of the group must call it the same number of times with
+// the same count. Blocks until every rank's contribution is in (bounded by the implementation's
+// timeout); after an error the group is not usable again (its rounds can no longer be matched).
 class TpComm {
 public:
     virtual ~TpComm() = default;

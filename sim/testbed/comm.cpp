@@ -296,11 +296,22 @@ model::TpComm* LocalTpGroup::member(int r) {
 
 Status LocalTpGroup::gather(int r, const float* mine, size_t count, float* out) {
     std::unique_lock<std::mutex> lock(mu_);
+    const auto broken = [&] {
+        return PDSIM_ERROR(StatusCode::kUnavailable, "TP allgather: the TP group broke earlier: {}",
+                           broken_why_);
+    };
+    const auto fail = [&](std::string why) {
+        broken_ = true;
+        broken_why_ = why;
+        cv_.notify_all();
+        return Status(StatusCode::kDeadlineExceeded, std::move(why));
+    };
+    if (broken_) return broken();
     // A previous round's readers must all have left before a new round starts.
-    if (!cv_.wait_for(lock, timeout_, [&] { return readers_ == 0; })) {
-        return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                           "TP allgather: previous round never finished");
+    if (!cv_.wait_for(lock, timeout_, [&] { return readers_ == 0 || broken_; })) {
+        return fail(fmt::format("TP allgather: rank {}: the previous round never finished", r));
     }
+    if (broken_) return broken();
     const uint64_t gen = gen_;
     slots_[static_cast<size_t>(r)] = mine;
     if (++arrived_ == n_) {
@@ -308,10 +319,13 @@ Status LocalTpGroup::gather(int r, const float* mine, size_t count, float* out) 
         ++gen_;
         readers_ = n_;
         cv_.notify_all();
-    } else if (!cv_.wait_for(lock, timeout_, [&] { return gen_ != gen; })) {
-        return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                           "TP allgather ({} ranks) timed out: a TP peer is stuck", n_);
+    } else if (!cv_.wait_for(lock, timeout_, [&] { return gen_ != gen || broken_; })) {
+        return fail(
+            fmt::format("TP allgather ({} ranks) timed out after {} ms on rank {}: a TP "
+                        "peer is stuck or gone",
+                        n_, timeout_.count(), r));
     }
+    if (gen_ == gen) return broken();
     for (int k = 0; k < n_; ++k) {
         std::memcpy(out + static_cast<size_t>(k) * count, slots_[static_cast<size_t>(k)],
                     count * sizeof(float));

@@ -147,6 +147,10 @@ private:
     std::vector<std::unique_ptr<Queue>> queues_;  // [rank * kNumChannels + channel]
 };
 
+// In-process TP groups: allgather waits (bounded) for every member's contribution of the round and
+// returns once every member has copied them. A member's timeout breaks the group for good (every
+// later allgather of every member is kUnavailable naming the first failure), since the rounds can
+// no longer be matched.
 class LocalTpGroup {
 public:
     LocalTpGroup(int size, std::chrono::milliseconds timeout);
@@ -164,6 +168,10 @@ private:
     std::vector<const float*> slots_;
     int arrived_ = 0, readers_ = 0;
     uint64_t gen_ = 0;
+    // A member timed out: the rounds are out of step (its arrival and its buffer pointer stay
+    // behind), so every later gather of every member fails at once with `broken_why_`.
+    bool broken_ = false;
+    std::string broken_why_;
     std::vector<std::unique_ptr<Member>> members_;
 };
 

@@ -1064,7 +1064,8 @@ Status run_mpi_ranks(const Launcher& launcher, StatusOr<ResolvedConfig> resolved
     if (st.ok() && provided < MPI_THREAD_MULTIPLE) {
         st = Status(StatusCode::kUnavailable,
                     "MPI does not provide MPI_THREAD_MULTIPLE (the testbed's TP "
-                    "allgather runs on the compute stream's thread)");
+                    "allgather runs on the compute stream's thread, or a GPU rank's "
+                    "forward thread, beside the mailbox's)");
     } else if (st.ok() && world != resolved->topology.num_ranks()) {
         st = Status(StatusCode::kInvalidArgument,
                     fmt::format("mpirun -np {} but topology {} has {} ranks", world,
