@@ -463,6 +463,40 @@ TEST(TestbedGpuOptions, DgxRanksTakeTheirNodesOrdinals) {
     }
 }
 
+// The TP-8 DGX example, as one of its processes under mpirun sees it: it resolves now that GPU
+// ranks run any TP (before: refused), with the sliced forward, KV over nccl across the nodes, the
+// rank's node-local ordinal, and the memory check per TP-8 rank (weights 1/8 of the model's).
+TEST(TestbedGpuOptions, DgxTp8ExampleResolvesUnderMpirun) {
+    FakeGpus gpus;
+    gpus.count = 8;
+    gpus.total_bytes = int64_t{80} << 30;
+    gpus.free_bytes = int64_t{79} << 30;
+    TestbedOptions o = gpu_options(kExamples + "dgx-h100-2node-1p1d-tp8.yaml");
+    o.model = "llama3-70b";
+    o.layers = 4;
+    o.mode = Mode::kDisagg;
+    o.transport = "mpi";
+    o.kv_pool_mb = 4096;
+    auto rc = resolve_on(o, gpus, /*world_size=*/16, /*rank=*/11, /*local_rank=*/3,
+                         /*local_size=*/8);
+    ASSERT_OK(rc);
+    EXPECT_TRUE(rc->gpu_model.sliced_reduction);
+    EXPECT_EQ(rc->options.data_transport, "nccl");
+    ASSERT_EQ(rc->gpus.size(), 1u);
+    EXPECT_EQ(rc->gpus[0].rank, 11);
+    EXPECT_EQ(rc->gpus[0].choice.device, 3);
+    // A TP-8 rank's weights: 1/8 of the projections, the embeddings and norms whole.
+    const model::ModelConfig& m = rc->model;
+    const GpuMemoryNeed tp8 = gpu_memory_need(m, rc->gpu_model, 0, 8);
+    const GpuMemoryNeed tp1 = gpu_memory_need(m, rc->gpu_model, 0, 1);
+    EXPECT_LT(tp8.weight_bytes, tp1.weight_bytes);
+    EXPECT_EQ(tp1.weight_bytes - tp8.weight_bytes,
+              7 *
+                  (model::cuda::estimate_weight_memory(m, 1).per_layer -
+                   model::cuda::estimate_weight_memory(m, 1).norms) /
+                  8 * m.num_layers);
+}
+
 // The pure choice, case by case.
 TEST(TestbedGpuOptions, DataTransportChoice) {
     auto pd = topo::parse_topology(two_nodes("prefill", "decode"), "gpu-2node.yaml");
