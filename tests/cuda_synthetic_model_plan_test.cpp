@@ -150,37 +150,56 @@ TEST(InputLayout, RegionsAreAlignedAndDisjoint) {
     }
 }
 
+// A rank's sizes: T tokens, B requests, hidden H, its q and KV columns, intermediate I, vocab V.
+struct RankSizes {
+    size_t T, B, H, q, kv, I, V;
+};
+
+// The buffers every forward uses, (offset, bytes) in layout order.
+std::vector<std::pair<size_t, size_t>> forward_regions(const WorkspaceLayout& w,
+                                                       const RankSizes& n) {
+    return {{w.hidden, n.T * n.H * 2},
+            {w.normed, n.T * n.H * 2},
+            {w.qkv, n.T * (n.q + 2 * n.kv) * 2},
+            {w.q, n.T * n.q * 2},
+            {w.k, n.T * n.kv * 2},
+            {w.v, n.T * n.kv * 2},
+            {w.attn, n.T * n.q * 2},
+            {w.gate_up, n.T * 2 * n.I * 2},
+            {w.act, n.T * n.I * 2},
+            {w.positions, n.T * 4},
+            {w.last, n.B * n.H * 2},
+            {w.last_normed, n.B * n.H * 2},
+            {w.logits, n.B * n.V * 4},
+            {w.sampled, n.B * 4},
+            {w.inputs,
+             static_cast<size_t>(input_layout(static_cast<int>(n.T), static_cast<int>(n.B)).total) *
+                 4}};
+}
+
+// Every region 256-byte aligned, inside the workspace, and before the next one.
+void expect_aligned_and_disjoint(const std::vector<std::pair<size_t, size_t>>& regions,
+                                 size_t total_bytes) {
+    for (size_t i = 0; i < regions.size(); ++i) {
+        EXPECT_EQ(regions[i].first % 256, 0u) << "region " << i;
+        const size_t end = regions[i].first + regions[i].second;
+        EXPECT_LE(end, total_bytes) << "region " << i;
+        if (i + 1 < regions.size()) {
+            EXPECT_LE(end, regions[i + 1].first) << "region " << i;
+        }
+    }
+}
+
 TEST(Workspace, BuffersAreAlignedLargeEnoughAndDisjoint) {
     const ModelConfig c = tiny2();
     CudaModelOptions o;
     o.max_tokens = 100;
     o.max_bs = 10;
     const WorkspaceLayout w = plan_workspace(c, o);
-    const size_t T = 100, B = 10, H = 256, q = 8 * 64, kv = 4 * 64, I = 512, V = 512;
-    const std::vector<std::pair<size_t, size_t>> regions = {
-        {w.hidden, T * H * 2},
-        {w.normed, T * H * 2},
-        {w.qkv, T * (q + 2 * kv) * 2},
-        {w.q, T * q * 2},
-        {w.k, T * kv * 2},
-        {w.v, T * kv * 2},
-        {w.attn, T * q * 2},
-        {w.gate_up, T * 2 * I * 2},
-        {w.act, T * I * 2},
-        {w.positions, T * 4},
-        {w.last, B * H * 2},
-        {w.last_normed, B * H * 2},
-        {w.logits, B * V * 4},
-        {w.sampled, B * 4},
-        {w.inputs, static_cast<size_t>(input_layout(100, 10).total) * 4}};
-    for (size_t i = 0; i < regions.size(); ++i) {
-        EXPECT_EQ(regions[i].first % 256, 0u) << "region " << i;
-        const size_t end = regions[i].first + regions[i].second;
-        EXPECT_LE(end, w.total_bytes) << "region " << i;
-        if (i + 1 < regions.size()) {
-            EXPECT_LE(end, regions[i + 1].first) << "region " << i;
-        }
-    }
+    expect_aligned_and_disjoint(
+        forward_regions(
+            w, {.T = 100, .B = 10, .H = 256, .q = 8 * 64, .kv = 4 * 64, .I = 512, .V = 512}),
+        w.total_bytes);
     EXPECT_EQ(w.input.total, input_layout(100, 10).total);
     // No sliced-reduction buffers on the default TP 1 forward.
     EXPECT_EQ(w.partials_bytes, 0u);
@@ -195,40 +214,18 @@ TEST(Workspace, TpRanksHoldTheirSlicesAndTheExchange) {
     o.max_tokens = 100;
     o.max_bs = 10;
     const WorkspaceLayout w = plan_workspace(c, o, 2);
-    const size_t T = 100, B = 10, H = 256, q = 4 * 64, kv = 2 * 64, I = 256, V = 512;
-    EXPECT_EQ(w.partials_bytes, 2 * T * H * 4);
-    EXPECT_EQ(w.gathered_bytes, 4 * T * H * 4);
-    const std::vector<std::pair<size_t, size_t>> regions = {
-        {w.hidden, T * H * 2},
-        {w.normed, T * H * 2},
-        {w.qkv, T * (q + 2 * kv) * 2},
-        {w.q, T * q * 2},
-        {w.k, T * kv * 2},
-        {w.v, T * kv * 2},
-        {w.attn, T * q * 2},
-        {w.gate_up, T * 2 * I * 2},
-        {w.act, T * I * 2},
-        {w.positions, T * 4},
-        {w.last, B * H * 2},
-        {w.last_normed, B * H * 2},
-        {w.logits, B * V * 4},
-        {w.sampled, B * 4},
-        {w.inputs, static_cast<size_t>(input_layout(100, 10).total) * 4},
-        {w.slice_in, T * std::max(q, I) * 2},
-        {w.partials, w.partials_bytes},
-        {w.gathered, w.gathered_bytes}};
-    for (size_t i = 0; i < regions.size(); ++i) {
-        EXPECT_EQ(regions[i].first % 256, 0u) << "region " << i;
-        const size_t end = regions[i].first + regions[i].second;
-        EXPECT_LE(end, w.total_bytes) << "region " << i;
-        if (i + 1 < regions.size()) {
-            EXPECT_LE(end, regions[i + 1].first) << "region " << i;
-        }
-    }
+    const RankSizes n{.T = 100, .B = 10, .H = 256, .q = 4 * 64, .kv = 2 * 64, .I = 256, .V = 512};
+    EXPECT_EQ(w.partials_bytes, 2 * n.T * n.H * 4);
+    EXPECT_EQ(w.gathered_bytes, 4 * n.T * n.H * 4);
+    std::vector<std::pair<size_t, size_t>> regions = forward_regions(w, n);
+    regions.push_back({w.slice_in, n.T * std::max(n.q, n.I) * 2});
+    regions.push_back({w.partials, w.partials_bytes});
+    regions.push_back({w.gathered, w.gathered_bytes});
+    expect_aligned_and_disjoint(regions, w.total_bytes);
     // A sliced TP 1 rank: every slice's partials, nothing to gather.
     o.sliced_reduction = true;
     const WorkspaceLayout one = plan_workspace(c, o, 1);
-    EXPECT_EQ(one.partials_bytes, 4 * T * H * 4);
+    EXPECT_EQ(one.partials_bytes, 4 * n.T * n.H * 4);
     EXPECT_EQ(one.gathered_bytes, 0u);
     EXPECT_GT(one.total_bytes,
               plan_workspace(c, CudaModelOptions{.max_tokens = 100, .max_bs = 10}).total_bytes);

@@ -14,8 +14,9 @@
 //    counting one record per layer per extend forward in both;
 //  - llama3-8b shapes with 2 layers: a smoke run (prefill, decode, invariance, one graph, timing);
 //  - tensor parallelism: the sliced (TP-invariant) TP 1 forward against the same host oracle, and
-//    two TP 2 ranks (threads on one GPU, an in-process TP group) against the sliced TP 1 rank:
-//    tokens and logits bit for bit, each rank's KV equal to its heads of the TP 1 rank's KV.
+//    two TP 2 ranks (threads on one GPU, the testbed's in-process TP group) against the sliced
+//    TP 1 rank: tokens and logits bit for bit, each rank's KV equal to its heads of the TP 1 rank's
+//    KV.
 // Pools are poisoned (NaN) and the workspace too before forwards whose outputs are compared.
 // Skips with the runtime's reason where there is no GPU, or when FlashInfer is not built; the
 // argument checks that need no device run everywhere.
@@ -27,13 +28,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <iostream>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -48,6 +47,7 @@
 #include "backends/runtime/cpu_stream.h"
 #include "backends/runtime/device.h"
 #include "common/bf16.h"
+#include "sim/testbed/comm.h"
 #include "tests/status_matchers.h"
 
 namespace pdsim::model::cuda {
@@ -92,85 +92,6 @@ public:
 
 private:
     int size_;
-};
-
-// An in-process TP group for the tests below (a fake of the testbed's MPI / in-process groups,
-// sim/testbed/comm.h): each member's allgather waits, bounded, for every member's contribution of
-// the round, copies them all rank-major, and returns only once every member has copied (so no
-// member overwrites its contribution while another still reads it). A timeout breaks the group:
-// every later call fails.
-class InProcessTpGroupFake {
-public:
-    explicit InProcessTpGroupFake(int size) : slots_(static_cast<size_t>(size)) {
-        for (int r = 0; r < size; ++r) members_.push_back(std::make_unique<Member>(this, r));
-    }
-    [[nodiscard]] TpComm* member(int r) { return members_[static_cast<size_t>(r)].get(); }
-
-private:
-    class Member final : public TpComm {
-    public:
-        Member(InProcessTpGroupFake* group, int rank) : group_(group), rank_(rank) {}
-        [[nodiscard]] int size() const override { return static_cast<int>(group_->slots_.size()); }
-        [[nodiscard]] int rank() const override { return rank_; }
-        [[nodiscard]] Status allgather(const float* mine, size_t count, float* out) override {
-            return group_->gather(rank_, mine, count, out);
-        }
-
-    private:
-        InProcessTpGroupFake* group_;
-        int rank_;
-    };
-
-    Status gather(int rank, const float* mine, size_t count, float* out) {
-        constexpr auto kTimeout = std::chrono::seconds(60);
-        const int n = static_cast<int>(slots_.size());
-        std::unique_lock<std::mutex> lock(mu_);
-        const auto fail = [&](const char* why) {
-            broken_ = true;
-            cv_.notify_all();
-            return Status(StatusCode::kDeadlineExceeded, why);
-        };
-        if (broken_) return Status(StatusCode::kUnavailable, "the TP group broke earlier");
-        if (!cv_.wait_for(lock, kTimeout, [&] { return copied_ == 0 || broken_; })) {
-            return fail("the previous round never finished");
-        }
-        if (broken_) return Status(StatusCode::kUnavailable, "the TP group broke earlier");
-        slots_[static_cast<size_t>(rank)] = mine;
-        const uint64_t round = round_;
-        if (++arrived_ == n) {
-            arrived_ = 0;
-            ++round_;
-            cv_.notify_all();
-        } else if (!cv_.wait_for(lock, kTimeout, [&] { return round_ != round || broken_; })) {
-            return fail("a TP member never arrived");
-        }
-        if (round_ == round) return Status(StatusCode::kUnavailable, "the TP group broke");
-        lock.unlock();
-        for (int r = 0; r < n; ++r) {
-            std::memcpy(out + static_cast<size_t>(r) * count, slots_[static_cast<size_t>(r)],
-                        count * sizeof(float));
-        }
-        lock.lock();
-        if (++copied_ == n) {
-            copied_ = 0;
-            ++drained_;
-            cv_.notify_all();
-        } else {
-            const uint64_t drained = drained_;
-            if (!cv_.wait_for(lock, kTimeout, [&] { return drained_ != drained || broken_; })) {
-                return fail("a TP member never copied");
-            }
-        }
-        return {};
-    }
-
-    std::mutex mu_;
-    std::condition_variable cv_;
-    std::vector<const float*> slots_;
-    std::vector<std::unique_ptr<Member>> members_;
-    int arrived_ = 0, copied_ = 0;
-    uint64_t round_ = 0, drained_ = 0;
-    bool broken_ = false;
 };
 
 // ---- no device needed ---------------------------------------------------------------------------
@@ -822,9 +743,10 @@ TEST_F(CudaSyntheticModelTest, SlicedForwardMatchesTheHostOracle) {
 }
 
 // Two TP 2 ranks of tiny (threads on GPU 0, each with its stream, backend, pool of 2 KV heads and
-// an in-process TP group) against a sliced TP 1 rank: the same tokens and bit-identical logits
-// over a prefill of 3 requests and 4 decode steps, each rank's KV equal to the TP 1 rank's KV of
-// its heads, bit for bit. Then the TP 1 rank without slicing: the same tokens (rounding apart).
+// the testbed's in-process TP group) against a sliced TP 1 rank: the same tokens and bit-identical
+// logits over a prefill of 3 requests and 4 decode steps, each rank's KV equal to the TP 1 rank's
+// KV of its heads, bit for bit. Then the TP 1 rank without slicing: the same tokens (rounding
+// apart).
 TEST_F(CudaSyntheticModelTest, TpTwoRanksComputeTheSlicedTpOneBits) {
     const ModelConfig cfg = tiny2();
     const int V = cfg.vocab;
@@ -834,7 +756,7 @@ TEST_F(CudaSyntheticModelTest, TpTwoRanksComputeTheSlicedTpOneBits) {
     ro.model.max_bs = 8;
     RigOptions sliced = ro;
     sliced.model.sliced_reduction = true;
-    InProcessTpGroupFake group(2);
+    testbed::LocalTpGroup group(2, std::chrono::milliseconds(60'000));
     std::vector<std::unique_ptr<Rig>> rigs;  // [0] sliced TP 1, [1] plain TP 1, [2..3] TP ranks
     rigs.push_back(make_rig(cfg, sliced));
     rigs.push_back(make_rig(cfg, ro));
