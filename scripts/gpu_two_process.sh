@@ -176,6 +176,9 @@ if backend == "cuda":
         sliced = cfg.get("gpu_model", {}).get("sliced_reduction")
         check("the TP-invariant (sliced) forward on every rank", sliced is True,
               {"sliced_reduction": sliced})
+        exchange = cfg.get("gpu_model", {}).get("tp_exchange")
+        check("the TP partials over MPI (the TP ranks share the GPU: no NCCL)",
+              exchange == "host", {"tp_exchange": exchange})
 passed = all(c["ok"] for c in checks)
 for c in checks:
     print(f"{'ok  ' if c['ok'] else 'FAIL'} {c['what']}: {json.dumps(c['got'])}")

@@ -49,6 +49,7 @@
 #include "common/bf16.h"
 #include "sim/testbed/comm.h"
 #include "tests/status_matchers.h"
+#include "transfer/nccl/nccl_tp_comm.h"
 
 namespace pdsim::model::cuda {
 namespace {
@@ -138,7 +139,8 @@ struct RigOptions {
     int num_pages = 256;
     int page_size = 16;
     CudaModelOptions model;
-    TpComm* tp = nullptr;  // this rank's TP group: its pool and backend hold its heads
+    TpComm* tp = nullptr;               // this rank's TP group: its pool and backend hold its heads
+    DeviceTpComm* device_tp = nullptr;  // the group on the device (model.device's GPU)
 };
 
 std::unique_ptr<Rig> make_rig(const ModelConfig& cfg, const RigOptions& o) {
@@ -151,7 +153,7 @@ std::unique_ptr<Rig> make_rig(const ModelConfig& cfg, const RigOptions& o) {
         ADD_FAILURE() << rt.status().to_string();
         return nullptr;
     }
-    auto stream = (*rt)->create_stream(0, "cuda-model-test");
+    auto stream = (*rt)->create_stream(o.model.device, "cuda-model-test");
     if (!stream.ok()) {
         ADD_FAILURE() << stream.status().to_string();
         return nullptr;
@@ -164,7 +166,7 @@ std::unique_ptr<Rig> make_rig(const ModelConfig& cfg, const RigOptions& o) {
     pc.num_kv_heads = cfg.num_kv_heads / tp;
     pc.head_dim = cfg.head_dim;
     pc.dtype = kv::KVDtype::kBF16;
-    pc.device = {DeviceKind::kCuda, 0};
+    pc.device = {DeviceKind::kCuda, o.model.device};
     auto pool = kv::MHATokenToKVPool::create(pc);
     if (!pool.ok()) {
         ADD_FAILURE() << pool.status().to_string();
@@ -186,7 +188,7 @@ std::unique_ptr<Rig> make_rig(const ModelConfig& cfg, const RigOptions& o) {
         return nullptr;
     }
     rig->backend = std::move(*backend);
-    auto model = CudaSyntheticModel::create(cfg, o.tp, o.model);
+    auto model = CudaSyntheticModel::create(cfg, o.tp, o.model, o.device_tp);
     if (!model.ok()) {
         ADD_FAILURE() << model.status().to_string();
         return nullptr;
@@ -742,12 +744,13 @@ TEST_F(CudaSyntheticModelTest, SlicedForwardMatchesTheHostOracle) {
     check_against_the_host_oracle(/*sliced=*/true);
 }
 
-// Two TP 2 ranks of tiny (threads on GPU 0, each with its stream, backend, pool of 2 KV heads and
-// the testbed's in-process TP group) against a sliced TP 1 rank: the same tokens and bit-identical
-// logits over a prefill of 3 requests and 4 decode steps, each rank's KV equal to the TP 1 rank's
-// KV of its heads, bit for bit. Then the TP 1 rank without slicing: the same tokens (rounding
-// apart).
-TEST_F(CudaSyntheticModelTest, TpTwoRanksComputeTheSlicedTpOneBits) {
+// Two TP 2 ranks of tiny (threads, each with its stream, backend, pool of 2 KV heads and the
+// testbed's in-process TP group) against a sliced TP 1 rank on GPU 0: the same tokens and
+// bit-identical logits over a prefill of 3 requests and 4 decode steps, each rank's KV equal to
+// the TP 1 rank's KV of its heads, bit for bit. Then the TP 1 rank without slicing: the same tokens
+// (rounding apart). `nccl`: the TP ranks on GPUs 0 and 1, exchanging over an NCCL TP group
+// (transfer/nccl/nccl_tp_comm.h) instead of the host.
+void check_tp_two_ranks(bool nccl) {
     const ModelConfig cfg = tiny2();
     const int V = cfg.vocab;
     RigOptions ro;
@@ -757,12 +760,32 @@ TEST_F(CudaSyntheticModelTest, TpTwoRanksComputeTheSlicedTpOneBits) {
     RigOptions sliced = ro;
     sliced.model.sliced_reduction = true;
     testbed::LocalTpGroup group(2, std::chrono::milliseconds(60'000));
+    // The NCCL group: collective, so both ranks make theirs at once.
+    std::vector<std::unique_ptr<DeviceTpComm>> device_tp(2);
+    if (nccl) {
+        std::vector<Status> made(2);
+        auto make = [&](int r) {
+            auto comm = transfer::make_nccl_tp_comm(
+                *group.member(r), {.device = r,
+                                   .op_timeout = std::chrono::milliseconds(60'000),
+                                   .name = "model-test-tp"});
+            made[static_cast<size_t>(r)] = comm.status();
+            if (comm.ok()) device_tp[static_cast<size_t>(r)] = std::move(*comm);
+        };
+        std::thread peer(make, 1);
+        make(0);
+        peer.join();
+        ASSERT_OK(made[0]);
+        ASSERT_OK(made[1]);
+    }
     std::vector<std::unique_ptr<Rig>> rigs;  // [0] sliced TP 1, [1] plain TP 1, [2..3] TP ranks
     rigs.push_back(make_rig(cfg, sliced));
     rigs.push_back(make_rig(cfg, ro));
     for (int r = 0; r < 2; ++r) {
         RigOptions tp = ro;
         tp.tp = group.member(r);
+        tp.device_tp = device_tp[static_cast<size_t>(r)].get();
+        if (nccl) tp.model.device = r;
         rigs.push_back(make_rig(cfg, tp));
     }
     for (const auto& rig : rigs) ASSERT_NE(rig, nullptr);
@@ -770,6 +793,8 @@ TEST_F(CudaSyntheticModelTest, TpTwoRanksComputeTheSlicedTpOneBits) {
     ASSERT_FALSE(rigs[1]->model->sliced_reduction());
     ASSERT_EQ(rigs[2]->model->tp_size(), 2);
     ASSERT_EQ(rigs[2]->model->local_kv_heads(), cfg.num_kv_heads / 2);
+    EXPECT_EQ(rigs[0]->model->tp_exchange(), "none");
+    EXPECT_EQ(rigs[2]->model->tp_exchange(), nccl ? "nccl" : "host");
     // A decode graph cannot hold the exchange.
     EXPECT_THAT(rigs[2]->model->capture_decode_graphs(*rigs[2]->backend, *rigs[2]->pool),
                 StatusIs(StatusCode::kFailedPrecondition, HasSubstr("decode runs eagerly")));
@@ -853,6 +878,22 @@ TEST_F(CudaSyntheticModelTest, TpTwoRanksComputeTheSlicedTpOneBits) {
             }
         }
     }
+    for (int r = 0; r < 2 && nccl; ++r)
+        EXPECT_OK(device_tp[static_cast<size_t>(r)]->health()->status());
+    rigs.clear();  // the models go before their device TP groups
+}
+
+TEST_F(CudaSyntheticModelTest, TpTwoRanksComputeTheSlicedTpOneBits) {
+    check_tp_two_ranks(false);
+}
+
+TEST_F(CudaSyntheticModelTest, TpTwoRanksOverNcclComputeTheSlicedTpOneBits) {
+    if (!transfer::nccl_tp_comm_built()) GTEST_SKIP() << "pdsim was built without NCCL";
+    auto rt = runtime::device_runtime(DeviceKind::kCuda);
+    if (!rt.ok() || (*rt)->device_count() < 2) {
+        GTEST_SKIP() << "needs 2 GPUs (NCCL refuses two ranks of one communicator on one GPU)";
+    }
+    check_tp_two_ranks(true);
 }
 
 TEST_F(CudaSyntheticModelTest, RequestsAreBatchInvariant) {

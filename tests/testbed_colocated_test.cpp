@@ -192,7 +192,20 @@ TEST(TestbedColocatedCpu, CudaRefusalsThroughTheBinary) {
         r = run_pdsim(args, 60);
         EXPECT_EQ(r.rc, 2) << r.describe();
         EXPECT_THAT(r.err, HasSubstr("use --mode both (not disagg)"));
+        // Both TP ranks of gpu-1p1d-tp2-to-tp1's prefill instance share its one GPU: no NCCL.
+        r = run_pdsim({"testbed", "--backend", "cuda", "--topology", "gpu-1p1d-tp2-to-tp1",
+                       "--synthetic", "2", "--tp-exchange", "nccl"},
+                      60);
+        EXPECT_EQ(r.rc, 2) << r.describe();
+        EXPECT_THAT(r.err, HasSubstr("--tp-exchange nccl: gpu-1p1d-tp2-to-tp1: instance "
+                                     "prefill0 has ranks 0 and 1 on GPU node0.gpu0"));
     }
+    r = run_pdsim({"testbed", "--tp-exchange", "nccl", "--synthetic", "2"}, 60);
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("--tp-exchange nccl: GPU ranks only (--backend cuda)"));
+    r = run_pdsim({"testbed", "--backend", "cuda", "--tp-exchange", "mpi"}, 60);
+    EXPECT_EQ(r.rc, 2) << r.describe();
+    EXPECT_THAT(r.err, HasSubstr("--tp-exchange: mpi not in {auto,host,nccl}"));
     const std::vector<std::string> run_on_gpu = {"testbed", "--backend",   "cuda",
                                                  "--mode",  "colocated",   "--topology",
                                                  "gpu-1c",  "--synthetic", "2"};

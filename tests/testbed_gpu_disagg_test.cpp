@@ -161,6 +161,8 @@ TEST(TestbedGpuDisagg, TinyTp2PrefillToTp1DecodeOnOneGpu) {
               rep.value("requests_submitted", -2))
         << rep["ranks"][2]["stats"].dump(1);
     EXPECT_EQ(rep["config"]["gpu_model"].value("sliced_reduction", false), true);
+    // Both prefill TP ranks on one GPU: NCCL cannot hold them, so auto takes the host exchange.
+    EXPECT_EQ(rep["config"]["gpu_model"].value("tp_exchange", ""), "host");
     expect_solo_gpu_tokens(run.options(), rep);
 }
 

@@ -439,10 +439,15 @@ std::string two_nodes(const std::string& role0, const std::string& role1) {
     return text;
 }
 
-// What resolve_data_transport chose, or "error: <message>".
-std::string chosen(const DataTransportQuery& q) {
-    StatusOr<std::string> name = resolve_data_transport(q);
+// What a resolve_* function chose, or "error: <message>".
+std::string or_error(const StatusOr<std::string>& name) {
     return name.ok() ? *name : "error: " + name.status().message();
+}
+std::string chosen(const DataTransportQuery& q) {
+    return or_error(resolve_data_transport(q));
+}
+std::string chosen(const TpExchangeQuery& q) {
+    return or_error(resolve_tp_exchange(q));
 }
 
 // The DGX examples map ranks to GPUs by the rank map (prefill instances first, TP ranks in the
@@ -482,6 +487,13 @@ TEST(TestbedGpuOptions, DgxTp8ExampleResolvesUnderMpirun) {
     ASSERT_OK(rc);
     EXPECT_TRUE(rc->gpu_model.sliced_reduction);
     EXPECT_EQ(rc->options.data_transport, "nccl");
+    // A GPU per TP rank, but the KV's nccl communicators are on the same GPUs, driven from
+    // another thread (NCCL forbids that): the host exchange.
+    EXPECT_EQ(rc->options.tp_exchange, "host");
+    o.tp_exchange = "nccl";
+    EXPECT_THAT(resolve_on(o, gpus, 16, 11, 3, 8),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--tp-exchange nccl: the KV goes over --data-transport nccl")));
     ASSERT_EQ(rc->gpus.size(), 1u);
     EXPECT_EQ(rc->gpus[0].rank, 11);
     EXPECT_EQ(rc->gpus[0].choice.device, 3);
@@ -495,6 +507,114 @@ TEST(TestbedGpuOptions, DgxTp8ExampleResolvesUnderMpirun) {
                   (model::cuda::estimate_weight_memory(m, 1).per_layer -
                    model::cuda::estimate_weight_memory(m, 1).norms) /
                   8 * m.num_layers);
+}
+
+// The TP exchange, case by case: NCCL where every TP > 1 instance has a GPU per rank, the host
+// otherwise; an explicit nccl refused, naming why, where it cannot run.
+TEST(TestbedGpuOptions, TpExchangeChoice) {
+    auto dgx = topo::load_topology(kExamples + "dgx-h100-2node-1p1d-tp8.yaml");
+    ASSERT_OK(dgx);
+    auto shared = topo::load_topology(kExamples + "gpu-1p1d-tp2-to-tp1.yaml");
+    ASSERT_OK(shared);
+    auto cpu_tp2 = topo::load_topology(kExamples + "cpu-2p1d-tp2-to-tp1.yaml");
+    ASSERT_OK(cpu_tp2);
+    auto tp1 = topo::load_topology(kExamples + "gpu-2g-1p1d.yaml");
+    ASSERT_OK(tp1);
+    TpExchangeQuery q{.requested = "auto",
+                      .gpu_ranks = true,
+                      .nccl_built = true,
+                      .data_transport = "cuda_ipc",
+                      .topology = &*dgx,
+                      .topology_label = "dgx.yaml"};
+    EXPECT_EQ(chosen(q), "nccl");
+    q.requested = "nccl";
+    EXPECT_EQ(chosen(q), "nccl");
+    q.requested = "host";
+    EXPECT_EQ(chosen(q), "host");
+    // The KV over nccl: two threads would drive NCCL communicators of one GPU.
+    q.data_transport = "nccl";
+    q.requested = "auto";
+    EXPECT_EQ(chosen(q), "host");
+    q.requested = "nccl";
+    EXPECT_THAT(resolve_tp_exchange(q),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--tp-exchange nccl: the KV goes over --data-transport nccl")));
+    q.data_transport = "none";
+    q.requested = "auto";
+    q.nccl_built = false;
+    EXPECT_EQ(chosen(q), "host");
+    q.requested = "nccl";
+    EXPECT_THAT(resolve_tp_exchange(q),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--tp-exchange nccl: this pdsim was built without NCCL")));
+    q.nccl_built = true;
+    q.gpu_ranks = false;
+    EXPECT_THAT(resolve_tp_exchange(q),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("GPU ranks only")));
+    q.requested = "auto";
+    EXPECT_EQ(chosen(q), "host");  // CPU ranks always exchange on the host
+    q.gpu_ranks = true;
+
+    // Both prefill TP ranks on the one shared H200.
+    q.topology = &*shared;
+    q.topology_label = "gpu-1p1d-tp2-to-tp1.yaml";
+    EXPECT_EQ(chosen(q), "host");
+    q.requested = "nccl";
+    EXPECT_THAT(resolve_tp_exchange(q),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--tp-exchange nccl: gpu-1p1d-tp2-to-tp1.yaml: instance "
+                                   "prefill0 has ranks 0 and 1 on GPU node0.gpu0, and NCCL refuses "
+                                   "two ranks of one communicator on one GPU; use --tp-exchange "
+                                   "host")));
+    // Two TP 2 instances on the same two GPUs: two communicators per GPU, one thread each.
+    auto two_groups = topo::parse_topology(R"(name: "two-tp2-on-two-gpus"
+model: tiny
+nodes:
+  - id: node0
+    devices:
+      - {id: node0.gpu0, type: H200, index: 0, shared: true}
+      - {id: node0.gpu1, type: H200, index: 1, shared: true}
+    switches:
+      - {id: node0.nvswitch, type: nvlink}
+links:
+  - {a: node0.gpu0, b: node0.nvswitch, type: nvlink, gbps: 450, latency_us: 1}
+  - {a: node0.gpu1, b: node0.nvswitch, type: nvlink, gbps: 450, latency_us: 1}
+instances:
+  - {id: prefill0, role: prefill, tp: 2, devices: [node0.gpu0, node0.gpu1]}
+  - {id: decode0, role: decode, tp: 2, devices: [node0.gpu0, node0.gpu1]}
+)",
+                                           "two-groups.yaml");
+    ASSERT_OK(two_groups);
+    q.topology = &*two_groups;
+    q.topology_label = "two-groups.yaml";
+    EXPECT_THAT(resolve_tp_exchange(q),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("two-groups.yaml: instances prefill0 and decode0 (tp > 1 both) "
+                                   "share GPU node0.gpu0")));
+    q.requested = "auto";
+    EXPECT_EQ(chosen(q), "host");
+    q.requested = "nccl";
+    // CPU devices: which GPU a rank takes is chosen at run time.
+    q.topology = &*cpu_tp2;
+    q.topology_label = "cpu-2p1d-tp2-to-tp1.yaml";
+    EXPECT_THAT(resolve_tp_exchange(q),
+                StatusIs(StatusCode::kInvalidArgument, HasSubstr("runs on cpu devices")));
+    q.requested = "auto";
+    EXPECT_EQ(chosen(q), "host");
+    // Nothing to exchange.
+    q.topology = &*tp1;
+    q.topology_label = "gpu-2g-1p1d.yaml";
+    EXPECT_EQ(chosen(q), "none");
+    q.requested = "host";
+    EXPECT_EQ(chosen(q), "none");
+    q.requested = "nccl";
+    EXPECT_THAT(resolve_tp_exchange(q),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("no instance of gpu-2g-1p1d.yaml has tp > 1")));
+    q.requested = "mpi";
+    EXPECT_THAT(resolve_tp_exchange(q),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--tp-exchange mpi: expected auto, host or nccl")));
 }
 
 // The pure choice, case by case.
@@ -674,9 +794,18 @@ TEST(TestbedGpuOptions, TpAboveOneRunsTheSlicedReduction) {
     auto rc = resolve_on(gpu_options(kExamples + "cpu-2p1d-tp2-to-tp1.yaml"), gpus);
     ASSERT_OK(rc);
     EXPECT_TRUE(rc->gpu_model.sliced_reduction);
+    EXPECT_EQ(rc->options.tp_exchange, "host");
+    EXPECT_THAT(describe(rc->options), HasSubstr("--tp-exchange host"));
     auto one = resolve_on(gpu_options(kExamples + "gpu-1p1d.yaml"), gpus);
     ASSERT_OK(one);
     EXPECT_FALSE(one->gpu_model.sliced_reduction);
+    EXPECT_EQ(one->options.tp_exchange, "none");
+    TestbedOptions shared = gpu_options(kExamples + "gpu-1p1d-tp2-to-tp1.yaml");
+    shared.tp_exchange = "nccl";
+    EXPECT_THAT(resolve_on(shared, gpus),
+                StatusIs(StatusCode::kInvalidArgument,
+                         HasSubstr("--tp-exchange nccl: gpu-1p1d-tp2-to-tp1.yaml: instance "
+                                   "prefill0 has ranks 0 and 1 on GPU")));
 
     TempFile tp2_decode("tp2decode", R"(name: "tp1-to-tp2"
 model: tiny

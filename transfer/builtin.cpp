@@ -1,4 +1,5 @@
-// Built-in registration of the transports and of the KV memory ops (make_kv_memory_ops). This is
+// Built-in registration of the transports, the KV memory ops (make_kv_memory_ops) and the NCCL TP
+// group (make_nccl_tp_comm, transfer/nccl/nccl_tp_comm.h). This is
 // the one file that knows which optional parts were compiled in: PDSIM_HAVE_CUDA /
 // PDSIM_HAVE_NCCL are private definitions of this file (transfer/CMakeLists.txt), never seen by a
 // public header.
@@ -10,6 +11,7 @@
 #include "transfer/local/local_transport.h"
 #include "transfer/mpi/mpi_transport.h"
 #include "transfer/nccl/gpu_transports.h"
+#include "transfer/nccl/nccl_tp_comm.h"
 #include "transfer/tcp/tcp_transport.h"
 #include "transfer/transport.h"
 
@@ -28,6 +30,32 @@ namespace {
 }
 
 }  // namespace
+
+#if defined(PDSIM_HAVE_NCCL)
+// transfer/nccl/nccl_tp_comm.cpp (built with NCCL only).
+StatusOr<std::unique_ptr<model::DeviceTpComm>> make_nccl_tp_comm_on_device(
+    model::TpComm& host, const NcclTpCommOptions& options);
+#endif
+
+bool nccl_tp_comm_built() {
+#if defined(PDSIM_HAVE_NCCL)
+    return true;
+#else
+    return false;
+#endif
+}
+
+StatusOr<std::unique_ptr<model::DeviceTpComm>> make_nccl_tp_comm(model::TpComm& host,
+                                                                 const NcclTpCommOptions& options) {
+    PDSIM_RETURN_IF_ERROR(validate_nccl_tp_comm_options(options));
+#if defined(PDSIM_HAVE_NCCL)
+    return make_nccl_tp_comm_on_device(host, options);
+#else
+    (void)host;
+    return PDSIM_ERROR(StatusCode::kUnavailable,
+                       "the NCCL TP group was not built (pdsim was built without NCCL)");
+#endif
+}
 
 // Called once, lazily, by the registry (transport.cpp).
 void register_builtin_transports() {

@@ -66,8 +66,8 @@ struct CudaSyntheticModel::Weights {
 };
 
 CudaSyntheticModel::CudaSyntheticModel(const ModelConfig& config, const CudaModelOptions& options,
-                                       TpComm* tp)
-    : cfg_(config), options_(options), tp_(tp) {
+                                       TpComm* tp, DeviceTpComm* device_tp)
+    : cfg_(config), options_(options), tp_(tp), device_tp_(device_tp) {
     tp_size_ = tp != nullptr ? tp->size() : 1;
     tp_rank_ = tp != nullptr ? tp->rank() : 0;
     sliced_ = uses_sliced_reduction(tp_size_, options_);
@@ -113,12 +113,21 @@ CudaSyntheticModel::~CudaSyntheticModel() {
 }
 
 StatusOr<std::unique_ptr<CudaSyntheticModel>> CudaSyntheticModel::create(
-    const ModelConfig& config, TpComm* tp, const CudaModelOptions& options) {
+    const ModelConfig& config, TpComm* tp, const CudaModelOptions& options,
+    DeviceTpComm* device_tp) {
     const int tp_size = tp != nullptr ? tp->size() : 1;
     PDSIM_RETURN_IF_ERROR(check_cuda_model_config(config, tp_size, options));
     if (tp != nullptr && (tp->rank() < 0 || tp->rank() >= tp_size)) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "tp: rank {} outside [0, size {})",
                            tp->rank(), tp_size);
+    }
+    if (device_tp != nullptr &&
+        (tp == nullptr || device_tp->size() != tp_size || device_tp->rank() != tp->rank())) {
+        return PDSIM_ERROR(StatusCode::kInvalidArgument,
+                           "device_tp: rank {} of {}, but the host TP group is {}",
+                           device_tp->rank(), device_tp->size(),
+                           tp == nullptr ? std::string("absent (TP 1)")
+                                         : fmt::format("rank {} of {}", tp->rank(), tp_size));
     }
     PDSIM_ASSIGN_OR_RETURN(runtime::DeviceRuntime * rt, runtime::device_runtime(DeviceKind::kCuda));
     if (rt->device_count() == 0) {
@@ -128,7 +137,7 @@ StatusOr<std::unique_ptr<CudaSyntheticModel>> CudaSyntheticModel::create(
         return PDSIM_ERROR(StatusCode::kInvalidArgument, "options.device {}: {} CUDA devices",
                            options.device, rt->device_count());
     }
-    std::unique_ptr<CudaSyntheticModel> m(new CudaSyntheticModel(config, options, tp));
+    std::unique_ptr<CudaSyntheticModel> m(new CudaSyntheticModel(config, options, tp, device_tp));
     PDSIM_RETURN_IF_ERROR(m->init().with_context("model " + config.name));
     return m;
 }
@@ -190,8 +199,8 @@ Status CudaSyntheticModel::init() {
                              cudaHostAllocDefault));
     pinned_tokens_ = static_cast<int32_t*>(pinned);
     std::fill(pinned_tokens_, pinned_tokens_ + options_.max_bs, -1);
-    if (tp_size_ > 1) {
-        // The TP exchange's landing buffers (the gather reads and writes them on the host).
+    if (tp_size_ > 1 && device_tp_ == nullptr) {
+        // The host exchange's landing buffers (the gather reads and writes them on the host).
         CUDA_CHECK(cudaHostAlloc(&pinned, layout_.partials_bytes, cudaHostAllocDefault));
         pinned_partials_ = static_cast<float*>(pinned);
         CUDA_CHECK(cudaHostAlloc(&pinned, layout_.gathered_bytes, cudaHostAllocDefault));
@@ -580,6 +589,20 @@ StatusOr<const float*> CudaSyntheticModel::exchange_partials(int rows, runtime::
     const size_t mine = static_cast<size_t>(local_slices_) * static_cast<size_t>(rows) *
                         static_cast<size_t>(cfg_.hidden);
     const size_t all = mine * static_cast<size_t>(tp_size_);
+    float* gathered = at<float>(layout_.gathered);
+    if (device_tp_ != nullptr) {
+        // Rank-major, as the host gather: slice g of the group lands at g * rows * hidden.
+        if (Status st =
+                device_tp_->enqueue_allgather(at<float>(layout_.partials), mine, gathered, stream);
+            !st.ok()) {
+            tp_broken_ = st.to_string();
+            return st.with_context(
+                fmt::format("TP rank {} of {}: the {} exchange of the "
+                            "projection partials",
+                            tp_rank_, tp_size_, device_tp_->name()));
+        }
+        return static_cast<const float*>(gathered);
+    }
     // The previous exchange's copy out of pinned_gathered_ is ordered before this one's copy into
     // pinned_partials_ and finished by the synchronize below, before the gather writes it.
     CUDA_CHECK(cudaMemcpyAsync(pinned_partials_, at<float>(layout_.partials), mine * sizeof(float),
@@ -590,7 +613,6 @@ StatusOr<const float*> CudaSyntheticModel::exchange_partials(int rows, runtime::
         return st.with_context(fmt::format(
             "TP rank {} of {}: the exchange of the projection partials", tp_rank_, tp_size_));
     }
-    float* gathered = at<float>(layout_.gathered);
     CUDA_CHECK(cudaMemcpyAsync(gathered, pinned_gathered_, all * sizeof(float),
                                cudaMemcpyHostToDevice, s));
     return static_cast<const float*>(gathered);
@@ -605,7 +627,14 @@ Status CudaSyntheticModel::enqueue_output(runtime::Stream& stream, int requests,
     // The one host step: runs after the copy above (stream order) and before any later work on
     // the stream, so the next forward's copy cannot overwrite pinned_tokens_ under it.
     const int32_t* src = pinned_tokens_;
-    PDSIM_RETURN_IF_ERROR(stream.enqueue([src, requests, next_tokens]() -> Status {
+    std::shared_ptr<const TpGroupHealth> health =
+        device_tp_ != nullptr ? device_tp_->health() : nullptr;
+    PDSIM_RETURN_IF_ERROR(stream.enqueue([src, requests, next_tokens, health]() -> Status {
+        // A device group that broke may have aborted a gather of this forward: its tokens were
+        // computed from garbage partials.
+        if (health != nullptr) {
+            PDSIM_RETURN_IF_ERROR(health->status().with_context("the TP exchange"));
+        }
         for (int i = 0; i < requests; ++i) {
             if (src[i] < 0) {
                 return PDSIM_ERROR(StatusCode::kDataLoss,
@@ -622,6 +651,11 @@ Status CudaSyntheticModel::enqueue_output(runtime::Stream& stream, int requests,
 
 Status CudaSyntheticModel::forward(const StepBatch& batch, attn::AttentionBackend& backend,
                                    kv::KVPool& pool, int32_t* next_tokens, bool save_kv_cache) {
+    if (tp_broken_.empty() && device_tp_ != nullptr) {
+        if (Status health = device_tp_->health()->status(); !health.ok()) {
+            tp_broken_ = health.to_string();
+        }
+    }
     if (!tp_broken_.empty()) {
         return PDSIM_ERROR(StatusCode::kFailedPrecondition,
                            "TP rank {} of {}: an earlier exchange failed ({}); this model cannot "
@@ -706,10 +740,13 @@ Status CudaSyntheticModel::capture_decode_graphs(attn::AttentionBackend& backend
         options.buckets.empty() ? default_decode_buckets(options_.max_bs) : options.buckets;
     PDSIM_RETURN_IF_ERROR(check_decode_buckets(buckets, options_.max_bs));
     if (tp_size_ > 1) {
-        return PDSIM_ERROR(StatusCode::kFailedPrecondition,
-                           "tp {}: a decode graph cannot hold the TP exchange (a host round trip "
-                           "per projection); decode runs eagerly",
-                           tp_size_);
+        return PDSIM_ERROR(StatusCode::kFailedPrecondition, "tp {}: {}; decode runs eagerly",
+                           tp_size_,
+                           device_tp_ == nullptr
+                               ? "a decode graph cannot hold the host TP exchange (a host round "
+                                 "trip per projection)"
+                               : "decode graphs with the device TP exchange are not built (every "
+                                 "rank of the group would have to capture and replay in step)");
     }
     if (options.max_pages_per_seq < 0) {
         return PDSIM_ERROR(StatusCode::kInvalidArgument,
@@ -769,6 +806,11 @@ Status CudaSyntheticModel::capture_decode_graphs(attn::AttentionBackend& backend
     graph_pool_ = &pool;
     graph_max_pages_ = max_pages;
     return {};
+}
+
+std::string CudaSyntheticModel::tp_exchange() const {
+    if (tp_size_ == 1) return "none";
+    return device_tp_ != nullptr ? device_tp_->name() : "host";
 }
 
 StatusOr<ForwardTiming> CudaSyntheticModel::last_forward_timing() const {

@@ -21,19 +21,27 @@
 // projection runs as one GEMM per canonical slice (the CPU model's: one per KV head, each with its
 // q heads and 1 / num_kv_heads of the intermediate size), so every GEMM has the same shape,
 // strides and pinned cuBLASLt algorithm on every TP size; the O and down projections' slice
-// outputs are fp32 partials, which the TP group exchanges (TpComm::allgather, on the host: the
-// partials go to pinned memory, the stream is synchronized, the gather runs on the calling
-// thread, the gathered partials go back) and every rank sums in slice order
-// (slice_reduce_residual). So a TP 2 rank computes the bits a sliced TP 1 rank computes, and a
+// outputs are fp32 partials, which the TP group exchanges and every rank sums in slice order
+// (slice_reduce_residual). Two exchanges, both an all-gather of the partials in rank order, so
+// both give the same bits:
+//   - on the device (create()'s `device_tp`, model::DeviceTpComm: NCCL's all-gather on the
+//     forward's stream): no host round trip, the forward never waits; the group's ranks need a
+//     GPU each. A break of the device group (a peer gone: its watchdog aborts the gather) fails
+//     the forward it happened in (the host task that copies the tokens out reports it on the
+//     stream, so no token computed from an aborted gather is delivered) and refuses every later
+//     one;
+//   - on the host (TpComm::allgather, when `device_tp` is null): the partials go to pinned
+//     memory, the stream is synchronized, the gather runs on the calling thread, the gathered
+//     partials go back. It runs wherever the host TpComm does, several ranks on one GPU
+//     included. So a TP 2 rank computes the bits a sliced TP 1 rank computes, and a
 // disaggregated run of TP 2 prefill and TP 1 decode can be compared token for token with a
 // colocated one, as on the CPU. The sliced TP 1 forward differs from the default TP 1 forward
 // (one GEMM per projection) by rounding only. What it costs: more, smaller GEMMs and copies on any
-// TP size; on tp_size > 1 two host round trips per layer (forward() synchronizes the stream
-// twice per layer and blocks in the gather until every rank of the group gets there, bounded by
-// the TpComm's timeout), and no decode CUDA graphs (capture_decode_graphs refuses: a graph cannot
-// hold the exchange). This is the exchange a GPU box without NCCL between its ranks can run
-// (several processes on one GPU included); an NCCL all-gather on the stream is the fast one and
-// is not built.
+// TP size; on tp_size > 1 no decode CUDA graphs (capture_decode_graphs refuses: a graph cannot
+// hold the host exchange, and the device one would have to be captured, warmed up and replayed
+// in step on every rank of the group: not built) and, with the host exchange, two host round
+// trips per layer (forward() synchronizes the stream twice per layer and blocks in the gather
+// until every rank of the group gets there, bounded by the TpComm's timeout).
 //
 // Batch invariance: a request's hidden states, KV and tokens do not depend on the rest of its
 // batch. Every kernel computes a row from that row alone with a reduction order fixed by the row
@@ -105,6 +113,7 @@
 #include "backends/attention/attention_backend.h"
 #include "backends/cuda/cuda_synthetic_model_plan.h"
 #include "backends/kv/kv_pool.h"
+#include "backends/model/device_tp_comm.h"
 #include "backends/model/model.h"
 #include "backends/model/synthetic_model.h"
 #include "backends/runtime/device.h"
@@ -142,9 +151,13 @@ public:
     // Checks the config (check_cuda_model_config with `tp`'s size; `tp` null for TP 1), generates
     // this rank's weights on options.device, plans the GEMMs and allocates the workspace, then
     // synchronizes. `tp` is borrowed: it must outlive the model, and its allgather is called from
-    // the thread that calls forward().
+    // the thread that calls forward(). `device_tp` (borrowed, outlives the model; null: the
+    // exchange runs on the host through `tp`): the same group on the device, which then carries
+    // every exchange (see "Tensor parallelism"); its size and rank must be `tp`'s
+    // (kInvalidArgument otherwise, or when it is given without `tp`).
     [[nodiscard]] static StatusOr<std::unique_ptr<CudaSyntheticModel>> create(
-        const ModelConfig& config, TpComm* tp, const CudaModelOptions& options = {});
+        const ModelConfig& config, TpComm* tp, const CudaModelOptions& options = {},
+        DeviceTpComm* device_tp = nullptr);
     ~CudaSyntheticModel() override;
     CudaSyntheticModel(const CudaSyntheticModel&) = delete;
     CudaSyntheticModel& operator=(const CudaSyntheticModel&) = delete;
@@ -155,6 +168,8 @@ public:
     [[nodiscard]] int local_q_heads() const override { return hq_; }
     [[nodiscard]] int local_kv_heads() const override { return hkv_; }
     [[nodiscard]] bool sliced_reduction() const { return sliced_; }
+    // How the TP group exchanges: "none" (TP 1), "host" or the device group's name ("nccl").
+    [[nodiscard]] std::string tp_exchange() const;
     [[nodiscard]] size_t weight_bytes() const override;
     [[nodiscard]] attn::LayerSpec layer_spec(int layer) const override;
     // The forward of `batch` (see the file comment and model.h). The backend must compute on a
@@ -164,7 +179,10 @@ public:
     // requests enqueues nothing. On tp_size > 1 it blocks (see "Tensor parallelism"); every rank
     // of the group must forward the same batch shape (the testbed's TP ranks follow their
     // leader's schedule), and a failed exchange (a peer gone: the TpComm's error) fails the
-    // forward and every later one (kFailedPrecondition naming the first failure).
+    // forward and every later one (kFailedPrecondition naming the first failure). With the
+    // device exchange it does not block, and a break of the device group found after the forward
+    // was enqueued fails it on the stream (its host task: the break's error, next_tokens left
+    // alone).
     [[nodiscard]] Status forward(const StepBatch& batch, attn::AttentionBackend& backend,
                                  kv::KVPool& pool, int32_t* next_tokens,
                                  bool save_kv_cache = true) override;
@@ -181,9 +199,8 @@ public:
     // {max_pages_per_seq}), then per bucket init_forward_metadata_capture_cuda_graph, one
     // replay-metadata refresh with the padding batch, a warm-up forward, and the captured forward;
     // finally backend.use_eager_metadata(). Writes KV only to slot 0 (the null page). Synchronizes
-    // the stream. kInvalidArgument for bad options; kFailedPrecondition on tp_size > 1 (the
-    // exchange is a host round trip, which a graph cannot hold: decode runs eagerly); whatever
-    // the backend or capture returns.
+    // the stream. kInvalidArgument for bad options; kFailedPrecondition on tp_size > 1 (see
+    // "Tensor parallelism": decode runs eagerly); whatever the backend or capture returns.
     [[nodiscard]] Status capture_decode_graphs(attn::AttentionBackend& backend, kv::KVPool& pool,
                                                const DecodeGraphOptions& options = {});
     [[nodiscard]] bool has_decode_graphs() const { return !graphs_.empty(); }
@@ -214,7 +231,8 @@ public:
 private:
     struct Weights;
 
-    CudaSyntheticModel(const ModelConfig& config, const CudaModelOptions& options, TpComm* tp);
+    CudaSyntheticModel(const ModelConfig& config, const CudaModelOptions& options, TpComm* tp,
+                       DeviceTpComm* device_tp);
     [[nodiscard]] Status init();
     [[nodiscard]] Status init_weights(runtime::Stream& stream);
     // The sliced forward's parts (enqueue_body): the QKV projection into q, k and v; the O or
@@ -235,8 +253,9 @@ private:
                                         int32_t* next_tokens);
     [[nodiscard]] Status replay_decode(const StepBatch& batch, int bucket,
                                        attn::AttentionBackend& backend, int32_t* next_tokens);
-    // tp_size > 1: the partials of `rows` rows to every rank and back (blocks); returns the
-    // gathered partials' device address. A failed gather breaks the model for good (tp_broken_).
+    // tp_size > 1: the partials of `rows` rows to every rank and back (on the host: blocks; on
+    // the device: enqueued); returns the gathered partials' device address. A failed gather breaks
+    // the model for good (tp_broken_).
     [[nodiscard]] StatusOr<const float*> exchange_partials(int rows, runtime::Stream& stream);
     [[nodiscard]] Status record_timing(int index, runtime::Stream& stream);
 
@@ -249,7 +268,8 @@ private:
     CudaModelOptions options_;
     WorkspaceLayout layout_;
     WeightMemory weight_memory_;
-    TpComm* tp_ = nullptr;  // null for TP 1
+    TpComm* tp_ = nullptr;               // null for TP 1
+    DeviceTpComm* device_tp_ = nullptr;  // null: the exchange runs on the host
     int tp_size_ = 1, tp_rank_ = 0;
     bool sliced_ = false;
     int hq_ = 0, hkv_ = 0, inter_ = 0;  // this rank's q heads, KV heads and intermediate size
@@ -263,7 +283,8 @@ private:
     runtime::DeviceBuffer workspace_;
     // One plan per projection shape (the slice shapes with the sliced reduction).
     std::unique_ptr<BatchInvariantGemm> qkv_gemm_, o_gemm_, gate_up_gemm_, down_gemm_, lm_gemm_;
-    float* pinned_partials_ = nullptr;  // tp_size > 1: layout_.partials_bytes, cudaHostAlloc'd
+    // tp_size > 1 with the host exchange: layout_.partials_bytes, cudaHostAlloc'd.
+    float* pinned_partials_ = nullptr;
     float* pinned_gathered_ = nullptr;  // tp_size > 1: layout_.gathered_bytes
     // A TP exchange failed, or a TP forward failed part-way (it may have skipped an exchange its
     // peers made): the group's rounds are out of step and a peer (or a pending MPI collective) may

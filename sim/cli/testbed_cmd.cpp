@@ -143,13 +143,21 @@ void add_run_flags(CLI::App* sub, Flags& f) {
         ->capture_default_str();
     sub->add_option("--backend", o.backend,
                     "attention backend: cpu|cpu_ref (CPU ranks), or cuda (GPU ranks: the GPU "
-                    "model on each rank's GPU, TP 1; KV over --data-transport)")
+                    "model on each rank's GPU, any TP size; KV over --data-transport)")
         ->check(non_empty())
         ->capture_default_str();
     sub->add_option("--mode", f.mode, "disagg|colocated|both")->capture_default_str();
     sub->add_option("--decode-graphs", f.decode_graphs,
                     "--backend cuda: on: decode forwards replay CUDA graphs (captured per batch "
                     "size bucket 1, 2, 4, ... --max-decode-batch); off: eager")
+        ->capture_default_str();
+    sub->add_option("--tp-exchange", o.tp_exchange,
+                    "--backend cuda: how the ranks of a TP > 1 instance exchange their "
+                    "projection partials: nccl (an NCCL all-gather on each rank's compute stream; "
+                    "a GPU each), host (through the host: MPI under mpirun, in-process without; "
+                    "runs anywhere, several ranks on one GPU included) or auto (nccl where every "
+                    "TP > 1 instance has a GPU per rank and pdsim has NCCL, else host)")
+        ->check(CLI::IsMember({"auto", "host", "nccl"}))
         ->capture_default_str();
     sub->add_option("--device-gate", f.device_gate,
                     "--backend cuda: on: each layer's KV transfer is enqueued ahead of its step, "

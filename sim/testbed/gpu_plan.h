@@ -85,6 +85,10 @@ struct GpuModelSizing {
 // weights and workspace, and kGpuHeadroomBytes for the attention backend's and cuBLASLt's
 // workspaces, the decode graphs and the pinned staging (measured small; a round margin).
 inline constexpr int64_t kGpuHeadroomBytes = int64_t{1} << 30;
+// Added to a TP > 1 rank's headroom with the NCCL TP exchange (--tp-exchange nccl): NCCL's
+// buffers for its group's connections (NCCL_BUFFSIZE, 4 MiB by default, per channel and peer,
+// allocated at the first gather, after the KV pool), an allowance, not a measurement.
+inline constexpr int64_t kNcclTpExchangeBytes = int64_t{512} << 20;
 struct GpuMemoryNeed {
     int64_t kv_pool_bytes = 0;
     int64_t weight_bytes = 0;

@@ -33,6 +33,7 @@
 #include "backends/attention/attention_backend.h"
 #include "backends/cuda/cuda_synthetic_model.h"
 #include "backends/kv/kv_pool.h"
+#include "backends/model/device_tp_comm.h"
 #include "backends/model/model.h"
 #include "backends/runtime/stream.h"
 #include "common/status.h"
@@ -45,6 +46,9 @@ struct GpuRankOptions {
     // The rank's TP group (borrowed; outlives the rank), null for TP 1. A TP > 1 rank decodes
     // without graphs (cuda_synthetic_model.h "Tensor parallelism").
     model::TpComm* tp = nullptr;
+    // The same group on the device (--tp-exchange nccl; borrowed, outlives the rank), null: the
+    // exchange runs on the host through `tp`.
+    model::DeviceTpComm* device_tp = nullptr;
     std::string stream_name = "compute";
     bool decode_graphs = true;       // capture decode CUDA graphs in begin_phase()
     std::vector<int> graph_buckets;  // batch sizes to capture; empty: default_decode_buckets

@@ -55,7 +55,8 @@ public:
 
     Status init(const model::ModelConfig& config) {
         PDSIM_ASSIGN_OR_RETURN(
-            model_, model::cuda::CudaSyntheticModel::create(config, options_.tp, options_.model));
+            model_, model::cuda::CudaSyntheticModel::create(config, options_.tp, options_.model,
+                                                            options_.device_tp));
         return {};
     }
 
@@ -77,8 +78,13 @@ public:
             return {};
         }
         if (model_->tp_size() > 1) {
-            graphs_state_ =
-                fmt::format("off (tp {}: the TP exchange is a host round trip)", model_->tp_size());
+            graphs_state_ = options_.device_tp == nullptr
+                                ? fmt::format("off (tp {}: the TP exchange is a host round trip)",
+                                              model_->tp_size())
+                                : fmt::format(
+                                      "off (tp {}: graphs with the {} TP exchange are not "
+                                      "built)",
+                                      model_->tp_size(), options_.device_tp->name());
             return {};
         }
         model::cuda::DecodeGraphOptions go;

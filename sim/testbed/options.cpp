@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <utility>
 
 #include "backends/cuda/cuda_attention_plan.h"
 #include "common/data_dir.h"
@@ -18,6 +19,7 @@
 #include "topology/loader.h"
 #include "topology/validate.h"
 #include "transfer/fault/fault_transport.h"
+#include "transfer/nccl/nccl_tp_comm.h"
 #include "transfer/tcp/tcp_transport.h"
 #include "transfer/transport.h"
 
@@ -192,8 +194,9 @@ Status check_gpu_model(const ResolvedConfig& rc) {
             rc.options.fault == Fault::kStaleGraphMetadata) {
             return invalid_argument_error(fmt::format(
                 "--fault stale-graph-metadata: {}: decode instance {} has tp {}; GPU ranks plant "
-                "it in the decode CUDA graphs, and a TP > 1 GPU rank decodes without graphs (its "
-                "TP exchange is a host round trip): use tp: 1 decode instances",
+                "it in the decode CUDA graphs, and a TP > 1 GPU rank decodes without graphs "
+                "(backends/cuda/cuda_synthetic_model.h, \"Tensor parallelism\"): use tp: 1 "
+                "decode instances",
                 rc.topology_label, inst.id, inst.tp));
         }
     }
@@ -299,7 +302,8 @@ Status plan_gpus(ResolvedConfig& rc, const ResolveEnv& env, const GpuProbe& prob
     // exchange's buffers): every rank on a GPU is checked against it.
     GpuMemoryNeed need;
     for (int tp : tp_sizes) {
-        const GpuMemoryNeed one = gpu_memory_need(rc.model, rc.gpu_model, pool_bytes, tp);
+        GpuMemoryNeed one = gpu_memory_need(rc.model, rc.gpu_model, pool_bytes, tp);
+        if (tp > 1 && o.tp_exchange == kTpExchangeNccl) one.headroom_bytes += kNcclTpExchangeBytes;
         if (one.total() > need.total()) need = one;
     }
     std::map<int, GpuInfo> infos;
@@ -311,12 +315,13 @@ Status plan_gpus(ResolvedConfig& rc, const ResolveEnv& env, const GpuProbe& prob
                 "--kv-pool-mb {}: GPU {} ({}) has {:.0f} MiB free of {:.0f} MiB, and its {} "
                 "rank{} need {:.0f} MiB{}: KV pool {:.0f} MiB + model weights {:.0f} MiB + "
                 "workspace {:.0f} MiB + {:.0f} MiB for the attention and GEMM workspaces and the "
-                "decode graphs; lower --kv-pool-mb (or --max-batch-tokens, or use a smaller "
+                "decode graphs{}; lower --kv-pool-mb (or --max-batch-tokens, or use a smaller "
                 "--model)",
                 o.kv_pool_mb, device, info.name, mib(info.free_bytes), mib(info.total_bytes), count,
                 count == 1 ? "" : "s", mib(need.total() * count), count == 1 ? "" : " each",
                 mib(need.kv_pool_bytes), mib(need.weight_bytes), mib(need.workspace_bytes),
-                mib(need.headroom_bytes)));
+                mib(need.headroom_bytes),
+                o.tp_exchange == kTpExchangeNccl ? " (and NCCL's TP buffers)" : ""));
         }
         infos.emplace(device, std::move(info));
     }
@@ -445,6 +450,90 @@ StatusOr<std::string> resolve_data_transport(const DataTransportQuery& q) {
         PDSIM_RETURN_IF_ERROR(check_pd_ranks_on_distinct_gpus(q, name));
     }
     return name;
+}
+
+namespace {
+
+// Why NCCL cannot carry the TP exchange of `t` ("" when it can; see resolve_tp_exchange).
+std::string why_no_nccl_tp_exchange(const TpExchangeQuery& q) {
+    const topo::Topology& t = *q.topology;
+    const topo::RankMap map = t.rank_map();
+    // Which TP > 1 instance holds each (node, GPU), to find GPUs two communicators would share.
+    std::map<std::pair<int, std::string>, int> holder;
+    for (size_t i = 0; i < t.instances.size(); ++i) {
+        const topo::Instance& inst = t.instances[i];
+        if (inst.tp <= 1) continue;
+        const int first = map.first_rank(static_cast<int>(i));
+        for (int a = 0; a < inst.tp; ++a) {
+            const topo::RankInfo& ra = map.at(first + a);
+            const topo::Device* device = t.find_device(ra.device);
+            if (device == nullptr || device->is_cpu()) {
+                return fmt::format(
+                    "{}: instance {} runs on {} devices, so which GPU each rank takes is not known "
+                    "before it runs; use a GPU topology",
+                    q.topology_label, inst.id, device == nullptr ? "unnamed" : "cpu");
+            }
+            for (int b = a + 1; b < inst.tp; ++b) {
+                const topo::RankInfo& rb = map.at(first + b);
+                if (rb.node != ra.node || rb.device != ra.device) continue;
+                return fmt::format(
+                    "{}: instance {} has ranks {} and {} on GPU {}, and NCCL refuses two ranks of "
+                    "one communicator on one GPU",
+                    q.topology_label, inst.id, ra.rank, rb.rank, ra.device);
+            }
+            const auto [it, first_holder] =
+                holder.emplace(std::make_pair(ra.node, ra.device), static_cast<int>(i));
+            if (!first_holder && it->second != static_cast<int>(i)) {
+                return fmt::format(
+                    "{}: instances {} and {} (tp > 1 both) share GPU {}, and NCCL does not allow "
+                    "operations on two communicators of one GPU from two threads at once",
+                    q.topology_label, t.instances[static_cast<size_t>(it->second)].id, inst.id,
+                    ra.device);
+            }
+        }
+    }
+    if (q.data_transport == "nccl") {
+        return "the KV goes over --data-transport nccl, whose communicators on the same GPUs are "
+               "driven from another thread, and NCCL does not allow operations on two "
+               "communicators of one GPU from two threads at once (a per-GPU issue lock is not "
+               "built)";
+    }
+    if (!q.nccl_built) return "this pdsim was built without NCCL";
+    return "";
+}
+
+}  // namespace
+
+StatusOr<std::string> resolve_tp_exchange(const TpExchangeQuery& q) {
+    const std::string requested(q.requested);
+    if (q.requested != kTpExchangeAuto && q.requested != kTpExchangeHost &&
+        q.requested != kTpExchangeNccl) {
+        return invalid_argument_error(
+            fmt::format("--tp-exchange {}: expected auto, host or nccl", text::excerpt(requested)));
+    }
+    const bool nccl = q.requested == kTpExchangeNccl;
+    if (nccl && !q.gpu_ranks) {
+        return invalid_argument_error(
+            "--tp-exchange nccl: GPU ranks only (--backend cuda); CPU ranks exchange their TP "
+            "partials on the host");
+    }
+    const auto& instances = q.topology->instances;
+    if (std::none_of(instances.begin(), instances.end(),
+                     [](const topo::Instance& inst) { return inst.tp > 1; })) {
+        if (nccl) {
+            return invalid_argument_error(fmt::format(
+                "--tp-exchange nccl: no instance of {} has tp > 1 (nothing to exchange)",
+                q.topology_label));
+        }
+        return std::string(kTpExchangeNone);
+    }
+    if (!q.gpu_ranks || q.requested == kTpExchangeHost) return std::string(kTpExchangeHost);
+    const std::string why_not = why_no_nccl_tp_exchange(q);
+    if (nccl && !why_not.empty()) {
+        return invalid_argument_error(
+            fmt::format("--tp-exchange nccl: {}; use --tp-exchange host (auto)", why_not));
+    }
+    return std::string(why_not.empty() ? kTpExchangeNccl : kTpExchangeHost);
 }
 
 const RankGpu* ResolvedConfig::gpu_of(int rank) const {
@@ -877,6 +966,13 @@ StatusOr<ResolvedConfig> resolve(const TestbedOptions& in, const ResolveEnv& env
                                                    .world_size = world_size,
                                                    .topology = &rc.topology,
                                                    .topology_label = rc.topology_label}));
+    PDSIM_ASSIGN_OR_RETURN(o.tp_exchange,
+                           resolve_tp_exchange({.requested = o.tp_exchange,
+                                                .gpu_ranks = cuda,
+                                                .nccl_built = transfer::nccl_tp_comm_built(),
+                                                .data_transport = o.data_transport,
+                                                .topology = &rc.topology,
+                                                .topology_label = rc.topology_label}));
 
     // ---- workload ----
     workload::LoadOptions wl;
@@ -949,8 +1045,9 @@ std::string describe(const TestbedOptions& o) {
         "--max-output-len {}",
         mode_name(o.mode), o.layerwise ? "on" : "off", o.transport, o.data_transport, o.backend,
         o.backend == kCudaBackend
-            ? fmt::format(" --decode-graphs {} --device-gate {}", o.decode_graphs ? "on" : "off",
-                          o.device_gate ? "on" : "off")
+            ? fmt::format(" --decode-graphs {} --device-gate {} --tp-exchange {}",
+                          o.decode_graphs ? "on" : "off", o.device_gate ? "on" : "off",
+                          o.tp_exchange)
             : fmt::format(" --stream-sync {}", o.stream_caller_runs ? "caller" : "worker"),
         fault_name(o.fault), o.chunk_size, o.max_batch_tokens, o.time_scale, o.max_input_len,
         o.max_output_len);

@@ -122,6 +122,9 @@ struct TestbedOptions {
     std::string data_transport = "auto";
     std::string backend = "cpu";  // cpu | cpu_ref (CPU ranks) | cuda (GPU ranks)
     bool decode_graphs = true;    // --backend cuda: replay decode forwards as CUDA graphs
+    // --backend cuda: how the ranks of a TP > 1 instance exchange their projection partials:
+    // auto | host | nccl (resolve_tp_exchange; resolve() leaves none, host or nccl).
+    std::string tp_exchange = "auto";
     // The KV sender posts a layer's transfer ahead of its StepCounter record, on a comm stream
     // gated on the record (transfer::SenderOptions::device_gate); in effect only where the data
     // transport is stream-ordered (cuda_ipc, nccl) and the ranks are GPU ranks. Off: the host
@@ -260,6 +263,36 @@ struct DataTransportQuery {
 // launcher makes them (processes under mpirun, threads without). Pure: it reads the transport
 // registry's descriptors, never a transport.
 [[nodiscard]] StatusOr<std::string> resolve_data_transport(const DataTransportQuery& query);
+
+// The values of --tp-exchange.
+inline constexpr std::string_view kTpExchangeAuto = "auto";
+inline constexpr std::string_view kTpExchangeNone = "none";
+inline constexpr std::string_view kTpExchangeHost = "host";
+inline constexpr std::string_view kTpExchangeNccl = "nccl";
+// Where resolve_tp_exchange decides.
+struct TpExchangeQuery {
+    std::string_view requested = kTpExchangeAuto;  // --tp-exchange: auto|host|nccl
+    bool gpu_ranks = false;                        // --backend cuda
+    bool nccl_built = false;                       // transfer::nccl_tp_comm_built()
+    std::string_view data_transport;               // the resolved --data-transport
+    const topo::Topology* topology = nullptr;      // required
+    std::string_view topology_label;               // its name in messages
+};
+// What --tp-exchange resolves to: how the ranks of each TP > 1 instance exchange the GPU model's
+// projection partials (backends/cuda/cuda_synthetic_model.h "Tensor parallelism"):
+//   - "none": no instance has tp > 1 (nothing to exchange);
+//   - "host": through the host (TpComm: MPI under mpirun, in-process without); always so for CPU
+//     ranks, and what auto picks for GPU ranks when NCCL cannot serve every TP > 1 instance;
+//   - "nccl": one NCCL communicator per TP > 1 instance, its all-gather on each rank's compute
+//     stream (transfer/nccl/nccl_tp_comm.h). Auto picks it for GPU ranks when NCCL can serve
+//     every TP > 1 instance: ranks on distinct topology GPUs (NCCL refuses two ranks of one
+//     communicator on one GPU), no GPU shared by two TP > 1 instances and a data transport other
+//     than nccl (NCCL forbids operations on two communicators of one GPU from two threads at
+//     once), and a build with NCCL.
+// kInvalidArgument naming the flag: an unknown value; nccl for CPU ranks, with no TP > 1
+// instance, on a topology whose devices are not GPUs (which GPU a rank takes is then not known
+// before it runs), or where NCCL cannot serve it as above (the message says why). Pure.
+[[nodiscard]] StatusOr<std::string> resolve_tp_exchange(const TpExchangeQuery& query);
 
 // A rank's KV pool: pages of page_size tokens of this rank's KV heads (num_kv_heads / tp) in
 // `dtype`, every attention layer (a hybrid model's full and sliding layers; its full layers' pool

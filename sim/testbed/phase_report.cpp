@@ -403,6 +403,7 @@ json testbed_config_json(const ResolvedConfig& cfg) {
                                {"max_bs", cfg.gpu_model.max_bs},
                                {"max_positions", cfg.gpu_model.max_positions},
                                {"sliced_reduction", cfg.gpu_model.sliced_reduction},
+                               {"tp_exchange", o.tp_exchange},
                                {"kv_dtype", "bf16"}};
     }
     return config;

@@ -42,6 +42,7 @@
 #include "transfer/fault/fault_transport.h"
 #include "transfer/local/local_transport.h"
 #include "transfer/nccl/gpu_transports.h"
+#include "transfer/nccl/nccl_tp_comm.h"
 #include "transfer/tcp/tcp_transport.h"
 #include "transfer/transport.h"
 
@@ -929,6 +930,7 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
     // The rank's model for every phase: the CPU model, or the GPU rank's stream and GPU model
     // (the GpuRank outlives every phase's server, which borrows its stream).
     std::unique_ptr<model::SyntheticModel> cpu_model;
+    std::unique_ptr<model::DeviceTpComm> device_tp;  // --tp-exchange nccl; outlives `gpu`
     std::unique_ptr<GpuRank> gpu;
     std::vector<double> offsets(static_cast<size_t>(ctx.world), 0.0);
     const double t_origin = now_us();
@@ -944,6 +946,22 @@ Status run_rank_impl(Shared& sh, int rank, std::unique_ptr<Mailbox> mbox, model:
             go.model.device = g->choice.device;
             go.stream_name = fmt::format("compute-r{}-cuda{}", rank, g->choice.device);
             go.tp = ctx.tp;
+            if (ctx.tp != nullptr && o.tp_exchange == kTpExchangeNccl) {
+                // Collective over the instance's TP group (rank 0's NCCL id travels through it),
+                // so outside the one-at-a-time set-up lock below: every rank of the instance
+                // must get here. Its watchdog aborts a gather pending past the request timeout.
+                PDSIM_ASSIGN_OR_RETURN(
+                    device_tp, transfer::make_nccl_tp_comm(
+                                   *ctx.tp, {.device = g->choice.device,
+                                             .connect_timeout = milliseconds(60'000),
+                                             .op_timeout = milliseconds(
+                                                 static_cast<int64_t>(o.request_timeout_s * 1000)),
+                                             .name = fmt::format("pdsim-tp-{}", inst.id)}));
+                PDSIM_LOG_INFO(
+                    "rank {}: TP rank {} of {} of instance {}: NCCL TP exchange on cuda:{}", rank,
+                    ctx.info.tp_rank, inst.tp, inst.id, g->choice.device);
+            }
+            go.device_tp = device_tp.get();
             go.decode_graphs = o.decode_graphs;
             go.graph_buckets = gpu_decode_buckets(o.max_decode_batch);
             go.sync_timeout = milliseconds(static_cast<int64_t>(o.request_timeout_s * 1000) + 5000);
