@@ -68,7 +68,7 @@ echo "== pack $BUNDLE"
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/bin" "$BUNDLE/lib" "$BUNDLE/nccl-stub" "$BUNDLE/share/pdsim/topologies"
 install -m 644 topology/examples/*.yaml "$BUNDLE/share/pdsim/topologies/"
-for t in gpu-1c gpu-1p1d gpu-2g-1p1d gpu-1p1d-tp2-to-tp1; do
+for t in gpu-1c gpu-1p1d gpu-2g-1p1d gpu-1p1d-tp2-to-tp1 gpu-2g-1p1d-tp2-to-tp1; do
   [ -f "$BUNDLE/share/pdsim/topologies/$t.yaml" ] || { echo "no topology/examples/$t.yaml" >&2; exit 1; }
 done
 bins=("$BUILD/sim/pdsim")

@@ -16,6 +16,8 @@
 //    exchanged on the host) and heterogeneous TP (each prefill rank writes its KV heads into the
 //    decode pool, and adds to the arrival words); tokens equal the colocated run's and the
 //    sliced TP 1 model's on each request alone;
+//  - the same TP 2 -> 1 on gpu-2g-1p1d-tp2-to-tp1 where two GPUs are visible: the prefill TP ranks
+//    on GPUs 0 and 1, exchanging their partials over NCCL (--tp-exchange auto);
 //  - llama3-8b --layers 2 with two 4096-token prompts (one chunk each) on gpu-1p1d.
 // Should the engine refuse the device layouts at set-up (a regression), a run ends at once with
 // exit 1 ("disagg phase set-up failed on rank R: ..."): these tests check that it stopped there
@@ -163,6 +165,31 @@ TEST(TestbedGpuDisagg, TinyTp2PrefillToTp1DecodeOnOneGpu) {
     EXPECT_EQ(rep["config"]["gpu_model"].value("sliced_reduction", false), true);
     // Both prefill TP ranks on one GPU: NCCL cannot hold them, so auto takes the host exchange.
     EXPECT_EQ(rep["config"]["gpu_model"].value("tp_exchange", ""), "host");
+    expect_solo_gpu_tokens(run.options(), rep);
+}
+
+// gpu-2g-1p1d-tp2-to-tp1: the TP-2 prefill instance on GPUs 0 and 1, so its TP exchange runs on
+// NCCL (--tp-exchange auto), and the TP-1 decode instance sharing GPU 0 (KV over cuda_ipc).
+TEST(TestbedGpuDisagg, TinyTp2OverNcclOnTwoGpus) {
+    if (std::string why = gpu_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (gpu_count() < 2)
+        GTEST_SKIP() << "gpu-2g-1p1d-tp2-to-tp1 needs 2 GPUs, this process sees " << gpu_count();
+    TempDir dir("tb_gpu_pd_tp2_nccl");
+    GpuPdRun run;
+    run.topology = "gpu-2g-1p1d-tp2-to-tp1";
+    json rep;
+    if (!run_clean(run, dir, &rep)) {
+        FAIL() << "the transfer engine refused device layouts: " << first_engine_refusal();
+    }
+    ASSERT_TRUE(rep.is_object());
+    expect_clean(run, rep);
+    ASSERT_EQ(rep["ranks"].size(), 3u);
+    EXPECT_THAT(rep["ranks"][0]["stats"].value("device", ""), ::testing::StartsWith("cuda:0 "));
+    EXPECT_THAT(rep["ranks"][1]["stats"].value("device", ""), ::testing::StartsWith("cuda:1 "));
+    EXPECT_THAT(rep["ranks"][2]["stats"].value("device", ""), ::testing::StartsWith("cuda:0 "));
+    EXPECT_GT(rep["ranks"][0]["stats"]["sender"].value("bytes", 0), 0);
+    EXPECT_GT(rep["ranks"][1]["stats"]["sender"].value("bytes", 0), 0);
+    EXPECT_EQ(rep["config"]["gpu_model"].value("tp_exchange", ""), "nccl");
     expect_solo_gpu_tokens(run.options(), rep);
 }
 

@@ -22,6 +22,7 @@
 #include "tests/status_matchers.h"
 #include "topology/builders.h"
 #include "topology/loader.h"
+#include "transfer/nccl/nccl_tp_comm.h"
 
 namespace pdsim::testbed {
 namespace {
@@ -800,6 +801,15 @@ TEST(TestbedGpuOptions, TpAboveOneRunsTheSlicedReduction) {
     ASSERT_OK(one);
     EXPECT_FALSE(one->gpu_model.sliced_reduction);
     EXPECT_EQ(one->options.tp_exchange, "none");
+    // The TP-2 prefill instance on two GPUs, its KV over cuda_ipc: auto takes NCCL (this build
+    // has it), and the memory check counts NCCL's buffers.
+    TestbedOptions two_gpus = gpu_options(kExamples + "gpu-2g-1p1d-tp2-to-tp1.yaml");
+    two_gpus.mode = Mode::kBoth;
+    auto two = resolve_on(two_gpus, gpus);
+    ASSERT_OK(two);
+    EXPECT_EQ(two->options.data_transport, "cuda_ipc");
+    EXPECT_EQ(two->options.tp_exchange, transfer::nccl_tp_comm_built() ? "nccl" : "host");
+    EXPECT_THAT(describe(two->options), HasSubstr("--tp-exchange "));
     TestbedOptions shared = gpu_options(kExamples + "gpu-1p1d-tp2-to-tp1.yaml");
     shared.tp_exchange = "nccl";
     EXPECT_THAT(resolve_on(shared, gpus),

@@ -896,6 +896,10 @@ TEST(Builders, GeneratedExamplesEqualBuilders) {
     gtp2.model = "tiny";
     gtp2.name = "gpu-1p1d-tp2-to-tp1";
     cases.push_back({"gpu-1p1d-tp2-to-tp1.yaml", make_gpu_host("H200", gtp2)});
+    GpuHostOptions g2tp2 = gtp2;
+    g2tp2.gpus = 2;
+    g2tp2.name = "gpu-2g-1p1d-tp2-to-tp1";
+    cases.push_back({"gpu-2g-1p1d-tp2-to-tp1.yaml", make_gpu_host("H200", g2tp2)});
     for (const Case& c : cases) {
         SCOPED_TRACE(c.file);
         ASSERT_OK(c.built);

@@ -588,7 +588,6 @@ StatusOr<const float*> CudaSyntheticModel::exchange_partials(int rows, runtime::
     PDSIM_ASSIGN_OR_RETURN(cudaStream_t s, runtime::cuda::native_stream(stream));
     const size_t mine = static_cast<size_t>(local_slices_) * static_cast<size_t>(rows) *
                         static_cast<size_t>(cfg_.hidden);
-    const size_t all = mine * static_cast<size_t>(tp_size_);
     float* gathered = at<float>(layout_.gathered);
     if (device_tp_ != nullptr) {
         // Rank-major, as the host gather: slice g of the group lands at g * rows * hidden.
@@ -613,8 +612,18 @@ StatusOr<const float*> CudaSyntheticModel::exchange_partials(int rows, runtime::
         return st.with_context(fmt::format(
             "TP rank {} of {}: the exchange of the projection partials", tp_rank_, tp_size_));
     }
-    CUDA_CHECK(cudaMemcpyAsync(gathered, pinned_gathered_, all * sizeof(float),
-                               cudaMemcpyHostToDevice, s));
+    // The peers' blocks from the host; this rank's own block is still on the device (the same
+    // bytes as its copy in pinned_gathered_).
+    for (int r = 0; r < tp_size_; ++r) {
+        const size_t at_r = static_cast<size_t>(r) * mine;
+        if (r == tp_rank_) {
+            CUDA_CHECK(cudaMemcpyAsync(gathered + at_r, at<float>(layout_.partials),
+                                       mine * sizeof(float), cudaMemcpyDeviceToDevice, s));
+        } else {
+            CUDA_CHECK(cudaMemcpyAsync(gathered + at_r, pinned_gathered_ + at_r,
+                                       mine * sizeof(float), cudaMemcpyHostToDevice, s));
+        }
+    }
     return static_cast<const float*>(gathered);
 }
 

@@ -31,17 +31,18 @@
 //     stream, so no token computed from an aborted gather is delivered) and refuses every later
 //     one;
 //   - on the host (TpComm::allgather, when `device_tp` is null): the partials go to pinned
-//     memory, the stream is synchronized, the gather runs on the calling thread, the gathered
-//     partials go back. It runs wherever the host TpComm does, several ranks on one GPU
-//     included. So a TP 2 rank computes the bits a sliced TP 1 rank computes, and a
-// disaggregated run of TP 2 prefill and TP 1 decode can be compared token for token with a
-// colocated one, as on the CPU. The sliced TP 1 forward differs from the default TP 1 forward
-// (one GEMM per projection) by rounding only. What it costs: more, smaller GEMMs and copies on any
-// TP size; on tp_size > 1 no decode CUDA graphs (capture_decode_graphs refuses: a graph cannot
-// hold the host exchange, and the device one would have to be captured, warmed up and replayed
-// in step on every rank of the group: not built) and, with the host exchange, two host round
-// trips per layer (forward() synchronizes the stream twice per layer and blocks in the gather
-// until every rank of the group gets there, bounded by the TpComm's timeout).
+//     memory, the stream is synchronized, the gather runs on the calling thread, the peers'
+//     partials come back from the host (a rank's own device to device). It runs wherever the host
+//     TpComm does, several ranks on one GPU included.
+// So a TP 2 rank computes the bits a sliced TP 1 rank computes, and a disaggregated run of TP 2
+// prefill and TP 1 decode can be compared token for token with a colocated one, as on the CPU. The
+// sliced TP 1 forward differs from the default TP 1 forward (one GEMM per projection) by rounding
+// only. What it costs: more, smaller GEMMs and copies on any TP size; on tp_size > 1 no decode CUDA
+// graphs (capture_decode_graphs refuses: a graph cannot hold the host exchange, and the device one
+// would have to be captured, warmed up and replayed in step on every rank of the group: not built)
+// and, with the host exchange, two host round trips per layer (forward() synchronizes the stream
+// twice per layer and blocks in the gather until every rank of the group gets there, bounded by the
+// TpComm's timeout).
 //
 // Batch invariance: a request's hidden states, KV and tokens do not depend on the rest of its
 // batch. Every kernel computes a row from that row alone with a reduction order fixed by the row
