@@ -95,6 +95,26 @@ private:
     int size_;
 };
 
+// A device TP group for create()'s checks: a size and a rank, no gathers (fake for unit tests of
+// the model's argument checks).
+class RefusedDeviceTpFake final : public DeviceTpComm {
+public:
+    RefusedDeviceTpFake(int size, int rank) : size_(size), rank_(rank) {}
+    [[nodiscard]] int size() const override { return size_; }
+    [[nodiscard]] int rank() const override { return rank_; }
+    [[nodiscard]] std::string name() const override { return "fake"; }
+    [[nodiscard]] Status enqueue_allgather(const float*, size_t, float*,
+                                           runtime::Stream&) override {
+        ADD_FAILURE() << "a gather on a refused device TP group";
+        return {};
+    }
+    [[nodiscard]] std::shared_ptr<const TpGroupHealth> health() const override { return health_; }
+
+private:
+    int size_, rank_;
+    std::shared_ptr<TpGroupHealth> health_ = std::make_shared<TpGroupHealth>();
+};
+
 // ---- no device needed ---------------------------------------------------------------------------
 
 TEST(CudaSyntheticModelCreate, RejectsWhatItDoesNotBuildBeforeTouchingADevice) {
@@ -113,6 +133,24 @@ TEST(CudaSyntheticModelCreate, RejectsWhatItDoesNotBuildBeforeTouchingADevice) {
     auto bad = CudaSyntheticModel::create(tiny2(), nullptr, o);
     EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(bad.status().message(), HasSubstr("options.max_bs"));
+}
+
+// The device TP group must be the host group's, rank for rank; checked before any device work.
+TEST(CudaSyntheticModelCreate, TheDeviceTpGroupMustMatchTheHostGroup) {
+    RefusedTpFake tp2(2);  // rank 0 of 2
+    RefusedDeviceTpFake bigger(4, 0), other_rank(2, 1);
+    EXPECT_THAT(
+        CudaSyntheticModel::create(tiny2(), &tp2, {}, &bigger).status(),
+        StatusIs(StatusCode::kInvalidArgument,
+                 HasSubstr("device_tp: rank 0 of 4, but the host TP group is rank 0 of 2")));
+    EXPECT_THAT(
+        CudaSyntheticModel::create(tiny2(), &tp2, {}, &other_rank).status(),
+        StatusIs(StatusCode::kInvalidArgument,
+                 HasSubstr("device_tp: rank 1 of 2, but the host TP group is rank 0 of 2")));
+    RefusedDeviceTpFake alone(1, 0);
+    EXPECT_THAT(
+        CudaSyntheticModel::create(tiny2(), nullptr, {}, &alone).status(),
+        StatusIs(StatusCode::kInvalidArgument, HasSubstr("the host TP group is absent (TP 1)")));
 }
 
 TEST(CudaSyntheticModelCreate, SaysNoDeviceWithoutAGpu) {
