@@ -458,39 +458,33 @@ namespace {
 std::string why_no_nccl_tp_exchange(const TpExchangeQuery& q) {
     const topo::Topology& t = *q.topology;
     const topo::RankMap map = t.rank_map();
-    // Which TP > 1 instance holds each (node, GPU), to find GPUs two communicators would share.
-    std::map<std::pair<int, std::string>, int> holder;
-    for (size_t i = 0; i < t.instances.size(); ++i) {
-        const topo::Instance& inst = t.instances[i];
+    // The first TP > 1 rank on each (node, GPU): a second one on it is a second member of one
+    // communicator (same instance) or a second communicator (another instance).
+    std::map<std::pair<int, std::string>, const topo::RankInfo*> holder;
+    for (const topo::RankInfo& r : map.ranks()) {
+        const topo::Instance& inst = t.instances[static_cast<size_t>(r.instance)];
         if (inst.tp <= 1) continue;
-        const int first = map.first_rank(static_cast<int>(i));
-        for (int a = 0; a < inst.tp; ++a) {
-            const topo::RankInfo& ra = map.at(first + a);
-            const topo::Device* device = t.find_device(ra.device);
-            if (device == nullptr || device->is_cpu()) {
-                return fmt::format(
-                    "{}: instance {} runs on {} devices, so which GPU each rank takes is not known "
-                    "before it runs; use a GPU topology",
-                    q.topology_label, inst.id, device == nullptr ? "unnamed" : "cpu");
-            }
-            for (int b = a + 1; b < inst.tp; ++b) {
-                const topo::RankInfo& rb = map.at(first + b);
-                if (rb.node != ra.node || rb.device != ra.device) continue;
-                return fmt::format(
-                    "{}: instance {} has ranks {} and {} on GPU {}, and NCCL refuses two ranks of "
-                    "one communicator on one GPU",
-                    q.topology_label, inst.id, ra.rank, rb.rank, ra.device);
-            }
-            const auto [it, first_holder] =
-                holder.emplace(std::make_pair(ra.node, ra.device), static_cast<int>(i));
-            if (!first_holder && it->second != static_cast<int>(i)) {
-                return fmt::format(
-                    "{}: instances {} and {} (tp > 1 both) share GPU {}, and NCCL does not allow "
-                    "operations on two communicators of one GPU from two threads at once",
-                    q.topology_label, t.instances[static_cast<size_t>(it->second)].id, inst.id,
-                    ra.device);
-            }
+        const topo::Device* device = t.find_device(r.device);
+        if (device == nullptr || device->is_cpu()) {
+            return fmt::format(
+                "{}: instance {} runs on {} devices, so which GPU each rank takes is not known "
+                "before it runs; use a GPU topology",
+                q.topology_label, inst.id, device == nullptr ? "unnamed" : "cpu");
         }
+        const auto [it, first] = holder.emplace(std::make_pair(r.node, r.device), &r);
+        if (first) continue;
+        const topo::RankInfo& other = *it->second;
+        if (other.instance == r.instance) {
+            return fmt::format(
+                "{}: instance {} has ranks {} and {} on GPU {}, and NCCL refuses two ranks of one "
+                "communicator on one GPU",
+                q.topology_label, inst.id, other.rank, r.rank, r.device);
+        }
+        return fmt::format(
+            "{}: instances {} and {} (tp > 1 both) share GPU {}, and NCCL does not allow "
+            "operations on two communicators of one GPU from two threads at once",
+            q.topology_label, t.instances[static_cast<size_t>(other.instance)].id, inst.id,
+            r.device);
     }
     if (q.data_transport == "nccl") {
         return "the KV goes over --data-transport nccl, whose communicators on the same GPUs are "

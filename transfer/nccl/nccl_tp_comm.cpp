@@ -22,6 +22,7 @@
 #include "common/nccl_check.h"
 #include "common/thread_info.h"
 #include "transfer/nccl/gpu_transports.h"
+#include "transfer/nccl/nccl_comm_finalize.h"
 #include "transfer/nccl/nccl_pair_ids.h"
 
 namespace pdsim::transfer {
@@ -62,19 +63,7 @@ public:
             for (const Pending& p : pending) {
                 if (cudaEventQuery(p.done) != cudaSuccess) clean = false;
             }
-            if (clean) {
-                const ncclResult_t rc = ncclCommFinalize(comm_);
-                clean = rc == ncclSuccess || rc == ncclInProgress;
-                const auto deadline = Clock::now() + kTpFinalizeTimeout;
-                while (clean) {
-                    ncclResult_t state = ncclSuccess;
-                    if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) clean = false;
-                    if (state == ncclSuccess) break;
-                    if (state != ncclInProgress || Clock::now() >= deadline) clean = false;
-                    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-                }
-            }
-            if (clean) {
+            if (clean && finalize_nccl_comm(comm_, kTpFinalizeTimeout)) {
                 ncclCommDestroy(comm_);
             } else {
                 health_->break_with(
@@ -203,10 +192,7 @@ public:
             ncclResult_t state = ncclSuccess;
             const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
             rc = q != ncclSuccess ? q : state;
-            if (rc == ncclInProgress && Clock::now() >= deadline) {
-                rc = ncclInProgress;
-                break;
-            }
+            if (rc == ncclInProgress && Clock::now() >= deadline) break;
             if (rc == ncclInProgress) std::this_thread::yield();
         }
         if (rc != ncclSuccess) {

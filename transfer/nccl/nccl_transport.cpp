@@ -22,6 +22,7 @@
 #include "common/nccl_check.h"
 #include "common/thread_info.h"
 #include "transfer/nccl/gpu_transports.h"
+#include "transfer/nccl/nccl_comm_finalize.h"
 #include "transfer/nccl/nccl_pair_ids.h"
 
 namespace pdsim::transfer {
@@ -322,20 +323,8 @@ private:
     // Progress thread (or close() after it): ends the pair's communicator.
     void teardown(Pair& pair) {
         if (pair.comm != nullptr) {
-            bool clean = !pair.aborted && !pair.issuing && pair.in_flight.empty();
-            if (clean) {
-                const ncclResult_t rc = ncclCommFinalize(pair.comm);
-                clean = rc == ncclSuccess || rc == ncclInProgress;
-            }
-            const auto deadline = Clock::now() + kFinalizeTimeout;
-            while (clean) {
-                ncclResult_t state = ncclSuccess;
-                if (ncclCommGetAsyncError(pair.comm, &state) != ncclSuccess)
-                    state = ncclSystemError;
-                if (state == ncclSuccess) break;
-                if (state != ncclInProgress || Clock::now() >= deadline) clean = false;
-                std::this_thread::sleep_for(std::chrono::milliseconds(1));
-            }
+            const bool clean = !pair.aborted && !pair.issuing && pair.in_flight.empty() &&
+                               finalize_nccl_comm(pair.comm, kFinalizeTimeout);
             if (clean) {
                 ncclCommDestroy(pair.comm);
             } else {
