@@ -1218,6 +1218,43 @@ TEST_P(TransferEngineFailure, BootstrapWaitingForAddRequestFailsWhenItsDecodeRan
     }
 }
 
+// A request whose bootstrap never came waits for it with no timeout (the decode side's
+// admission queue), but not once the control links to every other rank failed: no bootstrap
+// can come then. It fails at once, and so does every later add_request.
+TEST_P(TransferEngineFailure, RequestAwaitingItsBootstrapFailsWhenNoPeerIsLeft) {
+    auto ts = transports(2);
+    KvLayout pl;
+    auto ppool = small_pool(&pl);
+    runtime::CpuStream stream;
+    pd::StepCounter counter(stream);
+    SenderOptions so = test_options(SenderOptions{});
+    so.request_timeout = 600s;  // far beyond the waits below: only the lost peer can end it
+    auto send = KvSender::create(ts.at(0), pl, counter, ts.for_rank(so, 0));
+    ASSERT_OK(send);
+    ASSERT_OK((*send)->add_request({.request_id = 21, .num_tokens = 20}));
+    std::this_thread::sleep_for(100ms);
+    EXPECT_EQ((*send)->status(21)->state, RequestState::kBootstrapping);
+    ts.at(1).close();  // rank 1 never bootstraps anything, then goes
+    if (ts.data_at(1) != nullptr) ts.data_at(1)->close();
+    auto ps = (*send)->wait(21, 10s * kSlow);
+    ASSERT_OK(ps);
+    EXPECT_EQ(ps->state, RequestState::kFailed);
+    EXPECT_THAT(ps->reason, HasSubstr("request 21 awaiting the bootstrap"));
+    EXPECT_THAT(ps->reason, HasSubstr("the control links to every other rank failed"));
+    EXPECT_THAT(ps->reason, HasSubstr("rank 1"));
+    const auto t0 = Clock::now();
+    ASSERT_OK((*send)->add_request({.request_id = 22, .num_tokens = 20}));
+    auto later = (*send)->wait(22, 5s * kSlow);
+    ASSERT_OK(later);
+    EXPECT_EQ(later->state, RequestState::kFailed);
+    EXPECT_THAT(later->reason, HasSubstr("request 22: no decode rank can bootstrap it"));
+    EXPECT_LT(Clock::now() - t0, 1s * kSlow) << "failed at once, not at a timeout";
+    const EngineStats stats = (*send)->stats();
+    EXPECT_EQ(stats.requests_failed, 2u);
+    EXPECT_EQ(stats.requests_completed + stats.requests_failed, stats.requests_submitted);
+    (*send)->shutdown(ShutdownMode::kAbrupt);
+}
+
 TEST_P(TransferEngineFailure, KilledDecodeRankFailsOnlyItsRequests) {
     // P0 serves D1 and D2; D2 dies (engine stops, transport closes) mid-transfer.
     ClusterSpec c = simple(1, 1);

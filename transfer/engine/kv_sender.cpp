@@ -100,6 +100,8 @@ Status KvSender::Impl::add_request(const SendRequestSpec& spec) {
         if (auto ab = aborted_.find(r->id); ab != aborted_.end()) {
             failures.emplace_back(r, ab->second.first);
             aborted_.erase(ab);
+        } else if (!no_peer_left_.empty()) {
+            failures.emplace_back(r, fmt::format("request {}: {}", r->id, no_peer_left_));
         }
         auto pend = pending_bootstraps_.find(r->id);
         if (pend != pending_bootstraps_.end()) {
@@ -395,17 +397,35 @@ void KvSender::Impl::handle_regions(int peer, const RegionsMsg& m) {
 
 void KvSender::Impl::on_peer_failed(int peer, const Status& st) {
     std::vector<std::pair<std::shared_ptr<SendReq>, std::string>> to_fail;
+    // No other rank left to bootstrap a request: a request still awaiting its bootstrap would
+    // wait for ever (its wait has no timeout: the decode side's admission queue).
+    bool no_peer_left = true;
+    for (int p = 0; p < transport_.world_size(); ++p) {
+        if (p != transport_.rank() && !channel_->peer_failed(p)) no_peer_left = false;
+    }
     {
         MutexLock lock(table_.mu());
+        if (no_peer_left && no_peer_left_.empty()) {
+            no_peer_left_ = fmt::format(
+                "no decode rank can bootstrap it: the control links to every other rank failed "
+                "(the last, to rank {}: {})",
+                peer, st.message());
+        }
         for (auto& [id, r] : table_.requests_locked()) {
             if (is_terminal(r->state)) continue;
+            bool failed = false;
             for (auto& [tp, d] : r->dests) {
                 if (d->world_rank != peer) continue;
                 to_fail.emplace_back(
                     r, fmt::format("request {}: decode rank {} unreachable while awaiting "
                                    "{}: {}",
                                    id, peer, describe_awaiting_locked(*r), st.message()));
+                failed = true;
                 break;
+            }
+            if (!failed && no_peer_left) {
+                to_fail.emplace_back(r, fmt::format("request {} awaiting {}: {}", id,
+                                                    describe_awaiting_locked(*r), no_peer_left_));
             }
         }
         // Bootstraps of requests not added yet: the request's add_request must fail at once,

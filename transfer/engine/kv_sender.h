@@ -135,7 +135,9 @@
 // before add_request waits here (its Ack goes out at once); if its decode rank fails or falls
 // silent meanwhile, or aborts the request, the later add_request fails the request at once.
 // A request whose bootstrap never arrived waits for it with no timeout running (the decode
-// instance's admission queue, no fault); abort() or shutdown ends that wait.
+// instance's admission queue, no fault); abort() or shutdown ends that wait, and so does the
+// failure of the control links to every other rank (this rank's control transport closed, or
+// every peer gone: no bootstrap can come), after which add_request's requests fail at once.
 // Write mode, quiescence: a failed request stops writing (no task posts again) and cancels what
 // the transport lets it; once none of its writes can still land (every one completed or failed:
 // the moment pages_in_use turns false) this rank sends Quiesced{request, reason} to each of its

@@ -432,6 +432,10 @@ private:
         PDSIM_GUARDED_BY(table_.mu());
     // How many request timeouts an entry of aborted_ is kept.
     static constexpr int kAbortMemory = 20;
+    // Set once the control link to every other rank failed (this rank's control transport
+    // closed, or every peer gone): why no bootstrap can come any more. The requests still
+    // awaiting one fail then, and every later add_request fails at once ("" until then).
+    std::string no_peer_left_ PDSIM_GUARDED_BY(table_.mu());
     // The byte, message, layer and staging counts (the request counts are the table's).
     EngineStats stats_ PDSIM_GUARDED_BY(table_.mu());
 
