@@ -750,8 +750,12 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
         }
         PDSIM_RETURN_IF_ERROR(
             barrier(mbox, fmt::format("end-{}", phase_name(phase)), collect_timeout));
-        server.reset();
+        // The transports before the pool (the engines' contract, kv_sender.h "Lifetime"): on CPU
+        // ranks the control transport carries the KV bytes too, and mpi's close() still
+        // progresses the sends a failed request left with MPI (it cannot withdraw them) for up
+        // to 2 s; they must read live pages, not freed ones.
         close_transports();
+        server.reset();
         if (ctx.rank == 0) phases->push_back(std::move(pd));
     }
     return {};
