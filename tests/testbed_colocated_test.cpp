@@ -145,7 +145,10 @@ TEST(TestbedColocatedCpu, TokensEqualSoloRunsOfTheSameModel) {
     }
     EXPECT_GT(forwards, 0);
     // The caller ran its forwards (--stream-sync caller, the default): their CPU time is theirs.
-    EXPECT_GT(cpu_us, 0.2 * wall_us);
+    // Had another thread run them, the caller's would be its blocking waits' (near 0). The bound
+    // leaves room for a loaded machine: under ctest -j2 on 2 cores, beside multi-process tests,
+    // the forwards got 0.19 of their wall time.
+    EXPECT_GT(cpu_us, 0.05 * wall_us);
     EXPECT_LE(cpu_us, 1.05 * wall_us + 1000.0 * forwards);
 }
 
