@@ -588,6 +588,70 @@ void end_job_rank0_silent(const ResolvedConfig& cfg, int rank, double silent_s) 
     MPI_Abort(MPI_COMM_WORLD, 1);
 }
 
+// A phase's end, after finish() stopped its engines: rank 0 joins its router and collects every
+// live rank's result into `pd` (the others send theirs), then every rank meets at the phase's end
+// barrier. An error (the router's; a rank dead, hung or silent) ends the run. The caller closes
+// the phase's transports and frees its pool whatever this returns.
+Status end_phase(Mailbox& mbox, const RankContext& ctx, const TestbedOptions& o, Phase phase,
+                 RankResult result, std::thread& router, const Status& router_st,
+                 milliseconds collect_timeout, PhaseData& pd) {
+    if (ctx.rank != 0) {
+        PDSIM_RETURN_IF_ERROR(mbox.send(0, Channel::kCollect, encode_message(result)));
+    } else {
+        router.join();
+        PDSIM_RETURN_IF_ERROR(router_st.with_context("router"));
+        pd.results.assign(static_cast<size_t>(ctx.world), std::nullopt);
+        pd.results[0] = std::move(result);
+        const auto deadline = std::chrono::steady_clock::now() + collect_timeout;
+        // Ranks the router found dead send nothing: not waited for.
+        const int dead = static_cast<int>(pd.router.dead_ranks.size());
+        for (int got = 1; got < ctx.world - dead;) {
+            const auto left = std::chrono::duration_cast<std::chrono::microseconds>(
+                deadline - std::chrono::steady_clock::now());
+            if (left.count() <= 0) break;
+            PDSIM_ASSIGN_OR_RETURN(auto m,
+                                   mbox.recv_kind(Channel::kCollect, RankResult::kKind, left));
+            if (!m) break;
+            PDSIM_ASSIGN_OR_RETURN(RankResult res, decode_message<RankResult>(m->body));
+            if (res.phase != phase_name(phase)) continue;
+            pd.results[static_cast<size_t>(m->src)] = std::move(res);
+            ++got;
+        }
+        // A rank that sent nothing is dead or hung: the barrier below would only wait for
+        // it as long again.
+        if (!pd.router.dead_ranks.empty()) {
+            std::string ranks;
+            for (int r : pd.router.dead_ranks) {
+                ranks += fmt::format("{}{}", ranks.empty() ? "" : ", ", r);
+            }
+            Status stopped = PDSIM_ERROR(StatusCode::kUnavailable,
+                                         "{} phase: rank {} went silent (dead or hung; no "
+                                         "heartbeat for {} s): the requests its instance held "
+                                         "failed, the others ran on",
+                                         phase_name(phase), ranks, o.heartbeat_timeout_s);
+            // The live ranks wait at the phase's end barrier: let them go now.
+            std::vector<int> live;
+            for (int r = 1; r < ctx.world; ++r) {
+                if (std::ranges::find(pd.router.dead_ranks, r) == pd.router.dead_ranks.end())
+                    live.push_back(r);
+            }
+            stop_barrier(mbox, fmt::format("end-{}", phase_name(phase)), live, stopped.message());
+            return stopped;
+        }
+        std::string missing;
+        for (size_t r = 1; r < pd.results.size(); ++r) {
+            if (!pd.results[r]) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+        }
+        if (!missing.empty()) {
+            return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
+                               "{} phase: no results from rank {} within {} s of the phase's "
+                               "end (dead or hung)",
+                               phase_name(phase), missing, collect_timeout.count() / 1000);
+        }
+    }
+    return barrier(mbox, fmt::format("end-{}", phase_name(phase)), collect_timeout);
+}
+
 Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offsets,
                   std::vector<PhaseData>* phases) {
     const ResolvedConfig& cfg = *sh.cfg;
@@ -693,69 +757,17 @@ Status run_phases(Shared& sh, RankContext& ctx, const std::vector<double>& offse
         // not free memory that another still maps (CUDA: undefined behaviour). Threads of one
         // process map nothing; the order costs them nothing.
         if (data) data->close();
-        if (ctx.rank != 0) {
-            PDSIM_RETURN_IF_ERROR(mbox.send(0, Channel::kCollect, encode_message(result)));
-        } else {
-            router.join();
-            PDSIM_RETURN_IF_ERROR(router_st.with_context("router"));
-            pd.results.assign(static_cast<size_t>(ctx.world), std::nullopt);
-            pd.results[0] = std::move(result);
-            const auto deadline = std::chrono::steady_clock::now() + collect_timeout;
-            // Ranks the router found dead send nothing: not waited for.
-            const int dead = static_cast<int>(pd.router.dead_ranks.size());
-            for (int got = 1; got < ctx.world - dead;) {
-                const auto left = std::chrono::duration_cast<std::chrono::microseconds>(
-                    deadline - std::chrono::steady_clock::now());
-                if (left.count() <= 0) break;
-                PDSIM_ASSIGN_OR_RETURN(auto m,
-                                       mbox.recv_kind(Channel::kCollect, RankResult::kKind, left));
-                if (!m) break;
-                PDSIM_ASSIGN_OR_RETURN(RankResult res, decode_message<RankResult>(m->body));
-                if (res.phase != phase_name(phase)) continue;
-                pd.results[static_cast<size_t>(m->src)] = std::move(res);
-                ++got;
-            }
-            // A rank that sent nothing is dead or hung: the barrier below would only wait for
-            // it as long again.
-            if (!pd.router.dead_ranks.empty()) {
-                std::string ranks;
-                for (int r : pd.router.dead_ranks) {
-                    ranks += fmt::format("{}{}", ranks.empty() ? "" : ", ", r);
-                }
-                Status stopped = PDSIM_ERROR(StatusCode::kUnavailable,
-                                             "{} phase: rank {} went silent (dead or hung; no "
-                                             "heartbeat for {} s): the requests its instance held "
-                                             "failed, the others ran on",
-                                             phase_name(phase), ranks, o.heartbeat_timeout_s);
-                // The live ranks wait at the phase's end barrier: let them go now.
-                std::vector<int> live;
-                for (int r = 1; r < ctx.world; ++r) {
-                    if (std::ranges::find(pd.router.dead_ranks, r) == pd.router.dead_ranks.end())
-                        live.push_back(r);
-                }
-                stop_barrier(mbox, fmt::format("end-{}", phase_name(phase)), live,
-                             stopped.message());
-                return stopped;
-            }
-            std::string missing;
-            for (size_t r = 1; r < pd.results.size(); ++r) {
-                if (!pd.results[r]) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
-            }
-            if (!missing.empty()) {
-                return PDSIM_ERROR(StatusCode::kDeadlineExceeded,
-                                   "{} phase: no results from rank {} within {} s of the phase's "
-                                   "end (dead or hung)",
-                                   phase_name(phase), missing, collect_timeout.count() / 1000);
-            }
-        }
-        PDSIM_RETURN_IF_ERROR(
-            barrier(mbox, fmt::format("end-{}", phase_name(phase)), collect_timeout));
-        // The transports before the pool (the engines' contract, kv_sender.h "Lifetime"): on CPU
-        // ranks the control transport carries the KV bytes too, and mpi's close() still
-        // progresses the sends a failed request left with MPI (it cannot withdraw them) for up
-        // to 2 s; they must read live pages, not freed ones.
+        // Collect the results and meet at the end barrier; on every way out, the transports close
+        // before the pool is freed (the engines' contract, kv_sender.h "Lifetime"): on CPU ranks
+        // the control transport carries the KV bytes too, and mpi's close() still progresses the
+        // sends a failed request left with MPI (it cannot withdraw them) for up to 2 s; they must
+        // read live pages, not freed ones. (Before, an error return at the phase's end freed the
+        // pool first: `server` is destroyed before the transports declared ahead of it.)
+        const Status ended = end_phase(mbox, ctx, o, phase, std::move(result), router, router_st,
+                                       collect_timeout, pd);
         close_transports();
         server.reset();
+        PDSIM_RETURN_IF_ERROR(ended);
         if (ctx.rank == 0) phases->push_back(std::move(pd));
     }
     return {};
